@@ -1,0 +1,141 @@
+"""Every wire rule of the schema, in one cattrs converter.
+
+Rules: unknown keys are errors; scalars are not coerced (``"5"`` is not an int); every
+document carries ``"schema": "dataflow.program/v1"`` and older versions migrate forward
+through explicit dict -> dict steps in ``MIGRATIONS``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import cattrs
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
+
+from dataflow.schema.program import Program
+
+SCHEMA_KEY = "schema"
+PROGRAM_SCHEMA = "dataflow.program/v1"
+
+#: version -> (next version, step). Each step takes the dict of its version (without the
+#: ``schema`` key) and returns the dict of the next. Empty while v1 is the only version.
+MIGRATIONS: dict[str, tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = {}
+
+
+class SchemaError(ValueError):
+    """A document that is not a valid Program; ``problems`` holds one line per fault,
+    each starting with the field path (``$.tasks[3].inputs[0]``)."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        listing = "\n".join(f"  - {line}" for line in problems)
+        super().__init__(f"{source} is not a valid program:\n{listing}")
+
+
+def _strict(kind: type, accepts: tuple[type, ...], convert: Callable[[Any], Any]):
+    def structure(value: Any, _: type) -> Any:
+        if isinstance(value, bool) and bool not in accepts:
+            raise TypeError(f"expected {kind.__name__}, got bool {value!r}")
+        if not isinstance(value, accepts):
+            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
+        return convert(value)
+
+    return structure
+
+
+def _make_converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=True)
+    converter.register_structure_hook(int, _strict(int, (int,), int))
+    converter.register_structure_hook(float, _strict(float, (int, float), float))
+    converter.register_structure_hook(str, _strict(str, (str,), str))
+    converter.register_structure_hook(bool, _strict(bool, (bool,), bool))
+    # A StrEnum is a str too: without its own hook the str hook above would take it.
+    converter.register_structure_hook(enum.StrEnum, _structure_str_enum)
+    converter.register_structure_hook_func(lambda t: t == dict[str, Any], _structure_json_object)
+    return converter
+
+
+def _structure_str_enum(value: Any, kind: type[enum.StrEnum]) -> enum.StrEnum:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__} {value!r}")
+    return kind(value)
+
+
+def _structure_json_object(value: Any, _: type) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"expected an object, got {type(value).__name__} {value!r}")
+    return dict(value)
+
+
+converter = _make_converter()
+
+
+def _describe(exc: BaseException, path: str = "$") -> list[str]:
+    def format_exception(inner: BaseException, type_: Any) -> str:
+        if isinstance(inner, KeyError):
+            return "required field missing"
+        if isinstance(inner, ForbiddenExtraKeysError):
+            return f"unknown field(s) {sorted(inner.extra_fields)}"
+        if isinstance(inner, ValueError) and getattr(type_, "__members__", None):
+            return f"{inner}; expected one of {[member.value for member in type_]}"
+        return str(inner)
+
+    if isinstance(exc, cattrs.BaseValidationError):
+        lines = cattrs.transform_error(exc, path=path, format_exception=format_exception)
+        return [f"{where}: {what}" for what, _, where in (line.rpartition(" @ ") for line in lines)]
+    return [f"{path}: {exc}"]
+
+
+def migrate(data: Mapping[str, Any], source: str = "program") -> dict[str, Any]:
+    """Bring a program dict of any known schema version to the current one."""
+    if not isinstance(data, Mapping):
+        raise SchemaError(source, [f"$: expected a JSON object, got {type(data).__name__}"])
+    body = dict(data)
+    version = body.pop(SCHEMA_KEY, None)
+    if version is None:
+        raise SchemaError(source, [f"$.{SCHEMA_KEY}: required field missing"])
+    while version != PROGRAM_SCHEMA:
+        if version not in MIGRATIONS:
+            known = sorted([PROGRAM_SCHEMA, *MIGRATIONS])
+            raise SchemaError(source, [f"$.{SCHEMA_KEY}: unknown version {version!r}; known {known}"])
+        version, step = MIGRATIONS[version]
+        body = step(body)
+    return body
+
+
+def program_from_dict(data: Mapping[str, Any], source: str = "program") -> Program:
+    body = migrate(data, source)
+    try:
+        return converter.structure(body, Program)
+    except (ClassValidationError, ForbiddenExtraKeysError, ValueError, TypeError) as exc:
+        raise SchemaError(source, _describe(exc)) from None
+
+
+def program_to_dict(program: Program) -> dict[str, Any]:
+    return {SCHEMA_KEY: PROGRAM_SCHEMA, **converter.unstructure(program)}
+
+
+def program_from_json(text_or_path: str | Path) -> Program:
+    if isinstance(text_or_path, Path) or not str(text_or_path).lstrip().startswith("{"):
+        path = Path(text_or_path)
+        source = str(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise SchemaError(source, [f"cannot read the file: {exc.strerror or exc}"]) from None
+    else:
+        text, source = str(text_or_path), "program"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SchemaError(source, [f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"]) from None
+    return program_from_dict(data, source)
+
+
+def program_to_json(program: Program, *, indent: int | None = 1) -> str:
+    return json.dumps(program_to_dict(program), indent=indent, sort_keys=False)

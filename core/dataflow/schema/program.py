@@ -1,0 +1,131 @@
+"""The Program: a chain of tasks over named objects, with links and a budget."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from dataflow.schema.objects import Location, Obj
+from dataflow.schema.tasks import Task
+
+
+@attrs.frozen
+class Link:
+    """One transfer direction: ``latency_us + size_bytes / bw_bytes_per_us`` per transfer."""
+
+    bw_bytes_per_us: float
+    latency_us: float = 0.0
+
+    def transfer_us(self, size_bytes: int) -> float:
+        return self.latency_us + size_bytes / self.bw_bytes_per_us
+
+
+def _default_link() -> Link:
+    # 25 GB/s, 10 us: a PCIe Gen4 x16 link in practice. Programs that care set their own
+    # (measured) links; this default only keeps hand-written examples short.
+    return Link(bw_bytes_per_us=25_000.0, latency_us=10.0)
+
+
+@attrs.frozen
+class Links:
+    """Bandwidth and latency of each direction between fast and slow memory."""
+
+    h2d: Link = attrs.field(factory=_default_link)
+    d2h: Link = attrs.field(factory=_default_link)
+
+
+@attrs.frozen
+class Budget:
+    """Memory a program may use: ``fast_bytes`` on the device; ``slow_bytes`` (None = no
+    limit) in pinned host memory."""
+
+    fast_bytes: int
+    slow_bytes: int | None = None
+
+
+def _frozen_locations(value: Mapping[str, Any]) -> dict[str, Location]:
+    return {str(key): Location(loc) for key, loc in value.items()}
+
+
+@attrs.frozen
+class Program:
+    """A linear chain of tasks over named objects.
+
+    ``final_locations`` says where named objects must be once the last task and every
+    transfer it started are done (objects not named may be dropped). ``budget`` is
+    optional: planners and the simulator can be handed one instead.
+    """
+
+    name: str
+    objects: tuple[Obj, ...] = attrs.field(converter=tuple)
+    tasks: tuple[Task, ...] = attrs.field(converter=tuple)
+    final_locations: dict[str, Location] = attrs.field(
+        factory=dict, converter=_frozen_locations, hash=False
+    )
+    budget: Budget | None = None
+    links: Links = attrs.field(factory=Links)
+    metadata: dict[str, Any] = attrs.field(factory=dict, hash=False)
+
+    # -- lookups -------------------------------------------------------------------------
+    @functools.cached_property
+    def objects_by_id(self) -> dict[str, Obj]:
+        return {obj.id: obj for obj in self.objects}
+
+    @functools.cached_property
+    def tasks_by_id(self) -> dict[str, Task]:
+        return {task.id: task for task in self.tasks}
+
+    @functools.cached_property
+    def producers(self) -> dict[str, int]:
+        """Object id -> index of the task that outputs it (first one, if several)."""
+        produced: dict[str, int] = {}
+        for index, task in enumerate(self.tasks):
+            for obj in task.outputs:
+                produced.setdefault(obj, index)
+        return produced
+
+    def obj(self, obj_id: str) -> Obj:
+        try:
+            return self.objects_by_id[obj_id]
+        except KeyError:
+            raise KeyError(f"program {self.name!r} has no object {obj_id!r}") from None
+
+    def exists_at_start(self, obj_id: str) -> bool:
+        """True when no task creates the object, so it is present (at its location) at start."""
+        return obj_id not in self.producers
+
+    # -- changes -------------------------------------------------------------------------
+    def with_budget(self, fast_bytes: int, slow_bytes: int | None = None) -> Program:
+        return attrs.evolve(self, budget=Budget(fast_bytes=fast_bytes, slow_bytes=slow_bytes))
+
+    def bare(self) -> Program:
+        """The same chain with every directive removed."""
+        return attrs.evolve(self, tasks=tuple(task.without_directives() for task in self.tasks))
+
+    # -- wire form -----------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Program:
+        from dataflow.schema.converter import program_from_dict
+
+        return program_from_dict(data)
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> Program:
+        """Read a program from JSON text or from a path to a JSON file."""
+        from dataflow.schema.converter import program_from_json
+
+        return program_from_json(text_or_path)
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataflow.schema.converter import program_to_dict
+
+        return program_to_dict(self)
+
+    def to_json(self, *, indent: int | None = 1) -> str:
+        from dataflow.schema.converter import program_to_json
+
+        return program_to_json(self, indent=indent)

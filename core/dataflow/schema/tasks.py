@@ -1,0 +1,61 @@
+"""Tasks: one unit of compute in the chain, and the directives that fire when it ends."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+
+class Directive(enum.StrEnum):
+    """What a task may ask for on completion, enqueued in this order."""
+
+    RELEASE = "release"  # drop the fast copy (no write-back)
+    OFFLOAD = "offload"  # copy fast -> slow when dirty, then drop the fast copy
+    PREFETCH = "prefetch"  # copy slow -> fast once room for it can be reserved
+
+
+def _ids(value: Any) -> tuple[str, ...]:
+    return tuple(value)
+
+
+@attrs.frozen
+class Task:
+    """One task of the chain.
+
+    ``inputs`` are read, ``mutates`` changed in place, ``outputs`` created; each must be
+    resident in fast memory while the task runs. ``workspace_bytes`` is extra fast memory
+    held from the task's start to its end. ``releases`` / ``offloads`` / ``prefetches`` are
+    the directives, fired when the task completes.
+    """
+
+    id: str
+    kind: str
+    compute_key: str
+    params: dict[str, Any] = attrs.field(factory=dict, hash=False)
+    inputs: tuple[str, ...] = attrs.field(default=(), converter=_ids)
+    mutates: tuple[str, ...] = attrs.field(default=(), converter=_ids)
+    outputs: tuple[str, ...] = attrs.field(default=(), converter=_ids)
+    workspace_bytes: int = 0
+    cost_us: float = 0.0
+    releases: tuple[str, ...] = attrs.field(default=(), converter=_ids)
+    offloads: tuple[str, ...] = attrs.field(default=(), converter=_ids)
+    prefetches: tuple[str, ...] = attrs.field(default=(), converter=_ids)
+    label: str = ""
+
+    @property
+    def uses(self) -> tuple[str, ...]:
+        """Every object that must be resident while the task runs, in declaration order."""
+        return self.inputs + self.mutates + self.outputs
+
+    def directives(self) -> tuple[tuple[Directive, str], ...]:
+        """The task's directives in firing order: releases, then offloads, then prefetches."""
+        return (
+            tuple((Directive.RELEASE, obj) for obj in self.releases)
+            + tuple((Directive.OFFLOAD, obj) for obj in self.offloads)
+            + tuple((Directive.PREFETCH, obj) for obj in self.prefetches)
+        )
+
+    def without_directives(self) -> Task:
+        return attrs.evolve(self, releases=(), offloads=(), prefetches=())
