@@ -102,7 +102,9 @@ def migrate(data: Mapping[str, Any], source: str = "program") -> dict[str, Any]:
     while version != PROGRAM_SCHEMA:
         if version not in MIGRATIONS:
             known = sorted([PROGRAM_SCHEMA, *MIGRATIONS])
-            raise SchemaError(source, [f"$.{SCHEMA_KEY}: unknown version {version!r}; known {known}"])
+            raise SchemaError(
+                source, [f"$.{SCHEMA_KEY}: unknown version {version!r}; known {known}"]
+            )
         version, step = MIGRATIONS[version]
         body = step(body)
     return body
@@ -121,7 +123,7 @@ def program_to_dict(program: Program) -> dict[str, Any]:
 
 
 def program_from_json(text_or_path: str | Path) -> Program:
-    if isinstance(text_or_path, Path) or not str(text_or_path).lstrip().startswith("{"):
+    if isinstance(text_or_path, Path) or not str(text_or_path).lstrip().startswith(("{", "[")):
         path = Path(text_or_path)
         source = str(path)
         try:
@@ -133,7 +135,9 @@ def program_from_json(text_or_path: str | Path) -> Program:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise SchemaError(source, [f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"]) from None
+        raise SchemaError(
+            source, [f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"]
+        ) from None
     return program_from_dict(data, source)
 
 

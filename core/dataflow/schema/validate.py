@@ -38,8 +38,10 @@ def validate(program: Program) -> list[Problem]:
     problems: list[Problem] = []
     problems += _check_objects(program)
     problems += _check_links_and_budget(program)
-    problems += _check_tasks(program)
-    problems += _check_final_locations(program)
+    # Budget-dependent checks only make sense against a budget that is itself sane.
+    sane_budget = not any(problem.code == "budget" for problem in problems)
+    problems += _check_tasks(program, sane_budget)
+    problems += _check_final_locations(program, sane_budget)
     return problems
 
 
@@ -75,8 +77,11 @@ def _check_links_and_budget(program: Program) -> list[Problem]:
         link = getattr(program.links, direction)
         if not link.bw_bytes_per_us > 0 or math.isinf(link.bw_bytes_per_us):
             problems.append(
-                Problem("link", f"links.{direction}.bw_bytes_per_us must be a positive number, "
-                        f"got {link.bw_bytes_per_us}")
+                Problem(
+                    "link",
+                    f"links.{direction}.bw_bytes_per_us must be a positive number, "
+                    f"got {link.bw_bytes_per_us}",
+                )
             )
         if not link.latency_us >= 0 or math.isinf(link.latency_us):
             problems.append(
@@ -91,7 +96,7 @@ def _check_links_and_budget(program: Program) -> list[Problem]:
     return problems
 
 
-def _check_tasks(program: Program) -> list[Problem]:
+def _check_tasks(program: Program, sane_budget: bool) -> list[Problem]:
     problems = [
         Problem("duplicate-task", f"task id {task!r} appears more than once", task=task)
         for task in _duplicates([task.id for task in program.tasks])
@@ -102,7 +107,8 @@ def _check_tasks(program: Program) -> list[Problem]:
         problems += _check_task_numbers(task)
         problems += _check_task_objects(program, task, known, created)
         problems += _check_task_directives(program, task, known, created)
-        problems += _check_task_footprint(program, task, known)
+        if sane_budget:
+            problems += _check_task_footprint(program, task, known)
         for obj in task.outputs:
             created.setdefault(obj, task.id)
     return problems
@@ -111,33 +117,69 @@ def _check_tasks(program: Program) -> list[Problem]:
 def _check_task_numbers(task: Task) -> list[Problem]:
     problems = []
     if task.workspace_bytes < 0:
-        problems.append(Problem("workspace", f"task {task.id!r}: workspace_bytes "
-                                f"{task.workspace_bytes} < 0", task=task.id))
+        problems.append(
+            Problem(
+                "workspace",
+                f"task {task.id!r}: workspace_bytes {task.workspace_bytes} < 0",
+                task=task.id,
+            )
+        )
     if not task.cost_us >= 0 or math.isinf(task.cost_us):
-        problems.append(Problem("cost", f"task {task.id!r}: cost_us must be a finite number >= 0, "
-                                f"got {task.cost_us}", task=task.id))
+        problems.append(
+            Problem(
+                "cost",
+                f"task {task.id!r}: cost_us must be a finite number >= 0, got {task.cost_us}",
+                task=task.id,
+            )
+        )
     return problems
 
 
 def _check_task_objects(program, task, known, created) -> list[Problem]:
     problems = []
     for obj in _duplicates(list(task.uses)):
-        problems.append(Problem("repeated-use", f"task {task.id!r} names object {obj!r} more than "
-                                "once across inputs, mutates and outputs", task=task.id, obj=obj))
+        problems.append(
+            Problem(
+                "repeated-use",
+                f"task {task.id!r} names object {obj!r} more than "
+                "once across inputs, mutates and outputs",
+                task=task.id,
+                obj=obj,
+            )
+        )
     for field in ("inputs", "mutates", "outputs"):
         for obj in getattr(task, field):
             if obj not in known:
-                problems.append(Problem("unknown-object", f"task {task.id!r}: {field} names "
-                                        f"unknown object {obj!r}", task=task.id, obj=obj))
+                problems.append(
+                    Problem(
+                        "unknown-object",
+                        f"task {task.id!r}: {field} names unknown object {obj!r}",
+                        task=task.id,
+                        obj=obj,
+                    )
+                )
             elif field == "outputs":
                 if program.exists_at_start(obj) is False and obj in created:
-                    problems.append(Problem("output-exists", f"task {task.id!r} outputs {obj!r}, "
-                                            f"which task {created[obj]!r} already created",
-                                            task=task.id, obj=obj))
+                    problems.append(
+                        Problem(
+                            "output-exists",
+                            f"task {task.id!r} outputs {obj!r}, "
+                            f"which task {created[obj]!r} already created",
+                            task=task.id,
+                            obj=obj,
+                        )
+                    )
             elif not program.exists_at_start(obj) and obj not in created:
-                problems.append(Problem("use-before-definition", f"task {task.id!r} {field} "
-                                        f"{obj!r} before task {_creator(program, obj)!r} "
-                                        "creates it", task=task.id, obj=obj))
+                problems.append(
+                    Problem(
+                        "use-before-definition",
+                        f"task {task.id!r} {field} "
+                        f"{obj!r} before task {_creator(program, obj)!r} "
+                        "creates it",
+                        task=task.id,
+                        obj=obj,
+                    )
+                )
     return problems
 
 
@@ -151,16 +193,34 @@ def _check_task_directives(program, task, known, created) -> list[Problem]:
     for directive, obj in task.directives():
         where = f"task {task.id!r}: {directive.value} {obj!r}"
         if obj not in known:
-            problems.append(Problem("directive-unknown-object", f"{where} names an unknown object",
-                                    task=task.id, obj=obj))
+            problems.append(
+                Problem(
+                    "directive-unknown-object",
+                    f"{where} names an unknown object",
+                    task=task.id,
+                    obj=obj,
+                )
+            )
             continue
         visible = program.exists_at_start(obj) or obj in created or obj in task.outputs
         if not visible:
-            problems.append(Problem("directive-not-visible", f"{where}: the object is not created "
-                                    f"until task {_creator(program, obj)!r}", task=task.id, obj=obj))
+            problems.append(
+                Problem(
+                    "directive-not-visible",
+                    f"{where}: the object is not created until task {_creator(program, obj)!r}",
+                    task=task.id,
+                    obj=obj,
+                )
+            )
         if obj in named:
-            problems.append(Problem("directive-conflict", f"{where} conflicts with its "
-                                    f"{named[obj]} of the same object", task=task.id, obj=obj))
+            problems.append(
+                Problem(
+                    "directive-conflict",
+                    f"{where} conflicts with its {named[obj]} of the same object",
+                    task=task.id,
+                    obj=obj,
+                )
+            )
         named.setdefault(obj, directive.value)
     return problems
 
@@ -168,31 +228,55 @@ def _check_task_directives(program, task, known, created) -> list[Problem]:
 def _check_task_footprint(program, task, known) -> list[Problem]:
     if program.budget is None:
         return []
-    footprint = task.workspace_bytes + sum(known[obj].size_bytes for obj in set(task.uses)
-                                           if obj in known)
+    footprint = task.workspace_bytes + sum(
+        known[obj].size_bytes for obj in set(task.uses) if obj in known
+    )
     if footprint <= program.budget.fast_bytes:
         return []
-    return [Problem("footprint", f"task {task.id!r} needs {footprint} bytes resident at once "
-                    f"(inputs + mutates + outputs + workspace) but budget.fast_bytes is "
-                    f"{program.budget.fast_bytes}", task=task.id)]
+    return [
+        Problem(
+            "footprint",
+            f"task {task.id!r} needs {footprint} bytes resident at once "
+            f"(inputs + mutates + outputs + workspace) but budget.fast_bytes is "
+            f"{program.budget.fast_bytes}",
+            task=task.id,
+        )
+    ]
 
 
-def _check_final_locations(program: Program) -> list[Problem]:
+def _check_final_locations(program: Program, sane_budget: bool) -> list[Problem]:
     problems = []
     totals = {Location.FAST: 0, Location.SLOW: 0}
     for obj, location in program.final_locations.items():
         if obj not in program.objects_by_id:
-            problems.append(Problem("final-unknown-object", f"final_locations names unknown "
-                                    f"object {obj!r}", obj=obj))
+            problems.append(
+                Problem(
+                    "final-unknown-object", f"final_locations names unknown object {obj!r}", obj=obj
+                )
+            )
             continue
         totals[location] += program.objects_by_id[obj].size_bytes
-    budget = program.budget
+    budget = program.budget if sane_budget else None
     if budget is not None and totals[Location.FAST] > budget.fast_bytes:
-        problems.append(Problem("final-fast-overflow", f"final_locations keep "
-                                f"{totals[Location.FAST]} bytes in fast memory but "
-                                f"budget.fast_bytes is {budget.fast_bytes}"))
-    if budget is not None and budget.slow_bytes is not None and totals[Location.SLOW] > budget.slow_bytes:
-        problems.append(Problem("final-slow-overflow", f"final_locations keep "
-                                f"{totals[Location.SLOW]} bytes in slow memory but "
-                                f"budget.slow_bytes is {budget.slow_bytes}"))
+        problems.append(
+            Problem(
+                "final-fast-overflow",
+                f"final_locations keep "
+                f"{totals[Location.FAST]} bytes in fast memory but "
+                f"budget.fast_bytes is {budget.fast_bytes}",
+            )
+        )
+    if (
+        budget is not None
+        and budget.slow_bytes is not None
+        and totals[Location.SLOW] > budget.slow_bytes
+    ):
+        problems.append(
+            Problem(
+                "final-slow-overflow",
+                f"final_locations keep "
+                f"{totals[Location.SLOW]} bytes in slow memory but "
+                f"budget.slow_bytes is {budget.slow_bytes}",
+            )
+        )
     return problems
