@@ -1,0 +1,1 @@
+"""Engine backends: ``virtual`` (no data, virtual clock) and ``torch`` (cpu or cuda)."""

@@ -1,0 +1,94 @@
+"""The task contract: how a resolver turns a task into something the engine can launch.
+
+A resolver plugin registers ``ResolverSpec(name, build)``; ``build(program)`` returns a
+``Resolver``; calling the resolver with a task returns an ``Executable`` (dispatch is by
+``task.compute_key``, never by task id); ``Executable.launch(ctx)`` enqueues the task's
+work on ``ctx.stream`` using only the tensors in ``ctx``. See docs/task_contract.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from dataflow.schema import Task
+
+
+@attrs.frozen
+class LaunchContext:
+    """Everything an executable may touch while it runs one task.
+
+    ``inputs``, ``mutates`` and ``outputs`` are typed tensor views (built from each
+    object's ``TensorMeta``; a uint8 view of its bytes when it has none), in the task's
+    declaration order. Outputs hold garbage until written; mutates are changed in place.
+    ``values`` are per-run values (step number, learning rate, ...) given to
+    ``Engine.run``. ``stream`` is the CUDA stream to enqueue on (None on CPU).
+    """
+
+    task: Task
+    device: str
+    stream: Any
+    inputs: tuple[Any, ...]
+    mutates: tuple[Any, ...]
+    outputs: tuple[Any, ...]
+    values: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+@runtime_checkable
+class Executable(Protocol):
+    """One task's work. ``launch`` only enqueues work on ``ctx.stream``."""
+
+    def launch(self, ctx: LaunchContext) -> None: ...
+
+
+@runtime_checkable
+class Resolver(Protocol):
+    """Turns a task into its executable; raises ``KeyError`` for an unknown compute key."""
+
+    def __call__(self, task: Task) -> Executable: ...
+
+
+class ResolverError(LookupError):
+    """A task's compute key has no executable in the chosen resolver."""
+
+    def __init__(self, task: Task, resolver: str, reason: str) -> None:
+        self.task_id, self.compute_key, self.resolver = task.id, task.compute_key, resolver
+        super().__init__(
+            f"task {task.id!r}: resolver {resolver!r} cannot run compute key "
+            f"{task.compute_key!r}: {reason}"
+        )
+
+
+def resolve_all(tasks: tuple[Task, ...], resolver: Resolver, name: str) -> list[Executable]:
+    """Resolve every task at load time, so an unknown key fails before anything runs."""
+    executables = []
+    for task in tasks:
+        try:
+            executable = resolver(task)
+        except KeyError as exc:
+            raise ResolverError(task, name, f"unknown key ({exc})") from None
+        if not isinstance(executable, Executable):
+            raise ResolverError(task, name, f"returned {type(executable).__name__}, not an Executable")
+        executables.append(executable)
+    return executables
+
+
+class DictResolver:
+    """A resolver from a mapping ``compute_key -> factory(task) -> Executable``.
+
+    The simplest way for a package to provide executables; ``name`` appears in errors.
+    """
+
+    def __init__(self, name: str, factories: Mapping[str, Any]) -> None:
+        self.name = name
+        self._factories = dict(factories)
+
+    def __call__(self, task: Task) -> Executable:
+        try:
+            factory = self._factories[task.compute_key]
+        except KeyError:
+            known = ", ".join(sorted(self._factories)) or "none"
+            raise KeyError(f"known keys: {known}") from None
+        return factory(task)

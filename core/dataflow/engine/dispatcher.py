@@ -1,0 +1,345 @@
+"""The dispatcher: runs a program on a backend by the rules of docs/execution_model.md.
+
+It owns the decisions (when a task may start, when a transfer may start, what a directive
+does) and the ledger; a backend owns time and data. With the virtual backend the result
+is the simulator's timeline, event for event.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from typing import Protocol
+
+import attrs
+
+from dataflow.engine.ledger import Fast, Ledger, Slow
+from dataflow.schema import Location, Program
+
+
+class OpKind(enum.IntEnum):
+    """What completed; the values are the tie order at one instant."""
+
+    TASK = 0
+    D2H = 1
+    H2D = 2
+
+
+@attrs.frozen
+class Completion:
+    kind: OpKind
+    ref: int  # task index, or transfer serial
+    start_us: float
+    end_us: float
+
+
+@attrs.define
+class TransferRecord:
+    serial: int
+    obj: str
+    direction: str  # "h2d" or "d2h"
+    size_bytes: int
+    by_task: str
+    enqueue_us: float
+    start_us: float | None = None
+    end_us: float | None = None
+
+
+@attrs.frozen
+class TaskRecord:
+    index: int
+    task: str
+    start_us: float
+    end_us: float
+
+
+class Backend(Protocol):
+    """What the dispatcher needs from a backend (see engine/backends/)."""
+
+    def now_us(self) -> float: ...
+    def can_alloc_fast(self, obj: str) -> bool: ...
+    def alloc_fast(self, obj: str) -> None: ...
+    def free_fast(self, obj: str) -> None: ...
+    def launch_task(self, index: int) -> None: ...
+    def launch_transfer(self, serial: int, obj: str, direction: str) -> None: ...
+    def wait(self) -> list[Completion]: ...
+
+
+class EngineRunError(RuntimeError):
+    """A run that cannot go on: ``kind`` is ``deadlock`` or ``error``; names the task, the
+    objects involved and fast memory at that moment."""
+
+    def __init__(self, kind: str, message: str, *, task: str | None, objects: tuple[str, ...],
+                 fast_used_bytes: int, resident: tuple[str, ...]) -> None:
+        self.kind, self.task, self.objects = kind, task, objects
+        self.fast_used_bytes, self.resident = fast_used_bytes, resident
+        super().__init__(
+            f"{kind}: {message} (fast memory in use: {fast_used_bytes} bytes; resident: "
+            f"{', '.join(resident) or 'nothing'})"
+        )
+
+
+@attrs.frozen
+class DispatchTrace:
+    """What one run did: spans, transfers, memory counters and peaks."""
+
+    tasks: tuple[TaskRecord, ...]
+    transfers: tuple[TransferRecord, ...]
+    fast_counter: tuple[tuple[float, int], ...]
+    slow_counter: tuple[tuple[float, int], ...]
+    fast_peak_bytes: int
+    slow_peak_bytes: int
+    makespan_us: float
+
+
+class Dispatcher:
+    """One run of ``program`` on ``backend`` within the given budgets."""
+
+    def __init__(self, program: Program, backend: Backend, fast_budget_bytes: int | None,
+                 slow_budget_bytes: int | None = None) -> None:
+        self.program, self.backend = program, backend
+        self.tasks = program.tasks
+        self.ledger = Ledger(program, fast_budget_bytes, slow_budget_bytes)
+        self.next_task = 0
+        self.running_task: int | None = None
+        self.running_reserved_bytes = 0
+        self.queues: dict[str, deque[TransferRecord]] = {"d2h": deque(), "h2d": deque()}
+        self.running: dict[str, TransferRecord | None] = {"d2h": None, "h2d": None}
+        self.transfers: list[TransferRecord] = []
+        self.pending_prefetch: dict[str, int] = {}  # object -> queued or running prefetches
+        self.dropped_by: dict[str, str] = {}  # object -> task whose release lost its value
+        self.task_records: list[TaskRecord] = []
+        self.fast_counter: list[tuple[float, int]] = [(0.0, self.ledger.fast_used_bytes)]
+        self.slow_counter: list[tuple[float, int]] = [(0.0, self.ledger.slow_used_bytes)]
+        self.end_us = 0.0
+
+    # -- the loop ----------------------------------------------------------------------
+    def run(self) -> DispatchTrace:
+        while True:
+            while self._dispatch() | self._start("d2h") | self._start("h2d"):
+                pass
+            if self._finished():
+                break
+            if self.running_task is None and not any(self.running.values()):
+                self._deadlock()
+            for completion in self.backend.wait():
+                self._complete(completion)
+        self._check_final_locations()
+        return DispatchTrace(
+            tasks=tuple(self.task_records),
+            transfers=tuple(self.transfers),
+            fast_counter=tuple(self.fast_counter),
+            slow_counter=tuple(self.slow_counter),
+            fast_peak_bytes=self.ledger.fast_peak_bytes,
+            slow_peak_bytes=self.ledger.slow_peak_bytes,
+            makespan_us=self.end_us,
+        )
+
+    def _finished(self) -> bool:
+        return (
+            self.next_task == len(self.tasks)
+            and self.running_task is None
+            and not any(self.queues.values())
+            and not any(self.running.values())
+        )
+
+    # -- starting work -----------------------------------------------------------------
+    def _dispatch(self) -> bool:
+        if self.running_task is not None or self.next_task == len(self.tasks):
+            return False
+        task = self.tasks[self.next_task]
+        ledger = self.ledger
+        for obj in task.inputs + task.mutates:
+            if ledger.fast[obj] is Fast.RESIDENT and obj not in ledger.offload_pending:
+                continue
+            if not self.pending_prefetch.get(obj):
+                self._fail_never_resident(task.id, obj)
+            return False
+        reserve = task.workspace_bytes + sum(ledger.size[obj] for obj in task.outputs)
+        if not ledger.fits_fast(reserve):
+            self._check_can_ever_fit(task.id, reserve + sum(ledger.size[o] for o in task.inputs + task.mutates))
+            return False
+        if not all(self.backend.can_alloc_fast(obj) for obj in task.outputs):
+            return False
+        ledger.reserve_fast(reserve)
+        for obj in task.outputs:
+            self.backend.alloc_fast(obj)
+        self._count_fast()
+        self.running_task, self.running_reserved_bytes = self.next_task, reserve
+        self.next_task += 1
+        self.backend.launch_task(self.running_task)
+        return True
+
+    def _start(self, direction: str) -> bool:
+        queue = self.queues[direction]
+        if self.running[direction] is not None or not queue:
+            return False
+        transfer, ledger = queue[0], self.ledger
+        obj = transfer.obj
+        if direction == "d2h":
+            if not ledger.slow_space_ready(obj):
+                budget = ledger.slow_budget_bytes
+                if budget is not None and ledger.size[obj] > budget:
+                    self._error(f"offload of {obj!r} needs {ledger.size[obj]} bytes of slow "
+                                f"memory but the slow budget is {budget}", transfer.by_task, (obj,))
+                return False
+            ledger.ensure_slow_space(obj)
+            self._count_slow()
+        else:
+            if obj in ledger.offload_pending or ledger.slow[obj] is not Slow.CURRENT:
+                return False
+            if not ledger.fits_fast(ledger.size[obj]):
+                self._check_can_ever_fit(transfer.by_task, ledger.size[obj], prefetch=obj)
+                return False
+            if not self.backend.can_alloc_fast(obj):
+                return False
+            ledger.reserve_fast(ledger.size[obj])
+            ledger.fast[obj] = Fast.INCOMING
+            self.backend.alloc_fast(obj)
+            self._count_fast()
+        queue.popleft()
+        self.running[direction] = transfer
+        self.backend.launch_transfer(transfer.serial, obj, direction)
+        return True
+
+    # -- completions -------------------------------------------------------------------
+    def _complete(self, completion: Completion) -> None:
+        self.end_us = max(self.end_us, completion.end_us)
+        if completion.kind is OpKind.TASK:
+            self._complete_task(completion)
+            return
+        direction = "d2h" if completion.kind is OpKind.D2H else "h2d"
+        transfer = self.running[direction]
+        assert transfer is not None and transfer.serial == completion.ref
+        transfer.start_us, transfer.end_us = completion.start_us, completion.end_us
+        self.running[direction] = None
+        ledger, obj = self.ledger, transfer.obj
+        if direction == "d2h":
+            ledger.slow[obj] = Slow.CURRENT
+            ledger.offload_pending.discard(obj)
+            self._drop(obj)
+        else:
+            ledger.fast[obj] = Fast.RESIDENT
+            self.pending_prefetch[obj] -= 1
+
+    def _complete_task(self, completion: Completion) -> None:
+        index = completion.ref
+        task, ledger = self.tasks[index], self.ledger
+        self.task_records.append(TaskRecord(index, task.id, completion.start_us, completion.end_us))
+        self.running_task = None
+        ledger.free_fast(task.workspace_bytes)
+        for obj in task.outputs:
+            ledger.fast[obj] = Fast.RESIDENT
+            ledger.slow[obj] = Slow.ABSENT if obj not in ledger.slow_space else Slow.STALE
+            self.dropped_by.pop(obj, None)
+        for obj in task.mutates:
+            ledger.make_dirty(obj)
+        for obj in task.releases:
+            self._require_resident(task.id, "release", obj)
+            if not ledger.is_clean(obj):
+                self.dropped_by[obj] = task.id
+            self._drop(obj)
+        for obj in task.offloads:
+            self._require_resident(task.id, "offload", obj)
+            if ledger.is_clean(obj):
+                self._drop(obj)
+            else:
+                ledger.offload_pending.add(obj)
+                self._enqueue(task.id, obj, "d2h")
+        for obj in task.prefetches:
+            incoming = ledger.fast[obj] is not Fast.ABSENT and obj not in ledger.offload_pending
+            if incoming or self.pending_prefetch.get(obj):
+                self._error(f"task {task.id!r} prefetches {obj!r}, which is already in fast "
+                            "memory or on its way", task.id, (obj,))
+            if ledger.slow[obj] is not Slow.CURRENT and obj not in ledger.offload_pending:
+                self._error(f"task {task.id!r} prefetches {obj!r}, which has no current slow "
+                            "copy to read", task.id, (obj,))
+            self.pending_prefetch[obj] = self.pending_prefetch.get(obj, 0) + 1
+            self._enqueue(task.id, obj, "h2d")
+        self._count_fast()
+
+    def _enqueue(self, task_id: str, obj: str, direction: str) -> None:
+        transfer = TransferRecord(len(self.transfers), obj, direction, self.ledger.size[obj],
+                                  task_id, self.backend.now_us())
+        self.transfers.append(transfer)
+        self.queues[direction].append(transfer)
+
+    def _drop(self, obj: str) -> None:
+        self.ledger.drop_fast(obj)
+        self.backend.free_fast(obj)
+        self._count_fast()
+
+    # -- counters ----------------------------------------------------------------------
+    def _count_fast(self) -> None:
+        self._count(self.fast_counter, self.ledger.fast_used_bytes)
+
+    def _count_slow(self) -> None:
+        self._count(self.slow_counter, self.ledger.slow_used_bytes)
+
+    def _count(self, counter: list[tuple[float, int]], value: int) -> None:
+        now = self.backend.now_us()
+        if counter[-1][0] == now:
+            counter[-1] = (now, value)
+        elif counter[-1][1] != value:
+            counter.append((now, value))
+
+    # -- failures ----------------------------------------------------------------------
+    def _error(self, message: str, task: str | None, objects: tuple[str, ...], kind: str = "error"):
+        ledger = self.ledger
+        raise EngineRunError(kind, message, task=task, objects=objects,
+                             fast_used_bytes=ledger.fast_used_bytes,
+                             resident=tuple(ledger.resident_objects()))
+
+    def _require_resident(self, task_id: str, directive: str, obj: str) -> None:
+        ledger = self.ledger
+        if ledger.fast[obj] is not Fast.RESIDENT:
+            self._error(f"task {task_id!r} {directive}s {obj!r}, which is not resident",
+                        task_id, (obj,))
+        if obj in ledger.offload_pending:
+            self._error(f"task {task_id!r} {directive}s {obj!r}, which has an offload pending",
+                        task_id, (obj,))
+
+    def _fail_never_resident(self, task_id: str, obj: str) -> None:
+        if obj in self.dropped_by:
+            why = f"task {self.dropped_by[obj]!r} released it while dirty, losing its value"
+        elif self.ledger.fast[obj] is Fast.RESIDENT:
+            why = "it is being offloaded and nothing prefetches it back"
+        else:
+            why = "it is not in fast memory and nothing prefetches it"
+        self._error(f"task {task_id!r} needs {obj!r}, but {why}", task_id, (obj,))
+
+    def _check_can_ever_fit(self, task_id: str, size_bytes: int, prefetch: str | None = None):
+        budget = self.ledger.fast_budget_bytes
+        if budget is not None and size_bytes > budget:
+            what = f"prefetch of {prefetch!r}" if prefetch else f"task {task_id!r}"
+            self._error(f"{what} needs {size_bytes} bytes of fast memory at once but the "
+                        f"budget is {budget}", task_id, (prefetch,) if prefetch else ())
+
+    def _deadlock(self) -> None:
+        ledger = self.ledger
+        if self.next_task < len(self.tasks):
+            task = self.tasks[self.next_task]
+            waits = tuple(obj for obj in task.inputs + task.mutates
+                          if ledger.fast[obj] is not Fast.RESIDENT or obj in ledger.offload_pending)
+            blocked = task.id
+            message = (f"task {task.id!r} cannot start: waiting for "
+                       f"{', '.join(waits) if waits else 'room for its outputs and workspace'}")
+        else:
+            blocked, waits = None, ()
+            message = "all tasks ran but queued transfers can never start"
+        heads = [f"{d} head: {q[0].obj!r}" for d, q in self.queues.items() if q]
+        if heads:
+            message += f"; {'; '.join(heads)}"
+        self._error(message, blocked, waits, kind="deadlock")
+
+    def _check_final_locations(self) -> None:
+        ledger = self.ledger
+        wrong = []
+        for obj, location in self.program.final_locations.items():
+            if location is Location.FAST and ledger.fast[obj] is not Fast.RESIDENT:
+                wrong.append(f"{obj!r} should end in fast memory but is not resident")
+            if location is Location.SLOW and ledger.slow[obj] is not Slow.CURRENT:
+                wrong.append(f"{obj!r} should end in slow memory but has no current slow copy")
+        if wrong:
+            self._error("final locations do not hold: " + "; ".join(wrong), None,
+                        tuple(self.program.final_locations))
