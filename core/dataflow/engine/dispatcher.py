@@ -65,6 +65,15 @@ class Backend(Protocol):
     def wait(self) -> list[Completion]: ...
 
 
+class OpFailed(Exception):
+    """Raised by a backend's ``wait`` when an operation raised; the dispatcher reports it
+    as an ``EngineRunError`` with the memory state."""
+
+    def __init__(self, kind: OpKind, ref: int, what: str, cause: BaseException) -> None:
+        self.kind, self.ref, self.what, self.cause = kind, ref, what, cause
+        super().__init__(f"{what} raised {type(cause).__name__}: {cause}")
+
+
 class EngineRunError(RuntimeError):
     """A run that cannot go on: ``kind`` is ``deadlock`` or ``error``; names the task, the
     objects involved and fast memory at that moment."""
@@ -122,7 +131,12 @@ class Dispatcher:
                 break
             if self.running_task is None and not any(self.running.values()):
                 self._deadlock()
-            for completion in self.backend.wait():
+            try:
+                completions = self.backend.wait()
+            except OpFailed as failed:
+                task = self.tasks[failed.ref].id if failed.kind is OpKind.TASK else None
+                self._error(str(failed), task, ())
+            for completion in completions:
                 self._complete(completion)
         self._check_final_locations()
         return DispatchTrace(

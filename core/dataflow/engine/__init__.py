@@ -1,0 +1,27 @@
+"""The engine: runs planned programs for real (torch on cpu or cuda) or on a virtual clock.
+
+Importing it does not import torch; the torch backends load when an engine uses them.
+"""
+
+from dataflow.engine.contract import (
+    DictResolver,
+    Executable,
+    LaunchContext,
+    Resolver,
+    ResolverError,
+)
+from dataflow.engine.dispatcher import EngineRunError
+from dataflow.engine.engine import Engine, EngineLoadError
+from dataflow.engine.result import RunResult
+
+__all__ = [
+    "DictResolver",
+    "Engine",
+    "EngineLoadError",
+    "EngineRunError",
+    "Executable",
+    "LaunchContext",
+    "Resolver",
+    "ResolverError",
+    "RunResult",
+]

@@ -1,0 +1,118 @@
+"""The torch backend: real tensors, on ``cpu`` (worker threads) or ``cuda`` (streams).
+
+The dispatcher decides what runs when; this class owns the bytes: the slow pool, the fast
+store, typed views, and the placement's region rule (a residency may begin only once
+every earlier residency that overlaps it in the arena has ended). How work is executed
+and timed is the runner's business (``torch_cpu.CpuRunner``, ``torch_cuda.CudaRunner``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from dataflow.engine.backends.torch_storage import FastStore, SlowPool, as_bytes, typed_view
+from dataflow.engine.contract import Executable, LaunchContext
+from dataflow.engine.dispatcher import Completion
+from dataflow.schema import Location, Program
+
+
+class TorchBackend:
+    """One loaded program's storage plus a runner; reused across steps."""
+
+    def __init__(
+        self,
+        program: Program,
+        executables: list[Executable],
+        device: torch.device,
+        runner: Any,
+        *,
+        arena_bytes: int | None = None,
+        offset_of: Callable[[str, int], int] | None = None,
+        predecessors: Mapping[tuple[str, int], tuple[tuple[str, int], ...]] | None = None,
+    ) -> None:
+        self.program, self.executables, self.device = program, executables, device
+        self.runner = runner
+        self.name = f"torch-{device.type}"
+        self.objs = program.objects_by_id
+        slow_ids = {obj.id for obj in program.objects if program.exists_at_start(obj.id)
+                    and obj.location is Location.SLOW}
+        for task in program.tasks:
+            slow_ids.update(task.offloads)
+        self.slow = SlowPool([obj for obj in program.objects if obj.id in slow_ids], device)
+        sizes = {obj.id: obj.size_bytes for obj in program.objects}
+        self.fast = FastStore(sizes, device, arena_bytes, offset_of)
+        self.predecessors = predecessors or {}
+        self.ended: set[tuple[str, int]] = set()
+        self.values: Mapping[str, Any] = {}
+        self.origin = time.perf_counter()
+
+    # -- data in and out ---------------------------------------------------------------
+    def put_initial(self, obj: str, tensor: torch.Tensor) -> None:
+        """Place the start value of an object that exists at start, where it starts."""
+        data = as_bytes(tensor.detach())
+        if data.numel() != self.objs[obj].size_bytes:
+            raise ValueError(f"initial value of {obj!r} has {data.numel()} bytes, the program "
+                             f"declares {self.objs[obj].size_bytes}")
+        if self.objs[obj].location is Location.FAST:
+            buffer = self.fast.buffers.get(obj)
+            if buffer is None:
+                buffer = self.fast.alloc(obj)
+            buffer.copy_(data)
+        else:
+            self.slow.view(obj).copy_(data)
+
+    def fast_value(self, obj: str) -> torch.Tensor | None:
+        buffer = self.fast.buffers.get(obj)
+        return None if buffer is None else typed_view(buffer, self.objs[obj])
+
+    def slow_value(self, obj: str) -> torch.Tensor | None:
+        return typed_view(self.slow.view(obj), self.objs[obj]) if obj in self.slow else None
+
+    # -- the dispatcher's interface ----------------------------------------------------
+    def start_run(self, values: Mapping[str, Any]) -> None:
+        self.values = values
+        self.origin = time.perf_counter()
+        self.runner.start_run()
+
+    def now_us(self) -> float:
+        return (time.perf_counter() - self.origin) * 1e6
+
+    def can_alloc_fast(self, obj: str) -> bool:
+        key = (obj, self.fast.occurrences.get(obj, 0))
+        return all(before in self.ended for before in self.predecessors.get(key, ()))
+
+    def alloc_fast(self, obj: str) -> None:
+        self.fast.alloc(obj)
+
+    def free_fast(self, obj: str) -> None:
+        self.ended.add((obj, self.fast.occurrences[obj] - 1))
+        self.fast.free(obj)
+
+    def launch_task(self, index: int) -> None:
+        task = self.program.tasks[index]
+        view = self._view
+        ctx = LaunchContext(
+            task=task,
+            device=self.device.type,
+            stream=self.runner.compute_stream,
+            inputs=tuple(view(obj) for obj in task.inputs),
+            mutates=tuple(view(obj) for obj in task.mutates),
+            outputs=tuple(view(obj) for obj in task.outputs),
+            values=self.values,
+        )
+        self.runner.submit_task(index, task.id, self.executables[index], ctx)
+
+    def launch_transfer(self, serial: int, obj: str, direction: str) -> None:
+        fast, slow = self.fast.buffers[obj], self.slow.view(obj)
+        dst, src = (fast, slow) if direction == "h2d" else (slow, fast)
+        self.runner.submit_copy(serial, obj, direction, dst, src)
+
+    def wait(self) -> list[Completion]:
+        return self.runner.wait()
+
+    def _view(self, obj: str) -> torch.Tensor:
+        return typed_view(self.fast.buffers[obj], self.objs[obj])

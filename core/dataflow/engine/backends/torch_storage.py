@@ -1,0 +1,99 @@
+"""Where a torch backend keeps object bytes: a slow pool and a fast store.
+
+Objects are bytes to the engine: each lives in a uint8 slice; executables get typed views
+built from the object's ``TensorMeta`` (a flat uint8 view when it has none).
+
+- ``SlowPool``: one host allocation (pinned on CUDA) with a fixed slice for every object
+  that can ever have a slow copy, made once at load: no page-locking during a step.
+- ``FastStore``: with a placement, one device allocation of the placement's arena size,
+  each residency of an object a view at its planned offset; without one (the simple path,
+  CPU only) each residency is its own allocation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from dataflow.schema import Obj
+
+#: Offsets into pools are rounded up to this, so every typed view is aligned.
+ALIGN_BYTES = 256
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"torch has no dtype {name!r}")
+    return dtype
+
+
+def typed_view(buffer: torch.Tensor, obj: Obj) -> torch.Tensor:
+    """The typed tensor an executable sees for ``obj`` stored in the uint8 ``buffer``."""
+    if obj.tensor is None:
+        return buffer
+    return buffer.view(torch_dtype(obj.tensor.dtype)).view(obj.tensor.shape)
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes."""
+    return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+def _aligned(size_bytes: int) -> int:
+    return -(-size_bytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+class SlowPool:
+    def __init__(self, objects: Iterable[Obj], device: torch.device) -> None:
+        self.offset: dict[str, int] = {}
+        self.size: dict[str, int] = {}
+        total = 0
+        for obj in objects:
+            self.offset[obj.id], self.size[obj.id] = total, obj.size_bytes
+            total += _aligned(obj.size_bytes)
+        pin = device.type == "cuda"
+        self.arena = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
+        self.total_bytes = total
+
+    def __contains__(self, obj: str) -> bool:
+        return obj in self.offset
+
+    def view(self, obj: str) -> torch.Tensor:
+        start = self.offset[obj]
+        return self.arena[start : start + self.size[obj]]
+
+
+class FastStore:
+    """Fast-memory buffers by object; ``offset_of(obj, occurrence)`` comes from a placement."""
+
+    def __init__(self, sizes: dict[str, int], device: torch.device, arena_bytes: int | None,
+                 offset_of: Callable[[str, int], int] | None) -> None:
+        self.sizes, self.device = sizes, device
+        self.offset_of = offset_of
+        self.arena = (
+            torch.empty(arena_bytes, dtype=torch.uint8, device=device)
+            if offset_of is not None and arena_bytes
+            else None
+        )
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.occurrences: dict[str, int] = {}
+
+    def alloc(self, obj: str) -> torch.Tensor:
+        occurrence = self.occurrences.get(obj, 0)
+        self.occurrences[obj] = occurrence + 1
+        size = self.sizes[obj]
+        if self.offset_of is None:
+            buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        else:
+            start = self.offset_of(obj, occurrence)
+            buffer = self.arena[start : start + size]
+        self.buffers[obj] = buffer
+        return buffer
+
+    def free(self, obj: str) -> None:
+        del self.buffers[obj]
+
+    def reset_occurrences(self) -> None:
+        self.occurrences.clear()

@@ -1,0 +1,50 @@
+"""Executables of the chain's three compute keys; each writes only into its ``ctx`` views."""
+
+from __future__ import annotations
+
+import torch
+
+from dataflow.engine import DictResolver, LaunchContext
+from dataflow.schema import Program
+
+
+class TanhMatmul:
+    def launch(self, ctx: LaunchContext) -> None:
+        h, w = ctx.inputs
+        (out,) = ctx.outputs
+        torch.matmul(h, w, out=out)
+        out.tanh_()
+
+
+class HalfSquareGrad:
+    def launch(self, ctx: LaunchContext) -> None:
+        (h,) = ctx.inputs
+        (g,) = ctx.outputs
+        g.copy_(h)  # d(0.5 * sum(h^2)) / dh
+
+
+class TanhMatmulBackward:
+    def launch(self, ctx: LaunchContext) -> None:
+        g_next, h_next, h, w = ctx.inputs
+        g, dw = ctx.outputs
+        pre = g_next * (1 - h_next * h_next)  # through tanh
+        torch.matmul(pre, w.t(), out=g)
+        torch.matmul(h.t(), pre, out=dw)
+
+
+def _factory(cls):
+    return lambda task: cls()
+
+
+def build(program: Program) -> DictResolver:
+    """The resolver for any program built by ``chain.build_program``."""
+    return DictResolver(
+        "matmul-chain",
+        {
+            "tanh_matmul": _factory(TanhMatmul),
+            "half_square_grad": _factory(HalfSquareGrad),
+            "tanh_matmul_backward": _factory(TanhMatmulBackward),
+        },
+    )
+
+
