@@ -1,0 +1,35 @@
+"""Registries of what plugins add: the record types, the registry hooks, lookups and errors.
+
+Pure Python: importing it never imports torch or loads a plugin.
+"""
+
+from dataflow.registry.errors import DuplicateNameError, PluginError, UnknownNameError
+from dataflow.registry.kinds import KINDS_BY_NAME, REGISTRY_KINDS, RegistryKind
+from dataflow.registry.records import (
+    FamilySpec,
+    FeedSpec,
+    KernelVariant,
+    PlannerSpec,
+    ResolverSpec,
+    check_name,
+)
+from dataflow.registry.registry import Entry, FeedRegistry, KernelRegistry, Registry
+
+__all__ = [
+    "KINDS_BY_NAME",
+    "REGISTRY_KINDS",
+    "DuplicateNameError",
+    "Entry",
+    "FamilySpec",
+    "FeedRegistry",
+    "FeedSpec",
+    "KernelRegistry",
+    "KernelVariant",
+    "PlannerSpec",
+    "PluginError",
+    "Registry",
+    "RegistryKind",
+    "ResolverSpec",
+    "UnknownNameError",
+    "check_name",
+]
