@@ -124,6 +124,7 @@ class Dispatcher:
 
     # -- the loop ----------------------------------------------------------------------
     def run(self) -> DispatchTrace:
+        self._check_start()
         while True:
             while self._dispatch() | self._start("d2h") | self._start("h2d"):
                 pass
@@ -303,6 +304,16 @@ class Dispatcher:
         raise EngineRunError(kind, message, task=task, objects=objects,
                              fast_used_bytes=ledger.fast_used_bytes,
                              resident=tuple(ledger.resident_objects()))
+
+    def _check_start(self) -> None:
+        ledger = self.ledger
+        for memory, used, budget in (
+            ("fast", ledger.fast_used_bytes, ledger.fast_budget_bytes),
+            ("slow", ledger.slow_used_bytes, ledger.slow_budget_bytes),
+        ):
+            if budget is not None and used > budget:
+                self._error(f"the objects that start in {memory} memory take {used} bytes, "
+                            f"more than its budget {budget}", None, ())
 
     def _require_resident(self, task_id: str, directive: str, obj: str) -> None:
         ledger = self.ledger

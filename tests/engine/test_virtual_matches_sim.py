@@ -1,0 +1,135 @@
+"""The virtual backend's timeline is the simulator's, event for event (property test).
+
+Programs come from a random annotator that gets every object where it is needed (so most
+runs are valid), under random budgets (so some deadlock or fail): valid programs must give
+identical timelines; failing ones must fail in both, with the same kind and task.
+"""
+
+from __future__ import annotations
+
+import attrs
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dataflow.engine import Engine, EngineRunError
+from dataflow.schema import Link, Links, Obj, Program, Task
+from dataflow.sim import simulate
+
+
+@st.composite
+def annotated_programs(draw) -> Program:
+    n_start = draw(st.integers(1, 5))
+    objects = [Obj(f"o{i}", draw(st.integers(1, 400)), "param",
+                   draw(st.sampled_from(["fast", "slow"]))) for i in range(n_start)]
+    objects[0] = attrs.evolve(objects[0], location="fast")
+    existing = [obj.id for obj in objects]
+    tasks: list[dict] = []
+    for index in range(draw(st.integers(1, 10))):
+        uses = draw(st.lists(st.sampled_from(existing), min_size=1, max_size=3, unique=True))
+        mutates = uses[:1] if draw(st.booleans()) else []
+        outputs = [f"t{index}o{k}" for k in range(draw(st.integers(0, 2)))]
+        objects += [Obj(out, draw(st.integers(1, 300)), "activation") for out in outputs]
+        existing += outputs
+        tasks.append({"id": f"t{index}", "kind": "k", "compute_key": "k",
+                      "inputs": [u for u in uses if u not in mutates], "mutates": mutates,
+                      "outputs": outputs, "cost_us": float(draw(st.integers(0, 50))),
+                      "workspace_bytes": draw(st.integers(0, 100)),
+                      "releases": [], "offloads": [], "prefetches": []})
+    _annotate(draw, objects, tasks)
+    links = Links(h2d=Link(float(draw(st.integers(1, 40))), float(draw(st.integers(0, 5)))),
+                  d2h=Link(float(draw(st.integers(1, 40))), float(draw(st.integers(0, 5)))))
+    program = Program(name="random", objects=tuple(objects),
+                      tasks=tuple(Task(**task) for task in tasks), links=links)
+    if draw(st.booleans()):
+        floor = max(sum(program.obj(o).size_bytes for o in set(t.uses)) + t.workspace_bytes
+                    for t in program.tasks)
+        program = program.with_budget(floor + draw(st.integers(0, 1500)))
+    return program
+
+
+def _annotate(draw, objects: list[Obj], tasks: list[dict]) -> None:
+    """Give every use a resident object: prefetch what is away (at a random earlier task),
+    then randomly keep, release or offload what a task used."""
+    created = {out for task in tasks for out in task["outputs"]}
+    where = {obj.id: obj.location for obj in objects if obj.id not in created}
+    clean = {obj.id: obj.location == "slow" for obj in objects}
+    since: dict[str, int] = {}  # away objects: the task after which they left
+    for index, task in enumerate(tasks):
+        for obj in task["inputs"] + task["mutates"]:
+            # One task may not both send an object away and fetch it (validate forbids
+            # two directives on one object), so the prefetch goes after the leaving task.
+            first = since.get(obj, -1) + 1
+            if where[obj] == "slow" and first < index:
+                tasks[draw(st.integers(first, index - 1))]["prefetches"].append(obj)
+                where[obj] = "fast"
+            elif where[obj] == "slow" and obj not in since:  # nothing runs before: start fast
+                at = next(i for i, o in enumerate(objects) if o.id == obj)
+                objects[at] = attrs.evolve(objects[at], location="fast")
+                where[obj], clean[obj] = "fast", False
+        for obj in task["outputs"]:
+            where[obj] = "fast"
+        for obj in task["mutates"] + task["outputs"]:
+            clean[obj] = False
+        for obj in task["inputs"] + task["mutates"] + task["outputs"]:
+            if where[obj] != "fast":
+                continue
+            choice = draw(st.sampled_from(["keep", "keep", "offload", "release"]))
+            if choice == "offload":
+                task["offloads"].append(obj)
+                where[obj], since[obj], clean[obj] = "slow", index, True
+            elif choice == "release" and clean[obj]:
+                task["releases"].append(obj)
+                where[obj], since[obj] = "slow", index
+
+
+def _normalized(counter) -> list[tuple[float, int]]:
+    points: list[tuple[float, int]] = []
+    for time_us, value in counter:
+        if points and points[-1][0] == time_us:
+            points[-1] = (time_us, value)
+        else:
+            points.append((time_us, value))
+    return [p for i, p in enumerate(points) if i == 0 or p[1] != points[i - 1][1]]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(annotated_programs())
+def test_virtual_backend_reproduces_the_simulator(program: Program) -> None:
+    predicted = simulate(program)
+    engine = Engine("virtual")
+    engine.load(program)
+    if not predicted.valid:
+        try:
+            engine.run()
+        except EngineRunError as failure:
+            assert failure.kind == ("deadlock" if predicted.deadlock else "error")
+            return
+        raise AssertionError(f"simulator failed ({predicted.error}) but the engine ran")
+    trace = engine.run().steps[0]
+    assert [(t.task, t.start_us, t.end_us) for t in trace.tasks] == [
+        (t.task_id, t.start_us, t.end_us) for t in predicted.tasks
+    ]
+    measured = sorted((t.end_us, t.direction, t.obj, t.enqueue_us, t.start_us, t.by_task)
+                      for t in trace.transfers)
+    expected = sorted((t.end_us, t.direction, t.obj_id, t.enqueue_us, t.start_us, t.enqueued_by)
+                      for t in predicted.transfers)
+    assert measured == expected
+    assert _normalized(trace.fast_counter) == _normalized(predicted.fast_memory)
+    assert _normalized(trace.slow_counter) == _normalized(predicted.slow_memory)
+    assert trace.fast_peak_bytes == predicted.fast_peak_bytes
+    assert trace.slow_peak_bytes == predicted.slow_peak_bytes
+    assert trace.makespan_us == predicted.makespan_us
+
+
+def test_the_generator_makes_mostly_valid_programs() -> None:
+    """Guard against a vacuous property: a good share of generated programs must run
+    (the rest fail on purpose: tight budgets, use after an offload that lost a race)."""
+    valid = []
+
+    @settings(max_examples=100, deadline=None, database=None)
+    @given(annotated_programs())
+    def collect(program: Program) -> None:
+        valid.append(simulate(program).valid)
+
+    collect()
+    assert sum(valid) >= 0.35 * len(valid), f"only {sum(valid)} of {len(valid)} valid"
