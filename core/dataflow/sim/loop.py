@@ -1,0 +1,347 @@
+"""The event loop: docs/execution_model.md, step by step, over integer indices.
+
+One function with local variables only: the planner calls it hundreds of times per plan,
+so the hot path avoids attribute lookups, dict lookups and per-event objects. State per
+object is a small int in a list (``fast``: 0 absent, 1 incoming, 2 resident; ``slow``:
+0 absent, 1 current, 2 stale). With ``record=False`` nothing per event is kept.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dataflow.schema import Links
+from dataflow.sim.compiled import CompiledProgram
+from dataflow.sim.diagnose import (
+    MemoryState,
+    bad_prefetch,
+    describe_deadlock,
+    describe_missing,
+    failure,
+    final_locations,
+    not_resident,
+)
+from dataflow.sim.failure import FailureKind, SimError
+from dataflow.sim.states import ABSENT, CURRENT, INCOMING, RESIDENT, STALE
+
+H2D, D2H = "h2d", "d2h"
+
+
+class Outcome:
+    """Raw totals and logs of one run; ``dataflow.sim.simulate`` turns it into a SimResult.
+
+    Logs (None unless recording): ``task_log`` holds (task index, start_us, end_us);
+    ``transfer_log`` (object index, direction, enqueuing task index, enqueue_us, start_us,
+    end_us), in the order transfers end; ``fast_log``/``slow_log`` (time_us, bytes) after
+    every change.
+    """
+
+    __slots__ = (
+        "makespan_us",
+        "fast_peak_bytes",
+        "slow_peak_bytes",
+        "compute_busy_us",
+        "link_transfers",
+        "link_bytes",
+        "link_busy_us",
+        "error",
+        "task_log",
+        "transfer_log",
+        "fast_log",
+        "slow_log",
+    )
+
+    def __init__(self) -> None:
+        self.makespan_us = 0.0
+        self.fast_peak_bytes = 0
+        self.slow_peak_bytes = 0
+        self.compute_busy_us = 0.0
+        self.link_transfers = {H2D: 0, D2H: 0}
+        self.link_bytes = {H2D: 0, D2H: 0}
+        self.link_busy_us = {H2D: 0.0, D2H: 0.0}
+        self.error: SimError | None = None
+        self.task_log: list[tuple[int, float, float]] | None = None
+        self.transfer_log: list[tuple[int, str, int, float, float, float]] | None = None
+        self.fast_log: list[tuple[float, int]] | None = None
+        self.slow_log: list[tuple[float, int]] | None = None
+
+
+def run(
+    c: CompiledProgram,
+    links: Links,
+    fast_budget_bytes: int | None,
+    slow_budget_bytes: int | None,
+    record: bool,
+) -> Outcome:
+    """Run the compiled program to its end or its first failure."""
+    out = Outcome()
+    inf = math.inf
+    cap = inf if fast_budget_bytes is None else fast_budget_bytes
+    slow_cap = inf if slow_budget_bytes is None else slow_budget_bytes
+    size = c.size_bytes
+    n_obj, n_task = len(size), len(c.task_ids)
+    h2d_us = [links.h2d.latency_us + s / links.h2d.bw_bytes_per_us for s in size]
+    d2h_us = [links.d2h.latency_us + s / links.d2h.bw_bytes_per_us for s in size]
+    needs, reserve, footprint, cost = c.needs, c.reserve_bytes, c.footprint_bytes, c.cost_us
+    outputs, mutates, workspace = c.outputs, c.mutates, c.workspace_bytes
+    releases, offloads, prefetches = c.releases, c.offloads, c.prefetches
+
+    fast = [ABSENT] * n_obj
+    slow = [ABSENT] * n_obj
+    slow_space = [False] * n_obj
+    leaving = [False] * n_obj  # an offload (d2h) of it is queued or running
+    coming = [False] * n_obj  # a prefetch (h2d) of it is queued or running
+    lost_by = [-1] * n_obj  # the task whose release dropped its only copy
+    used = slow_used = 0
+    for o in c.initial_fast:
+        fast[o] = RESIDENT
+        used += size[o]
+    for o in c.initial_slow:
+        slow[o] = CURRENT
+        slow_space[o] = True
+        slow_used += size[o]
+    peak, slow_peak = used, slow_used
+    task_log = transfer_log = fast_log = slow_log = None
+    if record:
+        task_log, transfer_log = [], []
+        fast_log, slow_log = [(0.0, used)], [(0.0, slow_used)]
+    compute_busy = 0.0
+    h2d_n = d2h_n = h2d_bytes = d2h_bytes = 0
+    h2d_busy = d2h_busy = 0.0
+
+    # FIFOs: entries (object, enqueue_us, enqueuing task); the head is at index *_head.
+    h2d_q: list[tuple[int, float, int]] = []
+    d2h_q: list[tuple[int, float, int]] = []
+    h2d_head = d2h_head = 0
+    h2d_obj = d2h_obj = -1  # the transfer running on the link, -1 when idle
+    h2d_end = d2h_end = task_end = inf
+    h2d_start = d2h_start = task_start = 0.0
+    nxt = 0  # the next task to dispatch
+    running = -1
+    checked = -1  # the last task checked for certain failure when it became next
+    now = 0.0
+    error: SimError | None = None
+
+    if used > cap or slow_used > slow_cap:
+        which = "fast" if used > cap else "slow"
+        error = failure(
+            c,
+            FailureKind.INITIAL_OVERFLOW,
+            f"the objects that start in {which} memory take "
+            f"{used if which == 'fast' else slow_used} bytes, more than its budget "
+            f"{cap if which == 'fast' else slow_cap}",
+            now,
+            MemoryState(fast, used, fast_budget_bytes),
+            objects=c.initial_fast if which == "fast" else c.initial_slow,
+        )
+
+    while error is None:
+        # Every pass at this instant: completions (task, d2h, h2d), dispatch, d2h start,
+        # h2d start; passes repeat until one changes nothing.
+        progressed = True
+        while progressed and error is None:
+            progressed = False
+            if task_end <= now:
+                i = running
+                running = -1
+                task_end = inf
+                progressed = True
+                before = used
+                compute_busy += cost[i]
+                if record:
+                    task_log.append((i, task_start, now))
+                if workspace[i]:
+                    used -= workspace[i]
+                for o in outputs[i]:
+                    fast[o] = RESIDENT
+                for o in mutates[i]:
+                    if slow[o] == CURRENT:
+                        slow[o] = STALE
+                for o in releases[i]:
+                    if fast[o] != RESIDENT or leaving[o]:
+                        memory = MemoryState(fast, used, fast_budget_bytes)
+                        error = not_resident(c, "release", i, o, leaving, now, memory)
+                        break
+                    fast[o] = ABSENT
+                    used -= size[o]
+                    if slow[o] != CURRENT:
+                        lost_by[o] = i
+                for o in offloads[i] if error is None else ():
+                    if fast[o] != RESIDENT or leaving[o]:
+                        memory = MemoryState(fast, used, fast_budget_bytes)
+                        error = not_resident(c, "offload", i, o, leaving, now, memory)
+                        break
+                    if slow[o] == CURRENT:  # clean: its slow copy is current, just drop it
+                        fast[o] = ABSENT
+                        used -= size[o]
+                    else:
+                        leaving[o] = True
+                        d2h_q.append((o, now, i))
+                for o in prefetches[i] if error is None else ():
+                    if (
+                        coming[o]
+                        or (fast[o] and not leaving[o])
+                        or size[o] > cap
+                        or (slow[o] != CURRENT and not leaving[o])
+                    ):
+                        memory = MemoryState(fast, used, fast_budget_bytes)
+                        error = bad_prefetch(c, i, o, slow, leaving, coming, cap, now, memory)
+                        break
+                    coming[o] = True
+                    h2d_q.append((o, now, i))
+                if record and used != before:
+                    fast_log.append((now, used))
+                if error is not None:
+                    break
+            if d2h_end <= now:
+                o = d2h_obj
+                d2h_obj = -1
+                d2h_end = inf
+                progressed = True
+                slow[o] = CURRENT
+                leaving[o] = False
+                fast[o] = ABSENT
+                used -= size[o]
+                d2h_n += 1
+                d2h_bytes += size[o]
+                d2h_busy += now - d2h_start
+                if record:
+                    entry = d2h_q[d2h_head - 1]
+                    transfer_log.append((o, D2H, entry[2], entry[1], d2h_start, now))
+                    fast_log.append((now, used))
+            if h2d_end <= now:
+                o = h2d_obj
+                h2d_obj = -1
+                h2d_end = inf
+                progressed = True
+                fast[o] = RESIDENT
+                coming[o] = False
+                h2d_n += 1
+                h2d_bytes += size[o]
+                h2d_busy += now - h2d_start
+                if record:
+                    entry = h2d_q[h2d_head - 1]
+                    transfer_log.append((o, H2D, entry[2], entry[1], h2d_start, now))
+            if running < 0 and nxt < n_task:
+                if checked != nxt:
+                    checked = nxt
+                    if footprint[nxt] > cap:
+                        error = failure(
+                            c,
+                            FailureKind.FOOTPRINT,
+                            f"task {c.task_ids[nxt]!r} needs {footprint[nxt]} bytes resident "
+                            "at once (inputs + mutates + outputs + workspace), more than the "
+                            f"fast budget {cap}",
+                            now,
+                            MemoryState(fast, used, fast_budget_bytes),
+                            task=nxt,
+                        )
+                        break
+                    missing = [
+                        o for o in needs[nxt] if not coming[o] and (not fast[o] or leaving[o])
+                    ]
+                    if missing:
+                        error = describe_missing(
+                            c,
+                            now,
+                            MemoryState(fast, used, fast_budget_bytes),
+                            nxt,
+                            missing,
+                            lost_by,
+                        )
+                        break
+                if used + reserve[nxt] <= cap:
+                    for o in needs[nxt]:
+                        if fast[o] != RESIDENT or leaving[o]:
+                            break
+                    else:
+                        running = nxt
+                        nxt += 1
+                        used += reserve[running]
+                        if used > peak:
+                            peak = used
+                        task_start = now
+                        task_end = now + cost[running]
+                        progressed = True
+                        if record and reserve[running]:
+                            fast_log.append((now, used))
+            if d2h_obj < 0 and d2h_head < len(d2h_q):
+                o = d2h_q[d2h_head][0]
+                if not slow_space[o]:
+                    if slow_used + size[o] > slow_cap:
+                        error = failure(
+                            c,
+                            FailureKind.SLOW_BUDGET,
+                            f"the offload of {c.obj_ids[o]!r} needs {size[o]} bytes of slow "
+                            f"memory, but {slow_used} of the slow budget {slow_cap} are taken "
+                            "(slow space is never given back)",
+                            now,
+                            MemoryState(
+                                fast,
+                                used,
+                                fast_budget_bytes,
+                                reserve[running] if running >= 0 else 0,
+                            ),
+                            task=d2h_q[d2h_head][2],
+                            objects=(o,),
+                        )
+                        break
+                    slow_space[o] = True
+                    slow_used += size[o]
+                    if slow_used > slow_peak:
+                        slow_peak = slow_used
+                    if record:
+                        slow_log.append((now, slow_used))
+                d2h_head += 1
+                d2h_obj = o
+                d2h_start = now
+                d2h_end = now + d2h_us[o]
+                progressed = True
+            if h2d_obj < 0 and h2d_head < len(h2d_q):
+                o = h2d_q[h2d_head][0]
+                if slow[o] == CURRENT and used + size[o] <= cap:
+                    h2d_head += 1
+                    h2d_obj = o
+                    fast[o] = INCOMING
+                    used += size[o]
+                    if used > peak:
+                        peak = used
+                    h2d_start = now
+                    h2d_end = now + h2d_us[o]
+                    progressed = True
+                    if record:
+                        fast_log.append((now, used))
+        if error is not None:
+            break
+        if task_end == inf and d2h_end == inf and h2d_end == inf:
+            if nxt == n_task and d2h_head == len(d2h_q) and h2d_head == len(h2d_q):
+                break  # the end
+            waiting = [o for o in needs[nxt] if fast[o] != RESIDENT] if nxt < n_task else []
+            head = h2d_q[h2d_head][0] if h2d_head < len(h2d_q) else -1
+            error = describe_deadlock(
+                c,
+                now,
+                MemoryState(fast, used, fast_budget_bytes),
+                nxt if nxt < n_task else -1,
+                waiting,
+                head,
+                len(h2d_q) - h2d_head,
+            )
+            break
+        now = min(task_end, d2h_end, h2d_end)
+
+    if error is None:
+        error = final_locations(
+            c, fast, slow, lost_by, now, MemoryState(fast, used, fast_budget_bytes)
+        )
+    out.makespan_us = now
+    out.fast_peak_bytes = peak
+    out.slow_peak_bytes = slow_peak
+    out.compute_busy_us = compute_busy
+    out.link_transfers = {H2D: h2d_n, D2H: d2h_n}
+    out.link_bytes = {H2D: h2d_bytes, D2H: d2h_bytes}
+    out.link_busy_us = {H2D: h2d_busy, D2H: d2h_busy}
+    out.error = error
+    out.task_log, out.transfer_log = task_log, transfer_log
+    out.fast_log, out.slow_log = fast_log, slow_log
+    return out
