@@ -73,6 +73,9 @@ def _annotate(draw, objects: list[Obj], tasks: list[dict]) -> None:
         for obj in task["inputs"] + task["mutates"] + task["outputs"]:
             if where[obj] != "fast":
                 continue
+            following = tasks[index + 1] if index + 1 < len(tasks) else None
+            if following and obj in following["inputs"] + following["mutates"]:
+                continue  # needed next: no task in between could fetch it back
             choice = draw(st.sampled_from(["keep", "keep", "offload", "release"]))
             if choice == "offload":
                 task["offloads"].append(obj)
@@ -122,8 +125,8 @@ def test_virtual_backend_reproduces_the_simulator(program: Program) -> None:
 
 
 def test_the_generator_makes_mostly_valid_programs() -> None:
-    """Guard against a vacuous property: a good share of generated programs must run
-    (the rest fail on purpose: tight budgets, use after an offload that lost a race)."""
+    """Guard against a vacuous property: most generated programs must run (the rest fail
+    on purpose, mostly under tight budgets)."""
     valid = []
 
     @settings(max_examples=100, deadline=None, database=None)
@@ -132,4 +135,4 @@ def test_the_generator_makes_mostly_valid_programs() -> None:
         valid.append(simulate(program).valid)
 
     collect()
-    assert sum(valid) >= 0.35 * len(valid), f"only {sum(valid)} of {len(valid)} valid"
+    assert sum(valid) >= 0.5 * len(valid), f"only {sum(valid)} of {len(valid)} valid"
