@@ -11,10 +11,11 @@ from dataflow.engine.contract import (
     ResolverError,
 )
 from dataflow.engine.dispatcher import EngineRunError
-from dataflow.engine.engine import Engine, EngineLoadError
+from dataflow.engine.engine import BudgetBreachError, Engine, EngineLoadError
 from dataflow.engine.result import RunResult
 
 __all__ = [
+    "BudgetBreachError",
     "DictResolver",
     "Engine",
     "EngineLoadError",

@@ -20,6 +20,11 @@ from dataflow.schema import Program, validate
 BACKENDS = ("virtual", "torch")
 
 
+class BudgetBreachError(RuntimeError):
+    """The device allocator's own peak went over the budget: the plan's memory was not
+    honest (undeclared kernel workspace, say)."""
+
+
 class EngineLoadError(ValueError):
     """``Engine.load`` refused a program: names the object, task or field at fault."""
 
@@ -41,6 +46,7 @@ class Engine:
         self.predicted = None
         self._backend: Any = None
         self._ledger: Ledger | None = None
+        self._allocator_base = 0
 
     # -- load --------------------------------------------------------------------------
     def load(self, plan: Any, resolver: Resolver | None = None, *,
@@ -67,6 +73,7 @@ class Engine:
         if resolver is None:
             raise EngineLoadError("the torch backend needs a resolver to run tasks")
         executables = resolve_all(program.tasks, resolver, resolver_name)
+        self._allocator_base = _allocator_reset(self.device)
         self._backend = _torch_backend(program, executables, self.device, placement)
         self._put_initial(program, dict(initial or {}))
 
@@ -98,9 +105,16 @@ class Engine:
             if step:
                 self._carry_over(step, dict(feed(step)) if feed else {})
             traces.append(self._run_step(dict(values or {}, step=step)))
-        return RunResult.from_traces(self.program, self.backend_name, traces,
-                                     self.budget_bytes, predicted=self.predicted,
-                                     allocator_peak_bytes=self._allocator_peak())
+        result = RunResult.from_traces(self.program, self.backend_name, traces,
+                                       self.budget_bytes, predicted=self.predicted,
+                                       allocator_peak_bytes=self._allocator_peak())
+        peak, budget = result.allocator_peak_bytes, self.budget_bytes
+        if peak is not None and budget is not None and peak > budget:
+            raise BudgetBreachError(
+                f"the CUDA allocator's peak during load and run was {peak} bytes, over the "
+                f"budget of {budget} bytes (ledger peak {result.fast_peak_bytes}): some kernel "
+                "allocated memory its task did not declare as workspace_bytes")
+        return result
 
     def _run_step(self, values: dict[str, Any]) -> DispatchTrace:
         backend = self._backend
@@ -174,11 +188,24 @@ class Engine:
         return value.detach().to("cpu", copy=True)
 
     def _allocator_peak(self) -> int | None:
-        if self.backend_name != "torch" or self.device != "cuda":
+        """The device allocator's peak since load, less what was allocated before it."""
+        if self.backend_name != "torch" or not self.device.startswith("cuda"):
             return None
         import torch
 
-        return int(torch.cuda.max_memory_allocated())
+        torch.cuda.synchronize(self.device)
+        return int(torch.cuda.max_memory_allocated(self.device)) - self._allocator_base
+
+
+def _allocator_reset(device: str) -> int:
+    """On CUDA: reset the allocator's peak and return the bytes allocated before the load."""
+    if not device.startswith("cuda"):
+        return 0
+    import torch
+
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return int(torch.cuda.memory_allocated(device))
 
 
 def _torch_backend(program: Program, executables, device: str, placement: Any):
