@@ -1,0 +1,217 @@
+"""Cut selection: which gaps leave fast memory so that every task fits the capacity.
+
+One sweep over the tasks in chain order keeps the bytes each task would hold: its own uses
+and workspace, the kept gaps that span it, the prefetch windows that cover it (a prefetch
+issued when task ``p`` ends holds its object from task ``p+1`` to its use) and, as a *soft*
+charge, write-backs still in flight (an offload frees memory only when its transfer ends).
+Where a task is over the capacity, the sweep cuts, among the kept gaps that span it, the
+one the score ranks first, until the task fits. When no cut helps it delays prefetch
+windows that cover the task (later issue, less memory, maybe a stall), and as a last
+resort cuts dirty gaps whose write-back is still running (the task then waits for it).
+
+Scores (``SCORES``) rank a gap that spans the task; higher is cut first:
+
+- ``farthest``: next use farthest in time (Belady), clean before dirty, large first;
+- ``clean``: clean before dirty (a release costs no write-back), then farthest;
+- ``benefit``: bytes x µs freed per µs of link time the cut costs;
+- ``large``: largest first, then farthest.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+import attrs
+
+from dataflow.planning.intervals import Chain, Gaps, Origin
+
+#: score name -> (size_bytes, next_use_us, span_us, dirty, link_us) -> sort key (max first)
+SCORES: dict[str, Callable[[int, float, float, bool, float], tuple[float, ...]]] = {
+    "farthest": lambda size, next_us, span, dirty, link: (next_us, not dirty, size),
+    "clean": lambda size, next_us, span, dirty, link: (not dirty, next_us, size),
+    "benefit": lambda size, next_us, span, dirty, link: (size * span / link, next_us),
+    "large": lambda size, next_us, span, dirty, link: (size, next_us),
+}
+
+
+@attrs.frozen
+class Estimates:
+    """Link timing the sweep assumes. ``lead_us[g]`` / ``head_lead_us[o]``: how long before
+    its use a prefetch should start (default: its own transfer time); ``offload_end_us[g]``
+    when a gap's write-back ends, ``tail_end_us[o]`` when object ``o``'s final write-back
+    ends (default: its own transfer time after the task that issues it)."""
+
+    lead_us: dict[int, float] = attrs.field(factory=dict)
+    head_lead_us: dict[int, float] = attrs.field(factory=dict)
+    offload_end_us: dict[int, float] = attrs.field(factory=dict)
+    tail_end_us: dict[int, float] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class CutSelection:
+    """The gaps to cut (``cut[g]``); ``failed_task`` is the first task that cannot fit the
+    capacity even with every spanning gap cut and every window delayed (None: all fit)."""
+
+    cut: tuple[bool, ...]
+    failed_task: int | None
+    over_bytes: int = 0
+
+
+def issue_task(chain: Chain, use: int, lead_us: float) -> int:
+    """The latest task whose end is at least ``lead_us`` before task ``use`` starts (the
+    ideal, stall-free schedule); -1 when even task 0 ends too late."""
+    return chain.task_at_or_before(chain.start_us[use] - lead_us) - 1
+
+
+def select_cuts(
+    chain: Chain,
+    gaps: Gaps,
+    capacity_bytes: int,
+    score: str = "farthest",
+    estimates: Estimates | None = None,
+) -> CutSelection:
+    """Sweep the chain and cut gaps until every task fits ``capacity_bytes``."""
+    key_of = SCORES[score]
+    est = estimates or Estimates()
+    n = chain.n_tasks
+    start = chain.start_us
+    base = chain.base_bytes
+    objects = chain.objects
+    g_obj, g_a, g_b, g_size = gaps.obj, gaps.a, gaps.b, gaps.size_bytes
+    cut = [False] * len(g_obj)
+
+    entering: list[list[int]] = [[] for _ in range(n + 2)]
+    leaving: list[list[int]] = [[] for _ in range(n + 2)]
+    for g in range(len(g_obj)):
+        if g_b[g] - g_a[g] >= 2:
+            entering[g_a[g] + 1].append(g)
+            leaving[g_b[g]].append(g)
+    uses_at: list[list[tuple[int, bool]]] = [[] for _ in range(n + 1)]
+    last_use = [-1] * len(objects)
+    for life in objects:
+        for use, dirties in zip(life.uses, life.dirties, strict=True):
+            uses_at[use].append((life.index, dirties))
+        if life.uses:
+            last_use[life.index] = life.uses[-1]
+    tails_at: list[list[int]] = [[] for _ in range(n + 2)]
+    for life in objects:
+        if life.uses and life.final is not None and life.final.value == "slow":
+            tails_at[life.uses[-1] + 1].append(life.index)
+
+    # Prefetch windows: (object, use, issue task p, size); they cover p+1 .. use-1.
+    win_use: list[int] = []
+    win_p: list[int] = []
+    win_size: list[int] = []
+    window_diff = [0] * (n + 2)
+    windows_from: list[list[int]] = [[] for _ in range(n + 2)]
+
+    def add_window(use: int, p: int, size: int) -> None:
+        if p + 1 > use - 1:
+            return
+        w = len(win_use)
+        win_use.append(use)
+        win_p.append(p)
+        win_size.append(size)
+        window_diff[p + 1] += size
+        window_diff[use] -= size
+        windows_from[p + 1].append(w)
+
+    for life in objects:
+        if life.origin is Origin.SLOW and life.uses:
+            use = life.uses[0]
+            lead = est.head_lead_us.get(life.index, chain.h2d_us(life.size_bytes))
+            add_window(use, max(0, min(use - 1, issue_task(chain, use, lead))), life.size_bytes)
+
+    soft_diff = [0] * (n + 2)
+
+    def offload_end_task(end_us: float, a: int) -> int:
+        """The last task that starts while a write-back issued at the end of ``a`` runs."""
+        return max(a + 1, chain.task_at_or_before(end_us - 1e-9))
+
+    def gap_offload_end(g: int) -> int:
+        a = g_a[g]
+        default = start[a + 1] + chain.d2h_us(g_size[g])
+        return offload_end_task(est.offload_end_us.get(g, default), a)
+
+    def cut_gap(g: int, t: int) -> None:
+        """Cut gap ``g`` while sweeping task ``t``: its prefetch is issued at ``t`` or later."""
+        o, a, b, size = g_obj[g], g_a[g], g_b[g], g_size[g]
+        cut[g] = True
+        dirty[o] = False  # offloaded if it was dirty; the copy that comes back is clean
+        lead = est.lead_us.get(g, chain.h2d_us(size))
+        add_window(b, min(b - 1, max(t, a + 1, issue_task(chain, b, lead))), size)
+
+    def delay_window(w: int, t: int) -> None:
+        """Issue window ``w``'s prefetch when task ``t`` ends instead (it no longer covers t)."""
+        win_p[w] = t
+        window_diff[t + 1] += win_size[w]
+        if t + 1 <= win_use[w] - 1:
+            windows_from[t + 1].append(w)
+
+    dirty = [life.origin is Origin.FAST for life in objects]
+    candidates: list[tuple[tuple[float, ...], int]] = []  # (negated key, gap)
+    active_windows: list[tuple[int, int]] = []  # (-use, window)
+    kept = windows = soft = 0
+    failed, over = None, 0
+    for t in range(n + 1):
+        for o, dirties in uses_at[t]:
+            if dirties:
+                dirty[o] = True
+        for o in tails_at[t]:
+            if dirty[o]:
+                size = objects[o].size_bytes
+                default = start[t] + chain.d2h_us(size)
+                end = offload_end_task(est.tail_end_us.get(o, default), t - 1)
+                soft += size
+                soft_diff[end + 1] -= size
+        for g in leaving[t]:
+            if not cut[g]:
+                kept -= g_size[g]
+        for g in entering[t]:
+            kept += g_size[g]
+            o, size, b = g_obj[g], g_size[g], g_b[g]
+            link = chain.h2d_us(size) + (chain.d2h_us(size) if dirty[o] else 0.0)
+            key = key_of(size, start[b], start[b] - start[t], dirty[o], link)
+            heapq.heappush(candidates, (tuple(-k for k in key), g))
+        windows += window_diff[t]
+        soft += soft_diff[t]
+        for w in windows_from[t]:
+            heapq.heappush(active_windows, (-win_use[w], w))
+        hard = base[t] + kept + windows
+        if hard + soft <= capacity_bytes:
+            continue
+        deferred: list[tuple[tuple[float, ...], int]] = []
+        while hard + soft > capacity_bytes and (candidates or active_windows):
+            if candidates:
+                entry = heapq.heappop(candidates)
+                g = entry[1]
+                if cut[g] or g_b[g] <= t:
+                    continue
+                if dirty[g_obj[g]] and gap_offload_end(g) >= t:
+                    deferred.append(entry)  # its write-back would still hold the bytes
+                    continue
+                cut_gap(g, t)
+                kept -= g_size[g]
+                hard -= g_size[g]
+                continue
+            w = heapq.heappop(active_windows)[1]
+            if win_p[w] + 1 > t or win_use[w] - 1 < t:
+                continue  # ended, or already delayed past t (it re-enters later)
+            delay_window(w, t)
+            windows -= win_size[w]
+            hard -= win_size[w]
+        while hard > capacity_bytes and deferred:
+            g = heapq.heappop(deferred)[1]
+            end = gap_offload_end(g)
+            cut_gap(g, t)
+            kept -= g_size[g]
+            hard -= g_size[g]
+            soft += g_size[g]
+            soft_diff[end + 1] -= g_size[g]
+        for entry in deferred:
+            heapq.heappush(candidates, entry)
+        if hard > capacity_bytes:
+            failed, over = t, hard - capacity_bytes
+            break
+    return CutSelection(cut=tuple(cut), failed_task=failed, over_bytes=over)

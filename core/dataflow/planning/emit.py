@@ -1,0 +1,105 @@
+"""Directives from decisions: the annotated program for a set of cuts and prefetch issues.
+
+Per object, in use order, tracking whether its fast copy is dirty (no current slow copy):
+
+- after a use followed by a cut gap: ``offload`` when dirty (the copy that comes back is
+  clean), else ``release``; the gap's prefetch is issued where the placement put it;
+- after its last use: nothing when its final location is ``fast``; ``offload`` when it is
+  ``slow`` and the object is dirty; ``release`` otherwise (a dead object, or a clean one
+  whose slow copy is current): dropping a dead object is free;
+- an object that starts slow gets its head prefetch.
+
+Within a task: releases by object order; offloads by how soon the object is needed back
+(final write-backs last), so the ``d2h`` FIFO serves the urgent ones first; prefetches by
+deadline, then object order (the FIFO order the placement assumed).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from dataflow.planning.intervals import Chain, Gaps
+from dataflow.planning.prefetch import PrefetchPlan
+from dataflow.schema import Budget, Location, Program
+
+
+@attrs.frozen
+class Directives:
+    """Per task: (sort key, object index) lists, and what the ``d2h`` link will carry."""
+
+    releases: tuple[tuple[int, ...], ...]
+    offloads: tuple[tuple[int, ...], ...]
+    prefetches: tuple[tuple[int, ...], ...]
+    #: cut gap -> True when its object was dirty (an offload with a write-back)
+    dirty_cuts: dict[int, bool]
+    #: object -> task whose end issues its final write-back
+    tails: dict[int, int]
+
+
+def directives(chain: Chain, gaps: Gaps, cut: tuple[bool, ...], plan: PrefetchPlan) -> Directives:
+    n = chain.n_tasks
+    releases: list[list[int]] = [[] for _ in range(n)]
+    offloads: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    prefetches: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    for prefetch in plan.prefetches:
+        prefetches[prefetch.issue].append((prefetch.use, prefetch.obj))
+    dirty_cuts: dict[int, bool] = {}
+    tails: dict[int, int] = {}
+    for life in chain.objects:
+        o = life.index
+        dirty = False
+        first_gap = gaps.first_gap[o]
+        last = len(life.uses) - 1
+        for k, (use, dirties) in enumerate(zip(life.uses, life.dirties, strict=True)):
+            dirty = dirty or dirties
+            if k < last:
+                g = first_gap + k
+                if cut[g]:
+                    dirty_cuts[g] = dirty
+                    if dirty:
+                        offloads[use].append((gaps.b[g], o))
+                    else:
+                        releases[use].append(o)
+                    dirty = False
+                continue
+            if life.final is Location.FAST:
+                continue
+            if life.final is Location.SLOW and dirty:
+                offloads[use].append((n + 1, o))
+                tails[o] = use
+            else:
+                releases[use].append(o)
+    return Directives(
+        releases=tuple(tuple(sorted(r)) for r in releases),
+        offloads=tuple(tuple(o for _, o in sorted(off)) for off in offloads),
+        prefetches=tuple(tuple(o for _, o in sorted(pre)) for pre in prefetches),
+        dirty_cuts=dirty_cuts,
+        tails=tails,
+    )
+
+
+def annotate(
+    chain: Chain,
+    found: Directives,
+    budget_bytes: int,
+    slow_budget_bytes: int | None = None,
+) -> Program:
+    """The bare program with ``found``'s directives and the budget written in."""
+    program = chain.program
+    ids = [life.obj_id for life in chain.objects]
+    tasks = []
+    for t, task in enumerate(program.tasks):
+        rel, off, pre = found.releases[t], found.offloads[t], found.prefetches[t]
+        if rel or off or pre or task.releases or task.offloads or task.prefetches:
+            task = attrs.evolve(
+                task,
+                releases=tuple(ids[o] for o in rel),
+                offloads=tuple(ids[o] for o in off),
+                prefetches=tuple(ids[o] for o in pre),
+            )
+        tasks.append(task)
+    return attrs.evolve(
+        program,
+        tasks=tuple(tasks),
+        budget=Budget(fast_bytes=budget_bytes, slow_bytes=slow_budget_bytes),
+    )

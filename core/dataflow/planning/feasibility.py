@@ -1,0 +1,166 @@
+"""Which budgets a chain can be planned for, and the error that says so.
+
+No plan fits below the largest *base* of a task: its own footprint (inputs + mutates +
+outputs + workspace), plus, for task 0, every object that starts in fast memory, and, at
+the end, every object whose final location is ``fast``. Above that, whether a budget works
+is what the planner finds: the smallest budget that works is found by bisection, each
+step a planner search that stops at its first valid candidate.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from dataflow.planning.intervals import (
+    Chain,
+    Origin,
+    PlanningError,
+    build_chain,
+    no_offload_peak_bytes,
+)
+from dataflow.schema import Location, Program, validate
+from dataflow.units import format_size
+
+
+class InfeasibleBudget(PlanningError):
+    """No plan runs ``program_name`` within ``budget_bytes``.
+
+    ``minimal_budget_bytes`` is the smallest budget the planner found to work (by search);
+    ``task_id`` is the task whose own footprint (inputs + mutates + outputs + workspace,
+    ``footprint_bytes``) is the largest: when the two are equal, that task forces the
+    minimum. ``reason`` says what forces the minimum.
+    """
+
+    def __init__(
+        self,
+        program_name: str,
+        budget_bytes: int,
+        minimal_budget_bytes: int,
+        task_id: str | None,
+        footprint_bytes: int,
+        reason: str,
+    ):
+        self.program_name = program_name
+        self.budget_bytes = budget_bytes
+        self.minimal_budget_bytes = minimal_budget_bytes
+        self.task_id = task_id
+        self.footprint_bytes = footprint_bytes
+        self.reason = reason
+        super().__init__(
+            f"program {program_name!r} cannot run within a fast budget of "
+            f"{format_size(budget_bytes)} ({budget_bytes} bytes): the smallest budget that "
+            f"works is {format_size(minimal_budget_bytes)} ({minimal_budget_bytes} bytes); "
+            f"{reason}"
+        )
+
+
+def check_plannable(bare: Program, budget_bytes: int, slow_budget_bytes: int | None) -> Chain:
+    """The chain of a structurally valid bare program; raise ``PlanningError`` naming each
+    problem otherwise (budget-dependent problems are left to the search)."""
+    if budget_bytes < 1:
+        raise ValueError(f"budget_bytes must be >= 1, got {budget_bytes}")
+    problems = validate(attrs.evolve(bare, budget=None))
+    if problems:
+        listing = "\n".join(f"  - [{problem.code}] {problem.message}" for problem in problems)
+        raise PlanningError(f"program {bare.name!r} cannot be planned:\n{listing}")
+    chain = build_chain(bare)
+    if slow_budget_bytes is not None:
+        needed = sum(
+            life.size_bytes
+            for life in chain.objects
+            if life.origin is Origin.SLOW or life.final is Location.SLOW
+        )
+        if needed > slow_budget_bytes:
+            raise PlanningError(
+                f"program {bare.name!r} needs {format_size(needed)} ({needed} bytes) of slow "
+                "memory for the objects that start or end there, more than the slow budget "
+                f"of {format_size(slow_budget_bytes)} ({slow_budget_bytes} bytes)"
+            )
+    return chain
+
+
+def floor_bytes(chain: Chain) -> tuple[int, int]:
+    """(bytes, task index 0..n) of the largest base: no budget below it can work."""
+    best = max(range(chain.n_tasks + 1), key=lambda t: (chain.base_bytes[t], -t))
+    return chain.base_bytes[best], best
+
+
+def is_feasible(chain: Chain, budget_bytes: int, slow_budget_bytes: int | None) -> bool:
+    from dataflow.planning.pressurefit import search
+
+    if budget_bytes < floor_bytes(chain)[0]:
+        return False
+    found = search(
+        chain.program,
+        budget_bytes,
+        slow_budget_bytes=slow_budget_bytes,
+        first_valid=True,
+        chain=chain,
+    )
+    return found.best is not None
+
+
+def minimal_budget_bytes(chain: Chain, slow_budget_bytes: int | None = None) -> int:
+    """The smallest budget the planner finds a valid plan for (bisection)."""
+    low, _ = floor_bytes(chain)
+    if is_feasible(chain, low, slow_budget_bytes):
+        return low
+    high = max(no_offload_peak_bytes(chain), low + 1)
+    for _ in range(8):
+        if is_feasible(chain, high, slow_budget_bytes):
+            break
+        low, high = high, 2 * high
+    else:
+        raise PlanningError(
+            f"program {chain.program.name!r}: no fast budget up to {format_size(high)} "
+            f"({high} bytes) gives a valid plan"
+        )
+    while high - low > 1:
+        middle = (low + high) // 2
+        if is_feasible(chain, middle, slow_budget_bytes):
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def infeasible(chain: Chain, budget_bytes: int, slow_budget_bytes: int | None, found) -> Exception:
+    """The ``InfeasibleBudget`` for ``budget_bytes``, with the minimum found by search."""
+    minimum = minimal_budget_bytes(chain, slow_budget_bytes)
+    name = chain.program.name
+    if chain.n_tasks == 0:
+        return InfeasibleBudget(name, budget_bytes, minimum, None, 0, "there are no tasks")
+    largest = max(range(chain.n_tasks), key=lambda t: (chain.footprint_bytes[t], -t))
+    task_id = chain.task_ids[largest]
+    footprint = chain.footprint_bytes[largest]
+    own = (
+        f"task {task_id!r} needs {format_size(footprint)} ({footprint} bytes) resident at "
+        "once (inputs + mutates + outputs + workspace)"
+    )
+    floor, where = floor_bytes(chain)
+    if minimum == footprint:
+        reason = f"it is forced by {own}"
+    elif minimum == floor and where == 0:
+        reason = (
+            f"it is forced by task {chain.task_ids[0]!r} running while every object "
+            f"that starts in fast memory is resident ({format_size(floor)}); the "
+            f"largest task footprint: {own}"
+        )
+    elif minimum == floor and where == chain.n_tasks:
+        reason = (
+            f"it is forced by the objects whose final location is fast "
+            f"({format_size(floor)}); the largest task footprint: {own}"
+        )
+    else:
+        reason = (
+            f"the largest task footprint: {own}; above it, objects that must stay in "
+            "fast memory between their uses, or be brought back in time, force the rest"
+        )
+    return InfeasibleBudget(name, budget_bytes, minimum, task_id, footprint, reason)
+
+
+def minimal_budget(program: Program, *, slow_budget_bytes: int | None = None) -> int:
+    """The smallest fast budget PressureFit plans ``program``'s bare chain for."""
+    bare = program.bare()
+    chain = check_plannable(bare, 1, slow_budget_bytes)
+    return minimal_budget_bytes(chain, slow_budget_bytes)

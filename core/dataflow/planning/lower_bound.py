@@ -1,0 +1,93 @@
+"""Lower bounds on the makespan of any plan of a chain: no valid plan can finish sooner.
+
+Three bounds, each true for every plan the execution model allows:
+
+- **compute**: the tasks run one at a time, so the makespan is at least the sum of costs.
+- **link**: every object that starts in slow memory and is needed (by a task, or in fast
+  memory at the end) crosses ``h2d`` once before its first use; transfers start only when a
+  task has ended (directives fire at task ends), so none starts before task 0 ends, and one
+  link carries one transfer at a time. Task ``i`` therefore cannot start before
+  ``cost(task 0) + h2d time of every first load needed by tasks 0..i``. Every object whose
+  final location is ``slow`` and that ends dirty (created, mutated, or started in fast
+  memory) is written back after its last change, over ``d2h``, one at a time: the run
+  cannot end before the earliest end of task ``j`` plus the write-backs of every object
+  last changed at or after ``j``.
+- **volume** (needs a budget): at a task where the objects that must stay resident between
+  two uses exceed the budget, at least that excess must leave fast memory and come back
+  over ``h2d``, on top of the first loads.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from dataflow.planning.intervals import Chain, Origin, build_chain, build_gaps, kept_profile
+from dataflow.schema import Location, Program
+
+
+@attrs.frozen
+class LowerBound:
+    """The bounds, in µs; ``best_us`` is the largest (the one a plan is measured against)."""
+
+    compute_us: float
+    link_us: float
+    volume_us: float
+
+    @property
+    def best_us(self) -> float:
+        return max(self.compute_us, self.link_us, self.volume_us)
+
+
+def lower_bound(program: Program, budget_bytes: int | None = None) -> LowerBound:
+    """Lower bounds of ``program``'s bare chain (its directives are ignored); the volume
+    bound needs ``budget_bytes`` (else the program's own budget, else it is 0)."""
+    if budget_bytes is None and program.budget is not None:
+        budget_bytes = program.budget.fast_bytes
+    return chain_lower_bound(build_chain(program), budget_bytes)
+
+
+def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
+    n = chain.n_tasks
+    compute_us = chain.start_us[n]
+    if n == 0:
+        return LowerBound(0.0, 0.0, 0.0)
+    first_load_us = [0.0] * (n + 1)  # by the index of the first use
+    last_change: list[tuple[int, float]] = []  # (task index, write-back µs)
+    for life in chain.objects:
+        if not life.uses:
+            continue
+        if life.origin is Origin.SLOW:
+            first_load_us[life.uses[0]] += chain.h2d_us(life.size_bytes)
+        if life.final is Location.SLOW:
+            changed = [use for use, dirty in zip(life.uses, life.dirties, strict=True) if dirty]
+            if changed:
+                last_change.append((changed[-1], chain.d2h_us(life.size_bytes)))
+    cost = chain.cost_us
+    start_us, loads_us = 0.0, 0.0
+    earliest_end = []
+    for t in range(n):
+        loads_us += first_load_us[t]
+        if t and loads_us:
+            start_us = max(start_us, cost[0] + loads_us)
+        earliest_end.append(start_us + cost[t])
+        start_us += cost[t]
+    loads_us += first_load_us[n]
+    link_us = max(earliest_end[-1], cost[0] + loads_us if loads_us else 0.0)
+    write_back_us = [0.0] * (n + 1)
+    for t, us in last_change:
+        write_back_us[t] += us
+    after_us = 0.0
+    for t in range(n - 1, -1, -1):
+        after_us += write_back_us[t]
+        if after_us:
+            link_us = max(link_us, earliest_end[t] + after_us)
+    volume_us = 0.0
+    if budget_bytes is not None:
+        kept = kept_profile(chain, build_gaps(chain))
+        excess = max(
+            base + held - budget_bytes for base, held in zip(chain.base_bytes, kept, strict=True)
+        )
+        if excess > 0 or loads_us:
+            reload_us = chain.h2d_us(excess) if excess > 0 else 0.0
+            volume_us = cost[0] + loads_us + reload_us
+    return LowerBound(compute_us=compute_us, link_us=link_us, volume_us=volume_us)

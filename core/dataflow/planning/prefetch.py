@@ -1,0 +1,136 @@
+"""Prefetch placement: when each prefetch is issued, given the cuts.
+
+Every object that starts slow needs a *head* prefetch before its first use; every cut gap
+needs one before its next use. A prefetch issued when task ``p`` ends holds its object's
+bytes from task ``p+1`` until its use (from when its transfer starts, at the latest), so
+the issue task trades memory against stalls: too early wastes memory, too late stalls
+compute. Rules (``RULES``):
+
+- ``jit``: just in time. The ``h2d`` link is one FIFO, so prefetches are ordered by the
+  task that needs them (earliest deadline first: the order that minimises the worst delay
+  on one link) and scheduled backwards from their deadlines in the ideal, stall-free
+  timeline: each transfer ends when its task starts or when the next transfer starts,
+  whichever is first. Each is issued by the last task that ends before its planned start.
+- ``early``: as early as the gap allows (right after the cut; task 0 for a head). Most
+  hiding, most memory.
+- ``margin``: ``jit`` with every lead doubled (a margin against queueing the ideal
+  timeline does not see).
+
+Then every rule fits the windows into the capacity, earliest deadline first: where a window
+would push some task over, it starts after that task instead (a later issue: less memory,
+maybe a stall). A window never has to vanish, since its object is counted at its use
+anyway, so placement always succeeds once the cuts fit.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from dataflow.planning.intervals import Chain, Gaps, Origin, kept_profile
+
+RULES = ("jit", "early", "margin")
+
+
+@attrs.frozen
+class Prefetch:
+    """One prefetch: of object ``obj`` for its use at task ``use``; ``gap`` is the cut gap
+    it refills (-1 for a head); issued when task ``issue`` ends (``earliest <= issue``)."""
+
+    obj: int
+    use: int
+    gap: int
+    size_bytes: int
+    earliest: int
+    issue: int
+    planned_start_us: float
+
+
+@attrs.frozen
+class PrefetchPlan:
+    """Prefetches in deadline order and the bytes each task then holds (hard: write-backs
+    in flight not counted); ``planned_start_us`` feeds the next sweep's estimates."""
+
+    prefetches: tuple[Prefetch, ...]
+    held_bytes: tuple[int, ...]
+
+
+def prefetch_requests(chain: Chain, gaps: Gaps, cut: tuple[bool, ...]) -> list[tuple[int, ...]]:
+    """(use, obj, gap, earliest issue task) of every prefetch the cuts need, deadline order."""
+    requests = []
+    for life in chain.objects:
+        if life.origin is Origin.SLOW and life.uses:
+            requests.append((life.uses[0], life.index, -1, 0))
+    for g, is_cut in enumerate(cut):
+        if is_cut:
+            requests.append((gaps.b[g], gaps.obj[g], g, gaps.a[g] + 1))
+    requests.sort()
+    return requests
+
+
+def place_prefetches(
+    chain: Chain,
+    gaps: Gaps,
+    cut: tuple[bool, ...],
+    capacity_bytes: int,
+    rule: str = "jit",
+) -> PrefetchPlan:
+    """Issue task of every prefetch the cuts need, fitted into ``capacity_bytes``."""
+    if rule not in RULES:
+        raise ValueError(f"unknown prefetch rule {rule!r}; known: {', '.join(RULES)}")
+    start = chain.start_us
+    requests = prefetch_requests(chain, gaps, cut)
+    sizes = [chain.objects[obj].size_bytes for _, obj, _, _ in requests]
+    planned = [0.0] * len(requests)
+    next_start = float("inf")
+    stretch = 2.0 if rule == "margin" else 1.0
+    for k in range(len(requests) - 1, -1, -1):
+        use = requests[k][0]
+        transfer_us = chain.h2d_us(sizes[k])
+        planned[k] = min(start[use], next_start) - transfer_us * stretch
+        next_start = min(start[use], next_start) - transfer_us
+    held = [b + k for b, k in zip(chain.base_bytes, kept_profile(chain, gaps, cut), strict=True)]
+    placed = []
+    for k, (use, obj, gap, earliest) in enumerate(requests):
+        if rule == "early":
+            issue = earliest
+        else:
+            issue = chain.task_at_or_before(planned[k]) - 1
+        issue = min(use - 1, max(earliest, issue))
+        size = sizes[k]
+        for t in range(use - 1, issue, -1):
+            if held[t] + size > capacity_bytes:
+                issue = t
+                break
+        for t in range(issue + 1, use):
+            held[t] += size
+        placed.append(Prefetch(obj, use, gap, size, earliest, issue, planned[k]))
+    return PrefetchPlan(prefetches=tuple(placed), held_bytes=tuple(held))
+
+
+def offload_ends_us(
+    chain: Chain,
+    gaps: Gaps,
+    cut: tuple[bool, ...],
+    dirty_cuts: dict[int, bool],
+    tails: dict[int, int],
+) -> tuple[dict[int, float], dict[int, float]]:
+    """When each write-back ends if the ``d2h`` FIFO runs them in issue order from the
+    ideal timeline: (by cut gap, by object for final write-backs)."""
+    queue: list[tuple[int, int, int, int]] = []  # (issue task, next use, gap or -1, obj)
+    for g, is_dirty in dirty_cuts.items():
+        if cut[g] and is_dirty:
+            queue.append((gaps.a[g], gaps.b[g], g, gaps.obj[g]))
+    for obj, task in tails.items():
+        queue.append((task, chain.n_tasks + 1, -1, obj))
+    queue.sort()
+    free_us = 0.0
+    gap_end: dict[int, float] = {}
+    tail_end: dict[int, float] = {}
+    for task, _, g, obj in queue:
+        begin = max(chain.start_us[task + 1], free_us)
+        free_us = begin + chain.d2h_us(chain.objects[obj].size_bytes)
+        if g >= 0:
+            gap_end[g] = free_us
+        else:
+            tail_end[obj] = free_us
+    return gap_end, tail_end

@@ -1,0 +1,193 @@
+"""PressureFit: write a bare chain's directives so it runs within a fast-memory budget.
+
+It reads only task order, object sizes, lifetimes, task costs and link speeds. For each
+strategy of a small portfolio (a cut score x a prefetch rule):
+
+1. select cuts with one sweep over the chain (``cuts.select_cuts``);
+2. place the prefetches those cuts need (``prefetch.place_prefetches``);
+3. write the directives (``emit``) and simulate the candidate;
+4. run again with the link timing the last placement planned (queueing on the FIFO links
+   makes prefetches start earlier and write-backs end later than one transfer alone
+   would), a bounded number of rounds; a candidate the simulator rejects is repaired by
+   sweeping again at a smaller capacity, a bounded number of times.
+
+The best valid candidate wins (shortest makespan, then fewest bytes moved, then portfolio
+order); the search stops as soon as one reaches the lower bound. Deterministic: every
+choice is ordered by task and object position, never by hashing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from dataflow.planning.cuts import SCORES, CutSelection, Estimates, select_cuts
+from dataflow.planning.emit import annotate, directives
+from dataflow.planning.intervals import Chain, Gaps, build_chain, build_gaps
+from dataflow.planning.lower_bound import LowerBound, chain_lower_bound
+from dataflow.planning.prefetch import RULES, PrefetchPlan, offload_ends_us, place_prefetches
+from dataflow.schema import Budget, Program
+from dataflow.sim import SimResult, simulate
+
+
+@attrs.frozen
+class Strategy:
+    """One member of the portfolio: a cut score (``cuts.SCORES``) and a prefetch rule
+    (``prefetch.RULES``)."""
+
+    score: str = attrs.field(validator=attrs.validators.in_(sorted(SCORES)))
+    rule: str = attrs.field(validator=attrs.validators.in_(RULES))
+
+    def __str__(self) -> str:
+        return f"{self.score}/{self.rule}"
+
+
+PORTFOLIO: tuple[Strategy, ...] = (
+    Strategy("farthest", "jit"),
+    Strategy("clean", "jit"),
+    Strategy("benefit", "jit"),
+    Strategy("farthest", "margin"),
+    Strategy("large", "jit"),
+    Strategy("farthest", "early"),
+)
+
+#: Rounds per strategy that re-sweep with the link timing of the previous placement.
+ROUNDS = 2
+#: Re-sweeps at a smaller capacity allowed per strategy when a candidate fails to simulate.
+REPAIRS = 2
+
+
+@attrs.frozen
+class Candidate:
+    """One simulated candidate plan."""
+
+    strategy: Strategy
+    round_: int
+    capacity_bytes: int
+    program: Program
+    sim: SimResult
+
+    @property
+    def rank(self) -> tuple[float, int, int]:
+        return (
+            self.sim.makespan_us,
+            self.sim.h2d.bytes + self.sim.d2h.bytes,
+            self.sim.fast_peak_bytes,
+        )
+
+
+@attrs.frozen
+class SearchResult:
+    """What a search found: ``best`` (None when no candidate was valid), how many
+    candidates were simulated, the lower bound, and the first task no sweep could fit."""
+
+    best: Candidate | None
+    simulated: int
+    lower_bound: LowerBound
+    unfit_task: int | None
+    unfit_bytes: int
+
+
+def search(
+    program: Program,
+    budget_bytes: int,
+    *,
+    slow_budget_bytes: int | None = None,
+    portfolio: Sequence[Strategy] = PORTFOLIO,
+    rounds: int = ROUNDS,
+    repairs: int = REPAIRS,
+    first_valid: bool = False,
+    chain: Chain | None = None,
+) -> SearchResult:
+    """Try every strategy of ``portfolio`` on ``program``'s bare chain at ``budget_bytes``;
+    with ``first_valid`` stop at the first valid candidate (feasibility checks)."""
+    chain = chain or build_chain(program.bare())
+    gaps = build_gaps(chain)
+    bound = chain_lower_bound(chain, budget_bytes)
+    target_us = bound.best_us * (1 + 1e-9)
+    best: Candidate | None = None
+    seen: dict[tuple[tuple[int, ...], ...], SimResult] = {}
+    simulated = 0
+    unfit: CutSelection | None = None
+    for strategy in portfolio:
+        estimates = Estimates()
+        capacity = budget_bytes
+        repairs_left = repairs
+        round_ = 0
+        while round_ < rounds:
+            selection = select_cuts(chain, gaps, capacity, strategy.score, estimates)
+            if selection.failed_task is not None:
+                if unfit is None or selection.failed_task < (unfit.failed_task or 0):
+                    unfit = selection
+                break
+            placement = place_prefetches(chain, gaps, selection.cut, budget_bytes, strategy.rule)
+            found = directives(chain, gaps, selection.cut, placement)
+            key = (found.releases, found.offloads, found.prefetches)
+            sim = seen.get(key)
+            planned = annotate(chain, found, budget_bytes, slow_budget_bytes)
+            if sim is None:
+                sim = simulate(
+                    planned, slow_budget_bytes=slow_budget_bytes, record=False, check=False
+                )
+                seen[key] = sim
+                simulated += 1
+            if not sim.valid:
+                if repairs_left == 0:
+                    break
+                repairs_left -= 1
+                capacity = _smaller(chain, capacity)
+                continue
+            candidate = Candidate(strategy, round_, capacity, planned, sim)
+            if best is None or candidate.rank < best.rank:
+                best = candidate
+            if first_valid or best.sim.makespan_us <= target_us:
+                return SearchResult(best, simulated, bound, None, 0)
+            estimates = _estimates(chain, gaps, selection.cut, placement, found)
+            round_ += 1
+    unfit_task = unfit.failed_task if unfit is not None and best is None else None
+    unfit_bytes = unfit.over_bytes if unfit is not None and best is None else 0
+    return SearchResult(best, simulated, bound, unfit_task, unfit_bytes)
+
+
+def _smaller(chain: Chain, capacity_bytes: int) -> int:
+    """A capacity one eighth of the way down to the least any task needs."""
+    floor = max(chain.base_bytes, default=0)
+    return max(floor, capacity_bytes - max(1, (capacity_bytes - floor) // 8))
+
+
+def _estimates(
+    chain: Chain, gaps: Gaps, cut: tuple[bool, ...], placement: PrefetchPlan, found
+) -> Estimates:
+    """Link timing of a placement, for the next sweep: each prefetch's planned lead over
+    its use, each write-back's end on a FIFO ``d2h`` link."""
+    lead: dict[int, float] = {}
+    head: dict[int, float] = {}
+    for prefetch in placement.prefetches:
+        lead_us = chain.start_us[prefetch.use] - prefetch.planned_start_us
+        if prefetch.gap >= 0:
+            lead[prefetch.gap] = lead_us
+        else:
+            head[prefetch.obj] = lead_us
+    gap_end, tail_end = offload_ends_us(chain, gaps, cut, found.dirty_cuts, found.tails)
+    return Estimates(lead_us=lead, head_lead_us=head, offload_end_us=gap_end, tail_end_us=tail_end)
+
+
+def plan_pressurefit(
+    program: Program, budget_bytes: int, *, slow_budget_bytes: int | None = None
+) -> Program:
+    """The registered planner: ``program``'s bare chain with PressureFit's directives and
+    the budget written in. Raises ``InfeasibleBudget`` (with the smallest budget that
+    works) when no plan fits ``budget_bytes``."""
+    from dataflow.planning.feasibility import check_plannable, infeasible
+
+    bare = program.bare()
+    if slow_budget_bytes is None and program.budget is not None:
+        slow_budget_bytes = program.budget.slow_bytes
+    chain = check_plannable(bare, budget_bytes, slow_budget_bytes)
+    if chain.n_tasks == 0:
+        return attrs.evolve(bare, budget=Budget(budget_bytes, slow_budget_bytes))
+    found = search(bare, budget_bytes, slow_budget_bytes=slow_budget_bytes, chain=chain)
+    if found.best is None:
+        raise infeasible(chain, budget_bytes, slow_budget_bytes, found)
+    return found.best.program
