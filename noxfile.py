@@ -13,7 +13,7 @@ import nox
 ROOT = Path(__file__).parent
 TORCH_CPU = "torch==2.13.0"
 PLUGIN_FOLDERS = ("families", "resolvers", "kernels", "plugins")
-EXAMPLE_PACKAGES = ("examples/third_party_plugin",)
+EXAMPLE_PACKAGES = ("examples/third_party_plugin", "examples/custom_program")
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
