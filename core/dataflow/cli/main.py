@@ -17,6 +17,7 @@ import dataflow
 BUILTIN_COMMANDS: dict[str, str] = {
     "validate": "dataflow.cli.validate:validate_command",
     "plugins": "dataflow.cli.plugins_cmd:plugins_group",
+    "simulate": "dataflow.cli.simulate:simulate_command",
     "trace": "dataflow.cli.trace:trace_command",
 }
 

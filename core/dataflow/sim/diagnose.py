@@ -116,14 +116,14 @@ def describe_deadlock(
             )
     if h2d_head >= 0:
         parts.append(
-            f"the h2d queue ({h2d_queued} prefetches) is blocked at its head, the prefetch of "
+            f"the h2d queue ({h2d_queued} queued) is blocked at its head, the prefetch of "
             f"{ids[h2d_head]!r}, which needs {size[h2d_head]} bytes ({free} bytes free)"
         )
     objects = waiting if next_task >= 0 else ([h2d_head] if h2d_head >= 0 else [])
     return failure(
         compiled,
         FailureKind.DEADLOCK,
-        "deadlock: " + "; ".join(parts),
+        "; ".join(parts),
         time_us,
         memory,
         task=next_task,

@@ -127,7 +127,8 @@ def annotated_chains(
             task.workspace_bytes + sum(sizes[obj] for obj in task.uses) for task in program.tasks
         )
         start = sum(obj.size_bytes for obj in program.objects if obj.location is Location.FAST)
-        floor = max(floor, start)
+        kept = sum(sizes[obj] for obj, at in program.final_locations.items() if at is Location.FAST)
+        floor = max(floor, start, kept)
         program = attrs.evolve(
             program, budget=Budget(draw(st.integers(floor, floor + sum(sizes.values()))))
         )

@@ -1,0 +1,117 @@
+"""``dataflow simulate PROGRAM.json``: price an annotated program, print a summary table.
+
+Exits 1 when the program is malformed, structurally invalid, or cannot run (deadlock,
+use of a dropped object, ...), after printing why. ``--trace OUT.json`` writes the
+timeline as Chrome trace-event JSON (also for a failed run, up to the failure).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from dataflow.cli.validate import load_program
+from dataflow.sim import InvalidProgramError, SimResult, simulate
+from dataflow.units import format_size, parse_size
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@click.command("simulate")
+@click.argument("program_path", metavar="PROGRAM.json", type=click.Path(dir_okay=False))
+@click.option(
+    "--budget",
+    "budget_bytes",
+    callback=_size,
+    metavar="SIZE",
+    help="fast-memory budget, e.g. 4GiB (default: the program's; none: unbounded)",
+)
+@click.option(
+    "--slow-budget",
+    "slow_budget_bytes",
+    callback=_size,
+    metavar="SIZE",
+    help="slow-memory budget (default: the program's; none: unbounded)",
+)
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(dir_okay=False, writable=True),
+    metavar="OUT.json",
+    help="write the timeline as Chrome trace-event JSON (open it in ui.perfetto.dev)",
+)
+def simulate_command(
+    program_path: str,
+    budget_bytes: int | None,
+    slow_budget_bytes: int | None,
+    trace_path: str | None,
+) -> None:
+    """Simulate PROGRAM.json under the execution model and summarize the run."""
+    program = load_program(program_path)
+    try:
+        result = simulate(program, budget_bytes=budget_bytes, slow_budget_bytes=slow_budget_bytes)
+    except InvalidProgramError as exc:
+        click.echo(f"{program_path}: {exc}", err=True)
+        sys.exit(1)
+    Console().print(summary_table(result, title=f"{program_path}: {program.name}"))
+    if trace_path is not None:
+        result.to_chrome_trace(trace_path)
+        click.echo(f"wrote {trace_path} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    if not result.valid:
+        click.echo(f"{program_path}: the program cannot run: {result.error}", err=True)
+        sys.exit(1)
+
+
+def summary_table(result: SimResult, *, title: str = "") -> Table:
+    """Makespan, memory peaks, link load and compute idle time of ``result``."""
+    table = Table(title=title or result.program_name, show_header=True, header_style="bold")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_column("detail")
+    status = "[green]valid[/]" if result.valid else f"[red]fails: {result.error.kind}[/]"
+    table.add_row("result", status, "" if result.valid else f"at {result.makespan_us:,.1f} us")
+    table.add_row("makespan", f"{result.makespan_us:,.1f} us", _count(len(result.tasks), "task"))
+    table.add_row(
+        "compute idle",
+        f"{100 * result.compute_idle_fraction:.1f} %",
+        f"{result.compute_idle_us:,.1f} us idle, {result.compute_busy_us:,.1f} us busy",
+    )
+    table.add_row(
+        "fast peak",
+        format_size(result.fast_peak_bytes),
+        _of_budget(result.fast_peak_bytes, result.fast_budget_bytes),
+    )
+    table.add_row(
+        "slow peak",
+        format_size(result.slow_peak_bytes),
+        _of_budget(result.slow_peak_bytes, result.slow_budget_bytes),
+    )
+    for stats in (result.h2d, result.d2h):
+        table.add_row(
+            f"{stats.direction} link",
+            f"{100 * stats.busy_fraction:.1f} % busy",
+            f"{format_size(stats.bytes)} in {_count(stats.transfers, 'transfer')}, "
+            f"{stats.busy_us:,.1f} us",
+        )
+    return table
+
+
+def _count(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def _of_budget(peak_bytes: int, budget_bytes: int | None) -> str:
+    if budget_bytes is None:
+        return "no budget"
+    share = 100 * peak_bytes / budget_bytes if budget_bytes else 0.0
+    return f"{share:.1f} % of {format_size(budget_bytes)}"
