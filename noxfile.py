@@ -43,7 +43,7 @@ def install_project(session: nox.Session, *, examples: bool = False) -> None:
 def tests(session: nox.Session) -> None:
     """Run the whole CPU test suite (GPU tests skip themselves without CUDA)."""
     install_project(session, examples=True)
-    session.run("pytest", *(session.posargs or ["-q"]))
+    session.run("pytest", *(session.posargs or ["-q", "tests", *EXAMPLE_PACKAGES]))
 
 
 @nox.session

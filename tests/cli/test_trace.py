@@ -16,8 +16,9 @@ chain = pytest.importorskip("dataflow_resolver_matmul_chain.chain")
 
 def _annotated(tmp_path: Path) -> Path:
     program = chain.build_program(layers=2, dim=8, batch=4)
-    objects = tuple(attrs.evolve(o, location="fast") if o.id.startswith("W_") else o
-                    for o in program.objects)
+    objects = tuple(
+        attrs.evolve(o, location="fast") if o.id.startswith("W_") else o for o in program.objects
+    )
     last = attrs.evolve(program.tasks[-1], offloads=("dW_0", "dW_1"))
     program = attrs.evolve(program, objects=objects, tasks=(*program.tasks[:-1], last))
     path = tmp_path / "planned.json"

@@ -30,10 +30,15 @@ def _resolver() -> DictResolver:
 def _program(**fields) -> Program:
     base = Program(
         name="tiny",
-        objects=(Obj("a", 16, "data", "fast", F32x4), Obj("w", 16, "param", "slow", F32x4),
-                 Obj("b", 16, "activation", tensor=F32x4)),
-        tasks=(Task("t0", "k", "one", inputs=("a",), outputs=("b",), prefetches=("w",)),
-               Task("t1", "k", "two", inputs=("b",), mutates=("w",), offloads=("w",))),
+        objects=(
+            Obj("a", 16, "data", "fast", F32x4),
+            Obj("w", 16, "param", "slow", F32x4),
+            Obj("b", 16, "activation", tensor=F32x4),
+        ),
+        tasks=(
+            Task("t0", "k", "one", inputs=("a",), outputs=("b",), prefetches=("w",)),
+            Task("t1", "k", "two", inputs=("b",), mutates=("w",), offloads=("w",)),
+        ),
         final_locations={"w": "slow"},
     )
     return attrs.evolve(base, **fields)
@@ -52,24 +57,32 @@ def test_a_small_program_runs_and_its_values_read_back() -> None:
 
 def test_unknown_compute_key_fails_at_load_naming_task_and_resolver() -> None:
     program = _program()
-    program = attrs.evolve(program, tasks=(attrs.evolve(program.tasks[0], compute_key="three"),
-                                           program.tasks[1]))
-    with pytest.raises(ResolverError, match="task 't0': resolver 'fill' cannot run compute key "
-                       "'three'.*known keys: one, two"):
+    program = attrs.evolve(
+        program, tasks=(attrs.evolve(program.tasks[0], compute_key="three"), program.tasks[1])
+    )
+    with pytest.raises(
+        ResolverError,
+        match="task 't0': resolver 'fill' cannot run compute key 'three'.*known keys: one, two",
+    ):
         Engine("torch").load(program, _resolver(), initial=_initial(), resolver_name="fill")
 
 
 def test_missing_and_unknown_initial_values_are_named() -> None:
-    with pytest.raises(EngineLoadError, match="no initial value for 'w'.*objects that do not "
-                       "exist at start: 'b'"):
-        Engine("torch").load(_program(), _resolver(),
-                             initial={"a": torch.zeros(4), "b": torch.zeros(4)})
+    with pytest.raises(
+        EngineLoadError, match="no initial value for 'w'.*objects that do not exist at start: 'b'"
+    ):
+        Engine("torch").load(
+            _program(), _resolver(), initial={"a": torch.zeros(4), "b": torch.zeros(4)}
+        )
 
 
 def test_initial_value_of_the_wrong_size() -> None:
-    with pytest.raises(ValueError, match="initial value of 'a' has 32 bytes, the program "
-                       "declares 16"):
-        Engine("torch").load(_program(), _resolver(), initial={"a": torch.zeros(8), "w": torch.zeros(4)})
+    with pytest.raises(
+        ValueError, match="initial value of 'a' has 32 bytes, the program declares 16"
+    ):
+        Engine("torch").load(
+            _program(), _resolver(), initial={"a": torch.zeros(8), "w": torch.zeros(4)}
+        )
 
 
 def test_structurally_invalid_program_is_refused() -> None:
@@ -81,12 +94,15 @@ def test_structurally_invalid_program_is_refused() -> None:
 @pytest.mark.parametrize("backend", ["virtual", "torch"])
 def test_use_of_a_never_fetched_object_names_it(backend: str) -> None:
     program = _program()
-    program = attrs.evolve(program, tasks=(attrs.evolve(program.tasks[0], prefetches=()),
-                                           program.tasks[1]))
+    program = attrs.evolve(
+        program, tasks=(attrs.evolve(program.tasks[0], prefetches=()), program.tasks[1])
+    )
     engine = Engine(backend)
     engine.load(program, _resolver(), initial=_initial())
-    with pytest.raises(EngineRunError, match="task 't1' needs 'w', but it is not in fast memory "
-                       "and nothing prefetches it") as caught:
+    with pytest.raises(
+        EngineRunError,
+        match="task 't1' needs 'w', but it is not in fast memory and nothing prefetches it",
+    ) as caught:
         engine.run()
     assert caught.value.task == "t1" and caught.value.objects == ("w",)
 
@@ -95,20 +111,25 @@ def test_deadlock_names_the_blocked_task_and_memory() -> None:
     # 'w' (16 B) is prefetched, but the budget leaves no room for it next to 'a' and 'b'.
     engine = Engine("virtual", budget_bytes=40)
     engine.load(_program())
-    with pytest.raises(EngineRunError, match="deadlock: task 't1' cannot start: waiting for w.*"
-                       "h2d head: 'w'.*fast memory in use: 32 bytes") as caught:
+    with pytest.raises(
+        EngineRunError,
+        match="deadlock: task 't1' cannot start: waiting for w.*"
+        "h2d head: 'w'.*fast memory in use: 32 bytes",
+    ) as caught:
         engine.run()
     assert caught.value.kind == "deadlock" and caught.value.task == "t1"
 
 
 def test_final_locations_are_checked() -> None:
     program = _program()
-    program = attrs.evolve(program, tasks=(program.tasks[0],
-                                           attrs.evolve(program.tasks[1], offloads=())))
+    program = attrs.evolve(
+        program, tasks=(program.tasks[0], attrs.evolve(program.tasks[1], offloads=()))
+    )
     engine = Engine("virtual")
     engine.load(program)
-    with pytest.raises(EngineRunError, match="'w' should end in slow memory but has no current "
-                       "slow copy"):
+    with pytest.raises(
+        EngineRunError, match="'w' should end in slow memory but has no current slow copy"
+    ):
         engine.run()
 
 
@@ -126,8 +147,9 @@ def test_a_failing_executable_is_reported_with_its_task() -> None:
 
 def test_fetch_of_a_dropped_object() -> None:
     program = _program()
-    program = attrs.evolve(program, tasks=(program.tasks[0],
-                                           attrs.evolve(program.tasks[1], releases=("b",))))
+    program = attrs.evolve(
+        program, tasks=(program.tasks[0], attrs.evolve(program.tasks[1], releases=("b",)))
+    )
     engine = Engine("torch")
     engine.load(program, _resolver(), initial=_initial())
     engine.run()

@@ -8,10 +8,12 @@ import pytest
 torch = pytest.importorskip("torch")
 chain = pytest.importorskip("dataflow_resolver_matmul_chain.chain")
 
-from dataflow.engine import Engine  # noqa: E402
-from dataflow.planning import place, plan  # noqa: E402
 from dataflow_resolver_matmul_chain.reference import reference_gradients  # noqa: E402
 from dataflow_resolver_matmul_chain.resolver import build  # noqa: E402
+
+from dataflow.engine import Engine  # noqa: E402
+from dataflow.planning import plan  # noqa: E402
+from dataflow.planning.placement import place  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 LAYERS = 6

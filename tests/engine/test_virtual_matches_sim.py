@@ -19,8 +19,10 @@ from dataflow.sim import simulate
 @st.composite
 def annotated_programs(draw) -> Program:
     n_start = draw(st.integers(1, 5))
-    objects = [Obj(f"o{i}", draw(st.integers(1, 400)), "param",
-                   draw(st.sampled_from(["fast", "slow"]))) for i in range(n_start)]
+    objects = [
+        Obj(f"o{i}", draw(st.integers(1, 400)), "param", draw(st.sampled_from(["fast", "slow"])))
+        for i in range(n_start)
+    ]
     objects[0] = attrs.evolve(objects[0], location="fast")
     existing = [obj.id for obj in objects]
     tasks: list[dict] = []
@@ -30,19 +32,37 @@ def annotated_programs(draw) -> Program:
         outputs = [f"t{index}o{k}" for k in range(draw(st.integers(0, 2)))]
         objects += [Obj(out, draw(st.integers(1, 300)), "activation") for out in outputs]
         existing += outputs
-        tasks.append({"id": f"t{index}", "kind": "k", "compute_key": "k",
-                      "inputs": [u for u in uses if u not in mutates], "mutates": mutates,
-                      "outputs": outputs, "cost_us": float(draw(st.integers(0, 50))),
-                      "workspace_bytes": draw(st.integers(0, 100)),
-                      "releases": [], "offloads": [], "prefetches": []})
+        tasks.append(
+            {
+                "id": f"t{index}",
+                "kind": "k",
+                "compute_key": "k",
+                "inputs": [u for u in uses if u not in mutates],
+                "mutates": mutates,
+                "outputs": outputs,
+                "cost_us": float(draw(st.integers(0, 50))),
+                "workspace_bytes": draw(st.integers(0, 100)),
+                "releases": [],
+                "offloads": [],
+                "prefetches": [],
+            }
+        )
     _annotate(draw, objects, tasks)
-    links = Links(h2d=Link(float(draw(st.integers(1, 40))), float(draw(st.integers(0, 5)))),
-                  d2h=Link(float(draw(st.integers(1, 40))), float(draw(st.integers(0, 5)))))
-    program = Program(name="random", objects=tuple(objects),
-                      tasks=tuple(Task(**task) for task in tasks), links=links)
+    links = Links(
+        h2d=Link(float(draw(st.integers(1, 40))), float(draw(st.integers(0, 5)))),
+        d2h=Link(float(draw(st.integers(1, 40))), float(draw(st.integers(0, 5)))),
+    )
+    program = Program(
+        name="random",
+        objects=tuple(objects),
+        tasks=tuple(Task(**task) for task in tasks),
+        links=links,
+    )
     if draw(st.booleans()):
-        floor = max(sum(program.obj(o).size_bytes for o in set(t.uses)) + t.workspace_bytes
-                    for t in program.tasks)
+        floor = max(
+            sum(program.obj(o).size_bytes for o in set(t.uses)) + t.workspace_bytes
+            for t in program.tasks
+        )
         program = program.with_budget(floor + draw(st.integers(0, 1500)))
     return program
 
@@ -112,10 +132,13 @@ def test_virtual_backend_reproduces_the_simulator(program: Program) -> None:
     assert [(t.task, t.start_us, t.end_us) for t in trace.tasks] == [
         (t.task_id, t.start_us, t.end_us) for t in predicted.tasks
     ]
-    measured = sorted((t.end_us, t.direction, t.obj, t.enqueue_us, t.start_us, t.by_task)
-                      for t in trace.transfers)
-    expected = sorted((t.end_us, t.direction, t.obj_id, t.enqueue_us, t.start_us, t.enqueued_by)
-                      for t in predicted.transfers)
+    measured = sorted(
+        (t.end_us, t.direction, t.obj, t.enqueue_us, t.start_us, t.by_task) for t in trace.transfers
+    )
+    expected = sorted(
+        (t.end_us, t.direction, t.obj_id, t.enqueue_us, t.start_us, t.enqueued_by)
+        for t in predicted.transfers
+    )
     assert measured == expected
     assert _normalized(trace.fast_counter) == _normalized(predicted.fast_memory)
     assert _normalized(trace.slow_counter) == _normalized(predicted.slow_memory)

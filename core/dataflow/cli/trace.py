@@ -27,11 +27,13 @@ def random_initial(program, seed: int):
         if not program.exists_at_start(obj.id):
             continue
         if obj.tensor is None:
-            values[obj.id] = torch.randint(0, 256, (obj.size_bytes,), generator=generator,
-                                           dtype=torch.uint8)
+            values[obj.id] = torch.randint(
+                0, 256, (obj.size_bytes,), generator=generator, dtype=torch.uint8
+            )
         elif torch_dtype(obj.tensor.dtype).is_floating_point:
             values[obj.id] = torch.randn(obj.tensor.shape, generator=generator).to(
-                torch_dtype(obj.tensor.dtype))
+                torch_dtype(obj.tensor.dtype)
+            )
         else:
             values[obj.id] = torch.zeros(obj.tensor.shape, dtype=torch_dtype(obj.tensor.dtype))
     return values
@@ -39,15 +41,26 @@ def random_initial(program, seed: int):
 
 @click.command("trace")
 @click.argument("program_path", metavar="PLANNED.json", type=click.Path(dir_okay=False))
-@click.option("--resolver", "resolver_name", required=True,
-              help="name of an installed resolver (see `dataflow plugins list`)")
+@click.option(
+    "--resolver",
+    "resolver_name",
+    required=True,
+    help="name of an installed resolver (see `dataflow plugins list`)",
+)
 @click.option("--budget", default=None, help="fast-memory budget (default: the program's)")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
 @click.option("--steps", default=1, show_default=True, help="steps to run; the last is traced")
 @click.option("--seed", default=0, show_default=True, help="seed of the random start values")
 @click.option("-o", "--output", default="trace.json", show_default=True, type=click.Path())
-def trace_command(program_path: str, resolver_name: str, budget: str | None, device: str,
-                  steps: int, seed: int, output: str) -> None:
+def trace_command(
+    program_path: str,
+    resolver_name: str,
+    budget: str | None,
+    device: str,
+    steps: int,
+    seed: int,
+    output: str,
+) -> None:
     """Write the predicted and the measured timeline of PLANNED.json into one trace."""
     from dataflow.engine import Engine, EngineRunError
     from dataflow.plugins import resolvers
@@ -65,8 +78,12 @@ def trace_command(program_path: str, resolver_name: str, budget: str | None, dev
         click.echo(f"{program_path}: the simulator says it cannot run: {predicted.error}", err=True)
         sys.exit(1)
     with Engine("torch", budget_bytes=budget_bytes, device=device) as engine:
-        engine.load(program, spec.build(program), initial=random_initial(program, seed),
-                    resolver_name=resolver_name)
+        engine.load(
+            program,
+            spec.build(program),
+            initial=random_initial(program, seed),
+            resolver_name=resolver_name,
+        )
         engine.predicted = predicted
         try:
             result = engine.run(steps=steps)

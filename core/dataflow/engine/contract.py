@@ -70,7 +70,9 @@ def resolve_all(tasks: tuple[Task, ...], resolver: Resolver, name: str) -> list[
         except KeyError as exc:
             raise ResolverError(task, name, f"unknown key ({exc})") from None
         if not isinstance(executable, Executable):
-            raise ResolverError(task, name, f"returned {type(executable).__name__}, not an Executable")
+            raise ResolverError(
+                task, name, f"returned {type(executable).__name__}, not an Executable"
+            )
         executables.append(executable)
     return executables
 

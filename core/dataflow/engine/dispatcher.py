@@ -78,14 +78,25 @@ class EngineRunError(RuntimeError):
     """A run that cannot go on: ``kind`` is ``deadlock`` or ``error``; names the task, the
     objects involved and fast memory at that moment."""
 
-    def __init__(self, kind: str, message: str, *, task: str | None, objects: tuple[str, ...],
-                 fast_used_bytes: int, resident: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        kind: str,
+        message: str,
+        *,
+        task: str | None,
+        objects: tuple[str, ...],
+        fast_used_bytes: int,
+        resident: tuple[str, ...],
+    ) -> None:
         self.kind, self.task, self.objects = kind, task, objects
         self.fast_used_bytes, self.resident = fast_used_bytes, resident
-        super().__init__(
-            f"{kind}: {message} (fast memory in use: {fast_used_bytes} bytes; resident: "
+        memory = (
+            f" (fast memory in use: {fast_used_bytes} bytes; resident: "
             f"{', '.join(resident) or 'nothing'})"
+            if fast_used_bytes >= 0
+            else ""
         )
+        super().__init__(f"{kind}: {message}{memory}")
 
 
 @attrs.frozen
@@ -104,8 +115,13 @@ class DispatchTrace:
 class Dispatcher:
     """One run of ``program`` on ``backend`` within the given budgets."""
 
-    def __init__(self, program: Program, backend: Backend, fast_budget_bytes: int | None,
-                 slow_budget_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        program: Program,
+        backend: Backend,
+        fast_budget_bytes: int | None,
+        slow_budget_bytes: int | None = None,
+    ) -> None:
         self.program, self.backend = program, backend
         self.tasks = program.tasks
         self.ledger = Ledger(program, fast_budget_bytes, slow_budget_bytes)
@@ -172,7 +188,9 @@ class Dispatcher:
             return False
         reserve = task.workspace_bytes + sum(ledger.size[obj] for obj in task.outputs)
         if not ledger.fits_fast(reserve):
-            self._check_can_ever_fit(task.id, reserve + sum(ledger.size[o] for o in task.inputs + task.mutates))
+            self._check_can_ever_fit(
+                task.id, reserve + sum(ledger.size[o] for o in task.inputs + task.mutates)
+            )
             return False
         if not all(self.backend.can_alloc_fast(obj) for obj in task.outputs):
             return False
@@ -195,8 +213,12 @@ class Dispatcher:
             if not ledger.slow_space_ready(obj):
                 budget = ledger.slow_budget_bytes
                 if budget is not None and ledger.size[obj] > budget:
-                    self._error(f"offload of {obj!r} needs {ledger.size[obj]} bytes of slow "
-                                f"memory but the slow budget is {budget}", transfer.by_task, (obj,))
+                    self._error(
+                        f"offload of {obj!r} needs {ledger.size[obj]} bytes of slow "
+                        f"memory but the slow budget is {budget}",
+                        transfer.by_task,
+                        (obj,),
+                    )
                 return False
             ledger.ensure_slow_space(obj)
             self._count_slow()
@@ -264,18 +286,31 @@ class Dispatcher:
         for obj in task.prefetches:
             incoming = ledger.fast[obj] is not Fast.ABSENT and obj not in ledger.offload_pending
             if incoming or self.pending_prefetch.get(obj):
-                self._error(f"task {task.id!r} prefetches {obj!r}, which is already in fast "
-                            "memory or on its way", task.id, (obj,))
+                self._error(
+                    f"task {task.id!r} prefetches {obj!r}, which is already in fast "
+                    "memory or on its way",
+                    task.id,
+                    (obj,),
+                )
             if ledger.slow[obj] is not Slow.CURRENT and obj not in ledger.offload_pending:
-                self._error(f"task {task.id!r} prefetches {obj!r}, which has no current slow "
-                            "copy to read", task.id, (obj,))
+                self._error(
+                    f"task {task.id!r} prefetches {obj!r}, which has no current slow copy to read",
+                    task.id,
+                    (obj,),
+                )
             self.pending_prefetch[obj] = self.pending_prefetch.get(obj, 0) + 1
             self._enqueue(task.id, obj, "h2d")
         self._count_fast()
 
     def _enqueue(self, task_id: str, obj: str, direction: str) -> None:
-        transfer = TransferRecord(len(self.transfers), obj, direction, self.ledger.size[obj],
-                                  task_id, self.backend.now_us())
+        transfer = TransferRecord(
+            len(self.transfers),
+            obj,
+            direction,
+            self.ledger.size[obj],
+            task_id,
+            self.backend.now_us(),
+        )
         self.transfers.append(transfer)
         self.queues[direction].append(transfer)
 
@@ -301,9 +336,14 @@ class Dispatcher:
     # -- failures ----------------------------------------------------------------------
     def _error(self, message: str, task: str | None, objects: tuple[str, ...], kind: str = "error"):
         ledger = self.ledger
-        raise EngineRunError(kind, message, task=task, objects=objects,
-                             fast_used_bytes=ledger.fast_used_bytes,
-                             resident=tuple(ledger.resident_objects()))
+        raise EngineRunError(
+            kind,
+            message,
+            task=task,
+            objects=objects,
+            fast_used_bytes=ledger.fast_used_bytes,
+            resident=tuple(ledger.resident_objects()),
+        )
 
     def _check_start(self) -> None:
         ledger = self.ledger
@@ -312,17 +352,25 @@ class Dispatcher:
             ("slow", ledger.slow_used_bytes, ledger.slow_budget_bytes),
         ):
             if budget is not None and used > budget:
-                self._error(f"the objects that start in {memory} memory take {used} bytes, "
-                            f"more than its budget {budget}", None, ())
+                self._error(
+                    f"the objects that start in {memory} memory take {used} bytes, "
+                    f"more than its budget {budget}",
+                    None,
+                    (),
+                )
 
     def _require_resident(self, task_id: str, directive: str, obj: str) -> None:
         ledger = self.ledger
         if ledger.fast[obj] is not Fast.RESIDENT:
-            self._error(f"task {task_id!r} {directive}s {obj!r}, which is not resident",
-                        task_id, (obj,))
+            self._error(
+                f"task {task_id!r} {directive}s {obj!r}, which is not resident", task_id, (obj,)
+            )
         if obj in ledger.offload_pending:
-            self._error(f"task {task_id!r} {directive}s {obj!r}, which has an offload pending",
-                        task_id, (obj,))
+            self._error(
+                f"task {task_id!r} {directive}s {obj!r}, which has an offload pending",
+                task_id,
+                (obj,),
+            )
 
     def _fail_never_resident(self, task_id: str, obj: str) -> None:
         if obj in self.dropped_by:
@@ -337,18 +385,27 @@ class Dispatcher:
         budget = self.ledger.fast_budget_bytes
         if budget is not None and size_bytes > budget:
             what = f"prefetch of {prefetch!r}" if prefetch else f"task {task_id!r}"
-            self._error(f"{what} needs {size_bytes} bytes of fast memory at once but the "
-                        f"budget is {budget}", task_id, (prefetch,) if prefetch else ())
+            self._error(
+                f"{what} needs {size_bytes} bytes of fast memory at once but the "
+                f"budget is {budget}",
+                task_id,
+                (prefetch,) if prefetch else (),
+            )
 
     def _deadlock(self) -> None:
         ledger = self.ledger
         if self.next_task < len(self.tasks):
             task = self.tasks[self.next_task]
-            waits = tuple(obj for obj in task.inputs + task.mutates
-                          if ledger.fast[obj] is not Fast.RESIDENT or obj in ledger.offload_pending)
+            waits = tuple(
+                obj
+                for obj in task.inputs + task.mutates
+                if ledger.fast[obj] is not Fast.RESIDENT or obj in ledger.offload_pending
+            )
             blocked = task.id
-            message = (f"task {task.id!r} cannot start: waiting for "
-                       f"{', '.join(waits) if waits else 'room for its outputs and workspace'}")
+            message = (
+                f"task {task.id!r} cannot start: waiting for "
+                f"{', '.join(waits) if waits else 'room for its outputs and workspace'}"
+            )
         else:
             blocked, waits = None, ()
             message = "all tasks ran but queued transfers can never start"
@@ -366,5 +423,8 @@ class Dispatcher:
             if location is Location.SLOW and ledger.slow[obj] is not Slow.CURRENT:
                 wrong.append(f"{obj!r} should end in slow memory but has no current slow copy")
         if wrong:
-            self._error("final locations do not hold: " + "; ".join(wrong), None,
-                        tuple(self.program.final_locations))
+            self._error(
+                "final locations do not hold: " + "; ".join(wrong),
+                None,
+                tuple(self.program.final_locations),
+            )

@@ -1,9 +1,9 @@
 """``Engine``: load a planned program with a resolver and initial values, run it, read back.
 
-    engine = Engine("torch", budget_bytes=plan_budget, device="cpu")
-    engine.load(plan, resolver, initial={"W_0": w0, ...})
-    result = engine.run(steps=3)
-    w0_after = engine.fetch("W_0")
+engine = Engine("torch", budget_bytes=plan_budget, device="cpu")
+engine.load(plan, resolver, initial={"W_0": w0, ...})
+result = engine.run(steps=3)
+w0_after = engine.fetch("W_0")
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from dataflow.engine.contract import Resolver, resolve_all
-from dataflow.engine.dispatcher import DispatchTrace, Dispatcher, EngineRunError
+from dataflow.engine.dispatcher import Dispatcher, DispatchTrace, EngineRunError
 from dataflow.engine.ledger import Fast, Ledger, Slow
 from dataflow.engine.result import RunResult
 from dataflow.schema import Program, validate
@@ -36,8 +36,14 @@ class Engine:
     ``cpu`` or ``cuda``). ``budget_bytes`` is the fast-memory budget the run must stay in.
     """
 
-    def __init__(self, backend: str = "torch", budget_bytes: int | None = None,
-                 slow_budget_bytes: int | None = None, *, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        backend: str = "torch",
+        budget_bytes: int | None = None,
+        slow_budget_bytes: int | None = None,
+        *,
+        device: str = "cpu",
+    ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown engine backend {backend!r}; known: {', '.join(BACKENDS)}")
         self.backend_name, self.device = backend, device
@@ -49,13 +55,21 @@ class Engine:
         self._allocator_base = 0
 
     # -- load --------------------------------------------------------------------------
-    def load(self, plan: Any, resolver: Resolver | None = None, *,
-             initial: Mapping[str, Any] | None = None, resolver_name: str = "resolver",
-             placement: Any = None) -> None:
+    def load(
+        self,
+        plan: Any,
+        resolver: Resolver | None = None,
+        *,
+        initial: Mapping[str, Any] | None = None,
+        resolver_name: str = "resolver",
+        placement: Any = None,
+    ) -> None:
         """Load ``plan`` (a ``Plan`` from ``dataflow.planning.plan`` or an annotated
         ``Program``). Every task is resolved now: an unknown compute key fails here, naming
         the task and the resolver. ``initial`` gives a tensor for every object that exists at
         start (torch backend)."""
+        if placement is not None:
+            plan = placement.plan  # place() may have re-planned at a smaller capacity
         program = plan.program if hasattr(plan, "program") else plan
         self.predicted = getattr(plan, "sim", None)
         problems = validate(program)
@@ -86,15 +100,22 @@ class Engine:
             if missing:
                 parts.append(f"no initial value for {', '.join(map(repr, missing))}")
             if unknown:
-                parts.append(f"initial values for objects that do not exist at start: "
-                             f"{', '.join(map(repr, unknown))}")
+                parts.append(
+                    f"initial values for objects that do not exist at start: "
+                    f"{', '.join(map(repr, unknown))}"
+                )
             raise EngineLoadError("; ".join(parts))
         for obj in at_start:
             self._backend.put_initial(obj, initial[obj])
 
     # -- run ---------------------------------------------------------------------------
-    def run(self, steps: int = 1, *, values: Mapping[str, Any] | None = None,
-            feed: Callable[[int], Mapping[str, Any]] | None = None) -> RunResult:
+    def run(
+        self,
+        steps: int = 1,
+        *,
+        values: Mapping[str, Any] | None = None,
+        feed: Callable[[int], Mapping[str, Any]] | None = None,
+    ) -> RunResult:
         """Run the program ``steps`` times. Between steps, every object that exists at start
         is put back where it starts: from where the last step left it, or from
         ``feed(step)`` (a mapping of fresh values, e.g. the next batch)."""
@@ -105,15 +126,21 @@ class Engine:
             if step:
                 self._carry_over(step, dict(feed(step)) if feed else {})
             traces.append(self._run_step(dict(values or {}, step=step)))
-        result = RunResult.from_traces(self.program, self.backend_name, traces,
-                                       self.budget_bytes, predicted=self.predicted,
-                                       allocator_peak_bytes=self._allocator_peak())
+        result = RunResult.from_traces(
+            self.program,
+            self.backend_name,
+            traces,
+            self.budget_bytes,
+            predicted=self.predicted,
+            allocator_peak_bytes=self._allocator_peak(),
+        )
         peak, budget = result.allocator_peak_bytes, self.budget_bytes
         if peak is not None and budget is not None and peak > budget:
             raise BudgetBreachError(
                 f"the CUDA allocator's peak during load and run was {peak} bytes, over the "
                 f"budget of {budget} bytes (ledger peak {result.fast_peak_bytes}): some kernel "
-                "allocated memory its task did not declare as workspace_bytes")
+                "allocated memory its task did not declare as workspace_bytes"
+            )
         return result
 
     def _run_step(self, values: dict[str, Any]) -> DispatchTrace:
@@ -139,9 +166,14 @@ class Engine:
             value = self._current_value(obj.id)
             if value is None:
                 raise EngineRunError(
-                    "error", f"step {step}: object {obj.id!r} exists at start but step "
-                    f"{step - 1} left no value of it; give one through feed", task=None,
-                    objects=(obj.id,), fast_used_bytes=-1, resident=())
+                    "error",
+                    f"step {step}: object {obj.id!r} exists at start but step "
+                    f"{step - 1} left no value of it; give one through feed",
+                    task=None,
+                    objects=(obj.id,),
+                    fast_used_bytes=-1,
+                    resident=(),
+                )
             values[obj.id] = value.clone()
         backend.fast.buffers.clear()
         backend.fast.reset_occurrences()
@@ -183,8 +215,10 @@ class Engine:
             raise KeyError(f"no object {obj!r} in the loaded program")
         value = self._current_value(obj)
         if value is None:
-            raise KeyError(f"object {obj!r} has no value after the run: it was dropped "
-                           "(released, or never created)")
+            raise KeyError(
+                f"object {obj!r} has no value after the run: it was dropped "
+                "(released, or never created)"
+            )
         return value.detach().to("cpu", copy=True)
 
     def _allocator_peak(self) -> int | None:
@@ -227,5 +261,45 @@ def _torch_backend(program: Program, executables, device: str, placement: Any):
 
 
 def _placement_layout(placement: Any) -> dict[str, Any]:
-    raise NotImplementedError  # wired to dataflow.planning.Placement below
+    """Arena size, offsets by (object, occurrence) and the region rule from a Placement.
 
+    The k-th time an object becomes resident it takes its k-th block (blocks in time
+    order). A block may begin only once every earlier block that overlaps it in the arena
+    has ended. Workspace blocks are left out: kernels take workspace from the framework
+    allocator, which the CUDA budget check counts.
+    """
+    by_obj: dict[str, list[Any]] = {}
+    blocks = sorted(
+        (b for b in placement.blocks if b.obj_id is not None),
+        key=lambda b: (b.start_us, b.end_us, b.obj_id),
+    )
+    keys = {}
+    for block in blocks:
+        occurrences = by_obj.setdefault(block.obj_id, [])
+        keys[id(block)] = (block.obj_id, len(occurrences))
+        occurrences.append(block)
+    predecessors: dict[tuple[str, int], tuple[tuple[str, int], ...]] = {}
+    for block in blocks:
+        predecessors[keys[id(block)]] = tuple(
+            keys[id(other)]
+            for other in blocks
+            if other.end_us <= block.start_us
+            and other is not block
+            and other.offset_bytes < block.end_bytes
+            and block.offset_bytes < other.end_bytes
+        )
+
+    def offset_of(obj: str, occurrence: int) -> int:
+        try:
+            return by_obj[obj][occurrence].offset_bytes
+        except (KeyError, IndexError):
+            raise EngineLoadError(
+                f"the placement has no block for residency {occurrence} of {obj!r}: it was "
+                "made for another plan"
+            ) from None
+
+    return {
+        "arena_bytes": placement.arena_bytes,
+        "offset_of": offset_of,
+        "predecessors": predecessors,
+    }

@@ -26,7 +26,9 @@ class Slow(enum.IntEnum):
 class Ledger:
     """Per-object state plus fast/slow bytes in use and their peaks."""
 
-    def __init__(self, program: Program, fast_budget_bytes: int | None, slow_budget_bytes: int | None):
+    def __init__(
+        self, program: Program, fast_budget_bytes: int | None, slow_budget_bytes: int | None
+    ):
         self.program = program
         self.fast_budget_bytes = fast_budget_bytes
         self.slow_budget_bytes = slow_budget_bytes

@@ -10,8 +10,14 @@ import attrs
 
 from dataflow.engine.dispatcher import DispatchTrace
 from dataflow.schema import Program
-from dataflow.timeline import Counter, TaskSpan, Timeline, TransferSpan, chrome_trace
-from dataflow.timeline import write_trace_document
+from dataflow.timeline import (
+    Counter,
+    TaskSpan,
+    Timeline,
+    TransferSpan,
+    chrome_trace,
+    write_trace_document,
+)
 
 
 @attrs.frozen
@@ -33,9 +39,16 @@ class RunResult:
     allocator_peak_bytes: int | None = None
 
     @classmethod
-    def from_traces(cls, program: Program, backend: str, traces: list[DispatchTrace],
-                    budget_bytes: int | None, *, predicted: Any = None,
-                    allocator_peak_bytes: int | None = None) -> RunResult:
+    def from_traces(
+        cls,
+        program: Program,
+        backend: str,
+        traces: list[DispatchTrace],
+        budget_bytes: int | None,
+        *,
+        predicted: Any = None,
+        allocator_peak_bytes: int | None = None,
+    ) -> RunResult:
         return cls(program, backend, tuple(traces), budget_bytes, predicted, allocator_peak_bytes)
 
     @property
@@ -67,15 +80,28 @@ class RunResult:
         return Timeline(
             name=name or f"{self.program.name} (measured, {self.backend})",
             tasks=[
-                TaskSpan(record.task, record.start_us, record.end_us,
-                         kind=tasks[record.task].kind,
-                         args={"cost_us": tasks[record.task].cost_us,
-                               "measured_us": record.end_us - record.start_us})
+                TaskSpan(
+                    record.task,
+                    record.start_us,
+                    record.end_us,
+                    kind=tasks[record.task].kind,
+                    args={
+                        "cost_us": tasks[record.task].cost_us,
+                        "measured_us": record.end_us - record.start_us,
+                    },
+                )
                 for record in trace.tasks
             ],
             transfers=[
-                TransferSpan(t.obj, t.direction, t.size_bytes, t.start_us, t.end_us,
-                             enqueue_us=t.enqueue_us, enqueued_by=t.by_task)
+                TransferSpan(
+                    t.obj,
+                    t.direction,
+                    t.size_bytes,
+                    t.start_us,
+                    t.end_us,
+                    enqueue_us=t.enqueue_us,
+                    enqueued_by=t.by_task,
+                )
                 for t in trace.transfers
                 if t.start_us is not None and t.end_us is not None
             ],
@@ -83,12 +109,16 @@ class RunResult:
                 Counter("fast memory", trace.fast_counter, limit=budget),
                 Counter("slow memory", trace.slow_counter),
             ],
-            metadata={"source": "dataflow.engine", "backend": self.backend,
-                      "makespan_us": trace.makespan_us},
+            metadata={
+                "source": "dataflow.engine",
+                "backend": self.backend,
+                "makespan_us": trace.makespan_us,
+            },
         )
 
-    def to_chrome_trace(self, path: str | Path | None = None, *, step: int = -1,
-                        with_prediction: bool = True) -> dict[str, Any]:
+    def to_chrome_trace(
+        self, path: str | Path | None = None, *, step: int = -1, with_prediction: bool = True
+    ) -> dict[str, Any]:
         """The trace-event document of one step; with the plan's prediction beside it as a
         second process when the loaded plan carried a recorded simulation."""
         timelines = [self.to_timeline(step)]

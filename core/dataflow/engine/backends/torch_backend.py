@@ -38,8 +38,11 @@ class TorchBackend:
         self.runner = runner
         self.name = f"torch-{device.type}"
         self.objs = program.objects_by_id
-        slow_ids = {obj.id for obj in program.objects if program.exists_at_start(obj.id)
-                    and obj.location is Location.SLOW}
+        slow_ids = {
+            obj.id
+            for obj in program.objects
+            if program.exists_at_start(obj.id) and obj.location is Location.SLOW
+        }
         for task in program.tasks:
             slow_ids.update(task.offloads)
         self.slow = SlowPool([obj for obj in program.objects if obj.id in slow_ids], device)
@@ -55,8 +58,10 @@ class TorchBackend:
         """Place the start value of an object that exists at start, where it starts."""
         data = as_bytes(tensor.detach())
         if data.numel() != self.objs[obj].size_bytes:
-            raise ValueError(f"initial value of {obj!r} has {data.numel()} bytes, the program "
-                             f"declares {self.objs[obj].size_bytes}")
+            raise ValueError(
+                f"initial value of {obj!r} has {data.numel()} bytes, the program "
+                f"declares {self.objs[obj].size_bytes}"
+            )
         if self.objs[obj].location is Location.FAST:
             buffer = self.fast.buffers.get(obj)
             if buffer is None:

@@ -27,8 +27,9 @@ class CpuRunner:
         self.origin = time.perf_counter()
         self.lanes = {kind: queue.Queue() for kind in OpKind}
         for kind, lane in self.lanes.items():
-            threading.Thread(target=self._work, args=(lane,), daemon=True,
-                             name=f"dataflow-{kind.name.lower()}").start()
+            threading.Thread(
+                target=self._work, args=(lane,), daemon=True, name=f"dataflow-{kind.name.lower()}"
+            ).start()
 
     def start_run(self) -> None:
         self.origin = time.perf_counter()
@@ -55,13 +56,16 @@ class CpuRunner:
                 continue
             self.done.put(Completion(kind, ref, start, self._now_us()))
 
-    def submit_task(self, index: int, task_id: str, executable: Executable,
-                    ctx: LaunchContext) -> None:
-        self.lanes[OpKind.TASK].put((OpKind.TASK, index, f"task {task_id!r}",
-                                     lambda: executable.launch(ctx)))
+    def submit_task(
+        self, index: int, task_id: str, executable: Executable, ctx: LaunchContext
+    ) -> None:
+        self.lanes[OpKind.TASK].put(
+            (OpKind.TASK, index, f"task {task_id!r}", lambda: executable.launch(ctx))
+        )
 
-    def submit_copy(self, serial: int, obj: str, direction: str, dst: torch.Tensor,
-                    src: torch.Tensor) -> None:
+    def submit_copy(
+        self, serial: int, obj: str, direction: str, dst: torch.Tensor, src: torch.Tensor
+    ) -> None:
         job: Callable[[], object] = lambda: dst.copy_(src)  # noqa: E731
         self.lanes[_KIND[direction]].put((_KIND[direction], serial, f"{direction} of {obj!r}", job))
 

@@ -45,14 +45,16 @@ class CudaRunner:
             end.record(stream)
         self.in_flight.append((kind, ref, start, end))
 
-    def submit_task(self, index: int, task_id: str, executable: Executable,
-                    ctx: LaunchContext) -> None:
+    def submit_task(
+        self, index: int, task_id: str, executable: Executable, ctx: LaunchContext
+    ) -> None:
         began = time.perf_counter()
         self._submit(OpKind.TASK, index, lambda: executable.launch(ctx))
         self.launch_host_us.append((time.perf_counter() - began) * 1e6)
 
-    def submit_copy(self, serial: int, obj: str, direction: str, dst: torch.Tensor,
-                    src: torch.Tensor) -> None:
+    def submit_copy(
+        self, serial: int, obj: str, direction: str, dst: torch.Tensor, src: torch.Tensor
+    ) -> None:
         self._submit(_KIND[direction], serial, lambda: dst.copy_(src, non_blocking=True))
 
     def wait(self) -> list[Completion]:

@@ -68,8 +68,13 @@ class SlowPool:
 class FastStore:
     """Fast-memory buffers by object; ``offset_of(obj, occurrence)`` comes from a placement."""
 
-    def __init__(self, sizes: dict[str, int], device: torch.device, arena_bytes: int | None,
-                 offset_of: Callable[[str, int], int] | None) -> None:
+    def __init__(
+        self,
+        sizes: dict[str, int],
+        device: torch.device,
+        arena_bytes: int | None,
+        offset_of: Callable[[str, int], int] | None,
+    ) -> None:
         self.sizes, self.device = sizes, device
         self.offset_of = offset_of
         self.arena = (

@@ -46,5 +46,3 @@ def build(program: Program) -> DictResolver:
             "tanh_matmul_backward": _factory(TanhMatmulBackward),
         },
     )
-
-
