@@ -55,23 +55,27 @@ def compile_program(program: Program) -> CompiledProgram:
         if obj.id not in created and obj.location is Location.SLOW
     )
 
+    position_of = index.__getitem__
+    size_of = size_bytes.__getitem__
+
     def ids(names: tuple[str, ...]) -> tuple[int, ...]:
-        return tuple(index[name] for name in names)
+        return tuple(map(position_of, names)) if names else ()
 
     needs, mutates, outputs, releases, offloads, prefetches = [], [], [], [], [], []
     reserve_bytes, footprint_bytes = [], []
     for task in program.tasks:
-        task_needs = ids(task.inputs + task.mutates)
+        task_mutates = ids(task.mutates)
+        task_needs = ids(task.inputs) + task_mutates
         task_outputs = ids(task.outputs)
-        reserve = task.workspace_bytes + sum(size_bytes[obj] for obj in task_outputs)
+        reserve = task.workspace_bytes + sum(map(size_of, task_outputs))
         needs.append(task_needs)
-        mutates.append(ids(task.mutates))
+        mutates.append(task_mutates)
         outputs.append(task_outputs)
         releases.append(ids(task.releases))
         offloads.append(ids(task.offloads))
         prefetches.append(ids(task.prefetches))
         reserve_bytes.append(reserve)
-        footprint_bytes.append(reserve + sum(size_bytes[obj] for obj in task_needs))
+        footprint_bytes.append(reserve + sum(map(size_of, task_needs)))
     finals = program.final_locations.items()
     return CompiledProgram(
         obj_ids=obj_ids,
