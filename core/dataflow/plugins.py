@@ -169,13 +169,21 @@ class DataflowPluginManager(pluggy.PluginManager):
         implements a hook that has no spec.
         """
         source = _Source(distribution or _plugin_label(plugin), version, entry_point)
-        name = f"{source.distribution}:{entry_point.split(' = ')[0]}" if entry_point else None
+        name = self._free_name(
+            f"{source.distribution}:{entry_point.split(' = ')[0]}"
+            if entry_point
+            else _plugin_label(plugin)
+        )
         try:
-            name = self.register(plugin, name=name)
-        except (ValueError, pluggy.PluginValidationError) as exc:
-            self._mark_broken(name or _plugin_label(plugin), source, f"cannot register: {exc}")
+            self.register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:
+            if self.get_plugin(name) is plugin:  # pluggy leaves it half registered
+                self.unregister(plugin)
+            self._mark_broken(name, source, f"cannot register: {exc}")
             return False
-        assert name is not None  # register returns None only for a blocked name
+        except ValueError as exc:  # this very object is registered already
+            self._mark_broken(name, source, f"cannot register: {exc}")
+            return False
         self._sources[name] = source
         unknown = sorted(c.name for c in self.get_hookcallers(plugin) or () if not c.has_spec())
         if unknown:
@@ -186,6 +194,13 @@ class DataflowPluginManager(pluggy.PluginManager):
             )
             return False
         return True
+
+    def _free_name(self, wanted: str) -> str:
+        name, count = wanted, 1
+        while self.has_plugin(name):
+            count += 1
+            name = f"{wanted}#{count}"
+        return name
 
     def load_entry_points(self, selection: _Selection) -> None:
         """Import and register every selected entry point of the group ``dataflow``."""
@@ -391,6 +406,16 @@ def build_plugin_manager(
     environment variables when given; ``extra`` plugin objects are always registered."""
     manager = DataflowPluginManager()
     manager.load_entry_points(_selection(autoload, allow))
+    return _finish(manager, extra)
+
+
+def isolated_plugin_manager(*plugins: object) -> DataflowPluginManager:
+    """A fresh manager holding only ``plugins``: no entry point is read or loaded, and the
+    environment is ignored."""
+    return _finish(DataflowPluginManager(), plugins)
+
+
+def _finish(manager: DataflowPluginManager, extra: Iterable[object]) -> DataflowPluginManager:
     for plugin in extra:
         manager.add_plugin(plugin)
     manager.check_pending()
@@ -418,11 +443,6 @@ def get_plugin_manager(
         if _default is None:
             _default = build_plugin_manager()
         return _default
-
-
-def isolated_plugin_manager(*plugins: object) -> DataflowPluginManager:
-    """A fresh manager holding only ``plugins`` (no entry point loads, environment ignored)."""
-    return build_plugin_manager(autoload=False, allow=(), extra=plugins)
 
 
 def set_default_plugin_manager(

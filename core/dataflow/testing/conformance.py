@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import subprocess
 import sys
 from typing import Any, ClassVar
@@ -130,8 +131,10 @@ class PluginConformance:
                 f"print(json.dumps([m for m in {list(self.forbidden_imports)!r} "
                 "if m in sys.modules]))\n"
             )
+            # The child sees the modules this process sees (a test may have added a path).
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, sys.path))}
             result = subprocess.run(
-                [sys.executable, "-c", code], capture_output=True, text=True, check=False
+                [sys.executable, "-c", code], capture_output=True, text=True, check=False, env=env
             )
             assert result.returncode == 0, f"importing {module} failed:\n{result.stderr}"
             heavy = json.loads(result.stdout.strip().splitlines()[-1])
