@@ -79,12 +79,12 @@ def summary_table(result: SimResult, *, title: str = "") -> Table:
     table.add_column("value", justify="right")
     table.add_column("detail")
     status = "[green]valid[/]" if result.valid else f"[red]fails: {result.error.kind}[/]"
-    table.add_row("result", status, "" if result.valid else f"at {result.makespan_us:,.1f} us")
-    table.add_row("makespan", f"{result.makespan_us:,.1f} us", _count(len(result.tasks), "task"))
+    table.add_row("result", status, "" if result.valid else f"at {_us(result.makespan_us)}")
+    table.add_row("makespan", _us(result.makespan_us), _count(len(result.tasks), "task"))
     table.add_row(
         "compute idle",
         f"{100 * result.compute_idle_fraction:.1f} %",
-        f"{result.compute_idle_us:,.1f} us idle, {result.compute_busy_us:,.1f} us busy",
+        f"{_us(result.compute_idle_us)} idle, {_us(result.compute_busy_us)} busy",
     )
     table.add_row(
         "fast peak",
@@ -101,13 +101,21 @@ def summary_table(result: SimResult, *, title: str = "") -> Table:
             f"{stats.direction} link",
             f"{100 * stats.busy_fraction:.1f} % busy",
             f"{format_size(stats.bytes)} in {_count(stats.transfers, 'transfer')}, "
-            f"{stats.busy_us:,.1f} us",
+            f"{_us(stats.busy_us)}",
         )
     return table
 
 
 def _count(count: int, noun: str) -> str:
-    return f"{count} {noun}" + ("" if count == 1 else "s")
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
+
+
+def _us(duration_us: float) -> str:
+    """A duration in the largest unit that keeps it >= 1: ``850 us``, ``12.5 ms``, ``3.2 s``."""
+    for unit, scale in (("s", 1e6), ("ms", 1e3)):
+        if abs(duration_us) >= scale:
+            return f"{duration_us / scale:,.4g} {unit}"
+    return f"{duration_us:.4g} us"
 
 
 def _of_budget(peak_bytes: int, budget_bytes: int | None) -> str:
