@@ -307,3 +307,29 @@ def test_budget_dependent_problems_are_run_failures_not_exceptions() -> None:
     result = simulate(over)
     assert result.error.kind is FailureKind.FOOTPRINT
     assert simulate(over, budget_bytes=200).valid
+
+
+def test_to_timeline_and_chrome_trace(tmp_path) -> None:
+    case = program(
+        [obj("a", 10, "fast"), obj("y", 50)],
+        [
+            task("t0", 10, inputs=["a"], outputs=["y"], offloads=["y"]),
+            task("t1", 5, inputs=["a"], prefetches=["y"]),
+            task("t2", 10, inputs=["y"], releases=["y"]),
+        ],
+    )
+    result = simulate(case)
+    timeline = result.to_timeline()
+    assert timeline.name == "case (predicted)"
+    assert [span.task_id for span in timeline.tasks] == ["t0", "t1", "t2"]
+    assert timeline.tasks[0].args["outputs"] == {"y": 50}
+    assert [(t.direction, t.enqueued_by) for t in timeline.transfers] == [
+        ("d2h", "t0"),
+        ("h2d", "t1"),
+    ]
+    assert [c.name for c in timeline.counters] == ["fast memory", "slow memory"]
+    document = result.to_chrome_trace(tmp_path / "trace.json", name="mine")
+    assert (tmp_path / "trace.json").exists()
+    assert document["traceEvents"][0]["args"] == {"name": "mine"}
+    with pytest.raises(ValueError, match="record=False"):
+        simulate(case, record=False).to_timeline()
