@@ -9,6 +9,7 @@ object is a small int in a list (``fast``: 0 absent, 1 incoming, 2 resident; ``s
 from __future__ import annotations
 
 import math
+from collections import deque
 
 from dataflow.schema import Links
 from dataflow.sim.compiled import CompiledProgram
@@ -109,10 +110,10 @@ def run(
     h2d_n = d2h_n = h2d_bytes = d2h_bytes = 0
     h2d_busy = d2h_busy = 0.0
 
-    # FIFOs: entries (object, enqueue_us, enqueuing task); the head is at index *_head.
-    h2d_q: list[tuple[int, float, int]] = []
-    d2h_q: list[tuple[int, float, int]] = []
-    h2d_head = d2h_head = 0
+    # FIFOs of entries (object, enqueue_us, enqueuing task); *_entry: the one running.
+    h2d_q: deque[tuple[int, float, int]] = deque()
+    d2h_q: deque[tuple[int, float, int]] = deque()
+    h2d_entry = d2h_entry = (-1, 0.0, -1)
     h2d_obj = d2h_obj = -1  # the transfer running on the link, -1 when idle
     h2d_end = d2h_end = task_end = inf
     h2d_start = d2h_start = task_start = 0.0
@@ -136,16 +137,15 @@ def run(
         )
 
     while error is None:
-        # Every pass at this instant: completions (task, d2h, h2d), dispatch, d2h start,
-        # h2d start; passes repeat until one changes nothing.
-        progressed = True
-        while progressed and error is None:
-            progressed = False
+        # Passes at this instant: completions (task, d2h, h2d), dispatch, d2h start, h2d
+        # start. Only a completion can enable more (a start never enables a dispatch or
+        # the other link's start), so passes repeat while something ends at this instant:
+        # a zero-cost task dispatched in this pass.
+        while error is None:
             if task_end <= now:
                 i = running
                 running = -1
                 task_end = inf
-                progressed = True
                 before = used
                 compute_busy += cost[i]
                 if record:
@@ -197,7 +197,6 @@ def run(
                 o = d2h_obj
                 d2h_obj = -1
                 d2h_end = inf
-                progressed = True
                 slow[o] = CURRENT
                 leaving[o] = False
                 fast[o] = ABSENT
@@ -206,22 +205,19 @@ def run(
                 d2h_bytes += size[o]
                 d2h_busy += now - d2h_start
                 if record:
-                    entry = d2h_q[d2h_head - 1]
-                    transfer_log.append((o, D2H, entry[2], entry[1], d2h_start, now))
+                    transfer_log.append((o, D2H, d2h_entry[2], d2h_entry[1], d2h_start, now))
                     fast_log.append((now, used))
             if h2d_end <= now:
                 o = h2d_obj
                 h2d_obj = -1
                 h2d_end = inf
-                progressed = True
                 fast[o] = RESIDENT
                 coming[o] = False
                 h2d_n += 1
                 h2d_bytes += size[o]
                 h2d_busy += now - h2d_start
                 if record:
-                    entry = h2d_q[h2d_head - 1]
-                    transfer_log.append((o, H2D, entry[2], entry[1], h2d_start, now))
+                    transfer_log.append((o, H2D, h2d_entry[2], h2d_entry[1], h2d_start, now))
             if running < 0 and nxt < n_task:
                 if checked != nxt:
                     checked = nxt
@@ -262,11 +258,10 @@ def run(
                             peak = used
                         task_start = now
                         task_end = now + cost[running]
-                        progressed = True
                         if record and reserve[running]:
                             fast_log.append((now, used))
-            if d2h_obj < 0 and d2h_head < len(d2h_q):
-                o = d2h_q[d2h_head][0]
+            if d2h_obj < 0 and d2h_q:
+                o = d2h_q[0][0]
                 if not slow_space[o]:
                     if slow_used + size[o] > slow_cap:
                         error = failure(
@@ -282,7 +277,7 @@ def run(
                                 fast_budget_bytes,
                                 reserve[running] if running >= 0 else 0,
                             ),
-                            task=d2h_q[d2h_head][2],
+                            task=d2h_q[0][2],
                             objects=(o,),
                         )
                         break
@@ -292,15 +287,14 @@ def run(
                         slow_peak = slow_used
                     if record:
                         slow_log.append((now, slow_used))
-                d2h_head += 1
+                d2h_entry = d2h_q.popleft()
                 d2h_obj = o
                 d2h_start = now
                 d2h_end = now + d2h_us[o]
-                progressed = True
-            if h2d_obj < 0 and h2d_head < len(h2d_q):
-                o = h2d_q[h2d_head][0]
+            if h2d_obj < 0 and h2d_q:
+                o = h2d_q[0][0]
                 if slow[o] == CURRENT and used + size[o] <= cap:
-                    h2d_head += 1
+                    h2d_entry = h2d_q.popleft()
                     h2d_obj = o
                     fast[o] = INCOMING
                     used += size[o]
@@ -308,16 +302,17 @@ def run(
                         peak = used
                     h2d_start = now
                     h2d_end = now + h2d_us[o]
-                    progressed = True
                     if record:
                         fast_log.append((now, used))
+            if task_end > now and d2h_end > now and h2d_end > now:
+                break
         if error is not None:
             break
         if task_end == inf and d2h_end == inf and h2d_end == inf:
-            if nxt == n_task and d2h_head == len(d2h_q) and h2d_head == len(h2d_q):
+            if nxt == n_task and not d2h_q and not h2d_q:
                 break  # the end
             waiting = [o for o in needs[nxt] if fast[o] != RESIDENT] if nxt < n_task else []
-            head = h2d_q[h2d_head][0] if h2d_head < len(h2d_q) else -1
+            head = h2d_q[0][0] if h2d_q else -1
             error = describe_deadlock(
                 c,
                 now,
@@ -325,7 +320,7 @@ def run(
                 nxt if nxt < n_task else -1,
                 waiting,
                 head,
-                len(h2d_q) - h2d_head,
+                len(h2d_q),
             )
             break
         now = min(task_end, d2h_end, h2d_end)
