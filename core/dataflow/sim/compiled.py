@@ -6,6 +6,8 @@ directives) holds those indices, so the event loop never hashes a string.
 
 from __future__ import annotations
 
+from operator import add, attrgetter
+
 import attrs
 
 from dataflow.schema import Location, Program
@@ -40,59 +42,51 @@ class CompiledProgram:
 
 def compile_program(program: Program) -> CompiledProgram:
     """Lower a structurally valid ``program`` (see ``dataflow.schema.validate``)."""
-    obj_ids = tuple(obj.id for obj in program.objects)
+    objects, tasks = program.objects, program.tasks
+    obj_ids = tuple(obj.id for obj in objects)
     index = {obj_id: position for position, obj_id in enumerate(obj_ids)}
-    size_bytes = tuple(obj.size_bytes for obj in program.objects)
-    created = program.producers
-    initial_fast = tuple(
-        index[obj.id]
-        for obj in program.objects
-        if obj.id not in created and obj.location is Location.FAST
-    )
-    initial_slow = tuple(
-        index[obj.id]
-        for obj in program.objects
-        if obj.id not in created and obj.location is Location.SLOW
-    )
-
+    size_bytes = tuple(obj.size_bytes for obj in objects)
     position_of = index.__getitem__
     size_of = size_bytes.__getitem__
 
-    def ids(names: tuple[str, ...]) -> tuple[int, ...]:
-        return tuple(map(position_of, names)) if names else ()
+    def ids(field: str) -> tuple[tuple[int, ...], ...]:
+        return tuple(
+            tuple(map(position_of, names)) if names else ()
+            for names in map(attrgetter(field), tasks)
+        )
 
-    needs, mutates, outputs, releases, offloads, prefetches = [], [], [], [], [], []
-    reserve_bytes, footprint_bytes = [], []
-    for task in program.tasks:
-        task_mutates = ids(task.mutates)
-        task_needs = ids(task.inputs) + task_mutates
-        task_outputs = ids(task.outputs)
-        reserve = task.workspace_bytes + sum(map(size_of, task_outputs))
-        needs.append(task_needs)
-        mutates.append(task_mutates)
-        outputs.append(task_outputs)
-        releases.append(ids(task.releases))
-        offloads.append(ids(task.offloads))
-        prefetches.append(ids(task.prefetches))
-        reserve_bytes.append(reserve)
-        footprint_bytes.append(reserve + sum(map(size_of, task_needs)))
+    inputs, mutates, outputs = ids("inputs"), ids("mutates"), ids("outputs")
+    needs = tuple(map(add, inputs, mutates))
+    reserve_bytes = tuple(
+        task.workspace_bytes + sum(map(size_of, made))
+        for task, made in zip(tasks, outputs, strict=True)
+    )
+    footprint_bytes = tuple(
+        reserve + sum(map(size_of, used))
+        for reserve, used in zip(reserve_bytes, needs, strict=True)
+    )
+    created = {obj for made in outputs for obj in made}
+    initial_fast, initial_slow = [], []
+    for position, obj in enumerate(objects):
+        if position not in created:
+            (initial_fast if obj.location is Location.FAST else initial_slow).append(position)
     finals = program.final_locations.items()
     return CompiledProgram(
         obj_ids=obj_ids,
         size_bytes=size_bytes,
-        initial_fast=initial_fast,
-        initial_slow=initial_slow,
-        task_ids=tuple(task.id for task in program.tasks),
-        cost_us=tuple(float(task.cost_us) for task in program.tasks),
-        needs=tuple(needs),
-        mutates=tuple(mutates),
-        outputs=tuple(outputs),
-        workspace_bytes=tuple(task.workspace_bytes for task in program.tasks),
-        reserve_bytes=tuple(reserve_bytes),
-        footprint_bytes=tuple(footprint_bytes),
-        releases=tuple(releases),
-        offloads=tuple(offloads),
-        prefetches=tuple(prefetches),
+        initial_fast=tuple(initial_fast),
+        initial_slow=tuple(initial_slow),
+        task_ids=tuple(task.id for task in tasks),
+        cost_us=tuple(float(task.cost_us) for task in tasks),
+        needs=needs,
+        mutates=mutates,
+        outputs=outputs,
+        workspace_bytes=tuple(task.workspace_bytes for task in tasks),
+        reserve_bytes=reserve_bytes,
+        footprint_bytes=footprint_bytes,
+        releases=ids("releases"),
+        offloads=ids("offloads"),
+        prefetches=ids("prefetches"),
         final_fast=tuple(index[obj] for obj, where in finals if where is Location.FAST),
         final_slow=tuple(index[obj] for obj, where in finals if where is Location.SLOW),
     )
