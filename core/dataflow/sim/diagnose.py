@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
+
 from dataflow.sim.compiled import CompiledProgram
 from dataflow.sim.failure import FailureKind, SimError
 from dataflow.sim.states import ABSENT, CURRENT, INCOMING, RESIDENT
@@ -16,22 +18,15 @@ from dataflow.units import format_size
 LISTED_OBJECTS = 8
 
 
+@attrs.frozen
 class MemoryState:
-    """Fast memory at the moment of a failure, as the event loop holds it."""
+    """Fast memory at the moment of a failure: the loop's per-object ``fast`` states,
+    bytes in use, the budget, and what the running task holds for outputs and workspace."""
 
-    __slots__ = ("fast", "used_bytes", "budget_bytes", "reserved_bytes")
-
-    def __init__(
-        self,
-        fast: Sequence[int],
-        used_bytes: int,
-        budget_bytes: int | None,
-        reserved_bytes: int = 0,
-    ):
-        self.fast = fast
-        self.used_bytes = used_bytes
-        self.budget_bytes = budget_bytes
-        self.reserved_bytes = reserved_bytes
+    fast: Sequence[int]
+    used_bytes: int
+    budget_bytes: int | None
+    reserved_bytes: int = 0
 
 
 def failure(

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
+import attrs
+
 from dataflow.schema import Links
 from dataflow.sim.compiled import CompiledProgram
 from dataflow.sim.diagnose import (
@@ -28,43 +30,28 @@ from dataflow.sim.states import ABSENT, CURRENT, INCOMING, RESIDENT, STALE
 H2D, D2H = "h2d", "d2h"
 
 
+@attrs.frozen
 class Outcome:
     """Raw totals and logs of one run; ``dataflow.sim.simulate`` turns it into a SimResult.
 
-    Logs (None unless recording): ``task_log`` holds (task index, start_us, end_us);
-    ``transfer_log`` (object index, direction, enqueuing task index, enqueue_us, start_us,
-    end_us), in the order transfers end; ``fast_log``/``slow_log`` (time_us, bytes) after
-    every change.
+    Link totals are keyed by direction. Logs are None unless recording: ``task_log``
+    holds (task index, start_us, end_us); ``transfer_log`` (object index, direction,
+    enqueuing task index, enqueue_us, start_us, end_us), in the order transfers end;
+    ``fast_log``/``slow_log`` (time_us, bytes) after every change.
     """
 
-    __slots__ = (
-        "makespan_us",
-        "fast_peak_bytes",
-        "slow_peak_bytes",
-        "compute_busy_us",
-        "link_transfers",
-        "link_bytes",
-        "link_busy_us",
-        "error",
-        "task_log",
-        "transfer_log",
-        "fast_log",
-        "slow_log",
-    )
-
-    def __init__(self) -> None:
-        self.makespan_us = 0.0
-        self.fast_peak_bytes = 0
-        self.slow_peak_bytes = 0
-        self.compute_busy_us = 0.0
-        self.link_transfers = {H2D: 0, D2H: 0}
-        self.link_bytes = {H2D: 0, D2H: 0}
-        self.link_busy_us = {H2D: 0.0, D2H: 0.0}
-        self.error: SimError | None = None
-        self.task_log: list[tuple[int, float, float]] | None = None
-        self.transfer_log: list[tuple[int, str, int, float, float, float]] | None = None
-        self.fast_log: list[tuple[float, int]] | None = None
-        self.slow_log: list[tuple[float, int]] | None = None
+    makespan_us: float
+    fast_peak_bytes: int
+    slow_peak_bytes: int
+    compute_busy_us: float
+    link_transfers: dict[str, int]
+    link_bytes: dict[str, int]
+    link_busy_us: dict[str, float]
+    error: SimError | None
+    task_log: list[tuple[int, float, float]] | None = None
+    transfer_log: list[tuple[int, str, int, float, float, float]] | None = None
+    fast_log: list[tuple[float, int]] | None = None
+    slow_log: list[tuple[float, int]] | None = None
 
 
 def run(
@@ -75,7 +62,6 @@ def run(
     record: bool,
 ) -> Outcome:
     """Run the compiled program to its end or its first failure."""
-    out = Outcome()
     inf = math.inf
     cap = inf if fast_budget_bytes is None else fast_budget_bytes
     slow_cap = inf if slow_budget_bytes is None else slow_budget_bytes
@@ -329,14 +315,17 @@ def run(
         error = final_locations(
             c, fast, slow, lost_by, now, MemoryState(fast, used, fast_budget_bytes)
         )
-    out.makespan_us = now
-    out.fast_peak_bytes = peak
-    out.slow_peak_bytes = slow_peak
-    out.compute_busy_us = compute_busy
-    out.link_transfers = {H2D: h2d_n, D2H: d2h_n}
-    out.link_bytes = {H2D: h2d_bytes, D2H: d2h_bytes}
-    out.link_busy_us = {H2D: h2d_busy, D2H: d2h_busy}
-    out.error = error
-    out.task_log, out.transfer_log = task_log, transfer_log
-    out.fast_log, out.slow_log = fast_log, slow_log
-    return out
+    return Outcome(
+        makespan_us=now,
+        fast_peak_bytes=peak,
+        slow_peak_bytes=slow_peak,
+        compute_busy_us=compute_busy,
+        link_transfers={H2D: h2d_n, D2H: d2h_n},
+        link_bytes={H2D: h2d_bytes, D2H: d2h_bytes},
+        link_busy_us={H2D: h2d_busy, D2H: d2h_busy},
+        error=error,
+        task_log=task_log,
+        transfer_log=transfer_log,
+        fast_log=fast_log,
+        slow_log=slow_log,
+    )
