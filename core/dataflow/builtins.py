@@ -7,8 +7,34 @@ the group ``dataflow`` (pyproject.toml); nothing is special-cased by name, so
 It registers only what exists and works. Keep this module cheap to import: records point at
 their code through callables that import it when called (no torch here).
 
-Where the builtins go as they land:
+Registered here:
 
-- ``dataflow_planners``: PressureFit from ``dataflow.planning``, added by the planner's
-  change together with its tests, as ``PlannerSpec("pressurefit", <plan function>, ...)``.
+- ``dataflow_planners``: PressureFit (``dataflow.planning.pressurefit``), as ``pressurefit``.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dataflow import hookimpl
+from dataflow.registry import PlannerSpec
+
+if TYPE_CHECKING:
+    from dataflow.schema import Program
+
+
+def _plan_pressurefit(program: Program, budget_bytes: int, **options: object) -> Program:
+    from dataflow.planning.pressurefit import plan_pressurefit
+
+    return plan_pressurefit(program, budget_bytes, **options)
+
+
+@hookimpl
+def dataflow_planners() -> list[PlannerSpec]:
+    return [
+        PlannerSpec(
+            "pressurefit",
+            _plan_pressurefit,
+            "cut residency where memory is over budget, prefetch just in time (the core's)",
+        )
+    ]

@@ -133,28 +133,29 @@ def infeasible(chain: Chain, budget_bytes: int, slow_budget_bytes: int | None, f
     largest = max(range(chain.n_tasks), key=lambda t: (chain.footprint_bytes[t], -t))
     task_id = chain.task_ids[largest]
     footprint = chain.footprint_bytes[largest]
-    own = (
-        f"task {task_id!r} needs {format_size(footprint)} ({footprint} bytes) resident at "
-        "once (inputs + mutates + outputs + workspace)"
+    needs = (
+        f"{format_size(footprint)} ({footprint} bytes) resident at once "
+        "(inputs + mutates + outputs + workspace)"
     )
     floor, where = floor_bytes(chain)
     if minimum == footprint:
-        reason = f"it is forced by {own}"
+        reason = f"task {task_id!r} forces it: it needs {needs}"
     elif minimum == floor and where == 0:
         reason = (
-            f"it is forced by task {chain.task_ids[0]!r} running while every object "
-            f"that starts in fast memory is resident ({format_size(floor)}); the "
-            f"largest task footprint: {own}"
+            f"task {chain.task_ids[0]!r} forces it: it runs while every object that starts "
+            f"in fast memory is resident ({format_size(floor)}); the largest task footprint "
+            f"is task {task_id!r}'s, {needs}"
         )
     elif minimum == floor and where == chain.n_tasks:
         reason = (
-            f"it is forced by the objects whose final location is fast "
-            f"({format_size(floor)}); the largest task footprint: {own}"
+            f"the objects whose final location is fast force it ({format_size(floor)}); the "
+            f"largest task footprint is task {task_id!r}'s, {needs}"
         )
     else:
         reason = (
-            f"the largest task footprint: {own}; above it, objects that must stay in "
-            "fast memory between their uses, or be brought back in time, force the rest"
+            f"the largest task footprint is task {task_id!r}'s, {needs}; above it, objects "
+            "that must stay in fast memory between their uses, or come back in time, force "
+            "the rest"
         )
     return InfeasibleBudget(name, budget_bytes, minimum, task_id, footprint, reason)
 

@@ -15,6 +15,13 @@ Three bounds, each true for every plan the execution model allows:
 - **volume** (needs a budget): at a task where the objects that must stay resident between
   two uses exceed the budget, at least that excess must leave fast memory and come back
   over ``h2d``, on top of the first loads.
+- **handoff** (needs a budget): when task ``t`` ends, fast memory holds at least what ``t``
+  itself holds (its base: uses and workspace), so of the objects task ``t+1`` reads that
+  ``t`` does not use, at most ``budget - base(t)`` bytes can already be there (resident
+  or arriving); the rest must cross ``h2d`` after ``t`` ends and before ``t+1`` starts.
+  The gaps between consecutive tasks do not overlap, so the makespan is at least the
+  compute plus every such forced gap (the end counts as a task that holds the objects
+  whose final location is fast).
 """
 
 from __future__ import annotations
@@ -31,11 +38,12 @@ class LowerBound:
 
     compute_us: float
     link_us: float
-    volume_us: float
+    volume_us: float = 0.0
+    handoff_us: float = 0.0
 
     @property
     def best_us(self) -> float:
-        return max(self.compute_us, self.link_us, self.volume_us)
+        return max(self.compute_us, self.link_us, self.volume_us, self.handoff_us)
 
 
 def lower_bound(program: Program, budget_bytes: int | None = None) -> LowerBound:
@@ -81,8 +89,9 @@ def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
         after_us += write_back_us[t]
         if after_us:
             link_us = max(link_us, earliest_end[t] + after_us)
-    volume_us = 0.0
+    volume_us = handoff_us = 0.0
     if budget_bytes is not None:
+        handoff_us = compute_us + _handoff_gaps_us(chain, budget_bytes)
         kept = kept_profile(chain, build_gaps(chain))
         excess = max(
             base + held - budget_bytes for base, held in zip(chain.base_bytes, kept, strict=True)
@@ -90,4 +99,26 @@ def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
         if excess > 0 or loads_us:
             reload_us = chain.h2d_us(excess) if excess > 0 else 0.0
             volume_us = cost[0] + loads_us + reload_us
-    return LowerBound(compute_us=compute_us, link_us=link_us, volume_us=volume_us)
+    return LowerBound(
+        compute_us=compute_us, link_us=link_us, volume_us=volume_us, handoff_us=handoff_us
+    )
+
+
+def _handoff_gaps_us(chain: Chain, budget_bytes: int) -> float:
+    """Sum over consecutive tasks of the h2d time forced between them (see the module)."""
+    n = chain.n_tasks
+    read_at: list[list[int]] = [[] for _ in range(n + 1)]  # objects each task needs present
+    used_at: list[set[int]] = [set() for _ in range(n + 1)]
+    for life in chain.objects:
+        for k, use in enumerate(life.uses):
+            used_at[use].add(life.index)
+            created_here = k == 0 and life.origin is Origin.CREATED
+            if not created_here and not (k == 0 and life.origin is Origin.FAST and use == 0):
+                read_at[use].append(life.index)
+    total_us = 0.0
+    for t in range(n):
+        fresh = sum(chain.objects[o].size_bytes for o in read_at[t + 1] if o not in used_at[t])
+        excess = fresh - (budget_bytes - chain.base_bytes[t])
+        if excess > 0:
+            total_us += chain.h2d_us(excess)
+    return total_us

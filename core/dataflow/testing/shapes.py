@@ -1,0 +1,204 @@
+"""Seeded generators of bare chains of several shapes, for planner tests and benchmarks.
+
+Each takes a ``random.Random`` (so a seed gives the same chain on every machine and
+Python version) and returns a bare Program with final locations:
+
+- ``training``: a training step (``chains.training_chain``: forward, fused head, backward
+  with saved activations, optimizer over weights and optimizer state that start and end
+  slow, gradient-accumulation rounds) whose task costs are drawn so that, per phase, the
+  transfers the step needs fit under its compute (``compute_ratio >= 1``);
+- ``training_linkbound``: the same with costs drawn so the optimizer phase is link-bound;
+- ``streaming``: weight streaming: every layer's weights start slow and are read once per
+  pass (decode steps or micro-batches), a per-layer cache is created in the first pass
+  and mutated by the later ones;
+- ``random_chain``: objects of log-uniform sizes used again after random gaps, some
+  mutated, some outputs, random final locations, random costs and links.
+
+No hypothesis, no torch.
+"""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+
+from dataflow.schema import Link, Links, Location, Obj, Program, Role, Task
+from dataflow.testing.chains import training_chain
+
+MiB = 2**20
+#: 25 GB/s and 10 µs each way: PCIe Gen4 x16 in practice.
+PCIE = Links(h2d=Link(25_000.0, 10.0), d2h=Link(25_000.0, 10.0))
+
+
+def _us(size_bytes: int, link: Link = PCIE.h2d) -> float:
+    return link.transfer_us(size_bytes)
+
+
+def training(
+    rng: random.Random, *, layers: int | None = None, compute_ratio: float = 1.5
+) -> Program:
+    """A training step whose every phase has at least ``compute_ratio`` times the compute
+    its own transfers need (weights and activations in forward and backward; optimizer
+    state, weights and gradients in the optimizer)."""
+    layers = layers if layers is not None else rng.randint(4, 24)
+    rounds = rng.randint(1, 3)
+    weight = rng.choice([4, 8, 16, 32]) * MiB
+    activation = rng.choice([1, 2, 4, 8]) * MiB
+    opt_state = weight * rng.choice([2, 4])
+    ratio = compute_ratio * rng.uniform(1.0, 3.0)
+    fwd_us = ratio * (_us(weight) + 2 * _us(activation))
+    bwd_us = 2 * fwd_us
+    opt_us = ratio * (_us(opt_state) + 2 * _us(weight))
+    program = training_chain(
+        layers,
+        rounds,
+        weight_bytes=weight,
+        opt_state_bytes=opt_state,
+        grad_bytes=weight,
+        activation_bytes=activation,
+        fwd_us=round(fwd_us, 1),
+        bwd_us=round(bwd_us, 1),
+        opt_us=round(opt_us, 1),
+        links=PCIE,
+    )
+    return attrs.evolve(program, name=f"training-{layers}x{rounds}")
+
+
+def training_linkbound(rng: random.Random, *, layers: int | None = None) -> Program:
+    """A training step whose optimizer phase is link-bound (the optimizer state crosses
+    the link in less time than it takes to compute)."""
+    program = training(rng, layers=layers)
+    tasks = tuple(
+        attrs.evolve(task, cost_us=round(task.cost_us / rng.uniform(4.0, 10.0), 1))
+        if task.kind == "opt"
+        else task
+        for task in program.tasks
+    )
+    return attrs.evolve(program, tasks=tasks, name=program.name.replace("training", "linkbound"))
+
+
+def streaming(rng: random.Random, *, layers: int | None = None) -> Program:
+    """Weight streaming over ``passes`` passes: an embedding task turns ``x_p`` into
+    ``h_p_0``; then pass ``p`` of layer ``i`` reads ``W_i`` and ``h_p_i``, writes
+    ``h_p_{i+1}`` and creates (pass 0) or mutates its cache ``C_i``."""
+    layers = layers if layers is not None else rng.randint(6, 40)
+    passes = rng.randint(1, 4)
+    weight = rng.choice([8, 16, 32, 64]) * MiB
+    cache = rng.choice([1, 2, 4]) * MiB
+    hidden = rng.choice([1, 2]) * MiB
+    layer_us = round(_us(weight) * rng.uniform(1.1, 3.0), 1)
+    objects = [Obj(f"W_{i}", weight, Role.PARAM, Location.SLOW) for i in range(layers)]
+    objects += [Obj(f"C_{i}", cache, Role.AUX) for i in range(layers)]
+    objects += [Obj(f"x_{p}", hidden, Role.DATA, Location.FAST) for p in range(passes)]
+    objects += [
+        Obj(f"h_{p}_{i}", hidden, Role.ACTIVATION) for p in range(passes) for i in range(layers + 1)
+    ]
+    tasks = []
+    for p in range(passes):
+        # The embedding: it gives the first layer's weights time to arrive.
+        tasks.append(
+            Task(
+                f"embed_{p}",
+                "embed",
+                "embed",
+                inputs=(f"x_{p}",),
+                outputs=(f"h_{p}_0",),
+                cost_us=round(layer_us / 4, 1),
+            )
+        )
+        for i in range(layers):
+            cache_use = (
+                {"outputs": (f"h_{p}_{i + 1}", f"C_{i}")}
+                if p == 0
+                else {
+                    "outputs": (f"h_{p}_{i + 1}",),
+                    "mutates": (f"C_{i}",),
+                }
+            )
+            tasks.append(
+                Task(
+                    f"layer_{p}_{i}",
+                    "layer",
+                    "layer",
+                    inputs=(f"h_{p}_{i}", f"W_{i}"),
+                    cost_us=layer_us,
+                    **cache_use,
+                )
+            )
+    finals = {f"W_{i}": Location.SLOW for i in range(layers)}
+    finals.update({f"h_{p}_{layers}": Location.FAST for p in range(passes)})
+    return Program(
+        name=f"streaming-{layers}x{passes}",
+        objects=objects,
+        tasks=tasks,
+        final_locations=finals,
+        links=PCIE,
+    )
+
+
+def random_chain(rng: random.Random, *, tasks: int | None = None) -> Program:
+    """A random chain: objects used again after random gaps, some mutated, some created."""
+    count = tasks if tasks is not None else rng.randint(10, 120)
+    link_bw = rng.choice([5_000.0, 25_000.0, 50_000.0])
+    links = Links(h2d=Link(link_bw, rng.choice([0.0, 10.0])), d2h=Link(link_bw, 10.0))
+
+    def size() -> int:
+        return int(2 ** rng.uniform(16, 26))
+
+    objects: list[Obj] = []
+    alive: list[str] = []
+    chain: list[Task] = []
+    for index in range(count):
+        while len(alive) < 3 or rng.random() < 0.15:
+            obj = Obj(
+                f"o{len(objects)}",
+                size(),
+                Role.DATA,
+                Location.FAST if index == 0 else Location.SLOW,
+            )
+            objects.append(obj)
+            alive.append(obj.id)
+        recent = alive[-8:]
+        uses = rng.sample(recent, rng.randint(1, min(3, len(recent))))
+        if rng.random() < 0.3:
+            uses.append(rng.choice(alive))
+        uses = list(dict.fromkeys(uses))
+        mutated = rng.randint(0, len(uses)) if rng.random() < 0.4 else 0
+        outputs = [f"t{index}_out{k}" for k in range(rng.choice([0, 1, 1, 2]))]
+        objects += [Obj(out, size(), Role.ACTIVATION) for out in outputs]
+        alive += outputs
+        if len(alive) > 24 and rng.random() < 0.5:
+            alive.pop(rng.randrange(len(alive) - 4))
+        busiest = max((o.size_bytes for o in objects if o.id in uses), default=0)
+        chain.append(
+            Task(
+                f"t{index}",
+                "k",
+                "k",
+                inputs=uses[mutated:],
+                mutates=uses[:mutated],
+                outputs=outputs,
+                workspace_bytes=rng.choice([0, 0, size()]),
+                cost_us=round(rng.uniform(0.2, 3.0) * links.h2d.transfer_us(busiest), 1),
+            )
+        )
+    first = set(chain[0].uses)
+    objects = [attrs.evolve(o, location=Location.FAST) if o.id in first else o for o in objects]
+    used = sorted({obj for task in chain for obj in task.uses})
+    finals = {
+        obj: rng.choice([Location.FAST, Location.SLOW])
+        for obj in rng.sample(used, min(len(used), rng.randint(0, 4)))
+    }
+    return Program(
+        name=f"random-{count}", objects=objects, tasks=chain, final_locations=finals, links=links
+    )
+
+
+#: shape name -> generator
+SHAPES = {
+    "training": training,
+    "training-linkbound": training_linkbound,
+    "streaming": streaming,
+    "random": random_chain,
+}
