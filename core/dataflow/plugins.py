@@ -20,17 +20,13 @@ the others from loading.
 
 from __future__ import annotations
 
-import enum
-import os
-import re
 import threading
 import warnings
 from collections.abc import Iterable
 from importlib import metadata
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
-import attrs
 import click
 import pluggy
 
@@ -48,89 +44,46 @@ from dataflow.registry import (
     ResolverSpec,
     check_name,
 )
+from dataflow.registry.report import PluginReport, PluginSource, Status
+from dataflow.registry.selection import (
+    DISABLE_AUTOLOAD_ENV,
+    LOAD_PLUGINS_ENV,
+    Selection,
+    normalize_distribution,
+    select_distributions,
+)
+
+__all__ = [
+    "DISABLE_AUTOLOAD_ENV",
+    "ENTRY_POINT_GROUP",
+    "LOAD_PLUGINS_ENV",
+    "DataflowPluginManager",
+    "PluginReport",
+    "PluginWarning",
+    "Status",
+    "build_plugin_manager",
+    "families",
+    "feeds",
+    "get_plugin_manager",
+    "hook_names",
+    "isolated_plugin_manager",
+    "kernels",
+    "normalize_distribution",
+    "planners",
+    "plugin_cli_commands",
+    "resolvers",
+    "set_default_plugin_manager",
+]
 
 ENTRY_POINT_GROUP = "dataflow"
-LOAD_PLUGINS_ENV = "DATAFLOW_LOAD_PLUGINS"
-DISABLE_AUTOLOAD_ENV = "DATAFLOW_DISABLE_PLUGIN_AUTOLOAD"
+
+
+RegistryT = TypeVar("RegistryT", bound=Registry)
+_REGISTRY_CLASSES: dict[str, type[Registry]] = {"kernels": KernelRegistry, "feeds": FeedRegistry}
 
 
 class PluginWarning(UserWarning):
     """A plugin is broken and was skipped."""
-
-
-class Status(enum.StrEnum):
-    OK = "ok"
-    BROKEN = "broken"
-    DISABLED = "disabled"  # its distribution is not selected, so it was not imported
-
-
-@attrs.frozen
-class PluginReport:
-    """What ``dataflow plugins list`` shows for one plugin (one entry point, or one extra).
-
-    ``registers`` maps a registry name (``planners``) to the names this plugin adds to it.
-    """
-
-    name: str
-    distribution: str
-    version: str | None
-    entry_point: str | None
-    status: Status
-    reason: str | None = None
-    hooks: tuple[str, ...] = ()
-    registers: dict[str, tuple[str, ...]] = attrs.field(factory=dict, hash=False)
-
-    @property
-    def status_text(self) -> str:
-        return self.status.value if self.reason is None else f"{self.status}: {self.reason}"
-
-    def describe(self) -> str:
-        where = f" (entry point {self.entry_point})" if self.entry_point else ""
-        return f"distribution {self.distribution!r}{where}: {self.status_text}"
-
-
-def normalize_distribution(name: str) -> str:
-    """A distribution name as packaging compares them: lower case, runs of ``-_.`` → ``-``."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-@attrs.frozen
-class _Source:
-    distribution: str
-    version: str | None = None
-    entry_point: str | None = None
-
-
-@attrs.frozen
-class _Selection:
-    """Which distributions' entry points load; ``why_not`` says why one is left out."""
-
-    allow: frozenset[str] | None  # normalized names; None: decided by ``autoload``
-    autoload: bool
-    why_not: str
-
-    def admits(self, distribution: str) -> bool:
-        if self.allow is not None:
-            return normalize_distribution(distribution) in self.allow
-        return self.autoload
-
-
-def _selection(autoload: bool | None, allow: Iterable[str] | None) -> _Selection:
-    names: list[str] | None = None
-    if allow is not None:
-        names = list(allow)
-        why_not = f"not in allow={names!r}"
-    elif (env := os.environ.get(LOAD_PLUGINS_ENV)) is not None:
-        names = [name.strip() for name in env.split(",") if name.strip()]
-        why_not = f"not in {LOAD_PLUGINS_ENV}={env!r}"
-    if autoload is None:
-        autoload = not os.environ.get(DISABLE_AUTOLOAD_ENV)
-        off = f"{DISABLE_AUTOLOAD_ENV} is set"
-    else:
-        off = "autoload=False"
-    if names is None:
-        return _Selection(None, autoload, off)
-    return _Selection(frozenset(map(normalize_distribution, names)), autoload, why_not)
 
 
 def _plugin_label(plugin: object) -> str:
@@ -147,7 +100,7 @@ class DataflowPluginManager(pluggy.PluginManager):
     def __init__(self) -> None:
         super().__init__("dataflow")
         self.add_hookspecs(hookspecs)
-        self._sources: dict[str, _Source] = {}
+        self._sources: dict[str, PluginSource] = {}
         self._left_out: list[PluginReport] = []
         self._collected: dict[str, dict[str, list[Any]]] | None = None
         #: Names of the allowlist that match no installed distribution (likely typos).
@@ -168,7 +121,7 @@ class DataflowPluginManager(pluggy.PluginManager):
         Returns False, and reports the plugin broken, when pluggy rejects it or it
         implements a hook that has no spec.
         """
-        source = _Source(distribution or _plugin_label(plugin), version, entry_point)
+        source = PluginSource(distribution or _plugin_label(plugin), version, entry_point)
         name = self._free_name(
             f"{source.distribution}:{entry_point.split(' = ')[0]}"
             if entry_point
@@ -202,21 +155,23 @@ class DataflowPluginManager(pluggy.PluginManager):
             name = f"{wanted}#{count}"
         return name
 
-    def load_entry_points(self, selection: _Selection) -> None:
+    def load_entry_points(self, selection: Selection) -> None:
         """Import and register every selected entry point of the group ``dataflow``."""
         found: set[str] = set()
         entry_points = metadata.entry_points(group=ENTRY_POINT_GROUP)
         for entry_point in sorted(entry_points, key=lambda ep: (_dist_name(ep), ep.name)):
             distribution = _dist_name(entry_point)
             found.add(normalize_distribution(distribution))
-            source = _Source(
+            source = PluginSource(
                 distribution,
                 entry_point.dist.version if entry_point.dist else None,
                 f"{entry_point.name} = {entry_point.value}",
             )
             name = f"{distribution}:{entry_point.name}"
             if not selection.admits(distribution):
-                self._left_out.append(_report(name, source, Status.DISABLED, selection.why_not))
+                self._left_out.append(
+                    PluginReport.of(name, source, Status.DISABLED, selection.why_not)
+                )
                 continue
             try:
                 plugin = entry_point.load()
@@ -240,8 +195,8 @@ class DataflowPluginManager(pluggy.PluginManager):
         self._collected = None
         return super().unregister(plugin, name)
 
-    def _mark_broken(self, name: str, source: _Source, reason: str) -> None:
-        report = _report(name, source, Status.BROKEN, reason)
+    def _mark_broken(self, name: str, source: PluginSource, reason: str) -> None:
+        report = PluginReport.of(name, source, Status.BROKEN, reason)
         self._left_out.append(report)
         warnings.warn(f"dataflow plugin {report.describe()} (skipped)", PluginWarning, stacklevel=2)
 
@@ -277,8 +232,8 @@ class DataflowPluginManager(pluggy.PluginManager):
                 records[kind.name] = _checked_records(kind, result)
         return records
 
-    def source_of(self, plugin_name: str) -> _Source:
-        return self._sources.get(plugin_name, _Source(plugin_name))
+    def source_of(self, plugin_name: str) -> PluginSource:
+        return self._sources.get(plugin_name, PluginSource(plugin_name))
 
     def records(self, kind_name: str) -> list[tuple[str, Any]]:
         """``(distribution, record)`` for every record of the registry ``kind_name``."""
@@ -291,10 +246,11 @@ class DataflowPluginManager(pluggy.PluginManager):
     def registry(self, kind_name: str) -> Registry[Any]:
         """The registry ``kind_name`` (``families``, ``planners`` ...); raises
         DuplicateNameError when two records share a name."""
-        kind = KINDS_BY_NAME[kind_name]
-        cls = {"kernels": KernelRegistry, "feeds": FeedRegistry}.get(kind_name, Registry)
+        return self._build(kind_name, _REGISTRY_CLASSES.get(kind_name, Registry))
+
+    def _build(self, kind_name: str, cls: type[RegistryT]) -> RegistryT:
         broken = [r.distribution for r in self._left_out if r.status is Status.BROKEN]
-        return cls.build(kind, self.records(kind_name), broken=broken)
+        return cls.build(KINDS_BY_NAME[kind_name], self.records(kind_name), broken=broken)
 
     def families(self) -> Registry[FamilySpec]:
         return self.registry("families")
@@ -303,10 +259,10 @@ class DataflowPluginManager(pluggy.PluginManager):
         return self.registry("resolvers")
 
     def kernels(self) -> KernelRegistry:
-        return self.registry("kernels")  # type: ignore[return-value]  # built as KernelRegistry
+        return self._build("kernels", KernelRegistry)
 
     def feeds(self) -> FeedRegistry:
-        return self.registry("feeds")  # type: ignore[return-value]  # built as FeedRegistry
+        return self._build("feeds", FeedRegistry)
 
     def planners(self) -> Registry[PlannerSpec]:
         return self.registry("planners")
@@ -331,7 +287,7 @@ class DataflowPluginManager(pluggy.PluginManager):
         """One report per plugin: loaded ones (ok), then the broken and the disabled."""
         collected = self._collect()
         loaded = [
-            _report(
+            PluginReport.of(
                 name,
                 self.source_of(name),
                 Status.OK,
@@ -349,27 +305,6 @@ class DataflowPluginManager(pluggy.PluginManager):
 
 def _dist_name(entry_point: metadata.EntryPoint) -> str:
     return entry_point.dist.name if entry_point.dist else f"<unknown distribution of {entry_point}>"
-
-
-def _report(
-    name: str,
-    source: _Source,
-    status: Status,
-    reason: str | None = None,
-    *,
-    hooks: tuple[str, ...] = (),
-    registers: dict[str, tuple[str, ...]] | None = None,
-) -> PluginReport:
-    return PluginReport(
-        name=name,
-        distribution=source.distribution,
-        version=source.version,
-        entry_point=source.entry_point,
-        status=status,
-        reason=reason,
-        hooks=hooks,
-        registers=registers or {},
-    )
 
 
 def _checked_records(kind: RegistryKind, result: object) -> list[Any]:
@@ -405,7 +340,7 @@ def build_plugin_manager(
     """A fresh manager. ``allow`` (distribution names) and ``autoload`` override the
     environment variables when given; ``extra`` plugin objects are always registered."""
     manager = DataflowPluginManager()
-    manager.load_entry_points(_selection(autoload, allow))
+    manager.load_entry_points(select_distributions(autoload, allow))
     return _finish(manager, extra)
 
 

@@ -1,5 +1,8 @@
 """Registries of what plugins add: the record types, the registry hooks, lookups and errors.
 
+``selection`` (which distributions load) and ``report`` (what ``dataflow plugins list``
+shows) hold the plugin manager's own records; ``dataflow.plugins`` builds the manager.
+
 Pure Python: importing it never imports torch or loads a plugin.
 """
 

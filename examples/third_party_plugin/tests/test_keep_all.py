@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import attrs
 import pytest
+from dataflow_planner_example import plugin
 from dataflow_planner_example.keep_all import KeepAllError, Peak, no_offload_peak, plan_keep_all
 
-from dataflow.plugins import get_plugin_manager
+from dataflow.plugins import get_plugin_manager, planners
 from dataflow.schema import Obj, Program, Task
 from dataflow.testing import tiny_chain
 
@@ -50,8 +51,18 @@ def test_over_budget_names_the_peak_the_task_and_the_budget() -> None:
     with pytest.raises(KeepAllError) as failure:
         plan_keep_all(tiny_chain(), PEAK_BYTES - 1)
     message = str(failure.value)
-    assert "872 bytes" in message and "871 bytes" in message
+    assert "needs 872 B of fast memory" in message and "budget of 871 B;" in message
     assert "task 'loss'" in message and "pressurefit" in message
+
+
+def test_large_sizes_are_given_in_units_and_bytes() -> None:
+    program = Program(
+        name="big",
+        objects=(Obj("w", 3 * 2**30, "param", "fast"), Obj("y", 2**30, "activation")),
+        tasks=(Task("t", "k", "k", inputs=("w",), outputs=("y",)),),
+    )
+    with pytest.raises(KeepAllError, match=r"needs 4 GiB \(4294967296 bytes\) of fast memory"):
+        plan_keep_all(program, 2**30)
 
 
 def test_an_object_that_starts_slow_cannot_be_used() -> None:
@@ -95,3 +106,8 @@ def test_found_through_the_dataflow_registry() -> None:
     assert manager.planners().distribution_of("keep-all") == "dataflow-planner-example"
     planned = manager.planners().get("keep-all").plan(tiny_chain(), PEAK_BYTES)
     assert planned.budget is not None and planned.budget.fast_bytes == PEAK_BYTES
+
+
+def test_registered_through_an_isolated_manager(isolated_plugin_manager) -> None:
+    isolated_plugin_manager(plugin)
+    assert planners().names() == ["keep-all"]

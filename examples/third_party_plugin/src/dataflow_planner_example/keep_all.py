@@ -62,13 +62,18 @@ def plan_keep_all(program: Program, budget_bytes: int, **options: object) -> Pro
     if peak.size_bytes > budget_bytes:
         where = f"while task {peak.task!r} runs" if peak.task else "at start"
         raise KeepAllError(
-            f"program {program.name!r} needs {format_size(peak.size_bytes)} "
-            f"({peak.size_bytes} bytes) of fast memory {where} with every object kept "
-            f"resident, over the budget of {format_size(budget_bytes)} ({budget_bytes} bytes);"
+            f"program {program.name!r} needs {_size(peak.size_bytes)} of fast memory {where}"
+            f" with every object kept resident, over the budget of {_size(budget_bytes)};"
             " use a planner that offloads, such as pressurefit"
         )
     slow_bytes = program.budget.slow_bytes if program.budget else None
     return attrs.evolve(bare, budget=Budget(fast_bytes=budget_bytes, slow_bytes=slow_bytes))
+
+
+def _size(size_bytes: int) -> str:
+    """``1.5 GiB (1610612736 bytes)``; small sizes only as ``872 B``."""
+    text = format_size(size_bytes)
+    return text if size_bytes < 1024 else f"{text} ({size_bytes} bytes)"
 
 
 def _check_nothing_moves(program: Program) -> None:
