@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 from dataflow.plugins import build_plugin_manager
-from dataflow.testing import PluginConformance
+from dataflow.testing import PlannerConformance
 
 
-class TestCoreBuiltins(PluginConformance):
+class TestCoreBuiltins(PlannerConformance):
     distribution = "dataflow"
+    expected_names = ("pressurefit",)
 
 
 def test_the_builtins_are_left_out_by_an_allowlist_without_dataflow() -> None:
