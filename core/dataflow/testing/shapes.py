@@ -14,6 +14,9 @@ Python version) and returns a bare Program with final locations:
 - ``random_chain``: objects of log-uniform sizes used again after random gaps, some
   mutated, some outputs, random final locations, random costs and links.
 
+And three small hand-written chains (``tiny_training``, ``tiny_streaming``,
+``mutate_and_reuse``) for golden plans and unit tests.
+
 No hypothesis, no torch.
 """
 
@@ -193,6 +196,93 @@ def random_chain(rng: random.Random, *, tasks: int | None = None) -> Program:
     return Program(
         name=f"random-{count}", objects=objects, tasks=chain, final_locations=finals, links=links
     )
+
+
+# -- small hand-written chains (golden plans, unit tests) ----------------------------------
+
+#: 10 GB/s with 5 µs latency: a 4 MiB object takes about 420 µs, the order of a task in the
+#: small chains below, so where a prefetch goes matters.
+SMALL_LINKS = Links(h2d=Link(10_000.0, 5.0), d2h=Link(10_000.0, 5.0))
+
+
+def tiny_training() -> Program:
+    """Two layers, forward then backward then optimizer: every kind of object once."""
+    objects = [
+        Obj("x", 1 * MiB, "data", "fast"),
+        Obj("W0", 4 * MiB, "param", "slow"),
+        Obj("W1", 4 * MiB, "param", "slow"),
+        Obj("O0", 8 * MiB, "opt_state", "slow"),
+        Obj("O1", 8 * MiB, "opt_state", "slow"),
+        Obj("h0", 2 * MiB, "activation"),
+        Obj("h1", 2 * MiB, "activation"),
+        Obj("g1", 2 * MiB, "activation"),
+        Obj("g0", 2 * MiB, "activation"),
+        Obj("dW1", 4 * MiB, "grad"),
+        Obj("dW0", 4 * MiB, "grad"),
+    ]
+    tasks = [
+        Task("embed", "embed", "embed", inputs=("x",), outputs=("h0",), cost_us=200.0),
+        Task("fwd0", "fwd", "layer", inputs=("h0", "W0"), outputs=("h1",), cost_us=400.0),
+        Task("head", "head", "head", inputs=("h1", "W1"), outputs=("g1",), cost_us=600.0),
+        Task(
+            "bwd1", "bwd", "layer_bwd", inputs=("g1", "h1", "W1"), outputs=("dW1",), cost_us=800.0
+        ),
+        Task(
+            "bwd0",
+            "bwd",
+            "layer_bwd",
+            inputs=("g1", "h0", "W0"),
+            outputs=("g0", "dW0"),
+            cost_us=800.0,
+        ),
+        Task("opt0", "opt", "adamw", inputs=("dW0",), mutates=("W0", "O0"), cost_us=700.0),
+        Task("opt1", "opt", "adamw", inputs=("dW1",), mutates=("W1", "O1"), cost_us=700.0),
+    ]
+    finals = {name: Location.SLOW for name in ("W0", "W1", "O0", "O1")}
+    return Program("tiny-training", objects, tasks, final_locations=finals, links=SMALL_LINKS)
+
+
+def tiny_streaming(layers: int = 4) -> Program:
+    """Weights streamed through a forward pass; the output stays in fast memory."""
+    objects = [Obj("x", 1 * MiB, "data", "fast")]
+    objects += [Obj(f"W{i}", 8 * MiB, "param", "slow") for i in range(layers)]
+    objects += [Obj(f"h{i}", 1 * MiB, "activation") for i in range(layers + 1)]
+    tasks = [Task("embed", "embed", "embed", inputs=("x",), outputs=("h0",), cost_us=300.0)]
+    tasks += [
+        Task(
+            f"layer{i}",
+            "layer",
+            "layer",
+            inputs=(f"h{i}", f"W{i}"),
+            outputs=(f"h{i + 1}",),
+            cost_us=500.0,
+        )
+        for i in range(layers)
+    ]
+    finals = {f"h{layers}": Location.FAST, **{f"W{i}": Location.SLOW for i in range(layers)}}
+    return Program(
+        f"tiny-streaming-{layers}", objects, tasks, final_locations=finals, links=SMALL_LINKS
+    )
+
+
+def mutate_and_reuse() -> Program:
+    """An accumulator that starts fast, is mutated, waits through a big temporary, is read
+    again and must end slow; a buffer that starts fast and must end fast."""
+    objects = [
+        Obj("acc", 4 * MiB, "aux", "fast"),
+        Obj("keep", 2 * MiB, "aux", "fast"),
+        Obj("a", 1 * MiB, "data", "fast"),
+        Obj("big", 12 * MiB, "scratch"),
+        Obj("out", 1 * MiB, "output"),
+    ]
+    tasks = [
+        Task("add", "k", "add", inputs=("a",), mutates=("acc",), cost_us=300.0),
+        Task("make", "k", "make", inputs=("a",), outputs=("big",), cost_us=900.0),
+        Task("use", "k", "use", inputs=("big",), cost_us=900.0, workspace_bytes=1 * MiB),
+        Task("read", "k", "read", inputs=("acc", "keep"), outputs=("out",), cost_us=300.0),
+    ]
+    finals = {"acc": Location.SLOW, "keep": Location.FAST, "out": Location.FAST}
+    return Program("mutate-and-reuse", objects, tasks, final_locations=finals, links=SMALL_LINKS)
 
 
 #: shape name -> generator

@@ -1,0 +1,189 @@
+"""``dataflow plan PROGRAM.json --budget 4GiB``: write the directives, print the summary.
+
+Exits 1 when the program is malformed, when no plan fits the budget (printing the smallest
+budget that works and the task that forces it), or when the planner is unknown.
+``-o PLANNED.json`` writes the annotated program; ``--trace OUT.json`` its predicted
+timeline as Chrome trace-event JSON; ``--place`` also packs it into one arena.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from dataflow.cli.validate import load_program
+from dataflow.planning import DEFAULT_PLANNER, Plan, PlanningError, plan
+from dataflow.registry import UnknownNameError
+from dataflow.units import format_size, parse_size
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@click.command("plan")
+@click.argument("program_path", metavar="PROGRAM.json", type=click.Path(dir_okay=False))
+@click.option(
+    "--budget",
+    "budget_bytes",
+    callback=_size,
+    required=True,
+    metavar="SIZE",
+    help="fast-memory budget, e.g. 4GiB",
+)
+@click.option(
+    "--slow-budget",
+    "slow_budget_bytes",
+    callback=_size,
+    metavar="SIZE",
+    help="slow-memory budget (default: the program's; none: unbounded)",
+)
+@click.option(
+    "--planner",
+    default=DEFAULT_PLANNER,
+    show_default=True,
+    help="a planner name from `dataflow plugins list`",
+)
+@click.option(
+    "-o",
+    "--output",
+    "output_path",
+    type=click.Path(dir_okay=False, writable=True),
+    metavar="PLANNED.json",
+    help="write the planned program",
+)
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(dir_okay=False, writable=True),
+    metavar="OUT.json",
+    help="write the predicted timeline as Chrome trace JSON",
+)
+@click.option(
+    "--place",
+    "do_place",
+    is_flag=True,
+    help="also pack the plan into one fast arena and report its size",
+)
+def plan_command(
+    program_path: str,
+    budget_bytes: int,
+    slow_budget_bytes: int | None,
+    planner: str,
+    output_path: str | None,
+    trace_path: str | None,
+    do_place: bool,
+) -> None:
+    """Plan PROGRAM.json for a fast-memory budget and summarize the plan."""
+    program = load_program(program_path)
+    if slow_budget_bytes is None and program.budget is not None:
+        slow_budget_bytes = program.budget.slow_bytes
+    try:
+        planned = plan(program, budget_bytes, planner=planner, slow_budget_bytes=slow_budget_bytes)
+    except (PlanningError, UnknownNameError) as exc:
+        click.echo(f"{program_path}: {exc}", err=True)
+        sys.exit(1)
+    arena = None
+    asked_bytes = budget_bytes
+    if do_place:
+        from dataflow.planning.placement import place
+
+        try:
+            placement = place(planned)
+        except PlanningError as exc:
+            click.echo(f"{program_path}: {exc}", err=True)
+            sys.exit(1)
+        planned, arena = placement.plan, placement.arena_bytes
+    Console().print(
+        plan_table(
+            planned, title=f"{program_path}: {program.name}", arena=arena, budget_bytes=asked_bytes
+        )
+    )
+    if output_path is not None:
+        Path(output_path).write_text(planned.program.to_json() + "\n")
+        click.echo(f"wrote {output_path}")
+    if trace_path is not None:
+        planned.sim.to_chrome_trace(trace_path, name=f"{program.name} (planned)")
+        click.echo(f"wrote {trace_path} (open it in https://ui.perfetto.dev or chrome://tracing)")
+
+
+def plan_table(planned: Plan, *, title: str = "", arena: int | None = None) -> Table:
+    """The plan summary: makespan against the lower bound, peaks, bytes moved, idle time."""
+    sim, bound = planned.sim, planned.lower_bound
+    table = Table(
+        title=f"{title} — {planned.planner}, budget {format_size(planned.budget_bytes)}",
+        show_header=True,
+        header_style="bold",
+    )
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_column("detail")
+    over = 100 * (planned.makespan_ratio - 1)
+    table.add_row(
+        "makespan",
+        _us(sim.makespan_us),
+        f"{over:+.1f} % over the lower bound of {_us(bound.best_us)}",
+    )
+    table.add_row(
+        "lower bound",
+        _us(bound.best_us),
+        f"compute {_us(bound.compute_us)}, link {_us(bound.link_us)}, "
+        f"volume {_us(bound.volume_us)}, handoff {_us(bound.handoff_us)}",
+    )
+    table.add_row(
+        "compute idle",
+        f"{100 * sim.compute_idle_fraction:.1f} %",
+        f"{_us(sim.compute_idle_us)} of {_us(sim.makespan_us)}",
+    )
+    table.add_row(
+        "fast peak",
+        format_size(sim.fast_peak_bytes),
+        f"{100 * sim.fast_peak_bytes / planned.budget_bytes:.1f} % of the budget",
+    )
+    table.add_row(
+        "slow peak",
+        format_size(sim.slow_peak_bytes),
+        "no budget"
+        if sim.slow_budget_bytes is None
+        else f"of {format_size(sim.slow_budget_bytes)}",
+    )
+    table.add_row(
+        "moved",
+        format_size(planned.moved_bytes),
+        f"h2d {format_size(sim.h2d.bytes)} ({sim.h2d.transfers} transfers, "
+        f"{100 * sim.h2d.busy_fraction:.0f} % busy), d2h {format_size(sim.d2h.bytes)} "
+        f"({sim.d2h.transfers} transfers, {100 * sim.d2h.busy_fraction:.0f} % busy)",
+    )
+    tasks = planned.program.tasks
+    table.add_row(
+        "directives",
+        f"{sum(len(t.directives()) for t in tasks):,}",
+        f"{sum(len(t.releases) for t in tasks)} releases, "
+        f"{sum(len(t.offloads) for t in tasks)} offloads, "
+        f"{sum(len(t.prefetches) for t in tasks)} prefetches over {len(tasks)} tasks",
+    )
+    if arena is not None:
+        table.add_row(
+            "arena",
+            format_size(arena),
+            f"one block per resident interval; budget {format_size(planned.budget_bytes)}",
+        )
+    table.add_row("planning", f"{planned.planning_s:.3f} s", "")
+    return table
+
+
+def _us(duration_us: float) -> str:
+    """A duration in the largest unit that keeps it >= 1: ``850 us``, ``12.5 ms``, ``3.2 s``."""
+    for unit, scale in (("s", 1e6), ("ms", 1e3)):
+        if abs(duration_us) >= scale:
+            return f"{duration_us / scale:,.4g} {unit}"
+    return f"{duration_us:.4g} us"

@@ -1,0 +1,85 @@
+"""Lower bounds: hand-computed cases, and no run of any plan beats them."""
+
+from __future__ import annotations
+
+import attrs
+from hypothesis import HealthCheck, given, settings
+
+from dataflow.planning import lower_bound
+from dataflow.schema import Link, Links, Location, Obj, Program, Task
+from dataflow.sim import simulate
+from dataflow.testing.shapes import SMALL_LINKS as LINKS
+from dataflow.testing.shapes import MiB, tiny_streaming
+from dataflow.testing.strategies import annotated_chains
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_compute_bound_is_the_sum_of_costs() -> None:
+    program = Program(
+        "fast-only",
+        [Obj("a", 8, "data", "fast"), Obj("b", 8, "activation")],
+        [
+            Task("t0", "k", "k", inputs=("a",), outputs=("b",), cost_us=3.0),
+            Task("t1", "k", "k", inputs=("b",), cost_us=4.5),
+        ],
+    )
+    bound = lower_bound(program)
+    assert (bound.compute_us, bound.link_us, bound.volume_us, bound.handoff_us) == (
+        7.5,
+        7.5,
+        0.0,
+        0.0,
+    )
+
+
+def test_link_bound_counts_first_loads_after_task_0_and_final_write_backs() -> None:
+    links = Links(h2d=Link(1.0, 1.0), d2h=Link(2.0, 0.0))
+    program = Program(
+        "loads",
+        [Obj("x", 1, "data", "fast"), Obj("w", 10, "param", "slow"), Obj("v", 20, "param", "slow")],
+        [
+            Task("t0", "k", "k", inputs=("x",), cost_us=5.0),
+            Task("t1", "k", "k", inputs=("w",), cost_us=1.0),
+            Task("t2", "k", "k", mutates=("v",), cost_us=1.0),
+        ],
+        final_locations={"v": "slow"},
+        links=links,
+    )
+    # t1 starts after t0 (5) and w's load (11): 16; t2 after v's load too (21 more): 37;
+    # t2 ends at 38 and v's write-back takes 10 more.
+    assert lower_bound(program).link_us == 48.0
+
+
+def test_volume_and_handoff_bounds_need_a_budget() -> None:
+    program = tiny_streaming(4)
+    assert lower_bound(program).volume_us == 0.0
+    assert lower_bound(program).handoff_us == 0.0
+    # At 10 MiB, each layer holds h_i, W_i and h_{i+1} (10 MiB): no room for the next
+    # weights while it runs, so every W_{i+1} crosses between layers.
+    bound = lower_bound(program, 10 * MiB)
+    gap_us = LINKS.h2d.transfer_us(8 * MiB)
+    assert bound.handoff_us == 300.0 + 4 * 500.0 + 3 * gap_us
+    assert bound.best_us == bound.handoff_us
+
+
+@SETTINGS
+@given(annotated_chains())
+def test_no_valid_run_of_any_plan_beats_the_lower_bound(program: Program) -> None:
+    result = simulate(program)
+    if not result.valid:
+        return
+    budget = program.budget.fast_bytes if program.budget is not None else None
+    bound = lower_bound(attrs.evolve(program.bare(), budget=None), budget)
+    assert result.makespan_us >= bound.best_us * (1 - 1e-12), bound
+
+
+def test_final_fast_objects_that_start_slow_count_as_loads() -> None:
+    program = Program(
+        "final-fast",
+        [Obj("x", 1, "data", "fast"), Obj("w", 10, "param", "slow")],
+        [Task("t0", "k", "k", inputs=("x",), cost_us=2.0)],
+        final_locations={"w": Location.FAST},
+        links=Links(h2d=Link(1.0, 0.0), d2h=Link(1.0, 0.0)),
+    )
+    assert lower_bound(program).link_us == 12.0
