@@ -198,7 +198,13 @@ class DataflowPluginManager(pluggy.PluginManager):
     def _mark_broken(self, name: str, source: PluginSource, reason: str) -> None:
         report = PluginReport.of(name, source, Status.BROKEN, reason)
         self._left_out.append(report)
-        warnings.warn(f"dataflow plugin {report.describe()} (skipped)", PluginWarning, stacklevel=2)
+        # Attributed to the plugin, not to a line of dataflow (which would be printed with it).
+        warnings.warn_explicit(
+            f"{report.describe()}; skipped (see `dataflow plugins list`)",
+            PluginWarning,
+            filename=f"<dataflow plugin {source.distribution}>",
+            lineno=0,
+        )
 
     # -- registries ------------------------------------------------------------------------
     def _collect(self) -> dict[str, dict[str, list[Any]]]:
