@@ -44,7 +44,9 @@ def test_pure_modules_do_not_import_torch(module: str) -> None:
         "print(leaked[:3]); sys.exit(1 if leaked else 0)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, f"importing {module} imported torch: {result.stdout}{result.stderr}"
+    assert result.returncode == 0, (
+        f"importing {module} imported torch: {result.stdout}{result.stderr}"
+    )
 
 
 def test_core_never_imports_a_plugin_package() -> None:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from dataflow.engine import Engine, EngineRunError
 from dataflow.schema import Link, Links, Obj, Program, Task
 from dataflow.sim import simulate
+from dataflow.testing import strategies
 
 
 @st.composite
@@ -116,7 +117,7 @@ def _normalized(counter) -> list[tuple[float, int]]:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(annotated_programs())
+@given(annotated_programs() | strategies.annotated_chains())
 def test_virtual_backend_reproduces_the_simulator(program: Program) -> None:
     predicted = simulate(program)
     engine = Engine("virtual")
@@ -125,7 +126,7 @@ def test_virtual_backend_reproduces_the_simulator(program: Program) -> None:
         try:
             engine.run()
         except EngineRunError as failure:
-            assert failure.kind == ("deadlock" if predicted.deadlock else "error")
+            assert (failure.kind, failure.task) == (predicted.error.kind, predicted.error.task)
             return
         raise AssertionError(f"simulator failed ({predicted.error}) but the engine ran")
     trace = engine.run().steps[0]

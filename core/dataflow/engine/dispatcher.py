@@ -15,6 +15,7 @@ import attrs
 
 from dataflow.engine.ledger import Fast, Ledger, Slow
 from dataflow.schema import Location, Program
+from dataflow.sim.failure import FailureKind
 
 
 class OpKind(enum.IntEnum):
@@ -75,8 +76,9 @@ class OpFailed(Exception):
 
 
 class EngineRunError(RuntimeError):
-    """A run that cannot go on: ``kind`` is ``deadlock`` or ``error``; names the task, the
-    objects involved and fast memory at that moment."""
+    """A run that cannot go on: ``kind`` is a ``FailureKind`` (the codes of
+    docs/execution_model.md, the same the simulator reports); names the task, the objects
+    involved and fast memory at that moment."""
 
     def __init__(
         self,
@@ -133,6 +135,7 @@ class Dispatcher:
         self.transfers: list[TransferRecord] = []
         self.pending_prefetch: dict[str, int] = {}  # object -> queued or running prefetches
         self.dropped_by: dict[str, str] = {}  # object -> task whose release lost its value
+        self.checked_task = -1  # the last task checked when it became next
         self.task_records: list[TaskRecord] = []
         self.fast_counter: list[tuple[float, int]] = [(0.0, self.ledger.fast_used_bytes)]
         self.slow_counter: list[tuple[float, int]] = [(0.0, self.ledger.slow_used_bytes)]
@@ -152,7 +155,14 @@ class Dispatcher:
                 completions = self.backend.wait()
             except OpFailed as failed:
                 task = self.tasks[failed.ref].id if failed.kind is OpKind.TASK else None
-                self._error(str(failed), task, ())
+                raise EngineRunError(
+                    "error",
+                    str(failed),
+                    task=task,
+                    objects=(),
+                    fast_used_bytes=self.ledger.fast_used_bytes,
+                    resident=tuple(self.ledger.resident_objects()),
+                ) from failed
             for completion in completions:
                 self._complete(completion)
         self._check_final_locations()
@@ -180,17 +190,14 @@ class Dispatcher:
             return False
         task = self.tasks[self.next_task]
         ledger = self.ledger
+        if self.checked_task != self.next_task:  # it just became next: what can never improve
+            self.checked_task = self.next_task
+            self._check_next(task)
         for obj in task.inputs + task.mutates:
-            if ledger.fast[obj] is Fast.RESIDENT and obj not in ledger.offload_pending:
-                continue
-            if not self.pending_prefetch.get(obj):
-                self._fail_never_resident(task.id, obj)
-            return False
+            if ledger.fast[obj] is not Fast.RESIDENT or obj in ledger.offload_pending:
+                return False
         reserve = task.workspace_bytes + sum(ledger.size[obj] for obj in task.outputs)
         if not ledger.fits_fast(reserve):
-            self._check_can_ever_fit(
-                task.id, reserve + sum(ledger.size[o] for o in task.inputs + task.mutates)
-            )
             return False
         if not all(self.backend.can_alloc_fast(obj) for obj in task.outputs):
             return False
@@ -203,6 +210,22 @@ class Dispatcher:
         self.backend.launch_task(self.running_task)
         return True
 
+    def _check_next(self, task) -> None:
+        ledger, budget = self.ledger, self.ledger.fast_budget_bytes
+        footprint = task.workspace_bytes + sum(ledger.size[obj] for obj in set(task.uses))
+        if budget is not None and footprint > budget:
+            self._error(
+                FailureKind.FOOTPRINT,
+                f"task {task.id!r} needs {footprint} bytes of "
+                f"fast memory at once but the budget is {budget}",
+                task.id,
+                (),
+            )
+        for obj in task.inputs + task.mutates:
+            absent = ledger.fast[obj] is not Fast.RESIDENT or obj in ledger.offload_pending
+            if absent and not self.pending_prefetch.get(obj):
+                self._fail_never_resident(task.id, obj)
+
     def _start(self, direction: str) -> bool:
         queue = self.queues[direction]
         if self.running[direction] is not None or not queue:
@@ -210,23 +233,21 @@ class Dispatcher:
         transfer, ledger = queue[0], self.ledger
         obj = transfer.obj
         if direction == "d2h":
-            if not ledger.slow_space_ready(obj):
-                budget = ledger.slow_budget_bytes
-                if budget is not None and ledger.size[obj] > budget:
-                    self._error(
-                        f"offload of {obj!r} needs {ledger.size[obj]} bytes of slow "
-                        f"memory but the slow budget is {budget}",
-                        transfer.by_task,
-                        (obj,),
-                    )
-                return False
+            if not ledger.slow_space_ready(obj):  # slow space is never given back: fail now
+                self._error(
+                    FailureKind.SLOW_BUDGET,
+                    f"offload of {obj!r} needs {ledger.size[obj]} bytes of slow memory; "
+                    f"{ledger.slow_used_bytes} of the slow budget {ledger.slow_budget_bytes} "
+                    "are taken",
+                    transfer.by_task,
+                    (obj,),
+                )
             ledger.ensure_slow_space(obj)
             self._count_slow()
         else:
             if obj in ledger.offload_pending or ledger.slow[obj] is not Slow.CURRENT:
                 return False
             if not ledger.fits_fast(ledger.size[obj]):
-                self._check_can_ever_fit(transfer.by_task, ledger.size[obj], prefetch=obj)
                 return False
             if not self.backend.can_alloc_fast(obj):
                 return False
@@ -272,35 +293,49 @@ class Dispatcher:
         for obj in task.mutates:
             ledger.make_dirty(obj)
         for obj in task.releases:
-            self._require_resident(task.id, "release", obj)
+            self._require_resident(task.id, FailureKind.RELEASE_NOT_RESIDENT, "release", obj)
             if not ledger.is_clean(obj):
                 self.dropped_by[obj] = task.id
             self._drop(obj)
         for obj in task.offloads:
-            self._require_resident(task.id, "offload", obj)
+            self._require_resident(task.id, FailureKind.OFFLOAD_NOT_RESIDENT, "offload", obj)
             if ledger.is_clean(obj):
                 self._drop(obj)
             else:
                 ledger.offload_pending.add(obj)
                 self._enqueue(task.id, obj, "d2h")
         for obj in task.prefetches:
-            incoming = ledger.fast[obj] is not Fast.ABSENT and obj not in ledger.offload_pending
-            if incoming or self.pending_prefetch.get(obj):
-                self._error(
-                    f"task {task.id!r} prefetches {obj!r}, which is already in fast "
-                    "memory or on its way",
-                    task.id,
-                    (obj,),
-                )
-            if ledger.slow[obj] is not Slow.CURRENT and obj not in ledger.offload_pending:
-                self._error(
-                    f"task {task.id!r} prefetches {obj!r}, which has no current slow copy to read",
-                    task.id,
-                    (obj,),
-                )
+            self._check_prefetch(task.id, obj)
             self.pending_prefetch[obj] = self.pending_prefetch.get(obj, 0) + 1
             self._enqueue(task.id, obj, "h2d")
         self._count_fast()
+
+    def _check_prefetch(self, task_id: str, obj: str) -> None:
+        ledger, budget = self.ledger, self.ledger.fast_budget_bytes
+        leaving = obj in ledger.offload_pending
+        if self.pending_prefetch.get(obj) or (ledger.fast[obj] is Fast.RESIDENT and not leaving):
+            self._error(
+                FailureKind.PREFETCH_RESIDENT,
+                f"task {task_id!r} prefetches {obj!r}, "
+                "which is already in fast memory or on its way",
+                task_id,
+                (obj,),
+            )
+        if ledger.slow[obj] is not Slow.CURRENT and not leaving:
+            self._error(
+                FailureKind.PREFETCH_NO_SLOW_COPY,
+                f"task {task_id!r} prefetches {obj!r}, which has no current slow copy to read",
+                task_id,
+                (obj,),
+            )
+        if budget is not None and ledger.size[obj] > budget:
+            self._error(
+                FailureKind.TRANSFER_TOO_LARGE,
+                f"task {task_id!r} prefetches {obj!r} "
+                f"({ledger.size[obj]} bytes), larger than the fast budget {budget}",
+                task_id,
+                (obj,),
+            )
 
     def _enqueue(self, task_id: str, obj: str, direction: str) -> None:
         transfer = TransferRecord(
@@ -334,7 +369,7 @@ class Dispatcher:
             counter.append((now, value))
 
     # -- failures ----------------------------------------------------------------------
-    def _error(self, message: str, task: str | None, objects: tuple[str, ...], kind: str = "error"):
+    def _error(self, kind: FailureKind, message: str, task: str | None, objects: tuple[str, ...]):
         ledger = self.ledger
         raise EngineRunError(
             kind,
@@ -353,20 +388,25 @@ class Dispatcher:
         ):
             if budget is not None and used > budget:
                 self._error(
-                    f"the objects that start in {memory} memory take {used} bytes, "
-                    f"more than its budget {budget}",
+                    FailureKind.INITIAL_OVERFLOW,
+                    f"the objects that start in {memory} "
+                    f"memory take {used} bytes, more than its budget {budget}",
                     None,
                     (),
                 )
 
-    def _require_resident(self, task_id: str, directive: str, obj: str) -> None:
+    def _require_resident(self, task_id: str, kind: FailureKind, directive: str, obj: str) -> None:
         ledger = self.ledger
         if ledger.fast[obj] is not Fast.RESIDENT:
             self._error(
-                f"task {task_id!r} {directive}s {obj!r}, which is not resident", task_id, (obj,)
+                kind,
+                f"task {task_id!r} {directive}s {obj!r}, which is not resident",
+                task_id,
+                (obj,),
             )
         if obj in ledger.offload_pending:
             self._error(
+                kind,
                 f"task {task_id!r} {directive}s {obj!r}, which has an offload pending",
                 task_id,
                 (obj,),
@@ -374,23 +414,20 @@ class Dispatcher:
 
     def _fail_never_resident(self, task_id: str, obj: str) -> None:
         if obj in self.dropped_by:
-            why = f"task {self.dropped_by[obj]!r} released it while dirty, losing its value"
-        elif self.ledger.fast[obj] is Fast.RESIDENT:
+            self._error(
+                FailureKind.LOST,
+                f"task {task_id!r} needs {obj!r}, but task "
+                f"{self.dropped_by[obj]!r} released it while dirty, losing its value",
+                task_id,
+                (obj,),
+            )
+        if self.ledger.fast[obj] is Fast.RESIDENT:
             why = "it is being offloaded and nothing prefetches it back"
         else:
             why = "it is not in fast memory and nothing prefetches it"
-        self._error(f"task {task_id!r} needs {obj!r}, but {why}", task_id, (obj,))
-
-    def _check_can_ever_fit(self, task_id: str, size_bytes: int, prefetch: str | None = None):
-        budget = self.ledger.fast_budget_bytes
-        if budget is not None and size_bytes > budget:
-            what = f"prefetch of {prefetch!r}" if prefetch else f"task {task_id!r}"
-            self._error(
-                f"{what} needs {size_bytes} bytes of fast memory at once but the "
-                f"budget is {budget}",
-                task_id,
-                (prefetch,) if prefetch else (),
-            )
+        self._error(
+            FailureKind.NOT_RESIDENT, f"task {task_id!r} needs {obj!r}, but {why}", task_id, (obj,)
+        )
 
     def _deadlock(self) -> None:
         ledger = self.ledger
@@ -412,7 +449,7 @@ class Dispatcher:
         heads = [f"{d} head: {q[0].obj!r}" for d, q in self.queues.items() if q]
         if heads:
             message += f"; {'; '.join(heads)}"
-        self._error(message, blocked, waits, kind="deadlock")
+        self._error(FailureKind.DEADLOCK, message, blocked, waits)
 
     def _check_final_locations(self) -> None:
         ledger = self.ledger
@@ -424,6 +461,7 @@ class Dispatcher:
                 wrong.append(f"{obj!r} should end in slow memory but has no current slow copy")
         if wrong:
             self._error(
+                FailureKind.FINAL_LOCATION,
                 "final locations do not hold: " + "; ".join(wrong),
                 None,
                 tuple(self.program.final_locations),

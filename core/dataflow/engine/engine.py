@@ -77,8 +77,11 @@ class Engine:
             listing = "\n".join(f"  - {problem.message}" for problem in problems)
             raise EngineLoadError(f"program {program.name!r} is not valid:\n{listing}")
         self.program = program
-        if self.budget_bytes is None and program.budget is not None:
-            self.budget_bytes = program.budget.fast_bytes
+        if program.budget is not None:
+            if self.budget_bytes is None:
+                self.budget_bytes = program.budget.fast_bytes
+            if self.slow_budget_bytes is None:
+                self.slow_budget_bytes = program.budget.slow_bytes
         if self.backend_name == "virtual":
             from dataflow.engine.backends.virtual import VirtualBackend
 
