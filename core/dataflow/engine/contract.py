@@ -25,6 +25,9 @@ class LaunchContext:
     declaration order. Outputs hold garbage until written; mutates are changed in place.
     ``values`` are per-run values (step number, learning rate, ...) given to
     ``Engine.run``. ``stream`` is the CUDA stream to enqueue on (None on CPU).
+    ``workspace`` is a flat uint8 tensor of exactly ``task.workspace_bytes`` (None when
+    that is 0): the only scratch memory a task may use beyond its objects; on CUDA it lies
+    in the planned arena, so a kernel that allocates elsewhere breaks the budget.
     """
 
     task: Task
@@ -34,6 +37,7 @@ class LaunchContext:
     mutates: tuple[Any, ...]
     outputs: tuple[Any, ...]
     values: Mapping[str, Any] = attrs.field(factory=dict)
+    workspace: Any = None
 
 
 @runtime_checkable

@@ -263,21 +263,27 @@ def _torch_backend(program: Program, executables, device: str, placement: Any):
     return TorchBackend(program, executables, dev, runner, **layout)
 
 
+def workspace_key(task_id: str) -> str:
+    return f"workspace:{task_id}"
+
+
 def _placement_layout(placement: Any) -> dict[str, Any]:
     """Arena size, offsets by (object, occurrence) and the region rule from a Placement.
 
     The k-th time an object becomes resident it takes its k-th block (blocks in time
-    order). A block may begin only once every earlier block that overlaps it in the arena
-    has ended. Workspace blocks are left out: kernels take workspace from the framework
-    allocator, which the CUDA budget check counts.
+    order); a task's workspace is its own block (key ``("workspace:<task>", 0)``), handed
+    to the executable as ``ctx.workspace``. A block may begin only once every earlier block
+    that overlaps it in the arena has ended.
     """
     by_obj: dict[str, list[Any]] = {}
     blocks = sorted(
-        (b for b in placement.blocks if b.obj_id is not None),
-        key=lambda b: (b.start_us, b.end_us, b.obj_id),
+        placement.blocks, key=lambda b: (b.start_us, b.end_us, b.obj_id or "", b.task_id or "")
     )
     keys = {}
     for block in blocks:
+        if block.obj_id is None:
+            keys[id(block)] = (workspace_key(block.task_id), 0)
+            continue
         occurrences = by_obj.setdefault(block.obj_id, [])
         keys[id(block)] = (block.obj_id, len(occurrences))
         occurrences.append(block)
@@ -305,4 +311,7 @@ def _placement_layout(placement: Any) -> dict[str, Any]:
         "arena_bytes": placement.arena_bytes,
         "offset_of": offset_of,
         "predecessors": predecessors,
+        "workspace_offsets": {
+            b.task_id: b.offset_bytes for b in placement.blocks if b.task_id is not None
+        },
     }

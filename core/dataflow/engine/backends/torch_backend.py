@@ -16,7 +16,7 @@ import torch
 
 from dataflow.engine.backends.torch_storage import FastStore, SlowPool, as_bytes, typed_view
 from dataflow.engine.contract import Executable, LaunchContext
-from dataflow.engine.dispatcher import Completion
+from dataflow.engine.dispatcher import Completion, OpKind
 from dataflow.schema import Location, Program
 
 
@@ -33,6 +33,7 @@ class TorchBackend:
         arena_bytes: int | None = None,
         offset_of: Callable[[str, int], int] | None = None,
         predecessors: Mapping[tuple[str, int], tuple[tuple[str, int], ...]] | None = None,
+        workspace_offsets: Mapping[str, int] | None = None,
     ) -> None:
         self.program, self.executables, self.device = program, executables, device
         self.runner = runner
@@ -49,6 +50,7 @@ class TorchBackend:
         sizes = {obj.id: obj.size_bytes for obj in program.objects}
         self.fast = FastStore(sizes, device, arena_bytes, offset_of)
         self.predecessors = predecessors or {}
+        self.workspace_offsets = workspace_offsets
         self.ended: set[tuple[str, int]] = set()
         self.values: Mapping[str, Any] = {}
         self.origin = time.perf_counter()
@@ -90,6 +92,10 @@ class TorchBackend:
         key = (obj, self.fast.occurrences.get(obj, 0))
         return all(before in self.ended for before in self.predecessors.get(key, ()))
 
+    def can_start_task(self, index: int) -> bool:
+        key = (f"workspace:{self.program.tasks[index].id}", 0)
+        return all(before in self.ended for before in self.predecessors.get(key, ()))
+
     def alloc_fast(self, obj: str) -> None:
         self.fast.alloc(obj)
 
@@ -108,6 +114,7 @@ class TorchBackend:
             mutates=tuple(view(obj) for obj in task.mutates),
             outputs=tuple(view(obj) for obj in task.outputs),
             values=self.values,
+            workspace=self._workspace(task),
         )
         self.runner.submit_task(index, task.id, self.executables[index], ctx)
 
@@ -117,7 +124,20 @@ class TorchBackend:
         self.runner.submit_copy(serial, obj, direction, dst, src)
 
     def wait(self) -> list[Completion]:
-        return self.runner.wait()
+        completions = self.runner.wait()
+        for completion in completions:
+            if completion.kind is OpKind.TASK:  # its workspace block ends with it
+                self.ended.add((f"workspace:{self.program.tasks[completion.ref].id}", 0))
+        return completions
+
+    def _workspace(self, task) -> torch.Tensor | None:
+        size = task.workspace_bytes
+        if not size:
+            return None
+        if self.workspace_offsets is None or self.fast.arena is None:
+            return torch.empty(size, dtype=torch.uint8, device=self.device)
+        start = self.workspace_offsets[task.id]
+        return self.fast.arena[start : start + size]
 
     def _view(self, obj: str) -> torch.Tensor:
         return typed_view(self.fast.buffers[obj], self.objs[obj])

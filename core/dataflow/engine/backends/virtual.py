@@ -27,6 +27,9 @@ class VirtualBackend:
     def can_alloc_fast(self, obj: str) -> bool:
         return True
 
+    def can_start_task(self, index: int) -> bool:
+        return True
+
     def alloc_fast(self, obj: str) -> None:
         pass
 

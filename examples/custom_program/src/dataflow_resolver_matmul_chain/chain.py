@@ -73,6 +73,7 @@ def build_program(
             outputs=(f"g_{i}", f"dW_{i}"),
             cost_us=2 * matmul_us,
             label=f"layer {i} backward",
+            workspace_bytes=batch * dim * elem,  # the gradient through tanh
         )
         for i in reversed(range(layers))
     ]
