@@ -178,9 +178,7 @@ class Engine:
                     resident=(),
                 )
             values[obj.id] = value.clone()
-        backend.fast.buffers.clear()
-        backend.fast.reset_occurrences()
-        backend.ended.clear()
+        backend.reset_fast()
         for obj_id, value in values.items():
             backend.put_initial(obj_id, value)
 

@@ -50,6 +50,7 @@ class TorchBackend:
         sizes = {obj.id: obj.size_bytes for obj in program.objects}
         self.fast = FastStore(sizes, device, arena_bytes, offset_of)
         self.predecessors = predecessors or {}
+        self.views: dict[str, torch.Tensor] = {}  # typed views of the resident objects
         self.workspace_offsets = workspace_offsets
         self.ended: set[tuple[str, int]] = set()
         self.values: Mapping[str, Any] = {}
@@ -65,12 +66,18 @@ class TorchBackend:
                 f"declares {self.objs[obj].size_bytes}"
             )
         if self.objs[obj].location is Location.FAST:
-            buffer = self.fast.buffers.get(obj)
-            if buffer is None:
-                buffer = self.fast.alloc(obj)
-            buffer.copy_(data)
+            if obj not in self.fast.buffers:
+                self.alloc_fast(obj)
+            self.fast.buffers[obj].copy_(data)
         else:
             self.slow.view(obj).copy_(data)
+
+    def reset_fast(self) -> None:
+        """Forget every fast residency (between steps, before the start values go back)."""
+        self.fast.buffers.clear()
+        self.fast.reset_occurrences()
+        self.views.clear()
+        self.ended.clear()
 
     def fast_value(self, obj: str) -> torch.Tensor | None:
         buffer = self.fast.buffers.get(obj)
@@ -97,11 +104,12 @@ class TorchBackend:
         return all(before in self.ended for before in self.predecessors.get(key, ()))
 
     def alloc_fast(self, obj: str) -> None:
-        self.fast.alloc(obj)
+        self.views[obj] = typed_view(self.fast.alloc(obj), self.objs[obj])
 
     def free_fast(self, obj: str) -> None:
         self.ended.add((obj, self.fast.occurrences[obj] - 1))
         self.fast.free(obj)
+        del self.views[obj]
 
     def launch_task(self, index: int) -> None:
         task = self.program.tasks[index]
@@ -140,4 +148,4 @@ class TorchBackend:
         return self.fast.arena[start : start + size]
 
     def _view(self, obj: str) -> torch.Tensor:
-        return typed_view(self.fast.buffers[obj], self.objs[obj])
+        return self.views[obj]

@@ -25,37 +25,68 @@ class CudaRunner:
         self.compute_stream = self.streams[OpKind.TASK]
         self.origin = torch.cuda.Event(enable_timing=True)
         self.in_flight: list[tuple[OpKind, int, torch.cuda.Event, torch.cuda.Event]] = []
-        #: host seconds spent inside each task's launch (enqueueing its kernels)
+        self._free_events: list[torch.cuda.Event] = []  # reused: creating one costs host time
+        self._current: torch.cuda.Stream | None = None
+        self._previous = torch.cuda.current_stream(device)
+        self._origin_pending = True
+        #: host microseconds spent inside each task's launch (enqueueing its kernels)
         self.launch_host_us: list[float] = []
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
+        torch.cuda.set_stream(self._previous)
+        self._current = None
 
     def start_run(self) -> None:
         torch.cuda.synchronize(self.device)
-        self.origin.record(self.compute_stream)
+        self._origin_pending = True
         self.launch_host_us = []
 
-    def _submit(self, kind: OpKind, ref: int, enqueue) -> None:
-        stream = self.streams[kind]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            enqueue()
-            end.record(stream)
-        self.in_flight.append((kind, ref, start, end))
+    def _mark_origin(self) -> None:
+        # Time 0 is the first operation of the step, as in the simulator; the host's set-up
+        # before it is not part of the step's timeline.
+        if self._origin_pending:
+            self.origin.record(self.compute_stream)
+            self._origin_pending = False
+
+    def _event(self) -> torch.cuda.Event:
+        return (
+            self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
+        )
+
+    def _use(self, stream: torch.cuda.Stream) -> None:
+        # Switching the current stream directly is cheaper than a context manager per op;
+        # every launch happens on the dispatcher's thread, and close() restores the old one.
+        if stream is not self._current:
+            torch.cuda.set_stream(stream)
+            self._current = stream
 
     def submit_task(
         self, index: int, task_id: str, executable: Executable, ctx: LaunchContext
     ) -> None:
         began = time.perf_counter()
-        self._submit(OpKind.TASK, index, lambda: executable.launch(ctx))
+        self._mark_origin()
+        stream = self.compute_stream
+        start, end = self._event(), self._event()
+        self._use(stream)
+        start.record(stream)
+        executable.launch(ctx)
+        end.record(stream)
+        self.in_flight.append((OpKind.TASK, index, start, end))
         self.launch_host_us.append((time.perf_counter() - began) * 1e6)
 
     def submit_copy(
         self, serial: int, obj: str, direction: str, dst: torch.Tensor, src: torch.Tensor
     ) -> None:
-        self._submit(_KIND[direction], serial, lambda: dst.copy_(src, non_blocking=True))
+        self._mark_origin()
+        kind = _KIND[direction]
+        stream = self.streams[kind]
+        start, end = self._event(), self._event()
+        self._use(stream)
+        start.record(stream)
+        dst.copy_(src, non_blocking=True)
+        end.record(stream)
+        self.in_flight.append((kind, serial, start, end))
 
     def wait(self) -> list[Completion]:
         while True:
@@ -65,8 +96,35 @@ class CudaRunner:
         finished = {id(entry) for entry in done}
         self.in_flight = [entry for entry in self.in_flight if id(entry) not in finished]
         origin = self.origin
-        completions = [
-            Completion(kind, ref, origin.elapsed_time(start) * 1e3, origin.elapsed_time(end) * 1e3)
-            for kind, ref, start, end in done
-        ]
+        completions = []
+        for kind, ref, start, end in done:
+            completions.append(
+                Completion(
+                    kind, ref, origin.elapsed_time(start) * 1e3, origin.elapsed_time(end) * 1e3
+                )
+            )
+            self._free_events += (start, end)
         return sorted(completions, key=lambda c: (c.end_us, c.kind))
+
+
+def runtime_reserve_bytes(device: str | torch.device = "cuda") -> int:
+    """Device memory the CUDA libraries keep once a stream has run matrix products.
+
+    cuBLAS gives every (handle, stream) pair a workspace from the framework allocator the
+    first time a product runs there, and keeps it. The engine's compute stream gets one
+    too, so a plan must leave this much of the budget free: plan at
+    ``budget - runtime_reserve_bytes()``. Measured, not assumed: a fresh stream runs
+    float32 and bfloat16 products and the allocator's growth is returned.
+    """
+    device = torch.device(device)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    stream = torch.cuda.Stream(device=device)
+    with torch.cuda.stream(stream):
+        for dtype in (torch.float32, torch.bfloat16):
+            a = torch.ones(256, 256, device=device, dtype=dtype)
+            out = torch.empty_like(a)
+            torch.matmul(a, a, out=out)
+            del a, out
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.memory_allocated(device) - before)
