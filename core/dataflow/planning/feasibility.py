@@ -124,7 +124,7 @@ def minimal_budget_bytes(chain: Chain, slow_budget_bytes: int | None = None) -> 
     return high
 
 
-def infeasible(chain: Chain, budget_bytes: int, slow_budget_bytes: int | None, found) -> Exception:
+def infeasible(chain: Chain, budget_bytes: int, slow_budget_bytes: int | None) -> InfeasibleBudget:
     """The ``InfeasibleBudget`` for ``budget_bytes``, with the minimum found by search."""
     minimum = minimal_budget_bytes(chain, slow_budget_bytes)
     name = chain.program.name

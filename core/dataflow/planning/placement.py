@@ -11,18 +11,19 @@ Packing is greedy (the TFLite arena planner's "greedy by size for offset calcula
 blocks are taken largest first, each put in the tightest hole left between the blocks
 already placed that overlap it in time (lowest such hole on ties), else on top. When that
 arena is over the budget, other orders are tried (``ORDERS``: by start time, by size then
-lifetime into the lowest hole, longest-lived first) and the smallest arena is kept.
-Intervals are half-open ``[start, end)``: what is freed at an instant can be reused at
-that instant, which is the order the execution model processes events in; a block of zero
-length is taken to hold its instant.
+lifetime into the lowest hole, longest-lived first), then seeded restarts with sizes
+jittered, and the smallest arena is kept.
+Intervals are half-open in the run's event order (``Block.start``/``end``): what is freed
+can be reused by a reservation that comes after it, even at the same instant.
 
-If the arena comes out larger than the budget (fragmentation), ``place`` re-plans at a
-capacity reduced by the excess, and packs again, a bounded number of times.
+If the arena comes out larger than the budget (fragmentation), ``place`` re-plans at the
+plan's live peak less the excess, and packs again, a bounded number of times.
 """
 
 from __future__ import annotations
 
 import bisect
+import random
 from collections.abc import Callable
 
 import attrs
@@ -35,11 +36,21 @@ from dataflow.units import format_size
 
 #: How many times ``place`` re-plans at a smaller capacity before giving up.
 REPLANS = 6
+#: Seeded restarts tried when no fixed order fits, for plans of at most RESTART_BLOCKS blocks.
+RESTARTS = 32
+RESTART_BLOCKS = 1000
 
 
 @attrs.frozen
 class Block:
-    """One interval of fast memory: ``obj_id``'s bytes, or ``task_id``'s workspace."""
+    """One interval of fast memory: ``obj_id``'s bytes, or ``task_id``'s workspace.
+
+    ``start``/``end`` order the reservation and the freeing among all events of the run,
+    as ``(time_us, pass, phase)``: within one instant the execution model runs passes of
+    completions (task, d2h, h2d), then dispatch, then the d2h and h2d starts (``PHASE``),
+    and a task that costs nothing ends one pass after it starts. The block is live over
+    ``[start, end)``.
+    """
 
     start_us: float
     end_us: float
@@ -47,6 +58,8 @@ class Block:
     offset_bytes: int
     obj_id: str | None = None
     task_id: str | None = None
+    start: tuple[float, int, int] = (0.0, 0, 0)
+    end: tuple[float, int, int] = (0.0, 0, 0)
 
     @property
     def end_bytes(self) -> int:
@@ -76,8 +89,8 @@ class Placement:
 def place(planned: Plan, *, replans: int = REPLANS) -> Placement:
     """Pack ``planned`` into one arena no larger than its budget.
 
-    When fragmentation makes the arena larger than the budget, re-plan (same planner) at a
-    capacity reduced by the excess and pack again (never below the smallest budget the
+    When fragmentation makes the arena larger than the budget, re-plan (same planner) at
+    the plan's live peak less the excess, and pack again (never below the smallest budget the
     planner reports when a capacity is infeasible). Raises ``PlanningError`` naming the
     budget and the smallest arena found when ``replans`` re-plans do not make it fit.
     """
@@ -91,7 +104,10 @@ def place(planned: Plan, *, replans: int = REPLANS) -> Placement:
         if arena <= budget:
             return Placement(current, budget, arena, live_peak_bytes(intervals), blocks)
         smallest = arena if smallest is None else min(smallest, arena)
-        capacity = max(floor, current.budget_bytes - (arena - budget))
+        # Fragmentation of this packing is arena - live peak; ask the next plan for a live
+        # peak that much below the budget.
+        live = live_peak_bytes(intervals)
+        capacity = max(floor, min(current.budget_bytes, live) - (arena - budget))
         if capacity >= current.budget_bytes:
             break
         try:
@@ -120,10 +136,13 @@ def place(planned: Plan, *, replans: int = REPLANS) -> Placement:
 
 
 def _pack_within(intervals: list[Block], budget_bytes: int) -> tuple[tuple[Block, ...], int]:
-    """The first packing order whose arena fits ``budget_bytes``, else the smallest arena."""
+    """The first packing whose arena fits ``budget_bytes`` (the fixed orders, then up to
+    ``RESTARTS`` seeded restarts for up to ``RESTART_BLOCKS`` blocks), else the smallest."""
     best: tuple[tuple[Block, ...], int] | None = None
-    for order in ORDERS:
-        blocks = pack(intervals, order)
+    restarts = RESTARTS if len(intervals) <= RESTART_BLOCKS else 0
+    attempts = [(order, None) for order in ORDERS] + [("size", k) for k in range(restarts)]
+    for order, seed in attempts:
+        blocks = pack(intervals, order, seed=seed)
         arena = max((block.end_bytes for block in blocks), default=0)
         if best is None or arena < best[1]:
             best = (blocks, arena)
@@ -133,63 +152,85 @@ def _pack_within(intervals: list[Block], budget_bytes: int) -> tuple[tuple[Block
     return best
 
 
+#: Order of the steps of one pass at one instant (docs/execution_model.md).
+PHASE = {"task-end": 0, "d2h-end": 1, "h2d-end": 2, "dispatch": 3, "d2h-start": 4, "h2d-start": 5}
+_AT_START = (0.0, 0, 0)
+
+
 def residency_blocks(planned: Plan) -> list[Block]:
     """Every fast-memory interval of the plan's recorded run, unplaced (offset 0)."""
     program, sim = planned.program, planned.sim
-    times = {timing.task_id: (timing.start_us, timing.end_us) for timing in sim.tasks}
     transfers = {(t.obj_id, t.direction, t.enqueued_by): t for t in sim.transfers}
     sizes = {obj.id: obj.size_bytes for obj in program.objects}
-    since: dict[str, float] = {
-        obj.id: 0.0
+    since: dict[str, tuple[float, float, int, int]] = {
+        obj.id: (0.0, *_AT_START)
         for obj in program.objects
         if program.exists_at_start(obj.id) and obj.location is Location.FAST
     }
     blocks: list[Block] = []
 
-    def close(obj_id: str, end_us: float) -> None:
-        blocks.append(Block(since.pop(obj_id), end_us, sizes[obj_id], 0, obj_id=obj_id))
+    def close(obj_id: str, end_us: float, end: tuple[float, int, int]) -> None:
+        start_us, *start = since.pop(obj_id)
+        blocks.append(
+            Block(start_us, end_us, sizes[obj_id], 0, obj_id=obj_id, start=tuple(start), end=end)
+        )
 
-    for task in program.tasks:
-        start_us, end_us = times[task.id]
+    previous_end_us, previous_end_pass = None, 0
+    end_pass: dict[str, int] = {}
+    for task, timing in zip(program.tasks, sim.tasks, strict=True):
+        start_us, end_us = timing.start_us, timing.end_us
+        # The pass of this instant in which the task starts, and the one in which it ends.
+        start_pass = previous_end_pass if previous_end_us == start_us else 1
+        finish_pass = start_pass + 1 if end_us == start_us else 1
+        previous_end_us, previous_end_pass = end_us, finish_pass
+        end_pass[task.id] = finish_pass
+        started = (start_us, start_pass, PHASE["dispatch"])
+        ended = (end_us, finish_pass, PHASE["task-end"])
         for obj_id in task.outputs:
-            since[obj_id] = start_us
+            since[obj_id] = (start_us, *started)
         if task.workspace_bytes:
-            blocks.append(Block(start_us, end_us, task.workspace_bytes, 0, task_id=task.id))
+            blocks.append(
+                Block(
+                    start_us,
+                    end_us,
+                    task.workspace_bytes,
+                    0,
+                    task_id=task.id,
+                    start=started,
+                    end=ended,
+                )
+            )
         for obj_id in task.releases:
-            close(obj_id, end_us)
+            close(obj_id, end_us, ended)
         for obj_id in task.offloads:
-            write_back = transfers.get((obj_id, "d2h", task.id))
-            close(obj_id, write_back.end_us if write_back is not None else end_us)
+            back = transfers.get((obj_id, "d2h", task.id))
+            if back is None:  # clean: dropped at once
+                close(obj_id, end_us, ended)
+            else:
+                close(obj_id, back.end_us, (back.end_us, 1, PHASE["d2h-end"]))
         for obj_id in task.prefetches:
-            since[obj_id] = transfers[(obj_id, "h2d", task.id)].start_us
+            load = transfers[(obj_id, "h2d", task.id)]
+            # The earliest pass it can have started in: a block that starts no later than
+            # it really did is only ever more cautious.
+            first = end_pass[task.id] if load.start_us == load.enqueue_us else 1
+            since[obj_id] = (load.start_us, load.start_us, first, PHASE["h2d-start"])
+    finish = (sim.makespan_us, 1 << 30, 0)
     for obj_id in list(since):
-        close(obj_id, sim.makespan_us)
-    blocks.sort(
-        key=lambda block: (block.start_us, block.end_us, block.obj_id or "", block.task_id or "")
-    )
+        close(obj_id, sim.makespan_us, finish)
+    blocks.sort(key=lambda block: (block.start, block.end, block.obj_id or "", block.task_id or ""))
     return blocks
 
 
 def _overlap(a: Block, b: Block) -> bool:
-    """Whether two blocks are live at one instant (``[start, end)``; a zero-length block
-    holds its instant)."""
-    if a.start_us == a.end_us:
-        if b.start_us == b.end_us:
-            return a.start_us == b.start_us
-        return b.start_us <= a.start_us < b.end_us
-    if b.start_us == b.end_us:
-        return a.start_us <= b.start_us < a.end_us
-    return a.start_us < b.end_us and b.start_us < a.end_us
+    """Whether two blocks are live at one moment of the run's event order."""
+    return a.start < b.end and b.start < a.end
 
 
 def live_peak_bytes(blocks: list[Block]) -> int:
-    """The most bytes live at one instant (frees before reservations at equal times)."""
+    """The most bytes live at one moment of the run's event order."""
     events = sorted(
-        [(block.start_us, 1, block.size_bytes) for block in blocks]
-        + [
-            (block.end_us, 2 if block.start_us == block.end_us else 0, -block.size_bytes)
-            for block in blocks
-        ]
+        [(block.start, 1, block.size_bytes) for block in blocks]
+        + [(block.end, 0, -block.size_bytes) for block in blocks]
     )
     live = peak = 0
     for _, _, change in events:
@@ -208,11 +249,28 @@ ORDERS: dict[str, tuple[Callable[[Block], tuple[float, ...]], bool]] = {
 }
 
 
-def pack(blocks: list[Block], order: str = "size", buckets: int = 128) -> tuple[Block, ...]:
-    """Offsets for ``blocks`` in the given ``ORDERS`` order; returned in the order given."""
+def pack(
+    blocks: list[Block], order: str = "size", *, seed: int | None = None, buckets: int = 128
+) -> tuple[Block, ...]:
+    """Offsets for ``blocks`` in the given ``ORDERS`` order; returned in the order given.
+
+    With ``seed``, a restart for when the fixed orders all fail: blocks are ranked by
+    ``size ** weight`` times a random factor in [0.5, 1.5], where ``weight`` cycles through
+    1, 1/2 and 0 with the seed (0: a random order), with a random hole rule
+    (``random.Random(seed)``: the same seed gives the same packing).
+    """
     if not blocks:
         return ()
-    key, tightest = ORDERS[order]
+    if seed is None:
+        key, tightest = ORDERS[order]
+        keys = [(*key(block), i) for i, block in enumerate(blocks)]
+    else:
+        rng = random.Random(seed)
+        tightest = rng.random() < 0.5
+        keys = [
+            (-block.size_bytes * rng.uniform(0.5, 1.5), rng.random(), i)
+            for i, block in enumerate(blocks)
+        ]
     first = min(block.start_us for block in blocks)
     last = max(block.end_us for block in blocks)
     width = (last - first) / buckets or 1.0
@@ -223,10 +281,9 @@ def pack(blocks: list[Block], order: str = "size", buckets: int = 128) -> tuple[
         high = min(buckets, int((block.end_us - first) / width))
         return range(low, high + 1)
 
-    ranked = sorted(range(len(blocks)), key=lambda i: (*key(blocks[i]), i))
     offsets = [0] * len(blocks)
     seen = [-1] * len(blocks)
-    for i in ranked:
+    for i in sorted(range(len(blocks)), key=keys.__getitem__):
         block = blocks[i]
         taken: list[tuple[int, int]] = []
         for bucket in span(block):

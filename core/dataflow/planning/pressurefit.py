@@ -188,6 +188,19 @@ def plan_pressurefit(
     if chain.n_tasks == 0:
         return attrs.evolve(bare, budget=Budget(budget_bytes, slow_budget_bytes))
     found = search(bare, budget_bytes, slow_budget_bytes=slow_budget_bytes, chain=chain)
-    if found.best is None:
-        raise infeasible(chain, budget_bytes, slow_budget_bytes, found)
-    return found.best.program
+    if found.best is not None:
+        return found.best.program
+    error = infeasible(chain, budget_bytes, slow_budget_bytes)
+    if error.minimal_budget_bytes <= budget_bytes:
+        # The search is a heuristic, not monotone in the budget: a smaller capacity planned.
+        # Its plan runs within the larger budget too (checked by simulation).
+        smaller = search(
+            bare, error.minimal_budget_bytes, slow_budget_bytes=slow_budget_bytes, chain=chain
+        )
+        if smaller.best is not None:
+            program = attrs.evolve(
+                smaller.best.program, budget=Budget(budget_bytes, slow_budget_bytes)
+            )
+            if simulate(program, record=False, check=False).valid:
+                return program
+    raise error

@@ -1,0 +1,192 @@
+"""PressureFit: valid plans at every budget, determinism, infeasible budgets."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import subprocess
+import sys
+
+import attrs
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dataflow.planning import InfeasibleBudget, PlanningError, lower_bound, minimal_budget, plan
+from dataflow.planning.feasibility import floor_bytes
+from dataflow.planning.intervals import build_chain, no_offload_peak_bytes
+from dataflow.planning.pressurefit import PORTFOLIO, search
+from dataflow.plugins import planners
+from dataflow.schema import Location, Obj, Program, Task
+from dataflow.testing.shapes import (
+    SMALL_LINKS,
+    MiB,
+    mutate_and_reuse,
+    tiny_streaming,
+    tiny_training,
+)
+from dataflow.testing.strategies import bare_chains
+
+SETTINGS = settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+def test_pressurefit_is_registered_through_the_planner_hook() -> None:
+    spec = planners().get("pressurefit")
+    assert spec.name == "pressurefit" and spec.description
+
+
+def test_a_budget_that_holds_everything_needs_only_loads_and_write_backs() -> None:
+    program = tiny_training()
+    planned = plan(program, sum(obj.size_bytes for obj in program.objects))
+    assert planned.makespan_us == pytest.approx(planned.lower_bound_us, rel=1e-12)
+    directives = {(d.value, obj) for task in planned.program.tasks for d, obj in task.directives()}
+    # slow objects come in, dirty final-slow ones go back, dead ones are released
+    assert ("prefetch", "W0") in directives and ("offload", "O0") in directives
+    assert ("release", "h0") in directives
+    assert not any(d == "offload" and obj.startswith("h") for d, obj in directives)
+
+
+@pytest.mark.parametrize("make", [tiny_training, tiny_streaming, mutate_and_reuse])
+def test_every_budget_from_the_peak_to_the_minimum_plans_validly(make) -> None:
+    program = make()
+    chain = build_chain(program)
+    low = minimal_budget(program)
+    assert low >= floor_bytes(chain)[0]
+    high = max(low, no_offload_peak_bytes(chain))
+    for step in range(6):
+        budget = low + (high - low) * step // 5
+        planned = plan(program, budget)  # re-validated by the autouse fixture
+        assert planned.sim.fast_peak_bytes <= budget
+        assert planned.makespan_us >= planned.lower_bound_us
+
+
+def test_mutated_object_is_offloaded_and_prefetched_back_clean() -> None:
+    program = mutate_and_reuse()
+    planned = plan(program, 16 * MiB)
+    tasks = planned.program.tasks_by_id
+    # acc (dirty after "add") must leave for "big" to fit, so it is written back...
+    assert "acc" in tasks["add"].offloads
+    # ...and, clean once back, needs no second write-back for its final location slow
+    assert "acc" in tasks["read"].releases
+
+
+def test_directives_in_the_input_are_dropped() -> None:
+    program = tiny_training()
+    first = plan(program, 26 * MiB).program
+    again = plan(first, 26 * MiB).program
+    assert again == first
+
+
+def test_the_same_input_gives_the_same_plan() -> None:
+    program = tiny_training()
+    assert plan(program, 24 * MiB).program.to_json() == plan(program, 24 * MiB).program.to_json()
+
+
+def test_plans_do_not_depend_on_hash_randomization() -> None:
+    script = (
+        "import hashlib, random\n"
+        "from dataflow.planning.pressurefit import plan_pressurefit\n"
+        "from dataflow.testing.shapes import random_chain\n"
+        "p = random_chain(random.Random(7), tasks=60)\n"
+        "print(hashlib.sha256(plan_pressurefit(p, 2**28).to_json().encode()).hexdigest())\n"
+    )
+    digests = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        run = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        )
+        digests.add(run.stdout.strip())
+    from dataflow.planning.pressurefit import plan_pressurefit
+    from dataflow.testing.shapes import random_chain
+
+    here = plan_pressurefit(random_chain(random.Random(7), tasks=60), 2**28).to_json()
+    assert digests == {hashlib.sha256(here.encode()).hexdigest()}
+
+
+def test_an_infeasible_budget_names_the_minimum_and_the_forcing_task() -> None:
+    program = tiny_training()
+    with pytest.raises(InfeasibleBudget) as failure:
+        plan(program, 10 * MiB)
+    error = failure.value
+    assert error.minimal_budget_bytes == minimal_budget(program)
+    assert error.task_id == "opt0" and error.footprint_bytes == 16 * MiB
+    assert f"smallest budget that works is 16 MiB ({16 * MiB} bytes)" in str(error)
+    assert "task 'opt0' forces it" in str(error)
+    plan(program, error.minimal_budget_bytes)
+    with pytest.raises(InfeasibleBudget):
+        plan(program, error.minimal_budget_bytes - 1)
+
+
+def test_fast_objects_at_start_can_force_the_minimum() -> None:
+    objects = [Obj(f"f{i}", 4 * MiB, "aux", "fast") for i in range(3)]
+    tasks = [Task(f"t{i}", "k", "k", mutates=(f"f{i}",), cost_us=100.0) for i in range(3)]
+    program = Program("all-fast", objects, tasks, links=SMALL_LINKS)
+    with pytest.raises(InfeasibleBudget, match="every object that starts in fast memory") as err:
+        plan(program, 6 * MiB)
+    assert err.value.minimal_budget_bytes == 12 * MiB
+
+
+def test_an_unplannable_chain_is_a_planning_error() -> None:
+    program = tiny_training()
+    head = attrs.evolve(program.tasks[2], inputs=("h1", "W1", "nope"))
+    broken = attrs.evolve(program, tasks=(*program.tasks[:2], head, *program.tasks[3:]))
+    with pytest.raises(PlanningError, match=r"\[unknown-object\] task 'head'.*'nope'"):
+        plan(broken, 64 * MiB)
+    late = attrs.evolve(program, tasks=program.tasks[1:])  # W0 needed by the first task
+    with pytest.raises(PlanningError, match="'W0' starts in slow memory but task 'fwd0'"):
+        plan(late, 64 * MiB)
+
+
+def test_a_slow_budget_too_small_for_the_slow_objects_is_a_planning_error() -> None:
+    with pytest.raises(PlanningError, match="slow memory"):
+        plan(tiny_training(), 64 * MiB, slow_budget_bytes=8 * MiB)
+
+
+def test_a_slow_budget_that_fits_plans() -> None:
+    program = tiny_training()
+    needed = sum(obj.size_bytes for obj in program.objects if obj.location is Location.SLOW)
+    planned = plan(program, 24 * MiB, slow_budget_bytes=needed + 8 * MiB)
+    assert planned.sim.slow_peak_bytes <= needed + 8 * MiB
+
+
+def test_search_stops_at_the_lower_bound() -> None:
+    program = tiny_streaming()
+    found = search(program, 64 * MiB)
+    assert found.best is not None and found.simulated == 1
+    assert found.best.sim.makespan_us == pytest.approx(found.lower_bound.best_us, rel=1e-12)
+    assert str(found.best.strategy) == str(PORTFOLIO[0])
+
+
+@st.composite
+def plannable(draw: st.DrawFn) -> tuple[Program, int]:
+    """A random bare chain with final locations, and a budget from the largest base up to
+    a little over the no-offload peak."""
+    program = draw(bare_chains(max_tasks=14))
+    used = sorted({obj for task in program.tasks for obj in task.uses})
+    chosen = draw(st.lists(st.sampled_from(used), max_size=3, unique=True))
+    finals = {obj: draw(st.sampled_from([Location.FAST, Location.SLOW])) for obj in chosen}
+    program = attrs.evolve(program, final_locations=finals)
+    chain = build_chain(program)
+    low = floor_bytes(chain)[0]
+    high = max(low, no_offload_peak_bytes(chain)) + 50
+    return program, draw(st.integers(low, high))
+
+
+@SETTINGS
+@given(plannable())
+def test_random_chains_plan_validly_deterministically_or_say_why_not(case) -> None:
+    program, budget = case
+    try:
+        first = plan(program, budget)
+    except InfeasibleBudget as error:
+        assert error.minimal_budget_bytes > budget
+        plan(program, error.minimal_budget_bytes)  # the minimum it names does plan
+        return
+    assert first.makespan_us >= lower_bound(program, budget).best_us * (1 - 1e-12)
+    assert plan(program, budget).program == first.program
