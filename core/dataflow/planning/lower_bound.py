@@ -15,21 +15,35 @@ Three bounds, each true for every plan the execution model allows:
 - **volume** (needs a budget): at a task where the objects that must stay resident between
   two uses exceed the budget, at least that excess must leave fast memory and come back
   over ``h2d``, on top of the first loads.
-- **handoff** (needs a budget): when task ``t`` ends, fast memory holds at least what ``t``
-  itself holds (its base: uses and workspace), so of the objects task ``t+1`` reads that
-  ``t`` does not use, at most ``budget - base(t)`` bytes can already be there (resident
-  or arriving); the rest must cross ``h2d`` after ``t`` ends and before ``t+1`` starts.
-  The gaps between consecutive tasks do not overlap, so the makespan is at least the
-  compute plus every such forced gap (the end counts as a task that holds the objects
-  whose final location is fast).
+- **handoff** (needs a budget): the gaps between consecutive tasks do not overlap, so the
+  makespan is at least the compute plus every gap forced between ``t`` and ``t+1`` (the
+  end counts as a task that holds the objects whose final location is fast), the larger
+  of two reasons:
+
+  - *loads*: when ``t`` ends, fast memory holds at least what ``t`` itself holds (its
+    base: uses and workspace), so of the objects ``t+1`` reads that ``t`` does not use, at
+    most ``budget - base(t)`` bytes can already be there (resident or arriving); the rest
+    must cross ``h2d`` after ``t`` ends and before ``t+1`` starts;
+  - *write-backs*: when ``t+1`` starts, fast memory holds its base plus whatever of ``t``'s
+    objects it does not use is still there; if that is over the budget, some of them must
+    have left. Dead or clean ones leave at once, but one that ``t`` created or mutated and
+    that is needed later (used again, or final location slow) leaves only when its
+    write-back, which cannot start before ``t`` ends, is done.
+
+  Objects move whole: the transfers counted are the cheapest set of whole objects that
+  covers the bytes (exact for up to ``EXACT_COVER`` objects, else bytes and the fewest
+  transfers).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import attrs
 
 from dataflow.planning.intervals import Chain, Origin, build_chain, build_gaps, kept_profile
-from dataflow.schema import Location, Program
+from dataflow.schema import Link, Location, Program
 
 
 @attrs.frozen
@@ -104,21 +118,57 @@ def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
     )
 
 
+#: Up to this many candidate objects, the cheapest covering set is found by enumeration.
+EXACT_COVER = 8
+
+
 def _handoff_gaps_us(chain: Chain, budget_bytes: int) -> float:
-    """Sum over consecutive tasks of the h2d time forced between them (see the module)."""
+    """Sum over consecutive tasks of the transfer time forced between them (see the
+    module docstring)."""
     n = chain.n_tasks
     read_at: list[list[int]] = [[] for _ in range(n + 1)]  # objects each task needs present
     used_at: list[set[int]] = [set() for _ in range(n + 1)]
+    pinned_at: list[set[int]] = [set() for _ in range(n + 1)]  # dirtied here, needed later
     for life in chain.objects:
+        last = len(life.uses) - 1
         for k, use in enumerate(life.uses):
             used_at[use].add(life.index)
             created_here = k == 0 and life.origin is Origin.CREATED
             if not created_here and not (k == 0 and life.origin is Origin.FAST and use == 0):
                 read_at[use].append(life.index)
+            if life.dirties[k] and (k < last or life.final is Location.SLOW):
+                pinned_at[use].add(life.index)
+    size = [life.size_bytes for life in chain.objects]
     total_us = 0.0
     for t in range(n):
-        fresh = sum(chain.objects[o].size_bytes for o in read_at[t + 1] if o not in used_at[t])
-        excess = fresh - (budget_bytes - chain.base_bytes[t])
-        if excess > 0:
-            total_us += chain.h2d_us(excess)
+        fresh = [size[o] for o in read_at[t + 1] if o not in used_at[t]]
+        load_us = _cover_us(fresh, sum(fresh) - (budget_bytes - chain.base_bytes[t]), chain.h2d)
+        leaving = sorted(o for o in used_at[t] if o not in used_at[t + 1])
+        must_go = chain.base_bytes[t + 1] + sum(size[o] for o in leaving) - budget_bytes
+        free = sum(size[o] for o in leaving if o not in pinned_at[t])
+        pinned = [size[o] for o in leaving if o in pinned_at[t]]
+        write_us = _cover_us(pinned, must_go - free, chain.d2h)
+        total_us += max(load_us, write_us)
     return total_us
+
+
+def _cover_us(sizes: list[int], need_bytes: int, link: Link) -> float:
+    """The least time ``link`` needs to move whole objects of ``sizes`` totalling at least
+    ``need_bytes`` (0 when nothing is needed)."""
+    if need_bytes <= 0:
+        return 0.0
+    if len(sizes) <= EXACT_COVER:
+        best = math.inf
+        for count in range(1, len(sizes) + 1):
+            for chosen in itertools.combinations(sizes, count):
+                total = sum(chosen)
+                if total >= need_bytes:
+                    best = min(best, count * link.latency_us + total / link.bw_bytes_per_us)
+        if best < math.inf:
+            return best
+    fewest, covered = 0, 0
+    for one in sorted(sizes, reverse=True):
+        if covered >= need_bytes:
+            break
+        fewest, covered = fewest + 1, covered + one
+    return max(fewest, 1) * link.latency_us + need_bytes / link.bw_bytes_per_us
