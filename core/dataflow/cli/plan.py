@@ -116,11 +116,18 @@ def plan_command(
         click.echo(f"wrote {trace_path} (open it in https://ui.perfetto.dev or chrome://tracing)")
 
 
-def plan_table(planned: Plan, *, title: str = "", arena: int | None = None) -> Table:
-    """The plan summary: makespan against the lower bound, peaks, bytes moved, idle time."""
+def plan_table(
+    planned: Plan, *, title: str = "", arena: int | None = None, budget_bytes: int | None = None
+) -> Table:
+    """The plan summary: makespan against the lower bound, peaks, bytes moved, idle time.
+
+    ``arena`` (from ``place``) adds a row; ``budget_bytes`` is the budget asked for, when
+    the plan was re-planned at a smaller capacity for its packing to fit.
+    """
     sim, bound = planned.sim, planned.lower_bound
+    budget = budget_bytes if budget_bytes is not None else planned.budget_bytes
     table = Table(
-        title=f"{title} — {planned.planner}, budget {format_size(planned.budget_bytes)}",
+        title=f"{title} — {planned.planner}, budget {format_size(budget)}",
         show_header=True,
         header_style="bold",
     )
@@ -147,7 +154,7 @@ def plan_table(planned: Plan, *, title: str = "", arena: int | None = None) -> T
     table.add_row(
         "fast peak",
         format_size(sim.fast_peak_bytes),
-        f"{100 * sim.fast_peak_bytes / planned.budget_bytes:.1f} % of the budget",
+        f"{100 * sim.fast_peak_bytes / budget:.1f} % of the budget",
     )
     table.add_row(
         "slow peak",
@@ -172,11 +179,12 @@ def plan_table(planned: Plan, *, title: str = "", arena: int | None = None) -> T
         f"{sum(len(t.prefetches) for t in tasks)} prefetches over {len(tasks)} tasks",
     )
     if arena is not None:
-        table.add_row(
-            "arena",
-            format_size(arena),
-            f"one block per resident interval; budget {format_size(planned.budget_bytes)}",
+        replanned = (
+            f"; re-planned at {format_size(planned.budget_bytes)} so the packing fits"
+            if planned.budget_bytes != budget
+            else ""
         )
+        table.add_row("arena", format_size(arena), f"one offset per resident interval{replanned}")
     table.add_row("planning", f"{planned.planning_s:.3f} s", "")
     return table
 
