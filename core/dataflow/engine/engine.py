@@ -274,8 +274,9 @@ def _placement_layout(placement: Any) -> dict[str, Any]:
     that overlaps it in the arena has ended.
     """
     by_obj: dict[str, list[Any]] = {}
+    # ``start``/``end`` order blocks by the run's events, exactly, also within one instant.
     blocks = sorted(
-        placement.blocks, key=lambda b: (b.start_us, b.end_us, b.obj_id or "", b.task_id or "")
+        placement.blocks, key=lambda b: (b.start, b.end, b.obj_id or "", b.task_id or "")
     )
     keys = {}
     for block in blocks:
@@ -290,7 +291,7 @@ def _placement_layout(placement: Any) -> dict[str, Any]:
         predecessors[keys[id(block)]] = tuple(
             keys[id(other)]
             for other in blocks
-            if other.end_us <= block.start_us
+            if other.end <= block.start
             and other is not block
             and other.offset_bytes < block.end_bytes
             and block.offset_bytes < other.end_bytes
