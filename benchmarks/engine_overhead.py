@@ -94,11 +94,8 @@ def measure_dispatch(cycles_per_us: float, tasks: int, task_us: float, steps: in
     with Engine("torch", device="cuda") as engine:
         engine.load(program, sleep_resolver(cycles_per_us), initial=zeros_for(program))
         result = engine.run(steps=steps)
-        launch_us = list(engine._backend.runner.launch_host_us)
-    gaps = []
-    for trace in result.steps[1:]:  # the first step warms up
-        spans = sorted((t.start_us, t.end_us) for t in trace.tasks)
-        gaps += [nxt[0] - cur[1] for cur, nxt in zip(spans, spans[1:], strict=False)]
+    launch_us = [us for step in result.launch_host_us[1:] for us in step]
+    gaps = [gap for step in range(1, steps) for gap in result.task_gaps_us(step)]
     return {
         "tasks": tasks,
         "task_us": task_us,

@@ -10,6 +10,7 @@ from dataflow.engine import DictResolver, Engine, EngineLoadError, EngineRunErro
 from dataflow.schema import Obj, Program, Task, TensorMeta
 
 F32x4 = TensorMeta("float32", (4,))
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 class Fill:
@@ -48,8 +49,9 @@ def _initial() -> dict[str, torch.Tensor]:
     return {"a": torch.zeros(4), "w": torch.zeros(4)}
 
 
-def test_a_small_program_runs_and_its_values_read_back() -> None:
-    engine = Engine("torch", device="cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_small_program_runs_and_its_values_read_back(device: str) -> None:
+    engine = Engine("torch", device=device)
     engine.load(_program(), _resolver(), initial=_initial())
     engine.run(steps=2)
     assert torch.equal(engine.fetch("w"), torch.full((4,), 4.0))  # +2 per step, two steps
@@ -91,13 +93,16 @@ def test_structurally_invalid_program_is_refused() -> None:
         Engine("virtual").load(program)
 
 
-@pytest.mark.parametrize("backend", ["virtual", "torch"])
-def test_use_of_a_never_fetched_object_names_it(backend: str) -> None:
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    [("virtual", "cpu"), ("torch", "cpu"), pytest.param("torch", "cuda", marks=pytest.mark.gpu)],
+)
+def test_use_of_a_never_fetched_object_names_it(backend: str, device: str) -> None:
     program = _program()
     program = attrs.evolve(
         program, tasks=(attrs.evolve(program.tasks[0], prefetches=()), program.tasks[1])
     )
-    engine = Engine(backend)
+    engine = Engine(backend, device=device)
     engine.load(program, _resolver(), initial=_initial())
     with pytest.raises(
         EngineRunError,
@@ -133,24 +138,26 @@ def test_final_locations_are_checked() -> None:
         engine.run()
 
 
-def test_a_failing_executable_is_reported_with_its_task() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_failing_executable_is_reported_with_its_task(device: str) -> None:
     class Boom:
         def launch(self, ctx) -> None:
             raise RuntimeError("kaboom")
 
     resolver = DictResolver("boom", {"one": lambda task: Boom(), "two": lambda task: Fill(1)})
-    engine = Engine("torch")
+    engine = Engine("torch", device=device)
     engine.load(_program(), resolver, initial=_initial())
     with pytest.raises(EngineRunError, match="task 't0' raised RuntimeError: kaboom"):
         engine.run()
 
 
-def test_fetch_of_a_dropped_object() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_fetch_of_a_dropped_object(device: str) -> None:
     program = _program()
     program = attrs.evolve(
         program, tasks=(program.tasks[0], attrs.evolve(program.tasks[1], releases=("b",)))
     )
-    engine = Engine("torch")
+    engine = Engine("torch", device=device)
     engine.load(program, _resolver(), initial=_initial())
     engine.run()
     with pytest.raises(KeyError, match="'b' has no value after the run"):

@@ -145,27 +145,18 @@ class Dispatcher:
     # -- the loop ----------------------------------------------------------------------
     def run(self) -> DispatchTrace:
         self._check_start()
-        while True:
-            while self._dispatch() | self._start("d2h") | self._start("h2d"):
-                pass
-            if self._finished():
-                break
-            if self.running_task is None and not any(self.running.values()):
-                self._deadlock()
-            try:
-                completions = self.backend.wait()
-            except OpFailed as failed:
-                task = self.tasks[failed.ref].id if failed.kind is OpKind.TASK else None
-                raise EngineRunError(
-                    "error",
-                    str(failed),
-                    task=task,
-                    objects=(),
-                    fast_used_bytes=self.ledger.fast_used_bytes,
-                    resident=tuple(self.ledger.resident_objects()),
-                ) from failed
-            for completion in completions:
-                self._complete(completion)
+        try:
+            self._loop()
+        except OpFailed as failed:  # an executable or a copy raised, at launch or later
+            task = self.tasks[failed.ref].id if failed.kind is OpKind.TASK else None
+            raise EngineRunError(
+                "error",
+                str(failed),
+                task=task,
+                objects=(),
+                fast_used_bytes=self.ledger.fast_used_bytes,
+                resident=tuple(self.ledger.resident_objects()),
+            ) from failed.cause
         self._check_final_locations()
         return DispatchTrace(
             tasks=tuple(self.task_records),
@@ -176,6 +167,17 @@ class Dispatcher:
             slow_peak_bytes=self.ledger.slow_peak_bytes,
             makespan_us=self.end_us,
         )
+
+    def _loop(self) -> None:
+        while True:
+            while self._dispatch() | self._start("d2h") | self._start("h2d"):
+                pass
+            if self._finished():
+                return
+            if self.running_task is None and not any(self.running.values()):
+                self._deadlock()
+            for completion in self.backend.wait():
+                self._complete(completion)
 
     def _finished(self) -> bool:
         return (

@@ -125,10 +125,13 @@ class Engine:
         if self.program is None:
             raise RuntimeError("Engine.run before Engine.load")
         traces: list[DispatchTrace] = []
+        launch_host_us: list[tuple[float, ...]] = []
         for step in range(steps):
             if step:
                 self._carry_over(step, dict(feed(step)) if feed else {})
             traces.append(self._run_step(dict(values or {}, step=step)))
+            runner = getattr(self._backend, "runner", None)
+            launch_host_us.append(tuple(runner.launch_host_us) if runner is not None else ())
         result = RunResult.from_traces(
             self.program,
             self.backend_name,
@@ -136,6 +139,7 @@ class Engine:
             self.budget_bytes,
             predicted=self.predicted,
             allocator_peak_bytes=self._allocator_peak(),
+            launch_host_us=tuple(launch_host_us),
         )
         peak, budget = result.allocator_peak_bytes, self.budget_bytes
         if peak is not None and budget is not None and peak > budget:

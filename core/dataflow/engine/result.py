@@ -37,6 +37,8 @@ class RunResult:
     budget_bytes: int | None
     predicted: Any = attrs.field(default=None, repr=False, eq=False)
     allocator_peak_bytes: int | None = None
+    #: per step, host microseconds spent launching each task (empty on the virtual backend)
+    launch_host_us: tuple[tuple[float, ...], ...] = ()
 
     @classmethod
     def from_traces(
@@ -48,8 +50,24 @@ class RunResult:
         *,
         predicted: Any = None,
         allocator_peak_bytes: int | None = None,
+        launch_host_us: tuple[tuple[float, ...], ...] = (),
     ) -> RunResult:
-        return cls(program, backend, tuple(traces), budget_bytes, predicted, allocator_peak_bytes)
+        return cls(
+            program,
+            backend,
+            tuple(traces),
+            budget_bytes,
+            predicted,
+            allocator_peak_bytes,
+            launch_host_us,
+        )
+
+    def task_gaps_us(self, step: int = -1) -> list[float]:
+        """Compute idle time between consecutive tasks of one step: the next task's start
+        minus the previous one's end. On a real backend this is what dispatch costs the
+        device (waiting for inputs or memory shows here too)."""
+        spans = sorted((t.start_us, t.end_us) for t in self.steps[step].tasks)
+        return [nxt[0] - cur[1] for cur, nxt in zip(spans, spans[1:], strict=False)]
 
     @property
     def makespan_us(self) -> float:

@@ -24,6 +24,8 @@ class CpuRunner:
 
     def __init__(self) -> None:
         self.done: queue.Queue = queue.Queue()
+        #: host microseconds spent handing each task to the compute worker
+        self.launch_host_us: list[float] = []
         self.origin = time.perf_counter()
         self.lanes = {kind: queue.Queue() for kind in OpKind}
         for kind, lane in self.lanes.items():
@@ -33,6 +35,7 @@ class CpuRunner:
 
     def start_run(self) -> None:
         self.origin = time.perf_counter()
+        self.launch_host_us = []
 
     def _now_us(self) -> float:
         return (time.perf_counter() - self.origin) * 1e6
@@ -59,9 +62,11 @@ class CpuRunner:
     def submit_task(
         self, index: int, task_id: str, executable: Executable, ctx: LaunchContext
     ) -> None:
+        began = time.perf_counter()
         self.lanes[OpKind.TASK].put(
             (OpKind.TASK, index, f"task {task_id!r}", lambda: executable.launch(ctx))
         )
+        self.launch_host_us.append((time.perf_counter() - began) * 1e6)
 
     def submit_copy(
         self, serial: int, obj: str, direction: str, dst: torch.Tensor, src: torch.Tensor

@@ -13,7 +13,7 @@ import time
 import torch
 
 from dataflow.engine.contract import Executable, LaunchContext
-from dataflow.engine.dispatcher import Completion, OpKind
+from dataflow.engine.dispatcher import Completion, OpFailed, OpKind
 
 _KIND = {"d2h": OpKind.D2H, "h2d": OpKind.H2D}
 
@@ -70,7 +70,10 @@ class CudaRunner:
         start, end = self._event(), self._event()
         self._use(stream)
         start.record(stream)
-        executable.launch(ctx)
+        try:
+            executable.launch(ctx)
+        except Exception as exc:  # reported by the dispatcher with the memory state
+            raise OpFailed(OpKind.TASK, index, f"task {task_id!r}", exc) from exc
         end.record(stream)
         self.in_flight.append((OpKind.TASK, index, start, end))
         self.launch_host_us.append((time.perf_counter() - began) * 1e6)
