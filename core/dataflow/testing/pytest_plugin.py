@@ -9,11 +9,15 @@ Fixtures for tests of dataflow and of plugin packages:
 - ``fake_distribution``: a factory ``fake_distribution(name, entry_points=..., modules=...)``
   that writes an installed-looking distribution into a temporary folder on ``sys.path``.
 
+Markers: ``gpu`` (needs CUDA: skipped where torch sees none) and ``slow``, registered for
+every suite that has dataflow installed, plugin packages' suites included.
+
 Kept light: importing it imports neither torch nor any plugin.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -22,6 +26,29 @@ import pytest
 
 from dataflow import plugins
 from dataflow.testing.distributions import write_distribution
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+def _cuda_available() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch  # only when some collected test is marked gpu
+
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked ``gpu`` where CUDA is absent (CI never has a GPU)."""
+    if not any(item.get_closest_marker("gpu") for item in items) or _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
 
 
 @pytest.fixture
