@@ -36,19 +36,6 @@ SCORES: dict[str, Callable[[int, float, float, bool, float], tuple[float, ...]]]
 
 
 @attrs.frozen
-class Estimates:
-    """Link timing the sweep assumes. ``lead_us[g]`` / ``head_lead_us[o]``: how long before
-    its use a prefetch should start (default: its own transfer time); ``offload_end_us[g]``
-    when a gap's write-back ends, ``tail_end_us[o]`` when object ``o``'s final write-back
-    ends (default: its own transfer time after the task that issues it)."""
-
-    lead_us: dict[int, float] = attrs.field(factory=dict)
-    head_lead_us: dict[int, float] = attrs.field(factory=dict)
-    offload_end_us: dict[int, float] = attrs.field(factory=dict)
-    tail_end_us: dict[int, float] = attrs.field(factory=dict)
-
-
-@attrs.frozen
 class CutSelection:
     """The gaps to cut (``cut[g]``); ``failed_task`` is the first task that cannot fit the
     capacity even with every spanning gap cut and every window delayed (None: all fit)."""
@@ -69,11 +56,9 @@ def select_cuts(
     gaps: Gaps,
     capacity_bytes: int,
     score: str = "farthest",
-    estimates: Estimates | None = None,
 ) -> CutSelection:
     """Sweep the chain and cut gaps until every task fits ``capacity_bytes``."""
     key_of = SCORES[score]
-    est = estimates or Estimates()
     n = chain.n_tasks
     start = chain.start_us
     base = chain.base_bytes
@@ -120,7 +105,7 @@ def select_cuts(
     for life in objects:
         if life.origin is Origin.SLOW and life.uses:
             use = life.uses[0]
-            lead = est.head_lead_us.get(life.index, chain.h2d_us(life.size_bytes))
+            lead = chain.h2d_us(life.size_bytes)
             add_window(use, max(0, min(use - 1, issue_task(chain, use, lead))), life.size_bytes)
 
     soft_diff = [0] * (n + 2)
@@ -132,22 +117,27 @@ def select_cuts(
     def gap_offload_end(g: int) -> int:
         a = g_a[g]
         default = start[a + 1] + chain.d2h_us(g_size[g])
-        return offload_end_task(est.offload_end_us.get(g, default), a)
+        return offload_end_task(default, a)
 
     def cut_gap(g: int, t: int) -> None:
         """Cut gap ``g`` while sweeping task ``t``: its prefetch is issued at ``t`` or later."""
         o, a, b, size = g_obj[g], g_a[g], g_b[g], g_size[g]
         cut[g] = True
         dirty[o] = False  # offloaded if it was dirty; the copy that comes back is clean
-        lead = est.lead_us.get(g, chain.h2d_us(size))
+        lead = chain.h2d_us(size)
         add_window(b, min(b - 1, max(t, a + 1, issue_task(chain, b, lead))), size)
 
     def delay_window(w: int, t: int) -> None:
-        """Issue window ``w``'s prefetch when task ``t`` ends instead (it no longer covers t)."""
-        win_p[w] = t
-        window_diff[t + 1] += win_size[w]
-        if t + 1 <= win_use[w] - 1:
-            windows_from[t + 1].append(w)
+        """Issue window ``w``'s prefetch later, so it no longer covers task ``t``: when
+        ``t`` ends, or at the latest issue that still hides its own transfer if that is
+        later (one jump, not one task at a time)."""
+        use = win_use[w]
+        latest = issue_task(chain, use, chain.h2d_us(win_size[w]))
+        p = min(use - 1, max(t, latest))
+        win_p[w] = p
+        window_diff[p + 1] += win_size[w]
+        if p + 1 <= use - 1:
+            windows_from[p + 1].append(w)
 
     dirty = [life.origin is Origin.FAST for life in objects]
     candidates: list[tuple[tuple[float, ...], int]] = []  # (negated key, gap)
@@ -162,7 +152,7 @@ def select_cuts(
             if dirty[o]:
                 size = objects[o].size_bytes
                 default = start[t] + chain.d2h_us(size)
-                end = offload_end_task(est.tail_end_us.get(o, default), t - 1)
+                end = offload_end_task(default, t - 1)
                 soft += size
                 soft_diff[end + 1] -= size
         for g in leaving[t]:

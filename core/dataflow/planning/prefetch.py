@@ -47,8 +47,8 @@ class Prefetch:
 
 @attrs.frozen
 class PrefetchPlan:
-    """Prefetches in deadline order and the bytes each task then holds (hard: write-backs
-    in flight not counted); ``planned_start_us`` feeds the next sweep's estimates."""
+    """Prefetches in deadline order and the bytes each task then holds (write-backs in
+    flight not counted)."""
 
     prefetches: tuple[Prefetch, ...]
     held_bytes: tuple[int, ...]
@@ -97,40 +97,10 @@ def place_prefetches(
             issue = chain.task_at_or_before(planned[k]) - 1
         issue = min(use - 1, max(earliest, issue))
         size = sizes[k]
-        for t in range(use - 1, issue, -1):
-            if held[t] + size > capacity_bytes:
-                issue = t
-                break
-        for t in range(issue + 1, use):
-            held[t] += size
+        room = capacity_bytes - size
+        if issue + 1 < use and max(held[issue + 1 : use]) > room:
+            issue = next(t for t in range(use - 1, issue, -1) if held[t] > room)
+        if issue + 1 < use:
+            held[issue + 1 : use] = [bytes_ + size for bytes_ in held[issue + 1 : use]]
         placed.append(Prefetch(obj, use, gap, size, earliest, issue, planned[k]))
     return PrefetchPlan(prefetches=tuple(placed), held_bytes=tuple(held))
-
-
-def offload_ends_us(
-    chain: Chain,
-    gaps: Gaps,
-    cut: tuple[bool, ...],
-    dirty_cuts: dict[int, bool],
-    tails: dict[int, int],
-) -> tuple[dict[int, float], dict[int, float]]:
-    """When each write-back ends if the ``d2h`` FIFO runs them in issue order from the
-    ideal timeline: (by cut gap, by object for final write-backs)."""
-    queue: list[tuple[int, int, int, int]] = []  # (issue task, next use, gap or -1, obj)
-    for g, is_dirty in dirty_cuts.items():
-        if cut[g] and is_dirty:
-            queue.append((gaps.a[g], gaps.b[g], g, gaps.obj[g]))
-    for obj, task in tails.items():
-        queue.append((task, chain.n_tasks + 1, -1, obj))
-    queue.sort()
-    free_us = 0.0
-    gap_end: dict[int, float] = {}
-    tail_end: dict[int, float] = {}
-    for task, _, g, obj in queue:
-        begin = max(chain.start_us[task + 1], free_us)
-        free_us = begin + chain.d2h_us(chain.objects[obj].size_bytes)
-        if g >= 0:
-            gap_end[g] = free_us
-        else:
-            tail_end[obj] = free_us
-    return gap_end, tail_end

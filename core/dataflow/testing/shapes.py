@@ -39,13 +39,17 @@ def _us(size_bytes: int, link: Link = PCIE.h2d) -> float:
 
 
 def training(
-    rng: random.Random, *, layers: int | None = None, compute_ratio: float = 1.5
+    rng: random.Random,
+    *,
+    layers: int | None = None,
+    rounds: int | None = None,
+    compute_ratio: float = 1.5,
 ) -> Program:
     """A training step whose every phase has at least ``compute_ratio`` times the compute
     its own transfers need (weights and activations in forward and backward; optimizer
     state, weights and gradients in the optimizer)."""
     layers = layers if layers is not None else rng.randint(4, 24)
-    rounds = rng.randint(1, 3)
+    rounds = rounds if rounds is not None else rng.randint(1, 3)
     weight = rng.choice([4, 8, 16, 32]) * MiB
     activation = rng.choice([1, 2, 4, 8]) * MiB
     opt_state = weight * rng.choice([2, 4])
@@ -68,10 +72,13 @@ def training(
     return attrs.evolve(program, name=f"training-{layers}x{rounds}")
 
 
-def training_linkbound(rng: random.Random, *, layers: int | None = None) -> Program:
-    """A training step whose optimizer phase is link-bound (the optimizer state crosses
-    the link in less time than it takes to compute)."""
-    program = training(rng, layers=layers)
+def training_linkbound(
+    rng: random.Random, *, layers: int | None = None, rounds: int | None = None
+) -> Program:
+    """A training step whose optimizer phase is link-bound: its tasks cost 4-10 times less
+    than in ``training``, so the optimizer state takes longer to cross the link than to
+    update."""
+    program = training(rng, layers=layers, rounds=rounds)
     tasks = tuple(
         attrs.evolve(task, cost_us=round(task.cost_us / rng.uniform(4.0, 10.0), 1))
         if task.kind == "opt"
@@ -81,12 +88,14 @@ def training_linkbound(rng: random.Random, *, layers: int | None = None) -> Prog
     return attrs.evolve(program, tasks=tasks, name=program.name.replace("training", "linkbound"))
 
 
-def streaming(rng: random.Random, *, layers: int | None = None) -> Program:
+def streaming(
+    rng: random.Random, *, layers: int | None = None, passes: int | None = None
+) -> Program:
     """Weight streaming over ``passes`` passes: an embedding task turns ``x_p`` into
     ``h_p_0``; then pass ``p`` of layer ``i`` reads ``W_i`` and ``h_p_i``, writes
     ``h_p_{i+1}`` and creates (pass 0) or mutates its cache ``C_i``."""
     layers = layers if layers is not None else rng.randint(6, 40)
-    passes = rng.randint(1, 4)
+    passes = passes if passes is not None else rng.randint(1, 4)
     weight = rng.choice([8, 16, 32, 64]) * MiB
     cache = rng.choice([1, 2, 4]) * MiB
     hidden = rng.choice([1, 2]) * MiB
