@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from dataflow.planning import InfeasibleBudget, PlanningError, lower_bound, minimal_budget, plan
 from dataflow.planning.feasibility import floor_bytes
 from dataflow.planning.intervals import build_chain, no_offload_peak_bytes
-from dataflow.planning.pressurefit import PORTFOLIO, search
+from dataflow.planning.pressurefit import ALTERNATIVES, PORTFOLIO, search
 from dataflow.plugins import planners
 from dataflow.schema import Location, Obj, Program, Task
 from dataflow.testing.shapes import (
@@ -190,3 +190,20 @@ def test_random_chains_plan_validly_deterministically_or_say_why_not(case) -> No
         return
     assert first.makespan_us >= lower_bound(program, budget).best_us * (1 - 1e-12)
     assert plan(program, budget).program == first.program
+
+
+@pytest.mark.parametrize("strategy", ALTERNATIVES, ids=str)
+@pytest.mark.parametrize("make", [tiny_training, tiny_streaming, mutate_and_reuse])
+def test_the_measured_alternatives_plan_validly_too(strategy, make) -> None:
+    program = make()
+    low = minimal_budget(program)
+    for budget in (low + low // 8, 2 * low):
+        found = search(program, budget, portfolio=[strategy])  # re-validated by the fixture
+        assert found.best is not None and found.best.strategy == strategy
+
+
+@SETTINGS
+@given(plannable(), st.sampled_from(ALTERNATIVES))
+def test_random_chains_with_the_alternatives_plan_validly_when_they_plan(case, strategy) -> None:
+    program, budget = case
+    search(program, budget, portfolio=[strategy])  # any plan found is re-validated

@@ -22,23 +22,35 @@ import attrs
 
 from dataflow.planning.cuts import SCORES, CutSelection, select_cuts
 from dataflow.planning.emit import annotate, directives
-from dataflow.planning.intervals import Chain, build_chain, build_gaps
+from dataflow.planning.intervals import Chain, Gaps, build_chain, build_gaps
 from dataflow.planning.lower_bound import LowerBound, chain_lower_bound
+from dataflow.planning.peaks import select_cuts_peak
 from dataflow.planning.prefetch import RULES, place_prefetches
 from dataflow.schema import Budget, Program
 from dataflow.sim import SimResult, simulate
 
+#: Orders in which cuts are chosen: ``sweep`` (``cuts``: the first task over the capacity,
+#: in chain order) or ``peak`` (``peaks``: the task most over it first).
+ORDERS = ("sweep", "peak")
+
 
 @attrs.frozen
 class Strategy:
-    """One member of the portfolio: a cut score (``cuts.SCORES``) and a prefetch rule
-    (``prefetch.RULES``)."""
+    """One member of the portfolio: a cut score (``cuts.SCORES``), a prefetch rule
+    (``prefetch.RULES``) and the order cuts are chosen in (``ORDERS``)."""
 
     score: str = attrs.field(validator=attrs.validators.in_(sorted(SCORES)))
     rule: str = attrs.field(validator=attrs.validators.in_(RULES))
+    order: str = attrs.field(default="sweep", validator=attrs.validators.in_(ORDERS))
 
     def __str__(self) -> str:
-        return f"{self.score}/{self.rule}"
+        suffix = "" if self.order == "sweep" else f"/{self.order}"
+        return f"{self.score}/{self.rule}{suffix}"
+
+    def select(self, chain: Chain, gaps: Gaps, capacity_bytes: int) -> CutSelection:
+        if self.order == "peak":
+            return select_cuts_peak(chain, gaps, capacity_bytes, self.score)
+        return select_cuts(chain, gaps, capacity_bytes, self.score)
 
 
 #: The default portfolio. Each member earned its place in ``benchmarks/planning.py
@@ -54,6 +66,8 @@ ALTERNATIVES: tuple[Strategy, ...] = (
     Strategy("large", "jit"),
     Strategy("farthest", "margin"),
     Strategy("farthest", "early"),
+    Strategy("farthest", "jit", "peak"),
+    Strategy("benefit", "jit", "peak"),
 )
 
 #: Re-sweeps at a smaller capacity allowed per strategy when a candidate fails to simulate.
@@ -113,7 +127,7 @@ def search(
     for strategy in portfolio:
         capacity = budget_bytes
         for _ in range(repairs + 1):
-            selection = select_cuts(chain, gaps, capacity, strategy.score)
+            selection = strategy.select(chain, gaps, capacity)
             if selection.failed_task is not None:
                 unfit = unfit or selection
                 break
