@@ -1,0 +1,75 @@
+"""What a training step is: sequence length, batch, accumulation rounds, dtypes, optimizer."""
+
+from __future__ import annotations
+
+import attrs
+
+from dataflow.schema import DTYPE_BYTES
+
+
+def _dtype(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    if value not in DTYPE_BYTES:
+        raise ValueError(f"{attribute.name}: {value!r} is not one of {sorted(DTYPE_BYTES)}")
+
+
+def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be >= 1, got {value}")
+
+
+@attrs.frozen
+class DtypePolicy:
+    """Storage dtypes: ``param`` for weights (and the compute of their layer), ``grad`` for
+    weight gradients (accumulated across rounds in this dtype), ``activation`` for hidden
+    states and saved activations."""
+
+    param: str = attrs.field(default="float32", validator=_dtype)
+    grad: str = attrs.field(default="float32", validator=_dtype)
+    activation: str = attrs.field(default="float32", validator=_dtype)
+
+    @classmethod
+    def named(cls, name: str) -> DtypePolicy:
+        """``fp32`` (everything float32) or ``bf16`` (everything bfloat16)."""
+        policies = {"fp32": cls(), "bf16": cls("bfloat16", "bfloat16", "bfloat16")}
+        try:
+            return policies[name]
+        except KeyError:
+            raise ValueError(f"unknown dtype policy {name!r}; known: {sorted(policies)}") from None
+
+
+@attrs.frozen
+class OptimizerPolicy:
+    """AdamW (decoupled weight decay; off for parameters a family marks ``decay=False``).
+
+    ``state_dtypes`` sizes each state field (``exp_avg``, ``exp_avg_sq``) independently.
+    ``name`` selects the optimizer; other optimizers plug in through
+    ``dataflow_training.optimizers.OPTIMIZERS`` with their own state fields.
+    """
+
+    name: str = "adamw"
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    state_dtypes: dict[str, str] = attrs.field(
+        factory=lambda: {"exp_avg": "float32", "exp_avg_sq": "float32"}, hash=False
+    )
+
+
+@attrs.frozen
+class TrainConfig:
+    """One training step: ``rounds`` micro-batches of ``batch`` x ``seq_len`` tokens whose
+    gradients accumulate, then one optimizer update. ``chunk_tokens`` bounds the head's
+    logits to chunk_tokens x vocab at a time."""
+
+    seq_len: int = attrs.field(validator=_positive)
+    batch: int = attrs.field(default=1, validator=_positive)
+    rounds: int = attrs.field(default=1, validator=_positive)
+    dtype: DtypePolicy = attrs.field(factory=DtypePolicy)
+    optimizer: OptimizerPolicy = attrs.field(factory=OptimizerPolicy)
+    chunk_tokens: int = attrs.field(default=1024, validator=_positive)
+
+    @property
+    def tokens_per_round(self) -> int:
+        return self.batch * self.seq_len

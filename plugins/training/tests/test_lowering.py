@@ -1,0 +1,147 @@
+"""The lowering: names, order, exact sizes, rounds, tied gradients, recompute; and every
+lowered step validates, simulates and plans into a budget."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import pytest
+from dataflow_training.config import DtypePolicy, TrainConfig
+from dataflow_training.family import LayerSpec, TensorSpec
+from dataflow_training.layout import ALIGN_BYTES, Layout
+from dataflow_training.lowering import lower
+
+from dataflow.planning import minimal_budget, plan
+from dataflow.schema import validate
+from dataflow.sim import simulate
+
+
+@attrs.frozen
+class ToyConfig:
+    vocab: int = 50
+    dim: int = 8
+    layers: int = 3
+
+
+class ToyBlock:
+    def saved_specs(self, config, batch, seq_len):
+        return (TensorSpec("pre", (batch, seq_len, config.dim)),)
+
+
+class ToyFamily:
+    """Only what the lowering reads: layers, shapes, saved specs, tying."""
+
+    name = "toy"
+    presets = {"small": ToyConfig()}
+
+    def config(self, preset, **overrides):
+        return attrs.evolve(self.presets[preset], **overrides)
+
+    def layers(self, config):
+        return [
+            LayerSpec("emb", "embed", (TensorSpec("wte", (config.vocab, config.dim)),)),
+            *(
+                LayerSpec(
+                    str(i),
+                    "block",
+                    (
+                        TensorSpec("w", (config.dim, config.dim)),
+                        TensorSpec("b", (config.dim,), decay=False),
+                    ),
+                )
+                for i in range(config.layers)
+            ),
+            LayerSpec("head", "head", (TensorSpec("norm", (config.dim,), decay=False),)),
+        ]
+
+    def hidden_shape(self, config, batch, seq_len):
+        return (batch, seq_len, config.dim)
+
+    def math(self, kind):
+        assert kind == "block"
+        return ToyBlock()
+
+    def tied(self):
+        return True
+
+
+def test_task_order_and_names_for_two_rounds() -> None:
+    program = lower(ToyFamily(), "small", TrainConfig(seq_len=4, batch=2, rounds=2)).program
+    ids = [task.id for task in program.tasks]
+    one_round = lambda r: [  # noqa: E731
+        f"embed_0_{r}_emb",
+        f"fwd_0_{r}_0",
+        f"fwd_0_{r}_1",
+        f"fwd_0_{r}_2",
+        f"head_0_{r}_head",
+        f"bwd_0_{r}_2",
+        f"bwd_0_{r}_1",
+        f"bwd_0_{r}_0",
+        f"embbwd_0_{r}_emb",
+    ]
+    assert ids == [
+        *one_round(0),
+        *one_round(1),
+        "opt_0_1_head",
+        "opt_0_1_2",
+        "opt_0_1_1",
+        "opt_0_1_0",
+        "opt_0_1_emb",
+    ]
+    assert validate(program) == []
+
+
+def test_round_zero_creates_gradients_later_rounds_accumulate() -> None:
+    program = lower(ToyFamily(), "small", TrainConfig(seq_len=4, rounds=2)).program
+    tasks = program.tasks_by_id
+    assert "dW_1" in tasks["bwd_0_0_1"].outputs and "dW_1" in tasks["bwd_0_1_1"].mutates
+    # tied: the head creates dW_emb in round 0, the embedding backward adds to it
+    assert "dW_emb" in tasks["head_0_0_head"].outputs
+    assert (
+        "dW_emb" in tasks["embbwd_0_0_emb"].mutates and "dW_emb" in tasks["head_0_1_head"].mutates
+    )
+    assert "W_emb" in tasks["head_0_0_head"].inputs
+
+
+def test_sizes_are_exact_and_aligned() -> None:
+    train = TrainConfig(seq_len=5, batch=3, dtype=DtypePolicy.named("bf16"))
+    program = lower(ToyFamily(), "small", train).program
+    w = program.obj("W_1")
+    # w (8x8 bf16 = 128 B) and b (8 bf16 = 16 B), each padded to the alignment
+    assert w.size_bytes == 2 * ALIGN_BYTES
+    assert program.obj("y_0_0_0").size_bytes == 3 * 5 * 8 * 2
+    assert program.obj("x_0_0").tensor.dtype == "int64"
+    layout = Layout.from_dict(program.metadata["layouts"]["O_1"])
+    # AdamW states stay float32 under the bf16 policy: two fields per parameter
+    assert [e.name for e in layout.entries] == [
+        "w/exp_avg",
+        "w/exp_avg_sq",
+        "b/exp_avg",
+        "b/exp_avg_sq",
+    ]
+    assert {e.dtype for e in layout.entries} == {"float32"}
+    assert program.obj("A_0_0_2").size_bytes == math.ceil(3 * 5 * 8 * 2 / ALIGN_BYTES) * ALIGN_BYTES
+
+
+def test_recompute_moves_saving_to_just_before_backward() -> None:
+    program = lower(ToyFamily(), "small", TrainConfig(seq_len=4), recompute=[1]).program
+    ids = [task.id for task in program.tasks]
+    tasks = program.tasks_by_id
+    assert tasks["fwd_0_0_1"].outputs == ("y_0_0_2",)
+    assert ids.index("rec_0_0_1") == ids.index("bwd_0_0_1") - 1
+    assert tasks["rec_0_0_1"].outputs == ("A_0_0_1",)
+    assert validate(program) == []
+    with pytest.raises(ValueError, match=r"recompute names block\(s\) \[7\]"):
+        lower(ToyFamily(), "small", TrainConfig(seq_len=4), recompute=[7])
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_lowered_steps_plan_into_tight_budgets(rounds: int) -> None:
+    program = lower(ToyFamily(), "small", TrainConfig(seq_len=16, batch=2, rounds=rounds)).program
+    generous = plan(program, 2**30)
+    assert generous.sim.valid
+    tight = minimal_budget(program)
+    planned = plan(program, tight)
+    assert planned.sim.valid and planned.sim.fast_peak_bytes <= tight
+    assert simulate(planned.program).valid
