@@ -61,10 +61,10 @@ class EmbedMath(Protocol):
     def forward(self, config: Any, params: Tensors, tokens: Any, ops: Ops) -> Any:
         """``tokens`` int64 (batch, seq_len) -> hidden (batch, seq_len, hidden)."""
 
-    def backward(
-        self, config: Any, params: Tensors, tokens: Any, d_hidden: Any, ops: Ops
-    ) -> Tensors:
-        """Gradients of the embed parameters, by name (same shapes as ``params``)."""
+    def backward(self, config: Any, tokens: Any, d_hidden: Any, ops: Ops) -> Tensors:
+        """Gradients of the embed parameters, by name (shapes as declared). The weights
+        themselves are not passed: an embedding's gradient needs only tokens and
+        d_hidden, so the weights need not be resident for this task."""
 
 
 @runtime_checkable

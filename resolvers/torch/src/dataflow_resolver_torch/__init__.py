@@ -1,0 +1,1 @@
+"""The ``torch`` resolver: lowered training tasks -> executables."""

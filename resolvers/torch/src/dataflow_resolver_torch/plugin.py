@@ -1,0 +1,19 @@
+"""Entry-point module: registers resolver ``torch``; imports torch only when built."""
+
+from __future__ import annotations
+
+from dataflow import hookimpl
+from dataflow.registry import ResolverSpec
+
+
+def _build(program):
+    from dataflow_resolver_torch.training import TrainingResolver
+
+    return TrainingResolver(program)
+
+
+@hookimpl
+def dataflow_resolvers() -> list[ResolverSpec]:
+    return [
+        ResolverSpec("torch", _build, "lowered training steps, eager torch, kernel registry ops")
+    ]
