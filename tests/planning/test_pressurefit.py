@@ -207,3 +207,34 @@ def test_the_measured_alternatives_plan_validly_too(strategy, make) -> None:
 def test_random_chains_with_the_alternatives_plan_validly_when_they_plan(case, strategy) -> None:
     program, budget = case
     search(program, budget, portfolio=[strategy])  # any plan found is re-validated
+
+
+def test_a_tight_slow_budget_keeps_dirty_objects_in_fast_memory() -> None:
+    program = tiny_training()
+    slow_only = 24 * MiB  # exactly the weights and optimizer states
+    planned = plan(program, 30 * MiB, slow_budget_bytes=slow_only)
+    assert planned.sim.slow_peak_bytes <= slow_only
+    offloaded = {obj for task in planned.program.tasks for obj in task.offloads}
+    assert offloaded <= {"W0", "W1", "O0", "O1"}  # nothing else has slow space to go to
+    with pytest.raises(InfeasibleBudget, match="the slow budget of 24 MiB limits"):
+        plan(program, 17 * MiB, slow_budget_bytes=slow_only)
+
+
+@SETTINGS
+@given(plannable(), st.integers(0, 2000))
+def test_random_chains_with_a_slow_budget_respect_it(case, spare_bytes) -> None:
+    program, budget = case
+    chain = build_chain(program)
+    needed = sum(
+        life.size_bytes
+        for life in chain.objects
+        if life.origin.value == "slow" or life.final is Location.SLOW
+    )
+    slow = needed + spare_bytes
+    try:
+        planned = plan(program, budget, slow_budget_bytes=slow)
+    except InfeasibleBudget as error:
+        assert error.minimal_budget_bytes > budget
+        return
+    assert planned.sim.slow_peak_bytes <= slow
+    assert planned.program.budget.slow_bytes == slow

@@ -20,11 +20,13 @@ Scores (``SCORES``) rank a gap that spans the task; higher is cut first:
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 
 import attrs
 
 from dataflow.planning.intervals import Chain, Gaps, Origin
+from dataflow.schema import Location
 
 #: score name -> (size_bytes, next_use_us, span_us, dirty, link_us) -> sort key (max first)
 SCORES: dict[str, Callable[[int, float, float, bool, float], tuple[float, ...]]] = {
@@ -45,6 +47,16 @@ class CutSelection:
     over_bytes: int = 0
 
 
+def slow_room(chain: Chain, slow_capacity_bytes: int | None) -> tuple[float, list[bool]]:
+    """Slow bytes left for write-backs of objects that have no slow copy, and which
+    objects have (or are sure to get) one: those that start or end slow."""
+    has_slow = [life.origin is Origin.SLOW or life.final is Location.SLOW for life in chain.objects]
+    if slow_capacity_bytes is None:
+        return math.inf, has_slow
+    taken = sum(life.size_bytes for life, slow in zip(chain.objects, has_slow, strict=True) if slow)
+    return slow_capacity_bytes - taken, has_slow
+
+
 def issue_task(chain: Chain, use: int, lead_us: float) -> int:
     """The latest task whose end is at least ``lead_us`` before task ``use`` starts (the
     ideal, stall-free schedule); -1 when even task 0 ends too late."""
@@ -56,8 +68,13 @@ def select_cuts(
     gaps: Gaps,
     capacity_bytes: int,
     score: str = "farthest",
+    slow_capacity_bytes: int | None = None,
 ) -> CutSelection:
-    """Sweep the chain and cut gaps until every task fits ``capacity_bytes``."""
+    """Sweep the chain and cut gaps until every task fits ``capacity_bytes``.
+
+    With ``slow_capacity_bytes``, a dirty gap of an object that has no slow copy yet is cut
+    only while the slow budget has room for it (slow space is never given back; objects
+    that start or end slow have theirs set aside first)."""
     key_of = SCORES[score]
     n = chain.n_tasks
     start = chain.start_us
@@ -119,10 +136,16 @@ def select_cuts(
         default = start[a + 1] + chain.d2h_us(g_size[g])
         return offload_end_task(default, a)
 
+    slow_free, has_slow = slow_room(chain, slow_capacity_bytes)
+
     def cut_gap(g: int, t: int) -> None:
         """Cut gap ``g`` while sweeping task ``t``: its prefetch is issued at ``t`` or later."""
+        nonlocal slow_free
         o, a, b, size = g_obj[g], g_a[g], g_b[g], g_size[g]
         cut[g] = True
+        if dirty[o] and not has_slow[o]:
+            slow_free -= size
+            has_slow[o] = True
         dirty[o] = False  # offloaded if it was dirty; the copy that comes back is clean
         lead = chain.h2d_us(size)
         add_window(b, min(b - 1, max(t, a + 1, issue_task(chain, b, lead))), size)
@@ -178,6 +201,8 @@ def select_cuts(
                 g = entry[1]
                 if cut[g] or g_b[g] <= t:
                     continue
+                if dirty[g_obj[g]] and not has_slow[g_obj[g]] and g_size[g] > slow_free:
+                    continue  # no slow space left for its write-back (and there never will be)
                 if dirty[g_obj[g]] and gap_offload_end(g) >= t:
                     deferred.append(entry)  # its write-back would still hold the bytes
                     continue

@@ -143,20 +143,25 @@ def infeasible(chain: Chain, budget_bytes: int, slow_budget_bytes: int | None) -
     elif minimum == floor and where == 0:
         reason = (
             f"task {chain.task_ids[0]!r} forces it: it runs while every object that starts "
-            f"in fast memory is resident ({format_size(floor)}); the largest task footprint "
-            f"is task {task_id!r}'s, {needs}"
+            f"in fast memory is resident ({format_size(floor)}); the largest footprint of a "
+            f"task is that of task {task_id!r}, {needs}"
         )
     elif minimum == floor and where == chain.n_tasks:
         reason = (
             f"the objects whose final location is fast force it ({format_size(floor)}); the "
-            f"largest task footprint is task {task_id!r}'s, {needs}"
+            f"largest footprint of a task is that of task {task_id!r}, {needs}"
         )
     else:
         reason = (
-            f"the largest task footprint is task {task_id!r}'s, {needs}; above it, objects "
-            "that must stay in fast memory between their uses, or come back in time, force "
-            "the rest"
+            f"the largest footprint of a task is that of task {task_id!r}, {needs}; above "
+            "it, objects that must stay in fast memory between their uses, or come back in "
+            "time, force the rest"
         )
+        if slow_budget_bytes is not None:
+            reason += (
+                f" (the slow budget of {format_size(slow_budget_bytes)} limits which objects "
+                "can be written back)"
+            )
     return InfeasibleBudget(name, budget_bytes, minimum, task_id, footprint, reason)
 
 

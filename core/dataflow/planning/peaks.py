@@ -16,14 +16,19 @@ cuts costs a pass over the chain. So the default portfolio sweeps.
 
 from __future__ import annotations
 
-from dataflow.planning.cuts import SCORES, CutSelection, issue_task
+from dataflow.planning.cuts import SCORES, CutSelection, issue_task, slow_room
 from dataflow.planning.intervals import Chain, Gaps, Origin, kept_profile
 
 
 def select_cuts_peak(
-    chain: Chain, gaps: Gaps, capacity_bytes: int, score: str = "farthest"
+    chain: Chain,
+    gaps: Gaps,
+    capacity_bytes: int,
+    score: str = "farthest",
+    slow_capacity_bytes: int | None = None,
 ) -> CutSelection:
-    """Cut gaps, most-over-budget task first, until every task fits ``capacity_bytes``."""
+    """Cut gaps, most-over-budget task first, until every task fits ``capacity_bytes``
+    (and dirty cuts fit ``slow_capacity_bytes``, as in ``cuts.select_cuts``)."""
     key_of = SCORES[score]
     start = chain.start_us
     g_obj, g_a, g_b, g_size = gaps.obj, gaps.a, gaps.b, gaps.size_bytes
@@ -68,9 +73,15 @@ def select_cuts_peak(
             k -= 1
         return life.origin is not Origin.SLOW
 
+    slow_free, has_slow = slow_room(chain, slow_capacity_bytes)
+
     def cut_gap(g: int, t: int, dirty: bool) -> None:
+        nonlocal slow_free
         a, b, size = g_a[g], g_b[g], g_size[g]
         cut[g] = True
+        if dirty and not has_slow[g_obj[g]]:
+            slow_free -= size
+            has_slow[g_obj[g]] = True
         add(hard, a + 1, b, -size)
         add(total, a + 1, b, -size)
         if dirty:
@@ -89,6 +100,8 @@ def select_cuts_peak(
             if cut[g] or not g_a[g] < t < g_b[g]:
                 continue
             dirty = dirty_after(g)
+            if dirty and not has_slow[g_obj[g]] and g_size[g] > slow_free:
+                continue  # no slow space left for its write-back
             if dirty and offload_end(g_a[g], g_size[g]) >= t:
                 soft_only.append(g)
                 continue

@@ -47,10 +47,11 @@ class Strategy:
         suffix = "" if self.order == "sweep" else f"/{self.order}"
         return f"{self.score}/{self.rule}{suffix}"
 
-    def select(self, chain: Chain, gaps: Gaps, capacity_bytes: int) -> CutSelection:
-        if self.order == "peak":
-            return select_cuts_peak(chain, gaps, capacity_bytes, self.score)
-        return select_cuts(chain, gaps, capacity_bytes, self.score)
+    def select(
+        self, chain: Chain, gaps: Gaps, capacity_bytes: int, slow_capacity_bytes: int | None
+    ) -> CutSelection:
+        pick = select_cuts_peak if self.order == "peak" else select_cuts
+        return pick(chain, gaps, capacity_bytes, self.score, slow_capacity_bytes)
 
 
 #: The default portfolio. Each member earned its place in ``benchmarks/planning.py
@@ -127,7 +128,7 @@ def search(
     for strategy in portfolio:
         capacity = budget_bytes
         for _ in range(repairs + 1):
-            selection = strategy.select(chain, gaps, capacity)
+            selection = strategy.select(chain, gaps, capacity, slow_budget_bytes)
             if selection.failed_task is not None:
                 unfit = unfit or selection
                 break
