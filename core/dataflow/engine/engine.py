@@ -53,6 +53,8 @@ class Engine:
         self._backend: Any = None
         self._ledger: Ledger | None = None
         self._allocator_base = 0
+        #: steps run since load; the next run's first step has this index
+        self.steps_done = 0
 
     # -- load --------------------------------------------------------------------------
     def load(
@@ -119,17 +121,20 @@ class Engine:
         values: Mapping[str, Any] | None = None,
         feed: Callable[[int], Mapping[str, Any]] | None = None,
     ) -> RunResult:
-        """Run the program ``steps`` times. Between steps, every object that exists at start
-        is put back where it starts: from where the last step left it, or from
-        ``feed(step)`` (a mapping of fresh values, e.g. the next batch)."""
+        """Run the program ``steps`` more times; steps count on across calls (``values``
+        gets ``step``, the global step index). Before every step but the first, each object
+        that exists at start is put back where it starts: from where the last step left it,
+        or from ``feed(step)`` (a mapping of fresh values, e.g. the next batch)."""
         if self.program is None:
             raise RuntimeError("Engine.run before Engine.load")
         traces: list[DispatchTrace] = []
         launch_host_us: list[tuple[float, ...]] = []
-        for step in range(steps):
+        for _ in range(steps):
+            step = self.steps_done
             if step:
                 self._carry_over(step, dict(feed(step)) if feed else {})
             traces.append(self._run_step(dict(values or {}, step=step)))
+            self.steps_done += 1
             runner = getattr(self._backend, "runner", None)
             launch_host_us.append(tuple(runner.launch_host_us) if runner is not None else ())
         result = RunResult.from_traces(

@@ -23,15 +23,17 @@ from dataflow.schema import Program, Task
 class TrainingContext:
     """What every executable of one program shares: family, config, layouts, ops."""
 
-    def __init__(self, program: Program) -> None:
-        from dataflow.plugins import families
-
+    def __init__(self, program: Program, family: Any = None, ops: Any = None) -> None:
         meta = program.metadata.get("training")
         if meta is None:
             raise KeyError(
                 "the program has no metadata['training']: it was not lowered by dataflow-training"
             )
-        self.family = families().get(meta["family"]).load()
+        if family is None:
+            from dataflow.plugins import families
+
+            family = families().get(meta["family"]).load()
+        self.family = family
         self.config = self.family.config(meta["preset"], **meta["overrides"])
         train = meta["train"]
         self.rounds = train["rounds"]
@@ -40,8 +42,11 @@ class TrainingContext:
         self.decay = {layer: set(names) for layer, names in meta["decay"].items()}
         self.kinds = dict(meta["layers"])
         self._ops: dict[str, dict[str, Any]] = {}
+        self._given_ops = ops
 
     def ops(self, device: str) -> dict[str, Any]:
+        if self._given_ops is not None:
+            return self._given_ops
         if device not in self._ops:
             self._ops[device] = load_ops(device)
         return self._ops[device]
@@ -203,8 +208,10 @@ class TrainingResolver:
 
     name = "torch"
 
-    def __init__(self, program: Program) -> None:
-        self.shared = TrainingContext(program)
+    def __init__(self, program: Program, *, family: Any = None, ops: Any = None) -> None:
+        """``family`` and ``ops`` default to the registered family named in the program and
+        the kernel registry's ops; tests pass their own."""
+        self.shared = TrainingContext(program, family, ops)
         self.family_name = self.shared.family.name
 
     def __call__(self, task: Task):

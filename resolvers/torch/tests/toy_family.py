@@ -1,0 +1,150 @@
+"""A toy family with real math, for testing the lowering + resolver + engine pipeline
+without a real model: embedding -> blocks ``y = x + tanh(x @ w.T + b)`` -> ``x * g`` with
+a tied output projection and cross-entropy."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+from dataflow_training.family import LayerSpec, TensorSpec
+
+
+@attrs.frozen
+class ToyConfig:
+    vocab: int = 37
+    dim: int = 16
+    layers: int = 3
+
+
+class Embed:
+    def forward(self, config, params, tokens, ops):
+        return params["wte"][tokens]
+
+    def backward(self, config, tokens, d_hidden, ops):
+        grad = torch.zeros(config.vocab, config.dim, dtype=d_hidden.dtype, device=d_hidden.device)
+        grad.index_add_(0, tokens.reshape(-1), d_hidden.reshape(-1, config.dim))
+        return {"wte": grad}
+
+
+class Block:
+    def saved_specs(self, config, batch, seq_len):
+        return (TensorSpec("pre", (batch, seq_len, config.dim)),)
+
+    def forward(self, config, params, x, ops):
+        saved = self.recompute(config, params, x, ops)
+        return x + torch.tanh(saved["pre"]), saved
+
+    def recompute(self, config, params, x, ops):
+        return {"pre": ops["linear"](x, params["w"], params["b"])}
+
+    def backward(self, config, params, x, saved, dy, ops):
+        t = torch.tanh(saved["pre"])
+        dpre = dy * (1 - t * t)
+        dx = dy + dpre @ params["w"]
+        flat_x, flat_d = x.reshape(-1, config.dim), dpre.reshape(-1, config.dim)
+        return dx, {"w": flat_d.T @ flat_x, "b": flat_d.sum(0)}
+
+
+class Head:
+    def forward_backward(self, config, params, embed_params, x, targets, chunk_tokens, ops):
+        g, wte = params["g"], embed_params["wte"]
+        flat = x.reshape(-1, config.dim)
+        n = flat.shape[0]
+        loss_sum, d_h, d_wte = ops["chunked_cross_entropy"](
+            flat * g, wte, targets.reshape(-1), chunk_tokens
+        )
+        d_h = d_h / n
+        return (
+            loss_sum / n,
+            (d_h * g).reshape(x.shape),
+            {"g": (d_h * flat).sum(0)},
+            {"wte": d_wte / n},
+        )
+
+
+class ToyFamily:
+    name = "toy"
+    presets = {"small": ToyConfig()}
+
+    def config(self, preset, **overrides):
+        return attrs.evolve(self.presets[preset], **overrides)
+
+    def layers(self, config):
+        return [
+            LayerSpec("emb", "embed", (TensorSpec("wte", (config.vocab, config.dim)),)),
+            *(
+                LayerSpec(
+                    str(i),
+                    "block",
+                    (
+                        TensorSpec("w", (config.dim, config.dim)),
+                        TensorSpec("b", (config.dim,), decay=False),
+                    ),
+                )
+                for i in range(config.layers)
+            ),
+            LayerSpec("head", "head", (TensorSpec("g", (config.dim,), decay=False),)),
+        ]
+
+    def hidden_shape(self, config, batch, seq_len):
+        return (batch, seq_len, config.dim)
+
+    def math(self, kind):
+        return {"embed": Embed(), "block": Block(), "head": Head()}[kind]
+
+    def tied(self):
+        return True
+
+    def reference_model(self, config):
+        return ToyReference(config)
+
+
+class ToyReference(torch.nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        params = {"emb.wte": (config.vocab, config.dim), "head.g": (config.dim,)}
+        for i in range(config.layers):
+            params[f"{i}.w"] = (config.dim, config.dim)
+            params[f"{i}.b"] = (config.dim,)
+        self.weights = torch.nn.ParameterDict(
+            {k.replace(".", "__"): torch.nn.Parameter(torch.empty(s)) for k, s in params.items()}
+        )
+
+    def param(self, name):
+        return self.weights[name.replace(".", "__")]
+
+    def forward(self, tokens, targets):
+        x = self.param("emb.wte")[tokens]
+        for i in range(self.config.layers):
+            x = x + torch.tanh(x @ self.param(f"{i}.w").T + self.param(f"{i}.b"))
+        logits = (x * self.param("head.g")) @ self.param("emb.wte").T
+        return F.cross_entropy(logits.reshape(-1, self.config.vocab), targets.reshape(-1))
+
+
+def plain_ops():
+    """Plain torch implementations of the ops the toy math calls."""
+
+    def chunked_cross_entropy(hidden, weight, targets, chunk_tokens):
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        d_hidden, d_weight = torch.zeros_like(hidden), torch.zeros_like(weight)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            h = hidden[start : start + chunk_tokens]
+            t = targets[start : start + chunk_tokens]
+            logits = (h @ weight.T).float()
+            loss += F.cross_entropy(logits, t, reduction="sum")
+            d = torch.softmax(logits, -1)
+            d[torch.arange(len(t)), t] -= 1
+            d_hidden[start : start + chunk_tokens] = (d @ weight.float()).to(hidden.dtype)
+            d_weight += (d.T @ h.float()).to(weight.dtype)
+        return loss, d_hidden, d_weight
+
+    def adamw(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay):
+        param.mul_(1 - lr * weight_decay)
+        exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(eps)
+        param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+
+    return {"linear": F.linear, "chunked_cross_entropy": chunked_cross_entropy, "adamw": adamw}
