@@ -36,8 +36,8 @@ def _reference_run(family, config, state):
     with torch.no_grad():
         for name, value in state.items():
             model.param(name).copy_(value)
-    decay = [p for n, p in model.weights.items() if n.endswith("__w") or n.endswith("__wte")]
-    rest = [p for n, p in model.weights.items() if not (n.endswith("__w") or n.endswith("__wte"))]
+    decay = [p for n, p in model.named_parameters() if n.endswith((".w", ".wte"))]
+    rest = [p for n, p in model.named_parameters() if not n.endswith((".w", ".wte"))]
     optim = torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": OPT.weight_decay},
@@ -131,3 +131,28 @@ def test_toy_training_matches_autograd(budget: str) -> None:
             torch.testing.assert_close(
                 view.double(), expected[f"{layer}.{name}"], rtol=1e-4, atol=1e-5
             )
+
+
+def test_verify_ladder_passes_on_the_toy_family(isolated_plugin_manager) -> None:
+    """`dataflow verify`'s three levels on the toy family, with the installed kernels and
+    this resolver registered like plugins."""
+    import dataflow_kernels_torch.plugin as kernels_plugin
+    import dataflow_resolver_torch.plugin as resolver_plugin
+    from dataflow_training.verify import verify
+
+    import dataflow.builtins as core_plugin
+    from dataflow import hookimpl
+    from dataflow.registry import FamilySpec
+
+    class ToyPlugin:
+        @hookimpl
+        def dataflow_families(self):
+            return [FamilySpec("toy", "the test family", lambda: ToyFamily())]
+
+    isolated_plugin_manager(ToyPlugin(), core_plugin, kernels_plugin, resolver_plugin)
+    checks = verify("toy", "small", steps=2, rounds=2, batch=2, seq_len=6)
+    levels = {check.level for check in checks}
+    failed = [check for check in checks if not check.ok]
+    assert levels == {"op", "task", "step"} and not failed, failed
+    # 4 losses (2 steps x 2 rounds), then a gradient and a final value of each of 8 parameters
+    assert sum(check.level == "step" for check in checks) == 4 + 2 * 8

@@ -101,19 +101,39 @@ class ToyFamily:
 
 
 class ToyReference(torch.nn.Module):
+    """Plain autograd; ``state_dict()`` keys are ``{layer}.{param}`` as the protocol asks."""
+
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        params = {"emb.wte": (config.vocab, config.dim), "head.g": (config.dim,)}
+
+        def holder(**shapes):
+            module = torch.nn.Module()
+            for name, shape in shapes.items():
+                module.register_parameter(name, torch.nn.Parameter(0.3 * torch.randn(shape)))
+            return module
+
+        layers = {"emb": holder(wte=(config.vocab, config.dim))}
         for i in range(config.layers):
-            params[f"{i}.w"] = (config.dim, config.dim)
-            params[f"{i}.b"] = (config.dim,)
-        self.weights = torch.nn.ParameterDict(
-            {k.replace(".", "__"): torch.nn.Parameter(torch.empty(s)) for k, s in params.items()}
-        )
+            layers[str(i)] = holder(w=(config.dim, config.dim), b=(config.dim,))
+        layers["head"] = holder(g=(config.dim,))
+        self.layers = torch.nn.ModuleDict(layers)
+
+    def state_dict(self, *args, **kwargs):
+        return {
+            k.removeprefix("layers."): v for k, v in super().state_dict(*args, **kwargs).items()
+        }
+
+    def load_state_dict(self, state, strict=True):
+        return super().load_state_dict({f"layers.{k}": v for k, v in state.items()}, strict)
+
+    def named_parameters(self, *args, **kwargs):
+        for name, p in super().named_parameters(*args, **kwargs):
+            yield name.removeprefix("layers."), p
 
     def param(self, name):
-        return self.weights[name.replace(".", "__")]
+        layer, _, param = name.partition(".")
+        return getattr(self.layers[layer], param)
 
     def forward(self, tokens, targets):
         x = self.param("emb.wte")[tokens]

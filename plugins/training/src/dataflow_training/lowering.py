@@ -58,11 +58,14 @@ def lower(
     recompute: Iterable[int] = (),
     cost: RooflineCost | None = None,
     links: Links | None = None,
+    keep_grads: bool = False,
 ) -> Lowered:
     """The Program of one training step of ``family``'s ``preset`` (with ``overrides``).
 
     ``recompute``: block indices whose saved activations are not kept from forward but
     re-derived just before their backward (the declared recompute rewrite).
+    ``keep_grads``: the step's weight gradients must end in slow memory too (for checks
+    that read them back; normally they die with the optimizer tasks).
     """
     overrides = dict(overrides or {})
     config = family.config(preset, **overrides)
@@ -251,6 +254,8 @@ def lower(
     finals = {f"W_{layer.name}": "slow" for layer in layers}
     finals |= {f"O_{layer.name}": "slow" for layer in layers}
     finals |= {f"loss_{step}_{r}": "slow" for r in range(train.rounds)}
+    if keep_grads:
+        finals |= {f"dW_{layer.name}": "slow" for layer in layers}
     metadata = {
         "training": {
             "family": family.name,
