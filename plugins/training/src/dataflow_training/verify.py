@@ -435,19 +435,24 @@ def verify(
     config = family.config(preset)
     tolerances = TOLERANCES[policy]
     dtype = getattr(torch, DtypePolicy.named(policy).param)
-    checks = op_checks(device, dtype, tolerances["op"], seed)
-    checks += task_checks(family, config, device, dtype, tolerances["task"], seed)
-    checks += step_checks(
-        family,
-        preset,
-        device=device,
-        policy=policy,
-        steps=steps,
-        rounds=rounds,
-        batch=batch,
-        seq_len=seq_len,
-        budget_bytes=budget_bytes,
-        seed=seed,
-        tolerance=tolerances["step"],
-    )
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # full float32 products: see the docs
+    try:
+        checks = op_checks(device, dtype, tolerances["op"], seed)
+        checks += task_checks(family, config, device, dtype, tolerances["task"], seed)
+        checks += step_checks(
+            family,
+            preset,
+            device=device,
+            policy=policy,
+            steps=steps,
+            rounds=rounds,
+            batch=batch,
+            seq_len=seq_len,
+            budget_bytes=budget_bytes,
+            seed=seed,
+            tolerance=tolerances["step"],
+        )
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     return checks
