@@ -1,8 +1,8 @@
 """How well, and how fast, PressureFit plans chains of several shapes at every budget.
 
 For each shape of ``dataflow.testing.shapes`` (training steps whose transfers fit under
-their compute, training steps with a link-bound optimizer, weight streaming, random
-chains) and each of ``--seeds`` seeds, it finds the smallest budget that plans
+their compute, training steps with a link-bound optimizer, training steps with a large
+tied embedding and a link-bound forward pass, weight streaming, random chains) and each of ``--seeds`` seeds, it finds the smallest budget that plans
 (``minimal_budget``) and the no-offload peak, and plans at ``--rungs`` budgets evenly
 spaced from the peak down to that minimum, through ``dataflow.planning.plan`` (the
 planner registry, with the simulator re-validating every plan). Per shape it reports:
@@ -46,6 +46,7 @@ SHARES = (1.0, 0.5, 0.25, 0.0)
 LARGE = {
     "training": {"layers": 665, "rounds": 1},
     "training-linkbound": {"layers": 665, "rounds": 1},
+    "tied-embedding": {"layers": 665, "rounds": 1},
     "streaming": {"layers": 499, "passes": 4},
     "random": {"tasks": 2000},
 }

@@ -3,7 +3,9 @@
 One sweep over the tasks in chain order keeps the bytes each task would hold: its own uses
 and workspace, the kept gaps that span it, the prefetch windows that cover it (a prefetch
 issued when task ``p`` ends holds its object from task ``p+1`` to its use) and, as a *soft*
-charge, write-backs still in flight (an offload frees memory only when its transfer ends).
+charge, write-backs still in flight (an offload frees memory only when its transfer ends;
+optionally the ``d2h`` link is modelled as one FIFO, so a write-back queued behind others
+ends late).
 Where a task is over the capacity, the sweep cuts, among the kept gaps that span it, the
 one the score ranks first, until the task fits. When no cut helps it delays prefetch
 windows that cover the task (later issue, less memory, maybe a stall), and as a last
@@ -69,8 +71,12 @@ def select_cuts(
     capacity_bytes: int,
     score: str = "farthest",
     slow_capacity_bytes: int | None = None,
+    queue: bool = False,
 ) -> CutSelection:
     """Sweep the chain and cut gaps until every task fits ``capacity_bytes``.
+
+    ``queue`` models the ``d2h`` link as a FIFO when estimating when a write-back frees its
+    bytes (else each write-back is timed alone, which is optimistic when many queue).
 
     With ``slow_capacity_bytes``, a dirty gap of an object that has no slow copy yet is cut
     only while the slow budget has room for it (slow space is never given back; objects
@@ -131,21 +137,29 @@ def select_cuts(
         """The last task that starts while a write-back issued at the end of ``a`` runs."""
         return max(a + 1, chain.task_at_or_before(end_us - 1e-9))
 
+    # With ``queue``, the d2h link as one FIFO in the ideal timeline, served in the order
+    # write-backs are decided: a write-back frees its bytes once those before it are done.
+    d2h_free_us = 0.0
+
+    def write_back_end_us(a: int, size: int) -> float:
+        begin = max(start[a + 1], d2h_free_us) if queue else start[a + 1]
+        return begin + chain.d2h_us(size)
+
     def gap_offload_end(g: int) -> int:
-        a = g_a[g]
-        default = start[a + 1] + chain.d2h_us(g_size[g])
-        return offload_end_task(default, a)
+        return offload_end_task(write_back_end_us(g_a[g], g_size[g]), g_a[g])
 
     slow_free, has_slow = slow_room(chain, slow_capacity_bytes)
 
     def cut_gap(g: int, t: int) -> None:
         """Cut gap ``g`` while sweeping task ``t``: its prefetch is issued at ``t`` or later."""
-        nonlocal slow_free
+        nonlocal slow_free, d2h_free_us
         o, a, b, size = g_obj[g], g_a[g], g_b[g], g_size[g]
         cut[g] = True
-        if dirty[o] and not has_slow[o]:
-            slow_free -= size
-            has_slow[o] = True
+        if dirty[o]:
+            d2h_free_us = write_back_end_us(a, size)
+            if not has_slow[o]:
+                slow_free -= size
+                has_slow[o] = True
         dirty[o] = False  # offloaded if it was dirty; the copy that comes back is clean
         lead = chain.h2d_us(size)
         add_window(b, min(b - 1, max(t, a + 1, issue_task(chain, b, lead))), size)
@@ -174,8 +188,8 @@ def select_cuts(
         for o in tails_at[t]:
             if dirty[o]:
                 size = objects[o].size_bytes
-                default = start[t] + chain.d2h_us(size)
-                end = offload_end_task(default, t - 1)
+                d2h_free_us = write_back_end_us(t - 1, size)
+                end = offload_end_task(d2h_free_us, t - 1)
                 soft += size
                 soft_diff[end + 1] -= size
         for g in leaving[t]:

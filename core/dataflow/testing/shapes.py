@@ -8,6 +8,8 @@ Python version) and returns a bare Program with final locations:
   slow, gradient-accumulation rounds) whose task costs are drawn so that, per phase, the
   transfers the step needs fit under its compute (``compute_ratio >= 1``);
 - ``training_linkbound``: the same with costs drawn so the optimizer phase is link-bound;
+- ``tied_embedding``: a training step shaped like a small language model's lowering: a
+  large embedding tied to the head, and a link-bound forward pass;
 - ``streaming``: weight streaming: every layer's weights start slow and are read once per
   pass (decode steps or micro-batches), a per-layer cache is created in the first pass
   and mutated by the later ones;
@@ -86,6 +88,55 @@ def training_linkbound(
         for task in program.tasks
     )
     return attrs.evolve(program, tasks=tasks, name=program.name.replace("training", "linkbound"))
+
+
+def tied_embedding(
+    rng: random.Random, *, layers: int | None = None, rounds: int | None = None
+) -> Program:
+    """A training step shaped like a small-model lowering: the embedding is tied to the
+    head (the head reads it and writes its gradient too) and is 16-64 times a layer's
+    weights, and the forward pass is link-bound (its saved activations take longer to
+    cross the link than to compute), as in a language model with a large vocabulary."""
+    layers = layers if layers is not None else rng.randint(6, 24)
+    rounds = rounds if rounds is not None else rng.randint(1, 3)
+    weight = rng.choice([2, 4, 8]) * MiB
+    scale = rng.choice([16, 32, 64])
+    activation = rng.choice([4, 8, 16]) * MiB
+    fwd_us = round(_us(weight) * rng.uniform(0.1, 0.5), 1)
+    program = training_chain(
+        layers,
+        rounds,
+        weight_bytes=weight,
+        opt_state_bytes=2 * weight,
+        grad_bytes=weight,
+        activation_bytes=activation,
+        fwd_us=fwd_us,
+        bwd_us=2 * fwd_us,
+        opt_us=round(_us(3 * weight) * rng.uniform(0.2, 1.0), 1),
+        links=PCIE,
+    )
+    big = {"W_emb", "dW_emb", "O_emb"}
+    objects = [
+        attrs.evolve(obj, size_bytes=obj.size_bytes * scale) if obj.id in big else obj
+        for obj in program.objects
+    ]
+    tasks = []
+    for task in program.tasks:
+        if task.kind == "head":  # tied: the head reads the embedding, adds to its gradient
+            round_0 = task.id.split("_")[2] == "0"
+            grads = (
+                {"outputs": (*task.outputs, "dW_emb")}
+                if round_0
+                else {"mutates": (*task.mutates, "dW_emb")}
+            )
+            task = attrs.evolve(task, inputs=(*task.inputs, "W_emb"), **grads)
+        elif task.kind == "embed_bwd" and "dW_emb" in task.outputs:
+            outputs = tuple(obj for obj in task.outputs if obj != "dW_emb")
+            task = attrs.evolve(task, outputs=outputs, mutates=(*task.mutates, "dW_emb"))
+        tasks.append(task)
+    return attrs.evolve(
+        program, objects=objects, tasks=tasks, name=f"tied-{layers}x{rounds}", metadata={}
+    )
 
 
 def streaming(
@@ -298,6 +349,7 @@ def mutate_and_reuse() -> Program:
 SHAPES = {
     "training": training,
     "training-linkbound": training_linkbound,
+    "tied-embedding": tied_embedding,
     "streaming": streaming,
     "random": random_chain,
 }
