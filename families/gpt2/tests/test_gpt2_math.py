@@ -1,0 +1,178 @@
+"""Each layer's math against the reference module: forward outputs, every gradient, the
+saved activations and their recompute. float64, tolerances from conftest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dataflow_family_gpt2.model import GPT2Block, GPT2Embed, GPT2Head, math_of
+from dataflow_training.ops import OP_NAMES
+
+
+def test_installed_kernels_provide_every_op(installed_ops) -> None:
+    assert set(installed_ops) == set(OP_NAMES)
+
+
+# -- embed --------------------------------------------------------------------------------
+
+
+def test_embed_forward_and_backward_match_the_reference(
+    config, reference, layer_params, ops, float64_tol
+) -> None:
+    tokens = torch.randint(0, config.vocab_size, (3, 11))
+    tokens[0, :4] = 7  # a repeated token: its gradient rows must add up
+    embed = GPT2Embed()
+    hidden = embed.forward(config, layer_params["emb"], tokens, ops)
+    with torch.enable_grad():
+        expected = reference.emb(tokens)
+    torch.testing.assert_close(hidden, expected, rtol=0, atol=0)
+
+    d_hidden = torch.randn_like(hidden)
+    grads = embed.backward(config, tokens, d_hidden, ops)
+    auto = torch.autograd.grad(expected, (reference.emb.wte, reference.emb.wpe), d_hidden)
+    torch.testing.assert_close(grads["wte"], auto[0], **float64_tol)
+    torch.testing.assert_close(grads["wpe"], auto[1], **float64_tol)
+    assert grads["wpe"][11:].abs().sum() == 0  # positions past seq_len get nothing
+
+
+def test_embed_backward_accumulates_bf16_in_float32(config, ops) -> None:
+    tokens = torch.zeros(4, 8, dtype=torch.int64)  # one row takes 32 additions
+    d_hidden = torch.full((4, 8, config.n_embd), 1.0 + 2**-7, dtype=torch.bfloat16)
+    grads = GPT2Embed().backward(config, tokens, d_hidden, ops)
+    assert grads["wte"].dtype == torch.float32
+    torch.testing.assert_close(grads["wte"][0], torch.full((config.n_embd,), 32 * (1 + 2**-7)))
+
+
+def test_a_sequence_longer_than_n_positions_is_refused(config, layer_params, ops) -> None:
+    tokens = torch.zeros(1, config.n_positions + 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"sequence length 17 exceeds GPT2Config.n_positions"):
+        GPT2Embed().forward(config, layer_params["emb"], tokens, ops)
+
+
+# -- block --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer", ["0", "1"])
+def test_block_forward_and_backward_match_autograd_on_the_reference(
+    config, reference, layer_params, ops, layer, float64_tol
+) -> None:
+    block_ref = reference.get_submodule(layer)
+    x = torch.randn(3, 11, config.n_embd, dtype=torch.float64)
+    block = GPT2Block()
+    y, saved = block.forward(config, layer_params[layer], x, ops)
+
+    x_leaf = x.clone().requires_grad_()
+    y_ref = block_ref(x_leaf)
+    torch.testing.assert_close(y, y_ref, **float64_tol)
+
+    dy = torch.randn_like(y)
+    dx, grads = block.backward(config, layer_params[layer], x, saved, dy, ops)
+    names = list(layer_params[layer])
+    auto = torch.autograd.grad(y_ref, [x_leaf, *(block_ref.get_parameter(n) for n in names)], dy)
+    torch.testing.assert_close(dx, auto[0], **float64_tol)
+    assert list(grads) == names
+    for name, expected in zip(names, auto[1:], strict=True):
+        torch.testing.assert_close(
+            grads[name], expected, **float64_tol, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def test_block_saves_what_saved_specs_declares_and_recompute_equals_it(
+    config, layer_params, ops
+) -> None:
+    block = GPT2Block()
+    x = torch.randn(2, 9, config.n_embd, dtype=torch.float64)
+    _, saved = block.forward(config, layer_params["0"], x, ops)
+    specs = block.saved_specs(config, batch=2, seq_len=9)
+    assert [spec.name for spec in specs] == list(saved)
+    for spec in specs:
+        assert tuple(saved[spec.name].shape) == spec.shape, spec.name
+        assert spec.dtype == "param" and saved[spec.name].dtype == x.dtype
+    again = block.recompute(config, layer_params["0"], x, ops)
+    assert list(again) == list(saved)
+    for name in saved:
+        assert torch.equal(again[name], saved[name]), name
+
+
+def test_saved_activations_are_eight_hidden_widths_per_token(config) -> None:
+    specs = GPT2Block().saved_specs(config, batch=4, seq_len=16)
+    per_token = sum(spec.shape[-1] for spec in specs)
+    assert per_token == 8 * config.n_embd
+    assert all(spec.shape[:2] == (4, 16) for spec in specs)
+
+
+def test_block_backward_from_recomputed_activations_is_identical(config, layer_params, ops) -> None:
+    block, params = GPT2Block(), layer_params["1"]
+    x = torch.randn(2, 9, config.n_embd, dtype=torch.float64)
+    dy = torch.randn_like(x)
+    _, saved = block.forward(config, params, x, ops)
+    dx, grads = block.backward(config, params, x, saved, dy, ops)
+    dx2, grads2 = block.backward(
+        config, params, x, block.recompute(config, params, x, ops), dy, ops
+    )
+    assert torch.equal(dx, dx2)
+    assert all(torch.equal(grads[name], grads2[name]) for name in grads)
+
+
+def test_block_backward_leaves_no_graph_and_does_not_touch_its_inputs(
+    config, layer_params, ops
+) -> None:
+    block, params = GPT2Block(), layer_params["0"]
+    x = torch.randn(2, 5, config.n_embd, dtype=torch.float64)
+    _, saved = block.forward(config, params, x, ops)
+    before = {name: tensor.clone() for name, tensor in {**params, **saved, "x": x}.items()}
+    dx, grads = block.backward(config, params, x, saved, torch.randn_like(x), ops)
+    assert not dx.requires_grad and not any(g.requires_grad for g in grads.values())
+    after = {**params, **saved, "x": x}
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+# -- head ---------------------------------------------------------------------------------
+
+
+def _reference_head(reference, x, targets):
+    """Loss and gradients of the reference's head (final norm, tied logits, loss) on x."""
+    x_leaf = x.clone().requires_grad_()
+    logits = reference.head.ln_f(x_leaf) @ reference.emb.wte.t()
+    flat = targets.flatten()
+    loss = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), flat, ignore_index=-100, reduction="sum"
+    ) / (flat != -100).sum().clamp(min=1)
+    wanted = (x_leaf, reference.head.ln_f.weight, reference.head.ln_f.bias, reference.emb.wte)
+    return loss, torch.autograd.grad(loss, wanted)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 5, 33, 1000])
+def test_head_loss_and_gradients_match_the_reference(
+    config, reference, layer_params, batch_tokens, ops, chunk_tokens, ce_tol
+) -> None:
+    _, targets = batch_tokens
+    x = torch.randn(*targets.shape, config.n_embd, dtype=torch.float64)
+    loss, dx, head_grads, embed_grads = GPT2Head().forward_backward(
+        config, layer_params["head"], layer_params["emb"], x, targets, chunk_tokens, ops
+    )
+    ref_loss, (ref_dx, ref_dw, ref_db, ref_dwte) = _reference_head(reference, x, targets)
+    assert loss.dim() == 0 and loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), ref_loss, **ce_tol)
+    torch.testing.assert_close(dx, ref_dx, **ce_tol)
+    assert list(head_grads) == ["ln_f.weight", "ln_f.bias"] and list(embed_grads) == ["wte"]
+    torch.testing.assert_close(head_grads["ln_f.weight"], ref_dw, **ce_tol)
+    torch.testing.assert_close(head_grads["ln_f.bias"], ref_db, **ce_tol)
+    torch.testing.assert_close(embed_grads["wte"], ref_dwte, **ce_tol)
+
+
+def test_head_with_every_target_ignored_gives_zero_loss_and_gradients(
+    config, layer_params, ops
+) -> None:
+    x = torch.randn(2, 3, config.n_embd, dtype=torch.float64)
+    targets = torch.full((2, 3), -100)
+    loss, dx, head_grads, embed_grads = GPT2Head().forward_backward(
+        config, layer_params["head"], layer_params["emb"], x, targets, 4, ops
+    )
+    assert loss.item() == 0.0 and dx.abs().sum() == 0 and embed_grads["wte"].abs().sum() == 0
+    assert all(grad.abs().sum() == 0 for grad in head_grads.values())
+
+
+def test_math_of_an_unknown_kind_names_the_known_ones() -> None:
+    with pytest.raises(KeyError, match=r"no layer kind 'moe'; its kinds: embed, block, head"):
+        math_of("moe")
