@@ -43,6 +43,7 @@ def install_project(session: nox.Session, *, examples: bool = False) -> None:
 def tests(session: nox.Session) -> None:
     """Run the whole CPU test suite (GPU tests skip themselves without CUDA)."""
     install_project(session, examples=True)
+    session.install("transformers>=4.40")  # families/gpt2's HF checkpoint round trip
     suites = ["tests", *plugin_packages(), *EXAMPLE_PACKAGES]  # every package's own tests
     session.run("pytest", *(session.posargs or ["-q", *suites]))
 
