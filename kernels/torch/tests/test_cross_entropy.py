@@ -1,0 +1,198 @@
+"""chunked_cross_entropy against a float64 autograd reference written here.
+
+The reference builds the whole (tokens, vocab) logits in float64, sums
+``logsumexp - logit[target]`` over the targets that are not -100, and takes both gradients
+with ``torch.autograd.grad``. Tolerances (``torch.testing.assert_close``), inputs of unit
+scale:
+
+- float32 hidden and weight: loss rtol 1e-5; gradients rtol 1e-5, atol 1e-5
+- bfloat16 hidden and weight: loss rtol 1e-4 (float32 math on the same bfloat16 values);
+  gradients rtol 2e-2, atol 2e-2 (rounded to bfloat16 once, at the end)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+IGNORE = -100
+LOSS_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-4}
+GRAD_TOLERANCE = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+    torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2},
+}
+
+
+def reference(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss_sum, d_hidden, d_weight) in float64, from the definition, by autograd."""
+    h = hidden.detach().double().requires_grad_()
+    w = weight.detach().double().requires_grad_()
+    logits = h @ w.T
+    valid = targets != IGNORE
+    picked = logits.gather(1, torch.where(valid, targets, 0).unsqueeze(1)).squeeze(1)
+    per_token = torch.logsumexp(logits, dim=1) - picked
+    loss = (per_token * valid).sum()
+    d_hidden, d_weight = torch.autograd.grad(loss, (h, w))
+    return loss.detach(), d_hidden, d_weight
+
+
+def make_targets(randn, tokens: int, vocab: int, ignored: float, device: str) -> torch.Tensor:
+    generator = randn.generator
+    targets = torch.randint(0, vocab, (tokens,), generator=generator)
+    targets[torch.rand(tokens, generator=generator) < ignored] = IGNORE
+    return targets.to(device)
+
+
+def check(kernel, hidden, weight, targets, chunk_tokens) -> None:
+    loss, d_hidden, d_weight = kernel("chunked_cross_entropy", "torch")(
+        hidden, weight, targets, chunk_tokens
+    )
+    want_loss, want_d_hidden, want_d_weight = reference(hidden, weight, targets)
+    assert loss.shape == () and loss.dtype == torch.float32
+    assert d_hidden.shape == hidden.shape and d_hidden.dtype == hidden.dtype
+    assert d_weight.shape == weight.shape and d_weight.dtype == weight.dtype
+    assert d_hidden.device == hidden.device and d_weight.device == weight.device
+    torch.testing.assert_close(
+        loss.double(), want_loss, rtol=LOSS_RTOL[hidden.dtype], atol=LOSS_RTOL[hidden.dtype]
+    )
+    tolerance = GRAD_TOLERANCE[hidden.dtype]
+    torch.testing.assert_close(d_hidden.double(), want_d_hidden, **tolerance)
+    torch.testing.assert_close(d_weight.double(), want_d_weight, **tolerance)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("tokens", "dim", "vocab", "chunk_tokens"),
+    [
+        (37, 16, 101, 8),  # chunks do not divide the tokens: the last has 5 rows
+        (37, 16, 101, 37),  # one chunk exactly
+        (37, 16, 101, 1000),  # a chunk larger than the tokens
+        (5, 8, 11, 1),  # one token per chunk
+        (64, 48, 257, 10),
+        (1, 3, 2, 4),
+    ],
+)
+@pytest.mark.parametrize("ignored", [0.0, 0.3])
+def test_matches_the_float64_reference(
+    kernel, randn, device, dtype, tokens, dim, vocab, chunk_tokens, ignored
+) -> None:
+    hidden = randn(tokens, dim, dtype=dtype, device=device)
+    weight = randn(vocab, dim, dtype=dtype, device=device)
+    targets = make_targets(randn, tokens, vocab, ignored, device)
+    check(kernel, hidden, weight, targets, chunk_tokens)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_peaked_logits_stay_finite(kernel, randn, device) -> None:
+    """Logits in the hundreds: exp would overflow without the row max subtracted. float32
+    logits of that size carry absolute errors near 3e-5, which the softmax passes on to the
+    gradients as relative errors of about 1e-4: hence the looser tolerance here."""
+    hidden = randn(19, 8, device=device, scale=10.0)
+    weight = randn(23, 8, device=device, scale=10.0)
+    targets = make_targets(randn, 19, 23, 0.2, device)
+    loss, d_hidden, d_weight = kernel("chunked_cross_entropy", "torch")(hidden, weight, targets, 4)
+    assert torch.isfinite(loss) and torch.isfinite(d_hidden).all()
+    assert torch.isfinite(d_weight).all()
+    want_loss, want_d_hidden, want_d_weight = reference(hidden, weight, targets)
+    torch.testing.assert_close(loss.double(), want_loss, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(d_hidden.double(), want_d_hidden, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(d_weight.double(), want_d_weight, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_target_ignored_gives_zero_loss_and_gradients(kernel, randn, device) -> None:
+    hidden, weight = randn(9, 4, device=device), randn(13, 4, device=device)
+    targets = torch.full((9,), IGNORE, device=device)
+    loss, d_hidden, d_weight = kernel("chunked_cross_entropy", "torch")(hidden, weight, targets, 4)
+    assert float(loss) == 0.0
+    assert not d_hidden.any() and not d_weight.any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ignored_tokens_get_no_gradient(kernel, randn, device) -> None:
+    hidden, weight = randn(12, 6, device=device), randn(10, 6, device=device)
+    targets = make_targets(randn, 12, 10, 0.0, device)
+    targets[[2, 5, 11]] = IGNORE
+    _, d_hidden, _ = kernel("chunked_cross_entropy", "torch")(hidden, weight, targets, 5)
+    assert not d_hidden[[2, 5, 11]].any()
+    assert d_hidden[[0, 1, 3]].abs().sum() > 0
+
+
+def test_mixed_dtypes_bfloat16_hidden_float32_weight(kernel, randn) -> None:
+    hidden = randn(21, 12, dtype=torch.bfloat16)
+    weight = randn(31, 12)
+    targets = make_targets(randn, 21, 31, 0.1, "cpu")
+    loss, d_hidden, d_weight = kernel("chunked_cross_entropy", "torch")(hidden, weight, targets, 6)
+    assert d_hidden.dtype == torch.bfloat16 and d_weight.dtype == torch.float32
+    want_loss, want_d_hidden, want_d_weight = reference(hidden, weight, targets)
+    torch.testing.assert_close(loss.double(), want_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d_hidden.double(), want_d_hidden, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(d_weight.double(), want_d_weight, rtol=1e-5, atol=1e-5)
+
+
+def test_chunk_size_does_not_change_the_result(kernel, randn) -> None:
+    """Different chunkings sum the same float32 terms; they agree to float32 rounding."""
+    hidden, weight = randn(50, 16), randn(40, 16)
+    targets = make_targets(randn, 50, 40, 0.2, "cpu")
+    ce = kernel("chunked_cross_entropy", "torch")
+    whole = ce(hidden, weight, targets, 50)
+    for chunk_tokens in (1, 7, 16, 49):
+        for got, want in zip(ce(hidden, weight, targets, chunk_tokens), whole, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_inputs_that_require_grad_build_no_graph(kernel, randn) -> None:
+    hidden = randn(6, 4).requires_grad_()
+    weight = randn(5, 4).requires_grad_()
+    targets = make_targets(randn, 6, 5, 0.0, "cpu")
+    outputs = kernel("chunked_cross_entropy", "torch")(hidden, weight, targets, 4)
+    assert not any(t.requires_grad for t in outputs)
+
+
+@pytest.mark.parametrize(
+    ("hidden_shape", "weight_shape", "targets", "chunk_tokens", "message"),
+    [
+        ((4, 3), (5, 3), torch.zeros(4, dtype=torch.int64), 0, "chunk_tokens must be"),
+        ((4, 3), (5, 3), torch.zeros(4, dtype=torch.int64), 2.0, "chunk_tokens must be"),
+        ((4, 3), (5, 2), torch.zeros(4, dtype=torch.int64), 2, r"weight \(5, 2\)"),
+        ((2, 4, 3), (5, 3), torch.zeros(4, dtype=torch.int64), 2, r"hidden \(2, 4, 3\)"),
+        ((4, 3), (5, 3), torch.zeros(3, dtype=torch.int64), 2, r"expected targets \(4,\)"),
+        ((4, 3), (5, 3), torch.zeros(4, dtype=torch.int32), 2, "must be int64"),
+    ],
+)
+def test_bad_arguments_are_named(
+    kernel, randn, hidden_shape, weight_shape, targets, chunk_tokens, message
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        kernel("chunked_cross_entropy", "torch")(
+            randn(*hidden_shape), randn(*weight_shape), targets, chunk_tokens
+        )
+
+
+@pytest.mark.gpu
+def test_holds_one_chunk_of_logits_at_a_time(kernel, randn) -> None:
+    """Peak CUDA memory during the call: the outputs, the float32 d_weight, one chunk's
+    logits and (chunk, dim) temporaries; a second chunk of logits would not fit the bound,
+    and the whole (tokens, vocab) logits are 10x one chunk."""
+    tokens, dim, vocab, chunk_tokens = 1000, 64, 8192, 100
+    hidden = randn(tokens, dim, device="cuda")
+    weight = randn(vocab, dim, device="cuda")
+    targets = make_targets(randn, tokens, vocab, 0.1, "cuda")
+    ce = kernel("chunked_cross_entropy", "torch")
+    ce(hidden, weight, targets, chunk_tokens)  # warm up cuBLAS (its workspace is cached)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    outputs = ce(hidden, weight, targets, chunk_tokens)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    logits_chunk = chunk_tokens * vocab * 4
+    outputs_bytes = tokens * dim * 4 + vocab * dim * 4  # d_hidden, d_weight (float32)
+    temporaries = 3 * chunk_tokens * dim * 4 + 64 * 1024  # per-row vectors, rounding
+    assert extra <= outputs_bytes + logits_chunk + temporaries, (extra, logits_chunk)
+    assert extra < outputs_bytes + 2 * logits_chunk
+    del outputs
