@@ -178,6 +178,10 @@ def select_cuts(
 
     dirty = [life.origin is Origin.FAST for life in objects]
     candidates: list[tuple[tuple[float, ...], int]] = []  # (negated key, gap)
+    # Dirty gaps whose write-back would still be running: parked until it is done (they
+    # cannot relieve a task before), and reachable meanwhile as a last resort.
+    parked: list[tuple[tuple[float, ...], int]] = []
+    waking: list[list[tuple[tuple[float, ...], int]]] = [[] for _ in range(n + 2)]
     active_windows: list[tuple[int, int]] = []  # (-use, window)
     kept = windows = soft = 0
     failed, over = None, 0
@@ -205,10 +209,12 @@ def select_cuts(
         soft += soft_diff[t]
         for w in windows_from[t]:
             heapq.heappush(active_windows, (-win_use[w], w))
+        for entry in waking[t]:
+            if not cut[entry[1]]:
+                heapq.heappush(candidates, entry)
         hard = base[t] + kept + windows
         if hard + soft <= capacity_bytes:
             continue
-        deferred: list[tuple[tuple[float, ...], int]] = []
         while hard + soft > capacity_bytes and (candidates or active_windows):
             if candidates:
                 entry = heapq.heappop(candidates)
@@ -217,9 +223,12 @@ def select_cuts(
                     continue
                 if dirty[g_obj[g]] and not has_slow[g_obj[g]] and g_size[g] > slow_free:
                     continue  # no slow space left for its write-back (and there never will be)
-                if dirty[g_obj[g]] and gap_offload_end(g) >= t:
-                    deferred.append(entry)  # its write-back would still hold the bytes
-                    continue
+                if dirty[g_obj[g]]:
+                    end = gap_offload_end(g)
+                    if end >= t:  # its write-back would still hold the bytes
+                        heapq.heappush(parked, entry)
+                        waking[min(end + 1, n + 1)].append(entry)
+                        continue
                 cut_gap(g, t)
                 kept -= g_size[g]
                 hard -= g_size[g]
@@ -230,16 +239,19 @@ def select_cuts(
             delay_window(w, t)
             windows -= win_size[w]
             hard -= win_size[w]
-        while hard > capacity_bytes and deferred:
-            g = heapq.heappop(deferred)[1]
+        while hard > capacity_bytes and parked:
+            g = heapq.heappop(parked)[1]
+            if cut[g] or g_b[g] <= t:
+                continue
+            if not has_slow[g_obj[g]] and g_size[g] > slow_free:
+                continue
             end = gap_offload_end(g)
             cut_gap(g, t)
             kept -= g_size[g]
             hard -= g_size[g]
-            soft += g_size[g]
-            soft_diff[end + 1] -= g_size[g]
-        for entry in deferred:
-            heapq.heappush(candidates, entry)
+            if end >= t:
+                soft += g_size[g]
+                soft_diff[end + 1] -= g_size[g]
         if hard > capacity_bytes:
             failed, over = t, hard - capacity_bytes
             break
