@@ -9,14 +9,18 @@ from dataflow.planning.api import DEFAULT_PLANNER, Plan, plan
 from dataflow.planning.feasibility import InfeasibleBudget, minimal_budget
 from dataflow.planning.intervals import PlanningError
 from dataflow.planning.lower_bound import LowerBound, lower_bound
+from dataflow.planning.placement import Block, Placement, place
 
 __all__ = [
     "DEFAULT_PLANNER",
+    "Block",
     "InfeasibleBudget",
     "LowerBound",
+    "Placement",
     "Plan",
     "PlanningError",
     "lower_bound",
     "minimal_budget",
+    "place",
     "plan",
 ]
