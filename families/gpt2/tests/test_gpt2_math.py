@@ -77,6 +77,30 @@ def test_block_forward_and_backward_match_autograd_on_the_reference(
         )
 
 
+def test_the_key_bias_gradient_is_exactly_zero(config, layer_params, ops) -> None:
+    """Softmax cancels a bias on the keys; backward returns the exact zero, not noise."""
+    block, params = GPT2Block(), layer_params["0"]
+    x = torch.randn(2, 7, config.n_embd, dtype=torch.float32)
+    params32 = {name: tensor.float() for name, tensor in params.items()}
+    _, saved = block.forward(config, params32, x, ops)
+    _, grads = block.backward(config, params32, x, saved, torch.randn_like(x), ops)
+    n = config.n_embd
+    assert torch.count_nonzero(grads["attn.c_attn.bias"][n : 2 * n]) == 0
+    assert torch.count_nonzero(grads["attn.c_attn.bias"][:n]) == n  # queries and values: not
+
+
+def test_the_training_plugin_task_checks_pass(config, installed_ops) -> None:
+    """``dataflow verify``'s task level: recompute, hand backward vs autograd through the
+    family's own forward, head chunking; float32 at its fp32 tolerance."""
+    from dataflow_family_gpt2.family import GPT2Family
+    from dataflow_training.verify import TOLERANCES, task_checks
+
+    checks = task_checks(
+        GPT2Family(), config, "cpu", torch.float32, TOLERANCES["fp32"]["task"], seed=0
+    )
+    assert checks and all(check.ok for check in checks), [c for c in checks if not c.ok]
+
+
 def test_block_saves_what_saved_specs_declares_and_recompute_equals_it(
     config, layer_params, ops
 ) -> None:

@@ -174,6 +174,11 @@ class GPT2Block:
             d_h1, grads["attn.c_attn.weight"], grads["attn.c_attn.bias"] = _linear_backward(
                 ops, h1.detach(), params["attn.c_attn.weight"], d_qkv
             )
+            # The key bias adds q_i . b_k to every score of query row i, which the row's
+            # softmax cancels: its gradient is exactly zero. Computed, it is rounding noise
+            # that Adam (which divides by the gradient's own size) would turn into
+            # learning-rate-sized steps, so it is returned as the exact zero.
+            grads["attn.c_attn.bias"][config.n_embd : 2 * config.n_embd] = 0
             d_x, grads["ln_1.weight"], grads["ln_1.bias"] = torch.autograd.grad(
                 h1, (x_leaf, ln1_w, ln1_b), d_h1
             )
