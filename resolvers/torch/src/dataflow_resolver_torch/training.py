@@ -65,8 +65,16 @@ def _store(
     add: bool,
     scale: float = 1.0,
 ) -> None:
+    """Write (or, with ``add``, accumulate) ``values`` into same-named ``targets``. A target
+    with no value gets nothing when accumulating and zeros when written: an output must be
+    fully written (the tied head, say, gives the embedding's ``wte`` gradient but not its
+    ``wpe`` one)."""
     for name, target in targets.items():
-        value = values[name]
+        value = values.get(name)
+        if value is None:
+            if not add:
+                target.zero_()
+            continue
         if scale != 1.0:
             value = value * scale
         if add:
