@@ -29,11 +29,28 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def alias(buffer: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous ``dtype`` tensor of ``shape`` over the bytes of the uint8 ``buffer``.
+
+    Not a view: it shares the storage but has its own autograd version counter. Views of
+    one arena all share the arena's counter, so a transfer writing one object would look
+    to autograd like an in-place change of every other (an executable that differentiates
+    through its inputs would fail while a prefetch runs beside it).
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    offset = buffer.storage_offset()
+    if offset % itemsize:
+        raise ValueError(f"byte offset {offset} is not aligned to {dtype} ({itemsize} bytes)")
+    strides = torch.empty(shape, device="meta").stride()
+    out = torch.empty(0, dtype=dtype, device=buffer.device)
+    return out.set_(buffer.untyped_storage(), offset // itemsize, shape, strides)
+
+
 def typed_view(buffer: torch.Tensor, obj: Obj) -> torch.Tensor:
     """The typed tensor an executable sees for ``obj`` stored in the uint8 ``buffer``."""
     if obj.tensor is None:
-        return buffer
-    return buffer.view(torch_dtype(obj.tensor.dtype)).view(obj.tensor.shape)
+        return alias(buffer, torch.uint8, (obj.size_bytes,))
+    return alias(buffer, torch_dtype(obj.tensor.dtype), tuple(obj.tensor.shape))
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
