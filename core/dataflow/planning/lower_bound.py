@@ -7,11 +7,12 @@ Three bounds, each true for every plan the execution model allows:
   memory at the end) crosses ``h2d`` once before its first use; transfers start only when a
   task has ended (directives fire at task ends), so none starts before task 0 ends, and one
   link carries one transfer at a time. Task ``i`` therefore cannot start before
-  ``cost(task 0) + h2d time of every first load needed by tasks 0..i``. Every object whose
-  final location is ``slow`` and that ends dirty (created, mutated, or started in fast
-  memory) is written back after its last change, over ``d2h``, one at a time: the run
-  cannot end before the earliest end of task ``j`` plus the write-backs of every object
-  last changed at or after ``j``.
+  ``cost(task 0) + h2d time of every first load needed by tasks 0..i``, nor before the
+  earliest end of task ``i-1`` plus the gap the *handoff* bound (below) forces between
+  them. Every object whose final location is ``slow`` and that ends dirty (created,
+  mutated, or started in fast memory) is written back after its last change, over ``d2h``,
+  one at a time: the run cannot end before the earliest end of task ``j`` plus the
+  write-backs of every object last changed at or after ``j``.
 - **volume** (needs a budget): at a task where the objects that must stay resident between
   two uses exceed the budget, at least that excess must leave fast memory and come back
   over ``h2d``, on top of the first loads.
@@ -85,6 +86,8 @@ def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
             if changed:
                 last_change.append((changed[-1], chain.d2h_us(life.size_bytes)))
     cost = chain.cost_us
+    # gaps[t]: idle time forced between task t and the next (0 without a budget)
+    gaps = _handoff_gaps_us(chain, budget_bytes) if budget_bytes is not None else [0.0] * n
     start_us, loads_us = 0.0, 0.0
     earliest_end = []
     for t in range(n):
@@ -92,9 +95,9 @@ def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
         if t and loads_us:
             start_us = max(start_us, cost[0] + loads_us)
         earliest_end.append(start_us + cost[t])
-        start_us += cost[t]
+        start_us = earliest_end[-1] + gaps[t]
     loads_us += first_load_us[n]
-    link_us = max(earliest_end[-1], cost[0] + loads_us if loads_us else 0.0)
+    link_us = max(start_us, cost[0] + loads_us if loads_us else 0.0)
     write_back_us = [0.0] * (n + 1)
     for t, us in last_change:
         write_back_us[t] += us
@@ -105,7 +108,7 @@ def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
             link_us = max(link_us, earliest_end[t] + after_us)
     volume_us = handoff_us = 0.0
     if budget_bytes is not None:
-        handoff_us = compute_us + _handoff_gaps_us(chain, budget_bytes)
+        handoff_us = compute_us + sum(gaps)
         kept = kept_profile(chain, build_gaps(chain))
         excess = max(
             base + held - budget_bytes for base, held in zip(chain.base_bytes, kept, strict=True)
@@ -122,9 +125,9 @@ def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
 EXACT_COVER = 8
 
 
-def _handoff_gaps_us(chain: Chain, budget_bytes: int) -> float:
-    """Sum over consecutive tasks of the transfer time forced between them (see the
-    module docstring)."""
+def _handoff_gaps_us(chain: Chain, budget_bytes: int) -> list[float]:
+    """Per task ``t``, the transfer time forced between it and the next task (the end, for
+    the last one); see the module docstring."""
     n = chain.n_tasks
     read_at: list[list[int]] = [[] for _ in range(n + 1)]  # objects each task needs present
     used_at: list[set[int]] = [set() for _ in range(n + 1)]
@@ -139,7 +142,7 @@ def _handoff_gaps_us(chain: Chain, budget_bytes: int) -> float:
             if life.dirties[k] and (k < last or life.final is Location.SLOW):
                 pinned_at[use].add(life.index)
     size = [life.size_bytes for life in chain.objects]
-    total_us = 0.0
+    gaps_us = []
     for t in range(n):
         fresh = [size[o] for o in read_at[t + 1] if o not in used_at[t]]
         load_us = _cover_us(fresh, sum(fresh) - (budget_bytes - chain.base_bytes[t]), chain.h2d)
@@ -148,8 +151,8 @@ def _handoff_gaps_us(chain: Chain, budget_bytes: int) -> float:
         free = sum(size[o] for o in leaving if o not in pinned_at[t])
         pinned = [size[o] for o in leaving if o in pinned_at[t]]
         write_us = _cover_us(pinned, must_go - free, chain.d2h)
-        total_us += max(load_us, write_us)
-    return total_us
+        gaps_us.append(max(load_us, write_us))
+    return gaps_us
 
 
 def _cover_us(sizes: list[int], need_bytes: int, link: Link) -> float:
