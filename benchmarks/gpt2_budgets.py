@@ -1,0 +1,195 @@
+"""GPT-2 training steps on CUDA inside fast-memory budgets, beside stock PyTorch.
+
+    python benchmarks/gpt2_budgets.py --preset gpt2_124m --budgets 16GiB,4GiB,2GiB \
+        --out benchmarks/results/gpt2_budgets.json
+
+For each budget: lower one training step (bf16 weights, gradients and activations, fp32
+AdamW states), plan it with PressureFit at the budget less the CUDA libraries' own
+reserve, place it, run it on the engine for a few steps and record the step time, the
+allocator's own peak (which the engine checks against the budget), the ledger peak and
+the bytes moved. In the same run, stock PyTorch (the family's reference module in bf16,
+``torch.optim.AdamW(fused=True)``) trains the same shape: its step time and peak memory
+are the baseline. Medians over the measured steps; the first step warms up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from dataflow_training.config import DtypePolicy, OptimizerPolicy, TrainConfig
+from dataflow_training.layout import Layout
+from dataflow_training.lowering import lower
+
+from dataflow.engine import Engine
+from dataflow.engine.backends.torch_cuda import runtime_reserve_bytes
+from dataflow.planning import place, plan
+from dataflow.plugins import families, resolvers
+from dataflow.units import format_size, parse_size
+
+GiB = 2**30
+
+
+def start_values(program, state, vocab, batch, seq_len, step):
+    layouts = {k: Layout.from_dict(v) for k, v in program.metadata["layouts"].items()}
+    g = torch.Generator().manual_seed(step)
+    values = {}
+    for obj in program.objects:
+        if not program.exists_at_start(obj.id):
+            continue
+        if obj.id.startswith(("x_", "t_")):
+            values[obj.id] = torch.randint(0, vocab, (batch, seq_len), generator=g)
+        elif step == 0:
+            buffer = torch.zeros(obj.size_bytes, dtype=torch.uint8)
+            if obj.id.startswith("W_"):
+                for name, view in layouts[obj.id].views(buffer).items():
+                    view.copy_(state[f"{obj.id[2:]}.{name}"])
+            values[obj.id] = buffer
+    return values
+
+
+def run_engine(family, preset, train, budget, steps, state, vocab) -> dict:
+    program = lower(family, preset, train).program
+    reserve = runtime_reserve_bytes("cuda")
+    began = time.perf_counter()
+    planned = plan(program, budget - reserve)
+    placement = place(planned)
+    planning_s = time.perf_counter() - began
+    with Engine("torch", budget_bytes=budget, device="cuda") as engine:
+        engine.load(
+            planned,
+            resolvers().get("torch").build(planned.program),
+            initial=start_values(program, state, vocab, train.batch, train.seq_len, 0),
+            placement=placement,
+        )
+        result = engine.run(
+            steps=steps,
+            feed=lambda step: start_values(program, state, vocab, train.batch, train.seq_len, step),
+        )
+        losses = [engine.fetch(f"loss_0_{r}").item() for r in range(train.rounds)]
+    step_us = [trace.makespan_us for trace in result.steps[1:]]
+    return {
+        "budget_bytes": budget,
+        "runtime_reserve_bytes": reserve,
+        "planned_at_bytes": planned.budget_bytes,
+        "arena_bytes": placement.arena_bytes,
+        "planning_s": planning_s,
+        "predicted_step_ms": planned.sim.makespan_us / 1e3,
+        "lower_bound_ms": planned.lower_bound_us / 1e3,
+        "step_ms_median": statistics.median(step_us) / 1e3,
+        "allocator_peak_bytes": result.allocator_peak_bytes,
+        "ledger_peak_bytes": result.fast_peak_bytes,
+        "moved_bytes_per_step": planned.sim.h2d.bytes + planned.sim.d2h.bytes,
+        "last_losses": losses,
+    }
+
+
+def run_stock(family, config, train, steps, state) -> dict:
+    model = family.reference_model(config).to(device="cuda", dtype=torch.bfloat16)
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()})
+    opt = train.optimizer
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=opt.lr,
+        betas=(opt.beta1, opt.beta2),
+        eps=opt.eps,
+        weight_decay=opt.weight_decay,
+        fused=True,
+    )
+    vocab = config.vocab_size
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    times = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        for _ in range(train.rounds):
+            x = torch.randint(0, vocab, (train.batch, train.seq_len), generator=g).cuda()
+            t = torch.randint(0, vocab, (train.batch, train.seq_len), generator=g).cuda()
+            (model(x, t) / train.rounds).backward()
+        optimizer.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() - base
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return {"step_ms_median": statistics.median(times[1:]) * 1e3, "peak_bytes": peak + base}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="gpt2_124m")
+    parser.add_argument("--budgets", default="16GiB,4GiB,2GiB")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpt2_budgets.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpt2_budgets needs a CUDA device", file=sys.stderr)
+        return 2
+    family = families().get("gpt2").load()
+    config = family.config(args.preset)
+    torch.manual_seed(0)
+    state = {
+        k: v.to(torch.bfloat16) for k, v in family.reference_model(config).state_dict().items()
+    }
+    train = TrainConfig(
+        seq_len=args.seq_len,
+        batch=args.batch,
+        rounds=args.rounds,
+        dtype=DtypePolicy.named("bf16"),
+        optimizer=OptimizerPolicy(),
+        chunk_tokens=2048,
+    )
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "preset": args.preset,
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "stock": run_stock(family, config, train, args.steps, state),
+        "engine": [],
+    }
+    print(json.dumps(results["stock"]), flush=True)
+    for text in args.budgets.split(","):
+        try:
+            row = run_engine(
+                family, args.preset, train, parse_size(text), args.steps, state, config.vocab_size
+            )
+        except Exception as exc:  # a budget that fails is a result too: say why
+            row = {"budget_bytes": parse_size(text), "error": f"{type(exc).__name__}: {exc}"}
+        results["engine"].append(row)
+        print(json.dumps(row), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    stock = results["stock"]
+    print(
+        f"stock PyTorch: {stock['step_ms_median']:.1f} ms/step, peak {format_size(stock['peak_bytes'])}"
+    )
+    for row in results["engine"]:
+        if "error" in row:
+            print(f"{format_size(row['budget_bytes'])}: {row['error']}")
+            continue
+        print(
+            f"{format_size(row['budget_bytes'])}: {row['step_ms_median']:.1f} ms/step "
+            f"(x{row['step_ms_median'] / stock['step_ms_median']:.2f} stock; predicted "
+            f"{row['predicted_step_ms']:.1f}), allocator peak "
+            f"{format_size(row['allocator_peak_bytes'])}, moved "
+            f"{format_size(row['moved_bytes_per_step'])}/step"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
