@@ -238,3 +238,33 @@ def test_random_chains_with_a_slow_budget_respect_it(case, spare_bytes) -> None:
         return
     assert planned.sim.slow_peak_bytes <= slow
     assert planned.program.budget.slow_bytes == slow
+
+
+def test_a_search_below_the_largest_base_names_the_task_that_cannot_fit() -> None:
+    program = tiny_training()
+    chain = build_chain(program)
+    floor, task = floor_bytes(chain)
+    found = search(program, floor - 1)
+    assert found.best is None and found.simulated == 0
+    assert found.unfit_task == task and found.unfit_bytes >= 1
+
+
+def test_a_candidate_the_simulator_rejects_is_swept_again_with_less_capacity(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dataflow.planning import pressurefit
+
+    real = pressurefit.simulate
+    calls: list[int] = []
+
+    def first_one_fails(program, **options):
+        result = real(program, **options)
+        calls.append(1)
+        return attrs.evolve(result, valid=False) if len(calls) == 1 else result
+
+    monkeypatch.setattr(pressurefit, "simulate", first_one_fails)
+    program = tiny_training()
+    budget = 24 * MiB
+    found = search(program, budget, portfolio=PORTFOLIO[:1])
+    assert found.best is not None and found.simulated == 2
+    assert found.best.capacity_bytes < budget  # repaired: planned with more room to spare

@@ -96,15 +96,12 @@ def select_cuts(
             entering[g_a[g] + 1].append(g)
             leaving[g_b[g]].append(g)
     uses_at: list[list[tuple[int, bool]]] = [[] for _ in range(n + 1)]
-    last_use = [-1] * len(objects)
     for life in objects:
         for use, dirties in zip(life.uses, life.dirties, strict=True):
             uses_at[use].append((life.index, dirties))
-        if life.uses:
-            last_use[life.index] = life.uses[-1]
     tails_at: list[list[int]] = [[] for _ in range(n + 2)]
     for life in objects:
-        if life.uses and life.final is not None and life.final.value == "slow":
+        if life.uses and life.final is Location.SLOW:
             tails_at[life.uses[-1] + 1].append(life.index)
 
     # Prefetch windows: (object, use, issue task p, size); they cover p+1 .. use-1.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataflow.planning.cuts import SCORES, CutSelection, issue_task, slow_room
 from dataflow.planning.intervals import Chain, Gaps, Origin, kept_profile
+from dataflow.schema import Location
 
 
 def select_cuts_peak(
@@ -56,7 +57,7 @@ def select_cuts_peak(
             use = life.uses[0]
             p = issue_task(chain, use, chain.h2d_us(life.size_bytes))
             add_window(use, max(0, min(use - 1, p)), life.size_bytes)
-        if life.uses and life.final is not None and life.final.value == "slow":
+        if life.uses and life.final is Location.SLOW:
             if any(life.dirties):  # a final write-back after the last use
                 last = life.uses[-1]
                 add(total, last + 1, offload_end(last, life.size_bytes) + 1, life.size_bytes)

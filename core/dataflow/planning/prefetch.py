@@ -34,7 +34,9 @@ RULES = ("jit", "early", "margin")
 @attrs.frozen
 class Prefetch:
     """One prefetch: of object ``obj`` for its use at task ``use``; ``gap`` is the cut gap
-    it refills (-1 for a head); issued when task ``issue`` ends (``earliest <= issue``)."""
+    it refills (-1 for a head); issued when task ``issue`` ends (``earliest <= issue``).
+    ``planned_start_us`` is when the just-in-time schedule wants its transfer to start, in
+    the stall-free timeline."""
 
     obj: int
     use: int

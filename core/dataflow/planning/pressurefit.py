@@ -7,7 +7,9 @@ strategy of a small portfolio (a cut score x a prefetch rule):
 2. place the prefetches those cuts need (``prefetch.place_prefetches``);
 3. write the directives (``emit``) and simulate the candidate;
 4. a candidate the simulator rejects is repaired by sweeping again at a smaller capacity
-   (more room for what the sweep's estimates miss), at most ``REPAIRS`` times.
+   (more room for what the sweep's estimates miss), at most ``REPAIRS`` times. (A safety
+   net: the sweep keeps every task within the budget with its prefetch windows, so no
+   benchmark candidate has needed it.)
 
 The best valid candidate wins (shortest makespan, then fewest bytes moved, then portfolio
 order); the search stops as soon as one reaches the lower bound. Deterministic: every
@@ -59,8 +61,8 @@ class Strategy:
         )
 
 
-#: The default portfolio. Each member earned its place in ``benchmarks/planning.py
-#: --ablation``: some benchmark cases get their best plan from it alone (docs/planning.md).
+#: The default portfolio, chosen with ``benchmarks/planning.py --ablation``
+#: (docs/planning.md).
 PORTFOLIO: tuple[Strategy, ...] = (
     Strategy("farthest", "jit"),
     Strategy("benefit", "jit"),
@@ -166,9 +168,10 @@ def search(
 
 
 def _smaller(chain: Chain, capacity_bytes: int) -> int:
-    """A capacity one eighth of the way down to the least any task needs."""
+    """A capacity halfway down to the least any task needs (a small step tends to give
+    the same cuts again)."""
     floor = max(chain.base_bytes, default=0)
-    return max(floor, capacity_bytes - max(1, (capacity_bytes - floor) // 8))
+    return max(floor, capacity_bytes - max(1, (capacity_bytes - floor) // 2))
 
 
 def plan_pressurefit(
