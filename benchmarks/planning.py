@@ -2,9 +2,10 @@
 
 For each shape of ``dataflow.testing.shapes`` (training steps whose transfers fit under
 their compute, training steps with a link-bound optimizer, training steps with a large
-tied embedding and a link-bound forward pass, weight streaming, random chains) and each of ``--seeds`` seeds, it finds the smallest budget that plans
-(``minimal_budget``) and the no-offload peak, and plans at ``--rungs`` budgets evenly
-spaced from the peak down to that minimum, through ``dataflow.planning.plan`` (the
+tied embedding and a link-bound forward pass, weight streaming, random chains) and each
+of ``--seeds`` seeds, it finds the smallest budget that plans (``minimal_budget``) and
+the no-offload peak, and plans at ``--rungs`` budgets evenly spaced from the peak down to
+that minimum, through ``dataflow.planning.plan`` (the
 planner registry, with the simulator re-validating every plan). Per shape it reports:
 the share of cases planned validly, makespan over the best lower bound (median, p90,
 max), planning time, and the share whose static placement fits the budget.
