@@ -133,56 +133,77 @@ class GPT2Block:
         dy: torch.Tensor,
         ops: Ops,
     ) -> tuple[torch.Tensor, Tensors]:
-        eps = config.layer_norm_epsilon
         params = {name: tensor.detach() for name, tensor in params.items()}
-        grads: Tensors = {}
+        # One helper per sublayer: its temporaries are freed before the next one starts.
         with torch.enable_grad():
-            # MLP: y = h_mid + c_proj(gelu(fc)), fc = c_fc(ln_2(h_mid)).
-            fc = _leaf(saved["fc"])
-            act = ops["gelu"](fc)
-            d_act, grads["mlp.c_proj.weight"], grads["mlp.c_proj.bias"] = _linear_backward(
-                ops, act.detach(), params["mlp.c_proj.weight"], dy
-            )
-            (d_fc,) = torch.autograd.grad(act, fc, d_act)
-            h_mid, ln2_w, ln2_b = (
-                _leaf(saved["h_mid"]),
-                _leaf(params["ln_2.weight"]),
-                _leaf(params["ln_2.bias"]),
-            )
-            h2 = ops["layer_norm"](h_mid, ln2_w, ln2_b, eps)
-            d_h2, grads["mlp.c_fc.weight"], grads["mlp.c_fc.bias"] = _linear_backward(
-                ops, h2.detach(), params["mlp.c_fc.weight"], d_fc
-            )
-            d_h_mid, grads["ln_2.weight"], grads["ln_2.bias"] = torch.autograd.grad(
-                h2, (h_mid, ln2_w, ln2_b), d_h2
-            )
-            d_h_mid = d_h_mid + dy
-
-            # Attention: h_mid = x + c_proj(attention(split(qkv))), qkv = c_attn(ln_1(x)).
-            qkv = _leaf(saved["qkv"])
-            attn = _attention(config, qkv, ops)
-            d_attn, grads["attn.c_proj.weight"], grads["attn.c_proj.bias"] = _linear_backward(
-                ops, attn.detach(), params["attn.c_proj.weight"], d_h_mid
-            )
-            (d_qkv,) = torch.autograd.grad(attn, qkv, d_attn)
-            x_leaf, ln1_w, ln1_b = (
-                _leaf(x),
-                _leaf(params["ln_1.weight"]),
-                _leaf(params["ln_1.bias"]),
-            )
-            h1 = ops["layer_norm"](x_leaf, ln1_w, ln1_b, eps)
-            d_h1, grads["attn.c_attn.weight"], grads["attn.c_attn.bias"] = _linear_backward(
-                ops, h1.detach(), params["attn.c_attn.weight"], d_qkv
-            )
-            # The key bias adds q_i . b_k to every score of query row i, which the row's
-            # softmax cancels: its gradient is exactly zero. Computed, it is rounding noise
-            # that Adam (which divides by the gradient's own size) would turn into
-            # learning-rate-sized steps, so it is returned as the exact zero.
-            grads["attn.c_attn.bias"][config.n_embd : 2 * config.n_embd] = 0
-            d_x, grads["ln_1.weight"], grads["ln_1.bias"] = torch.autograd.grad(
-                h1, (x_leaf, ln1_w, ln1_b), d_h1
-            )
+            d_h_mid, grads = _mlp_backward(config, params, saved["h_mid"], saved["fc"], dy, ops)
+            d_h_mid += dy  # the residual
+            d_x, attn_grads = _attention_backward(config, params, x, saved["qkv"], d_h_mid, ops)
+        grads.update(attn_grads)
         return d_x + d_h_mid, {name: grads[name] for name in params}
+
+
+def _mlp_backward(
+    config: GPT2Config,
+    params: Tensors,
+    h_mid: torch.Tensor,
+    fc: torch.Tensor,
+    dy: torch.Tensor,
+    ops: Ops,
+) -> tuple[torch.Tensor, Tensors]:
+    """``mlp(ln_2(h_mid)) = c_proj(gelu(fc))``, ``fc = c_fc(ln_2(h_mid))``: -> (d h_mid
+    through the MLP branch, the MLP's and ln_2's gradients)."""
+    grads: Tensors = {}
+    fc = _leaf(fc)
+    act = ops["gelu"](fc)
+    d_act, grads["mlp.c_proj.weight"], grads["mlp.c_proj.bias"] = _linear_backward(
+        ops, act.detach(), params["mlp.c_proj.weight"], dy
+    )
+    (d_fc,) = torch.autograd.grad(act, fc, d_act)
+    del act, d_act
+    h_mid, ln_w, ln_b = _leaf(h_mid), _leaf(params["ln_2.weight"]), _leaf(params["ln_2.bias"])
+    h2 = ops["layer_norm"](h_mid, ln_w, ln_b, config.layer_norm_epsilon)
+    d_h2, grads["mlp.c_fc.weight"], grads["mlp.c_fc.bias"] = _linear_backward(
+        ops, h2.detach(), params["mlp.c_fc.weight"], d_fc
+    )
+    del d_fc
+    d_h_mid, grads["ln_2.weight"], grads["ln_2.bias"] = torch.autograd.grad(
+        h2, (h_mid, ln_w, ln_b), d_h2
+    )
+    return d_h_mid, grads
+
+
+def _attention_backward(
+    config: GPT2Config,
+    params: Tensors,
+    x: torch.Tensor,
+    qkv: torch.Tensor,
+    d_h_mid: torch.Tensor,
+    ops: Ops,
+) -> tuple[torch.Tensor, Tensors]:
+    """``attn(ln_1(x)) = c_proj(attention(qkv))``, ``qkv = c_attn(ln_1(x))``: -> (d x
+    through the attention branch, the attention's and ln_1's gradients)."""
+    grads: Tensors = {}
+    qkv = _leaf(qkv)
+    attn = _attention(config, qkv, ops)
+    d_attn, grads["attn.c_proj.weight"], grads["attn.c_proj.bias"] = _linear_backward(
+        ops, attn.detach(), params["attn.c_proj.weight"], d_h_mid
+    )
+    (d_qkv,) = torch.autograd.grad(attn, qkv, d_attn)
+    del attn, d_attn
+    x, ln_w, ln_b = _leaf(x), _leaf(params["ln_1.weight"]), _leaf(params["ln_1.bias"])
+    h1 = ops["layer_norm"](x, ln_w, ln_b, config.layer_norm_epsilon)
+    d_h1, grads["attn.c_attn.weight"], grads["attn.c_attn.bias"] = _linear_backward(
+        ops, h1.detach(), params["attn.c_attn.weight"], d_qkv
+    )
+    del d_qkv
+    # The key bias adds q_i . b_k to every score of query row i, which the row's softmax
+    # cancels: its gradient is exactly zero. Computed, it is rounding noise that Adam
+    # (which divides by the gradient's own size) would turn into learning-rate-sized
+    # steps, so it is returned as the exact zero.
+    grads["attn.c_attn.bias"][config.n_embd : 2 * config.n_embd] = 0
+    d_x, grads["ln_1.weight"], grads["ln_1.bias"] = torch.autograd.grad(h1, (x, ln_w, ln_b), d_h1)
+    return d_x, grads
 
 
 def _attention(config: GPT2Config, qkv: torch.Tensor, ops: Ops) -> torch.Tensor:
