@@ -11,7 +11,8 @@ Block activations saved for backward (the contents of ``A_<layer>``), per token:
 - ``fc``    (4 * n_embd): the MLP's pre-activation, ``c_fc(ln_2(h_mid))``.
 
 That is ``8 * n_embd`` values per token, ``8 * batch * seq_len * n_embd * itemsize``
-bytes per block (half of what autograd keeps for the same block). With them, backward
+bytes per block (autograd keeps about 17 * n_embd: x, h1, qkv, the attention output and
+its merged copy, h_mid, h2, fc and gelu(fc)). With them, backward
 runs no projection forward again: each ``linear``'s gradients are themselves ``linear``
 calls (``dx = dy @ W``, ``dW = dy.T @ x``), and only the cheap elementwise parts (the two
 layer norms from ``x`` and ``h_mid``, GELU from ``fc``) and the attention (from ``qkv``,
