@@ -16,6 +16,7 @@ import dataflow
 #: name -> "module:attribute" of a click command; one file per command under dataflow.cli.
 BUILTIN_COMMANDS: dict[str, str] = {
     "validate": "dataflow.cli.validate:validate_command",
+    "kernels": "dataflow.cli.kernels_cmd:kernels_group",
     "plan": "dataflow.cli.plan:plan_command",
     "plugins": "dataflow.cli.plugins_cmd:plugins_group",
     "simulate": "dataflow.cli.simulate:simulate_command",
