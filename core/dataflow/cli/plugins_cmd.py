@@ -77,8 +77,12 @@ def _print_table(reports: list[PluginReport], hook: str | None) -> None:
     from rich.table import Table
 
     table = Table(title="dataflow plugins")
-    for column in ("Distribution", "Entry point", "Hooks", "Registers", "Status"):
+    for column in ("Distribution", "Entry point", "Hooks", "Registers"):
         table.add_column(column, overflow="fold")
+    # A status (a broken plugin's reason) is what a reader looks for: keep it on one line
+    # when it can be, however long the lists of registered names beside it are.
+    longest = max(len(report.status_text) for report in reports)
+    table.add_column("Status", overflow="fold", min_width=min(longest, 72))
     for report in reports:
         registers = "\n".join(
             f"{kind}: {', '.join(names)}" for kind, names in report.registers.items() if names
