@@ -14,7 +14,10 @@ the same bits):
   "Memory Efficient attention defaults to a non-deterministic algorithm",
   aten/src/ATen/native/transformers/cuda/attention_backward.cu), flash attention's
   backward warns the same, and the ``scaled_dot_product_attention`` docstring says the
-  cuDNN backend may pick a nondeterministic algorithm.
+  cuDNN backend may pick a nondeterministic algorithm. (Under
+  ``torch.use_deterministic_algorithms(True)`` both backwards turn deterministic; dataflow
+  does not set that global mode.) Measured on an H200: 10 runs, 5 different dq
+  (benchmarks/variants.py).
 - ``attention/torch-math`` is True: the math backend is matmul and softmax, whose
   backward has no atomics.
 - The rest are elementwise ops, row-wise norms and matmuls, none of which
