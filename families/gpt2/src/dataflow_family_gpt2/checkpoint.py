@@ -155,13 +155,13 @@ def import_hf(
                 f"{files[name]}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "
                 f"{hf_shape} for {config}"
             )
-        if short == "wte.weight":
-            wte = tensor
         tensor = tensor.t().contiguous() if transposed else tensor
         state[key] = tensor if dtype is None else tensor.to(dtype)
 
     lm_head = stored.pop("lm_head.weight", None)
-    if lm_head is not None and not torch.equal(_read(files[lm_head], lm_head), wte):
+    if lm_head is not None and not torch.equal(
+        _read(files[lm_head], lm_head).to(state[f"{EMBED}.wte"].dtype), state[f"{EMBED}.wte"]
+    ):
         raise CheckpointError(
             f"{files[lm_head]}: tensor 'lm_head.weight' differs from 'wte.weight', but the "
             "gpt2 family ties them"
