@@ -49,7 +49,8 @@ def verify_command(
             check.name,
             f"{check.max_abs:.2e}",
             f"{check.rel:.2e}",
-            f"{check.tolerance:.0e}",
+            f"{check.tolerance:.0e}"
+            + (f" or |diff| <= {check.abs_tolerance:.0e}" if check.abs_tolerance else ""),
             "[green]ok" if check.ok else "[red]FAIL",
         )
     console = Console()
