@@ -42,10 +42,11 @@ def randn(request: pytest.FixtureRequest) -> Callable[..., torch.Tensor]:
     return make
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _one_cpu_thread() -> Iterator[None]:
     """The tensors here are tiny: one thread avoids OpenMP hand-offs that cost more than
-    the work (and stall when the machine is busy)."""
+    the work (and stall when the machine is busy). Restored after each module, so suites
+    run after this one in the same session keep their threads."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
