@@ -3,9 +3,11 @@
     python benchmarks/gpt2_budgets.py --preset gpt2_124m --budgets 16GiB,4GiB,2GiB \
         --out benchmarks/results/gpt2_budgets.json
 
-For each budget: lower one training step (bf16 weights, gradients and activations, fp32
-AdamW states), plan it with PressureFit at the budget less the CUDA libraries' own
-reserve, place it, run it on the engine for a few steps and record the step time, the
+Lower one training step (bf16 weights, gradients and activations, fp32 AdamW states) and
+price it with the profiling pass (each distinct task timed once on this GPU, its
+temporaries measured as workspace). For each budget: plan it with PressureFit at the
+budget less the CUDA libraries' own reserve, place it with the largest workspace left
+free beside the arena, run it on the engine for a few steps and record the step time, the
 allocator's own peak (which the engine checks against the budget), the ledger peak and
 the bytes moved. In the same run, stock PyTorch (the family's reference module in bf16,
 ``torch.optim.AdamW(fused=True)``) trains the same shape: its step time and peak memory
@@ -25,6 +27,7 @@ import torch
 from dataflow_training.config import DtypePolicy, OptimizerPolicy, TrainConfig
 from dataflow_training.layout import Layout
 from dataflow_training.lowering import lower
+from dataflow_training.profile import apply_profile, profile_program
 
 from dataflow.engine import Engine
 from dataflow.engine.backends.torch_cuda import runtime_reserve_bytes
@@ -53,12 +56,20 @@ def start_values(program, state, vocab, batch, seq_len, step):
     return values
 
 
-def run_engine(family, preset, train, budget, steps, state, vocab) -> dict:
+def priced_program(family, preset, train):
+    """The lowered step with every task's cost and workspace measured on this device."""
     program = lower(family, preset, train).program
+    profiles = profile_program(program, resolvers().get("torch").build(program), device="cuda")
+    return apply_profile(program, profiles)
+
+
+def run_engine(program, train, budget, steps, state, vocab) -> dict:
     reserve = runtime_reserve_bytes("cuda")
     began = time.perf_counter()
     planned = plan(program, budget - reserve)
-    placement = place(planned)
+    # The family's kernels take their temporaries from the allocator: leave the largest
+    # task workspace (measured by the profiling pass) free beside the arena.
+    placement = place(planned, workspace_in_arena=False)
     planning_s = time.perf_counter() - began
     with Engine("torch", budget_bytes=budget, device="cuda") as engine:
         engine.load(
@@ -78,6 +89,7 @@ def run_engine(family, preset, train, budget, steps, state, vocab) -> dict:
         "runtime_reserve_bytes": reserve,
         "planned_at_bytes": planned.budget_bytes,
         "arena_bytes": placement.arena_bytes,
+        "workspace_beside_arena_bytes": placement.workspace_outside_bytes,
         "planning_s": planning_s,
         "predicted_step_ms": planned.sim.makespan_us / 1e3,
         "lower_bound_ms": planned.lower_bound_us / 1e3,
@@ -162,11 +174,12 @@ def main() -> int:
         "engine": [],
     }
     print(json.dumps(results["stock"]), flush=True)
+    program = priced_program(family, args.preset, train)
+    results["measured_task_ms"] = sum(task.cost_us for task in program.tasks) / 1e3
+    results["largest_workspace_bytes"] = max(task.workspace_bytes for task in program.tasks)
     for text in args.budgets.split(","):
         try:
-            row = run_engine(
-                family, args.preset, train, parse_size(text), args.steps, state, config.vocab_size
-            )
+            row = run_engine(program, train, parse_size(text), args.steps, state, config.vocab_size)
         except Exception as exc:  # a budget that fails is a result too: say why
             row = {"budget_bytes": parse_size(text), "error": f"{type(exc).__name__}: {exc}"}
         results["engine"].append(row)

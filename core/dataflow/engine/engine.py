@@ -319,7 +319,7 @@ def _placement_layout(placement: Any) -> dict[str, Any]:
         "arena_bytes": placement.arena_bytes,
         "offset_of": offset_of,
         "predecessors": predecessors,
-        "workspace_offsets": {
-            b.task_id: b.offset_bytes for b in placement.blocks if b.task_id is not None
-        },
+        "workspace_offsets": None
+        if getattr(placement, "workspace_outside_bytes", 0)
+        else {b.task_id: b.offset_bytes for b in placement.blocks if b.task_id is not None},
     }

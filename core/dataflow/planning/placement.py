@@ -81,13 +81,21 @@ class Placement:
     arena_bytes: int
     peak_bytes: int
     blocks: tuple[Block, ...]
+    #: when task workspace is not in the arena: the most any task takes from the device
+    #: allocator beside it (``arena_bytes`` + this stays within ``budget_bytes``)
+    workspace_outside_bytes: int = 0
 
     def blocks_of(self, obj_id: str) -> tuple[Block, ...]:
         return tuple(block for block in self.blocks if block.obj_id == obj_id)
 
 
-def place(planned: Plan, *, replans: int = REPLANS) -> Placement:
+def place(planned: Plan, *, replans: int = REPLANS, workspace_in_arena: bool = True) -> Placement:
     """Pack ``planned`` into one arena no larger than its budget.
+
+    With ``workspace_in_arena=False`` tasks' workspace is not packed: their kernels take it
+    from the device allocator (temporaries of framework ops), so the arena must leave the
+    largest task workspace free beside it: ``arena_bytes + workspace_outside_bytes`` stays
+    within the budget.
 
     When fragmentation makes the arena larger than the budget, re-plan (same planner) at
     the plan's live peak less the excess, and pack again (never below the smallest budget the
@@ -95,19 +103,27 @@ def place(planned: Plan, *, replans: int = REPLANS) -> Placement:
     budget and the smallest arena found when ``replans`` re-plans do not make it fit.
     """
     budget = planned.budget_bytes
+    outside = (
+        0
+        if workspace_in_arena
+        else max((task.workspace_bytes for task in planned.program.tasks), default=0)
+    )
+    limit = budget - outside
     current = planned
     smallest: int | None = None
     floor = 1
     for _ in range(replans + 1):
         intervals = residency_blocks(current)
-        blocks, arena = _pack_within(intervals, budget)
-        if arena <= budget:
-            return Placement(current, budget, arena, live_peak_bytes(intervals), blocks)
+        if outside:
+            intervals = [block for block in intervals if block.obj_id is not None]
+        blocks, arena = _pack_within(intervals, limit)
+        if arena <= limit:
+            return Placement(current, budget, arena, live_peak_bytes(intervals), blocks, outside)
         smallest = arena if smallest is None else min(smallest, arena)
         # Fragmentation of this packing is arena - live peak; ask the next plan for a live
         # peak that much below the budget.
         live = live_peak_bytes(intervals)
-        capacity = max(floor, min(current.budget_bytes, live) - (arena - budget))
+        capacity = max(floor, min(current.budget_bytes, live) - (arena - limit))
         if capacity >= current.budget_bytes:
             break
         try:
@@ -129,8 +145,9 @@ def place(planned: Plan, *, replans: int = REPLANS) -> Placement:
             )
     raise PlanningError(
         f"program {planned.program.name!r}: fragmentation keeps every packing of its plan "
-        f"above the fast budget of {format_size(budget)} ({budget} bytes): the smallest "
-        f"arena found takes {smallest} bytes, and re-planning at smaller capacities "
+        f"above the fast budget of {format_size(budget)} ({budget} bytes"
+        f"{f', less {outside} bytes of task workspace beside the arena' if outside else ''}): "
+        f"the smallest arena found takes {smallest} bytes, and re-planning at smaller capacities "
         f"({replans} at most) did not make one fit; give a slightly larger budget"
     )
 

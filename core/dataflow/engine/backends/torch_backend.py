@@ -142,10 +142,12 @@ class TorchBackend:
         size = task.workspace_bytes
         if not size:
             return None
-        if self.workspace_offsets is None or self.fast.arena is None:
-            return torch.empty(size, dtype=torch.uint8, device=self.device)
-        start = self.workspace_offsets[task.id]
-        return self.fast.arena[start : start + size]
+        if self.workspace_offsets is not None:  # planned into the arena
+            start = self.workspace_offsets[task.id]
+            return self.fast.arena[start : start + size]
+        if self.fast.arena is not None:  # placed beside the arena: kernels allocate it
+            return None
+        return torch.empty(size, dtype=torch.uint8, device=self.device)  # the simple path
 
     def _view(self, obj: str) -> torch.Tensor:
         return self.views[obj]

@@ -1,0 +1,154 @@
+"""The profiling pass: measure each distinct task once on the device, then price the
+program with what was measured.
+
+A task's **signature** is its compute key, its parameters other than where it sits in the
+chain (layer, round, step) and the sizes of what it reads, changes and creates: the
+twelve forward tasks of a 12-block model share one. For each signature the executable
+runs on freshly filled buffers (random floats, token 0, packed objects filled through
+their layouts): once to warm up, then ``repeats`` times timed with the device's events
+(CUDA) or the host clock (CPU). On CUDA the allocator's peak above what was allocated
+before the launch is the task's **workspace**: the temporaries its kernels take from the
+framework allocator, which the plan must leave room for.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from dataflow.engine import LaunchContext
+from dataflow.engine.backends.torch_storage import typed_view
+from dataflow.schema import Program, Task
+from dataflow_training.layout import Layout
+
+#: Workspace is rounded up to the allocator's block size (kMinBlockSize, 512 bytes).
+ROUND_BYTES = 512
+_POSITION = ("layer", "round", "step")
+
+
+@attrs.frozen
+class TaskProfile:
+    cost_us: float
+    workspace_bytes: int
+
+
+def signature(program: Program, task: Task) -> tuple:
+    sizes = program.objects_by_id
+    params = tuple(sorted((k, repr(v)) for k, v in task.params.items() if k not in _POSITION))
+    return (
+        task.compute_key,
+        params,
+        tuple(sizes[o].size_bytes for o in task.inputs),
+        tuple(sizes[o].size_bytes for o in task.mutates),
+        tuple(sizes[o].size_bytes for o in task.outputs),
+    )
+
+
+def _layout_of(program: Program, obj_id: str, task: Task) -> Layout | None:
+    layouts = program.metadata.get("layouts", {})
+    if obj_id in layouts:
+        return Layout.from_dict(layouts[obj_id])
+    kind = task.params.get("kind")
+    if obj_id.startswith("A_") and f"A:{kind}" in layouts:
+        return Layout.from_dict(layouts[f"A:{kind}"])
+    return None
+
+
+def _filled(
+    program: Program, obj_id: str, task: Task, device: torch.device, generator: torch.Generator
+) -> torch.Tensor:
+    obj = program.obj(obj_id)
+    buffer = torch.zeros(obj.size_bytes, dtype=torch.uint8, device=device)
+    layout = _layout_of(program, obj_id, task)
+    views = layout.views(buffer) if layout is not None else {}
+    if obj.tensor is not None:
+        views = {"": typed_view(buffer, obj)}
+    for view in views.values():
+        if view.is_floating_point():
+            noise = 0.02 * torch.randn(view.shape, generator=generator)
+            view.copy_(noise.to(view.dtype))
+    return buffer
+
+
+def profile_program(
+    program: Program,
+    resolver: Callable[[Task], Any],
+    *,
+    device: str = "cuda",
+    repeats: int = 3,
+    seed: int = 0,
+) -> dict[tuple, TaskProfile]:
+    """Measure every distinct task signature of ``program`` once (see the module docstring)."""
+    dev = torch.device(device)
+    generator = torch.Generator().manual_seed(seed)
+    profiles: dict[tuple, TaskProfile] = {}
+    for task in program.tasks:
+        key = signature(program, task)
+        if key in profiles:
+            continue
+        ctx = _context(program, task, dev, generator)
+        executable = resolver(task)
+        profiles[key] = _measure(executable, ctx, dev, repeats)
+    return profiles
+
+
+def _context(
+    program: Program, task: Task, dev: torch.device, generator: torch.Generator
+) -> LaunchContext:
+    """A launch context over fresh, filled buffers for every object the task names."""
+    objs = program.objects_by_id
+    buffers = {o: _filled(program, o, task, dev, generator) for o in task.uses}
+
+    def views(names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(typed_view(buffers[o], objs[o]) for o in names)
+
+    return LaunchContext(
+        task=task,
+        device=dev.type,
+        stream=None,
+        inputs=views(task.inputs),
+        mutates=views(task.mutates),
+        outputs=views(task.outputs),
+        values={"step": 0},
+    )
+
+
+def _measure(executable: Any, ctx: LaunchContext, dev: torch.device, repeats: int) -> TaskProfile:
+    executable.launch(ctx)  # warm-up: lazy initialisation, library handles, caches
+    if dev.type != "cuda":
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            executable.launch(ctx)
+            times.append((time.perf_counter() - start) * 1e6)
+        return TaskProfile(statistics.median(times), 0)
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        executable.launch(ctx)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    workspace = max(0, torch.cuda.max_memory_allocated(dev) - base)
+    workspace = -(-workspace // ROUND_BYTES) * ROUND_BYTES
+    return TaskProfile(statistics.median(times), workspace)
+
+
+def apply_profile(program: Program, profiles: dict[tuple, TaskProfile]) -> Program:
+    """``program`` with every task's cost and workspace from its measured signature."""
+    tasks = []
+    for task in program.tasks:
+        measured = profiles[signature(program, task)]
+        tasks.append(
+            attrs.evolve(task, cost_us=measured.cost_us, workspace_bytes=measured.workspace_bytes)
+        )
+    return attrs.evolve(program, tasks=tuple(tasks))
