@@ -11,15 +11,19 @@ from dataflow_family_gpt2.family import GPT2Family
 from dataflow_family_gpt2.layers import parameter_count
 from dataflow_family_gpt2.presets import PRESETS, UnknownPresetError, preset, preset_table
 from dataflow_training.family import BlockMath, EmbedMath, Family, HeadMath
-
-from dataflow.testing import FamilyConformance
+from dataflow_training.testing import TrainingFamilyConformance
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "builtin_models.md"
 
 
-class TestGPT2Conformance(FamilyConformance):
+class TestGPT2Conformance(TrainingFamilyConformance):
+    """The plugin checks, plus: protocol, lowering validates/simulates/plans into the
+    smallest budget, `dataflow verify` on gpt2_tiny, and the HF export round trip."""
+
     distribution = "dataflow-family-gpt2"
     expected_names = ("gpt2",)
+    family_name = "gpt2"
+    preset = "gpt2_tiny"
 
 
 def test_the_family_satisfies_the_protocol() -> None:
