@@ -56,13 +56,15 @@ def test_gpt2_tiny_matches_reference(budget: str) -> None:
 
 
 def test_profiling_pass_prices_every_task_by_its_signature() -> None:
-    from dataflow.plugins import resolvers
     from dataflow_training.profile import apply_profile, profile_program, signature
+
+    from dataflow.plugins import resolvers
 
     family = families().get("gpt2").load()
     program = lower(family, "gpt2_tiny", TrainConfig(seq_len=SEQ, batch=BATCH, rounds=2)).program
-    profiles = profile_program(program, resolvers().get("torch").build(program), device="cpu",
-                               repeats=1)
+    profiles = profile_program(
+        program, resolvers().get("torch").build(program), device="cpu", repeats=1
+    )
     # one measurement per distinct signature: the blocks of one kind share theirs
     assert len(profiles) < len(program.tasks)
     assert {signature(program, t) for t in program.tasks} == set(profiles)
