@@ -5,65 +5,15 @@ from __future__ import annotations
 
 import math
 
-import attrs
 import pytest
 from dataflow_training.config import DtypePolicy, TrainConfig
-from dataflow_training.family import LayerSpec, TensorSpec
 from dataflow_training.layout import ALIGN_BYTES, Layout
 from dataflow_training.lowering import lower
+from dataflow_training.toy import ToyFamily
 
 from dataflow.planning import minimal_budget, plan
 from dataflow.schema import validate
 from dataflow.sim import simulate
-
-
-@attrs.frozen
-class ToyConfig:
-    vocab: int = 50
-    dim: int = 8
-    layers: int = 3
-
-
-class ToyBlock:
-    def saved_specs(self, config, batch, seq_len):
-        return (TensorSpec("pre", (batch, seq_len, config.dim)),)
-
-
-class ToyFamily:
-    """Only what the lowering reads: layers, shapes, saved specs, tying."""
-
-    name = "toy"
-    presets = {"small": ToyConfig()}
-
-    def config(self, preset, **overrides):
-        return attrs.evolve(self.presets[preset], **overrides)
-
-    def layers(self, config):
-        return [
-            LayerSpec("emb", "embed", (TensorSpec("wte", (config.vocab, config.dim)),)),
-            *(
-                LayerSpec(
-                    str(i),
-                    "block",
-                    (
-                        TensorSpec("w", (config.dim, config.dim)),
-                        TensorSpec("b", (config.dim,), decay=False),
-                    ),
-                )
-                for i in range(config.layers)
-            ),
-            LayerSpec("head", "head", (TensorSpec("norm", (config.dim,), decay=False),)),
-        ]
-
-    def hidden_shape(self, config, batch, seq_len):
-        return (batch, seq_len, config.dim)
-
-    def math(self, kind):
-        assert kind == "block"
-        return ToyBlock()
-
-    def tied(self):
-        return True
 
 
 def test_task_order_and_names_for_two_rounds() -> None:
@@ -107,10 +57,11 @@ def test_round_zero_creates_gradients_later_rounds_accumulate() -> None:
 def test_sizes_are_exact_and_aligned() -> None:
     train = TrainConfig(seq_len=5, batch=3, dtype=DtypePolicy.named("bf16"))
     program = lower(ToyFamily(), "small", train).program
+    dim = ToyFamily().config("small").dim
     w = program.obj("W_1")
-    # w (8x8 bf16 = 128 B) and b (8 bf16 = 16 B), each padded to the alignment
-    assert w.size_bytes == 2 * ALIGN_BYTES
-    assert program.obj("y_0_0_0").size_bytes == 3 * 5 * 8 * 2
+    # w (dim x dim bf16) and b (dim bf16), each starting at an aligned offset
+    assert w.size_bytes == math.ceil(dim * dim * 2 / ALIGN_BYTES) * ALIGN_BYTES + ALIGN_BYTES
+    assert program.obj("y_0_0_0").size_bytes == 3 * 5 * dim * 2
     assert program.obj("x_0_0").tensor.dtype == "int64"
     layout = Layout.from_dict(program.metadata["layouts"]["O_1"])
     # AdamW states stay float32 under the bf16 policy: two fields per parameter
@@ -121,7 +72,9 @@ def test_sizes_are_exact_and_aligned() -> None:
         "b/exp_avg_sq",
     ]
     assert {e.dtype for e in layout.entries} == {"float32"}
-    assert program.obj("A_0_0_2").size_bytes == math.ceil(3 * 5 * 8 * 2 / ALIGN_BYTES) * ALIGN_BYTES
+    assert (
+        program.obj("A_0_0_2").size_bytes == math.ceil(3 * 5 * dim * 2 / ALIGN_BYTES) * ALIGN_BYTES
+    )
 
 
 def test_recompute_moves_saving_to_just_before_backward() -> None:

@@ -3,22 +3,17 @@ torch.optim.AdamW: 2 accumulation rounds, 3 steps, at a generous and at a tight 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from dataflow_resolver_torch.training import TrainingResolver
 from dataflow_training.config import OptimizerPolicy, TrainConfig
 from dataflow_training.layout import Layout
 from dataflow_training.lowering import lower
+from dataflow_training.toy import ToyFamily, plain_ops
 
 from dataflow.engine import Engine
 from dataflow.planning import minimal_budget, plan
 from dataflow.planning.placement import place
-
-sys.path.insert(0, str(Path(__file__).parent))
-from toy_family import ToyFamily, plain_ops  # noqa: E402
 
 STEPS, ROUNDS, BATCH, SEQ = 3, 2, 2, 5
 OPT = OptimizerPolicy(lr=1e-2, weight_decay=0.1)

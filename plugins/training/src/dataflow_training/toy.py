@@ -1,12 +1,16 @@
-"""A toy family with real math, for testing the lowering + resolver + engine pipeline
-without a real model: embedding -> blocks ``y = x + tanh(x @ w.T + b)`` -> ``x * g`` with
-a tied output projection and cross-entropy."""
+"""A toy family with real math, for tests of lowerings, resolvers, planners and engines
+that need a training step but not a real model: an embedding, blocks
+``y = x + tanh(x @ w.T + b)`` and a head ``x * g`` with a tied output projection and
+cross-entropy. ``ToyFamily`` satisfies ``dataflow_training.family.Family``; ``plain_ops()``
+gives plain-torch implementations of the ops its math calls (no kernel package needed).
+Not registered as a plugin: tests register it themselves when they need it by name."""
 
 from __future__ import annotations
 
 import attrs
 import torch
 import torch.nn.functional as F
+
 from dataflow_training.family import LayerSpec, TensorSpec
 
 
