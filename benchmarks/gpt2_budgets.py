@@ -56,14 +56,14 @@ def start_values(program, state, vocab, batch, seq_len, step):
     return values
 
 
-def priced_program(family, preset, train):
+def priced_program(family, preset, train, resolver: str):
     """The lowered step with every task's cost and workspace measured on this device."""
     program = lower(family, preset, train).program
-    profiles = profile_program(program, resolvers().get("torch").build(program), device="cuda")
+    profiles = profile_program(program, resolvers().get(resolver).build(program), device="cuda")
     return apply_profile(program, profiles)
 
 
-def run_engine(program, train, budget, steps, state, vocab) -> dict:
+def run_engine(program, train, budget, steps, state, vocab, resolver: str) -> dict:
     reserve = runtime_reserve_bytes("cuda")
     began = time.perf_counter()
     planned = plan(program, budget - reserve)
@@ -74,7 +74,7 @@ def run_engine(program, train, budget, steps, state, vocab) -> dict:
     with Engine("torch", budget_bytes=budget, device="cuda") as engine:
         engine.load(
             planned,
-            resolvers().get("torch").build(planned.program),
+            resolvers().get(resolver).build(planned.program),
             initial=start_values(program, state, vocab, train.batch, train.seq_len, 0),
             placement=placement,
         )
@@ -143,6 +143,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--resolver", default="torch", help="torch or torch-compiled")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpt2_budgets.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -170,16 +171,25 @@ def main() -> int:
         "batch": args.batch,
         "rounds": args.rounds,
         "steps": args.steps,
+        "resolver": args.resolver,
         "stock": run_stock(family, config, train, args.steps, state),
         "engine": [],
     }
     print(json.dumps(results["stock"]), flush=True)
-    program = priced_program(family, args.preset, train)
+    program = priced_program(family, args.preset, train, args.resolver)
     results["measured_task_ms"] = sum(task.cost_us for task in program.tasks) / 1e3
     results["largest_workspace_bytes"] = max(task.workspace_bytes for task in program.tasks)
     for text in args.budgets.split(","):
         try:
-            row = run_engine(program, train, parse_size(text), args.steps, state, config.vocab_size)
+            row = run_engine(
+                program,
+                train,
+                parse_size(text),
+                args.steps,
+                state,
+                config.vocab_size,
+                args.resolver,
+            )
         except Exception as exc:  # a budget that fails is a result too: say why
             row = {"budget_bytes": parse_size(text), "error": f"{type(exc).__name__}: {exc}"}
         results["engine"].append(row)

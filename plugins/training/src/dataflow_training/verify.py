@@ -281,6 +281,7 @@ def step_checks(
     budget_bytes: int | None,
     seed: int,
     tolerance: float,
+    resolver: str = "torch",
 ) -> list[Check]:
     from dataflow.engine import Engine
     from dataflow.planning import plan
@@ -334,7 +335,10 @@ def step_checks(
     losses, grads = [], {}
     with Engine("torch", budget_bytes=planned.budget_bytes, device=device) as engine:
         engine.load(
-            planned, _resolver(planned.program), initial=start_values(0), placement=place(planned)
+            planned,
+            _resolver(planned.program, resolver),
+            initial=start_values(0),
+            placement=place(planned),
         )
         for _ in range(steps):
             engine.run(feed=lambda step: start_values(step, data_only=True))
@@ -373,10 +377,10 @@ def step_checks(
     return checks
 
 
-def _resolver(program):
+def _resolver(program, name: str = "torch"):
     from dataflow.plugins import resolvers
 
-    return resolvers().get("torch").build(program)
+    return resolvers().get(name).build(program)
 
 
 def _unpack_all(engine, layouts, program, prefix: str) -> dict[str, torch.Tensor]:

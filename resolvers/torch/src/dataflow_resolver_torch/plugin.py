@@ -12,8 +12,19 @@ def _build(program):
     return TrainingResolver(program)
 
 
+def _build_compiled(program):
+    from dataflow_resolver_torch.compiled import CompiledTrainingResolver
+
+    return CompiledTrainingResolver(program)
+
+
 @hookimpl
 def dataflow_resolvers() -> list[ResolverSpec]:
     return [
-        ResolverSpec("torch", _build, "lowered training steps, eager torch, kernel registry ops")
+        ResolverSpec("torch", _build, "lowered training steps, eager torch, kernel registry ops"),
+        ResolverSpec(
+            "torch-compiled",
+            _build_compiled,
+            "as torch, with each block kind's math compiled by torch.compile (CUDA)",
+        ),
     ]
