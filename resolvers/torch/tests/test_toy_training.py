@@ -151,3 +151,62 @@ def test_verify_ladder_passes_on_the_toy_family(isolated_plugin_manager) -> None
     assert levels == {"op", "task", "step"} and not failed, failed
     # 4 losses (2 steps x 2 rounds), then a gradient and a final value of each of 8 parameters
     assert sum(check.level == "step" for check in checks) == 4 + 2 * 8
+
+
+def test_an_added_optimizer_runs_through_lowering_and_resolver(monkeypatch) -> None:
+    """OPTIMIZERS is the place to add an update rule: SGD with momentum, added here, trains
+    the toy family exactly like torch.optim.SGD."""
+    from dataflow_training import optimizers
+
+    def sgd(ops, param, grad, states, *, step, policy, decay):
+        states["momentum"].mul_(policy["beta1"]).add_(grad)
+        param.add_(states["momentum"], alpha=-policy["lr"])
+
+    monkeypatch.setitem(
+        optimizers.OPTIMIZERS, "sgd", optimizers.OptimizerSpec("sgd", ("momentum",), sgd)
+    )
+    family = ToyFamily()
+    config = family.config("small")
+    torch.manual_seed(1)
+    state = {k: v.detach().clone() for k, v in family.reference_model(config).state_dict().items()}
+    policy = OptimizerPolicy(name="sgd", lr=0.05, beta1=0.9, state_dtypes={"momentum": "float32"})
+    train = TrainConfig(seq_len=SEQ, batch=BATCH, rounds=1, optimizer=policy)
+    program = lower(family, "small", train).program
+    planned = plan(program, 2**30)
+    with Engine("torch") as engine:
+        engine.load(
+            planned,
+            TrainingResolver(planned.program, family=family, ops=plain_ops()),
+            initial=_initial(program, config, state, 0),
+        )
+        engine.run(
+            steps=2,
+            feed=lambda step: {
+                k: v for k, v in _initial(program, config, state, step).items() if k[0] in "xt"
+            },
+        )
+        weights = Layout.from_dict(program.metadata["layouts"]["W_1"]).views(engine.fetch("W_1"))
+    model = family.reference_model(config).double()
+    model.load_state_dict({k: v.double() for k, v in state.items()})
+    reference = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(2):
+        reference.zero_grad()
+        tokens, targets = _data(config, step, 0)
+        model(tokens, targets).backward()
+        reference.step()
+    torch.testing.assert_close(
+        weights["w"].double(), model.param("1.w").detach(), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_optimizer_errors_name_the_field() -> None:
+    family = ToyFamily()
+    with pytest.raises(ValueError, match=r"unknown optimizer 'lion'; known: \['adamw'"):
+        lower(family, "small", TrainConfig(seq_len=4, optimizer=OptimizerPolicy(name="lion")))
+    wrong = OptimizerPolicy(state_dtypes={"exp_avg": "float32"})
+    with pytest.raises(
+        ValueError,
+        match=r"state_dtypes names \['exp_avg'\]; optimizer 'adamw' "
+        r"keeps \['exp_avg', 'exp_avg_sq'\]",
+    ):
+        lower(family, "small", TrainConfig(seq_len=4, optimizer=wrong))

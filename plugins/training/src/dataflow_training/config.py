@@ -42,8 +42,9 @@ class OptimizerPolicy:
     """AdamW (decoupled weight decay; off for parameters a family marks ``decay=False``).
 
     ``state_dtypes`` sizes each state field (``exp_avg``, ``exp_avg_sq``) independently.
-    ``name`` selects the optimizer; other optimizers plug in through
-    ``dataflow_training.optimizers.OPTIMIZERS`` with their own state fields.
+    ``name`` selects the optimizer; others plug in through
+    ``dataflow_training.optimizers.OPTIMIZERS``, each with its own state fields (then give
+    ``state_dtypes`` for exactly those fields).
     """
 
     name: str = "adamw"

@@ -27,6 +27,7 @@ from dataflow_training.config import TrainConfig
 from dataflow_training.costs import RooflineCost
 from dataflow_training.family import Family, LayerSpec
 from dataflow_training.layout import Layout
+from dataflow_training.optimizers import optimizer_spec
 
 OPTIMIZER_KEY = "optim.{name}"
 
@@ -79,6 +80,13 @@ def lower(
     if unknown:
         raise ValueError(f"recompute names block(s) {unknown}; the model has {len(blocks)}")
     policy = train.dtype
+    optimizer = optimizer_spec(train.optimizer.name)
+    fields = set(train.optimizer.state_dtypes)
+    if fields != set(optimizer.state_fields):
+        raise ValueError(
+            f"optimizer.state_dtypes names {sorted(fields)}; optimizer {optimizer.name!r} "
+            f"keeps {sorted(optimizer.state_fields)}"
+        )
     layouts: dict[str, Layout] = {}
     objects: list[Obj] = []
 
@@ -92,7 +100,8 @@ def lower(
         states = [
             (f"{p.name}/{field}", p.shape, dtype)
             for p in layer.params
-            for field, dtype in train.optimizer.state_dtypes.items()
+            for field in optimizer.state_fields
+            for dtype in (train.optimizer.state_dtypes[field],)
         ]
         # The first task (embed) uses W_emb: nothing could prefetch it in time.
         packed(

@@ -15,6 +15,7 @@ import torch
 from dataflow_training.config import TrainConfig
 from dataflow_training.layout import Layout
 from dataflow_training.ops import load_ops
+from dataflow_training.optimizers import optimizer_spec
 
 from dataflow.engine import LaunchContext
 from dataflow.schema import Program, Task
@@ -178,28 +179,30 @@ class HeadLoss(_Exec):
             _store(targets, embed_grads, add=add, scale=scale)
 
 
-class AdamW(_Exec):
+class OptimizerStep(_Exec):
+    """One update of every parameter of a layer by the optimizer the key names."""
+
+    def __init__(self, shared: TrainingContext, task: Task, spec: Any) -> None:
+        super().__init__(shared, task)
+        self.spec = spec
+
     def launch(self, ctx: LaunchContext) -> None:
-        shared, opt = self.shared, self.shared.optimizer
+        shared = self.shared
         (grad_buffer,) = ctx.inputs
         w_buffer, o_buffer = ctx.mutates
-        params = self.weights(w_buffer)
         grads = shared.unpack(f"dW_{self.layer}", grad_buffer)
         states = shared.unpack(f"O_{self.layer}", o_buffer)
-        adamw = shared.ops(ctx.device)["adamw"]
+        ops = shared.ops(ctx.device)
         step = int(ctx.values.get("step", 0)) + 1
-        for name, param in params.items():
-            adamw(
+        for name, param in self.weights(w_buffer).items():
+            self.spec.update(
+                ops,
                 param,
                 grads[name],
-                states[f"{name}/exp_avg"],
-                states[f"{name}/exp_avg_sq"],
+                {field: states[f"{name}/{field}"] for field in self.spec.state_fields},
                 step=step,
-                lr=opt["lr"],
-                beta1=opt["beta1"],
-                beta2=opt["beta2"],
-                eps=opt["eps"],
-                weight_decay=opt["weight_decay"] if name in shared.decay[self.layer] else 0.0,
+                policy=shared.optimizer,
+                decay=name in shared.decay[self.layer],
             )
 
 
@@ -224,8 +227,12 @@ class TrainingResolver:
 
     def __call__(self, task: Task):
         key = task.compute_key
-        if key == "optim.adamw":
-            return AdamW(self.shared, task)
+        if key.startswith("optim."):
+            try:
+                spec = optimizer_spec(key.removeprefix("optim."))
+            except ValueError as exc:
+                raise KeyError(str(exc)) from None
+            return OptimizerStep(self.shared, task, spec)
         family, _, rest = key.partition(".")
         kind, _, phase = rest.partition(".")
         if family != self.family_name:
@@ -236,7 +243,7 @@ class TrainingResolver:
             return _BLOCK_PHASES[phase](self.shared, task)
         raise KeyError(
             f"no executable for {key!r}; known: embed.forward, embed.backward, head.loss, "
-            "<block kind>.forward|recompute|backward, optim.adamw"
+            "<block kind>.forward|recompute|backward, optim.<optimizer>"
         )
 
 
