@@ -13,18 +13,10 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from dataflow.cli.options import size_callback
 from dataflow.cli.validate import load_program
 from dataflow.sim import InvalidProgramError, SimResult, simulate
-from dataflow.units import format_size, parse_size
-
-
-def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    if value is None:
-        return None
-    try:
-        return parse_size(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+from dataflow.units import format_size
 
 
 @click.command("simulate")
@@ -32,14 +24,14 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
 @click.option(
     "--budget",
     "budget_bytes",
-    callback=_size,
+    callback=size_callback,
     metavar="SIZE",
     help="fast-memory budget, e.g. 4GiB (default: the program's; none: unbounded)",
 )
 @click.option(
     "--slow-budget",
     "slow_budget_bytes",
-    callback=_size,
+    callback=size_callback,
     metavar="SIZE",
     help="slow-memory budget (default: the program's; none: unbounded)",
 )

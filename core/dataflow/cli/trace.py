@@ -11,8 +11,9 @@ import sys
 
 import click
 
+from dataflow.cli.options import size_callback
 from dataflow.cli.validate import load_program
-from dataflow.units import format_size, parse_size
+from dataflow.units import format_size
 
 
 def random_initial(program, seed: int):
@@ -47,7 +48,13 @@ def random_initial(program, seed: int):
     required=True,
     help="name of an installed resolver (see `dataflow plugins list`)",
 )
-@click.option("--budget", default=None, help="fast-memory budget (default: the program's)")
+@click.option(
+    "--budget",
+    "budget_bytes",
+    callback=size_callback,
+    default=None,
+    help="fast-memory budget (default: the program's)",
+)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
 @click.option("--steps", default=1, show_default=True, help="steps to run; the last is traced")
 @click.option("--seed", default=0, show_default=True, help="seed of the random start values")
@@ -55,7 +62,7 @@ def random_initial(program, seed: int):
 def trace_command(
     program_path: str,
     resolver_name: str,
-    budget: str | None,
+    budget_bytes: int | None,
     device: str,
     steps: int,
     seed: int,
@@ -68,7 +75,6 @@ def trace_command(
     from dataflow.sim import simulate
 
     program = load_program(program_path)
-    budget_bytes = parse_size(budget) if budget else None
     try:
         spec = resolvers().get(resolver_name)
     except UnknownNameError as exc:

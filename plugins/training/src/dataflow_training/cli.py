@@ -6,6 +6,8 @@ import sys
 
 import click
 
+from dataflow.cli.options import size_callback
+
 
 @click.command("verify")
 @click.option("--family", "family_name", required=True, help="an installed model family")
@@ -18,16 +20,21 @@ import click
 @click.option("--rounds", default=2, show_default=True, help="accumulation rounds per step")
 @click.option("--batch", default=2, show_default=True)
 @click.option("--seq-len", default=16, show_default=True)
-@click.option("--budget", default=None, help="fast-memory budget for the step runs (e.g. 2GiB)")
+@click.option(
+    "--budget",
+    "budget_bytes",
+    callback=size_callback,
+    default=None,
+    help="fast-memory budget for the step runs (e.g. 2GiB)",
+)
 @click.option("--seed", default=0, show_default=True)
 def verify_command(
-    family_name, preset, device, policy, steps, rounds, batch, seq_len, budget, seed
+    family_name, preset, device, policy, steps, rounds, batch, seq_len, budget_bytes, seed
 ) -> None:
     """Compare ops, tasks and whole training steps against the family's reference."""
     from rich.console import Console
     from rich.table import Table
 
-    from dataflow.units import parse_size
     from dataflow_training.verify import verify
 
     checks = verify(
@@ -39,7 +46,7 @@ def verify_command(
         rounds=rounds,
         batch=batch,
         seq_len=seq_len,
-        budget_bytes=parse_size(budget) if budget else None,
+        budget_bytes=budget_bytes,
         seed=seed,
     )
     table = Table("level", "check", "max |diff|", "rel error", "tolerance", "")
