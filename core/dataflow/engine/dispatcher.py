@@ -130,7 +130,6 @@ class Dispatcher:
         self.ledger = Ledger(program, fast_budget_bytes, slow_budget_bytes)
         self.next_task = 0
         self.running_task: int | None = None
-        self.running_reserved_bytes = 0
         self.queues: dict[str, deque[TransferRecord]] = {"d2h": deque(), "h2d": deque()}
         self.running: dict[str, TransferRecord | None] = {"d2h": None, "h2d": None}
         self.transfers: list[TransferRecord] = []
@@ -210,7 +209,7 @@ class Dispatcher:
         for obj in task.outputs:
             self.backend.alloc_fast(obj)
         self._count_fast()
-        self.running_task, self.running_reserved_bytes = self.next_task, reserve
+        self.running_task = self.next_task
         self.next_task += 1
         self.backend.launch_task(self.running_task)
         return True

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from dataflow_training.config import TrainConfig
 from dataflow_training.layout import Layout
 from dataflow_training.ops import load_ops
 from dataflow_training.optimizers import optimizer_spec
@@ -245,10 +244,3 @@ class TrainingResolver:
             f"no executable for {key!r}; known: embed.forward, embed.backward, head.loss, "
             "<block kind>.forward|recompute|backward, optim.<optimizer>"
         )
-
-
-def train_config(program: Program) -> TrainConfig:
-    """The TrainConfig a program was lowered with (for tools that re-lower or report)."""
-    import cattrs
-
-    return cattrs.structure(program.metadata["training"]["train"], TrainConfig)
