@@ -270,6 +270,36 @@ def _torch_backend(program: Program, executables, device: str, placement: Any):
     return TorchBackend(program, executables, dev, runner, **layout)
 
 
+def _last_occupants(blocks: list[Any]) -> list[tuple[Any, list[Any]]]:
+    """For each block (in start order), the blocks that last held some of its bytes.
+
+    In a valid placement the blocks holding one address follow each other in time, and
+    each may begin only once its own last occupants ended, so waiting for the last
+    occupants of every byte is waiting for every earlier overlapping block: one sweep over
+    an address map instead of comparing all pairs.
+    """
+    segments: list[tuple[int, int, Any]] = []  # (start, end, owner), sorted, disjoint
+    result = []
+    for block in blocks:
+        lo, hi = block.offset_bytes, block.end_bytes
+        kept, before = [], []
+        for start, end, owner in segments:
+            if end <= lo or start >= hi:
+                kept.append((start, end, owner))
+                continue
+            if owner not in before:
+                before.append(owner)
+            if start < lo:
+                kept.append((start, lo, owner))
+            if end > hi:
+                kept.append((hi, end, owner))
+        kept.append((lo, hi, block))
+        kept.sort(key=lambda segment: segment[0])
+        segments = kept
+        result.append((block, before))
+    return result
+
+
 def workspace_key(task_id: str) -> str:
     return f"workspace:{task_id}"
 
@@ -295,16 +325,10 @@ def _placement_layout(placement: Any) -> dict[str, Any]:
         occurrences = by_obj.setdefault(block.obj_id, [])
         keys[id(block)] = (block.obj_id, len(occurrences))
         occurrences.append(block)
-    predecessors: dict[tuple[str, int], tuple[tuple[str, int], ...]] = {}
-    for block in blocks:
-        predecessors[keys[id(block)]] = tuple(
-            keys[id(other)]
-            for other in blocks
-            if other.end <= block.start
-            and other is not block
-            and other.offset_bytes < block.end_bytes
-            and block.offset_bytes < other.end_bytes
-        )
+    predecessors = {
+        keys[id(block)]: tuple(keys[id(other)] for other in before)
+        for block, before in _last_occupants(blocks)
+    }
 
     def offset_of(obj: str, occurrence: int) -> int:
         try:
