@@ -1,8 +1,8 @@
 """The gpt2 family object: what ``FamilySpec("gpt2").load()`` returns to the training plugin.
 
-It satisfies ``dataflow_training.family.Family``: presets and configs, the chain's layers,
-the math of each layer kind, the tied output projection, the reference model, and HF
-checkpoint import/export.
+It satisfies ``dataflow_training.family.Family`` (protocol v2): presets and configs, the
+chain's layers (the head tied to the embedding's ``wte``), the math of each layer kind and
+the ops it calls, the reference model, and HF checkpoint import/export.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataflow_training.family import LayerSpec
 from dataflow_family_gpt2 import checkpoint
 from dataflow_family_gpt2.config import GPT2Config
 from dataflow_family_gpt2.layers import layer_specs
-from dataflow_family_gpt2.model import GPT2Block, GPT2Embed, GPT2Head, math_of
+from dataflow_family_gpt2.model import OPS, GPT2Block, GPT2Embed, GPT2Head, math_of
 from dataflow_family_gpt2.presets import PRESETS
 from dataflow_family_gpt2.presets import preset as preset_config
 from dataflow_family_gpt2.reference import GPT2Reference
@@ -28,6 +28,7 @@ class GPT2Family:
 
     name = "gpt2"
     presets: Mapping[str, GPT2Config] = PRESETS
+    ops = OPS
 
     def config(self, preset: str, **overrides: Any) -> GPT2Config:
         return preset_config(preset).with_overrides(**overrides)
@@ -40,9 +41,6 @@ class GPT2Family:
 
     def math(self, kind: str) -> GPT2Embed | GPT2Block | GPT2Head:
         return math_of(kind)
-
-    def tied(self) -> bool:
-        return True
 
     def reference_model(self, config: GPT2Config) -> GPT2Reference:
         return GPT2Reference(config)

@@ -53,11 +53,15 @@ def head_params(config: GPT2Config) -> tuple[TensorSpec, ...]:
 
 
 def layer_specs(config: GPT2Config) -> list[LayerSpec]:
-    """``emb``, blocks ``"0"`` .. ``str(n_layer - 1)``, ``head``: the chain's order."""
+    """``emb``, blocks ``"0"`` .. ``str(n_layer - 1)``, ``head``: the chain's order. The
+    head's output projection is tied to the embedding's ``wte``."""
     return [
-        LayerSpec(EMBED, "embed", embed_params(config)),
-        *(LayerSpec(str(layer), "block", block_params(config)) for layer in range(config.n_layer)),
-        LayerSpec(HEAD, "head", head_params(config)),
+        LayerSpec.single(EMBED, "embed", embed_params(config)),
+        *(
+            LayerSpec.single(str(layer), "block", block_params(config))
+            for layer in range(config.n_layer)
+        ),
+        LayerSpec.single(HEAD, "head", head_params(config), tied={"wte": f"{EMBED}.wte"}),
     ]
 
 

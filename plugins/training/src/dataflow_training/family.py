@@ -1,19 +1,27 @@
-"""What a model family provides to the training plugin.
+"""What a model family provides to the training plugin: family protocol v2.
 
 A family plugin registers ``FamilySpec(name, description, load)`` through the
 ``dataflow_families`` hook; ``load()`` returns an object satisfying ``Family`` below.
 Everything a family computes is plain torch on plain tensors: no dataflow objects, no
-streams. Math calls its ops through ``ops`` (``dataflow_training.ops``: attention, norms,
-GELU, ...) so kernel packages can swap implementations in. The training plugin packs each layer's parameters into one object ``W_<layer>``
-(and gradients into ``dW_<layer>``, optimizer state into ``O_<layer>``, saved activations
-into ``A_<layer>``) and hands the math views of those bytes, named as declared here.
+streams. Math calls its ops through ``env.ops`` (names documented in
+``dataflow_training.ops``; a family may call op names of its own, listed in
+``Family.ops``) so kernel packages can swap implementations in.
+
+The chain: one ``embed`` layer, blocks of one or more block kinds in any order (dense and
+MoE, linear and full attention), one ``head`` layer. For each layer the lowering makes:
+
+- one parameter object per parameter group, ``W_<layer>`` for the unnamed group and
+  ``W_<layer>.<group>`` for a named one (MoE experts stream apart from attention), with
+  its gradient ``dW_...`` and optimizer state ``O_...`` (trainable tensors only);
+- ``Aux_<layer>`` when the layer declares ``aux`` tensors: persistent state, zeroed before
+  round 0's forward, changed in place by every round's forward, read by the last round's
+  backward (expert-load counts of a balance term over the whole step);
+- per step and round, ``A_...`` (what forward saves for backward, ``BlockMath.saved``) and
+  ``AuxTemp_...`` (``BlockMath.aux_temp``: router choices, sparse-attention selections),
+  which forward writes and recompute and backward read verbatim, never re-derived.
 
 Shapes are fixed by the config and the ``batch`` x ``seq_len`` of a training step, so
 every object of the lowered Program has an exact size.
-
-Layers, in chain order: one ``embed`` layer, the blocks, one ``head`` layer. The head's
-task is fused: final norm, output projection, loss and their backward, over token chunks,
-so no tokens x vocab tensor ever exists.
 """
 
 from __future__ import annotations
@@ -28,63 +36,169 @@ from dataflow_training.ops import Ops
 Tensors = Mapping[str, Any]  # name -> torch.Tensor
 
 
+class FamilyContractError(ValueError):
+    """A family broke the contract; the message names the family, layer, task or tensor."""
+
+
 @attrs.frozen
 class TensorSpec:
-    """One named tensor of a layer: a parameter, or a saved activation.
+    """One named tensor: a parameter, a saved activation, an AuxTemp or Aux entry.
 
-    ``decay`` (parameters only): whether weight decay applies (off for norms and biases).
-    ``dtype`` is the storage dtype *before* the dtype policy: ``"param"`` means "whatever
-    the policy gives parameters", a concrete name (``"int64"``) is kept as is.
+    ``dtype`` is the storage dtype: ``"policy"`` means whatever the dtype policy gives this
+    kind of object (parameters: ``policy.param``; saved activations: ``policy.activation``);
+    a concrete name (``"float32"``, ``"int32"``) is kept as is.
+    ``decay`` (parameters): whether weight decay applies (off for norms and biases).
+    ``trainable`` (parameters): False for a frozen tensor, which gets no gradient and no
+    optimizer state.
     """
 
     name: str
     shape: tuple[int, ...] = attrs.field(converter=tuple)
-    dtype: str = "param"
+    dtype: str = "policy"
     decay: bool = True
+    trainable: bool = True
+
+
+@attrs.frozen
+class ParamGroup:
+    """Parameters of one layer that live in one object. ``name`` is ``""`` for a layer's
+    main group (object ``W_<layer>``) or a suffix (``"experts"`` -> ``W_<layer>.experts``)."""
+
+    name: str
+    params: tuple[TensorSpec, ...] = attrs.field(converter=tuple)
+
+
+def _groups(value: Any) -> tuple[ParamGroup, ...]:
+    return tuple(value)
 
 
 @attrs.frozen
 class LayerSpec:
-    """One layer of the chain. ``name`` is unique (``"emb"``, ``"0"`` ... ``"head"``) and
-    is the suffix of its objects (``W_0``); ``kind`` selects its math (``"embed"``,
-    ``"head"``, or a block kind such as ``"block"``)."""
+    """One layer of the chain.
+
+    ``name`` is unique (``"emb"``, ``"0"`` ... ``"head"``) and is the suffix of its objects;
+    ``kind`` selects its math (``"embed"``, ``"head"``, or a block kind such as ``"block"``
+    or ``"moe"``). ``groups`` hold its parameters. ``aux`` declares persistent per-layer
+    state (``Aux_<layer>``). ``tied`` (head only) maps a name the head's math uses to the
+    ``"<layer>.<param>"`` it is tied to (GPT-2: ``{"wte": "emb.wte"}``): the head reads
+    that parameter and its gradient flows into that layer's ``dW``.
+    """
 
     name: str
     kind: str
-    params: tuple[TensorSpec, ...] = attrs.field(converter=tuple)
+    groups: tuple[ParamGroup, ...] = attrs.field(converter=_groups)
+    aux: tuple[TensorSpec, ...] = attrs.field(default=(), converter=tuple)
+    tied: Mapping[str, str] = attrs.field(factory=dict, converter=dict, hash=False)
+
+    @classmethod
+    def single(cls, name: str, kind: str, params: Any, **fields: Any) -> LayerSpec:
+        """A layer whose parameters are one group."""
+        return cls(name, kind, (ParamGroup("", tuple(params)),), **fields)
+
+    @property
+    def params(self) -> tuple[TensorSpec, ...]:
+        """Every parameter of every group, in declaration order."""
+        return tuple(p for group in self.groups for p in group.params)
+
+
+@attrs.frozen
+class Work:
+    """What one task of a layer does, for the cost model: floating-point operations and
+    the bytes it moves through device memory besides its parameters (activations read and
+    written). Parameters' bytes are added by the lowering, which knows their dtype."""
+
+    flops: float = 0.0
+    bytes: float = 0.0
+
+
+@attrs.frozen
+class LayerCost:
+    """A layer kind's work for one round of ``batch`` x ``seq_len`` tokens whose
+    activations take ``act_bytes`` bytes an element (``cost(config, batch, seq_len,
+    act_bytes)`` of each math object)."""
+
+    forward: Work
+    backward: Work
+    recompute: Work | None = None  # None: the same as forward
+
+
+@attrs.frozen
+class Env:
+    """What a math function gets besides its tensors.
+
+    ``ops``: implementations by op name. ``round_``/``rounds``: which accumulation round of
+    the step this is. ``grad_scale``: the head multiplies every gradient it returns by it
+    (``1 / rounds``: the step's loss is the mean over its rounds). ``chunk_tokens``: the
+    head's token chunk. ``aux``: the layer's ``Aux`` tensors (forward adds into them;
+    the last round's backward reads them); empty when the layer declares none or the task
+    does not see them.
+    """
+
+    ops: Ops
+    round_: int = 0
+    rounds: int = 1
+    grad_scale: float = 1.0
+    chunk_tokens: int = 1024
+    aux: Tensors = attrs.field(factory=dict, hash=False)
+
+    @property
+    def last_round(self) -> bool:
+        return self.round_ == self.rounds - 1
 
 
 @runtime_checkable
 class EmbedMath(Protocol):
     """Tokens to the first hidden state, and the gradient of its parameters."""
 
-    def forward(self, config: Any, params: Tensors, tokens: Any, ops: Ops) -> Any:
+    def forward(self, config: Any, params: Tensors, tokens: Any, env: Env) -> Any:
         """``tokens`` int64 (batch, seq_len) -> hidden (batch, seq_len, hidden)."""
 
-    def backward(self, config: Any, tokens: Any, d_hidden: Any, ops: Ops) -> Tensors:
-        """Gradients of the embed parameters, by name (shapes as declared). The weights
-        themselves are not passed: an embedding's gradient needs only tokens and
-        d_hidden, so the weights need not be resident for this task."""
+    def backward(self, config: Any, tokens: Any, d_hidden: Any, env: Env) -> Tensors:
+        """Gradients of the embed parameters by name. The weights are not passed: an
+        embedding's gradient needs only tokens and d_hidden, so they need not be resident."""
+
+    def cost(self, config: Any, batch: int, seq_len: int, act_bytes: int) -> LayerCost:
+        """Work of forward and backward."""
 
 
 @runtime_checkable
 class BlockMath(Protocol):
-    """One block kind: forward saves ``saved_specs``; backward uses only those, the
-    block's input and parameters; recompute re-derives the saved tensors from the input."""
+    """One block kind. Forward saves ``saved``; backward uses only those, the block's
+    input, its parameters and its AuxTemp; recompute re-derives ``saved`` from the input
+    and the AuxTemp that forward wrote (never re-deciding what AuxTemp holds)."""
 
-    def saved_specs(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
-        """What forward saves for backward (the contents of ``A_<layer>``), exact shapes."""
+    def saved(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
+        """What forward saves for backward (the contents of ``A_...``), exact shapes."""
 
-    def forward(self, config: Any, params: Tensors, x: Any, ops: Ops) -> tuple[Any, Tensors]:
-        """``x`` (batch, seq_len, hidden) -> (y of the same shape, saved tensors by name)."""
+    def aux_temp(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
+        """What forward decides once and recompute and backward read verbatim (router
+        assignments and weights, sparse-attention selections); ``()`` for none."""
 
-    def recompute(self, config: Any, params: Tensors, x: Any, ops: Ops) -> Tensors:
-        """The saved tensors again, from the input alone (equal to what forward saved)."""
+    def forward(
+        self, config: Any, params: Tensors, x: Any, env: Env
+    ) -> tuple[Any, Tensors, Tensors]:
+        """``x`` (batch, seq_len, hidden) -> (y of the same shape, saved, aux_temp).
+        ``params`` holds every group's parameters by name."""
+
+    def recompute(
+        self, config: Any, params: Tensors, x: Any, aux_temp: Tensors, env: Env
+    ) -> Tensors:
+        """The saved tensors again, from the input and forward's AuxTemp."""
 
     def backward(
-        self, config: Any, params: Tensors, x: Any, saved: Tensors, dy: Any, ops: Ops
+        self,
+        config: Any,
+        params: Tensors,
+        x: Any,
+        saved: Tensors,
+        aux_temp: Tensors,
+        dy: Any,
+        env: Env,
     ) -> tuple[Any, Tensors]:
-        """-> (dx, parameter gradients by name)."""
+        """-> (dx, gradients of every trainable parameter by name)."""
+
+    def cost(self, config: Any, batch: int, seq_len: int, act_bytes: int) -> LayerCost:
+        """Work of forward, backward and recompute."""
 
 
 @runtime_checkable
@@ -92,19 +206,16 @@ class HeadMath(Protocol):
     """Final norm, output projection and loss, forward and backward in one call."""
 
     def forward_backward(
-        self,
-        config: Any,
-        params: Tensors,
-        embed_params: Tensors,
-        x: Any,
-        targets: Any,
-        chunk_tokens: int,
-        ops: Ops,
-    ) -> tuple[Any, Any, Tensors, Tensors]:
-        """-> (mean loss over the batch's tokens (a 0-d tensor), dx, head parameter
-        gradients, embed parameter gradients (non-empty only when the head uses a tied
-        embedding)). Processes ``chunk_tokens`` tokens at a time: no (tokens, vocab)
-        tensor is ever made for more than one chunk."""
+        self, config: Any, params: Tensors, x: Any, targets: Any, env: Env
+    ) -> tuple[Any, Any, Tensors]:
+        """-> (mean loss over the round's scored tokens (0-d float32), dx, gradients by
+        name). ``params`` holds the head's own parameters and, under their local names,
+        the ones it is tied to (``LayerSpec.tied``); gradients are returned for all of
+        them, multiplied by ``env.grad_scale``. Works ``env.chunk_tokens`` tokens at a
+        time: no (tokens, vocab) tensor is made for more than one chunk."""
+
+    def cost(self, config: Any, batch: int, seq_len: int, act_bytes: int) -> LayerCost:
+        """Work of the fused task (``backward`` is included in ``forward``'s figure)."""
 
 
 @runtime_checkable
@@ -113,6 +224,8 @@ class Family(Protocol):
 
     name: str
     presets: Mapping[str, Any]
+    #: every op name its math calls through ``env.ops``
+    ops: tuple[str, ...]
 
     def config(self, preset: str, **overrides: Any) -> Any:
         """The config of a preset, with fields overridden (unknown preset or field: an
@@ -127,16 +240,29 @@ class Family(Protocol):
     def math(self, kind: str) -> EmbedMath | BlockMath | HeadMath:
         """The math of a layer kind."""
 
-    def tied(self) -> bool:
-        """Whether the head reuses the embed layer's weight (its gradient then also flows
-        into ``dW_emb``)."""
-
     def reference_model(self, config: Any) -> Any:
         """An isolated plain-autograd ``torch.nn.Module`` (no dataflow imports, plain torch
         ops, not ``ops``) that is the truth. Its ``state_dict()`` keys are
         ``f"{layer.name}.{param.name}"`` for every declared parameter (a tied weight once,
-        under the embed layer), and ``model(tokens, targets)`` returns the mean loss."""
+        under the layer that owns it), and ``model(tokens, targets)`` returns the mean
+        loss; a model whose layers declare ``aux`` takes a list of rounds instead (see
+        ``dataflow_training.toy_moe``)."""
 
     # Families with a public checkpoint format also provide (detected with hasattr):
     #   import_hf(path) -> (config, state)        state keys as in reference_model
     #   export_hf(config, state, path) -> None    writes safetensors + config.json
+
+
+def embed_layer(layers: list[LayerSpec] | tuple[LayerSpec, ...]) -> LayerSpec:
+    return _only(layers, "embed")
+
+
+def head_layer(layers: list[LayerSpec] | tuple[LayerSpec, ...]) -> LayerSpec:
+    return _only(layers, "head")
+
+
+def _only(layers: Any, kind: str) -> LayerSpec:
+    found = [layer for layer in layers if layer.kind == kind]
+    if len(found) != 1:
+        raise FamilyContractError(f"a family has exactly one {kind!r} layer; found {len(found)}")
+    return found[0]

@@ -1,8 +1,8 @@
 """Packing a layer's named tensors into one object's bytes, and reading them back.
 
 Each entry starts at a multiple of ``ALIGN_BYTES`` so every typed view is aligned (and
-kernels get the alignment they like). Layouts travel in the Program's metadata, so an
-engine resolver can view ``W_3`` as the family's named parameters.
+kernels get the alignment they like). Layouts travel in the step layout (``dataflow_training.step``), so an
+executable can view ``W_3`` as the family's named parameters.
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ class Layout:
             entries.append(entry)
             offset += -(-entry.size_bytes // ALIGN_BYTES) * ALIGN_BYTES
         return cls(tuple(entries), max(offset, 1))
+
+    def entry(self, name: str) -> Entry:
+        for e in self.entries:
+            if e.name == name:
+                return e
+        raise KeyError(f"no entry {name!r}; entries: {', '.join(e.name for e in self.entries)}")
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -1,17 +1,19 @@
-"""Lower a family + TrainConfig into a Program (ARCHITECTURE.md section 7).
+"""Lower a family + TrainConfig into a Program and its typed step layout.
 
 Tasks, in chain order, for step ``s`` (ids ``{kind}_{s}_{round}_{layer}``):
 
     for each round r:  embed_s_r_emb, fwd_s_r_0 .. fwd_s_r_{L-1}, head_s_r_head,
                        [rec_s_r_i before bwd_s_r_i where recompute is chosen]
                        bwd_s_r_{L-1} .. bwd_s_r_0, embbwd_s_r_emb
-    then:              opt_s_{R-1}_{layer} for head, L-1 .. 0, emb
+    then:              one opt_s_{R-1}_<layer>[.<group>] per trainable parameter group,
+                       head, blocks L-1 .. 0, emb
 
-Objects: ``W_n`` (parameters, packed), ``dW_n`` (gradients: round 0 creates them, later
-rounds mutate), ``O_n`` (optimizer state), ``A_s_r_i`` (saved activations of block i),
-hidden states ``y_s_r_i`` (``y_s_r_0`` is the embedding; block i makes ``y_s_r_{i+1}``),
-gradients ``dy_s_r_i``, tokens ``x_s_r``, targets ``t_s_r``, losses ``loss_s_r``.
-Layouts of the packed objects ride in ``program.metadata["layouts"]``.
+Objects (see ``dataflow_training.family`` for what each holds): ``W``/``dW``/``O`` per
+parameter group (gradients: round 0 creates them, later rounds accumulate), ``Aux_i``,
+per round ``A_s_r_i`` and ``AuxTemp_s_r_i``, hidden states ``y_s_r_i`` (``y_s_r_0`` is
+the embedding; block i makes ``y_s_r_{i+1}``), their gradients ``dy_s_r_i``, tokens
+``x_s_r``, targets ``t_s_r``, losses ``loss_s_r``. Task inputs by role and every packed
+object's layout are in the returned ``StepLayout``.
 """
 
 from __future__ import annotations
@@ -25,28 +27,47 @@ import attrs
 from dataflow.schema import Links, Obj, Program, Role, Task, TensorMeta
 from dataflow_training.config import TrainConfig
 from dataflow_training.costs import RooflineCost
-from dataflow_training.family import Family, LayerSpec
+from dataflow_training.family import (
+    Family,
+    FamilyContractError,
+    LayerSpec,
+    TensorSpec,
+    Work,
+    embed_layer,
+    head_layer,
+)
+from dataflow_training.keys import family_key, optimizer_key
 from dataflow_training.layout import Layout
 from dataflow_training.optimizers import optimizer_spec
-
-OPTIMIZER_KEY = "optim.{name}"
+from dataflow_training.step import ROLES, LayerInfo, PackedObject, StepLayout, TaskSlot
 
 
 @attrs.frozen
 class Lowered:
-    """The program plus what a resolver needs to run it."""
+    """The program plus its typed step layout."""
 
     program: Program
+    layout: StepLayout
     layers: tuple[LayerSpec, ...]
 
 
-def _grad(obj: str, round_: int) -> dict[str, tuple[str, ...]]:
-    """Round 0 creates a gradient object; later rounds accumulate into it."""
-    return {"outputs": (obj,)} if round_ == 0 else {"mutates": (obj,)}
+def group_object(prefix: str, layer: str, group: str) -> str:
+    """``W_3`` for a layer's main group, ``W_3.experts`` for a named one."""
+    return f"{prefix}_{layer}" + (f".{group}" if group else "")
 
 
-def _param_dtype(spec_dtype: str, policy_dtype: str) -> str:
-    return policy_dtype if spec_dtype == "param" else spec_dtype
+def _dtype(spec: TensorSpec, policy_dtype: str) -> str:
+    return policy_dtype if spec.dtype == "policy" else spec.dtype
+
+
+def _ordered(params: Iterable[TensorSpec]) -> list[TensorSpec]:
+    """Trainable with decay, trainable without, then frozen: each class one span."""
+    params = list(params)
+    return (
+        [p for p in params if p.trainable and p.decay]
+        + [p for p in params if p.trainable and not p.decay]
+        + [p for p in params if not p.trainable]
+    )
 
 
 def lower(
@@ -71,14 +92,21 @@ def lower(
     overrides = dict(overrides or {})
     config = family.config(preset, **overrides)
     cost = cost or RooflineCost()
-    recompute = frozenset(recompute)
     layers = tuple(family.layers(config))
-    blocks = [layer for layer in layers if layer.kind not in ("embed", "head")]
-    embed = next(layer for layer in layers if layer.kind == "embed")
-    head = next(layer for layer in layers if layer.kind == "head")
+    embed, head = embed_layer(layers), head_layer(layers)
+    if layers[0] is not embed or layers[-1] is not head:
+        raise FamilyContractError(
+            f"family {family.name!r}: layers must run embed, blocks..., head; got "
+            f"{[layer.kind for layer in layers]}"
+        )
+    blocks = list(layers[1:-1])
+    recompute = frozenset(recompute)
     unknown = sorted(i for i in recompute if not 0 <= i < len(blocks))
     if unknown:
         raise ValueError(f"recompute names block(s) {unknown}; the model has {len(blocks)}")
+    by_name = {layer.name: layer for layer in layers}
+    if len(by_name) != len(layers):
+        raise FamilyContractError(f"family {family.name!r}: layer names repeat")
     policy = train.dtype
     optimizer = optimizer_spec(train.optimizer.name)
     fields = set(train.optimizer.state_dtypes)
@@ -87,201 +115,306 @@ def lower(
             f"optimizer.state_dtypes names {sorted(fields)}; optimizer {optimizer.name!r} "
             f"keeps {sorted(optimizer.state_fields)}"
         )
-    layouts: dict[str, Layout] = {}
+
+    packed: dict[str, PackedObject] = {}
     objects: list[Obj] = []
 
-    def packed(obj_id: str, role: Role, layout: Layout, location: str = "slow") -> None:
-        layouts[obj_id] = layout
-        objects.append(Obj(obj_id, layout.size_bytes, role, location))
+    def add_packed(obj: PackedObject, role: Role, location: str = "slow") -> None:
+        packed[obj.id] = obj
+        objects.append(Obj(obj.id, obj.layout.size_bytes, role, location))
 
+    weights: dict[str, tuple[str, ...]] = {}  # layer -> its W objects
+    grads: dict[str, tuple[str, ...]] = {}  # layer -> its dW objects (trainable groups)
+    param_bytes: dict[str, int] = {}
     for layer in layers:
-        params = [(p.name, p.shape, _param_dtype(p.dtype, policy.param)) for p in layer.params]
-        grads = [(p.name, p.shape, _param_dtype(p.dtype, policy.grad)) for p in layer.params]
-        states = [
-            (f"{p.name}/{field}", p.shape, dtype)
-            for p in layer.params
-            for field in optimizer.state_fields
-            for dtype in (train.optimizer.state_dtypes[field],)
-        ]
-        # The first task (embed) uses W_emb: nothing could prefetch it in time.
-        packed(
-            f"W_{layer.name}", Role.PARAM, Layout.pack(params), "fast" if layer is embed else "slow"
-        )
-        packed(f"dW_{layer.name}", Role.GRAD, Layout.pack(grads))
-        packed(f"O_{layer.name}", Role.OPT_STATE, Layout.pack(states))
+        weights[layer.name], grads[layer.name] = (), ()
+        for group in layer.groups:
+            params = _ordered(group.params)
+            trainable = [p for p in params if p.trainable]
+            w_id = group_object("W", layer.name, group.name)
+            w_layout = Layout.pack((p.name, p.shape, _dtype(p, policy.param)) for p in params)
+            first = layer is embed  # the first task reads it: nothing could prefetch it
+            add_packed(
+                PackedObject(
+                    w_id,
+                    "W",
+                    layer.name,
+                    w_layout,
+                    group.name,
+                    tuple(p.name for p in trainable if p.decay),
+                ),
+                Role.PARAM,
+                "fast" if first else "slow",
+            )
+            weights[layer.name] += (w_id,)
+            if not trainable:
+                continue
+            dw_id = group_object("dW", layer.name, group.name)
+            dw_layout = Layout.pack((p.name, p.shape, _dtype(p, policy.grad)) for p in trainable)
+            add_packed(PackedObject(dw_id, "dW", layer.name, dw_layout, group.name), Role.GRAD)
+            states = [
+                (f"{p.name}/{field}", p.shape, train.optimizer.state_dtypes[field])
+                for field in optimizer.state_fields
+                for p in trainable
+            ]
+            o_id = group_object("O", layer.name, group.name)
+            add_packed(
+                PackedObject(o_id, "O", layer.name, Layout.pack(states), group.name),
+                Role.OPT_STATE,
+            )
+            grads[layer.name] += (dw_id,)
+        param_bytes[layer.name] = sum(packed[w].layout.size_bytes for w in weights[layer.name])
+        if layer.aux:
+            aux_layout = Layout.pack((a.name, a.shape, _dtype(a, "float32")) for a in layer.aux)
+            add_packed(PackedObject(f"Aux_{layer.name}", "Aux", layer.name, aux_layout), Role.AUX)
+    for local, target in head.tied.items():
+        owner, _, name = target.partition(".")
+        if owner not in by_name or name not in {p.name for p in by_name[owner].params}:
+            raise FamilyContractError(
+                f"family {family.name!r}: head ties {local!r} to {target!r}, which no layer "
+                "declares"
+            )
+    tied_layers = sorted({target.partition(".")[0] for target in head.tied.values()})
 
     hidden = TensorMeta(policy.activation, family.hidden_shape(config, train.batch, train.seq_len))
-    tokens = TensorMeta("int64", (train.batch, train.seq_len))
-    saved_layout: dict[str, Layout] = {}
-    for kind in {layer.kind for layer in blocks}:
-        specs = family.math(kind).saved_specs(config, train.batch, train.seq_len)
+    tokens_meta = TensorMeta("int64", (train.batch, train.seq_len))
+    act_bytes = hidden.nbytes // max(1, math.prod(hidden.shape))
+    kinds = {block.kind for block in blocks}
+    saved_layout, temp_layout, block_cost = {}, {}, {}
+    for kind in kinds:
+        kind_math = family.math(kind)
         saved_layout[kind] = Layout.pack(
-            (s.name, s.shape, _param_dtype(s.dtype, policy.activation)) for s in specs
+            (s.name, s.shape, _dtype(s, policy.activation))
+            for s in kind_math.saved(config, train.batch, train.seq_len)
         )
-    layouts.update({f"A:{kind}": layout for kind, layout in saved_layout.items()})
+        temp_specs = kind_math.aux_temp(config, train.batch, train.seq_len)
+        temp_layout[kind] = (
+            Layout.pack((s.name, s.shape, _dtype(s, policy.activation)) for s in temp_specs)
+            if temp_specs
+            else None
+        )
+        block_cost[kind] = kind_math.cost(config, train.batch, train.seq_len, act_bytes)
+    embed_cost = family.math("embed").cost(config, train.batch, train.seq_len, act_bytes)
+    head_cost = family.math("head").cost(config, train.batch, train.seq_len, act_bytes)
+
+    def priced(work: Work, weight_bytes: float) -> float:
+        return cost.cost_us(work.flops, work.bytes + weight_bytes)
 
     tasks: list[Task] = []
+    slots: dict[str, TaskSlot] = {}
+
+    def task(kind: str, r: int, layer: str, key: str, cost_us: float, **roles: Any) -> None:
+        group = roles.pop("group", "")
+        save = roles.pop("save", True)
+        slot = TaskSlot(
+            f"{kind}_{step}_{r}_{group_object('', layer, group)[1:]}",
+            kind,
+            layer,
+            r,
+            key,
+            roles.get("inputs", {}),
+            roles.get("mutates", {}),
+            roles.get("outputs", {}),
+            group,
+            save,
+        )
+        params: dict[str, Any] = {"family": family.name, "step": step, "round": r, "layer": layer}
+        if kind in ("fwd", "rec", "bwd"):
+            params["kind"] = by_name[layer].kind
+        if kind == "fwd":
+            params["save"] = save
+        if group:
+            params["group"] = group
+        if kind == "head":
+            params["chunk_tokens"] = train.chunk_tokens
+        slots[slot.id] = slot
+        tasks.append(
+            Task(
+                slot.id,
+                kind,
+                key,
+                params=params,
+                inputs=_flat(slot.inputs),
+                mutates=_flat(slot.mutates),
+                outputs=_flat(slot.outputs),
+                cost_us=cost_us,
+            )
+        )
+
+    def grad_roles(layer: str, r: int, *, created: bool | None = None) -> dict[str, Any]:
+        """Round 0 creates a layer's gradients, later rounds accumulate into them."""
+        create = r == 0 if created is None else created
+        return {"outputs" if create else "mutates": {"grad": grads[layer]}}
+
     n_blocks = len(blocks)
-    sizes = {layer.name: layouts[f"W_{layer.name}"].size_bytes for layer in layers}
-    params_count = {layer.name: sum(math.prod(p.shape) for p in layer.params) for layer in layers}
-    tokens_n = train.tokens_per_round
-    act_bytes = hidden.nbytes
-    common = {"family": family.name, "step": step}
-
-    def task(kind: str, r: int, layer: str, key: str, **fields: Any) -> Task:
-        params = {**common, "round": r, "layer": layer, **fields.pop("params", {})}
-        return Task(f"{kind}_{step}_{r}_{layer}", kind, key, params=params, **fields)
-
     for r in range(train.rounds):
-        x, t = f"x_{step}_{r}", f"t_{step}_{r}"
+        x, t, loss = f"x_{step}_{r}", f"t_{step}_{r}", f"loss_{step}_{r}"
         objects += [
-            Obj(x, tokens.nbytes, Role.DATA, "fast" if r == 0 else "slow", tokens),
-            Obj(t, tokens.nbytes, Role.DATA, "slow", tokens),
-            Obj(f"loss_{step}_{r}", 4, Role.OUTPUT, tensor=TensorMeta("float32", ())),
+            Obj(x, tokens_meta.nbytes, Role.DATA, "fast" if r == 0 else "slow", tokens_meta),
+            Obj(t, tokens_meta.nbytes, Role.DATA, "slow", tokens_meta),
+            Obj(loss, 4, Role.OUTPUT, tensor=TensorMeta("float32", ())),
         ]
         y = [f"y_{step}_{r}_{i}" for i in range(n_blocks + 1)]
         dy = [f"dy_{step}_{r}_{i}" for i in range(n_blocks + 1)]
         objects += [Obj(name, hidden.nbytes, Role.ACTIVATION, tensor=hidden) for name in y]
         objects += [Obj(name, hidden.nbytes, Role.GRAD, tensor=hidden) for name in dy]
-        saved = {}
+        saved, temps = {}, {}
         for i, block in enumerate(blocks):
             saved[i] = f"A_{step}_{r}_{i}"
-            objects.append(Obj(saved[i], saved_layout[block.kind].size_bytes, Role.ACTIVATION))
+            layout = saved_layout[block.kind]
+            packed[saved[i]] = PackedObject(saved[i], "A", block.name, layout)
+            objects.append(Obj(saved[i], layout.size_bytes, Role.ACTIVATION))
+            if temp_layout[block.kind] is not None:
+                temps[i] = f"AuxTemp_{step}_{r}_{i}"
+                layout = temp_layout[block.kind]
+                packed[temps[i]] = PackedObject(temps[i], "AuxTemp", block.name, layout)
+                objects.append(Obj(temps[i], layout.size_bytes, Role.AUX_TEMP))
 
-        tasks.append(
-            task(
-                "embed",
-                r,
-                embed.name,
-                f"{family.name}.embed.forward",
-                inputs=(x, f"W_{embed.name}"),
-                outputs=(y[0],),
-                cost_us=cost.cost_us(0, 2 * act_bytes),
-            )
+        task(
+            "embed",
+            r,
+            embed.name,
+            family_key(family.name, "embed", "forward"),
+            priced(embed_cost.forward, 0),
+            inputs={"tokens": (x,), "w": weights[embed.name]},
+            outputs={"y": (y[0],)},
         )
         for i, block in enumerate(blocks):
             keep = i not in recompute
-            flops = 2 * tokens_n * params_count[block.name]
-            tasks.append(
-                task(
-                    "fwd",
-                    r,
-                    block.name,
-                    f"{family.name}.{block.kind}.forward",
-                    inputs=(y[i], f"W_{block.name}"),
-                    outputs=(y[i + 1], saved[i]) if keep else (y[i + 1],),
-                    params={"kind": block.kind, "save": keep},
-                    cost_us=cost.cost_us(flops, sizes[block.name] + 2 * act_bytes),
-                )
-            )
-        vocab_flops = 6 * tokens_n * params_count[embed.name]  # tied projection, fwd + bwd
-        head_grads = _grad(f"dW_{head.name}", r)
-        head_inputs = (y[n_blocks], t, f"W_{head.name}")
-        head_mut = head_grads.get("mutates", ())
-        head_out = (f"loss_{step}_{r}", dy[n_blocks], *head_grads.get("outputs", ()))
-        if family.tied():
-            head_inputs += (f"W_{embed.name}",)
-            embed_grad = _grad(f"dW_{embed.name}", r)
-            head_out += embed_grad.get("outputs", ())
-            head_mut += embed_grad.get("mutates", ())
-        tasks.append(
+            temp = (temps[i],) if i in temps else ()
+            aux = (f"Aux_{block.name}",) if block.aux else ()
             task(
-                "head",
+                "fwd",
                 r,
-                head.name,
-                f"{family.name}.head.loss",
-                inputs=head_inputs,
-                outputs=head_out,
-                mutates=head_mut,
-                params={"chunk_tokens": train.chunk_tokens},
-                cost_us=cost.cost_us(vocab_flops, sizes[embed.name] + 2 * act_bytes),
+                block.name,
+                family_key(family.name, block.kind, "forward"),
+                priced(block_cost[block.kind].forward, param_bytes[block.name]),
+                inputs={"x": (y[i],), "w": weights[block.name]},
+                mutates={"aux": aux},
+                outputs={"y": (y[i + 1],), "saved": (saved[i],) if keep else (), "aux_temp": temp},
+                save=keep,
             )
+        head_grad = grad_roles(head.name, r)
+        tied_w = tuple(w for layer in tied_layers for w in weights[layer])
+        tied_grad = tuple(g for layer in tied_layers for g in grads[layer])
+        head_mut = dict(head_grad.get("mutates", {}))
+        head_out = {"loss": (loss,), "dx": (dy[n_blocks],), **head_grad.get("outputs", {})}
+        if tied_grad:
+            (head_out if r == 0 else head_mut)["tied_grad"] = tied_grad
+        task(
+            "head",
+            r,
+            head.name,
+            family_key(family.name, "head", "loss"),
+            priced(
+                head_cost.forward,
+                param_bytes[head.name] + 2 * sum(packed[w].layout.size_bytes for w in tied_w),
+            ),
+            inputs={"x": (y[n_blocks],), "targets": (t,), "w": weights[head.name], "tied": tied_w},
+            mutates=head_mut,
+            outputs=head_out,
         )
         for i in reversed(range(n_blocks)):
             block = blocks[i]
+            temp = (temps[i],) if i in temps else ()
             if i in recompute:
-                flops = 2 * tokens_n * params_count[block.name]
-                tasks.append(
-                    task(
-                        "rec",
-                        r,
-                        block.name,
-                        f"{family.name}.{block.kind}.recompute",
-                        inputs=(y[i], f"W_{block.name}"),
-                        outputs=(saved[i],),
-                        params={"kind": block.kind},
-                        cost_us=cost.cost_us(flops, sizes[block.name] + 2 * act_bytes),
-                    )
-                )
-            flops = 4 * tokens_n * params_count[block.name]
-            grads = _grad(f"dW_{block.name}", r)
-            tasks.append(
+                work = block_cost[block.kind].recompute or block_cost[block.kind].forward
                 task(
-                    "bwd",
+                    "rec",
                     r,
                     block.name,
-                    f"{family.name}.{block.kind}.backward",
-                    inputs=(dy[i + 1], y[i], saved[i], f"W_{block.name}"),
-                    outputs=(dy[i], *grads.get("outputs", ())),
-                    mutates=grads.get("mutates", ()),
-                    params={"kind": block.kind},
-                    cost_us=cost.cost_us(flops, 2 * sizes[block.name] + 3 * act_bytes),
+                    family_key(family.name, block.kind, "recompute"),
+                    priced(work, param_bytes[block.name]),
+                    inputs={"x": (y[i],), "w": weights[block.name], "aux_temp": temp},
+                    outputs={"saved": (saved[i],)},
                 )
-            )
-        embed_grad = (
-            {"mutates": (f"dW_{embed.name}",)}
-            if family.tied() or r > 0
-            else {"outputs": (f"dW_{embed.name}",)}
-        )
-        tasks.append(
+            aux = (f"Aux_{block.name}",) if block.aux and r == train.rounds - 1 else ()
+            roles = grad_roles(block.name, r)
             task(
-                "embbwd",
+                "bwd",
                 r,
-                embed.name,
-                f"{family.name}.embed.backward",
-                inputs=(dy[0], x),
-                **embed_grad,
-                cost_us=cost.cost_us(0, 2 * sizes[embed.name] + act_bytes),
+                block.name,
+                family_key(family.name, block.kind, "backward"),
+                priced(block_cost[block.kind].backward, 2 * param_bytes[block.name]),
+                inputs={
+                    "dy": (dy[i + 1],),
+                    "x": (y[i],),
+                    "saved": (saved[i],),
+                    "aux_temp": temp,
+                    "aux": aux,
+                    "w": weights[block.name],
+                },
+                outputs={"dx": (dy[i],), **roles.get("outputs", {})},
+                mutates=roles.get("mutates", {}),
             )
+        # a tied head ran first and already created the embedding's gradient
+        created = r == 0 and embed.name not in tied_layers
+        roles = grad_roles(embed.name, r, created=created)
+        task(
+            "embbwd",
+            r,
+            embed.name,
+            family_key(family.name, "embed", "backward"),
+            priced(embed_cost.backward, param_bytes[embed.name]),
+            inputs={"dy": (dy[0],), "tokens": (x,)},
+            outputs=roles.get("outputs", {}),
+            mutates=roles.get("mutates", {}),
         )
 
     last = train.rounds - 1
-    optimizer_key = OPTIMIZER_KEY.format(name=train.optimizer.name)
+    key = optimizer_key(train.optimizer.name)
     for layer in (head, *reversed(blocks), embed):
-        moved = 2 * (sizes[layer.name] + layouts[f"O_{layer.name}"].size_bytes) + sizes[layer.name]
-        tasks.append(
+        for group in layer.groups:
+            dw_id = group_object("dW", layer.name, group.name)
+            if dw_id not in packed:
+                continue  # nothing trainable in this group
+            w_id, o_id = (
+                group_object("W", layer.name, group.name),
+                group_object("O", layer.name, group.name),
+            )
+            moved = (
+                2 * packed[w_id].layout.size_bytes
+                + packed[dw_id].layout.size_bytes
+                + 2 * packed[o_id].layout.size_bytes
+            )
             task(
                 "opt",
                 last,
                 layer.name,
-                optimizer_key,
-                inputs=(f"dW_{layer.name}",),
-                mutates=(f"W_{layer.name}", f"O_{layer.name}"),
-                cost_us=cost.cost_us(0, moved),
+                key,
+                cost.cost_us(0, moved),
+                inputs={"grad": (dw_id,)},
+                mutates={"w": (w_id,), "opt_state": (o_id,)},
+                group=group.name,
             )
-        )
-    finals = {f"W_{layer.name}": "slow" for layer in layers}
-    finals |= {f"O_{layer.name}": "slow" for layer in layers}
+    finals = {p.id: "slow" for p in packed.values() if p.kind in ("W", "O", "Aux")}
     finals |= {f"loss_{step}_{r}": "slow" for r in range(train.rounds)}
     if keep_grads:
-        finals |= {f"dW_{layer.name}": "slow" for layer in layers}
-    metadata = {
-        "training": {
-            "family": family.name,
-            "preset": preset,
-            "overrides": overrides,
-            "train": attrs.asdict(train),
-            "layers": [[layer.name, layer.kind] for layer in layers],
-            "decay": {layer.name: [p.name for p in layer.params if p.decay] for layer in layers},
-        },
-        "layouts": {name: layout.to_dict() for name, layout in layouts.items()},
-    }
+        finals |= {p.id: "slow" for p in packed.values() if p.kind == "dW"}
+    step_layout = StepLayout(
+        family=family.name,
+        preset=preset,
+        overrides=overrides,
+        train=train,
+        step=step,
+        layers=tuple(
+            LayerInfo(layer.name, layer.kind, tuple(g.name for g in layer.groups), layer.tied)
+            for layer in layers
+        ),
+        tasks=slots,
+        packed=packed,
+    )
     program = Program(
         name=f"{family.name}-{preset}-train",
         objects=tuple(objects),
         tasks=tuple(tasks),
         final_locations=finals,
         links=links or Links(),
-        metadata=metadata,
+        metadata=step_layout.to_metadata(),
     )
-    return Lowered(program, layers)
+    return Lowered(program, step_layout, layers)
+
+
+def _flat(roles: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """A task's objects in the fixed role order (the order of ``step.ROLES``)."""
+    return tuple(obj for role in ROLES for obj in roles.get(role, ()))

@@ -1,63 +1,82 @@
-"""The ops a family's math may call, by name, and how to get implementations of them.
+"""The ops a family's math calls, by name, and how to get implementations of them.
 
-Math functions take ``ops``, a mapping from the names below to callables, instead of
-calling torch directly, so a kernel package can swap in faster variants (a Triton
-attention, a fused norm) without touching the family. Implementations are registered as
-``KernelVariant(op=NAME, ...)`` through the ``dataflow_kernels`` hook; the
-``dataflow-kernels-torch`` package provides the reference variant of every op.
+Math functions call ``env.ops[NAME]`` instead of torch directly, so a kernel package can
+swap in faster variants (a Triton attention, a fused norm) without touching the family.
+The op set is open: an implementation is a ``KernelVariant(op=NAME, ...)`` registered
+through the ``dataflow_kernels`` hook, by a kernel package or by a family that brings an
+op of its own (then it registers at least a reference variant of it). A family lists
+every op its math calls in ``Family.ops``; ``load_ops`` hands it exactly those.
 
-Every variant must be differentiable through torch autograd (a math function's backward
-may rebuild a small graph and call ``torch.autograd.grad``), except ``adamw`` and
-``chunked_cross_entropy``, which compute their gradients themselves.
+The standard ops (``STANDARD_OPS``; ``dataflow-kernels-torch`` provides a fast and a
+reference variant of each). Tensors are torch tensors; "stats" are float32 (float64 for
+float64 inputs). Backward ops never rebuild autograd graphs and never re-run a forward.
 
-Signatures (tensors are torch tensors; shapes as named):
-
-- ``attention(q, k, v, *, causal: bool) -> out``: q, k, v (batch, heads, seq, head_dim).
-- ``layer_norm(x, weight, bias, eps: float) -> y`` over the last dimension.
-- ``rms_norm(x, weight, eps: float) -> y`` over the last dimension.
-- ``gelu(x) -> y``: the tanh approximation (GPT-2's ``gelu_new``).
-- ``silu(x) -> y``.
 - ``linear(x, weight, bias=None) -> y``: ``x @ weight.T + bias``, weight (out, in).
-- ``chunked_cross_entropy(hidden, weight, targets, chunk_tokens: int)
+- ``attention_fwd(q, k, v, *, causal, scale=None) -> (out, lse)``: q, k, v (batch, heads,
+  seq, head_dim), equal head counts; lse stats (batch, heads, seq).
+- ``attention_bwd(dout, q, k, v, out, lse, *, causal, scale=None) -> (dq, dk, dv)``.
+- ``layer_norm_fwd(x, weight, bias, eps) -> (y, mean, rstd)`` over the last dimension;
+  mean and rstd stats of shape ``x.shape[:-1]``.
+- ``layer_norm_bwd(dy, x, mean, rstd, weight, bias) -> (dx, dweight, dbias)``.
+- ``rms_norm_fwd(x, weight, eps) -> (y, rstd)``; ``rms_norm_bwd(dy, x, rstd, weight)
+  -> (dx, dweight)``.
+- ``gelu(x) -> y`` (tanh approximation, GPT-2's ``gelu_new``); ``gelu_bwd(dy, x) -> dx``.
+- ``swiglu_fwd(gate, up) -> silu(gate) * up``; ``swiglu_bwd(dy, gate, up) -> (dgate, dup)``.
+- ``chunked_cross_entropy(hidden, weight, targets, chunk_tokens, *, grad_scale=1.0)
   -> (loss_sum, d_hidden, d_weight)``: logits = hidden @ weight.T chunk by chunk of
-  ``chunk_tokens`` rows; returns the summed loss (0-d float32), d loss_sum / d hidden and
-  d loss_sum / d weight, never holding more than one chunk's logits. hidden (tokens, dim),
-  weight (vocab, dim), targets int64 (tokens,); a target of -100 is ignored.
-- ``adamw(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float,
-  beta2: float, eps: float, weight_decay: float) -> None``: one decoupled-weight-decay
-  Adam step, in place on param, exp_avg, exp_avg_sq (states may be a lower precision than
-  param: math in float32).
+  ``chunk_tokens`` rows (matmuls in the input dtype, the loss in float32); returns the
+  summed loss (0-d float32) and ``grad_scale`` times its gradients, never holding more
+  than one chunk's logits. hidden (tokens, dim), weight (vocab, dim), targets int64
+  (tokens,); a target of -100 is ignored.
+- ``adamw_multi(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
+  weight_decay) -> None``: one AdamW step over lists of tensors (one multi-tensor launch
+  where the device has one), float32 math whatever the storage dtypes.
+
+Older per-call ops (``attention``, ``layer_norm``, ``rms_norm``, ``silu``, ``adamw``:
+differentiable forwards and a single-tensor AdamW) stay registered for code that uses
+autograd; the builtin families do not.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
-OP_NAMES = (
-    "attention",
-    "layer_norm",
-    "rms_norm",
-    "gelu",
-    "silu",
+STANDARD_OPS = (
     "linear",
+    "attention_fwd",
+    "attention_bwd",
+    "layer_norm_fwd",
+    "layer_norm_bwd",
+    "rms_norm_fwd",
+    "rms_norm_bwd",
+    "gelu",
+    "gelu_bwd",
+    "swiglu_fwd",
+    "swiglu_bwd",
     "chunked_cross_entropy",
-    "adamw",
+    "adamw_multi",
 )
 
 Ops = Mapping[str, Callable]
 
 
-def load_ops(device: str = "cpu", *, deterministic: bool = False) -> dict[str, Callable]:
-    """One implementation of every op for ``device``, from the kernel registry: the
-    highest-priority variant supporting the device (only deterministic ones when asked).
-    Raises an error naming each op that no installed kernel package provides."""
+class MissingOpError(LookupError):
+    """No installed kernel package provides an op a family or optimizer needs."""
+
+
+def load_ops(
+    device: str = "cpu", names: Iterable[str] = STANDARD_OPS, *, deterministic: bool = False
+) -> dict[str, Callable]:
+    """One implementation of every op in ``names`` for ``device``, from the kernel
+    registry: the highest-priority variant supporting the device (only deterministic
+    ones when asked). Raises ``MissingOpError`` naming each op nobody provides."""
     from dataflow.plugins import kernels
     from dataflow.registry import UnknownNameError
 
     registry = kernels()
     chosen: dict[str, Callable] = {}
     missing = []
-    for op in OP_NAMES:
+    for op in dict.fromkeys(names):
         try:
             variants = registry.for_op(op, device=device)  # highest priority first
         except UnknownNameError:
@@ -68,7 +87,7 @@ def load_ops(device: str = "cpu", *, deterministic: bool = False) -> dict[str, C
             continue
         chosen[op] = variants[0].load()
     if missing:
-        raise LookupError(
+        raise MissingOpError(
             f"no kernel variant for op(s) {', '.join(missing)} on {device!r}"
             f"{' (deterministic)' if deterministic else ''}; install dataflow-kernels-torch "
             "or see `dataflow kernels list`"

@@ -1,15 +1,17 @@
 """Optimizers: the family-independent place where an update rule is declared.
 
 An ``OptimizerSpec`` names the state fields it keeps per parameter (sized by
-``OptimizerPolicy.state_dtypes``, one entry per field) and the update of one parameter.
-The lowering emits one task per layer with compute key ``optim.<name>``; the torch
-resolver runs ``spec.update`` for every parameter of the layer. Add an optimizer by adding
+``OptimizerPolicy.state_dtypes``, one entry per field), the ops its update calls, and the
+update itself, over *lists* of tensors: the lowering emits one task per parameter group
+with compute key ``optim.<name>``, and its executable hands the update every tensor of
+the group at once (one list for the tensors with weight decay, one for those without),
+so a multi-tensor kernel updates a whole layer in one launch. Add an optimizer by adding
 a spec to ``OPTIMIZERS``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -17,41 +19,43 @@ import attrs
 
 @attrs.frozen
 class OptimizerSpec:
-    """``update(ops, param, grad, states, *, step, policy, decay)`` changes ``param`` and
-    the tensors of ``states`` (field -> tensor) in place; ``step`` counts from 1; ``policy``
-    is the OptimizerPolicy as a mapping; ``decay`` says whether weight decay applies."""
+    """``update(ops, params, grads, states, *, step, policy, weight_decay)`` changes the
+    tensors of ``params`` and of ``states`` (field -> list, parallel to ``params``) in
+    place; ``step`` counts from 1; ``policy`` is the OptimizerPolicy as a mapping;
+    ``weight_decay`` is the decay for these tensors (0 for those a family exempts)."""
 
     name: str
     state_fields: tuple[str, ...]
+    ops: tuple[str, ...]
     update: Callable[..., None]
 
 
 def _adamw(
     ops: Mapping[str, Callable],
-    param: Any,
-    grad: Any,
-    states: Mapping[str, Any],
+    params: Sequence[Any],
+    grads: Sequence[Any],
+    states: Mapping[str, Sequence[Any]],
     *,
     step: int,
     policy: Mapping[str, Any],
-    decay: bool,
+    weight_decay: float,
 ) -> None:
-    ops["adamw"](
-        param,
-        grad,
-        states["exp_avg"],
-        states["exp_avg_sq"],
+    ops["adamw_multi"](
+        list(params),
+        list(grads),
+        list(states["exp_avg"]),
+        list(states["exp_avg_sq"]),
         step=step,
         lr=policy["lr"],
         beta1=policy["beta1"],
         beta2=policy["beta2"],
         eps=policy["eps"],
-        weight_decay=policy["weight_decay"] if decay else 0.0,
+        weight_decay=weight_decay,
     )
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "adamw": OptimizerSpec("adamw", ("exp_avg", "exp_avg_sq"), _adamw),
+    "adamw": OptimizerSpec("adamw", ("exp_avg", "exp_avg_sq"), ("adamw_multi",), _adamw),
 }
 
 

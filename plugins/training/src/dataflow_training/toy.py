@@ -11,7 +11,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from dataflow_training.family import LayerSpec, TensorSpec
+from dataflow_training.family import LayerCost, LayerSpec, TensorSpec, Work
 
 
 @attrs.frozen
@@ -21,28 +21,40 @@ class ToyConfig:
     layers: int = 3
 
 
+def _cost(config, batch, seq_len, act_bytes):
+    work = Work(2 * batch * seq_len * config.dim**2, 4 * batch * seq_len * config.dim * act_bytes)
+    return LayerCost(forward=work, backward=Work(2 * work.flops, 2 * work.bytes))
+
+
 class Embed:
-    def forward(self, config, params, tokens, ops):
+    cost = staticmethod(_cost)
+
+    def forward(self, config, params, tokens, env):
         return params["wte"][tokens]
 
-    def backward(self, config, tokens, d_hidden, ops):
+    def backward(self, config, tokens, d_hidden, env):
         grad = torch.zeros(config.vocab, config.dim, dtype=d_hidden.dtype, device=d_hidden.device)
         grad.index_add_(0, tokens.reshape(-1), d_hidden.reshape(-1, config.dim))
         return {"wte": grad}
 
 
 class Block:
-    def saved_specs(self, config, batch, seq_len):
+    cost = staticmethod(_cost)
+
+    def saved(self, config, batch, seq_len):
         return (TensorSpec("pre", (batch, seq_len, config.dim)),)
 
-    def forward(self, config, params, x, ops):
-        saved = self.recompute(config, params, x, ops)
-        return x + torch.tanh(saved["pre"]), saved
+    def aux_temp(self, config, batch, seq_len):
+        return ()
 
-    def recompute(self, config, params, x, ops):
-        return {"pre": ops["linear"](x, params["w"], params["b"])}
+    def forward(self, config, params, x, env):
+        saved = self.recompute(config, params, x, {}, env)
+        return x + torch.tanh(saved["pre"]), saved, {}
 
-    def backward(self, config, params, x, saved, dy, ops):
+    def recompute(self, config, params, x, aux_temp, env):
+        return {"pre": env.ops["linear"](x, params["w"], params["b"])}
+
+    def backward(self, config, params, x, saved, aux_temp, dy, env):
         t = torch.tanh(saved["pre"])
         dpre = dy * (1 - t * t)
         dx = dy + dpre @ params["w"]
@@ -51,34 +63,36 @@ class Block:
 
 
 class Head:
-    def forward_backward(self, config, params, embed_params, x, targets, chunk_tokens, ops):
-        g, wte = params["g"], embed_params["wte"]
+    cost = staticmethod(_cost)
+
+    def forward_backward(self, config, params, x, targets, env):
+        g, wte = params["g"], params["wte"]
         flat = x.reshape(-1, config.dim)
         n = flat.shape[0]
-        loss_sum, d_h, d_wte = ops["chunked_cross_entropy"](
-            flat * g, wte, targets.reshape(-1), chunk_tokens
+        loss_sum, d_h, d_wte = env.ops["chunked_cross_entropy"](
+            flat * g, wte, targets.reshape(-1), env.chunk_tokens, grad_scale=env.grad_scale
         )
         d_h = d_h / n
         return (
             loss_sum / n,
             (d_h * g).reshape(x.shape),
-            {"g": (d_h * flat).sum(0)},
-            {"wte": d_wte / n},
+            {"g": (d_h * flat).sum(0), "wte": d_wte / n},
         )
 
 
 class ToyFamily:
     name = "toy"
     presets = {"small": ToyConfig()}
+    ops = ("linear", "chunked_cross_entropy")
 
     def config(self, preset, **overrides):
         return attrs.evolve(self.presets[preset], **overrides)
 
     def layers(self, config):
         return [
-            LayerSpec("emb", "embed", (TensorSpec("wte", (config.vocab, config.dim)),)),
+            LayerSpec.single("emb", "embed", (TensorSpec("wte", (config.vocab, config.dim)),)),
             *(
-                LayerSpec(
+                LayerSpec.single(
                     str(i),
                     "block",
                     (
@@ -88,7 +102,12 @@ class ToyFamily:
                 )
                 for i in range(config.layers)
             ),
-            LayerSpec("head", "head", (TensorSpec("g", (config.dim,), decay=False),)),
+            LayerSpec.single(
+                "head",
+                "head",
+                (TensorSpec("g", (config.dim,), decay=False),),
+                tied={"wte": "emb.wte"},
+            ),
         ]
 
     def hidden_shape(self, config, batch, seq_len):
@@ -96,9 +115,6 @@ class ToyFamily:
 
     def math(self, kind):
         return {"embed": Embed(), "block": Block(), "head": Head()}[kind]
-
-    def tied(self):
-        return True
 
     def reference_model(self, config):
         return ToyReference(config)
@@ -150,7 +166,7 @@ class ToyReference(torch.nn.Module):
 def plain_ops():
     """Plain torch implementations of the ops the toy math calls."""
 
-    def chunked_cross_entropy(hidden, weight, targets, chunk_tokens):
+    def chunked_cross_entropy(hidden, weight, targets, chunk_tokens, *, grad_scale=1.0):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         d_hidden, d_weight = torch.zeros_like(hidden), torch.zeros_like(weight)
         for start in range(0, hidden.shape[0], chunk_tokens):
@@ -162,13 +178,22 @@ def plain_ops():
             d[torch.arange(len(t)), t] -= 1
             d_hidden[start : start + chunk_tokens] = (d @ weight.float()).to(hidden.dtype)
             d_weight += (d.T @ h.float()).to(weight.dtype)
-        return loss, d_hidden, d_weight
+        return loss, d_hidden * grad_scale, d_weight * grad_scale
 
-    def adamw(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay):
-        param.mul_(1 - lr * weight_decay)
-        exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+    def adamw_multi(
+        params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decay
+    ):
+        for param, grad, exp_avg, exp_avg_sq in zip(
+            params, grads, exp_avgs, exp_avg_sqs, strict=True
+        ):
+            param.mul_(1 - lr * weight_decay)
+            exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(eps)
+            param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
 
-    return {"linear": F.linear, "chunked_cross_entropy": chunked_cross_entropy, "adamw": adamw}
+    return {
+        "linear": F.linear,
+        "chunked_cross_entropy": chunked_cross_entropy,
+        "adamw_multi": adamw_multi,
+    }

@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dataflow_training.config import DtypePolicy, OptimizerPolicy, TrainConfig
-from dataflow_training.layout import Layout
-from dataflow_training.ops import load_ops
+from dataflow_training.ops import STANDARD_OPS, load_ops
 
 #: largest relative error accepted, per dtype policy and level
 TOLERANCES = {
@@ -73,91 +72,140 @@ def compare(level: str, name: str, out: Any, ref: Any, tolerance: float) -> Chec
 
 
 # -- ops ---------------------------------------------------------------------------------
-def op_checks(device: str, dtype: torch.dtype, tolerance: float, seed: int) -> list[Check]:
-    ops = load_ops(device)
+def _ref_attention(q, k, v):
+    mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, -math.inf)
+    return scores.softmax(-1) @ v, torch.logsumexp(scores, -1)
+
+
+def _ref_layer_norm(x, w, b, eps):
+    mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+    return (x - mean) / torch.sqrt(var + eps) * w + b
+
+
+def _ref_rms_norm(x, w, eps):
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def _ref_gelu(x):
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def _grads(out, inputs, d_out):
+    return torch.autograd.grad(out, inputs, d_out)
+
+
+def op_checks(
+    device: str, dtype: torch.dtype, tolerance: float, seed: int, names: Any = None
+) -> list[Check]:
+    """Each op in ``names`` (default: every standard op) that has a check here, forward
+    and backward, against autograd through a float64 formula."""
+    names = set(STANDARD_OPS if names is None else names)
+    ops = load_ops(device, sorted(names & set(STANDARD_OPS)))
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, dtype=torch.float64)
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
 
     def on(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype)
+        return t.detach().to(device=device, dtype=dtype)
 
-    checks = []
-    q, k, v = rand(2, 3, 7, 8), rand(2, 3, 7, 8), rand(2, 3, 7, 8)
-    mask = torch.ones(7, 7, dtype=torch.bool).tril()
-    scores = (q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(~mask, -math.inf)
-    checks.append(
-        compare(
-            "op",
-            "attention",
-            ops["attention"](on(q), on(k), on(v), causal=True),
-            scores.softmax(-1) @ v,
-            tolerance,
+    checks: list[Check] = []
+
+    def check(name: str, outs: Any, refs: Any) -> None:
+        for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+            if out is not None:
+                checks.append(compare("op", f"{name}[{i}]", out, ref, tolerance))
+
+    if {"attention_fwd", "attention_bwd"} & names:
+        q, k, v = rand(2, 3, 7, 8), rand(2, 3, 7, 8), rand(2, 3, 7, 8)
+        ref_out, ref_lse = _ref_attention(q, k, v)
+        d_out = torch.randn(ref_out.shape, generator=g, dtype=torch.float64)
+        out, lse = ops["attention_fwd"](on(q), on(k), on(v), causal=True)
+        check("attention_fwd", (out, lse), (ref_out, ref_lse))
+        if "attention_bwd" in names:
+            check(
+                "attention_bwd",
+                ops["attention_bwd"](on(d_out), on(q), on(k), on(v), out, lse, causal=True),
+                _grads(ref_out, (q, k, v), d_out),
+            )
+    x, w, b = rand(5, 12), (1 + 0.1 * rand(12)).detach().requires_grad_(), rand(12)
+    dy = torch.randn(5, 12, generator=g, dtype=torch.float64)
+    if "layer_norm_fwd" in names:
+        ref = _ref_layer_norm(x, w, b, 1e-5)
+        y, mean, rstd = ops["layer_norm_fwd"](on(x), on(w), on(b), 1e-5)
+        check("layer_norm_fwd", (y,), (ref,))
+        if "layer_norm_bwd" in names:
+            check(
+                "layer_norm_bwd",
+                ops["layer_norm_bwd"](on(dy), on(x), mean, rstd, on(w), on(b)),
+                _grads(ref, (x, w, b), dy),
+            )
+    if "rms_norm_fwd" in names:
+        ref = _ref_rms_norm(x, w, 1e-6)
+        y, rstd = ops["rms_norm_fwd"](on(x), on(w), 1e-6)
+        check("rms_norm_fwd", (y,), (ref,))
+        if "rms_norm_bwd" in names:
+            check(
+                "rms_norm_bwd",
+                ops["rms_norm_bwd"](on(dy), on(x), rstd, on(w)),
+                _grads(ref, (x, w), dy),
+            )
+    if "gelu" in names:
+        ref = _ref_gelu(x)
+        check("gelu", (ops["gelu"](on(x)),), (ref,))
+        if "gelu_bwd" in names:
+            check("gelu_bwd", (ops["gelu_bwd"](on(dy), on(x)),), _grads(ref, (x,), dy))
+    if "swiglu_fwd" in names:
+        gate, up = rand(5, 12), rand(5, 12)
+        ref = gate * torch.sigmoid(gate) * up
+        check("swiglu_fwd", (ops["swiglu_fwd"](on(gate), on(up)),), (ref,))
+        if "swiglu_bwd" in names:
+            check(
+                "swiglu_bwd",
+                ops["swiglu_bwd"](on(dy), on(gate), on(up)),
+                _grads(ref, (gate, up), dy),
+            )
+    if "linear" in names:
+        weight = rand(9, 12)
+        check("linear", (ops["linear"](on(x), on(weight), on(b[:9])),), (x @ weight.T + b[:9],))
+    if "chunked_cross_entropy" in names:
+        hidden, vocab_w = rand(11, 12), rand(20, 12)
+        targets = torch.randint(0, 20, (11,), generator=g)
+        targets[3] = -100
+        loss_ref = F.cross_entropy(hidden @ vocab_w.T, targets, reduction="sum", ignore_index=-100)
+        check(
+            "chunked_cross_entropy",
+            ops["chunked_cross_entropy"](
+                on(hidden), on(vocab_w), targets.to(device), 4, grad_scale=0.5
+            ),
+            (loss_ref, *(0.5 * t for t in _grads(loss_ref, (hidden, vocab_w), None))),
         )
-    )
-    x, w, b = rand(5, 12), 1 + 0.1 * rand(12), rand(12)
-    mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
-    checks.append(
-        compare(
-            "op",
-            "layer_norm",
-            ops["layer_norm"](on(x), on(w), on(b), 1e-5),
-            (x - mean) / torch.sqrt(var + 1e-5) * w + b,
-            tolerance,
-        )
-    )
-    checks.append(
-        compare(
-            "op",
-            "rms_norm",
-            ops["rms_norm"](on(x), on(w), 1e-6),
-            x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w,
-            tolerance,
-        )
-    )
-    gelu = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
-    checks.append(compare("op", "gelu", ops["gelu"](on(x)), gelu, tolerance))
-    checks.append(compare("op", "silu", ops["silu"](on(x)), x * torch.sigmoid(x), tolerance))
-    weight = rand(9, 12)
-    checks.append(
-        compare(
-            "op",
-            "linear",
-            ops["linear"](on(x), on(weight), on(b[:9])),
-            x @ weight.T + b[:9],
-            tolerance,
-        )
-    )
-    hidden, vocab_w = rand(11, 12), rand(20, 12)
-    targets = torch.randint(0, 20, (11,), generator=g)
-    targets[3] = -100
-    h_ref, w_ref = hidden.clone().requires_grad_(), vocab_w.clone().requires_grad_()
-    loss_ref = F.cross_entropy(h_ref @ w_ref.T, targets, reduction="sum", ignore_index=-100)
-    dh_ref, dw_ref = torch.autograd.grad(loss_ref, (h_ref, w_ref))
-    loss, dh, dw = ops["chunked_cross_entropy"](on(hidden), on(vocab_w), targets.to(device), 4)
-    checks += [
-        compare("op", "chunked_cross_entropy loss", loss, loss_ref, tolerance),
-        compare("op", "chunked_cross_entropy d_hidden", dh, dh_ref, tolerance),
-        compare("op", "chunked_cross_entropy d_weight", dw, dw_ref, tolerance),
-    ]
-    checks.append(_adamw_check(ops["adamw"], device, dtype, tolerance, rand))
+    if "adamw_multi" in names:
+        checks.append(_adamw_check(ops["adamw_multi"], device, dtype, tolerance, g))
     return checks
 
 
 def _adamw_check(
-    adamw: Callable, device: str, dtype: torch.dtype, tolerance: float, rand: Callable
+    adamw_multi: Callable, device: str, dtype: torch.dtype, tolerance: float, g: Any
 ) -> Check:
-    p, m, v = rand(33), 0.1 * rand(33), rand(33).abs()
-    grads = [rand(33) for _ in range(3)]
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    shapes = [(33,), (4, 5)]
+    p = [rand(*s) for s in shapes]
+    m = [0.1 * rand(*s) for s in shapes]
+    v = [rand(*s).abs() for s in shapes]
     lr, b1, b2, eps, wd = 1e-2, 0.9, 0.95, 1e-8, 0.1
-    out = [t.to(device=device, dtype=dtype) for t in (p, m, v)]
-    ref_p, ref_m, ref_v = p.clone(), m.clone(), v.clone()
-    for step, grad in enumerate(grads, start=1):
-        adamw(
-            *out[:1],
-            grad.to(device=device, dtype=dtype),
-            *out[1:],
+    out = [[t.to(device=device, dtype=dtype) for t in ts] for ts in (p, m, v)]
+    ref_p, ref_m, ref_v = [t.clone() for t in p], [t.clone() for t in m], [t.clone() for t in v]
+    for step in range(1, 4):
+        grads = [rand(*s) for s in shapes]
+        adamw_multi(
+            out[0],
+            [t.to(device=device, dtype=dtype) for t in grads],
+            out[1],
+            out[2],
             step=step,
             lr=lr,
             beta1=b1,
@@ -165,11 +213,21 @@ def _adamw_check(
             eps=eps,
             weight_decay=wd,
         )
-        ref_p *= 1 - lr * wd
-        ref_m = b1 * ref_m + (1 - b1) * grad
-        ref_v = b2 * ref_v + (1 - b2) * grad * grad
-        ref_p -= lr * (ref_m / (1 - b1**step)) / (torch.sqrt(ref_v / (1 - b2**step)) + eps)
-    return compare("op", "adamw (3 steps)", out[0], ref_p, tolerance)
+        for i, grad in enumerate(grads):
+            ref_p[i] *= 1 - lr * wd
+            ref_m[i] = b1 * ref_m[i] + (1 - b1) * grad
+            ref_v[i] = b2 * ref_v[i] + (1 - b2) * grad * grad
+            ref_p[i] -= (
+                lr * (ref_m[i] / (1 - b1**step)) / (torch.sqrt(ref_v[i] / (1 - b2**step)) + eps)
+            )
+    flat_out = torch.cat([t.reshape(-1) for t in out[0]])
+    return compare(
+        "op",
+        "adamw_multi (3 steps)",
+        flat_out,
+        torch.cat([t.reshape(-1) for t in ref_p]),
+        tolerance,
+    )
 
 
 # -- tasks -------------------------------------------------------------------------------
@@ -183,73 +241,127 @@ def task_checks(
     batch: int = 2,
     seq_len: int = 8,
 ) -> list[Check]:
-    ops = load_ops(device)
+    """Every layer kind's math: recompute equals what forward saved; the hand backward
+    equals autograd through the family's own forward; the fused head gives the same loss
+    and gradients whatever its chunk size. Layers with Aux are checked by the step level
+    (their forward changes state)."""
+    ops = load_ops(device, family.ops)
     torch.manual_seed(seed)
     state = {
         k: v.to(device=device, dtype=dtype)
         for k, v in family.reference_model(config).state_dict().items()
     }
-    checks: list[Check] = []
+    check_state_keys(family, config, state)
     layers = family.layers(config)
+    checks: list[Check] = []
     hidden_shape = family.hidden_shape(config, batch, seq_len)
-    for layer in layers:
-        params = {p.name: state[f"{layer.name}.{p.name}"] for p in layer.params}
-        math_ = family.math(layer.kind)
-        if layer.kind == "head":
-            continue  # checked below, with the embedding it is tied to
-        if layer.kind == "embed":
-            tokens = torch.randint(
-                0, params[layer.params[0].name].shape[0], (batch, seq_len), device=device
+    seen: set[str] = set()
+    with torch.enable_grad():
+        for layer in layers:
+            params = {p.name: state[f"{layer.name}.{p.name}"] for p in layer.params}
+            if layer.kind == "head" or layer.kind in seen or layer.aux:
+                continue
+            seen.add(layer.kind)
+            checks += _layer_checks(
+                family,
+                config,
+                layer,
+                params,
+                ops,
+                device,
+                dtype,
+                tolerance,
+                batch,
+                seq_len,
+                hidden_shape,
             )
-            leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
-            with torch.enable_grad():
-                y = math_.forward(config, leaves, tokens, ops)
-                dy = torch.randn_like(y)
-                auto = torch.autograd.grad(y, list(leaves.values()), dy)
-            grads = math_.backward(config, tokens, dy, ops)
-            checks += [
-                compare("task", f"{layer.kind} backward d{name}", grads[name], g, tolerance)
-                for name, g in zip(leaves, auto, strict=True)
-            ]
-            continue
-        if any(c.name.startswith(f"{layer.kind} ") for c in checks):
-            continue  # one check per block kind
-        x = torch.randn(hidden_shape, device=device, dtype=dtype)
-        y, saved = math_.forward(config, params, x, ops)
-        again = math_.recompute(config, params, x, ops)
-        checks += [
-            compare("task", f"{layer.kind} recompute {name}", again[name], saved[name], tolerance)
-            for name in saved
-        ]
-        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
-        x_leaf = x.clone().requires_grad_()
-        dy = torch.randn_like(y)
-        with torch.enable_grad():
-            y_auto, _ = math_.forward(config, leaves, x_leaf, ops)
-            auto = torch.autograd.grad(y_auto, [x_leaf, *leaves.values()], dy)
-        dx, grads = math_.backward(config, params, x, saved, dy, ops)
-        checks.append(compare("task", f"{layer.kind} backward dx", dx, auto[0], tolerance))
-        checks += [
-            compare("task", f"{layer.kind} backward d{name}", grads[name], g, tolerance)
-            for name, g in zip(leaves, auto[1:], strict=True)
-        ]
     checks += _head_checks(
         family, config, layers, state, ops, device, dtype, tolerance, hidden_shape
     )
     return checks
 
 
+def check_state_keys(family: Any, config: Any, state: Any) -> None:
+    """The reference model's parameters are exactly the declared ones."""
+    declared = {f"{layer.name}.{p.name}" for layer in family.layers(config) for p in layer.params}
+    extra, missing = sorted(set(state) - declared), sorted(declared - set(state))
+    if extra or missing:
+        from dataflow_training.family import FamilyContractError
+
+        raise FamilyContractError(
+            f"family {family.name!r}: the reference model's parameters differ from the "
+            f"declared layers: not declared by any layer {extra}; declared but missing {missing}"
+        )
+
+
+def _layer_checks(
+    family, config, layer, params, ops, device, dtype, tolerance, batch, seq_len, hidden_shape
+):
+    from dataflow_training.family import Env
+
+    env = Env(ops)
+    math_ = family.math(layer.kind)
+    trainable = [p.name for p in layer.params if p.trainable]
+    leaves = {k: v.clone().requires_grad_(k in trainable) for k, v in params.items()}
+    if layer.kind == "embed":
+        vocab = params[layer.params[0].name].shape[0]
+        tokens = torch.randint(0, vocab, (batch, seq_len), device=device)
+        y = math_.forward(config, leaves, tokens, env)
+        dy = torch.randn_like(y)
+        auto = torch.autograd.grad(y, [leaves[n] for n in trainable], dy)
+        grads = math_.backward(config, tokens, dy, env)
+        return [
+            compare("task", f"embed backward d{name}", grads[name], g, tolerance)
+            for name, g in zip(trainable, auto, strict=True)
+        ]
+    x = torch.randn(hidden_shape, device=device, dtype=dtype)
+    with torch.no_grad():
+        y, saved, aux_temp = math_.forward(config, params, x, env)
+        again = math_.recompute(config, params, x, aux_temp, env)
+    checks = [
+        compare("task", f"{layer.kind} recompute {name}", again[name], saved[name], tolerance)
+        for name in saved
+    ]
+    specs = {s.name: tuple(s.shape) for s in math_.saved(config, batch, seq_len)}
+    for name, value in saved.items():
+        if specs.get(name) != tuple(value.shape):
+            checks.append(
+                Check(
+                    "task",
+                    f"{layer.kind} saved {name!r} shape {tuple(value.shape)} declared {specs.get(name)}",
+                    math.inf,
+                    math.inf,
+                    tolerance,
+                )
+            )
+    x_leaf = x.clone().requires_grad_()
+    dy = torch.randn_like(y)
+    y_auto, _, _ = math_.forward(config, leaves, x_leaf, env)
+    auto = torch.autograd.grad(y_auto, [x_leaf, *(leaves[n] for n in trainable)], dy)
+    with torch.no_grad():
+        dx, grads = math_.backward(config, params, x, saved, aux_temp, dy, env)
+    checks.append(compare("task", f"{layer.kind} backward dx", dx, auto[0], tolerance))
+    checks += [
+        compare("task", f"{layer.kind} backward d{name}", grads[name], g, tolerance)
+        for name, g in zip(trainable, auto[1:], strict=True)
+    ]
+    return checks
+
+
 def _head_checks(family, config, layers, state, ops, device, dtype, tolerance, hidden_shape):
-    head = next(layer for layer in layers if layer.kind == "head")
-    embed = next(layer for layer in layers if layer.kind == "embed")
+    from dataflow_training.family import Env, embed_layer, head_layer
+
+    head, embed = head_layer(layers), embed_layer(layers)
     params = {p.name: state[f"{head.name}.{p.name}"] for p in head.params}
-    embed_params = {p.name: state[f"{embed.name}.{p.name}"] for p in embed.params}
+    params |= {local: state[target] for local, target in head.tied.items()}
     x = torch.randn(hidden_shape, device=device, dtype=dtype)
     vocab = embed.params[0].shape[0]
     targets = torch.randint(0, vocab, hidden_shape[:-1], device=device)
     math_ = family.math("head")
-    whole = math_.forward_backward(config, params, embed_params, x, targets, x[..., 0].numel(), ops)
-    chunked = math_.forward_backward(config, params, embed_params, x, targets, 3, ops)
+    whole = math_.forward_backward(
+        config, params, x, targets, Env(ops, chunk_tokens=x[..., 0].numel())
+    )
+    chunked = math_.forward_backward(config, params, x, targets, Env(ops, chunk_tokens=3))
     checks = [
         compare("task", "head loss (chunks of 3 vs one)", chunked[0], whole[0], tolerance),
         compare("task", "head dx (chunks of 3 vs one)", chunked[1], whole[1], tolerance),
@@ -287,6 +399,7 @@ def step_checks(
     from dataflow.planning import plan
     from dataflow.planning.placement import place
     from dataflow_training.lowering import lower
+    from dataflow_training.values import read_state, start_values
 
     config = family.config(preset)
     train = TrainConfig(
@@ -303,7 +416,7 @@ def step_checks(
     reference = family.reference_model(config)
     param_dtype = getattr(torch, train.dtype.param)
     state = {k: v.detach().to(param_dtype) for k, v in reference.state_dict().items()}
-    layouts = {k: Layout.from_dict(v) for k, v in program.metadata["layouts"].items()}
+    check_state_keys(family, config, state)
     vocab = (
         next(layer for layer in family.layers(config) if layer.kind == "embed").params[0].shape[0]
     )
@@ -315,37 +428,22 @@ def step_checks(
             torch.randint(0, vocab, (batch, seq_len), generator=g),
         )
 
-    def start_values(step: int, data_only: bool = False) -> dict[str, torch.Tensor]:
-        values = {}
-        for obj in program.objects:
-            if not program.exists_at_start(obj.id):
-                continue
-            if obj.id.startswith(("x_", "t_")):
-                round_ = int(obj.id.split("_")[2])
-                values[obj.id] = tokens(step, round_)[obj.id.startswith("t_")]
-            elif not data_only:
-                buffer = torch.zeros(obj.size_bytes, dtype=torch.uint8)
-                if obj.id.startswith("W_"):
-                    layer = obj.id[2:]
-                    for name, view in layouts[obj.id].views(buffer).items():
-                        view.copy_(state[f"{layer}.{name}"])
-                values[obj.id] = buffer
-        return values
-
     losses, grads = [], {}
     with Engine("torch", budget_bytes=planned.budget_bytes, device=device) as engine:
         engine.load(
             planned,
             _resolver(planned.program, resolver),
-            initial=start_values(0),
+            initial=start_values(program, state, tokens),
             placement=place(planned),
         )
         for _ in range(steps):
-            engine.run(feed=lambda step: start_values(step, data_only=True))
+            engine.run(
+                feed=lambda step: start_values(program, state, tokens, step=step, data_only=True)
+            )
             losses += [engine.fetch(f"loss_0_{r}") for r in range(rounds)]
             if not grads:
-                grads = _unpack_all(engine, layouts, program, "dW_")
-        weights = _unpack_all(engine, layouts, program, "W_")
+                grads = read_state(program, engine.fetch, "dW")
+        weights = read_state(program, engine.fetch, "W")
     ref_losses, ref_grads, ref_weights = _reference_steps(
         family, config, state, train, steps, rounds, tokens
     )
@@ -383,23 +481,19 @@ def _resolver(program, name: str = "torch"):
     return resolvers().get(name).build(program)
 
 
-def _unpack_all(engine, layouts, program, prefix: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for obj in program.final_locations:
-        if obj.startswith(prefix):
-            layer = obj[len(prefix) :]
-            for name, view in layouts[obj].views(engine.fetch(obj)).items():
-                out[f"{layer}.{name}"] = view.clone()
-    return out
-
-
 def _reference_steps(family, config, state, train, steps, rounds, tokens):
     model = family.reference_model(config).double()
     model.load_state_dict({k: v.double() for k, v in state.items()})
+    trainable = {
+        f"{layer.name}.{p.name}"
+        for layer in family.layers(config)
+        for p in layer.params
+        if p.trainable
+    }
     decay_names = {
         f"{layer.name}.{p.name}" for layer in family.layers(config) for p in layer.params if p.decay
     }
-    named = dict(model.named_parameters())
+    named = {n: p for n, p in model.named_parameters() if n in trainable}
     opt = train.optimizer
     optimizer = torch.optim.AdamW(
         [
@@ -413,14 +507,20 @@ def _reference_steps(family, config, state, train, steps, rounds, tokens):
         betas=(opt.beta1, opt.beta2),
         eps=opt.eps,
     )
+    multi_round = getattr(model, "steps_over_rounds", False)
     losses, first_grads = [], {}
     for step in range(steps):
         optimizer.zero_grad()
-        for round_ in range(rounds):
-            x, t = tokens(step, round_)
-            loss = model(x, t)
-            (loss / rounds).backward()
-            losses.append(loss.detach())
+        batches = [tokens(step, round_) for round_ in range(rounds)]
+        if multi_round:  # a model whose loss spans the rounds (Aux over the step)
+            round_losses = model(batches)
+            sum(loss / rounds for loss in round_losses).backward()
+            losses += [loss.detach() for loss in round_losses]
+        else:
+            for x, t in batches:
+                loss = model(x, t)
+                (loss / rounds).backward()
+                losses.append(loss.detach())
         if step == 0:
             first_grads = {n: p.grad.detach().clone() for n, p in named.items()}
         optimizer.step()
@@ -453,7 +553,7 @@ def verify(
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # full float32 products: see the docs
     try:
-        checks = op_checks(device, dtype, tolerances["op"], seed)
+        checks = op_checks(device, dtype, tolerances["op"], seed, (*family.ops, "adamw_multi"))
         checks += task_checks(family, config, device, dtype, tolerances["task"], seed)
         checks += step_checks(
             family,

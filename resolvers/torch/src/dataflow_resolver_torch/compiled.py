@@ -1,4 +1,4 @@
-"""The ``torch-compiled`` resolver: the eager executables, with each block kind's math
+"""The ``torch-compiled`` resolver: the training executables with each block kind's math
 (forward, recompute, backward) compiled by ``torch.compile``.
 
 Embedding and head stay eager: the embedding is a gather, and the head's chunked loss is
@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from dataflow_training.tasks import Strategy
 
 from dataflow.schema import Program
 from dataflow_resolver_torch.training import TrainingResolver
@@ -21,33 +22,24 @@ class _CompiledMath:
     """A block kind's math with its three functions compiled once each."""
 
     def __init__(self, math: Any) -> None:
-        self.saved_specs = math.saved_specs
+        self._math = math
         self.forward = torch.compile(math.forward)
         self.recompute = torch.compile(math.recompute)
         self.backward = torch.compile(math.backward)
 
-
-class _CompiledFamily:
-    """The family as the executables see it, with block kinds' math compiled."""
-
-    def __init__(self, family: Any) -> None:
-        self._family = family
-        self._compiled: dict[str, _CompiledMath] = {}
-
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._family, name)
+        return getattr(self._math, name)
 
-    def math(self, kind: str) -> Any:
-        if kind in ("embed", "head"):
-            return self._family.math(kind)
-        if kind not in self._compiled:
-            self._compiled[kind] = _CompiledMath(self._family.math(kind))
-        return self._compiled[kind]
+
+class CompiledStrategy(Strategy):
+    name = "compiled"
+
+    def block_math(self, kind: str, math: Any) -> Any:
+        return _CompiledMath(math)
 
 
 class CompiledTrainingResolver(TrainingResolver):
     name = "torch-compiled"
 
     def __init__(self, program: Program, *, family: Any = None, ops: Any = None) -> None:
-        super().__init__(program, family=family, ops=ops)
-        self.shared.family = _CompiledFamily(self.shared.family)
+        super().__init__(program, family=family, ops=ops, strategy=CompiledStrategy())

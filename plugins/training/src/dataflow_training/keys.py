@@ -1,0 +1,66 @@
+"""Compute keys of lowered training steps: built and parsed here, nowhere else.
+
+A family task's key is ``<family>.<layer kind>.<phase>`` (``gpt2.block.backward``,
+``gpt2.head.loss``); an optimizer task's is ``optim.<optimizer>`` (``optim.adamw``).
+Phases: ``embed`` layers have ``forward`` and ``backward``; block kinds have ``forward``,
+``recompute`` and ``backward``; the ``head`` has the fused ``loss``.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+EMBED_PHASES = ("forward", "backward")
+BLOCK_PHASES = ("forward", "recompute", "backward")
+HEAD_PHASES = ("loss",)
+OPTIMIZER_PREFIX = "optim"
+
+
+class ComputeKeyError(KeyError):
+    """A compute key that no training task has; the message says what would be valid."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; this is a sentence
+        return str(self.args[0])
+
+
+@attrs.frozen
+class ComputeKey:
+    """``family`` is ``None`` for an optimizer key, whose ``kind`` is the optimizer name."""
+
+    family: str | None
+    kind: str
+    phase: str
+
+    def __str__(self) -> str:
+        if self.family is None:
+            return f"{OPTIMIZER_PREFIX}.{self.kind}"
+        return f"{self.family}.{self.kind}.{self.phase}"
+
+    @property
+    def is_optimizer(self) -> bool:
+        return self.family is None
+
+
+def family_key(family: str, kind: str, phase: str) -> str:
+    return str(ComputeKey(family, kind, phase))
+
+
+def optimizer_key(name: str) -> str:
+    return str(ComputeKey(None, name, "update"))
+
+
+def parse(key: str) -> ComputeKey:
+    """The parts of ``key``; a malformed key raises ``ComputeKeyError`` naming it."""
+    parts = key.split(".")
+    if len(parts) == 2 and parts[0] == OPTIMIZER_PREFIX and parts[1]:
+        return ComputeKey(None, parts[1], "update")
+    if len(parts) == 3 and all(parts):
+        family, kind, phase = parts
+        allowed = {"embed": EMBED_PHASES, "head": HEAD_PHASES}.get(kind, BLOCK_PHASES)
+        if phase in allowed:
+            return ComputeKey(family, kind, phase)
+    raise ComputeKeyError(
+        f"compute key {key!r} is not a training key; expected <family>.embed.forward|backward, "
+        "<family>.head.loss, <family>.<block kind>.forward|recompute|backward or "
+        "optim.<optimizer>"
+    )

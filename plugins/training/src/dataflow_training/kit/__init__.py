@@ -1,0 +1,1 @@
+"""The shared family kit: what every model family would otherwise retype."""

@@ -1,0 +1,47 @@
+"""The fused head of a causal LM: final norm, output projection and cross-entropy, with
+their backward, over token chunks (``chunked_cross_entropy``: no tokens x vocab tensor
+beyond one chunk; matmuls in the input dtype, the loss in float32).
+
+The loss is the mean over scored tokens (targets other than -100; 0 when none is), and
+every gradient is of that mean times ``env.grad_scale``. The count of scored tokens stays
+on the device: nothing here waits for the GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+IGNORE_INDEX = -100
+
+Tensors = Mapping[str, torch.Tensor]
+
+
+def lm_head_loss(
+    env: Any,
+    params: Tensors,
+    x: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    norm: Any,
+    projection: str,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """-> (loss, dx, gradients of the norm's parameters and of ``projection``)."""
+    ops = env.ops
+    weight = params[projection]
+    hidden, stats = norm.forward(ops, params, x)
+    flat_targets = targets.reshape(-1)
+    loss_sum, d_hidden, d_weight = ops["chunked_cross_entropy"](
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        flat_targets,
+        env.chunk_tokens,
+        grad_scale=env.grad_scale,
+    )
+    scored = (flat_targets != IGNORE_INDEX).sum().clamp(min=1)
+    d_hidden = (d_hidden / scored).to(hidden.dtype).view_as(hidden)
+    dx, grads = norm.backward(ops, params, x, stats, d_hidden)
+    grads[projection] = (d_weight / scored).to(weight.dtype)
+    return (loss_sum / scored).to(torch.float32), dx, grads

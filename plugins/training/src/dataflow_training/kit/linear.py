@@ -1,0 +1,57 @@
+"""Linear layers: forward through the ``linear`` op, backward as two more ``linear`` calls.
+
+``y = x @ W.T + b`` with W (out, in). Backward needs only the layer's input:
+``dx = dy @ W``, ``dW = dy.T @ x``, ``db = sum(dy)`` (summed in float32 at least).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+
+Tensors = Mapping[str, torch.Tensor]
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Sums over tokens run in float32 at least (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def linear_backward(
+    ops: Any, x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, *, bias: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """-> (dx, d_weight, d_bias or None) of ``y = linear(x, weight, bias)``."""
+    x_rows = x.reshape(-1, x.shape[-1])
+    dy_rows = dy.reshape(-1, dy.shape[-1])
+    dx = ops["linear"](dy, weight.t())
+    d_weight = ops["linear"](dy_rows.t(), x_rows.t())
+    d_bias = None
+    if bias:
+        d_bias = dy_rows.sum(0, dtype=accumulation_dtype(dy.dtype)).to(weight.dtype)
+    return dx, d_weight, d_bias
+
+
+@attrs.frozen
+class Linear:
+    """A projection whose parameters are named ``weight`` (and ``bias``, or None)."""
+
+    weight: str
+    bias: str | None = None
+
+    def forward(self, ops: Any, params: Tensors, x: torch.Tensor) -> torch.Tensor:
+        return ops["linear"](x, params[self.weight], params[self.bias] if self.bias else None)
+
+    def backward(
+        self, ops: Any, params: Tensors, x: torch.Tensor, dy: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """-> (dx, gradients by parameter name)."""
+        dx, d_weight, d_bias = linear_backward(
+            ops, x, params[self.weight], dy, bias=self.bias is not None
+        )
+        grads = {self.weight: d_weight}
+        if self.bias is not None:
+            grads[self.bias] = d_bias
+        return dx, grads

@@ -1,0 +1,87 @@
+"""Rotary position embeddings (RoPE), HF's rotate-half convention, with Llama 3 scaling
+and partial rotation (only the first ``rotary_dim`` of each head, as Qwen 3.5's full
+attention rotates a quarter).
+
+The rotation of a head vector is linear, ``y = x * cos + rotate_half(x) * sin``, so its
+backward is the transposed rotation: ``dx = dy * cos + rotate_half_t(dy * sin)`` with
+``rotate_half_t(u) = cat(u2, -u1)``. Nothing is saved: the tables depend only on
+positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class Llama3Scaling:
+    """Llama 3.1's frequency scaling (HF ``rope_type="llama3"``)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+def inverse_frequencies(
+    rotary_dim: int, base: float, scaling: Llama3Scaling | None = None
+) -> torch.Tensor:
+    """float64 (rotary_dim // 2,) angular frequencies, scaled as Llama 3 does."""
+    inv = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    if scaling is None:
+        return inv
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    scaled = torch.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    middle = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    blended = (1 - smooth) * inv / scaling.factor + smooth * inv
+    return torch.where(middle, blended, scaled)
+
+
+def tables(
+    seq_len: int,
+    rotary_dim: int,
+    base: float,
+    *,
+    scaling: Llama3Scaling | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (seq_len, rotary_dim), computed in float64 then cast."""
+    inv = inverse_frequencies(rotary_dim, base, scaling)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotate_half_t(u: torch.Tensor) -> torch.Tensor:
+    u1, u2 = u.chunk(2, dim=-1)
+    return torch.cat((u2, -u1), dim=-1)
+
+
+def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` dims of every head of x (batch, heads, seq, dim)."""
+    rot = cos.shape[-1]
+    head, rest = x[..., :rot], x[..., rot:]
+    out = head * cos + _rotate_half(head) * sin
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+def backward(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``apply`` with respect to x."""
+    rot = cos.shape[-1]
+    head, rest = dy[..., :rot], dy[..., rot:]
+    out = head * cos + _rotate_half_t(head * sin)
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out

@@ -1,0 +1,325 @@
+"""The executables of a lowered training step, for every family.
+
+``TrainingTasks(program)`` is a ``Resolver``: it dispatches on the task's compute key
+(``dataflow_training.keys``), finds the task's objects by role in the step layout
+(``dataflow_training.step``), views packed objects as the family's named tensors, calls
+the family's math with ops from the kernel registry, checks what the math returned
+against what the family declared, and writes only into the task's outputs and mutates.
+
+Resolver packages (``resolvers/``) are execution *strategies* over these executables: a
+``Strategy`` may wrap each block kind's math (``torch.compile``, say) or launch the whole
+step differently; a new family never touches a resolver.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from dataflow.engine import LaunchContext
+from dataflow.schema import Program, Task
+from dataflow_training.family import Env, FamilyContractError
+from dataflow_training.keys import ComputeKeyError, parse
+from dataflow_training.ops import load_ops
+from dataflow_training.optimizers import optimizer_spec
+from dataflow_training.step import StepLayout, TaskSlot
+
+Tensors = dict[str, torch.Tensor]
+
+
+class Strategy:
+    """How the executables run a family's math; the eager strategy changes nothing."""
+
+    name = "eager"
+
+    def block_math(self, kind: str, math: Any) -> Any:
+        """The math object executables call for block kind ``kind``."""
+        return math
+
+
+class TrainingTasks:
+    """``Resolver`` for programs lowered by dataflow-training."""
+
+    def __init__(
+        self,
+        program: Program,
+        *,
+        family: Any = None,
+        ops: Mapping[str, Any] | None = None,
+        strategy: Strategy | None = None,
+    ) -> None:
+        """``family`` and ``ops`` default to the registered family the program names and
+        the kernel registry's ops; tests pass their own."""
+        self.layout = StepLayout.of(program)
+        if family is None:
+            from dataflow.plugins import families
+
+            family = families().get(self.layout.family).load()
+        if family.name != self.layout.family:
+            raise FamilyContractError(
+                f"family object is named {family.name!r} but the program was lowered for "
+                f"{self.layout.family!r}"
+            )
+        self.family = family
+        self.strategy = strategy or Strategy()
+        self.config = family.config(self.layout.preset, **self.layout.overrides)
+        self.train = self.layout.train
+        self.optimizer = optimizer_spec(self.train.optimizer.name)
+        self._given_ops = ops
+        self._ops: dict[str, dict[str, Any]] = {}
+        self._math: dict[str, Any] = {}
+
+    def ops(self, device: str) -> Mapping[str, Any]:
+        if self._given_ops is not None:
+            return self._given_ops
+        if device not in self._ops:
+            names = (*self.family.ops, *self.optimizer.ops)
+            self._ops[device] = load_ops(device, names)
+        return self._ops[device]
+
+    def math(self, kind: str) -> Any:
+        if kind not in self._math:
+            math = self.family.math(kind)
+            self._math[kind] = (
+                math if kind in ("embed", "head") else self.strategy.block_math(kind, math)
+            )
+        return self._math[kind]
+
+    def __call__(self, task: Task) -> Any:
+        try:
+            key = parse(task.compute_key)
+        except ComputeKeyError as exc:
+            raise KeyError(str(exc)) from None
+        slot = self.layout.tasks.get(task.id)
+        if slot is None or slot.compute_key != task.compute_key:
+            raise KeyError(f"task {task.id} ({task.compute_key}) is not in the step layout")
+        if key.is_optimizer:
+            return OptimizerStep(self, task, slot)
+        if key.family != self.family.name:
+            raise KeyError(
+                f"compute key {task.compute_key!r} is not of family {self.family.name!r}"
+            )
+        cls = {
+            ("embed", "forward"): EmbedForward,
+            ("embed", "backward"): EmbedBackward,
+            ("head", "loss"): HeadLoss,
+        }.get((key.kind, key.phase))
+        if cls is None:
+            cls = {"forward": BlockForward, "recompute": BlockRecompute, "backward": BlockBackward}[
+                key.phase
+            ]
+        return cls(self, task, slot)
+
+
+class _Exec:
+    def __init__(self, tasks: TrainingTasks, task: Task, slot: TaskSlot) -> None:
+        self.tasks, self.task, self.slot = tasks, task, slot
+        self.layout = tasks.layout
+        self.kind = self.layout.layer(slot.layer).kind
+        self._index = {
+            obj: (part, i)
+            for part in ("inputs", "mutates", "outputs")
+            for i, obj in enumerate(getattr(task, part))
+        }
+
+    def buffer(self, ctx: LaunchContext, obj_id: str) -> torch.Tensor:
+        part, i = self._index[obj_id]
+        return getattr(ctx, part)[i]
+
+    def env(self, ctx: LaunchContext, **fields: Any) -> Env:
+        train = self.tasks.train
+        return Env(
+            self.tasks.ops(ctx.device),
+            round_=self.slot.round_,
+            rounds=train.rounds,
+            chunk_tokens=train.chunk_tokens,
+            **fields,
+        )
+
+    def named(self, ctx: LaunchContext, role: str) -> Tensors:
+        """Every packed object of ``role`` viewed as named tensors, merged."""
+        out: Tensors = {}
+        for obj in self.slot.objects(role):
+            out.update(self.layout.views(obj, self.buffer(ctx, obj)))
+        return out
+
+    def one(self, ctx: LaunchContext, role: str) -> torch.Tensor:
+        return self.buffer(ctx, self.slot.one(role))
+
+    def store_grads(self, ctx: LaunchContext, role: str, grads: Mapping[str, Any]) -> None:
+        """Write (round 0) or accumulate the gradients into the ``role`` objects; each
+        trainable tensor must have its gradient, of its shape."""
+        targets = {
+            obj: self.layout.views(obj, self.buffer(ctx, obj)) for obj in self.slot.objects(role)
+        }
+        for obj, views in targets.items():
+            add = obj in self.slot.mutates.get(role, ())
+            for name, target in views.items():
+                value = grads.get(name)
+                if value is None:
+                    raise FamilyContractError(
+                        f"task {self.task.id}: {self.task.compute_key} returned no gradient "
+                        f"for {obj}:{name}"
+                    )
+                _check_shape(self.task, f"gradient {name}", value, target)
+                if add:
+                    target.add_(value)
+                else:
+                    target.copy_(value)
+
+    def store(self, ctx: LaunchContext, role: str, values: Mapping[str, Any], what: str) -> None:
+        """Write every declared tensor of the ``role`` object from ``values``."""
+        obj = self.slot.one(role)
+        for name, target in self.layout.views(obj, self.buffer(ctx, obj)).items():
+            value = values.get(name)
+            if value is None:
+                raise FamilyContractError(
+                    f"task {self.task.id}: {self.task.compute_key} returned no {what} {name!r} "
+                    f"(declared: {', '.join(e.name for e in self.layout.packed[obj].layout.entries)})"
+                )
+            _check_shape(self.task, f"{what} {name!r}", value, target)
+            target.copy_(value)
+
+
+def _check_shape(task: Task, what: str, value: Any, target: torch.Tensor) -> None:
+    if tuple(value.shape) != tuple(target.shape):
+        raise FamilyContractError(
+            f"task {task.id}: {task.compute_key} gave {what} of shape {tuple(value.shape)}; "
+            f"declared {tuple(target.shape)}"
+        )
+
+
+class EmbedForward(_Exec):
+    def launch(self, ctx: LaunchContext) -> None:
+        y = self.tasks.math("embed").forward(
+            self.tasks.config, self.named(ctx, "w"), self.one(ctx, "tokens"), self.env(ctx)
+        )
+        _check_shape(self.task, "output", y, self.one(ctx, "y"))
+        self.one(ctx, "y").copy_(y)
+
+
+class EmbedBackward(_Exec):
+    def launch(self, ctx: LaunchContext) -> None:
+        grads = self.tasks.math("embed").backward(
+            self.tasks.config, self.one(ctx, "tokens"), self.one(ctx, "dy"), self.env(ctx)
+        )
+        self.store_grads(ctx, "grad", grads)
+
+
+class BlockForward(_Exec):
+    def launch(self, ctx: LaunchContext) -> None:
+        aux = self.named(ctx, "aux")
+        if self.slot.round_ == 0:
+            for tensor in aux.values():
+                tensor.zero_()  # Aux counts over the step: zeroed before its first round
+        math = self.tasks.math(self.kind)
+        y, saved, aux_temp = math.forward(
+            self.tasks.config, self.named(ctx, "w"), self.one(ctx, "x"), self.env(ctx, aux=aux)
+        )
+        _check_shape(self.task, "output", y, self.one(ctx, "y"))
+        self.one(ctx, "y").copy_(y)
+        if self.slot.save:
+            self.store(ctx, "saved", saved, "saved tensor")
+        if self.slot.objects("aux_temp"):
+            self.store(ctx, "aux_temp", aux_temp, "aux_temp tensor")
+
+
+class BlockRecompute(_Exec):
+    def launch(self, ctx: LaunchContext) -> None:
+        math = self.tasks.math(self.kind)
+        saved = math.recompute(
+            self.tasks.config,
+            self.named(ctx, "w"),
+            self.one(ctx, "x"),
+            self.named(ctx, "aux_temp"),
+            self.env(ctx),
+        )
+        self.store(ctx, "saved", saved, "saved tensor")
+
+
+class BlockBackward(_Exec):
+    def launch(self, ctx: LaunchContext) -> None:
+        math = self.tasks.math(self.kind)
+        dx, grads = math.backward(
+            self.tasks.config,
+            self.named(ctx, "w"),
+            self.one(ctx, "x"),
+            self.named(ctx, "saved"),
+            self.named(ctx, "aux_temp"),
+            self.one(ctx, "dy"),
+            self.env(ctx, aux=self.named(ctx, "aux")),
+        )
+        _check_shape(self.task, "dx", dx, self.one(ctx, "dx"))
+        self.one(ctx, "dx").copy_(dx)
+        self.store_grads(ctx, "grad", grads)
+
+
+class HeadLoss(_Exec):
+    def __init__(self, tasks: TrainingTasks, task: Task, slot: TaskSlot) -> None:
+        super().__init__(tasks, task, slot)
+        self.tied = self.layout.layer(slot.layer).tied  # local name -> "layer.param"
+
+    def launch(self, ctx: LaunchContext) -> None:
+        params = self.named(ctx, "w")
+        tied_views = self.named(ctx, "tied")
+        for local, target in self.tied.items():
+            params[local] = tied_views[target.partition(".")[2]]
+        env = self.env(ctx, grad_scale=1.0 / self.tasks.train.rounds)
+        loss, dx, grads = self.tasks.math("head").forward_backward(
+            self.tasks.config, params, self.one(ctx, "x"), self.one(ctx, "targets"), env
+        )
+        self.one(ctx, "loss").copy_(loss)
+        _check_shape(self.task, "dx", dx, self.one(ctx, "dx"))
+        self.one(ctx, "dx").copy_(dx)
+        self.store_grads(ctx, "grad", {k: v for k, v in grads.items() if k not in self.tied})
+        if self.slot.objects("tied_grad"):
+            tied = {self.tied[k].partition(".")[2]: v for k, v in grads.items() if k in self.tied}
+            self.store_grads_partial(ctx, "tied_grad", tied)
+
+    def store_grads_partial(self, ctx: LaunchContext, role: str, grads: Mapping[str, Any]) -> None:
+        """Into the tied layer's gradients: the tied tensors get the head's gradient; the
+        rest of an object the head creates is zeroed (an output is fully written)."""
+        for obj in self.slot.objects(role):
+            add = obj in self.slot.mutates.get(role, ())
+            for name, target in self.layout.views(obj, self.buffer(ctx, obj)).items():
+                value = grads.get(name)
+                if value is None:
+                    if not add:
+                        target.zero_()
+                    continue
+                _check_shape(self.task, f"gradient {name}", value, target)
+                target.add_(value) if add else target.copy_(value)
+
+
+class OptimizerStep(_Exec):
+    """One update of a parameter group, every tensor at once (decay and no-decay lists)."""
+
+    def __init__(self, tasks: TrainingTasks, task: Task, slot: TaskSlot) -> None:
+        super().__init__(tasks, task, slot)
+        self.w_obj, self.o_obj, self.g_obj = slot.one("w"), slot.one("opt_state"), slot.one("grad")
+        self.decay = set(self.layout.packed[self.w_obj].decay)
+
+    def launch(self, ctx: LaunchContext) -> None:
+        spec = self.tasks.optimizer
+        grads = self.layout.views(self.g_obj, self.buffer(ctx, self.g_obj))
+        weights = self.layout.views(self.w_obj, self.buffer(ctx, self.w_obj))
+        states = self.layout.views(self.o_obj, self.buffer(ctx, self.o_obj))
+        policy = self.tasks.train.optimizer
+        as_dict = attrs.asdict(policy)
+        step = int(ctx.values.get("step", 0)) + 1
+        for decayed in (True, False):
+            names = [n for n in grads if (n in self.decay) == decayed]
+            if not names:
+                continue
+            spec.update(
+                self.tasks.ops(ctx.device),
+                [weights[n] for n in names],
+                [grads[n] for n in names],
+                {f: [states[f"{n}/{f}"] for n in names] for f in spec.state_fields},
+                step=step,
+                policy=as_dict,
+                weight_decay=policy.weight_decay if decayed else 0.0,
+            )
