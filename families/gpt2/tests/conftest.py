@@ -1,11 +1,8 @@
 """Shared fixtures: the ops, a small float64 config and a reference model with non-trivial
 weights, and the tolerances every comparison uses.
 
-Ops come from the kernel registry (``load_ops("cpu")``, the ``dataflow-kernels-torch``
-reference variants) whenever a kernel package provides them; without one, the suite falls
-back to ``PLAIN_OPS`` below (plain torch, the same formulas) and says so in its header,
-and ``test_gpt2_math.py::test_installed_kernels_provide_every_op`` is skipped with the
-reason.
+Ops come from the kernel registry (``load_ops("cpu", OPS)``: the family's ops from
+``dataflow-kernels-torch``, a dependency of the family).
 """
 
 from __future__ import annotations
@@ -14,10 +11,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
 from dataflow_family_gpt2.config import GPT2Config
 from dataflow_family_gpt2.layers import layer_specs
+from dataflow_family_gpt2.model import OPS
 from dataflow_family_gpt2.reference import GPT2Reference
+from dataflow_training.family import Env
 from dataflow_training.ops import load_ops
 
 # Tolerances. Embed and block math run in float64 and differ from the reference only by
@@ -28,46 +26,11 @@ FLOAT64 = {"rtol": 1e-9, "atol": 1e-12}
 CROSS_ENTROPY = {"rtol": 2e-5, "atol": 1e-8}
 
 
-def _chunked_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The op's contract in float32 (test-only fallback)."""
-    loss_sum = torch.zeros((), dtype=torch.float32)
-    d_hidden = torch.empty_like(hidden)
-    d_weight = torch.zeros(weight.shape, dtype=torch.float32)
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        rows = hidden[start : start + chunk_tokens].float()
-        target = targets[start : start + chunk_tokens]
-        scored = target != -100
-        index = torch.where(scored, target, 0)
-        log_probs = (rows @ weight.float().T).log_softmax(dim=1)
-        picked = log_probs.gather(1, index[:, None]).squeeze(1)
-        loss_sum -= torch.where(scored, picked, 0.0).sum()
-        d_logits = log_probs.exp()
-        d_logits[torch.arange(len(index)), index] -= 1.0
-        d_logits *= scored[:, None]
-        d_hidden[start : start + chunk_tokens] = d_logits @ weight.float()
-        d_weight += d_logits.T @ rows
-    return loss_sum, d_hidden, d_weight.to(weight.dtype)
-
-
-#: Plain-torch implementations of the ops the family calls (test-only fallback).
-PLAIN_OPS: dict[str, Callable] = {
-    "attention": lambda q, k, v, *, causal: F.scaled_dot_product_attention(
-        q, k, v, is_causal=causal
-    ),
-    "layer_norm": lambda x, weight, bias, eps: F.layer_norm(x, (x.shape[-1],), weight, bias, eps),
-    "gelu": lambda x: F.gelu(x, approximate="tanh"),
-    "linear": lambda x, weight, bias=None: F.linear(x, weight, bias),
-    "chunked_cross_entropy": _chunked_cross_entropy,
-}
-
-
 def _installed_ops() -> tuple[dict[str, Callable] | None, str]:
     try:
-        return load_ops("cpu"), "load_ops('cpu') (installed kernel packages)"
+        return load_ops("cpu", OPS), "load_ops('cpu', gpt2's ops) (installed kernel packages)"
     except LookupError as error:
-        return None, f"test-only plain torch ops ({error})"
+        return None, str(error)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -88,14 +51,14 @@ def ce_tol() -> dict[str, float]:
 def installed_ops() -> dict[str, Callable]:
     ops, source = _installed_ops()
     if ops is None:
-        pytest.skip(f"no kernel package provides every op on cpu: {source}")
+        pytest.fail(f"no kernel package provides every gpt2 op on cpu: {source}")
     return ops
 
 
 @pytest.fixture(scope="session")
-def ops() -> dict[str, Callable]:
-    installed, _ = _installed_ops()
-    return installed if installed is not None else PLAIN_OPS
+def ops(installed_ops) -> Env:
+    """What the family's math takes: the ops in an ``Env`` (one round, no Aux)."""
+    return Env(installed_ops)
 
 
 @pytest.fixture(scope="session")

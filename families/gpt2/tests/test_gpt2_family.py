@@ -32,7 +32,8 @@ def test_the_family_satisfies_the_protocol() -> None:
     assert isinstance(family.math("embed"), EmbedMath)
     assert isinstance(family.math("block"), BlockMath)
     assert isinstance(family.math("head"), HeadMath)
-    assert family.tied() and family.name == "gpt2"
+    layers = family.layers(family.config("gpt2_tiny"))
+    assert layers[-1].tied == {"wte": "emb.wte"} and family.name == "gpt2"
     assert hasattr(family, "import_hf") and hasattr(family, "export_hf")
 
 
@@ -130,7 +131,9 @@ def test_preset_table_is_the_one_in_the_docs() -> None:
 
 
 def test_a_block_preset_sizes_its_saved_activations() -> None:
-    """The saved-activation formula of the README: 8 * n_embd values per token."""
+    """The saved-activation formula of model.py: 9 * n_embd bf16 values and n_head float32
+    logsumexps per token, 13,872 bytes per token for gpt2_124m."""
     config = preset("gpt2_124m")
-    specs = GPT2Family().math("block").saved_specs(config, 8, 1024)
-    assert sum(prod(spec.shape) for spec in specs) * 2 == 96 * 2**20  # bfloat16 bytes
+    specs = GPT2Family().math("block").saved(config, 8, 1024)
+    size = {"policy": 2, "float32": 4}
+    assert sum(prod(spec.shape) * size[spec.dtype] for spec in specs) == 8 * 1024 * 13_872

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from dataflow_family_gpt2.model import GPT2Block, GPT2Embed, GPT2Head, math_of
-from dataflow_training.ops import OP_NAMES
+from dataflow_family_gpt2.model import OPS
+from dataflow_training.family import Env
 
 
 def test_installed_kernels_provide_every_op(installed_ops) -> None:
-    assert set(installed_ops) == set(OP_NAMES)
+    assert set(installed_ops) == set(OPS)
 
 
 # -- embed --------------------------------------------------------------------------------
@@ -59,14 +60,14 @@ def test_block_forward_and_backward_match_autograd_on_the_reference(
     block_ref = reference.get_submodule(layer)
     x = torch.randn(3, 11, config.n_embd, dtype=torch.float64)
     block = GPT2Block()
-    y, saved = block.forward(config, layer_params[layer], x, ops)
+    y, saved, _ = block.forward(config, layer_params[layer], x, ops)
 
     x_leaf = x.clone().requires_grad_()
     y_ref = block_ref(x_leaf)
     torch.testing.assert_close(y, y_ref, **float64_tol)
 
     dy = torch.randn_like(y)
-    dx, grads = block.backward(config, layer_params[layer], x, saved, dy, ops)
+    dx, grads = block.backward(config, layer_params[layer], x, saved, {}, dy, ops)
     names = list(layer_params[layer])
     auto = torch.autograd.grad(y_ref, [x_leaf, *(block_ref.get_parameter(n) for n in names)], dy)
     torch.testing.assert_close(dx, auto[0], **float64_tol)
@@ -82,8 +83,8 @@ def test_the_key_bias_gradient_is_exactly_zero(config, layer_params, ops) -> Non
     block, params = GPT2Block(), layer_params["0"]
     x = torch.randn(2, 7, config.n_embd, dtype=torch.float32)
     params32 = {name: tensor.float() for name, tensor in params.items()}
-    _, saved = block.forward(config, params32, x, ops)
-    _, grads = block.backward(config, params32, x, saved, torch.randn_like(x), ops)
+    _, saved, _ = block.forward(config, params32, x, ops)
+    _, grads = block.backward(config, params32, x, saved, {}, torch.randn_like(x), ops)
     n = config.n_embd
     assert torch.count_nonzero(grads["attn.c_attn.bias"][n : 2 * n]) == 0
     assert torch.count_nonzero(grads["attn.c_attn.bias"][:n]) == n  # queries and values: not
@@ -101,38 +102,39 @@ def test_the_training_plugin_task_checks_pass(config, installed_ops) -> None:
     assert checks and all(check.ok for check in checks), [c for c in checks if not c.ok]
 
 
-def test_block_saves_what_saved_specs_declares_and_recompute_equals_it(
-    config, layer_params, ops
-) -> None:
+def test_block_saves_what_it_declares_and_recompute_equals_it(config, layer_params, ops) -> None:
     block = GPT2Block()
     x = torch.randn(2, 9, config.n_embd, dtype=torch.float64)
-    _, saved = block.forward(config, layer_params["0"], x, ops)
-    specs = block.saved_specs(config, batch=2, seq_len=9)
+    _, saved, aux_temp = block.forward(config, layer_params["0"], x, ops)
+    assert aux_temp == {} and block.aux_temp(config, 2, 9) == ()
+    specs = block.saved(config, batch=2, seq_len=9)
     assert [spec.name for spec in specs] == list(saved)
     for spec in specs:
         assert tuple(saved[spec.name].shape) == spec.shape, spec.name
-        assert spec.dtype == "param" and saved[spec.name].dtype == x.dtype
-    again = block.recompute(config, layer_params["0"], x, ops)
+        wanted = torch.float64 if spec.dtype in ("policy", "float32") else None
+        assert saved[spec.name].dtype == wanted, spec.name  # float64 math keeps float64 stats
+    again = block.recompute(config, layer_params["0"], x, {}, ops)
     assert list(again) == list(saved)
     for name in saved:
         assert torch.equal(again[name], saved[name]), name
 
 
-def test_saved_activations_are_eight_hidden_widths_per_token(config) -> None:
-    specs = GPT2Block().saved_specs(config, batch=4, seq_len=16)
-    per_token = sum(spec.shape[-1] for spec in specs)
-    assert per_token == 8 * config.n_embd
-    assert all(spec.shape[:2] == (4, 16) for spec in specs)
+def test_saved_activations_are_nine_hidden_widths_and_the_lse_per_token(config) -> None:
+    specs = {spec.name: spec for spec in GPT2Block().saved(config, batch=4, seq_len=16)}
+    widths = sum(spec.shape[-1] for name, spec in specs.items() if name != "lse")
+    assert widths == 9 * config.n_embd
+    assert specs["lse"].shape == (4, config.n_head, 16) and specs["lse"].dtype == "float32"
+    assert all(spec.shape[:2] == (4, 16) for name, spec in specs.items() if name != "lse")
 
 
 def test_block_backward_from_recomputed_activations_is_identical(config, layer_params, ops) -> None:
     block, params = GPT2Block(), layer_params["1"]
     x = torch.randn(2, 9, config.n_embd, dtype=torch.float64)
     dy = torch.randn_like(x)
-    _, saved = block.forward(config, params, x, ops)
-    dx, grads = block.backward(config, params, x, saved, dy, ops)
+    _, saved, _ = block.forward(config, params, x, ops)
+    dx, grads = block.backward(config, params, x, saved, {}, dy, ops)
     dx2, grads2 = block.backward(
-        config, params, x, block.recompute(config, params, x, ops), dy, ops
+        config, params, x, block.recompute(config, params, x, {}, ops), {}, dy, ops
     )
     assert torch.equal(dx, dx2)
     assert all(torch.equal(grads[name], grads2[name]) for name in grads)
@@ -143,9 +145,9 @@ def test_block_backward_leaves_no_graph_and_does_not_touch_its_inputs(
 ) -> None:
     block, params = GPT2Block(), layer_params["0"]
     x = torch.randn(2, 5, config.n_embd, dtype=torch.float64)
-    _, saved = block.forward(config, params, x, ops)
+    _, saved, _ = block.forward(config, params, x, ops)
     before = {name: tensor.clone() for name, tensor in {**params, **saved, "x": x}.items()}
-    dx, grads = block.backward(config, params, x, saved, torch.randn_like(x), ops)
+    dx, grads = block.backward(config, params, x, saved, {}, torch.randn_like(x), ops)
     assert not dx.requires_grad and not any(g.requires_grad for g in grads.values())
     after = {**params, **saved, "x": x}
     assert all(torch.equal(before[name], after[name]) for name in before)
@@ -172,17 +174,18 @@ def test_head_loss_and_gradients_match_the_reference(
 ) -> None:
     _, targets = batch_tokens
     x = torch.randn(*targets.shape, config.n_embd, dtype=torch.float64)
-    loss, dx, head_grads, embed_grads = GPT2Head().forward_backward(
-        config, layer_params["head"], layer_params["emb"], x, targets, chunk_tokens, ops
+    params = {**layer_params["head"], "wte": layer_params["emb"]["wte"]}
+    loss, dx, grads = GPT2Head().forward_backward(
+        config, params, x, targets, Env(ops.ops, chunk_tokens=chunk_tokens)
     )
     ref_loss, (ref_dx, ref_dw, ref_db, ref_dwte) = _reference_head(reference, x, targets)
     assert loss.dim() == 0 and loss.dtype == torch.float32
     torch.testing.assert_close(loss.double(), ref_loss, **ce_tol)
     torch.testing.assert_close(dx, ref_dx, **ce_tol)
-    assert list(head_grads) == ["ln_f.weight", "ln_f.bias"] and list(embed_grads) == ["wte"]
-    torch.testing.assert_close(head_grads["ln_f.weight"], ref_dw, **ce_tol)
-    torch.testing.assert_close(head_grads["ln_f.bias"], ref_db, **ce_tol)
-    torch.testing.assert_close(embed_grads["wte"], ref_dwte, **ce_tol)
+    assert sorted(grads) == ["ln_f.bias", "ln_f.weight", "wte"]
+    torch.testing.assert_close(grads["ln_f.weight"], ref_dw, **ce_tol)
+    torch.testing.assert_close(grads["ln_f.bias"], ref_db, **ce_tol)
+    torch.testing.assert_close(grads["wte"], ref_dwte, **ce_tol)
 
 
 def test_head_with_every_target_ignored_gives_zero_loss_and_gradients(
@@ -190,11 +193,12 @@ def test_head_with_every_target_ignored_gives_zero_loss_and_gradients(
 ) -> None:
     x = torch.randn(2, 3, config.n_embd, dtype=torch.float64)
     targets = torch.full((2, 3), -100)
-    loss, dx, head_grads, embed_grads = GPT2Head().forward_backward(
-        config, layer_params["head"], layer_params["emb"], x, targets, 4, ops
+    params = {**layer_params["head"], "wte": layer_params["emb"]["wte"]}
+    loss, dx, grads = GPT2Head().forward_backward(
+        config, params, x, targets, Env(ops.ops, chunk_tokens=4)
     )
-    assert loss.item() == 0.0 and dx.abs().sum() == 0 and embed_grads["wte"].abs().sum() == 0
-    assert all(grad.abs().sum() == 0 for grad in head_grads.values())
+    assert loss.item() == 0.0 and dx.abs().sum() == 0
+    assert all(grad.abs().sum() == 0 for grad in grads.values())
 
 
 def test_math_of_an_unknown_kind_names_the_known_ones() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dataflow_family_gpt2.family import GPT2Family
+from dataflow_training.family import Env
 
 
 def family_step(family, config, layer_params, tokens, targets, ops, *, recompute: bool):
@@ -17,23 +18,25 @@ def family_step(family, config, layer_params, tokens, targets, ops, *, recompute
     inputs, saved = [], []
     for layer in blocks:
         inputs.append(hidden)
-        hidden, kept = family.math(layer.kind).forward(
+        hidden, kept, _ = family.math(layer.kind).forward(
             config, layer_params[layer.name], hidden, ops
         )
         saved.append(None if recompute else kept)
-    loss, d_hidden, head_grads, tied_grads = family.math("head").forward_backward(
-        config, layer_params[head.name], layer_params[embed.name], hidden, targets, 7, ops
+    head_params = {**layer_params[head.name], "wte": layer_params[embed.name]["wte"]}
+    loss, d_hidden, head_grads = family.math("head").forward_backward(
+        config, head_params, hidden, targets, Env(ops.ops, chunk_tokens=7)
     )
+    tied_wte = head_grads.pop("wte")
     grads = {head.name: head_grads}
     for layer, x, kept in reversed(list(zip(blocks, inputs, saved, strict=True))):
         math = family.math(layer.kind)
         params = layer_params[layer.name]
         if kept is None:
-            kept = math.recompute(config, params, x, ops)
-        d_hidden, grads[layer.name] = math.backward(config, params, x, kept, d_hidden, ops)
+            kept = math.recompute(config, params, x, {}, ops)
+        d_hidden, grads[layer.name] = math.backward(config, params, x, kept, {}, d_hidden, ops)
     grads[embed.name] = family.math("embed").backward(config, tokens, d_hidden, ops)
-    assert family.tied()
-    grads[embed.name]["wte"] = grads[embed.name]["wte"] + tied_grads["wte"]
+    assert head.tied == {"wte": "emb.wte"}
+    grads[embed.name]["wte"] = grads[embed.name]["wte"] + tied_wte
     return loss, grads
 
 

@@ -9,6 +9,7 @@ import pytest
 from dataflow_training.config import DtypePolicy, TrainConfig
 from dataflow_training.layout import ALIGN_BYTES, Layout
 from dataflow_training.lowering import lower
+from dataflow_training.step import StepLayout
 from dataflow_training.toy import ToyFamily
 
 from dataflow.planning import minimal_budget, plan
@@ -63,12 +64,12 @@ def test_sizes_are_exact_and_aligned() -> None:
     assert w.size_bytes == math.ceil(dim * dim * 2 / ALIGN_BYTES) * ALIGN_BYTES + ALIGN_BYTES
     assert program.obj("y_0_0_0").size_bytes == 3 * 5 * dim * 2
     assert program.obj("x_0_0").tensor.dtype == "int64"
-    layout = Layout.from_dict(program.metadata["layouts"]["O_1"])
-    # AdamW states stay float32 under the bf16 policy: two fields per parameter
+    layout = StepLayout.of(program).packed["O_1"].layout
+    # AdamW states stay float32 under the bf16 policy: each field over the group's tensors
     assert [e.name for e in layout.entries] == [
         "w/exp_avg",
-        "w/exp_avg_sq",
         "b/exp_avg",
+        "w/exp_avg_sq",
         "b/exp_avg_sq",
     ]
     assert {e.dtype for e in layout.entries} == {"float32"}

@@ -7,9 +7,9 @@ import pytest
 import torch
 from dataflow_resolver_torch.training import TrainingResolver
 from dataflow_training.config import OptimizerPolicy, TrainConfig
-from dataflow_training.layout import Layout
 from dataflow_training.lowering import lower
 from dataflow_training.toy import ToyFamily, plain_ops
+from dataflow_training.values import read_state, start_values
 
 from dataflow.engine import Engine
 from dataflow.planning import minimal_budget, plan
@@ -54,26 +54,12 @@ def _reference_run(family, config, state):
     return losses, {name: model.param(name).detach() for name in state}
 
 
-def _initial(program, config, state, step: int):
+def _initial(program, config, state, step: int, data_only: bool = False):
     """Start values of every object that exists at start: packed weights, zero optimizer
     state, this step's tokens."""
-    values = {}
-    for obj in program.objects:
-        if not program.exists_at_start(obj.id):
-            continue
-        if obj.id.startswith(("W_", "O_")):
-            buffer = torch.zeros(obj.size_bytes, dtype=torch.uint8)
-            if obj.id.startswith("W_"):
-                views = Layout.from_dict(program.metadata["layouts"][obj.id]).views(buffer)
-                layer = obj.id[2:]
-                for name, view in views.items():
-                    view.copy_(state[f"{layer}.{name}"])
-            values[obj.id] = buffer
-        else:
-            _, s, r = obj.id.split("_")
-            tokens, targets = _data(config, step, int(r))
-            values[obj.id] = tokens if obj.id.startswith("x_") else targets
-    return values
+    return start_values(
+        program, state, lambda s, r: _data(config, s, r), step=step, data_only=data_only
+    )
 
 
 @pytest.mark.parametrize("budget", ["generous", "tight"])
@@ -100,15 +86,9 @@ def test_toy_training_matches_autograd(budget: str) -> None:
             planned, resolver, initial=_initial(program, config, state, 0), placement=place(planned)
         )
         for _ in range(STEPS):  # fresh tokens each step; weights and states carry over
-            engine.run(
-                feed=lambda step: {
-                    k: v for k, v in _initial(program, config, state, step).items() if k[0] in "xt"
-                }
-            )
+            engine.run(feed=lambda step: _initial(program, config, state, step, data_only=True))
             losses += [engine.fetch(f"loss_0_{r}").item() for r in range(ROUNDS)]
-        weights = {
-            obj: engine.fetch(obj) for obj in program.final_locations if obj.startswith("W_")
-        }
+        weights = read_state(program, engine.fetch)
     if budget == "tight":
         assert (
             planned.sim.fast_peak_bytes <= budget_bytes < plan(program, 2**30).sim.fast_peak_bytes
@@ -119,13 +99,9 @@ def test_toy_training_matches_autograd(budget: str) -> None:
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6
     )
-    for obj, buffer in weights.items():
-        layer = obj[2:]
-        views = Layout.from_dict(program.metadata["layouts"][obj]).views(buffer)
-        for name, view in views.items():
-            torch.testing.assert_close(
-                view.double(), expected[f"{layer}.{name}"], rtol=1e-4, atol=1e-5
-            )
+    assert weights.keys() == expected.keys()
+    for name, value in weights.items():
+        torch.testing.assert_close(value.double(), expected[name], rtol=1e-4, atol=1e-5)
 
 
 def test_verify_ladder_passes_on_the_toy_family(isolated_plugin_manager) -> None:
@@ -158,12 +134,13 @@ def test_an_added_optimizer_runs_through_lowering_and_resolver(monkeypatch) -> N
     the toy family exactly like torch.optim.SGD."""
     from dataflow_training import optimizers
 
-    def sgd(ops, param, grad, states, *, step, policy, decay):
-        states["momentum"].mul_(policy["beta1"]).add_(grad)
-        param.add_(states["momentum"], alpha=-policy["lr"])
+    def sgd(ops, params, grads, states, *, step, policy, weight_decay):
+        for param, grad, momentum in zip(params, grads, states["momentum"], strict=True):
+            momentum.mul_(policy["beta1"]).add_(grad)
+            param.add_(momentum, alpha=-policy["lr"])
 
     monkeypatch.setitem(
-        optimizers.OPTIMIZERS, "sgd", optimizers.OptimizerSpec("sgd", ("momentum",), sgd)
+        optimizers.OPTIMIZERS, "sgd", optimizers.OptimizerSpec("sgd", ("momentum",), (), sgd)
     )
     family = ToyFamily()
     config = family.config("small")
@@ -180,12 +157,13 @@ def test_an_added_optimizer_runs_through_lowering_and_resolver(monkeypatch) -> N
             initial=_initial(program, config, state, 0),
         )
         engine.run(
-            steps=2,
-            feed=lambda step: {
-                k: v for k, v in _initial(program, config, state, step).items() if k[0] in "xt"
-            },
+            steps=2, feed=lambda step: _initial(program, config, state, step, data_only=True)
         )
-        weights = Layout.from_dict(program.metadata["layouts"]["W_1"]).views(engine.fetch("W_1"))
+        weights = {
+            k.partition(".")[2]: v
+            for k, v in read_state(program, engine.fetch).items()
+            if k.startswith("1.")
+        }
     model = family.reference_model(config).double()
     model.load_state_dict({k: v.double() for k, v in state.items()})
     reference = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

@@ -1,4 +1,5 @@
-"""Entry-point module of dataflow-training: adds ``dataflow verify``."""
+"""Entry-point module of dataflow-training: adds ``dataflow verify`` and the ``toy_moe``
+family (the protocol's worked MoE example); imports torch only when the family loads."""
 
 from __future__ import annotations
 
@@ -10,3 +11,23 @@ def dataflow_cli_commands() -> list:
     from dataflow_training.cli import verify_command
 
     return [verify_command]
+
+
+def _toy_moe():
+    from dataflow_training.toy_moe import ToyMoEFamily
+
+    return ToyMoEFamily()
+
+
+@hookimpl
+def dataflow_families() -> list:
+    from dataflow.registry import FamilySpec
+
+    return [
+        FamilySpec(
+            "toy_moe",
+            "a toy mixture of experts (top-2 routing as AuxTemp, expert-load Aux, experts as "
+            "their own parameter group): the family protocol's worked example",
+            _toy_moe,
+        )
+    ]

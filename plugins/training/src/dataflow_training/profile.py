@@ -24,7 +24,7 @@ import torch
 from dataflow.engine import LaunchContext
 from dataflow.engine.backends.torch_storage import typed_view
 from dataflow.schema import Program, Task
-from dataflow_training.layout import Layout
+from dataflow_training.step import StepLayout
 
 #: Workspace is rounded up to the allocator's block size (kMinBlockSize, 512 bytes).
 ROUND_BYTES = 512
@@ -49,23 +49,17 @@ def signature(program: Program, task: Task) -> tuple:
     )
 
 
-def _layout_of(program: Program, obj_id: str, task: Task) -> Layout | None:
-    layouts = program.metadata.get("layouts", {})
-    if obj_id in layouts:
-        return Layout.from_dict(layouts[obj_id])
-    kind = task.params.get("kind")
-    if obj_id.startswith("A_") and f"A:{kind}" in layouts:
-        return Layout.from_dict(layouts[f"A:{kind}"])
-    return None
-
-
 def _filled(
-    program: Program, obj_id: str, task: Task, device: torch.device, generator: torch.Generator
+    program: Program,
+    layout: StepLayout,
+    obj_id: str,
+    device: torch.device,
+    generator: torch.Generator,
 ) -> torch.Tensor:
     obj = program.obj(obj_id)
     buffer = torch.zeros(obj.size_bytes, dtype=torch.uint8, device=device)
-    layout = _layout_of(program, obj_id, task)
-    views = layout.views(buffer) if layout is not None else {}
+    packed = layout.packed.get(obj_id)
+    views = packed.layout.views(buffer) if packed is not None else {}
     if obj.tensor is not None:
         views = {"": typed_view(buffer, obj)}
     for view in views.values():
@@ -87,22 +81,27 @@ def profile_program(
     dev = torch.device(device)
     generator = torch.Generator().manual_seed(seed)
     profiles: dict[tuple, TaskProfile] = {}
+    layout = StepLayout.of(program)
     for task in program.tasks:
         key = signature(program, task)
         if key in profiles:
             continue
-        ctx = _context(program, task, dev, generator)
+        ctx = _context(program, layout, task, dev, generator)
         executable = resolver(task)
         profiles[key] = _measure(executable, ctx, dev, repeats)
     return profiles
 
 
 def _context(
-    program: Program, task: Task, dev: torch.device, generator: torch.Generator
+    program: Program,
+    layout: StepLayout,
+    task: Task,
+    dev: torch.device,
+    generator: torch.Generator,
 ) -> LaunchContext:
     """A launch context over fresh, filled buffers for every object the task names."""
     objs = program.objects_by_id
-    buffers = {o: _filled(program, o, task, dev, generator) for o in task.uses}
+    buffers = {o: _filled(program, layout, o, dev, generator) for o in task.uses}
 
     def views(names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
         return tuple(typed_view(buffers[o], objs[o]) for o in names)

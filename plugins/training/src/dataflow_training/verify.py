@@ -243,8 +243,8 @@ def task_checks(
 ) -> list[Check]:
     """Every layer kind's math: recompute equals what forward saved; the hand backward
     equals autograd through the family's own forward; the fused head gives the same loss
-    and gradients whatever its chunk size. Layers with Aux are checked by the step level
-    (their forward changes state)."""
+    and gradients whatever its chunk size. Aux is left out here (an empty ``env.aux``: no
+    load counts, no balance term); the step level checks it."""
     ops = load_ops(device, family.ops)
     torch.manual_seed(seed)
     state = {
@@ -259,7 +259,7 @@ def task_checks(
     with torch.enable_grad():
         for layer in layers:
             params = {p.name: state[f"{layer.name}.{p.name}"] for p in layer.params}
-            if layer.kind == "head" or layer.kind in seen or layer.aux:
+            if layer.kind == "head" or layer.kind in seen:
                 continue
             seen.add(layer.kind)
             checks += _layer_checks(
@@ -512,9 +512,9 @@ def _reference_steps(family, config, state, train, steps, rounds, tokens):
     for step in range(steps):
         optimizer.zero_grad()
         batches = [tokens(step, round_) for round_ in range(rounds)]
-        if multi_round:  # a model whose loss spans the rounds (Aux over the step)
-            round_losses = model(batches)
-            sum(loss / rounds for loss in round_losses).backward()
+        if multi_round:  # a model whose objective spans the rounds (Aux over the step)
+            round_losses, extra = model(batches)
+            (sum(loss / rounds for loss in round_losses) + extra).backward()
             losses += [loss.detach() for loss in round_losses]
         else:
             for x, t in batches:
