@@ -55,6 +55,7 @@ def _filled(
     obj_id: str,
     device: torch.device,
     generator: torch.Generator,
+    int_high: Callable[[str], int],
 ) -> torch.Tensor:
     obj = program.obj(obj_id)
     buffer = torch.zeros(obj.size_bytes, dtype=torch.uint8, device=device)
@@ -66,6 +67,8 @@ def _filled(
         if view.is_floating_point():
             noise = 0.02 * torch.randn(view.shape, generator=generator)
             view.copy_(noise.to(view.dtype))
+        elif int_high(obj_id) > 1:
+            view.copy_(torch.randint(0, int_high(obj_id), view.shape, generator=generator))
     return buffer
 
 
@@ -76,8 +79,12 @@ def profile_program(
     device: str = "cuda",
     repeats: int = 3,
     seed: int = 0,
+    int_high: Callable[[str], int] = lambda obj_id: 1,
 ) -> dict[tuple, TaskProfile]:
-    """Measure every distinct task signature of ``program`` once (see the module docstring)."""
+    """Measure every distinct task signature of ``program`` once (see the module docstring).
+    Integer tensors are filled uniformly from ``[0, int_high(obj_id))`` (zeros by default;
+    tokens should be spread over the vocabulary, or the embedding's scatter-add contends
+    on one row)."""
     dev = torch.device(device)
     generator = torch.Generator().manual_seed(seed)
     profiles: dict[tuple, TaskProfile] = {}
@@ -86,7 +93,7 @@ def profile_program(
         key = signature(program, task)
         if key in profiles:
             continue
-        ctx = _context(program, layout, task, dev, generator)
+        ctx = _context(program, layout, task, dev, generator, int_high)
         executable = resolver(task)
         profiles[key] = _measure(executable, ctx, dev, repeats)
     return profiles
@@ -98,10 +105,11 @@ def _context(
     task: Task,
     dev: torch.device,
     generator: torch.Generator,
+    int_high: Callable[[str], int],
 ) -> LaunchContext:
     """A launch context over fresh, filled buffers for every object the task names."""
     objs = program.objects_by_id
-    buffers = {o: _filled(program, layout, o, dev, generator) for o in task.uses}
+    buffers = {o: _filled(program, layout, o, dev, generator, int_high) for o in task.uses}
 
     def views(names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
         return tuple(typed_view(buffers[o], objs[o]) for o in names)

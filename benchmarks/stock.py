@@ -1,0 +1,118 @@
+"""Stock PyTorch GPT-2 training, the baseline every dataflow speed figure is compared with.
+
+What a user would run without dataflow: an ``nn.Module`` GPT-2 (pre-norm blocks,
+``F.scaled_dot_product_attention`` with ``is_causal``, tanh GELU, tied output projection),
+float32 master weights under ``torch.autocast(bfloat16)``, full-vocabulary logits with
+``F.cross_entropy``, ``torch.optim.AdamW(fused=True)``, optionally ``torch.compile``. Its
+step is timed with CUDA events around forward, backward, optimizer step and zero_grad.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.c_fc, self.mlp_proj = nn.Linear(n_embd, 4 * n_embd), nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(width, dim=-1)
+        q, k, v = (t.view(batch, seq, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(attn.transpose(1, 2).reshape(batch, seq, width))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class StockGPT2(nn.Module):
+    def __init__(self, vocab: int, positions: int, n_embd: int, n_layer: int, n_head: int):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(positions, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.ln_f(x) @ self.wte.weight.t()
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def time_stock(
+    config: Any,
+    batch: int,
+    seq_len: int,
+    *,
+    compile: bool = False,
+    steps: int = 10,
+    warmup: int = 3,
+    dtype: str = "autocast",
+) -> dict[str, float]:
+    """Median step time (ms) and the allocator's peak of stock training at this shape.
+
+    ``dtype``: ``autocast`` (float32 master weights, bf16 autocast) or ``bf16`` (the model
+    and optimizer state in bfloat16)."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = StockGPT2(
+        config.vocab_size, config.n_positions, config.n_embd, config.n_layer, config.n_head
+    ).to(device)
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    optim = torch.optim.AdamW(
+        _decay_groups(model, 0.1), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True
+    )
+    forward = torch.compile(model) if compile else model
+    g = torch.Generator(device="cpu").manual_seed(0)
+    data = [
+        (
+            torch.randint(0, config.vocab_size, (batch, seq_len), generator=g).to(device),
+            torch.randint(0, config.vocab_size, (batch, seq_len), generator=g).to(device),
+        )
+        for _ in range(4)
+    ]
+
+    def step(i: int) -> None:
+        tokens, targets = data[i % len(data)]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "autocast"):
+            loss = forward(tokens, targets)
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+    for i in range(warmup):
+        step(i)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    peak = torch.cuda.max_memory_allocated()
+    del model, optim, forward
+    torch.cuda.empty_cache()
+    return {"step_ms": statistics.median(times), "peak_bytes": peak, "times_ms": times}
