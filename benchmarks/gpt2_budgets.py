@@ -9,9 +9,10 @@ temporaries measured as workspace). For each budget: plan it with PressureFit at
 budget less the CUDA libraries' own reserve, place it with the largest workspace left
 free beside the arena, run it on the engine for a few steps and record the step time, the
 allocator's own peak (which the engine checks against the budget), the ledger peak and
-the bytes moved. In the same run, stock PyTorch (the family's reference module in bf16,
-``torch.optim.AdamW(fused=True)``) trains the same shape: its step time and peak memory
-are the baseline. Medians over the measured steps; the first step warms up.
+the bytes moved. In the same run, stock PyTorch (``benchmarks/stock.py``: bf16 autocast
+over float32 weights, SDPA, ``torch.optim.AdamW(fused=True)``) trains the same shape: its
+step time and peak memory are the baseline. Medians over the measured steps; the first
+step warms up.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from pathlib import Path
 
 import torch
 from dataflow_training.config import DtypePolicy, OptimizerPolicy, TrainConfig
-from dataflow_training.layout import Layout
 from dataflow_training.lowering import lower
 from dataflow_training.profile import apply_profile, profile_program
+from dataflow_training.values import start_values
 
 from dataflow.engine import Engine
 from dataflow.engine.backends.torch_cuda import runtime_reserve_bytes
@@ -35,25 +36,21 @@ from dataflow.planning import place, plan
 from dataflow.plugins import families, resolvers
 from dataflow.units import format_size, parse_size
 
+sys.path.insert(0, str(Path(__file__).parent))
+from stock import time_stock  # noqa: E402
+
 GiB = 2**30
 
 
-def start_values(program, state, vocab, batch, seq_len, step):
-    layouts = {k: Layout.from_dict(v) for k, v in program.metadata["layouts"].items()}
-    g = torch.Generator().manual_seed(step)
-    values = {}
-    for obj in program.objects:
-        if not program.exists_at_start(obj.id):
-            continue
-        if obj.id.startswith(("x_", "t_")):
-            values[obj.id] = torch.randint(0, vocab, (batch, seq_len), generator=g)
-        elif step == 0:
-            buffer = torch.zeros(obj.size_bytes, dtype=torch.uint8)
-            if obj.id.startswith("W_"):
-                for name, view in layouts[obj.id].views(buffer).items():
-                    view.copy_(state[f"{obj.id[2:]}.{name}"])
-            values[obj.id] = buffer
-    return values
+def feed(program, state, vocab, batch, seq_len, step, data_only=False):
+    def data(step_, round_):
+        g = torch.Generator().manual_seed(1000 * step_ + round_)
+        return (
+            torch.randint(0, vocab, (batch, seq_len), generator=g),
+            torch.randint(0, vocab, (batch, seq_len), generator=g),
+        )
+
+    return start_values(program, state, data, step=step, data_only=data_only)
 
 
 def priced_program(family, preset, train, resolver: str):
@@ -75,12 +72,14 @@ def run_engine(program, train, budget, steps, state, vocab, resolver: str) -> di
         engine.load(
             planned,
             resolvers().get(resolver).build(planned.program),
-            initial=start_values(program, state, vocab, train.batch, train.seq_len, 0),
+            initial=feed(program, state, vocab, train.batch, train.seq_len, 0),
             placement=placement,
         )
         result = engine.run(
             steps=steps,
-            feed=lambda step: start_values(program, state, vocab, train.batch, train.seq_len, step),
+            feed=lambda step: feed(
+                program, state, vocab, train.batch, train.seq_len, step, data_only=True
+            ),
         )
         losses = [engine.fetch(f"loss_0_{r}").item() for r in range(train.rounds)]
     step_us = [trace.makespan_us for trace in result.steps[1:]]
@@ -101,38 +100,11 @@ def run_engine(program, train, budget, steps, state, vocab, resolver: str) -> di
     }
 
 
-def run_stock(family, config, train, steps, state) -> dict:
-    model = family.reference_model(config).to(device="cuda", dtype=torch.bfloat16)
-    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()})
-    opt = train.optimizer
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=opt.lr,
-        betas=(opt.beta1, opt.beta2),
-        eps=opt.eps,
-        weight_decay=opt.weight_decay,
-        fused=True,
-    )
-    vocab = config.vocab_size
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    times = []
-    for step in range(steps):
-        g = torch.Generator().manual_seed(step)
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        for _ in range(train.rounds):
-            x = torch.randint(0, vocab, (train.batch, train.seq_len), generator=g).cuda()
-            t = torch.randint(0, vocab, (train.batch, train.seq_len), generator=g).cuda()
-            (model(x, t) / train.rounds).backward()
-        optimizer.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() - base
-    del model, optimizer
-    torch.cuda.empty_cache()
-    return {"step_ms_median": statistics.median(times[1:]) * 1e3, "peak_bytes": peak + base}
+def run_stock(config, train, steps) -> dict:
+    """Stock PyTorch at the same shape (benchmarks/stock.py: bf16 autocast, SDPA, fused
+    AdamW); one round per step."""
+    stock = time_stock(config, train.batch, train.seq_len, steps=steps)
+    return {"step_ms_median": stock["step_ms"], "peak_bytes": stock["peak_bytes"]}
 
 
 def main() -> int:
@@ -172,7 +144,7 @@ def main() -> int:
         "rounds": args.rounds,
         "steps": args.steps,
         "resolver": args.resolver,
-        "stock": run_stock(family, config, train, args.steps, state),
+        "stock": run_stock(config, train, max(args.steps, 5)),
         "engine": [],
     }
     print(json.dumps(results["stock"]), flush=True)

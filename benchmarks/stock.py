@@ -113,6 +113,4 @@ def time_stock(
         end.synchronize()
         times.append(start.elapsed_time(end))
     peak = torch.cuda.max_memory_allocated()
-    del model, optim, forward
-    torch.cuda.empty_cache()
     return {"step_ms": statistics.median(times), "peak_bytes": peak, "times_ms": times}

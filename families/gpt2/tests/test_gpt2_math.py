@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dataflow_family_gpt2.model import GPT2Block, GPT2Embed, GPT2Head, math_of
-from dataflow_family_gpt2.model import OPS
+from dataflow_family_gpt2.model import OPS, GPT2Block, GPT2Embed, GPT2Head, math_of
 from dataflow_training.family import Env
 
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 from dataflow_training.config import DtypePolicy, TrainConfig
-from dataflow_training.layout import ALIGN_BYTES, Layout
+from dataflow_training.layout import ALIGN_BYTES
 from dataflow_training.lowering import lower
 from dataflow_training.step import StepLayout
 from dataflow_training.toy import ToyFamily
