@@ -20,8 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dataflow.engine import Engine
-from dataflow.planning import PlanningError, minimal_budget, plan
-from dataflow.planning.placement import place
+from dataflow.planning import PlanningError, minimal_budget, place, plan
 from dataflow.schema import validate
 from dataflow.testing.chains import training_chain
 from dataflow.units import format_size

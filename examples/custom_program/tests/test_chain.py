@@ -10,8 +10,7 @@ from dataflow_resolver_matmul_chain.reference import reference_gradients
 from dataflow_resolver_matmul_chain.resolver import build
 
 from dataflow.engine import Engine
-from dataflow.planning import minimal_budget, plan
-from dataflow.planning.placement import place
+from dataflow.planning import minimal_budget, place, plan
 
 LAYERS = 5
 

@@ -12,8 +12,7 @@ from dataflow_training.toy import ToyFamily, plain_ops
 from dataflow_training.values import read_state, start_values
 
 from dataflow.engine import Engine
-from dataflow.planning import minimal_budget, plan
-from dataflow.planning.placement import place
+from dataflow.planning import minimal_budget, place, plan
 
 STEPS, ROUNDS, BATCH, SEQ = 3, 2, 2, 5
 OPT = OptimizerPolicy(lr=1e-2, weight_decay=0.1)

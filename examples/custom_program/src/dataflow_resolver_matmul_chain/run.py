@@ -15,8 +15,7 @@ import click
 import torch
 
 from dataflow.engine import Engine
-from dataflow.planning import InfeasibleBudget, plan
-from dataflow.planning.placement import place
+from dataflow.planning import InfeasibleBudget, place, plan
 from dataflow.units import format_size
 from dataflow_resolver_matmul_chain.chain import build_program, initial_values
 from dataflow_resolver_matmul_chain.reference import reference_gradients

@@ -1,12 +1,28 @@
-"""dataflow's training plugin: the family protocol (``dataflow_training.family``)."""
+"""dataflow's training plugin: the family protocol v2 (``dataflow_training.family``), the
+lowering, the typed step layout, the executables, verify, and the shared family kit."""
 
 from dataflow_training.family import (
     BlockMath,
     EmbedMath,
+    Env,
     Family,
     HeadMath,
+    LayerCost,
     LayerSpec,
+    ParamGroup,
     TensorSpec,
+    Work,
 )
 
-__all__ = ["BlockMath", "EmbedMath", "Family", "HeadMath", "LayerSpec", "TensorSpec"]
+__all__ = [
+    "BlockMath",
+    "EmbedMath",
+    "Env",
+    "Family",
+    "HeadMath",
+    "LayerCost",
+    "LayerSpec",
+    "ParamGroup",
+    "TensorSpec",
+    "Work",
+]

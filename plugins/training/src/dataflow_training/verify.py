@@ -396,8 +396,7 @@ def step_checks(
     resolver: str = "torch",
 ) -> list[Check]:
     from dataflow.engine import Engine
-    from dataflow.planning import plan
-    from dataflow.planning.placement import place
+    from dataflow.planning import place, plan
     from dataflow_training.lowering import lower
     from dataflow_training.values import read_state, start_values
 
