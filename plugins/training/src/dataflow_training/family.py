@@ -266,3 +266,16 @@ def _only(layers: Any, kind: str) -> LayerSpec:
     if len(found) != 1:
         raise FamilyContractError(f"a family has exactly one {kind!r} layer; found {len(found)}")
     return found[0]
+
+
+def load_family(name: str) -> Family:
+    """The registered family ``name``, loaded; a family object whose own ``name`` differs
+    from the name it was registered under is an error naming both."""
+    from dataflow.plugins import families
+
+    family = families().get(name).load()
+    if getattr(family, "name", None) != name:
+        raise FamilyContractError(
+            f"family registered as {name!r} loads an object named {getattr(family, 'name', None)!r}"
+        )
+    return family

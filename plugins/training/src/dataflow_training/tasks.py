@@ -21,7 +21,7 @@ import torch
 
 from dataflow.engine import LaunchContext
 from dataflow.schema import Program, Task
-from dataflow_training.family import Env, FamilyContractError
+from dataflow_training.family import Env, FamilyContractError, load_family
 from dataflow_training.keys import ComputeKeyError, parse
 from dataflow_training.ops import load_ops
 from dataflow_training.optimizers import optimizer_spec
@@ -55,9 +55,7 @@ class TrainingTasks:
         the kernel registry's ops; tests pass their own."""
         self.layout = StepLayout.of(program)
         if family is None:
-            from dataflow.plugins import families
-
-            family = families().get(self.layout.family).load()
+            family = load_family(self.layout.family)
         if family.name != self.layout.family:
             raise FamilyContractError(
                 f"family object is named {family.name!r} but the program was lowered for "

@@ -29,9 +29,9 @@ class TrainingFamilyConformance(FamilyConformance):
 
     @pytest.fixture
     def family(self) -> Any:
-        from dataflow.plugins import families
+        from dataflow_training.family import load_family
 
-        return families().get(self.family_name).load()
+        return load_family(self.family_name)
 
     @pytest.fixture
     def program(self, family: Any) -> Any:
@@ -53,6 +53,10 @@ class TrainingFamilyConformance(FamilyConformance):
         assert isinstance(family.math("head"), HeadMath)
         for kind in {layer.kind for layer in layers[1:-1]}:
             assert isinstance(family.math(kind), BlockMath), kind
+        head = layers[-1]
+        declared = {f"{layer.name}.{p.name}" for layer in layers for p in layer.params}
+        assert set(head.tied.values()) <= declared, f"head ties to undeclared {head.tied}"
+        assert family.ops, "a family lists the ops its math calls"
 
     def test_lowered_step_validates_and_simulates(self, program: Any) -> None:
         from dataflow.planning import plan

@@ -541,11 +541,11 @@ def verify(
     seed: int = 0,
 ) -> list[Check]:
     """Every check of the ladder for one family preset; see the module docstring."""
-    from dataflow.plugins import families
+    from dataflow_training.family import load_family
 
     if policy not in TOLERANCES:
         raise ValueError(f"unknown dtype policy {policy!r}; known: {sorted(TOLERANCES)}")
-    family = families().get(family_name).load()
+    family = load_family(family_name)
     config = family.config(preset)
     tolerances = TOLERANCES[policy]
     dtype = getattr(torch, DtypePolicy.named(policy).param)

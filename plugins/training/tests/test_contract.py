@@ -1,0 +1,178 @@
+"""Errors from the family contract name what is wrong, and the typed step layout says
+what every task and object is (protocol v2 on the toy families)."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+from dataflow_training.config import TrainConfig
+from dataflow_training.family import FamilyContractError, LayerSpec, TensorSpec
+from dataflow_training.keys import ComputeKeyError, family_key, optimizer_key, parse
+from dataflow_training.lowering import lower
+from dataflow_training.step import StepLayout
+from dataflow_training.tasks import TrainingTasks
+from dataflow_training.toy import Block, ToyFamily, plain_ops
+from dataflow_training.toy_moe import ToyMoEFamily
+from dataflow_training.values import start_values
+from dataflow_training.verify import check_state_keys
+
+from dataflow.engine import Engine
+from dataflow.planning import plan
+
+TRAIN = TrainConfig(seq_len=4, batch=2, rounds=2)
+
+
+def _run_one_step(family, program) -> None:
+    config = family.config("small")
+    state = {k: v.detach() for k, v in family.reference_model(config).state_dict().items()}
+
+    def data(step, round_):
+        g = torch.Generator().manual_seed(round_)
+        return tuple(torch.randint(0, config.vocab, (2, 4), generator=g) for _ in range(2))
+
+    planned = plan(program, 2**30)
+    with Engine("torch") as engine:
+        resolver = TrainingTasks(planned.program, family=family, ops=plain_ops())
+        engine.load(planned, resolver, initial=start_values(program, state, data))
+        engine.run()
+
+
+def test_compute_keys_are_built_and_parsed_in_one_place() -> None:
+    assert parse(family_key("gpt2", "block", "backward")).phase == "backward"
+    assert parse(optimizer_key("adamw")).is_optimizer
+    with pytest.raises(ComputeKeyError, match=r"'gpt2\.head\.forward' is not a training key"):
+        parse("gpt2.head.forward")
+
+
+def test_the_step_layout_gives_every_task_its_objects_by_role() -> None:
+    program = lower(ToyMoEFamily(), "toy_moe_tiny", TRAIN).program
+    layout = StepLayout.of(program)
+    fwd = layout.tasks["fwd_0_1_0"]
+    assert fwd.inputs == {"x": ("y_0_1_0",), "w": ("W_0", "W_0.experts")}
+    assert fwd.mutates == {"aux": ("Aux_0",)}
+    assert fwd.outputs == {"y": ("y_0_1_1",), "saved": ("A_0_1_0",), "aux_temp": ("AuxTemp_0_1_0",)}
+    # only the last round's backward reads the step's Aux
+    assert "aux" not in layout.tasks["bwd_0_0_0"].inputs
+    assert layout.tasks["bwd_0_1_0"].inputs["aux"] == ("Aux_0",)
+    assert layout.tasks["bwd_0_1_0"].inputs["aux_temp"] == ("AuxTemp_0_1_0",)
+    # experts are their own group: their own gradient, state and optimizer task
+    assert {t.id for t in program.tasks if t.kind == "opt"} >= {"opt_0_1_0", "opt_0_1_0.experts"}
+    roles = {obj.id: obj.role for obj in program.objects}
+    assert roles["AuxTemp_0_0_1"] == "aux_temp" and roles["Aux_1"] == "aux"
+    assert program.final_locations["Aux_1"] == "slow"
+    assert layout.packed["AuxTemp_0_0_1"].layout.entry("ids").dtype == "int32"
+    assert StepLayout.of(program) == layout  # the metadata round trip is exact
+
+
+def test_a_program_not_lowered_for_training_is_refused_by_name() -> None:
+    program = lower(ToyFamily(), "small", TRAIN).program
+    bare = attrs.evolve(program, metadata={})
+    with pytest.raises(ValueError, match=r"has no training step layout"):
+        StepLayout.of(bare)
+
+
+def test_a_reference_parameter_no_layer_declares_is_named() -> None:
+    family = ToyFamily()
+    config = family.config("small")
+    state = dict(family.reference_model(config).state_dict())
+    state["0.extra"] = torch.zeros(3)
+    del state["1.b"]
+    with pytest.raises(
+        FamilyContractError,
+        match=r"not declared by any layer \['0.extra'\]; "
+        r"declared but missing \['1.b'\]",
+    ):
+        check_state_keys(family, config, state)
+
+
+def test_a_missing_gradient_is_named(monkeypatch) -> None:
+    def backward(self, config, params, x, saved, aux_temp, dy, env):
+        t = torch.tanh(saved["pre"])
+        dpre = dy * (1 - t * t)
+        return dy + dpre @ params["w"], {"w": dpre.reshape(-1, 16).T @ x.reshape(-1, 16)}
+
+    monkeypatch.setattr(Block, "backward", backward)
+    family = ToyFamily()
+    with pytest.raises(
+        Exception, match=r"bwd_0_0_2: toy\.block\.backward returned no gradient for dW_2:b"
+    ):
+        _run_one_step(family, lower(family, "small", TRAIN).program)
+
+
+def test_a_saved_tensor_of_the_wrong_shape_is_named(monkeypatch) -> None:
+    def forward(self, config, params, x, env):
+        pre = env.ops["linear"](x, params["w"], params["b"])
+        return x + torch.tanh(pre), {"pre": pre[..., :3]}, {}
+
+    monkeypatch.setattr(Block, "forward", forward)
+    family = ToyFamily()
+    with pytest.raises(
+        Exception,
+        match=r"fwd_0_0_0: toy\.block\.forward gave saved tensor 'pre' "
+        r"of shape \(2, 4, 3\); declared \(2, 4, 16\)",
+    ):
+        _run_one_step(family, lower(family, "small", TRAIN).program)
+
+
+def test_a_head_tied_to_an_undeclared_parameter_is_named(monkeypatch) -> None:
+    family = ToyFamily()
+    layers = family.layers(family.config("small"))
+    broken = [*layers[:-1], attrs.evolve(layers[-1], tied={"wte": "emb.nope"})]
+    monkeypatch.setattr(ToyFamily, "layers", lambda self, config: broken)
+    with pytest.raises(FamilyContractError, match=r"head ties 'wte' to 'emb.nope', which no layer"):
+        lower(family, "small", TRAIN)
+
+
+def test_a_family_registered_under_another_name_is_refused(isolated_plugin_manager) -> None:
+    from dataflow_training.family import load_family
+
+    from dataflow import hookimpl
+    from dataflow.registry import FamilySpec
+
+    class Plugin:
+        @hookimpl
+        def dataflow_families(self):
+            return [FamilySpec("toy2", "misnamed", ToyFamily)]
+
+    isolated_plugin_manager(Plugin())
+    with pytest.raises(
+        FamilyContractError, match=r"registered as 'toy2' loads an object named 'toy'"
+    ):
+        load_family("toy2")
+
+
+def test_frozen_parameters_get_no_gradient_or_optimizer_state(monkeypatch) -> None:
+    family = ToyFamily()
+    layers = family.layers(family.config("small"))
+    frozen = LayerSpec.single(
+        "1",
+        "block",
+        (TensorSpec("w", (16, 16), trainable=False), TensorSpec("b", (16,), trainable=False)),
+    )
+    monkeypatch.setattr(
+        ToyFamily, "layers", lambda self, config: [*layers[:2], frozen, *layers[3:]]
+    )
+    program = lower(family, "small", TRAIN).program
+    ids = {obj.id for obj in program.objects}
+    assert "W_1" in ids and "dW_1" not in ids and "O_1" not in ids
+    assert "opt_0_1_1" not in {t.id for t in program.tasks}
+
+
+def test_moe_recompute_reads_the_routing_verbatim() -> None:
+    """recompute uses the ids forward wrote, even where routing again would pick others."""
+    family = ToyMoEFamily()
+    config = family.config("toy_moe_tiny")
+    torch.manual_seed(0)
+    state = family.reference_model(config).state_dict()
+    params = {n: state[f"0.{n}"].detach() for n in ("router", "w_in", "w_out")}
+    from dataflow_training.family import Env
+
+    env = Env(plain_ops())
+    x = torch.randn(2, 4, config.dim)
+    _, saved, aux_temp = family.math("moe").forward(config, params, x, env)
+    forced = {"ids": torch.zeros_like(aux_temp["ids"]), "weights": aux_temp["weights"]}
+    again = family.math("moe").recompute(config, params, x, forced, env)
+    expected = torch.einsum("fd,td->tf", params["w_in"][0], x.reshape(-1, config.dim))
+    torch.testing.assert_close(again["pre"][:, 0], expected)
+    assert not torch.equal(again["pre"], saved["pre"])
