@@ -1,4 +1,4 @@
-"""AdamW variants against a float64 AdamW written here and against torch.optim.AdamW.
+"""AdamW variants against a float64 AdamW (conftest.py) and against torch.optim.AdamW.
 
 Every test starts from random, non-zero moments (exp_avg_sq positive) and runs several
 steps with fresh random gradients. Tolerances (``torch.testing.assert_close``), after the
@@ -26,34 +26,6 @@ SHAPES = [(1,), (7, 13), (3, 5, 17)]
 STEPS = 5
 
 
-class Float64AdamW:
-    """AdamW from the paper (Loshchilov & Hutter; decoupled decay) in float64, as
-    torch.optim.AdamW orders it: decay the parameter, update the moments, bias-correct.
-
-    After each step the values are rounded to the dtypes the kernel stores them in (a
-    bfloat16 parameter cannot take an update below its resolution), then carried on in
-    float64: the kernel under test differs only by float32 arithmetic inside a step."""
-
-    def __init__(self, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor):
-        self.dtypes = (param.dtype, exp_avg.dtype, exp_avg_sq.dtype)
-        self.param = param.double().clone()
-        self.exp_avg = exp_avg.double().clone()
-        self.exp_avg_sq = exp_avg_sq.double().clone()
-
-    def step(self, grad: torch.Tensor, step: int, lr, beta1, beta2, eps, weight_decay) -> None:
-        g = grad.double()
-        param = self.param * (1 - lr * weight_decay)
-        exp_avg = beta1 * self.exp_avg + (1 - beta1) * g
-        exp_avg_sq = beta2 * self.exp_avg_sq + (1 - beta2) * g * g
-        m_hat = exp_avg / (1 - beta1**step)
-        v_hat = exp_avg_sq / (1 - beta2**step)
-        param = param - lr * m_hat / (torch.sqrt(v_hat) + eps)
-        self.param, self.exp_avg, self.exp_avg_sq = (
-            value.to(dtype).double()
-            for value, dtype in zip((param, exp_avg, exp_avg_sq), self.dtypes, strict=True)
-        )
-
-
 def initial_state(randn, shape, device, param_dtype, state_dtype):
     param = randn(*shape, dtype=param_dtype, device=device)
     exp_avg = randn(*shape, dtype=state_dtype, device=device, scale=0.1)
@@ -61,9 +33,9 @@ def initial_state(randn, shape, device, param_dtype, state_dtype):
     return param, exp_avg, exp_avg_sq
 
 
-def run_steps(adamw, randn, param, exp_avg, exp_avg_sq, grad_dtype, first_step=1):
+def run_steps(float64_adamw, adamw, randn, param, exp_avg, exp_avg_sq, grad_dtype, first_step=1):
     """``STEPS`` steps of ``adamw`` in place; returns the float64 reference after them."""
-    reference = Float64AdamW(param, exp_avg, exp_avg_sq)
+    reference = float64_adamw(param, exp_avg, exp_avg_sq)
     for step in range(first_step, first_step + STEPS):
         grad = randn(*param.shape, dtype=grad_dtype, device=str(param.device))
         adamw(param, grad, exp_avg, exp_avg_sq, step=step, **HYPER)
@@ -104,9 +76,13 @@ def assert_matches(reference, param, exp_avg, exp_avg_sq) -> None:
 @pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("first_step", [1, 100])
-def test_float32_matches_float64_adamw(kernel, randn, device, name, shape, first_step) -> None:
+def test_float32_matches_float64_adamw(
+    float64_adamw, kernel, randn, device, name, shape, first_step
+) -> None:
     state = initial_state(randn, shape, device, torch.float32, torch.float32)
-    reference = run_steps(kernel("adamw", name), randn, *state, torch.float32, first_step)
+    reference = run_steps(
+        float64_adamw, kernel("adamw", name), randn, *state, torch.float32, first_step
+    )
     assert_matches(reference, *state)
 
 
@@ -122,10 +98,10 @@ def test_float32_matches_float64_adamw(kernel, randn, device, name, shape, first
     ],
 )
 def test_lower_precision_storage_matches_float64_adamw(
-    kernel, randn, device, name, param_dtype, state_dtype, grad_dtype
+    float64_adamw, kernel, randn, device, name, param_dtype, state_dtype, grad_dtype
 ) -> None:
     state = initial_state(randn, (9, 31), device, param_dtype, state_dtype)
-    reference = run_steps(kernel("adamw", name), randn, *state, grad_dtype)
+    reference = run_steps(float64_adamw, kernel("adamw", name), randn, *state, grad_dtype)
     for tensor, dtype in zip(state, (param_dtype, state_dtype, state_dtype), strict=True):
         assert tensor.dtype == dtype  # updated in place, storage dtype kept
     assert_matches(reference, *state)
@@ -193,11 +169,11 @@ def test_fused_applies_only_to_one_dense_dtype(randn) -> None:
     assert fused_applies(p.double(), p.double(), m.double(), v.double())
 
 
-def test_non_contiguous_views_are_updated_in_place(kernel, randn) -> None:
+def test_non_contiguous_views_are_updated_in_place(float64_adamw, kernel, randn) -> None:
     """A view into a larger buffer (as the training plugin packs objects) takes the
     reference path and writes through the view."""
     p, m, v = (t.T for t in initial_state(randn, (5, 8), "cpu", torch.float32, torch.float32))
-    reference = run_steps(kernel("adamw", "torch"), randn, p, m, v, torch.float32)
+    reference = run_steps(float64_adamw, kernel("adamw", "torch"), randn, p, m, v, torch.float32)
     assert_matches(reference, p, m, v)
 
 

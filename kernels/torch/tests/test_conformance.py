@@ -1,5 +1,7 @@
 """The package passes dataflow's conformance tests for kernel plugins."""
 
+import importlib.util
+
 from dataflow.testing import KernelConformance
 
 #: Every variant the package registers; each is checked against its reference in
@@ -15,6 +17,29 @@ EXPECTED_VARIANTS = (
     "linear/torch",
     "rms_norm/torch",
     "silu/torch",
+    "chunked_cross_entropy/reference",
+    *(
+        f"{op}/{name}"
+        for op in (
+            "adamw_multi",
+            "attention_bwd",
+            "attention_fwd",
+            "gelu_bwd",
+            "layer_norm_bwd",
+            "layer_norm_fwd",
+            "rms_norm_bwd",
+            "rms_norm_fwd",
+            "swiglu_bwd",
+            "swiglu_fwd",
+        )
+        for name in ("reference", "torch")
+    ),
+    # test_attention_ops.py, test_norm_ops.py, test_elementwise_ops.py, test_adamw_multi.py
+    *(
+        ("adamw_multi/triton", "swiglu_bwd/triton", "swiglu_fwd/triton")
+        if importlib.util.find_spec("triton") is not None
+        else ()
+    ),
 )
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+VARIANTS = ["torch", "reference"]
 IGNORE = -100
 LOSS_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-4}
 GRAD_TOLERANCE = {
@@ -46,8 +47,8 @@ def make_targets(randn, tokens: int, vocab: int, ignored: float, device: str) ->
     return targets.to(device)
 
 
-def check(kernel, hidden, weight, targets, chunk_tokens) -> None:
-    loss, d_hidden, d_weight = kernel("chunked_cross_entropy", "torch")(
+def check(kernel, hidden, weight, targets, chunk_tokens, name="torch") -> None:
+    loss, d_hidden, d_weight = kernel("chunked_cross_entropy", name)(
         hidden, weight, targets, chunk_tokens
     )
     want_loss, want_d_hidden, want_d_weight = reference(hidden, weight, targets)
@@ -77,13 +78,14 @@ def check(kernel, hidden, weight, targets, chunk_tokens) -> None:
     ],
 )
 @pytest.mark.parametrize("ignored", [0.0, 0.3])
+@pytest.mark.parametrize("name", VARIANTS)
 def test_matches_the_float64_reference(
-    kernel, randn, device, dtype, tokens, dim, vocab, chunk_tokens, ignored
+    kernel, randn, device, dtype, tokens, dim, vocab, chunk_tokens, ignored, name
 ) -> None:
     hidden = randn(tokens, dim, dtype=dtype, device=device)
     weight = randn(vocab, dim, dtype=dtype, device=device)
     targets = make_targets(randn, tokens, vocab, ignored, device)
-    check(kernel, hidden, weight, targets, chunk_tokens)
+    check(kernel, hidden, weight, targets, chunk_tokens, name)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -195,4 +197,85 @@ def test_holds_one_chunk_of_logits_at_a_time(kernel, randn) -> None:
     temporaries = 3 * chunk_tokens * dim * 4 + 64 * 1024  # per-row vectors, rounding
     assert extra <= outputs_bytes + logits_chunk + temporaries, (extra, logits_chunk)
     assert extra < outputs_bytes + 2 * logits_chunk
+    del outputs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", VARIANTS)
+def test_grad_scale_scales_the_gradients_not_the_loss(kernel, randn, device, dtype, name) -> None:
+    hidden = randn(40, 16, dtype=dtype, device=device)
+    weight = randn(70, 16, dtype=dtype, device=device)
+    targets = make_targets(randn, 40, 70, 0.2, device)
+    loss, d_hidden, d_weight = kernel("chunked_cross_entropy", name)(
+        hidden, weight, targets, 16, grad_scale=1 / 37
+    )
+    want_loss, want_d_hidden, want_d_weight = reference(hidden, weight, targets)
+    torch.testing.assert_close(loss.double(), want_loss, rtol=LOSS_RTOL[dtype], atol=1e-4)
+    tolerance = GRAD_TOLERANCE[dtype]
+    tolerance = {"rtol": tolerance["rtol"], "atol": tolerance["atol"] / 37}
+    torch.testing.assert_close(d_hidden.double(), want_d_hidden / 37, **tolerance)
+    torch.testing.assert_close(d_weight.double(), want_d_weight / 37, **tolerance)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_float64_inputs_get_float64_math(kernel, randn, assert_rel_close, name) -> None:
+    hidden, weight = randn(33, 12, dtype=torch.float64), randn(50, 12, dtype=torch.float64)
+    targets = make_targets(randn, 33, 50, 0.2, "cpu")
+    got = kernel("chunked_cross_entropy", name)(hidden, weight, targets, 10, grad_scale=0.5)
+    want_loss, want_d_hidden, want_d_weight = reference(hidden, weight, targets)
+    assert got[0].dtype == torch.float64
+    for label, g, w in zip(
+        ("loss", "d_hidden", "d_weight"),
+        got,
+        (want_loss, want_d_hidden * 0.5, want_d_weight * 0.5),
+        strict=True,
+    ):
+        assert_rel_close(g, w, 1e-12, label)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk_tokens", [300, 2000])  # several chunks; one chunk
+def test_bfloat16_on_cuda_matches_float64_and_the_reference(
+    kernel, randn, assert_rel_close, chunk_tokens
+) -> None:
+    """Relative error of the 16-bit-matmul path: 1e-2 against float64 autograd and against
+    the float32 reference variant (the loss: 1e-4)."""
+    hidden = randn(1000, 64, dtype=torch.bfloat16, device="cuda")
+    weight = randn(5000, 64, dtype=torch.bfloat16, device="cuda", scale=0.3)
+    targets = make_targets(randn, 1000, 5000, 0.1, "cuda")
+    fast = kernel("chunked_cross_entropy", "torch")(hidden, weight, targets, chunk_tokens)
+    plain = kernel("chunked_cross_entropy", "reference")(hidden, weight, targets, chunk_tokens)
+    truth = reference(hidden, weight, targets)
+    assert fast[1].dtype == fast[2].dtype == torch.bfloat16
+    for want, tol in ((truth, 1e-2), (plain, 1e-2)):
+        assert_rel_close(fast[0], want[0], 1e-4, "loss")
+        assert_rel_close(fast[1], want[1], tol, "d_hidden")
+        assert_rel_close(fast[2], want[2], tol, "d_weight")
+
+
+@pytest.mark.gpu
+def test_bfloat16_holds_one_chunk_of_logits_at_a_time(kernel, randn) -> None:
+    """Peak CUDA memory of the 16-bit path: outputs, one chunk's float32 logits and its
+    bfloat16 d_logits, the two (vocab, dim) float32 buffers of the d_weight accumulation,
+    and (chunk, 1) row temporaries; a second chunk of float32 logits would not fit."""
+    tokens, dim, vocab, chunk_tokens = 1000, 64, 8192, 100
+    hidden = randn(tokens, dim, dtype=torch.bfloat16, device="cuda")
+    weight = randn(vocab, dim, dtype=torch.bfloat16, device="cuda")
+    targets = make_targets(randn, tokens, vocab, 0.1, "cuda")
+    ce = kernel("chunked_cross_entropy", "torch")
+    ce(hidden, weight, targets, chunk_tokens)  # warm up cuBLAS (its workspace is cached)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    outputs = ce(hidden, weight, targets, chunk_tokens)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    logits_chunk = chunk_tokens * vocab * 4
+    outputs_bytes = tokens * dim * 2 + vocab * dim * 2
+    accumulation = 2 * vocab * dim * 4
+    temporaries = 64 * 1024
+    bound = outputs_bytes + logits_chunk * 3 // 2 + accumulation + temporaries
+    assert extra <= bound, (extra, bound)
+    assert extra < outputs_bytes + 2 * logits_chunk + accumulation
     del outputs

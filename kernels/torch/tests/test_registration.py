@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 
 import pytest
@@ -19,7 +20,39 @@ DETERMINISTIC = {
     "linear/torch": True,
     "rms_norm/torch": True,
     "silu/torch": True,
+    "chunked_cross_entropy/reference": True,
+    "attention_fwd/torch": True,
+    "attention_bwd/torch": False,
+    "layer_norm_fwd/torch": True,
+    "layer_norm_bwd/torch": True,
+    "rms_norm_fwd/torch": True,
+    "rms_norm_bwd/torch": True,
+    "gelu_bwd/torch": True,
+    "swiglu_fwd/torch": True,
+    "swiglu_bwd/torch": True,
+    "adamw_multi/torch": True,
 }
+#: The explicit forward/backward ops: each has a torch and a reference variant.
+EXPLICIT_OPS = (
+    "attention_fwd",
+    "attention_bwd",
+    "layer_norm_fwd",
+    "layer_norm_bwd",
+    "rms_norm_fwd",
+    "rms_norm_bwd",
+    "gelu_bwd",
+    "swiglu_fwd",
+    "swiglu_bwd",
+    "adamw_multi",
+)
+DETERMINISTIC |= {f"{op}/reference": True for op in EXPLICIT_OPS}
+#: Registered only where triton is installed (CUDA only, preferred there).
+TRITON = ("adamw_multi/triton", "swiglu_fwd/triton", "swiglu_bwd/triton")
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+if HAS_TRITON:
+    DETERMINISTIC |= dict.fromkeys(TRITON, True)
+#: The ops every model family has called by autograd (dataflow_training.ops.OP_NAMES today).
+AUTOGRAD_OPS = ("attention", "layer_norm", "rms_norm", "gelu", "silu", "linear")
 
 
 def test_every_training_op_has_a_variant_on_cpu_and_cuda(manager) -> None:
@@ -28,7 +61,9 @@ def test_every_training_op_has_a_variant_on_cpu_and_cuda(manager) -> None:
     for device in ("cpu", "cuda"):
         for op in ops.OP_NAMES:
             assert registry.for_op(op, device=device), f"{op} has no variant on {device}"
-    assert {variant.op for variant in registry} == set(ops.OP_NAMES)
+    registered = {variant.op for variant in registry}
+    assert set(ops.OP_NAMES) <= registered
+    assert registered == {*AUTOGRAD_OPS, "chunked_cross_entropy", "adamw", *EXPLICIT_OPS}
 
 
 def test_determinism_flags(manager) -> None:
@@ -36,18 +71,25 @@ def test_determinism_flags(manager) -> None:
 
 
 def test_the_default_variant_is_named_torch_and_preferred(manager) -> None:
+    """On CPU the torch variant (priority 0) leads every op; on CUDA a triton variant
+    (priority 10) leads where registered, the torch variant otherwise; every other
+    alternative has a negative priority."""
     registry = manager.kernels()
     for op in {variant.op for variant in registry}:
         for device in ("cpu", "cuda"):
             best, *others = registry.for_op(op, device=device)
+            if best.key in TRITON:
+                assert device == "cuda" and best.priority == 10
+                best, *others = others
             assert best.name == "torch" and best.priority == 0
             assert all(other.priority < 0 for other in others)
 
 
-def test_variants_have_descriptions_and_both_devices(manager) -> None:
+def test_variants_have_descriptions_and_devices(manager) -> None:
     for variant in manager.kernels():
         assert isinstance(variant, KernelVariant)
-        assert variant.description and variant.devices == ("cpu", "cuda")
+        expected = ("cuda",) if variant.key in TRITON else ("cpu", "cuda")
+        assert variant.description and variant.devices == expected
 
 
 def test_signatures_match_the_documented_ops(manager) -> None:
@@ -59,10 +101,23 @@ def test_signatures_match_the_documented_ops(manager) -> None:
         "gelu": "(x)",
         "silu": "(x)",
         "linear": "(x, weight, bias=None)",
-        "chunked_cross_entropy": "(hidden, weight, targets, chunk_tokens)",
+        "chunked_cross_entropy": "(hidden, weight, targets, chunk_tokens, *, grad_scale=1.0)",
         "adamw": "(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay)",
+        "attention_fwd": "(q, k, v, *, causal, scale=None)",
+        "attention_bwd": "(dout, q, k, v, out, lse, *, causal, scale=None)",
+        "layer_norm_fwd": "(x, weight, bias, eps)",
+        "layer_norm_bwd": "(dy, x, mean, rstd, weight, bias)",
+        "rms_norm_fwd": "(x, weight, eps)",
+        "rms_norm_bwd": "(dy, x, rstd, weight)",
+        "gelu_bwd": "(dy, x)",
+        "swiglu_fwd": "(gate, up)",
+        "swiglu_bwd": "(dy, gate, up)",
+        "adamw_multi": "(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, "
+        "weight_decay)",
     }
     for variant in manager.kernels():
+        if variant.key in TRITON:  # loading imports triton; same functions, checked below
+            continue
         signature = inspect.signature(variant.load())
         bare = signature.replace(
             parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],

@@ -1,77 +1,180 @@
 """Cross-entropy of an output projection, token chunk by token chunk, with its gradients.
 
-``chunked_cross_entropy(hidden, weight, targets, chunk_tokens)`` computes
-``logits = hidden @ weight.T`` for ``chunk_tokens`` rows at a time and returns the summed
-loss with d loss / d hidden and d loss / d weight, so no (tokens, vocab) tensor ever
-exists. Per chunk, in float32:
+``chunked_cross_entropy(hidden, weight, targets, chunk_tokens, *, grad_scale=1.0)``
+computes ``logits = hidden @ weight.T`` for ``chunk_tokens`` rows at a time and returns the
+summed loss with ``grad_scale`` times d loss / d hidden and d loss / d weight, so no
+(tokens, vocab) tensor ever exists. Per chunk:
 
     loss_i      = logsumexp(logits_i) - logits_i[t_i]
-    d_logits_i  = softmax(logits_i) - onehot(t_i)       (zero where t_i == -100)
+    d_logits_i  = grad_scale * (softmax(logits_i) - onehot(t_i))   (zero where t_i == -100)
     d_hidden_i  = d_logits_i @ weight
     d_weight   += d_logits_i.T @ hidden_i
 
-The chunk's logits are the one chunk-sized buffer: max, exp, normalization and the
-one-hot subtraction are done in place on it. Memory beyond the outputs: a float32 copy of
-``weight`` when it is not float32 already, the float32 ``d_weight`` accumulator, and per
-chunk the (chunk, vocab) logits plus two (chunk, dim) float32 temporaries. Nothing here
-synchronizes with the device (no ``.item()``), so on CUDA it only enqueues work.
+``grad_scale`` scales the gradients only (a caller's 1 / number-of-scored-tokens rides in
+the pass that forms d_logits); the loss is the plain sum. Nothing here synchronizes with
+the device (no ``.item()``), so on CUDA it only enqueues work.
+
+Two variants, one formula:
+
+- ``chunked_cross_entropy`` (fast). hidden and weight both bfloat16 (or both float16): the
+  logits matmul reads the 16-bit operands and writes float32 logits (``torch.mm(...,
+  out_dtype=torch.float32)``, float32 accumulation in cuBLAS; on devices without that
+  kernel, CPU, the operands are upcast); max, exp, sum, loss and ``softmax - onehot`` run
+  in float32 in place on that one chunk buffer; one pass scales it and casts it to the
+  input dtype, and the two backward matmuls read that 16-bit d_logits. d_weight
+  accumulates across chunks in float32 (each chunk's product comes out of the matmul in
+  float32) and is returned in weight's dtype; a single chunk writes it directly. Memory
+  beyond the outputs: per chunk the (chunk, vocab) float32 logits and a (chunk, vocab)
+  16-bit d_logits; with more than one chunk, two (vocab, dim) float32 buffers (the
+  accumulator and one chunk's product). Any other dtypes: the reference.
+- ``chunked_cross_entropy_reference``: every matmul and the softmax in float32 (float64
+  when hidden or weight is float64), from a float32 copy of weight; the truth the fast
+  variant is tested against, and the fast variant's path for float32/float64 inputs.
+
+The loss is a 0-d float32 tensor (float64 for float64 inputs); d_hidden is like hidden,
+d_weight like weight.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dataflow_kernels_torch._support import HALF_DTYPES, has_kernel
+
 #: Targets equal to this are left out of the loss and get no gradient.
 IGNORE_INDEX = -100
 
 
 def chunked_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: int,
+    *,
+    grad_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (loss_sum: 0-d float32, d_hidden: like hidden, d_weight: like weight).
-
-    hidden (tokens, dim), weight (vocab, dim), targets int64 (tokens,), each in
-    [0, vocab) or -100 (ignored). Runs without autograd: the gradients are computed here.
-    """
-    _check(hidden, weight, targets, chunk_tokens)
+    """-> (loss_sum, d_hidden like hidden, d_weight like weight); 16-bit matmuls with
+    float32 softmax when hidden and weight share a 16-bit dtype (module doc)."""
+    if not (hidden.dtype == weight.dtype and hidden.dtype in HALF_DTYPES):
+        return chunked_cross_entropy_reference(
+            hidden, weight, targets, chunk_tokens, grad_scale=grad_scale
+        )
+    _check(hidden, weight, targets, chunk_tokens, grad_scale)
     tokens = hidden.shape[0]
+    starts = range(0, tokens, chunk_tokens)
     with torch.no_grad():
-        weight32 = weight.float()  # the same tensor when weight is float32 already
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         d_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format)
-        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        d_weight = None if len(starts) == 1 else torch.empty_like(weight)
+        accumulator = product = None  # float32 (vocab, dim), only with several chunks
+        for index, start in enumerate(starts):
+            chunk = hidden[start : start + chunk_tokens]
+            valid, target = _valid_targets(targets[start : start + chunk_tokens])
+            logits = _mm_float32(chunk, weight.T)  # (rows, vocab) float32: the one chunk
+            chunk_loss, row_sum = _softmax_minus_onehot_(logits, valid, target)
+            loss_sum += chunk_loss
+            # d_logits = grad_scale * (softmax - onehot), scaled and cast in one pass.
+            d_logits = torch.empty(logits.shape, dtype=hidden.dtype, device=hidden.device)
+            torch.mul(logits, _row_scale(valid, row_sum, grad_scale), out=d_logits)
+            del logits
+            torch.mm(d_logits, weight, out=d_hidden[start : start + chunk_tokens])
+            if d_weight is None:  # one chunk: the 16-bit matmul writes d_weight directly
+                d_weight = d_logits.T @ chunk
+            elif index == 0:
+                accumulator = _mm_float32(d_logits.T, chunk)
+            else:
+                product = _mm_float32(d_logits.T, chunk, out=product)
+                last = index == len(starts) - 1
+                # the last addition writes the cast result (one pass instead of two)
+                torch.add(accumulator, product, out=d_weight if last else accumulator)
+            del d_logits
+        return loss_sum, d_hidden, d_weight
+
+
+def chunked_cross_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: int,
+    *,
+    grad_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (loss_sum, d_hidden like hidden, d_weight like weight), all math in float32
+    (float64 when hidden or weight is float64); see the module doc."""
+    _check(hidden, weight, targets, chunk_tokens, grad_scale)
+    compute = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
+    tokens = hidden.shape[0]
+    with torch.no_grad():
+        weight_c = weight.to(compute)  # the same tensor when weight is in compute already
+        loss_sum = torch.zeros((), dtype=compute, device=hidden.device)
+        d_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+        d_weight = torch.zeros(weight.shape, dtype=compute, device=weight.device)
         for start in range(0, tokens, chunk_tokens):
             stop = min(start + chunk_tokens, tokens)
-            chunk = hidden[start:stop].float()
-            target = targets[start:stop]
-            valid = target != IGNORE_INDEX
-            index = torch.where(valid, target, 0).unsqueeze(1)  # ignored rows look at column 0
-            logits = chunk @ weight32.T  # (rows, vocab): the only chunk-sized buffer
-            target_logit = logits.gather(1, index).squeeze(1)
-            row_max = logits.amax(dim=1, keepdim=True)
-            logits.sub_(row_max).exp_()
-            row_sum = logits.sum(dim=1, keepdim=True)
-            logits.div_(row_sum)  # softmax
-            row_loss = (row_max + row_sum.log()).squeeze(1) - target_logit
-            loss_sum += torch.where(valid, row_loss, 0.0).sum()
-            # softmax - onehot; one index per row, so the scatter has no colliding adds.
-            logits.scatter_add_(1, index, -valid.to(torch.float32).unsqueeze(1))
-            logits.mul_(valid.unsqueeze(1))  # ignored rows: no gradient
-            if d_hidden.dtype == torch.float32:
-                torch.mm(logits, weight32, out=d_hidden[start:stop])
+            chunk = hidden[start:stop].to(compute)
+            valid, target = _valid_targets(targets[start:stop])
+            logits = chunk @ weight_c.T  # (rows, vocab): the only chunk-sized buffer
+            chunk_loss, row_sum = _softmax_minus_onehot_(logits, valid, target)
+            loss_sum += chunk_loss
+            logits.mul_(_row_scale(valid, row_sum, grad_scale))
+            if d_hidden.dtype == compute:
+                torch.mm(logits, weight_c, out=d_hidden[start:stop])
             else:
-                d_hidden[start:stop] = logits @ weight32
+                d_hidden[start:stop] = logits @ weight_c
             d_weight.addmm_(logits.T, chunk)
             del logits, chunk
         return loss_sum, d_hidden, d_weight.to(weight.dtype)
 
 
+def _valid_targets(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid rows, targets with ignored rows pointed at column 0), shaped (rows, 1)."""
+    valid = (target != IGNORE_INDEX).unsqueeze(1)
+    return valid, torch.where(valid, target.unsqueeze(1), 0)
+
+
+def _softmax_minus_onehot_(
+    logits: torch.Tensor, valid: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turns ``logits`` in place into ``row_sum * (softmax - onehot)`` with
+    ``row_sum = sum(exp(logits - row_max))``; returns (the chunk's loss sum, row_sum), so
+    one scaling pass by ``_row_scale`` finishes d_logits."""
+    target_logit = logits.gather(1, target)
+    row_max = logits.amax(dim=1, keepdim=True)
+    logits.sub_(row_max).exp_()
+    row_sum = logits.sum(dim=1, keepdim=True)
+    row_loss = row_max + row_sum.log() - target_logit
+    # exp - row_sum * onehot: one index per row, so the scatter has no colliding adds.
+    logits.scatter_add_(1, target, -row_sum)
+    return torch.where(valid, row_loss, 0.0).sum(), row_sum
+
+
+def _row_scale(valid: torch.Tensor, row_sum: torch.Tensor, grad_scale: float) -> torch.Tensor:
+    """(rows, 1): grad_scale / row_sum on valid rows, 0 on ignored ones."""
+    return torch.where(valid, grad_scale / row_sum, 0.0)
+
+
+def _mm_float32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` of two 16-bit matrices as float32: cuBLAS writes float32 directly where
+    this build has ``mm.dtype`` for the device; elsewhere the operands are upcast."""
+    if has_kernel("aten::mm.dtype", a.device.type):
+        if out is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return torch.mm(a.float(), b.float(), out=out)
+
+
 def _check(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: int,
+    grad_scale: float,
 ) -> None:
     """Shape, dtype and chunk checks on the host (no device synchronization)."""
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+    if isinstance(grad_scale, bool) or not isinstance(grad_scale, int | float):
+        raise ValueError(f"grad_scale must be a float, got {grad_scale!r}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"expected hidden (tokens, dim) and weight (vocab, dim), got hidden "

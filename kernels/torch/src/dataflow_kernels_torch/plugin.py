@@ -27,6 +27,24 @@ the same bits):
   reproducibility notes). The cross-entropy's one-hot subtraction scatters one index per
   row, so its adds never collide.
 
+The explicit forward/backward ops (``attention_fwd``/``attention_bwd``,
+``layer_norm_fwd``/``_bwd``, ``rms_norm_fwd``/``_bwd``, ``gelu_bwd``, ``swiglu_fwd``/``_bwd``,
+``adamw_multi``) each have a ``torch`` variant (priority 0: aten's fused kernels called
+directly, no autograd) and a ``reference`` variant (priority -10: the formulas, the truth
+the tests compare against); where triton is installed, ``triton`` variants (priority 10,
+CUDA only) replace the torch ones for SwiGLU and for mixed-dtype AdamW.
+
+- ``attention_bwd/torch`` is False for the reason ``attention/torch`` is: it calls the
+  flash or memory-efficient backward directly, which accumulate dq with atomics.
+  ``attention_fwd/torch`` is True: the flash and memory-efficient forwards write each
+  output row from one thread block (flash's split-KV mode combines the splits in a
+  second kernel, without atomics).
+- ``attention_bwd/reference`` is True: matmuls and elementwise ops only.
+- The norms' backwards reduce dweight/dbias in fixed-order kernels (no atomics), as the
+  existing ``layer_norm``/``rms_norm`` flags say; the elementwise, cross-entropy and
+  AdamW ops are True for the reasons above. The Triton kernels write each element from
+  one program and reduce nothing.
+
 Each claim of True is checked on CUDA by ``tests/test_determinism.py`` (bitwise-equal
 repeated runs).
 """
@@ -34,6 +52,7 @@ repeated runs).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -103,8 +122,17 @@ def dataflow_kernels() -> list[KernelVariant]:
             "chunked_cross_entropy",
             "torch",
             _loader("cross_entropy", "chunked_cross_entropy"),
-            description="token-chunked logits, log-softmax, loss sum and both gradients in "
-            "float32; one chunk of logits at a time; ignores target -100",
+            description="token-chunked: 16-bit matmuls with float32 logits, softmax and "
+            "loss, float32 d_weight accumulation (float32/float64 inputs: the reference); "
+            "one chunk of logits at a time; ignores target -100",
+        ),
+        KernelVariant(
+            "chunked_cross_entropy",
+            "reference",
+            _loader("cross_entropy", "chunked_cross_entropy_reference"),
+            priority=-10,
+            description="token-chunked, every matmul and the softmax in float32 (float64 "
+            "for float64 inputs) from a float32 copy of weight",
         ),
         KernelVariant(
             "adamw",
@@ -122,4 +150,85 @@ def dataflow_kernels() -> list[KernelVariant]:
             description="plain tensor ops, float32 math over any storage dtypes "
             "(bfloat16 states of a float32 param)",
         ),
+        *_explicit_variants(),
+        *(_triton_variants() if importlib.util.find_spec("triton") is not None else []),
+    ]
+
+
+#: (op, module, fast function, reference function, torch variant deterministic, what the
+#: torch variant runs) for the explicit forward/backward ops.
+_EXPLICIT = (
+    ("attention_fwd", "attention", "attention_fwd", "attention_fwd_reference", True,
+     "aten flash attention (CUDA 16-bit), memory-efficient attention (CUDA float32) or the "
+     "CPU flash kernel; returns (out, lse)"),
+    ("attention_bwd", "attention", "attention_bwd", "attention_bwd_reference", False,
+     "the matching aten flash / memory-efficient / CPU flash backward from (out, lse); "
+     "atomics in the CUDA backwards"),
+    ("layer_norm_fwd", "norms", "layer_norm_fwd", "layer_norm_fwd_reference", True,
+     "aten.native_layer_norm; returns (y, mean, rstd)"),
+    ("layer_norm_bwd", "norms", "layer_norm_bwd", "layer_norm_bwd_reference", True,
+     "aten.native_layer_norm_backward from (mean, rstd)"),
+    ("rms_norm_fwd", "norms", "rms_norm_fwd", "rms_norm_fwd_reference", True,
+     "aten._fused_rms_norm; returns (y, rstd)"),
+    ("rms_norm_bwd", "norms", "rms_norm_bwd", "rms_norm_bwd_reference", True,
+     "aten._fused_rms_norm_backward where the build has it (CUDA), else the formulas"),
+    ("gelu_bwd", "elementwise", "gelu_bwd", "gelu_bwd_reference", True,
+     'aten.gelu_backward(approximate="tanh")'),
+    ("swiglu_fwd", "elementwise", "swiglu_fwd", "swiglu_fwd_reference", True,
+     "aten.silu(gate) * up"),
+    ("swiglu_bwd", "elementwise", "swiglu_bwd", "swiglu_bwd_reference", True,
+     "aten.silu_backward(dy * up, gate) and dy * silu(gate)"),
+    ("adamw_multi", "adamw_multi", "adamw_multi", "adamw_multi_reference", True,
+     "torch._fused_adamw_ per group of one dtype; mixed dtypes over float32 working copies"),
+)  # fmt: skip
+
+
+def _explicit_variants() -> list[KernelVariant]:
+    variants = []
+    for op, module, fast, reference, deterministic, what in _EXPLICIT:
+        variants.append(
+            KernelVariant(
+                op,
+                "torch",
+                _loader(module, fast),
+                deterministic=deterministic,
+                priority=0,
+                description=what,
+            )
+        )
+        variants.append(
+            KernelVariant(
+                op,
+                "reference",
+                _loader(module, reference),
+                priority=-10,
+                description="the formulas in float32 (float64 for float64 inputs), "
+                "plain tensor ops, any device",
+            )
+        )
+    return variants
+
+
+#: (op, function in triton_kernels, description) of the Triton variants.
+_TRITON = (
+    ("adamw_multi", "adamw_multi_triton",
+     "one Triton pass per mixed-dtype tensor (bf16 params and grads, float32 states): reads "
+     "p, g, m, v once, writes p, m, v once; other tensors as adamw_multi/torch"),
+    ("swiglu_fwd", "swiglu_fwd_triton", "silu(gate) * up in one Triton pass, float32 math"),
+    ("swiglu_bwd", "swiglu_bwd_triton", "(dgate, dup) in one Triton pass, float32 math"),
+)  # fmt: skip
+
+
+def _triton_variants() -> list[KernelVariant]:
+    """Registered only where triton is installed; CUDA only, preferred there."""
+    return [
+        KernelVariant(
+            op,
+            "triton",
+            _loader("triton_kernels", function),
+            devices=("cuda",),
+            priority=10,
+            description=description,
+        )
+        for op, function, description in _TRITON
     ]

@@ -1,0 +1,160 @@
+"""AdamW over lists of tensors: one step, in place, for a whole layer's flat buffers.
+
+``adamw_multi(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
+weight_decay) -> None`` applies the ``adamw`` formula (``adamw.py``) to every
+``params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]``, in float32 (float64 when the param is
+float64) whatever the storage dtypes: params and grads float16, bfloat16, float32 or
+float64; states float32 or bfloat16, and they may differ from the params (bfloat16 params
+and grads with float32 states is the common case).
+
+- ``adamw_multi`` (fast): the tensors are grouped by (device, the four dtypes); a group
+  where all four share one dtype and every tensor is contiguous is one
+  ``torch._fused_adamw_`` call (one multi-tensor launch on CUDA for the group). Any other
+  group runs the same fused kernel over float32 (float64) working copies of the tensors
+  not already in that dtype and contiguous, then copies params and states back: correct
+  for any mix, at the cost of those copies (on CUDA the Triton variant,
+  ``adamw_triton.py``, does a mixed group in one pass instead).
+- ``adamw_multi_reference``: ``adamw_reference`` (plain tensor ops) tensor by tensor.
+
+Neither synchronizes with the device: the step count reaches the fused kernel as a float32
+tensor filled on the device, one fill for all tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dataflow_kernels_torch._support import has_kernel
+from dataflow_kernels_torch.adamw import adamw_reference
+
+_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def adamw_multi(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW step over the lists, fused where the dtypes allow (module doc)."""
+    check_lists(params, grads, exp_avgs, exp_avg_sqs, step)
+    hyper = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        key = (p.device, p.dtype, grads[i].dtype, exp_avgs[i].dtype, exp_avg_sqs[i].dtype)
+        groups.setdefault(key, []).append(i)
+    for (device, *_), indices in groups.items():
+        tensors = [[lst[i] for i in indices] for lst in (params, grads, exp_avgs, exp_avg_sqs)]
+        if not has_kernel("aten::_fused_adamw_", device.type):
+            for p, g, m, v in zip(*tensors, strict=True):
+                adamw_reference(p, g, m, v, step=step, **hyper)
+        else:
+            fused_group(*tensors, step=step, **hyper)
+
+
+def adamw_multi_reference(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW step over the lists with ``adamw_reference``, tensor by tensor."""
+    check_lists(params, grads, exp_avgs, exp_avg_sqs, step)
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+        adamw_reference(
+            p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay,
+        )  # fmt: skip
+
+
+def fused_group(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    *,
+    step: int,
+    **hyper: float,
+) -> None:
+    """``torch._fused_adamw_`` over one group of one device: directly when every tensor is
+    contiguous in the compute dtype, else over working copies that are, copied back."""
+    compute = torch.float64 if params[0].dtype == torch.float64 else torch.float32
+    uniform = {t.dtype for lst in (params, grads, exp_avgs, exp_avg_sqs) for t in lst}
+    if len(uniform) == 1:  # one dtype throughout: the kernel takes it as it is
+        compute = params[0].dtype
+    work = [[_working(t, compute) for t in lst] for lst in (params, grads, exp_avgs, exp_avg_sqs)]
+    steps = torch.full((len(params),), float(step), dtype=torch.float32, device=params[0].device)
+    with torch.no_grad():
+        torch._fused_adamw_(
+            *work,
+            [],
+            list(steps.unbind()),
+            lr=hyper["lr"],
+            beta1=hyper["beta1"],
+            beta2=hyper["beta2"],
+            weight_decay=hyper["weight_decay"],
+            eps=hyper["eps"],
+            amsgrad=False,
+            maximize=False,
+        )
+        for stored_list, work_list in (
+            (params, work[0]),
+            (exp_avgs, work[2]),
+            (exp_avg_sqs, work[3]),
+        ):
+            for stored, computed in zip(stored_list, work_list, strict=True):
+                if computed is not stored:
+                    stored.copy_(computed)
+
+
+def _working(t: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+    """t itself when it is contiguous in ``compute``, else a contiguous copy in it."""
+    if t.dtype == compute and t.is_contiguous():
+        return t
+    return t.to(compute, memory_format=torch.contiguous_format, copy=True)
+
+
+def check_lists(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    step: int,
+) -> None:
+    """Lengths, shapes, dtypes, devices and the step, named on failure."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be an int >= 1 (the first update is step 1), got {step!r}")
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    for name, lst in lists.items():
+        if len(lst) != len(params):
+            raise ValueError(
+                f"adamw_multi: {name} has {len(lst)} tensors, params {len(params)}: they must match"
+            )
+    for i, p in enumerate(params):
+        if not p.is_floating_point():
+            raise ValueError(f"adamw_multi: params[{i}] must be floating point, got {p.dtype}")
+        for name, lst in lists.items():
+            t = lst[i]
+            if t.shape != p.shape or t.device != p.device:
+                raise ValueError(
+                    f"adamw_multi: {name}[{i}] is {tuple(t.shape)} on {t.device}, params[{i}] "
+                    f"{tuple(p.shape)} on {p.device}: they must match"
+                )
+            if not t.is_floating_point() or (name != "grads" and t.dtype not in _STATE_DTYPES):
+                raise ValueError(f"adamw_multi: {name}[{i}] has unsupported dtype {t.dtype}")

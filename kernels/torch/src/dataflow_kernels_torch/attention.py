@@ -1,0 +1,238 @@
+"""Softmax attention as an explicit forward/backward pair: the forward returns the
+logsumexp its backward takes, so backward never runs the forward again.
+
+``attention_fwd(q, k, v, *, causal, scale=None) -> (out, lse)`` with q, k, v
+(batch, heads, seq, head_dim), one head count and one sequence length for all three:
+
+    scores = q @ k.T * scale               (scale defaults to 1 / sqrt(head_dim))
+    scores[i, j] = -inf where j > i        (causal only)
+    lse    = logsumexp(scores, -1)         (batch, heads, seq), float32 (float64 inputs: float64)
+    out    = exp(scores - lse) @ v         like q
+
+``attention_bwd(dout, q, k, v, out, lse, *, causal, scale=None) -> (dq, dk, dv)``, with
+``P = exp(scores - lse)``:
+
+    dv = P.T @ dout
+    dS = P * (dout @ v.T - rowsum(dout * out))
+    dq = dS @ k * scale
+    dk = dS.T @ q * scale
+
+``lse`` is the one contract between the two: any variant's backward accepts any variant's
+forward output, contiguous (batch, heads, seq).
+
+Which kernel the fast pair (``attention_fwd``, ``attention_bwd``) calls, by device and dtype
+(``backend``):
+
+- CUDA, float16/bfloat16, head_dim a multiple of 8 and at most 256, sm80 or newer:
+  ``aten._scaled_dot_product_flash_attention`` and its backward (lse float32 already).
+- CUDA, float32 (or 16-bit where flash does not apply), head_dim a multiple of 8 and at
+  most 128: ``aten._scaled_dot_product_efficient_attention(compute_log_sumexp=True)``; its
+  lse rows are padded to a multiple of 32, so the forward slices them off and the backward
+  pads them again (a (batch, heads, 32) copy at most).
+- CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (its lse comes
+  out (batch, seq, heads) in memory; returned contiguous).
+- Anything else (float64 on CUDA, other head dims): the reference formulas below.
+
+The reference pair (``attention_fwd_reference``, ``attention_bwd_reference``) computes the
+formulas above with matmuls in the statistics dtype: (batch, heads, seq, seq) scores, any
+device. Nothing here builds an autograd graph or synchronizes with the device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dataflow_kernels_torch._support import HALF_DTYPES, stats_dtype
+
+_aten = torch.ops.aten
+#: The efficient kernel pads each (batch, head) row of its lse to a multiple of this.
+_EFFICIENT_LSE_ALIGN = 32
+
+
+def attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (out like q, lse (batch, heads, seq) in the statistics dtype); see the module doc."""
+    _check(q, k, v)
+    kernel = backend(q)
+    with torch.no_grad():
+        if kernel == "flash":
+            q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+            out, lse, *_ = _aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, causal, False, scale=scale
+            )
+            return out, lse.contiguous()
+        if kernel == "efficient":
+            q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+            out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
+                q, k, v, None, True, 0.0, causal, scale=scale
+            )
+            return out, lse[:, :, : q.shape[2]].contiguous()
+        if kernel == "cpu":
+            out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, causal, scale=scale
+            )
+            return out, lse.contiguous()
+    return attention_fwd_reference(q, k, v, causal=causal, scale=scale)
+
+
+def attention_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dq, dk, dv) like q, k, v, from the forward's ``out`` and ``lse``."""
+    _check(q, k, v)
+    _check_saved(dout, q, out, lse)
+    kernel = backend(q)
+    with torch.no_grad():
+        if kernel == "flash":
+            q, k, v, out, dout = (_last_dim_contiguous(t) for t in (q, k, v, out, dout))
+            seq = q.shape[2]
+            # Dense, no dropout: no cumulative sequence lengths (None is an undefined
+            # tensor, which selects the dense kernel); the rng state is never read.
+            rng_state = torch.empty(2, dtype=torch.uint64, device=q.device)
+            unused = torch.empty((), dtype=torch.uint64, device=q.device)
+            dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+                dout, q, k, v, out, lse.float().contiguous(), None, None, seq, seq, 0.0,
+                causal, rng_state, unused, scale=scale,
+            )  # fmt: skip
+            return dq, dk, dv
+        if kernel == "efficient":
+            q, k, v, out = (_last_dim_contiguous(t) for t in (q, k, v, out))
+            seed = torch.empty((), dtype=torch.int64, device=q.device)  # unused: no dropout
+            offset = torch.empty((), dtype=torch.int64, device=q.device)
+            dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+                dout, q, k, v, None, out, _padded_lse(lse.float()), seed, offset, 0.0,
+                [True, True, True, False], causal, scale=scale,
+            )  # fmt: skip
+            return dq, dk, dv
+        if kernel == "cpu":
+            return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k, v, out, lse.to(stats_dtype(q.dtype)), 0.0, causal, scale=scale
+            )
+    return attention_bwd_reference(dout, q, k, v, out, lse, causal=causal, scale=scale)
+
+
+def attention_fwd_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward formulas with explicit (seq, seq) scores in the statistics dtype."""
+    _check(q, k, v)
+    compute = stats_dtype(q.dtype)
+    with torch.no_grad():
+        scores = _scores(q, k, causal, scale, compute)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = scores.sub_(lse.unsqueeze(-1)).exp_()
+        out = (probs @ v.to(compute)).to(q.dtype)
+    return out, lse
+
+
+def attention_bwd_reference(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward formulas: P from q, k and lse; dS = P * (dP - rowsum(dout * out))."""
+    _check(q, k, v)
+    _check_saved(dout, q, out, lse)
+    compute = stats_dtype(q.dtype)
+    factor = _scale(q, scale)
+    with torch.no_grad():
+        probs = _scores(q, k, causal, scale, compute).sub_(lse.to(compute).unsqueeze(-1)).exp_()
+        dout_c = dout.to(compute)
+        dv = probs.transpose(-2, -1) @ dout_c
+        delta = (dout_c * out.to(compute)).sum(dim=-1, keepdim=True)
+        d_scores = probs.mul_((dout_c @ v.to(compute).transpose(-2, -1)).sub_(delta))
+        dq = (d_scores @ k.to(compute)).mul_(factor)
+        dk = (d_scores.transpose(-2, -1) @ q.to(compute)).mul_(factor)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def backend(q: torch.Tensor) -> str:
+    """Which kernel the fast pair runs for q: ``flash``, ``efficient``, ``cpu`` or
+    ``reference`` (module doc)."""
+    head_dim = q.shape[-1]
+    if q.device.type == "cpu":
+        return "cpu" if q.dtype in (*HALF_DTYPES, torch.float32, torch.float64) else "reference"
+    if q.device.type != "cuda" or head_dim % 8:
+        return "reference"
+    if (
+        q.dtype in HALF_DTYPES
+        and head_dim <= 256
+        and torch.cuda.get_device_capability(q.device) >= (8, 0)
+        and torch.backends.cuda.is_flash_attention_available()
+    ):
+        return "flash"
+    if q.dtype in (*HALF_DTYPES, torch.float32) and head_dim <= 128:
+        return "efficient"
+    return "reference"
+
+
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None, compute: torch.dtype
+) -> torch.Tensor:
+    scores = (q.to(compute) @ k.to(compute).transpose(-2, -1)).mul_(_scale(q, scale))
+    if causal:
+        seq = q.shape[-2]
+        future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu_(1)
+        scores.masked_fill_(future, -math.inf)
+    return scores
+
+
+def _scale(q: torch.Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
+def _padded_lse(lse: torch.Tensor) -> torch.Tensor:
+    """lse with its rows padded to the efficient kernel's alignment, as its forward left it."""
+    seq = lse.shape[-1]
+    padded_seq = -(-seq // _EFFICIENT_LSE_ALIGN) * _EFFICIENT_LSE_ALIGN
+    if padded_seq == seq:
+        return lse.contiguous()
+    padded = lse.new_zeros((*lse.shape[:-1], padded_seq))
+    padded[..., :seq] = lse
+    return padded
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(
+            "attention expects q, k, v of one shape (batch, heads, seq, head_dim), got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(
+            f"attention expects q, k, v of one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+
+
+def _check_saved(dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    if dout.shape != q.shape or out.shape != q.shape:
+        raise ValueError(
+            f"attention_bwd expects dout and out shaped like q {tuple(q.shape)}, got dout "
+            f"{tuple(dout.shape)}, out {tuple(out.shape)}"
+        )
+    if lse.shape != q.shape[:3]:
+        raise ValueError(
+            f"attention_bwd expects lse (batch, heads, seq) = {tuple(q.shape[:3])}, got "
+            f"{tuple(lse.shape)}"
+        )

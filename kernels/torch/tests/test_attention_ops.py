@@ -1,0 +1,138 @@
+"""attention_fwd / attention_bwd against plain autograd of the attention formula in float64.
+
+The truth: scores, causal mask, logsumexp and softmax written here from the definition,
+evaluated in float64 on the tested inputs, and its gradients by ``torch.autograd.grad``
+for a random upstream gradient. Every variant's forward (out, lse) and backward (dq, dk,
+dv from the variant's own out and lse) is compared with it, and the fast variant with the
+reference variant, by relative error ``||got - want|| / ||want||`` (conftest.PRECISIONS):
+
+- CPU float64: 1e-10; CPU float32: 1e-5
+- CUDA float32: 1e-4; CUDA bfloat16 and float16: 1e-2 (outputs rounded to 16 bits)
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+VARIANTS = ["torch", "reference"]
+#: (batch, heads, seq, head_dim): one token, sequence lengths that are not multiples of 32
+#: (the efficient kernel pads its lse to 32), GPT-2's head_dim.
+SHAPES = [(1, 1, 1, 8), (2, 3, 17, 24), (3, 2, 40, 64), (1, 4, 33, 16), (2, 2, 64, 64)]
+
+
+def autograd_truth(q, k, v, dout, *, causal, scale=None):
+    """(out, lse, dq, dk, dv) in float64 from the formula, gradients by autograd."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    factor = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q64 @ k64.transpose(-2, -1) * factor
+    if causal:
+        seq = q.shape[-2]
+        future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1) @ v64
+    grads = torch.autograd.grad(out, (q64, k64, v64), dout.double())
+    return (out.detach(), lse.detach(), *grads)
+
+
+def inputs(randn, shape, dtype, device):
+    return [randn(*shape, dtype=dtype, device=device) for _ in range(4)]
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_and_backward_match_autograd(
+    kernel, randn, assert_rel_close, device, dtype, tol, name, causal, shape
+) -> None:
+    q, k, v, dout = inputs(randn, shape, dtype, device)
+    want = autograd_truth(q, k, v, dout, causal=causal)
+    out, lse = kernel("attention_fwd", name)(q, k, v, causal=causal)
+    stats = torch.float64 if dtype == torch.float64 else torch.float32
+    assert out.dtype == dtype and lse.dtype == stats and lse.shape == shape[:3]
+    assert lse.is_contiguous()
+    assert_rel_close(out, want[0], tol, "out")
+    assert_rel_close(lse, want[1], tol, "lse")
+    grads = kernel("attention_bwd", name)(dout, q, k, v, out, lse, causal=causal)
+    for label, got, expected, like in zip(
+        ("dq", "dk", "dv"), grads, want[2:], (q, k, v), strict=True
+    ):
+        assert got.dtype == like.dtype
+        assert_rel_close(got, expected, tol, label)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fast_matches_reference_and_their_lse_is_interchangeable(
+    kernel, randn, assert_rel_close, device, dtype, tol, causal
+) -> None:
+    """Each backward takes the other variant's forward outputs (lse is the contract)."""
+    q, k, v, dout = inputs(randn, (2, 3, 45, 32), dtype, device)
+    fast_fwd, ref_fwd = (kernel("attention_fwd", n) for n in VARIANTS)
+    fast_bwd, ref_bwd = (kernel("attention_bwd", n) for n in VARIANTS)
+    fast, ref = fast_fwd(q, k, v, causal=causal), ref_fwd(q, k, v, causal=causal)
+    for label, got, want in zip(("out", "lse"), fast, ref, strict=True):
+        assert_rel_close(got, want, tol, label)
+    want = ref_bwd(dout, q, k, v, *ref, causal=causal)
+    for got in (
+        fast_bwd(dout, q, k, v, *ref, causal=causal),
+        ref_bwd(dout, q, k, v, *fast, causal=causal),
+    ):
+        for label, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+            assert_rel_close(g, w, tol, label)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_explicit_scale(kernel, randn, assert_rel_close, device, dtype, tol, name) -> None:
+    q, k, v, dout = inputs(randn, (1, 2, 19, 16), dtype, device)
+    want = autograd_truth(q, k, v, dout, causal=True, scale=0.3)
+    out, lse = kernel("attention_fwd", name)(q, k, v, causal=True, scale=0.3)
+    assert_rel_close(out, want[0], tol, "out")
+    assert_rel_close(lse, want[1], tol, "lse")
+    grads = kernel("attention_bwd", name)(dout, q, k, v, out, lse, causal=True, scale=0.3)
+    for label, got, expected in zip(("dq", "dk", "dv"), grads, want[2:], strict=True):
+        assert_rel_close(got, expected, tol, label)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_non_contiguous_heads_view(kernel, randn, assert_rel_close, name) -> None:
+    """q, k, v as the (batch, seq, 3, heads, dim) split of one projection, transposed."""
+    qkv = randn(2, 21, 3, 4, 16, dtype=torch.float64)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    dout = randn(2, 4, 21, 16, dtype=torch.float64)
+    want = autograd_truth(q, k, v, dout, causal=True)
+    out, lse = kernel("attention_fwd", name)(q, k, v, causal=True)
+    grads = kernel("attention_bwd", name)(dout, q, k, v, out, lse, causal=True)
+    for label, got, expected in zip(
+        ("out", "dq", "dk", "dv"), (out, *grads), (want[0], *want[2:]), strict=True
+    ):
+        assert_rel_close(got, expected, 1e-10, label)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_inputs_that_require_grad_build_no_graph(kernel, randn, name) -> None:
+    q, k, v, dout = (t.requires_grad_() for t in inputs(randn, (1, 2, 9, 8), torch.float32, "cpu"))
+    out, lse = kernel("attention_fwd", name)(q, k, v, causal=True)
+    grads = kernel("attention_bwd", name)(dout, q, k, v, out, lse, causal=True)
+    assert not any(t.requires_grad for t in (out, lse, *grads))
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_bad_shapes_are_named(kernel, randn, name) -> None:
+    q = randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match=r"one shape \(batch, heads, seq, head_dim\)"):
+        kernel("attention_fwd", name)(q, randn(1, 1, 5, 8), q, causal=True)
+    out, lse = kernel("attention_fwd", name)(q, q, q, causal=True)
+    with pytest.raises(ValueError, match=r"lse \(batch, heads, seq\) = \(1, 2, 5\)"):
+        kernel("attention_bwd", name)(q, q, q, q, out, lse[..., :4], causal=True)
+    with pytest.raises(TypeError):
+        kernel("attention_fwd", name)(q, q, q, True)
+
+
+def test_backend_choice_on_cpu() -> None:
+    from dataflow_kernels_torch.attention import backend
+
+    assert backend(torch.zeros(1, 1, 2, 8)) == "cpu"
+    assert backend(torch.zeros(1, 1, 2, 8, dtype=torch.float64)) == "cpu"
