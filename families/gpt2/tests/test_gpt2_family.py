@@ -92,7 +92,7 @@ def test_layers_are_embed_blocks_head_and_match_the_reference_state() -> None:
     assert declared["0.mlp.c_fc.weight"] == (256, 64)
     no_decay = {f"{layer.name}.{p.name}" for layer in layers for p in layer.params if not p.decay}
     assert no_decay == {key for key in declared if key.endswith("bias") or ".ln_" in key}
-    assert all(p.dtype == "param" for layer in layers for p in layer.params)
+    assert all(p.dtype == "policy" for layer in layers for p in layer.params)
 
 
 def test_hidden_shape() -> None:

@@ -51,7 +51,7 @@ TRITON = ("adamw_multi/triton", "swiglu_fwd/triton", "swiglu_bwd/triton")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
     DETERMINISTIC |= dict.fromkeys(TRITON, True)
-#: The ops every model family has called by autograd (dataflow_training.ops.OP_NAMES today).
+#: The older differentiable forwards, still registered for code that uses autograd.
 AUTOGRAD_OPS = ("attention", "layer_norm", "rms_norm", "gelu", "silu", "linear")
 
 
@@ -59,10 +59,10 @@ def test_every_training_op_has_a_variant_on_cpu_and_cuda(manager) -> None:
     ops = pytest.importorskip("dataflow_training.ops")
     registry = manager.kernels()
     for device in ("cpu", "cuda"):
-        for op in ops.OP_NAMES:
+        for op in ops.STANDARD_OPS:
             assert registry.for_op(op, device=device), f"{op} has no variant on {device}"
     registered = {variant.op for variant in registry}
-    assert set(ops.OP_NAMES) <= registered
+    assert set(ops.STANDARD_OPS) <= registered
     assert registered == {*AUTOGRAD_OPS, "chunked_cross_entropy", "adamw", *EXPLICIT_OPS}
 
 
@@ -133,10 +133,11 @@ def test_load_ops_picks_the_torch_variants(isolated_plugin_manager, device) -> N
 
     isolated_plugin_manager(plugin)
     ops = training_ops.load_ops(device)
-    assert ops["attention"] is functional.attention
-    assert ops["adamw"] is adamw.adamw_fused
+    assert set(ops) == set(training_ops.STANDARD_OPS)
     assert ops["chunked_cross_entropy"] is cross_entropy.chunked_cross_entropy
-    assert set(ops) == set(training_ops.OP_NAMES)
+    older = training_ops.load_ops(device, ("attention", "adamw"))
+    assert older["attention"] is functional.attention
+    assert older["adamw"] is adamw.adamw_fused
 
 
 def test_load_ops_deterministic_picks_the_reproducible_attention(isolated_plugin_manager):
@@ -144,7 +145,12 @@ def test_load_ops_deterministic_picks_the_reproducible_attention(isolated_plugin
     from dataflow_kernels_torch import adamw, functional, plugin
 
     isolated_plugin_manager(plugin)
-    ops = training_ops.load_ops("cuda", deterministic=True)
+    ops = training_ops.load_ops(
+        "cuda", ("attention", "adamw", "layer_norm", "attention_bwd"), deterministic=True
+    )
     assert ops["attention"] is functional.attention_math
     assert ops["adamw"] is adamw.adamw_fused
     assert ops["layer_norm"] is functional.layer_norm
+    from dataflow_kernels_torch import attention
+
+    assert ops["attention_bwd"] is attention.attention_bwd_reference  # the atomics-free one

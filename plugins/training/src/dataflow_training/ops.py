@@ -93,3 +93,46 @@ def load_ops(
             "or see `dataflow kernels list`"
         )
     return chosen
+
+
+def autograd_ops(base: Mapping[str, Callable]) -> dict[str, Callable]:
+    """``base`` with every standard forward op replaced by a differentiable plain-torch
+    formula, so autograd through a family's forward is a truth its hand-written backward
+    can be checked against (``dataflow verify``'s task level). Statistics the forwards
+    return (logsumexp, mean, rstd) carry no gradient. Ops other than the standard
+    forwards stay as ``base`` has them."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    def stats(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(torch.promote_types(t.dtype, torch.float32))
+
+    def attention_fwd(q, k, v, *, causal, scale=None):
+        scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+        scores = (q @ k.transpose(-1, -2)) * scale
+        if causal:
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(~mask, -math.inf)
+        lse = torch.logsumexp(scores, -1)
+        return torch.softmax(scores, -1) @ v, stats(lse)
+
+    def layer_norm_fwd(x, weight, bias, eps):
+        mean = x.mean(-1)
+        rstd = torch.rsqrt(x.var(-1, unbiased=False) + eps)
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps), stats(mean), stats(rstd)
+
+    def rms_norm_fwd(x, weight, eps):
+        rstd = torch.rsqrt((x * x).mean(-1) + eps)
+        return x * rstd.unsqueeze(-1) * weight, stats(rstd)
+
+    return {
+        **base,
+        "linear": F.linear,
+        "attention_fwd": attention_fwd,
+        "layer_norm_fwd": layer_norm_fwd,
+        "rms_norm_fwd": rms_norm_fwd,
+        "gelu": lambda x: F.gelu(x, approximate="tanh"),
+        "swiglu_fwd": lambda gate, up: F.silu(gate) * up,
+    }

@@ -242,7 +242,8 @@ def task_checks(
     seq_len: int = 8,
 ) -> list[Check]:
     """Every layer kind's math: recompute equals what forward saved; the hand backward
-    equals autograd through the family's own forward; the fused head gives the same loss
+    equals autograd through the family's own forward (run on differentiable formulas of
+    the forward ops, ``autograd_ops``); the fused head gives the same loss
     and gradients whatever its chunk size. Aux is left out here (an empty ``env.aux``: no
     load counts, no balance term); the step level checks it."""
     ops = load_ops(device, family.ops)
@@ -301,12 +302,14 @@ def _layer_checks(
 
     env = Env(ops)
     math_ = family.math(layer.kind)
+    from dataflow_training.ops import autograd_ops
+
     trainable = [p.name for p in layer.params if p.trainable]
     leaves = {k: v.clone().requires_grad_(k in trainable) for k, v in params.items()}
     if layer.kind == "embed":
         vocab = params[layer.params[0].name].shape[0]
         tokens = torch.randint(0, vocab, (batch, seq_len), device=device)
-        y = math_.forward(config, leaves, tokens, env)
+        y = math_.forward(config, leaves, tokens, Env(autograd_ops(ops)))
         dy = torch.randn_like(y)
         auto = torch.autograd.grad(y, [leaves[n] for n in trainable], dy)
         grads = math_.backward(config, tokens, dy, env)
@@ -336,7 +339,7 @@ def _layer_checks(
             )
     x_leaf = x.clone().requires_grad_()
     dy = torch.randn_like(y)
-    y_auto, _, _ = math_.forward(config, leaves, x_leaf, env)
+    y_auto, _, _ = math_.forward(config, leaves, x_leaf, Env(autograd_ops(ops)))
     auto = torch.autograd.grad(y_auto, [x_leaf, *(leaves[n] for n in trainable)], dy)
     with torch.no_grad():
         dx, grads = math_.backward(config, params, x, saved, aux_temp, dy, env)
