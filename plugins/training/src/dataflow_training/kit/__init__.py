@@ -1,0 +1,1 @@
+"""The family kit: what every model family would otherwise write itself."""
