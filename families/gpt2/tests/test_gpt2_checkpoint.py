@@ -104,6 +104,16 @@ def test_import_of_a_sharded_checkpoint(exported: Path, state) -> None:
     assert all(torch.equal(imported[key], state[key]) for key in state)
 
 
+def test_a_sharded_export_imports_bit_exact(tmp_path: Path, state) -> None:
+    export_hf(CONFIG_SMALL, state, tmp_path, max_shard_bytes=4096)
+    index = json.loads((tmp_path / SAFETENSORS_INDEX).read_text())
+    assert len(set(index["weight_map"].values())) > 2 and not (tmp_path / SAFETENSORS).exists()
+    assert "lm_head.weight" not in index["weight_map"]
+    config, imported = import_hf(tmp_path)
+    assert config == CONFIG_SMALL
+    assert all(torch.equal(imported[key], state[key]) for key in state)
+
+
 def test_import_casts_when_asked(exported: Path) -> None:
     _, imported = import_hf(exported, dtype=torch.bfloat16)
     assert {tensor.dtype for tensor in imported.values()} == {torch.bfloat16}

@@ -133,9 +133,10 @@ def read_state(
         for name in located:
             canonical = keymap.canonical(name)
             if canonical in stored:
+                first, second = sorted((stored[canonical], name))
                 problems.append(
-                    f"{where}: tensors {stored[canonical]!r} and {name!r} are both "
-                    f"{canonical!r} under {keymap.family}'s aliases"
+                    f"{where}: tensors {first!r} and {second!r} are both {canonical!r} under "
+                    f"{keymap.family}'s aliases"
                 )
             stored[canonical] = name
         problems += _check(entries, keymap, where, located, stored)
@@ -390,15 +391,20 @@ def _hf_tensors(
 def _take(
     tensors: Iterator[tuple[str, torch.Tensor]], names: Sequence[str]
 ) -> dict[str, torch.Tensor]:
-    """The next ``len(names)`` HF tensors (which are ``names``), copied where they share
-    memory with one another (safetensors refuses that, e.g. the experts of one stack)."""
-    seen: set[int] = set()
+    """The next ``len(names)`` HF tensors (which are ``names``), copied where their bytes
+    overlap another's in the file (safetensors refuses that: two state keys holding one
+    tensor). Disjoint views of one buffer, the usual family state, are not copied."""
+    taken: dict[int, list[tuple[int, int]]] = {}  # storage -> byte ranges in this file
     out = {}
     for expected, (name, tensor) in zip(names, tensors, strict=False):  # leaves the rest
         assert name == expected, (name, expected)  # sizes and tensors walk the same entries
-        pointer = tensor.untyped_storage().data_ptr()
-        out[name] = tensor.clone() if pointer in seen else tensor
-        seen.add(pointer)
+        start = tensor.data_ptr()
+        ranges = taken.setdefault(tensor.untyped_storage().data_ptr(), [])
+        if any(start < end and begin < start + tensor.nbytes for begin, end in ranges):
+            tensor = tensor.clone()
+        else:
+            ranges.append((start, start + tensor.nbytes))
+        out[name] = tensor
     return out
 
 
