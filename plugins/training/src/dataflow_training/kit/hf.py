@@ -147,14 +147,15 @@ def read_state(
             _, handle = located[stored[name]]
             return handle.get_tensor(stored[name])
 
-        problems = [
-            _tied_problem(keymap, entry, tied, located, stored, read)
+        differ = [
+            f"{located[stored[tied]][0]}: tensor {stored[tied]!r} differs from "
+            f"{stored[entry.hf_names[0]]!r}, but {keymap.family} ties them (key {entry.key!r})"
             for entry in entries
             for tied in entry.tied
-            if tied in stored
+            if tied in stored and not _equal(read(tied), read(entry.hf_names[0]))
         ]
-        if any(problems):
-            raise CheckpointError("; ".join(filter(None, problems)))
+        if differ:
+            raise CheckpointError("; ".join(differ))
         return {
             entry.key: entry.from_hf({name: read(name) for name in entry.hf_names}, dtype)
             for entry in entries
@@ -169,7 +170,9 @@ def _check(
     stored: Mapping[str, str],
 ) -> list[str]:
     """Missing, mis-shaped and unexpected tensors, without reading any tensor's data."""
-    problems, missing, missing_keys, wanted = [], [], [], set()
+    problems: list[str] = []
+    missing: dict[str, str] = {}  # HF name -> state key
+    wanted: set[str] = set()
     for entry in entries:
         shapes = entry.hf_shapes()
         main = shapes[entry.hf_names[0]]
@@ -178,8 +181,7 @@ def _check(
             wanted.add(name)
             if name not in stored:
                 if name not in entry.tied:
-                    missing.append(name)
-                    missing_keys += [] if entry.key in missing_keys else [entry.key]
+                    missing[name] = entry.key
                 continue
             if located[stored[name]] is None:
                 continue  # its shard is already reported
@@ -191,9 +193,10 @@ def _check(
                     f"({keymap.family} key {entry.key!r})"
                 )
     if missing:
+        keys = list(dict.fromkeys(missing.values()))
         problems.append(
-            f"{where}: {_listed(missing)} {'are' if len(missing) > 1 else 'is'} missing "
-            f"(for {keymap.family} {_listed(missing_keys, 'key')})"
+            f"{where}: {_listed(list(missing))} {'are' if len(missing) > 1 else 'is'} missing "
+            f"(for {keymap.family} {_listed(keys, 'key')})"
         )
     unexpected: dict[Path, list[str]] = {}
     for canonical, name in stored.items():
@@ -207,15 +210,8 @@ def _check(
     return problems
 
 
-def _tied_problem(keymap, entry, tied, located, stored, read) -> str | None:
-    main = entry.hf_names[0]
-    copy, original = read(tied), read(main)
-    if torch.equal(copy.to(original.dtype), original):
-        return None
-    return (
-        f"{located[stored[tied]][0]}: tensor {stored[tied]!r} differs from "
-        f"{stored[main]!r}, but {keymap.family} ties them (key {entry.key!r})"
-    )
+def _equal(copy: torch.Tensor, original: torch.Tensor) -> bool:
+    return torch.equal(copy.to(original.dtype), original)
 
 
 def _locate(path: Path, files: ExitStack) -> tuple[Path, _Located, list[str]]:
