@@ -487,3 +487,83 @@ def test_a_placeholder_is_one_dot_free_part() -> None:
     assert rule.match("a.b.attn.w") is None and rule.match("1.attn.wx") is None
     (entry,) = KeyMap("toy", [rule]).expand({"12.attn.w": (2, 3)})
     assert entry.hf_shapes() == {"model.layers.12.self_attn.w": (2, 3)}
+
+
+# -- A real MoE checkpoint: per-expert files, stacked family tensors ---------------------
+
+
+def qwen3_moe_keys() -> KeyMap:
+    """A Qwen 3 MoE family's table: experts stacked, gate and up fused, lm_head untied."""
+    attn = "model.layers.{layer}.self_attn"
+    expert = "model.layers.{layer}.mlp.experts.{expert}"
+    plain = {
+        "emb.tok": "model.embed_tokens.weight",
+        **{f"{{layer}}.attn.{p}": f"{attn}.{p}_proj.weight" for p in ("q", "k", "v", "o")},
+        "{layer}.attn.q_norm": f"{attn}.q_norm.weight",
+        "{layer}.attn.k_norm": f"{attn}.k_norm.weight",
+        "{layer}.norm_1": "model.layers.{layer}.input_layernorm.weight",
+        "{layer}.norm_2": "model.layers.{layer}.post_attention_layernorm.weight",
+        "{layer}.router": "model.layers.{layer}.mlp.gate.weight",
+        "head.norm": "model.norm.weight",
+        "head.out": "lm_head.weight",
+    }
+    return KeyMap(
+        "qwen3_moe",
+        rules=[
+            *(KeyRule(key, hf) for key, hf in plain.items()),
+            KeyRule(
+                "{layer}.experts.gate_up",
+                (f"{expert}.gate_proj.weight", f"{expert}.up_proj.weight"),
+                stack="expert",
+            ),
+            KeyRule("{layer}.experts.down", f"{expert}.down_proj.weight", stack="expert"),
+        ],
+    )
+
+
+def test_a_transformers_moe_checkpoint_reads_stacked_and_writes_back(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers", reason="the MoE round trip needs it")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, moe_intermediate_size=6,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(tmp_path / "hf")
+    dim, ffn, heads, head_dim = 16, 6, 2, 8
+    expected = {"emb.tok": (50, dim), "head.norm": (dim,), "head.out": (50, dim)}
+    for layer in ("0", "1"):
+        expected |= {
+            f"{layer}.attn.q": (heads * head_dim, dim),
+            f"{layer}.attn.k": (head_dim, dim),
+            f"{layer}.attn.v": (head_dim, dim),
+            f"{layer}.attn.o": (dim, heads * head_dim),
+            f"{layer}.attn.q_norm": (head_dim,),
+            f"{layer}.attn.k_norm": (head_dim,),
+            f"{layer}.norm_1": (dim,),
+            f"{layer}.norm_2": (dim,),
+            f"{layer}.router": (4, dim),
+            f"{layer}.experts.gate_up": (4, 2 * ffn, dim),
+            f"{layer}.experts.down": (4, dim, ffn),
+        }
+    state = read_state(tmp_path / "hf", qwen3_moe_keys(), expected)
+    hf_state = model.state_dict()
+    if "model.layers.1.mlp.experts.gate_up_proj" in hf_state:  # transformers >= 5 fuses too
+        assert torch.equal(
+            state["1.experts.gate_up"], hf_state["model.layers.1.mlp.experts.gate_up_proj"]
+        )
+        assert torch.equal(
+            state["0.experts.down"], hf_state["model.layers.0.mlp.experts.down_proj"]
+        )
+
+    write_state(tmp_path / "back", qwen3_moe_keys(), state, expected, max_shard_bytes=8_000)
+    write_config(tmp_path / "back", json.loads((tmp_path / "hf" / CONFIG).read_text()))
+    reloaded = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "back")
+    again = reloaded.state_dict()
+    assert set(again) == set(hf_state)
+    for name, tensor in hf_state.items():
+        assert torch.equal(again[name], tensor), name
