@@ -5,6 +5,7 @@ transformers reloads bit for bit. Skipped without transformers (``pip install -e
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,34 @@ def test_export_reloads_in_transformers_bit_exact(hf_model, tmp_path: Path) -> N
     for name, tensor in original.items():
         assert torch.equal(again[name], tensor), name
     assert torch.equal(reloaded.lm_head.weight, reloaded.transformer.wte.weight)  # still tied
+
+
+def test_a_sharded_export_reloads_in_transformers_and_imports_back(
+    hf_model, tmp_path: Path
+) -> None:
+    model, folder = hf_model
+    family = GPT2Family()
+    config, state = family.import_hf(folder)
+    family.export_hf(config, state, tmp_path / "sharded", max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 3 and not (tmp_path / "sharded" / "model.safetensors").exists()
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "sharded")
+    original, again = model.state_dict(), reloaded.state_dict()
+    assert set(again) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(again[name], tensor), name
+    _, back = family.import_hf(tmp_path / "sharded")
+    assert all(torch.equal(back[key], state[key]) for key in state)
+
+
+def test_a_checkpoint_sharded_by_transformers_imports(hf_model, tmp_path: Path) -> None:
+    model, _ = hf_model
+    model.save_pretrained(tmp_path / "hf_sharded", max_shard_size="20KB")
+    assert (tmp_path / "hf_sharded" / "model.safetensors.index.json").exists()
+    config, state = GPT2Family().import_hf(tmp_path / "hf_sharded")
+    reference = GPT2Family().reference_model(config)
+    reference.load_state_dict(state)
+    tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(reference.logits(tokens), model(tokens).logits, **FLOAT32)

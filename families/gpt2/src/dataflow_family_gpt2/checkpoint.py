@@ -10,33 +10,87 @@ Import reads both layouts found in the wild: ``save_pretrained`` names
 (``transformer.h.0.ln_1.weight``) and the original hub files' (``h.0.ln_1.weight``, with
 the old ``attn.bias`` / ``attn.masked_bias`` mask buffers, which are skipped), in one file
 (``model.safetensors``) or sharded (``model.safetensors.index.json``).
+
+All of that is the key table ``KEY_MAP``; the file I/O and its checks are the training
+kit's (``dataflow_training.kit.hf``). This module adds ``config.json`` <-> ``GPT2Config``.
 """
 
 from __future__ import annotations
 
-import json
-import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from dataflow_training.kit.hf import (
+    CONFIG,
+    SAFETENSORS,
+    SAFETENSORS_INDEX,
+    TRANSPOSE,
+    CheckpointError,
+    KeyMap,
+    KeyRule,
+    checkpoint_folder,
+    read_config,
+    read_state,
+    write_config,
+    write_state,
+)
 
 from dataflow_family_gpt2.config import GPT2Config
 from dataflow_family_gpt2.layers import EMBED, HEAD, layer_specs
 
-SAFETENSORS = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-CONFIG = "config.json"
+__all__ = [
+    "CONFIG",
+    "CONV1D_WEIGHTS",
+    "KEY_MAP",
+    "SAFETENSORS",
+    "SAFETENSORS_INDEX",
+    "CheckpointError",
+    "config_from_hf",
+    "config_to_hf",
+    "expected_state",
+    "export_hf",
+    "import_hf",
+]
 
 #: Block parameters HF stores as Conv1D weights, (in, out).
-CONV1D_WEIGHTS = frozenset(
-    {"attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"}
+CONV1D_WEIGHTS = (
+    "attn.c_attn.weight",
+    "attn.c_proj.weight",
+    "mlp.c_fc.weight",
+    "mlp.c_proj.weight",
 )
-_PREFIX = "transformer."
-_MASK_BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
+_BLOCK_AS_IS = (
+    "ln_1.weight",
+    "ln_1.bias",
+    "attn.c_attn.bias",
+    "attn.c_proj.bias",
+    "ln_2.weight",
+    "ln_2.bias",
+    "mlp.c_fc.bias",
+    "mlp.c_proj.bias",
+)
+
+#: Family state key <-> ``GPT2LMHeadModel`` tensor name.
+KEY_MAP = KeyMap(
+    "gpt2",
+    rules=[
+        KeyRule(f"{EMBED}.wte", "transformer.wte.weight", tied="lm_head.weight"),
+        KeyRule(f"{EMBED}.wpe", "transformer.wpe.weight"),
+        *(
+            KeyRule(f"{{layer}}.{p}", f"transformer.h.{{layer}}.{p}", TRANSPOSE)
+            for p in CONV1D_WEIGHTS
+        ),
+        *(KeyRule(f"{{layer}}.{p}", f"transformer.h.{{layer}}.{p}") for p in _BLOCK_AS_IS),
+        KeyRule(f"{HEAD}.ln_f.weight", "transformer.ln_f.weight"),
+        KeyRule(f"{HEAD}.ln_f.bias", "transformer.ln_f.bias"),
+    ],
+    # The causal-mask buffers of old transformers versions, not parameters.
+    skip=[r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"],
+    # The original hub files name everything but lm_head without the "transformer." prefix.
+    aliases=[(r"((h\.\d+|wte|wpe|ln_f)\..+)", r"transformer.\1")],
+)
 
 #: HF GPT2Config defaults, used for sizes a config.json leaves out (as transformers does).
 _HF_DEFAULTS: Mapping[str, Any] = {
@@ -50,28 +104,13 @@ _HF_DEFAULTS: Mapping[str, Any] = {
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint this family cannot read or write; the message names the file and the
-    tensor or field at fault."""
-
-
-def hf_name(key: str) -> str:
-    """The HF ``GPT2LMHeadModel`` name of a family state key (``0.ln_1.weight`` ->
-    ``transformer.h.0.ln_1.weight``)."""
-    layer, _, param = key.partition(".")
-    if layer == EMBED:
-        return f"{_PREFIX}{param}.weight"
-    if layer == HEAD:
-        return f"{_PREFIX}{param}"
-    return f"{_PREFIX}h.{layer}.{param}"
-
-
-def _expected(config: GPT2Config) -> Iterator[tuple[str, str, tuple[int, ...], bool]]:
-    """(family key, HF name, family shape, transposed?) of every tensor of ``config``."""
-    for layer in layer_specs(config):
-        for param in layer.params:
-            key = f"{layer.name}.{param.name}"
-            yield key, hf_name(key), param.shape, param.name in CONV1D_WEIGHTS
+def expected_state(config: GPT2Config) -> dict[str, tuple[int, ...]]:
+    """State key -> shape of every tensor of ``config``, in chain order."""
+    return {
+        f"{layer.name}.{param.name}": param.shape
+        for layer in layer_specs(config)
+        for param in layer.params
+    }
 
 
 # -- Import ----------------------------------------------------------------------------
@@ -106,84 +145,18 @@ def config_from_hf(hf_config: Mapping[str, Any], source: str = CONFIG) -> GPT2Co
         raise CheckpointError(f"{source}: {error}") from error
 
 
-def _tensor_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it."""
-    index = folder / SAFETENSORS_INDEX
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
-    single = folder / SAFETENSORS
-    if not single.exists():
-        present = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
-        raise CheckpointError(
-            f"{folder}: no {SAFETENSORS} or {SAFETENSORS_INDEX} (found: {present}); only "
-            "safetensors checkpoints are read"
-        )
-    with safe_open(single, framework="pt") as handle:
-        return dict.fromkeys(handle.keys(), single)
-
-
 def import_hf(
     path: str | Path, *, dtype: torch.dtype | None = None
 ) -> tuple[GPT2Config, dict[str, torch.Tensor]]:
-    """Read an HF GPT-2 checkpoint folder (or its ``.safetensors`` file, ``config.json``
-    beside it) -> (config, state keyed as the reference model's ``state_dict()``).
+    """Read an HF GPT-2 checkpoint folder (or its ``.safetensors`` file, or its index;
+    ``config.json`` beside it) -> (config, state keyed as the reference model's
+    ``state_dict()``).
 
-    Tensors keep the checkpoint's dtype unless ``dtype`` is given. A missing, mis-shaped or
-    unexpected tensor is an error naming it and its file."""
-    path = Path(path)
-    folder = path.parent if path.is_file() else path
-    config_path = folder / CONFIG
-    if not config_path.exists():
-        raise CheckpointError(f"{folder}: no {CONFIG} beside the weights")
-    config = config_from_hf(json.loads(config_path.read_text()), str(config_path))
-    files = _tensor_files(folder) if not path.is_file() else _single_file(path)
-    # Both naming schemes: with or without the "transformer." prefix.
-    stored = {name.removeprefix(_PREFIX): name for name in files}
-
-    state: dict[str, torch.Tensor] = {}
-    for key, name, shape, transposed in _expected(config):
-        short = name.removeprefix(_PREFIX)
-        if short not in stored:
-            where = ", ".join(sorted({str(file) for file in files.values()}))
-            raise CheckpointError(f"{where}: tensor {name!r} is missing (gpt2 key {key!r})")
-        name = stored.pop(short)
-        tensor = _read(files[name], name)
-        hf_shape = shape[::-1] if transposed else shape
-        if tuple(tensor.shape) != hf_shape:
-            raise CheckpointError(
-                f"{files[name]}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                f"{hf_shape} for {config}"
-            )
-        tensor = tensor.t().contiguous() if transposed else tensor
-        state[key] = tensor if dtype is None else tensor.to(dtype)
-
-    lm_head = stored.pop("lm_head.weight", None)
-    if lm_head is not None and not torch.equal(
-        _read(files[lm_head], lm_head).to(state[f"{EMBED}.wte"].dtype), state[f"{EMBED}.wte"]
-    ):
-        raise CheckpointError(
-            f"{files[lm_head]}: tensor 'lm_head.weight' differs from 'wte.weight', but the "
-            "gpt2 family ties them"
-        )
-    unexpected = sorted(name for short, name in stored.items() if not _MASK_BUFFER.match(short))
-    if unexpected:
-        where = ", ".join(sorted({str(files[name]) for name in unexpected}))
-        raise CheckpointError(
-            f"{where}: unexpected tensor(s) {', '.join(map(repr, unexpected[:8]))}"
-            f"{' ...' if len(unexpected) > 8 else ''} for {config}"
-        )
-    return config, state
-
-
-def _single_file(path: Path) -> dict[str, Path]:
-    with safe_open(path, framework="pt") as handle:
-        return dict.fromkeys(handle.keys(), path)
-
-
-def _read(file: Path, name: str) -> torch.Tensor:
-    with safe_open(file, framework="pt") as handle:
-        return handle.get_tensor(name)
+    Tensors keep the checkpoint's dtype unless ``dtype`` is given. Missing, mis-shaped or
+    unexpected tensors are one error naming them all and their files."""
+    config_path = checkpoint_folder(path) / CONFIG
+    config = config_from_hf(read_config(path), str(config_path))
+    return config, read_state(path, KEY_MAP, expected_state(config), dtype=dtype)
 
 
 # -- Export ----------------------------------------------------------------------------
@@ -217,31 +190,18 @@ def config_to_hf(config: GPT2Config, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-def export_hf(config: GPT2Config, state: Mapping[str, torch.Tensor], path: str | Path) -> None:
+def export_hf(
+    config: GPT2Config,
+    state: Mapping[str, torch.Tensor],
+    path: str | Path,
+    *,
+    max_shard_bytes: int | None = None,
+) -> None:
     """Write ``state`` (keyed as the reference model's ``state_dict()``) as an HF GPT-2
-    checkpoint folder: ``config.json`` and ``model.safetensors``, loadable by
-    ``transformers.GPT2LMHeadModel.from_pretrained``. A missing or mis-shaped key is an
-    error naming it."""
-    folder = Path(path)
-    tensors: dict[str, torch.Tensor] = {}
-    expected = list(_expected(config))
-    for key, name, shape, transposed in expected:
-        if key not in state:
-            raise CheckpointError(f"export to {folder}: state has no tensor {key!r}")
-        tensor = state[key].detach().cpu()
-        if tuple(tensor.shape) != shape:
-            raise CheckpointError(
-                f"export to {folder}: tensor {key!r} has shape {tuple(tensor.shape)}, "
-                f"expected {shape} for {config}"
-            )
-        tensors[name] = (tensor.t() if transposed else tensor).contiguous()
-    extra = sorted(set(state) - {key for key, _, _, _ in expected})
-    if extra:
-        raise CheckpointError(
-            f"export to {folder}: state has tensor(s) {', '.join(map(repr, extra))} that "
-            f"{config} does not have"
-        )
-    folder.mkdir(parents=True, exist_ok=True)
-    dtype = tensors[hf_name(f"{EMBED}.wte")].dtype
-    (folder / CONFIG).write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
-    save_file(tensors, str(folder / SAFETENSORS), metadata={"format": "pt"})
+    checkpoint folder: ``config.json`` and ``model.safetensors`` (or shards of at most
+    ``max_shard_bytes`` and their index), loadable by
+    ``transformers.GPT2LMHeadModel.from_pretrained``. Missing, extra or mis-shaped keys are
+    one error naming them; nothing is written then."""
+    write_state(path, KEY_MAP, state, expected_state(config), max_shard_bytes=max_shard_bytes)
+    dtype = state[f"{EMBED}.wte"].dtype
+    write_config(path, config_to_hf(config, dtype))

@@ -51,6 +51,11 @@ class GPT2Family:
         return checkpoint.import_hf(path, dtype=dtype)
 
     def export_hf(
-        self, config: GPT2Config, state: Mapping[str, torch.Tensor], path: str | Path
+        self,
+        config: GPT2Config,
+        state: Mapping[str, torch.Tensor],
+        path: str | Path,
+        *,
+        max_shard_bytes: int | None = None,
     ) -> None:
-        checkpoint.export_hf(config, state, path)
+        checkpoint.export_hf(config, state, path, max_shard_bytes=max_shard_bytes)
