@@ -200,7 +200,8 @@ def test_registered_as_a_builtin_command() -> None:
 def test_the_torch_kernels_cover_the_training_ops() -> None:
     ops = pytest.importorskip("dataflow_training.ops")
     variants = [v for v in _json() if v["distribution"] == TORCH_KERNELS]
-    assert {v["op"] for v in variants} == set(ops.OP_NAMES)
+    # every training op is covered; the package may offer more (the op set is open)
+    assert set(ops.OP_NAMES) <= {v["op"] for v in variants}
     by_key = {f"{v['op']}/{v['name']}": v for v in variants}
     assert by_key["attention/torch"]["deterministic"] is False
     assert by_key["attention/torch-math"]["deterministic"] is True
