@@ -18,6 +18,8 @@ import pytest
 import torch
 
 VARIANTS = ["torch", "reference"]
+#: cuDNN's pair: on CUDA in 16 bits its own kernels, elsewhere the torch pair
+ALL_VARIANTS = [*VARIANTS, "cudnn"]
 #: (batch, heads, seq, head_dim): one token, sequence lengths that are not multiples of 32
 #: (the efficient kernel pads its lse to 32), GPT-2's head_dim.
 SHAPES = [(1, 1, 1, 8), (2, 3, 17, 24), (3, 2, 40, 64), (1, 4, 33, 16), (2, 2, 64, 64)]
@@ -42,7 +44,7 @@ def inputs(randn, shape, dtype, device):
     return [randn(*shape, dtype=dtype, device=device) for _ in range(4)]
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", ALL_VARIANTS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_forward_and_backward_match_autograd(
@@ -84,7 +86,7 @@ def test_fast_matches_reference_and_their_lse_is_interchangeable(
             assert_rel_close(g, w, tol, label)
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", ALL_VARIANTS)
 def test_explicit_scale(kernel, randn, assert_rel_close, device, dtype, tol, name) -> None:
     q, k, v, dout = inputs(randn, (1, 2, 19, 16), dtype, device)
     want = autograd_truth(q, k, v, dout, causal=True, scale=0.3)
@@ -96,7 +98,7 @@ def test_explicit_scale(kernel, randn, assert_rel_close, device, dtype, tol, nam
         assert_rel_close(got, expected, tol, label)
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", ALL_VARIANTS)
 def test_non_contiguous_heads_view(kernel, randn, assert_rel_close, name) -> None:
     """q, k, v as the (batch, seq, 3, heads, dim) split of one projection, transposed."""
     qkv = randn(2, 21, 3, 4, 16, dtype=torch.float64)

@@ -18,6 +18,8 @@ EXPECTED_VARIANTS = (
     "rms_norm/torch",
     "silu/torch",
     "chunked_cross_entropy/reference",
+    "attention_fwd/cudnn",
+    "attention_bwd/cudnn",
     *(
         f"{op}/{name}"
         for op in (
@@ -36,7 +38,12 @@ EXPECTED_VARIANTS = (
     ),
     # test_attention_ops.py, test_norm_ops.py, test_elementwise_ops.py, test_adamw_multi.py
     *(
-        ("adamw_multi/triton", "swiglu_bwd/triton", "swiglu_fwd/triton")
+        (
+            "adamw_multi/triton",
+            "swiglu_bwd/triton",
+            "swiglu_fwd/triton",
+            "chunked_cross_entropy/triton",
+        )
         if importlib.util.find_spec("triton") is not None
         else ()
     ),

@@ -205,6 +205,8 @@ CASES = {
     "linear/torch": linear,
     "chunked_cross_entropy/torch": cross_entropy("torch"),
     "chunked_cross_entropy/reference": cross_entropy("reference"),
+    "chunked_cross_entropy/triton": cross_entropy("triton"),
+    "attention_fwd/cudnn": explicit("attention_fwd", attention_args)("cudnn"),
     "adamw/torch": adamw("torch"),
     "adamw/torch-reference": adamw("torch-reference"),
     # attention_bwd/torch is flagged False (atomics), like attention/torch

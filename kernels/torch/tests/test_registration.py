@@ -46,8 +46,16 @@ EXPLICIT_OPS = (
     "adamw_multi",
 )
 DETERMINISTIC |= {f"{op}/reference": True for op in EXPLICIT_OPS}
+#: cuDNN's fused attention pair, CUDA only (its backward accumulates with atomics)
+CUDNN = {"attention_fwd/cudnn": True, "attention_bwd/cudnn": False}
+DETERMINISTIC |= CUDNN
 #: Registered only where triton is installed (CUDA only, preferred there).
-TRITON = ("adamw_multi/triton", "swiglu_fwd/triton", "swiglu_bwd/triton")
+TRITON = (
+    "adamw_multi/triton",
+    "swiglu_fwd/triton",
+    "swiglu_bwd/triton",
+    "chunked_cross_entropy/triton",
+)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
     DETERMINISTIC |= dict.fromkeys(TRITON, True)
@@ -88,7 +96,7 @@ def test_the_default_variant_is_named_torch_and_preferred(manager) -> None:
 def test_variants_have_descriptions_and_devices(manager) -> None:
     for variant in manager.kernels():
         assert isinstance(variant, KernelVariant)
-        expected = ("cuda",) if variant.key in TRITON else ("cpu", "cuda")
+        expected = ("cuda",) if variant.key in (*TRITON, *CUDNN) else ("cpu", "cuda")
         assert variant.description and variant.devices == expected
 
 

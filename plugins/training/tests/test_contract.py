@@ -176,3 +176,18 @@ def test_moe_recompute_reads_the_routing_verbatim() -> None:
     expected = torch.einsum("fd,td->tf", params["w_in"][0], x.reshape(-1, config.dim))
     torch.testing.assert_close(again["pre"][:, 0], expected)
     assert not torch.equal(again["pre"], saved["pre"])
+
+
+def test_the_optimizer_updates_each_group_as_two_flat_tensors() -> None:
+    """Parameters, gradients and Adam moments line up element for element, so one
+    update call per weight-decay class covers a whole group (two kernels, not one per
+    tensor); a layout that does not line up falls back to per-tensor lists."""
+    family = ToyMoEFamily()
+    program = lower(family, "toy_moe_tiny", TRAIN).program
+    tasks = TrainingTasks(program, family=family, ops=plain_ops())
+    step = tasks(program.tasks_by_id["opt_0_1_0.experts"])
+    assert [(names, flat) for names, _, flat in step.classes] == [(["w_in", "w_out"], True)]
+    head = tasks(program.tasks_by_id["opt_0_1_head"])
+    assert [(names, decayed, flat) for names, decayed, flat in head.classes] == [
+        (["g"], False, True)
+    ]

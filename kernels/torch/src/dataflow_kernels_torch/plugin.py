@@ -152,6 +152,7 @@ def dataflow_kernels() -> list[KernelVariant]:
         ),
         *_explicit_variants(),
         *(_triton_variants() if importlib.util.find_spec("triton") is not None else []),
+        *_cudnn_variants(),
     ]
 
 
@@ -216,7 +217,30 @@ _TRITON = (
      "p, g, m, v once, writes p, m, v once; other tensors as adamw_multi/torch"),
     ("swiglu_fwd", "swiglu_fwd_triton", "silu(gate) * up in one Triton pass, float32 math"),
     ("swiglu_bwd", "swiglu_bwd_triton", "(dgate, dup) in one Triton pass, float32 math"),
+    ("chunked_cross_entropy", "triton_ce.chunked_cross_entropy_triton",
+     "16-bit: the vocabulary padded to a multiple of 128 for the tensor cores, bf16 logits, "
+     "softmax, loss and d_logits in one Triton pass per row; else as the torch variant"),
 )  # fmt: skip
+
+
+#: cuDNN's fused attention pair: one priority for both, so they are chosen together.
+CUDNN_ATTENTION_PRIORITY = -5
+
+
+def _cudnn_variants() -> list[KernelVariant]:
+    return [
+        KernelVariant(
+            op,
+            "cudnn",
+            _loader("attention_cudnn", f"{op}_cudnn"),
+            devices=("cuda",),
+            deterministic=op == "attention_fwd",
+            priority=CUDNN_ATTENTION_PRIORITY,
+            description=f"cuDNN fused attention ({'forward, returns (out, lse)' if op == 'attention_fwd' else 'backward from (out, lse)'}); "
+            "16-bit CUDA, head_dim <= 128, else the torch pair",
+        )
+        for op in ("attention_fwd", "attention_bwd")
+    ]
 
 
 def _triton_variants() -> list[KernelVariant]:
@@ -225,7 +249,9 @@ def _triton_variants() -> list[KernelVariant]:
         KernelVariant(
             op,
             "triton",
-            _loader("triton_kernels", function),
+            _loader(*function.rsplit(".", 1))
+            if "." in function
+            else _loader("triton_kernels", function),
             devices=("cuda",),
             priority=10,
             description=description,

@@ -1,7 +1,12 @@
 """Packing a layer's named tensors into one object's bytes, and reading them back.
 
 Each entry starts at a multiple of ``ALIGN_BYTES`` so every typed view is aligned (and
-kernels get the alignment they like). Layouts travel in the step layout (``dataflow_training.step``), so an
+kernels get the alignment they like), and takes a whole number of ``ALIGN_ELEMENTS``
+elements. So two layouts that pack the same shapes in the same order, each in one dtype
+(a layer's bf16 parameters and their float32 Adam moments), put every entry at the same
+*element* offset: a span of consecutive entries of one is the matching span of the other,
+element for element, and the optimizer updates a whole group as one flat tensor. The
+padding (``gaps``) holds zeros. Layouts travel in the step layout (``dataflow_training.step``), so an
 executable can view ``W_3`` as the family's named parameters.
 """
 
@@ -16,6 +21,7 @@ import attrs
 from dataflow.schema import DTYPE_BYTES
 
 ALIGN_BYTES = 256
+ALIGN_ELEMENTS = 128
 
 
 @attrs.frozen
@@ -42,10 +48,39 @@ class Layout:
         """Pack (name, shape, dtype) in order, each at an aligned offset."""
         entries, offset = [], 0
         for name, shape, dtype in tensors:
+            offset = -(-offset // ALIGN_BYTES) * ALIGN_BYTES
             entry = Entry(name, offset, shape, dtype)
             entries.append(entry)
-            offset += -(-entry.size_bytes // ALIGN_BYTES) * ALIGN_BYTES
+            elements = -(-math.prod(entry.shape) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+            offset += elements * DTYPE_BYTES[dtype]
         return cls(tuple(entries), max(offset, 1))
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """Byte ranges ``[start, end)`` that no entry's data covers (padding)."""
+        out, cursor = [], 0
+        for e in sorted(self.entries, key=lambda e: e.offset_bytes):
+            if e.offset_bytes > cursor:
+                out.append((cursor, e.offset_bytes))
+            cursor = max(cursor, e.offset_bytes + e.size_bytes)
+        if cursor < self.size_bytes:
+            out.append((cursor, self.size_bytes))
+        return out
+
+    def span(self, buffer: Any, names: Iterable[str]) -> Any:
+        """One flat typed view from the first of ``names`` to the end of the last (entries
+        of one dtype, consecutive in the layout), padding between them included; None when
+        they are not consecutive or not of one dtype."""
+        import torch
+
+        wanted = set(names)
+        index = [i for i, e in enumerate(self.entries) if e.name in wanted]
+        if not index or index != list(range(index[0], index[-1] + 1)):
+            return None
+        chosen = [self.entries[i] for i in index]
+        if len({e.dtype for e in chosen}) != 1:
+            return None
+        start, end = chosen[0].offset_bytes, chosen[-1].offset_bytes + chosen[-1].size_bytes
+        return buffer[start:end].view(getattr(torch, chosen[0].dtype))
 
     def entry(self, name: str) -> Entry:
         for e in self.entries:

@@ -13,6 +13,7 @@ step differently; a new family never touches a resolver.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -122,6 +123,7 @@ class _Exec:
             for part in ("inputs", "mutates", "outputs")
             for i, obj in enumerate(getattr(task, part))
         }
+        self._views: dict[str, tuple[tuple[int, int], Tensors]] = {}
 
     def buffer(self, ctx: LaunchContext, obj_id: str) -> torch.Tensor:
         part, i = self._index[obj_id]
@@ -137,11 +139,25 @@ class _Exec:
             **fields,
         )
 
+    def views(self, ctx: LaunchContext, obj: str) -> Tensors:
+        """A packed object's named views. On CUDA an object sits at the same arena offset
+        every step, so the views of its last address are kept and reused (building a
+        dozen views is host time every launch); elsewhere they are built each time."""
+        buffer = self.buffer(ctx, obj)
+        if ctx.device != "cuda":
+            return self.layout.views(obj, buffer)
+        key = (buffer.data_ptr(), buffer.numel())
+        cached = self._views.get(obj)
+        if cached is None or cached[0] != key:
+            cached = (key, self.layout.views(obj, buffer))
+            self._views[obj] = cached
+        return dict(cached[1])
+
     def named(self, ctx: LaunchContext, role: str) -> Tensors:
         """Every packed object of ``role`` viewed as named tensors, merged."""
         out: Tensors = {}
         for obj in self.slot.objects(role):
-            out.update(self.layout.views(obj, self.buffer(ctx, obj)))
+            out.update(self.views(ctx, obj))
         return out
 
     def one(self, ctx: LaunchContext, role: str) -> torch.Tensor:
@@ -150,11 +166,11 @@ class _Exec:
     def store_grads(self, ctx: LaunchContext, role: str, grads: Mapping[str, Any]) -> None:
         """Write (round 0) or accumulate the gradients into the ``role`` objects; each
         trainable tensor must have its gradient, of its shape."""
-        targets = {
-            obj: self.layout.views(obj, self.buffer(ctx, obj)) for obj in self.slot.objects(role)
-        }
+        targets = {obj: self.views(ctx, obj) for obj in self.slot.objects(role)}
         for obj, views in targets.items():
             add = obj in self.slot.mutates.get(role, ())
+            if not add:
+                self.zero_gaps(ctx, obj)
             for name, target in views.items():
                 value = grads.get(name)
                 if value is None:
@@ -168,10 +184,16 @@ class _Exec:
                 else:
                     target.copy_(value)
 
+    def zero_gaps(self, ctx: LaunchContext, obj: str) -> None:
+        """Zeros in a created object's padding, so flat spans over it are clean."""
+        buffer = self.buffer(ctx, obj)
+        for start, end in self.layout.packed[obj].layout.gaps():
+            buffer[start:end].zero_()
+
     def store(self, ctx: LaunchContext, role: str, values: Mapping[str, Any], what: str) -> None:
         """Write every declared tensor of the ``role`` object from ``values``."""
         obj = self.slot.one(role)
-        for name, target in self.layout.views(obj, self.buffer(ctx, obj)).items():
+        for name, target in self.views(ctx, obj).items():
             value = values.get(name)
             if value is None:
                 raise FamilyContractError(
@@ -282,7 +304,9 @@ class HeadLoss(_Exec):
         rest of an object the head creates is zeroed (an output is fully written)."""
         for obj in self.slot.objects(role):
             add = obj in self.slot.mutates.get(role, ())
-            for name, target in self.layout.views(obj, self.buffer(ctx, obj)).items():
+            if not add:
+                self.zero_gaps(ctx, obj)
+            for name, target in self.views(ctx, obj).items():
                 value = grads.get(name)
                 if value is None:
                     if not add:
@@ -293,30 +317,73 @@ class HeadLoss(_Exec):
 
 
 class OptimizerStep(_Exec):
-    """One update of a parameter group, every tensor at once (decay and no-decay lists)."""
+    """One update of a parameter group, every tensor at once: one flat tensor for the
+    entries with weight decay and one for those without, where the packed layouts line up
+    element for element (``dataflow_training.layout``), else lists of the entries."""
 
     def __init__(self, tasks: TrainingTasks, task: Task, slot: TaskSlot) -> None:
         super().__init__(tasks, task, slot)
         self.w_obj, self.o_obj, self.g_obj = slot.one("w"), slot.one("opt_state"), slot.one("grad")
-        self.decay = set(self.layout.packed[self.w_obj].decay)
+        packed = self.layout.packed
+        decay = set(packed[self.w_obj].decay)
+        names = [e.name for e in packed[self.g_obj].layout.entries]
+        fields = tasks.optimizer.state_fields
+        self.classes = []  # (names, weight decay on?, one flat span?)
+        for decayed in (True, False):
+            chosen = [n for n in names if (n in decay) == decayed]
+            if chosen:
+                self.classes.append((chosen, decayed, self._aligned(chosen, fields)))
+
+    def _aligned(self, names: list[str], fields: tuple[str, ...]) -> bool:
+        """Whether the entries sit at the same element offsets in W, dW and each state."""
+        packed = self.layout.packed
+
+        def offsets(layout: Any, keys: list[str]) -> tuple[int, ...] | None:
+            entries = [layout.entry(k) for k in keys]
+            if len({e.dtype for e in entries}) != 1:
+                return None
+            itemsize = entries[0].size_bytes // max(1, math.prod(entries[0].shape))
+            base = entries[0].offset_bytes
+            ends = entries[-1].offset_bytes + entries[-1].size_bytes
+            return (
+                *((e.offset_bytes - base) // itemsize for e in entries),
+                (ends - base) // itemsize,
+            )
+
+        found = {
+            offsets(packed[self.w_obj].layout, names),
+            offsets(packed[self.g_obj].layout, names),
+            *(offsets(packed[self.o_obj].layout, [f"{n}/{f}" for n in names]) for f in fields),
+        }
+        return len(found) == 1 and None not in found
 
     def launch(self, ctx: LaunchContext) -> None:
         spec = self.tasks.optimizer
-        grads = self.layout.views(self.g_obj, self.buffer(ctx, self.g_obj))
-        weights = self.layout.views(self.w_obj, self.buffer(ctx, self.w_obj))
-        states = self.layout.views(self.o_obj, self.buffer(ctx, self.o_obj))
+        layouts = {o: self.layout.packed[o].layout for o in (self.w_obj, self.g_obj, self.o_obj)}
+        buffers = {o: self.buffer(ctx, o) for o in layouts}
         policy = self.tasks.train.optimizer
         as_dict = attrs.asdict(policy)
         step = int(ctx.values.get("step", 0)) + 1
-        for decayed in (True, False):
-            names = [n for n in grads if (n in self.decay) == decayed]
-            if not names:
-                continue
+        for names, decayed, flat in self.classes:
+            if flat:
+                w = [layouts[self.w_obj].span(buffers[self.w_obj], names)]
+                g = [layouts[self.g_obj].span(buffers[self.g_obj], names)]
+                states = {
+                    f: [layouts[self.o_obj].span(buffers[self.o_obj], [f"{n}/{f}" for n in names])]
+                    for f in spec.state_fields
+                }
+            else:
+                views = {o: layouts[o].views(buffers[o]) for o in layouts}
+                w = [views[self.w_obj][n] for n in names]
+                g = [views[self.g_obj][n] for n in names]
+                states = {
+                    f: [views[self.o_obj][f"{n}/{f}"] for n in names] for f in spec.state_fields
+                }
             spec.update(
                 self.tasks.ops(ctx.device),
-                [weights[n] for n in names],
-                [grads[n] for n in names],
-                {f: [states[f"{n}/{f}"] for n in names] for f in spec.state_fields},
+                w,
+                g,
+                states,
                 step=step,
                 policy=as_dict,
                 weight_decay=policy.weight_decay if decayed else 0.0,
