@@ -3,7 +3,7 @@
 
 ``aten._scaled_dot_product_cudnn_attention`` returns the logsumexp its backward takes,
 like flash. Where it does not apply (not CUDA, not 16-bit, head_dim not a multiple of 8
-or above 128) both functions are the ``torch`` pair. The two must be chosen together:
+or above 128, a sequence of one token) both functions are the ``torch`` pair. The two must be chosen together:
 they are registered as one priority, so ``load_ops`` never mixes them with another pair.
 """
 
@@ -23,6 +23,7 @@ def _applies(q: torch.Tensor) -> bool:
         and q.dtype in HALF_DTYPES
         and q.shape[-1] % 8 == 0
         and q.shape[-1] <= 128
+        and q.shape[2] > 1  # cuDNN refuses s_q = s_kv = 1
         and hasattr(_aten, "_scaled_dot_product_cudnn_attention")
     )
 
