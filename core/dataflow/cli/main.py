@@ -74,13 +74,20 @@ class DataflowGroup(click.Group):
     one error path for all of them."""
 
     def _plugin_commands(self) -> dict[str, click.Command]:
-        if not hasattr(self, "_plugin_cache"):
-            self._plugin_cache = {
+        """The plugin commands of the default plugin manager (kept while it stays the
+        default)."""
+        from dataflow.plugins import get_plugin_manager
+
+        manager = get_plugin_manager()
+        cached = getattr(self, "_plugin_cache", None)
+        if cached is None or cached[0] is not manager:
+            commands = {
                 command.name: command
                 for command in plugin_commands()
                 if command.name not in BUILTIN_COMMANDS
             }
-        return self._plugin_cache
+            self._plugin_cache = cached = (manager, commands)
+        return cached[1]
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*BUILTIN_COMMANDS, *self._plugin_commands()})
@@ -120,7 +127,9 @@ class DataflowGroup(click.Group):
         return code
 
 
-@click.group(cls=DataflowGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    "dataflow", cls=DataflowGroup, context_settings={"help_option_names": ["-h", "--help"]}
+)
 @click.version_option(dataflow.__version__, prog_name="dataflow")
 @click.option(
     DEBUG_FLAG,
