@@ -375,7 +375,8 @@ def step_checks(
             eps=train.optimizer.eps,
             steps=steps,
         )
-        flips = f"; {error.sign_flips} first-step sign flips" if error.sign_flips else ""
+        n = error.sign_flips
+        flips = f"; {n} first-step sign flip{'s' * (n != 1)}" if n else ""
         checks.append(
             Check(
                 "step",
