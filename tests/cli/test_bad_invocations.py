@@ -252,3 +252,8 @@ def test_debug_from_the_environment(isolated_plugin_manager, monkeypatch) -> Non
     isolated_plugin_manager(builtins, Boom())
     monkeypatch.setenv("DATAFLOW_DEBUG", "1")
     assert "Traceback" in _invoke("boom").stderr
+
+
+def test_dataflow_alone_prints_its_help() -> None:
+    result = _invoke()
+    assert result.exit_code == 0 and "Commands:" in result.stdout and "plan" in result.stdout

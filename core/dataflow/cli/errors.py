@@ -95,6 +95,9 @@ def report(exc: BaseException, *, debug: bool) -> int:
     if isinstance(exc, KeyboardInterrupt | click.Abort):
         click.echo("interrupted", err=True)
         return INTERRUPT_EXIT
+    if isinstance(exc, click.exceptions.NoArgsIsHelpError):  # `dataflow` alone: its help
+        click.echo(exc.format_message())
+        return 0
     if debug and not isinstance(exc, click.UsageError):
         traceback.print_exception(exc, file=sys.stderr)
     click.echo(f"error: {describe(exc)}", err=True)
