@@ -1,4 +1,5 @@
 """Probe (device): the head's cross-entropy and the attention pair, variant against variant."""
+
 import torch
 import triton.testing as tt
 
@@ -22,14 +23,23 @@ for rows in (8192, 32768):
     t = torch.randint(0, 50257, (rows,), device="cuda")
     for name in ("torch", "triton"):
         ce = load("chunked_cross_entropy", name)
-        print(f"ce rows={rows} {name}: {bench(lambda: ce(h, w, t, 8192, grad_scale=1 / rows)):.3f} ms")
+        print(
+            f"ce rows={rows} {name}: {bench(lambda: ce(h, w, t, 8192, grad_scale=1 / rows)):.3f} ms"
+        )
     a = load("chunked_cross_entropy", "torch")(h, w, t, 8192)
     b = load("chunked_cross_entropy", "triton")(h, w, t, 8192)
-    print("  rel diff loss", ((a[0] - b[0]).abs() / a[0].abs()).item(),
-          "dh", ((a[1].float() - b[1].float()).norm() / a[1].float().norm()).item(),
-          "dw", ((a[2].float() - b[2].float()).norm() / a[2].float().norm()).item())
+    print(
+        "  rel diff loss",
+        ((a[0] - b[0]).abs() / a[0].abs()).item(),
+        "dh",
+        ((a[1].float() - b[1].float()).norm() / a[1].float().norm()).item(),
+        "dw",
+        ((a[2].float() - b[2].float()).norm() / a[2].float().norm()).item(),
+    )
 for batch in (8, 32):
-    q, k, v, do = (torch.randn(batch, 12, 1024, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, k, v, do = (
+        torch.randn(batch, 12, 1024, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+    )
     for name in ("torch", "cudnn"):
         fwd, bwd = load("attention_fwd", name), load("attention_bwd", name)
 
@@ -37,4 +47,6 @@ for batch in (8, 32):
             out, lse = fwd(q, k, v, causal=True)
             bwd(do, q, k, v, out, lse, causal=True)
 
-        print(f"attention batch={batch} {name}: fwd {bench(lambda: fwd(q, k, v, causal=True)):.3f} ms, fwd+bwd {bench(step):.3f} ms")
+        print(
+            f"attention batch={batch} {name}: fwd {bench(lambda: fwd(q, k, v, causal=True)):.3f} ms, fwd+bwd {bench(step):.3f} ms"
+        )

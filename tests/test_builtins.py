@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataflow.plugins import build_plugin_manager
-from dataflow.testing import PlannerConformance
+from dataflow.testing import PlannerConformance, ResolverConformance
 
 
 class TestCoreBuiltins(PlannerConformance):
@@ -17,3 +17,8 @@ def test_the_builtins_are_left_out_by_an_allowlist_without_dataflow() -> None:
     (core,) = [report for report in manager.reports() if report.distribution == "dataflow"]
     assert core.status == "disabled"
     assert manager.get_plugin("dataflow:core") is None
+
+
+class TestCoreResolvers(ResolverConformance):
+    distribution = "dataflow"
+    expected_names = ("synthetic",)

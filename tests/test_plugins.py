@@ -14,6 +14,7 @@ import click
 import pytest
 
 from dataflow import hookimpl, plugins
+from dataflow.cli.main import plugin_commands
 from dataflow.plugins import (
     DISABLE_AUTOLOAD_ENV,
     LOAD_PLUGINS_ENV,
@@ -533,7 +534,7 @@ def test_hook_dataflow_cli_commands(isolated_plugin_manager) -> None:
             return [hello]
 
     isolated_plugin_manager(Commands())
-    assert plugins.plugin_cli_commands() == [hello]
+    assert plugin_commands() == [hello]
 
 
 def test_a_plugin_command_clashing_with_a_builtin_is_an_error(isolated_plugin_manager) -> None:
@@ -544,7 +545,7 @@ def test_a_plugin_command_clashing_with_a_builtin_is_an_error(isolated_plugin_ma
 
     isolated_plugin_manager(Clash())
     with pytest.raises(click.ClickException, match="command name 'validate' is registered by"):
-        plugins.plugin_cli_commands()
+        plugin_commands()
 
 
 def test_a_plugin_command_needs_a_valid_name(isolated_plugin_manager) -> None:

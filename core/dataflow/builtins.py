@@ -10,6 +10,9 @@ their code through callables that import it when called (no torch here).
 Registered here:
 
 - ``dataflow_planners``: PressureFit (``dataflow.planning.pressurefit``), as ``pressurefit``.
+- ``dataflow_resolvers``: ``synthetic`` (``dataflow.engine.backends.torch_synthetic``), which
+  runs any program by its task costs without real math (``dataflow trace`` of a synthetic
+  chain).
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dataflow import hookimpl
-from dataflow.registry import PlannerSpec
+from dataflow.registry import PlannerSpec, ResolverSpec
 
 if TYPE_CHECKING:
+    from dataflow.engine import Resolver
     from dataflow.schema import Program
 
 
@@ -36,5 +40,22 @@ def dataflow_planners() -> list[PlannerSpec]:
             "pressurefit",
             _plan_pressurefit,
             "cut residency where memory is over budget, prefetch just in time (the core's)",
+        )
+    ]
+
+
+def _build_synthetic(program: Program) -> Resolver:
+    from dataflow.engine.backends.torch_synthetic import build
+
+    return build(program)
+
+
+@hookimpl
+def dataflow_resolvers() -> list[ResolverSpec]:
+    return [
+        ResolverSpec(
+            "synthetic",
+            _build_synthetic,
+            "runs any program by its task costs, no real math (fills outputs, waits cost_us)",
         )
     ]

@@ -25,9 +25,8 @@ import warnings
 from collections.abc import Iterable
 from importlib import metadata
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import click
 import pluggy
 
 from dataflow import hookspecs
@@ -53,6 +52,9 @@ from dataflow.registry.selection import (
     select_distributions,
 )
 
+if TYPE_CHECKING:
+    import click
+
 __all__ = [
     "DISABLE_AUTOLOAD_ENV",
     "ENTRY_POINT_GROUP",
@@ -70,7 +72,6 @@ __all__ = [
     "kernels",
     "normalize_distribution",
     "planners",
-    "plugin_cli_commands",
     "resolvers",
     "set_default_plugin_manager",
 ]
@@ -274,6 +275,8 @@ class DataflowPluginManager(pluggy.PluginManager):
         return self.registry("planners")
 
     def cli_commands(self) -> Registry[click.Command]:
+        """The subcommands plugins add (``dataflow.cli.main.plugin_commands`` checks them
+        against the builtins)."""
         return self.registry("cli_commands")
 
     def conflicts(self) -> list[DuplicateNameError]:
@@ -416,20 +419,3 @@ def feeds() -> FeedRegistry:
 
 def planners() -> Registry[PlannerSpec]:
     return get_plugin_manager().planners()
-
-
-def plugin_cli_commands() -> list[click.Command]:
-    """Subcommands that plugins add to ``dataflow``, by name. A name used twice, or one
-    that clashes with a builtin subcommand, is a ``click.ClickException`` naming both."""
-    from dataflow.cli.main import BUILTIN_COMMANDS
-
-    manager = get_plugin_manager()
-    try:
-        registry = manager.cli_commands()
-    except DuplicateNameError as exc:
-        raise click.ClickException(str(exc)) from exc
-    for entry in registry.entries():
-        if entry.name in BUILTIN_COMMANDS:
-            clash = DuplicateNameError("command", entry.name, "dataflow", entry.distribution)
-            raise click.ClickException(f"{clash} (the builtin command wins)")
-    return list(registry)

@@ -38,10 +38,17 @@ def parse_size(text: str | int) -> int:
 
 
 def format_size(size_bytes: float) -> str:
-    """Format bytes with a binary unit, three significant digits: ``1.50 GiB``."""
+    """Format bytes with a binary unit and three significant digits: ``1.5 GiB``,
+    ``781 KiB``; from 999.5 to 1023.99 of a unit, the whole number (``1000 KiB``), never
+    scientific notation."""
     value = float(size_bytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+            return f"{_three_digits(value) if unit != 'B' else f'{value:.0f}'} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def _three_digits(value: float) -> str:
+    text = f"{value:.3g}"
+    return f"{value:.0f}" if "e" in text else text

@@ -16,6 +16,7 @@ from dataflow import hookimpl, plugins
 from dataflow.cli.plugins_cmd import plugins_group
 from dataflow.plugins import DISABLE_AUTOLOAD_ENV, LOAD_PLUGINS_ENV
 from dataflow.registry import PlannerSpec
+from dataflow.testing.cli import assert_one_line_error, invoke
 
 EXAMPLE = "dataflow-planner-example"
 
@@ -168,8 +169,9 @@ def test_duplicate_names_are_reported_and_exit_1(isolated_plugin_manager) -> Non
         "'dataflow-two'; uninstall one, or leave one out with DATAFLOW_LOAD_PLUGINS (a "
         "comma-separated list of the distributions to load)"
     ]
-    table = _list()
-    assert table.exit_code == 1 and "error: planner name 'same'" in table.stderr
+    table = invoke("plugins", "list")
+    assert "conflict: planner name 'same'" in table.stdout
+    assert_one_line_error(table, 1, "1 name conflict(s)", "planner name 'same'")
 
 
 def test_an_allowlist_name_that_matches_nothing_is_warned_about(

@@ -1,17 +1,132 @@
-"""Pieces every command shares."""
+"""Option types every command shares; each checks its value before any work is done.
+
+- ``BUDGET`` / ``Size``: ``4GiB``, ``300MB``, ``1024`` into bytes; a budget is > 0.
+- ``COUNT``: a whole number >= 1 (steps, rounds, batch, ...).
+- ``OutputFile``: a file to write; its folder exists or can be made (``write_to`` makes it).
+- ``Device``: ``cpu``, ``cuda`` or ``cuda:N``, and the device must exist here.
+- ``lookup``: a name from a plugin registry, or a usage error listing the known names.
+"""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Any
+
 import click
 
-from dataflow.units import parse_size
+from dataflow.units import format_size, parse_size
+
+#: A count of steps, rounds, sequences, tokens...: at least 1.
+COUNT = click.IntRange(min=1)
 
 
-def size_callback(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    """A click callback that turns ``4GiB`` into bytes; a bad size names the option."""
-    if value is None:
-        return None
+class Size(click.ParamType):
+    """A byte size as people write it; at least ``minimum_bytes``."""
+
+    name = "size"
+
+    def __init__(self, minimum_bytes: int = 1) -> None:
+        self.minimum_bytes = minimum_bytes
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            size_bytes = value
+        else:
+            try:
+                size_bytes = parse_size(str(value))
+            except ValueError as exc:
+                self.fail(str(exc), param, ctx)
+        if size_bytes < self.minimum_bytes:
+            self.fail(
+                f"{value!r} is {size_bytes} bytes; give at least "
+                f"{format_size(self.minimum_bytes)}, e.g. 300MiB",
+                param,
+                ctx,
+            )
+        return size_bytes
+
+
+#: A memory budget: more than 0 bytes (0 would hold nothing, not mean "unbounded").
+BUDGET = Size(minimum_bytes=1)
+
+
+def size_callback(ctx: click.Context, param: click.Parameter, value: Any) -> int | None:
+    """A click callback form of ``BUDGET`` (None stays None)."""
+    return None if value is None else BUDGET.convert(value, param, ctx)
+
+
+class OutputFile(click.ParamType):
+    """A file the command will write: not a folder, and inside a folder that exists or can
+    be made (the command makes it only when it writes, after the work succeeded)."""
+
+    name = "file"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        path = Path(value)
+        if path.is_dir():
+            self.fail(
+                f"{value!r} is a folder; name a file in it, e.g. {path / 'out.json'}", param, ctx
+            )
+        ancestor = path.absolute().parent
+        while not ancestor.exists():
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            self.fail(
+                f"cannot make folder {str(path.parent)!r}: {str(ancestor)!r} is a file", param, ctx
+            )
+        writable = path if path.exists() else ancestor
+        if not os.access(writable, os.W_OK):
+            self.fail(f"cannot write {str(writable)!r}: permission denied", param, ctx)
+        return str(value)
+
+
+def write_to(path: str) -> Path:
+    """``path`` as a Path whose folder exists (made now, if ``OutputFile`` let it through)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+class Device(click.ParamType):
+    """``cpu``, ``cuda`` or ``cuda:N``; CUDA must be built into torch and the device present."""
+
+    name = "device"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = str(value).strip().lower()
+        if text == "cpu":
+            return text
+        kind, _, index = text.partition(":")
+        if kind != "cuda" or (index and not index.isdigit()):
+            self.fail(f"{value!r} is not a device; use cpu, cuda or cuda:N", param, ctx)
+        problem = cuda_problem(int(index) if index else 0)
+        if problem:
+            self.fail(f"{value!r}: {problem}; use --device cpu", param, ctx)
+        return text
+
+
+def cuda_problem(index: int = 0) -> str | None:
+    """Why CUDA device ``index`` cannot be used here, or None when it can."""
     try:
-        return parse_size(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if torch.version.cuda is None:
+        return f"this torch build ({torch.__version__}) has no CUDA support"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return "torch sees no CUDA device on this machine"
+    if index >= count:
+        return f"there are only {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+    return None
+
+
+def lookup(registry: Any, name: str, option: str) -> Any:
+    """``registry.get(name)``, or a usage error naming ``option`` and the known names."""
+    from dataflow.registry import UnknownNameError
+
+    try:
+        return registry.get(name)
+    except UnknownNameError as exc:
+        raise click.BadParameter(str(exc), param_hint=option) from None

@@ -1,33 +1,33 @@
 """``dataflow plan PROGRAM.json --budget 4GiB``: write the directives, print the summary.
 
-Exits 1 when the program is malformed, when no plan fits the budget (printing the smallest
-budget that works and the task that forces it), or when the planner is unknown.
-``-o PLANNED.json`` writes the annotated program; ``--trace OUT.json`` its predicted
-timeline as Chrome trace-event JSON; ``--place`` also packs it into one arena.
+Every option is checked before planning (a budget > 0, a planner that is installed, output
+files whose folder exists or can be made). Exits 1 when the program is malformed, when no
+plan fits the budget (the line gives the smallest budget that works and the task that
+forces it), or when the planner fails (the line names it). ``-o PLANNED.json`` writes the
+annotated program; ``--trace OUT.json`` its predicted timeline as Chrome trace-event JSON;
+``--place`` also packs it into one arena.
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from dataflow.cli.options import size_callback
-from dataflow.cli.validate import load_program
+from dataflow.cli.errors import Failure, one_line, plugin_failure
+from dataflow.cli.options import BUDGET, OutputFile, lookup, write_to
+from dataflow.cli.validate import PROGRAM_FILE, load_program
 from dataflow.planning import DEFAULT_PLANNER, Plan, PlanningError, plan
-from dataflow.registry import UnknownNameError
+from dataflow.schema import Program
 from dataflow.units import format_size
 
 
 @click.command("plan")
-@click.argument("program_path", metavar="PROGRAM.json", type=click.Path(dir_okay=False))
+@click.argument("program_path", metavar="PROGRAM.json", type=PROGRAM_FILE)
 @click.option(
     "--budget",
     "budget_bytes",
-    callback=size_callback,
+    type=BUDGET,
     required=True,
     metavar="SIZE",
     help="fast-memory budget, e.g. 4GiB",
@@ -35,7 +35,7 @@ from dataflow.units import format_size
 @click.option(
     "--slow-budget",
     "slow_budget_bytes",
-    callback=size_callback,
+    type=BUDGET,
     metavar="SIZE",
     help="slow-memory budget (default: the program's; none: unbounded)",
 )
@@ -49,14 +49,14 @@ from dataflow.units import format_size
     "-o",
     "--output",
     "output_path",
-    type=click.Path(dir_okay=False, writable=True),
+    type=OutputFile(),
     metavar="PLANNED.json",
     help="write the planned program",
 )
 @click.option(
     "--trace",
     "trace_path",
-    type=click.Path(dir_okay=False, writable=True),
+    type=OutputFile(),
     metavar="OUT.json",
     help="write the predicted timeline as Chrome trace JSON",
 )
@@ -76,36 +76,53 @@ def plan_command(
     do_place: bool,
 ) -> None:
     """Plan PROGRAM.json for a fast-memory budget and summarize the plan."""
+    from dataflow.plugins import planners
+
+    lookup(planners(), planner, "--planner")
     program = load_program(program_path)
     if slow_budget_bytes is None and program.budget is not None:
         slow_budget_bytes = program.budget.slow_bytes
-    try:
-        planned = plan(program, budget_bytes, planner=planner, slow_budget_bytes=slow_budget_bytes)
-    except (PlanningError, UnknownNameError) as exc:
-        click.echo(f"{program_path}: {exc}", err=True)
-        sys.exit(1)
+    planned = run_planner(program, program_path, budget_bytes, planner, slow_budget_bytes)
     arena = None
-    asked_bytes = budget_bytes
     if do_place:
         from dataflow.planning.placement import place
 
         try:
             placement = place(planned)
         except PlanningError as exc:
-            click.echo(f"{program_path}: {exc}", err=True)
-            sys.exit(1)
+            raise Failure(f"{program_path}: {one_line(str(exc))}") from exc
         planned, arena = placement.plan, placement.arena_bytes
     Console().print(
         plan_table(
-            planned, title=f"{program_path}: {program.name}", arena=arena, budget_bytes=asked_bytes
+            planned,
+            title=f"{program_path}: {program.name}",
+            arena=arena,
+            budget_bytes=budget_bytes,
         )
     )
     if output_path is not None:
-        Path(output_path).write_text(planned.program.to_json() + "\n")
+        write_to(output_path).write_text(planned.program.to_json() + "\n")
         click.echo(f"wrote {output_path}")
     if trace_path is not None:
-        planned.sim.to_chrome_trace(trace_path, name=f"{program.name} (planned)")
+        planned.sim.to_chrome_trace(write_to(trace_path), name=f"{program.name} (planned)")
         click.echo(f"wrote {trace_path} (open it in https://ui.perfetto.dev or chrome://tracing)")
+
+
+def run_planner(
+    program: Program,
+    program_path: str,
+    budget_bytes: int,
+    planner: str,
+    slow_budget_bytes: int | None,
+) -> Plan:
+    """``plan(...)``, its errors as one-line ``Failure``s: the core's own (an infeasible
+    budget, with the one that works) as they are, anything else named as the planner's."""
+    try:
+        return plan(program, budget_bytes, planner=planner, slow_budget_bytes=slow_budget_bytes)
+    except PlanningError as exc:
+        raise Failure(f"{program_path}: {one_line(str(exc))}") from exc
+    except Exception as exc:  # a plugin planner's own failure: name the planner
+        raise plugin_failure(f"{program_path}: planner {planner!r} failed", exc) from exc
 
 
 def plan_table(

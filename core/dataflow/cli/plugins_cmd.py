@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
 import click
 
+from dataflow.cli.errors import Failure
 from dataflow.plugins import PluginReport, Status, get_plugin_manager, hook_names
 
 
@@ -47,9 +47,13 @@ def list_command(as_json: bool, hook: str | None) -> None:
         for line in unmatched:
             click.echo(f"warning: {line}", err=True)
         for line in conflicts:
-            click.echo(f"error: {line}", err=True)
+            click.echo(f"conflict: {line}")
     if conflicts:
-        sys.exit(1)
+        raise Failure(
+            f"{len(conflicts)} name conflict(s) among the installed plugins"
+            + ("" if as_json else ", listed above")
+            + f": {conflicts[0]}"
+        )
 
 
 def _as_dict(report: PluginReport) -> dict[str, Any]:

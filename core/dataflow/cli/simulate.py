@@ -1,44 +1,45 @@
 """``dataflow simulate PROGRAM.json``: price an annotated program, print a summary table.
 
 Exits 1 when the program is malformed, structurally invalid, or cannot run (deadlock,
-use of a dropped object, ...), after printing why. ``--trace OUT.json`` writes the
-timeline as Chrome trace-event JSON (also for a failed run, up to the failure).
+use of a dropped object, ...), after printing why in one line (a bare program is told to
+be planned first). ``--trace OUT.json`` writes the timeline as Chrome trace-event JSON
+(also for a failed run, up to the failure).
 """
 
 from __future__ import annotations
-
-import sys
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from dataflow.cli.options import size_callback
-from dataflow.cli.validate import load_program
+from dataflow.cli.errors import Failure
+from dataflow.cli.options import BUDGET, OutputFile, write_to
+from dataflow.cli.validate import PROGRAM_FILE, load_program
+from dataflow.schema import Program
 from dataflow.sim import InvalidProgramError, SimResult, simulate
 from dataflow.units import format_size
 
 
 @click.command("simulate")
-@click.argument("program_path", metavar="PROGRAM.json", type=click.Path(dir_okay=False))
+@click.argument("program_path", metavar="PROGRAM.json", type=PROGRAM_FILE)
 @click.option(
     "--budget",
     "budget_bytes",
-    callback=size_callback,
+    type=BUDGET,
     metavar="SIZE",
     help="fast-memory budget, e.g. 4GiB (default: the program's; none: unbounded)",
 )
 @click.option(
     "--slow-budget",
     "slow_budget_bytes",
-    callback=size_callback,
+    type=BUDGET,
     metavar="SIZE",
     help="slow-memory budget (default: the program's; none: unbounded)",
 )
 @click.option(
     "--trace",
     "trace_path",
-    type=click.Path(dir_okay=False, writable=True),
+    type=OutputFile(),
     metavar="OUT.json",
     help="write the timeline as Chrome trace-event JSON (open it in ui.perfetto.dev)",
 )
@@ -53,15 +54,23 @@ def simulate_command(
     try:
         result = simulate(program, budget_bytes=budget_bytes, slow_budget_bytes=slow_budget_bytes)
     except InvalidProgramError as exc:
-        click.echo(f"{program_path}: {exc}", err=True)
-        sys.exit(1)
+        raise Failure(f"{program_path}: {exc}") from exc
     Console().print(summary_table(result, title=f"{program_path}: {program.name}"))
     if trace_path is not None:
-        result.to_chrome_trace(trace_path)
+        result.to_chrome_trace(write_to(trace_path))
         click.echo(f"wrote {trace_path} (open it in https://ui.perfetto.dev or chrome://tracing)")
     if not result.valid:
-        click.echo(f"{program_path}: the program cannot run: {result.error}", err=True)
-        sys.exit(1)
+        raise Failure(f"{program_path}: the program cannot run: {result.error}{bare_hint(program)}")
+
+
+def bare_hint(program: Program) -> str:
+    """What would work for a program that cannot run: a bare one needs a plan first."""
+    if any(task.directives() for task in program.tasks):
+        return ""
+    return (
+        "; it has no directives yet: plan it first, e.g. "
+        "`dataflow plan PROGRAM.json --budget SIZE -o planned.json`"
+    )
 
 
 def summary_table(result: SimResult, *, title: str = "") -> Table:

@@ -1,23 +1,27 @@
 """``dataflow trace PLANNED.json --resolver NAME``: predicted and measured, side by side.
 
 Simulates the annotated program, runs it on the engine with the named resolver (an
-installed plugin) on seeded random values, and writes one Chrome trace with two
-processes: the prediction above the measurement. Open it in Perfetto.
+installed plugin; ``synthetic`` runs any program by its task costs) on seeded random
+values, and writes one Chrome trace with two processes: the prediction above the
+measurement of the last step. Open it in Perfetto.
+
+Every step gets fresh inputs: each object that exists at start and has no final location
+(the step's data) is drawn anew from ``(seed, step)``; the others (weights, optimizer
+state) carry over from the step before, as in training.
 """
 
 from __future__ import annotations
 
-import sys
-
 import click
 
-from dataflow.cli.options import size_callback
-from dataflow.cli.validate import load_program
+from dataflow.cli.errors import Failure, plugin_failure
+from dataflow.cli.options import BUDGET, COUNT, Device, OutputFile, lookup, write_to
+from dataflow.cli.validate import PROGRAM_FILE, load_program
 from dataflow.units import format_size
 
 
-def random_initial(program, seed: int):
-    """Seeded random start values for every object that exists at start."""
+def random_values(program, seed: int, objects=None):
+    """Seeded random values for ``objects`` (default: every object that exists at start)."""
     import torch
 
     from dataflow.engine.backends.torch_storage import torch_dtype
@@ -25,12 +29,15 @@ def random_initial(program, seed: int):
     generator = torch.Generator().manual_seed(seed)
     values = {}
     for obj in program.objects:
-        if not program.exists_at_start(obj.id):
+        if not program.exists_at_start(obj.id) or (objects is not None and obj.id not in objects):
             continue
-        if obj.tensor is None:
-            values[obj.id] = torch.randint(
-                0, 256, (obj.size_bytes,), generator=generator, dtype=torch.uint8
+        if obj.tensor is None:  # raw bytes: a random pattern, repeated (cheap for big ones)
+            pattern = torch.randint(
+                0, 256, (min(obj.size_bytes, 1 << 16),), generator=generator, dtype=torch.uint8
             )
+            values[obj.id] = pattern.repeat(-(-obj.size_bytes // pattern.numel()))[
+                : obj.size_bytes
+            ].clone()
         elif torch_dtype(obj.tensor.dtype).is_floating_point:
             values[obj.id] = torch.randn(obj.tensor.shape, generator=generator).to(
                 torch_dtype(obj.tensor.dtype)
@@ -40,25 +47,41 @@ def random_initial(program, seed: int):
     return values
 
 
+def step_inputs(program) -> set[str]:
+    """The objects each step is fed afresh: they exist at start, and no final location
+    says where they must end (so a step may consume them)."""
+    return {
+        obj.id
+        for obj in program.objects
+        if program.exists_at_start(obj.id) and obj.id not in program.final_locations
+    }
+
+
 @click.command("trace")
-@click.argument("program_path", metavar="PLANNED.json", type=click.Path(dir_okay=False))
+@click.argument("program_path", metavar="PLANNED.json", type=PROGRAM_FILE)
 @click.option(
     "--resolver",
     "resolver_name",
     required=True,
-    help="name of an installed resolver (see `dataflow plugins list`)",
+    help="name of an installed resolver (see `dataflow plugins list`); "
+    "`synthetic` runs any program by its task costs",
 )
 @click.option(
     "--budget",
     "budget_bytes",
-    callback=size_callback,
+    type=BUDGET,
     default=None,
+    metavar="SIZE",
     help="fast-memory budget (default: the program's)",
 )
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
-@click.option("--steps", default=1, show_default=True, help="steps to run; the last is traced")
+@click.option("--device", default="cpu", show_default=True, type=Device(), help="cpu or cuda")
+@click.option(
+    "--steps", default=1, show_default=True, type=COUNT, help="steps to run; the last is traced"
+)
 @click.option("--seed", default=0, show_default=True, help="seed of the random start values")
-@click.option("-o", "--output", default="trace.json", show_default=True, type=click.Path())
+@click.option(
+    "-o", "--output", default="trace.json", show_default=True, type=OutputFile(), metavar="OUT"
+)
 def trace_command(
     program_path: str,
     resolver_name: str,
@@ -69,34 +92,41 @@ def trace_command(
     output: str,
 ) -> None:
     """Write the predicted and the measured timeline of PLANNED.json into one trace."""
-    from dataflow.engine import Engine, EngineRunError
+    from dataflow.cli.simulate import bare_hint
+    from dataflow.engine import Engine, ResolverError
     from dataflow.plugins import resolvers
-    from dataflow.registry import UnknownNameError
     from dataflow.sim import simulate
 
+    spec = lookup(resolvers(), resolver_name, "--resolver")
     program = load_program(program_path)
-    try:
-        spec = resolvers().get(resolver_name)
-    except UnknownNameError as exc:
-        raise click.ClickException(str(exc)) from None
     predicted = simulate(program, budget_bytes=budget_bytes)
     if not predicted.valid:
-        click.echo(f"{program_path}: the simulator says it cannot run: {predicted.error}", err=True)
-        sys.exit(1)
-    with Engine("torch", budget_bytes=budget_bytes, device=device) as engine:
-        engine.load(
-            program,
-            spec.build(program),
-            initial=random_initial(program, seed),
-            resolver_name=resolver_name,
+        raise Failure(
+            f"{program_path}: the simulator says it cannot run: {predicted.error}"
+            f"{bare_hint(program)}"
         )
-        engine.predicted = predicted
+    try:
+        resolver = spec.build(program)
+    except Exception as exc:  # the resolver plugin's own failure: name it
+        raise plugin_failure(
+            f"resolver {resolver_name!r} cannot be built for {program_path}", exc
+        ) from exc
+    fed = step_inputs(program)
+    with Engine("torch", budget_bytes=budget_bytes, device=device) as engine:
         try:
-            result = engine.run(steps=steps)
-        except EngineRunError as exc:
-            click.echo(f"{program_path}: {exc}", err=True)
-            sys.exit(1)
-    result.to_chrome_trace(output)
+            engine.load(
+                program,
+                resolver,
+                initial=random_values(program, seed),
+                resolver_name=resolver_name,
+            )
+        except ResolverError as exc:
+            raise Failure(
+                f"{program_path}: {exc}; `--resolver synthetic` runs any program by its task costs"
+            ) from exc
+        engine.predicted = predicted
+        result = engine.run(steps=steps, feed=lambda step: random_values(program, seed + step, fed))
+    result.to_chrome_trace(write_to(output))
     click.echo(
         f"predicted {predicted.makespan_us:.0f} us, measured {result.makespan_us:.0f} us "
         f"(x{result.measured_over_predicted:.2f}); fast peak {format_size(result.fast_peak_bytes)}"

@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
-import sys
-
 import click
 
+from dataflow.cli.errors import Failure, one_line
 from dataflow.schema import Program, SchemaError, validate
+
+#: The PROGRAM.json argument of every command that reads a program.
+PROGRAM_FILE = click.Path(exists=True, dir_okay=False)
 
 
 def load_program(path: str) -> Program:
-    """Read a program for a CLI command; a malformed file exits 1 with every fault listed."""
+    """Read a program for a CLI command; a malformed file is a ``Failure`` listing every
+    fault on one line."""
     try:
         return Program.from_json(path)
     except SchemaError as exc:
-        click.echo(str(exc), err=True)
-        sys.exit(1)
+        raise Failure(one_line(str(exc))) from exc
 
 
 @click.command("validate")
-@click.argument("program_path", metavar="PROGRAM.json", type=click.Path(dir_okay=False))
+@click.argument("program_path", metavar="PROGRAM.json", type=PROGRAM_FILE)
 def validate_command(program_path: str) -> None:
     """Check PROGRAM.json and print every problem found, naming task and object."""
     program = load_program(program_path)
@@ -29,7 +31,6 @@ def validate_command(program_path: str) -> None:
             f"{program_path}: ok ({len(program.tasks)} tasks, {len(program.objects)} objects)"
         )
         return
-    click.echo(f"{program_path}: {len(problems)} problem(s)", err=True)
     for problem in problems:
-        click.echo(f"  - [{problem.code}] {problem.message}", err=True)
-    sys.exit(1)
+        click.echo(f"  - [{problem.code}] {problem.message}")
+    raise Failure(f"{program_path}: {len(problems)} problem(s), listed above")

@@ -17,10 +17,6 @@ plugin. The checks load only the distribution under test (``allow=[distribution]
 from __future__ import annotations
 
 import inspect
-import json
-import os
-import subprocess
-import sys
 from typing import Any, ClassVar
 
 import attrs
@@ -36,6 +32,7 @@ from dataflow.plugins import (
 )
 from dataflow.registry import REGISTRY_KINDS, check_name
 from dataflow.schema import Program, validate
+from dataflow.testing.light_imports import HEAVY_MODULES, entry_point_module, heavy_imports
 from dataflow.testing.programs import keep_all_bytes, largest_footprint_bytes, tiny_chain
 
 
@@ -46,7 +43,7 @@ class PluginConformance:
     distribution: ClassVar[str] = ""
     #: Modules an entry-point module must not import: dataflow imports entry-point modules
     #: on every CLI call, so heavy code belongs behind the records' callables.
-    forbidden_imports: ClassVar[tuple[str, ...]] = ("torch", "triton")
+    forbidden_imports: ClassVar[tuple[str, ...]] = HEAVY_MODULES
 
     @pytest.fixture
     def plugin_manager(self) -> DataflowPluginManager:
@@ -124,20 +121,8 @@ class PluginConformance:
     def test_entry_point_modules_stay_light(self, reports: list[PluginReport]) -> None:
         for report in reports:
             assert report.entry_point is not None
-            module = report.entry_point.split(" = ", 1)[1].partition(":")[0]
-            code = (
-                "import importlib, json, sys\n"
-                f"importlib.import_module({module!r})\n"
-                f"print(json.dumps([m for m in {list(self.forbidden_imports)!r} "
-                "if m in sys.modules]))\n"
-            )
-            # The child sees the modules this process sees (a test may have added a path).
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, sys.path))}
-            result = subprocess.run(
-                [sys.executable, "-c", code], capture_output=True, text=True, check=False, env=env
-            )
-            assert result.returncode == 0, f"importing {module} failed:\n{result.stderr}"
-            heavy = json.loads(result.stdout.strip().splitlines()[-1])
+            module = entry_point_module(report.entry_point)
+            heavy = heavy_imports(module, self.forbidden_imports)
             assert not heavy, (
                 f"importing entry-point module {module} imports {', '.join(heavy)}; import "
                 "them inside the records' callables instead"

@@ -28,10 +28,14 @@ class CpuRunner:
         self.launch_host_us: list[float] = []
         self.origin = time.perf_counter()
         self.lanes = {kind: queue.Queue() for kind in OpKind}
-        for kind, lane in self.lanes.items():
+        self.workers = [
             threading.Thread(
                 target=self._work, args=(lane,), daemon=True, name=f"dataflow-{kind.name.lower()}"
-            ).start()
+            )
+            for kind, lane in self.lanes.items()
+        ]
+        for worker in self.workers:
+            worker.start()
 
     def start_run(self) -> None:
         self.origin = time.perf_counter()
@@ -41,9 +45,13 @@ class CpuRunner:
         return (time.perf_counter() - self.origin) * 1e6
 
     def close(self) -> None:
-        """Stop the worker threads (each finishes what it has queued first)."""
+        """Stop the worker threads (each finishes what it has queued first) and wait for
+        them: a worker still inside torch when the interpreter exits aborts the process."""
         for lane in self.lanes.values():
             lane.put(None)
+        for worker in self.workers:
+            if worker is not threading.current_thread():
+                worker.join()
 
     def _work(self, lane: queue.Queue) -> None:
         while True:

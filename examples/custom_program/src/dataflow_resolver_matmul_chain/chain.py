@@ -10,9 +10,12 @@ for predictions that match your machine.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from dataflow.schema import Link, Links, Obj, Program, Task, TensorMeta
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPE_BYTES = {"float32": 4, "float64": 8}
 
@@ -89,6 +92,8 @@ def build_program(
 
 def initial_values(program: Program, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random start values for the objects that exist at start (input and weights)."""
+    import torch  # here, not above: the package's entry point must not import torch
+
     generator = torch.Generator().manual_seed(seed)
     values = {}
     for obj in program.objects:

@@ -1,31 +1,45 @@
-"""``dataflow verify``: the correctness ladder as a command (added by the training plugin)."""
+"""``dataflow verify``: the correctness ladder as a command (added by the training plugin).
+
+Every option is checked before any check runs: counts >= 1, a budget > 0 that the step
+can be planned into, an installed family and one of its presets, a sequence length the
+preset's model takes, a device that exists. Progress goes to stderr level by level; the
+table of checks to stdout; exit 1 when a check fails.
+"""
 
 from __future__ import annotations
 
-import sys
+from typing import Any
 
 import click
 
-from dataflow.cli.options import size_callback
+from dataflow.cli.errors import Failure, one_line, plugin_failure
+from dataflow.cli.options import BUDGET, COUNT, Device, lookup
+from dataflow.units import format_size
+
+#: Config fields under which a family may declare the longest sequence its model takes.
+MAX_SEQ_LEN_FIELDS = ("max_seq_len", "n_positions", "max_position_embeddings")
 
 
 @click.command("verify")
 @click.option("--family", "family_name", required=True, help="an installed model family")
 @click.option("--preset", required=True, help="one of the family's presets")
-@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
+@click.option("--device", default="cpu", show_default=True, type=Device(), help="cpu or cuda")
 @click.option(
     "--dtype", "policy", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"])
 )
-@click.option("--steps", default=2, show_default=True, help="training steps compared")
-@click.option("--rounds", default=2, show_default=True, help="accumulation rounds per step")
-@click.option("--batch", default=2, show_default=True)
-@click.option("--seq-len", default=16, show_default=True)
+@click.option("--steps", default=2, show_default=True, type=COUNT, help="training steps compared")
+@click.option(
+    "--rounds", default=2, show_default=True, type=COUNT, help="accumulation rounds per step"
+)
+@click.option("--batch", default=2, show_default=True, type=COUNT)
+@click.option("--seq-len", default=16, show_default=True, type=COUNT)
 @click.option(
     "--budget",
     "budget_bytes",
-    callback=size_callback,
+    type=BUDGET,
     default=None,
-    help="fast-memory budget for the step runs (e.g. 2GiB)",
+    metavar="SIZE",
+    help="fast-memory budget for the step runs (e.g. 2GiB; default: unbounded)",
 )
 @click.option("--seed", default=0, show_default=True)
 def verify_command(
@@ -35,8 +49,16 @@ def verify_command(
     from rich.console import Console
     from rich.table import Table
 
+    from dataflow_training.progress import LevelPrinter
     from dataflow_training.verify import verify
 
+    family = _family(family_name)
+    config = _preset_config(family, family_name, preset)
+    _check_seq_len(config, preset, seq_len)
+    if budget_bytes is not None:
+        _check_budget(
+            family, preset, policy, budget_bytes, batch=batch, seq_len=seq_len, rounds=rounds
+        )
     checks = verify(
         family_name,
         preset,
@@ -48,6 +70,7 @@ def verify_command(
         seq_len=seq_len,
         budget_bytes=budget_bytes,
         seed=seed,
+        progress=LevelPrinter(),
     )
     table = Table("level", "check", "max |diff|", "rel error", "tolerance", "")
     for check in checks:
@@ -64,4 +87,57 @@ def verify_command(
     console.print(table)
     failed = [check for check in checks if not check.ok]
     console.print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
-    sys.exit(1 if failed else 0)
+    if failed:
+        names = ", ".join(f"{check.level} {check.name}" for check in failed[:3])
+        more = f" and {len(failed) - 3} more" if len(failed) > 3 else ""
+        raise Failure(f"{len(failed)} of {len(checks)} checks failed: {names}{more}")
+
+
+def _family(name: str) -> Any:
+    from dataflow.plugins import families
+
+    spec = lookup(families(), name, "--family")
+    try:
+        return spec.load()
+    except Exception as exc:  # the family plugin's own failure: name it
+        raise plugin_failure(f"family {name!r} cannot be loaded", exc) from exc
+
+
+def _preset_config(family: Any, family_name: str, preset: str) -> Any:
+    presets = getattr(family, "presets", None)
+    if presets is not None and preset not in presets:
+        raise click.BadParameter(
+            f"{family_name} has no preset {preset!r}; known: {', '.join(presets)}",
+            param_hint="--preset",
+        )
+    try:
+        return family.config(preset)
+    except (KeyError, ValueError) as exc:
+        raise click.BadParameter(one_line(str(exc)), param_hint="--preset") from exc
+
+
+def _check_seq_len(config: Any, preset: str, seq_len: int) -> None:
+    for field in MAX_SEQ_LEN_FIELDS:
+        longest = getattr(config, field, None)
+        if isinstance(longest, int) and seq_len > longest:
+            raise click.BadParameter(
+                f"{seq_len} is longer than preset {preset!r} takes ({field} = {longest}); "
+                f"give at most {longest}",
+                param_hint="--seq-len",
+            )
+
+
+def _check_budget(family: Any, preset: str, policy: str, budget_bytes: int, **shape: int) -> None:
+    """Fail before any check runs when the step cannot be planned into ``budget_bytes``."""
+    from dataflow.planning import minimal_budget
+    from dataflow_training.lowering import lower
+    from dataflow_training.verify import step_config
+
+    program = lower(family, preset, step_config(policy, **shape), keep_grads=True).program
+    smallest = minimal_budget(program)
+    if budget_bytes < smallest:
+        raise Failure(
+            f"--budget {format_size(budget_bytes)} is too small for this step "
+            f"({program.name}): the smallest budget that works is {format_size(smallest)} "
+            f"({smallest} bytes)"
+        )

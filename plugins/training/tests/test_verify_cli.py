@@ -1,0 +1,56 @@
+"""``dataflow verify`` on bad options: each is refused before any check runs, in one line
+that names the option and what would work; ``--steps 1`` passes and shows its progress."""
+
+from __future__ import annotations
+
+import pytest
+
+from dataflow.testing.cli import FAILURE_EXIT, USAGE_EXIT, assert_one_line_error, invoke
+
+pytest.importorskip("dataflow_family_gpt2")
+
+TINY = ("verify", "--family", "gpt2", "--preset", "gpt2_tiny")
+
+
+@pytest.mark.parametrize(
+    ("args", "culprits"),
+    [
+        (("verify", "--family", "nope", "--preset", "x"), ("--family", "known: gpt2")),
+        (("verify", "--family", "gpt2", "--preset", "nope"), ("--preset", "gpt2_tiny")),
+        ((*TINY, "--steps", "0"), ("--steps",)),
+        ((*TINY, "--rounds", "0"), ("--rounds",)),
+        ((*TINY, "--batch", "0"), ("--batch",)),
+        ((*TINY, "--seq-len", "0"), ("--seq-len",)),
+        ((*TINY, "--seq-len", "100000"), ("--seq-len", "at most 128")),
+        ((*TINY, "--budget", "0"), ("--budget",)),
+        ((*TINY, "--budget", "much"), ("--budget", "not a size")),
+        ((*TINY, "--dtype", "fp8"), ("--dtype", "fp32")),
+        ((*TINY, "--device", "tpu"), ("--device", "cpu, cuda")),
+        (("verify", "--preset", "gpt2_tiny"), ("--family",)),
+    ],
+)
+def test_a_bad_option_is_a_usage_error(args, culprits) -> None:
+    assert_one_line_error(invoke(*args), USAGE_EXIT, *culprits)
+
+
+def test_cuda_on_a_machine_without_it_says_so() -> None:
+    import torch
+
+    wanted = f"cuda:{torch.cuda.device_count()}"  # one past the last device
+    line = assert_one_line_error(invoke(*TINY, "--device", wanted), USAGE_EXIT, "--device")
+    assert "use --device cpu" in line
+
+
+def test_a_budget_below_the_smallest_is_refused_before_any_check() -> None:
+    result = invoke(*TINY, "--budget", "1KiB")
+    line = assert_one_line_error(result, FAILURE_EXIT, "--budget 1 KiB")
+    assert "the smallest budget that works is 781 KiB" in line
+    assert "op:" not in result.stderr  # no level started
+
+
+def test_one_step_passes_and_reports_each_level() -> None:
+    result = invoke(*TINY, "--steps", "1", "--rounds", "1", "--batch", "1", "--seq-len", "8")
+    assert result.exit_code == 0, result.output
+    for level in ("op", "task", "step"):
+        assert f"{level}: " in result.stderr and " checks, " in result.stderr
+    assert " passed, 0 failed" in result.stdout
