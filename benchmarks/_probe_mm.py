@@ -1,3 +1,4 @@
+# ruff: noqa: B023  (each benchmark closure runs inside its own loop iteration)
 """Probe (device): the head's cross-entropy and the attention pair, variant against variant."""
 
 import torch

@@ -26,17 +26,25 @@ def public_surface(text: str) -> dict[str, set[str]]:
     """module -> public names, from the page's ``## `module` `` sections and their
     bullets (every backticked name before the bullet's colon)."""
     surface: dict[str, set[str]] = {}
-    module = None
+    module, bullet = None, None
+
+    def flush() -> None:
+        if module and bullet is not None:
+            surface[module].update(re.findall(r"`(\w+)`", bullet.split(": ")[0]))
+
     for line in text.splitlines():
         heading = re.match(r"^## `([\w.]+)`", line)
+        if line.startswith("- ") or line.startswith("#") or not line.strip():
+            flush()
+            bullet = line[2:] if line.startswith("- ") else None
+        elif bullet is not None and line.startswith("  "):
+            bullet += " " + line.strip()  # a bullet continued on the next line
         if heading:
             module = heading.group(1)
             surface[module] = set()
         elif line.startswith("## "):
             module = None
-        elif module and line.startswith("- "):
-            head = line[2:].split(":")[0]
-            surface[module] |= set(re.findall(r"`(\w+)`", head))
+    flush()
     return surface
 
 
