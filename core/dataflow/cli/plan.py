@@ -80,7 +80,10 @@ def plan_command(
     if slow_budget_bytes is None and program.budget is not None:
         slow_budget_bytes = program.budget.slow_bytes
     try:
-        planned = plan(program, budget_bytes, planner=planner, slow_budget_bytes=slow_budget_bytes)
+        from dataflow.plugins import planners
+
+        spec = planners().get(planner)  # the CLI resolves the name; plan() looks nothing up
+        planned = plan(program, budget_bytes, planner=spec, slow_budget_bytes=slow_budget_bytes)
     except (PlanningError, UnknownNameError) as exc:
         click.echo(f"{program_path}: {exc}", err=True)
         sys.exit(1)

@@ -34,7 +34,8 @@ RULES = ("jit", "early", "margin")
 @attrs.frozen
 class Prefetch:
     """One prefetch: of object ``obj`` for its use at task ``use``; ``gap`` is the cut gap
-    it refills (-1 for a head); issued when task ``issue`` ends (``earliest <= issue``).
+    it refills (-1 for a head); issued when task ``issue`` ends (``earliest <= issue``;
+    -1: by the prologue, at program start).
     ``planned_start_us`` is when the just-in-time schedule wants its transfer to start, in
     the stall-free timeline."""
 
@@ -61,7 +62,7 @@ def prefetch_requests(chain: Chain, gaps: Gaps, cut: tuple[bool, ...]) -> list[t
     requests = []
     for life in chain.objects:
         if life.origin is Origin.SLOW and life.uses:
-            requests.append((life.uses[0], life.index, -1, 0))
+            requests.append((life.uses[0], life.index, -1, -1))  # the prologue may issue it
     for g, is_cut in enumerate(cut):
         if is_cut:
             requests.append((gaps.b[g], gaps.obj[g], g, gaps.a[g] + 1))
