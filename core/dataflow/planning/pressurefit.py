@@ -139,8 +139,8 @@ def search(
     """Try every strategy of ``portfolio`` on ``program``'s bare chain at ``budget_bytes``;
     with ``first_valid`` stop at the first valid candidate (feasibility checks).
 
-    ``below`` are smaller capacities to sweep at too (with the best strategy so far), each
-    candidate simulated at ``budget_bytes``: a plan made for less memory runs within more,
+    ``below`` are smaller capacities to sweep at too (every strategy), each candidate
+    simulated at ``budget_bytes``: a plan made for less memory runs within more,
     so the best of them is never slower than what those capacities give (``monotone``).
     ``capacity_bytes`` (default: the budget) is what the portfolio sweeps at: less than the
     budget leaves room that the plan does not use (for placement's fragmentation)."""
@@ -153,14 +153,15 @@ def search(
     simulated = 0
     unfit: CutSelection | None = None
 
-    def attempt(strategy: Strategy, capacity: int) -> bool | None:
-        """Sweep at ``capacity``; True: valid, False: invalid, None: the sweep failed."""
+    def attempt(strategy: Strategy, capacity: int, place_at: int) -> bool | None:
+        """Sweep at ``capacity``, fit prefetches into ``place_at``; True: valid, False:
+        invalid, None: the sweep failed."""
         nonlocal best, simulated, unfit
         selection = strategy.select(chain, gaps, capacity, slow_budget_bytes)
         if selection.failed_task is not None:
             unfit = unfit or selection
             return None
-        placement = place_prefetches(chain, gaps, selection.cut, budget_bytes, strategy.rule)
+        placement = place_prefetches(chain, gaps, selection.cut, place_at, strategy.rule)
         found = directives(chain, gaps, selection.cut, placement)
         key = (found.releases, found.offloads, found.prefetches)
         sim = seen.get(key)
@@ -176,21 +177,25 @@ def search(
                 best = candidate
         return sim.valid
 
+    def sweep(capacity: int, place_at: int) -> bool:
+        """Every strategy at ``capacity`` (each repaired as needed); True: stop searching."""
+        for strategy in portfolio:
+            swept = capacity
+            for _ in range(repairs + 1):
+                if attempt(strategy, swept, place_at) is not False:
+                    break
+                swept = _smaller(chain, swept)  # repair: sweep again with more room
+            if best is not None and (first_valid or best.sim.makespan_us <= target_us):
+                return True
+        return False
+
     top = budget_bytes if capacity_bytes is None else min(capacity_bytes, budget_bytes)
-    for strategy in portfolio:
-        capacity = top
-        for _ in range(repairs + 1):
-            outcome = attempt(strategy, capacity)
-            if outcome is not False:
+    if not sweep(top, budget_bytes):
+        # Each rung as a plan at that budget would make it (the same candidates), so this
+        # plan is never slower than the plan at any rung below it.
+        for rung in sorted(set(below), reverse=True):
+            if rung < top and sweep(rung, rung):
                 break
-            capacity = _smaller(chain, capacity)  # repair: sweep again with more room
-        if best is not None and (first_valid or best.sim.makespan_us <= target_us):
-            break
-    for capacity in sorted(set(below), reverse=True):
-        if best is not None and (first_valid or best.sim.makespan_us <= target_us):
-            break
-        if capacity < top:
-            attempt(best.strategy if best is not None else portfolio[0], capacity)
     unfit_task = unfit.failed_task if unfit is not None and best is None else None
     unfit_bytes = unfit.over_bytes if unfit is not None and best is None else 0
     return SearchResult(best, simulated, bound, unfit_task, unfit_bytes)
