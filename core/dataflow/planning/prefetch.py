@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import attrs
 
+from dataflow.planning.blockmax import BlockMax
 from dataflow.planning.intervals import Chain, Gaps, Origin, kept_profile
 
 RULES = ("jit", "early", "margin")
@@ -91,7 +92,9 @@ def place_prefetches(
         transfer_us = chain.h2d_us(sizes[k])
         planned[k] = min(start[use], next_start) - transfer_us * stretch
         next_start = min(start[use], next_start) - transfer_us
-    held = [b + k for b, k in zip(chain.base_bytes, kept_profile(chain, gaps, cut), strict=True)]
+    held = BlockMax(
+        [b + k for b, k in zip(chain.base_bytes, kept_profile(chain, gaps, cut), strict=True)]
+    )
     placed = []
     for k, (use, obj, gap, earliest) in enumerate(requests):
         if rule == "early":
@@ -101,9 +104,8 @@ def place_prefetches(
         issue = min(use - 1, max(earliest, issue))
         size = sizes[k]
         room = capacity_bytes - size
-        if issue + 1 < use and max(held[issue + 1 : use]) > room:
-            issue = next(t for t in range(use - 1, issue, -1) if held[t] > room)
-        if issue + 1 < use:
-            held[issue + 1 : use] = [bytes_ + size for bytes_ in held[issue + 1 : use]]
+        if issue + 1 < use and held.max(issue + 1, use) > room:
+            issue = held.last_over(issue + 1, use, room)
+        held.add(issue + 1, use, size)
         placed.append(Prefetch(obj, use, gap, size, earliest, issue, planned[k]))
-    return PrefetchPlan(prefetches=tuple(placed), held_bytes=tuple(held))
+    return PrefetchPlan(prefetches=tuple(placed), held_bytes=tuple(held.to_list()))
