@@ -5,14 +5,17 @@ their compute, training steps with a link-bound optimizer, training steps with a
 tied embedding and a link-bound forward pass, weight streaming, random chains) and each
 of ``--seeds`` seeds, it finds the smallest budget that plans (``minimal_budget``) and
 the no-offload peak, and plans at ``--rungs`` budgets evenly spaced from the peak down to
-that minimum, through ``dataflow.planning.plan`` (the
-planner registry, with the simulator re-validating every plan). Per shape it reports:
-the share of cases planned validly, makespan over the best lower bound (median, p90,
-max), planning time, and the share whose static placement fits the budget.
+that minimum (a dense ladder, 16 by default), through ``dataflow.planning.plan`` (the
+simulator re-validating every plan). Per shape it reports: the share of cases planned
+validly, makespan over the best lower bound (median, p90, max) and over the compute-only
+one, planning time, the share whose static placement fits the budget, and how many rungs
+got a plan slower than the best at a smaller rung (monotonicity violations). Shapes whose
+weights and optimizer state are persistent are also planned cyclically (steady state).
 
 Then it plans one chain of about 2,000 tasks per shape at four budgets (the peak, half and
 a quarter of the way down to the largest task's base, and that base) and reports the
-planning time (the target: under 2 s on the CI machine, 2 cores).
+planning time, and the 10,000-task training chain the same way (targets: 0.5 s and 2 s on
+the CI machine, 2 cores).
 
 Run: ``python benchmarks/planning.py`` (``--no-write`` to only print; ``--ablation`` to
 also compare single portfolio members against the whole portfolio). It writes
@@ -53,6 +56,10 @@ LARGE = {
     "streaming": {"layers": 499, "passes": 4},
     "random": {"tasks": 2000},
 }
+#: The 10,000-task training chain (1427 layers, 3 rounds).
+HUGE = {"shape": "training", "layers": 1427, "rounds": 3}
+#: Shapes planned cyclically too (their weights and optimizer state are persistent).
+CYCLIC_SHAPES = ("training", "training-linkbound", "tied-embedding")
 
 
 def quantile(values: list[float], share: float) -> float:
@@ -79,6 +86,7 @@ def run_case(program: Program, budget: int, placement: bool) -> dict:
         valid=planned.sim.valid,
         makespan_us=planned.makespan_us,
         lower_bound_us=planned.lower_bound_us,
+        compute_bound_us=planned.lower_bound.compute_us,
         ratio=planned.makespan_ratio,
         planning_s=planned.planning_s,
         moved_bytes=planned.moved_bytes,
@@ -103,11 +111,55 @@ def run_shape(shape: str, seeds: int, rungs: int, placement: bool) -> list[dict]
         program = SHAPES[shape](random.Random(seed))
         low = minimal_budget(program)
         high = max(low, no_offload_peak_bytes(build_chain(program)))
+        best = math.inf
         for rung, budget in enumerate(ladder(low, high, rungs)):
             row = run_case(program, budget, placement)
             row.update(shape=shape, seed=seed, rung=rung, minimal_bytes=low, peak_bytes=high)
+            if row["valid"]:
+                # a larger budget slower than the best plan at any smaller one
+                row["monotone"] = row["makespan_us"] <= best * (1 + 1e-9)
+                row["slower_pct"] = max(0.0, 100 * (row["makespan_us"] / best - 1))
+                best = min(best, row["makespan_us"])
             rows.append(row)
     return rows
+
+
+def run_cyclic(shape: str, seeds: int, rungs: int) -> dict:
+    """Cyclic plans of ``shape`` at ``rungs`` budgets: whether the cycle repeats, the
+    steady-state iteration over one whole run (the first iteration, loads included), and
+    over the cyclic lower bound."""
+    rows = []
+    for seed in range(seeds):
+        program = SHAPES[shape](random.Random(seed))
+        low = minimal_budget(program)
+        high = max(low, no_offload_peak_bytes(build_chain(program)))
+        for budget in ladder(low, high, rungs):
+            try:
+                planned = plan(program, budget, cyclic=True)
+            except PlanningError as exc:
+                rows.append({"valid": False, "error": str(exc).splitlines()[0]})
+                continue
+            one = plan(program, budget)
+            rows.append(
+                {
+                    "valid": planned.cycle.valid,
+                    "iteration_over_one_run": planned.cycle.iteration_us / one.makespan_us,
+                    "ratio": planned.makespan_ratio,
+                    "planning_s": planned.planning_s,
+                }
+            )
+    valid = [row for row in rows if row["valid"]]
+    return {
+        "shape": shape,
+        "cases": len(rows),
+        "valid_pct": 100 * len(valid) / len(rows),
+        "iteration_over_one_run_median": statistics.median(
+            row["iteration_over_one_run"] for row in valid
+        ),
+        "ratio_median": statistics.median(row["ratio"] for row in valid),
+        "ratio_p90": quantile([row["ratio"] for row in valid], 0.9),
+        "planning_s_max": max(row["planning_s"] for row in valid),
+    }
 
 
 def summarize(shape: str, rows: list[dict]) -> dict:
@@ -115,10 +167,14 @@ def summarize(shape: str, rows: list[dict]) -> dict:
     ratios = [row["ratio"] for row in valid]
     times = [row["planning_s"] for row in valid]
     placed = [row for row in valid if "placed" in row]
+    compute = [row["makespan_us"] / row["compute_bound_us"] for row in valid]
     return {
         "shape": shape,
         "cases": len(rows),
         "valid_pct": 100 * len(valid) / len(rows),
+        "monotone_violations": sum(not row["monotone"] for row in valid),
+        "slower_pct_max": max(row["slower_pct"] for row in valid),
+        "compute_ratio_median": statistics.median(compute),
         "ratio_median": statistics.median(ratios),
         "ratio_p90": quantile(ratios, 0.9),
         "ratio_max": max(ratios),
@@ -128,10 +184,10 @@ def summarize(shape: str, rows: list[dict]) -> dict:
     }
 
 
-def run_large(shape: str) -> dict:
-    """Plan one chain of about 2,000 tasks at the peak, half and a quarter of the way down
-    to the floor (the largest base), and at the floor itself."""
-    program = SHAPES[shape](random.Random(0), **LARGE[shape])
+def run_large(shape: str, sizes: dict | None = None) -> dict:
+    """Plan one chain of about 2,000 tasks (or ``sizes``) at the peak, half and a quarter
+    of the way down to the floor (the largest base), and at the floor itself."""
+    program = SHAPES[shape](random.Random(0), **(sizes or LARGE[shape]))
     chain = build_chain(program)
     high = no_offload_peak_bytes(chain)
     low = max(chain.base_bytes)
@@ -193,18 +249,25 @@ def ablation(seeds: int, rungs: int) -> list[dict]:
     return out
 
 
-def markdown(summary: list[dict], large: list[dict], ablations: list[dict] | None) -> str:
+def markdown(
+    summary: list[dict],
+    large: list[dict],
+    ablations: list[dict] | None,
+    cyclic: list[dict] | None = None,
+) -> str:
     lines = [
         "| shape | cases | valid | makespan / lower bound: median | p90 | max "
-        "| planning s: median | max | placed within budget |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| / compute only: median | planning s: median | max | placed within budget "
+        "| monotonicity violations (worst) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         placed = "n/a" if s["placed_pct"] is None else f"{s['placed_pct']:.0f} %"
         lines.append(
             f"| {s['shape']} | {s['cases']} | {s['valid_pct']:.0f} % | {s['ratio_median']:.4f} "
-            f"| {s['ratio_p90']:.4f} | {s['ratio_max']:.4f} | {s['planning_s_median']:.3f} "
-            f"| {s['planning_s_max']:.3f} | {placed} |"
+            f"| {s['ratio_p90']:.4f} | {s['ratio_max']:.4f} | {s['compute_ratio_median']:.4f} "
+            f"| {s['planning_s_median']:.3f} | {s['planning_s_max']:.3f} | {placed} "
+            f"| {s['monotone_violations']} (+{s['slower_pct_max']:.2f} %) |"
         )
     lines += [
         "",
@@ -221,6 +284,19 @@ def markdown(summary: list[dict], large: list[dict], ablations: list[dict] | Non
             f"| {r['shape']} | {r['tasks']} | {cells(r['planning_s'], '.2f')} | "
             f"{cells(r['plan_call_s'], '.2f')} | {cells(r['ratio'], '.3f')} |"
         )
+    if cyclic:
+        lines += [
+            "",
+            "| shape (cyclic) | cases | cycle repeats | steady iteration / one run: median "
+            "| iteration / cyclic bound: median | p90 | planning s: max |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for c in cyclic:
+            lines.append(
+                f"| {c['shape']} | {c['cases']} | {c['valid_pct']:.0f} % "
+                f"| {c['iteration_over_one_run_median']:.4f} | {c['ratio_median']:.4f} "
+                f"| {c['ratio_p90']:.4f} | {c['planning_s_max']:.2f} |"
+            )
     if ablations:
         lines += [
             "",
@@ -255,7 +331,9 @@ def machine() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=16)
-    parser.add_argument("--rungs", type=int, default=8)
+    parser.add_argument("--rungs", type=int, default=16)
+    parser.add_argument("--cyclic-seeds", type=int, default=4)
+    parser.add_argument("--no-huge", action="store_true")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--no-placement", action="store_true")
     parser.add_argument("--no-large", action="store_true")
@@ -270,8 +348,19 @@ def main(argv: list[str] | None = None) -> int:
         summary.append(summarize(shape, shape_rows))
         print(json.dumps(summary[-1]), flush=True)
     large = [] if args.no_large else [run_large(shape) for shape in args.shapes.split(",")]
+    if not args.no_huge:
+        sizes = {k: v for k, v in HUGE.items() if k != "shape"}
+        large.append(run_large(HUGE["shape"], sizes))
+        print(json.dumps(large[-1]), flush=True)
+    cyclic = [
+        run_cyclic(shape, args.cyclic_seeds, 4)
+        for shape in CYCLIC_SHAPES
+        if args.cyclic_seeds and shape in args.shapes.split(",")
+    ]
+    for row in cyclic:
+        print(json.dumps(row), flush=True)
     ablations = ablation(max(4, args.seeds // 2), args.rungs) if args.ablation else None
-    table = markdown(summary, large, ablations)
+    table = markdown(summary, large, ablations, cyclic)
     print(table)
     print(f"total {time.perf_counter() - started:.0f} s")
     if not args.no_write:
@@ -282,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             "rungs": args.rungs,
             "summary": summary,
             "large": large,
+            "cyclic": cyclic,
             "ablation": ablations,
         }
         (RESULTS / "planning.json").write_text(json.dumps(document, indent=1) + "\n")
@@ -292,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         header = (
             f"Planning benchmark, {info['date']}, commit {info['commit']}, "
             f"{info['cpus']} CPUs, Python {info['python']}: "
-            f"`python benchmarks/planning.py --seeds {args.seeds} --rungs {args.rungs}"
+            f"`python benchmarks/planning.py --seeds {args.seeds} --rungs {args.rungs} "
+            f"--cyclic-seeds {args.cyclic_seeds}"
             f"{' --ablation' if args.ablation else ''}`\n\n"
         )
         (RESULTS / "planning.md").write_text(header + table)

@@ -9,7 +9,8 @@ their code through callables that import it when called (no torch here).
 
 Registered here:
 
-- ``dataflow_planners``: PressureFit (``dataflow.planning.pressurefit``), as ``pressurefit``.
+- ``dataflow_planners``: PressureFit (``dataflow.planning.PRESSUREFIT``), as ``pressurefit``
+  (imported when the hook is called, not when this module is).
 - ``dataflow_resolvers``: ``synthetic`` (``dataflow.engine.backends.torch_synthetic``), which
   runs any program by its task costs without real math (``dataflow trace`` of a synthetic
   chain).
@@ -27,21 +28,11 @@ if TYPE_CHECKING:
     from dataflow.schema import Program
 
 
-def _plan_pressurefit(program: Program, budget_bytes: int, **options: object) -> Program:
-    from dataflow.planning.pressurefit import plan_pressurefit
-
-    return plan_pressurefit(program, budget_bytes, **options)
-
-
 @hookimpl
 def dataflow_planners() -> list[PlannerSpec]:
-    return [
-        PlannerSpec(
-            "pressurefit",
-            _plan_pressurefit,
-            "cut residency where memory is over budget, prefetch just in time (the core's)",
-        )
-    ]
+    from dataflow.planning import PRESSUREFIT
+
+    return [PRESSUREFIT]
 
 
 def _build_synthetic(program: Program) -> Resolver:

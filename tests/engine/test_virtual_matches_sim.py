@@ -1,7 +1,7 @@
 """The virtual backend's timeline is the simulator's, event for event (property test).
 
 Programs come from a random annotator that gets every object where it is needed (so most
-runs are valid), under random budgets (so some deadlock or fail): valid programs must give
+runs are valid; prologue directives included), under random budgets (so some deadlock or fail): valid programs must give
 identical timelines; failing ones must fail in both, with the same kind and task.
 """
 
@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dataflow.engine import Engine, EngineRunError
-from dataflow.schema import Link, Links, Obj, Program, Task
+from dataflow.schema import Link, Links, Obj, Program, Prologue, Task
 from dataflow.sim import simulate
 from dataflow.testing import strategies
 
@@ -48,7 +48,8 @@ def annotated_programs(draw) -> Program:
                 "prefetches": [],
             }
         )
-    _annotate(draw, objects, tasks)
+    prologue = {"releases": [], "offloads": [], "prefetches": []}
+    _annotate(draw, objects, tasks, prologue)
     links = Links(
         h2d=Link(float(draw(st.integers(1, 40))), float(draw(st.integers(0, 5)))),
         d2h=Link(float(draw(st.integers(1, 40))), float(draw(st.integers(0, 5)))),
@@ -58,6 +59,7 @@ def annotated_programs(draw) -> Program:
         objects=tuple(objects),
         tasks=tuple(Task(**task) for task in tasks),
         links=links,
+        prologue=Prologue(**prologue),
     )
     if draw(st.booleans()):
         floor = max(
@@ -68,19 +70,29 @@ def annotated_programs(draw) -> Program:
     return program
 
 
-def _annotate(draw, objects: list[Obj], tasks: list[dict]) -> None:
-    """Give every use a resident object: prefetch what is away (at a random earlier task),
-    then randomly keep, release or offload what a task used."""
+def _annotate(draw, objects: list[Obj], tasks: list[dict], prologue: dict) -> None:
+    """Give every use a resident object: prefetch what is away (at a random earlier task,
+    or from the prologue), then randomly keep, release or offload what a task used; the
+    prologue may also write back (or drop) objects that start fast and are not used first."""
     created = {out for task in tasks for out in task["outputs"]}
     where = {obj.id: obj.location for obj in objects if obj.id not in created}
     clean = {obj.id: obj.location == "slow" for obj in objects}
     since: dict[str, int] = {}  # away objects: the task after which they left
+    first_uses = set(tasks[0]["inputs"] + tasks[0]["mutates"])
+    for obj in objects:
+        if obj.id in where and where[obj.id] == "fast" and obj.id not in first_uses:
+            if draw(st.integers(0, 3)) == 0:
+                prologue["offloads"].append(obj.id)
+                where[obj.id], since[obj.id], clean[obj.id] = "slow", -1, True
     for index, task in enumerate(tasks):
         for obj in task["inputs"] + task["mutates"]:
             # One task may not both send an object away and fetch it (validate forbids
             # two directives on one object), so the prefetch goes after the leaving task.
             first = since.get(obj, -1) + 1
-            if where[obj] == "slow" and first < index:
+            if where[obj] == "slow" and obj not in since and draw(st.booleans()):
+                prologue["prefetches"].append(obj)  # from program start
+                where[obj] = "fast"
+            elif where[obj] == "slow" and first < index:
                 tasks[draw(st.integers(first, index - 1))]["prefetches"].append(obj)
                 where[obj] = "fast"
             elif where[obj] == "slow" and obj not in since:  # nothing runs before: start fast

@@ -1,11 +1,12 @@
-"""``plan`` goes through the planner registry and never returns a plan that fails."""
+"""``plan`` takes its planner (a spec or a callable), looks nothing up, and never returns a
+plan that fails."""
 
 from __future__ import annotations
 
 import pytest
 
 from dataflow import hookimpl
-from dataflow.planning import Plan, PlanningError, plan
+from dataflow.planning import PRESSUREFIT, Plan, PlanningError, minimal_budget, plan
 from dataflow.registry import PlannerSpec, UnknownNameError
 from dataflow.schema import Program
 from dataflow.testing.shapes import MiB, tiny_streaming
@@ -39,18 +40,51 @@ def test_plan_fields() -> None:
     assert planned.moved_bytes == planned.sim.h2d.bytes + planned.sim.d2h.bytes
 
 
-def test_a_third_party_planner_is_found_by_name(isolated_plugin_manager) -> None:
-    isolated_plugin_manager(_Planners())
-    planned = plan(tiny_streaming(), 20 * MiB, planner="delegate")
+def test_a_planner_spec_from_the_registry_is_passed_in(isolated_plugin_manager) -> None:
+    manager = isolated_plugin_manager(_Planners())
+    planned = plan(tiny_streaming(), 20 * MiB, planner=manager.planners().get("delegate"))
     assert planned.planner == "delegate" and planned.sim.valid
 
 
-def test_a_plan_that_fails_in_the_simulator_is_never_returned(isolated_plugin_manager) -> None:
-    isolated_plugin_manager(_Planners())
-    with pytest.raises(PlanningError, match="planner 'as-is' returned a plan .* that fails"):
-        plan(tiny_streaming(), 20 * MiB, planner="as-is")  # slow weights never prefetched
+def test_a_plain_callable_is_a_planner() -> None:
+    planned = plan(tiny_streaming(), 20 * MiB, planner=_delegate)
+    assert planned.planner == "_delegate" and planned.sim.valid
+    assert planned.spec.plan is _delegate
 
 
-def test_an_unknown_planner_lists_the_known_ones() -> None:
+def test_plan_does_no_registry_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataflow.plugins
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("plan() looked a planner up in the registry")
+
+    monkeypatch.setattr(dataflow.plugins, "planners", refuse)
+    monkeypatch.setattr(dataflow.plugins, "get_plugin_manager", refuse)
+    assert plan(tiny_streaming(), 20 * MiB).planner == "pressurefit"
+
+
+def test_a_name_is_not_a_planner() -> None:
+    with pytest.raises(TypeError, match="planners\\(\\).get"):
+        plan(tiny_streaming(), 20 * MiB, planner="pressurefit")
+
+
+def test_the_registered_pressurefit_is_the_default() -> None:
+    from dataflow.plugins import planners
+
+    assert planners().get("pressurefit") is PRESSUREFIT
+    assert PRESSUREFIT.minimal_budget(tiny_streaming()) == minimal_budget(tiny_streaming())
+
+
+def test_a_plan_that_fails_in_the_simulator_is_never_returned() -> None:
+    def as_is(program: Program, budget_bytes: int, **options: object) -> Program:
+        return program.bare()
+
+    with pytest.raises(PlanningError, match="planner 'as_is' returned a plan .* that fails"):
+        plan(tiny_streaming(), 20 * MiB, planner=as_is)  # slow weights never prefetched
+
+
+def test_an_unknown_planner_name_in_the_registry_lists_the_known_ones() -> None:
+    from dataflow.plugins import planners
+
     with pytest.raises(UnknownNameError, match="pressurefit"):
-        plan(tiny_streaming(), 20 * MiB, planner="no-such-planner")
+        planners().get("no-such-planner")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-
-from dataflow.planning import PlanningError
+from dataflow.planning import plan
 from dataflow.planning.intervals import (
     Origin,
     build_chain,
@@ -76,11 +74,13 @@ def test_gaps_and_the_kept_profile() -> None:
     )
 
 
-def test_a_slow_object_the_first_task_needs_cannot_be_planned() -> None:
+def test_a_slow_object_the_first_task_needs_is_fetched_by_the_prologue() -> None:
     program = Program(
         "early",
         [Obj("w", 8, "param", "slow"), Obj("y", 8, "activation")],
-        [Task("t0", "k", "k", inputs=("w",), outputs=("y",))],
+        [Task("t0", "k", "k", inputs=("w",), outputs=("y",), cost_us=1.0)],
     )
-    with pytest.raises(PlanningError, match="'w' starts in slow memory but task 't0' uses it"):
-        build_chain(program)
+    assert build_chain(program).objects[0].uses == (0,)
+    planned = plan(program, 16)
+    assert planned.program.prologue.prefetches == ("w",)
+    assert planned.sim.valid and planned.sim.tasks[0].start_us == program.links.h2d.transfer_us(8)

@@ -78,6 +78,13 @@ def test_golden_text_is_what_to_json_writes() -> None:
     assert json.loads(_expected_two_layer_chain().to_json()) == json.loads(text)
 
 
+def test_a_v1_document_migrates_to_the_same_records() -> None:
+    """v2 added the prologue and persistent objects; a v1 file has neither."""
+    text = (GOLDEN / "two_layer_chain_v1.json").read_text()
+    assert json.loads(text)["schema"] == "dataflow.program/v1"
+    assert Program.from_json(text) == _expected_two_layer_chain()
+
+
 def test_golden_is_structurally_valid() -> None:
     assert validate(Program.from_json(GOLDEN / "two_layer_chain.json")) == []
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -135,3 +136,15 @@ def test_structured_values_have_their_declared_types() -> None:
     assert program.tasks[0].inputs == ("a",)
     assert program.final_locations == {"a": Location.SLOW}
     assert isinstance(program.tasks[0].cost_us, float)
+
+
+def test_prologue_and_persistent_round_trip_and_are_left_out_when_empty() -> None:
+    from dataflow.schema import Prologue
+    from dataflow.testing.shapes import tiny_training
+
+    bare = tiny_training()
+    assert "prologue" not in bare.to_dict() and "persistent" not in bare.to_dict()
+    program = attrs.evolve(bare, prologue=Prologue(prefetches=("W0",)), persistent=("W0", "O0"))
+    document = program.to_dict()
+    assert document["prologue"]["prefetches"] == ["W0"] and document["persistent"] == ["W0", "O0"]
+    assert Program.from_json(program.to_json()) == program

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dataflow.schema import Budget, Link, Links, Obj, Program, Task, TensorMeta, validate
+from dataflow.schema import (
+    Budget,
+    Link,
+    Links,
+    Obj,
+    Program,
+    Prologue,
+    Task,
+    TensorMeta,
+    validate,
+)
 
 GOLDEN = Path(__file__).parent / "golden" / "two_layer_chain.json"
 
@@ -164,3 +174,33 @@ def test_all_problems_come_at_once() -> None:
         "directive-unknown-object",
         "final-unknown-object",
     ]
+
+
+def test_prologue_directives_are_checked_like_a_tasks() -> None:
+    program = _chain(
+        Task("a", "k", "k", inputs=("x", "w"), outputs=("y",)),
+        prologue=Prologue(releases=("x",), offloads=("q",), prefetches=("w", "y", "x")),
+    )
+    assert _codes(program) == [
+        ("directive-unknown-object", "<prologue>", "q"),
+        ("directive-not-visible", "<prologue>", "y"),
+        ("directive-conflict", "<prologue>", "x"),
+    ]
+    assert "the prologue: prefetch 'y'" in validate(program)[1].message
+
+
+def test_persistent_objects_exist_at_start_and_are_named_once() -> None:
+    program = _chain(
+        Task("a", "k", "k", inputs=("x", "w"), outputs=("y",)),
+        persistent=("w", "w", "y", "nope"),
+    )
+    assert _codes(program) == [
+        ("duplicate-persistent", None, "w"),
+        ("persistent-created", None, "y"),
+        ("persistent-unknown-object", None, "nope"),
+    ]
+
+
+def test_no_task_may_take_the_prologues_name() -> None:
+    program = _chain(Task("<prologue>", "k", "k", inputs=("x",)))
+    assert ("reserved-task-id", "<prologue>", None) in _codes(program)

@@ -117,8 +117,11 @@ def run_planner(
 ) -> Plan:
     """``plan(...)``, its errors as one-line ``Failure``s: the core's own (an infeasible
     budget, with the one that works) as they are, anything else named as the planner's."""
+    from dataflow.plugins import planners
+
+    spec = planners().get(planner)  # the CLI resolves the name; plan() looks nothing up
     try:
-        return plan(program, budget_bytes, planner=planner, slow_budget_bytes=slow_budget_bytes)
+        return plan(program, budget_bytes, planner=spec, slow_budget_bytes=slow_budget_bytes)
     except PlanningError as exc:
         raise Failure(f"{program_path}: {one_line(str(exc))}") from exc
     except Exception as exc:  # a plugin planner's own failure: name the planner

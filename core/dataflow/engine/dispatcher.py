@@ -145,6 +145,10 @@ class Dispatcher:
     def run(self) -> DispatchTrace:
         self._check_start()
         try:
+            prologue = self.program.prologue
+            if prologue:  # fires at time 0, before task 0 can be dispatched
+                self._fire(prologue)
+                self._count_fast()
             self._loop()
         except OpFailed as failed:  # an executable or a copy raised, at launch or later
             task = self.tasks[failed.ref].id if failed.kind is OpKind.TASK else None
@@ -296,6 +300,12 @@ class Dispatcher:
             self.dropped_by.pop(obj, None)
         for obj in task.mutates:
             ledger.make_dirty(obj)
+        self._fire(task)
+        self._count_fast()
+
+    def _fire(self, task) -> None:
+        """A task's (or the prologue's) directives: releases, offloads, then prefetches."""
+        ledger = self.ledger
         for obj in task.releases:
             self._require_resident(task.id, FailureKind.RELEASE_NOT_RESIDENT, "release", obj)
             if not ledger.is_clean(obj):
@@ -312,7 +322,6 @@ class Dispatcher:
             self._check_prefetch(task.id, obj)
             self.pending_prefetch[obj] = self.pending_prefetch.get(obj, 0) + 1
             self._enqueue(task.id, obj, "h2d")
-        self._count_fast()
 
     def _check_prefetch(self, task_id: str, obj: str) -> None:
         ledger, budget = self.ledger, self.ledger.fast_budget_bytes

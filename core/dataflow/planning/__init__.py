@@ -1,11 +1,13 @@
 """Planning: PressureFit, lower bounds, the minimal budget, and static placement.
 
-``plan(program, budget_bytes)`` returns a ``Plan`` (annotated program, its simulation, the
-lower bound, planning time); ``place(plan)`` packs every fast-resident interval into one
-arena. Pure Python: importing it never imports torch.
+``plan(program, budget_bytes, planner=...)`` returns a ``Plan`` (annotated program, its
+simulation, the lower bound, planning time; ``cyclic=True`` plans one iteration of a loop);
+``place(plan)`` packs every fast-resident interval into one arena. Pure Python: importing
+it never imports torch.
 """
 
-from dataflow.planning.api import DEFAULT_PLANNER, Plan, plan
+from dataflow.planning.api import DEFAULT_PLANNER, PRESSUREFIT, Plan, Planner, plan
+from dataflow.planning.cycle import CycleCheck, check_cycle, unroll
 from dataflow.planning.feasibility import InfeasibleBudget, minimal_budget
 from dataflow.planning.intervals import PlanningError
 from dataflow.planning.lower_bound import LowerBound, lower_bound
@@ -13,14 +15,19 @@ from dataflow.planning.placement import Block, Placement, place
 
 __all__ = [
     "DEFAULT_PLANNER",
+    "PRESSUREFIT",
     "Block",
+    "CycleCheck",
     "InfeasibleBudget",
     "LowerBound",
     "Placement",
     "Plan",
+    "Planner",
     "PlanningError",
     "lower_bound",
     "minimal_budget",
+    "check_cycle",
     "place",
     "plan",
+    "unroll",
 ]

@@ -1,22 +1,64 @@
-"""``plan``: a chain and a budget in, a simulated Plan out, through the planner registry.
+"""``plan``: a chain, a budget and a planner in, a simulated Plan out.
 
-The planner is looked up by name in the plugin registry (``dataflow_planners`` hook), the
-core's PressureFit like any third-party planner. Whatever the planner returns is re-run by
-the simulator before it is handed back: ``plan`` never returns a plan that fails.
+``plan`` is pure: it is handed the planner (a ``PlannerSpec`` or a plain callable; the
+default is the core's PressureFit) and never looks one up in a plugin registry. Whatever
+the planner returns is re-run by the simulator before it is handed back: ``plan`` never
+returns a plan that fails (a cyclic plan is also re-run over two iterations).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
+from dataflow.planning.cycle import CycleCheck, check_cycle
 from dataflow.planning.intervals import PlanningError
 from dataflow.planning.lower_bound import LowerBound, lower_bound
+from dataflow.registry import PlannerSpec
 from dataflow.schema import Program
 from dataflow.sim import SimResult, simulate
 
 DEFAULT_PLANNER = "pressurefit"
+
+#: What ``plan`` accepts as a planner: a spec, or ``fn(program, budget_bytes, **options)``.
+Planner = PlannerSpec | Callable[..., Program]
+
+
+def _plan_pressurefit(program: Program, budget_bytes: int, **options: Any) -> Program:
+    from dataflow.planning.pressurefit import plan_pressurefit
+
+    return plan_pressurefit(program, budget_bytes, **options)
+
+
+def _minimal_pressurefit(program: Program, **options: Any) -> int:
+    from dataflow.planning.feasibility import minimal_budget
+
+    return minimal_budget(program, **options)
+
+
+#: The core's planner; the builtins plugin registers this very record.
+PRESSUREFIT = PlannerSpec(
+    DEFAULT_PLANNER,
+    _plan_pressurefit,
+    "cut residency where memory is over budget, prefetch just in time (the core's)",
+    minimal_budget=_minimal_pressurefit,
+)
+
+
+def as_planner_spec(planner: Planner) -> PlannerSpec:
+    """``planner`` as a spec: a callable is named after its ``__name__``."""
+    if isinstance(planner, PlannerSpec):
+        return planner
+    if not callable(planner):
+        raise TypeError(
+            f"planner must be a PlannerSpec or a callable, got {type(planner).__name__} "
+            f"{planner!r} (resolve a planner name with dataflow.plugins.planners().get(NAME))"
+        )
+    name = "".join(getattr(planner, "__name__", "planner").split()) or "planner"
+    return PlannerSpec(name, planner)
 
 
 @attrs.frozen
@@ -25,7 +67,9 @@ class Plan:
 
     ``program`` is the annotated program (its budget set to ``budget_bytes``); ``sim`` its
     recorded simulation; ``lower_bound`` the bounds no plan of the chain can beat;
-    ``planning_s`` the planner's wall time.
+    ``planner`` the planner's name and ``spec`` the planner itself; ``planning_s`` the
+    planner's wall time. ``cycle`` is the two-iteration check of a cyclic plan (None when
+    not cyclic).
     """
 
     program: Program
@@ -35,10 +79,16 @@ class Plan:
     slow_budget_bytes: int | None
     planner: str
     planning_s: float
+    spec: PlannerSpec = attrs.field(default=PRESSUREFIT, eq=False, repr=False)
+    cycle: CycleCheck | None = None
+
+    @property
+    def cyclic(self) -> bool:
+        return self.cycle is not None
 
     @property
     def lower_bound_us(self) -> float:
-        """The best (largest) lower bound: compute-only, link-aware or volume."""
+        """The best (largest) lower bound: compute-only, link-aware, volume or handoff."""
         return self.lower_bound.best_us
 
     @property
@@ -47,9 +97,11 @@ class Plan:
 
     @property
     def makespan_ratio(self) -> float:
-        """Makespan over the lower bound (1.0 = provably optimal)."""
+        """Makespan over the lower bound (1.0 = provably optimal); for a cyclic plan, the
+        steady-state iteration time over it."""
         bound = self.lower_bound_us
-        return self.makespan_us / bound if bound > 0 else 1.0
+        measured = self.cycle.iteration_us if self.cycle is not None else self.makespan_us
+        return measured / bound if bound > 0 else 1.0
 
     @property
     def moved_bytes(self) -> int:
@@ -60,36 +112,52 @@ def plan(
     program: Program,
     budget_bytes: int,
     *,
-    planner: str = DEFAULT_PLANNER,
+    planner: Planner = PRESSUREFIT,
     slow_budget_bytes: int | None = None,
+    cyclic: bool = False,
 ) -> Plan:
-    """Plan ``program`` for a fast-memory budget of ``budget_bytes``.
+    """Plan ``program`` for a fast-memory budget of ``budget_bytes`` with ``planner``.
 
-    PressureFit plans the bare chain: directives already in ``program`` are dropped.
+    PressureFit plans the bare chain: directives already in ``program`` are dropped. With
+    ``cyclic`` the program is planned as one iteration of a loop (see docs/planning.md,
+    Steady-state plans): its ``persistent`` objects get a home between iterations, and the
+    plan is checked over two consecutive iterations (``Plan.cycle``).
+
     Raises ``InfeasibleBudget`` (with the smallest budget that works and the task that
-    forces it) when no plan fits, ``PlanningError`` when the chain cannot be planned at all
-    or a planner returns a plan the simulator rejects, and ``UnknownNameError`` for a
-    planner no plugin registers.
+    forces it) when no plan fits, and ``PlanningError`` when the chain cannot be planned at
+    all or the planner returns a plan the simulator rejects.
     """
-    from dataflow.plugins import planners
-
-    spec = planners().get(planner)
-    options = {} if slow_budget_bytes is None else {"slow_budget_bytes": slow_budget_bytes}
+    spec = as_planner_spec(planner)
+    options: dict[str, Any] = {}
+    if slow_budget_bytes is not None:
+        options["slow_budget_bytes"] = slow_budget_bytes
+    if cyclic:
+        options["cyclic"] = True
     started = time.perf_counter()
     planned = spec.plan(program, budget_bytes, **options)
     planning_s = time.perf_counter() - started
     sim = simulate(planned, budget_bytes=budget_bytes, slow_budget_bytes=slow_budget_bytes)
     if not sim.valid:
         raise PlanningError(
-            f"planner {planner!r} returned a plan of {program.name!r} that fails in the "
+            f"planner {spec.name!r} returned a plan of {program.name!r} that fails in the "
             f"simulator at a budget of {budget_bytes} bytes: {sim.error}"
         )
+    cycle = None
+    if cyclic:
+        cycle = check_cycle(planned, budget_bytes, slow_budget_bytes)
+        if not cycle.valid:
+            raise PlanningError(
+                f"planner {spec.name!r} returned a cyclic plan of {program.name!r} that does "
+                f"not repeat at a budget of {budget_bytes} bytes: {cycle.problem}"
+            )
     return Plan(
         program=planned,
         sim=sim,
-        lower_bound=lower_bound(planned.bare(), budget_bytes),
+        lower_bound=lower_bound(planned.bare(), budget_bytes, cyclic=cyclic),
         budget_bytes=budget_bytes,
         slow_budget_bytes=slow_budget_bytes,
-        planner=planner,
+        planner=spec.name,
         planning_s=planning_s,
+        spec=spec,
+        cycle=cycle,
     )

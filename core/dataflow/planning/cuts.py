@@ -61,7 +61,7 @@ def slow_room(chain: Chain, slow_capacity_bytes: int | None) -> tuple[float, lis
 
 def issue_task(chain: Chain, use: int, lead_us: float) -> int:
     """The latest task whose end is at least ``lead_us`` before task ``use`` starts (the
-    ideal, stall-free schedule); -1 when even task 0 ends too late."""
+    ideal, stall-free schedule); -1 (the prologue) or less when even task 0 ends too late."""
     return chain.task_at_or_before(chain.start_us[use] - lead_us) - 1
 
 
@@ -126,7 +126,7 @@ def select_cuts(
         if life.origin is Origin.SLOW and life.uses:
             use = life.uses[0]
             lead = chain.h2d_us(life.size_bytes)
-            add_window(use, max(0, min(use - 1, issue_task(chain, use, lead))), life.size_bytes)
+            add_window(use, max(-1, min(use - 1, issue_task(chain, use, lead))), life.size_bytes)
 
     soft_diff = [0] * (n + 2)
 

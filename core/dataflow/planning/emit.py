@@ -7,7 +7,8 @@ Per object, in use order, tracking whether its fast copy is dirty (no current sl
 - after its last use: nothing when its final location is ``fast``; ``offload`` when it is
   ``slow`` and the object is dirty; ``release`` otherwise (a dead object, or a clean one
   whose slow copy is current): dropping a dead object is free;
-- an object that starts slow gets its head prefetch.
+- an object that starts slow gets its head prefetch (from the prologue when no task ends
+  early enough to hide it, or when the first task needs it).
 
 Within a task: releases by object order; offloads by how soon the object is needed back
 (final write-backs last), so the ``d2h`` FIFO serves the urgent ones first; prefetches by
@@ -20,12 +21,13 @@ import attrs
 
 from dataflow.planning.intervals import Chain, Gaps
 from dataflow.planning.prefetch import PrefetchPlan
-from dataflow.schema import Budget, Location, Program
+from dataflow.schema import Budget, Location, Program, Prologue
 
 
 @attrs.frozen
 class Directives:
-    """Per task: (sort key, object index) lists, and what the ``d2h`` link will carry."""
+    """Per task: object indices, and what the ``d2h`` link will carry. ``prefetches`` has
+    one entry more than there are tasks: the last is the prologue's."""
 
     releases: tuple[tuple[int, ...], ...]
     offloads: tuple[tuple[int, ...], ...]
@@ -40,9 +42,12 @@ def directives(chain: Chain, gaps: Gaps, cut: tuple[bool, ...], plan: PrefetchPl
     n = chain.n_tasks
     releases: list[list[int]] = [[] for _ in range(n)]
     offloads: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-    prefetches: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    # index n: the prologue (a prefetch issued by "task -1")
+    prefetches: list[list[tuple[int, int]]] = [[] for _ in range(n + 1)]
     for prefetch in plan.prefetches:
-        prefetches[prefetch.issue].append((prefetch.use, prefetch.obj))
+        prefetches[prefetch.issue if prefetch.issue >= 0 else n].append(
+            (prefetch.use, prefetch.obj)
+        )
     dirty_cuts: dict[int, bool] = {}
     tails: dict[int, int] = {}
     for life in chain.objects:
@@ -101,5 +106,6 @@ def annotate(
     return attrs.evolve(
         program,
         tasks=tuple(tasks),
+        prologue=Prologue(prefetches=tuple(ids[o] for o in found.prefetches[-1])),
         budget=Budget(fast_bytes=budget_bytes, slow_bytes=slow_budget_bytes),
     )

@@ -4,7 +4,8 @@ No plan fits below the largest *base* of a task: its own footprint (inputs + mut
 outputs + workspace), plus, for task 0, every object that starts in fast memory, and, at
 the end, every object whose final location is ``fast``. Above that, whether a budget works
 is what the planner finds: the smallest budget that works is found by bisection, each
-step a planner search that stops at its first valid candidate.
+step a planner search that stops at its first valid candidate; then it is raised until
+static placement also fits it (fragmentation), so the minimum reported always places.
 """
 
 from __future__ import annotations
@@ -101,6 +102,13 @@ def is_feasible(chain: Chain, budget_bytes: int, slow_budget_bytes: int | None) 
 
 
 def minimal_budget_bytes(chain: Chain, slow_budget_bytes: int | None = None) -> int:
+    """The smallest budget the planner finds a valid plan for (bisection), raised until
+    static placement fits it too (``placeable_budget_bytes``)."""
+    plannable = plannable_budget_bytes(chain, slow_budget_bytes)
+    return placeable_budget_bytes(chain, plannable, slow_budget_bytes)
+
+
+def plannable_budget_bytes(chain: Chain, slow_budget_bytes: int | None = None) -> int:
     """The smallest budget the planner finds a valid plan for (bisection)."""
     low, _ = floor_bytes(chain)
     if is_feasible(chain, low, slow_budget_bytes):
@@ -115,18 +123,66 @@ def minimal_budget_bytes(chain: Chain, slow_budget_bytes: int | None = None) -> 
             f"program {chain.program.name!r}: no fast budget up to {format_size(high)} "
             f"({high} bytes) gives a valid plan"
         )
-    while high - low > 1:
-        middle = (low + high) // 2
-        if is_feasible(chain, middle, slow_budget_bytes):
-            high = middle
+    return _bisect(lambda budget: is_feasible(chain, budget, slow_budget_bytes), low, high, 1)
+
+
+def _bisect(works, failed: int, works_at: int, tolerance: int, steps: int = 64) -> int:
+    """A budget that ``works``, within ``tolerance`` of one that did not (at most ``steps``
+    halvings between ``failed`` and ``works_at``)."""
+    for _ in range(steps):
+        if works_at - failed <= tolerance:
+            break
+        middle = (failed + works_at) // 2
+        if works(middle):
+            works_at = middle
         else:
-            low = middle
-    return high
+            failed = middle
+    return works_at
+
+
+#: Steps above the plannable minimum tried for placement: ``minimum * (1 + k / STEPS)``
+#: for k = 1 .. STEPS (then bisection back down between the last that failed and the first
+#: that placed).
+PLACEMENT_STEPS = 32
+
+
+def placeable_budget_bytes(
+    chain: Chain, minimum_bytes: int, slow_budget_bytes: int | None = None
+) -> int:
+    """The smallest budget from ``minimum_bytes`` up at which a plan also packs into one
+    arena of the budget (``placement.placed_within``, re-plans included): near the
+    minimum, fragmentation can leave no arena that small. Steps up by
+    ``minimum / PLACEMENT_STEPS``, then bisects between the last step that failed and the
+    first that placed (placement is not monotone in the budget, so the result is one that
+    was checked, not necessarily the least)."""
+    from dataflow.planning.placement import placed_within
+
+    if placed_within(chain, minimum_bytes, slow_budget_bytes):
+        return minimum_bytes
+    failed = minimum_bytes
+    for step in range(1, PLACEMENT_STEPS + 1):
+        budget = minimum_bytes + minimum_bytes * step // PLACEMENT_STEPS
+        if placed_within(chain, budget, slow_budget_bytes):
+            break
+        failed = budget
+    else:
+        raise PlanningError(
+            f"program {chain.program.name!r}: no budget from {format_size(minimum_bytes)} to "
+            f"{format_size(budget)} packs into one arena of its size"
+        )
+    return _bisect(
+        lambda budget: placed_within(chain, budget, slow_budget_bytes),
+        failed,
+        budget,
+        max(1, minimum_bytes // 1024),
+        steps=6,
+    )
 
 
 def infeasible(chain: Chain, budget_bytes: int, slow_budget_bytes: int | None) -> InfeasibleBudget:
     """The ``InfeasibleBudget`` for ``budget_bytes``, with the minimum found by search."""
-    minimum = minimal_budget_bytes(chain, slow_budget_bytes)
+    plannable = plannable_budget_bytes(chain, slow_budget_bytes)
+    minimum = placeable_budget_bytes(chain, plannable, slow_budget_bytes)
     name = chain.program.name
     if chain.n_tasks == 0:
         return InfeasibleBudget(name, budget_bytes, minimum, None, 0, "there are no tasks")
@@ -162,11 +218,17 @@ def infeasible(chain: Chain, budget_bytes: int, slow_budget_bytes: int | None) -
                 f" (the slow budget of {format_size(slow_budget_bytes)} limits which objects "
                 "can be written back)"
             )
+    if minimum > plannable:
+        reason = (
+            f"plans fit from {format_size(plannable)} ({plannable} bytes), but packing one "
+            f"into a single arena takes {format_size(minimum)} (fragmentation); " + reason
+        )
     return InfeasibleBudget(name, budget_bytes, minimum, task_id, footprint, reason)
 
 
 def minimal_budget(program: Program, *, slow_budget_bytes: int | None = None) -> int:
-    """The smallest fast budget PressureFit plans ``program``'s bare chain for."""
+    """The smallest fast budget PressureFit plans ``program``'s bare chain for, and whose
+    plan static placement packs into one arena of that size."""
     bare = program.bare()
     chain = check_plannable(bare, 1, slow_budget_bytes)
     return minimal_budget_bytes(chain, slow_budget_bytes)

@@ -7,7 +7,8 @@ whose final location is ``fast`` is used at index ``n`` (the end of the run, a p
 with no cost). Between two consecutive uses ``a < b`` lies a *gap*; a kept gap holds the
 object resident during tasks ``a+1 .. b-1``; a cut gap drops it after ``a`` (a release if
 clean, an offload if dirty) and prefetches it before ``b``. An object that starts in slow
-memory needs a *head* prefetch before its first use.
+memory needs a *head* prefetch before its first use (issued by the prologue, "task -1",
+when no task ends early enough).
 
 ``base_bytes[t]`` is what task ``t`` holds no matter what: its workspace and every object
 it uses. Pure Python, integer indices, plain tuples: the planner's inner loops read these.
@@ -33,7 +34,7 @@ class Origin(enum.StrEnum):
 
 
 class PlanningError(ValueError):
-    """A chain that no budget can make run (e.g. a slow object its first task needs)."""
+    """A chain that cannot be planned, or a plan that does not run."""
 
 
 @attrs.frozen
@@ -101,9 +102,8 @@ class Gaps:
 def build_chain(program: Program) -> Chain:
     """Lower ``program`` (its directives are ignored: the planner plans the bare chain).
 
-    Raises ``PlanningError`` naming the object and task when an object that starts in slow
-    memory is needed by task 0 (or kept in fast memory by a chain of no tasks): directives
-    fire only when a task ends, so nothing can prefetch it in time.
+    An object that starts in slow memory and is needed by task 0 is fetched by the
+    prologue (directives that fire at program start).
     """
     tasks = program.tasks
     n = len(tasks)
@@ -143,13 +143,6 @@ def build_chain(program: Program) -> Chain:
     lives = []
     for position, obj in enumerate(program.objects):
         life_uses = tuple(uses[position])
-        if origins[position] is Origin.SLOW and life_uses and life_uses[0] == 0:
-            what = f"task {tasks[0].id!r} uses" if n else "final_locations keep"
-            raise PlanningError(
-                f"object {obj.id!r} starts in slow memory but {what} it before any task has "
-                "ended; directives fire only when a task ends, so nothing can prefetch it in "
-                "time (start it in fast memory, or add a task before its first use)"
-            )
         for t in life_uses:
             base[t] += obj.size_bytes
         lives.append(

@@ -3,11 +3,12 @@
 Three bounds, each true for every plan the execution model allows:
 
 - **compute**: the tasks run one at a time, so the makespan is at least the sum of costs.
-- **link**: every object that starts in slow memory and is needed (by a task, or in fast
-  memory at the end) crosses ``h2d`` once before its first use; transfers start only when a
-  task has ended (directives fire at task ends), so none starts before task 0 ends, and one
-  link carries one transfer at a time. Task ``i`` therefore cannot start before
-  ``cost(task 0) + h2d time of every first load needed by tasks 0..i``, nor before the
+- **link** (link-aware: bytes that must cross each link over its bandwidth, against the
+  compute they can overlap): every object that starts in slow memory and is needed (by a
+  task, or in fast memory at the end) crosses ``h2d`` once before its first use; transfers
+  start at the earliest at program start (the prologue), and one link carries one
+  transfer at a time. Task ``i`` therefore cannot start before the ``h2d`` time of every
+  first load needed by tasks 0..i, nor before the
   earliest end of task ``i-1`` plus the gap the *handoff* bound (below) forces between
   them. Every object whose final location is ``slow`` and that ends dirty (created,
   mutated, or started in fast memory) is written back after its last change, over ``d2h``,
@@ -61,12 +62,65 @@ class LowerBound:
         return max(self.compute_us, self.link_us, self.volume_us, self.handoff_us)
 
 
-def lower_bound(program: Program, budget_bytes: int | None = None) -> LowerBound:
+def lower_bound(
+    program: Program, budget_bytes: int | None = None, *, cyclic: bool = False
+) -> LowerBound:
     """Lower bounds of ``program``'s bare chain (its directives are ignored); the volume
-    bound needs ``budget_bytes`` (else the program's own budget, else it is 0)."""
+    bound needs ``budget_bytes`` (else the program's own budget, else it is 0). With
+    ``cyclic``, bounds on the steady-state time of one iteration (``cyclic_lower_bound``)."""
     if budget_bytes is None and program.budget is not None:
         budget_bytes = program.budget.fast_bytes
+    if cyclic:
+        return cyclic_lower_bound(program, budget_bytes)
     return chain_lower_bound(build_chain(program), budget_bytes)
+
+
+def cyclic_lower_bound(program: Program, budget_bytes: int | None) -> LowerBound:
+    """Bounds on one iteration of ``program`` run as a loop, whatever home (fast or slow)
+    its persistent objects get between iterations:
+
+    - **compute**: the sum of task costs;
+    - **link**: every iteration, each fed object that starts slow crosses ``h2d`` and each
+      non-persistent object that must end slow and ends dirty crosses ``d2h``;
+    - **volume**: where the objects that would stay resident between two uses (a
+      persistent object's last use and its first use in the next iteration included)
+      exceed the budget, at least that excess leaves and comes back every iteration, on
+      top of the fed objects' loads.
+    """
+    persistent = set(program.persistent)
+    objects = tuple(
+        attrs.evolve(obj, location=Location.SLOW) if obj.id in persistent else obj
+        for obj in program.objects
+    )
+    finals = {o: where for o, where in program.final_locations.items() if o not in persistent}
+    chain = build_chain(attrs.evolve(program, objects=objects, final_locations=finals))
+    n = chain.n_tasks
+    compute_us = chain.start_us[n]
+    loads_us = write_us = 0.0
+    wrap = [0] * (n + 2)
+    for life in chain.objects:
+        if not life.uses:
+            continue
+        if life.obj_id in persistent:
+            first, last = life.uses[0], life.uses[-1]
+            wrap[last + 1] += life.size_bytes  # held from after its last use to the end
+            wrap[n + 1] -= life.size_bytes
+            wrap[0] += life.size_bytes  # and from the start to its first use
+            wrap[first] -= life.size_bytes
+            continue
+        if life.origin is Origin.SLOW:
+            loads_us += chain.h2d_us(life.size_bytes)
+        if life.final is Location.SLOW and any(life.dirties):
+            write_us += chain.d2h_us(life.size_bytes)
+    volume_us = 0.0
+    if budget_bytes is not None:
+        kept = kept_profile(chain, build_gaps(chain))
+        excess, held = 0, 0
+        for t in range(n + 1):
+            held += wrap[t]
+            excess = max(excess, chain.base_bytes[t] + kept[t] + held - budget_bytes)
+        volume_us = loads_us + (chain.h2d_us(excess) if excess > 0 else 0.0)
+    return LowerBound(compute_us=compute_us, link_us=max(loads_us, write_us), volume_us=volume_us)
 
 
 def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
@@ -92,12 +146,11 @@ def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
     earliest_end = []
     for t in range(n):
         loads_us += first_load_us[t]
-        if t and loads_us:
-            start_us = max(start_us, cost[0] + loads_us)
+        start_us = max(start_us, loads_us)
         earliest_end.append(start_us + cost[t])
         start_us = earliest_end[-1] + gaps[t]
     loads_us += first_load_us[n]
-    link_us = max(start_us, cost[0] + loads_us if loads_us else 0.0)
+    link_us = max(start_us, loads_us)
     write_back_us = [0.0] * (n + 1)
     for t, us in last_change:
         write_back_us[t] += us
@@ -115,7 +168,7 @@ def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
         )
         if excess > 0 or loads_us:
             reload_us = chain.h2d_us(excess) if excess > 0 else 0.0
-            volume_us = cost[0] + loads_us + reload_us
+            volume_us = loads_us + reload_us
     return LowerBound(
         compute_us=compute_us, link_us=link_us, volume_us=volume_us, handoff_us=handoff_us
     )

@@ -56,7 +56,7 @@ def select_cuts_peak(
         if life.origin is Origin.SLOW and life.uses:
             use = life.uses[0]
             p = issue_task(chain, use, chain.h2d_us(life.size_bytes))
-            add_window(use, max(0, min(use - 1, p)), life.size_bytes)
+            add_window(use, max(-1, min(use - 1, p)), life.size_bytes)
         if life.uses and life.final is Location.SLOW:
             if any(life.dirties):  # a final write-back after the last use
                 last = life.uses[-1]

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import attrs
 
-from dataflow.planning.api import Plan, plan
+from dataflow.planning.api import PRESSUREFIT, Plan, plan
 from dataflow.planning.feasibility import InfeasibleBudget
 from dataflow.planning.intervals import PlanningError
 from dataflow.schema import Location
@@ -98,9 +98,10 @@ def place(planned: Plan, *, replans: int = REPLANS, workspace_in_arena: bool = T
     within the budget.
 
     When fragmentation makes the arena larger than the budget, re-plan (same planner) at
-    the plan's live peak less the excess, and pack again (never below the smallest budget the
-    planner reports when a capacity is infeasible). Raises ``PlanningError`` naming the
-    budget and the smallest arena found when ``replans`` re-plans do not make it fit.
+    the plan's live peak less the excess, and pack again (PressureFit: when it finds no
+    plan there, halfway back up; any other planner: never below the smallest budget it
+    reports when a capacity is infeasible). Raises ``PlanningError`` naming the budget and the smallest arena found
+    when ``replans`` re-plans do not make it fit.
     """
     budget = planned.budget_bytes
     outside = (
@@ -108,41 +109,38 @@ def place(planned: Plan, *, replans: int = REPLANS, workspace_in_arena: bool = T
         if workspace_in_arena
         else max((task.workspace_bytes for task in planned.program.tasks), default=0)
     )
-    limit = budget - outside
-    current = planned
-    smallest: int | None = None
-    floor = 1
-    for _ in range(replans + 1):
-        intervals = residency_blocks(current)
-        if outside:
-            intervals = [block for block in intervals if block.obj_id is not None]
-        blocks, arena = _pack_within(intervals, limit)
-        if arena <= limit:
-            return Placement(current, budget, arena, live_peak_bytes(intervals), blocks, outside)
-        smallest = arena if smallest is None else min(smallest, arena)
-        # Fragmentation of this packing is arena - live peak; ask the next plan for a live
-        # peak that much below the budget.
-        live = live_peak_bytes(intervals)
-        capacity = max(floor, min(current.budget_bytes, live) - (arena - limit))
-        if capacity >= current.budget_bytes:
-            break
+    floor = [1]
+
+    def replan(current: Plan, capacity: int) -> Plan | None:
+        if planned.spec.plan is PRESSUREFIT.plan and not planned.cyclic:
+            return _pressurefit_at(
+                planned.program, capacity, planned.slow_budget_bytes, fit_below=current.budget_bytes
+            )
+        options = {"cyclic": True} if planned.cyclic else {}
+        capacity = max(floor[0], capacity)
         try:
-            current = plan(
+            return plan(
                 planned.program,
                 capacity,
-                planner=planned.planner,
+                planner=planned.spec,
                 slow_budget_bytes=planned.slow_budget_bytes,
+                **options,
             )
         except InfeasibleBudget as exc:
-            floor = exc.minimal_budget_bytes
-            if floor >= current.budget_bytes:
-                break
-            current = plan(
+            floor[0] = exc.minimal_budget_bytes
+            if floor[0] >= current.budget_bytes:
+                return None
+            return plan(
                 planned.program,
-                floor,
-                planner=planned.planner,
+                floor[0],
+                planner=planned.spec,
                 slow_budget_bytes=planned.slow_budget_bytes,
+                **options,
             )
+
+    placement, smallest = _pack_or_replan(planned, budget, outside, replans, replan)
+    if placement is not None:
+        return placement
     raise PlanningError(
         f"program {planned.program.name!r}: fragmentation keeps every packing of its plan "
         f"above the fast budget of {format_size(budget)} ({budget} bytes"
@@ -152,21 +150,117 @@ def place(planned: Plan, *, replans: int = REPLANS, workspace_in_arena: bool = T
     )
 
 
+def _pack_or_replan(
+    planned: Plan, budget: int, outside: int, replans: int, replan
+) -> tuple[Placement | None, int | None]:
+    """Pack, re-plan at the live peak less the excess, pack again (``place``); the placement
+    (None when none fits) and the smallest arena found."""
+    limit = budget - outside
+    current: Plan | None = planned
+    smallest: int | None = None
+    capacity = budget
+    for _ in range(replans + 1):
+        intervals = residency_blocks(current)
+        if outside:
+            intervals = [block for block in intervals if block.obj_id is not None]
+        blocks, arena = _pack_within(intervals, limit)
+        if arena <= limit:
+            placement = Placement(
+                current, budget, arena, live_peak_bytes(intervals), blocks, outside
+            )
+            return placement, arena
+        smallest = arena if smallest is None else min(smallest, arena)
+        # Fragmentation of this packing is arena - live peak; ask the next plan for a live
+        # peak that much below the budget.
+        live = live_peak_bytes(intervals)
+        smaller = min(capacity, current.budget_bytes, live) - (arena - limit)
+        if smaller < 1 or smaller >= capacity:
+            break
+        capacity = smaller
+        current = replan(current, capacity)
+        if current is None:
+            break
+    return None, smallest
+
+
+def _pressurefit_at(
+    program, budget_bytes: int, slow_budget_bytes: int | None, *, fit_below: int | None = None
+) -> Plan | None:
+    """PressureFit's plan at ``budget_bytes``, as ``plan`` would return it (None when its
+    search finds none: no minimal-budget search behind it). With ``fit_below``, when none
+    is found, budgets halfway up towards ``fit_below`` are tried too (a few)."""
+    from dataflow.planning.intervals import build_chain
+    from dataflow.planning.lower_bound import chain_lower_bound
+    from dataflow.planning.pressurefit import best_plan
+    from dataflow.sim import simulate
+
+    chain = build_chain(program.bare())
+    floor = max(chain.base_bytes, default=0)
+    for _ in range(4):
+        planned = (
+            best_plan(chain, budget_bytes, slow_budget_bytes) if budget_bytes >= floor else None
+        )
+        if planned is not None:
+            sim = simulate(planned, slow_budget_bytes=slow_budget_bytes, check=False)
+            return Plan(
+                planned,
+                sim,
+                chain_lower_bound(chain, budget_bytes),
+                budget_bytes,
+                slow_budget_bytes,
+                PRESSUREFIT.name,
+                0.0,
+                PRESSUREFIT,
+            )
+        if fit_below is None or fit_below - budget_bytes <= 1:
+            return None
+        budget_bytes = max(floor, (budget_bytes + fit_below) // 2)
+    return None
+
+
+def placed_within(
+    chain, budget_bytes: int, slow_budget_bytes: int | None = None, *, replans: int = REPLANS
+) -> bool:
+    """Whether PressureFit's plan of ``chain`` at ``budget_bytes`` packs into one arena of
+    that size, re-planning as ``place`` does (what ``minimal_budget`` checks). It never
+    calls ``plan``, so it never asks for a minimal budget itself."""
+    first = _pressurefit_at(chain.program, budget_bytes, slow_budget_bytes)
+    if first is None:
+        return False
+
+    def replan(current: Plan, capacity: int) -> Plan | None:
+        return _pressurefit_at(
+            chain.program, capacity, slow_budget_bytes, fit_below=current.budget_bytes
+        )
+
+    placement, _ = _pack_or_replan(first, budget_bytes, 0, replans, replan)
+    return placement is not None
+
+
 def _pack_within(intervals: list[Block], budget_bytes: int) -> tuple[tuple[Block, ...], int]:
     """The first packing whose arena fits ``budget_bytes`` (the fixed orders, then up to
     ``RESTARTS`` seeded restarts for up to ``RESTART_BLOCKS`` blocks), else the smallest."""
-    best: tuple[tuple[Block, ...], int] | None = None
+    if not intervals:
+        return (), 0
+    best: tuple[list[int], int] | None = None
     restarts = RESTARTS if len(intervals) <= RESTART_BLOCKS else 0
     attempts = [(order, None) for order in ORDERS] + [("size", k) for k in range(restarts)]
+    neighbours = _overlapping(intervals)
+    sizes = [block.size_bytes for block in intervals]
     for order, seed in attempts:
-        blocks = pack(intervals, order, seed=seed)
-        arena = max((block.end_bytes for block in blocks), default=0)
+        ranked, tightest = _ranking(intervals, order, seed)
+        offsets = _offsets(sizes, neighbours, ranked, tightest)
+        arena = max(offset + size for offset, size in zip(offsets, sizes, strict=True))
         if best is None or arena < best[1]:
-            best = (blocks, arena)
+            best = (offsets, arena)
         if arena <= budget_bytes:
             break
     assert best is not None
-    return best
+    placed = tuple(
+        attrs.evolve(block, offset_bytes=offset)
+        for block, offset in zip(intervals, best[0], strict=True)
+    )
+    return placed, best[1]
 
 
 #: Order of the steps of one pass at one instant (docs/execution_model.md).
@@ -192,8 +286,29 @@ def residency_blocks(planned: Plan) -> list[Block]:
             Block(start_us, end_us, sizes[obj_id], 0, obj_id=obj_id, start=tuple(start), end=end)
         )
 
-    previous_end_us, previous_end_pass = None, 0
     end_pass: dict[str, int] = {}
+
+    def fire(task, end_us: float, ended: tuple[float, int, int]) -> None:
+        """Close and open blocks for a task's (or the prologue's) directives."""
+        for obj_id in task.releases:
+            close(obj_id, end_us, ended)
+        for obj_id in task.offloads:
+            back = transfers.get((obj_id, "d2h", task.id))
+            if back is None:  # clean: dropped at once
+                close(obj_id, end_us, ended)
+            else:
+                close(obj_id, back.end_us, (back.end_us, 1, PHASE["d2h-end"]))
+        for obj_id in task.prefetches:
+            load = transfers[(obj_id, "h2d", task.id)]
+            # The earliest pass it can have started in: a block that starts no later than
+            # it really did is only ever more cautious.
+            first = end_pass[task.id] if load.start_us == load.enqueue_us else 1
+            since[obj_id] = (load.start_us, load.start_us, first, PHASE["h2d-start"])
+
+    # The prologue "ends" at time 0 in the first pass, before task 0 can start.
+    end_pass[program.prologue.id] = 1
+    fire(program.prologue, 0.0, (0.0, 1, PHASE["task-end"]))
+    previous_end_us, previous_end_pass = None, 0
     for task, timing in zip(program.tasks, sim.tasks, strict=True):
         start_us, end_us = timing.start_us, timing.end_us
         # The pass of this instant in which the task starts, and the one in which it ends.
@@ -217,20 +332,7 @@ def residency_blocks(planned: Plan) -> list[Block]:
                     end=ended,
                 )
             )
-        for obj_id in task.releases:
-            close(obj_id, end_us, ended)
-        for obj_id in task.offloads:
-            back = transfers.get((obj_id, "d2h", task.id))
-            if back is None:  # clean: dropped at once
-                close(obj_id, end_us, ended)
-            else:
-                close(obj_id, back.end_us, (back.end_us, 1, PHASE["d2h-end"]))
-        for obj_id in task.prefetches:
-            load = transfers[(obj_id, "h2d", task.id)]
-            # The earliest pass it can have started in: a block that starts no later than
-            # it really did is only ever more cautious.
-            first = end_pass[task.id] if load.start_us == load.enqueue_us else 1
-            since[obj_id] = (load.start_us, load.start_us, first, PHASE["h2d-start"])
+        fire(task, end_us, ended)
     finish = (sim.makespan_us, 1 << 30, 0)
     for obj_id in list(since):
         close(obj_id, sim.makespan_us, finish)
@@ -266,18 +368,26 @@ ORDERS: dict[str, tuple[Callable[[Block], tuple[float, ...]], bool]] = {
 }
 
 
-def pack(
-    blocks: list[Block], order: str = "size", *, seed: int | None = None, buckets: int = 128
-) -> tuple[Block, ...]:
+def pack(blocks: list[Block], order: str = "size", *, seed: int | None = None) -> tuple[Block, ...]:
     """Offsets for ``blocks`` in the given ``ORDERS`` order; returned in the order given.
 
     With ``seed``, a restart for when the fixed orders all fail: blocks are ranked by
-    ``size ** weight`` times a random factor in [0.5, 1.5], where ``weight`` cycles through
-    1, 1/2 and 0 with the seed (0: a random order), with a random hole rule
+    size times a random factor in [0.5, 1.5], with a random hole rule
     (``random.Random(seed)``: the same seed gives the same packing).
     """
     if not blocks:
         return ()
+    ranked, tightest = _ranking(blocks, order, seed)
+    sizes = [block.size_bytes for block in blocks]
+    offsets = _offsets(sizes, _overlapping(blocks), ranked, tightest)
+    return tuple(
+        attrs.evolve(block, offset_bytes=offset)
+        for block, offset in zip(blocks, offsets, strict=True)
+    )
+
+
+def _ranking(blocks: list[Block], order: str, seed: int | None) -> tuple[list[int], bool]:
+    """Block indices in packing order, and whether each takes the tightest hole."""
     if seed is None:
         key, tightest = ORDERS[order]
         keys = [(*key(block), i) for i, block in enumerate(blocks)]
@@ -288,33 +398,39 @@ def pack(
             (-block.size_bytes * rng.uniform(0.5, 1.5), rng.random(), i)
             for i, block in enumerate(blocks)
         ]
-    first = min(block.start_us for block in blocks)
-    last = max(block.end_us for block in blocks)
-    width = (last - first) / buckets or 1.0
-    index: list[list[int]] = [[] for _ in range(buckets + 1)]
+    return sorted(range(len(blocks)), key=keys.__getitem__), tightest
 
-    def span(block: Block) -> range:
-        low = min(buckets, int((block.start_us - first) / width))
-        high = min(buckets, int((block.end_us - first) / width))
-        return range(low, high + 1)
 
-    offsets = [0] * len(blocks)
-    seen = [-1] * len(blocks)
-    for i in sorted(range(len(blocks)), key=keys.__getitem__):
-        block = blocks[i]
-        taken: list[tuple[int, int]] = []
-        for bucket in span(block):
-            for j in index[bucket]:
-                if seen[j] != i and _overlap(block, blocks[j]):
-                    taken.append((offsets[j], offsets[j] + blocks[j].size_bytes))
-                seen[j] = i
-        offsets[i] = _fit(sorted(taken), block.size_bytes, tightest)
-        for bucket in span(block):
-            index[bucket].append(i)
-    return tuple(
-        attrs.evolve(block, offset_bytes=offset)
-        for block, offset in zip(blocks, offsets, strict=True)
+def _overlapping(blocks: list[Block]) -> list[list[int]]:
+    """For each block, the blocks live at some moment it is (one sweep in event order)."""
+    events = sorted(
+        [(block.start, 1, i) for i, block in enumerate(blocks)]
+        + [(block.end, 0, i) for i, block in enumerate(blocks)]
     )
+    neighbours: list[list[int]] = [[] for _ in blocks]
+    live: set[int] = set()
+    for _, starting, i in events:
+        if not starting:
+            live.discard(i)
+            continue
+        for j in live:
+            neighbours[i].append(j)
+            neighbours[j].append(i)
+        live.add(i)
+    return neighbours
+
+
+def _offsets(
+    sizes: list[int], neighbours: list[list[int]], ranked: list[int], tightest: bool
+) -> list[int]:
+    """Each block in ``ranked`` order put in a hole between the placed blocks it overlaps."""
+    offsets = [-1] * len(sizes)
+    for i in ranked:
+        taken = sorted(
+            (offsets[j], offsets[j] + sizes[j]) for j in neighbours[i] if offsets[j] >= 0
+        )
+        offsets[i] = _fit(taken, sizes[i], tightest)
+    return offsets
 
 
 def _fit(taken: list[tuple[int, int]], size_bytes: int, tightest: bool) -> int:

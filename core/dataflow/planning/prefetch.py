@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import attrs
 
+from dataflow.planning.blockmax import BlockMax
 from dataflow.planning.intervals import Chain, Gaps, Origin, kept_profile
 
 RULES = ("jit", "early", "margin")
@@ -34,7 +35,8 @@ RULES = ("jit", "early", "margin")
 @attrs.frozen
 class Prefetch:
     """One prefetch: of object ``obj`` for its use at task ``use``; ``gap`` is the cut gap
-    it refills (-1 for a head); issued when task ``issue`` ends (``earliest <= issue``).
+    it refills (-1 for a head); issued when task ``issue`` ends (``earliest <= issue``;
+    -1: by the prologue, at program start).
     ``planned_start_us`` is when the just-in-time schedule wants its transfer to start, in
     the stall-free timeline."""
 
@@ -61,7 +63,7 @@ def prefetch_requests(chain: Chain, gaps: Gaps, cut: tuple[bool, ...]) -> list[t
     requests = []
     for life in chain.objects:
         if life.origin is Origin.SLOW and life.uses:
-            requests.append((life.uses[0], life.index, -1, 0))
+            requests.append((life.uses[0], life.index, -1, -1))  # the prologue may issue it
     for g, is_cut in enumerate(cut):
         if is_cut:
             requests.append((gaps.b[g], gaps.obj[g], g, gaps.a[g] + 1))
@@ -90,7 +92,9 @@ def place_prefetches(
         transfer_us = chain.h2d_us(sizes[k])
         planned[k] = min(start[use], next_start) - transfer_us * stretch
         next_start = min(start[use], next_start) - transfer_us
-    held = [b + k for b, k in zip(chain.base_bytes, kept_profile(chain, gaps, cut), strict=True)]
+    held = BlockMax(
+        [b + k for b, k in zip(chain.base_bytes, kept_profile(chain, gaps, cut), strict=True)]
+    )
     placed = []
     for k, (use, obj, gap, earliest) in enumerate(requests):
         if rule == "early":
@@ -100,9 +104,8 @@ def place_prefetches(
         issue = min(use - 1, max(earliest, issue))
         size = sizes[k]
         room = capacity_bytes - size
-        if issue + 1 < use and max(held[issue + 1 : use]) > room:
-            issue = next(t for t in range(use - 1, issue, -1) if held[t] > room)
-        if issue + 1 < use:
-            held[issue + 1 : use] = [bytes_ + size for bytes_ in held[issue + 1 : use]]
+        if issue + 1 < use and held.max(issue + 1, use) > room:
+            issue = held.last_over(issue + 1, use, room)
+        held.add(issue + 1, use, size)
         placed.append(Prefetch(obj, use, gap, size, earliest, issue, planned[k]))
-    return PrefetchPlan(prefetches=tuple(placed), held_bytes=tuple(held))
+    return PrefetchPlan(prefetches=tuple(placed), held_bytes=tuple(held.to_list()))

@@ -129,11 +129,18 @@ class FeedSpec:
 
 @attrs.frozen
 class PlannerSpec:
-    """A planner: ``plan(program, budget_bytes, **options)`` returns the planned Program."""
+    """A planner: ``plan(program, budget_bytes, **options)`` returns the planned Program.
+
+    ``minimal_budget(program, **options)`` (optional) returns the smallest fast budget the
+    planner plans ``program`` for, one at which static placement also fits.
+    """
 
     name: str = attrs.field(validator=_valid_name)
     plan: Callable[..., Program] = attrs.field(validator=_callable)
     description: str = attrs.field(default="", validator=_text)
+    minimal_budget: Callable[..., int] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_callable)
+    )
 
     @property
     def key(self) -> str:

@@ -6,12 +6,13 @@ Pure Python: importing it never imports torch.
 from dataflow.schema.converter import PROGRAM_SCHEMA, SchemaError
 from dataflow.schema.objects import DTYPE_BYTES, Location, Obj, Role, TensorMeta
 from dataflow.schema.program import Budget, Link, Links, Program
-from dataflow.schema.tasks import Directive, Task
+from dataflow.schema.tasks import PROLOGUE, Directive, Prologue, Task
 from dataflow.schema.validate import Problem, validate
 
 __all__ = [
     "DTYPE_BYTES",
     "PROGRAM_SCHEMA",
+    "PROLOGUE",
     "Budget",
     "Directive",
     "Link",
@@ -20,6 +21,7 @@ __all__ = [
     "Obj",
     "Problem",
     "Program",
+    "Prologue",
     "Role",
     "SchemaError",
     "Task",

@@ -1,8 +1,9 @@
 """Every wire rule of the schema, in one cattrs converter.
 
 Rules: unknown keys are errors; scalars are not coerced (``"5"`` is not an int); every
-document carries ``"schema": "dataflow.program/v1"`` and older versions migrate forward
-through explicit dict -> dict steps in ``MIGRATIONS``.
+document carries ``"schema": "dataflow.program/v2"`` and older versions migrate forward
+through explicit dict -> dict steps in ``MIGRATIONS``. An empty ``prologue`` and an empty
+``persistent`` list are left out of what is written.
 """
 
 from __future__ import annotations
@@ -15,15 +16,24 @@ from typing import Any
 
 import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
+from cattrs.gen import make_dict_unstructure_fn, override
 
 from dataflow.schema.program import Program
 
 SCHEMA_KEY = "schema"
-PROGRAM_SCHEMA = "dataflow.program/v1"
+PROGRAM_SCHEMA = "dataflow.program/v2"
+
+
+def _v1_to_v2(body: dict[str, Any]) -> dict[str, Any]:
+    """v2 added ``prologue`` and ``persistent``; a v1 program has neither (both empty)."""
+    return dict(body)
+
 
 #: version -> (next version, step). Each step takes the dict of its version (without the
-#: ``schema`` key) and returns the dict of the next. Empty while v1 is the only version.
-MIGRATIONS: dict[str, tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = {}
+#: ``schema`` key) and returns the dict of the next.
+MIGRATIONS: dict[str, tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = {
+    "dataflow.program/v1": ("dataflow.program/v2", _v1_to_v2),
+}
 
 
 class SchemaError(ValueError):
@@ -57,6 +67,15 @@ def _make_converter() -> cattrs.Converter:
     # A StrEnum is a str too: without its own hook the str hook above would take it.
     converter.register_structure_hook(enum.StrEnum, _structure_str_enum)
     converter.register_structure_hook_func(lambda t: t == dict[str, Any], _structure_json_object)
+    converter.register_unstructure_hook(
+        Program,
+        make_dict_unstructure_fn(
+            Program,
+            converter,
+            prologue=override(omit_if_default=True),
+            persistent=override(omit_if_default=True),
+        ),
+    )
     return converter
 
 

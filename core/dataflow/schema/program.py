@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 
 from dataflow.schema.objects import Location, Obj
-from dataflow.schema.tasks import Task
+from dataflow.schema.tasks import Prologue, Task
 
 
 @attrs.frozen
@@ -57,7 +57,11 @@ class Program:
 
     ``final_locations`` says where named objects must be once the last task and every
     transfer it started are done (objects not named may be dropped). ``budget`` is
-    optional: planners and the simulator can be handed one instead.
+    optional: planners and the simulator can be handed one instead. ``prologue`` holds
+    directives that fire at program start, before the first task. ``persistent`` names
+    objects that outlive one run of the program (weights, optimizer state): when the
+    program is one iteration of a loop, they carry from one iteration to the next (a
+    cyclic plan chooses where each lives in between; docs/planning.md).
     """
 
     name: str
@@ -69,6 +73,8 @@ class Program:
     budget: Budget | None = None
     links: Links = attrs.field(factory=Links)
     metadata: dict[str, Any] = attrs.field(factory=dict, hash=False)
+    prologue: Prologue = attrs.field(factory=Prologue)
+    persistent: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     # -- lookups -------------------------------------------------------------------------
     @functools.cached_property
@@ -103,8 +109,12 @@ class Program:
         return attrs.evolve(self, budget=Budget(fast_bytes=fast_bytes, slow_bytes=slow_bytes))
 
     def bare(self) -> Program:
-        """The same chain with every directive removed."""
-        return attrs.evolve(self, tasks=tuple(task.without_directives() for task in self.tasks))
+        """The same chain with every directive removed (the prologue's too)."""
+        return attrs.evolve(
+            self,
+            tasks=tuple(task.without_directives() for task in self.tasks),
+            prologue=Prologue(),
+        )
 
     # -- wire form -----------------------------------------------------------------------
     @classmethod

@@ -20,6 +20,14 @@ def _ids(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _in_firing_order(issuer: Task | Prologue) -> tuple[tuple[Directive, str], ...]:
+    return (
+        tuple((Directive.RELEASE, obj) for obj in issuer.releases)
+        + tuple((Directive.OFFLOAD, obj) for obj in issuer.offloads)
+        + tuple((Directive.PREFETCH, obj) for obj in issuer.prefetches)
+    )
+
+
 @attrs.frozen
 class Task:
     """One task of the chain.
@@ -51,11 +59,32 @@ class Task:
 
     def directives(self) -> tuple[tuple[Directive, str], ...]:
         """The task's directives in firing order: releases, then offloads, then prefetches."""
-        return (
-            tuple((Directive.RELEASE, obj) for obj in self.releases)
-            + tuple((Directive.OFFLOAD, obj) for obj in self.offloads)
-            + tuple((Directive.PREFETCH, obj) for obj in self.prefetches)
-        )
+        return _in_firing_order(self)
 
     def without_directives(self) -> Task:
         return attrs.evolve(self, releases=(), offloads=(), prefetches=())
+
+
+#: The name the prologue goes by where a task id would be (``TransferTiming.enqueued_by``,
+#: error messages); no task may take it.
+PROLOGUE = "<prologue>"
+
+
+@attrs.frozen
+class Prologue:
+    """Directives that fire at program start, before the first task is dispatched, in the
+    order of a task's completion: releases, then offloads, then prefetches. With it, an
+    object that starts slow can be fetched for the very first task."""
+
+    releases: tuple[str, ...] = attrs.field(default=(), converter=_ids)
+    offloads: tuple[str, ...] = attrs.field(default=(), converter=_ids)
+    prefetches: tuple[str, ...] = attrs.field(default=(), converter=_ids)
+
+    id = PROLOGUE
+
+    def directives(self) -> tuple[tuple[Directive, str], ...]:
+        """The directives in firing order: releases, then offloads, then prefetches."""
+        return _in_firing_order(self)
+
+    def __bool__(self) -> bool:
+        return bool(self.releases or self.offloads or self.prefetches)

@@ -9,7 +9,7 @@ import attrs
 
 from dataflow.schema.objects import Location
 from dataflow.schema.program import Program
-from dataflow.schema.tasks import Task
+from dataflow.schema.tasks import PROLOGUE, Task
 
 
 @attrs.frozen
@@ -32,8 +32,9 @@ def validate(program: Program) -> list[Problem]:
     workspace or cost; links and budget that are not positive; objects a task names but
     the program lacks; an object named twice in one task; use before definition; an output
     that already exists; a directive on an object the task cannot see (unknown, or not yet
-    created) or two conflicting directives; a task whose own footprint exceeds the budget;
-    final locations on unknown objects or that cannot fit their memory.
+    created) or two conflicting directives, in a task or in the prologue; a task whose own
+    footprint exceeds the budget; final locations on unknown objects or that cannot fit
+    their memory; persistent objects that are unknown, named twice or created by a task.
     """
     problems: list[Problem] = []
     problems += _check_objects(program)
@@ -42,6 +43,7 @@ def validate(program: Program) -> list[Problem]:
     sane_budget = not any(problem.code == "budget" for problem in problems)
     problems += _check_tasks(program, sane_budget)
     problems += _check_final_locations(program, sane_budget)
+    problems += _check_persistent(program)
     return problems
 
 
@@ -103,7 +105,16 @@ def _check_tasks(program: Program, sane_budget: bool) -> list[Problem]:
     ]
     known = program.objects_by_id
     created: dict[str, str] = {}  # object -> the task that created it
+    problems += _check_task_directives(program, program.prologue, known, created)
     for task in program.tasks:
+        if task.id == PROLOGUE:
+            problems.append(
+                Problem(
+                    "reserved-task-id",
+                    f"task id {task.id!r} is reserved for the program's prologue",
+                    task=task.id,
+                )
+            )
         problems += _check_task_numbers(task)
         problems += _check_task_objects(program, task, known, created)
         problems += _check_task_directives(program, task, known, created)
@@ -190,8 +201,13 @@ def _creator(program: Program, obj: str) -> str:
 def _check_task_directives(program, task, known, created) -> list[Problem]:
     problems = []
     named: dict[str, str] = {}
+    outputs = getattr(task, "outputs", ())
     for directive, obj in task.directives():
-        where = f"task {task.id!r}: {directive.value} {obj!r}"
+        where = (
+            f"the prologue: {directive.value} {obj!r}"
+            if task.id == PROLOGUE
+            else f"task {task.id!r}: {directive.value} {obj!r}"
+        )
         if obj not in known:
             problems.append(
                 Problem(
@@ -202,7 +218,7 @@ def _check_task_directives(program, task, known, created) -> list[Problem]:
                 )
             )
             continue
-        visible = program.exists_at_start(obj) or obj in created or obj in task.outputs
+        visible = program.exists_at_start(obj) or obj in created or obj in outputs
         if not visible:
             problems.append(
                 Problem(
@@ -279,4 +295,29 @@ def _check_final_locations(program: Program, sane_budget: bool) -> list[Problem]
                 f"budget.slow_bytes is {budget.slow_bytes}",
             )
         )
+    return problems
+
+
+def _check_persistent(program: Program) -> list[Problem]:
+    problems = [
+        Problem("duplicate-persistent", f"persistent names object {obj!r} more than once", obj=obj)
+        for obj in _duplicates(list(program.persistent))
+    ]
+    for obj in dict.fromkeys(program.persistent):
+        if obj not in program.objects_by_id:
+            problems.append(
+                Problem(
+                    "persistent-unknown-object", f"persistent names unknown object {obj!r}", obj=obj
+                )
+            )
+        elif not program.exists_at_start(obj):
+            problems.append(
+                Problem(
+                    "persistent-created",
+                    f"persistent object {obj!r} is created by task {_creator(program, obj)!r}; "
+                    "a persistent object exists at start (it carries over from the last "
+                    "iteration)",
+                    obj=obj,
+                )
+            )
     return problems

@@ -2,6 +2,11 @@
 
 Object ids become indices into ``obj_ids``; every per-task list (``needs``, ``outputs``,
 directives) holds those indices, so the event loop never hashes a string.
+
+The prologue is compiled as one more entry, at index ``n_tasks``, of every per-task list:
+a pseudo-task of no cost and no uses that "completes" at time 0 (its directives fire then,
+in the first pass, before task 0 can be dispatched), so it goes through exactly the code
+of a task's completion. ``task_ids[n_tasks]`` is ``PROLOGUE``.
 """
 
 from __future__ import annotations
@@ -10,13 +15,17 @@ from operator import add, attrgetter
 
 import attrs
 
-from dataflow.schema import Location, Program
+from dataflow.schema import PROLOGUE, Location, Program
 
 
 @attrs.frozen
 class CompiledProgram:
     """Per-object and per-task facts of one Program, as plain lists indexed by position."""
 
+    #: the number of real tasks (per-task lists have one entry more: the prologue)
+    n_tasks: int
+    #: whether the prologue has any directive (else the loop skips it)
+    has_prologue: bool
     obj_ids: tuple[str, ...]
     size_bytes: tuple[int, ...]
     #: objects present at the start: no task creates them, and where they start
@@ -43,23 +52,27 @@ class CompiledProgram:
 def compile_program(program: Program) -> CompiledProgram:
     """Lower a structurally valid ``program`` (see ``dataflow.schema.validate``)."""
     objects, tasks = program.objects, program.tasks
+    prologue = program.prologue
     obj_ids = tuple(obj.id for obj in objects)
     index = {obj_id: position for position, obj_id in enumerate(obj_ids)}
     size_bytes = tuple(obj.size_bytes for obj in objects)
     position_of = index.__getitem__
     size_of = size_bytes.__getitem__
 
-    def ids(field: str) -> tuple[tuple[int, ...], ...]:
-        return tuple(
+    def ids(field: str, with_prologue: bool = False) -> tuple[tuple[int, ...], ...]:
+        listed = tuple(
             tuple(map(position_of, names)) if names else ()
             for names in map(attrgetter(field), tasks)
         )
+        if not with_prologue:
+            return (*listed, ())
+        return (*listed, tuple(map(position_of, getattr(prologue, field))))
 
     inputs, mutates, outputs = ids("inputs"), ids("mutates"), ids("outputs")
     needs = tuple(map(add, inputs, mutates))
+    workspace = (*(task.workspace_bytes for task in tasks), 0)
     reserve_bytes = tuple(
-        task.workspace_bytes + sum(map(size_of, made))
-        for task, made in zip(tasks, outputs, strict=True)
+        space + sum(map(size_of, made)) for space, made in zip(workspace, outputs, strict=True)
     )
     footprint_bytes = tuple(
         reserve + sum(map(size_of, used))
@@ -72,21 +85,23 @@ def compile_program(program: Program) -> CompiledProgram:
             (initial_fast if obj.location is Location.FAST else initial_slow).append(position)
     finals = program.final_locations.items()
     return CompiledProgram(
+        n_tasks=len(tasks),
+        has_prologue=bool(prologue),
         obj_ids=obj_ids,
         size_bytes=size_bytes,
         initial_fast=tuple(initial_fast),
         initial_slow=tuple(initial_slow),
-        task_ids=tuple(task.id for task in tasks),
-        cost_us=tuple(float(task.cost_us) for task in tasks),
+        task_ids=(*(task.id for task in tasks), PROLOGUE),
+        cost_us=(*(float(task.cost_us) for task in tasks), 0.0),
         needs=needs,
         mutates=mutates,
         outputs=outputs,
-        workspace_bytes=tuple(task.workspace_bytes for task in tasks),
+        workspace_bytes=workspace,
         reserve_bytes=reserve_bytes,
         footprint_bytes=footprint_bytes,
-        releases=ids("releases"),
-        offloads=ids("offloads"),
-        prefetches=ids("prefetches"),
+        releases=ids("releases", True),
+        offloads=ids("offloads", True),
+        prefetches=ids("prefetches", True),
         final_fast=tuple(index[obj] for obj, where in finals if where is Location.FAST),
         final_slow=tuple(index[obj] for obj, where in finals if where is Location.SLOW),
     )

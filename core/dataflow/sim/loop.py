@@ -48,6 +48,9 @@ class Outcome:
     link_bytes: dict[str, int]
     link_busy_us: dict[str, float]
     error: SimError | None
+    #: per object at the end (or the failure): the ``fast`` and ``slow`` states
+    fast_state: list[int] = attrs.field(factory=list, repr=False)
+    slow_state: list[int] = attrs.field(factory=list, repr=False)
     task_log: list[tuple[int, float, float]] | None = None
     transfer_log: list[tuple[int, str, int, float, float, float]] | None = None
     fast_log: list[tuple[float, int]] | None = None
@@ -66,7 +69,7 @@ def run(
     cap = inf if fast_budget_bytes is None else fast_budget_bytes
     slow_cap = inf if slow_budget_bytes is None else slow_budget_bytes
     size = c.size_bytes
-    n_obj, n_task = len(size), len(c.task_ids)
+    n_obj, n_task = len(size), c.n_tasks
     h2d_us = [links.h2d.latency_us + s / links.h2d.bw_bytes_per_us for s in size]
     d2h_us = [links.d2h.latency_us + s / links.d2h.bw_bytes_per_us for s in size]
     needs, reserve, footprint, cost = c.needs, c.reserve_bytes, c.footprint_bytes, c.cost_us
@@ -105,6 +108,8 @@ def run(
     h2d_start = d2h_start = task_start = 0.0
     nxt = 0  # the next task to dispatch
     running = -1
+    if c.has_prologue:  # the pseudo-task n_task: it "ends" at time 0, firing the prologue
+        running, task_end = n_task, 0.0
     checked = -1  # the last task checked for certain failure when it became next
     now = 0.0
     error: SimError | None = None
@@ -134,7 +139,7 @@ def run(
                 task_end = inf
                 before = used
                 compute_busy += cost[i]
-                if record:
+                if record and i != n_task:
                     task_log.append((i, task_start, now))
                 if workspace[i]:
                     used -= workspace[i]
@@ -324,6 +329,8 @@ def run(
         link_bytes={H2D: h2d_bytes, D2H: d2h_bytes},
         link_busy_us={H2D: h2d_busy, D2H: d2h_busy},
         error=error,
+        fast_state=fast,
+        slow_state=slow,
         task_log=task_log,
         transfer_log=transfer_log,
         fast_log=fast_log,

@@ -29,7 +29,8 @@ class SimResult:
     default): ``tasks`` (in chain order, the tasks that ended), ``transfers`` (in the order
     they ended), ``fast_memory`` and ``slow_memory`` as (time_us, bytes in use) after
     every change, starting at time 0. With ``record=False`` they are empty and
-    ``recorded`` is False; everything else is identical.
+    ``recorded`` is False; everything else is identical. ``resident_at_end`` and
+    ``slow_current_at_end`` say where every object's value is when the run ends.
     """
 
     program_name: str
@@ -45,6 +46,10 @@ class SimResult:
     d2h: LinkStats
     error: SimError | None = None
     recorded: bool = True
+    #: objects resident in fast memory, and those whose slow copy is current, at the end
+    #: (or the failure), in declaration order
+    resident_at_end: tuple[str, ...] = ()
+    slow_current_at_end: tuple[str, ...] = ()
     tasks: tuple[TaskTiming, ...] = ()
     transfers: tuple[TransferTiming, ...] = ()
     fast_memory: tuple[tuple[float, int], ...] = ()

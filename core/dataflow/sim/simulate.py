@@ -8,6 +8,7 @@ from dataflow.sim.failure import InvalidProgramError
 from dataflow.sim.loop import D2H, H2D, Outcome, run
 from dataflow.sim.records import LinkStats, TaskTiming, TransferTiming
 from dataflow.sim.result import SimResult
+from dataflow.sim.states import CURRENT, RESIDENT
 
 #: validate() problems that depend on the budget. The simulator prices a program under
 #: whatever budget it is given, so these are failures of the run (SimResult.error), not
@@ -103,6 +104,12 @@ def _result(
         recorded=record,
         tasks=tasks,
         transfers=transfers,
+        resident_at_end=tuple(
+            obj_ids[o] for o, state in enumerate(out.fast_state) if state == RESIDENT
+        ),
+        slow_current_at_end=tuple(
+            obj_ids[o] for o, state in enumerate(out.slow_state) if state == CURRENT
+        ),
         fast_memory=tuple(out.fast_log) if record else (),
         slow_memory=tuple(out.slow_log) if record else (),
         program=program,

@@ -5,7 +5,8 @@ Python version) and returns a bare Program with final locations:
 
 - ``training``: a training step (``chains.training_chain``: forward, fused head, backward
   with saved activations, optimizer over weights and optimizer state that start and end
-  slow, gradient-accumulation rounds) whose task costs are drawn so that, per phase, the
+  slow, gradient-accumulation rounds; everything that exists at start starts slow, the
+  embedding and the first batch included, and weights and optimizer state are persistent) whose task costs are drawn so that, per phase, the
   transfers the step needs fit under its compute (``compute_ratio >= 1``);
 - ``training_linkbound``: the same with costs drawn so the optimizer phase is link-bound;
 - ``tied_embedding``: a training step shaped like a small language model's lowering: a
@@ -71,7 +72,21 @@ def training(
         opt_us=round(opt_us, 1),
         links=PCIE,
     )
-    return attrs.evolve(program, name=f"training-{layers}x{rounds}")
+    return _from_slow(attrs.evolve(program, name=f"training-{layers}x{rounds}"))
+
+
+def _from_slow(program: Program) -> Program:
+    """The step as a user writes it: everything that exists at start (weights, optimizer
+    state, the data) starts in slow memory (the prologue fetches what the first task
+    needs), and weights and optimizer state are persistent (for cyclic plans)."""
+    objects = tuple(
+        attrs.evolve(obj, location=Location.SLOW) if program.exists_at_start(obj.id) else obj
+        for obj in program.objects
+    )
+    persistent = tuple(
+        obj.id for obj in program.objects if obj.role in (Role.PARAM, Role.OPT_STATE)
+    )
+    return attrs.evolve(program, objects=objects, persistent=persistent)
 
 
 def training_linkbound(
@@ -134,8 +149,10 @@ def tied_embedding(
             outputs = tuple(obj for obj in task.outputs if obj != "dW_emb")
             task = attrs.evolve(task, outputs=outputs, mutates=(*task.mutates, "dW_emb"))
         tasks.append(task)
-    return attrs.evolve(
-        program, objects=objects, tasks=tasks, name=f"tied-{layers}x{rounds}", metadata={}
+    return _from_slow(
+        attrs.evolve(
+            program, objects=objects, tasks=tasks, name=f"tied-{layers}x{rounds}", metadata={}
+        )
     )
 
 

@@ -42,10 +42,12 @@ def bare_chains(
     max_initial_objects: int = 6,
     max_size_bytes: int = 400,
     max_cost_us: int = 50,
+    first_task_fast: bool = True,
 ) -> Program:
     """A random chain: objects that exist at the start (some fast, some slow), tasks that
     read and mutate 1-3 existing objects and create 0-2 new ones. No budget, no
-    directives; objects the first task uses start fast (nothing could fetch them)."""
+    directives; with ``first_task_fast`` the objects the first task uses start fast (else
+    they may start slow: a planner fetches them from the prologue)."""
     sizes = st.integers(1, max_size_bytes)
     count = draw(st.integers(1, max_initial_objects))
     objects = [
@@ -77,7 +79,7 @@ def bare_chains(
                 cost_us=float(draw(st.integers(0, max_cost_us))),
             )
         )
-    first = set(tasks[0].uses)
+    first = set(tasks[0].uses) if first_task_fast else set()
     objects = [
         attrs.evolve(obj, location=Location.FAST) if obj.id in first else obj for obj in objects
     ]

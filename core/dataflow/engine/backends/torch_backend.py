@@ -44,7 +44,7 @@ class TorchBackend:
             for obj in program.objects
             if program.exists_at_start(obj.id) and obj.location is Location.SLOW
         }
-        for task in program.tasks:
+        for task in (program.prologue, *program.tasks):
             slow_ids.update(task.offloads)
         self.slow = SlowPool([obj for obj in program.objects if obj.id in slow_ids], device)
         sizes = {obj.id: obj.size_bytes for obj in program.objects}

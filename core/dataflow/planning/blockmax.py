@@ -1,0 +1,80 @@
+"""A list of ints with range add and range max in O(sqrt n): blocks with a lazy add each.
+
+The prefetch placement asks, for every prefetch, whether a window of tasks has room and
+adds the prefetch's bytes to it; windows can span most of the chain (an embedding used at
+the start and at the end), so doing it element by element is quadratic.
+"""
+
+from __future__ import annotations
+
+#: Elements per block.
+BLOCK = 64
+
+
+class BlockMax:
+    """``values[t]`` with ``add(lo, hi, v)``, ``max(lo, hi)`` and ``last_over(lo, hi, x)``
+    over half-open ranges ``[lo, hi)``."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.values = list(values)
+        self.lazy = [0] * (len(values) // BLOCK + 1)
+        self.top = [
+            max(self.values[b : b + BLOCK], default=-(2**62))
+            for b in range(0, len(values) + 1, BLOCK)
+        ][: len(self.lazy)]
+        while len(self.top) < len(self.lazy):
+            self.top.append(-(2**62))
+
+    def _refresh(self, block: int) -> None:
+        low = block * BLOCK
+        self.top[block] = max(self.values[low : low + BLOCK], default=-(2**62)) + self.lazy[block]
+
+    def add(self, lo: int, hi: int, amount: int) -> None:
+        if lo >= hi:
+            return
+        first, last = lo // BLOCK, (hi - 1) // BLOCK
+        if first == last:
+            for t in range(lo, hi):
+                self.values[t] += amount
+            self._refresh(first)
+            return
+        for t in range(lo, (first + 1) * BLOCK):
+            self.values[t] += amount
+        self._refresh(first)
+        for block in range(first + 1, last):
+            self.lazy[block] += amount
+            self.top[block] += amount
+        for t in range(last * BLOCK, hi):
+            self.values[t] += amount
+        self._refresh(last)
+
+    def get(self, t: int) -> int:
+        return self.values[t] + self.lazy[t // BLOCK]
+
+    def max(self, lo: int, hi: int) -> int:
+        if lo >= hi:
+            return -(2**62)
+        first, last = lo // BLOCK, (hi - 1) // BLOCK
+        if first == last:
+            return max(self.values[lo:hi]) + self.lazy[first]
+        best = max(self.values[lo : (first + 1) * BLOCK]) + self.lazy[first]
+        for block in range(first + 1, last):
+            best = max(best, self.top[block])
+        return max(best, max(self.values[last * BLOCK : hi]) + self.lazy[last])
+
+    def last_over(self, lo: int, hi: int, limit: int) -> int:
+        """The largest ``t`` in ``[lo, hi)`` with ``values[t] > limit``; -1 when none."""
+        t = hi - 1
+        while t >= lo:
+            block = t // BLOCK
+            low = max(lo, block * BLOCK)
+            if self.top[block] > limit or low > block * BLOCK:
+                extra = self.lazy[block]
+                for u in range(t, low - 1, -1):
+                    if self.values[u] + extra > limit:
+                        return u
+            t = low - 1
+        return -1
+
+    def to_list(self) -> list[int]:
+        return [value + self.lazy[t // BLOCK] for t, value in enumerate(self.values)]

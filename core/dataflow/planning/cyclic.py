@@ -1,0 +1,103 @@
+"""Steady-state plans: one iteration of a loop, planned so that it repeats.
+
+A program's ``persistent`` objects (weights, optimizer state) outlive an iteration. Each
+gets a *home* between iterations: ``fast`` (resident at the boundary: kept from its last
+use to its first use in the next iteration, or written back and fetched again by the
+iteration's last tasks, so the next iteration finds it in place) or ``slow`` (written
+back if dirty after its last use, fetched again for its first use, by the prologue if
+nothing earlier can). The planned program writes the homes in: a persistent object's
+``location`` and final location are its home, so each iteration starts where the last
+one ended. The engine loads the first iteration's values into those homes.
+
+Homes are chosen from a few candidate sets: none fast, and the persistent objects whose
+wrap (from the end of their last use to their first use in the next iteration, in the
+stall-free timeline) is shortest, filled into half of, and all of, the room the boundary
+leaves under the budget. Each set is planned by PressureFit's search; each plan is checked
+over two consecutive iterations (``cycle.check_cycle``), and the one whose steady-state
+iteration is shortest wins.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from dataflow.planning.cycle import check_cycle
+from dataflow.planning.feasibility import check_plannable, infeasible
+from dataflow.planning.intervals import Chain, build_chain
+from dataflow.planning.pressurefit import monotone_capacities, search
+from dataflow.schema import Location, Program
+
+#: Shares of the boundary's room filled with fast homes, besides none.
+FILLS = (0.5, 1.0)
+
+
+def with_homes(program: Program, fast: frozenset[str]) -> Program:
+    """``program`` with each persistent object starting and ending at its home."""
+    persistent = set(program.persistent)
+    objects = tuple(
+        attrs.evolve(obj, location=Location.FAST if obj.id in fast else Location.SLOW)
+        if obj.id in persistent
+        else obj
+        for obj in program.objects
+    )
+    finals = dict(program.final_locations)
+    for obj in program.persistent:
+        finals[obj] = Location.FAST if obj in fast else Location.SLOW
+    return attrs.evolve(program, objects=objects, final_locations=finals)
+
+
+def home_sets(chain: Chain, persistent: tuple[str, ...], budget_bytes: int) -> list[frozenset]:
+    """Candidate sets of fast homes for ``chain`` (every persistent object homed slow)."""
+    n = chain.n_tasks
+    start = chain.start_us
+    lives = {life.obj_id: life for life in chain.objects}
+    wrapping = []
+    for obj in dict.fromkeys(persistent):
+        life = lives[obj]
+        if not life.uses:
+            continue
+        first, last = life.uses[0], min(life.uses[-1], n - 1)
+        wrap_us = (start[n] - start[last + 1]) + start[first]
+        wrapping.append((wrap_us, -life.size_bytes, life.index, obj))
+    wrapping.sort()
+    room = budget_bytes - max(chain.base_bytes[0], chain.base_bytes[n])
+    sets = [frozenset()]
+    for share in FILLS:
+        chosen, taken = [], 0
+        for _, negative_size, _, obj in wrapping:
+            if taken - negative_size <= share * room:
+                chosen.append(obj)
+                taken -= negative_size
+        if chosen and frozenset(chosen) not in sets:
+            sets.append(frozenset(chosen))
+    return sets
+
+
+def plan_cyclic(
+    bare: Program, budget_bytes: int, *, slow_budget_bytes: int | None = None
+) -> Program:
+    """The steady-state plan of ``bare`` (one iteration, its persistent objects homed)."""
+    slow_homes = with_homes(bare, frozenset())
+    chain = check_plannable(slow_homes, budget_bytes, slow_budget_bytes)
+    best, best_rank = None, None
+    for fast in home_sets(chain, bare.persistent, budget_bytes):
+        homed = with_homes(bare, fast)
+        homed_chain = chain if not fast else build_chain(homed)
+        found = search(
+            homed,
+            budget_bytes,
+            slow_budget_bytes=slow_budget_bytes,
+            chain=homed_chain,
+            below=monotone_capacities(homed_chain),
+        )
+        if found.best is None:
+            continue
+        cycle = check_cycle(found.best.program, budget_bytes, slow_budget_bytes, one=found.best.sim)
+        if not cycle.valid:
+            continue
+        rank = (cycle.iteration_us, found.best.sim.h2d.bytes + found.best.sim.d2h.bytes)
+        if best_rank is None or rank < best_rank:
+            best, best_rank = found.best.program, rank
+    if best is None:
+        raise infeasible(chain, budget_bytes, slow_budget_bytes)
+    return best

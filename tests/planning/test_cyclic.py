@@ -1,0 +1,138 @@
+"""Steady-state (cyclic) plans: persistent objects get homes, the plan repeats."""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+import pytest
+
+from dataflow.engine import Engine
+from dataflow.planning import check_cycle, lower_bound, minimal_budget, plan, unroll
+from dataflow.planning.cyclic import with_homes
+from dataflow.schema import Location, Obj, Program, Prologue, Task, validate
+from dataflow.sim import simulate
+from dataflow.testing.shapes import MiB, tied_embedding, tiny_training, training
+
+
+def _persistent(program: Program) -> Program:
+    """Weights and optimizer state outlive the step; they start slow."""
+    keep = tuple(obj.id for obj in program.objects if obj.id.startswith(("W", "O")))
+    objects = tuple(
+        attrs.evolve(obj, location=Location.SLOW) if obj.id in keep else obj
+        for obj in program.objects
+    )
+    return attrs.evolve(program, objects=objects, persistent=keep)
+
+
+def _state(sim, objects):
+    return {o: (o in sim.resident_at_end, o in sim.slow_current_at_end) for o in objects}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        tiny_training,
+        lambda: training(random.Random(2), layers=6),
+        lambda: tied_embedding(random.Random(1), layers=6),
+    ],
+    ids=["tiny-training", "training", "tied-embedding"],
+)
+def test_a_cyclic_plan_repeats(make) -> None:
+    program = _persistent(make())
+    low = minimal_budget(program)
+    peak = plan(program, 2**40).sim.fast_peak_bytes
+    for budget in (low + (peak - low) // 3, peak):
+        planned = plan(program, budget, cyclic=True)
+        cycle = planned.cycle
+        assert cycle is not None and cycle.valid, cycle.problem
+        assert cycle.sim.valid and cycle.sim.fast_peak_bytes <= budget
+        # every persistent object ends where it starts: its home
+        for obj in program.persistent:
+            home = planned.program.obj(obj).location
+            assert planned.program.final_locations[obj] is home
+        # a third iteration ends as the second did: the state has closed
+        three = simulate(unroll(planned.program, 3), budget_bytes=budget)
+        assert three.valid
+        assert _state(three, program.persistent) == _state(cycle.sim, program.persistent)
+        bound = lower_bound(planned.program, budget, cyclic=True)
+        assert cycle.iteration_us >= bound.best_us * (1 - 1e-12)
+        assert planned.makespan_ratio == cycle.iteration_us / planned.lower_bound_us
+
+
+def test_a_tail_prefetch_overlaps_the_next_iteration() -> None:
+    """With room to spare, a weight needed first is fetched by the previous iteration's
+    tail: the second iteration's first task does not wait for it."""
+    program = _persistent(tiny_training())
+    planned = plan(program, 40 * MiB, cyclic=True)
+    one_iteration = planned.sim.makespan_us
+    assert planned.cycle.iteration_us <= one_iteration
+    homes = {obj: planned.program.obj(obj).location for obj in program.persistent}
+    assert Location.FAST in homes.values()
+
+
+def test_unroll_renames_and_links_iterations() -> None:
+    program = _persistent(tiny_training())
+    two = unroll(program, 2)
+    assert validate(two) == []
+    ids = [task.id for task in two.tasks]
+    assert ids[: len(program.tasks)] == [f"{task.id}@1" for task in program.tasks]
+    assert "start@2" in ids and ids[-1] == f"{program.tasks[-1].id}@2"
+    names = {obj.id for obj in two.objects}
+    assert "W0" in names and "x@1" in names and "x@2" in names and "W0@1" not in names
+    start = two.tasks[ids.index("start@2")]
+    assert start.outputs == ("x@2",)  # fed fast data appears at the boundary
+
+
+def test_a_cycle_that_does_not_close_is_reported() -> None:
+    # w is homed slow (it starts slow) but the iteration leaves it in fast memory: the
+    # next iteration's prologue cannot fetch what is already there.
+    program = Program(
+        "open",
+        [Obj("w", 8, "param", "slow"), Obj("y", 8, "activation")],
+        [Task("t0", "k", "k", inputs=("w",), outputs=("y",), cost_us=5.0, releases=("y",))],
+        final_locations={"w": "fast"},
+        prologue=Prologue(prefetches=("w",)),
+        persistent=("w",),
+    )
+    assert simulate(program).valid
+    check = check_cycle(program)
+    assert not check.valid and "prefetch" in check.problem
+
+
+def test_a_persistent_object_that_ends_away_from_its_start_does_not_repeat() -> None:
+    # w starts fast but is written back and left slow: one iteration runs, the next finds
+    # it away with nothing to fetch it.
+    program = Program(
+        "drift",
+        [Obj("w", 8, "param", "fast"), Obj("x", 8, "data", "fast")],
+        [
+            Task("t0", "k", "k", mutates=("w",), cost_us=5.0, offloads=("w",)),
+            Task("t1", "k", "k", inputs=("x",), cost_us=5.0),
+        ],
+        final_locations={"w": "slow"},
+        persistent=("w",),
+    )
+    assert simulate(program).valid
+    check = check_cycle(program)
+    assert not check.valid and "2 consecutive iterations fail" in check.problem
+    assert "'t0@2'" in check.problem
+
+
+def test_the_virtual_engine_runs_the_unrolled_cycle_as_simulated() -> None:
+    program = _persistent(tiny_training())
+    planned = plan(program, 30 * MiB, cyclic=True)
+    two = unroll(planned.program, 2)
+    engine = Engine("virtual", budget_bytes=30 * MiB)
+    engine.load(two)
+    trace = engine.run().steps[0]
+    assert trace.makespan_us == planned.cycle.sim.makespan_us
+
+
+def test_homes_are_written_into_locations_and_finals() -> None:
+    program = _persistent(tiny_training())
+    homed = with_homes(program, frozenset({"W0"}))
+    assert homed.obj("W0").location is Location.FAST
+    assert homed.final_locations["W0"] is Location.FAST
+    assert homed.obj("W1").location is Location.SLOW
+    assert homed.final_locations["W1"] is Location.SLOW
