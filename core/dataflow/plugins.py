@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import click
 import pluggy
 
-from dataflow import hookspecs
+from dataflow import DISTRIBUTION, hookspecs
 from dataflow.registry import (
     KINDS_BY_NAME,
     REGISTRY_KINDS,
@@ -430,6 +430,6 @@ def plugin_cli_commands() -> list[click.Command]:
         raise click.ClickException(str(exc)) from exc
     for entry in registry.entries():
         if entry.name in BUILTIN_COMMANDS:
-            clash = DuplicateNameError("command", entry.name, "dataflow", entry.distribution)
+            clash = DuplicateNameError("command", entry.name, DISTRIBUTION, entry.distribution)
             raise click.ClickException(f"{clash} (the builtin command wins)")
     return list(registry)
