@@ -13,6 +13,7 @@ import click
 
 from dataflow.cli.options import size_callback
 from dataflow.cli.validate import load_program
+from dataflow.extras import MissingExtraError, require_torch
 from dataflow.units import format_size
 
 
@@ -69,6 +70,10 @@ def trace_command(
     output: str,
 ) -> None:
     """Write the predicted and the measured timeline of PLANNED.json into one trace."""
+    try:
+        require_torch("dataflow trace")
+    except MissingExtraError as exc:
+        raise click.ClickException(str(exc)) from None
     from dataflow.engine import Engine, EngineRunError
     from dataflow.plugins import resolvers
     from dataflow.registry import UnknownNameError
