@@ -214,6 +214,8 @@ def isolated(session: nox.Session, folder: str) -> None:
         *("--no-index", "--only-binary", ":all:", "--find-links", str(DIST)),
         *("--find-links", str(DEPS), wanted),
     )
+    installed = session.run("python", "-m", "pip", "list", "--format=freeze", silent=True)
+    session.log("installed: " + ", ".join(installed.split()))
     _check_imports(session, folder)
     _check_listed(session, table["name"])
     tmp = session.create_tmp()
