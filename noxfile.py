@@ -218,8 +218,11 @@ def isolated(session: nox.Session, folder: str) -> None:
     session.log("installed: " + ", ".join(installed.split()))
     _check_imports(session, folder)
     _check_listed(session, table["name"])
+    smoke = table["tool"].get("isolated", {}).get("smoke", [])
+    if folder.startswith("families/") and not smoke:
+        session.warn(f"{folder}: no [tool.dataflow.isolated] smoke command shows it trains alone")
     tmp = session.create_tmp()
-    for command in table["tool"].get("isolated", {}).get("smoke", []):
+    for command in smoke:
         session.run(*(part.replace("{tmp}", tmp) for part in command))
     if not with_torch:
         _check_torch_is_absent(session)
