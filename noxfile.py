@@ -8,9 +8,11 @@ Sessions install torch 2.13.0 (a CPU build) before the project, so pip never res
 ``pyproject.toml`` under families/ resolvers/ kernels/ plugins/ examples/) into ``dist/``,
 plus the third-party wheels they need (torch aside) into ``dist/deps/``. ``isolated`` then
 gives each distribution a fresh virtual environment that installs only that wheel, and
-what it declares, from those two folders with no package index: it imports the package,
-finds it ``ok`` in ``dataflow plugins list``, runs the smoke commands its pyproject lists
-under ``[tool.dataflow.isolated]`` and its own tests. A distribution whose requirements
+what it declares, from those two folders with no package index (torch, pinned, is the one
+exception: installed once from the normal pip config and shared by every environment that
+needs it, see ``_add_shared_torch``): it imports the package, finds it ``ok`` in
+``dataflow plugins list``, runs the smoke commands its pyproject lists under
+``[tool.dataflow.isolated]`` and its own tests. A distribution whose requirements
 (followed through the other distributions here) need no torch gets none, which is how the
 core is checked to plan and simulate without torch.
 """
