@@ -1,5 +1,5 @@
 """The core's builtins are a plugin like any other: loaded through the entry point
-``core = dataflow.builtins`` of distribution ``dataflow``, and held to the same checks."""
+``core = dataflow.builtins`` of distribution ``dataflow-runtime``, and held to the same checks."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ from dataflow.testing import PlannerConformance, ResolverConformance
 
 
 class TestCoreBuiltins(PlannerConformance):
-    distribution = "dataflow"
+    distribution = "dataflow-runtime"
     expected_names = ("pressurefit",)
 
 
-def test_the_builtins_are_left_out_by_an_allowlist_without_dataflow() -> None:
+def test_the_builtins_are_left_out_by_an_allowlist_without_dataflow_runtime() -> None:
     manager = build_plugin_manager(allow=["dataflow-something-else"])
-    (core,) = [report for report in manager.reports() if report.distribution == "dataflow"]
+    (core,) = [report for report in manager.reports() if report.distribution == "dataflow-runtime"]
     assert core.status == "disabled"
-    assert manager.get_plugin("dataflow:core") is None
+    assert manager.get_plugin("dataflow-runtime:core") is None
 
 
 class TestCoreResolvers(ResolverConformance):
-    distribution = "dataflow"
+    distribution = "dataflow-runtime"
     expected_names = ("synthetic",)

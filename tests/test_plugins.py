@@ -95,7 +95,7 @@ def test_importing_the_plugin_modules_loads_no_plugin_and_no_torch() -> None:
 def test_building_a_manager_imports_no_torch() -> None:
     code = (
         "import sys; from dataflow.plugins import get_plugin_manager\n"
-        "get_plugin_manager(allow=['dataflow']).reports()\n"
+        "get_plugin_manager(allow=['dataflow-runtime']).reports()\n"
         "sys.exit(1 if 'torch' in sys.modules else 0)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -103,10 +103,10 @@ def test_building_a_manager_imports_no_torch() -> None:
 
 
 def test_the_core_builtins_load_through_their_entry_point() -> None:
-    report = _by_distribution(build_plugin_manager())["dataflow"]
+    report = _by_distribution(build_plugin_manager())["dataflow-runtime"]
     assert report.entry_point == "core = dataflow.builtins"
     assert report.status is Status.OK
-    assert report.version == metadata.version("dataflow")
+    assert report.version == metadata.version("dataflow-runtime")
 
 
 @needs_example
@@ -123,17 +123,17 @@ def test_an_installed_plugin_is_discovered_and_attributed() -> None:
 def test_the_allowlist_leaves_out_every_other_distribution(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(LOAD_PLUGINS_ENV, "dataflow")
+    monkeypatch.setenv(LOAD_PLUGINS_ENV, "dataflow-runtime")
     manager = build_plugin_manager()
     reports = _by_distribution(manager)
-    assert reports["dataflow"].status is Status.OK
+    assert reports["dataflow-runtime"].status is Status.OK
     assert reports[EXAMPLE].status is Status.DISABLED
-    assert reports[EXAMPLE].reason == f"not in {LOAD_PLUGINS_ENV}='dataflow'"
+    assert reports[EXAMPLE].reason == f"not in {LOAD_PLUGINS_ENV}='dataflow-runtime'"
     assert "keep-all" not in manager.planners()
     assert EXAMPLE.replace("-", "_") + ".plugin" not in _fresh_modules(LOAD_PLUGINS_ENV)
 
 
-def _fresh_modules(env_name: str, value: str = "dataflow") -> list[str]:
+def _fresh_modules(env_name: str, value: str = "dataflow-runtime") -> list[str]:
     """Modules a fresh interpreter has imported after building the default manager."""
     code = (
         "import sys; from dataflow.plugins import get_plugin_manager\n"
@@ -151,7 +151,7 @@ def _fresh_modules(env_name: str, value: str = "dataflow") -> list[str]:
 def test_the_allowlist_compares_normalized_distribution_names() -> None:
     manager = build_plugin_manager(allow=["Dataflow_Planner.Example"])
     assert manager.planners().names() == ["keep-all"]
-    assert _by_distribution(manager)["dataflow"].status is Status.DISABLED
+    assert _by_distribution(manager)["dataflow-runtime"].status is Status.DISABLED
 
 
 def test_an_allowlist_set_but_empty_loads_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -161,7 +161,7 @@ def test_an_allowlist_set_but_empty_loads_nothing(monkeypatch: pytest.MonkeyPatc
 
 
 def test_an_allowlist_name_that_matches_nothing_is_kept_for_the_report() -> None:
-    manager = build_plugin_manager(allow=["dataflow", "dataflow-no-such-plugin"])
+    manager = build_plugin_manager(allow=["dataflow-runtime", "dataflow-no-such-plugin"])
     assert manager.unmatched_allow == ("dataflow-no-such-plugin",)
 
 
@@ -184,16 +184,15 @@ def test_the_kill_switch_still_loads_what_the_allowlist_names(
     monkeypatch.setenv(LOAD_PLUGINS_ENV, EXAMPLE)
     reports = _by_distribution(build_plugin_manager())
     assert reports[EXAMPLE].status is Status.OK
-    assert reports["dataflow"].status is Status.DISABLED
+    assert reports["dataflow-runtime"].status is Status.DISABLED
 
 
 def test_explicit_arguments_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, "1")
-    assert _by_distribution(build_plugin_manager(autoload=True))["dataflow"].status is Status.OK
+    core = "dataflow-runtime"
+    assert _by_distribution(build_plugin_manager(autoload=True))[core].status is Status.OK
     monkeypatch.setenv(LOAD_PLUGINS_ENV, "")
-    assert _by_distribution(build_plugin_manager(allow=["dataflow"]))["dataflow"].status is (
-        Status.OK
-    )
+    assert _by_distribution(build_plugin_manager(allow=[core]))[core].status is Status.OK
 
 
 # -- broken plugins --------------------------------------------------------------------------
@@ -413,7 +412,7 @@ def test_the_default_manager_is_built_once_and_can_be_replaced() -> None:
     try:
         first = get_plugin_manager()
         assert get_plugin_manager() is first
-        assert get_plugin_manager(allow=["dataflow"]) is not first  # arguments: a fresh one
+        assert get_plugin_manager(allow=["dataflow-runtime"]) is not first  # arguments: a fresh one
         isolated = plugins.isolated_plugin_manager()
         assert plugins.set_default_plugin_manager(isolated) is first
         assert get_plugin_manager() is isolated
@@ -425,7 +424,7 @@ def test_the_default_manager_is_built_once_and_can_be_replaced() -> None:
 def test_an_isolated_manager_ignores_entry_points_and_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(LOAD_PLUGINS_ENV, "dataflow")
+    monkeypatch.setenv(LOAD_PLUGINS_ENV, "dataflow-runtime")
     assert plugins.isolated_plugin_manager().reports() == []
 
 

@@ -8,12 +8,16 @@ from importlib.metadata import PackageNotFoundError, version
 
 import pluggy
 
+#: The distribution that installs this package (``dataflow`` on the package index is another
+#: project's): plugins depend on it, ``DATAFLOW_LOAD_PLUGINS`` names it for the builtins.
+DISTRIBUTION = "dataflow-runtime"
+
 try:
-    __version__ = version("dataflow")
+    __version__ = version(DISTRIBUTION)
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0"
 
 #: Mark a plugin's hook implementations with this; plugins never import pluggy.
 hookimpl = pluggy.HookimplMarker("dataflow")
 
-__all__ = ["__version__", "hookimpl"]
+__all__ = ["DISTRIBUTION", "__version__", "hookimpl"]

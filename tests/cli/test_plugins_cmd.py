@@ -73,10 +73,10 @@ def _dataflow(*args: str, env: dict[str, str] | None = None, pythonpath: str = "
 
 def test_json_lists_the_core_builtins() -> None:
     payload = _json()
-    (core,) = [p for p in payload["plugins"] if p["distribution"] == "dataflow"]
+    (core,) = [p for p in payload["plugins"] if p["distribution"] == "dataflow-runtime"]
     assert {key: core[key] for key in ("name", "version", "entry_point", "status")} == {
-        "name": "dataflow:core",
-        "version": metadata.version("dataflow"),
+        "name": "dataflow-runtime:core",
+        "version": metadata.version("dataflow-runtime"),
         "entry_point": "core = dataflow.builtins",
         "status": "ok",
     }
@@ -177,7 +177,7 @@ def test_duplicate_names_are_reported_and_exit_1(isolated_plugin_manager) -> Non
 def test_an_allowlist_name_that_matches_nothing_is_warned_about(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(LOAD_PLUGINS_ENV, "dataflow,dataflow-typo")
+    monkeypatch.setenv(LOAD_PLUGINS_ENV, "dataflow-runtime,dataflow-typo")
     assert _json()["warnings"] == [
         "the allowlist names 'dataflow-typo', but no installed distribution has a dataflow "
         "entry point by that name"
@@ -188,10 +188,10 @@ def test_an_allowlist_name_that_matches_nothing_is_warned_about(
 # -- the installed command, in a fresh interpreter ---------------------------------------------
 @needs_example
 def test_the_command_removes_a_plugin_by_the_allowlist() -> None:
-    result = _dataflow("plugins", "list", "--json", env={LOAD_PLUGINS_ENV: "dataflow"})
+    result = _dataflow("plugins", "list", "--json", env={LOAD_PLUGINS_ENV: "dataflow-runtime"})
     assert result["code"] == 0, result["err"]
     status = {p["distribution"]: p["status"] for p in json.loads(result["out"])["plugins"]}
-    assert status["dataflow"] == "ok" and status[EXAMPLE] == "disabled"
+    assert status["dataflow-runtime"] == "ok" and status[EXAMPLE] == "disabled"
 
 
 @needs_example
@@ -229,6 +229,6 @@ def test_a_plugin_subcommand_runs_from_the_dataflow_command(tmp_path) -> None:
     listed = _dataflow("--help", pythonpath=str(tmp_path))
     assert "hello" in listed["out"] and "Say hello." in listed["out"]
     hidden = _dataflow(
-        "hello", "world", pythonpath=str(tmp_path), env={LOAD_PLUGINS_ENV: "dataflow"}
+        "hello", "world", pythonpath=str(tmp_path), env={LOAD_PLUGINS_ENV: "dataflow-runtime"}
     )
     assert hidden["code"] == 2 and "No such command 'hello'" in hidden["err"]

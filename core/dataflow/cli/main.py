@@ -51,7 +51,9 @@ def plugin_commands() -> list[click.Command]:
         raise click.ClickException(str(exc)) from exc
     for entry in registry.entries():
         if entry.name in BUILTIN_COMMANDS:
-            clash = DuplicateNameError("command", entry.name, "dataflow", entry.distribution)
+            clash = DuplicateNameError(
+                "command", entry.name, dataflow.DISTRIBUTION, entry.distribution
+            )
             raise click.ClickException(f"{clash} (the builtin command wins)")
     return list(registry)
 

@@ -17,6 +17,7 @@ import click
 from dataflow.cli.errors import Failure, plugin_failure
 from dataflow.cli.options import BUDGET, COUNT, Device, OutputFile, lookup, write_to
 from dataflow.cli.validate import PROGRAM_FILE, load_program
+from dataflow.extras import MissingExtraError, require_torch
 from dataflow.units import format_size
 
 
@@ -92,6 +93,10 @@ def trace_command(
     output: str,
 ) -> None:
     """Write the predicted and the measured timeline of PLANNED.json into one trace."""
+    try:
+        require_torch("dataflow trace")
+    except MissingExtraError as exc:
+        raise Failure(str(exc)) from None
     from dataflow.cli.simulate import bare_hint
     from dataflow.engine import Engine, ResolverError
     from dataflow.plugins import resolvers

@@ -15,6 +15,7 @@ from dataflow.engine.contract import Resolver, resolve_all
 from dataflow.engine.dispatcher import Dispatcher, DispatchTrace, EngineRunError
 from dataflow.engine.ledger import Fast, Ledger, Slow
 from dataflow.engine.result import RunResult
+from dataflow.extras import require_torch
 from dataflow.schema import Program, validate
 
 BACKENDS = ("virtual", "torch")
@@ -46,6 +47,8 @@ class Engine:
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown engine backend {backend!r}; known: {', '.join(BACKENDS)}")
+        if backend == "torch":
+            require_torch("the engine's torch backend")
         self.backend_name, self.device = backend, device
         self.budget_bytes, self.slow_budget_bytes = budget_bytes, slow_budget_bytes
         self.program: Program | None = None
