@@ -59,7 +59,7 @@ def test_trace_without_torch_says_what_to_install() -> None:
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert result.stderr.strip() == (
-        f"Error: dataflow trace needs torch, which is not installed; install it with: "
+        f"error: dataflow trace needs torch, which is not installed; install it with: "
         f"{INSTALL_HINT}"
     )
 

@@ -8,7 +8,9 @@ Tasks, in chain order, for step ``s`` (ids ``{kind}_{s}_{round}_{layer}``):
     then:              one opt_s_{R-1}_<layer>[.<group>] per trainable parameter group,
                        head, blocks L-1 .. 0, emb
 
-Objects (see ``dataflow_training.family`` for what each holds): ``W``/``dW``/``O`` per
+Everything that exists at the start (parameters, optimizer state, Aux, every round's
+tokens and targets) starts in slow memory; the planner's prologue fetches what the first
+tasks need. Objects (see ``dataflow_training.family`` for what each holds): ``W``/``dW``/``O`` per
 parameter group (gradients: round 0 creates them, later rounds accumulate), ``Aux_i``,
 per round ``A_s_r_i`` and ``AuxTemp_s_r_i``, hidden states ``y_s_r_i`` (``y_s_r_0`` is
 the embedding; block i makes ``y_s_r_{i+1}``), their gradients ``dy_s_r_i``, tokens
@@ -133,7 +135,6 @@ def lower(
             trainable = [p for p in params if p.trainable]
             w_id = group_object("W", layer.name, group.name)
             w_layout = Layout.pack((p.name, p.shape, _dtype(p, policy.param)) for p in params)
-            first = layer is embed  # the first task reads it: nothing could prefetch it
             add_packed(
                 PackedObject(
                     w_id,
@@ -144,7 +145,6 @@ def lower(
                     tuple(p.name for p in trainable if p.decay),
                 ),
                 Role.PARAM,
-                "fast" if first else "slow",
             )
             weights[layer.name] += (w_id,)
             if not trainable:
@@ -250,7 +250,7 @@ def lower(
     for r in range(train.rounds):
         x, t, loss = f"x_{step}_{r}", f"t_{step}_{r}", f"loss_{step}_{r}"
         objects += [
-            Obj(x, tokens_meta.nbytes, Role.DATA, "fast" if r == 0 else "slow", tokens_meta),
+            Obj(x, tokens_meta.nbytes, Role.DATA, "slow", tokens_meta),
             Obj(t, tokens_meta.nbytes, Role.DATA, "slow", tokens_meta),
             Obj(loss, 4, Role.OUTPUT, tensor=TensorMeta("float32", ())),
         ]
