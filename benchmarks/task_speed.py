@@ -25,8 +25,9 @@ import torch
 from dataflow_training.config import DtypePolicy, TrainConfig
 from dataflow_training.lowering import lower
 from dataflow_training.profile import profile_program, signature
+from dataflow_training.tasks import TrainingTasks
 
-from dataflow.plugins import families, resolvers
+from dataflow.plugins import families, kernels, resolvers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from stock import time_stock  # noqa: E402
@@ -34,11 +35,17 @@ from stock import time_stock  # noqa: E402
 POLICY = DtypePolicy("bfloat16", "bfloat16", "bfloat16")
 
 
-def measure_tasks(family, preset, batch, seq_len, chunk_tokens, repeats, trace_dir=None):
+def measure_tasks(
+    family, preset, batch, seq_len, chunk_tokens, repeats, trace_dir=None, variants=None
+):
     config = family.config(preset)
     train = TrainConfig(seq_len=seq_len, batch=batch, dtype=POLICY, chunk_tokens=chunk_tokens)
     program = lower(family, preset, train).program
     resolver = resolvers().get("torch").build(program)
+    if variants:  # pinned variants (OP -> NAME) over the registry's choice
+        ops = dict(resolver.ops("cuda"))
+        ops |= {op: kernels().get(f"{op}/{name}").load() for op, name in variants.items()}
+        resolver = TrainingTasks(program, family=family, ops=ops)
 
     def int_high(obj_id: str) -> int:
         return config.vocab_size if obj_id.startswith(("x_", "t_")) else 1
@@ -74,6 +81,13 @@ def main() -> int:
     parser.add_argument("--stock-steps", type=int, default=10)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
     parser.add_argument("--trace", type=Path, default=None)
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="OP=NAME",
+        help="pin a kernel variant, e.g. attention_fwd=torch (repeatable)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpt2_task_speed.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -81,10 +95,18 @@ def main() -> int:
         return 2
     family = families().get("gpt2").load()
     config = family.config(args.preset)
+    warm_gpu()
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         sum_ms, by_kind = measure_tasks(
-            family, args.preset, batch, args.seq_len, args.chunk_tokens, args.repeats, args.trace
+            family,
+            args.preset,
+            batch,
+            args.seq_len,
+            args.chunk_tokens,
+            args.repeats,
+            args.trace,
+            dict(v.split("=", 1) for v in args.variant),
         )
         eager = time_stock(config, batch, args.seq_len, steps=args.stock_steps)
         compiled = (
@@ -113,6 +135,7 @@ def main() -> int:
         "preset": args.preset,
         "policy": "bf16 weights, grads, activations; float32 AdamW states",
         "chunk_tokens": args.chunk_tokens,
+        "pinned_variants": args.variant,
         "repeats": args.repeats,
         "stock": "benchmarks/stock.py: fp32 master weights, bf16 autocast, SDPA, AdamW(fused)",
     }
@@ -121,6 +144,19 @@ def main() -> int:
     args.out.with_suffix(".md").write_text(table(meta, rows))
     print(table(meta, rows))
     return 0
+
+
+def warm_gpu(seconds: float = 3.0) -> None:
+    """Matrix products for a few seconds, so the first measurement does not meet idle
+    clocks (seen on the H200: 345 MHz idle, 1980 MHz under load)."""
+    import time
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
 
 
 def table(meta, rows) -> str:

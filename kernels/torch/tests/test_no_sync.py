@@ -41,9 +41,10 @@ def test_attention_and_norms(manager, kernel, randn, dtype) -> None:
 
 
 def run_attention_and_norms(manager, kernel, q, k, v, dout, x, dy, w, b) -> None:
-    for name in fast_variants(manager, "attention_fwd"):
+    for name in fast_variants(manager, "attention_fwd"):  # each attention pair
         out, lse = kernel("attention_fwd", name)(q, k, v, causal=True)
         kernel("attention_bwd", name)(dout, q, k, v, out, lse, causal=True)
+    for name in fast_variants(manager, "layer_norm_fwd"):
         _, mean, rstd = kernel("layer_norm_fwd", name)(x, w, b, 1e-5)
         kernel("layer_norm_bwd", name)(dy, x, mean, rstd, w, b)
         _, rstd = kernel("rms_norm_fwd", name)(x, w, 1e-6)
