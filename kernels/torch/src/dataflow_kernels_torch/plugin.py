@@ -224,10 +224,12 @@ _TRITON = (
 
 
 #: cuDNN's fused attention pair: one priority for both, so they are chosen together.
-#: Preferred on CUDA: on an H200 (torch 2.11, benchmarks/_probe_mm.py, 2026-12-01) causal
-#: bf16 forward + backward at GPT-2 124M shapes (12 heads x 64, seq 1024) took 0.198 ms
-#: against flash's 0.318 at batch 8, and 0.671 against 1.084 at batch 32.
-CUDNN_ATTENTION_PRIORITY = 5
+#: Not preferred. On an H200 (torch 2.11, 2026-12-01) its causal bf16 forward + backward
+#: on contiguous q, k, v at GPT-2 124M shapes beat flash (benchmarks/_probe_mm.py: 0.198
+#: against 0.318 ms at batch 8), but inside GPT-2's tasks, where q, k, v are strided views
+#: of one qkv tensor, the twelve backward tasks took 18.6 ms against flash's 13.6 at batch
+#: 8 (and 37.0 against 39.5 at batch 32): benchmarks/task_speed.py --variant.
+CUDNN_ATTENTION_PRIORITY = -5
 
 
 def _cudnn_variants() -> list[KernelVariant]:
