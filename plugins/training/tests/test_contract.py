@@ -191,3 +191,40 @@ def test_the_optimizer_updates_each_group_as_two_flat_tensors() -> None:
     assert [(names, decayed, flat) for names, decayed, flat in head.classes] == [
         (["g"], False, True)
     ]
+
+
+def test_a_heterogeneous_stack_gets_a_task_kind_per_block_kind(monkeypatch) -> None:
+    family = ToyFamily()
+    layers = family.layers(family.config("small"))
+    mixed = [*layers[:2], attrs.evolve(layers[2], kind="other"), *layers[3:]]
+    monkeypatch.setattr(ToyFamily, "layers", lambda self, config: mixed)
+    original = ToyFamily.math
+    monkeypatch.setattr(
+        ToyFamily, "math", lambda self, kind: original(self, "block" if kind == "other" else kind)
+    )
+    program = lower(family, "small", TRAIN).program
+    keys = {task.id: task.compute_key for task in program.tasks}
+    assert keys["fwd_0_0_0"] == "toy.block.forward" and keys["fwd_0_0_1"] == "toy.other.forward"
+    assert keys["bwd_0_1_1"] == "toy.other.backward"
+    _run_one_step(family, program)
+
+
+def test_toy_moe_verify_passes_at_a_tight_budget() -> None:
+    """`dataflow verify --family toy_moe` at a tenth above the smallest budget that plans
+    and places: the step moves experts, AuxTemp and Aux through the links and still equals
+    the reference."""
+    pytest.importorskip("dataflow_kernels_torch")
+    from dataflow_training.verify import step_config, verify
+
+    from dataflow.planning import minimal_budget
+
+    family = ToyMoEFamily()
+    train = step_config("fp32", batch=2, seq_len=16, rounds=2)
+    program = lower(family, "toy_moe_tiny", train, keep_grads=True).program
+    budget = int(1.1 * minimal_budget(program))
+    planned = plan(program, budget)
+    assert planned.sim.h2d.bytes > 0 and planned.sim.fast_peak_bytes <= budget
+    checks = verify("toy_moe", "toy_moe_tiny", budget_bytes=budget)
+    failed = [check for check in checks if not check.ok]
+    assert not failed, failed
+    assert sum(check.level == "step" for check in checks) == 4 + 2 * 8
