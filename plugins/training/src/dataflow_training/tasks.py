@@ -163,16 +163,23 @@ class _Exec:
     def one(self, ctx: LaunchContext, role: str) -> torch.Tensor:
         return self.buffer(ctx, self.slot.one(role))
 
-    def store_grads(self, ctx: LaunchContext, role: str, grads: Mapping[str, Any]) -> None:
+    def store_grads(
+        self, ctx: LaunchContext, role: str, grads: Mapping[str, Any], *, partial: bool = False
+    ) -> None:
         """Write (round 0) or accumulate the gradients into the ``role`` objects; each
-        trainable tensor must have its gradient, of its shape."""
-        targets = {obj: self.views(ctx, obj) for obj in self.slot.objects(role)}
-        for obj, views in targets.items():
+        trainable tensor must have its gradient, of its shape. With ``partial`` (a tied
+        head's share of another layer's gradients) tensors without one are left alone,
+        or zeroed where the task creates the object (an output is fully written)."""
+        for obj in self.slot.objects(role):
             add = obj in self.slot.mutates.get(role, ())
             if not add:
                 self.zero_gaps(ctx, obj)
-            for name, target in views.items():
+            for name, target in self.views(ctx, obj).items():
                 value = grads.get(name)
+                if value is None and partial:
+                    if not add:
+                        target.zero_()
+                    continue
                 if value is None:
                     raise FamilyContractError(
                         f"task {self.task.id}: {self.task.compute_key} returned no gradient "
@@ -297,23 +304,7 @@ class HeadLoss(_Exec):
         self.store_grads(ctx, "grad", {k: v for k, v in grads.items() if k not in self.tied})
         if self.slot.objects("tied_grad"):
             tied = {self.tied[k].partition(".")[2]: v for k, v in grads.items() if k in self.tied}
-            self.store_grads_partial(ctx, "tied_grad", tied)
-
-    def store_grads_partial(self, ctx: LaunchContext, role: str, grads: Mapping[str, Any]) -> None:
-        """Into the tied layer's gradients: the tied tensors get the head's gradient; the
-        rest of an object the head creates is zeroed (an output is fully written)."""
-        for obj in self.slot.objects(role):
-            add = obj in self.slot.mutates.get(role, ())
-            if not add:
-                self.zero_gaps(ctx, obj)
-            for name, target in self.views(ctx, obj).items():
-                value = grads.get(name)
-                if value is None:
-                    if not add:
-                        target.zero_()
-                    continue
-                _check_shape(self.task, f"gradient {name}", value, target)
-                target.add_(value) if add else target.copy_(value)
+            self.store_grads(ctx, "tied_grad", tied, partial=True)
 
 
 class OptimizerStep(_Exec):
