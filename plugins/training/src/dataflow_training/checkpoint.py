@@ -37,9 +37,9 @@ MANIFEST_FILE = "manifest.json"
 FORMAT = "dataflow.checkpoint/v1"
 STEP_PATTERN = re.compile(r"^step_(\d{6,})$")
 TMP_PREFIX = ".tmp-"
-#: test hook: seconds to sleep between writing the tensors and the rename, so a kill can
-#: land inside a write
-SLOW_WRITE_ENV = "DATAFLOW_CHECKPOINT_SLOW_WRITE_S"
+#: test hook, ``STEP:SECONDS``: sleep that long between writing checkpoint STEP's files and
+#: its rename, so a test's kill lands inside the write
+SLOW_WRITE_ENV = "DATAFLOW_CHECKPOINT_SLOW_WRITE"
 #: distributions whose versions every manifest records
 VERSIONED = ("dataflow-runtime", "dataflow-training", "torch", "safetensors")
 
@@ -124,9 +124,9 @@ def write_checkpoint(
     save_file({**opt, **extra}, tmp / OPTIMIZER_FILE)
     body = {"format": FORMAT, **manifest, "written_unix_s": time.time()}
     (tmp / MANIFEST_FILE).write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
-    pause = float(os.environ.get(SLOW_WRITE_ENV, "0") or 0)
-    if pause > 0:
-        time.sleep(pause)
+    slow_step, _, pause = os.environ.get(SLOW_WRITE_ENV, "").partition(":")
+    if slow_step and int(slow_step) == manifest.get("step"):
+        time.sleep(float(pause))
     for name in (MODEL_FILE, OPTIMIZER_FILE, MANIFEST_FILE):
         _fsync(tmp / name)
     _fsync(tmp)
