@@ -83,6 +83,9 @@ def site(fake_distribution) -> Path:
         entry_points={"testbytes": "dataflow_feed_testbytes"},
         modules={"dataflow_feed_testbytes": FEED},
     )
+    from dataflow import plugins
+
+    plugins.set_default_plugin_manager(None)  # one built before this test never saw the feed
     return dist_info.parent
 
 
@@ -212,3 +215,34 @@ def test_infeasible_budget_names_the_budget_that_fits(site, corpus, tmp_path):
     result = invoke(*_args(corpus, tmp_path / "run", 2, "--budget", "64KiB"))
     assert_one_line_error(result, 1, "--budget")
     assert "smallest budget that works is" in result.output
+
+
+def test_lower_writes_a_program_plan_reads(tmp_path):
+    path = tmp_path / "step.json"
+    result = invoke("lower", "--preset", "gpt2_tiny", "--batch", "2", "--seq-len", "16", "-o", path)
+    assert result.exit_code == 0, result.output
+    from dataflow.schema import Program
+
+    program = Program.from_json(path)
+    assert program.name == "gpt2-gpt2_tiny-train"
+    assert any(t.id.startswith("opt_0_0_") for t in program.tasks)
+    planned = invoke("plan", path, "--budget", "64MiB", "-o", tmp_path / "planned.json")
+    assert planned.exit_code == 0, planned.output
+
+
+def test_export_hf_loads_in_transformers(site, corpus, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    out = tmp_path / "run"
+    assert invoke(*_args(corpus, out, 2)).exit_code == 0
+    hf = tmp_path / "hf"
+    result = invoke("export", "--hf", hf, "--from", out / "step_000002")
+    assert result.exit_code == 0, result.output
+    model = transformers.GPT2LMHeadModel.from_pretrained(hf, local_files_only=True)
+    from safetensors.torch import load_file
+
+    ours = load_file(out / "step_000002" / "model.safetensors")
+    assert torch.equal(model.transformer.wte.weight.detach(), ours["emb.wte"])
+    tokens = torch.randint(0, 256, (1, 16))
+    assert torch.isfinite(model(tokens).logits).all()
