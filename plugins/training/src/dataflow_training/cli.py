@@ -20,6 +20,13 @@ from dataflow.units import format_size
 MAX_SEQ_LEN_FIELDS = ("max_seq_len", "n_positions", "max_position_embeddings")
 
 
+def budget_option(help_text: str):
+    """``--budget SIZE`` into ``budget_bytes`` (None when not given)."""
+    return click.option(
+        "--budget", "budget_bytes", type=BUDGET, default=None, metavar="SIZE", help=help_text
+    )
+
+
 @click.command("verify")
 @click.option("--family", "family_name", required=True, help="an installed model family")
 @click.option("--preset", required=True, help="one of the family's presets")
@@ -33,14 +40,7 @@ MAX_SEQ_LEN_FIELDS = ("max_seq_len", "n_positions", "max_position_embeddings")
 )
 @click.option("--batch", default=2, show_default=True, type=COUNT)
 @click.option("--seq-len", default=16, show_default=True, type=COUNT)
-@click.option(
-    "--budget",
-    "budget_bytes",
-    type=BUDGET,
-    default=None,
-    metavar="SIZE",
-    help="fast-memory budget for the step runs (e.g. 2GiB; default: unbounded)",
-)
+@budget_option("fast-memory budget for the step runs (e.g. 2GiB; default: unbounded)")
 @click.option("--seed", default=0, show_default=True)
 def verify_command(
     family_name, preset, device, policy, steps, rounds, batch, seq_len, budget_bytes, seed

@@ -17,6 +17,11 @@ def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
         raise ValueError(f"{attribute.name} must be >= 1, got {value}")
 
 
+def _clip(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"clip must be > 0 (or None for no clipping), got {value}")
+
+
 @attrs.frozen
 class DtypePolicy:
     """Storage dtypes: ``param`` for weights (and the compute of their layer), ``grad`` for
@@ -62,7 +67,13 @@ class OptimizerPolicy:
 class TrainConfig:
     """One training step: ``rounds`` micro-batches of ``batch`` x ``seq_len`` tokens whose
     gradients accumulate, then one optimizer update. ``chunk_tokens`` bounds the head's
-    logits to chunk_tokens x vocab at a time."""
+    logits to chunk_tokens x vocab at a time.
+
+    ``clip`` is the largest global gradient norm (over every trainable tensor) the update
+    sees: every gradient is scaled by ``min(1, clip / (norm + 1e-6))``, as
+    ``torch.nn.utils.clip_grad_norm_`` does; None turns clipping off. ``grad_norm`` asks
+    for the global norm to be measured even without clipping (a ``gnorm`` task per
+    parameter group; the driver reads it back for its logs)."""
 
     seq_len: int = attrs.field(validator=_positive)
     batch: int = attrs.field(default=1, validator=_positive)
@@ -70,6 +81,13 @@ class TrainConfig:
     dtype: DtypePolicy = attrs.field(factory=DtypePolicy)
     optimizer: OptimizerPolicy = attrs.field(factory=OptimizerPolicy)
     chunk_tokens: int = attrs.field(default=1024, validator=_positive)
+    clip: float | None = attrs.field(default=None, validator=_clip)
+    grad_norm: bool = False
+
+    @property
+    def measures_grad_norm(self) -> bool:
+        """Whether the lowered step has ``gnorm`` tasks."""
+        return self.grad_norm or self.clip is not None
 
     @property
     def tokens_per_round(self) -> int:

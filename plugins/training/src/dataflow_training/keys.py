@@ -1,7 +1,7 @@
 """Compute keys of lowered training steps: built and parsed here, nowhere else.
 
 A family task's key is ``<family>.<layer kind>.<phase>`` (``gpt2.block.backward``,
-``gpt2.head.loss``); an optimizer task's is ``optim.<optimizer>`` (``optim.adamw``).
+``gpt2.head.loss``); an optimizer task's is ``optim.<optimizer>`` (``optim.adamw``); a gradient-norm task's is ``grad.norm``.
 Phases: ``embed`` layers have ``forward`` and ``backward``; block kinds have ``forward``,
 ``recompute`` and ``backward``; the ``head`` has the fused ``loss``.
 """
@@ -14,6 +14,8 @@ EMBED_PHASES = ("forward", "backward")
 BLOCK_PHASES = ("forward", "recompute", "backward")
 HEAD_PHASES = ("loss",)
 OPTIMIZER_PREFIX = "optim"
+#: the key of a ``gnorm`` task (a parameter group's squared gradient norm, for clipping)
+GRAD_NORM_KEY = "grad.norm"
 
 
 class ComputeKeyError(KeyError):
@@ -25,20 +27,27 @@ class ComputeKeyError(KeyError):
 
 @attrs.frozen
 class ComputeKey:
-    """``family`` is ``None`` for an optimizer key, whose ``kind`` is the optimizer name."""
+    """``family`` is ``None`` for an optimizer key, whose ``kind`` is the optimizer name
+    (phase ``update``), and for the gradient-norm key (kind ``grad``, phase ``norm``)."""
 
     family: str | None
     kind: str
     phase: str
 
     def __str__(self) -> str:
+        if self.is_grad_norm:
+            return GRAD_NORM_KEY
         if self.family is None:
             return f"{OPTIMIZER_PREFIX}.{self.kind}"
         return f"{self.family}.{self.kind}.{self.phase}"
 
     @property
     def is_optimizer(self) -> bool:
-        return self.family is None
+        return self.family is None and self.phase == "update"
+
+    @property
+    def is_grad_norm(self) -> bool:
+        return self.family is None and (self.kind, self.phase) == ("grad", "norm")
 
 
 def family_key(family: str, kind: str, phase: str) -> str:
@@ -51,6 +60,8 @@ def optimizer_key(name: str) -> str:
 
 def parse(key: str) -> ComputeKey:
     """The parts of ``key``; a malformed key raises ``ComputeKeyError`` naming it."""
+    if key == GRAD_NORM_KEY:
+        return ComputeKey(None, "grad", "norm")
     parts = key.split(".")
     if len(parts) == 2 and parts[0] == OPTIMIZER_PREFIX and parts[1]:
         return ComputeKey(None, parts[1], "update")
@@ -61,6 +72,6 @@ def parse(key: str) -> ComputeKey:
             return ComputeKey(family, kind, phase)
     raise ComputeKeyError(
         f"compute key {key!r} is not a training key; expected <family>.embed.forward|backward, "
-        "<family>.head.loss, <family>.<block kind>.forward|recompute|backward or "
-        "optim.<optimizer>"
+        "<family>.head.loss, <family>.<block kind>.forward|recompute|backward, "
+        f"optim.<optimizer> or {GRAD_NORM_KEY}"
     )

@@ -8,6 +8,12 @@ Tasks, in chain order, for step ``s`` (ids ``{kind}_{s}_{round}_{layer}``):
     then:              one opt_s_{R-1}_<layer>[.<group>] per trainable parameter group,
                        head, blocks L-1 .. 0, emb
 
+When the step measures its gradient norm (``TrainConfig.clip`` or ``grad_norm``), a
+``gnorm_s_{R-1}_<layer>[.<group>]`` task follows the task that completes each group's
+last-round gradient and writes its squared norm ``gn_s_<layer>[.<group>]``; with
+``clip`` every optimizer task reads all of them (role ``grad_norm``) and scales its
+group's gradient in place (``dW`` becomes a mutate) by the one global clip factor.
+
 Everything that exists at the start (parameters, optimizer state, Aux, every round's
 tokens and targets) starts in slow memory; the planner's prologue fetches what the first
 tasks need. Objects (see ``dataflow_training.family`` for what each holds): ``W``/``dW``/``O`` per
@@ -38,7 +44,7 @@ from dataflow_training.family import (
     embed_layer,
     head_layer,
 )
-from dataflow_training.keys import family_key, optimizer_key
+from dataflow_training.keys import GRAD_NORM_KEY, family_key, optimizer_key
 from dataflow_training.layout import Layout
 from dataflow_training.optimizers import optimizer_spec
 from dataflow_training.step import ROLES, LayerInfo, PackedObject, StepLayout, TaskSlot
@@ -362,6 +368,7 @@ def lower(
         )
 
     last = train.rounds - 1
+    norms = _grad_norm_tasks(train, tasks, task, grads, packed, cost, step, objects)
     key = optimizer_key(train.optimizer.name)
     for layer in (head, *reversed(blocks), embed):
         for group in layer.groups:
@@ -377,18 +384,24 @@ def lower(
                 + packed[dw_id].layout.size_bytes
                 + 2 * packed[o_id].layout.size_bytes
             )
+            clipped = train.clip is not None  # the update scales dW in place
             task(
                 "opt",
                 last,
                 layer.name,
                 key,
                 cost.cost_us(0, moved),
-                inputs={"grad": (dw_id,)},
-                mutates={"w": (w_id,), "opt_state": (o_id,)},
+                inputs={"grad": () if clipped else (dw_id,), "grad_norm": norms if clipped else ()},
+                mutates={
+                    "w": (w_id,),
+                    "opt_state": (o_id,),
+                    "grad": (dw_id,) if clipped else (),
+                },
                 group=group.name,
             )
     finals = {p.id: "slow" for p in packed.values() if p.kind in ("W", "O", "Aux")}
     finals |= {f"loss_{step}_{r}": "slow" for r in range(train.rounds)}
+    finals |= {gn: "slow" for gn in norms}
     if keep_grads:
         finals |= {p.id: "slow" for p in packed.values() if p.kind == "dW"}
     step_layout = StepLayout(
@@ -413,6 +426,50 @@ def lower(
         metadata=step_layout.to_metadata(),
     )
     return Lowered(program, step_layout, layers)
+
+
+def _grad_norm_tasks(
+    train: TrainConfig,
+    tasks: list[Task],
+    task: Any,
+    grads: dict[str, tuple[str, ...]],
+    packed: dict[str, PackedObject],
+    cost: RooflineCost,
+    step: int,
+    objects: list[Obj],
+) -> tuple[str, ...]:
+    """With ``train.measures_grad_norm``: one ``gnorm`` task per trainable group, placed
+    right after the task that completes the group's last-round gradient, writing the
+    group's squared norm ``gn_<step>_<layer>[.<group>]`` (float32). Returns the ``gn`` ids
+    in layer order (every optimizer task sums them in that order), empty when the step
+    measures no norm."""
+    if not train.measures_grad_norm:
+        return ()
+    after: dict[int, list[Task]] = {}
+    norms = []
+    for layer, dws in grads.items():
+        for dw in dws:
+            done = max(i for i, t in enumerate(tasks) if dw in t.outputs or dw in t.mutates)
+            group = packed[dw].group
+            gn = group_object(f"gn_{step}", layer, group)
+            objects.append(Obj(gn, 4, Role.OUTPUT, tensor=TensorMeta("float32", ())))
+            task(
+                "gnorm",
+                train.rounds - 1,
+                layer,
+                GRAD_NORM_KEY,
+                cost.cost_us(2 * packed[dw].layout.size_bytes // 4, packed[dw].layout.size_bytes),
+                inputs={"grad": (dw,)},
+                outputs={"grad_norm": (gn,)},
+                group=group,
+            )
+            after.setdefault(done, []).append(tasks.pop())
+            norms.append(gn)
+    chain = list(tasks)
+    tasks.clear()
+    for i, t in enumerate(chain):
+        tasks += [t, *after.get(i, ())]
+    return tuple(norms)
 
 
 def _flat(roles: dict[str, tuple[str, ...]]) -> tuple[str, ...]:

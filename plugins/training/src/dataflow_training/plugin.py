@@ -1,4 +1,4 @@
-"""Entry-point module of dataflow-training: adds ``dataflow verify`` and the ``toy_moe``
+"""Entry-point module of dataflow-training: adds ``dataflow verify``, ``train``, ``lower``, ``export`` and the ``toy_moe``
 family (the protocol's worked MoE example); imports torch only when the family loads."""
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ from dataflow import hookimpl
 @hookimpl
 def dataflow_cli_commands() -> list:
     from dataflow_training.cli import verify_command
+    from dataflow_training.step_cli import export_command, lower_command
+    from dataflow_training.train_cli import train_command
 
-    return [verify_command]
+    return [verify_command, train_command, lower_command, export_command]
 
 
 def _toy_moe():

@@ -21,6 +21,8 @@ grad       ``dW`` objects a task creates (round 0) or accumulates into
 tied_grad  ``dW`` objects of the layer a tied head's gradient flows into
 opt_state  ``O`` objects an optimizer task updates
 loss       the round's loss
+grad_norm  ``gn_`` objects: a parameter group's squared gradient norm (float32), written
+           by its ``gnorm`` task, read by every optimizer task when clipping
 ========== ================================================================
 """
 
@@ -53,12 +55,13 @@ ROLES = (
     "tied_grad",
     "opt_state",
     "loss",
+    "grad_norm",
 )
 
 Roles = Mapping[str, tuple[str, ...]]
 
 #: task kinds in chain order within a round, then the step's optimizer tasks
-TASK_KINDS = ("embed", "fwd", "head", "rec", "bwd", "embbwd", "opt")
+TASK_KINDS = ("embed", "fwd", "head", "rec", "bwd", "embbwd", "gnorm", "opt")
 #: what a packed object holds
 PACKED_KINDS = ("W", "dW", "O", "A", "AuxTemp", "Aux")
 

@@ -97,6 +97,8 @@ class TrainingTasks:
             raise KeyError(f"task {task.id} ({task.compute_key}) is not in the step layout")
         if key.is_optimizer:
             return OptimizerStep(self, task, slot)
+        if key.is_grad_norm:
+            return GradNorm(self, task, slot)
         if key.family != self.family.name:
             raise KeyError(
                 f"compute key {task.compute_key!r} is not of family {self.family.name!r}"
@@ -310,7 +312,12 @@ class HeadLoss(_Exec):
 class OptimizerStep(_Exec):
     """One update of a parameter group, every tensor at once: one flat tensor for the
     entries with weight decay and one for those without, where the packed layouts line up
-    element for element (``dataflow_training.layout``), else lists of the entries."""
+    element for element (``dataflow_training.layout``), else lists of the entries.
+
+    From the run's values (``Engine.run(values=...)``): ``lr`` (default the policy's) and
+    ``update``, the optimizer's own 1-based step count (default the engine's step + 1; a
+    resumed run passes it so bias correction continues). With ``TrainConfig.clip`` the
+    group's gradient is first scaled in place by the global clip factor."""
 
     def __init__(self, tasks: TrainingTasks, task: Task, slot: TaskSlot) -> None:
         super().__init__(tasks, task, slot)
@@ -354,7 +361,9 @@ class OptimizerStep(_Exec):
         buffers = {o: self.buffer(ctx, o) for o in layouts}
         policy = self.tasks.train.optimizer
         as_dict = attrs.asdict(policy)
-        step = int(ctx.values.get("step", 0)) + 1
+        as_dict["lr"] = float(ctx.values.get("lr", policy.lr))
+        step = int(ctx.values.get("update", int(ctx.values.get("step", 0)) + 1))
+        scale = self.clip_factor(ctx)
         for names, decayed, flat in self.classes:
             if flat:
                 w = [layouts[self.w_obj].span(buffers[self.w_obj], names)]
@@ -370,6 +379,9 @@ class OptimizerStep(_Exec):
                 states = {
                     f: [views[self.o_obj][f"{n}/{f}"] for n in names] for f in spec.state_fields
                 }
+            if scale is not None:
+                for grad in g:
+                    grad.mul_(scale.to(grad.dtype))
             spec.update(
                 self.tasks.ops(ctx.device),
                 w,
@@ -379,3 +391,23 @@ class OptimizerStep(_Exec):
                 policy=as_dict,
                 weight_decay=policy.weight_decay if decayed else 0.0,
             )
+
+    def clip_factor(self, ctx: LaunchContext) -> torch.Tensor | None:
+        """``min(1, clip / (norm + 1e-6))`` of the global norm (the ``gn`` objects summed in
+        layer order, the same in every optimizer task), as ``clip_grad_norm_`` computes
+        it; a device scalar, so nothing waits for the host. None without clipping."""
+        clip = self.tasks.train.clip
+        if clip is None:
+            return None
+        norms = [self.buffer(ctx, gn) for gn in self.slot.objects("grad_norm")]
+        total = torch.stack([n.reshape(()) for n in norms]).sum().sqrt()
+        return (clip / (total + 1e-6)).clamp(max=1.0)
+
+
+class GradNorm(_Exec):
+    """A parameter group's squared gradient norm, in float32, into its ``gn`` object."""
+
+    def launch(self, ctx: LaunchContext) -> None:
+        views = self.named(ctx, "grad").values()
+        norms = [torch.linalg.vector_norm(v, dtype=torch.float32) for v in views]
+        self.one(ctx, "grad_norm").copy_(torch.stack(norms).square().sum())

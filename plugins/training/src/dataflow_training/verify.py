@@ -385,7 +385,9 @@ def _head_checks(family, config, layers, state, ops, device, dtype, tolerance, h
 
 
 # -- steps -------------------------------------------------------------------------------
-def step_config(policy: str, *, batch: int, seq_len: int, rounds: int) -> TrainConfig:
+def step_config(
+    policy: str, *, batch: int, seq_len: int, rounds: int, clip: float | None = None
+) -> TrainConfig:
     """The training step the step level lowers (``dataflow verify`` checks its budget)."""
     return TrainConfig(
         seq_len=seq_len,
@@ -394,6 +396,7 @@ def step_config(policy: str, *, batch: int, seq_len: int, rounds: int) -> TrainC
         dtype=DtypePolicy.named(policy),
         optimizer=OptimizerPolicy(lr=1e-3),
         chunk_tokens=max(1, batch * seq_len // 3),
+        clip=clip,
     )
 
 
@@ -411,16 +414,15 @@ def step_checks(
     seed: int,
     tolerance: float,
     resolver: str = "torch",
+    clip: float | None = None,
 ) -> list[Check]:
-    from dataflow.engine import Engine
-    from dataflow.planning import place, plan
-    from dataflow_training.lowering import lower
-    from dataflow_training.values import read_state, start_values
+    """The lowered step run by ``TrainingRun`` against the reference; with ``clip`` both
+    clip the global gradient norm (the reference through ``clip_grad_norm_``), and each
+    step's measured norm is checked too."""
+    from dataflow_training.run import TrainingRun
 
     config = family.config(preset)
-    train = step_config(policy, batch=batch, seq_len=seq_len, rounds=rounds)
-    program = lower(family, preset, train, keep_grads=True).program
-    planned = plan(program, budget_bytes or 2**62)
+    train = step_config(policy, batch=batch, seq_len=seq_len, rounds=rounds, clip=clip)
     torch.manual_seed(seed)
     reference = family.reference_model(config)
     param_dtype = getattr(torch, train.dtype.param)
@@ -437,29 +439,37 @@ def step_checks(
             torch.randint(0, vocab, (batch, seq_len), generator=g),
         )
 
-    losses, grads = [], {}
-    with Engine("torch", budget_bytes=planned.budget_bytes, device=device) as engine:
-        engine.load(
-            planned,
-            _resolver(planned.program, resolver),
-            initial=start_values(program, state, tokens),
-            placement=place(planned),
-        )
-        for _ in range(steps):
-            engine.run(
-                feed=lambda step: start_values(program, state, tokens, step=step, data_only=True)
-            )
-            losses += [engine.fetch(f"loss_0_{r}") for r in range(rounds)]
+    losses, grads, norms = [], {}, []
+    run = TrainingRun(
+        family,
+        preset,
+        train,
+        budget_bytes=budget_bytes,
+        device=device,
+        state=state,
+        resolver=resolver,
+        keep_grads=True,
+    )
+    with run:
+        for step in range(steps):
+            stats = run.step([tokens(step, r) for r in range(rounds)])
+            losses += [torch.tensor(loss) for loss in stats.losses]
+            norms.append(stats.grad_norm)
             if not grads:
-                grads = read_state(program, engine.fetch, "dW")
-        weights = read_state(program, engine.fetch, "W")
-    ref_losses, ref_grads, ref_weights = _reference_steps(
+                grads = run.grads()
+        weights = run.state()[0]
+    ref_losses, ref_grads, ref_weights, ref_norms = _reference_steps(
         family, config, state, train, steps, rounds, tokens
     )
     checks = [
         compare("step", f"loss step {i // rounds} round {i % rounds}", loss, ref, tolerance)
         for i, (loss, ref) in enumerate(zip(losses, ref_losses, strict=True))
     ]
+    if clip is not None:
+        checks += [
+            compare("step", f"grad norm step {i} (clip {clip:g})", torch.tensor(n), ref, tolerance)
+            for i, (n, ref) in enumerate(zip(norms, ref_norms, strict=True))
+        ]
     checks += [
         compare("step", f"grad {name} (step 0)", grads[name], ref_grads[name], tolerance)
         for name in sorted(ref_grads)
@@ -489,12 +499,6 @@ def step_checks(
     return checks
 
 
-def _resolver(program, name: str = "torch"):
-    from dataflow.plugins import resolvers
-
-    return resolvers().get(name).build(program)
-
-
 def _reference_steps(family, config, state, train, steps, rounds, tokens):
     model = family.reference_model(config).double()
     model.load_state_dict({k: v.double() for k, v in state.items()})
@@ -522,7 +526,7 @@ def _reference_steps(family, config, state, train, steps, rounds, tokens):
         eps=opt.eps,
     )
     multi_round = getattr(model, "steps_over_rounds", False)
-    losses, first_grads = [], {}
+    losses, first_grads, norms = [], {}, []
     for step in range(steps):
         optimizer.zero_grad()
         batches = [tokens(step, round_) for round_ in range(rounds)]
@@ -535,10 +539,12 @@ def _reference_steps(family, config, state, train, steps, rounds, tokens):
                 loss = model(x, t)
                 (loss / rounds).backward()
                 losses.append(loss.detach())
+        if train.clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(list(named.values()), train.clip))
         if step == 0:
             first_grads = {n: p.grad.detach().clone() for n, p in named.items()}
         optimizer.step()
-    return losses, first_grads, {n: p.detach() for n, p in named.items()}
+    return losses, first_grads, {n: p.detach() for n, p in named.items()}, norms
 
 
 # -- the ladder --------------------------------------------------------------------------

@@ -1,0 +1,301 @@
+"""``TrainingRun``: the one loop that drives the engine for training.
+
+    run = TrainingRun("gpt2", "gpt2_tiny", TrainConfig(seq_len=64, batch=8), budget_bytes=...)
+    stats = run.step([(tokens, targets)], lr=3e-4)     # one optimizer update
+    run.save("ckpt/step_000001"); run.restore("ckpt/step_000001")
+
+It lowers the step once, plans it into the budget, places it and loads the engine once
+(lazily, at the first step, because the engine takes the first step's data with the
+start values). Every later step feeds only the rounds' tokens and targets; weights and
+optimizer state stay where the plan leaves them between steps. The learning rate and
+the optimizer's step count go in through ``Engine.run(values=...)``: ``lr`` and
+``update`` (the number of updates so far + 1, so a restored run's bias correction
+continues where the saved one stopped).
+
+The model state is ``{"<layer>.<param>": tensor}`` (the reference model's ``state_dict``
+keys); the optimizer state is kept raw, as the packed ``O_*`` objects' bytes, because
+only this program's layout reads it. ``dataflow verify``, ``dataflow train`` and the
+fleet share this class.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from dataflow_training.config import TrainConfig
+from dataflow_training.family import Family, embed_layer, load_family
+from dataflow_training.lowering import Lowered, lower
+from dataflow_training.step import StepLayout
+from dataflow_training.values import read_state, start_values
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+#: the budget used when none is given: large enough never to bind
+UNBOUNDED_BYTES = 2**62
+
+
+@attrs.frozen
+class StepStats:
+    """What one ``TrainingRun.step`` did. ``step`` counts updates before this one (the
+    first step is 0); ``losses`` one per round; ``grad_norm`` the global gradient norm
+    before clipping (None when the step does not measure it); ``step_s`` the wall time of
+    the engine run and the read-back."""
+
+    step: int
+    losses: tuple[float, ...]
+    loss: float
+    lr: float
+    grad_norm: float | None
+    step_s: float
+    fast_peak_bytes: int
+    allocator_peak_bytes: int | None
+
+
+class TrainingRun:
+    """A family preset trained on the engine, one optimizer update per ``step``.
+
+    ``family`` is a registered family name or a family object; ``state`` the initial model
+    state (default: the family's reference model initialised under ``seed``);
+    ``budget_bytes`` the fast-memory budget (default: unbounded); ``resolver`` the
+    registered resolver that runs the tasks; ``planner`` a planner spec for ``plan``;
+    ``keep_grads`` keeps each step's weight gradients for ``grads()`` (checks only).
+    """
+
+    def __init__(
+        self,
+        family: str | Family,
+        preset: str,
+        train: TrainConfig,
+        *,
+        budget_bytes: int | None = None,
+        device: str = "cpu",
+        seed: int = 0,
+        overrides: Mapping[str, Any] | None = None,
+        state: Mapping[str, torch.Tensor] | None = None,
+        resolver: str = "torch",
+        planner: Any = None,
+        keep_grads: bool = False,
+    ) -> None:
+        from dataflow.planning import place, plan
+        from dataflow.plugins import resolvers
+
+        self.family = load_family(family) if isinstance(family, str) else family
+        self.preset, self.train, self.device, self.seed = preset, train, device, seed
+        self.overrides = dict(overrides or {})
+        self.config = self.family.config(preset, **self.overrides)
+        self.lowered: Lowered = lower(
+            self.family, preset, train, overrides=self.overrides, keep_grads=keep_grads
+        )
+        self.program = self.lowered.program
+        self.layout: StepLayout = self.lowered.layout
+        options = {} if planner is None else {"planner": planner}
+        self.planned = plan(self.program, budget_bytes or UNBOUNDED_BYTES, **options)
+        self.placement = place(self.planned)
+        self.resolver_name = resolver
+        self._resolver = resolvers().get(resolver).build(self.planned.program)
+        self.grad_norms = tuple(
+            o.id for o in self.program.objects if o.id.startswith("gn_") and o.role == "output"
+        )
+        self.vocab_size = embed_layer(self.lowered.layers).params[0].shape[0]
+        self.updates = 0  # optimizer updates done so far
+        if state is None:
+            torch.manual_seed(seed)
+            state = self.family.reference_model(self.config).state_dict()
+        dtype = getattr(torch, train.dtype.param)
+        self._weights: dict[str, torch.Tensor] | None = {
+            k: v.detach().to(dtype).clone() for k, v in state.items()
+        }
+        self._opt_state: dict[str, torch.Tensor] | None = None
+        self._engine: Any = None
+
+    # -- stepping ----------------------------------------------------------------------
+    def step(self, batches: Sequence[Batch], lr: float | None = None) -> StepStats:
+        """One optimizer update over ``batches``, one ``(tokens, targets)`` per
+        accumulation round, each int64 of shape (batch, seq_len). ``lr`` defaults to the
+        optimizer policy's."""
+        batches = self._checked(batches)
+        lr = self.train.optimizer.lr if lr is None else float(lr)
+        values = {"lr": lr, "update": self.updates + 1}
+        started = time.perf_counter()
+        if self._engine is None:
+            self._load(batches)
+            result = self._engine.run(values=values)
+        else:
+            result = self._engine.run(values=values, feed=lambda _step: self._data(batches))
+        losses = tuple(
+            float(self._engine.fetch(f"loss_{self.layout.step}_{r}"))
+            for r in range(self.train.rounds)
+        )
+        grad_norm = None
+        if self.grad_norms:
+            grad_norm = sum(float(self._engine.fetch(gn)) for gn in self.grad_norms) ** 0.5
+        step_s = time.perf_counter() - started
+        self.updates += 1
+        return StepStats(
+            self.updates - 1,
+            losses,
+            sum(losses) / len(losses),
+            lr,
+            grad_norm,
+            step_s,
+            result.fast_peak_bytes,
+            result.allocator_peak_bytes,
+        )
+
+    def _checked(self, batches: Sequence[Batch]) -> list[Batch]:
+        if len(batches) != self.train.rounds:
+            raise ValueError(
+                f"step got {len(batches)} batch(es); the step has {self.train.rounds} "
+                "accumulation round(s), one (tokens, targets) each"
+            )
+        shape = (self.train.batch, self.train.seq_len)
+        out = []
+        for r, (tokens, targets) in enumerate(batches):
+            for name, t in (("tokens", tokens), ("targets", targets)):
+                if tuple(t.shape) != shape:
+                    raise ValueError(
+                        f"round {r} {name} have shape {tuple(t.shape)}; the step takes {shape} "
+                        "(batch, seq_len)"
+                    )
+            largest = int(tokens.max())
+            if largest >= self.vocab_size:
+                raise ValueError(
+                    f"round {r} tokens reach id {largest}; the model's vocabulary has "
+                    f"{self.vocab_size} ids"
+                )
+            out.append((tokens.to(torch.int64), targets.to(torch.int64)))
+        return out
+
+    def _data(self, batches: list[Batch]) -> dict[str, torch.Tensor]:
+        return start_values(self.program, {}, lambda _step, round_: batches[round_], data_only=True)
+
+    def _load(self, batches: list[Batch]) -> None:
+        from dataflow.engine import Engine
+
+        initial = start_values(self.program, self._weights, lambda _step, r: batches[r])
+        for obj_id, raw in (self._opt_state or {}).items():
+            if obj_id not in initial or initial[obj_id].shape != raw.shape:
+                raise ValueError(
+                    f"optimizer state {obj_id!r} does not fit this step's layout "
+                    f"({tuple(raw.shape)} bytes given)"
+                )
+            initial[obj_id] = raw.clone()
+        engine = Engine("torch", budget_bytes=self.planned.budget_bytes, device=self.device)
+        engine.load(self.planned, self._resolver, initial=initial, placement=self.placement)
+        self._engine = engine
+        self._weights = self._opt_state = None
+
+    # -- state -------------------------------------------------------------------------
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``(model state, optimizer state)``: ``{"<layer>.<param>": tensor}`` and the raw
+        bytes of every ``O_*`` object (zeros before the first update), on the CPU."""
+        if self._engine is None:
+            weights = {k: v.clone() for k, v in self._weights.items()}
+            if self._opt_state is not None:
+                return weights, {k: v.clone() for k, v in self._opt_state.items()}
+            opt = {
+                p.id: torch.zeros(p.layout.size_bytes, dtype=torch.uint8)
+                for p in self.layout.of_kind("O")
+            }
+            return weights, opt
+        fetch = self._engine.fetch
+        weights = {k: v.cpu() for k, v in read_state(self.program, fetch, "W").items()}
+        opt = {p.id: fetch(p.id).detach().cpu().clone() for p in self.layout.of_kind("O")}
+        return weights, opt
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """The last step's weight gradients (as the update saw them: clipped when the
+        step clips), ``{"<layer>.<param>": tensor}``; needs ``keep_grads``."""
+        if self._engine is None or not self.layout.of_kind("dW"):
+            raise RuntimeError("grads() needs a step run with keep_grads=True")
+        if not any(p.id in self.program.final_locations for p in self.layout.of_kind("dW")):
+            raise RuntimeError("grads() needs TrainingRun(..., keep_grads=True)")
+        return {k: v.cpu() for k, v in read_state(self.program, self._engine.fetch, "dW").items()}
+
+    def set_state(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        opt_state: Mapping[str, torch.Tensor] | None,
+        updates: int,
+    ) -> None:
+        """Continue from a given state: the engine is loaded afresh at the next step."""
+        self.close()
+        dtype = getattr(torch, self.train.dtype.param)
+        self._weights = {k: v.to(dtype).clone() for k, v in weights.items()}
+        self._opt_state = None if opt_state is None else dict(opt_state)
+        self.updates = updates
+
+    def save(self, path: str | Path, extra: Mapping[str, Any] | None = None) -> Path:
+        """Write a complete checkpoint to ``path`` (atomically; see
+        ``dataflow_training.checkpoint``); ``extra`` goes into its manifest."""
+        from dataflow_training.checkpoint import write_checkpoint
+
+        weights, opt = self.state()
+        return write_checkpoint(path, weights, opt, self.manifest(extra))
+
+    def restore(self, path: str | Path) -> dict[str, Any]:
+        """Continue from the checkpoint at ``path``; returns its manifest. A checkpoint of
+        another family, preset, overrides or training step is an error naming the field."""
+        from dataflow_training.checkpoint import read_checkpoint, set_rng_state
+
+        weights, opt, manifest, rng = read_checkpoint(path)
+        mine = self.manifest()
+        for field in ("family", "preset", "overrides", "train"):
+            if manifest.get(field) != mine[field]:
+                raise ValueError(
+                    f"checkpoint {path}: {field} is {manifest.get(field)!r}; this run's is "
+                    f"{mine[field]!r}"
+                )
+        self.set_state(weights, opt, int(manifest["step"]))
+        set_rng_state(rng)
+        return manifest
+
+    def manifest(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """What a checkpoint of this run records about it (``checkpoint.MANIFEST_FIELDS``)."""
+        from dataflow_training.checkpoint import package_versions, plan_hash, train_dict
+
+        return {
+            "step": self.updates,
+            "family": self.family.name,
+            "preset": self.preset,
+            "overrides": self.overrides,
+            "train": train_dict(self.train),
+            "seed": self.seed,
+            "device": self.device,
+            "budget_bytes": self.planned.budget_bytes,
+            "plan_hash": plan_hash(self.planned.program),
+            "versions": package_versions(),
+            **dict(extra or {}),
+        }
+
+    # -- what the plan says ------------------------------------------------------------
+    def predicted(self) -> dict[str, float]:
+        """The simulator's figures for one step of the placed plan."""
+        sim = self.placement.plan.sim if hasattr(self.placement, "plan") else self.planned.sim
+        step_s = sim.makespan_us / 1e6
+        tokens = self.train.tokens_per_round * self.train.rounds
+        return {
+            "step_s": step_s,
+            "tok_s": tokens / step_s if step_s > 0 else float("inf"),
+            "fast_peak_bytes": sim.fast_peak_bytes,
+            "slow_peak_bytes": sim.slow_peak_bytes,
+            "moved_bytes": sim.h2d.bytes + sim.d2h.bytes,
+        }
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._weights, self._opt_state = self.state()
+            self._engine.close()
+            self._engine = None
+
+    def __enter__(self) -> TrainingRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

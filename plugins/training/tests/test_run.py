@@ -1,0 +1,92 @@
+"""TrainingRun: the driver against the reference model, clipping against
+``torch.nn.utils.clip_grad_norm_``, the state read back, save and restore."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dataflow_training.config import OptimizerPolicy, TrainConfig
+from dataflow_training.verify import TOLERANCES, step_checks
+
+pytest.importorskip("dataflow_family_gpt2")
+
+FP32 = TOLERANCES["fp32"]["step"]
+
+
+def _family():
+    from dataflow_training.family import load_family
+
+    return load_family("gpt2")
+
+
+@pytest.mark.parametrize("clip", [0.05, 100.0])
+def test_clipped_steps_match_clip_grad_norm(clip):
+    """A clip that binds (0.05 is far below gpt2_tiny's norm) and one that does not: the
+    losses, the measured norm, the clipped step-0 gradients and the weights after three
+    steps all match the float64 reference that calls clip_grad_norm_ before AdamW."""
+    checks = step_checks(
+        _family(),
+        "gpt2_tiny",
+        device="cpu",
+        policy="fp32",
+        steps=3,
+        rounds=2,
+        batch=2,
+        seq_len=8,
+        budget_bytes=None,
+        seed=0,
+        tolerance=FP32,
+        clip=clip,
+    )
+    norms = [c for c in checks if c.name.startswith("grad norm")]
+    assert len(norms) == 3
+    failed = [c for c in checks if not c.ok]
+    assert not failed, failed[:3]
+
+
+def test_binding_clip_changes_the_update():
+    """Clipping at 0.05 must move the weights differently from no clipping (the check
+    above could pass with clipping silently off only if this fails)."""
+    from dataflow_training.run import TrainingRun
+
+    batches = [(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))]
+    out = {}
+    for clip in (None, 0.05):
+        train = TrainConfig(seq_len=8, batch=2, clip=clip, grad_norm=True)
+        with TrainingRun("gpt2", "gpt2_tiny", train, seed=0) as run:
+            stats = run.step(batches)
+            run.step(batches)
+            out[clip] = (stats.grad_norm, run.state()[0]["emb.wte"])
+    assert out[None][0] == pytest.approx(out[0.05][0], rel=1e-6)  # the norm before clipping
+    assert out[None][0] > 0.05
+    assert not torch.allclose(out[None][1], out[0.05][1])
+
+
+def test_lr_per_step_reaches_the_update():
+    """lr=0 leaves the weights as they were; the policy's default lr moves them."""
+    from dataflow_training.run import TrainingRun
+
+    train = TrainConfig(seq_len=8, batch=2, optimizer=OptimizerPolicy(lr=1e-2))
+    batches = [(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))]
+    with TrainingRun("gpt2", "gpt2_tiny", train, seed=0) as run:
+        before = run.state()[0]
+        run.step(batches, lr=0.0)
+        same = run.state()[0]
+        run.step(batches)
+        after = run.state()[0]
+    assert all(torch.equal(before[k], same[k]) for k in before)
+    assert not torch.equal(before["emb.wte"], after["emb.wte"])
+
+
+def test_bad_batches_name_what_is_wrong():
+    from dataflow_training.run import TrainingRun
+
+    train = TrainConfig(seq_len=8, batch=2, rounds=2)
+    run = TrainingRun("gpt2", "gpt2_tiny", train, seed=0)
+    good = (torch.zeros(2, 8, dtype=torch.int64), torch.zeros(2, 8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="2 accumulation round"):
+        run.step([good])
+    with pytest.raises(ValueError, match=r"round 1 tokens have shape \(2, 9\)"):
+        run.step([good, (torch.zeros(2, 9, dtype=torch.int64), good[1])])
+    with pytest.raises(ValueError, match="reach id 300"):
+        run.step([good, (torch.full((2, 8), 300), good[1])])

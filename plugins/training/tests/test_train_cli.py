@@ -1,0 +1,248 @@
+"""``dataflow train`` end to end on gpt2_tiny, on the CPU, with a small byte feed that
+follows the feed protocol (docs: the feed protocol), installed as a fake distribution so
+that subprocesses see it too: a run, a SIGKILL inside a checkpoint write and its
+``--resume auto``, and the one-line failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dataflow.testing.cli import assert_one_line_error, invoke
+
+pytest.importorskip("dataflow_family_gpt2")
+
+#: a feed over a file's bytes: windows of batch x (seq_len + 1) from a position that a
+#: seeded permutation of window starts fixes; its state is the window index
+FEED = """
+import hashlib, os
+import torch
+from dataflow import hookimpl
+from dataflow.registry import FeedSpec
+
+
+class ByteFeed:
+    vocab_size = 256
+
+    def __init__(self, location, batch, seq_len, seed, rank=0, world=1):
+        if not os.path.isfile(location):
+            raise ValueError(f"testbytes:{location}: no such file")
+        data = open(location, "rb").read()
+        self.data = torch.tensor(list(data), dtype=torch.int64)
+        self.hash = hashlib.sha256(data).hexdigest()
+        self.batch, self.seq_len, self.seed = batch, seq_len, seed
+        self.windows = (len(data) - 1) // (seq_len + 1)
+        self.index, self.epoch = 0, 0
+
+    def _order(self):
+        g = torch.Generator().manual_seed(self.seed * 1000 + self.epoch)
+        return torch.randperm(self.windows, generator=g)
+
+    def next(self):
+        rows = []
+        for _ in range(self.batch):
+            if self.index == self.windows:
+                self.index, self.epoch = 0, self.epoch + 1
+            start = int(self._order()[self.index]) * (self.seq_len + 1)
+            rows.append(self.data[start : start + self.seq_len + 1])
+            self.index += 1
+        rows = torch.stack(rows)
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def state(self):
+        return {"index": self.index, "epoch": self.epoch, "hash": self.hash}
+
+    def restore(self, state):
+        if state["hash"] != self.hash:
+            raise ValueError("testbytes: the state is of another file")
+        self.index, self.epoch = state["index"], state["epoch"]
+
+    def describe(self):
+        return f"testbytes, {len(self.data)} bytes"
+
+
+@hookimpl
+def dataflow_feeds():
+    return [FeedSpec("testbytes", ByteFeed, "bytes of one file (tests)")]
+"""
+
+
+@pytest.fixture
+def site(fake_distribution) -> Path:
+    """The folder the fake feed distribution is installed in (on sys.path here; put on
+    PYTHONPATH for subprocesses)."""
+    dist_info = fake_distribution(
+        "dataflow-feed-testbytes",
+        entry_points={"testbytes": "dataflow_feed_testbytes"},
+        modules={"dataflow_feed_testbytes": FEED},
+    )
+    from dataflow import plugins
+
+    plugins.set_default_plugin_manager(None)  # one built before this test never saw the feed
+    return dist_info.parent
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    path = tmp_path / "corpus.txt"
+    source = Path(json.__file__).parent / "decoder.py"
+    path.write_bytes(source.read_bytes() * 4)
+    return path
+
+
+def _args(corpus: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        "train",
+        "--preset",
+        "gpt2_tiny",
+        "--steps",
+        str(steps),
+        "--data",
+        f"testbytes:{corpus}",
+        "--batch",
+        "4",
+        "--seq-len",
+        "32",
+        "--device",
+        "cpu",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "3",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def _losses(out: Path) -> list[tuple[int, float]]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [(m["step"], m["loss"]) for m in map(json.loads, lines)]
+
+
+def _subprocess(site: Path, args: list[str], env: dict[str, str] | None = None):
+    full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *sys.path]), **(env or {})}
+    return subprocess.Popen(
+        [str(Path(sys.executable).parent / "dataflow"), *args],
+        env=full,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_train_30_steps_loss_falls(site, corpus, tmp_path):
+    out = tmp_path / "run"
+    result = invoke(*_args(corpus, out, 30, "--checkpoint-every", "10", "--keep", "2"))
+    assert result.exit_code == 0, result.output
+    assert "plan: gpt2-gpt2_tiny-train on cpu: predicted" in result.output
+    assert "tok/s" in result.output
+    losses = _losses(out)
+    assert [s for s, _ in losses] == list(range(1, 31))
+    first, last = sum(x for _, x in losses[:5]) / 5, sum(x for _, x in losses[-5:]) / 5
+    assert last < first - 0.5, (first, last)  # bytes start near ln 256 = 5.5
+    metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert set(metrics) == {
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tok_s",
+        "step_s",
+        "predicted_step_s",
+        "fast_peak_bytes",
+        "allocator_peak_bytes",
+    }
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("step_")) == [
+        "step_000020",
+        "step_000030",
+    ]
+    manifest = json.loads((out / "step_000030" / "manifest.json").read_text())
+    assert manifest["step"] == 30 and manifest["feed"]["hash"]
+    assert len(manifest["history"]) == 30 and manifest["history"][-1] == list(losses[-1])
+    assert manifest["train"]["clip"] == 1.0 and manifest["family"] == "gpt2"
+
+
+def test_sigkill_inside_a_checkpoint_write_then_resume_auto(site, corpus, tmp_path):
+    """The kill lands while step 8's checkpoint is being written (the test hook sleeps
+    there); --resume auto continues from step 4, ignoring the partial folder, and the
+    losses equal an uninterrupted run's, step for step."""
+    straight = tmp_path / "straight"
+    assert invoke(*_args(corpus, straight, 12)).exit_code == 0
+    out = tmp_path / "killed"
+    args = _args(corpus, out, 12, "--checkpoint-every", "4")
+    proc = _subprocess(site, args, {"DATAFLOW_CHECKPOINT_SLOW_WRITE": "8:60"})
+    deadline = time.monotonic() + 60
+    while not list(out.glob(".tmp-step_000008-*/manifest.json")):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run never reached step 8's checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert (out / "step_000004").is_dir() and not (out / "step_000008").exists()
+    resumed = _subprocess(site, [*args, "--resume", "auto"])
+    stdout, stderr = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, stderr
+    assert "resumed from" in stdout and "step_000004 (step 4)" in stdout
+    assert _losses(out) == _losses(straight)
+    assert (out / "step_000012").is_dir()
+
+
+def test_corrupt_checkpoint_is_one_line(site, corpus, tmp_path):
+    out = tmp_path / "run"
+    assert invoke(*_args(corpus, out, 2)).exit_code == 0
+    shard = out / "step_000002" / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+    result = invoke(*_args(corpus, out, 4, "--resume", "auto"))
+    assert_one_line_error(result, 1, "model.safetensors")
+    assert "corrupt" in result.output
+
+
+def test_missing_data_path_is_one_line(site, tmp_path):
+    result = invoke(*_args(tmp_path / "nowhere.txt", tmp_path / "run", 2))
+    assert_one_line_error(result, 1, "nowhere.txt")
+
+
+def test_infeasible_budget_names_the_budget_that_fits(site, corpus, tmp_path):
+    result = invoke(*_args(corpus, tmp_path / "run", 2, "--budget", "64KiB"))
+    assert_one_line_error(result, 1, "--budget")
+    assert "smallest budget that works is" in result.output
+
+
+def test_lower_writes_a_program_plan_reads(tmp_path):
+    path = tmp_path / "step.json"
+    result = invoke("lower", "--preset", "gpt2_tiny", "--batch", "2", "--seq-len", "16", "-o", path)
+    assert result.exit_code == 0, result.output
+    from dataflow.schema import Program
+
+    program = Program.from_json(path)
+    assert program.name == "gpt2-gpt2_tiny-train"
+    assert any(t.id.startswith("opt_0_0_") for t in program.tasks)
+    planned = invoke("plan", path, "--budget", "64MiB", "-o", tmp_path / "planned.json")
+    assert planned.exit_code == 0, planned.output
+
+
+def test_export_hf_loads_in_transformers(site, corpus, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    out = tmp_path / "run"
+    assert invoke(*_args(corpus, out, 2)).exit_code == 0
+    hf = tmp_path / "hf"
+    result = invoke("export", "--hf", hf, "--from", out / "step_000002")
+    assert result.exit_code == 0, result.output
+    model = transformers.GPT2LMHeadModel.from_pretrained(hf, local_files_only=True)
+    from safetensors.torch import load_file
+
+    ours = load_file(out / "step_000002" / "model.safetensors")
+    assert torch.equal(model.transformer.wte.weight.detach(), ours["emb.wte"])
+    tokens = torch.randint(0, 256, (1, 16))
+    assert torch.isfinite(model(tokens).logits).all()
