@@ -95,14 +95,18 @@ class TrainingRun:
         self.program = self.lowered.program
         self.layout: StepLayout = self.lowered.layout
         options = {} if planner is None else {"planner": planner}
-        self.planned = plan(self.program, budget_bytes or UNBOUNDED_BYTES, **options)
-        self.placement = place(self.planned)
+        self.vocab_size = embed_layer(self.lowered.layers).params[0].shape[0]
+        self.budget_bytes = budget_bytes or UNBOUNDED_BYTES
+        if device.startswith("cuda"):
+            self._plan_for_cuda(resolver, options)
+        else:
+            self.planned = plan(self.program, self.budget_bytes, **options)
+            self.placement = place(self.planned)
         self.resolver_name = resolver
         self._resolver = resolvers().get(resolver).build(self.planned.program)
         self.grad_norms = tuple(
             o.id for o in self.program.objects if o.id.startswith("gn_") and o.role == "output"
         )
-        self.vocab_size = embed_layer(self.lowered.layers).params[0].shape[0]
         self.updates = 0  # optimizer updates done so far
         if state is None:
             torch.manual_seed(seed)
@@ -115,6 +119,26 @@ class TrainingRun:
         self._engine: Any = None
 
     # -- stepping ----------------------------------------------------------------------
+    def _plan_for_cuda(self, resolver: str, options: dict[str, Any]) -> None:
+        """On CUDA the budget is the allocator's: every task is priced and its framework
+        temporaries measured by the profiling pass, the plan leaves the CUDA libraries'
+        own reserve and the largest task workspace free beside its arena, and the engine
+        checks the allocator's peak against the whole budget."""
+        from dataflow.engine.backends.torch_cuda import runtime_reserve_bytes
+        from dataflow.planning import place, plan
+        from dataflow.plugins import resolvers
+        from dataflow_training.profile import apply_profile, profile_program
+
+        def int_high(obj_id: str) -> int:
+            return self.vocab_size if obj_id.startswith(("x_", "t_")) else 1
+
+        measure = resolvers().get(resolver).build(self.program)
+        profiles = profile_program(self.program, measure, device=self.device, int_high=int_high)
+        self.program = apply_profile(self.program, profiles)
+        reserve = runtime_reserve_bytes(self.device)
+        self.planned = plan(self.program, self.budget_bytes - reserve, **options)
+        self.placement = place(self.planned, workspace_in_arena=False)
+
     def step(self, batches: Sequence[Batch], lr: float | None = None) -> StepStats:
         """One optimizer update over ``batches``, one ``(tokens, targets)`` per
         accumulation round, each int64 of shape (batch, seq_len). ``lr`` defaults to the
@@ -186,7 +210,7 @@ class TrainingRun:
                     f"({tuple(raw.shape)} bytes given)"
                 )
             initial[obj_id] = raw.clone()
-        engine = Engine("torch", budget_bytes=self.planned.budget_bytes, device=self.device)
+        engine = Engine("torch", budget_bytes=self.budget_bytes, device=self.device)
         engine.load(self.planned, self._resolver, initial=initial, placement=self.placement)
         self._engine = engine
         self._weights = self._opt_state = None
