@@ -225,11 +225,22 @@ def search(
         # Each rung as a plan at that budget would make it (the same candidates), so this
         # plan is never slower than the plan at any rung below it.
         for rung in sorted(set(below), reverse=True):
-            if rung < top and sweep(rung, rung):
+            if rung >= top:
+                continue
+            if best is not None and best.sim.makespan_us <= _rung_bound_us(chain, rung):
+                # A plan within ``rung`` is never faster than its bound, nor one within a
+                # smaller rung (the bounds only grow as the budget shrinks): done.
+                break
+            if sweep(rung, rung):
                 break
     unfit_task = unfit.failed_task if unfit is not None and best is None else None
     unfit_bytes = unfit.over_bytes if unfit is not None and best is None else 0
     return SearchResult(best, simulated, bound, unfit_task, unfit_bytes)
+
+
+def _rung_bound_us(chain: Chain, rung_bytes: int) -> float:
+    """The best lower bound at ``rung_bytes``, a hair under (float rounding)."""
+    return chain_lower_bound(chain, rung_bytes).best_us * (1 - 1e-9)
 
 
 def monotone_capacities(chain: Chain, rungs: int = MONOTONE_RUNGS) -> tuple[int, ...]:
