@@ -273,3 +273,60 @@ def test_a_candidate_the_simulator_rejects_is_swept_again_with_less_capacity(
     found = search(program, budget, portfolio=PORTFOLIO[:1])
     assert found.best is not None and found.simulated == 2
     assert found.best.capacity_bytes < budget  # repaired: planned with more room to spare
+
+
+def test_a_windows_first_sweep_keeps_a_huge_tied_embedding_resident() -> None:
+    """At the no-offload peak of a tied-embedding chain the plain sweep fetches the
+    embedding again after every use; delaying prefetch windows first keeps it resident,
+    every task still fits, and the plan is faster."""
+    from dataflow.planning.cuts import select_cuts
+    from dataflow.planning.intervals import build_gaps
+    from dataflow.planning.pressurefit import Strategy
+    from dataflow.testing.shapes import tied_embedding
+
+    program = tied_embedding(random.Random(1))
+    chain = build_chain(program)
+    gaps = build_gaps(chain)
+    budget = no_offload_peak_bytes(chain)
+    embedding = next(life.index for life in chain.objects if life.obj_id == "W_emb")
+
+    def embedding_cuts(strategy: Strategy) -> int:
+        selection = strategy.select(chain, gaps, budget, None)
+        assert selection.failed_task is None
+        return sum(1 for g, cut in enumerate(selection.cut) if cut and gaps.obj[g] == embedding)
+
+    plain = Strategy("farthest", "jit", queue=True)
+    first = Strategy("farthest", "jit", queue=True, windows_first=True)
+    assert embedding_cuts(plain) >= 1
+    assert embedding_cuts(first) == 0
+    everything = frozenset(range(len(chain.objects)))
+    pinned = select_cuts(chain, gaps, budget, queue=True, pinned=everything)
+    assert pinned.cut == first.select(chain, gaps, budget, None).cut
+    slow = search(program, budget, portfolio=[plain]).best
+    fast = search(program, budget, portfolio=[first]).best
+    assert slow is not None and fast is not None
+    assert fast.sim.makespan_us < slow.sim.makespan_us
+
+
+def test_rungs_whose_bound_the_plan_already_meets_are_not_swept() -> None:
+    """The monotone ladder stops at the first rung whose lower bound the best plan meets
+    (every smaller rung's bound is at least as large), and the plan is the same."""
+    from dataflow.planning import pressurefit
+    from dataflow.testing.shapes import training_linkbound
+
+    program = training_linkbound(random.Random(3))
+    chain = build_chain(program)
+    ladder = pressurefit.monotone_capacities(chain)
+    budget = ladder[-2]
+    found = search(program, budget, chain=chain, below=ladder)
+    original = pressurefit._rung_bound_us
+    try:
+        pressurefit._rung_bound_us = lambda chain, rung: float("-inf")
+        every = search(program, budget, chain=chain, below=ladder)
+    finally:
+        pressurefit._rung_bound_us = original
+    assert found.best is not None and every.best is not None
+    assert found.best.sim.makespan_us == every.best.sim.makespan_us
+    assert found.simulated <= every.simulated
+    bounds = [original(chain, rung) for rung in ladder]
+    assert bounds == sorted(bounds, reverse=True)  # the bounds only grow as budgets shrink

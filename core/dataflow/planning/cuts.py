@@ -72,6 +72,7 @@ def select_cuts(
     score: str = "farthest",
     slow_capacity_bytes: int | None = None,
     queue: bool = False,
+    pinned: frozenset[int] = frozenset(),
 ) -> CutSelection:
     """Sweep the chain and cut gaps until every task fits ``capacity_bytes``.
 
@@ -80,7 +81,10 @@ def select_cuts(
 
     With ``slow_capacity_bytes``, a dirty gap of an object that has no slow copy yet is cut
     only while the slow budget has room for it (slow space is never given back; objects
-    that start or end slow have theirs set aside first)."""
+    that start or end slow have theirs set aside first).
+
+    Gaps of ``pinned`` objects (indices) are cut only as a last resort, once nothing else
+    helps a task: a huge object kept resident can beat moving it again and again."""
     key_of = SCORES[score]
     n = chain.n_tasks
     start = chain.start_us
@@ -175,6 +179,7 @@ def select_cuts(
 
     dirty = [life.origin is Origin.FAST for life in objects]
     candidates: list[tuple[tuple[float, ...], int]] = []  # (negated key, gap)
+    reserve: list[tuple[tuple[float, ...], int]] = []  # the same, for pinned objects
     # Dirty gaps whose write-back would still be running: parked until it is done (they
     # cannot relieve a task before), and reachable meanwhile as a last resort.
     parked: list[tuple[tuple[float, ...], int]] = []
@@ -201,7 +206,7 @@ def select_cuts(
             o, size, b = g_obj[g], g_size[g], g_b[g]
             link = chain.h2d_us(size) + (chain.d2h_us(size) if dirty[o] else 0.0)
             key = key_of(size, start[b], start[b] - start[t], dirty[o], link)
-            heapq.heappush(candidates, (tuple(-k for k in key), g))
+            heapq.heappush(reserve if o in pinned else candidates, (tuple(-k for k in key), g))
         windows += window_diff[t]
         soft += soft_diff[t]
         for w in windows_from[t]:
@@ -212,7 +217,10 @@ def select_cuts(
         hard = base[t] + kept + windows
         if hard + soft <= capacity_bytes:
             continue
-        while hard + soft > capacity_bytes and (candidates or active_windows):
+        while hard + soft > capacity_bytes and (candidates or reserve or active_windows):
+            if not candidates and not active_windows:
+                # nothing unpinned left to cut, no window to delay: pinned gaps come next
+                candidates.append(heapq.heappop(reserve))
             if candidates:
                 entry = heapq.heappop(candidates)
                 g = entry[1]
