@@ -6,6 +6,7 @@ that subprocesses see it too: a run, a SIGKILL inside a checkpoint write and its
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -246,3 +247,44 @@ def test_export_hf_loads_in_transformers(site, corpus, tmp_path):
     assert torch.equal(model.transformer.wte.weight.detach(), ours["emb.wte"])
     tokens = torch.randint(0, 256, (1, 16))
     assert torch.isfinite(model(tokens).logits).all()
+
+
+def test_ctrl_c_writes_a_final_checkpoint_and_exits_130(site, corpus, tmp_path):
+    """SIGINT mid-run: the step in flight finishes, a checkpoint of it is written, the
+    process says so and exits 130 (no traceback), and --resume auto continues from there."""
+    out = tmp_path / "run"
+    args = _args(corpus, out, 400)
+    proc = _subprocess(site, args)
+    deadline = time.monotonic() + 60
+    while not (out / "metrics.jsonl").exists() or len(_losses(out)) < 3:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run never got going"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    done = _losses(out)[-1][0]
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert "Traceback" not in stderr and lines[-1] == "interrupted", stderr
+    assert lines[0].startswith(f"stopping after step {done}; wrote "), stderr
+    assert 3 <= done < 400 and (out / f"step_{done:06d}" / "manifest.json").exists()
+    resumed = invoke(*_args(corpus, out, done + 2), "--resume", "auto")
+    assert resumed.exit_code == 0, resumed.output
+    assert f"step_{done:06d} (step {done})" in resumed.output
+
+
+def test_a_loss_that_is_not_finite_stops_the_run_and_keeps_the_checkpoint(site, corpus, tmp_path):
+    """A learning rate that blows the weights up: the run stops with one line naming the
+    step and the kept checkpoint, which still loads."""
+    out = tmp_path / "run"
+    args = _args(corpus, out, 20, "--checkpoint-every", "1", "--clip", "0", "--warmup", "0")
+    lr = args.index("--lr") + 1
+    args[lr] = "1e12"
+    result = invoke(*args)
+    assert result.exit_code == 1, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert "not finite" in line and "is kept" in line, line
+    kept = sorted(p for p in out.iterdir() if p.name.startswith("step_"))
+    assert kept, "the first step's checkpoint is kept"
+    manifest = json.loads((kept[-1] / "manifest.json").read_text())
+    assert all(math.isfinite(loss) for _, loss in manifest["history"])
