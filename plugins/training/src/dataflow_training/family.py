@@ -68,10 +68,6 @@ class ParamGroup:
     params: tuple[TensorSpec, ...] = attrs.field(converter=tuple)
 
 
-def _groups(value: Any) -> tuple[ParamGroup, ...]:
-    return tuple(value)
-
-
 @attrs.frozen
 class LayerSpec:
     """One layer of the chain.
@@ -86,7 +82,7 @@ class LayerSpec:
 
     name: str
     kind: str
-    groups: tuple[ParamGroup, ...] = attrs.field(converter=_groups)
+    groups: tuple[ParamGroup, ...] = attrs.field(converter=tuple)
     aux: tuple[TensorSpec, ...] = attrs.field(default=(), converter=tuple)
     tied: Mapping[str, str] = attrs.field(factory=dict, converter=dict, hash=False)
 

@@ -66,12 +66,10 @@ class Layout:
             out.append((cursor, self.size_bytes))
         return out
 
-    def span(self, buffer: Any, names: Iterable[str]) -> Any:
-        """One flat typed view from the first of ``names`` to the end of the last (entries
-        of one dtype, consecutive in the layout), padding between them included; None when
-        they are not consecutive or not of one dtype."""
-        import torch
-
+    def span_range(self, names: Iterable[str]) -> tuple[int, int, str] | None:
+        """(start byte, end byte, dtype) from the first of ``names`` to the end of the last
+        (entries of one dtype, consecutive in the layout), padding between them included;
+        None when they are not consecutive or not of one dtype."""
         wanted = set(names)
         index = [i for i, e in enumerate(self.entries) if e.name in wanted]
         if not index or index != list(range(index[0], index[-1] + 1)):
@@ -79,8 +77,14 @@ class Layout:
         chosen = [self.entries[i] for i in index]
         if len({e.dtype for e in chosen}) != 1:
             return None
-        start, end = chosen[0].offset_bytes, chosen[-1].offset_bytes + chosen[-1].size_bytes
-        return buffer[start:end].view(getattr(torch, chosen[0].dtype))
+        end = chosen[-1].offset_bytes + chosen[-1].size_bytes
+        return chosen[0].offset_bytes, end, chosen[0].dtype
+
+    def span(self, buffer: Any, names: Iterable[str]) -> Any:
+        """One flat typed view over ``span_range(names)`` of ``buffer``; None where that
+        range is None."""
+        found = self.span_range(names)
+        return None if found is None else flat_view(buffer, *found)
 
     def entry(self, name: str) -> Entry:
         for e in self.entries:
@@ -112,3 +116,10 @@ class Layout:
             raw = buffer[e.offset_bytes : e.offset_bytes + e.size_bytes]
             out[e.name] = raw.view(getattr(torch, e.dtype)).view(e.shape)
         return out
+
+
+def flat_view(buffer: Any, start: int, end: int, dtype: str) -> Any:
+    """Bytes ``[start, end)`` of a flat uint8 ``buffer`` as one 1-D tensor of ``dtype``."""
+    import torch
+
+    return buffer[start:end].view(getattr(torch, dtype))

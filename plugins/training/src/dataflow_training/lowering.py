@@ -59,9 +59,14 @@ class Lowered:
     layers: tuple[LayerSpec, ...]
 
 
+def group_name(layer: str, group: str) -> str:
+    """``3`` for a layer's main group, ``3.experts`` for a named one."""
+    return f"{layer}.{group}" if group else layer
+
+
 def group_object(prefix: str, layer: str, group: str) -> str:
     """``W_3`` for a layer's main group, ``W_3.experts`` for a named one."""
-    return f"{prefix}_{layer}" + (f".{group}" if group else "")
+    return f"{prefix}_{group_name(layer, group)}"
 
 
 def _dtype(spec: TensorSpec, policy_dtype: str) -> str:
@@ -213,7 +218,7 @@ def lower(
         group = roles.pop("group", "")
         save = roles.pop("save", True)
         slot = TaskSlot(
-            f"{kind}_{step}_{r}_{group_object('', layer, group)[1:]}",
+            f"{kind}_{step}_{r}_{group_name(layer, group)}",
             kind,
             layer,
             r,

@@ -24,6 +24,7 @@ from dataflow.engine import LaunchContext
 from dataflow.schema import Program, Task
 from dataflow_training.family import Env, FamilyContractError, load_family
 from dataflow_training.keys import ComputeKeyError, parse
+from dataflow_training.layout import flat_view
 from dataflow_training.ops import load_ops
 from dataflow_training.optimizers import optimizer_spec
 from dataflow_training.step import StepLayout, TaskSlot
@@ -326,11 +327,24 @@ class OptimizerStep(_Exec):
         decay = set(packed[self.w_obj].decay)
         names = [e.name for e in packed[self.g_obj].layout.entries]
         fields = tasks.optimizer.state_fields
-        self.classes = []  # (names, weight decay on?, one flat span?)
+        self.layouts = {o: packed[o].layout for o in (self.w_obj, self.g_obj, self.o_obj)}
+        self.policy = attrs.asdict(tasks.train.optimizer)  # lr replaced per launch
+        # (names, weight decay on?, byte ranges of the flat spans or None for lists)
+        self.classes: list[tuple[list[str], bool, dict[str, tuple] | None]] = []
         for decayed in (True, False):
             chosen = [n for n in names if (n in decay) == decayed]
             if chosen:
-                self.classes.append((chosen, decayed, self._aligned(chosen, fields)))
+                self.classes.append((chosen, decayed, self._spans(chosen, fields)))
+
+    def _spans(self, names: list[str], fields: tuple[str, ...]) -> dict[str, tuple] | None:
+        """The byte ranges of one flat span over ``names`` in W and dW (by object) and in
+        each state field (by field), worked out once; None when they do not line up."""
+        if not self._aligned(names, fields):
+            return None
+        spans = {o: self.layouts[o].span_range(names) for o in (self.w_obj, self.g_obj)}
+        for f in fields:
+            spans[f] = self.layouts[self.o_obj].span_range([f"{n}/{f}" for n in names])
+        return None if None in spans.values() else spans
 
     def _aligned(self, names: list[str], fields: tuple[str, ...]) -> bool:
         """Whether the entries sit at the same element offsets in W, dW and each state."""
@@ -357,23 +371,16 @@ class OptimizerStep(_Exec):
 
     def launch(self, ctx: LaunchContext) -> None:
         spec = self.tasks.optimizer
-        layouts = {o: self.layout.packed[o].layout for o in (self.w_obj, self.g_obj, self.o_obj)}
-        buffers = {o: self.buffer(ctx, o) for o in layouts}
-        policy = self.tasks.train.optimizer
-        as_dict = attrs.asdict(policy)
-        as_dict["lr"] = float(ctx.values.get("lr", policy.lr))
+        buffers = {o: self.buffer(ctx, o) for o in (self.w_obj, self.g_obj, self.o_obj)}
+        policy = dict(self.policy, lr=float(ctx.values.get("lr", self.policy["lr"])))
         step = int(ctx.values.get("update", int(ctx.values.get("step", 0)) + 1))
         scale = self.clip_factor(ctx)
-        for names, decayed, flat in self.classes:
-            if flat:
-                w = [layouts[self.w_obj].span(buffers[self.w_obj], names)]
-                g = [layouts[self.g_obj].span(buffers[self.g_obj], names)]
-                states = {
-                    f: [layouts[self.o_obj].span(buffers[self.o_obj], [f"{n}/{f}" for n in names])]
-                    for f in spec.state_fields
-                }
+        for names, decayed, spans in self.classes:
+            if spans is not None:
+                w, g = ([flat_view(buffers[o], *spans[o])] for o in (self.w_obj, self.g_obj))
+                states = {f: [flat_view(buffers[self.o_obj], *spans[f])] for f in spec.state_fields}
             else:
-                views = {o: layouts[o].views(buffers[o]) for o in layouts}
+                views = {o: self.layouts[o].views(buffers[o]) for o in self.layouts}
                 w = [views[self.w_obj][n] for n in names]
                 g = [views[self.g_obj][n] for n in names]
                 states = {
@@ -388,8 +395,8 @@ class OptimizerStep(_Exec):
                 g,
                 states,
                 step=step,
-                policy=as_dict,
-                weight_decay=policy.weight_decay if decayed else 0.0,
+                policy=policy,
+                weight_decay=policy["weight_decay"] if decayed else 0.0,
             )
 
     def clip_factor(self, ctx: LaunchContext) -> torch.Tensor | None:
