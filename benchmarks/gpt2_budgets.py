@@ -53,22 +53,27 @@ def feed(program, state, vocab, batch, seq_len, step, data_only=False):
     return start_values(program, state, data, step=step, data_only=data_only)
 
 
-def priced_program(family, preset, train, resolver: str):
-    """The lowered step with every task's cost and workspace measured on this device."""
+def priced_program(family, preset, train, resolver: str, *, graph: bool):
+    """The lowered step with every task's cost and workspace measured on this device (as
+    replayed from a CUDA graph with ``graph``, else as dispatched)."""
     program = lower(family, preset, train).program
-    profiles = profile_program(program, resolvers().get(resolver).build(program), device="cuda")
+    profiles = profile_program(
+        program, resolvers().get(resolver).build(program), device="cuda", graph=graph
+    )
     return apply_profile(program, profiles)
 
 
-def run_engine(program, train, budget, steps, state, vocab, resolver: str) -> dict:
+def run_engine(
+    program, train, budget, steps, state, vocab, resolver: str, *, graph: bool, cyclic: bool
+) -> dict:
     reserve = runtime_reserve_bytes("cuda")
     began = time.perf_counter()
-    planned = plan(program, budget - reserve)
+    planned = plan(program, budget - reserve, cyclic=cyclic)
     # The family's kernels take their temporaries from the allocator: leave the largest
     # task workspace (measured by the profiling pass) free beside the arena.
     placement = place(planned, workspace_in_arena=False)
     planning_s = time.perf_counter() - began
-    with Engine("torch", budget_bytes=budget, device="cuda") as engine:
+    with Engine("torch", budget_bytes=budget, device="cuda", graph=graph) as engine:
         engine.load(
             planned,
             resolvers().get(resolver).build(planned.program),
@@ -82,9 +87,14 @@ def run_engine(program, train, budget, steps, state, vocab, resolver: str) -> di
             ),
         )
         losses = [engine.fetch(f"loss_0_{r}").item() for r in range(train.rounds)]
-    step_us = [trace.makespan_us for trace in result.steps[1:]]
+        note = engine.graph_note
+    step_us = [trace.makespan_us for trace in result.steps[2 if graph else 1 :]]
     return {
         "budget_bytes": budget,
+        "graph": graph,
+        "cyclic": cyclic,
+        "graph_note": note,
+        "replayed_steps": sum(trace.replayed for trace in result.steps),
         "runtime_reserve_bytes": reserve,
         "planned_at_bytes": planned.budget_bytes,
         "arena_bytes": placement.arena_bytes,
@@ -116,6 +126,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--resolver", default="torch", help="torch or torch-compiled")
+    parser.add_argument("--graph", choices=("on", "off", "both"), default="both")
+    parser.add_argument(
+        "--once", action="store_true", help="plan one step alone, not the steady-state cycle"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpt2_budgets.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -148,24 +162,39 @@ def main() -> int:
         "engine": [],
     }
     print(json.dumps(results["stock"]), flush=True)
-    program = priced_program(family, args.preset, train, args.resolver)
-    results["measured_task_ms"] = sum(task.cost_us for task in program.tasks) / 1e3
-    results["largest_workspace_bytes"] = max(task.workspace_bytes for task in program.tasks)
+    graphs = {"on": (True,), "off": (False,), "both": (False, True)}[args.graph]
+    programs = {
+        g: priced_program(family, args.preset, train, args.resolver, graph=g) for g in graphs
+    }
+    results["measured_task_ms"] = {
+        str(g): sum(task.cost_us for task in p.tasks) / 1e3 for g, p in programs.items()
+    }
+    results["largest_workspace_bytes"] = max(
+        task.workspace_bytes for p in programs.values() for task in p.tasks
+    )
     for text in args.budgets.split(","):
-        try:
-            row = run_engine(
-                program,
-                train,
-                parse_size(text),
-                args.steps,
-                state,
-                config.vocab_size,
-                args.resolver,
-            )
-        except Exception as exc:  # a budget that fails is a result too: say why
-            row = {"budget_bytes": parse_size(text), "error": f"{type(exc).__name__}: {exc}"}
-        results["engine"].append(row)
-        print(json.dumps(row), flush=True)
+        for graph in graphs:
+            program = programs[graph]
+            try:
+                row = run_engine(
+                    program,
+                    train,
+                    parse_size(text),
+                    args.steps,
+                    state,
+                    config.vocab_size,
+                    args.resolver,
+                    graph=graph,
+                    cyclic=not args.once,
+                )
+            except Exception as exc:  # a budget that fails is a result too: say why
+                row = {
+                    "budget_bytes": parse_size(text),
+                    "graph": graph,
+                    "error": f"{type(exc).__name__}: {exc}",
+                }
+            results["engine"].append(row)
+            print(json.dumps(row), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     stock = results["stock"]
@@ -177,7 +206,8 @@ def main() -> int:
             print(f"{format_size(row['budget_bytes'])}: {row['error']}")
             continue
         print(
-            f"{format_size(row['budget_bytes'])}: {row['step_ms_median']:.1f} ms/step "
+            f"{format_size(row['budget_bytes'])} graph={row['graph']}: "
+            f"{row['step_ms_median']:.1f} ms/step "
             f"(x{row['step_ms_median'] / stock['step_ms_median']:.2f} stock; predicted "
             f"{row['predicted_step_ms']:.1f}), allocator peak "
             f"{format_size(row['allocator_peak_bytes'])}, moved "

@@ -104,7 +104,11 @@ class EngineRunError(RuntimeError):
 
 @attrs.frozen
 class DispatchTrace:
-    """What one run did: spans, transfers, memory counters and peaks."""
+    """What one run did: spans, transfers, memory counters and peaks.
+
+    A step replayed from a CUDA graph (``replayed``) has its measured makespan but no
+    task or transfer spans (nothing is timed inside the graph); its memory counters and
+    peaks are those of the captured step, which every replay repeats."""
 
     tasks: tuple[TaskRecord, ...]
     transfers: tuple[TransferRecord, ...]
@@ -113,6 +117,7 @@ class DispatchTrace:
     fast_peak_bytes: int
     slow_peak_bytes: int
     makespan_us: float
+    replayed: bool = False
 
 
 class Dispatcher:

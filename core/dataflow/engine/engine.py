@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import attrs
+
 from dataflow.engine.contract import Resolver, resolve_all
 from dataflow.engine.dispatcher import Dispatcher, DispatchTrace, EngineRunError
 from dataflow.engine.ledger import Fast, Ledger, Slow
 from dataflow.engine.result import RunResult
 from dataflow.extras import require_torch
-from dataflow.schema import Program, validate
+from dataflow.schema import Location, Program, validate
 
 BACKENDS = ("virtual", "torch")
 
@@ -35,6 +37,14 @@ class Engine:
 
     ``backend`` is ``virtual`` (no data, virtual clock) or ``torch`` (with ``device``
     ``cpu`` or ``cuda``). ``budget_bytes`` is the fast-memory budget the run must stay in.
+
+    With ``graph`` (CUDA, a placed plan) the first step is dispatched as usual, the second
+    is captured into a CUDA graph, and it and every later step are replays of it
+    (``torch_graph``); when the step cannot be captured the engine goes on dispatching and
+    ``graph_note`` says why, in one line. ``device_values`` hands per-step numeric values
+    to executables as 0-d float32 device tensors; by default that is so on CUDA when every
+    executable declares ``capturable = True`` (such executables take values either way),
+    so a dispatched step and a replayed one compute with the same values, bit for bit.
     """
 
     def __init__(
@@ -44,6 +54,8 @@ class Engine:
         slow_budget_bytes: int | None = None,
         *,
         device: str = "cpu",
+        graph: bool = False,
+        device_values: bool | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown engine backend {backend!r}; known: {', '.join(BACKENDS)}")
@@ -58,6 +70,14 @@ class Engine:
         self._allocator_base = 0
         #: steps run since load; the next run's first step has this index
         self.steps_done = 0
+        self.graph_wanted = graph
+        self.device_values = device_values
+        #: why steps are not replayed from a CUDA graph (None while they are, or may be)
+        self.graph_note: str | None = None
+        self._graph: Any = None
+        self._graph_trace: DispatchTrace | None = None
+        self._values: Any = None
+        self._executables: list[Any] = []
 
     # -- load --------------------------------------------------------------------------
     def load(
@@ -95,6 +115,7 @@ class Engine:
         if resolver is None:
             raise EngineLoadError("the torch backend needs a resolver to run tasks")
         executables = resolve_all(program.tasks, resolver, resolver_name)
+        self._executables = executables
         self._allocator_base = _allocator_reset(self.device)
         self._backend = _torch_backend(program, executables, self.device, placement)
         self._put_initial(program, dict(initial or {}))
@@ -136,10 +157,17 @@ class Engine:
             step = self.steps_done
             if step:
                 self._carry_over(step, dict(feed(step)) if feed else {})
-            traces.append(self._run_step(dict(values or {}, step=step)))
+            step_values = dict(values or {}, step=step)
+            if self._graph is None and step and self._may_capture(step_values):
+                self._capture(self._device_values(step_values))
+            if self._graph is not None:
+                traces.append(self._replay(step_values))
+                launch_host_us.append(())
+            else:
+                traces.append(self._run_step(self._device_values(step_values)))
+                runner = getattr(self._backend, "runner", None)
+                launch_host_us.append(tuple(runner.launch_host_us) if runner is not None else ())
             self.steps_done += 1
-            runner = getattr(self._backend, "runner", None)
-            launch_host_us.append(tuple(runner.launch_host_us) if runner is not None else ())
         result = RunResult.from_traces(
             self.program,
             self.backend_name,
@@ -158,6 +186,115 @@ class Engine:
             )
         return result
 
+    # -- CUDA graphs -------------------------------------------------------------------
+    def _may_capture(self, values: Mapping[str, Any]) -> bool:
+        """Whether to capture this step; sets ``graph_note`` (once) when it will not."""
+        if not self.graph_wanted or self.graph_note is not None:
+            return False
+        from dataflow.engine.backends.torch_graph import DeviceValues, not_capturable
+
+        reason = None
+        if self.backend_name != "torch" or not self.device.startswith("cuda"):
+            reason = "CUDA graphs need the torch backend on a CUDA device"
+        elif self._backend.fast.arena is None:
+            reason = "CUDA graphs need a placed plan (Engine.load(..., placement=...))"
+        else:
+            reason = DeviceValues.unsupported(values) or not_capturable(
+                self.program, self._executables
+            )
+        if reason is not None:
+            self._graph_off(reason)
+            return False
+        return True
+
+    def _graph_off(self, reason: str) -> None:
+        import warnings
+
+        self.graph_note = f"steps are dispatched, not replayed from a CUDA graph: {reason}"
+        warnings.warn(f"dataflow engine: {self.graph_note}", RuntimeWarning, stacklevel=3)
+
+    def _device_values(self, values: dict[str, Any]) -> dict[str, Any]:
+        """``values`` as executables see them: device tensors with ``device_values``."""
+        if self.device_values is False or self.backend_name != "torch":
+            return values
+        if not self.device.startswith("cuda"):
+            return values
+        from dataflow.engine.backends.torch_graph import DeviceValues, not_capturable
+
+        if self.device_values is None and not_capturable(self.program, self._executables):
+            return values
+        if DeviceValues.unsupported(values) is not None:
+            return values
+        if self._values is None or (self._graph is None and set(self._values.names) != set(values)):
+            import torch
+
+            self._values = DeviceValues(sorted(values), torch.device(self.device))
+        return self._values.update(values, self._backend.runner.compute_stream)
+
+    def _capture(self, values: dict[str, Any]) -> None:
+        """Capture one step into a CUDA graph; nothing runs until it is replayed. On any
+        failure the engine goes on dispatching and says why (``graph_note``)."""
+        import torch
+
+        from dataflow.engine.backends.torch_graph import GraphCapture
+
+        backend = self._backend
+        runner = backend.runner
+        capture = GraphCapture(self.program, runner.streams)
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(self.device)
+        backup = backend.snapshot()
+        backend.runner = capture
+        try:
+            backend.start_run(values)
+            dispatcher = Dispatcher(
+                self.program, backend, self.budget_bytes, self.slow_budget_bytes
+            )
+            failure: Exception | None = None
+            with torch.cuda.graph(graph, stream=capture.compute_stream):
+                capture.fork()
+                try:
+                    trace = dispatcher.run()
+                except Exception as exc:  # end the capture cleanly, then report it
+                    failure = exc
+                capture.join()  # the copy streams rejoin; the capture ends where it began
+            if failure is not None:
+                raise failure
+        except Exception as exc:  # anything the capture refuses: dispatch instead
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:  # noqa: BLE001 - a broken capture may have left an error
+                pass
+            backend.restore(backup)
+            what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self._graph_off(f"capture failed: {what}")
+            return
+        finally:
+            backend.runner = runner
+            runner.forget_stream()
+        self._graph, self._graph_trace = graph, trace
+        self._ledger = dispatcher.ledger
+        self._graph_end = backend.snapshot()  # where a replayed step leaves every object
+
+    def _replay(self, values: dict[str, Any]) -> DispatchTrace:
+        """One step: the captured graph replayed, timed by events around it."""
+        import torch
+
+        runner = self._backend.runner
+        self._device_values(values)
+        stream = runner.compute_stream
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            self._graph.replay()
+            end.record(stream)
+        end.synchronize()
+        self._backend.restore(self._graph_end)
+        trace = self._graph_trace
+        return attrs.evolve(
+            trace, tasks=(), transfers=(), makespan_us=start.elapsed_time(end) * 1e3, replayed=True
+        )
+
     def _run_step(self, values: dict[str, Any]) -> DispatchTrace:
         backend = self._backend
         if hasattr(backend, "start_run"):
@@ -167,19 +304,33 @@ class Engine:
         return dispatcher.run()
 
     def _carry_over(self, step: int, fed: Mapping[str, Any]) -> None:
+        """Put every object that exists at start where it starts, for step ``step``.
+
+        A fed value is written to its start location. Any other value stays where the last
+        step left it when that is where it starts (a persistent object homed fast, still
+        resident at the same address; one homed slow, its slow copy current): nothing
+        moves. Otherwise it is copied to its start location."""
         if self.backend_name == "virtual":
             self._backend.clock_us = 0.0
             return
-        backend, program = self._backend, self.program
-        values = {}
+        backend, program, ledger = self._backend, self.program, self._ledger
+        kept: list[str] = []
+        moved: dict[str, Any] = {}
         for obj in program.objects:
             if not program.exists_at_start(obj.id):
                 continue
             if obj.id in fed:
-                values[obj.id] = fed[obj.id]
+                moved[obj.id] = fed[obj.id]
                 continue
-            value = self._current_value(obj.id)
-            if value is None:
+            resident = ledger is not None and ledger.fast[obj.id] is Fast.RESIDENT
+            current = ledger is not None and ledger.slow[obj.id] is Slow.CURRENT
+            if obj.location is Location.FAST and resident and backend.at_start_address(obj.id):
+                kept.append(obj.id)
+            elif obj.location is Location.SLOW and current:
+                continue  # already in its slow slice
+            elif resident or current:
+                moved[obj.id] = self._current_value(obj.id).clone()
+            else:
                 raise EngineRunError(
                     "error",
                     f"step {step}: object {obj.id!r} exists at start but step "
@@ -189,9 +340,8 @@ class Engine:
                     fast_used_bytes=-1,
                     resident=(),
                 )
-            values[obj.id] = value.clone()
-        backend.reset_fast()
-        for obj_id, value in values.items():
+        backend.reset_fast(keep=kept)
+        for obj_id, value in moved.items():
             backend.put_initial(obj_id, value)
 
     def close(self) -> None:

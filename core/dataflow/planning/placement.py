@@ -18,6 +18,12 @@ can be reused by a reservation that comes after it, even at the same instant.
 
 If the arena comes out larger than the budget (fragmentation), ``place`` re-plans at the
 plan's live peak less the excess, and packs again, a bounded number of times.
+
+In a cyclic plan a persistent object homed in fast memory is resident at the end of an
+iteration and at the start of the next: its last block (to the end) and its first block
+(from time 0) are one residency across the boundary, so they are packed as one unit and
+share an offset; the next iteration finds the object where the last one left it, and the
+engine moves nothing between steps.
 """
 
 from __future__ import annotations
@@ -163,7 +169,7 @@ def _pack_or_replan(
         intervals = residency_blocks(current)
         if outside:
             intervals = [block for block in intervals if block.obj_id is not None]
-        blocks, arena = _pack_within(intervals, limit)
+        blocks, arena = _pack_within(intervals, limit, wrap_pairs(current, intervals))
         if arena <= limit:
             placement = Placement(
                 current, budget, arena, live_peak_bytes(intervals), blocks, outside
@@ -237,9 +243,40 @@ def placed_within(
     return placement is not None
 
 
-def _pack_within(intervals: list[Block], budget_bytes: int) -> tuple[tuple[Block, ...], int]:
+def wrap_pairs(planned: Plan, blocks: list[Block]) -> dict[int, int]:
+    """For a cyclic plan: each fast-homed persistent object's last block index -> its first
+    block index, where they are two blocks (the object is dropped and fetched again within
+    the iteration); they must share an offset (module doc). Empty for other plans."""
+    program = planned.program
+    if not planned.cyclic:
+        return {}
+    homed = {
+        obj
+        for obj in program.persistent
+        if program.objects_by_id[obj].location is Location.FAST
+        and program.final_locations.get(obj) is Location.FAST
+    }
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, block in enumerate(blocks):
+        if block.obj_id in homed:
+            first.setdefault(block.obj_id, i)
+            last[block.obj_id] = i
+    return {
+        last[obj]: first[obj]
+        for obj in first
+        if last[obj] != first[obj]
+        and blocks[first[obj]].start == _AT_START
+        and blocks[last[obj]].end[1] == _END_PASS
+    }
+
+
+def _pack_within(
+    intervals: list[Block], budget_bytes: int, pairs: dict[int, int] | None = None
+) -> tuple[tuple[Block, ...], int]:
     """The first packing whose arena fits ``budget_bytes`` (the fixed orders, then up to
-    ``RESTARTS`` seeded restarts for up to ``RESTART_BLOCKS`` blocks), else the smallest."""
+    ``RESTARTS`` seeded restarts for up to ``RESTART_BLOCKS`` blocks), else the smallest.
+    ``pairs`` maps a block to the one it must share an offset with (``wrap_pairs``)."""
     if not intervals:
         return (), 0
     best: tuple[list[int], int] | None = None
@@ -247,9 +284,12 @@ def _pack_within(intervals: list[Block], budget_bytes: int) -> tuple[tuple[Block
     attempts = [(order, None) for order in ORDERS] + [("size", k) for k in range(restarts)]
     neighbours = _overlapping(intervals)
     sizes = [block.size_bytes for block in intervals]
+    for later, earlier in (pairs or {}).items():  # one unit: either one's neighbours
+        joined = sorted(set(neighbours[later]) | set(neighbours[earlier]) - {later, earlier})
+        neighbours[later] = neighbours[earlier] = joined
     for order, seed in attempts:
         ranked, tightest = _ranking(intervals, order, seed)
-        offsets = _offsets(sizes, neighbours, ranked, tightest)
+        offsets = _offsets(sizes, neighbours, ranked, tightest, pairs or {})
         arena = max(offset + size for offset, size in zip(offsets, sizes, strict=True))
         if best is None or arena < best[1]:
             best = (offsets, arena)
@@ -266,6 +306,8 @@ def _pack_within(intervals: list[Block], budget_bytes: int) -> tuple[tuple[Block
 #: Order of the steps of one pass at one instant (docs/execution_model.md).
 PHASE = {"task-end": 0, "d2h-end": 1, "h2d-end": 2, "dispatch": 3, "d2h-start": 4, "h2d-start": 5}
 _AT_START = (0.0, 0, 0)
+#: The pass number of "the end of the run" (after every pass of the last instant).
+_END_PASS = 1 << 30
 
 
 def residency_blocks(planned: Plan) -> list[Block]:
@@ -333,7 +375,7 @@ def residency_blocks(planned: Plan) -> list[Block]:
                 )
             )
         fire(task, end_us, ended)
-    finish = (sim.makespan_us, 1 << 30, 0)
+    finish = (sim.makespan_us, _END_PASS, 0)
     for obj_id in list(since):
         close(obj_id, sim.makespan_us, finish)
     blocks.sort(key=lambda block: (block.start, block.end, block.obj_id or "", block.task_id or ""))
@@ -421,31 +463,56 @@ def _overlapping(blocks: list[Block]) -> list[list[int]]:
 
 
 def _offsets(
-    sizes: list[int], neighbours: list[list[int]], ranked: list[int], tightest: bool
+    sizes: list[int],
+    neighbours: list[list[int]],
+    ranked: list[int],
+    tightest: bool,
+    pairs: dict[int, int] | None = None,
 ) -> list[int]:
-    """Each block in ``ranked`` order put in a hole between the placed blocks it overlaps."""
+    """Each block in ``ranked`` order put in a hole between the placed blocks it overlaps;
+    a block of a pair takes its partner's offset once the partner is placed."""
+    partner = dict(pairs or {})
+    partner.update({b: a for a, b in list(partner.items())})
     offsets = [-1] * len(sizes)
     for i in ranked:
+        if offsets[i] >= 0:
+            continue
         taken = sorted(
             (offsets[j], offsets[j] + sizes[j]) for j in neighbours[i] if offsets[j] >= 0
         )
         offsets[i] = _fit(taken, sizes[i], tightest)
+        if i in partner:
+            offsets[partner[i]] = offsets[i]
     return offsets
+
+
+#: Every block starts at a multiple of this many bytes (so every typed view of an object
+#: is aligned for any dtype and for vectorised loads), or of its own size when smaller.
+ALIGN_BYTES = 16
+
+
+def _aligned(offset: int, size_bytes: int) -> int:
+    align = ALIGN_BYTES
+    while align > 1 and size_bytes % align:
+        align //= 2
+    return -(-offset // align) * align
 
 
 def _fit(taken: list[tuple[int, int]], size_bytes: int, tightest: bool) -> int:
     """The offset of the tightest (or the lowest) hole of at least ``size_bytes`` between
-    the sorted ``taken`` ranges (lowest on ties); above all of them when none fits."""
+    the sorted ``taken`` ranges (lowest on ties); above all of them when none fits.
+    Offsets are aligned (``ALIGN_BYTES``)."""
     best_offset, best_hole = -1, None
     top = 0
     for low, high in taken:
-        hole = low - top
+        start = _aligned(top, size_bytes)
+        hole = low - start
         if hole >= size_bytes and (best_hole is None or hole < best_hole):
-            best_offset, best_hole = top, hole
+            best_offset, best_hole = start, hole
             if not tightest:
                 break
         top = max(top, high)
-    return best_offset if best_hole is not None else top
+    return best_offset if best_hole is not None else _aligned(top, size_bytes)
 
 
 def check_placement(placement: Placement) -> list[str]:

@@ -72,12 +72,41 @@ class TorchBackend:
         else:
             self.slow.view(obj).copy_(data)
 
-    def reset_fast(self) -> None:
-        """Forget every fast residency (between steps, before the start values go back)."""
+    def reset_fast(self, keep: tuple[str, ...] | list[str] = ()) -> None:
+        """Forget every fast residency but those of ``keep`` (between steps, before the
+        start values go back): each kept object stays where it is, as its first
+        residency of the next step (``at_start_address`` said it is there)."""
+        kept = {obj: self.fast.buffers[obj] for obj in keep}
         self.fast.buffers.clear()
         self.fast.reset_occurrences()
         self.views.clear()
         self.ended.clear()
+        for obj, buffer in kept.items():
+            self.fast.buffers[obj] = buffer
+            self.fast.occurrences[obj] = 1
+            self.views[obj] = typed_view(buffer, self.objs[obj])
+
+    def snapshot(self) -> tuple[dict, dict, dict, set]:
+        """The bookkeeping of which residency is where (not the bytes), for ``restore``."""
+        fast = self.fast
+        return dict(fast.buffers), dict(fast.occurrences), dict(self.views), set(self.ended)
+
+    def restore(self, snapshot: tuple[dict, dict, dict, set]) -> None:
+        buffers, occurrences, views, ended = snapshot
+        self.fast.buffers, self.fast.occurrences = dict(buffers), dict(occurrences)
+        self.views, self.ended = dict(views), set(ended)
+
+    def at_start_address(self, obj: str) -> bool:
+        """Whether ``obj``'s fast copy lies where its first residency of a step does (always
+        so without a placement: each residency is its own allocation)."""
+        buffer = self.fast.buffers.get(obj)
+        if buffer is None:
+            return False
+        if self.fast.offset_of is None:
+            return True
+        return buffer.storage_offset() == self.fast.arena.storage_offset() + self.fast.offset_of(
+            obj, 0
+        )
 
     def fast_value(self, obj: str) -> torch.Tensor | None:
         buffer = self.fast.buffers.get(obj)
@@ -93,6 +122,9 @@ class TorchBackend:
         self.runner.start_run()
 
     def now_us(self) -> float:
+        clock = getattr(self.runner, "now_us", None)  # a capture runs on a virtual clock
+        if clock is not None:
+            return clock()
         return (time.perf_counter() - self.origin) * 1e6
 
     def can_alloc_fast(self, obj: str) -> bool:

@@ -37,6 +37,11 @@ class CudaRunner:
         torch.cuda.set_stream(self._previous)
         self._current = None
 
+    def forget_stream(self) -> None:
+        """The current stream was changed behind this runner's back (a graph capture):
+        set it again before the next operation."""
+        self._current = None
+
     def start_run(self) -> None:
         torch.cuda.synchronize(self.device)
         self._origin_pending = True
@@ -118,23 +123,39 @@ ALLOCATOR_ROUND_BYTES = 512
 
 def runtime_reserve_bytes(device: str | torch.device = "cuda") -> int:
     """Device memory the run takes beside the planned arena: what the CUDA libraries keep
-    once a stream has run matrix products, plus the allocator's rounding of the arena.
+    once a stream has run matrix products, what the engine itself keeps (the per-step
+    values buffer) and takes while it captures a step into a CUDA graph, plus the
+    allocator's rounding of the arena.
 
     cuBLAS gives every (handle, stream) pair a workspace from the framework allocator the
     first time a product runs there, and keeps it. The engine's compute stream gets one
     too, so a plan must leave this much of the budget free: plan at
     ``budget - runtime_reserve_bytes()``. Measured, not assumed: a fresh stream runs
-    float32 and bfloat16 products and the allocator's growth is returned.
+    float32 and bfloat16 products, then captures one into a CUDA graph beside a values
+    buffer, and the growth of the allocator's peak is returned.
     """
+    from dataflow.engine.backends.torch_graph import DeviceValues
+
     device = torch.device(device)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
     stream = torch.cuda.Stream(device=device)
+    kept = []
     with torch.cuda.stream(stream):
         for dtype in (torch.float32, torch.bfloat16):
             a = torch.ones(256, 256, device=device, dtype=dtype)
             out = torch.empty_like(a)
             torch.matmul(a, a, out=out)
-            del a, out
+            kept.append((a, out))
     torch.cuda.synchronize(device)
-    return max(0, torch.cuda.memory_allocated(device) - before) + ALLOCATOR_ROUND_BYTES
+    values = DeviceValues(("lr", "step", "update"), device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for a, out in kept:
+            torch.matmul(a, a, out=out)
+    torch.cuda.synchronize(device)
+    inputs = sum(a.untyped_storage().nbytes() + out.untyped_storage().nbytes() for a, out in kept)
+    grown = torch.cuda.max_memory_allocated(device) - before - inputs
+    del graph, values, kept
+    return max(0, grown) + ALLOCATOR_ROUND_BYTES

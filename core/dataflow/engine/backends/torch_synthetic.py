@@ -22,7 +22,10 @@ SPIN_US = 300.0
 
 
 class SyntheticTask:
-    """One task: write its outputs, then take ``cost_us`` of compute time."""
+    """One task: write its outputs, then take ``cost_us`` of compute time. On CUDA it only
+    enqueues a fill and a sleep: capturable into a CUDA graph."""
+
+    capturable = True
 
     def __init__(self, fill: int, cost_us: float, cycles_per_us: float | None) -> None:
         self.fill, self.cost_us, self.cycles_per_us = fill, cost_us, cycles_per_us

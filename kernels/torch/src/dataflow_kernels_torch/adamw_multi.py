@@ -18,6 +18,10 @@ and grads with float32 states is the common case).
 
 Neither synchronizes with the device: the step count reaches the fused kernel as a float32
 tensor filled on the device, one fill for all tensors.
+
+``step`` and ``lr`` may also be 0-d float32 tensors on the parameters' device (what the
+engine hands a step it replays from a CUDA graph, so each replay reads the current
+values): the fused kernel reads them there; the reference reads them back to the host.
 """
 
 from __future__ import annotations
@@ -32,14 +36,23 @@ from dataflow_kernels_torch.adamw import adamw_reference
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+#: A step count or learning rate: a number, or a 0-d tensor on the device.
+Scalar = int | float | torch.Tensor
+
+
+def host(value: Scalar) -> float:
+    """A scalar's value on the host (reads a tensor back: for the reference paths)."""
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
 def adamw_multi(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
     *,
-    step: int,
-    lr: float,
+    step: Scalar,
+    lr: Scalar,
     beta1: float,
     beta2: float,
     eps: float,
@@ -55,8 +68,9 @@ def adamw_multi(
     for (device, *_), indices in groups.items():
         tensors = [[lst[i] for i in indices] for lst in (params, grads, exp_avgs, exp_avg_sqs)]
         if not has_kernel("aten::_fused_adamw_", device.type):
+            hyper = dict(hyper, lr=host(lr))
             for p, g, m, v in zip(*tensors, strict=True):
-                adamw_reference(p, g, m, v, step=step, **hyper)
+                adamw_reference(p, g, m, v, step=int(host(step)), **hyper)
         else:
             fused_group(*tensors, step=step, **hyper)
 
@@ -67,8 +81,8 @@ def adamw_multi_reference(
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
     *,
-    step: int,
-    lr: float,
+    step: Scalar,
+    lr: Scalar,
     beta1: float,
     beta2: float,
     eps: float,
@@ -76,6 +90,7 @@ def adamw_multi_reference(
 ) -> None:
     """One AdamW step over the lists with ``adamw_reference``, tensor by tensor."""
     check_lists(params, grads, exp_avgs, exp_avg_sqs, step)
+    step, lr = int(host(step)), host(lr)
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
         adamw_reference(
             p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
@@ -89,8 +104,8 @@ def fused_group(
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
     *,
-    step: int,
-    **hyper: float,
+    step: Scalar,
+    **hyper: Scalar,
 ) -> None:
     """``torch._fused_adamw_`` over one group of one device: directly when every tensor is
     contiguous in the compute dtype, else over working copies that are, copied back."""
@@ -99,12 +114,18 @@ def fused_group(
     if len(uniform) == 1:  # one dtype throughout: the kernel takes it as it is
         compute = params[0].dtype
     work = [[_working(t, compute) for t in lst] for lst in (params, grads, exp_avgs, exp_avg_sqs)]
-    steps = torch.full((len(params),), float(step), dtype=torch.float32, device=params[0].device)
+    if isinstance(step, torch.Tensor):  # read on the device by the kernel, never copied
+        state_steps = [step.to(torch.float32)] * len(params)
+    else:
+        filled = torch.full(
+            (len(params),), float(step), dtype=torch.float32, device=params[0].device
+        )
+        state_steps = list(filled.unbind())
     with torch.no_grad():
         torch._fused_adamw_(
             *work,
             [],
-            list(steps.unbind()),
+            state_steps,
             lr=hyper["lr"],
             beta1=hyper["beta1"],
             beta2=hyper["beta2"],
@@ -135,10 +156,14 @@ def check_lists(
     grads: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
-    step: int,
+    step: Scalar,
 ) -> None:
-    """Lengths, shapes, dtypes, devices and the step, named on failure."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+    """Lengths, shapes, dtypes, devices and the step, named on failure (a step given as a
+    device tensor is not read back to check it)."""
+    if isinstance(step, torch.Tensor):
+        if step.dim() != 0 or not step.is_floating_point():
+            raise ValueError(f"step as a tensor must be a 0-d float tensor, got {step!r}")
+    elif isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"step must be an int >= 1 (the first update is step 1), got {step!r}")
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     for name, lst in lists.items():

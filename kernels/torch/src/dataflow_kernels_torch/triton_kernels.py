@@ -16,7 +16,9 @@ imports triton, so only a variant's ``load()`` imports it.
 
 Every kernel is elementwise over a flat index (int64 offsets), so each output element is
 written by exactly one program: deterministic. The step's bias corrections are Python
-floats computed on the host, so nothing synchronizes with the device.
+floats computed on the host, so nothing synchronizes with the device; when ``lr`` or
+``step`` come as device tensors (a step replayed from a CUDA graph) the kernel reads them
+and works the corrections out itself.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import triton
 import triton.language as tl
 
 from dataflow_kernels_torch import elementwise
-from dataflow_kernels_torch.adamw_multi import adamw_multi, check_lists
+from dataflow_kernels_torch.adamw_multi import Scalar, adamw_multi, check_lists
 
 _BLOCK = 1024
 _NUM_WARPS = 4
@@ -40,7 +42,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _adamw_kernel(
+def _adamw_math(
     p_ptr, g_ptr, m_ptr, v_ptr, n, beta1, beta2, eps, decay, step_size, bias_correction2_sqrt,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -58,6 +60,34 @@ def _adamw_kernel(
     tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=mask)
     tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _adamw_kernel(
+    p_ptr, g_ptr, m_ptr, v_ptr, n, beta1, beta2, eps, decay, step_size, bias_correction2_sqrt,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    _adamw_math(
+        p_ptr, g_ptr, m_ptr, v_ptr, n, beta1, beta2, eps, decay, step_size,
+        bias_correction2_sqrt, BLOCK,
+    )  # fmt: skip
+
+
+@triton.jit
+def _adamw_kernel_device_scalars(
+    p_ptr, g_ptr, m_ptr, v_ptr, n, beta1, beta2, eps, weight_decay, lr_ptr, step_ptr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    # lr and the step count read on the device (a replayed CUDA graph's current values);
+    # the bias corrections worked out here, in float32, by every program alike.
+    lr = tl.load(lr_ptr).to(tl.float32)
+    step = tl.load(step_ptr).to(tl.float32)
+    bias_correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))
+    bias_correction2 = 1.0 - tl.exp2(step * tl.log2(beta2))
+    _adamw_math(
+        p_ptr, g_ptr, m_ptr, v_ptr, n, beta1, beta2, eps, 1.0 - lr * weight_decay,
+        lr / bias_correction1, tl.sqrt_rn(bias_correction2), BLOCK,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -90,8 +120,8 @@ def adamw_multi_triton(
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
     *,
-    step: int,
-    lr: float,
+    step: Scalar,
+    lr: Scalar,
     beta1: float,
     beta2: float,
     eps: float,
@@ -100,22 +130,35 @@ def adamw_multi_triton(
     """One AdamW step: the Triton kernel for mixed-dtype tensors, fused groups for the rest."""
     check_lists(params, grads, exp_avgs, exp_avg_sqs, step)
     rest = []
-    scalars = (
-        beta1,
-        beta2,
-        eps,
-        1.0 - lr * weight_decay,
-        lr / (1.0 - beta1**step),
-        math.sqrt(1.0 - beta2**step),
-    )
+    on_device = isinstance(step, torch.Tensor) or isinstance(lr, torch.Tensor)
+    if on_device:
+        device = params[0].device
+        lr_t, step_t = (
+            v if isinstance(v, torch.Tensor) else torch.full((), float(v), device=device)
+            for v in (lr, step)
+        )
+    else:
+        scalars = (
+            beta1,
+            beta2,
+            eps,
+            1.0 - lr * weight_decay,
+            lr / (1.0 - beta1**step),
+            math.sqrt(1.0 - beta2**step),
+        )
     for i, tensors in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         if not _adamw_kernel_applies(*tensors):
             rest.append(i)
             continue
         n = tensors[0].numel()
-        _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
-            *tensors, n, *scalars, BLOCK=_BLOCK, num_warps=_NUM_WARPS
-        )
+        grid = (triton.cdiv(n, _BLOCK),)
+        if on_device:
+            _adamw_kernel_device_scalars[grid](
+                *tensors, n, beta1, beta2, eps, weight_decay, lr_t, step_t,
+                BLOCK=_BLOCK, num_warps=_NUM_WARPS,
+            )  # fmt: skip
+        else:
+            _adamw_kernel[grid](*tensors, n, *scalars, BLOCK=_BLOCK, num_warps=_NUM_WARPS)
     if rest:
         adamw_multi(
             *([lst[i] for i in rest] for lst in (params, grads, exp_avgs, exp_avg_sqs)),

@@ -34,7 +34,13 @@ def budget_option(help_text: str):
 @click.option(
     "--dtype", "policy", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"])
 )
-@click.option("--steps", default=2, show_default=True, type=COUNT, help="training steps compared")
+@click.option(
+    "--steps",
+    default=3,
+    show_default=True,
+    type=COUNT,
+    help="consecutive training steps compared (on CUDA the second on are graph replays)",
+)
 @click.option(
     "--rounds", default=2, show_default=True, type=COUNT, help="accumulation rounds per step"
 )

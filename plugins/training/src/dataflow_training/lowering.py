@@ -427,6 +427,7 @@ def lower(
         objects=tuple(objects),
         tasks=tuple(tasks),
         final_locations=finals,
+        persistent=tuple(p.id for p in packed.values() if p.kind in ("W", "O", "Aux")),
         links=links or Links(),
         metadata=step_layout.to_metadata(),
     )

@@ -9,6 +9,12 @@ their layouts): once to warm up, then ``repeats`` times timed with the device's 
 (CUDA) or the host clock (CPU). On CUDA the allocator's peak above what was allocated
 before the launch is the task's **workspace**: the temporaries its kernels take from the
 framework allocator, which the plan must leave room for.
+
+With ``graph`` (CUDA, the step will be replayed from a CUDA graph) a capturable task is
+captured once into a graph of its own and the replays are timed: the device's time alone,
+as in a replayed step, where no host launch gap shows. Otherwise each timed launch
+includes whatever the host adds while it enqueues the task's kernels, as in a dispatched
+step.
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ def profile_program(
     repeats: int = 3,
     seed: int = 0,
     int_high: Callable[[str], int] = lambda obj_id: 1,
+    graph: bool = False,
 ) -> dict[tuple, TaskProfile]:
     """Measure every distinct task signature of ``program`` once (see the module docstring).
     Integer tensors are filled uniformly from ``[0, int_high(obj_id))`` (zeros by default;
@@ -95,7 +102,8 @@ def profile_program(
             continue
         ctx = _context(program, layout, task, dev, generator, int_high)
         executable = resolver(task)
-        profiles[key] = _measure(executable, ctx, dev, repeats)
+        replay = graph and dev.type == "cuda" and getattr(executable, "capturable", False)
+        profiles[key] = _measure(executable, ctx, dev, repeats, replay)
     return profiles
 
 
@@ -125,7 +133,9 @@ def _context(
     )
 
 
-def _measure(executable: Any, ctx: LaunchContext, dev: torch.device, repeats: int) -> TaskProfile:
+def _measure(
+    executable: Any, ctx: LaunchContext, dev: torch.device, repeats: int, replay: bool = False
+) -> TaskProfile:
     executable.launch(ctx)  # warm-up: lazy initialisation, library handles, caches
     if dev.type != "cuda":
         times = []
@@ -147,7 +157,31 @@ def _measure(executable: Any, ctx: LaunchContext, dev: torch.device, repeats: in
         times.append(start.elapsed_time(end) * 1e3)
     workspace = max(0, torch.cuda.max_memory_allocated(dev) - base)
     workspace = -(-workspace // ROUND_BYTES) * ROUND_BYTES
+    if replay:
+        times = _replayed_us(executable, ctx, dev, repeats)
     return TaskProfile(statistics.median(times), workspace)
+
+
+def _replayed_us(
+    executable: Any, ctx: LaunchContext, dev: torch.device, repeats: int
+) -> list[float]:
+    """The task captured into a CUDA graph of its own, each replay timed by events."""
+    stream = torch.cuda.Stream(device=dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        executable.launch(attrs.evolve(ctx, stream=stream))
+    graph.replay()  # warm: the first replay uploads the graph
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    del graph
+    return times
 
 
 def apply_profile(program: Program, profiles: dict[tuple, TaskProfile]) -> Program:

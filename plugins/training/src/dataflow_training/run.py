@@ -64,7 +64,9 @@ class TrainingRun:
     state (default: the family's reference model initialised under ``seed``);
     ``budget_bytes`` the fast-memory budget (default: unbounded); ``resolver`` the
     registered resolver that runs the tasks; ``planner`` a planner spec for ``plan``;
-    ``keep_grads`` keeps each step's weight gradients for ``grads()`` (checks only).
+    ``keep_grads`` keeps each step's weight gradients for ``grads()`` (checks only);
+    ``graph`` (CUDA only) replays every step after the first from one captured CUDA graph
+    (``graph_note`` says why not, when it cannot).
     """
 
     def __init__(
@@ -81,12 +83,14 @@ class TrainingRun:
         resolver: str = "torch",
         planner: Any = None,
         keep_grads: bool = False,
+        graph: bool = True,
     ) -> None:
         from dataflow.planning import place, plan
         from dataflow.plugins import resolvers
 
         self.family = load_family(family) if isinstance(family, str) else family
         self.preset, self.train, self.device, self.seed = preset, train, device, seed
+        self.graph = graph and device.startswith("cuda")
         self.overrides = dict(overrides or {})
         self.config = self.family.config(preset, **self.overrides)
         self.lowered: Lowered = lower(
@@ -94,7 +98,11 @@ class TrainingRun:
         )
         self.program = self.lowered.program
         self.layout: StepLayout = self.lowered.layout
-        options = {} if planner is None else {"planner": planner}
+        # Weights, optimizer state and aux are persistent: the plan is a steady-state cycle,
+        # each of them homed (fast or slow) between steps where the planner chooses.
+        options: dict[str, Any] = {"cyclic": bool(self.program.persistent)}
+        if planner is not None:
+            options["planner"] = planner
         self.vocab_size = embed_layer(self.lowered.layers).params[0].shape[0]
         self.budget_bytes = budget_bytes or UNBOUNDED_BYTES
         if device.startswith("cuda"):
@@ -133,7 +141,9 @@ class TrainingRun:
             return self.vocab_size if obj_id.startswith(("x_", "t_")) else 1
 
         measure = resolvers().get(resolver).build(self.program)
-        profiles = profile_program(self.program, measure, device=self.device, int_high=int_high)
+        profiles = profile_program(
+            self.program, measure, device=self.device, int_high=int_high, graph=self.graph
+        )
         self.program = apply_profile(self.program, profiles)
         reserve = runtime_reserve_bytes(self.device)
         self.planned = plan(self.program, self.budget_bytes - reserve, **options)
@@ -210,10 +220,20 @@ class TrainingRun:
                     f"({tuple(raw.shape)} bytes given)"
                 )
             initial[obj_id] = raw.clone()
-        engine = Engine("torch", budget_bytes=self.budget_bytes, device=self.device)
+        engine = Engine(
+            "torch", budget_bytes=self.budget_bytes, device=self.device, graph=self.graph
+        )
         engine.load(self.planned, self._resolver, initial=initial, placement=self.placement)
         self._engine = engine
         self._weights = self._opt_state = None
+
+    @property
+    def graph_note(self) -> str | None:
+        """Why steps are dispatched rather than replayed from a CUDA graph (None when they
+        are replayed, or before the engine has tried)."""
+        if not self.graph:
+            return "CUDA graphs are off (not on CUDA, or graph=False)"
+        return None if self._engine is None else self._engine.graph_note
 
     # -- state -------------------------------------------------------------------------
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

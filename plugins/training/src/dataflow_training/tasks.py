@@ -117,6 +117,10 @@ class TrainingTasks:
 
 
 class _Exec:
+    #: Every training executable only enqueues device work and reads per-step values as
+    #: they come (device tensors when the engine replays a CUDA graph): capturable.
+    capturable = True
+
     def __init__(self, tasks: TrainingTasks, task: Task, slot: TaskSlot) -> None:
         self.tasks, self.task, self.slot = tasks, task, slot
         self.layout = tasks.layout
@@ -372,8 +376,11 @@ class OptimizerStep(_Exec):
     def launch(self, ctx: LaunchContext) -> None:
         spec = self.tasks.optimizer
         buffers = {o: self.buffer(ctx, o) for o in (self.w_obj, self.g_obj, self.o_obj)}
-        policy = dict(self.policy, lr=float(ctx.values.get("lr", self.policy["lr"])))
-        step = int(ctx.values.get("update", int(ctx.values.get("step", 0)) + 1))
+        policy = dict(self.policy, lr=_number(ctx.values.get("lr", self.policy["lr"])))
+        step = ctx.values.get("update")
+        if step is None:
+            step = ctx.values.get("step", 0) + 1
+        step = _number(step, int)
         scale = self.clip_factor(ctx)
         for names, decayed, spans in self.classes:
             if spans is not None:
@@ -409,6 +416,12 @@ class OptimizerStep(_Exec):
         norms = [self.buffer(ctx, gn) for gn in self.slot.objects("grad_norm")]
         total = torch.stack([n.reshape(()) for n in norms]).sum().sqrt()
         return (clip / (total + 1e-6)).clamp(max=1.0)
+
+
+def _number(value: Any, kind: type = float) -> Any:
+    """A per-step value as the optimizer takes it: a Python number, or the device tensor
+    the engine hands a replayed CUDA graph, left on the device."""
+    return value if isinstance(value, torch.Tensor) else kind(value)
 
 
 class GradNorm(_Exec):

@@ -554,7 +554,7 @@ def verify(
     *,
     device: str = "cpu",
     policy: str = "fp32",
-    steps: int = 2,
+    steps: int = 3,
     rounds: int = 2,
     batch: int = 2,
     seq_len: int = 16,

@@ -1,0 +1,171 @@
+"""Whole-step CUDA graphs: capture one step of a placed program, replay it every step.
+
+Once a program is planned and placed, every step launches the same operations on the same
+addresses, so the step is captured once into a CUDA graph and replayed: the host then
+enqueues one graph per step instead of every task and copy, and dispatch costs the device
+nothing.
+
+Capture drives the ordinary dispatcher with ``GraphCapture`` as the backend's runner. Its
+clock is the virtual backend's (each task takes its ``cost_us``, each transfer its link
+time), so the dispatcher decides exactly what the simulator decides, in the same order.
+Every operation it launches is enqueued, under capture, on its stream (compute, h2d,
+d2h), after waiting through an event for the last operation each *other* stream had
+completed before this one was launched in that timeline. Whatever an operation depends on
+(the prefetch of an input, the write-back of bytes it reuses, the task whose end enqueued
+it) completed before it was launched there, and each stream runs its operations in order,
+so the graph's edges hold every dependency of the plan, and nothing waits for the host.
+
+Per-step values (learning rate, update count) must not be frozen into the graph: the
+engine hands them to executables as 0-d float32 device tensors it refreshes before each
+replay (``DeviceValues``). An executable is captured only if it says it can be
+(``capturable = True``: it only enqueues device work, never synchronises, and reads
+per-step values as device tensors); otherwise the engine keeps dispatching dynamically and
+says why in one line (``Engine.graph_note``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from numbers import Real
+from typing import Any
+
+import torch
+
+from dataflow.engine.backends.virtual import VirtualBackend
+from dataflow.engine.contract import Executable, LaunchContext
+from dataflow.engine.dispatcher import Completion, OpFailed, OpKind
+from dataflow.schema import Program
+
+_KIND = {"d2h": OpKind.D2H, "h2d": OpKind.H2D}
+
+
+def not_capturable(program: Program, executables: Sequence[Executable]) -> str | None:
+    """Why the program's step cannot be captured (None when it can)."""
+    for task, executable in zip(program.tasks, executables, strict=True):
+        if not getattr(executable, "capturable", False):
+            return (
+                f"task {task.id!r} ({task.compute_key}): its executable "
+                f"{type(executable).__name__} does not declare capturable = True"
+            )
+    return None
+
+
+class DeviceValues:
+    """Per-step numeric values as 0-d float32 tensors on the device, refreshed in place
+    from one pinned host buffer (one copy per step, on the compute stream)."""
+
+    def __init__(self, names: Sequence[str], device: torch.device) -> None:
+        self.names = tuple(names)
+        self.host = torch.zeros(max(1, len(self.names)), dtype=torch.float32, pin_memory=True)
+        self.device_buffer = torch.zeros_like(self.host, device=device)
+        self.tensors = {name: self.device_buffer[i] for i, name in enumerate(self.names)}
+
+    @staticmethod
+    def unsupported(values: Mapping[str, Any]) -> str | None:
+        for name, value in values.items():
+            if not isinstance(value, Real):
+                return f"value {name!r} is a {type(value).__name__}, not a number"
+        return None
+
+    def update(self, values: Mapping[str, Any], stream: torch.cuda.Stream) -> dict[str, Any]:
+        """Write ``values`` (the same names as at capture) and return the mapping of
+        device tensors the executables read. The host buffer is rewritten: the engine has
+        waited for the last step to end before this."""
+        if set(values) != set(self.names):
+            raise ValueError(
+                f"the captured step reads values {sorted(self.names)}; this step has "
+                f"{sorted(values)}"
+            )
+        for i, name in enumerate(self.names):
+            self.host[i] = float(values[name])
+        with torch.cuda.stream(stream):
+            self.device_buffer.copy_(self.host, non_blocking=True)
+        return dict(self.tensors)
+
+
+class GraphCapture:
+    """The runner of a torch backend while one step is captured (module doc)."""
+
+    def __init__(self, program: Program, streams: Mapping[OpKind, torch.cuda.Stream]) -> None:
+        self.streams = dict(streams)
+        self.compute_stream = self.streams[OpKind.TASK]
+        self.clock = VirtualBackend(program)
+        self.launch_host_us: list[float] = []
+        self._ends: dict[tuple[OpKind, int], torch.cuda.Event] = {}
+        #: per stream: the last event each other stream completed (in the virtual
+        #: timeline) that it has already waited for
+        self._last_done: dict[OpKind, torch.cuda.Event | None] = {kind: None for kind in OpKind}
+        self._waited: dict[OpKind, set[int]] = {kind: set() for kind in OpKind}
+        self._fork: torch.cuda.Event | None = None
+
+    def now_us(self) -> float:
+        return self.clock.now_us()
+
+    def start_run(self) -> None:
+        self.launch_host_us = []
+
+    def fork(self) -> None:
+        """Called first inside the capture: the copy streams join it from the compute
+        stream."""
+        self._fork = torch.cuda.Event()
+        self._fork.record(self.compute_stream)
+        for kind, stream in self.streams.items():
+            if kind is not OpKind.TASK:
+                stream.wait_event(self._fork)
+
+    def join(self) -> None:
+        """Called last inside the capture: the compute stream waits for the copy streams'
+        last operations, so the graph ends when everything in it has."""
+        for kind, stream in self.streams.items():
+            if kind is not OpKind.TASK:  # every forked stream rejoins, busy or not
+                joined = torch.cuda.Event()
+                joined.record(stream)
+                self.compute_stream.wait_event(joined)
+        torch.cuda.set_stream(self.compute_stream)
+
+    def _before(self, kind: OpKind) -> torch.cuda.Stream:
+        stream = self.streams[kind]
+        for other, event in self._last_done.items():
+            if other is kind or event is None or id(event) in self._waited[kind]:
+                continue
+            stream.wait_event(event)
+            self._waited[kind].add(id(event))
+        torch.cuda.set_stream(stream)
+        return stream
+
+    def _after(self, kind: OpKind, ref: int, stream: torch.cuda.Stream) -> None:
+        end = torch.cuda.Event()
+        end.record(stream)
+        self._ends[(kind, ref)] = end
+
+    def submit_task(
+        self, index: int, task_id: str, executable: Executable, ctx: LaunchContext
+    ) -> None:
+        began = time.perf_counter()
+        stream = self._before(OpKind.TASK)
+        try:
+            executable.launch(ctx)
+        except Exception as exc:
+            raise OpFailed(OpKind.TASK, index, f"task {task_id!r}", exc) from exc
+        self._after(OpKind.TASK, index, stream)
+        self.clock.launch_task(index)
+        self.launch_host_us.append((time.perf_counter() - began) * 1e6)
+
+    def submit_copy(
+        self, serial: int, obj: str, direction: str, dst: torch.Tensor, src: torch.Tensor
+    ) -> None:
+        kind = _KIND[direction]
+        stream = self._before(kind)
+        dst.copy_(src, non_blocking=True)
+        self._after(kind, serial, stream)
+        self.clock.launch_transfer(serial, obj, direction)
+
+    def wait(self) -> list[Completion]:
+        completions = self.clock.wait()
+        for completion in completions:
+            self._last_done[completion.kind] = self._ends[(completion.kind, completion.ref)]
+        return completions
+
+    def close(self) -> None:
+        pass
