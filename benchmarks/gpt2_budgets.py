@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import torch
 from dataflow_training.config import DtypePolicy, OptimizerPolicy, TrainConfig
 from dataflow_training.lowering import lower
@@ -31,7 +32,7 @@ from dataflow_training.profile import apply_profile, profile_program
 from dataflow_training.values import start_values
 
 from dataflow.engine import Engine
-from dataflow.engine.backends.torch_cuda import runtime_reserve_bytes
+from dataflow.engine.backends.torch_cuda import measure_links, runtime_reserve_bytes
 from dataflow.planning import place, plan
 from dataflow.plugins import families, resolvers
 from dataflow.units import format_size, parse_size
@@ -60,7 +61,7 @@ def priced_program(family, preset, train, resolver: str, *, graph: bool):
     profiles = profile_program(
         program, resolvers().get(resolver).build(program), device="cuda", graph=graph
     )
-    return apply_profile(program, profiles)
+    return attrs.evolve(apply_profile(program, profiles), links=measure_links("cuda"))
 
 
 def run_engine(

@@ -276,6 +276,26 @@ class Engine:
         self._ledger = dispatcher.ledger
         self._graph_end = backend.snapshot()  # where a replayed step leaves every object
 
+    def replay_activity(self, values: Mapping[str, Any] | None = None) -> dict[str, float]:
+        """Run one more step, replayed from the captured graph under torch.profiler, and
+        return what each stream did (``torch_graph.stream_activity``: busy microseconds of
+        the compute stream and of each copy direction, and the span of the step). The
+        step is a real one (it changes what the program mutates); the next step of
+        ``run`` continues after it. Needs a captured graph (run two steps first)."""
+        if self._graph is None:
+            raise RuntimeError(
+                "replay_activity needs a step captured into a CUDA graph: "
+                f"{self.graph_note or 'run at least two steps with Engine(graph=True)'}"
+            )
+        from dataflow.engine.backends.torch_graph import stream_activity
+
+        step = self.steps_done
+        self._carry_over(step, {})
+        step_values = dict(values or {}, step=step)
+        activity = stream_activity(lambda: self._replay(step_values))
+        self.steps_done += 1
+        return activity
+
     def _replay(self, values: dict[str, Any]) -> DispatchTrace:
         """One step: the captured graph replayed, timed by events around it."""
         import torch

@@ -109,3 +109,19 @@ def test_graph_on_cpu_is_refused_with_one_line() -> None:
         with pytest.warns(RuntimeWarning, match="CUDA graphs need"):
             engine.run(steps=2, feed=lambda _step: values)
     assert "\n" not in engine.graph_note
+
+
+@pytest.mark.parametrize("share", [0.6, 1.5])
+def test_virtual_engine_repeats_the_simulated_steady_state_step(share: float) -> None:
+    from dataflow.engine import Engine
+
+    program = _program()
+    persistent = sum(program.obj(o).size_bytes for o in program.persistent)
+    planned = plan(program, int(persistent * share), cyclic=True)
+    with Engine("virtual") as engine:
+        engine.load(planned)
+        result = engine.run(steps=3)
+    for trace in result.steps:
+        assert trace.makespan_us == pytest.approx(planned.sim.makespan_us, rel=1e-12)
+        assert trace.fast_peak_bytes == planned.sim.fast_peak_bytes
+    assert planned.cycle is not None and planned.cycle.valid

@@ -8,6 +8,7 @@ Copies between the fast arena and the pinned slow pool run on the copy engines.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -159,3 +160,51 @@ def runtime_reserve_bytes(device: str | torch.device = "cuda") -> int:
     grown = torch.cuda.max_memory_allocated(device) - before - inputs
     del graph, values, kept
     return max(0, grown) + ALLOCATOR_ROUND_BYTES
+
+
+def measure_links(
+    device: str | torch.device = "cuda", size_bytes: int = 64 * 2**20, repeats: int = 5
+):
+    """The links between the device and pinned host memory, measured: ``Links`` whose
+    bandwidths are those of both directions copying at once (as in a streaming step,
+    where write-backs and prefetches overlap), and whose latency is a small copy's time.
+
+    Each direction copies ``size_bytes`` between a pinned host buffer and the device on
+    its own stream, both started together; the median of ``repeats`` is kept.
+    """
+    from dataflow.schema import Link, Links
+
+    device = torch.device(device)
+    host_in = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=True)
+    host_out = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=True)
+    dev_in = torch.empty(size_bytes, dtype=torch.uint8, device=device)
+    dev_out = torch.empty(size_bytes, dtype=torch.uint8, device=device)
+    streams = {"h2d": torch.cuda.Stream(device=device), "d2h": torch.cuda.Stream(device=device)}
+    copies = {"h2d": (dev_in, host_in), "d2h": (host_out, dev_out)}
+
+    def timed(directions: tuple[str, ...], nbytes: int) -> dict[str, float]:
+        events = {}
+        torch.cuda.synchronize(device)
+        for d in directions:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            dst, src = copies[d]
+            with torch.cuda.stream(streams[d]):
+                start.record(streams[d])
+                dst[:nbytes].copy_(src[:nbytes], non_blocking=True)
+                end.record(streams[d])
+            events[d] = (start, end)
+        torch.cuda.synchronize(device)
+        return {d: s.elapsed_time(e) * 1e3 for d, (s, e) in events.items()}
+
+    timed(("h2d", "d2h"), size_bytes)  # warm-up
+    both = [timed(("h2d", "d2h"), size_bytes) for _ in range(repeats)]
+    small = [timed(("h2d", "d2h"), 4096) for _ in range(repeats)]
+    links = {}
+    for d in ("h2d", "d2h"):
+        latency_us = statistics.median(t[d] for t in small)
+        total_us = statistics.median(t[d] for t in both)
+        links[d] = Link(
+            bw_bytes_per_us=size_bytes / max(total_us - latency_us, 1e-3), latency_us=latency_us
+        )
+    del host_in, host_out, dev_in, dev_out
+    return Links(h2d=links["h2d"], d2h=links["d2h"])

@@ -169,3 +169,56 @@ class GraphCapture:
 
     def close(self) -> None:
         pass
+
+
+def stream_activity(run_one: Any) -> dict[str, float]:
+    """What the device did while ``run_one()`` ran (one replayed step), from a
+    torch.profiler trace of it: per stream kind, the microseconds it was busy (the union
+    of its kernels' or copies' intervals), and the span from the first activity's start
+    to the last one's end. The compute stream is the one that ran kernels; copies are
+    split by direction (``h2d``, ``d2h``)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_one()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    spans: dict[str, list[tuple[float, float]]] = {"compute": [], "h2d": [], "d2h": []}
+    for event in events:
+        if event.get("ph") != "X" or "dur" not in event:
+            continue
+        category, name = event.get("cat", ""), event.get("name", "")
+        start, end = float(event["ts"]), float(event["ts"]) + float(event["dur"])
+        if category == "kernel":
+            spans["compute"].append((start, end))
+        elif category == "gpu_memcpy":
+            if "HtoD" in name:
+                spans["h2d"].append((start, end))
+            elif "DtoH" in name:
+                spans["d2h"].append((start, end))
+            else:
+                spans["compute"].append((start, end))
+    everything = [s for lst in spans.values() for s in lst]
+    if not everything:
+        return {"span_us": 0.0, "compute_busy_us": 0.0, "h2d_busy_us": 0.0, "d2h_busy_us": 0.0}
+    result = {"span_us": max(e for _, e in everything) - min(s for s, _ in everything)}
+    for kind, intervals in spans.items():
+        result[f"{kind}_busy_us"] = _union_us(intervals)
+    return result
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total

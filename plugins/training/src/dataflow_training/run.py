@@ -129,10 +129,11 @@ class TrainingRun:
     # -- stepping ----------------------------------------------------------------------
     def _plan_for_cuda(self, resolver: str, options: dict[str, Any]) -> None:
         """On CUDA the budget is the allocator's: every task is priced and its framework
-        temporaries measured by the profiling pass, the plan leaves the CUDA libraries'
+        temporaries measured by the profiling pass, the links to pinned host memory are
+        measured (both directions at once), the plan leaves the CUDA libraries'
         own reserve and the largest task workspace free beside its arena, and the engine
         checks the allocator's peak against the whole budget."""
-        from dataflow.engine.backends.torch_cuda import runtime_reserve_bytes
+        from dataflow.engine.backends.torch_cuda import measure_links, runtime_reserve_bytes
         from dataflow.planning import place, plan
         from dataflow.plugins import resolvers
         from dataflow_training.profile import apply_profile, profile_program
@@ -144,7 +145,9 @@ class TrainingRun:
         profiles = profile_program(
             self.program, measure, device=self.device, int_high=int_high, graph=self.graph
         )
-        self.program = apply_profile(self.program, profiles)
+        self.program = attrs.evolve(
+            apply_profile(self.program, profiles), links=measure_links(self.device)
+        )
         reserve = runtime_reserve_bytes(self.device)
         self.planned = plan(self.program, self.budget_bytes - reserve, **options)
         self.placement = place(self.planned, workspace_in_arena=False)
@@ -226,6 +229,18 @@ class TrainingRun:
         engine.load(self.planned, self._resolver, initial=initial, placement=self.placement)
         self._engine = engine
         self._weights = self._opt_state = None
+
+    def step_activity(self, lr: float | None = None) -> dict[str, float]:
+        """One more optimizer update on the last step's batches, replayed from the CUDA
+        graph under torch.profiler: busy microseconds of the compute stream and of each
+        copy direction, and the step's span (``Engine.replay_activity``). For benchmarks:
+        compute idle is ``1 - compute_busy_us / span_us``."""
+        if self._engine is None:
+            raise RuntimeError("step_activity needs the steps before it run first")
+        lr = self.train.optimizer.lr if lr is None else float(lr)
+        activity = self._engine.replay_activity(values={"lr": lr, "update": self.updates + 1})
+        self.updates += 1
+        return activity
 
     @property
     def graph_note(self) -> str | None:
