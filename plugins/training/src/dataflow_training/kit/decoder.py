@@ -17,6 +17,7 @@ table and ``config.json`` fields are ``decoder_hf.py``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from math import prod
 from typing import Any, ClassVar
 
@@ -62,6 +63,17 @@ def _scaling(instance: Any, attribute: attrs.Attribute, value: object) -> None:
         )
 
 
+def _as_scaling(value: object) -> object:
+    """A ``Llama3Scaling`` from its fields as a mapping too: overrides travel through the
+    lowered program's JSON metadata, where the record is a plain object."""
+    if isinstance(value, Mapping):
+        try:
+            return Llama3Scaling(**value)
+        except TypeError as error:
+            raise ValueError(f"rope_scaling {dict(value)!r}: {error}") from None
+    return value
+
+
 def _default_head_dim(config: Any) -> int:
     return config.hidden_size // config.num_attention_heads
 
@@ -84,7 +96,9 @@ class DecoderConfig:
     head_dim: int = attrs.field(
         default=attrs.Factory(_default_head_dim, takes_self=True), validator=_positive
     )
-    rope_scaling: Llama3Scaling | None = attrs.field(default=None, validator=_scaling)
+    rope_scaling: Llama3Scaling | None = attrs.field(
+        default=None, converter=_as_scaling, validator=_scaling
+    )
     #: per-head q/k RMSNorm: a property of the architecture, set by a family's subclass
     #: (Qwen 3), not a field a preset or an override changes
     qk_norm: ClassVar[bool] = False
