@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from dataflow_training.kit.decoder_family import DecoderFamily
-from dataflow_training.kit.decoder_hf import fields_from_hf, fields_to_hf
+from dataflow_training.kit.decoder_hf import fields_to_hf
 from dataflow_training.kit.hf import CheckpointError
 
 from dataflow_family_llama3.config import Llama3Config
@@ -28,17 +28,14 @@ class Llama3Family(DecoderFamily):
     hf_names = HF_NAMES
     reference = Llama3Reference
 
-    def config_from_hf(self, hf: Mapping[str, Any], source: str) -> Llama3Config:
-        """A ``Llama3Config`` from an HF ``LlamaForCausalLM`` ``config.json``; settings the
-        family does not implement are errors naming the field and ``source``."""
+    config_class = Llama3Config
+    hf_model_type = "llama"
+
+    def check_hf(self, hf: Mapping[str, Any], source: str) -> None:
         if hf.get("pretraining_tp", 1) != 1:
             raise CheckpointError(
                 f"{source}: pretraining_tp = {hf['pretraining_tp']!r}: only 1 is implemented"
             )
-        try:
-            return Llama3Config(**fields_from_hf(hf, source, model_type="llama"))
-        except (TypeError, ValueError) as error:
-            raise CheckpointError(f"{source}: {error}") from error
 
     def config_to_hf(self, config: Llama3Config, dtype: torch.dtype) -> dict[str, Any]:
         """The ``config.json`` of a ``LlamaForCausalLM`` of ``config``."""

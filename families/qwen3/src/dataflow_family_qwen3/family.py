@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from dataflow_training.kit.decoder_family import DecoderFamily
-from dataflow_training.kit.decoder_hf import fields_from_hf, fields_to_hf
+from dataflow_training.kit.decoder_hf import fields_to_hf
 from dataflow_training.kit.hf import CheckpointError
 
 from dataflow_family_qwen3.config import Qwen3Config
@@ -41,10 +41,12 @@ class Qwen3Family(DecoderFamily):
     hf_names = HF_NAMES
     reference = Qwen3Reference
 
-    def config_from_hf(self, hf: Mapping[str, Any], source: str) -> Qwen3Config:
-        """A ``Qwen3Config`` from an HF ``Qwen3ForCausalLM`` ``config.json``; settings the
-        family does not implement (a sliding window) are errors naming the field and
-        ``source``."""
+    config_class = Qwen3Config
+    hf_model_type = "qwen3"
+    hf_defaults = _HF_DEFAULTS
+
+    def check_hf(self, hf: Mapping[str, Any], source: str) -> None:
+        """Sliding-window attention is not implemented: refused by name."""
         if hf.get("use_sliding_window", False):
             raise CheckpointError(
                 f"{source}: use_sliding_window = True: sliding-window attention is not "
@@ -57,11 +59,6 @@ class Qwen3Family(DecoderFamily):
                 f"{source}: layer_types has {others}: the qwen3 family implements only "
                 "'full_attention' layers"
             )
-        fields = fields_from_hf(hf, source, model_type="qwen3", defaults=_HF_DEFAULTS)
-        try:
-            return Qwen3Config(**fields)
-        except (TypeError, ValueError) as error:
-            raise CheckpointError(f"{source}: {error}") from error
 
     def config_to_hf(self, config: Qwen3Config, dtype: torch.dtype) -> dict[str, Any]:
         """The ``config.json`` of a ``Qwen3ForCausalLM`` of ``config``."""

@@ -2,9 +2,11 @@
 family built on ``decoder.py`` writes only its presets, its reference's name and its
 ``config.json`` mapping.
 
-A subclass sets ``name``, ``presets`` (name -> config), ``hf_names`` (preset -> the HF hub
-model whose weights it takes) and implements ``config_from_hf(hf, source)`` and
-``config_to_hf(config, dtype)``; ``reference`` is the plain-autograd model class.
+A subclass sets ``name``, ``presets`` (name -> config), ``config_class``, ``hf_names``
+(preset -> the HF hub model whose weights it takes), ``hf_model_type`` and ``hf_defaults``
+of its ``config.json``, and ``reference`` (the plain-autograd model class); it implements
+``config_to_hf(config, dtype)`` and, where its ``config.json`` has settings of its own that
+it does not implement, ``check_hf(hf, source)``.
 """
 
 from __future__ import annotations
@@ -23,9 +25,15 @@ from dataflow_training.kit.decoder import (
     layer_specs,
     parameter_count,
 )
-from dataflow_training.kit.decoder_hf import export_decoder, import_decoder
+from dataflow_training.kit.decoder_hf import (
+    HF_DEFAULTS,
+    export_decoder,
+    fields_from_hf,
+    import_decoder,
+)
 from dataflow_training.kit.decoder_math import OPS, math_of
 from dataflow_training.kit.decoder_reference import DecoderReference
+from dataflow_training.kit.hf import CheckpointError
 
 
 class UnknownPresetError(KeyError):
@@ -42,6 +50,10 @@ class DecoderFamily:
     presets: ClassVar[Mapping[str, DecoderConfig]] = {}
     hf_names: ClassVar[Mapping[str, str]] = {}
     reference: ClassVar[type[DecoderReference]] = DecoderReference
+    config_class: ClassVar[type[DecoderConfig]] = DecoderConfig
+    #: the ``model_type`` of the family's ``config.json``, and transformers' defaults for it
+    hf_model_type: ClassVar[str] = ""
+    hf_defaults: ClassVar[Mapping[str, Any]] = HF_DEFAULTS
     ops = OPS
 
     def preset(self, name: str) -> DecoderConfig:
@@ -69,8 +81,21 @@ class DecoderFamily:
         return self.reference(config)
 
     # -- HF checkpoints ----------------------------------------------------------------
+    def check_hf(self, hf: Mapping[str, Any], source: str) -> None:
+        """Refuse the family's own ``config.json`` settings it does not implement (raise a
+        ``CheckpointError`` naming the field and ``source``); the shared ones are checked by
+        ``fields_from_hf``."""
+
     def config_from_hf(self, hf: Mapping[str, Any], source: str) -> DecoderConfig:
-        raise NotImplementedError
+        """The config of an HF ``config.json`` (its contents; ``source`` names the file)."""
+        self.check_hf(hf, source)
+        fields = fields_from_hf(
+            hf, source, model_type=self.hf_model_type, defaults=self.hf_defaults
+        )
+        try:
+            return self.config_class(**fields)
+        except (TypeError, ValueError) as error:
+            raise CheckpointError(f"{source}: {error}") from error
 
     def config_to_hf(self, config: DecoderConfig, dtype: torch.dtype) -> dict[str, Any]:
         raise NotImplementedError

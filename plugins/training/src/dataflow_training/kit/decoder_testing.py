@@ -1,5 +1,12 @@
-"""HF parity tests every family built on the kit's decoder subclasses (needs pytest and
-``transformers``; each test skips itself without transformers)::
+"""Tests every family built on the kit's decoder subclasses (they need pytest).
+
+``DecoderFamilyChecks`` (no transformers needed): parameter counts against the reference
+model's ``numel`` for every preset (built on the meta device, so the 8B costs nothing) and
+the published counts, the preset table and ``docs/models/<family>.md`` against the code,
+config and checkpoint errors that name the field and file, and ``dataflow train`` then
+``dataflow export --hf`` on the tiny preset.
+
+``DecoderHFParity`` (each test skips itself without ``transformers``)::
 
     class TestLlamaParity(DecoderHFParity):
         family_name, preset, hf_class = "llama3", "llama3_tiny", "LlamaForCausalLM"
@@ -37,7 +44,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dataflow_training.kit.decoder import expected_state
+from dataflow_training.kit.decoder import expected_state, parameter_count
 
 FLOAT32 = {"rtol": 1e-5, "atol": 1e-5}
 GRADS = {"rtol": 1e-4, "atol": 1e-6}
@@ -235,3 +242,120 @@ class DecoderHFParity:
         written.pop("rope_parameters")
         (tmp_path / "config.json").write_text(json.dumps(written))
         assert family.import_hf(tmp_path)[0] == config
+
+
+class DecoderFamilyChecks:
+    family_name: ClassVar[str] = ""
+    #: a tiny preset (CPU: trained by ``dataflow train`` here)
+    preset: ClassVar[str] = ""
+    #: preset -> its HF model's parameter count as published (tied weights once)
+    published_counts: ClassVar[dict[str, int]] = {}
+    #: the repository's docs/ folder (None: installed outside it, doc tests skip)
+    docs: ClassVar[Path | None] = None
+
+    @pytest.fixture
+    def family(self) -> Any:
+        from dataflow_training.family import load_family
+
+        return load_family(self.family_name)
+
+    def test_parameter_counts_equal_the_reference_and_the_published_ones(self, family):
+        for name in family.presets:
+            config = family.config(name)
+            with torch.device("meta"):
+                reference = family.reference_model(config)
+            numel = sum(p.numel() for p in reference.parameters())
+            assert parameter_count(config) == numel, name
+            if name in self.published_counts:
+                assert numel == self.published_counts[name], name
+
+    def test_layers_are_the_reference_state_tied_and_untied(self, family):
+        for tied in (True, False):
+            config = family.config(self.preset, tie_word_embeddings=tied)
+            layers = family.layers(config)
+            declared = {f"{layer.name}.{p.name}": p.shape for layer in layers for p in layer.params}
+            state = family.reference_model(config).state_dict()
+            assert {k: tuple(v.shape) for k, v in state.items()} == declared
+            assert ("head.lm_head.weight" in declared) is not tied
+            assert layers[-1].tied == (
+                {"lm_head.weight": "emb.embed_tokens.weight"} if tied else {}
+            )
+            decay = {f"{layer.name}.{p.name}": p.decay for layer in layers for p in layer.params}
+            assert decay == {key: len(shape) > 1 for key, shape in declared.items()}  # norms
+
+    def _doc(self, name: str) -> str:
+        if self.docs is None or not (self.docs / name).exists():
+            pytest.skip(f"docs/{name} is not here (package installed outside the monorepo)")
+        return (self.docs / name).read_text()
+
+    def test_the_preset_table_is_the_one_in_the_docs(self, family):
+        assert family.preset_table() in self._doc("builtin_models.md"), (
+            f"docs/builtin_models.md is out of date: paste `python -m "
+            f"dataflow_family_{self.family_name}.presets`"
+        )
+
+    def test_the_models_page_matches_the_lowering(self):
+        from dataflow_training.kit.task_doc import BLOCK, stale_blocks
+
+        page = self._doc(f"models/{self.family_name}.md")
+        assert len(BLOCK.findall(page)) >= 1
+        assert stale_blocks(page) == [], (
+            f"docs/models/{self.family_name}.md is out of date: run `python -m "
+            f"dataflow_training.kit.task_doc --write docs/models/{self.family_name}.md`"
+        )
+
+    def test_config_errors_name_the_field(self, family):
+        with pytest.raises(KeyError, match=rf"unknown {self.family_name} preset 'nope'; known"):
+            family.config("nope")
+        with pytest.raises(TypeError, match=r"no field\(s\) 'n_embd'; known fields: vocab_size"):
+            family.config(self.preset, n_embd=8)
+        with pytest.raises(ValueError, match=r"num_attention_heads \(4\) must be a multiple of "):
+            family.config(self.preset, num_attention_heads=4, num_key_value_heads=3)
+        with pytest.raises(ValueError, match=r"num_hidden_layers must be a positive int, got 0"):
+            family.config(self.preset, num_hidden_layers=0)
+        base = family.config(self.preset)
+        wider = family.config(self.preset, hidden_size=2 * base.hidden_size)
+        follows = base.head_dim == base.hidden_size // base.num_attention_heads
+        assert wider.head_dim == (2 * base.head_dim if follows else base.head_dim)
+
+    def test_checkpoint_errors_name_the_field_or_tensor_and_the_file(self, family, tmp_path):
+        from dataflow_training.kit.hf import CheckpointError
+
+        config = family.config(self.preset)
+        state = family.reference_model(config).state_dict()
+        family.export_hf(config, state, tmp_path)
+        written = json.loads((tmp_path / "config.json").read_text())
+        for field, value, why in [
+            ("attention_bias", True, "no biases"),
+            ("hidden_act", "gelu", "silu"),
+            ("model_type", "gpt2", "not a"),
+            ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "'yarn' is not implemented"),
+        ]:
+            (tmp_path / "config.json").write_text(json.dumps({**written, field: value}))
+            with pytest.raises(CheckpointError, match=rf"config.json: {field} = .*{why}"):
+                family.import_hf(tmp_path)
+        (tmp_path / "config.json").write_text(json.dumps(written))
+        del state["0.mlp.up_proj.weight"]
+        with pytest.raises(CheckpointError, match=r"state has no tensor '0.mlp.up_proj.weight'"):
+            family.export_hf(config, state, tmp_path / "partial")
+        assert not (tmp_path / "partial" / "config.json").exists()
+
+    def test_dataflow_train_then_export_hf(self, family, tmp_path):
+        from safetensors.torch import load_file
+
+        from dataflow.testing.cli import invoke
+
+        out = tmp_path / "run"
+        args = ["--batch", "2", "--seq-len", "32", "--device", "cpu", "--out", out]
+        result = invoke("train", "--preset", self.preset, "--steps", "2", *args)
+        assert result.exit_code == 0, result.output
+        hf = tmp_path / "hf"
+        result = invoke("export", "--hf", hf, "--from", out / "step_000002")
+        assert result.exit_code == 0, result.output
+        trained = load_file(out / "step_000002" / "model.safetensors")
+        config, state = family.import_hf(hf)
+        assert config == family.config(self.preset)
+        assert state.keys() == trained.keys()
+        assert all(torch.equal(state[key], trained[key]) for key in state)
+        losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").open()]
+        assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
