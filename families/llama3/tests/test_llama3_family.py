@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from dataflow_family_llama3.config import Llama3Config
 from dataflow_family_llama3.family import Llama3Family
 from dataflow_training.kit.decoder_testing import DecoderFamilyChecks
@@ -38,3 +39,15 @@ def test_presets_are_llama3_configs_without_qk_norm() -> None:
     assert {(c.num_key_value_heads, c.vocab_size, c.rope_theta) for c in released} == {
         (8, 128256, 500000.0)
     }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["llama3_tiny", pytest.param("l3_1b", marks=pytest.mark.slow)])
+def test_verify_passes_in_bf16_on_cuda(preset: str) -> None:
+    """`dataflow verify --family llama3 --preset PRESET --device cuda --dtype bf16`: the
+    engine's step on the GPU (bf16 weights, gradients, activations) against the float64
+    reference, at the bf16 tolerances of `dataflow_training.verify.TOLERANCES`."""
+    from dataflow_training.verify import verify
+
+    failed = [c for c in verify("llama3", preset, device="cuda", policy="bf16") if not c.ok]
+    assert not failed, failed

@@ -56,3 +56,17 @@ def test_a_sliding_window_checkpoint_is_refused(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**written, "layer_types": layer_types}))
     with pytest.raises(CheckpointError, match=r"layer_types has \['sliding_attention'\]"):
         family.import_hf(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "preset", ["qwen3_tiny", pytest.param("qwen3_0_6b", marks=pytest.mark.slow)]
+)
+def test_verify_passes_in_bf16_on_cuda(preset: str) -> None:
+    """`dataflow verify --family qwen3 --preset PRESET --device cuda --dtype bf16`: the
+    engine's step on the GPU (bf16 weights, gradients, activations) against the float64
+    reference, at the bf16 tolerances of `dataflow_training.verify.TOLERANCES`."""
+    from dataflow_training.verify import verify
+
+    failed = [c for c in verify("qwen3", preset, device="cuda", policy="bf16") if not c.ok]
+    assert not failed, failed
