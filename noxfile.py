@@ -76,7 +76,7 @@ def install_project(session: nox.Session, *, examples: bool = False) -> None:
 def tests(session: nox.Session) -> None:
     """Run the whole CPU test suite (GPU tests skip themselves without CUDA)."""
     install_project(session, examples=True)
-    session.install("transformers>=4.40")  # families/gpt2's HF checkpoint round trip
+    session.install("transformers>=4.40")  # the families' HF checkpoint and parity tests
     suites = ["tests", *plugin_packages(), *example_packages()]  # every package's own tests
     session.run("pytest", *(session.posargs or ["-q", *suites]))
 

@@ -11,6 +11,7 @@ positions.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import attrs
 import torch
@@ -59,6 +60,21 @@ def tables(
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+
+
+@lru_cache(maxsize=32)
+def cached_tables(
+    seq_len: int,
+    rotary_dim: int,
+    base: float,
+    scaling: Llama3Scaling | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tables`` made once per (length, rotation, device, dtype) and kept: a block's
+    forward, recompute and backward all take the same two tensors, already on the device
+    (nothing is copied from the host while a step runs). Callers must not write into them."""
+    return tables(seq_len, rotary_dim, base, scaling=scaling, device=device, dtype=dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,287 @@
+"""The math of a Llama-style decoder (``decoder.py``): embed, block, head, on the kit.
+
+Every op with a kernel goes through ``env.ops``. A block is
+``h = x + o_proj(attention(rope(qn(q_proj(n1(x)))), rope(kn(k_proj(n1(x)))), v_proj(n1(x))))``,
+``y = h + down_proj(silu(gate_proj(n2(h))) * up_proj(n2(h)))``, where ``qn`` / ``kn`` are
+the per-head q/k RMSNorms of Qwen 3 (``config.qk_norm``; absent for Llama 3) and the
+attention is causal grouped-query attention, scaled by ``1 / sqrt(head_dim)``.
+
+What a block saves for backward (the contents of ``A_<layer>``), per token:
+
+- ``q`` (heads * head_dim), ``k`` and ``v`` (kv_heads * head_dim each): the three
+  projections as they come out of their matmuls, before the q/k norm and the rotation;
+- ``attn`` (heads * head_dim): the attention output, ``o_proj``'s input;
+- ``lse`` (heads, float32): the attention's logsumexp;
+- ``h_mid`` (hidden): the residual stream between attention and MLP;
+- ``gate``, ``up`` (intermediate each): the SwiGLU's two projections.
+
+That is ``2 * (heads + kv_heads) * head_dim + hidden + 2 * intermediate`` values and
+``heads`` floats per token. With them backward runs no projection and no attention forward
+again: it rebuilds only elementwise work (the two RMSNorms from ``x`` and ``h_mid``, the
+q/k norms and rotations from the saved ``q`` and ``k``, ``silu(gate) * up``) and calls the
+fused backward kernels (``attention_bwd`` with the saved logsumexp, ``rms_norm_bwd``,
+``swiglu_bwd``); every projection's gradients are ``linear`` calls. ``forward`` is
+``recompute`` plus the SwiGLU product and ``down_proj``, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dataflow_training.family import Env, LayerCost, TensorSpec, Work
+from dataflow_training.kit import rotary
+from dataflow_training.kit.attention import (
+    attention_backward,
+    attention_forward,
+    merge_heads,
+    split_heads,
+)
+from dataflow_training.kit.decoder import EMBED_WEIGHT, FINAL_NORM, LM_HEAD, DecoderConfig
+from dataflow_training.kit.head import lm_head_loss
+from dataflow_training.kit.linear import Linear, accumulation_dtype
+from dataflow_training.kit.mlp import SwiGLU
+from dataflow_training.kit.norms import RMSNorm
+
+Tensors = dict[str, torch.Tensor]
+
+#: every op the math calls through ``env.ops``
+OPS = (
+    "linear",
+    "rms_norm_fwd",
+    "rms_norm_bwd",
+    "attention_fwd",
+    "attention_bwd",
+    "swiglu_fwd",
+    "swiglu_bwd",
+    "chunked_cross_entropy",
+)
+
+Q_PROJ = Linear("self_attn.q_proj.weight")
+K_PROJ = Linear("self_attn.k_proj.weight")
+V_PROJ = Linear("self_attn.v_proj.weight")
+O_PROJ = Linear("self_attn.o_proj.weight")
+MLP = SwiGLU(
+    Linear("mlp.gate_proj.weight"), Linear("mlp.up_proj.weight"), Linear("mlp.down_proj.weight")
+)
+
+
+def _norms(config: DecoderConfig) -> tuple[RMSNorm, RMSNorm]:
+    eps = config.rms_norm_eps
+    return RMSNorm("input_layernorm.weight", eps), RMSNorm("post_attention_layernorm.weight", eps)
+
+
+def _qk_norms(config: DecoderConfig) -> tuple[RMSNorm, RMSNorm]:
+    eps = config.rms_norm_eps
+    return RMSNorm("self_attn.q_norm.weight", eps), RMSNorm("self_attn.k_norm.weight", eps)
+
+
+def _check_seq_len(config: DecoderConfig, seq_len: int) -> None:
+    if seq_len > config.max_position_embeddings:
+        raise ValueError(
+            f"sequence length {seq_len} exceeds {type(config).__name__}.max_position_embeddings "
+            f"({config.max_position_embeddings})"
+        )
+
+
+def _rope(config: DecoderConfig, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) for ``like``'s sequence length (dim 1), device and dtype."""
+    return rotary.cached_tables(
+        like.shape[1],
+        config.head_dim,
+        float(config.rope_theta),
+        config.rope_scaling,
+        like.device,
+        like.dtype,
+    )
+
+
+def _per_head(config: DecoderConfig, t: torch.Tensor) -> torch.Tensor:
+    """(batch, seq, heads * head_dim) -> a (batch, seq, heads, head_dim) view."""
+    batch, seq, width = t.shape
+    return t.view(batch, seq, width // config.head_dim, config.head_dim)
+
+
+def _attention_inputs(
+    config: DecoderConfig, params: Tensors, q: torch.Tensor, k: torch.Tensor, ops: Any
+) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """Query and key heads (batch, heads, seq, head_dim) as attention takes them, from the
+    projections: normed per head (``qk_norm``), then rotated; and the norms' statistics."""
+    q_heads, k_heads, stats = _per_head(config, q), _per_head(config, k), ()
+    if config.qk_norm:
+        q_norm, k_norm = _qk_norms(config)
+        q_heads, q_stats = q_norm.forward(ops, params, q_heads)
+        k_heads, k_stats = k_norm.forward(ops, params, k_heads)
+        stats = (q_stats, k_stats)
+    cos, sin = _rope(config, q)
+    rotated = (rotary.apply(t.transpose(1, 2), cos, sin) for t in (q_heads, k_heads))
+    return *rotated, stats
+
+
+class DecoderEmbed:
+    """``embed_tokens.weight[tokens]``; its gradient by scatter-add over the tokens."""
+
+    def forward(self, config: DecoderConfig, params: Tensors, tokens: torch.Tensor, env: Env):
+        _check_seq_len(config, tokens.shape[1])
+        return params[EMBED_WEIGHT][tokens]
+
+    def backward(
+        self, config: DecoderConfig, tokens: torch.Tensor, d_hidden: torch.Tensor, env: Env
+    ) -> Tensors:
+        """Needs no weights; sums in float32 at least, returned in that dtype."""
+        acc = accumulation_dtype(d_hidden.dtype)
+        n = config.hidden_size
+        grad = torch.zeros(config.vocab_size, n, dtype=acc, device=d_hidden.device)
+        grad.index_add_(0, tokens.reshape(-1), d_hidden.reshape(-1, n).to(acc))
+        return {EMBED_WEIGHT: grad}
+
+    def cost(self, config: DecoderConfig, batch: int, seq_len: int, act_bytes: int) -> LayerCost:
+        tokens, n = batch * seq_len, config.hidden_size
+        table = config.vocab_size * n * 4  # float32 sums
+        return LayerCost(
+            forward=Work(0, 2 * tokens * n * act_bytes),
+            backward=Work(0, tokens * n * act_bytes + 3 * table),
+        )
+
+
+class DecoderBlock:
+    """Pre-norm block: ``h = x + attention(n1(x))``, ``y = h + swiglu(n2(h))``."""
+
+    def saved(self, config: DecoderConfig, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
+        q, kv = config.q_width, config.kv_width
+        return (
+            TensorSpec("q", (batch, seq_len, q)),
+            TensorSpec("k", (batch, seq_len, kv)),
+            TensorSpec("v", (batch, seq_len, kv)),
+            TensorSpec("attn", (batch, seq_len, q)),
+            TensorSpec("lse", (batch, config.num_attention_heads, seq_len), dtype="float32"),
+            TensorSpec("h_mid", (batch, seq_len, config.hidden_size)),
+            TensorSpec("gate", (batch, seq_len, config.intermediate_size)),
+            TensorSpec("up", (batch, seq_len, config.intermediate_size)),
+        )
+
+    def aux_temp(self, config: DecoderConfig, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
+        return ()
+
+    def forward(
+        self, config: DecoderConfig, params: Tensors, x: torch.Tensor, env: Env
+    ) -> tuple[torch.Tensor, Tensors, Tensors]:
+        saved = self.recompute(config, params, x, {}, env)
+        act = env.ops["swiglu_fwd"](saved["gate"], saved["up"])
+        return saved["h_mid"] + MLP.down.forward(env.ops, params, act), saved, {}
+
+    def recompute(
+        self, config: DecoderConfig, params: Tensors, x: torch.Tensor, aux_temp: Tensors, env: Env
+    ) -> Tensors:
+        _check_seq_len(config, x.shape[1])
+        ops, (norm_1, norm_2) = env.ops, _norms(config)
+        h1, _ = norm_1.forward(ops, params, x)
+        q, k, v = (proj.forward(ops, params, h1) for proj in (Q_PROJ, K_PROJ, V_PROJ))
+        del h1
+        q_heads, k_heads, _ = _attention_inputs(config, params, q, k, ops)
+        v_heads = split_heads(v, config.num_key_value_heads)
+        out, lse = attention_forward(ops, q_heads, k_heads, v_heads, causal=True)
+        del q_heads, k_heads, v_heads
+        attn = merge_heads(out)
+        h_mid = x + O_PROJ.forward(ops, params, attn)
+        h2, _ = norm_2.forward(ops, params, h_mid)
+        gate, up = MLP.gate.forward(ops, params, h2), MLP.up.forward(ops, params, h2)
+        saved = {"q": q, "k": k, "v": v, "attn": attn, "lse": lse, "h_mid": h_mid}
+        return saved | {"gate": gate, "up": up}
+
+    def backward(
+        self,
+        config: DecoderConfig,
+        params: Tensors,
+        x: torch.Tensor,
+        saved: Tensors,
+        aux_temp: Tensors,
+        dy: torch.Tensor,
+        env: Env,
+    ) -> tuple[torch.Tensor, Tensors]:
+        ops, (norm_1, norm_2) = env.ops, _norms(config)
+        h_mid = saved["h_mid"]
+        # MLP: y = h_mid + swiglu(n2(h_mid))
+        h2, stats_2 = norm_2.forward(ops, params, h_mid)
+        d_h2, grads = MLP.backward(ops, params, h2, saved["gate"], saved["up"], dy)
+        del h2
+        d_h_mid, g = norm_2.backward(ops, params, h_mid, stats_2, d_h2)
+        grads.update(g)
+        del d_h2
+        d_h_mid += dy  # the residual
+        # attention: h_mid = x + o_proj(attention(...))
+        d_attn, g = O_PROJ.backward(ops, params, saved["attn"], d_h_mid)
+        grads.update(g)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        q_heads, k_heads, qk_stats = _attention_inputs(config, params, saved["q"], saved["k"], ops)
+        dq, dk, dv = attention_backward(
+            ops,
+            split_heads(d_attn, heads),
+            q_heads,
+            k_heads,
+            split_heads(saved["v"], kv_heads),
+            split_heads(saved["attn"], heads),
+            saved["lse"],
+            causal=True,
+        )
+        del d_attn, q_heads, k_heads
+        cos, sin = _rope(config, x)
+        dq, dk = (rotary.backward(d, cos, sin).transpose(1, 2).contiguous() for d in (dq, dk))
+        if config.qk_norm:  # back through the per-head norms, from the saved projections
+            q_norm, k_norm = _qk_norms(config)
+            dq, g = q_norm.backward(ops, params, _per_head(config, saved["q"]), qk_stats[0], dq)
+            grads.update(g)
+            dk, g = k_norm.backward(ops, params, _per_head(config, saved["k"]), qk_stats[1], dk)
+            grads.update(g)
+        d_proj = (dq.flatten(2), dk.flatten(2), merge_heads(dv))
+        del dq, dk, dv
+        h1, stats_1 = norm_1.forward(ops, params, x)
+        d_h1 = None
+        for proj, d_out in zip((Q_PROJ, K_PROJ, V_PROJ), d_proj, strict=True):
+            d_in, g = proj.backward(ops, params, h1, d_out)
+            grads.update(g)
+            d_h1 = d_in if d_h1 is None else d_h1.add_(d_in)
+        del d_proj, h1
+        d_x, g = norm_1.backward(ops, params, x, stats_1, d_h1)
+        grads.update(g)
+        return d_x.add_(d_h_mid), grads
+
+    def cost(self, config: DecoderConfig, batch: int, seq_len: int, act_bytes: int) -> LayerCost:
+        tokens, n, inner = batch * seq_len, config.hidden_size, config.intermediate_size
+        q, kv = config.q_width, config.kv_width
+        matmul = 2 * tokens * (n * (2 * q + 2 * kv) + 3 * n * inner)
+        attention = 2 * tokens * seq_len * q  # causal: half of q.k and of p.v
+        saved = 2 * q + 2 * kv + n + 2 * inner
+        activations = tokens * act_bytes * (2 * n + 2 * saved)
+        return LayerCost(
+            forward=Work(matmul + attention, activations),
+            backward=Work(2 * matmul + 2.5 * attention, 2 * activations),
+        )
+
+
+class DecoderHead:
+    """Final RMSNorm, logits against ``lm_head.weight`` (the embedding's, when tied) chunk
+    by chunk, mean loss."""
+
+    def forward_backward(
+        self, config: DecoderConfig, params: Tensors, x: torch.Tensor, targets: Any, env: Env
+    ) -> tuple[torch.Tensor, torch.Tensor, Tensors]:
+        norm = RMSNorm(FINAL_NORM, config.rms_norm_eps)
+        return lm_head_loss(env, params, x, targets, norm=norm, projection=LM_HEAD)
+
+    def cost(self, config: DecoderConfig, batch: int, seq_len: int, act_bytes: int) -> LayerCost:
+        tokens, n = batch * seq_len, config.hidden_size
+        logits = 2 * tokens * config.vocab_size * n
+        work = Work(3 * logits, tokens * act_bytes * 4 * n + tokens * config.vocab_size * 8)
+        return LayerCost(forward=work, backward=Work())
+
+
+_KINDS = {"embed": DecoderEmbed, "block": DecoderBlock, "head": DecoderHead}
+
+
+def math_of(family: str, kind: str) -> Any:
+    """The math object of a layer kind (``embed``, ``block``, ``head``) of ``family``."""
+    if kind not in _KINDS:
+        raise KeyError(f"{family} has no layer kind {kind!r}; its kinds: {', '.join(_KINDS)}")
+    return _KINDS[kind]()

@@ -1,0 +1,189 @@
+"""A Llama-style decoder (``decoder.py``) as one plain-autograd ``nn.Module``: the truth the
+kit's decoder math is checked against, shared by the families built on it (Llama 3, Qwen 3).
+
+Isolated on purpose: it imports only torch and shares no code with the kit's math (no
+``ops``, no rotary tables of ``rotary.py``: the frequencies, Llama 3's scaling, the
+rotation, the norms and the softmax of masked scores are all written out again here), so
+a bug in a kernel or in a hand-written backward cannot hide in it. It is itself checked
+against ``transformers`` (``LlamaForCausalLM``, ``Qwen3ForCausalLM``) by each family's HF
+tests. Its ``state_dict()`` keys are the layers' ``f"{layer}.{param}"`` names
+(``emb.embed_tokens.weight``, ``0.self_attn.q_proj.weight``, ``head.norm.weight``, and
+``head.lm_head.weight`` unless the output projection is the embedding). No dropout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+def inverse_frequencies(config: Any) -> torch.Tensor:
+    """float64 RoPE frequencies of ``config``, with Llama 3's scaling where it has one:
+    wavelengths longer than ``original / low_freq_factor`` are divided by ``factor``,
+    shorter than ``original / high_freq_factor`` kept, and the band between blended."""
+    dim, scaling = config.head_dim, config.rope_scaling
+    inv = config.rope_theta ** -(torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    if scaling is None:
+        return inv
+    original = scaling.original_max_position
+    out = []
+    for freq in inv.tolist():
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / scaling.high_freq_factor:
+            out.append(freq)
+        elif wavelength > original / scaling.low_freq_factor:
+            out.append(freq / scaling.factor)
+        else:
+            smooth = (original / wavelength - scaling.low_freq_factor) / (
+                scaling.high_freq_factor - scaling.low_freq_factor
+            )
+            out.append((1 - smooth) * freq / scaling.factor + smooth * freq)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def rotate(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """Rotate (batch, heads, seq, dim) by position: pairs (i, i + dim/2), angle pos * inv_i."""
+    angles = torch.arange(x.shape[-2], dtype=torch.float64)[:, None] * inv[None, :]
+    cos, sin = angles.cos().to(x), angles.sin().to(x)
+    first, second = x[..., : inv.numel()], x[..., inv.numel() :]
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Embed(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        n, q, kv = config.hidden_size, config.q_width, config.kv_width
+        self.q_proj = nn.Linear(n, q, bias=False)
+        self.k_proj = nn.Linear(n, kv, bias=False)
+        self.v_proj = nn.Linear(n, kv, bias=False)
+        self.o_proj = nn.Linear(q, n, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        batch, seq, _ = x.shape
+
+        def heads(t: torch.Tensor, count: int, norm: Any) -> torch.Tensor:
+            t = t.view(batch, seq, count, c.head_dim)
+            return (norm(t) if norm is not None else t).transpose(1, 2)
+
+        q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
+        q = heads(self.q_proj(x), c.num_attention_heads, q_norm)
+        k = heads(self.k_proj(x), c.num_key_value_heads, k_norm)
+        v = heads(self.v_proj(x), c.num_key_value_heads, None)
+        inv = inverse_frequencies(c)
+        q, k = rotate(q, inv), rotate(k, inv)
+        group = c.num_attention_heads // c.num_key_value_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(c.head_dim)
+        future = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+        weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        return self.o_proj((weights @ v).transpose(1, 2).reshape(batch, seq, c.q_width))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        n, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(n, inner, bias=False)
+        self.up_proj = nn.Linear(n, inner, bias=False)
+        self.down_proj = nn.Linear(inner, n, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Head(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class DecoderReference(nn.Module):
+    """``model(tokens, targets)`` -> mean cross-entropy over the scored tokens (targets
+    other than -100; 0 when none is). Blocks are the submodules ``"0"`` ..
+    ``"num_hidden_layers-1"``."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.emb = Embed(config)
+        for layer in range(config.num_hidden_layers):
+            self.add_module(str(layer), Block(config))
+        self.head = Head(config)
+        self.init_weights()
+
+    def blocks(self) -> list[Block]:
+        return [self.get_submodule(str(layer)) for layer in range(self.config.num_hidden_layers)]
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
+        """HF's initialization of these models: every matrix N(0, std), norms 1."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                module.weight.normal_(0.0, std, generator=generator)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def output_weight(self) -> torch.Tensor:
+        """The output projection (vocab, hidden): ``lm_head``'s, or the embedding when tied."""
+        if self.config.tie_word_embeddings:
+            return self.emb.embed_tokens.weight
+        return self.head.lm_head.weight
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds max_position_embeddings "
+                f"({self.config.max_position_embeddings})"
+            )
+        x = self.emb.embed_tokens(tokens)
+        for block in self.blocks():
+            x = block(x)
+        return self.head.norm(x) @ self.output_weight().t()
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(tokens).flatten(0, 1)
+        flat = targets.flatten()
+        loss_sum = F.cross_entropy(logits, flat, ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss_sum / (flat != IGNORE_INDEX).sum().clamp(min=1)

@@ -1,0 +1,123 @@
+"""The kit's decoder pieces that no family test pins alone: the reference's rotary
+frequencies against ``kit.rotary``'s (two independent implementations, every band of the
+Llama 3 scaling), the cached rotary tables, ``DecoderConfig``'s rules, the shared
+``config.json`` reading, and ``task_doc``'s stale-block check on a planted difference."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+import pytest
+import torch
+from dataflow_training.kit import rotary
+from dataflow_training.kit.decoder import DecoderConfig, parameter_count
+from dataflow_training.kit.decoder_hf import fields_from_hf, fields_to_hf
+from dataflow_training.kit.decoder_reference import DecoderReference, inverse_frequencies
+from dataflow_training.kit.hf import CheckpointError
+from dataflow_training.kit.rotary import Llama3Scaling
+
+pytest.importorskip("dataflow_kernels_torch")
+
+
+def small(**fields) -> DecoderConfig:
+    sizes = dict(
+        vocab_size=50,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
+    return DecoderConfig(**(sizes | fields))
+
+
+@attrs.frozen
+class WithQKNorm(DecoderConfig):
+    qk_norm: ClassVar[bool] = True
+
+
+@pytest.mark.parametrize(
+    "scaling", [None, Llama3Scaling(factor=8.0, original_max_position=64)], ids=["plain", "llama3"]
+)
+def test_the_reference_frequencies_equal_the_kits(scaling) -> None:
+    config = small(rope_scaling=scaling)
+    ours = inverse_frequencies(config)
+    torch.testing.assert_close(
+        ours, rotary.inverse_frequencies(16, 500000.0, scaling), rtol=1e-12, atol=0
+    )
+    if scaling is not None:  # the test reaches all three bands: kept, blended, divided
+        plain = rotary.inverse_frequencies(16, 500000.0)
+        ratio = (ours / plain).tolist()
+        assert ratio[0] == 1.0 and ratio[-1] == pytest.approx(1 / 8)
+        assert any(1 / 8 < r < 1 for r in ratio)
+
+
+def test_cached_tables_are_made_once_and_equal_tables() -> None:
+    args = (12, 16, 10000.0, Llama3Scaling(), torch.device("cpu"), torch.float64)
+    first, again = rotary.cached_tables(*args), rotary.cached_tables(*args)
+    assert first[0] is again[0] and first[1] is again[1]
+    expected = rotary.tables(12, 16, 10000.0, scaling=Llama3Scaling(), dtype=torch.float64)
+    assert all(torch.equal(a, b) for a, b in zip(first, expected, strict=True))
+
+
+def test_config_rules_name_the_field() -> None:
+    with pytest.raises(ValueError, match=r"DecoderConfig.head_dim \(15\) must be even"):
+        small(head_dim=15)
+    with pytest.raises(
+        ValueError, match=r"WithQKNorm.num_attention_heads \(4\) must be a multiple"
+    ):
+        WithQKNorm(**attrs.asdict(small(), recurse=False) | {"num_key_value_heads": 3})
+    with pytest.raises(ValueError, match=r"tie_word_embeddings must be True or False, got 1"):
+        small(tie_word_embeddings=1)
+    with pytest.raises(TypeError, match=r"no field\(s\) 'qk_norm'"):
+        small().with_overrides(qk_norm=True)  # a class attribute, not a field
+    scaled = small().with_overrides(rope_scaling={"factor": 4.0, "original_max_position": 32})
+    assert scaled.rope_scaling == Llama3Scaling(factor=4.0, original_max_position=32)
+    with pytest.raises(ValueError, match=r"rope_scaling \{'factr': 4.0\}: "):
+        small(rope_scaling={"factr": 4.0})
+
+
+def test_qk_norm_adds_two_head_dim_weights_per_block() -> None:
+    plain, normed = (
+        small(head_dim=32),
+        WithQKNorm(**attrs.asdict(small(head_dim=32), recurse=False)),
+    )
+    assert parameter_count(normed) - parameter_count(plain) == 2 * 32
+    with torch.device("meta"):
+        assert sum(p.numel() for p in DecoderReference(normed).parameters()) == parameter_count(
+            normed
+        )
+
+
+def test_config_json_rope_spellings() -> None:
+    config = small(rope_scaling=Llama3Scaling(factor=8.0))
+    written = fields_to_hf(config, torch.bfloat16)
+    assert written["rope_parameters"]["rope_type"] == "llama3" and written["dtype"] == "bfloat16"
+    new = {k: v for k, v in written.items() if k not in ("rope_scaling", "rope_theta")}
+    old = {k: v for k, v in written.items() if k != "rope_parameters"}
+    for spelling in (new, old):
+        assert DecoderConfig(**fields_from_hf(spelling, "c.json", model_type="llama")) == config
+    typed = old | {"rope_scaling": {**old["rope_scaling"], "type": "llama3"}}
+    del typed["rope_scaling"]["rope_type"]  # the oldest files say "type"
+    assert DecoderConfig(**fields_from_hf(typed, "c.json", model_type="llama")) == config
+    broken = old | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    with pytest.raises(CheckpointError, match=r"c.json: rope_scaling = .* needs 'low_freq_factor'"):
+        fields_from_hf(broken, "c.json", model_type="llama")
+
+
+def test_stale_blocks_find_a_planted_difference_and_rewrite_fixes_it() -> None:
+    from dataflow_training.kit.task_doc import rewrite, stale_blocks, task_doc
+
+    args = "toy_moe toy_moe_tiny --batch 2 --seq-len 8 --dtype fp32"
+    body = task_doc("toy_moe", "toy_moe_tiny", batch=2, seq_len=8, dtype="fp32")
+    assert "| `W_0` | param |" in body and "`embed_0_0_emb`" in body
+    page = f"# page\n\n<!-- task_doc {args} -->\n{body}<!-- /task_doc -->\n"
+    assert stale_blocks(page) == []
+    planted = page.replace(" | param | ", " | param | 1", 1)
+    assert stale_blocks(planted) == [args]
+    assert rewrite(planted) == page
