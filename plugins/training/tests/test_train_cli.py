@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -145,6 +146,14 @@ def test_train_30_steps_loss_falls(site, corpus, tmp_path):
     assert result.exit_code == 0, result.output
     assert "plan: gpt2-gpt2_tiny-train on cpu: predicted" in result.output
     assert "tok/s" in result.output
+    # not a terminal: plain progress lines (every ~5 % of the run), no bar
+    assert re.search(
+        r"^step 30/30 loss \d+\.\d{4} lr \S+ grad_norm \S+ tok/s ", result.output, re.M
+    )
+    assert "━" not in result.output
+    assert re.search(
+        r"^done: step 30, loss \d\.\d{4} -> \d\.\d{4}; fast peak ", result.output, re.M
+    )
     losses = _losses(out)
     assert [s for s, _ in losses] == list(range(1, 31))
     first, last = sum(x for _, x in losses[:5]) / 5, sum(x for _, x in losses[-5:]) / 5
@@ -288,3 +297,38 @@ def test_a_loss_that_is_not_finite_stops_the_run_and_keeps_the_checkpoint(site, 
     assert kept, "the first step's checkpoint is kept"
     manifest = json.loads((kept[-1] / "manifest.json").read_text())
     assert all(math.isfinite(loss) for _, loss in manifest["history"])
+
+
+def test_progress_bar_renders_on_a_terminal(corpus, tmp_path):
+    """Under a pseudo-terminal the run draws a rich bar (step, loss, tok/s, ETA) instead
+    of the plain lines; the plan line and the closing line are there as always."""
+    pytest.importorskip("dataflow_feed_shards")  # the text: feed
+    primary, secondary = os.openpty()
+    args = _args(corpus, tmp_path / "run", 6)
+    args[args.index("--data") + 1] = f"text:{corpus}"
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "dataflow"), *args],
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+        env={**os.environ, "COLUMNS": "120", "LINES": "40", "TERM": "xterm-256color"},
+    )
+    os.close(secondary)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # EIO: the terminal's other end closed
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(primary)
+    assert proc.wait(timeout=120) == 0, b"".join(chunks).decode(errors="replace")
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode())
+    assert "plan: gpt2-gpt2_tiny-train on cpu" in screen
+    bar = re.search(r"step 6/6 ━+ loss (\d+\.\d{4})  [\d,]+ tok/s (\d+:\d\d:\d\d)", screen)
+    assert bar, screen
+    assert not re.search(r"^step \d+/6 loss", screen, re.M), screen  # no plain lines
+    assert "done: step 6, loss " in screen
+    assert float(bar[1]) == pytest.approx(_losses(tmp_path / "run")[-1][1], abs=1e-4)

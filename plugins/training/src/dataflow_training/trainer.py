@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 import sys
 import time
@@ -217,7 +218,11 @@ def train(
             "history": history[-HISTORY_TAIL:],
             "options": _jsonable(o),
         }
-        path = run.save(o.out / step_name(step), extra)
+        path = o.out / step_name(step)
+        if path.is_dir():  # resumed from an earlier step: this one is of the old history
+            print(f"replacing {path}, written by the run this one resumed before", file=out)
+            shutil.rmtree(path)
+        path = run.save(path, extra)
         saved.append(path)
         if o.keep is not None:
             prune(o.out, o.keep)
