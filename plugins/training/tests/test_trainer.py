@@ -22,10 +22,28 @@ from dataflow_training.run import UNBOUNDED_BYTES, TrainingRun  # noqa: E402
 from dataflow_training.trainer import (  # noqa: E402
     TENSORBOARD_SCALARS,
     TrainOptions,
+    lr_at,
     plan_line,
     recomputed_layers,
     train,
 )
+
+
+@pytest.mark.parametrize(
+    ("schedule", "steps", "expected"),
+    [
+        # warmup 2 to lr 1, then over steps 2..5 (span 3) a cosine to 0.1:
+        # 0.1 + 0.9 * (1 + cos(pi * k / 3)) / 2 for k = 0..3
+        ("cosine", 6, [0.5, 1.0, 1.0, 0.775, 0.325, 0.1]),
+        # stable at 1 until 80 % of steps 2..11 (span 9) are done, then linear to 0.1:
+        # step 10 is 8/9 of the way, 4/9 into the decay: 1 - 0.9 * 4/9 = 0.6
+        ("wsd", 12, [0.5, 1.0, *[1.0] * 8, 0.6, 0.1]),
+        ("constant", 4, [0.5, 1.0, 1.0, 1.0]),
+    ],
+)
+def test_lr_schedules(schedule, steps, expected, tmp_path):
+    o = TrainOptions("gpt2", "gpt2_tiny", steps, tmp_path, lr=1.0, warmup=2, schedule=schedule)
+    assert [lr_at(step, o) for step in range(steps)] == pytest.approx(expected, abs=1e-12)
 
 
 @pytest.mark.parametrize(("recompute", "listed"), [((), "none"), ((1,), "1"), ((0, 1), "0, 1")])

@@ -221,7 +221,8 @@ def _profile_window(
 
 
 def _progress(steps: int) -> Any:
-    """A rich progress bar on a terminal, else a plain line every ~5 % of the run."""
+    """A rich progress bar on a terminal, else a plain line at step 1 and every ~5 % of
+    the run."""
     import time
 
     from dataflow_training.trainer import elapsed_eta
@@ -251,7 +252,7 @@ def _progress(steps: int) -> Any:
     every = max(1, steps // 20)
 
     def line(step: int, total: int, metrics: dict[str, Any]) -> None:
-        if step % every and step != total:
+        if step % every and step not in (1, total):
             return
         eta = elapsed_eta(started, step, total)
         norm = metrics["grad_norm"]
