@@ -103,6 +103,50 @@ def test_cpu_trace_covers_exactly_the_window(tmp_path):
     assert all(first <= e["ts"] <= last for e in products)
 
 
+def test_a_run_resumed_past_the_window_traces_nothing_and_says_so(tmp_path):
+    assert _train(tmp_path, 3).exit_code == 0
+    window = ("--profile", "--profile-start-before-step", "2", "--profile-stop-after-step", "3")
+    result = _train(tmp_path, 5, "--resume", "auto", *window)
+    assert result.exit_code == 0, result.output
+    assert "profile: steps 2-3 ran before step 3, where this run resumes: nothing to trace" in (
+        result.output
+    )
+    assert not (tmp_path / "run" / "profile").exists()
+
+
+@pytest.mark.gpu
+def test_cuda_profile_window_pushes_nvtx_ranges_and_starts_the_cuda_profiler_once(
+    tmp_path, monkeypatch
+):
+    """On CUDA, in-process so that the NVTX and CUDA-profiler calls can be watched: one
+    cudaProfilerStart before step 2 and one stop after step 3, a range per step and per
+    task launch only inside the window, balanced."""
+    import torch
+
+    calls: list[tuple[str, str | None]] = []
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: calls.append(("push", name)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append(("pop", None)))
+    monkeypatch.setattr(torch.cuda.profiler, "start", lambda: calls.append(("start", None)))
+    monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: calls.append(("stop", None)))
+    result = invoke(
+        *("train", "--preset", "gpt2_tiny", "--steps", "4", "--device", "cuda"),
+        *("--budget", "1GiB", "--batch", "2", "--seq-len", "16", "--out", str(tmp_path / "run")),
+        *("--profile", "--profile-start-before-step", "2", "--profile-stop-after-step", "3"),
+    )
+    assert result.exit_code == 0, result.output
+    kinds = [kind for kind, _ in calls]
+    assert kinds[0] == "start" and kinds[-1] == "stop" and kinds.count("start") == 1
+    assert kinds.count("push") == kinds.count("pop")
+    pushed = [name for kind, name in calls if kind == "push"]
+    steps = [name for name in pushed if name.startswith("dataflow step ")]
+    assert steps == ["dataflow step 2", "dataflow step 3"]
+    tasks = [name for name in pushed if not name.startswith("dataflow step ")]
+    assert tasks and len(tasks) % 2 == 0  # the same tasks in each of the two steps
+    assert tasks[: len(tasks) // 2] == tasks[len(tasks) // 2 :]
+    assert any(name.startswith("fwd_") for name in tasks)
+    assert any(name.startswith("opt_") for name in tasks)
+
+
 @pytest.mark.gpu
 def test_cuda_profile_window_traces_kernels_and_names_tasks(tmp_path):
     """On CUDA: the trace has the window's kernels, and the runner is back to no NVTX

@@ -19,6 +19,7 @@ Steps outside the window run exactly as without ``--profile``. This is not
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -74,7 +75,7 @@ class StepProfiler:
     the steps of ``window``. A run resumed past ``window.start`` profiles the window's
     steps it still runs."""
 
-    def __init__(self, window: ProfileWindow, device: str, out: TextIO) -> None:
+    def __init__(self, window: ProfileWindow, device: str, out: TextIO | None = None) -> None:
         self.window, self.out = window, out
         self.cuda = device.startswith("cuda")
         self._torch: Any = None  # the torch.profiler.profile while the window is open
@@ -150,7 +151,8 @@ class StepProfiler:
         self._torch.export_chrome_trace(str(path))
         self._torch = None
         done = f"{self.steps[0]}-{self.steps[-1]}"
-        print(f"profile: steps {done} traced to {path}", file=self.out, flush=True)
+        # resolved now, not at the start: a progress bar may have taken stdout over since
+        print(f"profile: steps {done} traced to {path}", file=self.out or sys.stdout, flush=True)
         return path
 
 

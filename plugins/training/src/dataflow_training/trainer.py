@@ -160,11 +160,14 @@ def train(
     progress: Callable[[int, int, dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``o``; returns a summary (steps done, last loss, checkpoints). ``progress(step,
-    steps, metrics)`` is called after every step."""
+    steps, metrics)`` is called after every step. Lines go to ``out`` (default: stdout as
+    it is when each is printed, so that a progress bar that took stdout over shows them)."""
     from dataflow_training.checkpoint import latest_checkpoint, prune, step_name
     from dataflow_training.run import TrainingRun
 
-    out = out or sys.stdout
+    def say(line: str) -> None:
+        print(line, file=out or sys.stdout, flush=True)
+
     feed = open_feed(o)
     run = TrainingRun(
         o.family,
@@ -195,19 +198,23 @@ def train(
             history = [tuple(x) for x in manifest.get("history", [])]
     metrics_path = o.out / METRICS_FILE
     _truncate_metrics(metrics_path, start)
-    print(f"data: {feed.describe()}", file=out)
+    say(f"data: {feed.describe()}")
     if resumed is not None:
-        print(f"resumed from {resumed} (step {start})", file=out)
-    print(plan_line(run), file=out, flush=True)
+        say(f"resumed from {resumed} (step {start})")
+    say(plan_line(run))
     board = open_tensorboard(o.out / TENSORBOARD_FOLDER, start)
     if board is None:
-        print(f"metrics: {metrics_path} (pip install tensorboard for TensorBoard events)", file=out)
+        say(f"metrics: {metrics_path} (pip install tensorboard for TensorBoard events)")
     else:
-        print(f"metrics: {metrics_path}; TensorBoard events in {board.log_dir}", file=out)
+        say(f"metrics: {metrics_path}; TensorBoard events in {board.log_dir}")
     profiler = None if o.profile is None else StepProfiler(o.profile, o.device, out)
-    if profiler is not None:
-        print(profiler.describe(), file=out)
-    out.flush()
+    if profiler is not None and start >= o.profile.stop:
+        say(
+            f"profile: steps {o.profile.start}-{o.profile.stop} ran before step {start}, "
+            "where this run resumes: nothing to trace"
+        )
+    elif profiler is not None:
+        say(profiler.describe())
     predicted = run.predicted()["step_s"]
     tokens = o.batch * o.rounds * o.seq_len
     saved: list[Path] = []
@@ -220,7 +227,7 @@ def train(
         }
         path = o.out / step_name(step)
         if path.is_dir():  # resumed from an earlier step: this one is of the old history
-            print(f"replacing {path}, written by the run this one resumed before", file=out)
+            say(f"replacing {path}, written by the run this one resumed before")
             shutil.rmtree(path)
         path = run.save(path, extra)
         saved.append(path)
