@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -107,7 +108,9 @@ def test_tensorboard_scalars_match_metrics_jsonl(tmp_path):
     board = options.out / "tensorboard"
     assert f"TensorBoard events in {board}" in printed.getvalue()
     assert sorted(_scalars(board)) == sorted(TENSORBOARD_SCALARS)
-    # an interrupted run's later events are purged when a run resumes from step 2
+    # an interrupted run's later events are purged when a run resumes from step 2; its
+    # events file must be named (by the second it opens) after the first, as in real use
+    time.sleep(1.05)
     train(attrs_evolve(options, steps=6, resume=str(options.out / "step_000002")), out=printed)
     assert f"replacing {options.out / 'step_000004'}" in printed.getvalue()
     scalars, metrics = _scalars(board), _metrics(options.out)

@@ -176,8 +176,9 @@ def train_command(
 
 
 def done_line(summary: dict[str, Any], out: Any) -> str:
-    """``done: step 300, loss 5.5433 -> 2.3118; fast peak 1.52 MiB of the 2 MiB budget;
-    checkpoints in runs/main`` (on CUDA also the allocator's peak)."""
+    """``done: step 300, loss 5.5206 -> 2.3435; fast peak 1.99 MiB of the 2 MiB budget;
+    checkpoints in runs/main``: the first step's loss and the last's, the ledger's fast
+    peak over the run (on CUDA also the allocator's) against the budget."""
     from dataflow.units import format_size
     from dataflow_training.trainer import budget_text
 

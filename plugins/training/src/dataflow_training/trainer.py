@@ -12,6 +12,7 @@ finishes the step under way, writes a checkpoint and stops.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -248,11 +249,8 @@ def train(
             for step in range(start, o.steps):
                 lr = lr_at(step, o)
                 batches = [feed.next() for _ in range(o.rounds)]
-                if profiler is None:
+                with profiler.step(step + 1) if profiler else contextlib.nullcontext():
                     stats = run.step(batches, lr)
-                else:
-                    with profiler.step(step + 1):
-                        stats = run.step(batches, lr)
                 if not all(math.isfinite(x) for x in stats.losses):
                     kept = latest_checkpoint(o.out)
                     raise TrainingStopped(
