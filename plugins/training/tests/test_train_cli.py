@@ -358,3 +358,20 @@ def test_progress_bar_renders_on_a_terminal(corpus, tmp_path):
     assert not re.search(r"^step \d+/6 loss", screen, re.M), screen  # no plain lines
     assert "done: step 6, loss " in screen
     assert float(bar[1]) == pytest.approx(_losses(tmp_path / "run")[-1][1], abs=1e-4)
+
+
+@pytest.mark.gpu
+def test_zero_config_on_a_gpu_takes_cuda_and_the_free_memory(tmp_path):
+    """No --device and no --budget where CUDA is present: the run is on cuda, planned at
+    the device's free memory (less the CUDA reserve), and the allocator's peak is kept."""
+    import torch
+
+    free, _total = torch.cuda.mem_get_info()
+    out = tmp_path / "run"
+    result = invoke("train", "--preset", "gpt2_tiny", "--steps", "2", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "plan: gpt2-gpt2_tiny-train on cuda: predicted" in result.output
+    metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert 0 < metrics["allocator_peak_bytes"] <= free
+    manifest = json.loads((out / "step_000002" / "manifest.json").read_text())
+    assert 0.5 * free < manifest["budget_bytes"] <= free
