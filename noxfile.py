@@ -35,6 +35,12 @@ PLUGIN_FOLDERS = ("families", "resolvers", "kernels", "plugins")
 DIST = ROOT / "dist"
 DEPS = DIST / "deps"
 SHARED_TORCH = ROOT / ".nox" / f"shared-{TORCH_CPU.replace('==', '-')}"  # see isolated
+#: The main job, the README's first command: GPT-2 tiny really trained on the embedded
+#: corpus (no download) on the CPU, in a 2 MiB fast-memory budget
+MAIN_JOB = (
+    "dataflow train --preset gpt2_tiny --steps 300 --lr 2e-3 --warmup 20 --budget 2MiB "
+    "--device cpu --out runs/main"
+)
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
@@ -91,8 +97,11 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job on its embedded default: no download, runs on CPU."""
+    """The main job on its embedded default (no download, runs on CPU; ``MAIN_JOB``, the
+    README's first command), then ``examples/demo.py``: plans at shrinking budgets and
+    GPT-2 tiny checked against plain PyTorch."""
     install_project(session)
+    session.run(*MAIN_JOB.split())
     session.run("python", "examples/demo.py", *session.posargs)
 
 

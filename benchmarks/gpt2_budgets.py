@@ -89,6 +89,7 @@ def run_engine(
         )
         losses = [engine.fetch(f"loss_0_{r}").item() for r in range(train.rounds)]
         note = engine.graph_note
+        activity = engine.replay_activity() if engine.graph_note is None and graph else None
     step_us = [trace.makespan_us for trace in result.steps[2 if graph else 1 :]]
     return {
         "budget_bytes": budget,
@@ -96,6 +97,11 @@ def run_engine(
         "cyclic": cyclic,
         "graph_note": note,
         "replayed_steps": sum(trace.replayed for trace in result.steps),
+        "activity": activity,
+        "compute_idle_pct": None
+        if not activity
+        else 100 * (1 - activity["compute_busy_us"] / activity["span_us"]),
+        "links": {d: attrs.asdict(getattr(program.links, d)) for d in ("h2d", "d2h")},
         "runtime_reserve_bytes": reserve,
         "planned_at_bytes": planned.budget_bytes,
         "arena_bytes": placement.arena_bytes,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,15 +99,17 @@ def corpus(tmp_path: Path) -> Path:
     return path
 
 
-def _args(corpus: Path, out: Path, steps: int, *extra: str) -> list[str]:
+def _args(corpus: Path | None, out: Path, steps: int, *extra: str) -> list[str]:
+    """``dataflow train`` of gpt2_tiny on the test feed over ``corpus`` (None: on the
+    default data, the embedded corpus)."""
+    data = [] if corpus is None else ["--data", f"testbytes:{corpus}"]
     return [
         "train",
         "--preset",
         "gpt2_tiny",
         "--steps",
         str(steps),
-        "--data",
-        f"testbytes:{corpus}",
+        *data,
         "--batch",
         "4",
         "--seq-len",
@@ -145,8 +148,19 @@ def test_train_30_steps_loss_falls(site, corpus, tmp_path):
     assert result.exit_code == 0, result.output
     assert "plan: gpt2-gpt2_tiny-train on cpu: predicted" in result.output
     assert "tok/s" in result.output
+    # not a terminal: plain progress lines (every ~5 % of the run), no bar
+    assert re.search(
+        r"^step 30/30 loss \d+\.\d{4} lr \S+ grad_norm \S+ tok/s ", result.output, re.M
+    )
+    assert "━" not in result.output
+    assert re.search(
+        r"^done: step 30, loss \d\.\d{4} -> \d\.\d{4}; fast peak ", result.output, re.M
+    )
     losses = _losses(out)
     assert [s for s, _ in losses] == list(range(1, 31))
+    lrs = [m["lr"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    assert lrs[:3] == pytest.approx([1e-3, 2e-3, 3e-3])  # --warmup 3 up to --lr 3e-3
+    assert lrs[-1] == pytest.approx(3e-4)  # cosine down to --min-lr-ratio 0.1
     first, last = sum(x for _, x in losses[:5]) / 5, sum(x for _, x in losses[-5:]) / 5
     assert last < first - 0.5, (first, last)  # bytes start near ln 256 = 5.5
     metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
@@ -171,30 +185,35 @@ def test_train_30_steps_loss_falls(site, corpus, tmp_path):
     assert manifest["train"]["clip"] == 1.0 and manifest["family"] == "gpt2"
 
 
-def test_sigkill_inside_a_checkpoint_write_then_resume_auto(site, corpus, tmp_path):
-    """The kill lands while step 8's checkpoint is being written (the test hook sleeps
-    there); --resume auto continues from step 4, ignoring the partial folder, and the
-    losses equal an uninterrupted run's, step for step."""
+def test_sigkill_inside_a_checkpoint_write_then_resume_auto(site, tmp_path):
+    """On the embedded corpus (the default data), 24 steps: the kill lands while step
+    16's checkpoint is being written (the test hook sleeps there); --resume auto continues
+    from step 8, ignoring the partial folder, and the losses equal an uninterrupted
+    run's, step for step."""
+    pytest.importorskip("dataflow_feed_shards")  # the embedded corpus
     straight = tmp_path / "straight"
-    assert invoke(*_args(corpus, straight, 12)).exit_code == 0
+    assert invoke(*_args(None, straight, 24)).exit_code == 0
     out = tmp_path / "killed"
-    args = _args(corpus, out, 12, "--checkpoint-every", "4")
-    proc = _subprocess(site, args, {"DATAFLOW_CHECKPOINT_SLOW_WRITE": "8:60"})
-    deadline = time.monotonic() + 60
-    while not list(out.glob(".tmp-step_000008-*/manifest.json")):
+    args = _args(None, out, 24, "--checkpoint-every", "8")
+    proc = _subprocess(site, args, {"DATAFLOW_CHECKPOINT_SLOW_WRITE": "16:60"})
+    deadline = time.monotonic() + 120
+    while not list(out.glob(".tmp-step_000016-*/manifest.json")):
         assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the run never reached step 8's checkpoint"
+        assert time.monotonic() < deadline, "the run never reached step 16's checkpoint"
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
-    assert (out / "step_000004").is_dir() and not (out / "step_000008").exists()
+    assert (out / "step_000008").is_dir() and not (out / "step_000016").exists()
+    assert len(_losses(out)) == 16  # the killed run got to step 16
     resumed = _subprocess(site, [*args, "--resume", "auto"])
     stdout, stderr = resumed.communicate(timeout=120)
     assert resumed.returncode == 0, stderr
-    assert "resumed from" in stdout and "step_000004 (step 4)" in stdout
+    assert "data: embedded:python-stdlib" in stdout
+    assert "resumed from" in stdout and "step_000008 (step 8)" in stdout
     assert _losses(out) == _losses(straight)
-    assert (out / "step_000012").is_dir()
+    assert [step for step, _ in _losses(out)] == list(range(1, 25))
+    assert (out / "step_000024").is_dir()
 
 
 def test_corrupt_checkpoint_is_one_line(site, corpus, tmp_path):
@@ -205,6 +224,22 @@ def test_corrupt_checkpoint_is_one_line(site, corpus, tmp_path):
     result = invoke(*_args(corpus, out, 4, "--resume", "auto"))
     assert_one_line_error(result, 1, "model.safetensors")
     assert "corrupt" in result.output
+
+
+def test_corrupt_data_shard_is_one_line(site, corpus, tmp_path):
+    """Shards from ``dataflow data prepare``, one of them cut short: the run stops before
+    step 1 with one line naming the shard."""
+    pytest.importorskip("dataflow_feed_shards")
+    shards = tmp_path / "shards"
+    prepared = invoke("data", "prepare", "--text", corpus, "--tokenizer", "bytes", "-o", shards)
+    assert prepared.exit_code == 0, prepared.output
+    shard = sorted(shards.glob("*.bin"))[0]
+    shard.write_bytes(shard.read_bytes()[:2000])
+    args = _args(corpus, tmp_path / "run", 2)
+    args[args.index("--data") + 1] = f"shards:{shards}"
+    result = invoke(*args)
+    assert_one_line_error(result, 1, shard.name)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_missing_data_path_is_one_line(site, tmp_path):
@@ -288,3 +323,55 @@ def test_a_loss_that_is_not_finite_stops_the_run_and_keeps_the_checkpoint(site, 
     assert kept, "the first step's checkpoint is kept"
     manifest = json.loads((kept[-1] / "manifest.json").read_text())
     assert all(math.isfinite(loss) for _, loss in manifest["history"])
+
+
+def test_progress_bar_renders_on_a_terminal(corpus, tmp_path):
+    """Under a pseudo-terminal the run draws a rich bar (step, loss, tok/s, ETA) instead
+    of the plain lines; the plan line and the closing line are there as always."""
+    pytest.importorskip("dataflow_feed_shards")  # the text: feed
+    primary, secondary = os.openpty()
+    args = _args(corpus, tmp_path / "run", 6)
+    args[args.index("--data") + 1] = f"text:{corpus}"
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "dataflow"), *args],
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+        env={**os.environ, "COLUMNS": "120", "LINES": "40", "TERM": "xterm-256color"},
+    )
+    os.close(secondary)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # EIO: the terminal's other end closed
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(primary)
+    assert proc.wait(timeout=120) == 0, b"".join(chunks).decode(errors="replace")
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode())
+    assert "plan: gpt2-gpt2_tiny-train on cpu" in screen
+    bar = re.search(r"step 6/6 ━+ loss (\d+\.\d{4})  [\d,]+ tok/s (\d+:\d\d:\d\d)", screen)
+    assert bar, screen
+    assert not re.search(r"^step \d+/6 loss", screen, re.M), screen  # no plain lines
+    assert "done: step 6, loss " in screen
+    assert float(bar[1]) == pytest.approx(_losses(tmp_path / "run")[-1][1], abs=1e-4)
+
+
+@pytest.mark.gpu
+def test_zero_config_on_a_gpu_takes_cuda_and_the_free_memory(tmp_path):
+    """No --device and no --budget where CUDA is present: the run is on cuda, planned at
+    the device's free memory (less the CUDA reserve), and the allocator's peak is kept."""
+    import torch
+
+    free, _total = torch.cuda.mem_get_info()
+    out = tmp_path / "run"
+    result = invoke("train", "--preset", "gpt2_tiny", "--steps", "2", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "plan: gpt2-gpt2_tiny-train on cuda: predicted" in result.output
+    metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert 0 < metrics["allocator_peak_bytes"] <= free
+    manifest = json.loads((out / "step_000002" / "manifest.json").read_text())
+    assert 0.5 * free < manifest["budget_bytes"] <= free

@@ -20,6 +20,10 @@ _KIND = {"d2h": OpKind.D2H, "h2d": OpKind.H2D}
 
 
 class CudaRunner:
+    #: push an NVTX range named by the task id around each task's launch (for Nsight
+    #: Systems); off by default, switched on by profiling (``dataflow train --profile``)
+    nvtx_ranges = False
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.streams = {kind: torch.cuda.Stream(device=device) for kind in OpKind}
@@ -75,11 +79,16 @@ class CudaRunner:
         stream = self.compute_stream
         start, end = self._event(), self._event()
         self._use(stream)
+        if self.nvtx_ranges:
+            torch.cuda.nvtx.range_push(task_id)
         start.record(stream)
         try:
             executable.launch(ctx)
         except Exception as exc:  # reported by the dispatcher with the memory state
             raise OpFailed(OpKind.TASK, index, f"task {task_id!r}", exc) from exc
+        finally:
+            if self.nvtx_ranges:
+                torch.cuda.nvtx.range_pop()
         end.record(stream)
         self.in_flight.append((OpKind.TASK, index, start, end))
         self.launch_host_us.append((time.perf_counter() - began) * 1e6)

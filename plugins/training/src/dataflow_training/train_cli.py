@@ -3,7 +3,9 @@
 A thin layer over ``dataflow_training.trainer.train``: options are checked first (an
 installed family whose preset it is, a sequence length the model takes, a budget the
 step can be planned into), then the run prints its plan line and trains, with a rich
-progress bar on a terminal and plain lines otherwise. Every failure is one line.
+progress bar on a terminal and plain lines otherwise, and ends with a line of the loss
+from first to last step and the fast-memory peak against the budget. Every failure is
+one line.
 """
 
 from __future__ import annotations
@@ -92,13 +94,51 @@ def default_budget(device: str) -> int | None:
 )
 @click.option("--seed", default=0, show_default=True)
 @click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"]))
-def train_command(family_name, preset, device, budget_bytes, clip, **rest: Any) -> None:
+@click.option(
+    "--profile",
+    is_flag=True,
+    help="trace a window of warmed steps: torch.profiler Chrome trace; on CUDA also NVTX "
+    "ranges and cudaProfilerStart/Stop (nsys --capture-range=cudaProfilerApi)",
+)
+@click.option(
+    "--profile-start-before-step",
+    "profile_start",
+    type=int,
+    default=None,
+    help="first profiled step (default: 5, or the last step of a shorter run)",
+)
+@click.option(
+    "--profile-stop-after-step",
+    "profile_stop",
+    type=int,
+    default=None,
+    help="last profiled step (default: three steps after the first, or the last step)",
+)
+@click.option(
+    "--prof-dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="where the trace goes (default: OUT/profile)",
+)
+def train_command(
+    family_name,
+    preset,
+    device,
+    budget_bytes,
+    clip,
+    profile,
+    profile_start,
+    profile_stop,
+    prof_dir,
+    **rest: Any,
+) -> None:
     """Train a family preset on a feed: plan line, progress, metrics.jsonl, checkpoints."""
     from dataflow.planning import InfeasibleBudget
     from dataflow.units import format_size
     from dataflow_training.checkpoint import CheckpointError
     from dataflow_training.trainer import Interrupted, TrainingStopped, TrainOptions, train
 
+    window = _profile_window(profile, profile_start, profile_stop, prof_dir, rest)
     family_name = family_name or default_family(preset)
     config = _preset_config(_family(family_name), family_name, preset)
     _check_seq_len(config, preset, rest["seq_len"])
@@ -111,6 +151,7 @@ def train_command(family_name, preset, device, budget_bytes, clip, **rest: Any) 
         device=device,
         budget_bytes=budget_bytes,
         clip=clip or None,
+        profile=window,
         **rest,
     )
     try:
@@ -130,15 +171,59 @@ def train_command(family_name, preset, device, budget_bytes, clip, **rest: Any) 
         raise KeyboardInterrupt from None  # the core's exit path: "interrupted", exit 130
     except (ValueError, LookupError) as exc:
         raise Failure(one_line(str(exc))) from None
-    last = summary["last"]
-    if last:
-        click.echo(
-            f"done: step {last['step']}, loss {last['loss']:.4f}; checkpoints in {options.out}"
-        )
+    if summary["last"]:
+        click.echo(done_line(summary, options.out))
+
+
+def done_line(summary: dict[str, Any], out: Any) -> str:
+    """``done: step 300, loss 5.5206 -> 2.3435; fast peak 1.99 MiB of the 2 MiB budget;
+    checkpoints in runs/main``: the first step's loss and the last's, the ledger's fast
+    peak over the run (on CUDA also the allocator's) against the budget."""
+    from dataflow.units import format_size
+    from dataflow_training.trainer import budget_text
+
+    last, first = summary["last"], summary["first"]
+    loss = f"{first[1]:.4f} -> {last['loss']:.4f}" if first else f"{last['loss']:.4f}"
+    peak = f"fast peak {format_size(summary['fast_peak_bytes'])}"
+    if last["allocator_peak_bytes"] is not None:
+        peak += f" (allocator {format_size(last['allocator_peak_bytes'])})"
+    budget = summary["budget_bytes"]
+    peak += " with no budget" if budget is None else f" of the {budget_text(budget)} budget"
+    return f"done: step {last['step']}, loss {loss}; {peak}; checkpoints in {out}"
+
+
+def _profile_window(
+    profile: bool, start: int | None, stop: int | None, folder: str | None, rest: dict
+) -> Any:
+    """The ``--profile`` window, or None; a usage error naming the option when the
+    range options make no sense."""
+    from pathlib import Path
+
+    from dataflow_training.profiling import ProfileWindow
+
+    if not profile:
+        given = [
+            name
+            for name, value in (
+                ("--profile-start-before-step", start),
+                ("--profile-stop-after-step", stop),
+                ("--prof-dir", folder),
+            )
+            if value is not None
+        ]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} needs --profile")
+        return None
+    folder = folder or Path(rest["out"]) / "profile"
+    try:
+        return ProfileWindow.checked(start, stop, rest["steps"], folder)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def _progress(steps: int) -> Any:
-    """A rich progress bar on a terminal, else a plain line every ~5 % of the run."""
+    """A rich progress bar on a terminal, else a plain line at step 1 and every ~5 % of
+    the run."""
     import time
 
     from dataflow_training.trainer import elapsed_eta
@@ -168,7 +253,7 @@ def _progress(steps: int) -> Any:
     every = max(1, steps // 20)
 
     def line(step: int, total: int, metrics: dict[str, Any]) -> None:
-        if step % every and step != total:
+        if step % every and step not in (1, total):
             return
         eta = elapsed_eta(started, step, total)
         norm = metrics["grad_norm"]

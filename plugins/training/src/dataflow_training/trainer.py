@@ -3,15 +3,19 @@
 It opens the feed, builds the ``TrainingRun``, resumes from a checkpoint when asked,
 prints the plan line, then runs the steps: the learning rate from the schedule, one
 ``(tokens, targets)`` per accumulation round from the feed, a line of ``metrics.jsonl``
-per step, a checkpoint every ``checkpoint_every`` steps and at the end. A NaN or inf loss
+per step (and TensorBoard scalars under ``OUT/tensorboard`` when ``tensorboard`` is
+installed), a checkpoint every ``checkpoint_every`` steps and at the end. With ``profile``
+the steps of its window are traced (``dataflow_training.profiling``). A NaN or inf loss
 stops the run before anything is saved (the last checkpoint stays as it was); Ctrl-C
 finishes the step under way, writes a checkpoint and stops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import shutil
 import signal
 import sys
 import time
@@ -22,11 +26,15 @@ from typing import Any, TextIO
 import attrs
 
 from dataflow_training.config import DtypePolicy, OptimizerPolicy, TrainConfig
+from dataflow_training.profiling import ProfileWindow, StepProfiler
 
 SCHEDULES = ("cosine", "wsd", "constant")
 #: the share of the steps after warmup that WSD spends decaying (the rest is stable)
 WSD_DECAY_FRACTION = 0.2
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_FOLDER = "tensorboard"
+#: the metrics.jsonl fields also written as TensorBoard scalars (when not None)
+TENSORBOARD_SCALARS = ("loss", "lr", "grad_norm", "tok_s", "step_s")
 #: losses kept in every checkpoint's manifest
 HISTORY_TAIL = 100
 
@@ -68,6 +76,7 @@ class TrainOptions:
     seed: int = 0
     dtype: str = "fp32"
     overrides: dict[str, Any] = attrs.field(factory=dict)
+    profile: ProfileWindow | None = None
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(
@@ -107,18 +116,42 @@ def open_feed(o: TrainOptions) -> Any:
     return feeds().open(o.data, batch=o.batch, seq_len=o.seq_len, seed=o.seed, rank=0, world=1)
 
 
+def budget_text(budget_bytes: int) -> str:
+    from dataflow.units import format_size
+
+    return "unbounded" if budget_bytes >= 2**61 else format_size(budget_bytes)
+
+
+def recomputed_layers(layout: Any) -> list[str]:
+    """The layers whose saved activations the step re-derives before their backward
+    (its ``rec`` tasks), in layer order."""
+    recomputed = {slot.layer for slot in layout.tasks.values() if slot.kind == "rec"}
+    return [layer.name for layer in layout.layers if layer.name in recomputed]
+
+
 def plan_line(run: Any) -> str:
     from dataflow.units import format_size
 
     p = run.predicted()
-    budget = run.planned.budget_bytes
-    budget_text = "unbounded" if budget >= 2**61 else format_size(budget)
+    recomputed = ", ".join(recomputed_layers(run.layout)) or "none"
     return (
         f"plan: {run.program.name} on {run.device}: predicted {p['step_s']:.4g} s/step, "
         f"{p['tok_s']:,.0f} tok/s; fast peak {format_size(p['fast_peak_bytes'])} of "
-        f"{budget_text}, slow peak {format_size(p['slow_peak_bytes'])}; "
-        f"moved {format_size(p['moved_bytes'])}/step; recomputed layers: none"
+        f"{budget_text(run.planned.budget_bytes)}, slow peak "
+        f"{format_size(p['slow_peak_bytes'])}; moved {format_size(p['moved_bytes'])}/step; "
+        f"recomputed layers: {recomputed}"
     )
+
+
+def open_tensorboard(folder: Path, start: int) -> Any:
+    """A ``SummaryWriter`` into ``folder``, or None when ``tensorboard`` is not installed.
+    A resumed run (``start`` > 0) purges the events after ``start`` that an earlier,
+    interrupted run left, as ``metrics.jsonl`` loses its lines."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(folder), purge_step=start + 1 if start else None)
 
 
 def train(
@@ -128,11 +161,14 @@ def train(
     progress: Callable[[int, int, dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``o``; returns a summary (steps done, last loss, checkpoints). ``progress(step,
-    steps, metrics)`` is called after every step."""
+    steps, metrics)`` is called after every step. Lines go to ``out`` (default: stdout as
+    it is when each is printed, so that a progress bar that took stdout over shows them)."""
     from dataflow_training.checkpoint import latest_checkpoint, prune, step_name
     from dataflow_training.run import TrainingRun
 
-    out = out or sys.stdout
+    def say(line: str) -> None:
+        print(line, file=out or sys.stdout, flush=True)
+
     feed = open_feed(o)
     run = TrainingRun(
         o.family,
@@ -163,10 +199,23 @@ def train(
             history = [tuple(x) for x in manifest.get("history", [])]
     metrics_path = o.out / METRICS_FILE
     _truncate_metrics(metrics_path, start)
-    print(f"data: {feed.describe()}", file=out)
+    say(f"data: {feed.describe()}")
     if resumed is not None:
-        print(f"resumed from {resumed} (step {start})", file=out)
-    print(plan_line(run), file=out, flush=True)
+        say(f"resumed from {resumed} (step {start})")
+    say(plan_line(run))
+    board = open_tensorboard(o.out / TENSORBOARD_FOLDER, start)
+    if board is None:
+        say(f"metrics: {metrics_path} (pip install tensorboard for TensorBoard events)")
+    else:
+        say(f"metrics: {metrics_path}; TensorBoard events in {board.log_dir}")
+    profiler = None if o.profile is None else StepProfiler(o.profile, o.device, out)
+    if profiler is not None and start >= o.profile.stop:
+        say(
+            f"profile: steps {o.profile.start}-{o.profile.stop} ran before step {start}, "
+            "where this run resumes: nothing to trace"
+        )
+    elif profiler is not None:
+        say(profiler.describe())
     predicted = run.predicted()["step_s"]
     tokens = o.batch * o.rounds * o.seq_len
     saved: list[Path] = []
@@ -177,7 +226,11 @@ def train(
             "history": history[-HISTORY_TAIL:],
             "options": _jsonable(o),
         }
-        path = run.save(o.out / step_name(step), extra)
+        path = o.out / step_name(step)
+        if path.is_dir():  # resumed from an earlier step: this one is of the old history
+            say(f"replacing {path}, written by the run this one resumed before")
+            shutil.rmtree(path)
+        path = run.save(path, extra)
         saved.append(path)
         if o.keep is not None:
             prune(o.out, o.keep)
@@ -190,12 +243,14 @@ def train(
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     last: dict[str, Any] = {}
+    fast_peak = 0
     try:
         with metrics_path.open("a") as metrics:
             for step in range(start, o.steps):
                 lr = lr_at(step, o)
                 batches = [feed.next() for _ in range(o.rounds)]
-                stats = run.step(batches, lr)
+                with profiler.step(step + 1) if profiler else contextlib.nullcontext():
+                    stats = run.step(batches, lr)
                 if not all(math.isfinite(x) for x in stats.losses):
                     kept = latest_checkpoint(o.out)
                     raise TrainingStopped(
@@ -216,6 +271,11 @@ def train(
                 }
                 metrics.write(json.dumps(last) + "\n")
                 metrics.flush()
+                fast_peak = max(fast_peak, stats.fast_peak_bytes)
+                if board is not None:
+                    for name in TENSORBOARD_SCALARS:
+                        if last[name] is not None:
+                            board.add_scalar(name, last[name], step + 1)
                 if progress is not None:
                     progress(step + 1, o.steps, last)
                 every = o.checkpoint_every
@@ -226,8 +286,21 @@ def train(
                     raise Interrupted(step + 1, path or save(step + 1))
     finally:
         signal.signal(signal.SIGINT, previous)
+        if profiler is not None:
+            profiler.close()
+        if board is not None:
+            board.close()
         run.close()
-    return {"steps": o.steps, "start": start, "last": last, "checkpoints": saved}
+    return {
+        "steps": o.steps,
+        "start": start,
+        "first": history[0] if history else None,
+        "last": last,
+        "checkpoints": saved,
+        "fast_peak_bytes": fast_peak,
+        "budget_bytes": o.budget_bytes,
+        "trace": None if profiler is None or not profiler.steps else o.profile.trace_path,
+    }
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -243,9 +316,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 def _jsonable(o: TrainOptions) -> dict[str, Any]:
-    data = attrs.asdict(o)
-    data["out"] = str(o.out)
-    return data
+    return attrs.asdict(o, value_serializer=lambda _c, _f, v: str(v) if isinstance(v, Path) else v)
 
 
 def elapsed_eta(started: float, done: int, total: int) -> float:
