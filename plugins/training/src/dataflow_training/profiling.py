@@ -12,6 +12,10 @@ step 1, which also loads the engine), is bracketed three ways:
   kernels under its id;
 - on the CPU there is no NVTX and no CUDA profiler; the run says so.
 
+Steps replayed from a CUDA graph (the default on CUDA after the first) launch no task
+from the host, so they carry the per-step NVTX range and all their kernels, but no
+per-task ranges; ``--no-graph`` dispatches every task and gives them back.
+
 Steps outside the window run exactly as without ``--profile``. This is not
 ``dataflow_training.profile``, which measures tasks' costs for the planner.
 """
@@ -75,9 +79,12 @@ class StepProfiler:
     the steps of ``window``. A run resumed past ``window.start`` profiles the window's
     steps it still runs."""
 
-    def __init__(self, window: ProfileWindow, device: str, out: TextIO | None = None) -> None:
+    def __init__(
+        self, window: ProfileWindow, device: str, out: TextIO | None = None, graph: bool = False
+    ) -> None:
         self.window, self.out = window, out
         self.cuda = device.startswith("cuda")
+        self.graph = graph and self.cuda
         self._torch: Any = None  # the torch.profiler.profile while the window is open
         self.steps: list[int] = []  # the steps traced so far
 
@@ -89,6 +96,8 @@ class StepProfiler:
         line = f"profile: steps {w.start}-{w.stop}: {tools} -> {w.trace_path}"
         if not self.cuda:
             line += " (on the CPU: no NVTX ranges or CUDA profiler)"
+        elif self.graph:
+            line += " (steps replayed from a CUDA graph: per-step ranges, no per-task ones; --no-graph for those)"
         return line
 
     @contextlib.contextmanager

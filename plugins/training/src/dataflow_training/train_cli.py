@@ -95,6 +95,13 @@ def default_budget(device: str) -> int | None:
 @click.option("--seed", default=0, show_default=True)
 @click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"]))
 @click.option(
+    "--graph/--no-graph",
+    default=True,
+    show_default=True,
+    help="on CUDA, replay every step after the first from one captured CUDA graph "
+    "(--no-graph dispatches every task from the host: per-task NVTX ranges in --profile)",
+)
+@click.option(
     "--profile",
     is_flag=True,
     help="trace a window of warmed steps: torch.profiler Chrome trace; on CUDA also NVTX "

@@ -77,6 +77,7 @@ class TrainOptions:
     dtype: str = "fp32"
     overrides: dict[str, Any] = attrs.field(factory=dict)
     profile: ProfileWindow | None = None
+    graph: bool = True
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(
@@ -178,6 +179,7 @@ def train(
         device=o.device,
         seed=o.seed,
         overrides=o.overrides,
+        graph=o.graph,
     )
     vocab = getattr(feed, "vocab_size", None)
     if vocab is not None and vocab > run.vocab_size:
@@ -208,7 +210,7 @@ def train(
         say(f"metrics: {metrics_path} (pip install tensorboard for TensorBoard events)")
     else:
         say(f"metrics: {metrics_path}; TensorBoard events in {board.log_dir}")
-    profiler = None if o.profile is None else StepProfiler(o.profile, o.device, out)
+    profiler = None if o.profile is None else StepProfiler(o.profile, o.device, out, o.graph)
     if profiler is not None and start >= o.profile.stop:
         say(
             f"profile: steps {o.profile.start}-{o.profile.stop} ran before step {start}, "
