@@ -115,12 +115,14 @@ def test_a_run_resumed_past_the_window_traces_nothing_and_says_so(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graph", ["--no-graph", "--graph"])
 def test_cuda_profile_window_pushes_nvtx_ranges_and_starts_the_cuda_profiler_once(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, graph
 ):
     """On CUDA, in-process so that the NVTX and CUDA-profiler calls can be watched: one
-    cudaProfilerStart before step 2 and one stop after step 3, a range per step and per
-    task launch only inside the window, balanced."""
+    cudaProfilerStart before step 2 and one stop after step 3, a range per step and
+    (dispatched steps, ``--no-graph``) per task launch only inside the window, balanced.
+    Steps replayed from a CUDA graph launch no task from the host: step ranges only."""
     import torch
 
     calls: list[tuple[str, str | None]] = []
@@ -132,6 +134,7 @@ def test_cuda_profile_window_pushes_nvtx_ranges_and_starts_the_cuda_profiler_onc
         *("train", "--preset", "gpt2_tiny", "--steps", "4", "--device", "cuda"),
         *("--budget", "1GiB", "--batch", "2", "--seq-len", "16", "--out", str(tmp_path / "run")),
         *("--profile", "--profile-start-before-step", "2", "--profile-stop-after-step", "3"),
+        graph,
     )
     assert result.exit_code == 0, result.output
     kinds = [kind for kind, _ in calls]
@@ -141,6 +144,10 @@ def test_cuda_profile_window_pushes_nvtx_ranges_and_starts_the_cuda_profiler_onc
     steps = [name for name in pushed if name.startswith("dataflow step ")]
     assert steps == ["dataflow step 2", "dataflow step 3"]
     tasks = [name for name in pushed if not name.startswith("dataflow step ")]
+    if graph == "--graph":
+        assert tasks == [], "replayed steps launch no task from the host"
+        assert "per-step ranges, no per-task ones" in result.output
+        return
     assert tasks and len(tasks) % 2 == 0  # the same tasks in each of the two steps
     assert tasks[: len(tasks) // 2] == tasks[len(tasks) // 2 :]
     assert any(name.startswith("fwd_") for name in tasks)
