@@ -121,19 +121,22 @@ class TrainingRun:
     # -- stepping ----------------------------------------------------------------------
     def _plan_for_cuda(self, resolver: str, options: dict[str, Any]) -> None:
         """On CUDA the budget is the allocator's: every task is priced and its framework
-        temporaries measured by the profiling pass, the plan leaves the CUDA libraries'
+        temporaries measured by the profiling pass (through its disk cache), the plan leaves the CUDA libraries'
         own reserve and the largest task workspace free beside its arena, and the engine
         checks the allocator's peak against the whole budget."""
         from dataflow.engine.backends.torch_cuda import runtime_reserve_bytes
         from dataflow.planning import place, plan
         from dataflow.plugins import resolvers
-        from dataflow_training.profile import apply_profile, profile_program
+        from dataflow_training.profile import ProfileCache, apply_profile, profile_program
 
         def int_high(obj_id: str) -> int:
             return self.vocab_size if obj_id.startswith(("x_", "t_")) else 1
 
         measure = resolvers().get(resolver).build(self.program)
-        profiles = profile_program(self.program, measure, device=self.device, int_high=int_high)
+        cache = ProfileCache.for_device(self.device, resolver)
+        profiles = profile_program(
+            self.program, measure, device=self.device, int_high=int_high, cache=cache
+        )
         self.program = apply_profile(self.program, profiles)
         reserve = runtime_reserve_bytes(self.device)
         self.planned = plan(self.program, self.budget_bytes - reserve, **options)
