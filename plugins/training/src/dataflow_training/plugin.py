@@ -1,4 +1,5 @@
-"""Entry-point module of dataflow-training: adds ``dataflow verify``, ``train``, ``lower``, ``export`` and the ``toy_moe``
+"""Entry-point module of dataflow-training: adds ``dataflow verify``, ``train``, ``lower``,
+``export``, ``predict`` and ``measure``, the ``recompute`` planner and the ``toy_moe``
 family (the protocol's worked MoE example); imports torch only when the family loads."""
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ def _toy_moe():
     from dataflow_training.toy_moe import ToyMoEFamily
 
     return ToyMoEFamily()
+
+
+@hookimpl
+def dataflow_planners() -> list:
+    from dataflow_training.recompute import RECOMPUTE
+
+    return [RECOMPUTE]
 
 
 @hookimpl

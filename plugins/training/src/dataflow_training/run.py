@@ -63,7 +63,8 @@ class TrainingRun:
     ``family`` is a registered family name or a family object; ``state`` the initial model
     state (default: the family's reference model initialised under ``seed``);
     ``budget_bytes`` the fast-memory budget (default: unbounded); ``resolver`` the
-    registered resolver that runs the tasks; ``planner`` a planner spec for ``plan``;
+    registered resolver that runs the tasks; ``planner`` a planner spec for ``plan``
+    (default: the ``recompute`` planner, or PressureFit alone with ``recompute=False``);
     ``keep_grads`` keeps each step's weight gradients for ``grads()`` (checks only).
     """
 
@@ -81,6 +82,7 @@ class TrainingRun:
         resolver: str = "torch",
         planner: Any = None,
         keep_grads: bool = False,
+        recompute: bool = True,
     ) -> None:
         from dataflow.planning import place, plan
         from dataflow.plugins import resolvers
@@ -94,7 +96,12 @@ class TrainingRun:
         )
         self.program = self.lowered.program
         self.layout: StepLayout = self.lowered.layout
-        options = {} if planner is None else {"planner": planner}
+        if planner is None:
+            from dataflow.planning import PRESSUREFIT
+            from dataflow_training.recompute import RECOMPUTE
+
+            planner = RECOMPUTE if recompute else PRESSUREFIT
+        options = {"planner": planner}
         self.vocab_size = embed_layer(self.lowered.layers).params[0].shape[0]
         self.budget_bytes = budget_bytes or UNBOUNDED_BYTES
         if device.startswith("cuda"):
