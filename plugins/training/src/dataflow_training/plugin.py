@@ -10,10 +10,18 @@ from dataflow import hookimpl
 @hookimpl
 def dataflow_cli_commands() -> list:
     from dataflow_training.cli import verify_command
+    from dataflow_training.predict_cli import measure_command, predict_command
     from dataflow_training.step_cli import export_command, lower_command
     from dataflow_training.train_cli import train_command
 
-    return [verify_command, train_command, lower_command, export_command]
+    return [
+        verify_command,
+        train_command,
+        lower_command,
+        export_command,
+        predict_command,
+        measure_command,
+    ]
 
 
 def _toy_moe():

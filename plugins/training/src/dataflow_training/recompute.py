@@ -36,7 +36,7 @@ from typing import Any
 
 import attrs
 
-from dataflow.planning import PRESSUREFIT, InfeasibleBudget, Plan, plan
+from dataflow.planning import PRESSUREFIT, Plan, PlanningError, plan
 from dataflow.registry import PlannerSpec
 from dataflow.schema import Program, Task
 from dataflow_training.step import StepLayout
@@ -45,6 +45,14 @@ from dataflow_training.step import StepLayout
 MAX_CANDIDATES = 10
 
 Unit = tuple[int, int]  # (round, block index)
+
+
+def _quick_pressurefit(program: Program, budget_bytes: int, **options: Any) -> Program:
+    """PressureFit that fails at once when it finds no plan (``explain=False``)."""
+    return PRESSUREFIT.plan(program, budget_bytes, explain=False, **options)
+
+
+_QUICK = PlannerSpec("pressurefit", _quick_pressurefit)
 Price = Callable[[Program], Program]
 
 
@@ -179,24 +187,23 @@ def search(
     rewriter = Rewriter(program, price, family)
     planned = 0
 
-    def evaluate(units: frozenset[Unit]) -> Plan | InfeasibleBudget | None:
-        """The candidate's plan, or why it does not fit (None: a task alone is larger than
-        the budget, found without asking PressureFit for the smallest budget that works,
-        which can take long)."""
+    def evaluate(units: frozenset[Unit]) -> Plan | None:
+        """The candidate's plan, or None when it does not fit (found without asking
+        PressureFit for the smallest budget that works, which can take far longer)."""
         nonlocal planned
         candidate = rewriter.candidate(units)
         if _floor_bytes(candidate) > budget_bytes:
             return None
         planned += 1
         try:
-            return plan(candidate, budget_bytes, planner=PRESSUREFIT, **options)
-        except InfeasibleBudget as exc:
-            return exc
+            return plan(candidate, budget_bytes, planner=_QUICK, **options)
+        except PlanningError:
+            return None
 
     units = rewriter.given
     first = evaluate(units)
-    if not isinstance(first, Plan):
-        units, first = _make_it_fit(rewriter, evaluate, first, budget_bytes, options)
+    if first is None:
+        units, first = _make_it_fit(rewriter, evaluate, budget_bytes, options)
     best = first
     compute_us = sum(t.cost_us for t in rewriter.candidate(units).tasks)
     cheapest = min((t.cost_us for t in rewriter.rec_cost.values()), default=0.0)
@@ -209,7 +216,7 @@ def search(
             pool = pool[: len(pool) // 2]  # its compute alone cannot beat the best
             continue
         candidate = evaluate(trial)
-        if isinstance(candidate, Plan) and _step_us(candidate) < _step_us(best):
+        if candidate is not None and _step_us(candidate) < _step_us(best):
             compute_us += rewriter.recompute_us(trial - units)
             units, best = trial, candidate
             pool = rewriter.offloaded(best)
@@ -220,7 +227,7 @@ def search(
         added = rewriter.recompute_us(everything - units)
         if compute_us + added < _step_us(best):
             candidate = evaluate(everything)
-            if isinstance(candidate, Plan) and _step_us(candidate) < _step_us(best):
+            if candidate is not None and _step_us(candidate) < _step_us(best):
                 units, best = everything, candidate
     return Choice(units, best, planned)
 
@@ -236,25 +243,19 @@ def _floor_bytes(program: Program) -> int:
 
 
 def _make_it_fit(
-    rewriter: Rewriter,
-    evaluate: Callable,
-    failure: InfeasibleBudget | None,
-    budget_bytes: int,
-    options: dict[str, Any],
+    rewriter: Rewriter, evaluate: Callable, budget_bytes: int, options: dict[str, Any]
 ) -> tuple[frozenset[Unit], Plan]:
     """Every unit recomputed, then the fewest blocks (every round) that still fit, by
-    bisection."""
+    bisection. When even every unit recomputed does not fit, PressureFit's own error for
+    that candidate (the smallest budget that works, and what forces it)."""
     everything = rewriter.all | rewriter.given
     fitted = evaluate(everything)
-    if not isinstance(fitted, Plan):
-        if fitted is None:  # the smallest budget that works, for the error
-            try:
-                plan(rewriter.candidate(everything), budget_bytes, planner=PRESSUREFIT, **options)
-            except InfeasibleBudget as exc:
-                fitted = exc
-        if failure is not None and failure.minimal_budget_bytes < fitted.minimal_budget_bytes:
-            raise failure
-        raise fitted
+    if fitted is None:
+        plan(rewriter.candidate(everything), budget_bytes, planner=PRESSUREFIT, **options)
+        raise PlanningError(  # PressureFit's quick search missed a plan its full one finds
+            f"the recompute planner found no plan of {rewriter.program.name!r} within "
+            f"{budget_bytes} bytes"
+        )
     rounds = rewriter.layout.train.rounds
 
     def first_blocks(count: int) -> frozenset[Unit]:
@@ -265,7 +266,7 @@ def _make_it_fit(
     while high - low > 1:
         middle = (low + high) // 2
         trial = evaluate(first_blocks(middle))
-        if isinstance(trial, Plan):
+        if trial is not None:
             high = middle
             if _step_us(trial) <= _step_us(best):
                 best_units, best = first_blocks(middle), trial
@@ -321,3 +322,23 @@ def recompute_planner(
 
 #: The planner the training plugin registers (``dataflow_planners``).
 RECOMPUTE = recompute_planner()
+
+
+def measured_recompute_planner(
+    program: Program,
+    profile: Callable[[Program], dict],
+    family: Any = None,
+    known: dict | None = None,
+) -> PlannerSpec:
+    """A ``recompute`` planner whose candidates are priced by the profiling pass:
+    ``profile(program)`` returns the measured profiles of a program's task signatures
+    (``dataflow_training.profile.profile_program``); it is called for ``program`` and for
+    the program with every unit recomputed, which between them hold every signature any
+    candidate has (the ``rec`` tasks and the forward tasks that do not save); ``known``:
+    profiles of ``program`` measured already."""
+    from dataflow_training.profile import apply_profile
+
+    rewriter = Rewriter(program, family=family)
+    profiles = dict(known) if known is not None else profile(program)
+    profiles |= profile(rewriter.candidate(rewriter.all))
+    return recompute_planner(price=lambda p: apply_profile(p, profiles), family=family)

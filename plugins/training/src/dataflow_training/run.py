@@ -65,7 +65,9 @@ class TrainingRun:
     ``budget_bytes`` the fast-memory budget (default: unbounded); ``resolver`` the
     registered resolver that runs the tasks; ``planner`` a planner spec for ``plan``
     (default: the ``recompute`` planner, or PressureFit alone with ``recompute=False``);
-    ``keep_grads`` keeps each step's weight gradients for ``grads()`` (checks only).
+    ``keep_grads`` keeps each step's weight gradients for ``grads()`` (checks only);
+    ``cost`` and ``links`` (a ``RooflineCost`` and ``Links``, e.g. from a hardware entry)
+    price the step where the profiling pass does not (off CUDA) and give its links.
     """
 
     def __init__(
@@ -83,6 +85,8 @@ class TrainingRun:
         planner: Any = None,
         keep_grads: bool = False,
         recompute: bool = True,
+        cost: Any = None,
+        links: Any = None,
     ) -> None:
         from dataflow.planning import place, plan
         from dataflow.plugins import resolvers
@@ -92,7 +96,13 @@ class TrainingRun:
         self.overrides = dict(overrides or {})
         self.config = self.family.config(preset, **self.overrides)
         self.lowered: Lowered = lower(
-            self.family, preset, train, overrides=self.overrides, keep_grads=keep_grads
+            self.family,
+            preset,
+            train,
+            overrides=self.overrides,
+            keep_grads=keep_grads,
+            cost=cost,
+            links=links,
         )
         self.program = self.lowered.program
         self.layout: StepLayout = self.lowered.layout
@@ -135,6 +145,7 @@ class TrainingRun:
         from dataflow.planning import place, plan
         from dataflow.plugins import resolvers
         from dataflow_training.profile import ProfileCache, apply_profile, profile_program
+        from dataflow_training.recompute import RECOMPUTE, measured_recompute_planner
 
         def int_high(obj_id: str) -> int:
             return self.vocab_size if obj_id.startswith(("x_", "t_")) else 1
@@ -145,6 +156,16 @@ class TrainingRun:
             self.program, measure, device=self.device, int_high=int_high, cache=cache
         )
         self.program = apply_profile(self.program, profiles)
+        if options["planner"] is RECOMPUTE:  # candidates priced by measurements too
+
+            def measured(program: Any) -> dict:
+                build = resolvers().get(resolver).build(program)
+                return profile_program(
+                    program, build, device=self.device, int_high=int_high, cache=cache
+                )
+
+            spec = measured_recompute_planner(self.program, measured, known=profiles)
+            options = {"planner": spec}
         reserve = runtime_reserve_bytes(self.device)
         self.planned = plan(self.program, self.budget_bytes - reserve, **options)
         self.placement = place(self.planned, workspace_in_arena=False)

@@ -92,6 +92,12 @@ def default_budget(device: str) -> int | None:
 )
 @click.option("--seed", default=0, show_default=True)
 @click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"]))
+@click.option(
+    "--recompute/--no-recompute",
+    default=True,
+    show_default=True,
+    help="let the recompute planner re-derive saved activations where that is faster or fits",
+)
 def train_command(family_name, preset, device, budget_bytes, clip, **rest: Any) -> None:
     """Train a family preset on a feed: plan line, progress, metrics.jsonl, checkpoints."""
     from dataflow.planning import InfeasibleBudget

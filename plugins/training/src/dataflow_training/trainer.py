@@ -68,6 +68,7 @@ class TrainOptions:
     seed: int = 0
     dtype: str = "fp32"
     overrides: dict[str, Any] = attrs.field(factory=dict)
+    recompute: bool = True
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(
@@ -142,6 +143,7 @@ def train(
         device=o.device,
         seed=o.seed,
         overrides=o.overrides,
+        recompute=o.recompute,
     )
     vocab = getattr(feed, "vocab_size", None)
     if vocab is not None and vocab > run.vocab_size:
