@@ -325,4 +325,3 @@ def _print_measured(rows: list[dict[str, Any]], hw: str, preset: str, device: st
             _recomputed(row),
         )
     Console(width=200).print(table)
-
