@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from dataflow.planning import InfeasibleBudget, PlanningError, minimal_budget, plan
 from dataflow.schema import Link, Links, validate
-from dataflow.testing.shapes import tiny_training
+from dataflow.testing import PlannerConformance, tiny_chain
 
 TOY = ToyFamily()
 
@@ -98,8 +98,13 @@ def test_a_candidate_is_what_the_lowering_makes_of_its_units() -> None:
     assert costs["rec_0_1_0"] == pytest.approx(7.0) and costs["bwd_0_1_0"] == 7.0
 
 
+class TestRecomputePlanner(PlannerConformance):
+    distribution = "dataflow-training"
+    expected_names = ("recompute",)
+
+
 def test_other_programs_go_to_pressurefit() -> None:
-    program = tiny_training()
+    program = tiny_chain()
     budget = minimal_budget(program)
     assert plan(program, budget, planner=RECOMPUTE).program == plan(program, budget).program
 
