@@ -27,6 +27,7 @@ from dataflow.planning.emit import annotate, directives
 from dataflow.planning.intervals import (
     Chain,
     Gaps,
+    PlanningError,
     build_chain,
     build_gaps,
     no_offload_peak_bytes,
@@ -267,10 +268,14 @@ def plan_pressurefit(
     *,
     slow_budget_bytes: int | None = None,
     cyclic: bool = False,
+    explain: bool = True,
 ) -> Program:
     """The registered planner: ``program``'s bare chain with PressureFit's directives and
     the budget written in. Raises ``InfeasibleBudget`` (with the smallest budget that
-    works) when no plan fits ``budget_bytes``.
+    works) when no plan fits ``budget_bytes``; with ``explain=False`` a plain
+    ``PlanningError`` instead, at once (searching for that smallest budget can take far
+    longer than planning: callers that try many candidates and only need to know which
+    fit, such as the training plugin's recompute planner, ask for this).
 
     Monotone in the budget: besides ``budget_bytes`` it sweeps at every rung of a fixed
     capacity ladder below it (``monotone_capacities``) and keeps the fastest, so a larger
@@ -289,6 +294,11 @@ def plan_pressurefit(
     planned = best_plan(chain, budget_bytes, slow_budget_bytes)
     if planned is not None:
         return planned
+    if not explain:
+        raise PlanningError(
+            f"PressureFit found no plan of {program.name!r} within {budget_bytes} bytes "
+            "(the smallest budget that works was not searched for: explain=False)"
+        )
     error = infeasible(chain, budget_bytes, slow_budget_bytes)
     if error.minimal_budget_bytes <= budget_bytes:
         # The search is a heuristic: a smaller capacity planned (the minimum is found by

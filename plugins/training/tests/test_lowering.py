@@ -86,8 +86,20 @@ def test_recompute_moves_saving_to_just_before_backward() -> None:
     assert ids.index("rec_0_0_1") == ids.index("bwd_0_0_1") - 1
     assert tasks["rec_0_0_1"].outputs == ("A_0_0_1",)
     assert validate(program) == []
-    with pytest.raises(ValueError, match=r"recompute names block\(s\) \[7\]"):
+    with pytest.raises(ValueError, match=r"recompute names block 7 of round 0"):
         lower(ToyFamily(), "small", TrainConfig(seq_len=4), recompute=[7])
+
+
+def test_recompute_of_one_round_leaves_the_other_rounds_saving() -> None:
+    train = TrainConfig(seq_len=4, rounds=2)
+    program = lower(ToyFamily(), "small", train, recompute=[(1, 0)]).program
+    tasks = program.tasks_by_id
+    assert "rec_0_1_0" in tasks and "rec_0_0_0" not in tasks
+    assert "A_0_0_0" in tasks["fwd_0_0_0"].outputs
+    assert "A_0_1_0" not in tasks["fwd_0_1_0"].outputs
+    assert validate(program) == []
+    with pytest.raises(ValueError, match=r"recompute names block 0 of round 2"):
+        lower(ToyFamily(), "small", train, recompute=[(2, 0)])
 
 
 @pytest.mark.parametrize("rounds", [1, 3])

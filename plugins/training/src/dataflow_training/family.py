@@ -101,10 +101,13 @@ class LayerSpec:
 class Work:
     """What one task of a layer does, for the cost model: floating-point operations and
     the bytes it moves through device memory besides its parameters (activations read and
-    written). Parameters' bytes are added by the lowering, which knows their dtype."""
+    written). Parameters' bytes are added by the lowering, which knows their dtype.
+    ``kernels``: how many kernels the task launches (0: not declared, priced as one), so
+    a task of many small kernels is priced by its launch time where that dominates."""
 
     flops: float = 0.0
     bytes: float = 0.0
+    kernels: int = 0
 
 
 @attrs.frozen

@@ -90,15 +90,16 @@ def lower(
     *,
     overrides: dict[str, Any] | None = None,
     step: int = 0,
-    recompute: Iterable[int] = (),
+    recompute: Iterable[int | tuple[int, int]] = (),
     cost: RooflineCost | None = None,
     links: Links | None = None,
     keep_grads: bool = False,
 ) -> Lowered:
     """The Program of one training step of ``family``'s ``preset`` (with ``overrides``).
 
-    ``recompute``: block indices whose saved activations are not kept from forward but
-    re-derived just before their backward (the declared recompute rewrite).
+    ``recompute``: blocks whose saved activations are not kept from forward but
+    re-derived just before their backward (the declared recompute rewrite): a block index
+    means that block in every round, a ``(round, block)`` pair that round only.
     ``keep_grads``: the step's weight gradients must end in slow memory too (for checks
     that read them back; normally they die with the optimizer tasks).
     """
@@ -113,10 +114,7 @@ def lower(
             f"{[layer.kind for layer in layers]}"
         )
     blocks = list(layers[1:-1])
-    recompute = frozenset(recompute)
-    unknown = sorted(i for i in recompute if not 0 <= i < len(blocks))
-    if unknown:
-        raise ValueError(f"recompute names block(s) {unknown}; the model has {len(blocks)}")
+    recompute = recompute_units(recompute, train.rounds, len(blocks))
     by_name = {layer.name: layer for layer in layers}
     if len(by_name) != len(layers):
         raise FamilyContractError(f"family {family.name!r}: layer names repeat")
@@ -209,7 +207,7 @@ def lower(
     head_cost = family.math("head").cost(config, train.batch, train.seq_len, act_bytes)
 
     def priced(work: Work, weight_bytes: float) -> float:
-        return cost.cost_us(work.flops, work.bytes + weight_bytes)
+        return cost.cost_us(work.flops, work.bytes + weight_bytes, max(1, work.kernels))
 
     tasks: list[Task] = []
     slots: dict[str, TaskSlot] = {}
@@ -291,7 +289,7 @@ def lower(
             outputs={"y": (y[0],)},
         )
         for i, block in enumerate(blocks):
-            keep = i not in recompute
+            keep = (r, i) not in recompute
             temp = (temps[i],) if i in temps else ()
             aux = (f"Aux_{block.name}",) if block.aux else ()
             task(
@@ -328,7 +326,7 @@ def lower(
         for i in reversed(range(n_blocks)):
             block = blocks[i]
             temp = (temps[i],) if i in temps else ()
-            if i in recompute:
+            if (r, i) in recompute:
                 work = block_cost[block.kind].recompute or block_cost[block.kind].forward
                 task(
                     "rec",
@@ -432,6 +430,24 @@ def lower(
         metadata=step_layout.to_metadata(),
     )
     return Lowered(program, step_layout, layers)
+
+
+def recompute_units(
+    recompute: Iterable[int | tuple[int, int]], rounds: int, n_blocks: int
+) -> frozenset[tuple[int, int]]:
+    """``lower``'s ``recompute`` as ``(round, block)`` pairs; a bare block index stands
+    for that block in every round."""
+    units = set()
+    for item in recompute:
+        pairs = [(r, item) for r in range(rounds)] if isinstance(item, int) else [tuple(item)]
+        for r, i in pairs:
+            if not (0 <= i < n_blocks and 0 <= r < rounds):
+                raise ValueError(
+                    f"recompute names block {i} of round {r}; the model has {n_blocks} "
+                    f"block(s) and the step {rounds} round(s)"
+                )
+            units.add((r, i))
+    return frozenset(units)
 
 
 def _grad_norm_tasks(

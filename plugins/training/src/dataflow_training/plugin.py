@@ -1,4 +1,5 @@
-"""Entry-point module of dataflow-training: adds ``dataflow verify``, ``train``, ``lower``, ``export`` and the ``toy_moe``
+"""Entry-point module of dataflow-training: adds ``dataflow verify``, ``train``, ``lower``,
+``export``, ``predict`` and ``measure``, the ``recompute`` planner and the ``toy_moe``
 family (the protocol's worked MoE example); imports torch only when the family loads."""
 
 from __future__ import annotations
@@ -9,16 +10,31 @@ from dataflow import hookimpl
 @hookimpl
 def dataflow_cli_commands() -> list:
     from dataflow_training.cli import verify_command
+    from dataflow_training.predict_cli import measure_command, predict_command
     from dataflow_training.step_cli import export_command, lower_command
     from dataflow_training.train_cli import train_command
 
-    return [verify_command, train_command, lower_command, export_command]
+    return [
+        verify_command,
+        train_command,
+        lower_command,
+        export_command,
+        predict_command,
+        measure_command,
+    ]
 
 
 def _toy_moe():
     from dataflow_training.toy_moe import ToyMoEFamily
 
     return ToyMoEFamily()
+
+
+@hookimpl
+def dataflow_planners() -> list:
+    from dataflow_training.recompute import RECOMPUTE
+
+    return [RECOMPUTE]
 
 
 @hookimpl

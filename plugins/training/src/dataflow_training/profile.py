@@ -15,13 +15,27 @@ captured once into a graph of its own and the replays are timed: the device's ti
 as in a replayed step, where no host launch gap shows. Otherwise each timed launch
 includes whatever the host adds while it enqueues the task's kernels, as in a dispatched
 step.
+
+**The disk cache** (``ProfileCache``): a measurement is kept in one small JSON file per
+signature under ``default_cache_dir()`` (``$DATAFLOW_PROFILE_CACHE``, else
+``$XDG_CACHE_HOME/dataflow/profiles``, else ``~/.cache/dataflow/profiles``; ``off`` turns
+the cache off), keyed by the signature, the kernel set (the resolver and the kernel
+variant every op resolves to, with its distribution's version), the device (its name,
+compute capability, torch and CUDA versions) and ``PROFILE_VERSION`` (the version of this
+measuring method). Any of them changing is a miss; an unreadable file is a miss and is
+written again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -32,6 +46,10 @@ from dataflow.engine.backends.torch_storage import typed_view
 from dataflow.schema import Program, Task
 from dataflow_training.step import StepLayout
 
+#: The version of the measuring method (fills, warm-up, timing); part of every cache key.
+PROFILE_VERSION = 1
+#: Names the cache directory (``off``: no disk cache).
+CACHE_ENV = "DATAFLOW_PROFILE_CACHE"
 #: Workspace is rounded up to the allocator's block size (kMinBlockSize, 512 bytes).
 ROUND_BYTES = 512
 _POSITION = ("layer", "round", "step")
@@ -78,6 +96,108 @@ def _filled(
     return buffer
 
 
+def default_cache_dir() -> Path | None:
+    """Where measurements are kept (module docstring); None when ``$DATAFLOW_PROFILE_CACHE``
+    is ``off``."""
+    named = os.environ.get(CACHE_ENV)
+    if named:
+        return None if named == "off" else Path(named).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "dataflow" / "profiles"
+
+
+def device_identity(device: str) -> str:
+    """What makes one device's timings another's: its name, compute capability, torch and
+    CUDA versions (CPU: the machine, processor and thread count)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(dev)
+        name = torch.cuda.get_device_name(dev)
+        return f"{name} sm{major}{minor} torch {torch.__version__} cuda {torch.version.cuda}"
+    return (
+        f"{dev.type} {platform.machine()} {platform.processor()} torch {torch.__version__} "
+        f"threads {torch.get_num_threads()}"
+    )
+
+
+def kernel_set(resolver: str, device: str) -> tuple[str, ...]:
+    """The resolver and the variant every registered op resolves to on ``device`` (as
+    ``load_ops`` picks: highest priority first), each with its distribution's version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from dataflow.plugins import kernels
+
+    registry = kernels()
+    chosen = [f"resolver {resolver}"]
+    for op in sorted({variant.op for variant in registry}):
+        variants = registry.for_op(op, device=torch.device(device).type)
+        if not variants:
+            continue
+        dist = registry.distribution_of(variants[0].key)
+        try:
+            dist_version = version(dist)
+        except PackageNotFoundError:
+            dist_version = "?"
+        chosen.append(f"{variants[0].key} ({dist} {dist_version})")
+    return tuple(chosen)
+
+
+class ProfileCache:
+    """Measured task profiles on disk, one JSON file per signature (module docstring).
+    ``hits`` and ``misses`` count lookups since the cache was made."""
+
+    def __init__(
+        self, directory: str | Path, device: str, kernels: tuple[str, ...], graph: bool = False
+    ) -> None:
+        self.directory = Path(directory)
+        self.context = {"device": device, "kernels": list(kernels), "version": PROFILE_VERSION}
+        if graph:  # timed as graph replays: another measurement than a dispatched launch
+            self.context["timing"] = "graph"
+        self.hits = self.misses = 0
+
+    @classmethod
+    def for_device(
+        cls,
+        device: str,
+        resolver: str,
+        directory: str | Path | None = None,
+        *,
+        graph: bool = False,
+    ) -> ProfileCache | None:
+        """The cache for ``resolver``'s tasks on ``device`` (None when the cache is off),
+        for tasks timed as graph replays with ``graph``."""
+        directory = directory or default_cache_dir()
+        if directory is None:
+            return None
+        return cls(directory, device_identity(device), kernel_set(resolver, device), graph)
+
+    def _path(self, key: tuple) -> tuple[Path, str]:
+        text = json.dumps({**self.context, "signature": key}, sort_keys=True, default=repr)
+        return self.directory / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.json", text
+
+    def get(self, key: tuple) -> TaskProfile | None:
+        path, text = self._path(key)
+        try:
+            entry = json.loads(path.read_text())
+            found = TaskProfile(float(entry["cost_us"]), int(entry["workspace_bytes"]))
+            valid = entry["key"] == text
+        except (OSError, ValueError, KeyError, TypeError):
+            found, valid = None, False
+        if not valid:
+            self.misses += 1
+            return None
+        self.hits += 1
+        return found
+
+    def put(self, key: tuple, profile: TaskProfile) -> None:
+        path, text = self._path(key)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        entry = {"key": text, **attrs.asdict(profile)}
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(entry))
+        partial.replace(path)
+
+
 def profile_program(
     program: Program,
     resolver: Callable[[Task], Any],
@@ -87,11 +207,12 @@ def profile_program(
     seed: int = 0,
     int_high: Callable[[str], int] = lambda obj_id: 1,
     graph: bool = False,
+    cache: ProfileCache | None = None,
 ) -> dict[tuple, TaskProfile]:
-    """Measure every distinct task signature of ``program`` once (see the module docstring).
-    Integer tensors are filled uniformly from ``[0, int_high(obj_id))`` (zeros by default;
-    tokens should be spread over the vocabulary, or the embedding's scatter-add contends
-    on one row)."""
+    """Measure every distinct task signature of ``program`` once (see the module docstring),
+    or take it from ``cache`` (and store what was measured there). Integer tensors are
+    filled uniformly from ``[0, int_high(obj_id))`` (zeros by default; tokens should be
+    spread over the vocabulary, or the embedding's scatter-add contends on one row)."""
     dev = torch.device(device)
     generator = torch.Generator().manual_seed(seed)
     profiles: dict[tuple, TaskProfile] = {}
@@ -100,10 +221,16 @@ def profile_program(
         key = signature(program, task)
         if key in profiles:
             continue
+        cached = cache.get(key) if cache is not None else None
+        if cached is not None:
+            profiles[key] = cached
+            continue
         ctx = _context(program, layout, task, dev, generator, int_high)
         executable = resolver(task)
         replay = graph and dev.type == "cuda" and getattr(executable, "capturable", False)
         profiles[key] = _measure(executable, ctx, dev, repeats, replay)
+        if cache is not None:
+            cache.put(key, profiles[key])
     return profiles
 
 

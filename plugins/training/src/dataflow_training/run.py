@@ -63,8 +63,11 @@ class TrainingRun:
     ``family`` is a registered family name or a family object; ``state`` the initial model
     state (default: the family's reference model initialised under ``seed``);
     ``budget_bytes`` the fast-memory budget (default: unbounded); ``resolver`` the
-    registered resolver that runs the tasks; ``planner`` a planner spec for ``plan``;
+    registered resolver that runs the tasks; ``planner`` a planner spec for ``plan``
+    (default: the ``recompute`` planner, or PressureFit alone with ``recompute=False``);
     ``keep_grads`` keeps each step's weight gradients for ``grads()`` (checks only);
+    ``cost`` and ``links`` (a ``RooflineCost`` and ``Links``, e.g. from a hardware entry)
+    price the step where the profiling pass does not (off CUDA) and give its links.
     ``graph`` (CUDA only) replays every step after the first from one captured CUDA graph
     (``graph_note`` says why not, when it cannot).
     """
@@ -84,6 +87,9 @@ class TrainingRun:
         planner: Any = None,
         keep_grads: bool = False,
         graph: bool = True,
+        recompute: bool = True,
+        cost: Any = None,
+        links: Any = None,
     ) -> None:
         from dataflow.planning import place, plan
         from dataflow.plugins import resolvers
@@ -94,15 +100,24 @@ class TrainingRun:
         self.overrides = dict(overrides or {})
         self.config = self.family.config(preset, **self.overrides)
         self.lowered: Lowered = lower(
-            self.family, preset, train, overrides=self.overrides, keep_grads=keep_grads
+            self.family,
+            preset,
+            train,
+            overrides=self.overrides,
+            keep_grads=keep_grads,
+            cost=cost,
+            links=links,
         )
         self.program = self.lowered.program
         self.layout: StepLayout = self.lowered.layout
         # Weights, optimizer state and aux are persistent: the plan is a steady-state cycle,
         # each of them homed (fast or slow) between steps where the planner chooses.
-        options: dict[str, Any] = {"cyclic": bool(self.program.persistent)}
-        if planner is not None:
-            options["planner"] = planner
+        if planner is None:
+            from dataflow.planning import PRESSUREFIT
+            from dataflow_training.recompute import RECOMPUTE
+
+            planner = RECOMPUTE if recompute else PRESSUREFIT
+        options: dict[str, Any] = {"planner": planner, "cyclic": bool(self.program.persistent)}
         self.vocab_size = embed_layer(self.lowered.layers).params[0].shape[0]
         self.budget_bytes = budget_bytes or UNBOUNDED_BYTES
         if device.startswith("cuda"):
@@ -129,25 +144,48 @@ class TrainingRun:
     # -- stepping ----------------------------------------------------------------------
     def _plan_for_cuda(self, resolver: str, options: dict[str, Any]) -> None:
         """On CUDA the budget is the allocator's: every task is priced and its framework
-        temporaries measured by the profiling pass, the links to pinned host memory are
-        measured (both directions at once), the plan leaves the CUDA libraries'
-        own reserve and the largest task workspace free beside its arena, and the engine
-        checks the allocator's peak against the whole budget."""
+        temporaries measured by the profiling pass (through its disk cache; timed as graph
+        replays when steps will be replayed), the links to pinned host memory are measured
+        (both directions at once), the plan leaves the CUDA libraries' own reserve and the
+        largest task workspace free beside its arena, and the engine checks the
+        allocator's peak against the whole budget."""
         from dataflow.engine.backends.torch_cuda import measure_links, runtime_reserve_bytes
         from dataflow.planning import place, plan
         from dataflow.plugins import resolvers
-        from dataflow_training.profile import apply_profile, profile_program
+        from dataflow_training.profile import ProfileCache, apply_profile, profile_program
+        from dataflow_training.recompute import RECOMPUTE, measured_recompute_planner
 
         def int_high(obj_id: str) -> int:
             return self.vocab_size if obj_id.startswith(("x_", "t_")) else 1
 
         measure = resolvers().get(resolver).build(self.program)
+        cache = ProfileCache.for_device(self.device, resolver, graph=self.graph)
         profiles = profile_program(
-            self.program, measure, device=self.device, int_high=int_high, graph=self.graph
+            self.program,
+            measure,
+            device=self.device,
+            int_high=int_high,
+            cache=cache,
+            graph=self.graph,
         )
         self.program = attrs.evolve(
             apply_profile(self.program, profiles), links=measure_links(self.device)
         )
+        if options["planner"] is RECOMPUTE:  # candidates priced by measurements too
+
+            def measured(program: Any) -> dict:
+                build = resolvers().get(resolver).build(program)
+                return profile_program(
+                    program,
+                    build,
+                    device=self.device,
+                    int_high=int_high,
+                    cache=cache,
+                    graph=self.graph,
+                )
+
+            spec = measured_recompute_planner(self.program, measured, known=profiles)
+            options = dict(options, planner=spec)
         reserve = runtime_reserve_bytes(self.device)
         self.planned = plan(self.program, self.budget_bytes - reserve, **options)
         self.placement = place(self.planned, workspace_in_arena=False)

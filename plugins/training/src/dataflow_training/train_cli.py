@@ -102,6 +102,12 @@ def default_budget(device: str) -> int | None:
     "(--no-graph dispatches every task from the host: per-task NVTX ranges in --profile)",
 )
 @click.option(
+    "--recompute/--no-recompute",
+    default=True,
+    show_default=True,
+    help="let the recompute planner re-derive saved activations where that is faster or fits",
+)
+@click.option(
     "--profile",
     is_flag=True,
     help="trace a window of warmed steps: torch.profiler Chrome trace; on CUDA also NVTX "

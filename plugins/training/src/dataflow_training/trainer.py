@@ -78,6 +78,7 @@ class TrainOptions:
     overrides: dict[str, Any] = attrs.field(factory=dict)
     profile: ProfileWindow | None = None
     graph: bool = True
+    recompute: bool = True
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(
@@ -180,6 +181,7 @@ def train(
         seed=o.seed,
         overrides=o.overrides,
         graph=o.graph,
+        recompute=o.recompute,
     )
     vocab = getattr(feed, "vocab_size", None)
     if vocab is not None and vocab > run.vocab_size:

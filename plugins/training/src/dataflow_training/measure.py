@@ -1,0 +1,134 @@
+"""``measure``: the cells of a ``predict`` grid run on the engine, beside their prediction.
+
+Each cell is planned once (``TrainingRun``: on CUDA, priced by the profiling pass through
+its disk cache; elsewhere by the hardware entry's roofline), then run for ``steps``
+optimizer steps on random tokens; the first ``warmup`` are dropped and the median of the
+rest is the measured step, printed beside the plan's simulated step with their ratio
+(measured / predicted). A cell that cannot be planned or does not fit the device is a
+row that says why.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from dataflow_training.hardware import HardwareEntry
+from dataflow_training.predict import (
+    Cell,
+    _one_line,
+    infeasible_row,
+    position_overrides,
+    row_of,
+    train_config,
+)
+
+
+def measure_cell(
+    family: Any,
+    cell: Cell,
+    hw: HardwareEntry,
+    *,
+    device: str = "cpu",
+    steps: int = 5,
+    warmup: int = 2,
+    recompute: bool = True,
+    dtype: str = "bf16",
+    resolver: str = "torch",
+    seed: int = 0,
+) -> dict[str, Any]:
+    """One cell's row: the predicted row's fields and ``predicted_step_s``,
+    ``measured_step_s``, ``ratio``, ``steps_s`` (every step's wall time) and the
+    allocator's peak (CUDA)."""
+    import torch
+
+    from dataflow.planning import PlanningError
+    from dataflow_training.run import TrainingRun
+
+    costs = "measured" if device.startswith("cuda") else "roofline"
+    extra: dict[str, Any] = {"hw": hw.name, "costs": costs, "device": device}
+    reason = cell.why_not()
+    if reason is not None:
+        return infeasible_row(cell, extra, reason)
+    overrides = position_overrides(family, cell.preset, cell.seq_len)
+    extra["overrides"] = overrides
+    train = train_config(cell, dtype)
+    run = None
+    try:
+        run = TrainingRun(
+            family,
+            cell.preset,
+            train,
+            budget_bytes=cell.budget_bytes,
+            device=device,
+            seed=seed,
+            overrides=overrides,
+            resolver=resolver,
+            recompute=recompute,
+            cost=hw.roofline(train.dtype.param),
+            links=hw.links(),
+        )
+        planned = getattr(run.placement, "plan", run.planned)
+        row = row_of(planned, family, cell, extra)
+        if cell.backing_bytes is not None and row["backing_peak_bytes"] > cell.backing_bytes:
+            return infeasible_row(
+                cell,
+                extra,
+                f"the plan needs {row['backing_peak_bytes']} bytes of backing memory, more "
+                f"than --backing ({cell.backing_bytes} bytes); the engine's runs take no "
+                "backing budget",
+            )
+        generator = torch.Generator().manual_seed(seed)
+        vocab = run.vocab_size
+        times, peaks = [], []
+        for _ in range(steps):
+            batches = [
+                (
+                    torch.randint(0, vocab, (train.batch, train.seq_len), generator=generator),
+                    torch.randint(0, vocab, (train.batch, train.seq_len), generator=generator),
+                )
+                for _ in range(train.rounds)
+            ]
+            stats = run.step(batches)
+            times.append(stats.step_s)
+            peaks.append(stats.allocator_peak_bytes)
+    except (PlanningError, ValueError) as exc:
+        return infeasible_row(cell, extra, _one_line(str(exc)))
+    except torch.cuda.OutOfMemoryError as exc:
+        return infeasible_row(cell, extra, f"out of device memory: {_one_line(str(exc))[:200]}")
+    finally:
+        if run is not None:
+            run.close()
+        del run
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    warm = times[warmup:] or times[-1:]
+    measured = statistics.median(warm)
+    return {
+        **row,
+        "predicted_step_s": row["step_s"],
+        "measured_step_s": measured,
+        "ratio": measured / row["step_s"],
+        "measured_tok_s": cell.tokens_step / measured,
+        "steps_s": times,
+        "warmup": min(warmup, len(times) - len(warm)),
+        "allocator_peak_bytes": max((p for p in peaks if p is not None), default=None),
+    }
+
+
+def measure(
+    family: Any,
+    cells: Iterable[Cell],
+    hw: HardwareEntry,
+    *,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+    **options: Any,
+) -> list[dict[str, Any]]:
+    """Every cell's row (``measure_cell``), ``progress(row)`` after each."""
+    rows = []
+    for cell in cells:
+        rows.append(measure_cell(family, cell, hw, **options))
+        if progress is not None:
+            progress(rows[-1])
+    return rows

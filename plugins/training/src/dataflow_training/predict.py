@@ -1,0 +1,258 @@
+"""``predict``: what a grid of training steps would do, from the simulator alone.
+
+A **cell** is a preset trained with ``t_round`` tokens a round (``batch = t_round /
+seq_len``), ``rounds = tokens_step / t_round`` accumulation rounds, inside a fast budget
+and, optionally, a backing (pinned host) budget. Each cell is lowered, priced (by the
+hardware entry's roofline, or by the profiling pass through its disk cache with
+``measured``), planned (the recompute planner, or PressureFit alone) and simulated; its
+row says what one step costs. A cell that cannot run is a row that says why
+(``feasible: false`` and ``reason``), never an error.
+
+A sequence longer than the preset's position table (GPT-2's ``n_positions``) lengthens
+the table (an override the row names): the step is then the preset's at that length.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from dataflow.schema import DTYPE_BYTES, Program
+from dataflow_training.config import DtypePolicy, TrainConfig
+from dataflow_training.hardware import HardwareEntry
+from dataflow_training.step import StepLayout
+
+#: Config fields under which a family may declare the longest sequence its model takes.
+MAX_SEQ_LEN_FIELDS = ("max_seq_len", "n_positions", "max_position_embeddings")
+
+
+@attrs.frozen
+class Cell:
+    """One point of the grid (sizes in tokens and bytes)."""
+
+    preset: str
+    t_round: int
+    seq_len: int
+    tokens_step: int
+    budget_bytes: int
+    backing_bytes: int | None = None
+
+    @property
+    def batch(self) -> int:
+        return self.t_round // self.seq_len
+
+    @property
+    def rounds(self) -> int:
+        return self.tokens_step // self.t_round
+
+    def why_not(self) -> str | None:
+        """Why the cell's step does not exist (None: it does)."""
+        if self.t_round % self.seq_len:
+            return f"T_round {self.t_round} is not a multiple of seq_len {self.seq_len}"
+        if self.tokens_step % self.t_round:
+            return f"tokens per step {self.tokens_step} is not a multiple of T_round {self.t_round}"
+        return None
+
+    def key(self) -> dict[str, Any]:
+        return {
+            "preset": self.preset,
+            "t_round": self.t_round,
+            "seq_len": self.seq_len,
+            "batch": self.batch if not self.t_round % self.seq_len else None,
+            "rounds": self.rounds if not self.tokens_step % self.t_round else None,
+            "budget_bytes": self.budget_bytes,
+            "backing_bytes": self.backing_bytes,
+        }
+
+
+def grid(
+    preset: str,
+    t_rounds: Sequence[int],
+    seq_lens: Sequence[int],
+    budgets: Sequence[int],
+    tokens_step: int,
+    backing_bytes: int | None = None,
+) -> list[Cell]:
+    """Every cell, by sequence length, then T_round, then budget (largest first as given)."""
+    return [
+        Cell(preset, t_round, seq_len, tokens_step, budget, backing_bytes)
+        for seq_len in seq_lens
+        for t_round in t_rounds
+        for budget in budgets
+    ]
+
+
+def train_config(cell: Cell, dtype: str = "bf16", chunk_tokens: int = 8192) -> TrainConfig:
+    """The training step of a cell: bf16 weights, gradients and activations with float32
+    optimizer states by default, the head ``chunk_tokens`` tokens at a time."""
+    return TrainConfig(
+        seq_len=cell.seq_len,
+        batch=cell.batch,
+        rounds=cell.rounds,
+        dtype=DtypePolicy.named(dtype),
+        chunk_tokens=min(chunk_tokens, cell.t_round),
+    )
+
+
+def position_overrides(family: Any, preset: str, seq_len: int) -> dict[str, int]:
+    """Lengthen the preset's position table to ``seq_len`` where it is shorter."""
+    config = family.config(preset)
+    for field in MAX_SEQ_LEN_FIELDS:
+        longest = getattr(config, field, None)
+        if isinstance(longest, int) and seq_len > longest:
+            return {field: seq_len}
+    return {}
+
+
+def step_flops(family: Any, program: Program) -> tuple[float, float]:
+    """``(model, executed)`` FLOPs of a lowered step from its families' declared work: the
+    model's are forward, head and backward of every round; executed adds recompute."""
+    layout = StepLayout.of(program)
+    config = family.config(layout.preset, **layout.overrides)
+    train = layout.train
+    act_bytes = DTYPE_BYTES[train.dtype.activation]
+    kinds = {layer.name: layer.kind for layer in layout.layers}
+    costs: dict[str, Any] = {}
+    model = executed = 0.0
+    for task in program.tasks:
+        slot = layout.tasks[task.id]
+        kind = kinds.get(slot.layer)
+        if task.kind not in ("embed", "fwd", "head", "rec", "bwd", "embbwd"):
+            continue  # optimizer and norm tasks: no matrix work worth counting
+        if kind not in costs:
+            costs[kind] = family.math(kind).cost(config, train.batch, train.seq_len, act_bytes)
+        cost = costs[kind]
+        if task.kind == "rec":
+            executed += (cost.recompute or cost.forward).flops
+            continue
+        work = cost.backward if task.kind in ("bwd", "embbwd") else cost.forward
+        model += work.flops
+        executed += work.flops
+    return model, executed
+
+
+def recomputed(program: Program) -> list[str]:
+    """The recomputed units as ``round:block`` (block = the layer's name)."""
+    layout = StepLayout.of(program)
+    return [
+        f"{slot.round_}:{slot.layer}"
+        for task in program.tasks
+        if (slot := layout.tasks[task.id]).kind == "rec"
+    ]
+
+
+def row_of(planned: Any, family: Any, cell: Cell, extra: dict[str, Any]) -> dict[str, Any]:
+    """A feasible cell's row from its plan (``dataflow.planning.Plan``)."""
+    sim, program = planned.sim, planned.program
+    step_us = planned.cycle.iteration_us if planned.cycle is not None else sim.makespan_us
+    step_s = step_us / 1e6
+    model, executed = step_flops(family, program)
+    rec_us = sum(t.cost_us for t in program.tasks if t.kind == "rec")
+    units = recomputed(program)
+    blocks = sorted({u.split(":")[1] for u in units}, key=_natural)
+    return {
+        **cell.key(),
+        **extra,
+        "feasible": True,
+        "reason": None,
+        "step_s": step_s,
+        "tok_s": cell.tokens_step / step_s,
+        "effective_tflops": model / step_us / 1e6,
+        "hardware_tflops": executed / step_us / 1e6,
+        "fast_peak_bytes": sim.fast_peak_bytes,
+        "backing_peak_bytes": sim.slow_peak_bytes,
+        "h2d_gb": sim.h2d.bytes / 1e9,
+        "d2h_gb": sim.d2h.bytes / 1e9,
+        "h2d_link_pct": 100 * sim.h2d.busy_us / step_us,
+        "d2h_link_pct": 100 * sim.d2h.busy_us / step_us,
+        "recompute_pct": 100 * rec_us / step_us,
+        "compute_idle_pct": 100 * sim.compute_idle_us / sim.makespan_us,
+        "recomputed_units": len(units),
+        "recomputed_layers": blocks,
+        "lower_bound_s": planned.lower_bound_us / 1e6,
+    }
+
+
+def _natural(name: str) -> tuple[int, str]:
+    return (int(name), "") if name.isdigit() else (1 << 30, name)
+
+
+def infeasible_row(cell: Cell, extra: dict[str, Any], reason: str) -> dict[str, Any]:
+    return {**cell.key(), **extra, "feasible": False, "reason": reason}
+
+
+def predict_cell(
+    family: Any,
+    cell: Cell,
+    hw: HardwareEntry,
+    *,
+    recompute: bool = True,
+    dtype: str = "bf16",
+    measure: Callable[[Program], dict] | None = None,
+    reserve_bytes: int = 0,
+) -> dict[str, Any]:
+    """The row of one cell (module docstring). ``measure`` (a program -> profiles
+    function, e.g. the profiling pass through its cache) prices the step instead of the
+    roofline; ``reserve_bytes`` is left out of the budget for the device's libraries."""
+    from dataflow.planning import PRESSUREFIT, PlanningError, plan
+    from dataflow_training.lowering import lower
+    from dataflow_training.profile import apply_profile
+    from dataflow_training.recompute import measured_recompute_planner, recompute_planner
+
+    extra: dict[str, Any] = {"hw": hw.name, "costs": "measured" if measure else "roofline"}
+    reason = cell.why_not()
+    if reason is not None:
+        return infeasible_row(cell, extra, reason)
+    overrides = position_overrides(family, cell.preset, cell.seq_len)
+    extra["overrides"] = overrides
+    started = time.perf_counter()
+    train = train_config(cell, dtype)
+    program = lower(
+        family,
+        cell.preset,
+        train,
+        overrides=overrides,
+        cost=hw.roofline(train.dtype.param),
+        links=hw.links(),
+    ).program
+    planner = recompute_planner(family=family) if recompute else PRESSUREFIT
+    if measure is not None:
+        profiles = measure(program)
+        program = apply_profile(program, profiles)
+        if recompute:
+            planner = measured_recompute_planner(program, measure, family, known=profiles)
+    budget = cell.budget_bytes - reserve_bytes
+    if budget < 1:
+        return infeasible_row(
+            cell, extra, f"the device's libraries alone take {reserve_bytes} bytes of it"
+        )
+    try:
+        planned = plan(program, budget, planner=planner, slow_budget_bytes=cell.backing_bytes)
+    except PlanningError as exc:
+        return infeasible_row(cell, extra, _one_line(str(exc)))
+    extra["planning_s"] = time.perf_counter() - started
+    return row_of(planned, family, cell, extra)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def predict(
+    family: Any,
+    cells: Iterable[Cell],
+    hw: HardwareEntry,
+    *,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+    **options: Any,
+) -> list[dict[str, Any]]:
+    """Every cell's row (``predict_cell``), ``progress(row)`` after each."""
+    rows = []
+    for cell in cells:
+        rows.append(predict_cell(family, cell, hw, **options))
+        if progress is not None:
+            progress(rows[-1])
+    return rows

@@ -1,0 +1,344 @@
+"""The recompute planner: per block and round, keep ``A`` from forward or re-derive it
+just before backward, whichever makes the planned step faster or makes it fit at all.
+
+Registered as the planner ``recompute`` (``RECOMPUTE``). For a program lowered by
+``dataflow_training.lowering`` it plans candidate steps with PressureFit and keeps the
+best; any other program goes to PressureFit unchanged.
+
+A **unit** is one block in one accumulation round: recomputing it drops ``A`` from the
+forward task's outputs and inserts the lowering's ``rec`` task right before the backward
+(``lower(recompute=[(round, block)])``). Candidates are spliced from one lowering with
+every unit recomputed, so each is exactly what ``lower`` makes of its units; a candidate
+keeps every task's cost and workspace from the program it started from, and prices a new
+``rec`` task as its forward scaled by the declared work of recompute over forward (or
+by ``price``, which re-prices a whole candidate, e.g. from the profile cache).
+
+The search, at most ``max_candidates`` plans (each planned by PressureFit and simulated):
+
+1. the program as given. If it fits and no unit could pay for itself (its step is no
+   longer than its compute plus the cheapest recompute), that is the answer;
+2. when it does not fit: every unit recomputed; if even that does not fit, the budget is
+   infeasible (the error names the smallest budget found with every unit recomputed).
+   Then the fewest blocks (in chain order, every round) that still fit, by bisection
+   (a candidate with one task larger than the budget is never planned);
+3. then, greedily: the units whose ``A`` the best plan so far moves over the link
+   (offloaded), all at once, then halves of them; a candidate is accepted only if its
+   simulated step is shorter (for a cyclic plan, its steady-state iteration), and one
+   whose compute alone cannot beat the best is never planned; last, every unit at once.
+
+So the answer is never slower than the program as given, whenever that fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+
+from dataflow.planning import PRESSUREFIT, Plan, PlanningError, plan
+from dataflow.registry import PlannerSpec
+from dataflow.schema import Program, Task
+from dataflow_training.step import StepLayout
+
+#: The most candidate plans one search makes (each is a PressureFit plan and a simulation).
+MAX_CANDIDATES = 10
+
+Unit = tuple[int, int]  # (round, block index)
+
+
+def _quick_pressurefit(program: Program, budget_bytes: int, **options: Any) -> Program:
+    """PressureFit that fails at once when it finds no plan (``explain=False``)."""
+    return PRESSUREFIT.plan(program, budget_bytes, explain=False, **options)
+
+
+_QUICK = PlannerSpec("pressurefit", _quick_pressurefit)
+Price = Callable[[Program], Program]
+
+
+@attrs.frozen
+class Choice:
+    """What the search settled on: the recomputed ``units``, the plan, and how many
+    candidates it planned."""
+
+    units: frozenset[Unit]
+    plan: Plan
+    candidates: int
+
+    @property
+    def step_us(self) -> float:
+        return _step_us(self.plan)
+
+
+def _step_us(planned: Plan) -> float:
+    return planned.cycle.iteration_us if planned.cycle is not None else planned.makespan_us
+
+
+class Rewriter:
+    """Candidate programs of one lowered step (module docstring)."""
+
+    def __init__(self, program: Program, price: Price | None = None, family: Any = None) -> None:
+        from dataflow_training.family import load_family
+        from dataflow_training.lowering import lower
+
+        self.program, self.price = program, price
+        self.layout = StepLayout.of(program)
+        names = [layer.name for layer in self.layout.layers]
+        self.blocks = {name: i for i, name in enumerate(names[1:-1])}
+        rounds = self.layout.train.rounds
+        self.all = frozenset((r, i) for r in range(rounds) for i in self.blocks.values())
+        self.given = frozenset(
+            (slot.round_, self.blocks[slot.layer])
+            for slot in self.layout.tasks.values()
+            if slot.kind == "rec"
+        )
+        family = family or load_family(self.layout.family)
+        source = lower(
+            family,
+            self.layout.preset,
+            self.layout.train,
+            overrides=self.layout.overrides,
+            step=self.layout.step,
+            recompute=sorted(self.all),
+        )
+        self.source = source.program.tasks_by_id
+        self.source_slots = source.layout.tasks
+        plain = {t.id: t for t in program.tasks}
+        # a rec task's price: its forward's, scaled by the declared work of the two
+        self.rec_cost: dict[Unit, Task] = {}
+        for slot in self.source_slots.values():
+            if slot.kind != "rec":
+                continue
+            unit = (slot.round_, self.blocks[slot.layer])
+            fwd_id = slot.id.replace("rec_", "fwd_", 1)
+            rec, fwd_fresh, fwd_given = self.source[slot.id], self.source[fwd_id], plain[fwd_id]
+            if slot.id in plain:
+                self.rec_cost[unit] = plain[slot.id]
+                continue
+            ratio = rec.cost_us / fwd_fresh.cost_us if fwd_fresh.cost_us > 0 else 1.0
+            self.rec_cost[unit] = attrs.evolve(
+                rec,
+                cost_us=fwd_given.cost_us * ratio,
+                workspace_bytes=fwd_given.workspace_bytes,
+            )
+
+    def unit_of(self, task_id: str) -> Unit | None:
+        slot = self.layout.tasks.get(task_id)
+        if slot is None or slot.kind not in ("fwd", "bwd") or slot.layer not in self.blocks:
+            return None
+        return slot.round_, self.blocks[slot.layer]
+
+    def candidate(self, units: Iterable[Unit]) -> Program:
+        """The program with ``units`` recomputed (on top of those it recomputes already)."""
+        added = frozenset(units) - self.given
+        if not added:
+            return self.program if self.price is None else self.price(self.program)
+        tasks: list[Task] = []
+        slots = dict(self.layout.tasks)
+        for task in self.program.tasks:
+            unit = self.unit_of(task.id)
+            if unit in added and task.kind == "fwd":
+                fresh = self.source[task.id]
+                task = attrs.evolve(task, outputs=fresh.outputs, params=fresh.params)
+                slots[task.id] = self.source_slots[task.id]
+            if unit in added and task.kind == "bwd":
+                rec = self.rec_cost[unit]
+                tasks.append(rec)
+                slots[rec.id] = self.source_slots[rec.id]
+            tasks.append(task)
+        layout = attrs.evolve(self.layout, tasks=slots)
+        metadata = {**self.program.metadata, **layout.to_metadata()}
+        program = attrs.evolve(self.program, tasks=tuple(tasks), metadata=metadata)
+        return program if self.price is None else self.price(program)
+
+    def recompute_us(self, units: Iterable[Unit]) -> float:
+        return sum(self.rec_cost[u].cost_us for u in frozenset(units) - self.given)
+
+    def offloaded(self, planned: Plan) -> list[Unit]:
+        """Units (not yet recomputed) whose ``A`` the plan writes back to slow memory."""
+        found = set()
+        for task in planned.program.tasks:
+            for obj_id in task.offloads:
+                if obj_id.startswith("A_"):
+                    _, _step, r, i = obj_id.split("_")
+                    found.add((int(r), int(i)))
+        return sorted(found - self.given, key=_chain_order)
+
+
+def _chain_order(unit: Unit) -> tuple[int, int]:
+    """Rounds in order, each round's blocks first to last (its A lives longest)."""
+    return unit
+
+
+def search(
+    program: Program,
+    budget_bytes: int,
+    *,
+    price: Price | None = None,
+    max_candidates: int = MAX_CANDIDATES,
+    family: Any = None,
+    **options: Any,
+) -> Choice:
+    """The best recompute choice for ``program`` within ``budget_bytes`` (module
+    docstring). ``options`` go to every PressureFit plan (``slow_budget_bytes``,
+    ``cyclic``); ``family`` is the family object the program was lowered from (default:
+    the registered family the step layout names). Raises ``InfeasibleBudget`` when no
+    candidate fits."""
+    rewriter = Rewriter(program, price, family)
+    planned = 0
+
+    def evaluate(units: frozenset[Unit]) -> Plan | None:
+        """The candidate's plan, or None when it does not fit (found without asking
+        PressureFit for the smallest budget that works, which can take far longer)."""
+        nonlocal planned
+        candidate = rewriter.candidate(units)
+        if _floor_bytes(candidate) > budget_bytes:
+            return None
+        planned += 1
+        try:
+            return plan(candidate, budget_bytes, planner=_QUICK, **options)
+        except PlanningError:
+            return None
+
+    units = rewriter.given
+    first = evaluate(units)
+    if first is None:
+        units, first = _make_it_fit(rewriter, evaluate, budget_bytes, options)
+    best = first
+    compute_us = sum(t.cost_us for t in rewriter.candidate(units).tasks)
+    cheapest = min((t.cost_us for t in rewriter.rec_cost.values()), default=0.0)
+    if _step_us(best) <= compute_us + cheapest:
+        return Choice(units, best, planned)
+    pool = rewriter.offloaded(best)
+    while pool and planned < max_candidates:
+        trial = units | frozenset(pool)
+        if compute_us + rewriter.recompute_us(trial - units) >= _step_us(best):
+            pool = pool[: len(pool) // 2]  # its compute alone cannot beat the best
+            continue
+        candidate = evaluate(trial)
+        if candidate is not None and _step_us(candidate) < _step_us(best):
+            compute_us += rewriter.recompute_us(trial - units)
+            units, best = trial, candidate
+            pool = rewriter.offloaded(best)
+        else:
+            pool = pool[: len(pool) // 2]
+    everything = rewriter.all | rewriter.given
+    if planned < max_candidates and units != everything:
+        added = rewriter.recompute_us(everything - units)
+        if compute_us + added < _step_us(best):
+            candidate = evaluate(everything)
+            if candidate is not None and _step_us(candidate) < _step_us(best):
+                units, best = everything, candidate
+    return Choice(units, best, planned)
+
+
+def _floor_bytes(program: Program) -> int:
+    """The largest fast footprint of one task: what it reads, changes, makes, and its
+    workspace (no plan fits a budget below it)."""
+    sizes = {o.id: o.size_bytes for o in program.objects}
+    return max(
+        (sum(sizes[o] for o in task.uses) + task.workspace_bytes for task in program.tasks),
+        default=0,
+    )
+
+
+def _make_it_fit(
+    rewriter: Rewriter, evaluate: Callable, budget_bytes: int, options: dict[str, Any]
+) -> tuple[frozenset[Unit], Plan]:
+    """Every unit recomputed, then the fewest blocks (every round) that still fit, by
+    bisection. When even every unit recomputed does not fit, PressureFit's own error for
+    that candidate (the smallest budget that works, and what forces it)."""
+    everything = rewriter.all | rewriter.given
+    fitted = evaluate(everything)
+    if fitted is None:
+        plan(rewriter.candidate(everything), budget_bytes, planner=PRESSUREFIT, **options)
+        raise PlanningError(  # PressureFit's quick search missed a plan its full one finds
+            f"the recompute planner found no plan of {rewriter.program.name!r} within "
+            f"{budget_bytes} bytes"
+        )
+    rounds = rewriter.layout.train.rounds
+
+    def first_blocks(count: int) -> frozenset[Unit]:
+        return rewriter.given | {(r, i) for r in range(rounds) for i in range(count)}
+
+    best_units, best = everything, fitted
+    low, high = 0, len(rewriter.blocks)  # first_blocks(low) does not fit, (high) does
+    while high - low > 1:
+        middle = (low + high) // 2
+        trial = evaluate(first_blocks(middle))
+        if trial is not None:
+            high = middle
+            if _step_us(trial) <= _step_us(best):
+                best_units, best = first_blocks(middle), trial
+        else:
+            low = middle
+    return best_units, best
+
+
+def minimal_recompute_budget(program: Program, *, family: Any = None, **options: Any) -> int:
+    """The smaller of the minimal budgets of the program as given and with every unit
+    recomputed."""
+    from dataflow.planning import minimal_budget
+
+    given = minimal_budget(program, **options)
+    if StepLayout.METADATA_KEY not in program.metadata:
+        return given
+    rewriter = Rewriter(program, family=family)
+    return min(given, minimal_budget(rewriter.candidate(rewriter.all), **options))
+
+
+RECOMPUTE_DESCRIPTION = (
+    "training steps: re-derive saved activations per block and round where that makes the "
+    "step faster or fit, then PressureFit (other programs: PressureFit)"
+)
+
+
+def recompute_planner(
+    price: Price | None = None, max_candidates: int = MAX_CANDIDATES, family: Any = None
+) -> PlannerSpec:
+    """A ``recompute`` planner spec whose candidates are priced by ``price`` (default:
+    the costs of the program it is given) and re-lowered with ``family`` (default: the
+    registered family the program names). Its ``plan`` is the best candidate's planned
+    program; a program not lowered by dataflow-training goes to PressureFit as is."""
+
+    def plan_recompute(program: Program, budget_bytes: int, **options: Any) -> Program:
+        if StepLayout.METADATA_KEY not in program.metadata:
+            return PRESSUREFIT.plan(program, budget_bytes, **options)
+        choice = search(
+            program,
+            budget_bytes,
+            price=price,
+            max_candidates=max_candidates,
+            family=family,
+            **options,
+        )
+        return choice.plan.program
+
+    def minimal(program: Program, **options: Any) -> int:
+        return minimal_recompute_budget(program, family=family, **options)
+
+    return PlannerSpec("recompute", plan_recompute, RECOMPUTE_DESCRIPTION, minimal_budget=minimal)
+
+
+#: The planner the training plugin registers (``dataflow_planners``).
+RECOMPUTE = recompute_planner()
+
+
+def measured_recompute_planner(
+    program: Program,
+    profile: Callable[[Program], dict],
+    family: Any = None,
+    known: dict | None = None,
+) -> PlannerSpec:
+    """A ``recompute`` planner whose candidates are priced by the profiling pass:
+    ``profile(program)`` returns the measured profiles of a program's task signatures
+    (``dataflow_training.profile.profile_program``); it is called for ``program`` and for
+    the program with every unit recomputed, which between them hold every signature any
+    candidate has (the ``rec`` tasks and the forward tasks that do not save); ``known``:
+    profiles of ``program`` measured already."""
+    from dataflow_training.profile import apply_profile
+
+    rewriter = Rewriter(program, family=family)
+    profiles = dict(known) if known is not None else profile(program)
+    profiles |= profile(rewriter.candidate(rewriter.all))
+    return recompute_planner(price=lambda p: apply_profile(p, profiles), family=family)

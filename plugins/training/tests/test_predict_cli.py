@@ -1,0 +1,143 @@
+"""``dataflow predict`` and ``dataflow measure`` on gpt2_tiny, on the CPU: one row per
+cell, infeasible cells as rows that say why, the FLOPs against GPT-2's closed form, the
+profile cache behind ``--measured``, and the one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dataflow.testing.cli import assert_one_line_error, invoke
+
+pytest.importorskip("dataflow_family_gpt2")
+
+GRID = ("--preset", "gpt2_tiny", "--t-round", "32,48", "--seq-len", "16", "--tokens-step", "64")
+ONE = ("--preset", "gpt2_tiny", "--t-round", "32", "--seq-len", "16", "--tokens-step", "64")
+
+
+def _rows(path) -> list[dict]:
+    return json.loads(path.read_text())["rows"]
+
+
+def test_predict_prints_a_row_per_cell_and_says_why_a_cell_cannot_run(tmp_path) -> None:
+    out = tmp_path / "p.json"
+    result = invoke("predict", *GRID, "--budget", "1,0.00001", "--json", out)
+    assert result.exit_code == 0, result.output
+    rows = _rows(out)
+    assert [(r["t_round"], r["budget_bytes"]) for r in rows] == [
+        (32, 2**30),
+        (32, int(0.00001 * 2**30)),
+        (48, 2**30),
+        (48, int(0.00001 * 2**30)),
+    ]
+    fits, small, uneven, _ = rows
+    assert fits["feasible"] and fits["batch"] == 2 and fits["rounds"] == 2
+    assert fits["tok_s"] == pytest.approx(64 / fits["step_s"])
+    assert fits["fast_peak_bytes"] <= 2**30 and fits["recomputed_units"] == 0
+    assert not small["feasible"] and "smallest budget that works" in small["reason"]
+    assert not uneven["feasible"]
+    assert uneven["reason"] == "tokens per step 64 is not a multiple of T_round 48"
+    assert "infeasible: tokens per step 64" in result.stdout
+
+
+def test_model_flops_follow_gpt2s_closed_form(tmp_path) -> None:
+    """Per token: 6 x 12 n^2 per block for the matrix products (forward 2x, backward 4x),
+    7 seq n per block for causal attention (forward 2, backward 5), and 6 V n for the
+    head's three vocabulary products (the family's declared work, summed by hand)."""
+    from dataflow_family_gpt2.presets import preset
+
+    out = tmp_path / "p.json"
+    assert invoke("predict", *GRID, "--budget", "1", "--json", out).exit_code == 0
+    row = _rows(out)[0]
+    c = preset("gpt2_tiny")
+    n, seq, tokens = c.n_embd, 16, 64
+    per_token = c.n_layer * (6 * (3 * n * n + n * n + 2 * n * 4 * n) + 7 * seq * n)
+    per_token += 6 * c.vocab_size * n
+    assert row["effective_tflops"] * 1e12 * row["step_s"] == pytest.approx(per_token * tokens)
+    assert row["hardware_tflops"] == row["effective_tflops"]  # nothing recomputed
+
+
+#: a device whose host link is slow next to its compute (user entry, --hw-file)
+SLOW_LINK = """
+[slowlink]
+flops_per_us = { bfloat16 = 1e6 }
+hbm_bytes_per_us = 1e5
+h2d_bytes_per_us = 100.0
+d2h_bytes_per_us = 100.0
+"""
+
+
+def test_a_tight_budget_is_met_by_recompute_and_not_without(tmp_path) -> None:
+    out, off = tmp_path / "on.json", tmp_path / "off.json"
+    hw = tmp_path / "hw.toml"
+    hw.write_text(SLOW_LINK)
+    grid = ("--preset", "gpt2_tiny", "--t-round", "64", "--seq-len", "16", "--tokens-step", "128")
+    grid += ("--hw", "slowlink", "--hw-file", str(hw))
+    assert invoke("predict", *grid, "--budget", "1", "--json", out).exit_code == 0
+    peak = _rows(out)[0]["fast_peak_bytes"]
+    budget = f"{int(0.5 * peak)}B"
+    assert invoke("predict", *grid, "--budget", budget, "--json", out).exit_code == 0
+    assert (
+        invoke("predict", *grid, "--budget", budget, "--no-recompute", "--json", off).exit_code == 0
+    )
+    on, alone = _rows(out)[0], _rows(off)[0]
+    assert on["recomputed_units"] > 0 and alone["recomputed_units"] == 0
+    assert on["step_s"] <= alone["step_s"]
+    assert on["hardware_tflops"] > on["effective_tflops"]
+    assert on["recompute_pct"] > 0
+
+
+def test_measured_costs_come_from_the_profile_cache(tmp_path, monkeypatch) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DATAFLOW_PROFILE_CACHE", str(cache))
+    out = tmp_path / "m.json"
+    args = ("predict", *ONE, "--budget", "1", "--measured")
+    result = invoke(*args, "--device", "cpu", "--json", out)
+    assert result.exit_code == 0, result.output
+    entries = sorted(cache.glob("*.json"))
+    assert entries and _rows(out)[0]["costs"] == "measured"
+    stamps = [p.stat().st_mtime_ns for p in entries]
+    assert invoke(*args, "--device", "cpu").exit_code == 0
+    assert [p.stat().st_mtime_ns for p in sorted(cache.glob("*.json"))] == stamps  # all hits
+
+
+def test_measure_runs_each_cell_beside_its_prediction(tmp_path) -> None:
+    out = tmp_path / "fidelity.json"
+    result = invoke(
+        "measure", *ONE, "--budget", "1,0.00001",
+        "--steps", "3", "--warmup", "1", "--device", "cpu", "--json", out,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    run, small = _rows(out)
+    for key in ("preset", "t_round", "seq_len", "budget_bytes", "predicted_step_s"):
+        assert key in run
+    assert len(run["steps_s"]) == 3 and run["warmup"] == 1
+    assert run["measured_step_s"] == pytest.approx(
+        sorted(run["steps_s"][1:])[0] / 2 + sorted(run["steps_s"][1:])[1] / 2
+    )
+    assert run["ratio"] == pytest.approx(run["measured_step_s"] / run["predicted_step_s"])
+    assert not small["feasible"] and small["reason"]
+    assert "ratio" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "culprits"),
+    [
+        (("--hw", "b300"), ("--hw", "b300", "h200")),
+        (("--budget", "lots"), ("--budget", "lots")),
+        (("--t-round", "0"), ("--t-round",)),
+        (("--preset", "gpt2_huge"), ("--preset", "gpt2_huge")),
+    ],
+)
+def test_bad_options_are_one_line(args, culprits) -> None:
+    base = {"--preset": "gpt2_tiny", "--t-round": "32", "--seq-len": "16", "--budget": "1"}
+    base.update(dict(zip(args[::2], args[1::2], strict=True)))
+    flat = [x for pair in base.items() for x in pair]
+    result = invoke("predict", *flat, "--tokens-step", "64")
+    assert_one_line_error(result, 2, *culprits)
+
+
+def test_measure_needs_a_measured_step(tmp_path) -> None:
+    result = invoke("measure", *ONE, "--budget", "1", "--steps", "2", "--warmup", "2")
+    assert_one_line_error(result, 2, "--warmup", "--steps")

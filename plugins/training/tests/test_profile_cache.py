@@ -1,0 +1,111 @@
+"""The profiling pass's disk cache: a hit skips the measurement, and a change of kernel
+set, device or method version (or a damaged file) is a miss that measures again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from dataflow_training import profile
+from dataflow_training.config import TrainConfig
+from dataflow_training.lowering import lower
+from dataflow_training.profile import (
+    CACHE_ENV,
+    ProfileCache,
+    apply_profile,
+    default_cache_dir,
+    profile_program,
+    signature,
+)
+from dataflow_training.toy import ToyFamily
+
+
+class Counting:
+    """A resolver whose executables only count their launches."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def __call__(self, task):
+        outer = self
+
+        class Executable:
+            def launch(self, ctx) -> None:
+                outer.launches += 1
+
+        return Executable()
+
+
+@pytest.fixture
+def program():
+    return lower(ToyFamily(), "small", TrainConfig(seq_len=8, batch=2, rounds=2)).program
+
+
+def _profile(program, cache, resolver=None):
+    resolver = resolver or Counting()
+    return profile_program(program, resolver, device="cpu", repeats=2, cache=cache), resolver
+
+
+def test_a_second_run_takes_every_signature_from_disk(program, tmp_path) -> None:
+    unique = {signature(program, t) for t in program.tasks}
+    first, measured = _profile(program, ProfileCache(tmp_path, "cpu-a", ("k1",)))
+    assert measured.launches == 3 * len(unique)  # warm-up + 2 timed, once per signature
+    assert len(list(tmp_path.glob("*.json"))) == len(unique)
+    cache = ProfileCache(tmp_path, "cpu-a", ("k1",))
+    second, again = _profile(program, cache)
+    assert again.launches == 0
+    assert (cache.hits, cache.misses) == (len(unique), 0)
+    assert second == first
+    assert apply_profile(program, second) == apply_profile(program, first)
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"device": "cpu-b"},
+        {"kernels": ("k2",)},
+        {"version": profile.PROFILE_VERSION + 1},
+    ],
+)
+def test_kernel_set_device_or_version_change_is_a_miss(program, tmp_path, changed, monkeypatch):
+    _profile(program, ProfileCache(tmp_path, "cpu-a", ("k1",)))
+    if "version" in changed:
+        monkeypatch.setattr(profile, "PROFILE_VERSION", changed["version"])
+    cache = ProfileCache(tmp_path, changed.get("device", "cpu-a"), changed.get("kernels", ("k1",)))
+    _, measured = _profile(program, cache)
+    unique = len({signature(program, t) for t in program.tasks})
+    assert (cache.hits, cache.misses) == (0, unique)
+    assert measured.launches == 3 * unique
+
+
+def test_a_damaged_entry_is_measured_and_written_again(program, tmp_path) -> None:
+    first, _ = _profile(program, ProfileCache(tmp_path, "cpu-a", ("k1",)))
+    files = sorted(tmp_path.glob("*.json"))
+    files[0].write_text("{not json")
+    other = json.loads(files[1].read_text())
+    files[1].write_text(json.dumps({**other, "key": "another signature"}))  # a collision
+    cache = ProfileCache(tmp_path, "cpu-a", ("k1",))
+    _, measured = _profile(program, cache)
+    assert cache.misses == 2 and measured.launches == 6
+    json.loads(files[0].read_text())  # rewritten whole
+    third = ProfileCache(tmp_path, "cpu-a", ("k1",))
+    _profile(program, third)
+    assert third.misses == 0
+
+
+def test_the_cache_directory_follows_the_environment(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
+    assert default_cache_dir() == tmp_path / "mine"
+    monkeypatch.setenv(CACHE_ENV, "off")
+    assert default_cache_dir() is None
+    assert ProfileCache.for_device("cpu", "torch") is None
+    monkeypatch.delenv(CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "dataflow" / "profiles"
+
+
+def test_the_real_cache_key_names_the_device_and_kernels(tmp_path) -> None:
+    cache = ProfileCache.for_device("cpu", "torch", tmp_path)
+    assert cache.context["device"].startswith("cpu ")
+    assert cache.context["kernels"][0] == "resolver torch"
+    assert cache.context["version"] == profile.PROFILE_VERSION

@@ -1,0 +1,132 @@
+"""The recompute planner: never slower than PressureFit alone on a step that fits, makes
+a step fit that does not, and leaves other programs to PressureFit."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from dataflow_training.config import TrainConfig
+from dataflow_training.lowering import lower
+from dataflow_training.recompute import RECOMPUTE, Rewriter, recompute_planner, search
+from dataflow_training.step import StepLayout
+from dataflow_training.toy import ToyFamily
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dataflow.planning import InfeasibleBudget, PlanningError, minimal_budget, plan
+from dataflow.schema import Link, Links, validate
+from dataflow.testing import PlannerConformance, tiny_chain
+
+TOY = ToyFamily()
+
+
+def _step(seq_len=32, batch=4, rounds=2, family=TOY, preset="small"):
+    return lower(family, preset, TrainConfig(seq_len=seq_len, batch=batch, rounds=rounds)).program
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seq_len=st.sampled_from([8, 16, 32]),
+    batch=st.integers(1, 4),
+    rounds=st.integers(1, 3),
+    where=st.floats(0.0, 1.0),
+    family=st.sampled_from(["toy", "toy_moe"]),
+)
+def test_it_never_makes_a_step_that_fits_slower(seq_len, batch, rounds, where, family) -> None:
+    from dataflow_training.family import load_family
+
+    fam = TOY if family == "toy" else load_family(family)
+    preset = "small" if family == "toy" else next(iter(fam.presets))
+    program = _step(seq_len, batch, rounds, fam, preset)
+    peak = plan(program, 2**40).sim.fast_peak_bytes
+    budget = int(peak * (0.25 + 0.75 * where))
+    try:
+        alone = plan(program, budget)
+    except InfeasibleBudget:
+        return  # the other test's case
+    choice = search(program, budget, family=fam)
+    assert choice.step_us <= alone.makespan_us * (1 + 1e-9)
+    # what the registered planner hands back passes the simulator's own check
+    again = plan(program, budget, planner=recompute_planner(family=fam))
+    assert again.sim.valid and again.makespan_us == pytest.approx(choice.step_us)
+    assert validate(again.program) == []
+
+
+def test_it_makes_a_step_fit_a_backing_budget_it_does_not_fit_alone() -> None:
+    program = _step()
+    budget = minimal_budget(program)
+    fits = plan(program, budget).sim.slow_peak_bytes
+    backing = fits - 4 * program.obj("A_0_0_0").size_bytes
+    with pytest.raises(InfeasibleBudget):
+        plan(program, budget, slow_budget_bytes=backing)
+    planner = recompute_planner(family=TOY)
+    planned = plan(program, budget, planner=planner, slow_budget_bytes=backing)
+    assert planned.sim.valid and planned.sim.slow_peak_bytes <= backing
+    rec = [t for t in planned.program.tasks if t.kind == "rec"]
+    assert rec
+    # the recomputed step's layout rides along: every rec task has its slot
+    slots = StepLayout.of(planned.program).tasks
+    assert all(slots[t.id].kind == "rec" for t in rec)
+    # below what even every unit recomputed needs, the error says so
+    with pytest.raises(PlanningError, match="more than the slow budget"):
+        plan(program, budget, planner=planner, slow_budget_bytes=backing // 4)
+
+
+def test_a_step_with_time_to_spare_is_left_as_it_is() -> None:
+    program = _step()
+    choice = search(program, 2**40, family=TOY)
+    assert choice.units == frozenset()
+    assert choice.step_us == plan(program, 2**40).makespan_us
+    # a step already as fast as its compute: no candidate can win, none is planned
+    instant = Links(h2d=Link(1e15), d2h=Link(1e15))
+    compute_bound = attrs.evolve(program, links=instant)
+    assert search(compute_bound, 2**40, family=TOY).candidates == 1
+
+
+def test_a_candidate_is_what_the_lowering_makes_of_its_units() -> None:
+    program = _step()
+    rewriter = Rewriter(program, family=TOY)
+    units = [(1, 0), (0, 2)]
+    spliced = rewriter.candidate(units)
+    lowered = lower(TOY, "small", TrainConfig(seq_len=32, batch=4, rounds=2), recompute=units)
+    strip = lambda p: [attrs.evolve(t, cost_us=0.0) for t in p.tasks]  # noqa: E731
+    assert strip(spliced) == strip(lowered.program)
+    assert StepLayout.of(spliced).tasks == lowered.layout.tasks
+    # given costs are kept; a rec task is priced as its forward
+    scaled = attrs.evolve(program, tasks=[attrs.evolve(t, cost_us=7.0) for t in program.tasks])
+    costs = {t.id: t.cost_us for t in Rewriter(scaled, family=TOY).candidate(units).tasks}
+    assert costs["rec_0_1_0"] == pytest.approx(7.0) and costs["bwd_0_1_0"] == 7.0
+
+
+class TestRecomputePlanner(PlannerConformance):
+    distribution = "dataflow-training"
+    expected_names = ("recompute",)
+
+
+def test_other_programs_go_to_pressurefit() -> None:
+    program = tiny_chain()
+    budget = minimal_budget(program)
+    assert plan(program, budget, planner=RECOMPUTE).program == plan(program, budget).program
+
+
+def test_a_recomputed_step_trains_exactly_as_the_saving_one() -> None:
+    """On the engine (CPU): the planner's recomputed step gives the losses and weights of
+    the step that keeps every A (forward is recompute plus one op, so bitwise equal)."""
+    import torch
+    from dataflow_training.run import TrainingRun
+
+    pytest.importorskip("dataflow_family_gpt2")
+    pytest.importorskip("dataflow_resolver_torch")
+    train = TrainConfig(seq_len=16, batch=2, rounds=2)
+    saving = TrainingRun("gpt2", "gpt2_tiny", train, recompute=False)
+    budget = int(0.7 * saving.planned.sim.fast_peak_bytes)
+    recomputing = TrainingRun("gpt2", "gpt2_tiny", train, budget_bytes=budget)
+    assert any(t.kind == "rec" for t in recomputing.planned.program.tasks)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        batches = [(torch.randint(0, 256, (2, 16), generator=generator),) * 2 for _ in range(2)]
+        a, b = saving.step(batches), recomputing.step(batches)
+        assert a.losses == b.losses
+    theirs = recomputing.state()[0]
+    for name, tensor in saving.state()[0].items():
+        assert torch.equal(tensor, theirs[name]), name
