@@ -126,7 +126,9 @@ class TrainingRun:
             self.planned = plan(self.program, self.budget_bytes, **options)
             self.placement = place(self.planned)
         self.resolver_name = resolver
-        self._resolver = resolvers().get(resolver).build(self.planned.program)
+        # the plan the engine runs: place() may have re-planned (the recompute planner may
+        # then have chosen other layers), so the resolver reads that plan's step layout
+        self._resolver = resolvers().get(resolver).build(self.placement.plan.program)
         self.grad_norms = tuple(
             o.id for o in self.program.objects if o.id.startswith("gn_") and o.role == "output"
         )
