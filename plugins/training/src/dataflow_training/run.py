@@ -65,6 +65,8 @@ class TrainingRun:
     ``budget_bytes`` the fast-memory budget (default: unbounded); ``resolver`` the
     registered resolver that runs the tasks; ``planner`` a planner spec for ``plan``;
     ``keep_grads`` keeps each step's weight gradients for ``grads()`` (checks only).
+    After a step, ``last_result`` is the engine's ``RunResult`` of it (task spans,
+    transfers, peaks: what benchmarks read); None before the first step.
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class TrainingRun:
         }
         self._opt_state: dict[str, torch.Tensor] | None = None
         self._engine: Any = None
+        self.last_result: Any = None
 
     # -- stepping ----------------------------------------------------------------------
     def _plan_for_cuda(self, resolver: str, options: dict[str, Any]) -> None:
@@ -152,6 +155,7 @@ class TrainingRun:
             result = self._engine.run(values=values)
         else:
             result = self._engine.run(values=values, feed=lambda _step: self._data(batches))
+        self.last_result = result
         losses = tuple(
             float(self._engine.fetch(f"loss_{self.layout.step}_{r}"))
             for r in range(self.train.rounds)
