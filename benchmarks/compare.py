@@ -38,7 +38,6 @@ import argparse
 import datetime
 import gc
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -48,20 +47,25 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compare_doc import finish, load_doc, make_row, row_key, save_doc, write_table  # noqa: E402
+from compare_doc import (  # noqa: E402
+    finish,
+    load_doc,
+    make_row,
+    row_key,
+    save_doc,
+    searched_row,
+    write_table,
+)
 from measure import (  # noqa: E402
     PEAK_SOURCE,
+    BatchSearch,
     RowTimeout,
     device_name,
     flops_per_token,
-    idle_pct,
     link_bandwidth,
-    link_busy_pct,
-    one_line,
+    measure_trial,
     peak_flops,
-    profile_step,
     time_limit,
-    wall_steps,
 )
 from stock import build_stock  # noqa: E402
 
@@ -93,15 +97,6 @@ def free_device(device: str) -> None:
     torch._dynamo.reset()
 
 
-def reset_peak(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def allocator_peak(device: str) -> int | None:
-    return torch.cuda.max_memory_allocated(device) if torch.device(device).type == "cuda" else None
-
-
 class Bench:
     """One invocation: the options, the model's FLOPs, the results document (written after
     every row)."""
@@ -116,6 +111,7 @@ class Bench:
         self.device_name = device_name(args.device)
         self.peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(self.device_name)
         self.deadline = time.monotonic() + args.total_seconds
+        self.mark = time.monotonic()  # when the last row was recorded
         self.doc = load_doc(args.out) if args.append else {"rows": [], "meta": {}}
         self.details: dict[str, Any] = self.doc["meta"].setdefault("row_details", {})
         self.describe()
@@ -140,11 +136,14 @@ class Bench:
 
     def record(self, row: dict[str, Any], details: dict[str, Any]) -> None:
         key = row_key(row)
+        now = time.monotonic()
+        spent, self.mark = now - self.mark, now
         self.doc["rows"] = [r for r in self.doc["rows"] if row_key(r) != key] + [row]
-        self.details[key] = details
+        self.details[key] = details | {"row_wall_s": round(spent, 1)}
         finish(self.doc)
         save_doc(self.args.out, self.doc)
         shown = {k: row[k] for k in ("engine", "dtype", "budget_bytes", "batch", "tok_s", "note")}
+        shown["row_wall_s"] = round(spent, 1)
         print(json.dumps(shown), flush=True)
 
     def skipped(self, engine: str, dtype: str, budget: int | None) -> bool:
@@ -200,55 +199,16 @@ class Bench:
             return
         args = self.args
         seconds = args.compile_row_seconds if engine == "compile" else args.row_seconds
-        tried: dict[str, Any] = {}
-        best, note = None, None
+        search, note = BatchSearch(args.batches, args.full_search), None
         try:
             with time_limit(self.limit(seconds)):
-                for batch in sorted(args.batches, reverse=True):
-                    try:
-                        trial = self.stock_trial(engine, dtype, checkpoint, batch)
-                    except torch.cuda.OutOfMemoryError:
-                        tried[str(batch)] = "out of memory"
-                        continue
-                    except Exception as exc:  # a failing batch is a result: say why, go on
-                        tried[str(batch)] = one_line(exc)
-                        continue
-                    finally:
-                        self.free()
-                    tried[str(batch)] = round(trial["tok_s"], 1)
-                    if best is None or trial["tok_s"] > best["tok_s"]:
-                        best = trial
-                    elif not args.full_search and trial["tok_s"] < 0.97 * best["tok_s"]:
-                        break  # smaller batches only get slower from here
+                search.run(
+                    lambda batch: self.stock_trial(engine, dtype, checkpoint, batch), self.free
+                )
         except RowTimeout as exc:
-            note = f"{exc} reached in the batch search (finished: {list(tried)})"
+            note = f"{exc} reached in the batch search (finished: {list(search.tried)})"
             self.free()
-        details: dict[str, Any] = {"batch_search_tok_s": tried}
-        if best is None:
-            failures = "; ".join(f"batch {b}: {v}" for b, v in tried.items())
-            row = make_row(name, dtype, None, note=note or f"no batch ran ({failures})")
-            self.record(row, details)
-            return
-        activity = best["activity"]
-        if activity is not None:
-            details["kernel_s"] = activity.kernel_s
-            details["link_busy_pct"] = link_busy_pct(activity, best["step_s"])
-        row = make_row(
-            name,
-            dtype,
-            None,
-            batch=best["batch"],
-            tokens_per_step=best["batch"] * args.seq_len,
-            measured_step_s=best["step_s"],
-            allocator_peak_bytes=best["peak"],
-            moved_bytes_per_step=None if activity is None else activity.moved_bytes,
-            compute_idle_pct=None
-            if activity is None
-            else idle_pct(activity.kernel_s, best["step_s"]),
-            note=note,
-            **self.row_kwargs(),
-        )
-        self.record(row, details)
+        self.record(*searched_row(name, dtype, search, args.seq_len, note, **self.row_kwargs()))
 
     def stock_trial(self, engine: str, dtype: str, checkpoint: bool, batch: int) -> dict:
         """One batch: build, warm up (compiles), measure, profile one more step."""
@@ -263,20 +223,7 @@ class Bench:
             device=args.device,
             compile_backend=args.compile_backend,
         )
-        for i in range(args.warmup):
-            step(i)
-        reset_peak(args.device)
-        times, _ = wall_steps(step, 0, args.steps, args.device)
-        peak = allocator_peak(args.device)
-        activity = profile_step(lambda: step(0), args.device)
-        step_s = statistics.median(times)
-        return {
-            "batch": batch,
-            "step_s": step_s,
-            "tok_s": batch * args.seq_len / step_s,
-            "peak": peak,
-            "activity": activity,
-        }
+        return measure_trial(step, batch, args.seq_len, args.warmup, args.steps, args.device)
 
     # -- deepspeed -----------------------------------------------------------------------
     def deepspeed_rows(self) -> None:

@@ -82,7 +82,7 @@ def ranked_shapes(
         try:
             planned = plan(program, budget_bytes)
         except PlanningError as exc:
-            said[str(batch)] = f"roofline plan: {one_line(exc, 160)}"
+            said[str(batch)] = f"roofline plan: {one_line(exc)}"
             continue
         tok_s = batch * rounds * seq_len / (planned.sim.makespan_us / 1e6)
         predicted[(batch, rounds)] = tok_s
@@ -197,7 +197,10 @@ def dataflow_row(bench: Any, dtype: str, budget: int) -> None:
     details = {"tried": tried}
     if result is None:
         failures = "; ".join(f"{k}: {v}" for k, v in tried.items() if k != "roofline")
-        reason = note or failures or "the roofline plan found no batch that fits"
+        roofline = next(iter(tried.get("roofline", {}).items()), None)
+        reason = note or failures
+        if not reason and roofline:  # e.g. "... the smallest budget that works is ..."
+            reason = f"no batch plans here; batch {roofline[0]}'s {roofline[1]}"
         bench.record(
             make_row(ENGINE, dtype, budget, note=f"{format_size(budget)}: {reason}"), details
         )

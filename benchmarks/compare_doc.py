@@ -19,6 +19,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from measure import BatchSearch, idle_pct, link_busy_pct
+
 from dataflow.units import format_size
 
 FIELDS = (
@@ -84,6 +86,41 @@ def make_row(
         "ratio_to_fastest_stock": None,
         "note": note,
     }
+
+
+def searched_row(
+    engine: str,
+    dtype: str,
+    search: BatchSearch,
+    seq_len: int,
+    note: str | None,
+    **flops: float | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The row of a budget-free engine (stock, DeepSpeed) at the best batch of its search,
+    and its details; a row with a note when no batch ran. ``flops``: ``flops_token`` and
+    ``peak`` for MFU."""
+    details: dict[str, Any] = {"batch_search_tok_s": search.tried}
+    best = search.best
+    if best is None:
+        failures = "; ".join(f"batch {b}: {v}" for b, v in search.tried.items())
+        return make_row(engine, dtype, None, note=note or f"no batch ran ({failures})"), details
+    activity, step_s = best["activity"], best["step_s"]
+    if activity is not None:
+        details |= {"kernel_s": activity.kernel_s, "link_busy_pct": link_busy_pct(activity, step_s)}
+    row = make_row(
+        engine,
+        dtype,
+        None,
+        batch=best["batch"],
+        tokens_per_step=best["batch"] * seq_len,
+        measured_step_s=step_s,
+        allocator_peak_bytes=best["peak"],
+        moved_bytes_per_step=None if activity is None else activity.moved_bytes,
+        compute_idle_pct=None if activity is None else idle_pct(activity.kernel_s, step_s),
+        note=note,
+        **flops,
+    )
+    return row, details
 
 
 def finish(doc: dict[str, Any]) -> dict[str, Any]:

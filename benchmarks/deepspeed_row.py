@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,16 +30,14 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compare_doc import make_row  # noqa: E402
+from compare_doc import make_row, searched_row  # noqa: E402
 from measure import (  # noqa: E402
+    BatchSearch,
     RowTimeout,
     flops_per_token,
-    idle_pct,
-    link_busy_pct,
+    measure_trial,
     one_line,
-    profile_step,
     time_limit,
-    wall_steps,
 )
 from stock import StockGPT2, _decay_groups  # noqa: E402
 
@@ -109,23 +106,9 @@ def trial(deepspeed: Any, config: Any, args: argparse.Namespace, batch: int) -> 
         engine.step()
 
     try:
-        for i in range(args.warmup):
-            step(i)
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        times, _ = wall_steps(step, 0, args.steps, args.device)
-        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-        activity = profile_step(lambda: step(0), args.device)
+        return measure_trial(step, batch, args.seq_len, args.warmup, args.steps, args.device)
     finally:
         engine.destroy()
-    step_s = statistics.median(times)
-    return {
-        "batch": batch,
-        "step_s": step_s,
-        "tok_s": batch * args.seq_len / step_s,
-        "peak": peak,
-        "activity": activity,
-    }
 
 
 def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -143,53 +126,22 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     local_rendezvous()
     backend = "nccl" if torch.device(args.device).type == "cuda" else "gloo"
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    tried: dict[str, Any] = {}
-    best, note = None, None
+    search, note = BatchSearch(args.batches, args.full_search), None
+
+    def cleanup() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def will_repeat(exc: Exception) -> bool:  # the CPU Adam op does not build
+        return "cpu_adam" in str(exc) or "building extension" in str(exc)
+
     try:
         with time_limit(args.seconds):
-            for batch in sorted(args.batches, reverse=True):
-                try:
-                    result = trial(deepspeed, config, args, batch)
-                except torch.cuda.OutOfMemoryError:
-                    tried[str(batch)] = "out of memory"
-                    continue
-                except Exception as exc:  # the CPU Adam build failing shows here
-                    tried[str(batch)] = one_line(exc)
-                    if "cpu_adam" in str(exc) or "building extension" in str(exc):
-                        break  # the op will not build for a smaller batch either
-                    continue
-                finally:
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
-                tried[str(batch)] = round(result["tok_s"], 1)
-                if best is None or result["tok_s"] > best["tok_s"]:
-                    best = result
-                elif not args.full_search and result["tok_s"] < 0.97 * best["tok_s"]:
-                    break
+            search.run(lambda batch: trial(deepspeed, config, args, batch), cleanup, will_repeat)
     except RowTimeout as exc:
-        note = f"{exc} reached in the batch search (finished: {list(tried)})"
-    details: dict[str, Any] = {"batch_search_tok_s": tried, "deepspeed": deepspeed.__version__}
-    if best is None:
-        failures = "; ".join(f"batch {b}: {v}" for b, v in tried.items())
-        return make_row(ENGINE, DTYPE, None, note=note or f"no batch ran ({failures})"), details
-    activity = best["activity"]
-    if activity is not None:
-        details["kernel_s"] = activity.kernel_s
-        details["link_busy_pct"] = link_busy_pct(activity, best["step_s"])
-    row = make_row(
-        ENGINE,
-        DTYPE,
-        None,
-        batch=best["batch"],
-        tokens_per_step=best["batch"] * args.seq_len,
-        measured_step_s=best["step_s"],
-        allocator_peak_bytes=best["peak"],
-        moved_bytes_per_step=None if activity is None else activity.moved_bytes,
-        compute_idle_pct=None if activity is None else idle_pct(activity.kernel_s, best["step_s"]),
-        note=note,
-        **flops,
-    )
-    return row, details
+        note = f"{exc} reached in the batch search (finished: {list(search.tried)})"
+    row, details = searched_row(ENGINE, DTYPE, search, args.seq_len, note, **flops)
+    return row, details | {"deepspeed": deepspeed.__version__}
 
 
 def main(argv: list[str] | None = None) -> int:

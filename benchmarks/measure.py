@@ -81,6 +81,29 @@ def wall_steps(
     return times, outputs
 
 
+def measure_trial(
+    step: Callable[[int], Any], batch: int, seq_len: int, warmup: int, steps: int, device: str
+) -> dict[str, Any]:
+    """One batch of a budget-free engine: ``warmup`` steps (compiling, building ops), the
+    allocator's peak over ``steps`` measured ones, their median, one more profiled."""
+    for i in range(warmup):
+        step(i)
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    times, _ = wall_steps(step, 0, steps, device)
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    activity = profile_step(lambda: step(0), device)
+    step_s = statistics.median(times)
+    return {
+        "batch": batch,
+        "step_s": step_s,
+        "tok_s": batch * seq_len / step_s,
+        "peak": peak,
+        "activity": activity,
+    }
+
+
 def union_us(spans: Iterable[tuple[float, float]]) -> float:
     """Total length of the union of ``(start, end)`` intervals."""
     total, reach = 0.0, float("-inf")
@@ -216,3 +239,42 @@ def one_line(exc: BaseException, limit: int = 300) -> str:
 def link_busy_pct(activity: DeviceActivity, step_s: float) -> float:
     """Percent of a step the busier copy direction was moving bytes."""
     return 100.0 * max(activity.h2d_s, activity.d2h_s) / step_s if step_s > 0 else 0.0
+
+
+@attrs.define
+class BatchSearch:
+    """The fastest batch of ``batches``: largest first; a batch that runs out of memory or
+    fails is recorded and skipped; the search stops once a smaller batch runs more than
+    3 % slower than the best so far (``full`` tries them all), or after a failure that
+    ``give_up`` says will repeat. ``tried`` maps each batch to its tokens/s or failure;
+    when a time limit interrupts ``run``, both stay as far as it got."""
+
+    batches: list[int]
+    full: bool = False
+    tried: dict[str, Any] = attrs.field(factory=dict)
+    best: dict[str, Any] | None = None
+
+    def run(
+        self,
+        trial: Callable[[int], dict[str, Any]],
+        cleanup: Callable[[], None],
+        give_up: Callable[[Exception], bool] = lambda exc: False,
+    ) -> None:
+        for batch in sorted(self.batches, reverse=True):
+            try:
+                result = trial(batch)
+            except torch.cuda.OutOfMemoryError:
+                self.tried[str(batch)] = "out of memory"
+                continue
+            except Exception as exc:  # a failing batch is a result: say why, go on
+                self.tried[str(batch)] = one_line(exc)
+                if give_up(exc):
+                    break
+                continue
+            finally:
+                cleanup()
+            self.tried[str(batch)] = round(result["tok_s"], 1)
+            if self.best is None or result["tok_s"] > self.best["tok_s"]:
+                self.best = result
+            elif not self.full and result["tok_s"] < 0.97 * self.best["tok_s"]:
+                break  # smaller batches only get slower from here
