@@ -191,9 +191,13 @@ class Bench:
         fastest = self.fastest_stock()
         if fastest is not None and fastest["engine"].startswith("pytorch "):
             engine = fastest["engine"].removeprefix("pytorch ").split(" ")[0]
-            self.stock_row(engine, fastest["dtype"], checkpoint=True)
+            # checkpointing only frees memory: batches below the fastest one's are slower
+            batches = [b for b in args.batches if b >= fastest["batch"]]
+            self.stock_row(engine, fastest["dtype"], checkpoint=True, batches=batches)
 
-    def stock_row(self, engine: str, dtype: str, *, checkpoint: bool) -> None:
+    def stock_row(
+        self, engine: str, dtype: str, *, checkpoint: bool, batches: list[int] | None = None
+    ) -> None:
         name = f"pytorch {engine}" + (" + checkpointing" if checkpoint else "")
         if self.have(name, dtype, None) or self.skipped(name, dtype, None):
             return

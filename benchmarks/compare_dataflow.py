@@ -1,12 +1,13 @@
 """The dataflow rows of benchmarks/compare.py: ``TrainingRun`` inside each budget.
 
-For a budget, every batch of ``--dataflow-batches`` (with as many accumulation rounds as
-reach ``--min-tokens`` per step) is lowered and planned at the budget with the lowering's
-roofline costs, on the host, in well under a second each. The shapes run in the order of
-those plans' predicted tokens/s, a larger batch first among those within 2 % of the best
-(fewer, larger launches); the first that plans and runs on the device, with its tasks
-profiled there, is the row. Shapes the roofline plan already finds infeasible are not
-tried. What each shape did is kept in the row's details.
+For a budget, the batches of ``--dataflow-batches`` (with as many accumulation rounds as
+reach ``--min-tokens`` per step) are lowered and planned at the budget with the lowering's
+roofline costs, on the host, largest first until a plan reaches its lower bound
+(``ranked_shapes``). The shapes run in the order of those plans' predicted tokens/s, a
+larger batch first among those within 2 % of the best (fewer, larger launches); the first
+that plans and runs on the device, with its tasks profiled there, is the row. Shapes the
+roofline plan already finds infeasible are not tried. What each shape did is kept in the
+row's details.
 
 What a row reports comes from the engine: the measured step is the wall time of
 ``TrainingRun.step`` (feeding, the engine run, the loss read-back); moved bytes and link
@@ -73,24 +74,39 @@ def ranked_shapes(
     min_tokens: int,
     chunk: int,
 ) -> tuple[list[tuple[int, int]], dict[str, Any]]:
-    """``(batch, rounds)`` in the order to try, and what the roofline plan said of each."""
+    """``(batch, rounds)`` in the order to try, and what the roofline plan said of each.
+
+    Batches are planned largest first, and planning stops at the first plan within 2 %
+    of its compute-only lower bound: a smaller batch has the same FLOPs per token and
+    more weight reads per token, so it cannot be predicted faster. The batches not
+    planned come last, largest first, for when every planned shape fails on the device."""
     predicted: dict[tuple[int, int], float] = {}
     said: dict[str, Any] = {}
-    for batch in batches:
+    unplanned: list[tuple[int, int]] = []
+    for batch in sorted(batches, reverse=True):
         rounds = max(1, math.ceil(min_tokens / (batch * seq_len)))
+        if any(v.get("at_bound") for v in said.values() if isinstance(v, dict)):
+            unplanned.append((batch, rounds))
+            continue
         program = lower(family, preset, train_config(dtype, batch, rounds, seq_len, chunk)).program
         try:
             planned = plan(program, budget_bytes)
         except PlanningError as exc:
             said[str(batch)] = f"roofline plan: {one_line(exc)}"
             continue
-        tok_s = batch * rounds * seq_len / (planned.sim.makespan_us / 1e6)
+        makespan_us = planned.sim.makespan_us
+        tok_s = batch * rounds * seq_len / (makespan_us / 1e6)
         predicted[(batch, rounds)] = tok_s
-        said[str(batch)] = {"rounds": rounds, "roofline_tok_s": round(tok_s, 1)}
+        at_bound = makespan_us <= 1.02 * planned.lower_bound_us
+        said[str(batch)] = {
+            "rounds": rounds,
+            "roofline_tok_s": round(tok_s, 1),
+            "at_bound": at_bound,
+        }
     best = max(predicted.values(), default=0.0)
     near = sorted((s for s, v in predicted.items() if v >= 0.98 * best), reverse=True)
     rest = sorted((s for s in predicted if s not in near), key=lambda s: -predicted[s])
-    return near + rest, said
+    return near + rest + unplanned, said
 
 
 def random_batches(vocab: int, batch: int, rounds: int, seq_len: int, seed: int) -> list:
@@ -102,6 +118,15 @@ def random_batches(vocab: int, batch: int, rounds: int, seq_len: int, seed: int)
         )
         for _ in range(rounds)
     ]
+
+
+def close_quietly(run: TrainingRun) -> None:
+    """Close the run (its engine's memory goes back) without letting an error of the
+    close hide the one that ended the trial (a time limit in the middle of a step)."""
+    try:
+        run.close()
+    except Exception:  # noqa: BLE001, S110  (the trial's own outcome is what is reported;
+        pass  # the run and its engine are collected by the next gc.collect)
 
 
 def trial(bench: Any, dtype: str, budget: int, batch: int, rounds: int, chunk: int) -> dict:
@@ -127,7 +152,7 @@ def trial(bench: Any, dtype: str, budget: int, batch: int, rounds: int, chunk: i
         activity = profile_step(lambda: run.step(data[0]), args.device)
         predicted = run.predicted()
     finally:
-        run.close()
+        close_quietly(run)
     step_s = [stats.step_s for stats, _ in measured]
     busy_s = [sum(t.end_us - t.start_us for t in trace.tasks) / 1e6 for _, trace in measured]
     moved = [sum(t.size_bytes for t in trace.transfers) for _, trace in measured]

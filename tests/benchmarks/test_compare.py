@@ -255,9 +255,14 @@ def test_shapes_run_in_the_order_of_their_predicted_speed() -> None:
     from dataflow.plugins import families
 
     family = families().get("gpt2").load()
-    shapes, said = compare_dataflow.ranked_shapes(
-        family, "gpt2_tiny", "bf16", 2**40, 32, [1, 2, 4], 128, 1024
-    )
+
+    def ranked(budget):
+        return compare_dataflow.ranked_shapes(
+            family, "gpt2_tiny", "bf16", budget, 32, [1, 2, 4], 128, 1024
+        )
+
+    # 600,000 bytes: every batch plans, none at its lower bound
+    shapes, said = ranked(600_000)
     assert sorted(shapes) == [(1, 4), (2, 2), (4, 1)]
     speed = {s: said[str(s[0])]["roofline_tok_s"] for s in shapes}
     best = max(speed.values())
@@ -265,10 +270,11 @@ def test_shapes_run_in_the_order_of_their_predicted_speed() -> None:
     assert shapes[: len(near)] == sorted(near, reverse=True)  # larger batch first
     rest = shapes[len(near) :]
     assert [speed[s] for s in rest] == sorted((speed[s] for s in rest), reverse=True)
-    nothing, said = compare_dataflow.ranked_shapes(
-        family, "gpt2_tiny", "bf16", 1024, 32, [1], 128, 1024
-    )
-    assert nothing == [] and said["1"].startswith("roofline plan: ")
+    # unbounded: the largest batch plans at its lower bound, the rest are not planned
+    shapes, said = ranked(2**40)
+    assert shapes == [(4, 1), (2, 2), (1, 4)] and list(said) == ["4"] and said["4"]["at_bound"]
+    nothing, said = ranked(1024)
+    assert nothing == [] and said["1"].startswith("roofline plan: InfeasibleBudget")
 
 
 def test_checkpointing_leaves_the_stock_step_unchanged() -> None:
@@ -323,3 +329,27 @@ def test_compare_runs_on_cuda_at_tiny_size(tmp_path) -> None:
             assert row["compute_idle_pct"] is not None, row
         if row["engine"] == "dataflow":
             assert row["allocator_peak_bytes"] <= row["budget_bytes"]
+
+
+@pytest.mark.slow
+def test_deepspeed_row_measures_where_deepspeed_is_installed(tmp_path) -> None:
+    """The ZeRO-Offload row itself, where DeepSpeed is installed (its CPU Adam op is
+    compiled on first use: minutes). On a CPU it runs on DeepSpeed's CPU accelerator."""
+    pytest.importorskip("deepspeed")
+    import deepspeed_row
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = tmp_path / "row.json"
+    args = ["--device", device, "--preset", "gpt2_tiny", "--seq-len", "32", "--batches", "2"]
+    command = [sys.executable, str(BENCHMARKS / "deepspeed_row.py"), *args, "--out", str(out)]
+    done = subprocess.run(
+        [*command, "--steps", "2", "--warmup", "2"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    row = result["row"]
+    assert list(row) == ISSUE_FIELDS and row["note"] is None, row
+    assert (row["engine"], row["dtype"]) == (deepspeed_row.ENGINE, deepspeed_row.DTYPE)
+    assert row["tok_s"] > 0 and row["tokens_per_step"] == 64
+    if device == "cuda":  # gradients go to the host, updated weights come back
+        assert row["moved_bytes_per_step"] > 0 and row["allocator_peak_bytes"] > 0
