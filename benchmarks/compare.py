@@ -71,7 +71,6 @@ from stock import build_stock  # noqa: E402
 
 from dataflow.units import parse_size  # noqa: E402
 
-GiB = 2**30
 DTYPES = {
     "autocast": "stock: bf16 autocast over float32 master weights; float32 grads and AdamW state",
     "bf16": "weights, grads and AdamW state in bfloat16; bf16 compute",
@@ -88,6 +87,7 @@ DTYPES = {
 MATCHING_DATAFLOW = {"autocast": "mixed", "bf16": "bf16"}
 ROWS = ("stock", "dataflow", "deepspeed")
 DEEPSPEED = ("deepspeed zero-offload", "bf16+fp32-master")
+STOCK_ENGINES = ("eager", "compile")
 
 
 def free_device(device: str) -> None:
@@ -154,8 +154,10 @@ class Bench:
         self.record(make_row(engine, dtype, budget, note=note), {})
         return True
 
-    def fastest_stock(self) -> dict[str, Any] | None:
+    def fastest_stock(self, engines: list[str] | None = None) -> dict[str, Any] | None:
+        """The fastest measured row without a budget (of ``engines``, when given)."""
         rows = [r for r in self.doc["rows"] if r["budget_bytes"] is None and r["tok_s"]]
+        rows = [r for r in rows if engines is None or r["engine"] in engines]
         return max(rows, key=lambda r: r["tok_s"], default=None)
 
     def describe(self) -> None:
@@ -188,9 +190,10 @@ class Bench:
         for engine in args.stock_engines:
             for dtype in args.stock_dtypes:
                 self.stock_row(engine, dtype, checkpoint=False)
-        fastest = self.fastest_stock()
-        if fastest is not None and fastest["engine"].startswith("pytorch "):
-            engine = fastest["engine"].removeprefix("pytorch ").split(" ")[0]
+        plain = [f"pytorch {engine}" for engine in STOCK_ENGINES]
+        fastest = self.fastest_stock(plain)
+        if fastest is not None:
+            engine = fastest["engine"].removeprefix("pytorch ")
             # checkpointing only frees memory: batches below the fastest one's are slower
             batches = [b for b in args.batches if b >= fastest["batch"]]
             self.stock_row(engine, fastest["dtype"], checkpoint=True, batches=batches)
@@ -314,9 +317,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batches", type=_ints, default=[8, 16, 32, 64], help="stock batch search")
     p.add_argument("--full-search", action="store_true", help="try every stock batch")
-    p.add_argument(
-        "--stock-engines", type=_words(("eager", "compile")), default=["eager", "compile"]
-    )
+    p.add_argument("--stock-engines", type=_words(STOCK_ENGINES), default=list(STOCK_ENGINES))
     p.add_argument(
         "--stock-dtypes", type=_words(("autocast", "bf16")), default=["autocast", "bf16"]
     )

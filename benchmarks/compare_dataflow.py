@@ -158,7 +158,12 @@ def trial(bench: Any, dtype: str, budget: int, batch: int, rounds: int, chunk: i
     moved = [sum(t.size_bytes for t in trace.transfers) for _, trace in measured]
     link_s = [
         max(
-            sum(t.end_us - t.start_us for t in trace.transfers if t.direction == way) / 1e6
+            sum(
+                t.end_us - t.start_us
+                for t in trace.transfers
+                if t.direction == way and t.end_us is not None and t.start_us is not None
+            )
+            / 1e6
             for way in ("h2d", "d2h")
         )
         for _, trace in measured
