@@ -2,18 +2,22 @@
 
 What a user would run without dataflow: an ``nn.Module`` GPT-2 (pre-norm blocks,
 ``F.scaled_dot_product_attention`` with ``is_causal``, tanh GELU, tied output projection),
-float32 master weights under ``torch.autocast(bfloat16)``, full-vocabulary logits with
-``F.cross_entropy``, ``torch.optim.AdamW(fused=True)``, optionally ``torch.compile``. Its
-step is timed with CUDA events around forward, backward, optimizer step and zero_grad.
+float32 master weights under ``torch.autocast(bfloat16)`` (or everything in bfloat16),
+full-vocabulary logits with ``F.cross_entropy``, ``torch.optim.AdamW(fused=True)``,
+optionally ``torch.compile``, optionally every block under ``torch.utils.checkpoint``.
+``build_stock`` makes the step; ``time_stock`` times it with CUDA events around forward,
+backward, optimizer step and zero_grad.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -35,8 +39,18 @@ class Block(nn.Module):
 
 
 class StockGPT2(nn.Module):
-    def __init__(self, vocab: int, positions: int, n_embd: int, n_layer: int, n_head: int):
+    def __init__(
+        self,
+        vocab: int,
+        positions: int,
+        n_embd: int,
+        n_layer: int,
+        n_head: int,
+        *,
+        checkpoint: bool = False,
+    ) -> None:
         super().__init__()
+        self.checkpoint = checkpoint
         self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(positions, n_embd)
         self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
@@ -47,7 +61,10 @@ class StockGPT2(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.ln_f(x) @ self.wte.weight.t()
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
@@ -56,6 +73,65 @@ def _decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def build_stock(
+    config: Any,
+    batch: int,
+    seq_len: int,
+    *,
+    compile: bool = False,
+    dtype: str = "autocast",
+    checkpoint: bool = False,
+    device: str = "cuda",
+    compile_backend: str = "inductor",
+) -> Callable[[int], None]:
+    """One stock training step as a function of the step index (four random batches,
+    cycled), with the model and optimizer built.
+
+    ``dtype``: ``autocast`` (float32 master weights, bf16 autocast) or ``bf16`` (the model,
+    its gradients and AdamW state in bfloat16). ``checkpoint`` wraps every block in
+    ``torch.utils.checkpoint`` (its activations are recomputed in backward)."""
+    if dtype not in ("autocast", "bf16"):
+        raise ValueError(f"dtype: {dtype!r} is not 'autocast' or 'bf16'")
+    torch.manual_seed(0)
+    model = StockGPT2(
+        config.vocab_size,
+        config.n_positions,
+        config.n_embd,
+        config.n_layer,
+        config.n_head,
+        checkpoint=checkpoint,
+    ).to(device)
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    optim = torch.optim.AdamW(
+        _decay_groups(model, 0.1),
+        lr=3e-4,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=device.startswith("cuda"),
+    )
+    forward = torch.compile(model, backend=compile_backend) if compile else model
+    g = torch.Generator(device="cpu").manual_seed(0)
+    data = [
+        (
+            torch.randint(0, config.vocab_size, (batch, seq_len), generator=g).to(device),
+            torch.randint(0, config.vocab_size, (batch, seq_len), generator=g).to(device),
+        )
+        for _ in range(4)
+    ]
+    device_type = torch.device(device).type
+
+    def step(i: int) -> None:
+        tokens, targets = data[i % len(data)]
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=dtype == "autocast"):
+            loss = forward(tokens, targets)
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+    return step
 
 
 def time_stock(
@@ -72,34 +148,7 @@ def time_stock(
 
     ``dtype``: ``autocast`` (float32 master weights, bf16 autocast) or ``bf16`` (the model
     and optimizer state in bfloat16)."""
-    device = torch.device("cuda")
-    torch.manual_seed(0)
-    model = StockGPT2(
-        config.vocab_size, config.n_positions, config.n_embd, config.n_layer, config.n_head
-    ).to(device)
-    if dtype == "bf16":
-        model = model.to(torch.bfloat16)
-    optim = torch.optim.AdamW(
-        _decay_groups(model, 0.1), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True
-    )
-    forward = torch.compile(model) if compile else model
-    g = torch.Generator(device="cpu").manual_seed(0)
-    data = [
-        (
-            torch.randint(0, config.vocab_size, (batch, seq_len), generator=g).to(device),
-            torch.randint(0, config.vocab_size, (batch, seq_len), generator=g).to(device),
-        )
-        for _ in range(4)
-    ]
-
-    def step(i: int) -> None:
-        tokens, targets = data[i % len(data)]
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "autocast"):
-            loss = forward(tokens, targets)
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-
+    step = build_stock(config, batch, seq_len, compile=compile, dtype=dtype)
     for i in range(warmup):
         step(i)
     torch.cuda.synchronize()

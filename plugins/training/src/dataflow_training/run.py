@@ -70,6 +70,8 @@ class TrainingRun:
     price the step where the profiling pass does not (off CUDA) and give its links.
     ``graph`` (CUDA only) replays every step after the first from one captured CUDA graph
     (``graph_note`` says why not, when it cannot).
+    After a step, ``last_result`` is the engine's ``RunResult`` of it (task spans,
+    transfers, peaks: what benchmarks read); None before the first step.
     """
 
     def __init__(
@@ -142,6 +144,7 @@ class TrainingRun:
         }
         self._opt_state: dict[str, torch.Tensor] | None = None
         self._engine: Any = None
+        self.last_result: Any = None
 
     # -- stepping ----------------------------------------------------------------------
     def _plan_for_cuda(self, resolver: str, options: dict[str, Any]) -> None:
@@ -205,6 +208,7 @@ class TrainingRun:
             result = self._engine.run(values=values)
         else:
             result = self._engine.run(values=values, feed=lambda _step: self._data(batches))
+        self.last_result = result
         losses = tuple(
             float(self._engine.fetch(f"loss_{self.layout.step}_{r}"))
             for r in range(self.train.rounds)

@@ -1,0 +1,378 @@
+"""Training throughput of GPT-2 124M: stock PyTorch, DeepSpeed ZeRO-Offload and dataflow
+inside fast-memory budgets, in one run on one GPU (issue 13).
+
+    python benchmarks/compare.py --rows stock                       # about 5 minutes on an H200
+    python benchmarks/compare.py --rows dataflow,deepspeed --append # adds to the same JSON
+    python benchmarks/compare.py --table-only                       # JSON -> docs/throughput.md
+
+Same math everywhere: GPT-2 (``--preset``), sequence ``--seq-len``, random tokens, AdamW
+(lr 3e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices), full-vocabulary cross
+entropy. Rows:
+
+- **stock**: PyTorch eager and ``torch.compile``, each with bf16 autocast over float32
+  master weights (``autocast``) and all in bfloat16 (``bf16``: weights, gradients, AdamW
+  state), SDPA and ``AdamW(fused=True)`` (``benchmarks/stock.py``), each at the fastest
+  batch of ``--batches`` that fits (largest first; an out-of-memory batch is skipped; the
+  search stops once a smaller batch runs more than 3 % slower than the best, unless
+  ``--full-search``); then the fastest of those four with every block under
+  ``torch.utils.checkpoint``.
+- **deepspeed**: ZeRO-Offload (stage 2, AdamW on the CPU), ``benchmarks/deepspeed_row.py``
+  in a child process, or a row whose note says why it could not run.
+- **dataflow**: ``TrainingRun`` on the device at each of ``--budgets``, at least
+  ``--min-tokens`` tokens per step (batch x accumulation rounds x seq-len), with the dtype
+  policy nearest the fastest stock row and with pure bf16 (``--dataflow-dtypes``). The
+  (batch, rounds) of each budget: every batch of ``--dataflow-batches`` is lowered and
+  planned at the budget with roofline costs; they run in the order of the plans' predicted
+  speed (larger batch first among those within 2 %) until one runs.
+
+Each row has a time limit (``--row-seconds``, compile rows ``--compile-row-seconds``) and
+the whole command one (``--total-seconds``); a row that meets it keeps what it measured,
+with a note. The JSON is written after every row, so a killed run keeps its rows;
+``--append`` merges into the existing file and skips rows it already holds (``--redo``
+runs them again). docs/throughput.md says what each field means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compare_doc import (  # noqa: E402
+    finish,
+    load_doc,
+    make_row,
+    row_key,
+    save_doc,
+    searched_row,
+    write_table,
+)
+from measure import (  # noqa: E402
+    PEAK_SOURCE,
+    BatchSearch,
+    RowTimeout,
+    device_name,
+    flops_per_token,
+    link_bandwidth,
+    measure_trial,
+    peak_flops,
+    time_limit,
+)
+from stock import build_stock  # noqa: E402
+
+from dataflow.units import parse_size  # noqa: E402
+
+DTYPES = {
+    "autocast": "stock: bf16 autocast over float32 master weights; float32 grads and AdamW state",
+    "bf16": "weights, grads and AdamW state in bfloat16; bf16 compute",
+    "mixed": (
+        "dataflow: bf16 weights and activations, float32 grads and AdamW state (the nearest "
+        "dataflow policy to autocast: dataflow keeps no float32 master copy of the weights)"
+    ),
+    "bf16+fp32-master": (
+        "DeepSpeed bf16: bf16 weights, activations and grads on the GPU; float32 master "
+        "weights and AdamW state in host memory"
+    ),
+}
+#: the dataflow dtype policy nearest each stock one
+MATCHING_DATAFLOW = {"autocast": "mixed", "bf16": "bf16"}
+ROWS = ("stock", "dataflow", "deepspeed")
+DEEPSPEED = ("deepspeed zero-offload", "bf16+fp32-master")
+STOCK_ENGINES = ("eager", "compile")
+
+
+def free_device(device: str) -> None:
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+
+
+class Bench:
+    """One invocation: the options, the model's FLOPs, the results document (written after
+    every row)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from dataflow.plugins import families
+
+        self.args = args
+        self.family = families().get(args.family).load()
+        self.config = self.family.config(args.preset)
+        self.flops_token = flops_per_token(self.config, args.seq_len)
+        self.device_name = device_name(args.device)
+        self.peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(self.device_name)
+        self.deadline = time.monotonic() + args.total_seconds
+        self.mark = time.monotonic()  # when the last row was recorded
+        self.doc = load_doc(args.out) if args.append else {"rows": [], "meta": {}}
+        self.details: dict[str, Any] = self.doc["meta"].setdefault("row_details", {})
+        self.describe()
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def row_kwargs(self) -> dict[str, Any]:
+        return {"flops_token": self.flops_token, "peak": self.peak}
+
+    def free(self) -> None:
+        free_device(self.args.device)
+
+    def have(self, engine: str, dtype: str, budget: int | None) -> bool:
+        """Whether the document already holds this row measured (``--append``)."""
+        key = row_key({"engine": engine, "dtype": dtype, "budget_bytes": budget})
+        return not self.args.redo and any(
+            row_key(r) == key and r["tok_s"] is not None for r in self.doc["rows"]
+        )
+
+    def limit(self, seconds: float) -> float:
+        """A row's time limit: its own, or what the whole command has left."""
+        return min(seconds, self.deadline - time.monotonic())
+
+    def record(self, row: dict[str, Any], details: dict[str, Any]) -> None:
+        key = row_key(row)
+        now = time.monotonic()
+        spent, self.mark = now - self.mark, now
+        self.doc["rows"] = [r for r in self.doc["rows"] if row_key(r) != key] + [row]
+        self.details[key] = details | {"row_wall_s": round(spent, 1)}
+        finish(self.doc)
+        save_doc(self.args.out, self.doc)
+        shown = {k: row[k] for k in ("engine", "dtype", "budget_bytes", "batch", "tok_s", "note")}
+        shown["row_wall_s"] = round(spent, 1)
+        print(json.dumps(shown), flush=True)
+
+    def skipped(self, engine: str, dtype: str, budget: int | None) -> bool:
+        """Record a not-run row when the command's time is spent; True if so."""
+        if self.deadline - time.monotonic() > 5:
+            return False
+        note = "not run: the command's --total-seconds were spent; run it again with --append"
+        self.record(make_row(engine, dtype, budget, note=note), {})
+        return True
+
+    def fastest_stock(self, engines: list[str] | None = None) -> dict[str, Any] | None:
+        """The fastest measured row without a budget (of ``engines``, when given)."""
+        rows = [r for r in self.doc["rows"] if r["budget_bytes"] is None and r["tok_s"]]
+        rows = [r for r in rows if engines is None or r["engine"] in engines]
+        return max(rows, key=lambda r: r["tok_s"], default=None)
+
+    def describe(self) -> None:
+        """The document's meta: this device and run, the FLOP formula and peak, dtypes."""
+        meta, args = self.doc["meta"], self.args
+        date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        run = {"date": date, "device": self.device_name, "torch": torch.__version__}
+        meta.setdefault("runs", []).append(run | {"argv": sys.argv[1:]})
+        meta |= run | {
+            "family": args.family,
+            "preset": args.preset,
+            "seq_len": args.seq_len,
+            "flops_per_token": self.flops_token,
+            "flop_formula": (
+                "6 * N + 12 * L * d * T per token (N: parameters in matrix products, all but "
+                "the position embedding; L layers; d width; T seq_len); MFU = tok/s x this / peak"
+            ),
+            "peak_flops": self.peak,
+            "peak_source": "--peak-tflops" if args.peak_tflops else self.peak and PEAK_SOURCE,
+            "link": link_bandwidth(args.device),
+            "dtypes": DTYPES,
+        }
+        if len({r["device"] for r in meta["runs"]}) > 1:
+            meta["warning"] = "rows come from runs on different devices: compare with care"
+
+    # -- stock ---------------------------------------------------------------------------
+    def stock_rows(self) -> None:
+        """Eager and compile x autocast and bf16, then the fastest with checkpointing."""
+        args = self.args
+        for engine in args.stock_engines:
+            for dtype in args.stock_dtypes:
+                self.stock_row(engine, dtype, checkpoint=False)
+        plain = [f"pytorch {engine}" for engine in STOCK_ENGINES]
+        fastest = self.fastest_stock(plain)
+        if fastest is not None:
+            engine = fastest["engine"].removeprefix("pytorch ")
+            # checkpointing only frees memory: batches below the fastest one's are slower
+            batches = [b for b in args.batches if b >= fastest["batch"]]
+            self.stock_row(engine, fastest["dtype"], checkpoint=True, batches=batches)
+
+    def stock_row(
+        self, engine: str, dtype: str, *, checkpoint: bool, batches: list[int] | None = None
+    ) -> None:
+        name = f"pytorch {engine}" + (" + checkpointing" if checkpoint else "")
+        if self.have(name, dtype, None) or self.skipped(name, dtype, None):
+            return
+        args = self.args
+        seconds = args.compile_row_seconds if engine == "compile" else args.row_seconds
+        search, note = BatchSearch(args.batches, args.full_search), None
+        try:
+            with time_limit(self.limit(seconds)):
+                search.run(
+                    lambda batch: self.stock_trial(engine, dtype, checkpoint, batch), self.free
+                )
+        except RowTimeout as exc:
+            note = f"{exc} reached in the batch search (finished: {list(search.tried)})"
+            self.free()
+        self.record(*searched_row(name, dtype, search, args.seq_len, note, **self.row_kwargs()))
+
+    def stock_trial(self, engine: str, dtype: str, checkpoint: bool, batch: int) -> dict:
+        """One batch: build, warm up (compiles), measure, profile one more step."""
+        args = self.args
+        step = build_stock(
+            self.config,
+            batch,
+            args.seq_len,
+            compile=engine == "compile",
+            dtype=dtype,
+            checkpoint=checkpoint,
+            device=args.device,
+            compile_backend=args.compile_backend,
+        )
+        return measure_trial(step, batch, args.seq_len, args.warmup, args.steps, args.device)
+
+    # -- deepspeed -----------------------------------------------------------------------
+    def deepspeed_rows(self) -> None:
+        """benchmarks/deepspeed_row.py in a child process (DeepSpeed sets up
+        torch.distributed and builds its CPU Adam op: kept out of this process)."""
+        engine, dtype = DEEPSPEED
+        if self.have(engine, dtype, None) or self.skipped(engine, dtype, None):
+            return
+        args = self.args
+        seconds = self.limit(args.deepspeed_seconds)
+        out = args.out.with_name(args.out.stem + "_deepspeed_row.json")
+        command = [
+            sys.executable,
+            str(Path(__file__).with_name("deepspeed_row.py")),
+            *("--family", args.family, "--preset", args.preset),
+            *("--seq-len", str(args.seq_len), "--device", args.device),
+            *("--batches", ",".join(map(str, args.batches))),
+            *("--steps", str(args.steps), "--warmup", str(args.warmup)),
+            *("--seconds", f"{max(1.0, seconds - 15):.0f}", "--out", str(out)),
+        ]
+        if args.full_search:
+            command.append("--full-search")
+        if self.peak:
+            command += ["--peak-tflops", str(self.peak / 1e12)]
+        out.unlink(missing_ok=True)
+        try:
+            done = subprocess.run(command, timeout=seconds, capture_output=True, text=True)
+            tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+            returncode = done.returncode
+        except subprocess.TimeoutExpired:
+            tail, returncode = [f"killed at the row's time limit of {seconds:.0f} s"], None
+        if out.exists():
+            result = json.loads(out.read_text())
+            out.unlink()
+            self.record(result["row"], result["details"])
+            return
+        note = "deepspeed_row.py wrote no row: " + " | ".join(tail)
+        self.record(make_row(engine, dtype, None, note=note[:600]), {"returncode": returncode})
+
+    # -- dataflow ------------------------------------------------------------------------
+    def dataflow_dtypes(self) -> list[str]:
+        """``auto``: the policy nearest the fastest stock row (when one is known), then
+        pure bf16; both dataflow policies when no stock row is known."""
+        if self.args.dataflow_dtypes != ["auto"]:
+            return self.args.dataflow_dtypes
+        fastest = self.fastest_stock()
+        matching = MATCHING_DATAFLOW.get(fastest["dtype"]) if fastest else None
+        self.doc["meta"]["dataflow_matches"] = (
+            {"fastest_stock": row_key(fastest), "dataflow_dtype": matching} if matching else None
+        )
+        if matching is None:
+            return ["mixed", "bf16"]
+        return [matching] if matching == "bf16" else [matching, "bf16"]
+
+    def dataflow_rows(self) -> None:
+        from compare_dataflow import dataflow_row
+
+        for dtype in self.dataflow_dtypes():
+            for budget in self.args.budgets:
+                dataflow_row(self, dtype, budget)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def _words(known: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        words = [part for part in text.split(",") if part]
+        unknown = [w for w in words if w not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not one of {', '.join(known)}")
+        return words
+
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=_words(ROWS), default=list(ROWS), help="stock,dataflow,deepspeed")
+    p.add_argument("--budgets", default="16GiB,8GiB,4GiB,2GiB,1GiB", help="dataflow budgets")
+    p.add_argument("--family", default="gpt2")
+    p.add_argument("--preset", default="gpt2_124m")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batches", type=_ints, default=[8, 16, 32, 64], help="stock batch search")
+    p.add_argument("--full-search", action="store_true", help="try every stock batch")
+    p.add_argument("--stock-engines", type=_words(STOCK_ENGINES), default=list(STOCK_ENGINES))
+    p.add_argument(
+        "--stock-dtypes", type=_words(("autocast", "bf16")), default=["autocast", "bf16"]
+    )
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
+    p.add_argument(
+        "--dataflow-dtypes",
+        type=_words(("auto", "mixed", "bf16")),
+        default=["auto"],
+        help="auto: nearest the fastest stock row, then bf16",
+    )
+    p.add_argument("--dataflow-batches", type=_ints, default=[64, 32, 16, 8, 4, 2, 1])
+    p.add_argument("--min-tokens", type=int, default=65536, help="dataflow tokens per step")
+    p.add_argument("--resolver", default="torch", help="dataflow resolver")
+    p.add_argument("--steps", type=int, default=10, help="measured steps per row")
+    p.add_argument("--warmup", type=int, default=3, help="steps before measuring")
+    p.add_argument("--row-seconds", type=float, default=60.0)
+    p.add_argument("--compile-row-seconds", type=float, default=150.0)
+    p.add_argument("--deepspeed-seconds", type=float, default=200.0)
+    p.add_argument("--total-seconds", type=float, default=540.0, help="for the whole command")
+    p.add_argument("--peak-tflops", type=float, default=None, help="MFU peak (default: known GPUs)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/compare.json"))
+    p.add_argument("--doc", type=Path, default=Path("docs/throughput.md"), help="table page")
+    p.add_argument("--append", action="store_true", help="merge into --out, skip rows it has")
+    p.add_argument("--redo", action="store_true", help="with --append: run rows it has again")
+    p.add_argument("--table-only", action="store_true", help="--out -> the table in --doc")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.table_only:
+        if not args.out.exists():
+            print(f"--table-only: {args.out} does not exist", file=sys.stderr)
+            return 2
+        write_table(finish(load_doc(args.out)), args.doc)
+        return 0
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        print(
+            "compare.py: --device cuda but no CUDA device here (--device cpu for a smoke run)",
+            file=sys.stderr,
+        )
+        return 2
+    args.budgets = [parse_size(text) for text in args.budgets.split(",") if text]
+    if args.warmup < 1 or args.steps < 1:
+        print("compare.py: --warmup and --steps must be >= 1", file=sys.stderr)
+        return 2
+    bench = Bench(args)
+    for rows in ROWS:  # stock first: the dataflow rows' dtype follows the fastest stock row
+        if rows in args.rows:
+            getattr(bench, f"{rows}_rows")()
+    write_table(finish(bench.doc), args.doc)
+    save_doc(args.out, bench.doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

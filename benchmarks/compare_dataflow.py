@@ -1,0 +1,254 @@
+"""The dataflow rows of benchmarks/compare.py: ``TrainingRun`` inside each budget.
+
+For a budget, the batches of ``--dataflow-batches`` (with as many accumulation rounds as
+reach ``--min-tokens`` per step) are lowered and planned at the budget with the lowering's
+roofline costs, on the host, largest first until a plan reaches its lower bound
+(``ranked_shapes``). The shapes run in the order of those plans' predicted tokens/s, a
+larger batch first among those within 2 % of the best (fewer, larger launches); the first
+that plans and runs on the device, with its tasks profiled there, is the row. Shapes the
+roofline plan already finds infeasible are not tried. What each shape did is kept in the
+row's details.
+
+What a row reports comes from the engine: the measured step is the wall time of
+``TrainingRun.step`` (feeding, the engine run, the loss read-back); moved bytes and link
+busy time are the transfers in the step's ``RunResult`` trace; compute idle is the part of
+the measured step not covered by the trace's task spans; predicted is
+``TrainingRun.predicted()``; the allocator peak is the engine's (checked against the
+budget by the engine itself).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+import torch
+from compare_doc import make_row
+from dataflow_training.config import DtypePolicy, OptimizerPolicy, TrainConfig
+from dataflow_training.lowering import lower
+from dataflow_training.run import TrainingRun
+from measure import RowTimeout, idle_pct, one_line, profile_step, time_limit
+
+from dataflow.planning import PlanningError, plan
+from dataflow.units import format_size
+
+ENGINE = "dataflow"
+#: name -> (storage dtypes, AdamW state dtype)
+POLICIES = {
+    "bf16": (DtypePolicy.named("bf16"), "bfloat16"),
+    "mixed": (DtypePolicy("bfloat16", "float32", "bfloat16"), "float32"),
+}
+#: a head chunk's logits and their gradient take about this many bytes per token and id
+HEAD_BYTES_PER_LOGIT = 6
+
+
+def chunk_tokens(budget_bytes: int, vocab: int, largest: int = 8192) -> int:
+    """The head's token chunk: the largest power of two up to ``largest`` whose logits
+    workspace (chunk x vocab x 6 bytes) takes at most a quarter of the budget."""
+    chunk = largest
+    while chunk > 16 and chunk * vocab * HEAD_BYTES_PER_LOGIT > budget_bytes // 4:
+        chunk //= 2
+    return chunk
+
+
+def train_config(dtype: str, batch: int, rounds: int, seq_len: int, chunk: int) -> TrainConfig:
+    policy, state = POLICIES[dtype]
+    return TrainConfig(
+        seq_len=seq_len,
+        batch=batch,
+        rounds=rounds,
+        dtype=policy,
+        optimizer=OptimizerPolicy(state_dtypes={"exp_avg": state, "exp_avg_sq": state}),
+        chunk_tokens=chunk,
+    )
+
+
+def ranked_shapes(
+    family: Any,
+    preset: str,
+    dtype: str,
+    budget_bytes: int,
+    seq_len: int,
+    batches: list[int],
+    min_tokens: int,
+    chunk: int,
+) -> tuple[list[tuple[int, int]], dict[str, Any]]:
+    """``(batch, rounds)`` in the order to try, and what the roofline plan said of each.
+
+    Batches are planned largest first, and planning stops at the first plan within 2 %
+    of its compute-only lower bound: a smaller batch has the same FLOPs per token and
+    more weight reads per token, so it cannot be predicted faster. The batches not
+    planned come last, largest first, for when every planned shape fails on the device."""
+    predicted: dict[tuple[int, int], float] = {}
+    said: dict[str, Any] = {}
+    unplanned: list[tuple[int, int]] = []
+    for batch in sorted(batches, reverse=True):
+        rounds = max(1, math.ceil(min_tokens / (batch * seq_len)))
+        if any(v.get("at_bound") for v in said.values() if isinstance(v, dict)):
+            unplanned.append((batch, rounds))
+            continue
+        program = lower(family, preset, train_config(dtype, batch, rounds, seq_len, chunk)).program
+        try:
+            planned = plan(program, budget_bytes)
+        except PlanningError as exc:
+            said[str(batch)] = f"roofline plan: {one_line(exc)}"
+            continue
+        makespan_us = planned.sim.makespan_us
+        tok_s = batch * rounds * seq_len / (makespan_us / 1e6)
+        predicted[(batch, rounds)] = tok_s
+        at_bound = makespan_us <= 1.02 * planned.lower_bound_us
+        said[str(batch)] = {
+            "rounds": rounds,
+            "roofline_tok_s": round(tok_s, 1),
+            "at_bound": at_bound,
+        }
+    best = max(predicted.values(), default=0.0)
+    near = sorted((s for s, v in predicted.items() if v >= 0.98 * best), reverse=True)
+    rest = sorted((s for s in predicted if s not in near), key=lambda s: -predicted[s])
+    return near + rest + unplanned, said
+
+
+def random_batches(vocab: int, batch: int, rounds: int, seq_len: int, seed: int) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randint(0, vocab, (batch, seq_len), generator=generator),
+            torch.randint(0, vocab, (batch, seq_len), generator=generator),
+        )
+        for _ in range(rounds)
+    ]
+
+
+def close_quietly(run: TrainingRun) -> None:
+    """Close the run (its engine's memory goes back) without letting an error of the
+    close hide the one that ended the trial (a time limit in the middle of a step)."""
+    try:
+        run.close()
+    except Exception:  # noqa: BLE001, S110  (the trial's own outcome is what is reported;
+        pass  # the run and its engine are collected by the next gc.collect)
+
+
+def trial(bench: Any, dtype: str, budget: int, batch: int, rounds: int, chunk: int) -> dict:
+    """One shape on the device: build (profile, plan, place), warm up, measure."""
+    args = bench.args
+    train = train_config(dtype, batch, rounds, args.seq_len, chunk)
+    run = TrainingRun(
+        bench.family,
+        args.preset,
+        train,
+        budget_bytes=budget,
+        device=args.device,
+        resolver=args.resolver,
+    )
+    try:
+        data = [random_batches(run.vocab_size, batch, rounds, args.seq_len, s) for s in (0, 1)]
+        for i in range(args.warmup):
+            run.step(data[i % 2])
+        measured = []
+        for i in range(args.steps):
+            stats = run.step(data[i % 2])
+            measured.append((stats, run.last_result.steps[-1]))
+        activity = profile_step(lambda: run.step(data[0]), args.device)
+        predicted = run.predicted()
+    finally:
+        close_quietly(run)
+    step_s = [stats.step_s for stats, _ in measured]
+    busy_s = [sum(t.end_us - t.start_us for t in trace.tasks) / 1e6 for _, trace in measured]
+    moved = [sum(t.size_bytes for t in trace.transfers) for _, trace in measured]
+    link_s = [
+        max(
+            sum(
+                t.end_us - t.start_us
+                for t in trace.transfers
+                if t.direction == way and t.end_us is not None and t.start_us is not None
+            )
+            / 1e6
+            for way in ("h2d", "d2h")
+        )
+        for _, trace in measured
+    ]
+    median_s = statistics.median(step_s)
+    peaks = [stats.allocator_peak_bytes for stats, _ in measured]
+    details = {
+        "rounds": rounds,
+        "chunk_tokens": chunk,
+        "link_busy_pct": 100.0 * statistics.median(link_s) / median_s,
+        "engine_makespan_s": statistics.median(t.makespan_us for _, t in measured) / 1e6,
+        "ledger_peak_bytes": max(stats.fast_peak_bytes for stats, _ in measured),
+        "predicted_moved_bytes": predicted["moved_bytes"],
+        "losses": [stats.loss for stats, _ in measured],
+    }
+    if activity is not None:
+        details["kernel_s"] = activity.kernel_s
+        details["kernel_idle_pct"] = idle_pct(activity.kernel_s, median_s)
+    return {
+        "step_s": median_s,
+        "peak": None if None in peaks else max(peaks),
+        "moved": int(statistics.median(moved)),
+        "idle_pct": statistics.median(idle_pct(b, s) for b, s in zip(busy_s, step_s, strict=True)),
+        "predicted_s": predicted["step_s"],
+        "details": details,
+    }
+
+
+def dataflow_row(bench: Any, dtype: str, budget: int) -> None:
+    """Measure (or explain) one dataflow row and record it."""
+    if bench.have(ENGINE, dtype, budget) or bench.skipped(ENGINE, dtype, budget):
+        return
+    args = bench.args
+    chunk = chunk_tokens(budget, bench.config.vocab_size)
+    tried: dict[str, Any] = {}
+    result, note = None, None
+    try:
+        with time_limit(bench.limit(args.row_seconds)):
+            shapes, tried["roofline"] = ranked_shapes(
+                bench.family,
+                args.preset,
+                dtype,
+                budget,
+                args.seq_len,
+                args.dataflow_batches,
+                args.min_tokens,
+                chunk,
+            )
+            for batch, rounds in shapes:
+                try:
+                    result = trial(bench, dtype, budget, batch, rounds, chunk)
+                    result |= {"batch": batch, "rounds": rounds}
+                    break
+                except Exception as exc:  # infeasible after profiling, breach, ...: go on
+                    tried[f"batch {batch} x {rounds}"] = one_line(exc)
+                finally:
+                    bench.free()
+    except RowTimeout as exc:
+        note = f"{exc} reached"
+        bench.free()
+    details = {"tried": tried}
+    if result is None:
+        failures = "; ".join(f"{k}: {v}" for k, v in tried.items() if k != "roofline")
+        roofline = next(iter(tried.get("roofline", {}).items()), None)
+        reason = note or failures
+        if not reason and roofline:  # e.g. "... the smallest budget that works is ..."
+            reason = f"no batch plans here; batch {roofline[0]}'s {roofline[1]}"
+        bench.record(
+            make_row(ENGINE, dtype, budget, note=f"{format_size(budget)}: {reason}"), details
+        )
+        return
+    if tried.keys() - {"roofline"}:
+        note = "; ".join(f"{k}: {v}" for k, v in tried.items() if k != "roofline")
+    row = make_row(
+        ENGINE,
+        dtype,
+        budget,
+        batch=result["batch"],
+        tokens_per_step=result["batch"] * result["rounds"] * args.seq_len,
+        measured_step_s=result["step_s"],
+        allocator_peak_bytes=result["peak"],
+        moved_bytes_per_step=result["moved"],
+        compute_idle_pct=result["idle_pct"],
+        predicted_step_s=result["predicted_s"],
+        note=note,
+        **bench.row_kwargs(),
+    )
+    bench.record(row, details | result["details"])

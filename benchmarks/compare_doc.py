@@ -1,0 +1,241 @@
+"""The results document of benchmarks/compare.py: its rows, how runs merge, the ratio to
+the fastest stock row, and the Markdown table of docs/throughput.md.
+
+``{"rows": [...], "meta": {...}}``. A row has exactly the fields of issue 13 plus ``note``
+(why a row is missing or what went wrong on the way); ``meta.row_details`` keeps, per row
+key (``engine|dtype|budget_bytes``), what the table's "limited by" column and a reader
+need beyond the row: the link's busy share, the batch search, the rounds.
+
+**Limited by** (derived from the measurements): ``compute`` when compute idle is at most
+``IDLE_COMPUTE_PCT`` of the step; otherwise ``link`` when the busier copy direction moved
+bytes for at least ``LINK_BUSY_PCT`` of the step, else ``host`` (the device waited on
+something that is not the link: dispatch, a host-side optimizer, synchronisation).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from measure import BatchSearch, idle_pct, link_busy_pct
+
+from dataflow.units import format_size
+
+FIELDS = (
+    "engine",
+    "dtype",
+    "budget_bytes",
+    "batch",
+    "tokens_per_step",
+    "tok_s",
+    "mfu",
+    "allocator_peak_bytes",
+    "moved_bytes_per_step",
+    "compute_idle_pct",
+    "predicted_step_s",
+    "measured_step_s",
+    "ratio_to_fastest_stock",
+    "note",
+)
+IDLE_COMPUTE_PCT = 5.0
+LINK_BUSY_PCT = 80.0
+TABLE_START, TABLE_END = "<!-- compare.py table: start -->", "<!-- compare.py table: end -->"
+ENGINE_ORDER = ("pytorch eager", "pytorch compile", "pytorch", "deepspeed", "dataflow")
+
+
+def row_key(row: dict[str, Any]) -> str:
+    return f"{row['engine']}|{row['dtype']}|{row['budget_bytes']}"
+
+
+def make_row(
+    engine: str,
+    dtype: str,
+    budget_bytes: int | None,
+    *,
+    batch: int | None = None,
+    tokens_per_step: int | None = None,
+    measured_step_s: float | None = None,
+    allocator_peak_bytes: int | None = None,
+    moved_bytes_per_step: int | None = None,
+    compute_idle_pct: float | None = None,
+    predicted_step_s: float | None = None,
+    note: str | None = None,
+    flops_token: float | None = None,
+    peak: float | None = None,
+) -> dict[str, Any]:
+    """A row with exactly the issue's fields plus ``note``: tok/s from the measured step,
+    MFU from tok/s x model FLOPs per token / the device's peak (None when either is
+    unknown). ``ratio_to_fastest_stock`` is filled by ``finish``."""
+    tok_s = tokens_per_step / measured_step_s if tokens_per_step and measured_step_s else None
+    mfu = tok_s * flops_token / peak if tok_s and flops_token and peak else None
+    return {
+        "engine": engine,
+        "dtype": dtype,
+        "budget_bytes": budget_bytes,
+        "batch": batch,
+        "tokens_per_step": tokens_per_step,
+        "tok_s": tok_s,
+        "mfu": mfu,
+        "allocator_peak_bytes": allocator_peak_bytes,
+        "moved_bytes_per_step": moved_bytes_per_step,
+        "compute_idle_pct": compute_idle_pct,
+        "predicted_step_s": predicted_step_s,
+        "measured_step_s": measured_step_s,
+        "ratio_to_fastest_stock": None,
+        "note": note,
+    }
+
+
+def searched_row(
+    engine: str,
+    dtype: str,
+    search: BatchSearch,
+    seq_len: int,
+    note: str | None,
+    **flops: float | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The row of a budget-free engine (stock, DeepSpeed) at the best batch of its search,
+    and its details; a row with a note when no batch ran. ``flops``: ``flops_token`` and
+    ``peak`` for MFU."""
+    details: dict[str, Any] = {"batch_search_tok_s": search.tried}
+    best = search.best
+    if best is None:
+        failures = "; ".join(f"batch {b}: {v}" for b, v in search.tried.items())
+        return make_row(engine, dtype, None, note=note or f"no batch ran ({failures})"), details
+    activity, step_s = best["activity"], best["step_s"]
+    if activity is not None:
+        details |= {"kernel_s": activity.kernel_s, "link_busy_pct": link_busy_pct(activity, step_s)}
+    row = make_row(
+        engine,
+        dtype,
+        None,
+        batch=best["batch"],
+        tokens_per_step=best["batch"] * seq_len,
+        measured_step_s=step_s,
+        allocator_peak_bytes=best["peak"],
+        moved_bytes_per_step=None if activity is None else activity.moved_bytes,
+        compute_idle_pct=None if activity is None else idle_pct(activity.kernel_s, step_s),
+        note=note,
+        **flops,
+    )
+    return row, details
+
+
+def finish(doc: dict[str, Any]) -> dict[str, Any]:
+    """Sort the rows and set every row's ratio to the fastest stock (budget-free) row."""
+    rows = doc["rows"]
+    stock = [r["tok_s"] for r in rows if r["budget_bytes"] is None and r["tok_s"]]
+    fastest = max(stock, default=None)
+    for row in rows:
+        row["ratio_to_fastest_stock"] = row["tok_s"] / fastest if fastest and row["tok_s"] else None
+
+    def order(row: dict[str, Any]) -> tuple:
+        family = next((i for i, e in enumerate(ENGINE_ORDER) if row["engine"].startswith(e)), 9)
+        return (family, row["engine"], row["dtype"], -(row["budget_bytes"] or 0))
+
+    rows.sort(key=order)
+    return doc
+
+
+def load_doc(path: Path) -> dict[str, Any]:
+    """The document at ``path``, or an empty one when there is none yet."""
+    if not path.exists():
+        return {"rows": [], "meta": {}}
+    doc = json.loads(path.read_text())
+    if not isinstance(doc.get("rows"), list) or not isinstance(doc.get("meta"), dict):
+        raise ValueError(f"{path}: not a compare.py result (needs 'rows' and 'meta')")
+    for row in doc["rows"]:
+        if tuple(row) != FIELDS:
+            raise ValueError(f"{path}: row {row_key(row)} has fields {sorted(row)}")
+    return doc
+
+
+def save_doc(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(doc, indent=1) + "\n")
+    temporary.replace(path)
+
+
+def limited_by(row: dict[str, Any], details: dict[str, Any]) -> str:
+    """``compute``, ``link`` or ``host`` from the row's measurements (module docstring)."""
+    idle = row["compute_idle_pct"]
+    if row["tok_s"] is None or idle is None:
+        return ""
+    if idle <= IDLE_COMPUTE_PCT:
+        return "compute"
+    return "link" if details.get("link_busy_pct", 0.0) >= LINK_BUSY_PCT else "host"
+
+
+def _size(value: int | None) -> str:
+    return "" if value is None else format_size(value)
+
+
+def _number(value: float | None, digits: int, scale: float = 1.0) -> str:
+    return "" if value is None else f"{value * scale:,.{digits}f}"
+
+
+def render_table(doc: dict[str, Any]) -> str:
+    """The Markdown table of every row (the order of ``finish``)."""
+    details = doc["meta"].get("row_details", {})
+    head = (
+        "| engine | dtype | budget | batch | tokens/step | tok/s | MFU | vs fastest stock "
+        "| allocator peak | moved/step | compute idle | predicted s/step | measured s/step "
+        "| measured/predicted | limited by | note |"
+    )
+    lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
+    for row in doc["rows"]:
+        extra = details.get(row_key(row), {})
+        rounds = extra.get("rounds")
+        batch = "" if row["batch"] is None else str(row["batch"])
+        if rounds and rounds > 1:
+            batch += f" x {rounds} rounds"
+        ratio = None
+        if row["predicted_step_s"] and row["measured_step_s"]:
+            ratio = row["measured_step_s"] / row["predicted_step_s"]
+        cells = [
+            row["engine"],
+            row["dtype"],
+            "none" if row["budget_bytes"] is None else _size(row["budget_bytes"]),
+            batch,
+            _number(row["tokens_per_step"], 0),
+            _number(row["tok_s"], 0),
+            "" if row["mfu"] is None else f"{100 * row['mfu']:.1f} %",
+            _number(row["ratio_to_fastest_stock"], 2),
+            _size(row["allocator_peak_bytes"]),
+            _size(row["moved_bytes_per_step"]),
+            "" if row["compute_idle_pct"] is None else f"{row['compute_idle_pct']:.1f} %",
+            _number(row["predicted_step_s"], 4),
+            _number(row["measured_step_s"], 4),
+            _number(ratio, 3),
+            limited_by(row, extra),
+            (row["note"] or "").replace("|", "/").replace("\n", " "),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    meta = doc["meta"]
+    peak = meta.get("peak_flops")
+    against = (
+        f"MFU against {peak / 1e12:.0f} TFLOP/s ({meta.get('peak_source')})"
+        if peak
+        else "no MFU: no peak known for this device"
+    )
+    lines.append("")
+    lines.append(
+        f"{meta.get('device', '?')}, torch {meta.get('torch', '?')}, {meta.get('date', '?')}; "
+        f"{meta.get('preset', '?')}, seq {meta.get('seq_len', '?')}; {against}."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def write_table(doc: dict[str, Any], page: Path) -> None:
+    """Put the table between the page's two marker lines (the prose around stays)."""
+    text = page.read_text()
+    pattern = re.compile(re.escape(TABLE_START) + r"\n.*?" + re.escape(TABLE_END), re.S)
+    if not pattern.search(text):
+        raise ValueError(
+            f"{page}: no '{TABLE_START}' ... '{TABLE_END}' lines to put the table between"
+        )
+    table = render_table(doc)
+    page.write_text(pattern.sub(lambda _: f"{TABLE_START}\n{table}{TABLE_END}", text))

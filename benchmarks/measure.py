@@ -1,0 +1,280 @@
+"""What benchmarks/compare.py and benchmarks/deepspeed_row.py measure, the same way for every
+row: wall-clock steps, the device's own activity in one profiled step, the links' bandwidth,
+model FLOPs and MFU, and a time limit per row.
+
+- A step's time is wall clock with the device synchronised before and after it, so host
+  dispatch, data feeding and read-back all count, whatever the engine.
+- The device's activity comes from ``torch.profiler`` (CUDA activity only) over one extra
+  step: the union of kernel intervals is the time the GPU computes; host<->device copies
+  are counted per direction (bytes and the union of their intervals).
+- Model FLOPs per token follow the PaLM / nanoGPT convention: ``6 * N + 12 * L * d * T``,
+  N the parameters that take part in matrix products (every parameter except the position
+  embedding; the tied token embedding counts once, as the LM head), L layers, d width, T
+  the sequence length (attention counted in full, not halved for the causal mask).
+  Recomputation (activation checkpointing) is not model FLOPs and is not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+#: Dense BF16 tensor-core peak of an H200 SXM, NVIDIA's datasheet figure (the H100's rate,
+#: "about 990 TFLOP/s"), as /work/.library/device/H200.md records it.
+PEAK_FLOPS = {"H200": 990e12}
+PEAK_SOURCE = (
+    "NVIDIA H200 SXM datasheet, dense BF16 tensor core ~990 TFLOP/s "
+    "(as recorded in the project's device notes, H200.md)"
+)
+
+
+class RowTimeout(BaseException):
+    """A row ran past its time limit. A BaseException, so that a framework's own
+    ``except Exception`` (torch.compile wraps compiler errors) does not swallow it."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise ``RowTimeout`` in the main thread once ``seconds`` have passed."""
+
+    def expired(signum: int, frame: Any) -> None:
+        raise RowTimeout(f"time limit of {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def synchronize(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def wall_steps(
+    step: Callable[[int], Any], warmup: int, steps: int, device: str
+) -> tuple[list[float], list[Any]]:
+    """Run ``warmup`` then ``steps`` steps; the measured steps' wall seconds and what each
+    returned."""
+    for i in range(warmup):
+        step(i)
+    synchronize(device)
+    times, outputs = [], []
+    for i in range(warmup, warmup + steps):
+        began = time.perf_counter()
+        outputs.append(step(i))
+        synchronize(device)
+        times.append(time.perf_counter() - began)
+    return times, outputs
+
+
+def measure_trial(
+    step: Callable[[int], Any], batch: int, seq_len: int, warmup: int, steps: int, device: str
+) -> dict[str, Any]:
+    """One batch of a budget-free engine: ``warmup`` steps (compiling, building ops), the
+    allocator's peak over ``steps`` measured ones, their median, one more profiled."""
+    for i in range(warmup):
+        step(i)
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    times, _ = wall_steps(step, 0, steps, device)
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    activity = profile_step(lambda: step(0), device)
+    step_s = statistics.median(times)
+    return {
+        "batch": batch,
+        "step_s": step_s,
+        "tok_s": batch * seq_len / step_s,
+        "peak": peak,
+        "activity": activity,
+    }
+
+
+def union_us(spans: Iterable[tuple[float, float]]) -> float:
+    """Total length of the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+@attrs.frozen
+class DeviceActivity:
+    """One profiled step: seconds the GPU ran kernels, and per copy direction the bytes
+    moved and the seconds the link was busy."""
+
+    kernel_s: float
+    h2d_bytes: int
+    d2h_bytes: int
+    h2d_s: float
+    d2h_s: float
+
+    @property
+    def moved_bytes(self) -> int:
+        return self.h2d_bytes + self.d2h_bytes
+
+
+def device_activity(trace: dict[str, Any]) -> DeviceActivity:
+    """Kernels and host<->device copies of a Chrome trace document from
+    ``torch.profiler`` (``cat`` ``kernel`` and ``gpu_memcpy``; copies named ``HtoD`` /
+    ``DtoH``; ``ts``/``dur`` in microseconds)."""
+    kernels: list[tuple[float, float]] = []
+    copies: dict[str, list[tuple[float, float]]] = {"h2d": [], "d2h": []}
+    moved = {"h2d": 0, "d2h": 0}
+    for event in trace.get("traceEvents", []):
+        if event.get("ph") != "X":
+            continue
+        span = (float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0)))
+        category, name = event.get("cat", ""), event.get("name", "")
+        if category == "kernel":
+            kernels.append(span)
+        elif category == "gpu_memcpy":
+            direction = "h2d" if "HtoD" in name else "d2h" if "DtoH" in name else None
+            if direction is not None:
+                copies[direction].append(span)
+                moved[direction] += int(event.get("args", {}).get("bytes", 0))
+    return DeviceActivity(
+        union_us(kernels) / 1e6,
+        moved["h2d"],
+        moved["d2h"],
+        union_us(copies["h2d"]) / 1e6,
+        union_us(copies["d2h"]) / 1e6,
+    )
+
+
+def profile_step(step: Callable[[], Any], device: str) -> DeviceActivity | None:
+    """The device's activity during one call of ``step`` (None off CUDA)."""
+    if torch.device(device).type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with tempfile.TemporaryDirectory() as folder:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            synchronize(device)
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return device_activity(json.loads(path.read_text()))
+
+
+def idle_pct(busy_s: float, step_s: float) -> float:
+    """Percent of a step the compute resource was not busy (never below 0)."""
+    return max(0.0, 100.0 * (1.0 - busy_s / step_s)) if step_s > 0 else 0.0
+
+
+def link_bandwidth(device: str, size_bytes: int = 256 * 2**20, repeats: int = 5) -> dict:
+    """Measured pinned host<->device copy rates (bytes/s, median of ``repeats``); empty off
+    CUDA."""
+    if torch.device(device).type != "cuda":
+        return {}
+    host = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=True)
+    fast = torch.empty(size_bytes, dtype=torch.uint8, device=device)
+    rates = {}
+    for name, dst, src in (("h2d", fast, host), ("d2h", host, fast)):
+        dst.copy_(src, non_blocking=True)  # warm-up
+        seconds = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            seconds.append(start.elapsed_time(end) / 1e3)
+        rates[f"{name}_bytes_per_s"] = size_bytes / statistics.median(seconds)
+    return rates
+
+
+def matmul_params(config: Any) -> int:
+    """Parameters of GPT-2 that take part in matrix products: all but the positions."""
+    from stock import StockGPT2
+
+    with torch.device("meta"):
+        model = StockGPT2(
+            config.vocab_size, config.n_positions, config.n_embd, config.n_layer, config.n_head
+        )
+    return sum(p.numel() for name, p in model.named_parameters() if not name.startswith("wpe"))
+
+
+def flops_per_token(config: Any, seq_len: int) -> float:
+    """Model FLOPs of one trained token (forward and backward): ``6 N + 12 L d T``."""
+    return 6.0 * matmul_params(config) + 12.0 * config.n_layer * config.n_embd * seq_len
+
+
+def peak_flops(device_name: str) -> float | None:
+    """The dense BF16 peak of a known device (by name), else None."""
+    return next((peak for key, peak in PEAK_FLOPS.items() if key in device_name), None)
+
+
+def device_name(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception as one short line: its type and first line."""
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def link_busy_pct(activity: DeviceActivity, step_s: float) -> float:
+    """Percent of a step the busier copy direction was moving bytes."""
+    return 100.0 * max(activity.h2d_s, activity.d2h_s) / step_s if step_s > 0 else 0.0
+
+
+@attrs.define
+class BatchSearch:
+    """The fastest batch of ``batches``: largest first; a batch that runs out of memory or
+    fails is recorded and skipped; the search stops once a smaller batch runs more than
+    3 % slower than the best so far (``full`` tries them all), or after a failure that
+    ``give_up`` says will repeat. ``tried`` maps each batch to its tokens/s or failure;
+    when a time limit interrupts ``run``, both stay as far as it got."""
+
+    batches: list[int]
+    full: bool = False
+    tried: dict[str, Any] = attrs.field(factory=dict)
+    best: dict[str, Any] | None = None
+
+    def run(
+        self,
+        trial: Callable[[int], dict[str, Any]],
+        cleanup: Callable[[], None],
+        give_up: Callable[[Exception], bool] = lambda exc: False,
+    ) -> None:
+        for batch in sorted(self.batches, reverse=True):
+            try:
+                result = trial(batch)
+            except torch.cuda.OutOfMemoryError:
+                self.tried[str(batch)] = "out of memory"
+                continue
+            except Exception as exc:  # a failing batch is a result: say why, go on
+                self.tried[str(batch)] = one_line(exc)
+                if give_up(exc):
+                    break
+                continue
+            finally:
+                cleanup()
+            self.tried[str(batch)] = round(result["tok_s"], 1)
+            if self.best is None or result["tok_s"] > self.best["tok_s"]:
+                self.best = result
+            elif not self.full and result["tok_s"] < 0.97 * self.best["tok_s"]:
+                break  # smaller batches only get slower from here
