@@ -151,29 +151,18 @@ def trial(bench: Any, dtype: str, budget: int, batch: int, rounds: int, chunk: i
             measured.append((stats, run.last_result.steps[-1]))
         activity = profile_step(lambda: run.step(data[0]), args.device)
         predicted = run.predicted()
+        graph_note = run.graph_note
     finally:
         close_quietly(run)
     step_s = [stats.step_s for stats, _ in measured]
-    busy_s = [sum(t.end_us - t.start_us for t in trace.tasks) / 1e6 for _, trace in measured]
-    moved = [sum(t.size_bytes for t in trace.transfers) for _, trace in measured]
-    link_s = [
-        max(
-            sum(
-                t.end_us - t.start_us
-                for t in trace.transfers
-                if t.direction == way and t.end_us is not None and t.start_us is not None
-            )
-            / 1e6
-            for way in ("h2d", "d2h")
-        )
-        for _, trace in measured
-    ]
     median_s = statistics.median(step_s)
     peaks = [stats.allocator_peak_bytes for stats, _ in measured]
+    replayed = all(trace.replayed for _, trace in measured)
     details = {
         "rounds": rounds,
         "chunk_tokens": chunk,
-        "link_busy_pct": 100.0 * statistics.median(link_s) / median_s,
+        "replayed": replayed,
+        "graph_note": graph_note,
         "engine_makespan_s": statistics.median(t.makespan_us for _, t in measured) / 1e6,
         "ledger_peak_bytes": max(stats.fast_peak_bytes for stats, _ in measured),
         "predicted_moved_bytes": predicted["moved_bytes"],
@@ -182,11 +171,38 @@ def trial(bench: Any, dtype: str, budget: int, batch: int, rounds: int, chunk: i
     if activity is not None:
         details["kernel_s"] = activity.kernel_s
         details["kernel_idle_pct"] = idle_pct(activity.kernel_s, median_s)
+    if replayed:
+        # A step replayed from a CUDA graph has no per-task spans: what the device did
+        # comes from the profiled step (kernels, and each copy direction's busy time).
+        if activity is None:
+            raise RuntimeError("a replayed step needs the profiled step (CUDA) to be measured")
+        idle = idle_pct(activity.kernel_s, median_s)
+        moved = activity.moved_bytes
+        details["link_busy_pct"] = 100.0 * max(activity.h2d_s, activity.d2h_s) / median_s
+    else:
+        busy_s = [sum(t.end_us - t.start_us for t in trace.tasks) / 1e6 for _, trace in measured]
+        idle = statistics.median(idle_pct(b, s) for b, s in zip(busy_s, step_s, strict=True))
+        moved = statistics.median(
+            sum(t.size_bytes for t in trace.transfers) for _, trace in measured
+        )
+        link_s = [
+            max(
+                sum(
+                    t.end_us - t.start_us
+                    for t in trace.transfers
+                    if t.direction == way and t.end_us is not None and t.start_us is not None
+                )
+                / 1e6
+                for way in ("h2d", "d2h")
+            )
+            for _, trace in measured
+        ]
+        details["link_busy_pct"] = 100.0 * statistics.median(link_s) / median_s
     return {
         "step_s": median_s,
         "peak": None if None in peaks else max(peaks),
-        "moved": int(statistics.median(moved)),
-        "idle_pct": statistics.median(idle_pct(b, s) for b, s in zip(busy_s, step_s, strict=True)),
+        "moved": int(moved),
+        "idle_pct": idle,
         "predicted_s": predicted["step_s"],
         "details": details,
     }

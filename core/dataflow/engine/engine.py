@@ -404,6 +404,16 @@ class Engine:
             )
         return value.detach().to("cpu", copy=True)
 
+    def read_scalar(self, obj: str) -> float:
+        """The value of a one-element object after the last run, as a Python float: what
+        ``float(fetch(obj))`` gives, without building a copy (a training step reads its
+        losses and gradient norms this way every step)."""
+        known = self.program is not None and obj in self.program.objects_by_id
+        value = self._current_value(obj) if known and self.backend_name != "virtual" else None
+        if value is None:
+            return float(self.fetch(obj))  # raises the error that says why
+        return float(value.reshape(()).item())
+
     def _allocator_peak(self) -> int | None:
         """The device allocator's peak since load, less what was allocated before it."""
         if self.backend_name != "torch" or not self.device.startswith("cuda"):

@@ -125,6 +125,10 @@ class CudaRunner:
         return sorted(completions, key=lambda c: (c.end_us, c.kind))
 
 
+#: Streams per priority in torch's CUDA stream pool (kStreamsPerPool in
+#: c10/cuda/CUDAStream.cpp): ``torch.cuda.Stream()`` hands them out round-robin.
+STREAM_POOL_SIZE = 32
+
 #: The caching allocator hands out blocks in multiples of 512 bytes (kMinBlockSize in
 #: c10/cuda/CUDACachingAllocator.cpp), so the arena itself may take up to this much more
 #: than its size; seen here as a 256-byte breach of a budget planned to the byte.
@@ -150,14 +154,26 @@ def runtime_reserve_bytes(device: str | torch.device = "cuda") -> int:
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    stream = torch.cuda.Stream(device=device)
     kept = []
-    with torch.cuda.stream(stream):
-        for dtype in (torch.float32, torch.bfloat16):
-            a = torch.ones(256, 256, device=device, dtype=dtype)
-            out = torch.empty_like(a)
-            torch.matmul(a, a, out=out)
-            kept.append((a, out))
+    # torch hands streams out of a pool of 32 per priority, and cuBLAS keeps a workspace
+    # per (handle, stream): a stream the process used before may already have one. Take
+    # pool streams until one grows the allocation (the engine's own streams may be such
+    # new ones), or the pool has come round (then every stream, the engine's too, has one).
+    for _ in range(STREAM_POOL_SIZE + 1):
+        stream = torch.cuda.Stream(device=device)
+        grown_before = torch.cuda.memory_allocated(device)
+        with torch.cuda.stream(stream):
+            for dtype in (torch.float32, torch.bfloat16):
+                a = torch.ones(256, 256, device=device, dtype=dtype)
+                out = torch.empty_like(a)
+                torch.matmul(a, a, out=out)
+                kept.append((a, out))
+        torch.cuda.synchronize(device)
+        inputs_here = sum(
+            a.untyped_storage().nbytes() + out.untyped_storage().nbytes() for a, out in kept[-2:]
+        )
+        if torch.cuda.memory_allocated(device) - grown_before > inputs_here:
+            break
     torch.cuda.synchronize(device)
     values = DeviceValues(("lr", "step", "update"), device)
     graph = torch.cuda.CUDAGraph()

@@ -209,13 +209,11 @@ class TrainingRun:
         else:
             result = self._engine.run(values=values, feed=lambda _step: self._data(batches))
         self.last_result = result
-        losses = tuple(
-            float(self._engine.fetch(f"loss_{self.layout.step}_{r}"))
-            for r in range(self.train.rounds)
-        )
+        read = self._engine.read_scalar
+        losses = tuple(read(f"loss_{self.layout.step}_{r}") for r in range(self.train.rounds))
         grad_norm = None
         if self.grad_norms:
-            grad_norm = sum(float(self._engine.fetch(gn)) for gn in self.grad_norms) ** 0.5
+            grad_norm = sum(read(gn) for gn in self.grad_norms) ** 0.5
         step_s = time.perf_counter() - started
         self.updates += 1
         return StepStats(

@@ -50,7 +50,7 @@ def start_values(
     """Every object that exists at the program's start: parameters from ``state``, zero
     optimizer state and Aux, and ``step``'s tokens and targets from ``data``. With
     ``data_only``, just the tokens and targets (the feed of a later step)."""
-    layout = StepLayout.of(program)
+    layout = None if data_only else StepLayout.of(program)  # parsing it costs host time
     values: dict[str, torch.Tensor] = {}
     for obj in program.objects:
         if not program.exists_at_start(obj.id):
@@ -58,7 +58,7 @@ def start_values(
         if obj.role == "data":
             tokens, targets = data(step, _round_of(obj.id))
             values[obj.id] = tokens if obj.id.startswith("x_") else targets
-        elif not data_only:
+        elif layout is not None:
             packed = layout.packed[obj.id]
             values[obj.id] = packed_buffer(layout, obj.id, state if packed.kind == "W" else None)
     return values
