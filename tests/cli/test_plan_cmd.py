@@ -65,3 +65,23 @@ def test_an_infeasible_budget_prints_the_minimum_and_the_task_and_exits_1(tmp_pa
 def test_a_bad_size_is_a_usage_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["plan", str(_write(tmp_path)), "--budget", "lots"])
     assert result.exit_code == 2 and "is not a size" in result.output
+
+
+def test_a_program_with_persistent_objects_is_planned_as_a_cycle_unless_once(
+    tmp_path: Path,
+) -> None:
+    import attrs
+
+    program = tiny_training()
+    weights = tuple(o.id for o in program.objects if o.role == "param")
+    assert weights
+    source = tmp_path / "loop.json"
+    source.write_text(attrs.evolve(program, persistent=weights).to_json())
+    cyclic = CliRunner().invoke(cli, ["plan", str(source), "--budget", "20MiB"])
+    assert cyclic.exit_code == 0, cyclic.output
+    assert "steady state" in cyclic.output
+    once = CliRunner().invoke(cli, ["plan", str(source), "--budget", "20MiB", "--once"])
+    assert once.exit_code == 0, once.output
+    assert "steady state" not in once.output
+    plain = CliRunner().invoke(cli, ["plan", str(_write(tmp_path)), "--budget", "20MiB"])
+    assert plain.exit_code == 0 and "steady state" not in plain.output

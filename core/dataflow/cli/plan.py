@@ -5,7 +5,10 @@ files whose folder exists or can be made). Exits 1 when the program is malformed
 plan fits the budget (the line gives the smallest budget that works and the task that
 forces it), or when the planner fails (the line names it). ``-o PLANNED.json`` writes the
 annotated program; ``--trace OUT.json`` its predicted timeline as Chrome trace-event JSON;
-``--place`` also packs it into one arena.
+``--place`` also packs it into one arena. A program that declares persistent objects
+(a lowered training step: weights, optimizer state) is planned as a steady-state cycle, as
+``dataflow train`` plans it; ``--once`` plans one iteration alone, ``--cyclic`` forces the
+cycle.
 """
 
 from __future__ import annotations
@@ -66,6 +69,12 @@ from dataflow.units import format_size
     is_flag=True,
     help="also pack the plan into one fast arena and report its size",
 )
+@click.option(
+    "--cyclic/--once",
+    default=None,
+    help="plan the steady state of a loop (default: when the program declares persistent "
+    "objects) or one iteration alone",
+)
 def plan_command(
     program_path: str,
     budget_bytes: int,
@@ -74,6 +83,7 @@ def plan_command(
     output_path: str | None,
     trace_path: str | None,
     do_place: bool,
+    cyclic: bool | None,
 ) -> None:
     """Plan PROGRAM.json for a fast-memory budget and summarize the plan."""
     from dataflow.plugins import planners
@@ -82,7 +92,11 @@ def plan_command(
     program = load_program(program_path)
     if slow_budget_bytes is None and program.budget is not None:
         slow_budget_bytes = program.budget.slow_bytes
-    planned = run_planner(program, program_path, budget_bytes, planner, slow_budget_bytes)
+    if cyclic is None:
+        cyclic = bool(program.persistent)
+    planned = run_planner(
+        program, program_path, budget_bytes, planner, slow_budget_bytes, cyclic=cyclic
+    )
     arena = None
     if do_place:
         from dataflow.planning.placement import place
@@ -114,6 +128,8 @@ def run_planner(
     budget_bytes: int,
     planner: str,
     slow_budget_bytes: int | None,
+    *,
+    cyclic: bool = False,
 ) -> Plan:
     """``plan(...)``, its errors as one-line ``Failure``s: the core's own (an infeasible
     budget, with the one that works) as they are, anything else named as the planner's."""
@@ -121,7 +137,13 @@ def run_planner(
 
     spec = planners().get(planner)  # the CLI resolves the name; plan() looks nothing up
     try:
-        return plan(program, budget_bytes, planner=spec, slow_budget_bytes=slow_budget_bytes)
+        return plan(
+            program,
+            budget_bytes,
+            planner=spec,
+            slow_budget_bytes=slow_budget_bytes,
+            cyclic=cyclic,
+        )
     except PlanningError as exc:
         raise Failure(f"{program_path}: {one_line(str(exc))}") from exc
     except Exception as exc:  # a plugin planner's own failure: name the planner
@@ -158,6 +180,13 @@ def plan_table(
         f"compute {_us(bound.compute_us)}, link {_us(bound.link_us)}, "
         f"volume {_us(bound.volume_us)}, handoff {_us(bound.handoff_us)}",
     )
+    if planned.cycle is not None:
+        table.add_row(
+            "steady state",
+            _us(planned.cycle.iteration_us),
+            f"one iteration of the cycle ({len(planned.program.persistent)} persistent "
+            "objects homed between iterations; checked over two)",
+        )
     table.add_row(
         "compute idle",
         f"{100 * sim.compute_idle_fraction:.1f} %",
