@@ -48,6 +48,8 @@ def validate(program: Program) -> list[Problem]:
 
 
 def _duplicates(ids: list[str]) -> list[str]:
+    if len(set(ids)) == len(ids):  # the common case, without counting
+        return []
     return sorted(key for key, count in Counter(ids).items() if count > 1)
 
 
