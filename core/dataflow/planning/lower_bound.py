@@ -16,7 +16,10 @@ Three bounds, each true for every plan the execution model allows:
   write-backs of every object last changed at or after ``j``.
 - **volume** (needs a budget): at a task where the objects that must stay resident between
   two uses exceed the budget, at least that excess must leave fast memory and come back
-  over ``h2d``, on top of the first loads.
+  over ``h2d``, on top of the first loads. A gap cut once relieves every task it spans,
+  but not a task after its next use: the bytes counted are the fewest that cover every
+  task's excess (``_cover_bytes``), so stretches over the budget that no one gap spans
+  each count.
 - **handoff** (needs a budget): the gaps between consecutive tasks do not overlap, so the
   makespan is at least the compute plus every gap forced between ``t`` and ``t+1`` (the
   end counts as a task that holds the objects whose final location is fast), the larger
@@ -39,12 +42,20 @@ Three bounds, each true for every plan the execution model allows:
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 
 import attrs
 
-from dataflow.planning.intervals import Chain, Origin, build_chain, build_gaps, kept_profile
+from dataflow.planning.intervals import (
+    Chain,
+    Gaps,
+    Origin,
+    build_chain,
+    build_gaps,
+    kept_profile,
+)
 from dataflow.schema import Link, Location, Program
 
 
@@ -162,16 +173,62 @@ def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
     volume_us = handoff_us = 0.0
     if budget_bytes is not None:
         handoff_us = compute_us + sum(gaps)
-        kept = kept_profile(chain, build_gaps(chain))
-        excess = max(
+        gaps = build_gaps(chain)
+        kept = kept_profile(chain, gaps)
+        excess = [
             base + held - budget_bytes for base, held in zip(chain.base_bytes, kept, strict=True)
-        )
-        if excess > 0 or loads_us:
-            reload_us = chain.h2d_us(excess) if excess > 0 else 0.0
+        ]
+        if max(excess) > 0 or loads_us:
+            reload_us = 0.0
+            if max(excess) > 0:
+                covered = _cover_bytes(gaps, excess)
+                reload_us = max(
+                    chain.h2d_us(max(excess)),
+                    chain.h2d.latency_us + covered / chain.h2d.bw_bytes_per_us,
+                )
             volume_us = loads_us + reload_us
     return LowerBound(
         compute_us=compute_us, link_us=link_us, volume_us=volume_us, handoff_us=handoff_us
     )
+
+
+def _cover_bytes(gaps: Gaps, excess: list[int]) -> float:
+    """The fewest bytes of gaps that, cut, bring every task ``t`` within the budget (cut
+    gaps spanning it add up to ``excess[t]``): a gap cut by ``y`` bytes counts at every
+    task it spans, and each cut byte crosses ``h2d`` again before the gap's next use.
+
+    Fractional cuts (a lower bound on whole objects), taken greedily in chain order from
+    the spanning gaps whose next use is farthest: an interval covering, for which that
+    greedy choice is optimal (any cut at the first task still short can be moved to the
+    spanning gap that reaches farthest without uncovering anything)."""
+    n = len(excess)
+    entering: list[list[int]] = [[] for _ in range(n + 1)]
+    for g in range(len(gaps.obj)):
+        if gaps.b[g] - gaps.a[g] >= 2:
+            entering[gaps.a[g] + 1].append(g)
+    left = list(gaps.size_bytes)
+    spanning: list[tuple[int, int]] = []  # (-next use, gap)
+    ending = [0] * (n + 1)
+    covered = total = 0
+    for t in range(n):
+        covered -= ending[t]
+        for g in entering[t]:
+            heapq.heappush(spanning, (-gaps.b[g], g))
+        need = excess[t] - covered
+        while need > 0 and spanning:
+            _, g = spanning[0]
+            if gaps.b[g] <= t:
+                heapq.heappop(spanning)
+                continue
+            take = min(left[g], need)
+            left[g] -= take
+            need -= take
+            covered += take
+            total += take
+            ending[gaps.b[g]] += take
+            if left[g] == 0:
+                heapq.heappop(spanning)
+    return total
 
 
 #: Up to this many candidate objects, the cheapest covering set is found by enumeration.
