@@ -139,7 +139,7 @@ def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
     compute_us = chain.start_us[n]
     if n == 0:
         return LowerBound(0.0, 0.0, 0.0)
-    first_load_us = [0.0] * (n + 1)  # by the index of the first use
+    first_load_us = [0.0] * (n + 1)  # by the index of the first use (reloads added below)
     last_change: list[tuple[int, float]] = []  # (task index, write-back µs)
     for life in chain.objects:
         if not life.uses:
@@ -150,9 +150,27 @@ def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
             changed = [use for use, dirty in zip(life.uses, life.dirties, strict=True) if dirty]
             if changed:
                 last_change.append((changed[-1], chain.d2h_us(life.size_bytes)))
+    first_loads_us = sum(first_load_us)
     cost = chain.cost_us
     # gaps[t]: idle time forced between task t and the next (0 without a budget)
     gaps = _handoff_gaps_us(chain, budget_bytes) if budget_bytes is not None else [0.0] * n
+    reload_us = 0.0  # the fewest bytes that must leave and come back, over h2d
+    if budget_bytes is not None:
+        cut_gaps = build_gaps(chain)
+        kept = kept_profile(chain, cut_gaps)
+        excess = [
+            base + held - budget_bytes for base, held in zip(chain.base_bytes, kept, strict=True)
+        ]
+        if max(excess) > 0:
+            # each reload lands before the gap's next use: the timeline below counts it
+            # there, bytes only (a cut may be a share of one transfer)
+            reloads = _cover_bytes(cut_gaps, excess)
+            for use, size in enumerate(reloads):
+                first_load_us[use] += size / chain.h2d.bw_bytes_per_us
+            reload_us = max(
+                chain.h2d_us(max(excess)),
+                chain.h2d.latency_us + sum(reloads) / chain.h2d.bw_bytes_per_us,
+            )
     start_us, loads_us = 0.0, 0.0
     earliest_end = []
     for t in range(n):
@@ -173,34 +191,24 @@ def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
     volume_us = handoff_us = 0.0
     if budget_bytes is not None:
         handoff_us = compute_us + sum(gaps)
-        gaps = build_gaps(chain)
-        kept = kept_profile(chain, gaps)
-        excess = [
-            base + held - budget_bytes for base, held in zip(chain.base_bytes, kept, strict=True)
-        ]
-        if max(excess) > 0 or loads_us:
-            reload_us = 0.0
-            if max(excess) > 0:
-                covered = _cover_bytes(gaps, excess)
-                reload_us = max(
-                    chain.h2d_us(max(excess)),
-                    chain.h2d.latency_us + covered / chain.h2d.bw_bytes_per_us,
-                )
-            volume_us = loads_us + reload_us
+        if reload_us or first_loads_us:
+            volume_us = first_loads_us + reload_us
     return LowerBound(
         compute_us=compute_us, link_us=link_us, volume_us=volume_us, handoff_us=handoff_us
     )
 
 
-def _cover_bytes(gaps: Gaps, excess: list[int]) -> float:
-    """The fewest bytes of gaps that, cut, bring every task ``t`` within the budget (cut
-    gaps spanning it add up to ``excess[t]``): a gap cut by ``y`` bytes counts at every
-    task it spans, and each cut byte crosses ``h2d`` again before the gap's next use.
+def _cover_bytes(gaps: Gaps, excess: list[int]) -> list[int]:
+    """By the index of the next use, bytes of cut gaps that bring every task ``t`` within
+    the budget (the cut gaps spanning it add up to ``excess[t]``), the fewest in all and
+    the fewest due back before any task: a gap cut by ``y`` bytes counts at every task it
+    spans, and each cut byte crosses ``h2d`` again before the gap's next use.
 
     Fractional cuts (a lower bound on whole objects), taken greedily in chain order from
     the spanning gaps whose next use is farthest: an interval covering, for which that
-    greedy choice is optimal (any cut at the first task still short can be moved to the
-    spanning gap that reaches farthest without uncovering anything)."""
+    greedy choice is optimal (a cut at the first task still short can be moved to the
+    spanning gap that reaches farthest without uncovering anything, and its bytes then
+    come back no earlier)."""
     n = len(excess)
     entering: list[list[int]] = [[] for _ in range(n + 1)]
     for g in range(len(gaps.obj)):
@@ -209,7 +217,7 @@ def _cover_bytes(gaps: Gaps, excess: list[int]) -> float:
     left = list(gaps.size_bytes)
     spanning: list[tuple[int, int]] = []  # (-next use, gap)
     ending = [0] * (n + 1)
-    covered = total = 0
+    covered = 0
     for t in range(n):
         covered -= ending[t]
         for g in entering[t]:
@@ -224,11 +232,10 @@ def _cover_bytes(gaps: Gaps, excess: list[int]) -> float:
             left[g] -= take
             need -= take
             covered += take
-            total += take
             ending[gaps.b[g]] += take
             if left[g] == 0:
                 heapq.heappop(spanning)
-    return total
+    return ending[:n]
 
 
 #: Up to this many candidate objects, the cheapest covering set is found by enumeration.
