@@ -38,10 +38,19 @@ class Directives:
     tails: dict[int, int]
 
 
-def directives(chain: Chain, gaps: Gaps, cut: tuple[bool, ...], plan: PrefetchPlan) -> Directives:
+def directives(
+    chain: Chain,
+    gaps: Gaps,
+    cut: tuple[bool, ...],
+    plan: PrefetchPlan,
+    largest_first: bool = False,
+) -> Directives:
+    """The directives for ``cut`` and ``plan``; with ``largest_first`` a task's final
+    write-backs go largest first (the room they free comes in one piece sooner), else in
+    object order."""
     n = chain.n_tasks
     releases: list[list[int]] = [[] for _ in range(n)]
-    offloads: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    offloads: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
     # index n: the prologue (a prefetch issued by "task -1")
     prefetches: list[list[tuple[int, int]]] = [[] for _ in range(n + 1)]
     for prefetch in plan.prefetches:
@@ -62,7 +71,7 @@ def directives(chain: Chain, gaps: Gaps, cut: tuple[bool, ...], plan: PrefetchPl
                 if cut[g]:
                     dirty_cuts[g] = dirty
                     if dirty:
-                        offloads[use].append((gaps.b[g], o))
+                        offloads[use].append((gaps.b[g], 0, o))
                     else:
                         releases[use].append(o)
                     dirty = False
@@ -70,13 +79,14 @@ def directives(chain: Chain, gaps: Gaps, cut: tuple[bool, ...], plan: PrefetchPl
             if life.final is Location.FAST:
                 continue
             if life.final is Location.SLOW and dirty:
-                offloads[use].append((n + 1, o))
+                order = -life.size_bytes if largest_first else 0
+                offloads[use].append((n + 1, order, o))
                 tails[o] = use
             else:
                 releases[use].append(o)
     return Directives(
         releases=tuple(tuple(sorted(r)) for r in releases),
-        offloads=tuple(tuple(o for _, o in sorted(off)) for off in offloads),
+        offloads=tuple(tuple(o for *_, o in sorted(off)) for off in offloads),
         prefetches=tuple(tuple(o for _, o in sorted(pre)) for pre in prefetches),
         dirty_cuts=dirty_cuts,
         tails=tails,

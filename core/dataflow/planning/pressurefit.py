@@ -119,6 +119,12 @@ ALTERNATIVES: tuple[Strategy, ...] = (
     Strategy("benefit", "jit", "peak"),
 )
 
+#: Orders of a task's final write-backs every candidate is emitted in (``emit.directives``):
+#: object order, then largest first. The same cuts and prefetches; the second emission is
+#: simulated only where it differs (two or more write-backs of different sizes at once).
+#: Largest first frees the room a large prefetch waits for sooner (a link-bound optimizer
+#: phase at a tight budget), object order lets a small next use come back sooner.
+WRITE_BACK_ORDERS = (False, True)
 #: Re-sweeps at a smaller capacity allowed per strategy when a candidate fails to simulate.
 REPAIRS = 2
 #: Rungs of the fixed capacity ladder every plan also sweeps at (``monotone_capacities``).
@@ -193,20 +199,26 @@ def search(
             unfit = unfit or selection
             return None
         placement = place_prefetches(chain, gaps, selection.cut, place_at, strategy.rule)
-        found = directives(chain, gaps, selection.cut, placement)
-        key = (found.releases, found.offloads, found.prefetches)
-        sim = seen.get(key)
-        if sim is not None:
-            return sim.valid
-        planned = annotate(chain, found, budget_bytes, slow_budget_bytes)
-        sim = simulate(planned, slow_budget_bytes=slow_budget_bytes, record=False, check=False)
-        seen[key] = sim
-        simulated += 1
-        if sim.valid:
-            candidate = Candidate(strategy, capacity, planned, sim)
-            if best is None or candidate.rank < best.rank:
-                best = candidate
-        return sim.valid
+        valid = None
+        for largest_first in WRITE_BACK_ORDERS:
+            found = directives(chain, gaps, selection.cut, placement, largest_first)
+            key = (found.releases, found.offloads, found.prefetches)
+            sim = seen.get(key)
+            if sim is None:
+                planned = annotate(chain, found, budget_bytes, slow_budget_bytes)
+                sim = simulate(
+                    planned, slow_budget_bytes=slow_budget_bytes, record=False, check=False
+                )
+                seen[key] = sim
+                simulated += 1
+                if sim.valid:
+                    candidate = Candidate(strategy, capacity, planned, sim)
+                    if best is None or candidate.rank < best.rank:
+                        best = candidate
+            valid = valid or sim.valid
+            if best is not None and best.sim.makespan_us <= target_us:
+                break  # at the lower bound: nothing to gain from the other order
+        return valid
 
     def sweep(capacity: int, place_at: int) -> bool:
         """Every strategy at ``capacity`` (each repaired as needed); True: stop searching."""
