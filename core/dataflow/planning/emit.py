@@ -38,19 +38,12 @@ class Directives:
     tails: dict[int, int]
 
 
-def directives(
-    chain: Chain,
-    gaps: Gaps,
-    cut: tuple[bool, ...],
-    plan: PrefetchPlan,
-    largest_first: bool = False,
-) -> Directives:
-    """The directives for ``cut`` and ``plan``; with ``largest_first`` a task's final
-    write-backs go largest first (the room they free comes in one piece sooner), else in
-    object order."""
+def directives(chain: Chain, gaps: Gaps, cut: tuple[bool, ...], plan: PrefetchPlan) -> Directives:
+    """The directives for ``cut`` and ``plan`` (a task's final write-backs in object order;
+    ``largest_first`` reorders them)."""
     n = chain.n_tasks
     releases: list[list[int]] = [[] for _ in range(n)]
-    offloads: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+    offloads: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     # index n: the prologue (a prefetch issued by "task -1")
     prefetches: list[list[tuple[int, int]]] = [[] for _ in range(n + 1)]
     for prefetch in plan.prefetches:
@@ -71,7 +64,7 @@ def directives(
                 if cut[g]:
                     dirty_cuts[g] = dirty
                     if dirty:
-                        offloads[use].append((gaps.b[g], 0, o))
+                        offloads[use].append((gaps.b[g], o))
                     else:
                         releases[use].append(o)
                     dirty = False
@@ -79,18 +72,47 @@ def directives(
             if life.final is Location.FAST:
                 continue
             if life.final is Location.SLOW and dirty:
-                order = -life.size_bytes if largest_first else 0
-                offloads[use].append((n + 1, order, o))
+                offloads[use].append((n + 1, o))
                 tails[o] = use
             else:
                 releases[use].append(o)
     return Directives(
         releases=tuple(tuple(sorted(r)) for r in releases),
-        offloads=tuple(tuple(o for *_, o in sorted(off)) for off in offloads),
+        offloads=tuple(tuple(o for _, o in sorted(off)) for off in offloads),
         prefetches=tuple(tuple(o for _, o in sorted(pre)) for pre in prefetches),
         dirty_cuts=dirty_cuts,
         tails=tails,
     )
+
+
+def largest_first(chain: Chain, found: Directives) -> tuple[Directives, tuple[int, ...]]:
+    """``found`` with every task's final write-backs (written after its others) largest
+    first, and the tasks whose order that changes (none: the same directives)."""
+    offloads = list(found.offloads)
+    changed = []
+    for t in sorted(set(found.tails.values())):
+        listed = offloads[t]
+        finals = [o for o in listed if found.tails.get(o) == t]
+        if len(finals) < 2:
+            continue
+        ordered = sorted(finals, key=lambda o: (-chain.objects[o].size_bytes, o))
+        if ordered != finals:
+            offloads[t] = listed[: len(listed) - len(finals)] + tuple(ordered)
+            changed.append(t)
+    if not changed:
+        return found, ()
+    return attrs.evolve(found, offloads=tuple(offloads)), tuple(changed)
+
+
+def reannotate(
+    program: Program, chain: Chain, found: Directives, tasks: tuple[int, ...]
+) -> Program:
+    """``program`` (annotated) with the offloads of ``tasks`` taken from ``found``."""
+    ids = [life.obj_id for life in chain.objects]
+    rewritten = list(program.tasks)
+    for t in tasks:
+        rewritten[t] = attrs.evolve(rewritten[t], offloads=tuple(ids[o] for o in found.offloads[t]))
+    return attrs.evolve(program, tasks=tuple(rewritten))
 
 
 def annotate(

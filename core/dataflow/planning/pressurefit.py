@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import attrs
 
 from dataflow.planning.cuts import SCORES, CutSelection, select_cuts
-from dataflow.planning.emit import annotate, directives
+from dataflow.planning.emit import annotate, directives, largest_first, reannotate
 from dataflow.planning.intervals import (
     Chain,
     Gaps,
@@ -119,12 +119,11 @@ ALTERNATIVES: tuple[Strategy, ...] = (
     Strategy("benefit", "jit", "peak"),
 )
 
-#: Orders of a task's final write-backs every candidate is emitted in (``emit.directives``):
-#: object order, then largest first. The same cuts and prefetches; the second emission is
-#: simulated only where it differs (two or more write-backs of different sizes at once).
-#: Largest first frees the room a large prefetch waits for sooner (a link-bound optimizer
-#: phase at a tight budget), object order lets a small next use come back sooner.
-WRITE_BACK_ORDERS = (False, True)
+#: Every candidate is simulated twice where that differs: with each task's final
+#: write-backs in object order, and largest first (``emit.largest_first``; the same cuts
+#: and prefetches). Largest first frees the room a large prefetch waits for sooner (a
+#: link-bound optimizer phase at a tight budget); object order lets a small object needed
+#: next come back sooner.
 #: Re-sweeps at a smaller capacity allowed per strategy when a candidate fails to simulate.
 REPAIRS = 2
 #: Rungs of the fixed capacity ladder every plan also sweeps at (``monotone_capacities``).
@@ -199,26 +198,31 @@ def search(
             unfit = unfit or selection
             return None
         placement = place_prefetches(chain, gaps, selection.cut, place_at, strategy.rule)
-        valid = None
-        for largest_first in WRITE_BACK_ORDERS:
-            found = directives(chain, gaps, selection.cut, placement, largest_first)
-            key = (found.releases, found.offloads, found.prefetches)
-            sim = seen.get(key)
-            if sim is None:
-                planned = annotate(chain, found, budget_bytes, slow_budget_bytes)
-                sim = simulate(
-                    planned, slow_budget_bytes=slow_budget_bytes, record=False, check=False
-                )
-                seen[key] = sim
-                simulated += 1
-                if sim.valid:
-                    candidate = Candidate(strategy, capacity, planned, sim)
-                    if best is None or candidate.rank < best.rank:
-                        best = candidate
-            valid = valid or sim.valid
-            if best is not None and best.sim.makespan_us <= target_us:
-                break  # at the lower bound: nothing to gain from the other order
+        found = directives(chain, gaps, selection.cut, placement)
+        planned = annotate(chain, found, budget_bytes, slow_budget_bytes)
+        valid = try_candidate(strategy, capacity, found, planned)
+        if best is not None and best.sim.makespan_us <= target_us:
+            return valid  # at the lower bound: nothing to gain from another order
+        reordered, tasks = largest_first(chain, found)
+        if tasks:
+            planned = reannotate(planned, chain, reordered, tasks)
+            valid = try_candidate(strategy, capacity, reordered, planned) or valid
         return valid
+
+    def try_candidate(strategy: Strategy, capacity: int, found, planned: Program) -> bool:
+        """Simulate ``planned`` (once per set of directives); keep it if it is the best."""
+        nonlocal best, simulated
+        key = (found.releases, found.offloads, found.prefetches)
+        sim = seen.get(key)
+        if sim is None:
+            sim = simulate(planned, slow_budget_bytes=slow_budget_bytes, record=False, check=False)
+            seen[key] = sim
+            simulated += 1
+            if sim.valid:
+                candidate = Candidate(strategy, capacity, planned, sim)
+                if best is None or candidate.rank < best.rank:
+                    best = candidate
+        return sim.valid
 
     def sweep(capacity: int, place_at: int) -> bool:
         """Every strategy at ``capacity`` (each repaired as needed); True: stop searching."""
