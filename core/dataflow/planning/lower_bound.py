@@ -259,15 +259,20 @@ def _handoff_gaps_us(chain: Chain, budget_bytes: int) -> list[float]:
             if life.dirties[k] and (k < last or life.final is Location.SLOW):
                 pinned_at[use].add(life.index)
     size = [life.size_bytes for life in chain.objects]
+    base = chain.base_bytes
     gaps_us = []
     for t in range(n):
-        fresh = [size[o] for o in read_at[t + 1] if o not in used_at[t]]
-        load_us = _cover_us(fresh, sum(fresh) - (budget_bytes - chain.base_bytes[t]), chain.h2d)
-        leaving = sorted(o for o in used_at[t] if o not in used_at[t + 1])
-        must_go = chain.base_bytes[t + 1] + sum(size[o] for o in leaving) - budget_bytes
-        free = sum(size[o] for o in leaving if o not in pinned_at[t])
-        pinned = [size[o] for o in leaving if o in pinned_at[t]]
-        write_us = _cover_us(pinned, must_go - free, chain.d2h)
+        used, following = used_at[t], used_at[t + 1]
+        fresh = [size[o] for o in read_at[t + 1] if o not in used]
+        load_us = _cover_us(fresh, sum(fresh) - (budget_bytes - base[t]), chain.h2d)
+        leaving = used - following
+        must_go = base[t + 1] + sum(size[o] for o in leaving) - budget_bytes
+        write_us = 0.0
+        if must_go > 0:  # (the common case, nothing forced, without sorting)
+            leaving_in_order = sorted(leaving)
+            free = sum(size[o] for o in leaving_in_order if o not in pinned_at[t])
+            pinned = [size[o] for o in leaving_in_order if o in pinned_at[t]]
+            write_us = _cover_us(pinned, must_go - free, chain.d2h)
         gaps_us.append(max(load_us, write_us))
     return gaps_us
 
