@@ -5,7 +5,8 @@ strategy of a small portfolio (a cut score x a prefetch rule):
 
 1. select cuts with one sweep over the chain (``cuts.select_cuts``);
 2. place the prefetches those cuts need (``prefetch.place_prefetches``);
-3. write the directives (``emit``) and simulate the candidate;
+3. write the directives (``emit``) and simulate the candidate, and again with each
+   task's final write-backs largest first where that changes them (``emit.largest_first``);
 4. a candidate the simulator rejects is repaired by sweeping again at a smaller capacity
    (more room for what the sweep's estimates miss), at most ``REPAIRS`` times. (A safety
    net: the sweep keeps every task within the budget with its prefetch windows, so no

@@ -201,6 +201,8 @@ def _creator(program: Program, obj: str) -> str:
 
 
 def _check_task_directives(program, task, known, created) -> list[Problem]:
+    if not (task.releases or task.offloads or task.prefetches):
+        return []
     problems = []
     named: dict[str, str] = {}
     outputs = getattr(task, "outputs", ())
