@@ -14,8 +14,9 @@ weights and optimizer state are persistent are also planned cyclically (steady s
 
 Then it plans one chain of about 2,000 tasks per shape at four budgets (the peak, half and
 a quarter of the way down to the largest task's base, and that base) and reports the
-planning time, and the 10,000-task training chain the same way (targets: 0.5 s and 2 s on
-the CI machine, 2 cores).
+planning time (wall, and the CPU time of the whole ``plan()`` call, which a shared machine
+inflates less), and the 10,000-task training chain the same way (targets: 0.5 s and 2 s
+on the CI machine, 2 cores).
 
 Run: ``python benchmarks/planning.py`` (``--no-write`` to only print; ``--ablation`` to
 also compare single portfolio members against the whole portfolio). It writes
@@ -191,18 +192,20 @@ def run_large(shape: str, sizes: dict | None = None) -> dict:
     chain = build_chain(program)
     high = no_offload_peak_bytes(chain)
     low = max(chain.base_bytes)
-    planner_s, total_s, ratios = [], [], []
+    planner_s, total_s, cpu_s, ratios = [], [], [], []
     for share in SHARES:
         budget = int(low + (high - low) * share)
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         try:
             planned = plan(program, budget)
         except PlanningError:
             planner_s.append(None)
             total_s.append(round(time.perf_counter() - started, 3))
+            cpu_s.append(round(time.process_time() - started_cpu, 3))
             ratios.append(None)
             continue
         total_s.append(round(time.perf_counter() - started, 3))
+        cpu_s.append(round(time.process_time() - started_cpu, 3))
         planner_s.append(round(planned.planning_s, 3))
         ratios.append(planned.makespan_ratio)
     return {
@@ -210,6 +213,7 @@ def run_large(shape: str, sizes: dict | None = None) -> dict:
         "tasks": len(program.tasks),
         "planning_s": planner_s,
         "plan_call_s": total_s,
+        "plan_call_cpu_s": cpu_s,
         "ratio": ratios,
     }
 
@@ -272,8 +276,8 @@ def markdown(
     lines += [
         "",
         "| shape (about 2,000 tasks) | tasks | planner s at the peak / 50 % / 25 % / the floor "
-        "| whole `plan()` s | makespan / lower bound |",
-        "|---|---|---|---|---|",
+        "| whole `plan()` s | its CPU s | makespan / lower bound |",
+        "|---|---|---|---|---|---|",
     ]
 
     def cells(values: list, form: str) -> str:
@@ -282,7 +286,8 @@ def markdown(
     for r in large:
         lines.append(
             f"| {r['shape']} | {r['tasks']} | {cells(r['planning_s'], '.2f')} | "
-            f"{cells(r['plan_call_s'], '.2f')} | {cells(r['ratio'], '.3f')} |"
+            f"{cells(r['plan_call_s'], '.2f')} | {cells(r['plan_call_cpu_s'], '.2f')} | "
+            f"{cells(r['ratio'], '.3f')} |"
         )
     if cyclic:
         lines += [

@@ -262,16 +262,19 @@ def test_a_candidate_the_simulator_rejects_is_swept_again_with_less_capacity(
     real = pressurefit.simulate
     calls: list[int] = []
 
-    def first_one_fails(program, **options):
+    # the first sweep's two emissions (object order, final write-backs largest first) fail
+    first_sweep = 2
+
+    def first_sweep_fails(program, **options):
         result = real(program, **options)
         calls.append(1)
-        return attrs.evolve(result, valid=False) if len(calls) == 1 else result
+        return attrs.evolve(result, valid=False) if len(calls) <= first_sweep else result
 
-    monkeypatch.setattr(pressurefit, "simulate", first_one_fails)
+    monkeypatch.setattr(pressurefit, "simulate", first_sweep_fails)
     program = tiny_training()
     budget = 24 * MiB
     found = search(program, budget, portfolio=PORTFOLIO[:1])
-    assert found.best is not None and found.simulated == 2
+    assert found.best is not None and found.simulated > first_sweep
     assert found.best.capacity_bytes < budget  # repaired: planned with more room to spare
 
 

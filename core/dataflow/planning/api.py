@@ -153,7 +153,7 @@ def plan(
     return Plan(
         program=planned,
         sim=sim,
-        lower_bound=lower_bound(planned.bare(), budget_bytes, cyclic=cyclic),
+        lower_bound=lower_bound(planned, budget_bytes, cyclic=cyclic),  # directives ignored
         budget_bytes=budget_bytes,
         slow_budget_bytes=slow_budget_bytes,
         planner=spec.name,

@@ -32,20 +32,21 @@ class BlockMax:
     def add(self, lo: int, hi: int, amount: int) -> None:
         if lo >= hi:
             return
+        values = self.values
         first, last = lo // BLOCK, (hi - 1) // BLOCK
         if first == last:
-            for t in range(lo, hi):
-                self.values[t] += amount
+            values[lo:hi] = [value + amount for value in values[lo:hi]]
             self._refresh(first)
             return
-        for t in range(lo, (first + 1) * BLOCK):
-            self.values[t] += amount
+        edge = (first + 1) * BLOCK
+        values[lo:edge] = [value + amount for value in values[lo:edge]]
         self._refresh(first)
+        lazy, top = self.lazy, self.top
         for block in range(first + 1, last):
-            self.lazy[block] += amount
-            self.top[block] += amount
-        for t in range(last * BLOCK, hi):
-            self.values[t] += amount
+            lazy[block] += amount
+            top[block] += amount
+        edge = last * BLOCK
+        values[edge:hi] = [value + amount for value in values[edge:hi]]
         self._refresh(last)
 
     def get(self, t: int) -> int:
@@ -58,8 +59,8 @@ class BlockMax:
         if first == last:
             return max(self.values[lo:hi]) + self.lazy[first]
         best = max(self.values[lo : (first + 1) * BLOCK]) + self.lazy[first]
-        for block in range(first + 1, last):
-            best = max(best, self.top[block])
+        if last > first + 1:
+            best = max(best, max(self.top[first + 1 : last]))
         return max(best, max(self.values[last * BLOCK : hi]) + self.lazy[last])
 
     def last_over(self, lo: int, hi: int, limit: int) -> int:

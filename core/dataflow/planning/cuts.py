@@ -184,6 +184,8 @@ def select_cuts(
     # cannot relieve a task before), and reachable meanwhile as a last resort.
     parked: list[tuple[tuple[float, ...], int]] = []
     waking: list[list[tuple[tuple[float, ...], int]]] = [[] for _ in range(n + 2)]
+    set_aside: list[tuple[tuple[float, ...], int]] = []  # dirty, while the d2h FIFO is full
+    d2h_latency_us = chain.d2h_us(0)
     active_windows: list[tuple[int, int]] = []  # (-use, window)
     kept = windows = soft = 0
     failed, over = None, 0
@@ -217,6 +219,13 @@ def select_cuts(
         hard = base[t] + kept + windows
         if hard + soft <= capacity_bytes:
             continue
+        # With ``queue``, no write-back decided now ends before the d2h link drains: while
+        # that is after task ``t`` starts, no dirty gap can relieve it (set them aside).
+        blocked = queue and d2h_free_us + d2h_latency_us - 1e-9 >= start[t]
+        if not blocked and set_aside:
+            for entry in set_aside:
+                heapq.heappush(candidates, entry)
+            set_aside.clear()
         while hard + soft > capacity_bytes and (candidates or reserve or active_windows):
             if not candidates and not active_windows:
                 # nothing unpinned left to cut, no window to delay: pinned gaps come next
@@ -228,6 +237,10 @@ def select_cuts(
                     continue
                 if dirty[g_obj[g]] and not has_slow[g_obj[g]] and g_size[g] > slow_free:
                     continue  # no slow space left for its write-back (and there never will be)
+                if dirty[g_obj[g]] and blocked:
+                    heapq.heappush(parked, entry)
+                    set_aside.append(entry)
+                    continue
                 if dirty[g_obj[g]]:
                     end = gap_offload_end(g)
                     if end >= t:  # its write-back would still hold the bytes

@@ -39,6 +39,8 @@ class Directives:
 
 
 def directives(chain: Chain, gaps: Gaps, cut: tuple[bool, ...], plan: PrefetchPlan) -> Directives:
+    """The directives for ``cut`` and ``plan`` (a task's final write-backs in object order;
+    ``largest_first`` reorders them)."""
     n = chain.n_tasks
     releases: list[list[int]] = [[] for _ in range(n)]
     offloads: list[list[tuple[int, int]]] = [[] for _ in range(n)]
@@ -81,6 +83,36 @@ def directives(chain: Chain, gaps: Gaps, cut: tuple[bool, ...], plan: PrefetchPl
         dirty_cuts=dirty_cuts,
         tails=tails,
     )
+
+
+def largest_first(chain: Chain, found: Directives) -> tuple[Directives, tuple[int, ...]]:
+    """``found`` with every task's final write-backs (written after its others) largest
+    first, and the tasks whose order that changes (none: the same directives)."""
+    offloads = list(found.offloads)
+    changed = []
+    for t in sorted(set(found.tails.values())):
+        listed = offloads[t]
+        finals = [o for o in listed if found.tails.get(o) == t]
+        if len(finals) < 2:
+            continue
+        ordered = sorted(finals, key=lambda o: (-chain.objects[o].size_bytes, o))
+        if ordered != finals:
+            offloads[t] = listed[: len(listed) - len(finals)] + tuple(ordered)
+            changed.append(t)
+    if not changed:
+        return found, ()
+    return attrs.evolve(found, offloads=tuple(offloads)), tuple(changed)
+
+
+def reannotate(
+    program: Program, chain: Chain, found: Directives, tasks: tuple[int, ...]
+) -> Program:
+    """``program`` (annotated) with the offloads of ``tasks`` taken from ``found``."""
+    ids = [life.obj_id for life in chain.objects]
+    rewritten = list(program.tasks)
+    for t in tasks:
+        rewritten[t] = attrs.evolve(rewritten[t], offloads=tuple(ids[o] for o in found.offloads[t]))
+    return attrs.evolve(program, tasks=tuple(rewritten))
 
 
 def annotate(

@@ -123,17 +123,26 @@ def build_chain(program: Program) -> Chain:
         if origin is Origin.FAST:
             uses[position].append(0)
             dirties[position].append(True)
+    sizes = [obj.size_bytes for obj in program.objects]
+    named_by = [-1] * len(sizes)  # the last task that named each object
     for t, task in enumerate(tasks):
         held = task.workspace_bytes
-        changed = set(task.mutates) | set(task.outputs)
-        for obj_id in dict.fromkeys(task.uses):
-            position = index[obj_id]
-            held += program.objects[position].size_bytes
-            if uses[position] and uses[position][-1] == t:  # the virtual start use at 0
-                dirties[position][-1] = dirties[position][-1] or obj_id in changed
-                continue
-            uses[position].append(t)
-            dirties[position].append(obj_id in changed)
+        for changes, named in ((False, task.inputs), (True, task.mutates), (True, task.outputs)):
+            for obj_id in named:
+                position = index[obj_id]
+                at = uses[position]
+                if named_by[position] == t or (at and at[-1] == t):
+                    # named twice by this task, or the virtual start use at task 0
+                    if named_by[position] != t:
+                        held += sizes[position]
+                        named_by[position] = t
+                    if changes:
+                        dirties[position][-1] = True
+                    continue
+                named_by[position] = t
+                held += sizes[position]
+                at.append(t)
+                dirties[position].append(changes)
         footprint[t] = held
     final = program.final_locations
     for position, obj in enumerate(program.objects):

@@ -16,7 +16,10 @@ Three bounds, each true for every plan the execution model allows:
   write-backs of every object last changed at or after ``j``.
 - **volume** (needs a budget): at a task where the objects that must stay resident between
   two uses exceed the budget, at least that excess must leave fast memory and come back
-  over ``h2d``, on top of the first loads.
+  over ``h2d``, on top of the first loads. A gap cut once relieves every task it spans,
+  but not a task after its next use: the bytes counted are the fewest that cover every
+  task's excess (``_cover_bytes``), so stretches over the budget that no one gap spans
+  each count.
 - **handoff** (needs a budget): the gaps between consecutive tasks do not overlap, so the
   makespan is at least the compute plus every gap forced between ``t`` and ``t+1`` (the
   end counts as a task that holds the objects whose final location is fast), the larger
@@ -39,12 +42,20 @@ Three bounds, each true for every plan the execution model allows:
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 
 import attrs
 
-from dataflow.planning.intervals import Chain, Origin, build_chain, build_gaps, kept_profile
+from dataflow.planning.intervals import (
+    Chain,
+    Gaps,
+    Origin,
+    build_chain,
+    build_gaps,
+    kept_profile,
+)
 from dataflow.schema import Link, Location, Program
 
 
@@ -128,7 +139,7 @@ def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
     compute_us = chain.start_us[n]
     if n == 0:
         return LowerBound(0.0, 0.0, 0.0)
-    first_load_us = [0.0] * (n + 1)  # by the index of the first use
+    first_load_us = [0.0] * (n + 1)  # by the index of the first use (reloads added below)
     last_change: list[tuple[int, float]] = []  # (task index, write-back µs)
     for life in chain.objects:
         if not life.uses:
@@ -139,9 +150,27 @@ def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
             changed = [use for use, dirty in zip(life.uses, life.dirties, strict=True) if dirty]
             if changed:
                 last_change.append((changed[-1], chain.d2h_us(life.size_bytes)))
+    first_loads_us = sum(first_load_us)
     cost = chain.cost_us
     # gaps[t]: idle time forced between task t and the next (0 without a budget)
     gaps = _handoff_gaps_us(chain, budget_bytes) if budget_bytes is not None else [0.0] * n
+    reload_us = 0.0  # the fewest bytes that must leave and come back, over h2d
+    if budget_bytes is not None:
+        cut_gaps = build_gaps(chain)
+        kept = kept_profile(chain, cut_gaps)
+        excess = [
+            base + held - budget_bytes for base, held in zip(chain.base_bytes, kept, strict=True)
+        ]
+        if max(excess) > 0:
+            # each reload lands before the gap's next use: the timeline below counts it
+            # there, bytes only (a cut may be a share of one transfer)
+            reloads = _cover_bytes(cut_gaps, excess)
+            for use, size in enumerate(reloads):
+                first_load_us[use] += size / chain.h2d.bw_bytes_per_us
+            reload_us = max(
+                chain.h2d_us(max(excess)),
+                chain.h2d.latency_us + sum(reloads) / chain.h2d.bw_bytes_per_us,
+            )
     start_us, loads_us = 0.0, 0.0
     earliest_end = []
     for t in range(n):
@@ -162,16 +191,51 @@ def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
     volume_us = handoff_us = 0.0
     if budget_bytes is not None:
         handoff_us = compute_us + sum(gaps)
-        kept = kept_profile(chain, build_gaps(chain))
-        excess = max(
-            base + held - budget_bytes for base, held in zip(chain.base_bytes, kept, strict=True)
-        )
-        if excess > 0 or loads_us:
-            reload_us = chain.h2d_us(excess) if excess > 0 else 0.0
-            volume_us = loads_us + reload_us
+        if reload_us or first_loads_us:
+            volume_us = first_loads_us + reload_us
     return LowerBound(
         compute_us=compute_us, link_us=link_us, volume_us=volume_us, handoff_us=handoff_us
     )
+
+
+def _cover_bytes(gaps: Gaps, excess: list[int]) -> list[int]:
+    """By the index of the next use, bytes of cut gaps that bring every task ``t`` within
+    the budget (the cut gaps spanning it add up to ``excess[t]``), the fewest in all and
+    the fewest due back before any task: a gap cut by ``y`` bytes counts at every task it
+    spans, and each cut byte crosses ``h2d`` again before the gap's next use.
+
+    Fractional cuts (a lower bound on whole objects), taken greedily in chain order from
+    the spanning gaps whose next use is farthest: an interval covering, for which that
+    greedy choice is optimal (a cut at the first task still short can be moved to the
+    spanning gap that reaches farthest without uncovering anything, and its bytes then
+    come back no earlier)."""
+    n = len(excess)
+    entering: list[list[int]] = [[] for _ in range(n + 1)]
+    for g in range(len(gaps.obj)):
+        if gaps.b[g] - gaps.a[g] >= 2:
+            entering[gaps.a[g] + 1].append(g)
+    left = list(gaps.size_bytes)
+    spanning: list[tuple[int, int]] = []  # (-next use, gap)
+    ending = [0] * (n + 1)
+    covered = 0
+    for t in range(n):
+        covered -= ending[t]
+        for g in entering[t]:
+            heapq.heappush(spanning, (-gaps.b[g], g))
+        need = excess[t] - covered
+        while need > 0 and spanning:
+            _, g = spanning[0]
+            if gaps.b[g] <= t:
+                heapq.heappop(spanning)
+                continue
+            take = min(left[g], need)
+            left[g] -= take
+            need -= take
+            covered += take
+            ending[gaps.b[g]] += take
+            if left[g] == 0:
+                heapq.heappop(spanning)
+    return ending[:n]
 
 
 #: Up to this many candidate objects, the cheapest covering set is found by enumeration.
@@ -195,15 +259,20 @@ def _handoff_gaps_us(chain: Chain, budget_bytes: int) -> list[float]:
             if life.dirties[k] and (k < last or life.final is Location.SLOW):
                 pinned_at[use].add(life.index)
     size = [life.size_bytes for life in chain.objects]
+    base = chain.base_bytes
     gaps_us = []
     for t in range(n):
-        fresh = [size[o] for o in read_at[t + 1] if o not in used_at[t]]
-        load_us = _cover_us(fresh, sum(fresh) - (budget_bytes - chain.base_bytes[t]), chain.h2d)
-        leaving = sorted(o for o in used_at[t] if o not in used_at[t + 1])
-        must_go = chain.base_bytes[t + 1] + sum(size[o] for o in leaving) - budget_bytes
-        free = sum(size[o] for o in leaving if o not in pinned_at[t])
-        pinned = [size[o] for o in leaving if o in pinned_at[t]]
-        write_us = _cover_us(pinned, must_go - free, chain.d2h)
+        used, following = used_at[t], used_at[t + 1]
+        fresh = [size[o] for o in read_at[t + 1] if o not in used]
+        load_us = _cover_us(fresh, sum(fresh) - (budget_bytes - base[t]), chain.h2d)
+        leaving = used - following
+        must_go = base[t + 1] + sum(size[o] for o in leaving) - budget_bytes
+        write_us = 0.0
+        if must_go > 0:  # (the common case, nothing forced, without sorting)
+            leaving_in_order = sorted(leaving)
+            free = sum(size[o] for o in leaving_in_order if o not in pinned_at[t])
+            pinned = [size[o] for o in leaving_in_order if o in pinned_at[t]]
+            write_us = _cover_us(pinned, must_go - free, chain.d2h)
         gaps_us.append(max(load_us, write_us))
     return gaps_us
 

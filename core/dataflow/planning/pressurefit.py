@@ -5,7 +5,8 @@ strategy of a small portfolio (a cut score x a prefetch rule):
 
 1. select cuts with one sweep over the chain (``cuts.select_cuts``);
 2. place the prefetches those cuts need (``prefetch.place_prefetches``);
-3. write the directives (``emit``) and simulate the candidate;
+3. write the directives (``emit``) and simulate the candidate, and again with each
+   task's final write-backs largest first where that changes them (``emit.largest_first``);
 4. a candidate the simulator rejects is repaired by sweeping again at a smaller capacity
    (more room for what the sweep's estimates miss), at most ``REPAIRS`` times. (A safety
    net: the sweep keeps every task within the budget with its prefetch windows, so no
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 import attrs
 
 from dataflow.planning.cuts import SCORES, CutSelection, select_cuts
-from dataflow.planning.emit import annotate, directives
+from dataflow.planning.emit import annotate, directives, largest_first, reannotate
 from dataflow.planning.intervals import (
     Chain,
     Gaps,
@@ -120,6 +121,11 @@ ALTERNATIVES: tuple[Strategy, ...] = (
     Strategy("benefit", "jit", "peak"),
 )
 
+#: Every candidate is simulated twice where that differs: with each task's final
+#: write-backs in object order, and largest first (``emit.largest_first``; the same cuts
+#: and prefetches). Largest first frees the room a large prefetch waits for sooner (a
+#: link-bound optimizer phase at a tight budget); object order lets a small object needed
+#: next come back sooner.
 #: Re-sweeps at a smaller capacity allowed per strategy when a candidate fails to simulate.
 REPAIRS = 2
 #: Rungs of the fixed capacity ladder every plan also sweeps at (``monotone_capacities``).
@@ -195,18 +201,29 @@ def search(
             return None
         placement = place_prefetches(chain, gaps, selection.cut, place_at, strategy.rule)
         found = directives(chain, gaps, selection.cut, placement)
+        planned = annotate(chain, found, budget_bytes, slow_budget_bytes)
+        valid = try_candidate(strategy, capacity, found, planned)
+        if best is not None and best.sim.makespan_us <= target_us:
+            return valid  # at the lower bound: nothing to gain from another order
+        reordered, tasks = largest_first(chain, found)
+        if tasks:
+            planned = reannotate(planned, chain, reordered, tasks)
+            valid = try_candidate(strategy, capacity, reordered, planned) or valid
+        return valid
+
+    def try_candidate(strategy: Strategy, capacity: int, found, planned: Program) -> bool:
+        """Simulate ``planned`` (once per set of directives); keep it if it is the best."""
+        nonlocal best, simulated
         key = (found.releases, found.offloads, found.prefetches)
         sim = seen.get(key)
-        if sim is not None:
-            return sim.valid
-        planned = annotate(chain, found, budget_bytes, slow_budget_bytes)
-        sim = simulate(planned, slow_budget_bytes=slow_budget_bytes, record=False, check=False)
-        seen[key] = sim
-        simulated += 1
-        if sim.valid:
-            candidate = Candidate(strategy, capacity, planned, sim)
-            if best is None or candidate.rank < best.rank:
-                best = candidate
+        if sim is None:
+            sim = simulate(planned, slow_budget_bytes=slow_budget_bytes, record=False, check=False)
+            seen[key] = sim
+            simulated += 1
+            if sim.valid:
+                candidate = Candidate(strategy, capacity, planned, sim)
+                if best is None or candidate.rank < best.rank:
+                    best = candidate
         return sim.valid
 
     def sweep(capacity: int, place_at: int) -> bool:

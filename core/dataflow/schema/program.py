@@ -110,6 +110,11 @@ class Program:
 
     def bare(self) -> Program:
         """The same chain with every directive removed (the prologue's too)."""
+        prologue = self.prologue
+        if not (prologue.releases or prologue.offloads or prologue.prefetches) and not any(
+            task.releases or task.offloads or task.prefetches for task in self.tasks
+        ):
+            return self
         return attrs.evolve(
             self,
             tasks=tuple(task.without_directives() for task in self.tasks),

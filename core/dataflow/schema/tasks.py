@@ -62,6 +62,8 @@ class Task:
         return _in_firing_order(self)
 
     def without_directives(self) -> Task:
+        if not (self.releases or self.offloads or self.prefetches):
+            return self
         return attrs.evolve(self, releases=(), offloads=(), prefetches=())
 
 

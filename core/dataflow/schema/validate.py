@@ -48,6 +48,8 @@ def validate(program: Program) -> list[Problem]:
 
 
 def _duplicates(ids: list[str]) -> list[str]:
+    if len(set(ids)) == len(ids):  # the common case, without counting
+        return []
     return sorted(key for key, count in Counter(ids).items() if count > 1)
 
 
@@ -199,6 +201,8 @@ def _creator(program: Program, obj: str) -> str:
 
 
 def _check_task_directives(program, task, known, created) -> list[Problem]:
+    if not (task.releases or task.offloads or task.prefetches):
+        return []
     problems = []
     named: dict[str, str] = {}
     outputs = getattr(task, "outputs", ())
