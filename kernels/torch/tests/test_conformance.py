@@ -36,6 +36,12 @@ EXPECTED_VARIANTS = (
         )
         for name in ("reference", "torch")
     ),
+    # test_grouped_ops.py
+    *(
+        f"{op}/{name}"
+        for op in ("grouped_mm", "grouped_mm_wgrad")
+        for name in ("reference", "torch")
+    ),
     # test_attention_ops.py, test_norm_ops.py, test_elementwise_ops.py, test_adamw_multi.py
     *(
         (

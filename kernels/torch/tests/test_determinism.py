@@ -183,7 +183,21 @@ def adamw_multi(name):
     return case
 
 
+def grouped_args(wgrad):
+    def args(kernel, randn):
+        rows, experts, width = 8192, 16, 512
+        counts = torch.full((experts,), rows // experts, device="cuda")
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+        x = bf16(randn, rows, width)
+        second = bf16(randn, rows, width) if wgrad else bf16(randn, experts, width, width)
+        return ((second, x) if wgrad else (x, second)) + (offsets,), {}
+
+    return args
+
+
 EXPLICIT_CASES = {
+    "grouped_mm": explicit("grouped_mm", grouped_args(False)),
+    "grouped_mm_wgrad": explicit("grouped_mm_wgrad", grouped_args(True)),
     "attention_fwd": explicit("attention_fwd", attention_args),
     "attention_bwd": explicit("attention_bwd", attention_bwd_args),
     "layer_norm_fwd": explicit("layer_norm_fwd", layer_norm_args),

@@ -44,8 +44,11 @@ EXPLICIT_OPS = (
     "swiglu_fwd",
     "swiglu_bwd",
     "adamw_multi",
+    "grouped_mm",
+    "grouped_mm_wgrad",
 )
 DETERMINISTIC |= {f"{op}/reference": True for op in EXPLICIT_OPS}
+DETERMINISTIC |= {"grouped_mm/torch": True, "grouped_mm_wgrad/torch": True}
 #: cuDNN's fused attention pair, CUDA only (its backward accumulates with atomics)
 CUDNN = {"attention_fwd/cudnn": True, "attention_bwd/cudnn": False}
 DETERMINISTIC |= CUDNN
@@ -120,6 +123,8 @@ def test_signatures_match_the_documented_ops(manager) -> None:
         "gelu_bwd": "(dy, x)",
         "swiglu_fwd": "(gate, up)",
         "swiglu_bwd": "(dy, gate, up)",
+        "grouped_mm": "(x, weight, offsets)",
+        "grouped_mm_wgrad": "(dy, x, offsets)",
         "adamw_multi": "(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, "
         "weight_decay)",
     }

@@ -12,7 +12,11 @@ from typing import Any
 
 import torch
 from dataflow_training.kit.decoder_family import DecoderFamily
-from dataflow_training.kit.decoder_hf import fields_to_hf
+from dataflow_training.kit.decoder_hf import (
+    check_full_attention,
+    fields_to_hf,
+    full_attention_fields,
+)
 from dataflow_training.kit.hf import CheckpointError
 
 from dataflow_family_qwen3.config import Qwen3Config
@@ -52,13 +56,7 @@ class Qwen3Family(DecoderFamily):
                 f"{source}: use_sliding_window = True: sliding-window attention is not "
                 "implemented by the qwen3 family"
             )
-        layer_types = hf.get("layer_types") or []
-        others = sorted({kind for kind in layer_types if kind != "full_attention"})
-        if others:
-            raise CheckpointError(
-                f"{source}: layer_types has {others}: the qwen3 family implements only "
-                "'full_attention' layers"
-            )
+        check_full_attention(hf, source, self.name)
 
     def config_to_hf(self, config: Qwen3Config, dtype: torch.dtype) -> dict[str, Any]:
         """The ``config.json`` of a ``Qwen3ForCausalLM`` of ``config``."""
@@ -67,10 +65,7 @@ class Qwen3Family(DecoderFamily):
             "architectures": ["Qwen3ForCausalLM"],
             "model_type": "qwen3",
             **fields_to_hf(config, dtype),
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "max_window_layers": config.num_hidden_layers,
-            "layer_types": ["full_attention"] * config.num_hidden_layers,
+            **full_attention_fields(config.num_hidden_layers),
             "bos_token_id": 151643 if released else None,
             "eos_token_id": 151645 if released else None,
         }

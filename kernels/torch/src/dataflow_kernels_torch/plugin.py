@@ -153,6 +153,7 @@ def dataflow_kernels() -> list[KernelVariant]:
         *_explicit_variants(),
         *(_triton_variants() if importlib.util.find_spec("triton") is not None else []),
         *_cudnn_variants(),
+        *_grouped_variants(),
     ]
 
 
@@ -245,6 +246,33 @@ def _cudnn_variants() -> list[KernelVariant]:
             "16-bit CUDA, head_dim <= 128, else the torch pair",
         )
         for op in ("attention_fwd", "attention_bwd")
+    ]
+
+
+def _grouped_variants() -> list[KernelVariant]:
+    """The MoE grouped GEMMs (``grouped.py``): ``torch`` calls ``torch._grouped_mm`` for
+    bfloat16 CUDA inputs where this torch has it (2.8 and later), the expert loop
+    otherwise; ``reference`` is the loop."""
+    return [
+        variant
+        for op in ("grouped_mm", "grouped_mm_wgrad")
+        for variant in (
+            KernelVariant(
+                op,
+                "torch",
+                _loader("grouped", f"{op}_cuda"),
+                priority=0,
+                description="torch._grouped_mm, one launch for all experts (bfloat16 CUDA, "
+                "widths multiples of 16); else one matmul per expert",
+            ),
+            KernelVariant(
+                op,
+                "reference",
+                _loader("grouped", f"{op}_reference"),
+                priority=-10,
+                description="one matmul per expert over its rows (offsets read on the host)",
+            ),
+        )
     ]
 
 

@@ -28,6 +28,10 @@ float64 inputs). Backward ops never rebuild autograd graphs and never re-run a f
   summed loss (0-d float32) and ``grad_scale`` times its gradients, never holding more
   than one chunk's logits. hidden (tokens, dim), weight (vocab, dim), targets int64
   (tokens,); a target of -100 is ignored.
+- ``grouped_mm(x, weight, offsets) -> y`` and ``grouped_mm_wgrad(dy, x, offsets) ->
+  d_weight``: a matmul per expert over rows sorted by expert (MoE FFNs; ``offsets`` int32
+  ``(E + 1,)``): x (N, in), weight (E, out, in), y (N, out); d_weight (E, out, in). Not in
+  ``STANDARD_OPS``: the MoE families list them in their ``ops``.
 - ``adamw_multi(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
   weight_decay) -> None``: one AdamW step over lists of tensors (one multi-tensor launch
   where the device has one), float32 math whatever the storage dtypes.
@@ -127,9 +131,15 @@ def autograd_ops(base: Mapping[str, Callable]) -> dict[str, Callable]:
         rstd = torch.rsqrt((x * x).mean(-1) + eps)
         return x * rstd.unsqueeze(-1) * weight, stats(rstd)
 
+    def grouped_mm(x, weight, offsets):
+        bounds = offsets.tolist()
+        parts = [x[bounds[e] : bounds[e + 1]] @ weight[e].t() for e in range(weight.shape[0])]
+        return torch.cat(parts) if parts else x.new_empty(0, weight.shape[1])
+
     return {
         **base,
         "linear": F.linear,
+        "grouped_mm": grouped_mm,
         "attention_fwd": attention_fwd,
         "layer_norm_fwd": layer_norm_fwd,
         "rms_norm_fwd": rms_norm_fwd,

@@ -17,7 +17,7 @@ table and ``config.json`` fields are ``decoder_hf.py``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from math import prod
 from typing import Any, ClassVar
 
@@ -102,6 +102,9 @@ class DecoderConfig:
     #: per-head q/k RMSNorm: a property of the architecture, set by a family's subclass
     #: (Qwen 3), not a field a preset or an override changes
     qk_norm: ClassVar[bool] = False
+    #: what the q/k norms normalise: ``"head"`` (Qwen 3: each head, one ``head_dim`` weight)
+    #: or ``"projection"`` (OLMoE: the whole q and k projections, one weight per channel)
+    qk_norm_scope: ClassVar[str] = "head"
 
     def __attrs_post_init__(self) -> None:
         name = type(self).__name__
@@ -151,16 +154,20 @@ _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
-def block_params(config: DecoderConfig) -> tuple[TensorSpec, ...]:
-    """One block's parameters, in HF's order. Norm scales take no weight decay."""
-    n, inner = config.hidden_size, config.intermediate_size
-    q, kv = config.q_width, config.kv_width
+def attention_params(config: DecoderConfig) -> tuple[TensorSpec, ...]:
+    """A block's parameters up to and including the second norm, in HF's order: what a
+    dense and an MoE block share. Norm scales take no weight decay."""
+    n, q, kv = config.hidden_size, config.q_width, config.kv_width
     attention = {"q_proj": (q, n), "k_proj": (kv, n), "v_proj": (kv, n), "o_proj": (n, q)}
-    mlp = {"gate_proj": (inner, n), "up_proj": (inner, n), "down_proj": (n, inner)}
+    per_head = config.qk_norm_scope == "head"
     qk_norm = (
         (
-            TensorSpec("self_attn.q_norm.weight", (config.head_dim,), decay=False),
-            TensorSpec("self_attn.k_norm.weight", (config.head_dim,), decay=False),
+            TensorSpec(
+                "self_attn.q_norm.weight", (config.head_dim if per_head else q,), decay=False
+            ),
+            TensorSpec(
+                "self_attn.k_norm.weight", (config.head_dim if per_head else kv,), decay=False
+            ),
         )
         if config.qk_norm
         else ()
@@ -170,6 +177,15 @@ def block_params(config: DecoderConfig) -> tuple[TensorSpec, ...]:
         *(TensorSpec(f"self_attn.{p}.weight", attention[p]) for p in _ATTENTION),
         *qk_norm,
         TensorSpec("post_attention_layernorm.weight", (n,), decay=False),
+    )
+
+
+def block_params(config: DecoderConfig) -> tuple[TensorSpec, ...]:
+    """One dense block's parameters, in HF's order."""
+    n, inner = config.hidden_size, config.intermediate_size
+    mlp = {"gate_proj": (inner, n), "up_proj": (inner, n), "down_proj": (n, inner)}
+    return (
+        *attention_params(config),
         *(TensorSpec(f"mlp.{p}.weight", mlp[p]) for p in _MLP),
     )
 
@@ -182,26 +198,32 @@ def head_params(config: DecoderConfig) -> tuple[TensorSpec, ...]:
     return (norm, TensorSpec(LM_HEAD, (config.vocab_size, config.hidden_size)))
 
 
-def layer_specs(config: DecoderConfig) -> list[LayerSpec]:
+def layer_specs(
+    config: DecoderConfig, block: Callable[[str], LayerSpec] | None = None
+) -> list[LayerSpec]:
     """``emb``, blocks ``"0"`` .. ``str(num_hidden_layers - 1)``, ``head``: the chain's
-    order. A tied head reads the embedding's weight as its ``lm_head.weight``."""
+    order. ``block(name)`` makes a block (default: a dense ``block``, ``block_params``).
+    A tied head reads the embedding's weight as its ``lm_head.weight``."""
+    if block is None:
+        params = block_params(config)
+        block = lambda name: LayerSpec.single(name, "block", params)  # noqa: E731
     embed = TensorSpec(EMBED_WEIGHT, (config.vocab_size, config.hidden_size))
     tied = {LM_HEAD: f"{EMBED}.{EMBED_WEIGHT}"} if config.tie_word_embeddings else {}
     return [
         LayerSpec.single(EMBED, "embed", (embed,)),
-        *(
-            LayerSpec.single(str(layer), "block", block_params(config))
-            for layer in range(config.num_hidden_layers)
-        ),
+        *(block(str(layer)) for layer in range(config.num_hidden_layers)),
         LayerSpec.single(HEAD, "head", head_params(config), tied=tied),
     ]
 
 
-def expected_state(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    """State key (``f"{layer}.{param}"``) -> shape of every parameter, in chain order."""
+def expected_state(
+    config: DecoderConfig, layers: list[LayerSpec] | None = None
+) -> dict[str, tuple[int, ...]]:
+    """State key (``f"{layer}.{param}"``) -> shape of every parameter, in chain order
+    (of ``layers``; default the dense decoder's)."""
     return {
         f"{layer.name}.{param.name}": param.shape
-        for layer in layer_specs(config)
+        for layer in (layer_specs(config) if layers is None else layers)
         for param in layer.params
     }
 

@@ -191,6 +191,27 @@ def fields_to_hf(config: DecoderConfig, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
+def check_full_attention(hf: Mapping[str, Any], source: str, family: str) -> None:
+    """Refuse a ``config.json`` whose ``layer_types`` name other than full attention (a
+    sliding window), naming the field and ``source``."""
+    others = sorted({kind for kind in hf.get("layer_types") or [] if kind != "full_attention"})
+    if others:
+        raise CheckpointError(
+            f"{source}: layer_types has {others}: the {family} family implements only "
+            "'full_attention' layers"
+        )
+
+
+def full_attention_fields(layers: int) -> dict[str, Any]:
+    """The ``config.json`` fields (Qwen's) that say every layer attends to all tokens."""
+    return {
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": layers,
+        "layer_types": ["full_attention"] * layers,
+    }
+
+
 # -- import and export -----------------------------------------------------------------
 
 

@@ -107,16 +107,39 @@ def _attention_inputs(
     config: DecoderConfig, params: Tensors, q: torch.Tensor, k: torch.Tensor, ops: Any
 ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """Query and key heads (batch, heads, seq, head_dim) as attention takes them, from the
-    projections: normed per head (``qk_norm``), then rotated; and the norms' statistics."""
-    q_heads, k_heads, stats = _per_head(config, q), _per_head(config, k), ()
+    projections: normed (``qk_norm``: per head, or over the whole projection for
+    ``qk_norm_scope == "projection"``), then rotated; and the norms' statistics."""
+    stats: tuple = ()
     if config.qk_norm:
         q_norm, k_norm = _qk_norms(config)
-        q_heads, q_stats = q_norm.forward(ops, params, q_heads)
-        k_heads, k_stats = k_norm.forward(ops, params, k_heads)
+        per_head = config.qk_norm_scope == "head"
+        q_in, k_in = (_per_head(config, t) if per_head else t for t in (q, k))
+        q, q_stats = q_norm.forward(ops, params, q_in)
+        k, k_stats = k_norm.forward(ops, params, k_in)
         stats = (q_stats, k_stats)
-    cos, sin = _rope(config, q)
+    q_heads, k_heads = _per_head(config, q.flatten(2)), _per_head(config, k.flatten(2))
+    cos, sin = _rope(config, q_heads)
     rotated = (rotary.apply(t.transpose(1, 2), cos, sin) for t in (q_heads, k_heads))
     return *rotated, stats
+
+
+def _qk_norm_backward(
+    config: DecoderConfig, params: Tensors, saved: Tensors, stats: tuple, dq, dk, ops: Any
+) -> tuple[torch.Tensor, torch.Tensor, Tensors]:
+    """(dq, dk) of the projections (batch, seq, width) from those of the normed heads
+    (batch, seq, heads, head_dim), and the norms' gradients."""
+    if not config.qk_norm:
+        return dq.flatten(2), dk.flatten(2), {}
+    q_norm, k_norm = _qk_norms(config)
+    per_head = config.qk_norm_scope == "head"
+    grads: dict[str, torch.Tensor] = {}
+    out = []
+    for norm, name, stat, d in ((q_norm, "q", stats[0], dq), (k_norm, "k", stats[1], dk)):
+        x = _per_head(config, saved[name]) if per_head else saved[name]
+        d_in, g = norm.backward(ops, params, x, stat, d if per_head else d.flatten(2))
+        grads.update(g)
+        out.append(d_in.flatten(2))
+    return out[0], out[1], grads
 
 
 class DecoderEmbed:
@@ -145,18 +168,110 @@ class DecoderEmbed:
         )
 
 
+def attention_saved(config: DecoderConfig, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
+    """What a block's attention half saves: ``q``, ``k``, ``v``, ``attn``, ``lse``, ``h_mid``."""
+    q, kv = config.q_width, config.kv_width
+    return (
+        TensorSpec("q", (batch, seq_len, q)),
+        TensorSpec("k", (batch, seq_len, kv)),
+        TensorSpec("v", (batch, seq_len, kv)),
+        TensorSpec("attn", (batch, seq_len, q)),
+        TensorSpec("lse", (batch, config.num_attention_heads, seq_len), dtype="float32"),
+        TensorSpec("h_mid", (batch, seq_len, config.hidden_size)),
+    )
+
+
+def attention_forward_half(
+    config: DecoderConfig, params: Tensors, x: torch.Tensor, ops: Any
+) -> tuple[Tensors, torch.Tensor]:
+    """``h_mid = x + o_proj(attention(n1(x)))``: (what it saves, including ``h_mid``, and
+    ``n2(h_mid)``, the FFN's input)."""
+    _check_seq_len(config, x.shape[1])
+    norm_1, norm_2 = _norms(config)
+    h1, _ = norm_1.forward(ops, params, x)
+    q, k, v = (proj.forward(ops, params, h1) for proj in (Q_PROJ, K_PROJ, V_PROJ))
+    del h1
+    q_heads, k_heads, _ = _attention_inputs(config, params, q, k, ops)
+    v_heads = split_heads(v, config.num_key_value_heads)
+    out, lse = attention_forward(ops, q_heads, k_heads, v_heads, causal=True)
+    del q_heads, k_heads, v_heads
+    attn = merge_heads(out)
+    h_mid = x + O_PROJ.forward(ops, params, attn)
+    h2, _ = norm_2.forward(ops, params, h_mid)
+    return {"q": q, "k": k, "v": v, "attn": attn, "lse": lse, "h_mid": h_mid}, h2
+
+
+def ffn_input(config: DecoderConfig, params: Tensors, h_mid: torch.Tensor, ops: Any):
+    """``(n2(h_mid), its statistics)``: the FFN's input, rebuilt in backward."""
+    return _norms(config)[1].forward(ops, params, h_mid)
+
+
+def attention_backward_half(
+    config: DecoderConfig,
+    params: Tensors,
+    x: torch.Tensor,
+    saved: Tensors,
+    stats_2: tuple,
+    d_h2: torch.Tensor,
+    dy: torch.Tensor,
+    grads: dict[str, torch.Tensor],
+    ops: Any,
+) -> torch.Tensor:
+    """``dx`` from the gradient of the FFN's input ``d_h2`` and of the block's output
+    ``dy`` (the residual); the attention half's gradients go into ``grads``."""
+    norm_1, norm_2 = _norms(config)
+    d_h_mid, g = norm_2.backward(ops, params, saved["h_mid"], stats_2, d_h2)
+    grads.update(g)
+    del d_h2
+    d_h_mid += dy  # the residual
+    # attention: h_mid = x + o_proj(attention(...))
+    d_attn, g = O_PROJ.backward(ops, params, saved["attn"], d_h_mid)
+    grads.update(g)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    q_heads, k_heads, qk_stats = _attention_inputs(config, params, saved["q"], saved["k"], ops)
+    dq, dk, dv = attention_backward(
+        ops,
+        split_heads(d_attn, heads),
+        q_heads,
+        k_heads,
+        split_heads(saved["v"], kv_heads),
+        split_heads(saved["attn"], heads),
+        saved["lse"],
+        causal=True,
+    )
+    del d_attn, q_heads, k_heads
+    cos, sin = _rope(config, x)
+    dq, dk = (rotary.backward(d, cos, sin).transpose(1, 2).contiguous() for d in (dq, dk))
+    # back through the q/k norms, from the saved projections
+    dq, dk, g = _qk_norm_backward(config, params, saved, qk_stats, dq, dk, ops)
+    grads.update(g)
+    d_proj = (dq, dk, merge_heads(dv))
+    del dq, dk, dv
+    h1, stats_1 = norm_1.forward(ops, params, x)
+    d_h1 = None
+    for proj, d_out in zip((Q_PROJ, K_PROJ, V_PROJ), d_proj, strict=True):
+        d_in, g = proj.backward(ops, params, h1, d_out)
+        grads.update(g)
+        d_h1 = d_in if d_h1 is None else d_h1.add_(d_in)
+    del d_proj, h1
+    d_x, g = norm_1.backward(ops, params, x, stats_1, d_h1)
+    grads.update(g)
+    return d_x.add_(d_h_mid)
+
+
+def attention_matmul_flops(config: DecoderConfig, batch: int, seq_len: int) -> tuple[int, int]:
+    """(projection flops, attention flops) of one forward of the attention half."""
+    tokens, n = batch * seq_len, config.hidden_size
+    q, kv = config.q_width, config.kv_width
+    return 2 * tokens * n * (2 * q + 2 * kv), 2 * tokens * seq_len * q  # causal: half
+
+
 class DecoderBlock:
     """Pre-norm block: ``h = x + attention(n1(x))``, ``y = h + swiglu(n2(h))``."""
 
     def saved(self, config: DecoderConfig, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
-        q, kv = config.q_width, config.kv_width
         return (
-            TensorSpec("q", (batch, seq_len, q)),
-            TensorSpec("k", (batch, seq_len, kv)),
-            TensorSpec("v", (batch, seq_len, kv)),
-            TensorSpec("attn", (batch, seq_len, q)),
-            TensorSpec("lse", (batch, config.num_attention_heads, seq_len), dtype="float32"),
-            TensorSpec("h_mid", (batch, seq_len, config.hidden_size)),
+            *attention_saved(config, batch, seq_len),
             TensorSpec("gate", (batch, seq_len, config.intermediate_size)),
             TensorSpec("up", (batch, seq_len, config.intermediate_size)),
         )
@@ -174,20 +289,9 @@ class DecoderBlock:
     def recompute(
         self, config: DecoderConfig, params: Tensors, x: torch.Tensor, aux_temp: Tensors, env: Env
     ) -> Tensors:
-        _check_seq_len(config, x.shape[1])
-        ops, (norm_1, norm_2) = env.ops, _norms(config)
-        h1, _ = norm_1.forward(ops, params, x)
-        q, k, v = (proj.forward(ops, params, h1) for proj in (Q_PROJ, K_PROJ, V_PROJ))
-        del h1
-        q_heads, k_heads, _ = _attention_inputs(config, params, q, k, ops)
-        v_heads = split_heads(v, config.num_key_value_heads)
-        out, lse = attention_forward(ops, q_heads, k_heads, v_heads, causal=True)
-        del q_heads, k_heads, v_heads
-        attn = merge_heads(out)
-        h_mid = x + O_PROJ.forward(ops, params, attn)
-        h2, _ = norm_2.forward(ops, params, h_mid)
+        ops = env.ops
+        saved, h2 = attention_forward_half(config, params, x, ops)
         gate, up = MLP.gate.forward(ops, params, h2), MLP.up.forward(ops, params, h2)
-        saved = {"q": q, "k": k, "v": v, "attn": attn, "lse": lse, "h_mid": h_mid}
         return saved | {"gate": gate, "up": up}
 
     def backward(
@@ -200,58 +304,20 @@ class DecoderBlock:
         dy: torch.Tensor,
         env: Env,
     ) -> tuple[torch.Tensor, Tensors]:
-        ops, (norm_1, norm_2) = env.ops, _norms(config)
-        h_mid = saved["h_mid"]
+        ops = env.ops
         # MLP: y = h_mid + swiglu(n2(h_mid))
-        h2, stats_2 = norm_2.forward(ops, params, h_mid)
+        h2, stats_2 = ffn_input(config, params, saved["h_mid"], ops)
         d_h2, grads = MLP.backward(ops, params, h2, saved["gate"], saved["up"], dy)
         del h2
-        d_h_mid, g = norm_2.backward(ops, params, h_mid, stats_2, d_h2)
-        grads.update(g)
-        del d_h2
-        d_h_mid += dy  # the residual
-        # attention: h_mid = x + o_proj(attention(...))
-        d_attn, g = O_PROJ.backward(ops, params, saved["attn"], d_h_mid)
-        grads.update(g)
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        q_heads, k_heads, qk_stats = _attention_inputs(config, params, saved["q"], saved["k"], ops)
-        dq, dk, dv = attention_backward(
-            ops,
-            split_heads(d_attn, heads),
-            q_heads,
-            k_heads,
-            split_heads(saved["v"], kv_heads),
-            split_heads(saved["attn"], heads),
-            saved["lse"],
-            causal=True,
-        )
-        del d_attn, q_heads, k_heads
-        cos, sin = _rope(config, x)
-        dq, dk = (rotary.backward(d, cos, sin).transpose(1, 2).contiguous() for d in (dq, dk))
-        if config.qk_norm:  # back through the per-head norms, from the saved projections
-            q_norm, k_norm = _qk_norms(config)
-            dq, g = q_norm.backward(ops, params, _per_head(config, saved["q"]), qk_stats[0], dq)
-            grads.update(g)
-            dk, g = k_norm.backward(ops, params, _per_head(config, saved["k"]), qk_stats[1], dk)
-            grads.update(g)
-        d_proj = (dq.flatten(2), dk.flatten(2), merge_heads(dv))
-        del dq, dk, dv
-        h1, stats_1 = norm_1.forward(ops, params, x)
-        d_h1 = None
-        for proj, d_out in zip((Q_PROJ, K_PROJ, V_PROJ), d_proj, strict=True):
-            d_in, g = proj.backward(ops, params, h1, d_out)
-            grads.update(g)
-            d_h1 = d_in if d_h1 is None else d_h1.add_(d_in)
-        del d_proj, h1
-        d_x, g = norm_1.backward(ops, params, x, stats_1, d_h1)
-        grads.update(g)
-        return d_x.add_(d_h_mid), grads
+        return attention_backward_half(
+            config, params, x, saved, stats_2, d_h2, dy, grads, ops
+        ), grads
 
     def cost(self, config: DecoderConfig, batch: int, seq_len: int, act_bytes: int) -> LayerCost:
         tokens, n, inner = batch * seq_len, config.hidden_size, config.intermediate_size
         q, kv = config.q_width, config.kv_width
-        matmul = 2 * tokens * (n * (2 * q + 2 * kv) + 3 * n * inner)
-        attention = 2 * tokens * seq_len * q  # causal: half of q.k and of p.v
+        projections, attention = attention_matmul_flops(config, batch, seq_len)
+        matmul = projections + 2 * tokens * 3 * n * inner
         saved = 2 * q + 2 * kv + n + 2 * inner
         activations = tokens * act_bytes * (2 * n + 2 * saved)
         return LayerCost(

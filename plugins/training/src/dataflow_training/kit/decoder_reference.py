@@ -80,17 +80,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(n, kv, bias=False)
         self.v_proj = nn.Linear(n, kv, bias=False)
         self.o_proj = nn.Linear(q, n, bias=False)
+        self.per_head = config.qk_norm_scope == "head"
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(config.head_dim if self.per_head else q, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim if self.per_head else kv, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         batch, seq, _ = x.shape
 
         def heads(t: torch.Tensor, count: int, norm: Any) -> torch.Tensor:
+            if norm is not None and not self.per_head:  # OLMoE: over the whole projection
+                t = norm(t)
             t = t.view(batch, seq, count, c.head_dim)
-            return (norm(t) if norm is not None else t).transpose(1, 2)
+            return (norm(t) if norm is not None and self.per_head else t).transpose(1, 2)
 
         q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
         q = heads(self.q_proj(x), c.num_attention_heads, q_norm)
@@ -119,12 +122,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """Pre-norm block; ``mlp`` is the FFN module (default: the dense SwiGLU ``MLP``)."""
+
+    def __init__(self, config: Any, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config) if mlp is None else mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
@@ -149,9 +154,13 @@ class DecoderReference(nn.Module):
         self.config = config
         self.emb = Embed(config)
         for layer in range(config.num_hidden_layers):
-            self.add_module(str(layer), Block(config))
+            self.add_module(str(layer), self.make_block(config))
         self.head = Head(config)
         self.init_weights()
+
+    def make_block(self, config: Any) -> Block:
+        """One block (a subclass returns one with another FFN: ``kit.moe_reference``)."""
+        return Block(config)
 
     def blocks(self) -> list[Block]:
         return [self.get_submodule(str(layer)) for layer in range(self.config.num_hidden_layers)]

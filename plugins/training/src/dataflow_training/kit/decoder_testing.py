@@ -105,8 +105,19 @@ class DecoderHFParity:
         logits = model(input_ids=tokens).logits
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
+    def _hf_objective(
+        self, model: Any, tokens: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what the HF model trains on, the cross-entropy a step reports): the same for a
+        dense model; an MoE adds its router terms to the first."""
+        loss = self._hf_loss(model, tokens, targets)
+        return loss, loss
+
+    def _reference_objective(self, reference: Any, tokens: Any, targets: Any) -> torch.Tensor:
+        return reference(tokens, targets)
+
     def _hf_names(self, family: Any, config: Any) -> dict[str, str]:
-        """family state key -> the HF parameter name it is stored as."""
+        """family state key -> the HF model's parameter of it."""
         from dataflow_training.kit.decoder_hf import key_map
 
         entries = key_map(family.name, config).expand(expected_state(config))
@@ -125,7 +136,9 @@ class DecoderHFParity:
                 reference.logits(tokens), model(input_ids=tokens).logits, **FLOAT32
             )
             torch.testing.assert_close(
-                reference(tokens, targets), self._hf_loss(model, tokens, targets), **FLOAT32
+                self._reference_objective(reference, tokens, targets),
+                self._hf_objective(model, tokens, targets)[0],
+                **FLOAT32,
             )
 
     def test_one_training_step_agrees_with_transformers(self, family, hf_checkpoint):
@@ -158,8 +171,8 @@ class DecoderHFParity:
             betas=(optimizer.beta1, optimizer.beta2),
             eps=optimizer.eps,
         )
-        loss = self._hf_loss(model, tokens, targets)
-        loss.backward()
+        objective, loss = self._hf_objective(model, tokens, targets)
+        objective.backward()
         hf_grads = {name: p.grad.detach().clone() for name, p in params.items()}
         torch_adamw.step()
 
@@ -252,6 +265,13 @@ class DecoderFamilyChecks:
     published_counts: ClassVar[dict[str, int]] = {}
     #: the repository's docs/ folder (None: installed outside it, doc tests skip)
     docs: ClassVar[Path | None] = None
+    #: a block tensor that a checkpoint must have
+    block_tensor: ClassVar[str] = "0.mlp.up_proj.weight"
+
+    @staticmethod
+    def count(config: Any) -> int:
+        """The family's parameter count of ``config``."""
+        return parameter_count(config)
 
     @pytest.fixture
     def family(self) -> Any:
@@ -265,7 +285,7 @@ class DecoderFamilyChecks:
             with torch.device("meta"):
                 reference = family.reference_model(config)
             numel = sum(p.numel() for p in reference.parameters())
-            assert parameter_count(config) == numel, name
+            assert self.count(config) == numel, name
             if name in self.published_counts:
                 assert numel == self.published_counts[name], name
 
@@ -335,8 +355,8 @@ class DecoderFamilyChecks:
             with pytest.raises(CheckpointError, match=rf"config.json: {field} = .*{why}"):
                 family.import_hf(tmp_path)
         (tmp_path / "config.json").write_text(json.dumps(written))
-        del state["0.mlp.up_proj.weight"]
-        with pytest.raises(CheckpointError, match=r"state has no tensor '0.mlp.up_proj.weight'"):
+        del state[self.block_tensor]
+        with pytest.raises(CheckpointError, match=rf"state has no tensor '{self.block_tensor}'"):
             family.export_hf(config, state, tmp_path / "partial")
         assert not (tmp_path / "partial" / "config.json").exists()
 

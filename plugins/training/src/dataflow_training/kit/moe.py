@@ -1,0 +1,345 @@
+"""A mixture-of-experts decoder on the kit: what OLMoE and Qwen 3 MoE share.
+
+A block is the decoder's attention half (``decoder_math``) followed by a routed SwiGLU
+FFN instead of the dense one::
+
+    h = x + attention(n1(x));  u = n2(h);  p = softmax(u @ gate.T)          (float32)
+    ids, top = topk(p, k);  w = top (OLMoE) or top / sum(top) (``norm_topk_prob``)
+    y = h + sum_j w_j * down[ids_j] @ (silu(gate[ids_j] @ u) * up[ids_j] @ u)
+
+Parameters: the attention, its norms and the router ``mlp.gate.weight`` (E, hidden) are the
+layer's main group ``W_<layer>``; the experts, ``mlp.experts.gate_up_proj`` (E, 2 * inter,
+hidden: gate rows then up rows) and ``mlp.experts.down_proj`` (E, hidden, inter), are their
+own group ``W_<layer>.experts``, so a planner streams them apart.
+
+**AuxTemp** (forward decides the routing once; recompute and backward read it verbatim):
+``ids`` (tokens, k) int32 and ``weights`` (tokens, k), ``order`` (tokens * k) int32 (the
+token slots sorted by expert, stable) and ``offsets`` (E + 1) int32 (where each expert's
+rows start). Each expert's rows run through ``grouped_mm`` (one matmul per expert, or
+``torch._grouped_mm``), gradients of the stacked weights through ``grouped_mm_wgrad``.
+
+**Aux** ``counts`` (E,) float32: the expert loads, zeroed before round 0, added to by every
+round's forward. The step's objective is the mean over rounds of the cross-entropy, plus
+two router terms averaged over the ``L`` MoE layers:
+
+- load balance ``router_aux_loss_coef / L * sum_l E * sum_e f_le * P_le``, with ``f_le``
+  layer l's routed slots to expert e over the whole step per token of the step (HF's
+  ``tokens_per_expert``: it sums to k; no gradient) and ``P_le`` the mean router
+  probability of expert e over the last round's tokens; applied by the last round's
+  backward. For one layer and one round this is exactly ``router_aux_loss_coef *
+  load_balancing_loss_func`` of transformers; for several layers transformers pools the
+  layers' counts and probabilities before the product, which couples every layer's
+  backward to every other layer's counts: the per-layer Aux of the protocol cannot carry
+  that, so the layers' terms are averaged instead (``docs/models/olmoe.md``);
+- router z-loss ``router_z_loss_coef / L * mean over tokens of logsumexp(logits)^2`` per
+  round (ST-MoE; OLMoE trained with 0.001; transformers has none, so HF parity runs
+  with 0).
+
+Both terms belong to the training step: a block task that does not see its Aux (an
+empty ``env.aux``, as ``dataflow verify``'s task level calls it) differentiates the
+block's output alone.
+
+Saved for backward (``A_<layer>``): the attention half's tensors and ``gate_up`` (tokens *
+k, 2 * inter), the experts' two projections in expert order. Backward recomputes the
+router logits (one (tokens, hidden) x (hidden, E) matmul) and the experts' outputs (one
+grouped matmul) rather than saving them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+import torch
+
+from dataflow_training.family import Env, LayerCost, LayerSpec, ParamGroup, TensorSpec, Work
+from dataflow_training.kit.decoder import (
+    DecoderConfig,
+    _flag,
+    _positive,
+    attention_params,
+    expected_state,
+    layer_specs,
+)
+from dataflow_training.kit.decoder_math import (
+    OPS as DECODER_OPS,
+)
+from dataflow_training.kit.decoder_math import (
+    DecoderEmbed,
+    DecoderHead,
+    attention_backward_half,
+    attention_forward_half,
+    attention_matmul_flops,
+    attention_saved,
+    ffn_input,
+)
+from dataflow_training.kit.linear import Linear
+
+Tensors = dict[str, torch.Tensor]
+
+OPS = (*DECODER_OPS, "grouped_mm", "grouped_mm_wgrad")
+
+ROUTER = Linear("mlp.gate.weight")
+GATE_UP = "mlp.experts.gate_up_proj"
+DOWN = "mlp.experts.down_proj"
+EXPERTS_GROUP = "experts"
+
+
+def _coefficient(instance: Any, attribute: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be a number >= 0, got {value!r}"
+        )
+
+
+@attrs.frozen
+class MoEConfig(DecoderConfig):
+    """A decoder whose every FFN is ``num_experts`` SwiGLU experts of width
+    ``intermediate_size``, ``num_experts_per_tok`` of them per token."""
+
+    num_experts: int = attrs.field(default=64, kw_only=True, validator=_positive)
+    num_experts_per_tok: int = attrs.field(default=8, kw_only=True, validator=_positive)
+    norm_topk_prob: bool = attrs.field(default=False, kw_only=True, validator=_flag)
+    router_aux_loss_coef: float = attrs.field(default=0.01, kw_only=True, validator=_coefficient)
+    router_z_loss_coef: float = attrs.field(default=0.0, kw_only=True, validator=_coefficient)
+    qk_norm: ClassVar[bool] = True
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.num_experts_per_tok > self.num_experts:
+            name = type(self).__name__
+            raise ValueError(
+                f"{name}.num_experts_per_tok ({self.num_experts_per_tok}) must be at most "
+                f"{name}.num_experts ({self.num_experts})"
+            )
+
+
+# -- layers ----------------------------------------------------------------------------
+
+
+def moe_groups(config: MoEConfig) -> tuple[ParamGroup, ParamGroup]:
+    """(the main group: attention, norms, router; the experts' group)."""
+    n, inner, e = config.hidden_size, config.intermediate_size, config.num_experts
+    main = (*attention_params(config), TensorSpec(ROUTER.weight, (e, n)))
+    experts = (TensorSpec(GATE_UP, (e, 2 * inner, n)), TensorSpec(DOWN, (e, n, inner)))
+    return ParamGroup("", main), ParamGroup(EXPERTS_GROUP, experts)
+
+
+def moe_layer_specs(config: MoEConfig) -> list[LayerSpec]:
+    """``emb``, MoE blocks ``"0"`` .. ``str(L - 1)`` (kind ``moe``, Aux ``counts``), ``head``."""
+    groups = moe_groups(config)
+    counts = TensorSpec("counts", (config.num_experts,), dtype="float32")
+    return layer_specs(config, lambda name: LayerSpec(name, "moe", groups, aux=(counts,)))
+
+
+def moe_expected_state(config: MoEConfig) -> dict[str, tuple[int, ...]]:
+    """State key -> shape of every parameter, in chain order."""
+    return expected_state(config, moe_layer_specs(config))
+
+
+def moe_parameter_count(config: MoEConfig) -> int:
+    return sum(int(torch.Size(shape).numel()) for shape in moe_expected_state(config).values())
+
+
+def moe_active_parameter_count(config: MoEConfig) -> int:
+    """Parameters one token uses: all but the experts it is not routed to."""
+    n, inner = config.hidden_size, config.intermediate_size
+    idle = config.num_experts - config.num_experts_per_tok
+    return moe_parameter_count(config) - config.num_hidden_layers * idle * 3 * n * inner
+
+
+# -- routing ---------------------------------------------------------------------------
+
+
+def route(config: MoEConfig, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(router probabilities (tokens, E) in float32 at least, the top-k (values, ids))."""
+    probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
+    return probs, probs.topk(config.num_experts_per_tok, dim=-1)
+
+
+def dispatch(
+    config: MoEConfig, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(``order``: token slots sorted by expert, stable; ``offsets`` (E + 1), both int32;
+    each expert's load (E,) int64). Counted by a scatter, not ``bincount``, so that a GPU
+    step does not wait for the host here."""
+    flat = ids.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    loads = torch.zeros(config.num_experts, dtype=torch.int64, device=ids.device)
+    loads.scatter_add_(0, flat, torch.ones_like(flat))
+    offsets = torch.cat([loads.new_zeros(1), loads.cumsum(0)])
+    return order.to(torch.int32), offsets.to(torch.int32), loads
+
+
+def _rows(config: MoEConfig, aux_temp: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the token of every expert row, its weight), in expert order."""
+    order = aux_temp["order"].long()
+    return order // config.num_experts_per_tok, aux_temp["weights"].reshape(-1)[order]
+
+
+def _gate_up(config: MoEConfig, params: Tensors, h2: torch.Tensor, aux_temp: Tensors, ops: Any):
+    tokens, _ = _rows(config, aux_temp)
+    rows = h2.reshape(-1, config.hidden_size)[tokens]
+    return ops["grouped_mm"](rows, params[GATE_UP], aux_temp["offsets"])
+
+
+def _split(config: MoEConfig, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    inner = config.intermediate_size
+    return gate_up[:, :inner], gate_up[:, inner:]
+
+
+class MoEBlock:
+    """Pre-norm block: attention as the decoder's, then the routed experts."""
+
+    def saved(self, config: MoEConfig, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
+        slots = batch * seq_len * config.num_experts_per_tok
+        return (
+            *attention_saved(config, batch, seq_len),
+            TensorSpec("gate_up", (slots, 2 * config.intermediate_size)),
+        )
+
+    def aux_temp(self, config: MoEConfig, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
+        tokens, k = batch * seq_len, config.num_experts_per_tok
+        return (
+            TensorSpec("ids", (tokens, k), dtype="int32"),
+            TensorSpec("weights", (tokens, k)),
+            TensorSpec("order", (tokens * k,), dtype="int32"),
+            TensorSpec("offsets", (config.num_experts + 1,), dtype="int32"),
+        )
+
+    def forward(
+        self, config: MoEConfig, params: Tensors, x: torch.Tensor, env: Env
+    ) -> tuple[torch.Tensor, Tensors, Tensors]:
+        ops = env.ops
+        saved, h2 = attention_forward_half(config, params, x, ops)
+        logits = ROUTER.forward(ops, params, h2).reshape(-1, config.num_experts)
+        probs, (top, ids) = route(config, logits)
+        del probs, logits
+        if config.norm_topk_prob:
+            top = top / top.sum(-1, keepdim=True)
+        order, offsets, loads = dispatch(config, ids)
+        if "counts" in env.aux:
+            env.aux["counts"].add_(loads.to(env.aux["counts"]))
+        aux_temp = {"ids": ids.to(torch.int32), "weights": top.to(x.dtype)}
+        aux_temp |= {"order": order, "offsets": offsets}
+        gate_up = _gate_up(config, params, h2, aux_temp, ops)
+        del h2
+        out = self._experts_out(config, params, gate_up, aux_temp, ops)
+        return saved["h_mid"] + out.view_as(x), saved | {"gate_up": gate_up}, aux_temp
+
+    def _expert_rows(self, config, params, gate_up, aux_temp, ops) -> torch.Tensor:
+        """Every expert row's output, unweighted (tokens * k, hidden)."""
+        act = ops["swiglu_fwd"](*_split(config, gate_up))
+        return ops["grouped_mm"](act, params[DOWN], aux_temp["offsets"])
+
+    def _experts_out(self, config, params, gate_up, aux_temp, ops) -> torch.Tensor:
+        tokens, weights = _rows(config, aux_temp)
+        rows = self._expert_rows(config, params, gate_up, aux_temp, ops)
+        flat = rows.new_zeros(tokens.numel() // config.num_experts_per_tok, config.hidden_size)
+        return flat.index_add_(0, tokens, rows * weights.unsqueeze(-1))
+
+    def recompute(
+        self, config: MoEConfig, params: Tensors, x: torch.Tensor, aux_temp: Tensors, env: Env
+    ) -> Tensors:
+        saved, h2 = attention_forward_half(config, params, x, env.ops)
+        return saved | {"gate_up": _gate_up(config, params, h2, aux_temp, env.ops)}
+
+    def backward(
+        self,
+        config: MoEConfig,
+        params: Tensors,
+        x: torch.Tensor,
+        saved: Tensors,
+        aux_temp: Tensors,
+        dy: torch.Tensor,
+        env: Env,
+    ) -> tuple[torch.Tensor, Tensors]:
+        ops, n = env.ops, config.hidden_size
+        offsets, gate_up = aux_temp["offsets"], saved["gate_up"]
+        tokens, weights = _rows(config, aux_temp)
+        h2, stats_2 = ffn_input(config, params, saved["h_mid"], ops)
+        flat_h2, flat_dy = h2.reshape(-1, n), dy.reshape(-1, n)
+        # experts: y = h_mid + sum over rows of weight * down(swiglu(gate_up))
+        gate, up = _split(config, gate_up)
+        act = ops["swiglu_fwd"](gate, up)
+        rows_dy = flat_dy[tokens]
+        d_row_weights = (ops["grouped_mm"](act, params[DOWN], offsets) * rows_dy).sum(-1)
+        d_rows = rows_dy * weights.unsqueeze(-1)
+        del rows_dy
+        grads = {DOWN: ops["grouped_mm_wgrad"](d_rows, act, offsets)}
+        d_act = ops["grouped_mm"](d_rows, params[DOWN].transpose(1, 2), offsets)
+        del d_rows, act
+        d_gate_up = torch.cat(ops["swiglu_bwd"](d_act, gate, up), dim=-1)
+        del d_act
+        grads[GATE_UP] = ops["grouped_mm_wgrad"](d_gate_up, flat_h2[tokens], offsets)
+        d_in = ops["grouped_mm"](d_gate_up, params[GATE_UP].transpose(1, 2), offsets)
+        del d_gate_up
+        d_h2 = torch.zeros_like(flat_h2).index_add_(0, tokens, d_in)
+        del d_in
+        # the router: weights = top (or top / sum(top)), top = probs[ids]
+        d_weights = torch.empty_like(d_row_weights)
+        d_weights[aux_temp["order"].long()] = d_row_weights
+        d_logits = self._router_backward(config, params, flat_h2, aux_temp, d_weights, env)
+        d_router_in, g = ROUTER.backward(ops, params, flat_h2, d_logits)
+        grads.update(g)
+        d_h2 += d_router_in
+        del flat_h2, h2
+        dx = attention_backward_half(
+            config, params, x, saved, stats_2, d_h2.view_as(x), dy, grads, ops
+        )
+        return dx, grads
+
+    def _router_backward(self, config, params, flat_h2, aux_temp, d_weights, env) -> torch.Tensor:
+        """d(router logits) (tokens, E) in the activations' dtype: the routing weights'
+        gradient, plus the balance term (last round) and the z-loss."""
+        k, e = config.num_experts_per_tok, config.num_experts
+        logits = ROUTER.forward(env.ops, params, flat_h2)
+        probs, _ = route(config, logits)
+        ids = aux_temp["ids"].long()
+        top = probs.gather(1, ids)
+        d_top = d_weights.reshape(-1, k).to(probs.dtype)
+        if config.norm_topk_prob:
+            total = top.sum(-1, keepdim=True)
+            d_top = (d_top - (d_top * top).sum(-1, keepdim=True) / total) / total
+        d_probs = torch.zeros_like(probs).scatter_add_(1, ids, d_top)
+        layers, tokens = config.num_hidden_layers, probs.shape[0]
+        # a step's backward sees its Aux in the last round, never in the earlier ones; the
+        # block alone (one round, no Aux) has no loss terms of its own
+        in_step = "counts" in env.aux or not env.last_round
+        if config.router_aux_loss_coef and env.last_round and in_step:
+            counts = env.aux["counts"].to(probs.dtype)
+            per_token = counts / (counts.sum() / k).clamp(min=1)  # f_e: sums to k
+            d_probs += config.router_aux_loss_coef * e * per_token / (layers * tokens)
+        d_logits = probs * (d_probs - (d_probs * probs).sum(-1, keepdim=True))
+        if config.router_z_loss_coef and in_step:
+            lse = torch.logsumexp(logits.to(probs.dtype), -1, keepdim=True)
+            scale = config.router_z_loss_coef / (env.rounds * layers * tokens)  # round mean
+            d_logits += 2 * scale * lse * probs
+        return d_logits.to(flat_h2.dtype)
+
+    def cost(self, config: MoEConfig, batch: int, seq_len: int, act_bytes: int) -> LayerCost:
+        tokens, n, inner = batch * seq_len, config.hidden_size, config.intermediate_size
+        k, e = config.num_experts_per_tok, config.num_experts
+        projections, attention = attention_matmul_flops(config, batch, seq_len)
+        experts = 2 * tokens * k * 3 * n * inner
+        router = 2 * tokens * n * e
+        matmul = projections + router + experts
+        q, kv = config.q_width, config.kv_width
+        saved = 2 * q + 2 * kv + n + 2 * k * inner
+        activations = tokens * act_bytes * (2 * n + 2 * saved + 2 * k * n)
+        return LayerCost(
+            forward=Work(matmul + attention, activations),
+            # backward: twice the matmuls, plus the router and the experts' down projection
+            # recomputed
+            backward=Work(2 * matmul + router + experts / 3 + 2.5 * attention, 2 * activations),
+        )
+
+
+_KINDS = {"embed": DecoderEmbed, "moe": MoEBlock, "head": DecoderHead}
+
+
+def moe_math_of(family: str, kind: str) -> Any:
+    """The math object of a layer kind (``embed``, ``moe``, ``head``) of ``family``."""
+    if kind not in _KINDS:
+        raise KeyError(f"{family} has no layer kind {kind!r}; its kinds: {', '.join(_KINDS)}")
+    return _KINDS[kind]()

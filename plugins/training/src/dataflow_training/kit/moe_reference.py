@@ -1,0 +1,108 @@
+"""A mixture-of-experts decoder (``moe.py``) as one plain-autograd ``nn.Module``: the truth
+the kit's MoE math is checked against (OLMoE, Qwen 3 MoE), itself held to transformers'
+``OlmoeForCausalLM`` / ``Qwen3MoeForCausalLM`` by each family's HF tests.
+
+The attention, norms, embedding and head are the decoder reference's (plain torch, no
+``ops``); the FFN is written out here expert by expert, as a loop over the experts that
+some token chose (no grouping, no sorting, no ``grouped_mm``). Its ``state_dict()`` keys
+are the layers' names (``0.mlp.gate.weight``, ``0.mlp.experts.gate_up_proj``, ...).
+
+``model(rounds)`` takes a step's list of ``(tokens, targets)`` and returns ``(per-round
+mean cross-entropies, the router terms)``: the step's objective is the rounds' mean plus
+those terms (``moe.py`` defines them: the load balance from the whole step's counts and
+the last round's probabilities, the z-loss averaged over rounds). ``logits(tokens)`` and
+``router_terms`` are there for the HF tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dataflow_training.kit.decoder_reference import IGNORE_INDEX, Block, DecoderReference
+
+
+class Experts(nn.Module):
+    """Routed SwiGLU experts with their router; records what the router decided."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        e, n, inner = config.num_experts, config.hidden_size, config.intermediate_size
+        self.gate = nn.Linear(n, e, bias=False)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inner, n))
+        self.experts.down_proj = nn.Parameter(torch.empty(e, n, inner))
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # (logits, ids)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        flat = x.reshape(-1, c.hidden_size)
+        logits = self.gate(flat)
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, ids = torch.topk(probs, c.num_experts_per_tok, dim=-1)
+        if c.norm_topk_prob:
+            top = top / top.sum(-1, keepdim=True)
+        top = top.to(flat.dtype)
+        self.last = (logits, ids)
+        out = torch.zeros_like(flat)
+        inner = c.intermediate_size
+        for expert in ids.unique().tolist():
+            token, slot = torch.where(ids == expert)
+            w_gate_up = self.experts.gate_up_proj[expert]
+            gate, up = (flat[token] @ w_gate_up.t()).split(inner, dim=-1)
+            hidden = (F.silu(gate) * up) @ self.experts.down_proj[expert].t()
+            out = out.index_add(0, token, hidden * top[token, slot, None])
+        return out.view_as(x)
+
+
+class MoEReference(DecoderReference):
+    """The decoder reference with every FFN routed (see the module docstring)."""
+
+    steps_over_rounds = True
+
+    def make_block(self, config: Any) -> Block:
+        return Block(config, Experts(config))
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
+        super().init_weights(generator, std)
+        for module in self.modules():
+            if isinstance(module, Experts):
+                module.experts.gate_up_proj.normal_(0.0, std, generator=generator)
+                module.experts.down_proj.normal_(0.0, std, generator=generator)
+
+    def _cross_entropy(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(tokens).flatten(0, 1)
+        flat = targets.flatten()
+        loss_sum = F.cross_entropy(logits, flat, ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss_sum / (flat != IGNORE_INDEX).sum().clamp(min=1)
+
+    def _routers(self) -> list[Experts]:
+        return [block.mlp for block in self.blocks()]
+
+    def forward(self, rounds: list[tuple[torch.Tensor, torch.Tensor]]):
+        c = self.config
+        layers = c.num_hidden_layers
+        counts = [torch.zeros(c.num_experts) for _ in range(layers)]
+        losses, z_loss = [], 0.0
+        for tokens, targets in rounds:
+            losses.append(self._cross_entropy(tokens, targets))
+            for layer, router in enumerate(self._routers()):
+                logits, ids = router.last
+                counts[layer] = counts[layer] + torch.bincount(
+                    ids.reshape(-1), minlength=c.num_experts
+                )
+                z = torch.logsumexp(logits.float(), -1).pow(2).mean()
+                z_loss = z_loss + c.router_z_loss_coef * z / (layers * len(rounds))
+        balance = 0.0
+        for layer, router in enumerate(self._routers()):  # the last round's probabilities
+            probs = torch.softmax(router.last[0].float(), -1)
+            step_tokens = counts[layer].sum() / c.num_experts_per_tok
+            per_token = (counts[layer] / step_tokens).to(probs)
+            term = c.num_experts * (per_token * probs.mean(0)).sum()
+            balance = balance + c.router_aux_loss_coef * term / layers
+        return losses, balance + z_loss
