@@ -31,3 +31,17 @@ def test_only_numbers_can_be_device_values() -> None:
     assert DeviceValues.unsupported({"lr": 1e-3, "step": 3, "flag": True}) is None
     reason = DeviceValues.unsupported({"lr": 1e-3, "schedule": "cosine"})
     assert "schedule" in reason and "str" in reason
+
+
+def test_graph_on_cpu_is_refused_with_one_line() -> None:
+    from dataflow.engine import Engine
+    from dataflow.planning import plan
+
+    program = chain.build_program(2, 16, 8)
+    values = chain.initial_values(program)
+    planned = plan(program, 2**30)
+    with Engine("torch", device="cpu", graph=True) as engine:
+        engine.load(planned, build(planned.program), initial=values)
+        with pytest.warns(RuntimeWarning, match="CUDA graphs need"):
+            engine.run(steps=2, feed=lambda _step: values)
+    assert "\n" not in engine.graph_note
