@@ -28,16 +28,17 @@ def train_config(rounds: int, clip: float | None):
     return TrainConfig(seq_len=SEQ_LEN, batch=BATCH, rounds=rounds, clip=clip, grad_norm=True)
 
 
-def main(out: str, rounds_text: str, steps: int, clip_text: str) -> None:
+def main(out: str, rounds_text: str, steps: int, clip_text: str, device: str = "cpu") -> None:
     from dataflow_training.fleet import join
     from dataflow_training.run import TrainingRun
 
     rounds = [int(r) for r in rounds_text.split(",")]
     clip = None if clip_text == "none" else float(clip_text)
-    fleet = join(rounds, BATCH, SEQ_LEN)
+    fleet = join(rounds, BATCH, SEQ_LEN, device=device)
     mine = rounds[fleet.rank]
     first = sum(rounds[: fleet.rank])
-    run = TrainingRun("gpt2", PRESET, train_config(mine, clip), seed=0, grad_share=fleet.share)
+    train = train_config(mine, clip)
+    run = TrainingRun("gpt2", PRESET, train, seed=0, grad_share=fleet.share, device=device)
     record = []
     for step in range(steps):
         batches = global_batches(step, sum(rounds))[first : first + mine]
@@ -50,4 +51,4 @@ def main(out: str, rounds_text: str, steps: int, clip_text: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], *sys.argv[5:])

@@ -44,9 +44,11 @@ def member_env(rank: int, world: int, port: int) -> dict[str, str]:
     )
 
 
-def run_fleet(tmp_path: Path, rounds: list[int], steps: int, clip: str) -> list[list]:
+def run_fleet(
+    tmp_path: Path, rounds: list[int], steps: int, clip: str, device: str = "cpu"
+) -> list[list]:
     port, world = free_port(), len(rounds)
-    args = [str(tmp_path), ",".join(map(str, rounds)), str(steps), clip]
+    args = [str(tmp_path), ",".join(map(str, rounds)), str(steps), clip, device]
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), *args],
@@ -70,12 +72,12 @@ def run_fleet(tmp_path: Path, rounds: list[int], steps: int, clip: str) -> list[
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
-def single_process(rounds: int, steps: int, clip: float | None) -> list:
+def single_process(rounds: int, steps: int, clip: float | None, device: str = "cpu") -> list:
     sys.path.insert(0, str(WORKER.parent))
     import fleet_worker as w
     from dataflow_training.run import TrainingRun
 
-    run = TrainingRun("gpt2", w.PRESET, w.train_config(rounds, clip), seed=0)
+    run = TrainingRun("gpt2", w.PRESET, w.train_config(rounds, clip), seed=0, device=device)
     record = []
     for step in range(steps):
         stats = run.step(w.global_batches(step, rounds), lr=1e-3)
@@ -108,3 +110,18 @@ def test_fleet_matches_one_process_step_for_step(tmp_path, rounds, clip):
     # the steps moved the weights: the comparison is not of copies that stand still
     first, last = reference[0][2], reference[-1][2]
     assert any(not torch.allclose(first[k], last[k], rtol=1e-3) for k in first)
+
+
+@pytest.mark.gpu
+def test_one_member_nccl_fleet_matches_one_process_on_cuda(tmp_path):
+    """NCCL on one GPU, world size 1: the all-reduce path runs on CUDA (dispatched, not
+    graph-replayed) and the member's steps equal a plain run's (share 1, the sum of one)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    fleet = run_fleet(tmp_path, [2], 2, "1.0", device="cuda")[0]
+    reference = single_process(2, 2, 1.0, device="cuda")
+    for (loss, norm, weights), (f_loss, f_norm, f_weights) in zip(reference, fleet, strict=True):
+        assert f_loss == pytest.approx(loss, rel=LOSS_RTOL)
+        assert f_norm == pytest.approx(norm, rel=LOSS_RTOL)
+        for name, value in weights.items():
+            torch.testing.assert_close(f_weights[name], value, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL)

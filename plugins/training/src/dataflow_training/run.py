@@ -348,15 +348,21 @@ class TrainingRun:
         weights, opt = self.state()
         return write_checkpoint(path, weights, opt, self.manifest(extra))
 
-    def restore(self, path: str | Path) -> dict[str, Any]:
+    def restore(self, path: str | Path, loose: Sequence[str] = ()) -> dict[str, Any]:
         """Continue from the checkpoint at ``path``; returns its manifest. A checkpoint of
-        another family, preset, overrides or training step is an error naming the field."""
+        another family, preset, overrides or training step is an error naming the field;
+        ``loose`` names training-step fields not compared (a fleet member restores a
+        checkpoint rank 0 wrote with its own ``rounds``)."""
         from dataflow_training.checkpoint import read_checkpoint, set_rng_state
 
         weights, opt, manifest, rng = read_checkpoint(path)
         mine = self.manifest()
         for field in ("family", "preset", "overrides", "train"):
-            if manifest.get(field) != mine[field]:
+            theirs, ours = manifest.get(field), mine[field]
+            if field == "train" and loose and isinstance(theirs, dict):
+                theirs = {k: v for k, v in theirs.items() if k not in loose}
+                ours = {k: v for k, v in ours.items() if k not in loose}
+            if theirs != ours:
                 raise ValueError(
                     f"checkpoint {path}: {field} is {manifest.get(field)!r}; this run's is "
                     f"{mine[field]!r}"
