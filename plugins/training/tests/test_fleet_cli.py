@@ -183,3 +183,15 @@ def test_torchrun_starts_a_fleet_on_one_host(tmp_path):
     assert done.stdout.count("done: step 2") == 1, done.stdout
     manifest = json.loads((out / "step_000002" / "manifest.json").read_text())
     assert manifest["fleet"]["rounds"] == [3, 1] and len(manifest["fleet"]["feeds"]) == 2
+
+
+def test_per_member_values_and_shares():
+    from dataflow_training.fleet import per_rank, token_shares
+
+    assert per_rank("6,2", 2, "--rounds", int) == [6, 2]
+    assert per_rank("4", 3, "--rounds", int) == [4, 4, 4]
+    with pytest.raises(ValueError, match=r"--rounds '6,2,1' gives 3 values; the fleet has 2"):
+        per_rank("6,2,1", 2, "--rounds", int)
+    with pytest.raises(ValueError, match=r"--rounds 'x,2'"):
+        per_rank("x,2", 2, "--rounds", int)
+    assert token_shares([6, 2], batch=4, seq_len=16) == [0.75, 0.25]
