@@ -126,6 +126,13 @@ def test_a_member_started_through_ssh(tmp_path):
     assert "fleet done: 2 member(s)" in text
 
 
+def test_the_shipped_example_topology_loads():
+    example = Path(__file__).resolve().parents[3] / "topology.example.toml"
+    topo = Topology.load(example)
+    a, b = topo.members("dp")
+    assert (a.ssh, b.ssh, b.listen, topo.conductor) == (None, "boxB", "10.0.0.2:29500", "boxA")
+
+
 def test_topology_errors_name_the_field(tmp_path):
     path = tmp_path / "t.toml"
     cases = {
