@@ -111,3 +111,29 @@ def test_lowered_steps_plan_into_tight_budgets(rounds: int) -> None:
     planned = plan(program, tight)
     assert planned.sim.valid and planned.sim.fast_peak_bytes <= tight
     assert simulate(planned.program).valid
+
+
+def test_a_fleet_member_all_reduces_each_gradient_after_its_last_round() -> None:
+    """``grad_share``: one ``allreduce`` per trainable group, right after the task that
+    completes the group's last-round gradient and before its ``gnorm``, mutating the
+    ``dW``, with the share in its params; the step still validates and plans."""
+    train = TrainConfig(seq_len=4, batch=2, rounds=2, clip=1.0)
+    plain = lower(ToyFamily(), "small", train).program
+    program = lower(ToyFamily(), "small", train, grad_share=0.25).program
+    tasks = list(program.tasks)
+    reduces = [t for t in tasks if t.id.startswith("allreduce_")]
+    dws = {o.id for o in program.objects if o.id.startswith("dW_")}
+    assert sorted(o for t in reduces for o in t.mutates) == sorted(dws)
+    assert len(tasks) == len(plain.tasks) + len(dws)
+    for t in reduces:
+        (dw,) = t.mutates
+        at = tasks.index(t)
+        writers = [i for i, u in enumerate(tasks) if u is not t and dw in (*u.outputs, *u.mutates)]
+        before = [i for i in writers if i < at]
+        assert before and tasks[max(before)].params["round"] == 1  # after the last round
+        assert all(tasks[i].kind == "opt" for i in writers if i > at)  # only the update after
+        gnorm = next(i for i, u in enumerate(tasks) if u.kind == "gnorm" and dw in u.inputs)
+        assert at < gnorm
+        assert t.params["share"] == 0.25
+    validate(program)
+    plan(program, minimal_budget(program))

@@ -1,7 +1,8 @@
 """Compute keys of lowered training steps: built and parsed here, nowhere else.
 
 A family task's key is ``<family>.<layer kind>.<phase>`` (``gpt2.block.backward``,
-``gpt2.head.loss``); an optimizer task's is ``optim.<optimizer>`` (``optim.adamw``); a gradient-norm task's is ``grad.norm``.
+``gpt2.head.loss``); an optimizer task's is ``optim.<optimizer>`` (``optim.adamw``); a gradient-norm task's is ``grad.norm``; a fleet's gradient all-reduce task's is
+``grad.allreduce``.
 Phases: ``embed`` layers have ``forward`` and ``backward``; block kinds have ``forward``,
 ``recompute`` and ``backward``; the ``head`` has the fused ``loss``.
 """
@@ -16,6 +17,9 @@ HEAD_PHASES = ("loss",)
 OPTIMIZER_PREFIX = "optim"
 #: the key of a ``gnorm`` task (a parameter group's squared gradient norm, for clipping)
 GRAD_NORM_KEY = "grad.norm"
+#: the key of an ``allreduce`` task (a fleet member's share of a parameter group's gradient,
+#: summed over the data-parallel group by ``torch.distributed``)
+GRAD_ALLREDUCE_KEY = "grad.allreduce"
 
 
 class ComputeKeyError(KeyError):
@@ -37,6 +41,8 @@ class ComputeKey:
     def __str__(self) -> str:
         if self.is_grad_norm:
             return GRAD_NORM_KEY
+        if self.is_grad_allreduce:
+            return GRAD_ALLREDUCE_KEY
         if self.family is None:
             return f"{OPTIMIZER_PREFIX}.{self.kind}"
         return f"{self.family}.{self.kind}.{self.phase}"
@@ -48,6 +54,10 @@ class ComputeKey:
     @property
     def is_grad_norm(self) -> bool:
         return self.family is None and (self.kind, self.phase) == ("grad", "norm")
+
+    @property
+    def is_grad_allreduce(self) -> bool:
+        return self.family is None and (self.kind, self.phase) == ("grad", "allreduce")
 
 
 def family_key(family: str, kind: str, phase: str) -> str:
@@ -62,6 +72,8 @@ def parse(key: str) -> ComputeKey:
     """The parts of ``key``; a malformed key raises ``ComputeKeyError`` naming it."""
     if key == GRAD_NORM_KEY:
         return ComputeKey(None, "grad", "norm")
+    if key == GRAD_ALLREDUCE_KEY:
+        return ComputeKey(None, "grad", "allreduce")
     parts = key.split(".")
     if len(parts) == 2 and parts[0] == OPTIMIZER_PREFIX and parts[1]:
         return ComputeKey(None, parts[1], "update")
@@ -73,5 +85,5 @@ def parse(key: str) -> ComputeKey:
     raise ComputeKeyError(
         f"compute key {key!r} is not a training key; expected <family>.embed.forward|backward, "
         "<family>.head.loss, <family>.<block kind>.forward|recompute|backward, "
-        f"optim.<optimizer> or {GRAD_NORM_KEY}"
+        f"optim.<optimizer>, {GRAD_NORM_KEY} or {GRAD_ALLREDUCE_KEY}"
     )

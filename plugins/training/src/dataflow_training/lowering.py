@@ -44,7 +44,7 @@ from dataflow_training.family import (
     embed_layer,
     head_layer,
 )
-from dataflow_training.keys import GRAD_NORM_KEY, family_key, optimizer_key
+from dataflow_training.keys import GRAD_ALLREDUCE_KEY, GRAD_NORM_KEY, family_key, optimizer_key
 from dataflow_training.layout import Layout
 from dataflow_training.optimizers import optimizer_spec
 from dataflow_training.step import ROLES, LayerInfo, PackedObject, StepLayout, TaskSlot
@@ -94,6 +94,7 @@ def lower(
     cost: RooflineCost | None = None,
     links: Links | None = None,
     keep_grads: bool = False,
+    grad_share: float | None = None,
 ) -> Lowered:
     """The Program of one training step of ``family``'s ``preset`` (with ``overrides``).
 
@@ -102,6 +103,10 @@ def lower(
     means that block in every round, a ``(round, block)`` pair that round only.
     ``keep_grads``: the step's weight gradients must end in slow memory too (for checks
     that read them back; normally they die with the optimizer tasks).
+    ``grad_share``: this step is one member of a data-parallel fleet whose tokens are this
+    share of the fleet's; an ``allreduce`` task per trainable group follows the task that
+    completes the group's last-round gradient (before its ``gnorm``), scales it by the
+    share and sums it over the fleet (``dataflow_training.fleet``).
     """
     overrides = dict(overrides or {})
     config = family.config(preset, **overrides)
@@ -371,6 +376,10 @@ def lower(
         )
 
     last = train.rounds - 1
+    if grad_share is not None:
+        _allreduce_tasks(
+            grad_share, train.rounds - 1, grads, packed, tasks=tasks, task=task, cost=cost
+        )
     norms = _grad_norm_tasks(train, tasks, task, grads, packed, cost, step, objects)
     key = optimizer_key(train.optimizer.name)
     for layer in (head, *reversed(blocks), embed):
@@ -467,31 +476,67 @@ def _grad_norm_tasks(
     measures no norm."""
     if not train.measures_grad_norm:
         return ()
-    after: dict[int, list[Task]] = {}
     norms = []
+
+    def make(layer: str, dw: str) -> None:
+        group = packed[dw].group
+        gn = group_object(f"gn_{step}", layer, group)
+        objects.append(Obj(gn, 4, Role.OUTPUT, tensor=TensorMeta("float32", ())))
+        task(
+            "gnorm",
+            train.rounds - 1,
+            layer,
+            GRAD_NORM_KEY,
+            cost.cost_us(2 * packed[dw].layout.size_bytes // 4, packed[dw].layout.size_bytes),
+            inputs={"grad": (dw,)},
+            outputs={"grad_norm": (gn,)},
+            group=group,
+        )
+        norms.append(gn)
+
+    _after_last_grad(tasks, task, grads, make)
+    return tuple(norms)
+
+
+def _after_last_grad(
+    tasks: list[Task], task: Any, grads: dict[str, tuple[str, ...]], make: Any
+) -> None:
+    """For every trainable group's ``dW``, ``make(layer, dw)`` adds one task (through
+    ``task``), which is moved to right after the task that completes ``dW``."""
+    after: dict[int, list[Task]] = {}
     for layer, dws in grads.items():
         for dw in dws:
             done = max(i for i, t in enumerate(tasks) if dw in t.outputs or dw in t.mutates)
-            group = packed[dw].group
-            gn = group_object(f"gn_{step}", layer, group)
-            objects.append(Obj(gn, 4, Role.OUTPUT, tensor=TensorMeta("float32", ())))
-            task(
-                "gnorm",
-                train.rounds - 1,
-                layer,
-                GRAD_NORM_KEY,
-                cost.cost_us(2 * packed[dw].layout.size_bytes // 4, packed[dw].layout.size_bytes),
-                inputs={"grad": (dw,)},
-                outputs={"grad_norm": (gn,)},
-                group=group,
-            )
+            make(layer, dw)
             after.setdefault(done, []).append(tasks.pop())
-            norms.append(gn)
     chain = list(tasks)
     tasks.clear()
     for i, t in enumerate(chain):
         tasks += [t, *after.get(i, ())]
-    return tuple(norms)
+
+
+def _allreduce_tasks(
+    share: float, last_round: int, grads: dict[str, tuple[str, ...]], packed: Any, **chain: Any
+) -> None:
+    """One ``allreduce`` task per trainable group (``lower``'s ``grad_share``), mutating
+    the group's ``dW``; its ``share`` is in the task's params. Priced for now as a pass
+    over the gradient on the compute stream (the collective link is not modelled)."""
+
+    def make(layer: str, dw: str) -> None:
+        size = packed[dw].layout.size_bytes
+        chain["task"](
+            "allreduce",
+            last_round,
+            layer,
+            GRAD_ALLREDUCE_KEY,
+            chain["cost"].cost_us(size // 4, 2 * size),
+            mutates={"grad": (dw,)},
+            group=packed[dw].group,
+        )
+        tasks = chain["tasks"]
+        tasks[-1] = attrs.evolve(tasks[-1], params={**tasks[-1].params, "share": share})
+
+    _after_last_grad(chain["tasks"], chain["task"], grads, make)
 
 
 def _flat(roles: dict[str, tuple[str, ...]]) -> tuple[str, ...]:

@@ -70,6 +70,9 @@ class TrainingRun:
     price the step where the profiling pass does not (off CUDA) and give its links.
     ``graph`` (CUDA only) replays every step after the first from one captured CUDA graph
     (``graph_note`` says why not, when it cannot).
+    ``grad_share`` makes the run one member of a data-parallel fleet whose tokens are that
+    share of the fleet's: each step all-reduces the gradients before the update
+    (``lower``'s ``grad_share``, ``dataflow_training.fleet``).
     After a step, ``last_result`` is the engine's ``RunResult`` of it (task spans,
     transfers, peaks: what benchmarks read); None before the first step.
     """
@@ -92,6 +95,7 @@ class TrainingRun:
         recompute: bool = True,
         cost: Any = None,
         links: Any = None,
+        grad_share: float | None = None,
     ) -> None:
         from dataflow.planning import place, plan
         from dataflow.plugins import resolvers
@@ -109,7 +113,9 @@ class TrainingRun:
             keep_grads=keep_grads,
             cost=cost,
             links=links,
+            grad_share=grad_share,
         )
+        self.fleet = grad_share is not None
         self.program = self.lowered.program
         self.layout: StepLayout = self.lowered.layout
         # Weights, optimizer state and aux are persistent: the plan is a steady-state cycle,
@@ -202,6 +208,8 @@ class TrainingRun:
         batches = self._checked(batches)
         lr = self.train.optimizer.lr if lr is None else float(lr)
         values = {"lr": lr, "update": self.updates + 1}
+        if self.fleet:
+            values["fleet"] = 1
         started = time.perf_counter()
         if self._engine is None:
             self._load(batches)
@@ -340,15 +348,21 @@ class TrainingRun:
         weights, opt = self.state()
         return write_checkpoint(path, weights, opt, self.manifest(extra))
 
-    def restore(self, path: str | Path) -> dict[str, Any]:
+    def restore(self, path: str | Path, loose: Sequence[str] = ()) -> dict[str, Any]:
         """Continue from the checkpoint at ``path``; returns its manifest. A checkpoint of
-        another family, preset, overrides or training step is an error naming the field."""
+        another family, preset, overrides or training step is an error naming the field;
+        ``loose`` names training-step fields not compared (a fleet member restores a
+        checkpoint rank 0 wrote with its own ``rounds``)."""
         from dataflow_training.checkpoint import read_checkpoint, set_rng_state
 
         weights, opt, manifest, rng = read_checkpoint(path)
         mine = self.manifest()
         for field in ("family", "preset", "overrides", "train"):
-            if manifest.get(field) != mine[field]:
+            theirs, ours = manifest.get(field), mine[field]
+            if field == "train" and loose and isinstance(theirs, dict):
+                theirs = {k: v for k, v in theirs.items() if k not in loose}
+                ours = {k: v for k, v in ours.items() if k not in loose}
+            if theirs != ours:
                 raise ValueError(
                     f"checkpoint {path}: {field} is {manifest.get(field)!r}; this run's is "
                     f"{mine[field]!r}"

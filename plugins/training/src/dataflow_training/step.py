@@ -61,7 +61,7 @@ ROLES = (
 Roles = Mapping[str, tuple[str, ...]]
 
 #: task kinds in chain order within a round, then the step's optimizer tasks
-TASK_KINDS = ("embed", "fwd", "head", "rec", "bwd", "embbwd", "gnorm", "opt")
+TASK_KINDS = ("embed", "fwd", "head", "rec", "bwd", "embbwd", "allreduce", "gnorm", "opt")
 #: what a packed object holds
 PACKED_KINDS = ("W", "dW", "O", "A", "AuxTemp", "Aux")
 

@@ -100,6 +100,8 @@ class TrainingTasks:
             return OptimizerStep(self, task, slot)
         if key.is_grad_norm:
             return GradNorm(self, task, slot)
+        if key.is_grad_allreduce:
+            return GradAllReduce(self, task, slot)
         if key.family != self.family.name:
             raise KeyError(
                 f"compute key {task.compute_key!r} is not of family {self.family.name!r}"
@@ -431,3 +433,29 @@ class GradNorm(_Exec):
         views = self.named(ctx, "grad").values()
         norms = [torch.linalg.vector_norm(v, dtype=torch.float32) for v in views]
         self.one(ctx, "grad_norm").copy_(torch.stack(norms).square().sum())
+
+
+class GradAllReduce(_Exec):
+    """A fleet member's gradient of one parameter group, scaled by the member's token
+    share (the task's ``share`` param) and summed over the default ``torch.distributed``
+    process group, so every member ends with the token-weighted mean of the fleet's
+    gradients (``dataflow_training.fleet``). One collective over the group's tensors,
+    flattened. The collective runs only when the run's values carry ``fleet`` (what
+    ``TrainingRun.step`` passes in a fleet): a profiling pass that launches the task alone
+    must not wait on members that are not launching it. Not capturable: gloo cannot be
+    captured and the collective is kept out of CUDA graphs."""
+
+    capturable = False
+
+    def launch(self, ctx: LaunchContext) -> None:
+        views = list(self.named(ctx, "grad").values())
+        flat = torch.cat([v.reshape(-1) for v in views])
+        flat.mul_(float(self.task.params["share"]))
+        if ctx.values.get("fleet"):
+            import torch.distributed as dist
+
+            dist.all_reduce(flat)
+        offset = 0
+        for v in views:
+            v.copy_(flat[offset : offset + v.numel()].view_as(v))
+            offset += v.numel()

@@ -62,6 +62,34 @@ def default_budget(device: str) -> int | None:
     return int(free)
 
 
+FLEET_HELP = {
+    "rounds": "in a fleet: each member's accumulation rounds per step (6,2: a 3:1 data split)",
+    "budgets": "in a fleet: each member's fast-memory budget (one value: every member's)",
+    "topology": "start a fleet: its hosts and groups (see docs/distributed_training.md)",
+    "group": "with --topology: the group of members to start",
+    "timeout": "seconds a fleet member waits on the others before it fails (default 60)",
+}
+
+
+def fleet_options(command: Any) -> Any:
+    """``--rounds``, ``--fast-budget``, ``--topology``, ``--group``, ``--fleet-timeout``."""
+    timeout = click.FloatRange(min=1)
+    topology = click.Path(dir_okay=False, exists=True)
+    for option in reversed(
+        (
+            click.option("--rounds", "fleet_rounds", metavar="N,N,...", help=FLEET_HELP["rounds"]),
+            click.option(
+                "--fast-budget", "fleet_budgets", metavar="SIZES", help=FLEET_HELP["budgets"]
+            ),
+            click.option("--topology", type=topology, help=FLEET_HELP["topology"]),
+            click.option("--group", help=FLEET_HELP["group"]),
+            click.option("--fleet-timeout", default=60.0, type=timeout, help=FLEET_HELP["timeout"]),
+        )
+    ):
+        command = option(command)
+    return command
+
+
 @click.command("train")
 @click.option("--preset", required=True, help="a family preset, e.g. gpt2_tiny")
 @click.option("--family", "family_name", default=None, help="default: the preset's family")
@@ -74,6 +102,7 @@ def default_budget(device: str) -> int | None:
 )
 @click.option("--batch", default=8, show_default=True, type=COUNT)
 @click.option("--ga-rounds", "rounds", default=1, show_default=True, type=COUNT)
+@fleet_options
 @click.option("--seq-len", default=64, show_default=True, type=COUNT)
 @budget_option("fast-memory budget (default: the device's free memory; CPU: unbounded)")
 @click.option("--device", default=None, type=Device(), help="default: cuda when present")
@@ -143,13 +172,35 @@ def train_command(
     profile_start,
     profile_stop,
     prof_dir,
+    fleet_rounds,
+    fleet_budgets,
+    topology,
+    group,
+    fleet_timeout,
     **rest: Any,
 ) -> None:
-    """Train a family preset on a feed: plan line, progress, metrics.jsonl, checkpoints."""
+    """Train a family preset on a feed: plan line, progress, metrics.jsonl, checkpoints.
+    With --topology and --group: start the group's members as a data-parallel fleet;
+    started as a member (torchrun, or by a conductor): train as one."""
     from dataflow.planning import InfeasibleBudget
     from dataflow.units import format_size
     from dataflow_training.checkpoint import CheckpointError
+    from dataflow_training.fleet import FleetError, in_fleet
     from dataflow_training.trainer import Interrupted, TrainingStopped, TrainOptions, train
+
+    if topology is not None or group is not None:
+        _conduct(topology, group, fleet_timeout, rest["out"], fleet_rounds, fleet_budgets)
+        return
+    fleet = None
+    if in_fleet():
+        fleet, rest["rounds"], budget_bytes = _join(
+            fleet_rounds, fleet_budgets, budget_bytes, device, rest
+        )
+    elif fleet_rounds is not None or fleet_budgets is not None:
+        raise click.UsageError(
+            "--rounds and --fast-budget are for a fleet (--topology, or torchrun); one "
+            "process takes --ga-rounds and --budget"
+        )
 
     window = _profile_window(profile, profile_start, profile_stop, prof_dir, rest)
     family_name = family_name or default_family(preset)
@@ -168,7 +219,8 @@ def train_command(
         **rest,
     )
     try:
-        summary = train(options, progress=_progress(options.steps))
+        progress = _progress(options.steps) if fleet is None or fleet.writes else None
+        summary = train(options, progress=progress, fleet=fleet)
     except InfeasibleBudget as exc:
         raise Failure(
             f"--budget {format_size(budget_bytes)} is too small for this step: the smallest "
@@ -182,10 +234,114 @@ def train_command(
     except Interrupted as exc:
         click.echo(f"stopping after step {exc.step}; wrote {exc.path}", err=True)
         raise KeyboardInterrupt from None  # the core's exit path: "interrupted", exit 130
+    except FleetError as exc:
+        raise Failure(one_line(str(exc))) from None
     except (ValueError, LookupError) as exc:
         raise Failure(one_line(str(exc))) from None
-    if summary["last"]:
+    except RuntimeError as exc:  # a collective that failed: another member is gone
+        if fleet is None:
+            raise
+        raise Failure(f"fleet member stopped: {one_line(str(exc))}") from None
+    finally:
+        if fleet is not None:
+            fleet.close()
+    if summary["last"] and (fleet is None or fleet.writes):
         click.echo(done_line(summary, options.out))
+
+
+#: options the conductor does not hand on to the members it starts
+CONDUCTOR_ONLY = ("topology", "group")
+
+
+def _conduct(
+    topology: str | None,
+    group: str | None,
+    timeout_s: float,
+    out: str,
+    rounds: str | None,
+    budgets: str | None,
+) -> None:
+    """``--topology`` with ``--group``: start the members (with this command's other
+    options) and wait for them."""
+    from pathlib import Path
+
+    from dataflow_training.conductor import Topology, conduct
+    from dataflow_training.fleet import FleetError, per_rank
+
+    if topology is None or group is None:
+        raise click.UsageError("--topology and --group go together")
+    try:
+        topo = Topology.load(topology)
+        topo.members(group)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--topology") from None
+    world = len(topo.members(group))
+    for option, text in (("--rounds", rounds), ("--fast-budget", budgets)):
+        try:
+            per_rank(text, world, option, str)
+        except ValueError as exc:
+            raise click.BadParameter(f"{exc} (group {group})", param_hint=option) from None
+    args = member_args(click.get_current_context())
+    try:
+        conduct(topo, group, args, out=Path(out), timeout_s=timeout_s)
+    except FleetError as exc:
+        raise Failure(str(exc)) from None
+    click.echo(f"fleet done: {len(topo.members(group))} member(s); checkpoints in {out}")
+
+
+def member_args(ctx: click.Context) -> list[str]:
+    """This command's options as given (not defaulted), minus the conductor's own: what
+    every member is started with."""
+    from click.core import ParameterSource
+
+    argv: list[str] = []
+    for param in ctx.command.params:
+        name = param.name
+        if name in CONDUCTOR_ONLY or not isinstance(param, click.Option):
+            continue
+        if ctx.get_parameter_source(name) in (ParameterSource.DEFAULT, None):
+            continue
+        value = ctx.params[name]
+        if param.is_flag:
+            if param.secondary_opts:
+                argv.append(param.opts[0] if value else param.secondary_opts[0])
+            elif value:
+                argv.append(param.opts[0])
+        elif value is not None:
+            argv += [param.opts[0], str(value)]
+    return argv
+
+
+def _join(
+    rounds_text: str | None, budgets_text: str | None, budget: int | None, device, rest
+) -> tuple[Any, int, int | None]:
+    """Join the fleet this process was started in: ``(fleet, this member's rounds, its
+    budget)``."""
+    import os
+
+    from dataflow.cli.options import BUDGET
+    from dataflow_training.conductor import ENV_BACKEND
+    from dataflow_training.fleet import ENV_WORLD, FleetError, join, per_rank
+
+    world = int(os.environ.get(ENV_WORLD, "1"))
+    try:
+        rounds = per_rank(rounds_text or str(rest["rounds"]), world, "--rounds", int)
+        budgets = per_rank(
+            budgets_text, world, "--fast-budget", lambda v: BUDGET.convert(v, None, None)
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    try:
+        fleet = join(
+            rounds,
+            rest["batch"],
+            rest["seq_len"],
+            device=device or default_device(),
+            backend=os.environ.get(ENV_BACKEND, "auto"),
+        )
+    except FleetError as exc:
+        raise Failure(one_line(str(exc))) from None
+    return fleet, rounds[fleet.rank], budget if budgets is None else budgets[fleet.rank]
 
 
 def done_line(summary: dict[str, Any], out: Any) -> str:

@@ -8,6 +8,12 @@ installed), a checkpoint every ``checkpoint_every`` steps and at the end. With `
 the steps of its window are traced (``dataflow_training.profiling``). A NaN or inf loss
 stops the run before anything is saved (the last checkpoint stays as it was); Ctrl-C
 finishes the step under way, writes a checkpoint and stops.
+
+In a fleet (``fleet``, a ``dataflow_training.fleet.Fleet``) every member runs this loop
+with its own rounds and budget: its feed is its rank's slice, its steps all-reduce the
+gradients, the loss it logs is the fleet's, and rank 0 alone writes metrics and
+checkpoints (one for the fleet, with every member's data position); every member
+restores from it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shutil
 import signal
 import sys
@@ -112,10 +119,12 @@ def lr_at(step: int, o: TrainOptions) -> float:
     raise ValueError(f"unknown schedule {o.schedule!r}; known: {', '.join(SCHEDULES)}")
 
 
-def open_feed(o: TrainOptions) -> Any:
+def open_feed(o: TrainOptions, rank: int = 0, world: int = 1) -> Any:
     from dataflow.plugins import feeds
 
-    return feeds().open(o.data, batch=o.batch, seq_len=o.seq_len, seed=o.seed, rank=0, world=1)
+    return feeds().open(
+        o.data, batch=o.batch, seq_len=o.seq_len, seed=o.seed, rank=rank, world=world
+    )
 
 
 def budget_text(budget_bytes: int) -> str:
@@ -161,6 +170,7 @@ def train(
     *,
     out: TextIO | None = None,
     progress: Callable[[int, int, dict[str, Any]], None] | None = None,
+    fleet: Any = None,
 ) -> dict[str, Any]:
     """Run ``o``; returns a summary (steps done, last loss, checkpoints). ``progress(step,
     steps, metrics)`` is called after every step. Lines go to ``out`` (default: stdout as
@@ -168,10 +178,13 @@ def train(
     from dataflow_training.checkpoint import latest_checkpoint, prune, step_name
     from dataflow_training.run import TrainingRun
 
-    def say(line: str) -> None:
-        print(line, file=out or sys.stdout, flush=True)
+    writes = fleet is None or fleet.writes
 
-    feed = open_feed(o)
+    def say(line: str) -> None:
+        if writes:
+            print(line, file=out or sys.stdout, flush=True)
+
+    feed = open_feed(o) if fleet is None else open_feed(o, fleet.rank, fleet.world)
     run = TrainingRun(
         o.family,
         o.preset,
@@ -182,6 +195,7 @@ def train(
         overrides=o.overrides,
         graph=o.graph,
         recompute=o.recompute,
+        grad_share=None if fleet is None else fleet.share,
     )
     vocab = getattr(feed, "vocab_size", None)
     if vocab is not None and vocab > run.vocab_size:
@@ -196,18 +210,21 @@ def train(
     if o.resume is not None:
         resumed = latest_checkpoint(o.out) if o.resume == "auto" else Path(o.resume)
         if resumed is not None:
-            manifest = run.restore(resumed)
-            if "feed" in manifest:
+            manifest = run.restore(resumed, loose=() if fleet is None else ("rounds",))
+            if fleet is not None:
+                feed.restore(_fleet_feed_state(manifest, fleet, resumed))
+            elif "feed" in manifest:
                 feed.restore(manifest["feed"])
             start = int(manifest["step"])
             history = [tuple(x) for x in manifest.get("history", [])]
     metrics_path = o.out / METRICS_FILE
-    _truncate_metrics(metrics_path, start)
+    if writes:
+        _truncate_metrics(metrics_path, start)
     say(f"data: {feed.describe()}")
     if resumed is not None:
         say(f"resumed from {resumed} (step {start})")
     say(plan_line(run))
-    board = open_tensorboard(o.out / TENSORBOARD_FOLDER, start)
+    board = open_tensorboard(o.out / TENSORBOARD_FOLDER, start) if writes else None
     if board is None:
         say(f"metrics: {metrics_path} (pip install tensorboard for TensorBoard events)")
     else:
@@ -221,7 +238,7 @@ def train(
     elif profiler is not None:
         say(profiler.describe())
     predicted = run.predicted()["step_s"]
-    tokens = o.batch * o.rounds * o.seq_len
+    tokens = o.batch * o.seq_len * (o.rounds if fleet is None else sum(fleet.rounds))
     saved: list[Path] = []
 
     def save(step: int) -> Path:
@@ -230,7 +247,12 @@ def train(
             "history": history[-HISTORY_TAIL:],
             "options": _jsonable(o),
         }
+        if fleet is not None:  # every member's data position; rank 0 writes
+            extra["fleet"] = {"rounds": list(fleet.rounds), "feeds": fleet.gather(feed.state())}
         path = o.out / step_name(step)
+        if not writes:
+            saved.append(path)
+            return path
         if path.is_dir():  # resumed from an earlier step: this one is of the old history
             say(f"replacing {path}, written by the run this one resumed before")
             shutil.rmtree(path)
@@ -246,16 +268,19 @@ def train(
         stop["interrupt"] = True
 
     previous = signal.signal(signal.SIGINT, on_sigint)
+    metrics_file = metrics_path if writes else Path(os.devnull)
     last: dict[str, Any] = {}
     fast_peak = 0
     try:
-        with metrics_path.open("a") as metrics:
+        with metrics_file.open("a") as metrics:
             for step in range(start, o.steps):
                 lr = lr_at(step, o)
                 batches = [feed.next() for _ in range(o.rounds)]
                 with profiler.step(step + 1) if profiler else contextlib.nullcontext():
                     stats = run.step(batches, lr)
-                if not all(math.isfinite(x) for x in stats.losses):
+                if fleet is not None:  # the loss of every round in the fleet
+                    stats = attrs.evolve(stats, loss=fleet.mean_loss(stats.losses))
+                if not math.isfinite(stats.loss) or not all(math.isfinite(x) for x in stats.losses):
                     kept = latest_checkpoint(o.out)
                     raise TrainingStopped(
                         f"step {step + 1}: the loss is {stats.loss} (not finite); stopped "
@@ -285,6 +310,8 @@ def train(
                 every = o.checkpoint_every
                 if (every and (step + 1) % every == 0) or step + 1 == o.steps:
                     save(step + 1)
+                if fleet is not None:  # one member's Ctrl-C stops every member
+                    stop["interrupt"] = any(fleet.gather(stop["interrupt"]))
                 if stop["interrupt"]:
                     path = saved[-1] if saved and saved[-1].name == step_name(step + 1) else None
                     raise Interrupted(step + 1, path or save(step + 1))
@@ -305,6 +332,20 @@ def train(
         "budget_bytes": o.budget_bytes,
         "trace": None if profiler is None or not profiler.steps else o.profile.trace_path,
     }
+
+
+def _fleet_feed_state(manifest: dict[str, Any], fleet: Any, path: Path) -> Any:
+    """This member's data position in a fleet checkpoint; a checkpoint of another fleet
+    shape (or of one process) is an error naming ``--rounds``."""
+    recorded = manifest.get("fleet")
+    world = len(recorded["rounds"]) if recorded else 1
+    if recorded is None or world != fleet.world:
+        raise ValueError(
+            f"checkpoint {path} was written by {world} member(s); this fleet has "
+            f"{fleet.world} (--rounds {','.join(map(str, fleet.rounds))}); resume it with "
+            "as many members"
+        )
+    return recorded["feeds"][fleet.rank]
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
