@@ -17,17 +17,16 @@ model FLOPs and MFU, and a time limit per row.
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import statistics
-import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
 import torch
+
+from dataflow.engine.backends.torch_graph import stream_activity, trace_activity
 
 #: Dense BF16 tensor-core peak of an H200 SXM, NVIDIA's datasheet figure (the H100's rate,
 #: "about 990 TFLOP/s"), as /work/.library/device/H200.md records it.
@@ -104,17 +103,6 @@ def measure_trial(
     }
 
 
-def union_us(spans: Iterable[tuple[float, float]]) -> float:
-    """Total length of the union of ``(start, end)`` intervals."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        if end <= reach:
-            continue
-        total += end - max(start, reach)
-        reach = end
-    return total
-
-
 @attrs.frozen
 class DeviceActivity:
     """One profiled step: seconds the GPU ran kernels, and per copy direction the bytes
@@ -133,46 +121,27 @@ class DeviceActivity:
 
 def device_activity(trace: dict[str, Any]) -> DeviceActivity:
     """Kernels and host<->device copies of a Chrome trace document from
-    ``torch.profiler`` (``cat`` ``kernel`` and ``gpu_memcpy``; copies named ``HtoD`` /
-    ``DtoH``; ``ts``/``dur`` in microseconds)."""
-    kernels: list[tuple[float, float]] = []
-    copies: dict[str, list[tuple[float, float]]] = {"h2d": [], "d2h": []}
-    moved = {"h2d": 0, "d2h": 0}
-    for event in trace.get("traceEvents", []):
-        if event.get("ph") != "X":
-            continue
-        span = (float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0)))
-        category, name = event.get("cat", ""), event.get("name", "")
-        if category == "kernel":
-            kernels.append(span)
-        elif category == "gpu_memcpy":
-            direction = "h2d" if "HtoD" in name else "d2h" if "DtoH" in name else None
-            if direction is not None:
-                copies[direction].append(span)
-                moved[direction] += int(event.get("args", {}).get("bytes", 0))
-    return DeviceActivity(
-        union_us(kernels) / 1e6,
-        moved["h2d"],
-        moved["d2h"],
-        union_us(copies["h2d"]) / 1e6,
-        union_us(copies["d2h"]) / 1e6,
-    )
+    ``torch.profiler`` (the engine's ``trace_activity``: ``cat`` ``kernel`` and
+    ``gpu_memcpy``; copies named ``HtoD`` / ``DtoH``; ``ts``/``dur`` in microseconds)."""
+    return _activity(trace_activity(trace.get("traceEvents", [])))
 
 
 def profile_step(step: Callable[[], Any], device: str) -> DeviceActivity | None:
     """The device's activity during one call of ``step`` (None off CUDA)."""
     if torch.device(device).type != "cuda":
         return None
-    from torch.profiler import ProfilerActivity, profile
-
     synchronize(device)
-    with tempfile.TemporaryDirectory() as folder:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
-            synchronize(device)
-        path = Path(folder) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        return device_activity(json.loads(path.read_text()))
+    return _activity(stream_activity(step))
+
+
+def _activity(found: dict[str, float]) -> DeviceActivity:
+    return DeviceActivity(
+        found["kernel_busy_us"] / 1e6,
+        int(found["h2d_bytes"]),
+        int(found["d2h_bytes"]),
+        found["h2d_busy_us"] / 1e6,
+        found["d2h_busy_us"] / 1e6,
+    )
 
 
 def idle_pct(busy_s: float, step_s: float) -> float:

@@ -178,12 +178,6 @@ def test_a_row_with_other_fields_is_refused(tmp_path) -> None:
 
 
 # -- the measuring helpers ---------------------------------------------------------------
-def test_union_of_intervals() -> None:
-    assert measure.union_us([]) == 0
-    assert measure.union_us([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20
-    assert measure.union_us([(3, 4), (0, 1)]) == 2
-
-
 def test_device_activity_reads_kernels_and_copies_of_a_profiler_trace() -> None:
     trace = {
         "traceEvents": [

@@ -77,7 +77,8 @@ class Engine:
         self._graph: Any = None
         self._graph_trace: DispatchTrace | None = None
         self._values: Any = None
-        self._executables: list[Any] = []
+        #: why the loaded program's executables cannot be captured (None: they can)
+        self._not_capturable: str | None = None
 
     # -- load --------------------------------------------------------------------------
     def load(
@@ -115,7 +116,9 @@ class Engine:
         if resolver is None:
             raise EngineLoadError("the torch backend needs a resolver to run tasks")
         executables = resolve_all(program.tasks, resolver, resolver_name)
-        self._executables = executables
+        from dataflow.engine.backends.torch_graph import not_capturable
+
+        self._not_capturable = not_capturable(program, executables)  # once, not every step
         self._allocator_base = _allocator_reset(self.device)
         self._backend = _torch_backend(program, executables, self.device, placement)
         self._put_initial(program, dict(initial or {}))
@@ -191,7 +194,7 @@ class Engine:
         """Whether to capture this step; sets ``graph_note`` (once) when it will not."""
         if not self.graph_wanted or self.graph_note is not None:
             return False
-        from dataflow.engine.backends.torch_graph import DeviceValues, not_capturable
+        from dataflow.engine.backends.torch_graph import DeviceValues
 
         reason = None
         if self.backend_name != "torch" or not self.device.startswith("cuda"):
@@ -199,9 +202,7 @@ class Engine:
         elif self._backend.fast.arena is None:
             reason = "CUDA graphs need a placed plan (Engine.load(..., placement=...))"
         else:
-            reason = DeviceValues.unsupported(values) or not_capturable(
-                self.program, self._executables
-            )
+            reason = DeviceValues.unsupported(values) or self._not_capturable
         if reason is not None:
             self._graph_off(reason)
             return False
@@ -219,9 +220,9 @@ class Engine:
             return values
         if not self.device.startswith("cuda"):
             return values
-        from dataflow.engine.backends.torch_graph import DeviceValues, not_capturable
+        from dataflow.engine.backends.torch_graph import DeviceValues
 
-        if self.device_values is None and not_capturable(self.program, self._executables):
+        if self.device_values is None and self._not_capturable is not None:
             return values
         if DeviceValues.unsupported(values) is not None:
             return values

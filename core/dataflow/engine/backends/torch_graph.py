@@ -26,7 +26,7 @@ says why in one line (``Engine.graph_note``).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from numbers import Real
 from typing import Any
 
@@ -173,10 +173,7 @@ class GraphCapture:
 
 def stream_activity(run_one: Any) -> dict[str, float]:
     """What the device did while ``run_one()`` ran (one replayed step), from a
-    torch.profiler trace of it: per stream kind, the microseconds it was busy (the union
-    of its kernels' or copies' intervals), and the span from the first activity's start
-    to the last one's end. The compute stream is the one that ran kernels; copies are
-    split by direction (``h2d``, ``d2h``)."""
+    torch.profiler trace of it (``trace_activity``)."""
     import json
     import tempfile
     from pathlib import Path
@@ -189,32 +186,46 @@ def stream_activity(run_one: Any) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
-    spans: dict[str, list[tuple[float, float]]] = {"compute": [], "h2d": [], "d2h": []}
+        return trace_activity(json.loads(path.read_text()).get("traceEvents", []))
+
+
+def trace_activity(events: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The device's activity in torch.profiler trace events (``cat`` ``kernel`` and
+    ``gpu_memcpy``, ``ts``/``dur`` in microseconds): per stream kind the microseconds it
+    was busy (the union of its intervals), and the span from the first activity's start to
+    the last one's end. ``compute`` is the kernels and the device-to-device copies,
+    ``kernel`` the kernels alone; copies to and from the host are split by direction
+    (``h2d``, ``d2h``, also with their ``_bytes``)."""
+    spans: dict[str, list[tuple[float, float]]] = {"kernel": [], "dtod": [], "h2d": [], "d2h": []}
+    moved = {"h2d": 0, "d2h": 0}
     for event in events:
         if event.get("ph") != "X" or "dur" not in event:
             continue
         category, name = event.get("cat", ""), event.get("name", "")
         start, end = float(event["ts"]), float(event["ts"]) + float(event["dur"])
         if category == "kernel":
-            spans["compute"].append((start, end))
+            spans["kernel"].append((start, end))
         elif category == "gpu_memcpy":
-            if "HtoD" in name:
-                spans["h2d"].append((start, end))
-            elif "DtoH" in name:
-                spans["d2h"].append((start, end))
-            else:
-                spans["compute"].append((start, end))
-    everything = [s for lst in spans.values() for s in lst]
-    if not everything:
-        return {"span_us": 0.0, "compute_busy_us": 0.0, "h2d_busy_us": 0.0, "d2h_busy_us": 0.0}
-    result = {"span_us": max(e for _, e in everything) - min(s for s, _ in everything)}
-    for kind, intervals in spans.items():
-        result[f"{kind}_busy_us"] = _union_us(intervals)
+            kind = "h2d" if "HtoD" in name else "d2h" if "DtoH" in name else "dtod"
+            spans[kind].append((start, end))
+            if kind in moved:
+                moved[kind] += int(event.get("args", {}).get("bytes", 0))
+    everything = [span for intervals in spans.values() for span in intervals]
+    result = {
+        "span_us": max(e for _, e in everything) - min(s for s, _ in everything)
+        if everything
+        else 0.0,
+        "compute_busy_us": union_us(spans["kernel"] + spans["dtod"]),
+        "kernel_busy_us": union_us(spans["kernel"]),
+        "h2d_busy_us": union_us(spans["h2d"]),
+        "d2h_busy_us": union_us(spans["d2h"]),
+    }
+    result.update({f"{kind}_bytes": float(count) for kind, count in moved.items()})
     return result
 
 
-def _union_us(intervals: list[tuple[float, float]]) -> float:
+def union_us(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length of the union of ``(start, end)`` intervals."""
     total, reach = 0.0, float("-inf")
     for start, end in sorted(intervals):
         if end <= reach:

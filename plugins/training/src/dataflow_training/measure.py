@@ -18,6 +18,7 @@ from dataflow_training.hardware import HardwareEntry
 from dataflow_training.predict import (
     Cell,
     _one_line,
+    each_cell,
     infeasible_row,
     position_overrides,
     row_of,
@@ -126,9 +127,4 @@ def measure(
     **options: Any,
 ) -> list[dict[str, Any]]:
     """Every cell's row (``measure_cell``), ``progress(row)`` after each."""
-    rows = []
-    for cell in cells:
-        rows.append(measure_cell(family, cell, hw, **options))
-        if progress is not None:
-            progress(rows[-1])
-    return rows
+    return each_cell(measure_cell, family, cells, hw, progress, **options)

@@ -250,9 +250,22 @@ def predict(
     **options: Any,
 ) -> list[dict[str, Any]]:
     """Every cell's row (``predict_cell``), ``progress(row)`` after each."""
+    return each_cell(predict_cell, family, cells, hw, progress, **options)
+
+
+def each_cell(
+    row_of_cell: Callable[..., dict[str, Any]],
+    family: Any,
+    cells: Iterable[Cell],
+    hw: HardwareEntry,
+    progress: Callable[[dict[str, Any]], None] | None,
+    **options: Any,
+) -> list[dict[str, Any]]:
+    """``row_of_cell(family, cell, hw, **options)`` for every cell, ``progress(row)``
+    after each (``predict`` and ``measure``)."""
     rows = []
     for cell in cells:
-        rows.append(predict_cell(family, cell, hw, **options))
+        rows.append(row_of_cell(family, cell, hw, **options))
         if progress is not None:
             progress(rows[-1])
     return rows
