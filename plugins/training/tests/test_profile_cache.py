@@ -109,3 +109,13 @@ def test_the_real_cache_key_names_the_device_and_kernels(tmp_path) -> None:
     assert cache.context["device"].startswith("cpu ")
     assert cache.context["kernels"][0] == "resolver torch"
     assert cache.context["version"] == profile.PROFILE_VERSION
+
+
+def test_the_same_tokens_split_differently_is_another_signature() -> None:
+    """64 x 1024 and 16 x 4096 tokens give every task the same bytes, but attention four
+    times the work per token: a cached cost of one must not price the other."""
+    wide = lower(ToyFamily(), "small", TrainConfig(seq_len=8, batch=4, rounds=1)).program
+    long = lower(ToyFamily(), "small", TrainConfig(seq_len=16, batch=2, rounds=1)).program
+    assert [o.size_bytes for o in wide.objects] == [o.size_bytes for o in long.objects]
+    for a, b in zip(wide.tasks, long.tasks, strict=True):
+        assert signature(wide, a) != signature(long, b)
