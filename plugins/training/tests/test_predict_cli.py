@@ -141,3 +141,24 @@ def test_bad_options_are_one_line(args, culprits) -> None:
 def test_measure_needs_a_measured_step(tmp_path) -> None:
     result = invoke("measure", *ONE, "--budget", "1", "--steps", "2", "--warmup", "2")
     assert_one_line_error(result, 2, "--warmup", "--steps")
+
+
+def test_a_cell_that_runs_over_its_budget_is_a_row_that_says_so(tmp_path, monkeypatch) -> None:
+    """The engine refuses a step whose allocator peak left the budget (CUDA); ``measure``
+    reports that cell as a row and goes on with the grid."""
+    from dataflow_training.run import TrainingRun
+
+    from dataflow.engine import BudgetBreachError
+
+    def breach(self, batches, lr=None):
+        raise BudgetBreachError("the CUDA allocator's peak during load and run was 3 bytes")
+
+    monkeypatch.setattr(TrainingRun, "step", breach)
+    out = tmp_path / "fidelity.json"
+    result = invoke("measure", *ONE, "--budget", "1,2", "--device", "cpu", "--json", out)
+    assert result.exit_code == 0, result.output
+    rows = _rows(out)
+    assert len(rows) == 2
+    for row in rows:
+        assert not row["feasible"]
+        assert row["reason"].startswith("ran over the budget: the CUDA allocator's peak")

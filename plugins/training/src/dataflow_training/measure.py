@@ -44,6 +44,7 @@ def measure_cell(
     allocator's peak (CUDA)."""
     import torch
 
+    from dataflow.engine import BudgetBreachError
     from dataflow.planning import PlanningError
     from dataflow_training.run import TrainingRun
 
@@ -96,6 +97,10 @@ def measure_cell(
             peaks.append(stats.allocator_peak_bytes)
     except (PlanningError, ValueError) as exc:
         return infeasible_row(cell, extra, _one_line(str(exc)))
+    except BudgetBreachError as exc:
+        # The engine refuses a step whose allocator peak left the budget: the cell did not
+        # run inside it, which is a result to report, not a crash of the grid.
+        return infeasible_row(cell, extra, f"ran over the budget: {_one_line(str(exc))}")
     except torch.cuda.OutOfMemoryError as exc:
         return infeasible_row(cell, extra, f"out of device memory: {_one_line(str(exc))[:200]}")
     finally:
