@@ -75,16 +75,15 @@ class MoEFamilyChecks(DecoderFamilyChecks):
         readers = {t.id for t in program.tasks if "Aux_moe" in t.inputs}
         assert readers == {f"bwd_0_2_{i}" for i in range(config.num_hidden_layers)}
 
-    def test_the_step_pools_the_balance_term_over_layers_and_rounds(self):
+    def test_the_step_pools_the_balance_term_over_layers_and_rounds(self, family):
         """Three rounds of two steps against the float64 reference (the balance term
         from the step's counts pooled over layers and rounds, the last round's pooled
         probabilities), with the term made large: every loss, gradient and weight within
         the fp32 step tolerance; and the term moves the router's gradient by far more
-        than that tolerance, so a wrong term would fail."""
-        from dataflow_training.family import load_family
+        than that tolerance, so a wrong term would fail (each layer's own counts, the
+        old per-layer Aux, miss the router's gradient by over 80 %)."""
         from dataflow_training.verify import TOLERANCES, step_checks
 
-        family = load_family(self.family_name)
         tolerance = TOLERANCES["fp32"]["step"]
         shape = {"batch": 2, "seq_len": 8, "steps": 2, "rounds": 3}
 
