@@ -121,9 +121,11 @@ class Engine:
         self._not_capturable = not_capturable(program, executables)  # once, not every step
         self._allocator_base = _allocator_reset(self.device)
         self._backend = _torch_backend(program, executables, self.device, placement)
-        self._put_initial(program, dict(initial or {}))
+        self._put_initial(program, {} if initial is None else initial)
 
-    def _put_initial(self, program: Program, initial: dict[str, Any]) -> None:
+    def _put_initial(self, program: Program, initial: Mapping[str, Any]) -> None:
+        """Each start value copied in as it is looked up (once per object), so a lazy
+        mapping never holds every value at once."""
         at_start = [obj.id for obj in program.objects if program.exists_at_start(obj.id)]
         missing = [obj for obj in at_start if obj not in initial]
         unknown = [obj for obj in initial if obj not in at_start]

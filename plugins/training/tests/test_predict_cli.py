@@ -5,6 +5,7 @@ profile cache behind ``--measured``, and the one-line errors."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -113,6 +114,7 @@ def test_measure_runs_each_cell_beside_its_prediction(tmp_path) -> None:
     for key in ("preset", "t_round", "seq_len", "budget_bytes", "predicted_step_s"):
         assert key in run
     assert len(run["steps_s"]) == 3 and run["warmup"] == 1
+    assert len(run["losses"]) == 3 and all(abs(x - math.log(256)) < 1.0 for x in run["losses"])
     assert run["measured_step_s"] == pytest.approx(
         sorted(run["steps_s"][1:])[0] / 2 + sorted(run["steps_s"][1:])[1] / 2
     )

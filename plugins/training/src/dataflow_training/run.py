@@ -32,7 +32,7 @@ from dataflow_training.config import TrainConfig
 from dataflow_training.family import Family, embed_layer, load_family
 from dataflow_training.lowering import Lowered, lower
 from dataflow_training.step import StepLayout
-from dataflow_training.values import read_state, start_values
+from dataflow_training.values import StartValues, read_state, start_values
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -265,14 +265,19 @@ class TrainingRun:
     def _load(self, batches: list[Batch]) -> None:
         from dataflow.engine import Engine
 
-        initial = start_values(self.program, self._weights, lambda _step, r: batches[r])
-        for obj_id, raw in (self._opt_state or {}).items():
-            if obj_id not in initial or initial[obj_id].shape != raw.shape:
+        opt_state = self._opt_state or {}
+        for obj_id, raw in opt_state.items():
+            packed = self.layout.packed.get(obj_id)
+            if packed is None or packed.kind != "O" or (packed.layout.size_bytes,) != raw.shape:
                 raise ValueError(
                     f"optimizer state {obj_id!r} does not fit this step's layout "
                     f"({tuple(raw.shape)} bytes given)"
                 )
-            initial[obj_id] = raw.clone()
+        # built object by object as the engine copies them in: the host holds the pinned
+        # pool, the weights and one object's bytes at a time, not every start value at once
+        initial = StartValues(
+            self.program, self._weights, lambda _step, r: batches[r], given=opt_state
+        )
         engine = Engine(
             "torch", budget_bytes=self.budget_bytes, device=self.device, graph=self.graph
         )

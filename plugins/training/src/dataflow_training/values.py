@@ -39,6 +39,52 @@ def packed_buffer(
     return buffer
 
 
+class StartValues(Mapping[str, torch.Tensor]):
+    """``start_values`` built one object at a time, as the engine asks for each (a 30B
+    model's zero optimizer state alone would take tens of GB if built at once, beside
+    the pinned pool the engine copies it into). ``given`` replaces an object's value
+    (optimizer state carried over); every other value is made afresh on each lookup and
+    kept by nobody here."""
+
+    def __init__(
+        self,
+        program: Program,
+        state: Mapping[str, torch.Tensor],
+        data: Data,
+        *,
+        step: int = 0,
+        given: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.program, self.state, self.data, self.step = program, state, data, step
+        self.layout = StepLayout.of(program)
+        self.given = dict(given or {})
+        self._ids = [o.id for o in program.objects if program.exists_at_start(o.id)]
+        self._roles = {o.id: o.role for o in program.objects if o.id in set(self._ids)}
+        unknown = sorted(set(self.given) - set(self._ids))
+        if unknown:
+            raise KeyError(f"start values given for objects that do not start: {unknown}")
+
+    def __getitem__(self, obj_id: str) -> torch.Tensor:
+        if obj_id not in self._roles:
+            raise KeyError(obj_id)
+        if obj_id in self.given:
+            return self.given[obj_id]
+        if self._roles[obj_id] == "data":
+            tokens, targets = self.data(self.step, _round_of(obj_id))
+            return tokens if obj_id.startswith("x_") else targets
+        packed = self.layout.packed[obj_id]
+        return packed_buffer(self.layout, obj_id, self.state if packed.kind == "W" else None)
+
+    def __contains__(self, obj_id: object) -> bool:  # without building the value
+        return obj_id in self._roles
+
+    def __iter__(self):
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
 def start_values(
     program: Program,
     state: Mapping[str, torch.Tensor],
@@ -50,17 +96,13 @@ def start_values(
     """Every object that exists at the program's start: parameters from ``state``, zero
     optimizer state and Aux, and ``step``'s tokens and targets from ``data``. With
     ``data_only``, just the tokens and targets (the feed of a later step)."""
-    layout = None if data_only else StepLayout.of(program)  # parsing it costs host time
-    values: dict[str, torch.Tensor] = {}
+    if not data_only:
+        return dict(StartValues(program, state, data, step=step))
+    values: dict[str, torch.Tensor] = {}  # the step layout is not parsed: it costs host time
     for obj in program.objects:
-        if not program.exists_at_start(obj.id):
-            continue
-        if obj.role == "data":
+        if program.exists_at_start(obj.id) and obj.role == "data":
             tokens, targets = data(step, _round_of(obj.id))
             values[obj.id] = tokens if obj.id.startswith("x_") else targets
-        elif layout is not None:
-            packed = layout.packed[obj.id]
-            values[obj.id] = packed_buffer(layout, obj.id, state if packed.kind == "W" else None)
     return values
 
 
