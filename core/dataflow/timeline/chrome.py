@@ -15,7 +15,7 @@ from typing import Any
 from dataflow.timeline.records import Timeline
 
 #: thread id of each track inside a timeline's process
-TRACKS = {"compute": 1, "h2d": 2, "d2h": 3}
+TRACKS = {"compute": 1, "h2d": 2, "d2h": 3, "collective": 4}
 
 
 def chrome_trace(*timelines: Timeline) -> dict[str, Any]:
@@ -59,7 +59,10 @@ def _process_events(pid: int, timeline: Timeline) -> list[dict[str, Any]]:
         _meta(pid, 0, "process_name", {"name": timeline.name}),
         _meta(pid, 0, "process_sort_index", {"sort_index": pid}),
     ]
+    used = {"compute", "h2d", "d2h"} | {span.track for span in timeline.tasks}
     for name, tid in TRACKS.items():
+        if name not in used:
+            continue  # the collective track only where a fleet's all-reduces ran
         events.append(_meta(pid, tid, "thread_name", {"name": name}))
         events.append(_meta(pid, tid, "thread_sort_index", {"sort_index": tid}))
     for span in timeline.tasks:
@@ -71,7 +74,7 @@ def _process_events(pid: int, timeline: Timeline) -> list[dict[str, Any]]:
                 "ts": span.start_us,
                 "dur": span.duration_us,
                 "pid": pid,
-                "tid": TRACKS["compute"],
+                "tid": TRACKS[span.track],
                 "args": {"task": span.task_id, "kind": span.kind, **span.args},
             }
         )
