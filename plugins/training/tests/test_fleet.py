@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,44 +31,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def member_env(rank: int, world: int, port: int) -> dict[str, str]:
-    return dict(
-        os.environ,
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo",
-        DATAFLOW_FLEET_TIMEOUT_S="30",
-    )
-
-
 def run_fleet(
     tmp_path: Path, rounds: list[int], steps: int, clip: str, device: str = "cpu"
 ) -> list[list]:
-    port, world = free_port(), len(rounds)
+    from dataflow_training.fleet import run_on_loopback
+
     args = [str(tmp_path), ",".join(map(str, rounds)), str(steps), clip, device]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), *args],
-            env=member_env(rank, world, port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=FLEET_TIMEOUT_S)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for proc, text in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, text
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    env = dict(os.environ, DATAFLOW_FLEET_TIMEOUT_S="30")
+    argv = [sys.executable, str(WORKER), *args]
+    for code, text in run_on_loopback([argv] * len(rounds), FLEET_TIMEOUT_S, env):
+        assert code == 0, text
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(len(rounds))]
 
 
 def single_process(rounds: int, steps: int, clip: float | None, device: str = "cpu") -> list:

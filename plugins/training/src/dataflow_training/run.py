@@ -179,9 +179,8 @@ class TrainingRun:
             cache=cache,
             graph=self.graph,
         )
-        self.program = attrs.evolve(
-            apply_profile(self.program, profiles), links=measure_links(self.device)
-        )
+        links = attrs.evolve(measure_links(self.device), collective=self.program.links.collective)
+        self.program = attrs.evolve(apply_profile(self.program, profiles), links=links)
         if options["planner"] is RECOMPUTE:  # candidates priced by measurements too
 
             def measured(program: Any) -> dict:

@@ -196,6 +196,7 @@ def train(
         graph=o.graph,
         recompute=o.recompute,
         grad_share=None if fleet is None else fleet.share,
+        links=fleet_links(fleet, o.device),
     )
     vocab = getattr(feed, "vocab_size", None)
     if vocab is not None and vocab > run.vocab_size:
@@ -368,3 +369,19 @@ def elapsed_eta(started: float, done: int, total: int) -> float:
     """Seconds left at the pace so far."""
     spent = time.perf_counter() - started
     return spent / max(done, 1) * max(total - done, 0)
+
+
+#: The hardware entry whose collective link prices a GPU fleet's all-reduce (the links to
+#: pinned host memory are measured on the device; the collective link is not yet).
+FLEET_HARDWARE = "h200"
+
+
+def fleet_links(fleet: Any, device: str) -> Any:
+    """A GPU fleet's step is planned with the collective link of the hardware table, for
+    its size and scope (one host or several); on CPUs the lowering's assumed link."""
+    if fleet is None or not device.startswith("cuda"):
+        return None
+    from dataflow.schema import Links
+    from dataflow_training.hardware import hardware
+
+    return Links(collective=hardware(FLEET_HARDWARE).collective_link(fleet.world, fleet.scope))
