@@ -71,6 +71,8 @@ class TrainOptions:
     rounds: int = 1
     seq_len: int = 64
     budget_bytes: int | None = None
+    #: the backing (pinned host) budget of the step's plan; None: unbounded
+    backing_bytes: int | None = None
     device: str = "cpu"
     checkpoint_every: int | None = None
     resume: str | None = None
@@ -190,6 +192,7 @@ def train(
         o.preset,
         o.train_config(),
         budget_bytes=o.budget_bytes,
+        backing_bytes=o.backing_bytes,
         device=o.device,
         seed=o.seed,
         overrides=o.overrides,
