@@ -148,9 +148,10 @@ def run(
 
     while error is None:
         # Passes at this instant: completions (collective task, task, d2h, h2d), dispatch,
-        # d2h start, h2d start. Only a completion can enable more (a start never enables a dispatch or
-        # the other link's start), so passes repeat while something ends at this instant:
-        # a zero-cost task dispatched in this pass.
+        # d2h start, h2d start. Only a completion can enable more (a transfer's start never
+        # enables a dispatch or the other link's start; a collective task's dispatch lets
+        # the next task dispatch, which the dispatch loop does at once), so passes repeat
+        # while something ends at this instant: a zero-cost task dispatched in this pass.
         while error is None:
             # completions: the collective task first, then the compute task
             while task_end <= now or coll_end <= now:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -69,6 +70,8 @@ def test_fleet_matches_one_process_step_for_step(tmp_path, rounds, clip):
     steps = 3
     fleet = run_fleet(tmp_path, rounds, steps, clip)
     reference = single_process(sum(rounds), steps, None if clip == "none" else float(clip))
+    for rank in range(len(rounds)):  # the all-reduces kept the collective link's order
+        assert json.loads((tmp_path / f"rank{rank}_order.json").read_text()) == []
     for step, (loss, norm, weights) in enumerate(reference):
         for rank, record in enumerate(fleet):
             f_loss, f_norm, f_weights = record[step]
@@ -91,6 +94,8 @@ def test_one_member_nccl_fleet_matches_one_process_on_cuda(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     fleet = run_fleet(tmp_path, [2], 2, "1.0", device="cuda")[0]
+    # the all-reduces ran on the collective stream in the execution model's order
+    assert json.loads((tmp_path / "rank0_order.json").read_text()) == []
     reference = single_process(2, 2, 1.0, device="cuda")
     for (loss, norm, weights), (f_loss, f_norm, f_weights) in zip(reference, fleet, strict=True):
         assert f_loss == pytest.approx(loss, rel=LOSS_RTOL)
