@@ -2,7 +2,8 @@
 
 Programs come from a random annotator that gets every object where it is needed (so most
 runs are valid; prologue directives included), under random budgets (so some deadlock or fail): valid programs must give
-identical timelines; failing ones must fail in both, with the same kind and task.
+identical timelines; failing ones must fail in both, with the same kind and task. Some
+programs put tasks on the collective link (all-reduces overlapping the compute after them).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataflow.testing import strategies
 
 
 @st.composite
-def annotated_programs(draw) -> Program:
+def annotated_programs(draw, collectives: bool = False) -> Program:
     n_start = draw(st.integers(1, 5))
     objects = [
         Obj(f"o{i}", draw(st.integers(1, 400)), "param", draw(st.sampled_from(["fast", "slow"])))
@@ -29,7 +30,8 @@ def annotated_programs(draw) -> Program:
     tasks: list[dict] = []
     for index in range(draw(st.integers(1, 10))):
         uses = draw(st.lists(st.sampled_from(existing), min_size=1, max_size=3, unique=True))
-        mutates = uses[:1] if draw(st.booleans()) else []
+        on_link = collectives and draw(st.integers(0, 2)) == 0
+        mutates = uses[:1] if on_link or draw(st.booleans()) else []
         outputs = [f"t{index}o{k}" for k in range(draw(st.integers(0, 2)))]
         objects += [Obj(out, draw(st.integers(1, 300)), "activation") for out in outputs]
         existing += outputs
@@ -41,7 +43,8 @@ def annotated_programs(draw) -> Program:
                 "inputs": [u for u in uses if u not in mutates],
                 "mutates": mutates,
                 "outputs": outputs,
-                "cost_us": float(draw(st.integers(0, 50))),
+                "cost_us": 0.0 if on_link else float(draw(st.integers(0, 50))),
+                "resource": "collective" if on_link else "compute",
                 "workspace_bytes": draw(st.integers(0, 100)),
                 "releases": [],
                 "offloads": [],
@@ -53,6 +56,9 @@ def annotated_programs(draw) -> Program:
     links = Links(
         h2d=Link(float(draw(st.integers(1, 40))), float(draw(st.integers(0, 5)))),
         d2h=Link(float(draw(st.integers(1, 40))), float(draw(st.integers(0, 5)))),
+        collective=Link(float(draw(st.integers(1, 40))), float(draw(st.integers(0, 5))))
+        if collectives
+        else None,
     )
     program = Program(
         name="random",
@@ -129,7 +135,7 @@ def _normalized(counter) -> list[tuple[float, int]]:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(annotated_programs() | strategies.annotated_chains())
+@given(annotated_programs() | annotated_programs(collectives=True) | strategies.annotated_chains())
 def test_virtual_backend_reproduces_the_simulator(program: Program) -> None:
     predicted = simulate(program)
     engine = Engine("virtual")
@@ -158,6 +164,22 @@ def test_virtual_backend_reproduces_the_simulator(program: Program) -> None:
     assert trace.fast_peak_bytes == predicted.fast_peak_bytes
     assert trace.slow_peak_bytes == predicted.slow_peak_bytes
     assert trace.makespan_us == predicted.makespan_us
+
+
+def test_collective_tasks_overlap_compute_in_generated_programs() -> None:
+    """Guard against a vacuous property for the collective link: some valid generated
+    programs run a collective task while a compute task runs."""
+    overlapped = []
+
+    @settings(max_examples=100, deadline=None, database=None)
+    @given(annotated_programs(collectives=True))
+    def collect(program: Program) -> None:
+        result = simulate(program)
+        if result.valid and result.collective.transfers:
+            overlapped.append(result.collective_exposed_us < result.collective.busy_us)
+
+    collect()
+    assert sum(overlapped) >= 5, f"only {sum(overlapped)} of {len(overlapped)} overlapped"
 
 
 def test_the_generator_makes_mostly_valid_programs() -> None:

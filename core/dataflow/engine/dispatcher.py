@@ -21,15 +21,23 @@ from dataflow.sim.failure import FailureKind
 class OpKind(enum.IntEnum):
     """What completed; the values are the tie order at one instant."""
 
-    TASK = 0
-    D2H = 1
-    H2D = 2
+    TASK = 1
+    D2H = 2
+    H2D = 3
+    #: a collective task (an all-reduce on the collective link): it ends before a compute
+    #: task that ends at the same instant
+    COLLECTIVE = 0
+
+    @classmethod
+    def of(cls, task) -> OpKind:
+        """The kind of a task's operation: where it runs."""
+        return cls.COLLECTIVE if task.collective else cls.TASK
 
 
 @attrs.frozen
 class Completion:
     kind: OpKind
-    ref: int  # task index, or transfer serial
+    ref: int  # task index (TASK, COLLECTIVE), or transfer serial
     start_us: float
     end_us: float
 
@@ -134,7 +142,9 @@ class Dispatcher:
         self.tasks = program.tasks
         self.ledger = Ledger(program, fast_budget_bytes, slow_budget_bytes)
         self.next_task = 0
-        self.running_task: int | None = None
+        self.running_task: int | None = None  # the compute task running
+        self.running_collective: int | None = None  # the collective task running
+        self.held: frozenset[str] = frozenset()  # the objects the running collective uses
         self.queues: dict[str, deque[TransferRecord]] = {"d2h": deque(), "h2d": deque()}
         self.running: dict[str, TransferRecord | None] = {"d2h": None, "h2d": None}
         self.transfers: list[TransferRecord] = []
@@ -156,7 +166,11 @@ class Dispatcher:
                 self._count_fast()
             self._loop()
         except OpFailed as failed:  # an executable or a copy raised, at launch or later
-            task = self.tasks[failed.ref].id if failed.kind is OpKind.TASK else None
+            task = (
+                self.tasks[failed.ref].id
+                if failed.kind in (OpKind.TASK, OpKind.COLLECTIVE)
+                else None
+            )
             raise EngineRunError(
                 "error",
                 str(failed),
@@ -166,8 +180,8 @@ class Dispatcher:
                 resident=tuple(self.ledger.resident_objects()),
             ) from failed.cause
         self._check_final_locations()
-        return DispatchTrace(
-            tasks=tuple(self.task_records),
+        return DispatchTrace(  # tasks in chain order (a collective may end after later ones)
+            tasks=tuple(sorted(self.task_records, key=lambda record: record.index)),
             transfers=tuple(self.transfers),
             fast_counter=tuple(self.fast_counter),
             slow_counter=tuple(self.slow_counter),
@@ -182,7 +196,8 @@ class Dispatcher:
                 pass
             if self._finished():
                 return
-            if self.running_task is None and not any(self.running.values()):
+            idle = self.running_task is None and self.running_collective is None
+            if idle and not any(self.running.values()):
                 self._deadlock()
             for completion in self.backend.wait():
                 self._complete(completion)
@@ -191,19 +206,34 @@ class Dispatcher:
         return (
             self.next_task == len(self.tasks)
             and self.running_task is None
+            and self.running_collective is None
             and not any(self.queues.values())
             and not any(self.running.values())
         )
 
     # -- starting work -----------------------------------------------------------------
     def _dispatch(self) -> bool:
+        """Dispatch the next task if it can start; a collective task that starts lets the
+        task after it start at the same instant (docs/execution_model.md)."""
+        dispatched = False
+        while self._dispatch_next():
+            dispatched = True
+            if self.running_task is not None:
+                break
+        return dispatched
+
+    def _dispatch_next(self) -> bool:
         if self.running_task is not None or self.next_task == len(self.tasks):
             return False
         task = self.tasks[self.next_task]
         ledger = self.ledger
-        if self.checked_task != self.next_task:  # it just became next: what can never improve
+        busy_link = self.running_collective is not None
+        if self.checked_task != self.next_task and not busy_link:
+            # it is next and nothing before it runs: what can never improve
             self.checked_task = self.next_task
             self._check_next(task)
+        if busy_link and (task.collective or self.held.intersection(task.inputs + task.mutates)):
+            return False  # the link is taken, or the task uses what is being reduced
         for obj in task.inputs + task.mutates:
             if ledger.fast[obj] is not Fast.RESIDENT or obj in ledger.offload_pending:
                 return False
@@ -218,9 +248,14 @@ class Dispatcher:
         for obj in task.outputs:
             self.backend.alloc_fast(obj)
         self._count_fast()
-        self.running_task = self.next_task
+        index = self.next_task
         self.next_task += 1
-        self.backend.launch_task(self.running_task)
+        if task.collective:
+            self.running_collective = index
+            self.held = frozenset(task.uses)
+        else:
+            self.running_task = index
+        self.backend.launch_task(index)
         return True
 
     def _check_next(self, task) -> None:
@@ -276,7 +311,7 @@ class Dispatcher:
     # -- completions -------------------------------------------------------------------
     def _complete(self, completion: Completion) -> None:
         self.end_us = max(self.end_us, completion.end_us)
-        if completion.kind is OpKind.TASK:
+        if completion.kind in (OpKind.TASK, OpKind.COLLECTIVE):
             self._complete_task(completion)
             return
         direction = "d2h" if completion.kind is OpKind.D2H else "h2d"
@@ -297,7 +332,10 @@ class Dispatcher:
         index = completion.ref
         task, ledger = self.tasks[index], self.ledger
         self.task_records.append(TaskRecord(index, task.id, completion.start_us, completion.end_us))
-        self.running_task = None
+        if completion.kind is OpKind.COLLECTIVE:
+            self.running_collective, self.held = None, frozenset()
+        else:
+            self.running_task = None
         ledger.free_fast(task.workspace_bytes)
         for obj in task.outputs:
             ledger.fast[obj] = Fast.RESIDENT
@@ -415,6 +453,14 @@ class Dispatcher:
 
     def _require_resident(self, task_id: str, kind: FailureKind, directive: str, obj: str) -> None:
         ledger = self.ledger
+        if obj in self.held:
+            self._error(
+                kind,
+                f"task {task_id!r} {directive}s {obj!r}, which the collective task "
+                f"{self.tasks[self.running_collective].id!r} is still reducing",
+                task_id,
+                (obj,),
+            )
         if ledger.fast[obj] is not Fast.RESIDENT:
             self._error(
                 kind,

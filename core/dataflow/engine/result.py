@@ -107,6 +107,7 @@ class RunResult:
                         "cost_us": tasks[record.task].cost_us,
                         "measured_us": record.end_us - record.start_us,
                     },
+                    track="collective" if tasks[record.task].collective else "compute",
                 )
                 for record in trace.tasks
             ],

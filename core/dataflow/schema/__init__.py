@@ -6,7 +6,7 @@ Pure Python: importing it never imports torch.
 from dataflow.schema.converter import PROGRAM_SCHEMA, SchemaError
 from dataflow.schema.objects import DTYPE_BYTES, Location, Obj, Role, TensorMeta
 from dataflow.schema.program import Budget, Link, Links, Program
-from dataflow.schema.tasks import PROLOGUE, Directive, Prologue, Task
+from dataflow.schema.tasks import PROLOGUE, Directive, Prologue, Resource, Task
 from dataflow.schema.validate import Problem, validate
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "Problem",
     "Program",
     "Prologue",
+    "Resource",
     "Role",
     "SchemaError",
     "Task",

@@ -3,7 +3,9 @@
 Rules: unknown keys are errors; scalars are not coerced (``"5"`` is not an int); every
 document carries ``"schema": "dataflow.program/v2"`` and older versions migrate forward
 through explicit dict -> dict steps in ``MIGRATIONS``. An empty ``prologue`` and an empty
-``persistent`` list are left out of what is written.
+``persistent`` list are left out of what is written, and so are a task's default
+``resource`` (compute) and an absent collective link: a program without collectives
+reads and writes exactly as before they existed.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 from cattrs.gen import make_dict_unstructure_fn, override
 
-from dataflow.schema.program import Program
+from dataflow.schema.program import Links, Program
+from dataflow.schema.tasks import Task
 
 SCHEMA_KEY = "schema"
 PROGRAM_SCHEMA = "dataflow.program/v2"
@@ -67,6 +70,14 @@ def _make_converter() -> cattrs.Converter:
     # A StrEnum is a str too: without its own hook the str hook above would take it.
     converter.register_structure_hook(enum.StrEnum, _structure_str_enum)
     converter.register_structure_hook_func(lambda t: t == dict[str, Any], _structure_json_object)
+    # before Program's: its generated function takes the hooks of its fields as they are
+    converter.register_unstructure_hook(
+        Task, make_dict_unstructure_fn(Task, converter, resource=override(omit_if_default=True))
+    )
+    converter.register_unstructure_hook(
+        Links,
+        make_dict_unstructure_fn(Links, converter, collective=override(omit_if_default=True)),
+    )
     converter.register_unstructure_hook(
         Program,
         make_dict_unstructure_fn(

@@ -32,10 +32,20 @@ def _default_link() -> Link:
 
 @attrs.frozen
 class Links:
-    """Bandwidth and latency of each direction between fast and slow memory."""
+    """Bandwidth and latency of each direction between fast and slow memory, and of the
+    collective link (None: the program has no collective tasks)."""
 
     h2d: Link = attrs.field(factory=_default_link)
     d2h: Link = attrs.field(factory=_default_link)
+    #: an all-reduce of ``size_bytes`` over the fleet takes ``collective.transfer_us(size)``:
+    #: its bandwidth is the algorithm bandwidth (bytes reduced per us) for the fleet's size
+    collective: Link | None = None
+
+    def collective_us(self, size_bytes: int) -> float:
+        """How long a collective task that reduces ``size_bytes`` occupies the link."""
+        if self.collective is None:
+            raise ValueError("the program has collective tasks but no links.collective")
+        return self.collective.transfer_us(size_bytes)
 
 
 @attrs.frozen
@@ -103,6 +113,14 @@ class Program:
     def exists_at_start(self, obj_id: str) -> bool:
         """True when no task creates the object, so it is present (at its location) at start."""
         return obj_id not in self.producers
+
+    def duration_us(self, task: Task) -> float:
+        """How long ``task`` runs: its ``cost_us`` on compute; on the collective link, the
+        link's time for the bytes it reduces (its mutates)."""
+        if not task.collective:
+            return task.cost_us
+        sizes = self.objects_by_id
+        return self.links.collective_us(sum(sizes[obj].size_bytes for obj in task.mutates))
 
     # -- changes -------------------------------------------------------------------------
     def with_budget(self, fast_bytes: int, slow_bytes: int | None = None) -> Program:

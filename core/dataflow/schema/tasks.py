@@ -16,6 +16,15 @@ class Directive(enum.StrEnum):
     PREFETCH = "prefetch"  # copy slow -> fast once room for it can be reserved
 
 
+class Resource(enum.StrEnum):
+    """Where a task runs (docs/execution_model.md#resources)."""
+
+    COMPUTE = "compute"  # the one compute resource, one task at a time, in chain order
+    #: the collective link: an all-reduce of the objects the task mutates, over the fleet;
+    #: timed by ``Links.collective``, overlapped with the compute tasks after it
+    COLLECTIVE = "collective"
+
+
 def _ids(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
@@ -35,7 +44,9 @@ class Task:
     ``inputs`` are read, ``mutates`` changed in place, ``outputs`` created; each must be
     resident in fast memory while the task runs. ``workspace_bytes`` is extra fast memory
     held from the task's start to its end. ``releases`` / ``offloads`` / ``prefetches`` are
-    the directives, fired when the task completes.
+    the directives, fired when the task completes. ``resource`` is where it runs:
+    ``compute`` (the default) or ``collective`` (an all-reduce of its ``mutates`` on the
+    collective link, priced by ``Links.collective``; its ``cost_us`` is 0).
     """
 
     id: str
@@ -51,6 +62,12 @@ class Task:
     offloads: tuple[str, ...] = attrs.field(default=(), converter=_ids)
     prefetches: tuple[str, ...] = attrs.field(default=(), converter=_ids)
     label: str = ""
+    resource: Resource = attrs.field(default=Resource.COMPUTE, converter=Resource)
+
+    @property
+    def collective(self) -> bool:
+        """Whether the task runs on the collective link rather than on compute."""
+        return self.resource is Resource.COLLECTIVE
 
     @property
     def uses(self) -> tuple[str, ...]:

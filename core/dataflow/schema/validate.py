@@ -28,13 +28,14 @@ class Problem:
 def validate(program: Program) -> list[Problem]:
     """Return every structural problem of ``program`` (an empty list when there is none).
 
-    Checks: duplicate ids; sizes < 1; tensor metadata that disagrees with the size; negative
-    workspace or cost; links and budget that are not positive; objects a task names but
-    the program lacks; an object named twice in one task; use before definition; an output
-    that already exists; a directive on an object the task cannot see (unknown, or not yet
-    created) or two conflicting directives, in a task or in the prologue; a task whose own
-    footprint exceeds the budget; final locations on unknown objects or that cannot fit
-    their memory; persistent objects that are unknown, named twice or created by a task.
+        Checks: duplicate ids; sizes < 1; tensor metadata that disagrees with the size; negative
+        workspace or cost; links and budget that are not positive; objects a task names but
+        the program lacks; an object named twice in one task; use before definition; an output
+        that already exists; a directive on an object the task cannot see (unknown, or not yet
+        created) or two conflicting directives, in a task or in the prologue; a task whose own
+        footprint exceeds the budget; final locations on unknown objects or that cannot fit
+        their memory; persistent objects that are unknown, named twice or created by a task;
+    a collective task without a collective link, with nothing to reduce or with a cost.
     """
     problems: list[Problem] = []
     problems += _check_objects(program)
@@ -77,7 +78,8 @@ def _check_objects(program: Program) -> list[Problem]:
 
 def _check_links_and_budget(program: Program) -> list[Problem]:
     problems = []
-    for direction in ("h2d", "d2h"):
+    directions = ("h2d", "d2h", "collective") if program.links.collective else ("h2d", "d2h")
+    for direction in directions:
         link = getattr(program.links, direction)
         if not link.bw_bytes_per_us > 0 or math.isinf(link.bw_bytes_per_us):
             problems.append(
@@ -118,6 +120,8 @@ def _check_tasks(program: Program, sane_budget: bool) -> list[Problem]:
                 )
             )
         problems += _check_task_numbers(task)
+        if task.collective:
+            problems += _check_collective(program, task)
         problems += _check_task_objects(program, task, known, created)
         problems += _check_task_directives(program, task, known, created)
         if sane_budget:
@@ -142,6 +146,39 @@ def _check_task_numbers(task: Task) -> list[Problem]:
             Problem(
                 "cost",
                 f"task {task.id!r}: cost_us must be a finite number >= 0, got {task.cost_us}",
+                task=task.id,
+            )
+        )
+    return problems
+
+
+def _check_collective(program: Program, task: Task) -> list[Problem]:
+    """A collective task reduces what it mutates, on the collective link, and nothing else
+    prices it."""
+    problems = []
+    if program.links.collective is None:
+        problems.append(
+            Problem(
+                "collective-link",
+                f"task {task.id!r} runs on the collective link but the program has no "
+                "links.collective",
+                task=task.id,
+            )
+        )
+    if not task.mutates:
+        problems.append(
+            Problem(
+                "collective-mutates",
+                f"task {task.id!r}: a collective task reduces the objects it mutates; it names none",
+                task=task.id,
+            )
+        )
+    if task.cost_us != 0:
+        problems.append(
+            Problem(
+                "collective-cost",
+                f"task {task.id!r}: a collective task takes no compute (links.collective times "
+                f"it); cost_us must be 0, got {task.cost_us}",
                 task=task.id,
             )
         )

@@ -7,6 +7,9 @@ The prologue is compiled as one more entry, at index ``n_tasks``, of every per-t
 a pseudo-task of no cost and no uses that "completes" at time 0 (its directives fire then,
 in the first pass, before task 0 can be dispatched), so it goes through exactly the code
 of a task's completion. ``task_ids[n_tasks]`` is ``PROLOGUE``.
+
+A collective task is compiled like any task (its needs, reservations and directives) and
+flagged in ``collective``; ``collective_bytes`` is what it reduces on the collective link.
 """
 
 from __future__ import annotations
@@ -47,6 +50,14 @@ class CompiledProgram:
     prefetches: tuple[tuple[int, ...], ...]
     final_fast: tuple[int, ...]
     final_slow: tuple[int, ...]
+    #: per task: whether it runs on the collective link (the prologue: False), and the
+    #: bytes it reduces there (its mutates; 0 for a compute task)
+    collective: tuple[bool, ...] = ()
+    collective_bytes: tuple[int, ...] = ()
+
+    @property
+    def has_collectives(self) -> bool:
+        return any(self.collective)
 
 
 def compile_program(program: Program) -> CompiledProgram:
@@ -84,6 +95,11 @@ def compile_program(program: Program) -> CompiledProgram:
         if position not in created:
             (initial_fast if obj.location is Location.FAST else initial_slow).append(position)
     finals = program.final_locations.items()
+    collective = (*(task.collective for task in tasks), False)
+    collective_bytes = tuple(
+        sum(map(size_of, changed)) if on_link else 0
+        for on_link, changed in zip(collective, mutates, strict=True)
+    )
     return CompiledProgram(
         n_tasks=len(tasks),
         has_prologue=bool(prologue),
@@ -104,4 +120,6 @@ def compile_program(program: Program) -> CompiledProgram:
         prefetches=ids("prefetches", True),
         final_fast=tuple(index[obj] for obj, where in finals if where is Location.FAST),
         final_slow=tuple(index[obj] for obj, where in finals if where is Location.SLOW),
+        collective=collective,
+        collective_bytes=collective_bytes,
     )

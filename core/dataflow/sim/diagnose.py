@@ -174,10 +174,14 @@ def not_resident(
     leaving: Sequence[bool],
     now: float,
     memory: MemoryState,
+    reducing: int = -1,
 ) -> SimError:
-    """A release or offload (``verb``) of an object that is not resident, or leaving."""
+    """A release or offload (``verb``) of an object that is not resident, or leaving, or
+    that the running collective task ``reducing`` uses."""
     fast = memory.fast
-    if leaving[o]:
+    if reducing >= 0:
+        state = f"the collective task {c.task_ids[reducing]!r} is still reducing it"
+    elif leaving[o]:
         state = "its offload is still pending"
     else:
         state = "it is still arriving" if fast[o] == INCOMING else "it is not in fast memory"

@@ -4,6 +4,10 @@ One function with local variables only: the planner calls it hundreds of times p
 so the hot path avoids attribute lookups, dict lookups and per-event objects. State per
 object is a small int in a list (``fast``: 0 absent, 1 incoming, 2 resident; ``slow``:
 0 absent, 1 current, 2 stale). With ``record=False`` nothing per event is kept.
+
+A collective task holds the collective link, not compute: ``coll_task`` is the one running
+(-1 when idle) and ``held`` the objects it uses, which no compute task may use and no
+directive may drop until it ends. Programs without one never enter those branches.
 """
 
 from __future__ import annotations
@@ -27,14 +31,15 @@ from dataflow.sim.diagnose import (
 from dataflow.sim.failure import FailureKind, SimError
 from dataflow.sim.states import ABSENT, CURRENT, INCOMING, RESIDENT, STALE
 
-H2D, D2H = "h2d", "d2h"
+H2D, D2H, COLLECTIVE = "h2d", "d2h", "collective"
 
 
 @attrs.frozen
 class Outcome:
     """Raw totals and logs of one run; ``dataflow.sim.simulate`` turns it into a SimResult.
 
-    Link totals are keyed by direction. Logs are None unless recording: ``task_log``
+    Link totals are keyed by direction (``collective``: the collective tasks, counted as
+    transfers of the bytes they reduce). Logs are None unless recording: ``task_log``
     holds (task index, start_us, end_us); ``transfer_log`` (object index, direction,
     enqueuing task index, enqueue_us, start_us, end_us), in the order transfers end;
     ``fast_log``/``slow_log`` (time_us, bytes) after every change.
@@ -75,6 +80,15 @@ def run(
     needs, reserve, footprint, cost = c.needs, c.reserve_bytes, c.footprint_bytes, c.cost_us
     outputs, mutates, workspace = c.outputs, c.mutates, c.workspace_bytes
     releases, offloads, prefetches = c.releases, c.offloads, c.prefetches
+    on_link, link_bytes = c.collective, c.collective_bytes
+    coll_us = (
+        [
+            links.collective_us(b) if flag else 0.0
+            for flag, b in zip(on_link, link_bytes, strict=True)
+        ]
+        if c.has_collectives
+        else []
+    )
 
     fast = [ABSENT] * n_obj
     slow = [ABSENT] * n_obj
@@ -98,6 +112,11 @@ def run(
     compute_busy = 0.0
     h2d_n = d2h_n = h2d_bytes = d2h_bytes = 0
     h2d_busy = d2h_busy = 0.0
+    coll_n = coll_bytes = 0
+    coll_busy = 0.0
+    coll_task = -1  # the collective task running, -1 when the link is idle
+    coll_end, coll_start = inf, 0.0
+    held: frozenset[int] = frozenset()  # the objects the running collective task uses
 
     # FIFOs of entries (object, enqueue_us, enqueuing task); *_entry: the one running.
     h2d_q: deque[tuple[int, float, int]] = deque()
@@ -128,19 +147,30 @@ def run(
         )
 
     while error is None:
-        # Passes at this instant: completions (task, d2h, h2d), dispatch, d2h start, h2d
-        # start. Only a completion can enable more (a start never enables a dispatch or
-        # the other link's start), so passes repeat while something ends at this instant:
-        # a zero-cost task dispatched in this pass.
+        # Passes at this instant: completions (collective task, task, d2h, h2d), dispatch,
+        # d2h start, h2d start. Only a completion can enable more (a transfer's start never
+        # enables a dispatch or the other link's start; a collective task's dispatch lets
+        # the next task dispatch, which the dispatch loop does at once), so passes repeat
+        # while something ends at this instant: a zero-cost task dispatched in this pass.
         while error is None:
-            if task_end <= now:
-                i = running
-                running = -1
-                task_end = inf
+            # completions: the collective task first, then the compute task
+            while task_end <= now or coll_end <= now:
+                if coll_end <= now:
+                    i = coll_task
+                    coll_task, coll_end, held = -1, inf, frozenset()
+                    coll_n += 1
+                    coll_bytes += link_bytes[i]
+                    coll_busy += now - coll_start
+                    if record:
+                        task_log.append((i, coll_start, now))
+                else:
+                    i = running
+                    running = -1
+                    task_end = inf
+                    compute_busy += cost[i]
+                    if record and i != n_task:
+                        task_log.append((i, task_start, now))
                 before = used
-                compute_busy += cost[i]
-                if record and i != n_task:
-                    task_log.append((i, task_start, now))
                 if workspace[i]:
                     used -= workspace[i]
                 for o in outputs[i]:
@@ -149,18 +179,20 @@ def run(
                     if slow[o] == CURRENT:
                         slow[o] = STALE
                 for o in releases[i]:
-                    if fast[o] != RESIDENT or leaving[o]:
+                    if fast[o] != RESIDENT or leaving[o] or o in held:
                         memory = MemoryState(fast, used, fast_budget_bytes)
-                        error = not_resident(c, "release", i, o, leaving, now, memory)
+                        by = coll_task if o in held else -1
+                        error = not_resident(c, "release", i, o, leaving, now, memory, by)
                         break
                     fast[o] = ABSENT
                     used -= size[o]
                     if slow[o] != CURRENT:
                         lost_by[o] = i
                 for o in offloads[i] if error is None else ():
-                    if fast[o] != RESIDENT or leaving[o]:
+                    if fast[o] != RESIDENT or leaving[o] or o in held:
                         memory = MemoryState(fast, used, fast_budget_bytes)
-                        error = not_resident(c, "offload", i, o, leaving, now, memory)
+                        by = coll_task if o in held else -1
+                        error = not_resident(c, "offload", i, o, leaving, now, memory, by)
                         break
                     if slow[o] == CURRENT:  # clean: its slow copy is current, just drop it
                         fast[o] = ABSENT
@@ -184,6 +216,8 @@ def run(
                     fast_log.append((now, used))
                 if error is not None:
                     break
+            if error is not None:
+                break
             if d2h_end <= now:
                 o = d2h_obj
                 d2h_obj = -1
@@ -209,8 +243,10 @@ def run(
                 h2d_busy += now - h2d_start
                 if record:
                     transfer_log.append((o, H2D, h2d_entry[2], h2d_entry[1], h2d_start, now))
-            if running < 0 and nxt < n_task:
-                if checked != nxt:
+            # dispatch: the next task once every compute task before it has ended; a
+            # collective task dispatched lets the task after it dispatch in this pass
+            while running < 0 and nxt < n_task:
+                if checked != nxt and coll_task < 0:
                     checked = nxt
                     if footprint[nxt] > cap:
                         error = failure(
@@ -237,20 +273,33 @@ def run(
                             lost_by,
                         )
                         break
-                if used + reserve[nxt] <= cap:
-                    for o in needs[nxt]:
-                        if fast[o] != RESIDENT or leaving[o]:
-                            break
-                    else:
-                        running = nxt
-                        nxt += 1
-                        used += reserve[running]
-                        if used > peak:
-                            peak = used
+                if coll_task >= 0 and (on_link[nxt] or any(o in held for o in needs[nxt])):
+                    break  # the link is taken, or the task uses what is being reduced
+                if used + reserve[nxt] > cap:
+                    break
+                for o in needs[nxt]:
+                    if fast[o] != RESIDENT or leaving[o]:
+                        break
+                else:
+                    used += reserve[nxt]
+                    if used > peak:
+                        peak = used
+                    if record and reserve[nxt]:
+                        fast_log.append((now, used))
+                    nxt += 1
+                    if not coll_us or not on_link[nxt - 1]:
+                        running = nxt - 1
                         task_start = now
                         task_end = now + cost[running]
-                        if record and reserve[running]:
-                            fast_log.append((now, used))
+                        break
+                    coll_task = nxt - 1
+                    held = frozenset((*needs[coll_task], *outputs[coll_task]))
+                    coll_start = now
+                    coll_end = now + coll_us[coll_task]
+                    continue
+                break
+            if error is not None:
+                break
             if d2h_obj < 0 and d2h_q:
                 o = d2h_q[0][0]
                 if not slow_space[o]:
@@ -295,11 +344,11 @@ def run(
                     h2d_end = now + h2d_us[o]
                     if record:
                         fast_log.append((now, used))
-            if task_end > now and d2h_end > now and h2d_end > now:
+            if task_end > now and d2h_end > now and h2d_end > now and coll_end > now:
                 break
         if error is not None:
             break
-        if task_end == inf and d2h_end == inf and h2d_end == inf:
+        if task_end == inf and d2h_end == inf and h2d_end == inf and coll_end == inf:
             if nxt == n_task and not d2h_q and not h2d_q:
                 break  # the end
             waiting = [o for o in needs[nxt] if fast[o] != RESIDENT] if nxt < n_task else []
@@ -314,7 +363,7 @@ def run(
                 len(h2d_q),
             )
             break
-        now = min(task_end, d2h_end, h2d_end)
+        now = min(task_end, d2h_end, h2d_end, coll_end)
 
     if error is None:
         error = final_locations(
@@ -325,9 +374,9 @@ def run(
         fast_peak_bytes=peak,
         slow_peak_bytes=slow_peak,
         compute_busy_us=compute_busy,
-        link_transfers={H2D: h2d_n, D2H: d2h_n},
-        link_bytes={H2D: h2d_bytes, D2H: d2h_bytes},
-        link_busy_us={H2D: h2d_busy, D2H: d2h_busy},
+        link_transfers={H2D: h2d_n, D2H: d2h_n, COLLECTIVE: coll_n},
+        link_bytes={H2D: h2d_bytes, D2H: d2h_bytes, COLLECTIVE: coll_bytes},
+        link_busy_us={H2D: h2d_busy, D2H: d2h_busy, COLLECTIVE: coll_busy},
         error=error,
         fast_state=fast,
         slow_state=slow,

@@ -45,6 +45,9 @@ class SimResult:
     h2d: LinkStats
     d2h: LinkStats
     error: SimError | None = None
+    #: the collective link: its ``transfers`` are the collective tasks that ended, its
+    #: ``bytes`` what they reduced
+    collective: LinkStats = attrs.field(factory=lambda: LinkStats("collective", 0, 0, 0.0, 0.0))
     recorded: bool = True
     #: objects resident in fast memory, and those whose slow copy is current, at the end
     #: (or the failure), in declaration order
@@ -72,6 +75,21 @@ class SimResult:
     def links(self) -> dict[str, LinkStats]:
         return {"h2d": self.h2d, "d2h": self.d2h}
 
+    @property
+    def collective_exposed_us(self) -> float:
+        """Time the collective link was busy while compute was idle (needs ``record=True``):
+        the part of the all-reduces that the step waits for. The rest
+        (``collective.busy_us`` minus this) ran under compute, hidden."""
+        if not self.recorded:
+            raise ValueError("this result was simulated with record=False: it has no timeline")
+        tasks_by_id = self.program.tasks_by_id if self.program is not None else {}
+        on_link, computing = [], []
+        for timing in self.tasks:
+            task = tasks_by_id.get(timing.task_id)
+            spans = on_link if task is not None and task.collective else computing
+            spans.append((timing.start_us, timing.end_us))
+        return exposed_us(on_link, computing)
+
     def to_timeline(self, name: str | None = None) -> Timeline:
         """The run as a neutral Timeline (needs ``record=True``)."""
         if not self.recorded:
@@ -90,8 +108,9 @@ class SimResult:
             if task is not None:
                 kind = task.kind
                 args = _task_args(task, sizes)
+            track = "collective" if task is not None and task.collective else "compute"
             task_spans.append(
-                TaskSpan(timing.task_id, timing.start_us, timing.end_us, kind=kind, args=args)
+                TaskSpan(timing.task_id, timing.start_us, timing.end_us, kind, args, track=track)
             )
         transfer_spans = [
             TransferSpan(
@@ -137,6 +156,21 @@ class SimResult:
         if path is not None:
             write_trace_document(path, document)
         return document
+
+
+def exposed_us(spans: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """How much of ``spans`` (start, end) no span of ``cover`` overlaps."""
+    merged: list[list[float]] = []
+    for start, end in sorted(cover):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    total = 0.0
+    for start, end in spans:
+        covered = sum(max(0.0, min(end, b) - max(start, a)) for a, b in merged)
+        total += (end - start) - covered
+    return total
 
 
 def _task_args(task, sizes: dict[str, int]) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataflow.schema import Program, validate
 from dataflow.sim.compiled import compile_program
 from dataflow.sim.failure import InvalidProgramError
-from dataflow.sim.loop import D2H, H2D, Outcome, run
+from dataflow.sim.loop import COLLECTIVE, D2H, H2D, Outcome, run
 from dataflow.sim.records import LinkStats, TaskTiming, TransferTiming
 from dataflow.sim.result import SimResult
 from dataflow.sim.states import CURRENT, RESIDENT
@@ -78,12 +78,14 @@ def _result(
             busy_us=out.link_busy_us[direction],
             busy_fraction=out.link_busy_us[direction] / makespan if makespan > 0 else 0.0,
         )
-        for direction in (H2D, D2H)
+        for direction in (H2D, D2H, COLLECTIVE)
     }
     tasks: tuple[TaskTiming, ...] = ()
     transfers: tuple[TransferTiming, ...] = ()
     if record:
-        tasks = tuple(TaskTiming(task_ids[i], start, end) for i, start, end in out.task_log)
+        tasks = tuple(  # chain order (a collective task may end after later tasks)
+            TaskTiming(task_ids[i], start, end) for i, start, end in sorted(out.task_log)
+        )
         transfers = tuple(
             TransferTiming(obj_ids[o], direction, size_bytes[o], task_ids[by], enq, start, end)
             for o, direction, by, enq, start, end in out.transfer_log
@@ -100,6 +102,7 @@ def _result(
         compute_idle_us=makespan - out.compute_busy_us,
         h2d=links[H2D],
         d2h=links[D2H],
+        collective=links[COLLECTIVE],
         error=out.error,
         recorded=record,
         tasks=tasks,

@@ -15,7 +15,7 @@ from typing import Any
 from dataflow.timeline.records import TaskSpan, Timeline, TransferSpan
 
 #: thread id of each track inside a timeline's process
-TRACKS = {"compute": 1, "h2d": 2, "d2h": 3}
+TRACKS = {"compute": 1, "h2d": 2, "d2h": 3, "collective": 4}
 
 
 def chrome_trace(*timelines: Timeline) -> dict[str, Any]:
@@ -89,10 +89,13 @@ def slice_event(
 
 
 def _process_events(pid: int, timeline: Timeline) -> list[dict[str, Any]]:
-    events = process_header(pid, timeline.name, TRACKS)
+    used = {"compute", "h2d", "d2h"} | {span.track for span in timeline.tasks}
+    # the collective track only where a fleet's all-reduces ran
+    tracks = {name: tid for name, tid in TRACKS.items() if name in used}
+    events = process_header(pid, timeline.name, tracks)
     for span in timeline.tasks:
         args = {"task": span.task_id, "kind": span.kind, **span.args}
-        events.append(slice_event(span, pid, TRACKS["compute"], args))
+        events.append(slice_event(span, pid, TRACKS[span.track], args))
     for span in timeline.transfers:
         args: dict[str, Any] = {"object": span.obj_id, "size_bytes": span.size_bytes}
         if span.enqueued_by is not None:

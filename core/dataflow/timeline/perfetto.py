@@ -32,11 +32,11 @@ PROCESSES = ("predicted", "measured")
 
 
 def tracks_of(*timelines: Timeline | None) -> list[str]:
-    """The thread names: compute, h2d, d2h, then any other link of the timelines, sorted."""
-    others = sorted(
-        {span.direction for t in timelines if t is not None for span in t.transfers}
-        - set(DIRECTIONS)
-    )
+    """The thread names: compute, h2d, d2h, then any other link of the timelines (a
+    transfer direction, or a task track such as ``collective``), sorted."""
+    used = {span.direction for t in timelines if t is not None for span in t.transfers}
+    used |= {span.track for t in timelines if t is not None for span in t.tasks}
+    others = sorted(used - set(DIRECTIONS) - {COMPUTE})
     return [COMPUTE, *DIRECTIONS, *others]
 
 
@@ -53,7 +53,7 @@ def perfetto_trace(predicted: Timeline, measured: Timeline | None = None) -> dic
     for index, timeline in enumerate(runs):
         pid = index + 1
         events += process_header(pid, f"{PROCESSES[index]}: {timeline.name}", tids)
-        sliced = _task_slices(timeline, pid, tids[COMPUTE], task_us, PROCESSES[index])
+        sliced = _task_slices(timeline, pid, tids, task_us, PROCESSES[index])
         sliced += _transfer_slices(timeline, pid, tids, transfer_us, PROCESSES[index])
         sliced += _instants(timeline, pid, tids)
         sliced += _flows(timeline, pid, tids, flow_ids)
@@ -115,7 +115,7 @@ def task_bytes(span: TaskSpan) -> int:
 
 
 def _task_slices(
-    timeline: Timeline, pid: int, tid: int, durations: list[dict], here: str
+    timeline: Timeline, pid: int, tids: dict[str, int], durations: list[dict], here: str
 ) -> list[dict[str, Any]]:
     events = []
     for span in timeline.tasks:
@@ -126,7 +126,7 @@ def _task_slices(
             **_compared(span.task_id, durations, here),
         }
         args |= {k: v for k, v in span.args.items() if k not in args}
-        events.append(slice_event(span, pid, tid, args))
+        events.append(slice_event(span, pid, tids[span.track], args))
     return events
 
 
@@ -209,7 +209,7 @@ def _flows(
     ids = iter(ids)
     for source, transfer, sink in flow_chains(timeline):
         ends = [
-            (span, tids[COMPUTE] if isinstance(span, TaskSpan) else tids[transfer.direction])
+            (span, tids[span.track] if isinstance(span, TaskSpan) else tids[transfer.direction])
             for span in (source, transfer, sink)
             if span is not None
         ]

@@ -14,6 +14,8 @@ import attrs
 
 #: The transfer directions, each one track: slow -> fast and fast -> slow.
 DIRECTIONS = ("h2d", "d2h")
+#: The tracks a task runs on: compute, or the collective link (a fleet's all-reduces).
+TASK_TRACKS = ("compute", "collective")
 
 
 def _frozen_args(value: Mapping[str, Any]) -> dict[str, Any]:
@@ -22,16 +24,17 @@ def _frozen_args(value: Mapping[str, Any]) -> dict[str, Any]:
 
 @attrs.frozen
 class TaskSpan:
-    """One task on the compute track. ``args`` are shown with the span (names, sizes);
-    ``inputs``, ``mutates`` and ``outputs`` there (object -> bytes), where a timeline
-    carries them, say what the task read and wrote (flows and stalls are drawn from
-    them)."""
+    """One task on its track (``compute``, or ``collective`` for an all-reduce on the
+    collective link). ``args`` are shown with the span (names, sizes); ``inputs``,
+    ``mutates`` and ``outputs`` there (object -> bytes), where a timeline carries them, say
+    what the task read and wrote (flows and stalls are drawn from them)."""
 
     task_id: str
     start_us: float
     end_us: float
     kind: str = ""
     args: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_args, hash=False)
+    track: str = attrs.field(default="compute", validator=attrs.validators.in_(TASK_TRACKS))
 
     @property
     def duration_us(self) -> float:

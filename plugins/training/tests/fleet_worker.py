@@ -4,6 +4,7 @@ and weights for the test to compare against one process that ran all the rounds.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -45,9 +46,33 @@ def main(out: str, rounds_text: str, steps: int, clip_text: str, device: str = "
         stats = run.step(batches, lr=1e-3)
         weights, _opt = run.state()
         record.append((fleet.mean_loss(stats.losses), stats.grad_norm, weights))
+    with open(os.path.join(out, f"rank{fleet.rank}_order.json"), "w") as f:
+        json.dump(collective_order(run), f)
     run.close()
     torch.save(record, os.path.join(out, f"rank{fleet.rank}.pt"))
     fleet.close()
+
+
+def collective_order(run) -> list[str]:
+    """Where the last step broke the collective link's order: an all-reduce that started
+    before the task completing its gradient ended, or a task reading the gradient that
+    started before the all-reduce ended (empty: none)."""
+    program = run.program
+    spans = {t.task: (t.start_us, t.end_us) for t in run.last_result.steps[-1].tasks}
+    tasks = list(program.tasks)
+    wrong = [] if any(t.collective for t in tasks) else ["no collective task in the step"]
+    for at, task in enumerate(tasks):
+        if not task.collective:
+            continue
+        (dw,) = task.mutates
+        users = [i for i, t in enumerate(tasks) if t is not task and dw in t.uses]
+        producer = tasks[max(i for i in users if i < at)].id
+        if spans[task.id][0] < spans[producer][1]:
+            wrong.append(f"{task.id} started before {producer} ended")
+        for i in (i for i in users if i > at):
+            if spans[tasks[i].id][0] < spans[task.id][1]:
+                wrong.append(f"{tasks[i].id} started before {task.id} ended")
+    return wrong
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,44 +32,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def member_env(rank: int, world: int, port: int) -> dict[str, str]:
-    return dict(
-        os.environ,
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo",
-        DATAFLOW_FLEET_TIMEOUT_S="30",
-    )
-
-
 def run_fleet(
     tmp_path: Path, rounds: list[int], steps: int, clip: str, device: str = "cpu"
 ) -> list[list]:
-    port, world = free_port(), len(rounds)
+    from dataflow_training.fleet import run_on_loopback
+
     args = [str(tmp_path), ",".join(map(str, rounds)), str(steps), clip, device]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), *args],
-            env=member_env(rank, world, port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=FLEET_TIMEOUT_S)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for proc, text in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, text
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    env = dict(os.environ, DATAFLOW_FLEET_TIMEOUT_S="30")
+    argv = [sys.executable, str(WORKER), *args]
+    for code, text in run_on_loopback([argv] * len(rounds), FLEET_TIMEOUT_S, env):
+        assert code == 0, text
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(len(rounds))]
 
 
 def single_process(rounds: int, steps: int, clip: float | None, device: str = "cpu") -> list:
@@ -97,6 +70,8 @@ def test_fleet_matches_one_process_step_for_step(tmp_path, rounds, clip):
     steps = 3
     fleet = run_fleet(tmp_path, rounds, steps, clip)
     reference = single_process(sum(rounds), steps, None if clip == "none" else float(clip))
+    for rank in range(len(rounds)):  # the all-reduces kept the collective link's order
+        assert json.loads((tmp_path / f"rank{rank}_order.json").read_text()) == []
     for step, (loss, norm, weights) in enumerate(reference):
         for rank, record in enumerate(fleet):
             f_loss, f_norm, f_weights = record[step]
@@ -119,6 +94,8 @@ def test_one_member_nccl_fleet_matches_one_process_on_cuda(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     fleet = run_fleet(tmp_path, [2], 2, "1.0", device="cuda")[0]
+    # the all-reduces ran on the collective stream in the execution model's order
+    assert json.loads((tmp_path / "rank0_order.json").read_text()) == []
     reference = single_process(2, 2, 1.0, device="cuda")
     for (loss, norm, weights), (f_loss, f_norm, f_weights) in zip(reference, fleet, strict=True):
         assert f_loss == pytest.approx(loss, rel=LOSS_RTOL)

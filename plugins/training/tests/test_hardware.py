@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 from dataflow_training.config import DtypePolicy, TrainConfig
 from dataflow_training.costs import RooflineCost
-from dataflow_training.hardware import HARDWARE_ENV, HardwareError, hardware, load_table
+from dataflow_training.hardware import (
+    HARDWARE_ENV,
+    HardwareEntry,
+    HardwareError,
+    hardware,
+    load_table,
+)
 from dataflow_training.lowering import lower
 from dataflow_training.toy import ToyFamily
 
@@ -88,6 +94,36 @@ def test_a_bad_table_names_its_file_entry_and_field(tmp_path, text, message) -> 
     path = tmp_path / "hw.toml"
     path.write_text(text)
     with pytest.raises(HardwareError, match=message):
+        load_table([path])
+
+
+def test_the_collective_link_is_a_rings_algorithm_bandwidth() -> None:
+    """n ranks reduce a buffer in a ring by sending 2 (n - 1) / n of it over each rank's
+    link, so bytes reduced per us = busbw x n / (2 (n - 1)): 2 ranks reduce at busbw,
+    8 at 4/7 of it; one rank copies in device memory (read + write)."""
+    h200 = hardware("h200")
+    for scope in ("nvlink", "network"):
+        assert f"allreduce_busbw_bytes_per_us.{scope}" in h200.sources
+        assert f"allreduce_latency_us.{scope}" in h200.sources
+    busbw = h200.allreduce_busbw_bytes_per_us["nvlink"]
+    assert h200.collective_link(2).bw_bytes_per_us == pytest.approx(busbw)
+    assert h200.collective_link(8).bw_bytes_per_us == pytest.approx(busbw * 8 / 14)
+    assert h200.collective_link(1).bw_bytes_per_us == h200.hbm_bytes_per_us / 2
+    network = h200.collective_link(2, "network")
+    assert network.latency_us == h200.allreduce_latency_us["network"]
+    assert h200.links(8).collective == h200.collective_link(8)
+    assert h200.links().collective is None
+    with pytest.raises(HardwareError, match=r"no allreduce_busbw_bytes_per_us.nvlink"):
+        HardwareEntry("bare", {"bfloat16": 1.0}, 1.0, 1.0, 1.0).collective_link(2)
+
+
+def test_a_bad_collective_scope_is_named(tmp_path) -> None:
+    path = tmp_path / "hw.toml"
+    path.write_text(
+        "[x]\nflops_per_us = { bfloat16 = 1 }\nhbm_bytes_per_us = 1\nh2d_bytes_per_us = 1\n"
+        "d2h_bytes_per_us = 1\nallreduce_busbw_bytes_per_us = { infiniband = 5 }\n"
+    )
+    with pytest.raises(HardwareError, match=r"\[x\]: allreduce_busbw_bytes_per_us.infiniband: "):
         load_table([path])
 
 

@@ -13,7 +13,7 @@ from dataflow_training.step import StepLayout
 from dataflow_training.toy import ToyFamily
 
 from dataflow.planning import minimal_budget, plan
-from dataflow.schema import validate
+from dataflow.schema import Links, validate
 from dataflow.sim import simulate
 
 
@@ -135,5 +135,26 @@ def test_a_fleet_member_all_reduces_each_gradient_after_its_last_round() -> None
         gnorm = next(i for i, u in enumerate(tasks) if u.kind == "gnorm" and dw in u.inputs)
         assert at < gnorm
         assert t.params["share"] == 0.25
-    validate(program)
+        assert t.collective and t.cost_us == 0.0  # on the collective link, priced by it
+    assert program.links.collective is not None
+    assert not validate(program)
     plan(program, minimal_budget(program))
+
+
+def test_a_fleet_members_all_reduce_overlaps_the_backward_below() -> None:
+    """Simulated, the all-reduce of a block's gradient runs while compute runs the
+    backward of the block below it: its span overlaps that task's, and the link's time
+    under compute (hidden) is most of its busy time with a link as fast as compute."""
+    from dataflow.schema import Link
+
+    train = TrainConfig(seq_len=4, batch=2, rounds=1)
+    links = Links(collective=Link(bw_bytes_per_us=1000.0, latency_us=1.0))
+    program = lower(ToyFamily(), "small", train, grad_share=0.5, links=links).program
+    result = plan(program, 2**30).sim
+    spans = {t.task_id: (t.start_us, t.end_us) for t in result.tasks}
+    order = [t.id for t in program.tasks]
+    reduce_ = next(i for i in order if i.startswith("allreduce_"))
+    below = next(i for i in order[order.index(reduce_) :] if i.startswith(("bwd_", "embbwd_")))
+    assert spans[below][0] < spans[reduce_][1] and spans[reduce_][0] < spans[below][1]
+    assert result.collective.transfers == sum(t.collective for t in program.tasks)
+    assert result.collective_exposed_us < result.collective.busy_us

@@ -164,3 +164,48 @@ def test_a_cell_that_runs_over_its_budget_is_a_row_that_says_so(tmp_path, monkey
     for row in rows:
         assert not row["feasible"]
         assert row["reason"].startswith("ran over the budget: the CUDA allocator's peak")
+
+
+def test_predict_ranks_prices_the_all_reduce_on_the_tables_link(tmp_path) -> None:
+    """``--ranks 1,2,8``: a row per fleet size; each all-reduce of a gradient group takes
+    the link's latency plus its bytes over the ring's algorithm bandwidth (busbw x n /
+    (2 (n - 1)), summed here by hand over the step's gradients); exposed and hidden add
+    up to it; efficiency is the plain step over the member's; fleet tok/s = n x a rank's."""
+    from dataflow_training.hardware import hardware
+
+    out = tmp_path / "f.json"
+    args = ("--budget", "1", "--ranks", "1,2,8", "--scope", "network", "--json", out)
+    result = invoke("predict", *ONE, *args)
+    assert result.exit_code == 0, result.output
+    rows = _rows(out)
+    assert [r["ranks"] for r in rows] == [1, 2, 8] and {r["scope"] for r in rows} == {"network"}
+    h200 = hardware("h200")
+    busbw = h200.allreduce_busbw_bytes_per_us["network"]
+    latency = h200.allreduce_latency_us["network"]
+    plain = _rows_of(tmp_path, "predict", *ONE, "--budget", "1")[0]
+    for row in rows:
+        n = row["ranks"]
+        algbw = h200.hbm_bytes_per_us / 2 if n == 1 else busbw * n / (2 * (n - 1))
+        assert row["collective_bw_gbps"] == pytest.approx(algbw / 1e3)
+        groups, grad_bytes = row["allreduce_groups"], row["allreduce_gb"] * 1e9
+        assert row["allreduce_s"] * 1e6 == pytest.approx(groups * latency + grad_bytes / algbw)
+        assert row["allreduce_exposed_s"] + row["allreduce_hidden_s"] == pytest.approx(
+            row["allreduce_s"]
+        )
+        assert row["single_step_s"] == pytest.approx(plain["step_s"])
+        assert row["scaling_efficiency"] == pytest.approx(plain["step_s"] / row["step_s"])
+        assert row["fleet_tok_s"] == pytest.approx(n * 64 / row["step_s"])
+    # gpt2_tiny's gradient groups: the embedding (tied head), each block, the final norm
+    assert rows[0]["allreduce_groups"] >= 3 and rows[0]["allreduce_gb"] > 0
+    assert "fleets on h200 (network)" in result.stdout and "scaling eff" in result.stdout
+
+
+def _rows_of(tmp_path, *args) -> list[dict]:
+    out = tmp_path / "plain.json"
+    assert invoke(*args, "--json", out).exit_code == 0
+    return _rows(out)
+
+
+def test_predict_ranks_takes_whole_numbers() -> None:
+    result = invoke("predict", *ONE, "--budget", "1", "--ranks", "0,2")
+    assert_one_line_error(result, 2, "--ranks")

@@ -149,7 +149,7 @@ class TorchBackend:
         ctx = LaunchContext(
             task=task,
             device=self.device.type,
-            stream=self.runner.compute_stream,
+            stream=self.runner.collective_stream if task.collective else self.runner.compute_stream,
             inputs=tuple(view(obj) for obj in task.inputs),
             mutates=tuple(view(obj) for obj in task.mutates),
             outputs=tuple(view(obj) for obj in task.outputs),
@@ -166,7 +166,7 @@ class TorchBackend:
     def wait(self) -> list[Completion]:
         completions = self.runner.wait()
         for completion in completions:
-            if completion.kind is OpKind.TASK:  # its workspace block ends with it
+            if completion.kind in (OpKind.TASK, OpKind.COLLECTIVE):  # its workspace ends too
                 self.ended.add((f"workspace:{self.program.tasks[completion.ref].id}", 0))
         return completions
 

@@ -1,4 +1,5 @@
-"""Running on the CPU: one worker thread for compute and one per transfer direction.
+"""Running on the CPU: one worker thread for compute, one per transfer direction and one
+for the collective link (a fleet's all-reduces: gloo, in chain order).
 
 Each worker takes its operations in order (a FIFO, like a CUDA stream), times them with
 the host clock and reports completions to the dispatcher through one queue.
@@ -21,6 +22,7 @@ _KIND = {"d2h": OpKind.D2H, "h2d": OpKind.H2D}
 
 class CpuRunner:
     compute_stream = None
+    collective_stream = None
 
     def __init__(self) -> None:
         self.done: queue.Queue = queue.Queue()
@@ -71,9 +73,8 @@ class CpuRunner:
         self, index: int, task_id: str, executable: Executable, ctx: LaunchContext
     ) -> None:
         began = time.perf_counter()
-        self.lanes[OpKind.TASK].put(
-            (OpKind.TASK, index, f"task {task_id!r}", lambda: executable.launch(ctx))
-        )
+        kind = OpKind.of(ctx.task)
+        self.lanes[kind].put((kind, index, f"task {task_id!r}", lambda: executable.launch(ctx)))
         self.launch_host_us.append((time.perf_counter() - began) * 1e6)
 
     def submit_copy(

@@ -1,4 +1,5 @@
-"""Running on CUDA: one compute stream and one stream per transfer direction.
+"""Running on CUDA: one compute stream, one stream per transfer direction and one for the
+collective link (a fleet's all-reduces; NCCL enqueues them there).
 
 Each operation is bracketed by two CUDA events on its stream; the dispatcher learns of a
 completion by polling the end events (the host never blocks the device), and the times
@@ -28,6 +29,7 @@ class CudaRunner:
         self.device = device
         self.streams = {kind: torch.cuda.Stream(device=device) for kind in OpKind}
         self.compute_stream = self.streams[OpKind.TASK]
+        self.collective_stream = self.streams[OpKind.COLLECTIVE]
         self.origin = torch.cuda.Event(enable_timing=True)
         self.in_flight: list[tuple[OpKind, int, torch.cuda.Event, torch.cuda.Event]] = []
         self._free_events: list[torch.cuda.Event] = []  # reused: creating one costs host time
@@ -76,7 +78,8 @@ class CudaRunner:
     ) -> None:
         began = time.perf_counter()
         self._mark_origin()
-        stream = self.compute_stream
+        kind = OpKind.of(ctx.task)
+        stream = self.streams[kind]
         start, end = self._event(), self._event()
         self._use(stream)
         if self.nvtx_ranges:
@@ -85,12 +88,12 @@ class CudaRunner:
         try:
             executable.launch(ctx)
         except Exception as exc:  # reported by the dispatcher with the memory state
-            raise OpFailed(OpKind.TASK, index, f"task {task_id!r}", exc) from exc
+            raise OpFailed(kind, index, f"task {task_id!r}", exc) from exc
         finally:
             if self.nvtx_ranges:
                 torch.cuda.nvtx.range_pop()
         end.record(stream)
-        self.in_flight.append((OpKind.TASK, index, start, end))
+        self.in_flight.append((kind, index, start, end))
         self.launch_host_us.append((time.perf_counter() - began) * 1e6)
 
     def submit_copy(

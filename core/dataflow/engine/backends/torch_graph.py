@@ -90,6 +90,7 @@ class GraphCapture:
     def __init__(self, program: Program, streams: Mapping[OpKind, torch.cuda.Stream]) -> None:
         self.streams = dict(streams)
         self.compute_stream = self.streams[OpKind.TASK]
+        self.collective_stream = self.streams[OpKind.COLLECTIVE]
         self.clock = VirtualBackend(program)
         self.launch_host_us: list[float] = []
         self._ends: dict[tuple[OpKind, int], torch.cuda.Event] = {}
@@ -143,12 +144,13 @@ class GraphCapture:
         self, index: int, task_id: str, executable: Executable, ctx: LaunchContext
     ) -> None:
         began = time.perf_counter()
-        stream = self._before(OpKind.TASK)
+        kind = OpKind.of(ctx.task)
+        stream = self._before(kind)
         try:
             executable.launch(ctx)
         except Exception as exc:
-            raise OpFailed(OpKind.TASK, index, f"task {task_id!r}", exc) from exc
-        self._after(OpKind.TASK, index, stream)
+            raise OpFailed(kind, index, f"task {task_id!r}", exc) from exc
+        self._after(kind, index, stream)
         self.clock.launch_task(index)
         self.launch_host_us.append((time.perf_counter() - began) * 1e6)
 

@@ -3,7 +3,9 @@
 Each task fills every output with a byte of its own (its index in the chain) and then
 holds the compute resource for its ``cost_us``: on the CPU by waiting on the host clock,
 on CUDA with ``torch.cuda._sleep`` for the cycles that take that long (the rate measured
-once, when the resolver is built). Memory, transfers, streams and the dispatcher are the
+once, when the resolver is built). A collective task holds its stream (the collective
+link's) for the time the link prices its all-reduce at (``Program.duration_us``), standing
+in for the collective. Memory, transfers, streams and the dispatcher are the
 engine's own, so a synthetic chain such as ``examples/programs/training_step.json`` runs
 for real and ``dataflow trace`` can put its measured timeline beside the prediction.
 """
@@ -72,9 +74,11 @@ def build(program: Program) -> SyntheticResolver:
 
 class SyntheticResolver:
     def __init__(self, program: Program) -> None:
+        self.program = program
         self.index = {task.id: i for i, task in enumerate(program.tasks)}
         self.cycles_per_us = cuda_cycles_per_us() if torch.cuda.is_available() else None
 
     def __call__(self, task: Task) -> SyntheticTask:
         fill = 1 + self.index.get(task.id, 0) % 255
-        return SyntheticTask(fill, task.cost_us, self.cycles_per_us)
+        cost_us = self.program.duration_us(task)
+        return SyntheticTask(fill, cost_us, self.cycles_per_us)

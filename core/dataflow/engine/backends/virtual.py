@@ -1,6 +1,7 @@
 """The virtual backend: no data, a virtual clock. Its timeline is the simulator's.
 
-Each task takes its ``cost_us``; each transfer ``latency_us + size_bytes / bw``. ``wait``
+Each task takes its ``cost_us`` (a collective task: the collective link's time for what
+it reduces, ``Program.duration_us``); each transfer ``latency_us + size_bytes / bw``. ``wait``
 returns every operation ending at the earliest end time, in the tie order of the
 execution model (task, then d2h, then h2d).
 """
@@ -37,8 +38,9 @@ class VirtualBackend:
         pass
 
     def launch_task(self, index: int) -> None:
-        cost_us = self.program.tasks[index].cost_us
-        self._running.append((self.clock_us + cost_us, OpKind.TASK, index, self.clock_us))
+        task = self.program.tasks[index]
+        cost_us = self.program.duration_us(task)
+        self._running.append((self.clock_us + cost_us, OpKind.of(task), index, self.clock_us))
 
     def launch_transfer(self, serial: int, obj: str, direction: str) -> None:
         link = getattr(self.program.links, direction)

@@ -82,12 +82,20 @@ def default_backend(device: str) -> str:
 @attrs.frozen
 class Fleet:
     """This process's place in an initialised fleet: ``rank`` of ``world``, every
-    member's ``rounds``, this member's token ``share``."""
+    member's ``rounds``, this member's token ``share``, and on how many ``hosts`` the
+    members run (by the host names they report)."""
 
     rank: int
     world: int
     rounds: tuple[int, ...]
     share: float
+    hosts: int = 1
+
+    @property
+    def scope(self) -> str:
+        """Where the all-reduce runs (``HardwareEntry.collective_link``): within one host,
+        or over the network."""
+        return "nvlink" if self.hosts == 1 else "network"
 
     @property
     def writes(self) -> bool:
@@ -151,8 +159,9 @@ def join(
             backend, init_method="env://", rank=rank, world_size=world, timeout=timeout
         )
     fleet = Fleet(rank, world, tuple(rounds), token_shares(rounds, batch, seq_len)[rank])
-    check_versions(fleet.gather(version_report()))
-    return fleet
+    reports = fleet.gather(version_report())
+    check_versions(reports)
+    return attrs.evolve(fleet, hosts=len({report["host"] for report in reports}))
 
 
 def host_name() -> str:
@@ -198,3 +207,43 @@ def check_versions(reports: Sequence[dict[str, Any]]) -> None:
                     f"version skew: host {report['host']} (rank {rank}) has {name} "
                     f"{theirs.get(name)}; {first['host']} (rank 0) has {ours.get(name)}"
                 )
+
+
+def run_on_loopback(
+    argvs: Sequence[Sequence[str]], timeout_s: float, env: dict[str, str] | None = None
+) -> list[tuple[int, str]]:
+    """Start one process per argv as the ranks of a fleet on this host (rank *i* takes
+    GPU *i*; rendezvous and collectives on loopback), wait for all of them and return
+    each one's ``(exit code, output)``; any still running after ``timeout_s`` are killed.
+    For tests and benchmarks; ``dataflow train --topology`` is the user's way."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = len(argvs)
+    procs = []
+    for rank, argv in enumerate(argvs):
+        member_env = dict(
+            env if env is not None else os.environ,
+            **{ENV_RANK: str(rank), ENV_WORLD: str(world), ENV_ADDR: "127.0.0.1"},
+            **{ENV_PORT: str(port), "LOCAL_RANK": str(rank)},
+            GLOO_SOCKET_IFNAME="lo",
+            NCCL_SOCKET_IFNAME="lo",
+        )
+        procs.append(
+            subprocess.Popen(
+                list(argv),
+                env=member_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout_s)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return [(proc.returncode, text) for proc, text in zip(procs, outputs, strict=True)]

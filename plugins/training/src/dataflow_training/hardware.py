@@ -43,8 +43,13 @@ _OPTIONAL = {
     "d2h_latency_us": 0.0,
     "launch_us": 0.0,
     "dispatch_us": 0.0,
+    "allreduce_busbw_bytes_per_us": {},
+    "allreduce_latency_us": {},
     "sources": {},
 }
+
+#: Where a fleet's all-reduce runs: every rank on one host, or ranks on several hosts.
+COLLECTIVE_SCOPES = ("nvlink", "network")
 
 
 class HardwareError(ValueError):
@@ -72,6 +77,13 @@ class HardwareEntry:
     d2h_latency_us: float = 0.0
     launch_us: float = 0.0
     dispatch_us: float = 0.0
+    #: per scope (``COLLECTIVE_SCOPES``): NCCL-tests bus bandwidth and small-message latency
+    allreduce_busbw_bytes_per_us: Mapping[str, float] = attrs.field(
+        factory=dict, converter=dict, hash=False
+    )
+    allreduce_latency_us: Mapping[str, float] = attrs.field(
+        factory=dict, converter=dict, hash=False
+    )
     sources: Mapping[str, str] = attrs.field(factory=dict, converter=dict, hash=False)
     origin: str = ""
 
@@ -86,11 +98,33 @@ class HardwareEntry:
             self.flops_per_us[dtype], self.hbm_bytes_per_us, self.launch_us, self.dispatch_us
         )
 
-    def links(self) -> Links:
+    def links(self, ranks: int | None = None, scope: str = "nvlink") -> Links:
+        """The links to pinned host memory; with ``ranks``, also the collective link of a
+        fleet of that many ranks (``collective_link``)."""
         return Links(
             h2d=Link(self.h2d_bytes_per_us, self.h2d_latency_us),
             d2h=Link(self.d2h_bytes_per_us, self.d2h_latency_us),
+            collective=None if ranks is None else self.collective_link(ranks, scope),
         )
+
+    def collective_link(self, ranks: int, scope: str = "nvlink") -> Link:
+        """The all-reduce of a fleet of ``ranks`` members on ``scope``: a ring moves
+        ``2 (n - 1) / n`` of the bytes over each rank's link, so the bandwidth per byte
+        reduced (algbw) is ``busbw x n / (2 (n - 1))``. One rank reduces with itself: a
+        copy within device memory (read and written)."""
+        if scope not in self.allreduce_busbw_bytes_per_us:
+            raise HardwareError(
+                f"hardware {self.name!r} ({self.origin}) has no "
+                f"allreduce_busbw_bytes_per_us.{scope}; it has "
+                f"{', '.join(sorted(self.allreduce_busbw_bytes_per_us)) or 'none'}"
+            )
+        if ranks < 1:
+            raise ValueError(f"a fleet has at least one rank, got {ranks}")
+        latency = self.allreduce_latency_us.get(scope, 0.0)
+        if ranks == 1:
+            return Link(self.hbm_bytes_per_us / 2, latency)
+        busbw = self.allreduce_busbw_bytes_per_us[scope]
+        return Link(busbw * ranks / (2 * (ranks - 1)), latency)
 
 
 def _entry(name: str, fields: Any, origin: str) -> HardwareEntry:
@@ -114,6 +148,20 @@ def _entry(name: str, fields: Any, origin: str) -> HardwareEntry:
     for key in ("h2d_latency_us", "d2h_latency_us", "launch_us", "dispatch_us"):
         if not isinstance(values[key], int | float) or values[key] < 0:
             raise HardwareError(f"{where}: {key} must be a number >= 0, got {values[key]!r}")
+    for key in ("allreduce_busbw_bytes_per_us", "allreduce_latency_us"):
+        table = values[key]
+        if not isinstance(table, dict):
+            raise HardwareError(f"{where}: {key} is a table of scope = number")
+        for scope, value in table.items():
+            if scope not in COLLECTIVE_SCOPES:
+                raise HardwareError(
+                    f"{where}: {key}.{scope}: unknown scope; known: {', '.join(COLLECTIVE_SCOPES)}"
+                )
+            if key.endswith("latency_us"):
+                if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                    raise HardwareError(f"{where}: {key}.{scope} must be a number >= 0")
+            else:
+                _positive(where, f"{key}.{scope}", value)
     return HardwareEntry(name=name, origin=origin, **values)
 
 

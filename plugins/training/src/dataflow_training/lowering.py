@@ -34,7 +34,7 @@ from typing import Any
 
 import attrs
 
-from dataflow.schema import Links, Obj, Program, Role, Task, TensorMeta
+from dataflow.schema import Link, Links, Obj, Program, Resource, Role, Task, TensorMeta
 from dataflow_training.config import TrainConfig
 from dataflow_training.costs import RooflineCost
 from dataflow_training.family import (
@@ -85,6 +85,13 @@ def _ordered(params: Iterable[TensorSpec]) -> list[TensorSpec]:
     )
 
 
+#: The collective link of a fleet step lowered without one (``lower``'s ``links`` has no
+#: ``collective``): assumed, not measured, 1 GB/s and 100 us, about gloo over loopback on
+#: a CPU; a fleet on GPUs passes its link from the hardware table
+#: (``HardwareEntry.collective_link``).
+ASSUMED_COLLECTIVE = Link(bw_bytes_per_us=1000.0, latency_us=100.0)
+
+
 def lower(
     family: Family,
     preset: str,
@@ -108,7 +115,9 @@ def lower(
     ``grad_share``: this step is one member of a data-parallel fleet whose tokens are this
     share of the fleet's; an ``allreduce`` task per trainable group follows the task that
     completes the group's last-round gradient (before its ``gnorm``), scales it by the
-    share and sums it over the fleet (``dataflow_training.fleet``).
+    share and sums it over the fleet (``dataflow_training.fleet``). Those tasks run on the
+    collective link (``links.collective``; ``ASSUMED_COLLECTIVE`` when ``links`` has
+    none), so each group's all-reduce overlaps the backward of the layers below it.
     """
     overrides = dict(overrides or {})
     config = family.config(preset, **overrides)
@@ -446,7 +455,7 @@ def lower(
         tasks=tuple(tasks),
         final_locations=finals,
         persistent=tuple(p.id for p in packed.values() if p.kind in ("W", "O", "Aux")),
-        links=links or Links(),
+        links=_step_links(links, grad_share),
         metadata=step_layout.to_metadata(),
     )
     return Lowered(program, step_layout, layers)
@@ -468,6 +477,13 @@ def _add_aux(family: str, layer: LayerSpec, packed: dict[str, PackedObject], add
             f"{[(a.name, a.shape) for a in layer.aux]} but {obj}, shared by the {layer.kind!r} "
             f"layers, was declared by layer {packed[obj].layer!r} with others"
         )
+
+
+def _step_links(links: Links | None, grad_share: float | None) -> Links:
+    links = links or Links()
+    if grad_share is None or links.collective is not None:
+        return links
+    return attrs.evolve(links, collective=ASSUMED_COLLECTIVE)
 
 
 def recompute_units(
@@ -548,22 +564,25 @@ def _allreduce_tasks(
     share: float, last_round: int, grads: dict[str, tuple[str, ...]], packed: Any, **chain: Any
 ) -> None:
     """One ``allreduce`` task per trainable group (``lower``'s ``grad_share``), mutating
-    the group's ``dW``; its ``share`` is in the task's params. Priced for now as a pass
-    over the gradient on the compute stream (the collective link is not modelled)."""
+    the group's ``dW``, on the collective link (no compute cost: the link prices it by
+    the gradient's size); its ``share`` is in the task's params."""
 
     def make(layer: str, dw: str) -> None:
-        size = packed[dw].layout.size_bytes
         chain["task"](
             "allreduce",
             last_round,
             layer,
             GRAD_ALLREDUCE_KEY,
-            chain["cost"].cost_us(size // 4, 2 * size),
+            0.0,
             mutates={"grad": (dw,)},
             group=packed[dw].group,
         )
         tasks = chain["tasks"]
-        tasks[-1] = attrs.evolve(tasks[-1], params={**tasks[-1].params, "share": share})
+        tasks[-1] = attrs.evolve(
+            tasks[-1],
+            params={**tasks[-1].params, "share": share},
+            resource=Resource.COLLECTIVE,
+        )
 
     _after_last_grad(chain["tasks"], chain["task"], grads, make)
 

@@ -8,6 +8,14 @@ hardware entry's roofline, or by the profiling pass through its disk cache with
 row says what one step costs. A cell that cannot run is a row that says why
 (``feasible: false`` and ``reason``), never an error.
 
+With ``ranks`` (``predict_fleet``), each cell is also one member of a data-parallel fleet
+of that many ranks: every rank runs the cell's step (its rounds, its budget) and the step
+ends with the all-reduce of every gradient group on the collective link of the hardware
+entry (``HardwareEntry.collective_link`` for that many ranks, within one host or over the
+network). The row adds the fleet's tokens/s, how much of the all-reduce the step waited
+for (exposed) and how much ran under the backward (hidden), and the scaling efficiency:
+the fleet's tokens/s over ``ranks`` times one plain process's (no all-reduce).
+
 A sequence longer than the preset's position table (GPT-2's ``n_positions``) lengthens
 the table (an override the row names): the step is then the preset's at that length.
 """
@@ -205,15 +213,21 @@ def plan_cell(
     train: TrainConfig | None = None,
     measure: Callable[[Program], dict] | None = None,
     reserve_bytes: int = 0,
+    ranks: int | None = None,
+    scope: str = "nvlink",
 ) -> PlannedCell:
     """Lower, price and plan one cell (module docstring); ``train`` replaces the cell's
-    default training step (``train_config``) with one of the same shape."""
+    default training step (``train_config``) with one of the same shape. ``ranks``: the
+    step of one member of a fleet of that many (equal shares), its all-reduce priced on
+    the ``scope`` collective link."""
     from dataflow.planning import PRESSUREFIT, PlanningError, plan
     from dataflow_training.lowering import lower
     from dataflow_training.profile import apply_profile
     from dataflow_training.recompute import measured_recompute_planner, recompute_planner
 
     extra: dict[str, Any] = {"hw": hw.name, "costs": "measured" if measure else "roofline"}
+    if ranks is not None:
+        extra |= {"ranks": ranks, "scope": scope}
     reason = cell.why_not()
     if reason is not None:
         return PlannedCell(cell, extra, reason=reason)
@@ -227,7 +241,8 @@ def plan_cell(
         train,
         overrides=overrides,
         cost=hw.roofline(train.dtype.param),
-        links=hw.links(),
+        links=hw.links(ranks, scope),
+        grad_share=None if ranks is None else 1.0 / ranks,
     ).program
     planner = recompute_planner(family=family) if recompute else PRESSUREFIT
     if measure is not None:
@@ -251,11 +266,64 @@ def predict_cell(family: Any, cell: Cell, hw: HardwareEntry, **options: Any) -> 
     """The row of one cell (module docstring; ``plan_cell``'s options). ``measure`` (a
     program -> profiles function, e.g. the profiling pass through its cache) prices the
     step instead of the roofline; ``reserve_bytes`` is left out of the budget for the
-    device's libraries."""
+    device's libraries; ``ranks`` adds the fleet member's all-reduce
+    (``fleet_fields``)."""
     planned = plan_cell(family, cell, hw, **options)
     if planned.reason is not None:
         return infeasible_row(cell, planned.extra, planned.reason)
-    return row_of(planned.planned, family, cell, planned.extra)
+    row = row_of(planned.planned, family, cell, planned.extra)
+    ranks = options.get("ranks")
+    if ranks is not None:
+        row |= fleet_fields(planned.planned, ranks, planned.planned.program.links.collective)
+    return row
+
+
+def fleet_fields(planned: Any, ranks: int, link: Any) -> dict[str, Any]:
+    """A fleet member's all-reduce from its plan's simulated step: the collective link's
+    busy time, the part of it during which compute was idle (exposed: the step waited
+    for it) and the rest (hidden under the backward), and the fleet's tokens/s."""
+    sim = planned.sim
+    exposed_us = sim.collective_exposed_us
+    return {
+        "collective_bw_gbps": link.bw_bytes_per_us / 1e3,
+        "collective_latency_us": link.latency_us,
+        "allreduce_groups": sim.collective.transfers,
+        "allreduce_gb": sim.collective.bytes / 1e9,
+        "allreduce_s": sim.collective.busy_us / 1e6,
+        "allreduce_exposed_s": exposed_us / 1e6,
+        "allreduce_hidden_s": (sim.collective.busy_us - exposed_us) / 1e6,
+    }
+
+
+def predict_fleet(
+    family: Any,
+    cells: Iterable[Cell],
+    hw: HardwareEntry,
+    ranks: Sequence[int],
+    *,
+    scope: str = "nvlink",
+    progress: Callable[[dict[str, Any]], None] | None = None,
+    **options: Any,
+) -> list[dict[str, Any]]:
+    """For every cell, one row per fleet size in ``ranks`` (``predict_cell`` with
+    ``ranks``), each with ``fleet_tok_s`` (ranks x the member's tokens/s) and
+    ``scaling_efficiency`` against the cell's plain step (predicted once per cell; its
+    ``single_step_s`` is in the row)."""
+    rows = []
+    for cell in cells:
+        single = predict_cell(family, cell, hw, **options)
+        for n in ranks:
+            row = predict_cell(family, cell, hw, ranks=n, scope=scope, **options)
+            if row["feasible"]:
+                row["fleet_tok_s"] = n * row["tok_s"]
+                row["single_step_s"] = single["step_s"] if single["feasible"] else None
+                row["scaling_efficiency"] = (
+                    single["step_s"] / row["step_s"] if single["feasible"] else None
+                )
+            rows.append(row)
+            if progress is not None:
+                progress(row)
+    return rows
 
 
 def _one_line(text: str) -> str:

@@ -3,8 +3,10 @@
 Both take one grid (a preset; lists of T_round, sequence lengths and budgets; tokens per
 step; a backing budget) and print one row per cell, as a table and, with ``--json``, as
 ``{"rows": [...]}``. ``predict`` simulates (instant with the roofline; ``--measured``
-prices by the profiling pass through its disk cache); ``measure`` also runs each cell on
-the engine and prints the measured step beside the prediction.
+prices by the profiling pass through its disk cache); ``predict --ranks 1,2,8`` predicts
+each cell as a member of data-parallel fleets of those sizes, the all-reduce priced on
+the hardware entry's collective link; ``measure`` also runs each cell on the engine and
+prints the measured step beside the prediction.
 """
 
 from __future__ import annotations
@@ -132,6 +134,20 @@ def _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing):
 @_grid_options
 @click.option("--measured", is_flag=True, help="price tasks by the profiling pass (its cache)")
 @click.option("--device", default=None, type=Device(), help="for --measured; default cuda")
+@click.option(
+    "--ranks",
+    "ranks",
+    default=None,
+    type=IntList(),
+    help="predict each cell as one member of fleets of these sizes, e.g. 1,2,8",
+)
+@click.option(
+    "--scope",
+    default="nvlink",
+    show_default=True,
+    type=click.Choice(["nvlink", "network"]),
+    help="with --ranks: the ranks share one host (nvlink) or are on several (network)",
+)
 def predict_command(
     preset,
     family_name,
@@ -147,18 +163,64 @@ def predict_command(
     json_out,
     measured,
     device,
+    ranks,
+    scope,
 ) -> None:
-    """Predict a grid of training steps from the simulator: one row per cell."""
-    from dataflow_training.predict import predict
+    """Predict a grid of training steps from the simulator: one row per cell (with
+    --ranks, one per cell and fleet size)."""
+    from dataflow_training.predict import predict, predict_fleet
 
     family, entry, backing = _setup(preset, family_name, hw, hw_files, backing)
     options: dict[str, Any] = {"recompute": recompute, "dtype": dtype}
+    if ranks is not None:
+        _check_scope(entry, scope)
     if measured:
         options |= _measured_pricing(family, device)
     cells = _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing)
-    rows = predict(family, cells, entry, **options)
-    _print_predicted(rows, entry.name, preset)
+    if ranks is None:
+        rows = predict(family, cells, entry, **options)
+        _print_predicted(rows, entry.name, preset)
+    else:
+        rows = predict_fleet(family, cells, entry, ranks, scope=scope, **options)
+        _print_fleet(rows, entry.name, preset, scope)
     _write(json_out, rows, "predict")
+
+
+def _check_scope(entry: Any, scope: str) -> None:
+    from dataflow_training.hardware import HardwareError
+
+    try:
+        entry.collective_link(2, scope)
+    except HardwareError as exc:
+        raise click.BadParameter(one_line(str(exc)), param_hint="--scope") from None
+
+
+def _print_fleet(rows: list[dict[str, Any]], hw: str, preset: str, scope: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        "seq", "T_round", "budget", "ranks", "s/step", "tok/s a rank", "fleet tok/s",
+        "all-reduce ms", "exposed ms", "hidden ms", "scaling eff",
+        title=f"{preset} fleets on {hw} ({scope})",
+    )  # fmt: skip
+    for row in rows:
+        if not row["feasible"]:
+            table.add_row(*_cell_columns(row), str(row["ranks"]), f"[red]{row['reason']}")
+            continue
+        efficiency = row["scaling_efficiency"]
+        table.add_row(
+            *_cell_columns(row),
+            str(row["ranks"]),
+            f"{row['step_s']:.4f}",
+            f"{row['tok_s']:,.0f}",
+            f"{row['fleet_tok_s']:,.0f}",
+            f"{row['allreduce_s'] * 1e3:.2f}",
+            f"{row['allreduce_exposed_s'] * 1e3:.2f}",
+            f"{row['allreduce_hidden_s'] * 1e3:.2f}",
+            "-" if efficiency is None else f"{efficiency:.3f}",
+        )
+    Console(width=200).print(table)
 
 
 def _measured_pricing(family: Any, device: str | None) -> dict[str, Any]:

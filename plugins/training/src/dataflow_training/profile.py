@@ -229,6 +229,8 @@ def profile_program(
     profiles: dict[tuple, TaskProfile] = {}
     layout = StepLayout.of(program)
     for task in program.tasks:
+        if task.collective:
+            continue  # the collective link prices it, not a measurement of compute
         key = signature(program, task)
         if key in profiles:
             continue
@@ -323,9 +325,13 @@ def _replayed_us(
 
 
 def apply_profile(program: Program, profiles: dict[tuple, TaskProfile]) -> Program:
-    """``program`` with every task's cost and workspace from its measured signature."""
+    """``program`` with every task's cost and workspace from its measured signature
+    (collective tasks stay as they are: the collective link prices them)."""
     tasks = []
     for task in program.tasks:
+        if task.collective:
+            tasks.append(task)
+            continue
         measured = profiles[signature(program, task)]
         tasks.append(
             attrs.evolve(task, cost_us=measured.cost_us, workspace_bytes=measured.workspace_bytes)

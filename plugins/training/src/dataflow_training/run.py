@@ -63,8 +63,10 @@ class TrainingRun:
     ``family`` is a registered family name or a family object; ``state`` the initial model
     state (default: the family's reference model initialised under ``seed``);
     ``budget_bytes`` the fast-memory budget (default: unbounded); ``resolver`` the
-    registered resolver that runs the tasks; ``planner`` a planner spec for ``plan``
-    (default: the ``recompute`` planner, or PressureFit alone with ``recompute=False``);
+    registered resolver that runs the tasks; ``backing_bytes`` the backing (pinned host,
+    slow-memory) budget the plan and the engine keep to (default: unbounded); ``planner``
+    a planner spec for ``plan`` (default: the ``recompute`` planner, or PressureFit alone
+    with ``recompute=False``);
     ``keep_grads`` keeps each step's weight gradients for ``grads()`` (checks only);
     ``cost`` and ``links`` (a ``RooflineCost`` and ``Links``, e.g. from a hardware entry)
     price the step where the profiling pass does not (off CUDA) and give its links.
@@ -84,6 +86,7 @@ class TrainingRun:
         train: TrainConfig,
         *,
         budget_bytes: int | None = None,
+        backing_bytes: int | None = None,
         device: str = "cpu",
         seed: int = 0,
         overrides: Mapping[str, Any] | None = None,
@@ -125,7 +128,12 @@ class TrainingRun:
             from dataflow_training.recompute import RECOMPUTE
 
             planner = RECOMPUTE if recompute else PRESSUREFIT
-        options: dict[str, Any] = {"planner": planner, "cyclic": bool(self.program.persistent)}
+        options: dict[str, Any] = {
+            "planner": planner,
+            "cyclic": bool(self.program.persistent),
+            "slow_budget_bytes": backing_bytes,
+        }
+        self.backing_bytes = backing_bytes
         self.vocab_size = embed_layer(self.lowered.layers).params[0].shape[0]
         self.budget_bytes = budget_bytes or UNBOUNDED_BYTES
         if device.startswith("cuda"):
@@ -179,9 +187,8 @@ class TrainingRun:
             cache=cache,
             graph=self.graph,
         )
-        self.program = attrs.evolve(
-            apply_profile(self.program, profiles), links=measure_links(self.device)
-        )
+        links = attrs.evolve(measure_links(self.device), collective=self.program.links.collective)
+        self.program = attrs.evolve(apply_profile(self.program, profiles), links=links)
         if options["planner"] is RECOMPUTE:  # candidates priced by measurements too
 
             def measured(program: Any) -> dict:
@@ -284,7 +291,11 @@ class TrainingRun:
             self.program, self._weights, lambda _step, r: batches[r], given=opt_state
         )
         engine = Engine(
-            "torch", budget_bytes=self.budget_bytes, device=self.device, graph=self.graph
+            "torch",
+            budget_bytes=self.budget_bytes,
+            slow_budget_bytes=self.backing_bytes,
+            device=self.device,
+            graph=self.graph,
         )
         engine.load(self.planned, self._resolver, initial=initial, placement=self.placement)
         self._engine = engine

@@ -439,23 +439,31 @@ class GradAllReduce(_Exec):
     """A fleet member's gradient of one parameter group, scaled by the member's token
     share (the task's ``share`` param) and summed over the default ``torch.distributed``
     process group, so every member ends with the token-weighted mean of the fleet's
-    gradients (``dataflow_training.fleet``). One collective over the group's tensors,
-    flattened. The collective runs only when the run's values carry ``fleet`` (what
-    ``TrainingRun.step`` passes in a fleet): a profiling pass that launches the task alone
-    must not wait on members that are not launching it. Not capturable: gloo cannot be
-    captured and the collective is kept out of CUDA graphs."""
+    gradients (``dataflow_training.fleet``). One collective over the group's tensors: in
+    place over the packed gradient when its tensors share one dtype (the padding between
+    them is zeros and stays so), else over a flattened copy. The task runs on the
+    collective link (the engine's collective stream on CUDA, its own worker on CPU). The
+    collective runs only when the run's values carry ``fleet`` (what ``TrainingRun.step``
+    passes in a fleet): a launch outside a fleet step must not wait on members that are
+    not launching it. Not capturable: gloo cannot be captured and the collective is kept
+    out of CUDA graphs."""
 
     capturable = False
 
     def launch(self, ctx: LaunchContext) -> None:
-        views = list(self.named(ctx, "grad").values())
-        flat = torch.cat([v.reshape(-1) for v in views])
+        dw = self.slot.one("grad")
+        layout = self.layout.packed[dw].layout
+        flat = layout.span(self.buffer(ctx, dw), [e.name for e in layout.entries])
+        views = None
+        if flat is None:  # tensors of several dtypes: reduce a flattened copy
+            views = list(self.named(ctx, "grad").values())
+            flat = torch.cat([v.reshape(-1) for v in views])
         flat.mul_(float(self.task.params["share"]))
         if ctx.values.get("fleet"):
             import torch.distributed as dist
 
             dist.all_reduce(flat)
         offset = 0
-        for v in views:
+        for v in views or ():
             v.copy_(flat[offset : offset + v.numel()].view_as(v))
             offset += v.numel()

@@ -65,6 +65,8 @@ def default_budget(device: str) -> int | None:
 FLEET_HELP = {
     "rounds": "in a fleet: each member's accumulation rounds per step (6,2: a 3:1 data split)",
     "budgets": "in a fleet: each member's fast-memory budget (one value: every member's)",
+    "backing": "each member's backing (pinned host) budget, e.g. 60GiB,30GiB (one value: "
+    "every member's, or one process's); default: unbounded",
     "topology": "start a fleet: its hosts and groups (see docs/distributed_training.md)",
     "group": "with --topology: the group of members to start",
     "timeout": "seconds a fleet member waits on the others before it fails (default 60)",
@@ -72,7 +74,8 @@ FLEET_HELP = {
 
 
 def fleet_options(command: Any) -> Any:
-    """``--rounds``, ``--fast-budget``, ``--topology``, ``--group``, ``--fleet-timeout``."""
+    """``--rounds``, ``--fast-budget``, ``--backing-budget``, ``--topology``, ``--group``,
+    ``--fleet-timeout``."""
     timeout = click.FloatRange(min=1)
     topology = click.Path(dir_okay=False, exists=True)
     for option in reversed(
@@ -80,6 +83,9 @@ def fleet_options(command: Any) -> Any:
             click.option("--rounds", "fleet_rounds", metavar="N,N,...", help=FLEET_HELP["rounds"]),
             click.option(
                 "--fast-budget", "fleet_budgets", metavar="SIZES", help=FLEET_HELP["budgets"]
+            ),
+            click.option(
+                "--backing-budget", "backing_budgets", metavar="SIZES", help=FLEET_HELP["backing"]
             ),
             click.option("--topology", type=topology, help=FLEET_HELP["topology"]),
             click.option("--group", help=FLEET_HELP["group"]),
@@ -181,6 +187,7 @@ def train_command(
     prof_dir,
     fleet_rounds,
     fleet_budgets,
+    backing_budgets,
     topology,
     group,
     fleet_timeout,
@@ -196,18 +203,28 @@ def train_command(
     from dataflow_training.trainer import Interrupted, TrainingStopped, TrainOptions, train
 
     if topology is not None or group is not None:
-        _conduct(topology, group, fleet_timeout, rest["out"], fleet_rounds, fleet_budgets)
+        _conduct(
+            topology,
+            group,
+            fleet_timeout,
+            rest["out"],
+            {"--rounds": fleet_rounds, "--fast-budget": fleet_budgets},
+            backing_budgets,
+        )
         return
     fleet = None
     if in_fleet():
-        fleet, rest["rounds"], budget_bytes = _join(
-            fleet_rounds, fleet_budgets, budget_bytes, device, rest
+        fleet, rest["rounds"], budget_bytes, backing_bytes = _join(
+            fleet_rounds, fleet_budgets, backing_budgets, budget_bytes, device, rest
         )
     elif fleet_rounds is not None or fleet_budgets is not None:
         raise click.UsageError(
             "--rounds and --fast-budget are for a fleet (--topology, or torchrun); one "
             "process takes --ga-rounds and --budget"
         )
+    else:
+        backing_bytes = _backing_budgets(backing_budgets, 1)
+        backing_bytes = None if backing_bytes is None else backing_bytes[0]
 
     if rest["trace_steps"] > rest["steps"]:
         raise click.BadParameter(
@@ -226,6 +243,7 @@ def train_command(
         preset=preset,
         device=device,
         budget_bytes=budget_bytes,
+        backing_bytes=backing_bytes,
         clip=clip or None,
         profile=window,
         **rest,
@@ -270,11 +288,12 @@ def _conduct(
     group: str | None,
     timeout_s: float,
     out: str,
-    rounds: str | None,
-    budgets: str | None,
+    per_member: dict[str, str | None],
+    backing: str | None,
 ) -> None:
     """``--topology`` with ``--group``: start the members (with this command's other
-    options) and wait for them."""
+    options) and wait for them. ``per_member``: option -> its text, one value per
+    member (or one for all), checked against the group's size here."""
     from pathlib import Path
 
     from dataflow_training.conductor import Topology, conduct
@@ -288,11 +307,12 @@ def _conduct(
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--topology") from None
     world = len(topo.members(group))
-    for option, text in (("--rounds", rounds), ("--fast-budget", budgets)):
+    for option, text in per_member.items():
         try:
             per_rank(text, world, option, str)
         except ValueError as exc:
             raise click.BadParameter(f"{exc} (group {group})", param_hint=option) from None
+    _backing_budgets(backing, world, f" (group {group})")
     args = member_args(click.get_current_context())
     try:
         conduct(topo, group, args, out=Path(out), timeout_s=timeout_s)
@@ -324,11 +344,29 @@ def member_args(ctx: click.Context) -> list[str]:
     return argv
 
 
+def _backing_budgets(text: str | None, world: int, where: str = "") -> list[int] | None:
+    """``--backing-budget`` as one size per member (None: not given). A count that is
+    neither 1 nor ``world``, or a size that does not parse, names the option."""
+    from dataflow.cli.options import BUDGET
+    from dataflow_training.fleet import per_rank
+
+    try:
+        return per_rank(text, world, "--backing-budget", lambda v: BUDGET.convert(v, None, None))
+    except (ValueError, click.BadParameter) as exc:
+        message = exc.message if isinstance(exc, click.BadParameter) else str(exc)
+        raise click.BadParameter(f"{message}{where}", param_hint="--backing-budget") from None
+
+
 def _join(
-    rounds_text: str | None, budgets_text: str | None, budget: int | None, device, rest
-) -> tuple[Any, int, int | None]:
+    rounds_text: str | None,
+    budgets_text: str | None,
+    backing_text: str | None,
+    budget: int | None,
+    device,
+    rest,
+) -> tuple[Any, int, int | None, int | None]:
     """Join the fleet this process was started in: ``(fleet, this member's rounds, its
-    budget)``."""
+    budget, its backing budget)``."""
     import os
 
     from dataflow.cli.options import BUDGET
@@ -343,6 +381,7 @@ def _join(
         )
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
+    backing = _backing_budgets(backing_text, world)
     try:
         fleet = join(
             rounds,
@@ -353,7 +392,8 @@ def _join(
         )
     except FleetError as exc:
         raise Failure(one_line(str(exc))) from None
-    return fleet, rounds[fleet.rank], budget if budgets is None else budgets[fleet.rank]
+    mine = budget if budgets is None else budgets[fleet.rank]
+    return fleet, rounds[fleet.rank], mine, None if backing is None else backing[fleet.rank]
 
 
 def done_line(summary: dict[str, Any], out: Any) -> str:

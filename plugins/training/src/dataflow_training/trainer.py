@@ -73,6 +73,8 @@ class TrainOptions:
     rounds: int = 1
     seq_len: int = 64
     budget_bytes: int | None = None
+    #: the backing (pinned host) budget of the step's plan; None: unbounded
+    backing_bytes: int | None = None
     device: str = "cpu"
     checkpoint_every: int | None = None
     resume: str | None = None
@@ -193,12 +195,14 @@ def train(
         o.preset,
         o.train_config(),
         budget_bytes=o.budget_bytes,
+        backing_bytes=o.backing_bytes,
         device=o.device,
         seed=o.seed,
         overrides=o.overrides,
         graph=o.graph,
         recompute=o.recompute,
         grad_share=None if fleet is None else fleet.share,
+        links=fleet_links(fleet, o.device),
     )
     vocab = getattr(feed, "vocab_size", None)
     if vocab is not None and vocab > run.vocab_size:
@@ -395,3 +399,19 @@ def elapsed_eta(started: float, done: int, total: int) -> float:
     """Seconds left at the pace so far."""
     spent = time.perf_counter() - started
     return spent / max(done, 1) * max(total - done, 0)
+
+
+#: The hardware entry whose collective link prices a GPU fleet's all-reduce (the links to
+#: pinned host memory are measured on the device; the collective link is not yet).
+FLEET_HARDWARE = "h200"
+
+
+def fleet_links(fleet: Any, device: str) -> Any:
+    """A GPU fleet's step is planned with the collective link of the hardware table, for
+    its size and scope (one host or several); on CPUs the lowering's assumed link."""
+    if fleet is None or not device.startswith("cuda"):
+        return None
+    from dataflow.schema import Links
+    from dataflow_training.hardware import hardware
+
+    return Links(collective=hardware(FLEET_HARDWARE).collective_link(fleet.world, fleet.scope))
