@@ -171,7 +171,8 @@ def test_collective_tasks_overlap_compute_in_generated_programs() -> None:
     programs run a collective task while a compute task runs."""
     overlapped = []
 
-    @settings(max_examples=100, deadline=None, database=None)
+    # derandomized: a fixed sample of generated programs, so the count cannot drift run to run
+    @settings(max_examples=200, deadline=None, database=None, derandomize=True)
     @given(annotated_programs(collectives=True))
     def collect(program: Program) -> None:
         result = simulate(program)
