@@ -103,3 +103,42 @@ def test_unknown_paths_are_404(server) -> None:
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(url(server, "/nothing"), timeout=10)
     assert caught.value.code == 404
+
+
+def test_a_sweep_is_worked_out_once_per_program_and_planner(tiny_program) -> None:
+    from dataflow_viewer import server
+
+    first = server.cached_sweep(predict(tiny_program, 2 << 20))
+    again = server.cached_sweep(predict(tiny_program, 3 << 20))
+    assert again is first  # the same answer object: not planned again
+    other = server.cached_sweep(predict(tiny_program, 3 << 20, "recompute"))
+    assert other is not first
+
+
+def test_serve_prints_where_it_listens_and_serves_the_page() -> None:
+    import subprocess
+    import sys
+
+    code = "from dataflow.cli.main import main; main()"
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, "serve"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("serving on http://127.0.0.1:"), line + process.stderr.read()
+        address = line.split()[2]
+        with urllib.request.urlopen(address, timeout=30) as response:
+            assert 'id="controls"' in response.read().decode()
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def test_serve_on_an_interface_that_is_not_here_is_one_line() -> None:
+    from dataflow.testing.cli import FAILURE_EXIT, assert_one_line_error, invoke
+
+    result = invoke("serve", "--host", "203.0.113.7", "--port", "1")
+    assert_one_line_error(result, FAILURE_EXIT, "--host 203.0.113.7", "cannot listen")

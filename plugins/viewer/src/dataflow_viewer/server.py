@@ -10,14 +10,17 @@ file leaves the machine and the page loads nothing from the network (BokehJS is 
 
 from __future__ import annotations
 
+import hashlib
 import html
 import json
 import threading
+from collections import OrderedDict
 from functools import lru_cache
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import attrs
 from bokeh.embed import json_item
 
 from dataflow.planning import PlanningError
@@ -93,9 +96,27 @@ def run_of(request: dict[str, Any]) -> Run:
     return run
 
 
+#: sweeps by (program, planner): a sweep does not depend on the budget asked for, and
+#: finding the minimal budget of a big step takes seconds (GPT-2 124M: about 8 s)
+_SWEEPS: OrderedDict[tuple[str, str], tuple[list, str]] = OrderedDict()
+SWEEPS_KEPT = 32
+
+
+def cached_sweep(run: Run) -> tuple[list, str]:
+    """``sweep_or_reason(run)``, computed once per program and planner."""
+    chain = attrs.evolve(run.program.bare(), budget=None)  # the plan's budget aside
+    key = (hashlib.sha256(chain.to_json().encode()).hexdigest(), run.planner)
+    if key not in _SWEEPS:
+        _SWEEPS[key] = sweep_or_reason(run)
+        while len(_SWEEPS) > SWEEPS_KEPT:
+            _SWEEPS.popitem(last=False)
+    _SWEEPS.move_to_end(key)
+    return _SWEEPS[key]
+
+
 def answer(run: Run) -> dict[str, Any]:
     """The page's update: heading and cards as HTML, each panel as a bokeh JSON item."""
-    points, reason = sweep_or_reason(run)
+    points, reason = cached_sweep(run)
     items = {name: json_item(model, f"panel-{name}") for name, model in panels(run, points).items()}
     return {
         "heading": heading(run),
