@@ -29,6 +29,7 @@ from dataflow.cli.errors import report
 BUILTIN_COMMANDS: dict[str, str] = {
     "validate": "dataflow.cli.validate:validate_command",
     "kernels": "dataflow.cli.kernels_cmd:kernels_group",
+    "perfetto": "dataflow.cli.perfetto:perfetto_command",
     "plan": "dataflow.cli.plan:plan_command",
     "plugins": "dataflow.cli.plugins_cmd:plugins_group",
     "simulate": "dataflow.cli.simulate:simulate_command",

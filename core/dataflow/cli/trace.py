@@ -3,7 +3,9 @@
 Simulates the annotated program, runs it on the engine with the named resolver (an
 installed plugin; ``synthetic`` runs any program by its task costs) on seeded random
 values, and writes one Chrome trace with two processes: the prediction above the
-measurement of the last step. Open it in Perfetto.
+measurement of the last step. Open it in Perfetto. With ``--bundle DIR`` (a bundle of
+this program, from ``dataflow export``) the measured timeline of the steps is written
+beside it (``measured_timeline.json``) and its summary gets the measured step.
 
 Every step gets fresh inputs: each object that exists at start and has no final location
 (the step's data) is drawn anew from ``(seed, step)``; the others (weights, optimizer
@@ -83,6 +85,14 @@ def step_inputs(program) -> set[str]:
 @click.option(
     "-o", "--output", default="trace.json", show_default=True, type=OutputFile(), metavar="OUT"
 )
+@click.option(
+    "--bundle",
+    "bundle_dir",
+    default=None,
+    type=click.Path(file_okay=False, exists=True),
+    metavar="DIR",
+    help="a bundle of PLANNED.json (dataflow export): write the measured timeline beside it",
+)
 def trace_command(
     program_path: str,
     resolver_name: str,
@@ -91,6 +101,7 @@ def trace_command(
     steps: int,
     seed: int,
     output: str,
+    bundle_dir: str | None,
 ) -> None:
     """Write the predicted and the measured timeline of PLANNED.json into one trace."""
     try:
@@ -104,6 +115,7 @@ def trace_command(
 
     spec = lookup(resolvers(), resolver_name, "--resolver")
     program = load_program(program_path)
+    bundle = None if bundle_dir is None else _bundle_of(bundle_dir, program, program_path)
     predicted = simulate(program, budget_bytes=budget_bytes)
     if not predicted.valid:
         raise Failure(
@@ -132,8 +144,52 @@ def trace_command(
         engine.predicted = predicted
         result = engine.run(steps=steps, feed=lambda step: random_values(program, seed + step, fed))
     result.to_chrome_trace(write_to(output))
+    if bundle is not None:
+        _write_measured(bundle_dir, bundle, result, device)
+        click.echo(f"wrote {bundle_dir}/measured_timeline.json ({steps} step(s))")
     click.echo(
         f"predicted {predicted.makespan_us:.0f} us, measured {result.makespan_us:.0f} us "
         f"(x{result.measured_over_predicted:.2f}); fast peak {format_size(result.fast_peak_bytes)}"
         f"; wrote {output}"
     )
+
+
+def _bundle_of(folder: str, program, program_path: str):
+    """The bundle in ``folder``, which must be of ``program``."""
+    from dataflow.bundle import BundleError, read_bundle
+
+    try:
+        bundle = read_bundle(folder)
+    except BundleError as exc:
+        raise Failure(f"--bundle: {exc}") from None
+    if bundle.program != program:
+        raise Failure(
+            f"--bundle {folder}: its program.json is not {program_path} (trace the bundle's "
+            f"own program: dataflow trace {folder}/program.json ...)"
+        )
+    return bundle
+
+
+def _write_measured(folder: str, bundle, result, device: str) -> None:
+    """The measured timeline of ``result``'s steps beside the bundle, and the measured
+    step in its summary."""
+    import attrs
+
+    from dataflow.bundle import Measured, measured_timeline, write_bundle
+
+    steps = [result.to_timeline(step) for step in range(len(result.steps))]
+    timeline = measured_timeline(
+        bundle.program, steps, bundle.timeline, metadata={"device": device}
+    )
+    step_s = result.makespan_us / 1e6
+    tokens = bundle.summary.tokens_step
+    measured = Measured(
+        step_s=step_s,
+        steps=len(steps),
+        device=device,
+        fast_peak_bytes=result.fast_peak_bytes,
+        tok_s=tokens / step_s if tokens and step_s > 0 else None,
+        allocator_peak_bytes=result.allocator_peak_bytes,
+    )
+    summary = attrs.evolve(bundle.summary, measured=measured)
+    write_bundle(folder, attrs.evolve(bundle, summary=summary, measured=timeline))

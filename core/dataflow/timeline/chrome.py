@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dataflow.timeline.records import Timeline
+from dataflow.timeline.records import TaskSpan, Timeline, TransferSpan
 
 #: thread id of each track inside a timeline's process
 TRACKS = {"compute": 1, "h2d": 2, "d2h": 3}
@@ -54,27 +54,45 @@ def write_trace_document(path: str | Path, document: dict[str, Any]) -> Path:
     return path
 
 
-def _process_events(pid: int, timeline: Timeline) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = [
-        _meta(pid, 0, "process_name", {"name": timeline.name}),
+def process_header(pid: int, name: str, tracks: dict[str, int]) -> list[dict[str, Any]]:
+    """The metadata events naming a process and its threads (``tracks``: name -> tid), in
+    that order on screen."""
+    events = [
+        _meta(pid, 0, "process_name", {"name": name}),
         _meta(pid, 0, "process_sort_index", {"sort_index": pid}),
     ]
-    for name, tid in TRACKS.items():
-        events.append(_meta(pid, tid, "thread_name", {"name": name}))
+    for track, tid in tracks.items():
+        events.append(_meta(pid, tid, "thread_name", {"name": track}))
         events.append(_meta(pid, tid, "thread_sort_index", {"sort_index": tid}))
+    return events
+
+
+def slice_event(
+    span: TaskSpan | TransferSpan, pid: int, tid: int, args: dict[str, Any]
+) -> dict[str, Any]:
+    """The complete ("X") event of a task (named by its id, of its kind) or a transfer
+    (named by its object, of its link)."""
+    if isinstance(span, TaskSpan):
+        name, category = span.task_id, span.kind or "task"
+    else:
+        name, category = span.obj_id, span.direction
+    return {
+        "name": name,
+        "cat": category,
+        "ph": "X",
+        "ts": span.start_us,
+        "dur": span.duration_us,
+        "pid": pid,
+        "tid": tid,
+        "args": args,
+    }
+
+
+def _process_events(pid: int, timeline: Timeline) -> list[dict[str, Any]]:
+    events = process_header(pid, timeline.name, TRACKS)
     for span in timeline.tasks:
-        events.append(
-            {
-                "name": span.task_id,
-                "cat": span.kind or "task",
-                "ph": "X",
-                "ts": span.start_us,
-                "dur": span.duration_us,
-                "pid": pid,
-                "tid": TRACKS["compute"],
-                "args": {"task": span.task_id, "kind": span.kind, **span.args},
-            }
-        )
+        args = {"task": span.task_id, "kind": span.kind, **span.args}
+        events.append(slice_event(span, pid, TRACKS["compute"], args))
     for span in timeline.transfers:
         args: dict[str, Any] = {"object": span.obj_id, "size_bytes": span.size_bytes}
         if span.enqueued_by is not None:
@@ -82,18 +100,7 @@ def _process_events(pid: int, timeline: Timeline) -> list[dict[str, Any]]:
         if span.enqueue_us is not None:
             args["enqueue_us"] = span.enqueue_us
             args["wait_us"] = span.start_us - span.enqueue_us
-        events.append(
-            {
-                "name": span.obj_id,
-                "cat": span.direction,
-                "ph": "X",
-                "ts": span.start_us,
-                "dur": span.duration_us,
-                "pid": pid,
-                "tid": TRACKS[span.direction],
-                "args": args,
-            }
-        )
+        events.append(slice_event(span, pid, TRACKS[span.direction], args))
     for counter in timeline.counters:
         for time_us, value in counter.points:
             events.append(

@@ -22,7 +22,10 @@ def _frozen_args(value: Mapping[str, Any]) -> dict[str, Any]:
 
 @attrs.frozen
 class TaskSpan:
-    """One task on the compute track. ``args`` are shown with the span (names, sizes)."""
+    """One task on the compute track. ``args`` are shown with the span (names, sizes);
+    ``inputs``, ``mutates`` and ``outputs`` there (object -> bytes), where a timeline
+    carries them, say what the task read and wrote (flows and stalls are drawn from
+    them)."""
 
     task_id: str
     start_us: float
@@ -72,8 +75,19 @@ class Counter:
 
 
 @attrs.frozen
+class Instant:
+    """A moment on a track (``compute`` by default): a stall, say, with what it waited for
+    in ``args``."""
+
+    name: str
+    time_us: float
+    track: str = "compute"
+    args: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_args, hash=False)
+
+
+@attrs.frozen
 class Timeline:
-    """One run: task spans, transfer spans and counters (fast and slow memory).
+    """One run: task spans, transfer spans, counters (fast and slow memory) and instants.
 
     ``name`` labels the run in a viewer (``"predicted"``, ``"measured"``, a plan's name).
     """
@@ -83,6 +97,7 @@ class Timeline:
     transfers: tuple[TransferSpan, ...] = attrs.field(default=(), converter=tuple)
     counters: tuple[Counter, ...] = attrs.field(default=(), converter=tuple)
     metadata: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_args, hash=False)
+    instants: tuple[Instant, ...] = attrs.field(default=(), converter=tuple)
 
     @property
     def end_us(self) -> float:
@@ -90,6 +105,10 @@ class Timeline:
         ends = [span.end_us for span in self.tasks] + [span.end_us for span in self.transfers]
         ends += [time_us for counter in self.counters for time_us, _ in counter.points]
         return max(ends, default=0.0)
+
+    def counter(self, name: str) -> Counter | None:
+        """The counter named ``name`` (None when there is none)."""
+        return next((c for c in self.counters if c.name == name), None)
 
     def transfers_on(self, direction: str) -> tuple[TransferSpan, ...]:
         return tuple(span for span in self.transfers if span.direction == direction)
