@@ -25,7 +25,7 @@ pytestmark = pytest.mark.gpu
 STEPS = 4
 
 
-def _chain_steps(graph: bool):
+def _chain_steps(graph: bool, dispatch_at: tuple[int, ...] = ()):
     from dataflow.engine.backends.torch_cuda import runtime_reserve_bytes
 
     program = chain.build_program(6, 1024, 4096)
@@ -37,8 +37,9 @@ def _chain_steps(graph: bool):
     outputs, traces = [], []
     with Engine("torch", budget_bytes=budget, device="cuda", graph=graph) as engine:
         engine.load(planned, build(planned.program), initial=values, placement=placement)
-        for _ in range(STEPS):
-            result = engine.run(steps=1, feed=lambda _step: values)
+        for step in range(STEPS):
+            dispatch = step in dispatch_at
+            result = engine.run(steps=1, feed=lambda _step: values, dispatch=dispatch)
             traces.append(result.steps[0])
             outputs.append({k: engine.fetch(k) for k in program.final_locations})
         note = engine.graph_note
@@ -56,6 +57,20 @@ def test_replayed_chain_is_bit_identical_to_dispatch() -> None:
             assert torch.equal(a[name], b[name]), f"step {step}: {name} differs"
     assert 0 < result.allocator_peak_bytes <= budget
     assert all(t.makespan_us > 0 for t in traces)
+
+
+def test_a_dispatched_step_between_replays_times_every_task_and_computes_the_same() -> None:
+    """``Engine.run(dispatch=True)`` after replays (what ``dataflow train --trace-steps``
+    does): that step has task spans, the replays around it continue, and every step's
+    results are bit for bit those of plain dispatch."""
+    dispatched, _, _, _, _ = _chain_steps(graph=False)
+    mixed, traces, note, _, _ = _chain_steps(graph=True, dispatch_at=(2,))
+    assert note is None, note
+    assert [t.replayed for t in traces] == [False, True, False, True]
+    assert len(traces[2].tasks) == len(chain.build_program(6, 1024, 4096).tasks)
+    for step, (a, b) in enumerate(zip(dispatched, mixed, strict=True)):
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"step {step}: {name} differs"
 
 
 def test_uncapturable_executable_falls_back_with_a_reason() -> None:

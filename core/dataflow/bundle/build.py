@@ -129,7 +129,12 @@ def _stall(timeline: Timeline, task: Any, start_us: float, since_us: float) -> I
         "reason": reason,
         "objects": objects or written_back,
     }
-    what = ", ".join(args["objects"][:3]) or reason
+    listed = ", ".join(args["objects"][:3])
+    what = {
+        "inputs": listed,
+        "memory": f"room (write-back of {listed})",
+        "dispatch": "the host",
+    }[reason]
     return Instant(f"stall: {task.id} waits for {what}", start_us, args=args)
 
 

@@ -84,7 +84,8 @@ class PlacementRecord:
 
 @attrs.frozen
 class PlanRecord:
-    """The annotated plan. ``budget_bytes`` is the budget asked for, ``planned_budget_bytes``
+    """The annotated plan. ``budget_bytes`` is the budget the placement was asked to fit
+    (on CUDA the device libraries' reserve is already taken off it), ``planned_budget_bytes``
     the one the plan was made at (smaller when placement had to re-plan); ``step_us`` one
     step (a cyclic plan's steady-state iteration), ``makespan_us`` the simulated run;
     ``recomputed`` the units whose saved values are re-derived (``round:layer``, training
@@ -120,7 +121,8 @@ class Measured:
 
 @attrs.frozen
 class Summary:
-    """One step's figures (``dataflow predict``'s row names where they exist).
+    """One step's figures (``dataflow predict``'s row names where they exist);
+    ``budget_bytes`` the whole fast budget asked for.
 
     ``pricing`` says where task costs came from: ``profile cache`` (measured earlier, read
     from the cache), ``profiled`` (measured now), ``roofline`` (of the ``hw`` entry) or

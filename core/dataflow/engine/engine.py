@@ -147,11 +147,14 @@ class Engine:
         *,
         values: Mapping[str, Any] | None = None,
         feed: Callable[[int], Mapping[str, Any]] | None = None,
+        dispatch: bool = False,
     ) -> RunResult:
         """Run the program ``steps`` more times; steps count on across calls (``values``
         gets ``step``, the global step index). Before every step but the first, each object
         that exists at start is put back where it starts: from where the last step left it,
-        or from ``feed(step)`` (a mapping of fresh values, e.g. the next batch)."""
+        or from ``feed(step)`` (a mapping of fresh values, e.g. the next batch).
+        ``dispatch`` runs these steps task by task even where a captured CUDA graph would
+        replay them (a replayed step has no per-task spans), and captures none."""
         if self.program is None:
             raise RuntimeError("Engine.run before Engine.load")
         traces: list[DispatchTrace] = []
@@ -161,9 +164,9 @@ class Engine:
             if step:
                 self._carry_over(step, dict(feed(step)) if feed else {})
             step_values = dict(values or {}, step=step)
-            if self._graph is None and step and self._may_capture(step_values):
+            if self._graph is None and step and not dispatch and self._may_capture(step_values):
                 self._capture(self._device_values(step_values))
-            if self._graph is not None:
+            if self._graph is not None and not dispatch:
                 traces.append(self._replay(step_values))
                 launch_host_us.append(())
             else:

@@ -57,7 +57,7 @@ def perfetto_trace(predicted: Timeline, measured: Timeline | None = None) -> dic
         sliced += _transfer_slices(timeline, pid, tids, transfer_us, PROCESSES[index])
         sliced += _instants(timeline, pid, tids)
         sliced += _flows(timeline, pid, tids, flow_ids)
-        sliced.sort(key=lambda e: (e["tid"], e["ts"], _PHASE_ORDER[e["ph"]]))
+        sliced.sort(key=lambda e: (e["ts"], _PHASE_ORDER[e["ph"]], e["tid"]))
         events += sliced
         events += _counters(timeline, pid)
     return {

@@ -10,8 +10,9 @@ from dataflow import hookimpl
 @hookimpl
 def dataflow_cli_commands() -> list:
     from dataflow_training.cli import verify_command
+    from dataflow_training.export_cli import export_command
     from dataflow_training.predict_cli import measure_command, predict_command
-    from dataflow_training.step_cli import export_command, lower_command
+    from dataflow_training.step_cli import lower_command
     from dataflow_training.train_cli import train_command
 
     return [

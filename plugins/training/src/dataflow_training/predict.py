@@ -184,19 +184,30 @@ def infeasible_row(cell: Cell, extra: dict[str, Any], reason: str) -> dict[str, 
     return {**cell.key(), **extra, "feasible": False, "reason": reason}
 
 
-def predict_cell(
+@attrs.frozen
+class PlannedCell:
+    """A cell lowered, priced and planned: ``planned`` (a ``dataflow.planning.Plan``), or
+    ``reason`` why it cannot run; ``extra`` the row's fields that say how."""
+
+    cell: Cell
+    extra: dict[str, Any]
+    planned: Any = None
+    reason: str | None = None
+
+
+def plan_cell(
     family: Any,
     cell: Cell,
     hw: HardwareEntry,
     *,
     recompute: bool = True,
     dtype: str = "bf16",
+    train: TrainConfig | None = None,
     measure: Callable[[Program], dict] | None = None,
     reserve_bytes: int = 0,
-) -> dict[str, Any]:
-    """The row of one cell (module docstring). ``measure`` (a program -> profiles
-    function, e.g. the profiling pass through its cache) prices the step instead of the
-    roofline; ``reserve_bytes`` is left out of the budget for the device's libraries."""
+) -> PlannedCell:
+    """Lower, price and plan one cell (module docstring); ``train`` replaces the cell's
+    default training step (``train_config``) with one of the same shape."""
     from dataflow.planning import PRESSUREFIT, PlanningError, plan
     from dataflow_training.lowering import lower
     from dataflow_training.profile import apply_profile
@@ -205,11 +216,11 @@ def predict_cell(
     extra: dict[str, Any] = {"hw": hw.name, "costs": "measured" if measure else "roofline"}
     reason = cell.why_not()
     if reason is not None:
-        return infeasible_row(cell, extra, reason)
+        return PlannedCell(cell, extra, reason=reason)
     overrides = position_overrides(family, cell.preset, cell.seq_len)
     extra["overrides"] = overrides
     started = time.perf_counter()
-    train = train_config(cell, dtype)
+    train = train or train_config(cell, dtype)
     program = lower(
         family,
         cell.preset,
@@ -226,15 +237,25 @@ def predict_cell(
             planner = measured_recompute_planner(program, measure, family, known=profiles)
     budget = cell.budget_bytes - reserve_bytes
     if budget < 1:
-        return infeasible_row(
-            cell, extra, f"the device's libraries alone take {reserve_bytes} bytes of it"
-        )
+        reason = f"the device's libraries alone take {reserve_bytes} bytes of it"
+        return PlannedCell(cell, extra, reason=reason)
     try:
         planned = plan(program, budget, planner=planner, slow_budget_bytes=cell.backing_bytes)
     except PlanningError as exc:
-        return infeasible_row(cell, extra, _one_line(str(exc)))
+        return PlannedCell(cell, extra, reason=_one_line(str(exc)))
     extra["planning_s"] = time.perf_counter() - started
-    return row_of(planned, family, cell, extra)
+    return PlannedCell(cell, extra, planned)
+
+
+def predict_cell(family: Any, cell: Cell, hw: HardwareEntry, **options: Any) -> dict[str, Any]:
+    """The row of one cell (module docstring; ``plan_cell``'s options). ``measure`` (a
+    program -> profiles function, e.g. the profiling pass through its cache) prices the
+    step instead of the roofline; ``reserve_bytes`` is left out of the budget for the
+    device's libraries."""
+    planned = plan_cell(family, cell, hw, **options)
+    if planned.reason is not None:
+        return infeasible_row(cell, planned.extra, planned.reason)
+    return row_of(planned.planned, family, cell, planned.extra)
 
 
 def _one_line(text: str) -> str:

@@ -162,12 +162,21 @@ def predict_command(
 
 
 def _measured_pricing(family: Any, device: str | None) -> dict[str, Any]:
+    return measured_pricing(family, device)[0]
+
+
+def measured_pricing(
+    family: Any, device: str | None, graph: bool = False
+) -> tuple[dict[str, Any], Any]:
+    """``plan_cell``'s options that price by the profiling pass through its disk cache on
+    ``device`` (timed as graph replays with ``graph``), and that cache (None when off)."""
     from dataflow.plugins import resolvers
     from dataflow_training.profile import ProfileCache, profile_program
     from dataflow_training.train_cli import default_device
 
     device = device or default_device()
-    cache = ProfileCache.for_device(device, "torch")
+    graph = graph and device.startswith("cuda")
+    cache = ProfileCache.for_device(device, "torch", graph=graph)
 
     def measure(program: Any) -> dict:
         from dataflow_training.step import StepLayout
@@ -180,14 +189,16 @@ def _measured_pricing(family: Any, device: str | None) -> dict[str, Any]:
             return vocab_size if obj_id.startswith(("x_", "t_")) else 1
 
         build = resolvers().get("torch").build(program)
-        return profile_program(program, build, device=device, int_high=int_high, cache=cache)
+        return profile_program(
+            program, build, device=device, int_high=int_high, cache=cache, graph=graph
+        )
 
     options: dict[str, Any] = {"measure": measure}
     if device.startswith("cuda"):
         from dataflow.engine.backends.torch_cuda import runtime_reserve_bytes
 
         options["reserve_bytes"] = runtime_reserve_bytes(device)
-    return options
+    return options, cache
 
 
 @click.command("measure")

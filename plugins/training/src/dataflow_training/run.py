@@ -201,10 +201,13 @@ class TrainingRun:
         self.planned = plan(self.program, self.budget_bytes - reserve, **options)
         self.placement = place(self.planned, workspace_in_arena=False)
 
-    def step(self, batches: Sequence[Batch], lr: float | None = None) -> StepStats:
+    def step(
+        self, batches: Sequence[Batch], lr: float | None = None, *, dispatch: bool = False
+    ) -> StepStats:
         """One optimizer update over ``batches``, one ``(tokens, targets)`` per
         accumulation round, each int64 of shape (batch, seq_len). ``lr`` defaults to the
-        optimizer policy's."""
+        optimizer policy's; ``dispatch`` runs the step task by task even where a CUDA
+        graph would replay it (``Engine.run``), so that ``last_result`` times every task."""
         batches = self._checked(batches)
         lr = self.train.optimizer.lr if lr is None else float(lr)
         values = {"lr": lr, "update": self.updates + 1}
@@ -215,7 +218,9 @@ class TrainingRun:
             self._load(batches)
             result = self._engine.run(values=values)
         else:
-            result = self._engine.run(values=values, feed=lambda _step: self._data(batches))
+            result = self._engine.run(
+                values=values, feed=lambda _step: self._data(batches), dispatch=dispatch
+            )
         self.last_result = result
         read = self._engine.read_scalar
         losses = tuple(read(f"loss_{self.layout.step}_{r}") for r in range(self.train.rounds))

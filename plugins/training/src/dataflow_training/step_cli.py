@@ -1,12 +1,10 @@
-"""``dataflow lower`` (a family's real training step as a Program file, for ``plan``,
-``simulate`` and ``trace``) and ``dataflow export`` (a training checkpoint as a folder
-the family's public format loads, e.g. ``transformers``)."""
+"""``dataflow lower``: a family's real training step as a Program file, for ``plan``,
+``simulate`` and ``trace``."""
 
 from __future__ import annotations
 
 import click
 
-from dataflow.cli.errors import Failure, one_line
 from dataflow.cli.options import COUNT, OutputFile
 from dataflow_training.cli import _check_seq_len, _family, _preset_config
 
@@ -39,31 +37,3 @@ def lower_command(preset, family_name, batch, seq_len, rounds, dtype, clip, outp
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(program.to_json())
     click.echo(f"wrote {output}: {program.name}, {len(program.tasks)} tasks")
-
-
-@click.command("export")
-@click.option("--hf", "hf_out", required=True, type=click.Path(file_okay=False), help="folder")
-@click.option(
-    "--from",
-    "checkpoint",
-    required=True,
-    type=click.Path(exists=True, file_okay=False),
-    help="a checkpoint folder (OUT/step_NNNNNN)",
-)
-def export_command(hf_out, checkpoint) -> None:
-    """Write a training checkpoint as a Hugging Face model folder."""
-    from dataflow_training.checkpoint import CheckpointError, read_checkpoint
-
-    try:
-        weights, _opt, manifest, _rng = read_checkpoint(checkpoint)
-    except CheckpointError as exc:
-        raise Failure(f"--from: {one_line(str(exc))}") from None
-    family = _family(manifest["family"])
-    if not hasattr(family, "export_hf"):
-        raise Failure(f"family {manifest['family']!r} has no Hugging Face export (export_hf)")
-    config = family.config(manifest["preset"], **manifest.get("overrides", {}))
-    try:
-        family.export_hf(config, weights, hf_out)
-    except (ValueError, KeyError) as exc:
-        raise Failure(f"--hf {hf_out}: {one_line(str(exc))}") from None
-    click.echo(f"wrote {hf_out} from {checkpoint} (step {manifest['step']})")

@@ -137,6 +137,13 @@ def fleet_options(command: Any) -> Any:
     help="let the recompute planner re-derive saved activations where that is faster or fits",
 )
 @click.option(
+    "--trace-steps",
+    default=0,
+    type=click.IntRange(min=0),
+    help="run the last N steps task by task and write the run's bundle (plan, predicted "
+    "and measured timelines, summary) and perfetto.json into OUT",
+)
+@click.option(
     "--profile",
     is_flag=True,
     help="trace a window of warmed steps: torch.profiler Chrome trace; on CUDA also NVTX "
@@ -202,6 +209,11 @@ def train_command(
             "process takes --ga-rounds and --budget"
         )
 
+    if rest["trace_steps"] > rest["steps"]:
+        raise click.BadParameter(
+            f"{rest['trace_steps']} is more than the run's --steps {rest['steps']}",
+            param_hint="--trace-steps",
+        )
     window = _profile_window(profile, profile_start, profile_stop, prof_dir, rest)
     family_name = family_name or default_family(preset)
     config = _preset_config(_family(family_name), family_name, preset)

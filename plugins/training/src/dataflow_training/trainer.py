@@ -39,6 +39,8 @@ SCHEDULES = ("cosine", "wsd", "constant")
 #: the share of the steps after warmup that WSD spends decaying (the rest is stable)
 WSD_DECAY_FRACTION = 0.2
 METRICS_FILE = "metrics.jsonl"
+#: the Perfetto trace ``trace_steps`` writes beside the run's bundle
+PERFETTO_FILE = "perfetto.json"
 TENSORBOARD_FOLDER = "tensorboard"
 #: the metrics.jsonl fields also written as TensorBoard scalars (when not None)
 TENSORBOARD_SCALARS = ("loss", "lr", "grad_norm", "tok_s", "step_s")
@@ -86,6 +88,7 @@ class TrainOptions:
     profile: ProfileWindow | None = None
     graph: bool = True
     recompute: bool = True
+    trace_steps: int = 0
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(
@@ -271,13 +274,20 @@ def train(
     metrics_file = metrics_path if writes else Path(os.devnull)
     last: dict[str, Any] = {}
     fast_peak = 0
+    traced: list[Any] = []  # the traced steps' RunResults
+    makespans: list[tuple[float, bool]] = []  # every step's (makespan_us, replayed)
     try:
         with metrics_file.open("a") as metrics:
             for step in range(start, o.steps):
                 lr = lr_at(step, o)
                 batches = [feed.next() for _ in range(o.rounds)]
+                tracing = step >= o.steps - o.trace_steps
                 with profiler.step(step + 1) if profiler else contextlib.nullcontext():
-                    stats = run.step(batches, lr)
+                    stats = run.step(batches, lr, dispatch=tracing)
+                result = run.last_result
+                makespans.append((result.makespan_us, result.steps[-1].replayed))
+                if tracing:
+                    traced.append(result)
                 if fleet is not None:  # the loss of every round in the fleet
                     stats = attrs.evolve(stats, loss=fleet.mean_loss(stats.losses))
                 if not math.isfinite(stats.loss) or not all(math.isfinite(x) for x in stats.losses):
@@ -315,6 +325,8 @@ def train(
                 if stop["interrupt"]:
                     path = saved[-1] if saved and saved[-1].name == step_name(step + 1) else None
                     raise Interrupted(step + 1, path or save(step + 1))
+        if traced and writes:
+            say(write_run_bundle(run, o.out, traced, makespans))
     finally:
         signal.signal(signal.SIGINT, previous)
         if profiler is not None:
@@ -332,6 +344,21 @@ def train(
         "budget_bytes": o.budget_bytes,
         "trace": None if profiler is None or not profiler.steps else o.profile.trace_path,
     }
+
+
+def write_run_bundle(
+    run: Any, folder: Path, traced: list[Any], makespans: list[tuple[float, bool]]
+) -> str:
+    """Write the run's bundle with the traced steps' measured timeline, and its Perfetto
+    trace, into ``folder``; return the line that says so."""
+    from dataflow.bundle import write_bundle
+    from dataflow.cli.perfetto import write_perfetto
+    from dataflow_training.export import run_bundle
+
+    write_bundle(folder, run_bundle(run, traced, makespans))
+    return f"bundle: {folder} ({len(traced)} traced step(s)); " + write_perfetto(
+        str(folder), str(folder / PERFETTO_FILE)
+    )
 
 
 def _fleet_feed_state(manifest: dict[str, Any], fleet: Any, path: Path) -> Any:
