@@ -13,7 +13,7 @@ from dataflow.units import format_size
 from dataflow_viewer.metrics import step_work
 from dataflow_viewer.page import page, sections
 from dataflow_viewer.panels import cards_html, panels
-from dataflow_viewer.run import Run
+from dataflow_viewer.run import Run, ViewerError
 from dataflow_viewer.sweep import SweepPoint, sweep
 
 
@@ -21,7 +21,7 @@ def sweep_or_reason(run: Run, points: int = 6) -> tuple[list[SweepPoint], str]:
     """The budget sweep of ``run``'s chain with its planner, or why there is none."""
     try:
         return sweep(run.program, step_work(run.program), run.planner or "pressurefit", points), ""
-    except PlanningError as exc:
+    except (PlanningError, ViewerError) as exc:  # no plan, or a planner not installed here
         return [], f"no budget sweep: {' '.join(str(exc).split())}"
 
 
