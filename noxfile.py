@@ -83,6 +83,9 @@ def tests(session: nox.Session) -> None:
     """Run the whole CPU test suite (GPU tests skip themselves without CUDA)."""
     install_project(session, examples=True)
     session.install("transformers>=4.40")  # the families' HF checkpoint and parity tests
+    # the viewer's browser tests drive the system's chromium (.ci/run installs it); no
+    # browser download: playwright is only the driver
+    session.install("playwright>=1.40")
     suites = ["tests", *plugin_packages(), *example_packages()]  # every package's own tests
     session.run("pytest", *(session.posargs or ["-q", *suites]))
 

@@ -1,0 +1,72 @@
+"""Shared fixtures: GPT-2 tiny's training step planned into 2 MiB, and a measured timeline
+made from its prediction with known slowdowns (what a real run's deviations look like,
+with answers known in advance)."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from dataflow_viewer.run import Run, lower_preset, predict
+
+from dataflow.bundle import link_counters, stalls
+from dataflow.timeline import Timeline
+
+BUDGET_BYTES = 2 << 20
+#: task id -> how much slower the fake measurement runs it
+SLOWDOWNS = {"bwd_0_0_1": 4.0, "fwd_0_0_0": 3.0, "opt_0_0_emb": 2.0}
+
+
+@pytest.fixture(scope="session")
+def tiny_program():
+    return lower_preset("gpt2_tiny", batch=8, seq_len=64)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_program) -> Run:
+    return predict(tiny_program, BUDGET_BYTES, "pressurefit")
+
+
+def slowed(run: Run, slowdowns: dict[str, float] = SLOWDOWNS) -> Timeline:
+    """The prediction with each task in ``slowdowns`` that many times longer and
+    everything after it shifted by the extra time, its stalls and link rates worked out
+    again: a measured timeline whose deviations are known."""
+    shift, tasks, moves = 0.0, [], []
+    extra_at: list[tuple[float, float]] = []
+    for span in sorted(run.predicted.tasks, key=lambda s: s.start_us):
+        extra = span.duration_us * (slowdowns.get(span.task_id, 1.0) - 1.0)
+        start = span.start_us + shift
+        tasks.append(attrs.evolve(span, start_us=start, end_us=start + span.duration_us + extra))
+        shift += extra
+        extra_at.append((span.end_us, shift))
+
+    def shifted(time_us: float) -> float:
+        return time_us + max((s for end, s in extra_at if end <= time_us), default=0.0)
+
+    for span in run.predicted.transfers:
+        start = shifted(span.start_us)
+        moves.append(attrs.evolve(span, start_us=start, end_us=start + span.duration_us))
+    base = Timeline(
+        "measured",
+        tasks=tasks,
+        transfers=moves,
+        counters=[
+            attrs.evolve(c, points=[(shifted(t), value) for t, value in c.points])
+            for c in run.predicted.counters
+            if c.name == "fast memory"
+        ],
+    )
+    return attrs.evolve(
+        base,
+        counters=[*base.counters, *link_counters(base)],
+        instants=stalls(base, run.program),
+    )
+
+
+@pytest.fixture(scope="session")
+def slowdowns() -> dict[str, float]:
+    return dict(SLOWDOWNS)
+
+
+@pytest.fixture(scope="session")
+def measured_run(tiny_run) -> Run:
+    return tiny_run.with_measured(slowed(tiny_run))
