@@ -93,7 +93,8 @@ class Engine:
         """Load ``plan`` (a ``Plan`` from ``dataflow.planning.plan`` or an annotated
         ``Program``). Every task is resolved now: an unknown compute key fails here, naming
         the task and the resolver. ``initial`` gives a tensor for every object that exists at
-        start (torch backend)."""
+        start (torch backend); it is read one object at a time (it may make each value
+        when it is looked up)."""
         if placement is not None:
             plan = placement.plan  # place() may have re-planned at a smaller capacity
         program = plan.program if hasattr(plan, "program") else plan
@@ -121,9 +122,11 @@ class Engine:
         self._not_capturable = not_capturable(program, executables)  # once, not every step
         self._allocator_base = _allocator_reset(self.device)
         self._backend = _torch_backend(program, executables, self.device, placement)
-        self._put_initial(program, dict(initial or {}))
+        self._put_initial(program, {} if initial is None else initial)
 
-    def _put_initial(self, program: Program, initial: dict[str, Any]) -> None:
+    def _put_initial(self, program: Program, initial: Mapping[str, Any]) -> None:
+        """Each start value is read from ``initial`` once, when it is put: a mapping that
+        makes its values on demand keeps one of them in host memory at a time."""
         at_start = [obj.id for obj in program.objects if program.exists_at_start(obj.id)]
         missing = [obj for obj in at_start if obj not in initial]
         unknown = [obj for obj in initial if obj not in at_start]

@@ -74,6 +74,11 @@ class SlowPool:
         self.arena = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
         self.total_bytes = total
 
+    @staticmethod
+    def total_of(objects: Iterable[Obj]) -> int:
+        """The pool's size for ``objects``: each slice aligned."""
+        return sum(_aligned(obj.size_bytes) for obj in objects)
+
     def __contains__(self, obj: str) -> bool:
         return obj in self.offset
 

@@ -28,11 +28,12 @@ from typing import Any
 import attrs
 import torch
 
+from dataflow.units import format_size
 from dataflow_training.config import TrainConfig
 from dataflow_training.family import Family, embed_layer, load_family
 from dataflow_training.lowering import Lowered, lower
 from dataflow_training.step import StepLayout
-from dataflow_training.values import read_state, start_values
+from dataflow_training.values import StartValues, read_state, start_values
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -73,6 +74,10 @@ class TrainingRun:
     ``grad_share`` makes the run one member of a data-parallel fleet whose tokens are that
     share of the fleet's: each step all-reduces the gradients before the update
     (``lower``'s ``grad_share``, ``dataflow_training.fleet``).
+    ``backing_bytes`` bounds the slow (pinned host, on CUDA) memory: the plan's slow peak
+    stays within it, and the engine's slow pool, which holds a slice for every object the
+    plan ever puts in slow memory, must fit it too (``check_backing``, before the pool is
+    allocated at the first step).
     After a step, ``last_result`` is the engine's ``RunResult`` of it (task spans,
     transfers, peaks: what benchmarks read); None before the first step.
     """
@@ -96,6 +101,7 @@ class TrainingRun:
         cost: Any = None,
         links: Any = None,
         grad_share: float | None = None,
+        backing_bytes: int | None = None,
     ) -> None:
         from dataflow.planning import place, plan
         from dataflow.plugins import resolvers
@@ -126,6 +132,9 @@ class TrainingRun:
 
             planner = RECOMPUTE if recompute else PRESSUREFIT
         options: dict[str, Any] = {"planner": planner, "cyclic": bool(self.program.persistent)}
+        self.backing_bytes = backing_bytes
+        if backing_bytes is not None:
+            options["slow_budget_bytes"] = backing_bytes
         self.vocab_size = embed_layer(self.lowered.layers).params[0].shape[0]
         self.budget_bytes = budget_bytes or UNBOUNDED_BYTES
         if device.startswith("cuda"):
@@ -265,20 +274,50 @@ class TrainingRun:
     def _load(self, batches: list[Batch]) -> None:
         from dataflow.engine import Engine
 
-        initial = start_values(self.program, self._weights, lambda _step, r: batches[r])
         for obj_id, raw in (self._opt_state or {}).items():
-            if obj_id not in initial or initial[obj_id].shape != raw.shape:
+            packed = self.layout.packed.get(obj_id)
+            if packed is None or packed.kind != "O" or raw.numel() != packed.layout.size_bytes:
                 raise ValueError(
                     f"optimizer state {obj_id!r} does not fit this step's layout "
                     f"({tuple(raw.shape)} bytes given)"
                 )
-            initial[obj_id] = raw.clone()
+        self.check_backing()
+        # made one object at a time as the engine puts them (a large model's packed copy
+        # never sits in host memory whole beside the pinned pool)
+        initial = StartValues(
+            self.program,
+            self._weights,
+            lambda _step, r: batches[r],
+            given={k: v.clone() for k, v in (self._opt_state or {}).items()},
+        )
         engine = Engine(
             "torch", budget_bytes=self.budget_bytes, device=self.device, graph=self.graph
         )
         engine.load(self.planned, self._resolver, initial=initial, placement=self.placement)
         self._engine = engine
         self._weights = self._opt_state = None
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the engine's slow pool for this plan (pinned host memory on CUDA): a
+        slice for every object that starts slow or is ever offloaded."""
+        from dataflow.engine.backends.torch_backend import slow_pool_bytes
+
+        return slow_pool_bytes(self.placement.plan.program)
+
+    def check_backing(self) -> None:
+        """Refuse, before anything is allocated, a plan whose slow pool exceeds
+        ``backing_bytes``."""
+        if self.backing_bytes is None or self.pinned_bytes <= self.backing_bytes:
+            return
+        from dataflow.planning import PlanningError
+
+        raise PlanningError(
+            f"backing_bytes: the engine's slow pool for this plan takes "
+            f"{format_size(self.pinned_bytes)} (a slice for every object ever in slow "
+            f"memory; the plan's slow peak is {format_size(self.predicted()['slow_peak_bytes'])}), "
+            f"more than the {format_size(self.backing_bytes)} allowed"
+        )
 
     def step_activity(self, lr: float | None = None) -> dict[str, float]:
         """One more optimizer update on the last step's batches, replayed from the CUDA

@@ -50,18 +50,55 @@ def start_values(
     """Every object that exists at the program's start: parameters from ``state``, zero
     optimizer state and Aux, and ``step``'s tokens and targets from ``data``. With
     ``data_only``, just the tokens and targets (the feed of a later step)."""
-    layout = None if data_only else StepLayout.of(program)  # parsing it costs host time
-    values: dict[str, torch.Tensor] = {}
-    for obj in program.objects:
-        if not program.exists_at_start(obj.id):
-            continue
-        if obj.role == "data":
-            tokens, targets = data(step, _round_of(obj.id))
-            values[obj.id] = tokens if obj.id.startswith("x_") else targets
-        elif layout is not None:
-            packed = layout.packed[obj.id]
-            values[obj.id] = packed_buffer(layout, obj.id, state if packed.kind == "W" else None)
-    return values
+    return dict(StartValues(program, state, data, step=step, data_only=data_only))
+
+
+class StartValues(Mapping[str, torch.Tensor]):
+    """``start_values`` as a mapping that makes each value when it is looked up (and
+    keeps none): loading a large model then holds one packed object at a time in host
+    memory beside the engine's pool. ``given`` replaces objects' values (raw bytes, e.g.
+    a restored optimizer state)."""
+
+    def __init__(
+        self,
+        program: Program,
+        state: Mapping[str, torch.Tensor],
+        data: Data,
+        *,
+        step: int = 0,
+        data_only: bool = False,
+        given: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.program, self.state, self.data, self.step = program, state, data, step
+        self.layout = None if data_only else StepLayout.of(program)  # parsing costs host time
+        self.given = dict(given or {})
+        self.objs = program.objects_by_id
+        self.ids = [
+            obj.id
+            for obj in program.objects
+            if program.exists_at_start(obj.id) and (obj.role == "data" or not data_only)
+        ]
+        self.id_set = set(self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __iter__(self):
+        return iter(self.ids)
+
+    def __contains__(self, obj_id: object) -> bool:
+        return obj_id in self.id_set
+
+    def __getitem__(self, obj_id: str) -> torch.Tensor:
+        if obj_id not in self:
+            raise KeyError(obj_id)
+        if obj_id in self.given:
+            return self.given[obj_id]
+        if self.objs[obj_id].role == "data":
+            tokens, targets = self.data(self.step, _round_of(obj_id))
+            return tokens if obj_id.startswith("x_") else targets
+        packed = self.layout.packed[obj_id]
+        return packed_buffer(self.layout, obj_id, self.state if packed.kind == "W" else None)
 
 
 def read_state(
