@@ -44,8 +44,10 @@ class RMSNorm(nn.Module):
 
 def rotary_tables(config: Any, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``cos`` and ``sin`` of (seq_len, head_dim / 2): position x frequency."""
-    angles = torch.arange(seq_len, dtype=torch.float64)[:, None] * inverse_frequencies(config)
-    return angles.cos().float(), angles.sin().float()
+    with torch.device("cpu"):  # the tables are made on the host, whatever device builds
+        positions = torch.arange(seq_len, dtype=torch.float64)
+        angles = positions[:, None] * inverse_frequencies(config)
+        return angles.cos().float(), angles.sin().float()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -197,7 +199,7 @@ class StockDecoder(nn.Module):
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
         """Every matrix N(0, std), norms 1 (HF's initialization of these models)."""
-        for name, param in self.named_parameters():
+        for param in self.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, std)
             else:

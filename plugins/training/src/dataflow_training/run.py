@@ -159,6 +159,7 @@ class TrainingRun:
         }
         self._opt_state: dict[str, torch.Tensor] | None = None
         self._engine: Any = None
+        self._lost: str | None = None  # why the state is gone (a failed engine load)
         self.last_result: Any = None
 
     # -- stepping ----------------------------------------------------------------------
@@ -289,11 +290,17 @@ class TrainingRun:
             self._weights,
             lambda _step, r: batches[r],
             given={k: v.clone() for k, v in (self._opt_state or {}).items()},
+            consume=True,
         )
         engine = Engine(
             "torch", budget_bytes=self.budget_bytes, device=self.device, graph=self.graph
         )
-        engine.load(self.planned, self._resolver, initial=initial, placement=self.placement)
+        try:
+            engine.load(self.planned, self._resolver, initial=initial, placement=self.placement)
+        except BaseException as exc:  # the weights were handed over: the state is gone
+            self._weights = self._opt_state = None
+            self._lost = f"its engine failed to load ({type(exc).__name__}: {exc})"
+            raise
         self._engine = engine
         self._weights = self._opt_state = None
 
@@ -344,6 +351,8 @@ class TrainingRun:
         """``(model state, optimizer state)``: ``{"<layer>.<param>": tensor}`` and the raw
         bytes of every ``O_*`` object (zeros before the first update), on the CPU."""
         if self._engine is None:
+            if self._weights is None:
+                raise RuntimeError(f"the run has no state: {self._lost}")
             weights = {k: v.clone() for k, v in self._weights.items()}
             if self._opt_state is not None:
                 return weights, {k: v.clone() for k, v in self._opt_state.items()}
@@ -442,9 +451,16 @@ class TrainingRun:
             "moved_bytes": sim.h2d.bytes + sim.d2h.bytes,
         }
 
-    def close(self) -> None:
+    def close(self, keep_state: bool = True) -> None:
+        """Give the engine's memory back, keeping the state on the host for a later step
+        (``keep_state=False``: drop it; a large model's state need not be copied out when
+        the run ends)."""
         if self._engine is not None:
-            self._weights, self._opt_state = self.state()
+            if keep_state:
+                self._weights, self._opt_state = self.state()
+            else:
+                self._weights = self._opt_state = None
+                self._lost = "the run was closed with keep_state=False"
             self._engine.close()
             self._engine = None
 

@@ -57,7 +57,9 @@ class StartValues(Mapping[str, torch.Tensor]):
     """``start_values`` as a mapping that makes each value when it is looked up (and
     keeps none): loading a large model then holds one packed object at a time in host
     memory beside the engine's pool. ``given`` replaces objects' values (raw bytes, e.g.
-    a restored optimizer state)."""
+    a restored optimizer state). With ``consume``, a parameter object's entries are
+    removed from ``state`` (a dict) once its packed value is made, so its host copy goes
+    as soon as the engine holds it."""
 
     def __init__(
         self,
@@ -68,7 +70,9 @@ class StartValues(Mapping[str, torch.Tensor]):
         step: int = 0,
         data_only: bool = False,
         given: Mapping[str, torch.Tensor] | None = None,
+        consume: bool = False,
     ) -> None:
+        self.consume = consume
         self.program, self.state, self.data, self.step = program, state, data, step
         self.layout = None if data_only else StepLayout.of(program)  # parsing costs host time
         self.given = dict(given or {})
@@ -98,7 +102,13 @@ class StartValues(Mapping[str, torch.Tensor]):
             tokens, targets = self.data(self.step, _round_of(obj_id))
             return tokens if obj_id.startswith("x_") else targets
         packed = self.layout.packed[obj_id]
-        return packed_buffer(self.layout, obj_id, self.state if packed.kind == "W" else None)
+        if packed.kind != "W":
+            return packed_buffer(self.layout, obj_id)
+        value = packed_buffer(self.layout, obj_id, self.state)
+        if self.consume:
+            for name in packed.layout.views(value):
+                self.state.pop(f"{packed.layer}.{name}", None)
+        return value
 
 
 def read_state(
