@@ -363,7 +363,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--host-reserve",
-        default="24GiB",
+        default="8GiB",
         help="dataflow: host memory kept free beside the pinned pool (weights' host copy, "
         "the process)",
     )

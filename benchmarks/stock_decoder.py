@@ -112,6 +112,15 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> tor
     return torch.cat(parts)
 
 
+def expert_counts(ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """How many token slots chose each expert: a scatter-add into ``experts`` counters
+    (a shape torch.compile knows ahead, unlike ``bincount``'s)."""
+    flat = ids.flatten()
+    return torch.zeros(experts, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+
+
 class Experts(nn.Module):
     """The routed SwiGLU FFN and its router; ``last`` keeps (router logits, expert ids)
     of the latest forward for the router terms."""
@@ -137,8 +146,7 @@ class Experts(nn.Module):
         self.last = (logits, ids)
         order = ids.flatten().argsort(stable=True)
         token = order // c.num_experts_per_tok
-        counts = torch.bincount(ids.flatten(), minlength=c.num_experts)
-        ends = counts.cumsum(0).to(torch.int32)
+        ends = expert_counts(ids, c.num_experts).cumsum(0).to(torch.int32)
         gate, up = grouped_mm(flat[token], self.experts.gate_up_proj, ends).chunk(2, dim=-1)
         rows = grouped_mm(F.silu(gate) * up, self.experts.down_proj, ends)
         rows = rows * top.flatten()[order, None].to(rows.dtype)
@@ -236,7 +244,7 @@ class StockDecoder(nn.Module):
         for block in self.blocks():
             logits, ids = block.mlp.last
             probs = torch.softmax(logits.float(), dim=-1)
-            counts = torch.bincount(ids.flatten(), minlength=c.num_experts).float()
+            counts = expert_counts(ids, c.num_experts).float()
             per_token = counts / ids.shape[0]
             balance = c.num_experts * (per_token * probs.mean(0)).sum()
             z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
