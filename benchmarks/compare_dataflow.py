@@ -161,20 +161,15 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def check_host_memory(run: TrainingRun, reserve_bytes: int) -> None:
-    """Refuse a plan whose pinned slow pool would not fit the host's available memory
-    less ``reserve_bytes`` (the run's own host copy of the weights, the process), before
-    the pool is allocated: page-locking past the host's memory stalls the machine rather
-    than failing."""
+def pinned_limit(device: str, reserve_bytes: int) -> int | None:
+    """The most pinned memory a run's slow pool may take here: the host's available memory
+    less ``reserve_bytes`` (the process, the starting weights' host copy). Page-locking
+    past the host's memory stalls the machine rather than failing, so a larger pool is
+    refused before it is allocated (``TrainingRun.check_backing``). None off CUDA."""
     available = available_host_bytes()
-    if available is None or not run.device.startswith("cuda"):
-        return
-    if run.pinned_bytes + reserve_bytes > available:
-        raise MemoryError(
-            f"host memory: the plan's pinned slow pool takes {format_size(run.pinned_bytes)}; "
-            f"with --host-reserve {format_size(reserve_bytes)} that is more than the "
-            f"{format_size(available)} available (give --backing to bound it)"
-        )
+    if available is None or not device.startswith("cuda"):
+        return None
+    return max(0, available - reserve_bytes)
 
 
 def trial(bench: Any, dtype: str, budget: int, batch: int, rounds: int, chunk: int) -> dict:
@@ -191,9 +186,9 @@ def trial(bench: Any, dtype: str, budget: int, batch: int, rounds: int, chunk: i
         resolver=args.resolver,
         state=initial_state(bench.config, args.device, train.dtype.param),
         backing_bytes=args.backing,
+        pinned_limit_bytes=pinned_limit(args.device, args.host_reserve) or args.backing,
     )
     try:
-        check_host_memory(run, args.host_reserve)
         data = [random_batches(run.vocab_size, batch, rounds, args.seq_len, s) for s in (0, 1)]
         for i in range(args.warmup):
             run.step(data[i % 2])

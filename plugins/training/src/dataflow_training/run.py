@@ -74,10 +74,11 @@ class TrainingRun:
     ``grad_share`` makes the run one member of a data-parallel fleet whose tokens are that
     share of the fleet's: each step all-reduces the gradients before the update
     (``lower``'s ``grad_share``, ``dataflow_training.fleet``).
-    ``backing_bytes`` bounds the slow (pinned host, on CUDA) memory: the plan's slow peak
-    stays within it, and the engine's slow pool, which holds a slice for every object the
-    plan ever puts in slow memory, must fit it too (``check_backing``, before the pool is
-    allocated at the first step).
+    ``backing_bytes`` bounds the slow (pinned host, on CUDA) memory the plan uses at any
+    moment (its slow peak). The engine's slow pool holds a slice for every object the plan
+    ever puts in slow memory, so it is larger than that peak: ``pinned_limit_bytes``
+    (default ``backing_bytes``) bounds it, checked before the pool is allocated at the
+    first step (``check_backing``).
     After a step, ``last_result`` is the engine's ``RunResult`` of it (task spans,
     transfers, peaks: what benchmarks read); None before the first step.
     """
@@ -102,6 +103,7 @@ class TrainingRun:
         links: Any = None,
         grad_share: float | None = None,
         backing_bytes: int | None = None,
+        pinned_limit_bytes: int | None = None,
     ) -> None:
         from dataflow.planning import place, plan
         from dataflow.plugins import resolvers
@@ -133,6 +135,9 @@ class TrainingRun:
             planner = RECOMPUTE if recompute else PRESSUREFIT
         options: dict[str, Any] = {"planner": planner, "cyclic": bool(self.program.persistent)}
         self.backing_bytes = backing_bytes
+        self.pinned_limit_bytes = (
+            backing_bytes if pinned_limit_bytes is None else pinned_limit_bytes
+        )
         if backing_bytes is not None:
             options["slow_budget_bytes"] = backing_bytes
         self.vocab_size = embed_layer(self.lowered.layers).params[0].shape[0]
@@ -314,16 +319,18 @@ class TrainingRun:
 
     def check_backing(self) -> None:
         """Refuse, before anything is allocated, a plan whose slow pool exceeds
-        ``backing_bytes``."""
-        if self.backing_bytes is None or self.pinned_bytes <= self.backing_bytes:
+        ``pinned_limit_bytes``."""
+        limit = self.pinned_limit_bytes
+        if limit is None or self.pinned_bytes <= limit:
             return
         from dataflow.planning import PlanningError
 
+        peak = format_size(self.predicted()["slow_peak_bytes"])
         raise PlanningError(
-            f"backing_bytes: the engine's slow pool for this plan takes "
+            f"pinned_limit_bytes: the engine's slow pool for this plan takes "
             f"{format_size(self.pinned_bytes)} (a slice for every object ever in slow "
-            f"memory; the plan's slow peak is {format_size(self.predicted()['slow_peak_bytes'])}), "
-            f"more than the {format_size(self.backing_bytes)} allowed"
+            f"memory; the plan's slow peak is {peak}), more than the "
+            f"{format_size(limit)} allowed"
         )
 
     def step_activity(self, lr: float | None = None) -> dict[str, float]:
