@@ -147,6 +147,8 @@ def initial_state(config: Any, device: str, param_dtype: str) -> dict[str, torch
         k: v.detach().to("cpu", getattr(torch, param_dtype)) for k, v in model.state_dict().items()
     }
     del model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the engine's budget starts from an empty device
     return state
 
 
