@@ -55,7 +55,7 @@ llama3_8b)
             --row-seconds 280 --total-seconds 330
         compare --family llama3 "${big[@]}" --rows dataflow --dataflow-batches 4 \
             --min-tokens "$big_tokens" --budgets "${big_budgets#*,}" --steps 3 --warmup 1 \
-            --row-seconds 160 --total-seconds 160
+            --row-seconds 150 --total-seconds 150
     } 2>&1 | tee "$log"
     ;;
 small)
@@ -71,7 +71,7 @@ small)
             --resolver torch \
             --batches 4,2 --dataflow-batches 4,2 --min-tokens "$tokens" --budgets "$moe_budgets" \
             --steps 4 --warmup 2 --compile-row-seconds 130 \
-            --row-seconds 130 --total-seconds 290
+            --row-seconds 130 --total-seconds 280
     } 2>&1 | tee "$log"
     ;;
 *)

@@ -14,29 +14,16 @@ from typing import Any
 
 import torch
 
-from dataflow.engine.backends.torch_storage import FastStore, SlowPool, as_bytes, typed_view
+from dataflow.engine.backends.torch_storage import (
+    FastStore,
+    SlowPool,
+    as_bytes,
+    slow_object_ids,
+    typed_view,
+)
 from dataflow.engine.contract import Executable, LaunchContext
 from dataflow.engine.dispatcher import Completion, OpKind
 from dataflow.schema import Location, Program
-
-
-def slow_object_ids(program: Program) -> set[str]:
-    """The objects the slow pool holds a slice for: every object that starts in slow
-    memory or is ever offloaded (the pool is made once at load, one slice each)."""
-    slow_ids = {
-        obj.id
-        for obj in program.objects
-        if program.exists_at_start(obj.id) and obj.location is Location.SLOW
-    }
-    for task in (program.prologue, *program.tasks):
-        slow_ids.update(task.offloads)
-    return slow_ids
-
-
-def slow_pool_bytes(program: Program) -> int:
-    """Bytes of the slow pool (pinned host memory on CUDA) the backend allocates at load."""
-    slow_ids = slow_object_ids(program)
-    return SlowPool.total_of([obj for obj in program.objects if obj.id in slow_ids])
 
 
 class TorchBackend:

@@ -313,7 +313,7 @@ class TrainingRun:
     def pinned_bytes(self) -> int:
         """Bytes of the engine's slow pool for this plan (pinned host memory on CUDA): a
         slice for every object that starts slow or is ever offloaded."""
-        from dataflow.engine.backends.torch_backend import slow_pool_bytes
+        from dataflow.engine.backends.torch_storage import slow_pool_bytes
 
         return slow_pool_bytes(self.placement.plan.program)
 
