@@ -216,3 +216,47 @@ def test_a_backing_the_slow_pool_does_not_fit_is_a_row_that_says_so(tmp_path) ->
     assert compare.main(args) == 0
     (only,) = json.loads(out.read_text())["rows"]
     assert only["tok_s"] is None and "4 KiB" in only["note"]
+
+
+@pytest.mark.gpu
+def test_stock_moe_on_cuda_uses_grouped_mm_and_matches_the_loop() -> None:
+    """On a GPU in bfloat16 the experts run through ``torch._grouped_mm`` (eager and under
+    torch.compile): the objective agrees with the expert loop on the same weights."""
+    if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
+        pytest.skip("needs a CUDA device and torch._grouped_mm")
+    import stock
+
+    config = family("olmoe").config("olmoe_tiny")
+    model = stock.stock_model(config, 32, device="cuda", dtype="bf16")
+    tokens = torch.randint(0, config.vocab_size, (2, 32), device="cuda")
+    targets = tokens.roll(1, dims=1)
+    grouped = model(tokens, targets)
+    compiled = torch.compile(model)(tokens, targets)
+    loop = stock_decoder.StockDecoder(config, 32).to(torch.float32)
+    loop.load_state_dict({k: v.float().cpu() for k, v in model.state_dict().items()})
+    expected = loop(tokens.cpu(), targets.cpu())
+    torch.testing.assert_close(grouped.float().cpu(), expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(compiled.float().cpu(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_model_rows_run_on_cuda_at_tiny_presets(tmp_path) -> None:
+    """llama3_tiny and olmoe_tiny rows on the GPU (inductor, the profiler, the engine
+    with its pinned pool bounded by the host's memory)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    page, out = tmp_path / "page.md", tmp_path / "compare.json"
+    shutil.copy(ROOT / "docs" / "throughput.md", page)
+    for name, preset in (("llama3", "llama3_tiny"), ("olmoe", "olmoe_tiny")):
+        args = [
+            *("--family", name, "--preset", preset, "--seq-len", "64", "--device", "cuda"),
+            *("--rows", "stock,dataflow", "--stock-engines", "compile", "--stock-dtypes", "bf16"),
+            *("--dataflow-dtypes", "bf16", "--batches", "4", "--dataflow-batches", "4"),
+            *("--min-tokens", "512", "--budgets", "64MiB", "--no-checkpoint-row", "--steps", "2"),
+            *("--warmup", "1", "--append", "--out", str(out), "--doc", str(page)),
+        ]
+        assert compare.main(args) == 0
+    for r in json.loads(out.read_text())["rows"]:
+        assert r["tok_s"], r
+        if r["engine"] == "dataflow":
+            assert r["allocator_peak_bytes"] <= r["budget_bytes"]
