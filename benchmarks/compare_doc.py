@@ -12,9 +12,12 @@ stock row of the same model. A file written before rows had ``model`` is read as
 GPT-2 run it was (``LEGACY_MODEL``).
 
 **Limited by** (derived from the measurements): ``compute`` when compute idle is at most
-``IDLE_COMPUTE_PCT`` of the step; otherwise ``link`` when the busier copy direction moved
-bytes for at least ``LINK_BUSY_PCT`` of the step, else ``host`` (the device waited on
-something that is not the link: dispatch, a host-side optimizer, synchronisation).
+``IDLE_COMPUTE_PCT`` of the step. Otherwise, for a step replayed from a CUDA graph, ``host``
+when the host time between replays (wall step less replay) is at least half the idle time, else
+``link`` (the compute stream waited on transfers inside the replay); for any other step, ``link``
+when the busier copy direction moved bytes for at least ``LINK_BUSY_PCT`` of the step, else
+``host`` (the device waited on something that is not the link: dispatch, a host-side
+optimizer, synchronisation).
 """
 
 from __future__ import annotations
@@ -233,6 +236,12 @@ def limited_by(row: dict[str, Any], details: dict[str, Any]) -> str:
         return ""
     if idle <= IDLE_COMPUTE_PCT:
         return "compute"
+    replay_s, wall_s = details.get("engine_makespan_s"), row.get("measured_step_s")
+    if replay_s is not None and wall_s:
+        # A replayed step: host time is what lies outside the replay; the rest of the
+        # idle time is the compute stream waiting for transfers inside it.
+        host_pct = 100.0 * (wall_s - replay_s) / wall_s
+        return "host" if host_pct >= idle / 2 else "link"
     return "link" if details.get("link_busy_pct", 0.0) >= LINK_BUSY_PCT else "host"
 
 

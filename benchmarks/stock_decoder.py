@@ -12,9 +12,10 @@ tied or untied output projection, full-vocabulary logits with ``F.cross_entropy`
 The routed FFN sorts the token slots by expert and runs each projection as one grouped
 GEMM (``torch._grouped_mm`` for bfloat16 CUDA tensors, where torch has it; a loop over
 the experts elsewhere), then adds the weighted rows back per token. The objective adds
-the family's router terms over the step (here one round): load balance
-``router_aux_loss_coef / L * sum_l E * sum_e f_le * P_le`` and the router z-loss
-``router_z_loss_coef / L * mean(logsumexp(logits)^2)`` (``kit/moe.py``).
+the family's router terms over the step (here one round): the load balance
+``router_aux_loss_coef * E * sum_e f_e * P_e`` from the routed slots ``f`` and router
+probabilities ``P`` pooled over the layers, and the router z-loss
+``router_z_loss_coef / L * sum_l mean(logsumexp(logits_l)^2)`` (``kit/moe.py``).
 
 Parameter names are the reference's ``state_dict`` keys (``emb.embed_tokens.weight``,
 ``0.self_attn.q_proj.weight``, ``0.mlp.experts.gate_up_proj``, ``head.lm_head.weight``), so
@@ -237,19 +238,17 @@ class StockDecoder(nn.Module):
         return loss
 
     def router_terms(self) -> torch.Tensor:
-        """Load balance and z-loss of the latest forward (the step's one round)."""
+        """Load balance and z-loss of the latest forward (the step's one round): the
+        balance from the routed slots and router probabilities pooled over the layers,
+        the z-loss averaged over them (``kit/moe.py``)."""
         c = self.config
-        layers = c.num_hidden_layers
-        total = torch.zeros((), device=self.cos.device)
-        for block in self.blocks():
-            logits, ids = block.mlp.last
-            probs = torch.softmax(logits.float(), dim=-1)
-            counts = expert_counts(ids, c.num_experts).float()
-            per_token = counts / ids.shape[0]
-            balance = c.num_experts * (per_token * probs.mean(0)).sum()
-            z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
-            total = total + (c.router_aux_loss_coef * balance + c.router_z_loss_coef * z) / layers
-        return total
+        routers = [block.mlp.last for block in self.blocks()]
+        counts = sum(expert_counts(ids, c.num_experts).float() for _, ids in routers)
+        probs = torch.cat([torch.softmax(logits.float(), dim=-1) for logits, _ in routers])
+        per_token = counts / (counts.sum() / c.num_experts_per_tok)  # sums to k
+        balance = c.router_aux_loss_coef * c.num_experts * (per_token * probs.mean(0)).sum()
+        z = sum(torch.logsumexp(logits.float(), dim=-1).pow(2).mean() for logits, _ in routers)
+        return balance + c.router_z_loss_coef * z / len(routers)
 
 
 def active_fraction(config: Any, name: str) -> float:

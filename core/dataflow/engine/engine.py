@@ -93,8 +93,7 @@ class Engine:
         """Load ``plan`` (a ``Plan`` from ``dataflow.planning.plan`` or an annotated
         ``Program``). Every task is resolved now: an unknown compute key fails here, naming
         the task and the resolver. ``initial`` gives a tensor for every object that exists at
-        start (torch backend); it is read one object at a time (it may make each value
-        when it is looked up)."""
+        start (torch backend)."""
         if placement is not None:
             plan = placement.plan  # place() may have re-planned at a smaller capacity
         program = plan.program if hasattr(plan, "program") else plan
@@ -125,8 +124,8 @@ class Engine:
         self._put_initial(program, {} if initial is None else initial)
 
     def _put_initial(self, program: Program, initial: Mapping[str, Any]) -> None:
-        """Each start value is read from ``initial`` once, when it is put: a mapping that
-        makes its values on demand keeps one of them in host memory at a time."""
+        """Each start value copied in as it is looked up (once per object), so a lazy
+        mapping never holds every value at once."""
         at_start = [obj.id for obj in program.objects if program.exists_at_start(obj.id)]
         missing = [obj for obj in at_start if obj not in initial]
         unknown = [obj for obj in initial if obj not in at_start]

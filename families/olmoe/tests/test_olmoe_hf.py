@@ -1,5 +1,5 @@
 """HF parity against ``transformers.OlmoeForCausalLM``: random small configs (untied and
-tied, one layer so that the load-balancing term is transformers' exactly, 8 experts top-3
+tied, two layers, so that the load-balancing term pools the layers' router statistics, 8 experts top-3
 without renormalising, q/k norms perturbed away from 1) saved by ``save_pretrained``:
 logits and the objective, one training step, export bit for bit (one file and sharded).
 The tests and their tolerances are the kit's ``MoEHFParity``; skipped without
@@ -20,7 +20,7 @@ class TestOlmoeParity(MoEHFParity):
             vocab_size=97,
             hidden_size=32,
             intermediate_size=16,
-            num_hidden_layers=1,
+            num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=4,
             max_position_embeddings=64,

@@ -1,5 +1,5 @@
 """HF parity against ``transformers.Qwen3MoeForCausalLM``: random small configs (untied and
-tied, one layer so that the load-balancing term is transformers' exactly, grouped-query
+tied, two layers, so that the load-balancing term pools the layers' router statistics, grouped-query
 attention with a ``head_dim`` wider than ``hidden_size / heads``, 8 experts top-3
 renormalised, per-head q/k norms perturbed away from 1) saved by ``save_pretrained``:
 logits and the objective, one training step, export bit for bit (one file and sharded).
@@ -21,7 +21,7 @@ class TestQwen3MoeParity(MoEHFParity):
             vocab_size=97,
             hidden_size=32,
             moe_intermediate_size=16,
-            num_hidden_layers=1,
+            num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
             head_dim=16,

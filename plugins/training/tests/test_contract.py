@@ -231,3 +231,22 @@ def test_toy_moe_verify_passes_at_a_tight_budget() -> None:
     assert not failed, failed
     # a loss per round of each of the 3 steps, then a gradient and a weight per parameter
     assert sum(check.level == "step" for check in checks) == 3 * 2 + 2 * 8
+
+
+def test_layers_sharing_an_aux_object_must_declare_the_same_tensors(monkeypatch) -> None:
+    """``aux_scope="model"``: toy_moe's blocks share ``Aux_moe``; a block declaring other
+    tensors for it is named, and so is a scope that is neither "layer" nor "model"."""
+    family = ToyMoEFamily()
+    layers = family.layers(family.config("toy_moe_tiny"))
+    shared = [attrs.evolve(layer, aux_scope="model") if layer.aux else layer for layer in layers]
+    monkeypatch.setattr(ToyMoEFamily, "layers", lambda self, config: shared)
+    program = lower(family, "toy_moe_tiny", TRAIN).program
+    assert [o.id for o in program.objects if o.role == "aux"] == ["Aux_moe"]
+    assert [t.id for t in program.tasks if t.params.get("zero_aux")] == ["fwd_0_0_0"]
+    other = TensorSpec("counts", (layers[1].aux[0].shape[0] + 1,), dtype="float32")
+    broken = [*shared[:2], attrs.evolve(shared[2], aux=(other,)), *shared[3:]]
+    monkeypatch.setattr(ToyMoEFamily, "layers", lambda self, config: broken)
+    with pytest.raises(FamilyContractError, match=r"layer '1' declares aux tensors .* Aux_moe"):
+        lower(family, "toy_moe_tiny", TRAIN)
+    with pytest.raises(FamilyContractError, match=r"layer '0': aux_scope must be one of layer"):
+        attrs.evolve(layers[1], aux_scope="global")

@@ -5,6 +5,7 @@ profile cache behind ``--measured``, and the one-line errors."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -113,6 +114,7 @@ def test_measure_runs_each_cell_beside_its_prediction(tmp_path) -> None:
     for key in ("preset", "t_round", "seq_len", "budget_bytes", "predicted_step_s"):
         assert key in run
     assert len(run["steps_s"]) == 3 and run["warmup"] == 1
+    assert len(run["losses"]) == 3 and all(abs(x - math.log(256)) < 1.0 for x in run["losses"])
     assert run["measured_step_s"] == pytest.approx(
         sorted(run["steps_s"][1:])[0] / 2 + sorted(run["steps_s"][1:])[1] / 2
     )
@@ -141,3 +143,24 @@ def test_bad_options_are_one_line(args, culprits) -> None:
 def test_measure_needs_a_measured_step(tmp_path) -> None:
     result = invoke("measure", *ONE, "--budget", "1", "--steps", "2", "--warmup", "2")
     assert_one_line_error(result, 2, "--warmup", "--steps")
+
+
+def test_a_cell_that_runs_over_its_budget_is_a_row_that_says_so(tmp_path, monkeypatch) -> None:
+    """The engine refuses a step whose allocator peak left the budget (CUDA); ``measure``
+    reports that cell as a row and goes on with the grid."""
+    from dataflow_training.run import TrainingRun
+
+    from dataflow.engine import BudgetBreachError
+
+    def breach(self, batches, lr=None):
+        raise BudgetBreachError("the CUDA allocator's peak during load and run was 3 bytes")
+
+    monkeypatch.setattr(TrainingRun, "step", breach)
+    out = tmp_path / "fidelity.json"
+    result = invoke("measure", *ONE, "--budget", "1,2", "--device", "cpu", "--json", out)
+    assert result.exit_code == 0, result.output
+    rows = _rows(out)
+    assert len(rows) == 2
+    for row in rows:
+        assert not row["feasible"]
+        assert row["reason"].startswith("ran over the budget: the CUDA allocator's peak")

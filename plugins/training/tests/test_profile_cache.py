@@ -142,3 +142,13 @@ def test_task_inputs_are_filled_on_the_gpu_with_small_noise(program) -> None:
             values = typed_view(buffer, obj).float()
             if values.numel() > 1000:
                 assert 0.015 < values.std().item() < 0.025, obj_id
+
+
+def test_the_same_tokens_split_differently_is_another_signature() -> None:
+    """64 x 1024 and 16 x 4096 tokens give every task the same bytes, but attention four
+    times the work per token: a cached cost of one must not price the other."""
+    wide = lower(ToyFamily(), "small", TrainConfig(seq_len=8, batch=4, rounds=1)).program
+    long = lower(ToyFamily(), "small", TrainConfig(seq_len=16, batch=2, rounds=1)).program
+    assert [o.size_bytes for o in wide.objects] == [o.size_bytes for o in long.objects]
+    for a, b in zip(wide.tasks, long.tasks, strict=True):
+        assert signature(wide, a) != signature(long, b)

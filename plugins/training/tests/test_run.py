@@ -90,3 +90,44 @@ def test_bad_batches_name_what_is_wrong():
         run.step([good, (torch.zeros(2, 9, dtype=torch.int64), good[1])])
     with pytest.raises(ValueError, match="reach id 300"):
         run.step([good, (torch.full((2, 8), 300), good[1])])
+
+
+def test_the_engine_takes_start_values_one_object_at_a_time(monkeypatch):
+    """The first step's start values are built as the engine copies each in (the zero
+    optimizer state of a 30B model would not fit beside the pinned pool otherwise): each
+    looked up once, and no earlier one still alive when the next is built; the step
+    equals one loaded from every value built up front (``start_values``)."""
+    import gc
+    import weakref
+
+    from dataflow_training import values
+    from dataflow_training.run import TrainingRun
+
+    train = TrainConfig(seq_len=8, batch=2, rounds=2)
+    batches = [tuple(torch.randint(0, 256, (2, 8)) for _ in range(2)) for _ in range(2)]
+    alive: list[weakref.ref] = []
+    looked_up: list[str] = []
+    built = values.StartValues.__getitem__
+
+    def spy(self, obj_id):
+        gc.collect()
+        assert all(ref() is None for ref in alive), f"a value is alive when {obj_id} is built"
+        value = built(self, obj_id)
+        looked_up.append(obj_id)
+        if obj_id.startswith(("W_", "O_")):
+            alive.append(weakref.ref(value))
+        return value
+
+    monkeypatch.setattr(values.StartValues, "__getitem__", spy)
+    lazy = TrainingRun("gpt2", "gpt2_tiny", train, seed=0)
+    stats = lazy.step(batches)
+    program = lazy.program
+    assert sorted(looked_up) == sorted(
+        o.id for o in program.objects if program.exists_at_start(o.id)
+    )
+    assert len(alive) > 4
+    monkeypatch.undo()
+    eager = TrainingRun("gpt2", "gpt2_tiny", train, seed=0)
+    eager_initial = values.start_values(eager.program, eager._weights, lambda _s, r: batches[r])
+    assert set(eager_initial) == set(looked_up)
+    assert eager.step(batches).losses == stats.losses

@@ -15,7 +15,11 @@ MoE, linear and full attention), one ``head`` layer. For each layer the lowering
   its gradient ``dW_...`` and optimizer state ``O_...`` (trainable tensors only);
 - ``Aux_<layer>`` when the layer declares ``aux`` tensors: persistent state, zeroed before
   round 0's forward, changed in place by every round's forward, read by the last round's
-  backward (expert-load counts of a balance term over the whole step);
+  backward (expert-load counts of a balance term over the whole step). With
+  ``aux_scope="model"`` the layers of one kind share one such object, ``Aux_<kind>``:
+  zeroed by the first of them in round 0, added to by every one of their forwards in
+  every round, read by every one of their last-round backwards (counts pooled over the
+  layers, as transformers' balance term pools them);
 - per step and round, ``A_...`` (what forward saves for backward, ``BlockMath.saved``) and
   ``AuxTemp_...`` (``BlockMath.aux_temp``: router choices, sparse-attention selections),
   which forward writes and recompute and backward read verbatim, never re-derived.
@@ -68,14 +72,20 @@ class ParamGroup:
     params: tuple[TensorSpec, ...] = attrs.field(converter=tuple)
 
 
+#: ``LayerSpec.aux_scope``: the layer's own Aux object, or one per layer kind
+AUX_SCOPES = ("layer", "model")
+
+
 @attrs.frozen
 class LayerSpec:
     """One layer of the chain.
 
     ``name`` is unique (``"emb"``, ``"0"`` ... ``"head"``) and is the suffix of its objects;
     ``kind`` selects its math (``"embed"``, ``"head"``, or a block kind such as ``"block"``
-    or ``"moe"``). ``groups`` hold its parameters. ``aux`` declares persistent per-layer
-    state (``Aux_<layer>``). ``tied`` (head only) maps a name the head's math uses to the
+    or ``"moe"``). ``groups`` hold its parameters. ``aux`` declares persistent state:
+    the layer's own (``Aux_<layer>``, ``aux_scope="layer"``) or one object that every
+    layer of its kind shares (``Aux_<kind>``, ``aux_scope="model"``; those layers must
+    declare the same tensors). ``tied`` (head only) maps a name the head's math uses to the
     ``"<layer>.<param>"`` it is tied to (GPT-2: ``{"wte": "emb.wte"}``): the head reads
     that parameter and its gradient flows into that layer's ``dW``.
     """
@@ -84,7 +94,23 @@ class LayerSpec:
     kind: str
     groups: tuple[ParamGroup, ...] = attrs.field(converter=tuple)
     aux: tuple[TensorSpec, ...] = attrs.field(default=(), converter=tuple)
+    aux_scope: str = attrs.field(default="layer", kw_only=True)
     tied: Mapping[str, str] = attrs.field(factory=dict, converter=dict, hash=False)
+
+    @aux_scope.validator
+    def _scope(self, attribute: attrs.Attribute, value: str) -> None:
+        if value not in AUX_SCOPES:
+            raise FamilyContractError(
+                f"layer {self.name!r}: aux_scope must be one of {', '.join(AUX_SCOPES)}, "
+                f"got {value!r}"
+            )
+
+    @property
+    def aux_object(self) -> str | None:
+        """The id of the Aux object this layer's tasks see, or None without Aux."""
+        if not self.aux:
+            return None
+        return f"Aux_{self.kind if self.aux_scope == 'model' else self.name}"
 
     @classmethod
     def single(cls, name: str, kind: str, params: Any, **fields: Any) -> LayerSpec:
@@ -129,8 +155,9 @@ class Env:
     the step this is. ``grad_scale``: the head multiplies every gradient it returns by it
     (``1 / rounds``: the step's loss is the mean over its rounds). ``chunk_tokens``: the
     head's token chunk. ``aux``: the layer's ``Aux`` tensors (forward adds into them;
-    the last round's backward reads them); empty when the layer declares none or the task
-    does not see them.
+    the last round's backward reads them; shared by the layers of a kind with
+    ``aux_scope="model"``); empty when the layer declares none or the task does not see
+    them.
     """
 
     ops: Ops

@@ -108,7 +108,9 @@ class Fleet:
         import torch
         import torch.distributed as dist
 
-        total = torch.tensor([float(sum(losses))], dtype=torch.float64)
+        # NCCL reduces device tensors only; gloo takes host ones.
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        total = torch.tensor([float(sum(losses))], dtype=torch.float64, device=device)
         dist.all_reduce(total)
         return float(total) / sum(self.rounds)
 

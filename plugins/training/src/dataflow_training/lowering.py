@@ -17,7 +17,9 @@ group's gradient in place (``dW`` becomes a mutate) by the one global clip facto
 Everything that exists at the start (parameters, optimizer state, Aux, every round's
 tokens and targets) starts in slow memory; the planner's prologue fetches what the first
 tasks need. Objects (see ``dataflow_training.family`` for what each holds): ``W``/``dW``/``O`` per
-parameter group (gradients: round 0 creates them, later rounds accumulate), ``Aux_i``,
+parameter group (gradients: round 0 creates them, later rounds accumulate), ``Aux_i`` (or
+``Aux_<kind>``, shared by a kind's layers; the step's first forward to touch an Aux
+object zeroes it: its task's ``zero_aux`` param),
 per round ``A_s_r_i`` and ``AuxTemp_s_r_i``, hidden states ``y_s_r_i`` (``y_s_r_0`` is
 the embedding; block i makes ``y_s_r_{i+1}``), their gradients ``dy_s_r_i``, tokens
 ``x_s_r``, targets ``t_s_r``, losses ``loss_s_r``. Task inputs by role and every packed
@@ -179,8 +181,7 @@ def lower(
             grads[layer.name] += (dw_id,)
         param_bytes[layer.name] = sum(packed[w].layout.size_bytes for w in weights[layer.name])
         if layer.aux:
-            aux_layout = Layout.pack((a.name, a.shape, _dtype(a, "float32")) for a in layer.aux)
-            add_packed(PackedObject(f"Aux_{layer.name}", "Aux", layer.name, aux_layout), Role.AUX)
+            _add_aux(family.name, layer, packed, add_packed)
     for local, target in head.tied.items():
         owner, _, name = target.partition(".")
         if owner not in by_name or name not in {p.name for p in by_name[owner].params}:
@@ -220,6 +221,7 @@ def lower(
     def task(kind: str, r: int, layer: str, key: str, cost_us: float, **roles: Any) -> None:
         group = roles.pop("group", "")
         save = roles.pop("save", True)
+        zero_aux = roles.pop("zero_aux", False)
         slot = TaskSlot(
             f"{kind}_{step}_{r}_{group_name(layer, group)}",
             kind,
@@ -237,6 +239,8 @@ def lower(
             params["kind"] = by_name[layer].kind
         if kind == "fwd":
             params["save"] = save
+            if zero_aux:
+                params["zero_aux"] = True
         if group:
             params["group"] = group
         if kind == "head":
@@ -261,6 +265,7 @@ def lower(
         return {"outputs" if create else "mutates": {"grad": grads[layer]}}
 
     n_blocks = len(blocks)
+    zeroed: set[str] = set()  # Aux objects the step's forwards have zeroed
     for r in range(train.rounds):
         x, t, loss = f"x_{step}_{r}", f"t_{step}_{r}", f"loss_{step}_{r}"
         objects += [
@@ -296,7 +301,12 @@ def lower(
         for i, block in enumerate(blocks):
             keep = (r, i) not in recompute
             temp = (temps[i],) if i in temps else ()
-            aux = (f"Aux_{block.name}",) if block.aux else ()
+            aux = (block.aux_object,) if block.aux else ()
+            if aux and aux[0] not in zeroed:  # the step's first forward to touch it
+                zeroed.add(aux[0])
+                zero_aux = True
+            else:
+                zero_aux = False
             task(
                 "fwd",
                 r,
@@ -307,6 +317,7 @@ def lower(
                 mutates={"aux": aux},
                 outputs={"y": (y[i + 1],), "saved": (saved[i],) if keep else (), "aux_temp": temp},
                 save=keep,
+                zero_aux=zero_aux,
             )
         head_grad = grad_roles(head.name, r)
         tied_w = tuple(w for layer in tied_layers for w in weights[layer])
@@ -342,7 +353,7 @@ def lower(
                     inputs={"x": (y[i],), "w": weights[block.name], "aux_temp": temp},
                     outputs={"saved": (saved[i],)},
                 )
-            aux = (f"Aux_{block.name}",) if block.aux and r == train.rounds - 1 else ()
+            aux = (block.aux_object,) if block.aux and r == train.rounds - 1 else ()
             roles = grad_roles(block.name, r)
             task(
                 "bwd",
@@ -439,6 +450,24 @@ def lower(
         metadata=step_layout.to_metadata(),
     )
     return Lowered(program, step_layout, layers)
+
+
+def _add_aux(family: str, layer: LayerSpec, packed: dict[str, PackedObject], add: Any) -> None:
+    """The Aux object of ``layer``: its own, or (``aux_scope="model"``) the one its kind
+    shares, added by the first layer of the kind; the others must declare the same
+    tensors."""
+    obj = layer.aux_object
+    aux_layout = Layout.pack((a.name, a.shape, _dtype(a, "float32")) for a in layer.aux)
+    if obj not in packed:
+        add(PackedObject(obj, "Aux", layer.name, aux_layout), Role.AUX)
+    elif packed[obj].kind != "Aux" or layer.aux_scope != "model":
+        raise FamilyContractError(f"family {family!r}: layer {layer.name!r}: {obj} already exists")
+    elif packed[obj].layout != aux_layout:
+        raise FamilyContractError(
+            f"family {family!r}: layer {layer.name!r} declares aux tensors "
+            f"{[(a.name, a.shape) for a in layer.aux]} but {obj}, shared by the {layer.kind!r} "
+            f"layers, was declared by layer {packed[obj].layer!r} with others"
+        )
 
 
 def recompute_units(

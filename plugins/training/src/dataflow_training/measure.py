@@ -40,10 +40,12 @@ def measure_cell(
     seed: int = 0,
 ) -> dict[str, Any]:
     """One cell's row: the predicted row's fields and ``predicted_step_s``,
-    ``measured_step_s``, ``ratio``, ``steps_s`` (every step's wall time) and the
-    allocator's peak (CUDA)."""
+    ``measured_step_s``, ``ratio``, ``steps_s`` (every step's wall time), ``losses``
+    (every step's mean loss, so a run that went wrong shows) and the allocator's peak
+    (CUDA)."""
     import torch
 
+    from dataflow.engine import BudgetBreachError
     from dataflow.planning import PlanningError
     from dataflow_training.run import TrainingRun
 
@@ -82,7 +84,7 @@ def measure_cell(
             )
         generator = torch.Generator().manual_seed(seed)
         vocab = run.vocab_size
-        times, peaks = [], []
+        times, peaks, losses = [], [], []
         for _ in range(steps):
             batches = [
                 (
@@ -94,8 +96,13 @@ def measure_cell(
             stats = run.step(batches)
             times.append(stats.step_s)
             peaks.append(stats.allocator_peak_bytes)
+            losses.append(stats.loss)
     except (PlanningError, ValueError) as exc:
         return infeasible_row(cell, extra, _one_line(str(exc)))
+    except BudgetBreachError as exc:
+        # The engine refuses a step whose allocator peak left the budget: the cell did not
+        # run inside it, which is a result to report, not a crash of the grid.
+        return infeasible_row(cell, extra, f"ran over the budget: {_one_line(str(exc))}")
     except torch.cuda.OutOfMemoryError as exc:
         return infeasible_row(cell, extra, f"out of device memory: {_one_line(str(exc))[:200]}")
     finally:
@@ -113,6 +120,7 @@ def measure_cell(
         "ratio": measured / row["step_s"],
         "measured_tok_s": cell.tokens_step / measured,
         "steps_s": times,
+        "losses": losses,
         "warmup": min(warmup, len(times) - len(warm)),
         "allocator_peak_bytes": max((p for p in peaks if p is not None), default=None),
     }

@@ -47,7 +47,7 @@ from dataflow.schema import Program, Task
 from dataflow_training.step import StepLayout
 
 #: The version of the measuring method (fills, warm-up, timing); part of every cache key.
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: the token shape joined the signature
 #: Names the cache directory (``off``: no disk cache).
 CACHE_ENV = "DATAFLOW_PROFILE_CACHE"
 #: Workspace is rounded up to the allocator's block size (kMinBlockSize, 512 bytes).
@@ -62,15 +62,26 @@ class TaskProfile:
 
 
 def signature(program: Program, task: Task) -> tuple:
+    """What a task's cost depends on: its kernel, its parameters, its objects' sizes and the
+    step's token shape. Sizes alone are not enough: 64 x 1024 and 16 x 4096 tokens give
+    attention the same bytes but four times the work per token."""
     sizes = program.objects_by_id
     params = tuple(sorted((k, repr(v)) for k, v in task.params.items() if k not in _POSITION))
     return (
         task.compute_key,
         params,
+        _token_shape(program),
         tuple(sizes[o].size_bytes for o in task.inputs),
         tuple(sizes[o].size_bytes for o in task.mutates),
         tuple(sizes[o].size_bytes for o in task.outputs),
     )
+
+
+def _token_shape(program: Program) -> tuple[int, int] | None:
+    """``(batch, seq_len)`` of a lowered training step (read without parsing the whole
+    layout, which is slow for big programs); None for other programs."""
+    train = program.metadata.get(StepLayout.METADATA_KEY, {}).get("train")
+    return None if train is None else (train.get("batch", 1), train["seq_len"])
 
 
 def _filled(

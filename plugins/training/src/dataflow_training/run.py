@@ -280,22 +280,20 @@ class TrainingRun:
     def _load(self, batches: list[Batch]) -> None:
         from dataflow.engine import Engine
 
-        for obj_id, raw in (self._opt_state or {}).items():
+        opt_state = self._opt_state or {}
+        for obj_id, raw in opt_state.items():
             packed = self.layout.packed.get(obj_id)
-            if packed is None or packed.kind != "O" or raw.numel() != packed.layout.size_bytes:
+            if packed is None or packed.kind != "O" or (packed.layout.size_bytes,) != raw.shape:
                 raise ValueError(
                     f"optimizer state {obj_id!r} does not fit this step's layout "
                     f"({tuple(raw.shape)} bytes given)"
                 )
         self.check_backing()
-        # made one object at a time as the engine puts them (a large model's packed copy
-        # never sits in host memory whole beside the pinned pool)
+        # built object by object as the engine copies them in: the host holds the pinned
+        # pool and one object's bytes at a time, not every start value at once, and the
+        # weights' host copy goes as each parameter object is put (consume)
         initial = StartValues(
-            self.program,
-            self._weights,
-            lambda _step, r: batches[r],
-            given={k: v.clone() for k, v in (self._opt_state or {}).items()},
-            consume=True,
+            self.program, self._weights, lambda _step, r: batches[r], given=opt_state, consume=True
         )
         engine = Engine(
             "torch", budget_bytes=self.budget_bytes, device=self.device, graph=self.graph

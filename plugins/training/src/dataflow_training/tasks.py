@@ -248,9 +248,9 @@ class EmbedBackward(_Exec):
 class BlockForward(_Exec):
     def launch(self, ctx: LaunchContext) -> None:
         aux = self.named(ctx, "aux")
-        if self.slot.round_ == 0:
+        if self.task.params.get("zero_aux"):
             for tensor in aux.values():
-                tensor.zero_()  # Aux counts over the step: zeroed before its first round
+                tensor.zero_()  # Aux over the step: zeroed by the first forward touching it
         math = self.tasks.math(self.kind)
         y, saved, aux_temp = math.forward(
             self.tasks.config, self.named(ctx, "w"), self.one(ctx, "x"), self.env(ctx, aux=aux)

@@ -39,6 +39,62 @@ def packed_buffer(
     return buffer
 
 
+class StartValues(Mapping[str, torch.Tensor]):
+    """``start_values`` built one object at a time, as the engine asks for each (a 30B
+    model's zero optimizer state alone would take tens of GB if built at once, beside
+    the pinned pool the engine copies it into). ``given`` replaces an object's value
+    (optimizer state carried over); every other value is made afresh on each lookup and
+    kept by nobody here. With ``consume``, a parameter object's entries are removed from
+    ``state`` (a dict) once its packed value is made: an 8B model's host copy of the
+    weights goes as the engine takes each object."""
+
+    def __init__(
+        self,
+        program: Program,
+        state: Mapping[str, torch.Tensor],
+        data: Data,
+        *,
+        step: int = 0,
+        given: Mapping[str, torch.Tensor] | None = None,
+        consume: bool = False,
+    ) -> None:
+        self.consume = consume
+        self.program, self.state, self.data, self.step = program, state, data, step
+        self.layout = StepLayout.of(program)
+        self.given = dict(given or {})
+        self._ids = [o.id for o in program.objects if program.exists_at_start(o.id)]
+        self._roles = {o.id: o.role for o in program.objects if o.id in set(self._ids)}
+        unknown = sorted(set(self.given) - set(self._ids))
+        if unknown:
+            raise KeyError(f"start values given for objects that do not start: {unknown}")
+
+    def __getitem__(self, obj_id: str) -> torch.Tensor:
+        if obj_id not in self._roles:
+            raise KeyError(obj_id)
+        if obj_id in self.given:
+            return self.given[obj_id]
+        if self._roles[obj_id] == "data":
+            tokens, targets = self.data(self.step, _round_of(obj_id))
+            return tokens if obj_id.startswith("x_") else targets
+        packed = self.layout.packed[obj_id]
+        if packed.kind != "W":
+            return packed_buffer(self.layout, obj_id)
+        value = packed_buffer(self.layout, obj_id, self.state)
+        if self.consume:  # the engine holds the bytes now: the host copy may go
+            for name in packed.layout.views(value):
+                self.state.pop(f"{packed.layer}.{name}", None)
+        return value
+
+    def __contains__(self, obj_id: object) -> bool:  # without building the value
+        return obj_id in self._roles
+
+    def __iter__(self):
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
 def start_values(
     program: Program,
     state: Mapping[str, torch.Tensor],
@@ -50,65 +106,14 @@ def start_values(
     """Every object that exists at the program's start: parameters from ``state``, zero
     optimizer state and Aux, and ``step``'s tokens and targets from ``data``. With
     ``data_only``, just the tokens and targets (the feed of a later step)."""
-    return dict(StartValues(program, state, data, step=step, data_only=data_only))
-
-
-class StartValues(Mapping[str, torch.Tensor]):
-    """``start_values`` as a mapping that makes each value when it is looked up (and
-    keeps none): loading a large model then holds one packed object at a time in host
-    memory beside the engine's pool. ``given`` replaces objects' values (raw bytes, e.g.
-    a restored optimizer state). With ``consume``, a parameter object's entries are
-    removed from ``state`` (a dict) once its packed value is made, so its host copy goes
-    as soon as the engine holds it."""
-
-    def __init__(
-        self,
-        program: Program,
-        state: Mapping[str, torch.Tensor],
-        data: Data,
-        *,
-        step: int = 0,
-        data_only: bool = False,
-        given: Mapping[str, torch.Tensor] | None = None,
-        consume: bool = False,
-    ) -> None:
-        self.consume = consume
-        self.program, self.state, self.data, self.step = program, state, data, step
-        self.layout = None if data_only else StepLayout.of(program)  # parsing costs host time
-        self.given = dict(given or {})
-        self.objs = program.objects_by_id
-        self.ids = [
-            obj.id
-            for obj in program.objects
-            if program.exists_at_start(obj.id) and (obj.role == "data" or not data_only)
-        ]
-        self.id_set = set(self.ids)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __iter__(self):
-        return iter(self.ids)
-
-    def __contains__(self, obj_id: object) -> bool:
-        return obj_id in self.id_set
-
-    def __getitem__(self, obj_id: str) -> torch.Tensor:
-        if obj_id not in self:
-            raise KeyError(obj_id)
-        if obj_id in self.given:
-            return self.given[obj_id]
-        if self.objs[obj_id].role == "data":
-            tokens, targets = self.data(self.step, _round_of(obj_id))
-            return tokens if obj_id.startswith("x_") else targets
-        packed = self.layout.packed[obj_id]
-        if packed.kind != "W":
-            return packed_buffer(self.layout, obj_id)
-        value = packed_buffer(self.layout, obj_id, self.state)
-        if self.consume:
-            for name in packed.layout.views(value):
-                self.state.pop(f"{packed.layer}.{name}", None)
-        return value
+    if not data_only:
+        return dict(StartValues(program, state, data, step=step))
+    values: dict[str, torch.Tensor] = {}  # the step layout is not parsed: it costs host time
+    for obj in program.objects:
+        if program.exists_at_start(obj.id) and obj.role == "data":
+            tokens, targets = data(step, _round_of(obj.id))
+            values[obj.id] = tokens if obj.id.startswith("x_") else targets
+    return values
 
 
 def read_state(

@@ -415,13 +415,15 @@ def step_checks(
     tolerance: float,
     resolver: str = "torch",
     clip: float | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> list[Check]:
     """The lowered step run by ``TrainingRun`` against the reference; with ``clip`` both
     clip the global gradient norm (the reference through ``clip_grad_norm_``), and each
-    step's measured norm is checked too."""
+    step's measured norm is checked too. ``overrides``: config fields of the preset
+    changed, for both."""
     from dataflow_training.run import TrainingRun
 
-    config = family.config(preset)
+    config = family.config(preset, **(overrides or {}))
     train = step_config(policy, batch=batch, seq_len=seq_len, rounds=rounds, clip=clip)
     torch.manual_seed(seed)
     reference = family.reference_model(config)
@@ -449,6 +451,7 @@ def step_checks(
         state=state,
         resolver=resolver,
         keep_grads=True,
+        overrides=overrides,
     )
     with run:
         for step in range(steps):

@@ -18,19 +18,25 @@ token slots sorted by expert, stable) and ``offsets`` (E + 1) int32 (where each 
 rows start). Each expert's rows run through ``grouped_mm`` (one matmul per expert, or
 ``torch._grouped_mm``), gradients of the stacked weights through ``grouped_mm_wgrad``.
 
-**Aux** ``counts`` (E,) float32: the expert loads, zeroed before round 0, added to by every
-round's forward. The step's objective is the mean over rounds of the cross-entropy, plus
-two router terms averaged over the ``L`` MoE layers:
+**Aux** ``counts`` (E,) float32, one object for the whole model (``Aux_moe``, the MoE
+layers' ``aux_scope="model"``): the expert loads summed over the ``L`` MoE layers and the
+step's rounds, zeroed by the step's first forward and added to by every layer's forward in
+every round. The step's objective is the mean over rounds of the cross-entropy, plus two
+router terms:
 
-- load balance ``router_aux_loss_coef / L * sum_l E * sum_e f_le * P_le``, with ``f_le``
-  layer l's routed slots to expert e over the whole step per token of the step (HF's
-  ``tokens_per_expert``: it sums to k; no gradient) and ``P_le`` the mean router
-  probability of expert e over the last round's tokens; applied by the last round's
-  backward. For one layer and one round this is exactly ``router_aux_loss_coef *
-  load_balancing_loss_func`` of transformers; for several layers transformers pools the
-  layers' counts and probabilities before the product, which couples every layer's
-  backward to every other layer's counts: the per-layer Aux of the protocol cannot carry
-  that, so the layers' terms are averaged instead (``docs/models/olmoe.md``);
+- load balance ``router_aux_loss_coef * E * sum_e f_e * P_e``, pooled over the layers as
+  transformers pools them: ``f_e`` expert e's routed slots over every layer and round of
+  the step per layer-token (``counts_e / (L * step tokens)``; it sums to k; no gradient)
+  and ``P_e`` its router probability summed over every layer and the last round's tokens,
+  per layer-token. Its gradient with respect to a token's probabilities is
+  ``router_aux_loss_coef * E * f_e / (L * round tokens)``, the same for every layer: it
+  needs the step's final counts, which exist only once every round's forwards have run,
+  so it is applied by the last round's backward of every layer (earlier rounds' backwards
+  have already run by then, which is why ``P_e`` is the last round's). For one round this
+  is exactly ``router_aux_loss_coef * load_balancing_loss_func`` of transformers, for any
+  number of layers (the HF tests check it with two); over several rounds transformers has
+  no step-wide term (a loop over micro-batches adds each one's own), and this is the
+  step-wide term whose counts span the rounds;
 - router z-loss ``router_z_loss_coef / L * mean over tokens of logsumexp(logits)^2`` per
   round (ST-MoE; OLMoE trained with 0.001; transformers has none, so HF parity runs
   with 0).
@@ -126,10 +132,13 @@ def moe_groups(config: MoEConfig) -> tuple[ParamGroup, ParamGroup]:
 
 
 def moe_layer_specs(config: MoEConfig) -> list[LayerSpec]:
-    """``emb``, MoE blocks ``"0"`` .. ``str(L - 1)`` (kind ``moe``, Aux ``counts``), ``head``."""
+    """``emb``, MoE blocks ``"0"`` .. ``str(L - 1)`` (kind ``moe``; Aux ``counts`` pooled
+    over the blocks: one object ``Aux_moe``), ``head``."""
     groups = moe_groups(config)
     counts = TensorSpec("counts", (config.num_experts,), dtype="float32")
-    return layer_specs(config, lambda name: LayerSpec(name, "moe", groups, aux=(counts,)))
+    return layer_specs(
+        config, lambda name: LayerSpec(name, "moe", groups, aux=(counts,), aux_scope="model")
+    )
 
 
 def moe_expected_state(config: MoEConfig) -> dict[str, tuple[int, ...]]:
@@ -307,7 +316,7 @@ class MoEBlock:
         # block alone (one round, no Aux) has no loss terms of its own
         in_step = "counts" in env.aux or not env.last_round
         if config.router_aux_loss_coef and env.last_round and in_step:
-            counts = env.aux["counts"].to(probs.dtype)
+            counts = env.aux["counts"].to(probs.dtype)  # every layer's, every round's
             per_token = counts / (counts.sum() / k).clamp(min=1)  # f_e: sums to k
             d_probs += config.router_aux_loss_coef * e * per_token / (layers * tokens)
         d_logits = probs * (d_probs - (d_probs * probs).sum(-1, keepdim=True))

@@ -10,8 +10,9 @@ are the layers' names (``0.mlp.gate.weight``, ``0.mlp.experts.gate_up_proj``, ..
 ``model(rounds)`` takes a step's list of ``(tokens, targets)`` and returns ``(per-round
 mean cross-entropies, the router terms)``: the step's objective is the rounds' mean plus
 those terms (``moe.py`` defines them: the load balance from the whole step's counts and
-the last round's probabilities, the z-loss averaged over rounds). ``logits(tokens)`` and
-``router_terms`` are there for the HF tests.
+the last round's probabilities, both pooled over the layers; the z-loss averaged over
+rounds). ``logits(tokens)`` and
+``balance(counts)`` are there for the HF tests.
 """
 
 from __future__ import annotations
@@ -87,22 +88,21 @@ class MoEReference(DecoderReference):
     def forward(self, rounds: list[tuple[torch.Tensor, torch.Tensor]]):
         c = self.config
         layers = c.num_hidden_layers
-        counts = [torch.zeros(c.num_experts) for _ in range(layers)]
+        counts = torch.zeros(c.num_experts)  # every layer's and round's routed slots
         losses, z_loss = [], 0.0
         for tokens, targets in rounds:
             losses.append(self._cross_entropy(tokens, targets))
-            for layer, router in enumerate(self._routers()):
+            for router in self._routers():
                 logits, ids = router.last
-                counts[layer] = counts[layer] + torch.bincount(
-                    ids.reshape(-1), minlength=c.num_experts
-                )
+                counts = counts + torch.bincount(ids.reshape(-1), minlength=c.num_experts)
                 z = torch.logsumexp(logits.float(), -1).pow(2).mean()
                 z_loss = z_loss + c.router_z_loss_coef * z / (layers * len(rounds))
-        balance = 0.0
-        for layer, router in enumerate(self._routers()):  # the last round's probabilities
-            probs = torch.softmax(router.last[0].float(), -1)
-            step_tokens = counts[layer].sum() / c.num_experts_per_tok
-            per_token = (counts[layer] / step_tokens).to(probs)
-            term = c.num_experts * (per_token * probs.mean(0)).sum()
-            balance = balance + c.router_aux_loss_coef * term / layers
-        return losses, balance + z_loss
+        return losses, self.balance(counts) + z_loss
+
+    def balance(self, counts: torch.Tensor) -> torch.Tensor:
+        """The load-balancing term from the step's pooled ``counts`` and every layer's
+        router probabilities of the last round (the ones ``router.last`` holds)."""
+        c = self.config
+        probs = torch.cat([torch.softmax(r.last[0].float(), -1) for r in self._routers()])
+        per_token = (counts / (counts.sum() / c.num_experts_per_tok)).to(probs)  # sums to k
+        return c.router_aux_loss_coef * c.num_experts * (per_token * probs.mean(0)).sum()

@@ -9,9 +9,10 @@ own, the router's AuxTemp and the Aux counts declared with exact shapes.
 built with ``output_router_logits=True`` (so its loss includes ``router_aux_loss_coef``
 times ``load_balancing_loss_func``): the HF model's objective is its ``loss``, the
 cross-entropy a step reports is ``loss - router_aux_loss_coef * aux_loss``. A subclass's
-``hf_config`` has ONE layer: transformers pools the layers' router statistics before the
-balance product, the family averages per-layer terms (``kit/moe.py``), and the two agree
-exactly for one layer. Multi-layer logits are checked by the exported preset's test.
+``hf_config`` has TWO or more layers: transformers pools every layer's counts and router
+probabilities before the balance product, and so do the family's Aux (one object over
+the layers) and its reference; ``test_the_balance_term_pools_the_layers`` checks the
+term itself, and that the layers' own terms averaged would differ.
 The checkpoint must carry no ``router_z_loss_coef`` (transformers has no z-loss).
 Tolerances are the decoder's.
 """
@@ -50,9 +51,72 @@ class MoEFamilyChecks(DecoderFamilyChecks):
         }
         assert ("mlp.gate.weight", (e, n)) in {(p.name, p.shape) for p in main.params}
         assert [(a.name, a.shape, a.dtype) for a in block.aux] == [("counts", (e,), "float32")]
+        assert block.aux_scope == "model" and block.aux_object == "Aux_moe"
         temp = {t.name: (t.shape, t.dtype) for t in family.math("moe").aux_temp(config, 2, 5)}
         assert temp["ids"] == ((10, k), "int32") and temp["order"] == ((10 * k,), "int32")
         assert temp["offsets"] == ((e + 1,), "int32") and temp["weights"][0] == (10, k)
+
+    def test_one_aux_object_carries_the_counts_of_every_layer_and_round(self, family):
+        """``Aux_moe``: zeroed by the step's first forward only, changed by every
+        forward of every round, read by every backward of the last round and by no
+        other backward (earlier rounds' backwards run before the step's counts are
+        complete)."""
+        from dataflow_training.config import TrainConfig
+        from dataflow_training.lowering import lower
+
+        config = family.config(self.preset)
+        assert config.num_hidden_layers >= 2
+        program = lower(family, self.preset, TrainConfig(seq_len=8, batch=1, rounds=3)).program
+        assert [o.id for o in program.objects if o.role == "aux"] == ["Aux_moe"]
+        forwards = [t for t in program.tasks if t.kind == "fwd"]
+        assert len(forwards) == 3 * config.num_hidden_layers
+        assert all(t.mutates == ("Aux_moe",) for t in forwards)
+        assert [t.id for t in forwards if t.params.get("zero_aux")] == ["fwd_0_0_0"]
+        readers = {t.id for t in program.tasks if "Aux_moe" in t.inputs}
+        assert readers == {f"bwd_0_2_{i}" for i in range(config.num_hidden_layers)}
+
+    def test_the_step_pools_the_balance_term_over_layers_and_rounds(self, family):
+        """Three rounds of two steps against the float64 reference (the balance term
+        from the step's counts pooled over layers and rounds, the last round's pooled
+        probabilities), with the term made large: every loss, gradient and weight within
+        the fp32 step tolerance; and the term moves the router's gradient by far more
+        than that tolerance, so a wrong term would fail (each layer's own counts, the
+        old per-layer Aux, miss the router's gradient by over 80 %)."""
+        from dataflow_training.verify import TOLERANCES, step_checks
+
+        tolerance = TOLERANCES["fp32"]["step"]
+        shape = {"batch": 2, "seq_len": 8, "steps": 2, "rounds": 3}
+
+        checks = step_checks(
+            family,
+            self.preset,
+            device="cpu",
+            policy="fp32",
+            budget_bytes=None,
+            seed=3,
+            tolerance=tolerance,
+            overrides={"router_aux_loss_coef": 0.5},
+            **shape,
+        )
+        assert "grad 0.mlp.gate.weight (step 0)" in {c.name for c in checks}
+        assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+
+        def router_grad(coef: float) -> torch.Tensor:
+            config = family.config(self.preset, router_aux_loss_coef=coef)
+            torch.manual_seed(0)
+            model = family.reference_model(config).double()
+            g = torch.Generator().manual_seed(1)
+            vocab = config.vocab_size
+            rounds = [
+                tuple(torch.randint(0, vocab, (2, 8), generator=g) for _ in range(2))
+                for _ in range(shape["rounds"])
+            ]
+            losses, terms = model(rounds)
+            (sum(losses) / len(losses) + terms).backward()
+            return model.state_dict(keep_vars=True)["0.mlp.gate.weight"].grad
+
+        with_term, without = router_grad(0.5), router_grad(0.0)
+        assert (with_term - without).norm() > 100 * tolerance * with_term.norm()
 
     def test_recompute_reads_the_routing_verbatim(self, family):
         """With the router changed after forward, recompute still uses forward's routing
@@ -76,6 +140,16 @@ class MoEFamilyChecks(DecoderFamilyChecks):
         assert not torch.equal(fresh["ids"], temp["ids"])
 
 
+def load_balancing_loss(logits: torch.Tensor, experts: int, k: int) -> torch.Tensor:
+    """One layer's Switch-Transformer balance term ``E * sum_e f_e * P_e`` from its router
+    logits (tokens, E), written out: ``f_e`` the share of the top-k slots, times k."""
+    probs = torch.softmax(logits.float(), -1)
+    slots = torch.zeros(experts).index_add_(
+        0, probs.topk(k, -1).indices.reshape(-1), torch.ones(probs.shape[0] * k)
+    )
+    return experts * (slots / probs.shape[0] * probs.mean(0)).sum()
+
+
 class MoEHFParity(DecoderHFParity):
     def _hf_objective(self, model, tokens, targets):
         out = model(input_ids=tokens, labels=None, output_router_logits=True)
@@ -83,6 +157,27 @@ class MoEHFParity(DecoderHFParity):
             out.logits.flatten(0, 1), targets.flatten(), ignore_index=-100
         )
         return ce + model.config.router_aux_loss_coef * out.aux_loss, ce
+
+    def test_the_balance_term_pools_the_layers(self, family, hf_checkpoint):
+        """The reference's balance term is ``router_aux_loss_coef * aux_loss`` of the HF
+        model (two layers, one round); averaging the layers' own terms is not."""
+        model, folder = hf_checkpoint
+        config, state = family.import_hf(folder)
+        assert config.num_hidden_layers >= 2 and config.router_z_loss_coef == 0
+        reference = family.reference_model(config)
+        reference.load_state_dict(state)
+        tokens, targets = self._batch(config.vocab_size, seed=6)
+        with torch.no_grad():
+            _, balance = reference([(tokens, targets)])
+            out = model(input_ids=tokens, output_router_logits=True)
+            hf = model.config.router_aux_loss_coef * out.aux_loss
+            torch.testing.assert_close(balance, hf, rtol=1e-6, atol=1e-7)
+            per_layer = [
+                model.config.router_aux_loss_coef
+                * load_balancing_loss(logits, config.num_experts, config.num_experts_per_tok)
+                for logits in out.router_logits
+            ]
+        assert abs(sum(per_layer) / len(per_layer) - hf) > 1e-3 * hf
 
     def _reference_objective(self, reference, tokens, targets):
         losses, terms = reference([(tokens, targets)])
