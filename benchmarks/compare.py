@@ -67,7 +67,7 @@ from measure import (  # noqa: E402
     peak_flops,
     time_limit,
 )
-from stock import build_stock  # noqa: E402
+from stock import build_stock, is_gpt2  # noqa: E402
 
 from dataflow.units import parse_size  # noqa: E402
 
@@ -106,13 +106,14 @@ class Bench:
 
         self.args = args
         self.family = families().get(args.family).load()
+        self.model = args.preset
         self.config = self.family.config(args.preset)
         self.flops_token = flops_per_token(self.config, args.seq_len)
         self.device_name = device_name(args.device)
         self.peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(self.device_name)
         self.deadline = time.monotonic() + args.total_seconds
         self.mark = time.monotonic()  # when the last row was recorded
-        self.doc = load_doc(args.out) if args.append else {"rows": [], "meta": {}}
+        self.doc = load_doc(args.out) if args.append else {"rows": [], "meta": {"models": {}}}
         self.details: dict[str, Any] = self.doc["meta"].setdefault("row_details", {})
         self.describe()
 
@@ -125,7 +126,9 @@ class Bench:
 
     def have(self, engine: str, dtype: str, budget: int | None) -> bool:
         """Whether the document already holds this row measured (``--append``)."""
-        key = row_key({"engine": engine, "dtype": dtype, "budget_bytes": budget})
+        key = row_key(
+            {"model": self.model, "engine": engine, "dtype": dtype, "budget_bytes": budget}
+        )
         return not self.args.redo and any(
             row_key(r) == key and r["tok_s"] is not None for r in self.doc["rows"]
         )
@@ -142,7 +145,8 @@ class Bench:
         self.details[key] = details | {"row_wall_s": round(spent, 1)}
         finish(self.doc)
         save_doc(self.args.out, self.doc)
-        shown = {k: row[k] for k in ("engine", "dtype", "budget_bytes", "batch", "tok_s", "note")}
+        fields = ("model", "engine", "dtype", "budget_bytes", "batch", "tok_s", "note")
+        shown = {k: row[k] for k in fields}
         shown["row_wall_s"] = round(spent, 1)
         print(json.dumps(shown), flush=True)
 
@@ -151,34 +155,44 @@ class Bench:
         if self.deadline - time.monotonic() > 5:
             return False
         note = "not run: the command's --total-seconds were spent; run it again with --append"
-        self.record(make_row(engine, dtype, budget, note=note), {})
+        self.record(make_row(self.model, engine, dtype, budget, note=note), {})
         return True
 
     def fastest_stock(self, engines: list[str] | None = None) -> dict[str, Any] | None:
-        """The fastest measured row without a budget (of ``engines``, when given)."""
-        rows = [r for r in self.doc["rows"] if r["budget_bytes"] is None and r["tok_s"]]
+        """This model's fastest measured row without a budget (of ``engines``, when
+        given)."""
+        rows = [
+            r
+            for r in self.doc["rows"]
+            if r["model"] == self.model and r["budget_bytes"] is None and r["tok_s"]
+        ]
         rows = [r for r in rows if engines is None or r["engine"] in engines]
         return max(rows, key=lambda r: r["tok_s"], default=None)
 
     def describe(self) -> None:
-        """The document's meta: this device and run, the FLOP formula and peak, dtypes."""
+        """The document's meta: this device and run, the dtypes, and this model's entry
+        (family, sequence length, FLOP formula and peak, the run that measured it)."""
         meta, args = self.doc["meta"], self.args
         date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         run = {"date": date, "device": self.device_name, "torch": torch.__version__}
         meta.setdefault("runs", []).append(run | {"argv": sys.argv[1:]})
         meta |= run | {
+            "flop_formula": (
+                "6 * N + 12 * L * a * T per token (N: parameters in matrix products: all but "
+                "a position embedding and an untied token embedding, routed experts at their "
+                "active share k / E; L layers; a the attention width; T seq_len); "
+                "MFU = tok/s x this / peak"
+            ),
+            "link": link_bandwidth(args.device),
+            "dtypes": DTYPES,
+        }
+        meta.setdefault("models", {})[self.model] = run | {
             "family": args.family,
             "preset": args.preset,
             "seq_len": args.seq_len,
             "flops_per_token": self.flops_token,
-            "flop_formula": (
-                "6 * N + 12 * L * d * T per token (N: parameters in matrix products, all but "
-                "the position embedding; L layers; d width; T seq_len); MFU = tok/s x this / peak"
-            ),
             "peak_flops": self.peak,
             "peak_source": "--peak-tflops" if args.peak_tflops else self.peak and PEAK_SOURCE,
-            "link": link_bandwidth(args.device),
-            "dtypes": DTYPES,
         }
         if len({r["device"] for r in meta["runs"]}) > 1:
             meta["warning"] = "rows come from runs on different devices: compare with care"
@@ -192,7 +206,7 @@ class Bench:
                 self.stock_row(engine, dtype, checkpoint=False)
         plain = [f"pytorch {engine}" for engine in STOCK_ENGINES]
         fastest = self.fastest_stock(plain)
-        if fastest is not None:
+        if fastest is not None and not args.no_checkpoint_row:
             engine = fastest["engine"].removeprefix("pytorch ")
             # checkpointing only frees memory: batches below the fastest one's are slower
             batches = [b for b in args.batches if b >= fastest["batch"]]
@@ -215,7 +229,8 @@ class Bench:
         except RowTimeout as exc:
             note = f"{exc} reached in the batch search (finished: {list(search.tried)})"
             self.free()
-        self.record(*searched_row(name, dtype, search, args.seq_len, note, **self.row_kwargs()))
+        row = searched_row(self.model, name, dtype, search, args.seq_len, note, **self.row_kwargs())
+        self.record(*row)
 
     def stock_trial(self, engine: str, dtype: str, checkpoint: bool, batch: int) -> dict:
         """One batch: build, warm up (compiles), measure, profile one more step."""
@@ -240,6 +255,10 @@ class Bench:
         if self.have(engine, dtype, None) or self.skipped(engine, dtype, None):
             return
         args = self.args
+        if not is_gpt2(self.config):
+            note = "not run: deepspeed_row.py trains benchmarks/stock.py's GPT-2 only"
+            self.record(make_row(self.model, engine, dtype, None, note=note), {})
+            return
         seconds = self.limit(args.deepspeed_seconds)
         out = args.out.with_name(args.out.stem + "_deepspeed_row.json")
         command = [
@@ -268,7 +287,8 @@ class Bench:
             self.record(result["row"], result["details"])
             return
         note = "deepspeed_row.py wrote no row: " + " | ".join(tail)
-        self.record(make_row(engine, dtype, None, note=note[:600]), {"returncode": returncode})
+        row = make_row(self.model, engine, dtype, None, note=note[:600])
+        self.record(row, {"returncode": returncode})
 
     # -- dataflow ------------------------------------------------------------------------
     def dataflow_dtypes(self) -> list[str]:
@@ -278,7 +298,7 @@ class Bench:
             return self.args.dataflow_dtypes
         fastest = self.fastest_stock()
         matching = MATCHING_DATAFLOW.get(fastest["dtype"]) if fastest else None
-        self.doc["meta"]["dataflow_matches"] = (
+        self.doc["meta"]["models"][self.model]["dataflow_matches"] = (
             {"fastest_stock": row_key(fastest), "dataflow_dtype": matching} if matching else None
         )
         if matching is None:
@@ -317,6 +337,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batches", type=_ints, default=[8, 16, 32, 64], help="stock batch search")
     p.add_argument("--full-search", action="store_true", help="try every stock batch")
+    p.add_argument(
+        "--no-checkpoint-row",
+        action="store_true",
+        help="skip the stock row with activation checkpointing",
+    )
     p.add_argument("--stock-engines", type=_words(STOCK_ENGINES), default=list(STOCK_ENGINES))
     p.add_argument(
         "--stock-dtypes", type=_words(("autocast", "bf16")), default=["autocast", "bf16"]
@@ -331,6 +356,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dataflow-batches", type=_ints, default=[64, 32, 16, 8, 4, 2, 1])
     p.add_argument("--min-tokens", type=int, default=65536, help="dataflow tokens per step")
     p.add_argument("--resolver", default="torch", help="dataflow resolver")
+    p.add_argument(
+        "--backing",
+        default=None,
+        help="dataflow: pinned host memory the slow pool may take (the plan's slow budget)",
+    )
+    p.add_argument(
+        "--host-reserve",
+        default="8GiB",
+        help="dataflow: host memory kept free beside the pinned pool (weights' host copy, "
+        "the process)",
+    )
     p.add_argument("--steps", type=int, default=10, help="measured steps per row")
     p.add_argument("--warmup", type=int, default=3, help="steps before measuring")
     p.add_argument("--row-seconds", type=float, default=60.0)
@@ -362,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     args.budgets = [parse_size(text) for text in args.budgets.split(",") if text]
+    args.backing = None if args.backing is None else parse_size(args.backing)
+    args.host_reserve = parse_size(args.host_reserve)
     if args.warmup < 1 or args.steps < 1:
         print("compare.py: --warmup and --steps must be >= 1", file=sys.stderr)
         return 2

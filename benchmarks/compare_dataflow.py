@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from typing import Any
 
 import torch
@@ -121,17 +122,62 @@ def random_batches(vocab: int, batch: int, rounds: int, seq_len: int, seed: int)
 
 
 def close_quietly(run: TrainingRun) -> None:
-    """Close the run (its engine's memory goes back) without letting an error of the
-    close hide the one that ended the trial (a time limit in the middle of a step)."""
+    """Close the run (its engine's memory goes back; its state is not copied out) without
+    letting an error of the close hide the one that ended the trial (a time limit in the
+    middle of a step)."""
     try:
-        run.close()
+        run.close(keep_state=False)
     except Exception:  # noqa: BLE001, S110  (the trial's own outcome is what is reported;
         pass  # the run and its engine are collected by the next gc.collect)
+
+
+def initial_state(config: Any, device: str, param_dtype: str) -> dict[str, torch.Tensor] | None:
+    """A decoder family's starting weights drawn on ``device`` by the stock model (same
+    keys as the family's reference state, N(0, 0.02) matrices, unit norms) and brought to
+    the host in the run's parameter dtype: an 8B model's weights are not drawn in float32
+    on the host. None for GPT-2 (its reference model initialises the run, as before)."""
+    from stock import is_gpt2, stock_model
+
+    if is_gpt2(config):
+        return None
+    dtype = "bf16" if param_dtype == "bfloat16" else "autocast"
+    torch.manual_seed(0)
+    model = stock_model(config, 1, device=device, dtype=dtype)
+    state = {
+        k: v.detach().to("cpu", getattr(torch, param_dtype)) for k, v in model.state_dict().items()
+    }
+    del model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the engine's budget starts from an empty device
+    return state
+
+
+def available_host_bytes() -> int | None:
+    """``MemAvailable`` of /proc/meminfo (None where there is none)."""
+    try:
+        for line in open("/proc/meminfo"):  # noqa: SIM115, PTH123
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def pinned_limit(device: str, reserve_bytes: int) -> int | None:
+    """The most pinned memory a run's slow pool may take here: the host's available memory
+    less ``reserve_bytes`` (the process, the starting weights' host copy). Page-locking
+    past the host's memory stalls the machine rather than failing, so a larger pool is
+    refused before it is allocated (``TrainingRun.check_backing``). None off CUDA."""
+    available = available_host_bytes()
+    if available is None or not device.startswith("cuda"):
+        return None
+    return max(0, available - reserve_bytes)
 
 
 def trial(bench: Any, dtype: str, budget: int, batch: int, rounds: int, chunk: int) -> dict:
     """One shape on the device: build (profile, plan, place), warm up, measure."""
     args = bench.args
+    began = time.perf_counter()
     train = train_config(dtype, batch, rounds, args.seq_len, chunk)
     run = TrainingRun(
         bench.family,
@@ -140,11 +186,16 @@ def trial(bench: Any, dtype: str, budget: int, batch: int, rounds: int, chunk: i
         budget_bytes=budget,
         device=args.device,
         resolver=args.resolver,
+        state=initial_state(bench.config, args.device, train.dtype.param),
+        backing_bytes=args.backing,
+        pinned_limit_bytes=pinned_limit(args.device, args.host_reserve) or args.backing,
     )
     try:
         data = [random_batches(run.vocab_size, batch, rounds, args.seq_len, s) for s in (0, 1)]
         for i in range(args.warmup):
             run.step(data[i % 2])
+            if i == 0:  # profiling, planning, placing, the engine's load, the first step
+                setup_s = time.perf_counter() - began
         measured = []
         for i in range(args.steps):
             stats = run.step(data[i % 2])
@@ -152,6 +203,7 @@ def trial(bench: Any, dtype: str, budget: int, batch: int, rounds: int, chunk: i
         activity = profile_step(lambda: run.step(data[0]), args.device)
         predicted = run.predicted()
         graph_note = run.graph_note
+        pinned = run.pinned_bytes
     finally:
         close_quietly(run)
     step_s = [stats.step_s for stats, _ in measured]
@@ -167,6 +219,9 @@ def trial(bench: Any, dtype: str, budget: int, batch: int, rounds: int, chunk: i
         "ledger_peak_bytes": max(stats.fast_peak_bytes for stats, _ in measured),
         "predicted_moved_bytes": predicted["moved_bytes"],
         "losses": [stats.loss for stats, _ in measured],
+        "pinned_bytes": pinned,
+        "predicted_slow_peak_bytes": predicted["slow_peak_bytes"],
+        "setup_s": setup_s,
     }
     if activity is not None:
         details["kernel_s"] = activity.kernel_s
@@ -248,12 +303,14 @@ def dataflow_row(bench: Any, dtype: str, budget: int) -> None:
         if not reason and roofline:  # e.g. "... the smallest budget that works is ..."
             reason = f"no batch plans here; batch {roofline[0]}'s {roofline[1]}"
         bench.record(
-            make_row(ENGINE, dtype, budget, note=f"{format_size(budget)}: {reason}"), details
+            make_row(bench.model, ENGINE, dtype, budget, note=f"{format_size(budget)}: {reason}"),
+            details,
         )
         return
     if tried.keys() - {"roofline"}:
         note = "; ".join(f"{k}: {v}" for k, v in tried.items() if k != "roofline")
     row = make_row(
+        bench.model,
         ENGINE,
         dtype,
         budget,

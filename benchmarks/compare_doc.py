@@ -1,10 +1,15 @@
 """The results document of benchmarks/compare.py: its rows, how runs merge, the ratio to
 the fastest stock row, and the Markdown table of docs/throughput.md.
 
-``{"rows": [...], "meta": {...}}``. A row has exactly the fields of issue 13 plus ``note``
-(why a row is missing or what went wrong on the way); ``meta.row_details`` keeps, per row
-key (``engine|dtype|budget_bytes``), what the table's "limited by" column and a reader
-need beyond the row: the link's busy share, the batch search, the rounds.
+``{"rows": [...], "meta": {...}}``. A row has exactly the fields of issue 13 plus ``model``
+(the preset it trains) and ``note`` (why a row is missing or what went wrong on the way);
+rows are keyed by ``model|engine|dtype|budget_bytes``, so the runs of several models merge
+into one file; ``meta.models`` keeps per model its family, sequence length, FLOPs per
+token and the run that last measured it; ``meta.row_details`` keeps, per row key, what the
+table's "limited by" column and a reader need beyond the row: the link's busy share, the
+batch search, the rounds. Each row's ``ratio_to_fastest_stock`` is against the fastest
+stock row of the same model. A file written before rows had ``model`` is read as the
+GPT-2 run it was (``LEGACY_MODEL``).
 
 **Limited by** (derived from the measurements): ``compute`` when compute idle is at most
 ``IDLE_COMPUTE_PCT`` of the step. Otherwise, for a step replayed from a CUDA graph, ``host``
@@ -27,6 +32,7 @@ from measure import BatchSearch, idle_pct, link_busy_pct
 from dataflow.units import format_size
 
 FIELDS = (
+    "model",
     "engine",
     "dtype",
     "budget_bytes",
@@ -45,14 +51,28 @@ FIELDS = (
 IDLE_COMPUTE_PCT = 5.0
 LINK_BUSY_PCT = 80.0
 TABLE_START, TABLE_END = "<!-- compare.py table: start -->", "<!-- compare.py table: end -->"
+#: the preset of rows written before rows had ``model`` (the GPT-2 comparison of issue 13)
+LEGACY_MODEL = "gpt2_124m"
+#: the meta fields that describe one model (``meta.models[preset]``)
+MODEL_META = (
+    "family",
+    "preset",
+    "seq_len",
+    "flops_per_token",
+    "dataflow_matches",
+    "peak_flops",
+    "peak_source",
+)
+RUN_META = ("date", "device", "torch")
 ENGINE_ORDER = ("pytorch eager", "pytorch compile", "pytorch", "deepspeed", "dataflow")
 
 
 def row_key(row: dict[str, Any]) -> str:
-    return f"{row['engine']}|{row['dtype']}|{row['budget_bytes']}"
+    return f"{row['model']}|{row['engine']}|{row['dtype']}|{row['budget_bytes']}"
 
 
 def make_row(
+    model: str,
     engine: str,
     dtype: str,
     budget_bytes: int | None,
@@ -74,6 +94,7 @@ def make_row(
     tok_s = tokens_per_step / measured_step_s if tokens_per_step and measured_step_s else None
     mfu = tok_s * flops_token / peak if tok_s and flops_token and peak else None
     return {
+        "model": model,
         "engine": engine,
         "dtype": dtype,
         "budget_bytes": budget_bytes,
@@ -92,6 +113,7 @@ def make_row(
 
 
 def searched_row(
+    model: str,
     engine: str,
     dtype: str,
     search: BatchSearch,
@@ -106,11 +128,13 @@ def searched_row(
     best = search.best
     if best is None:
         failures = "; ".join(f"batch {b}: {v}" for b, v in search.tried.items())
-        return make_row(engine, dtype, None, note=note or f"no batch ran ({failures})"), details
+        note = note or f"no batch ran ({failures})"
+        return make_row(model, engine, dtype, None, note=note), details
     activity, step_s = best["activity"], best["step_s"]
     if activity is not None:
         details |= {"kernel_s": activity.kernel_s, "link_busy_pct": link_busy_pct(activity, step_s)}
     row = make_row(
+        model,
         engine,
         dtype,
         None,
@@ -127,32 +151,75 @@ def searched_row(
 
 
 def finish(doc: dict[str, Any]) -> dict[str, Any]:
-    """Sort the rows and set every row's ratio to the fastest stock (budget-free) row."""
+    """Sort the rows (by model, then engine) and set every row's ratio to the fastest stock
+    (budget-free) row of its model."""
     rows = doc["rows"]
-    stock = [r["tok_s"] for r in rows if r["budget_bytes"] is None and r["tok_s"]]
-    fastest = max(stock, default=None)
+    fastest: dict[str, float] = {}
     for row in rows:
-        row["ratio_to_fastest_stock"] = row["tok_s"] / fastest if fastest and row["tok_s"] else None
+        if row["budget_bytes"] is None and row["tok_s"]:
+            fastest[row["model"]] = max(fastest.get(row["model"], 0.0), row["tok_s"])
+    for row in rows:
+        best = fastest.get(row["model"])
+        row["ratio_to_fastest_stock"] = row["tok_s"] / best if best and row["tok_s"] else None
+    models = list(doc["meta"].get("models", {}))
 
     def order(row: dict[str, Any]) -> tuple:
+        model = models.index(row["model"]) if row["model"] in models else len(models)
         family = next((i for i, e in enumerate(ENGINE_ORDER) if row["engine"].startswith(e)), 9)
-        return (family, row["engine"], row["dtype"], -(row["budget_bytes"] or 0))
+        return (
+            model,
+            row["model"],
+            family,
+            row["engine"],
+            row["dtype"],
+            -(row["budget_bytes"] or 0),
+        )
 
     rows.sort(key=order)
     return doc
 
 
 def load_doc(path: Path) -> dict[str, Any]:
-    """The document at ``path``, or an empty one when there is none yet."""
+    """The document at ``path``, or an empty one when there is none yet (a file from
+    before rows had ``model`` is brought up to date: ``upgrade``)."""
     if not path.exists():
-        return {"rows": [], "meta": {}}
+        return {"rows": [], "meta": {"models": {}}}
     doc = json.loads(path.read_text())
     if not isinstance(doc.get("rows"), list) or not isinstance(doc.get("meta"), dict):
         raise ValueError(f"{path}: not a compare.py result (needs 'rows' and 'meta')")
+    upgrade(doc)
     for row in doc["rows"]:
         if tuple(row) != FIELDS:
             raise ValueError(f"{path}: row {row_key(row)} has fields {sorted(row)}")
     return doc
+
+
+def upgrade(doc: dict[str, Any]) -> None:
+    """Rows without ``model`` are the GPT-2 run of ``meta.preset`` (``LEGACY_MODEL``): give
+    them the field, key their details by model too, and move the model's meta fields
+    under ``meta.models``."""
+    meta = doc["meta"]
+    models = meta.setdefault("models", {})
+    legacy = [row for row in doc["rows"] if "model" not in row]
+    if not legacy and not any(field in meta for field in MODEL_META):
+        return
+    model = meta.get("preset", LEGACY_MODEL)
+    entry = models.setdefault(model, {})
+    for field in MODEL_META:
+        if field in meta:
+            entry[field] = meta[field]
+    for field in MODEL_META:
+        meta.pop(field, None)
+    for field in RUN_META:
+        entry.setdefault(field, meta.get(field))
+    details = meta.get("row_details", {})
+    for i, row in enumerate(doc["rows"]):
+        if "model" in row:
+            continue
+        old_key = f"{row['engine']}|{row['dtype']}|{row['budget_bytes']}"
+        doc["rows"][i] = row = {"model": model} | row
+        if old_key in details:
+            details[row_key(row)] = details.pop(old_key)
 
 
 def save_doc(path: Path, doc: dict[str, Any]) -> None:
@@ -186,8 +253,15 @@ def _number(value: float | None, digits: int, scale: float = 1.0) -> str:
     return "" if value is None else f"{value * scale:,.{digits}f}"
 
 
-def render_table(doc: dict[str, Any]) -> str:
-    """The Markdown table of every row (the order of ``finish``)."""
+def render_tables(doc: dict[str, Any]) -> str:
+    """One table per model, each under a heading naming it (the order of ``finish``)."""
+    models = list(dict.fromkeys(row["model"] for row in doc["rows"]))
+    parts = [f"### {model}\n\n" + render_table(doc, model) for model in models]
+    return "\n".join(parts)
+
+
+def render_table(doc: dict[str, Any], model: str) -> str:
+    """The Markdown table of ``model``'s rows (the order of ``finish``)."""
     details = doc["meta"].get("row_details", {})
     head = (
         "| engine | dtype | budget | batch | tokens/step | tok/s | MFU | vs fastest stock "
@@ -196,6 +270,8 @@ def render_table(doc: dict[str, Any]) -> str:
     )
     lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
     for row in doc["rows"]:
+        if row["model"] != model:
+            continue
         extra = details.get(row_key(row), {})
         rounds = extra.get("rounds")
         batch = "" if row["batch"] is None else str(row["batch"])
@@ -223,7 +299,7 @@ def render_table(doc: dict[str, Any]) -> str:
             (row["note"] or "").replace("|", "/").replace("\n", " "),
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    meta = doc["meta"]
+    meta = doc["meta"].get("models", {}).get(model, {})
     peak = meta.get("peak_flops")
     against = (
         f"MFU against {peak / 1e12:.0f} TFLOP/s ({meta.get('peak_source')})"
@@ -233,7 +309,7 @@ def render_table(doc: dict[str, Any]) -> str:
     lines.append("")
     lines.append(
         f"{meta.get('device', '?')}, torch {meta.get('torch', '?')}, {meta.get('date', '?')}; "
-        f"{meta.get('preset', '?')}, seq {meta.get('seq_len', '?')}; {against}."
+        f"{model}, seq {meta.get('seq_len', '?')}; {against}."
     )
     return "\n".join(lines) + "\n"
 
@@ -246,5 +322,5 @@ def write_table(doc: dict[str, Any], page: Path) -> None:
         raise ValueError(
             f"{page}: no '{TABLE_START}' ... '{TABLE_END}' lines to put the table between"
         )
-    table = render_table(doc)
+    table = render_tables(doc)
     page.write_text(pattern.sub(lambda _: f"{TABLE_START}\n{table}{TABLE_END}", text))

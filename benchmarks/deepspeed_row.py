@@ -122,7 +122,7 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         import deepspeed
     except Exception as exc:  # not carried here, or its import fails: the row says so
         note = f"DeepSpeed cannot be imported here ({one_line(exc, 200)}); carry its wheels"
-        return make_row(ENGINE, DTYPE, None, note=note), {}
+        return make_row(args.preset, ENGINE, DTYPE, None, note=note), {}
     local_rendezvous()
     backend = "nccl" if torch.device(args.device).type == "cuda" else "gloo"
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
@@ -140,7 +140,7 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
             search.run(lambda batch: trial(deepspeed, config, args, batch), cleanup, will_repeat)
     except RowTimeout as exc:
         note = f"{exc} reached in the batch search (finished: {list(search.tried)})"
-    row, details = searched_row(ENGINE, DTYPE, search, args.seq_len, note, **flops)
+    row, details = searched_row(args.preset, ENGINE, DTYPE, search, args.seq_len, note, **flops)
     return row, details | {"deepspeed": deepspeed.__version__}
 
 

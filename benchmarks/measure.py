@@ -9,8 +9,10 @@ model FLOPs and MFU, and a time limit per row.
   are counted per direction (bytes and the union of their intervals).
 - Model FLOPs per token follow the PaLM / nanoGPT convention: ``6 * N + 12 * L * d * T``,
   N the parameters that take part in matrix products (every parameter except the position
-  embedding; the tied token embedding counts once, as the LM head), L layers, d width, T
-  the sequence length (attention counted in full, not halved for the causal mask).
+  embedding; the tied token embedding counts once, as the LM head; an untied one is a
+  lookup; routed experts count at their active share, experts per token / experts), L
+  layers, d the attention width (heads x head size), T the sequence length (attention
+  counted in full, not halved for the causal mask).
   Recomputation (activation checkpointing) is not model FLOPs and is not counted.
 """
 
@@ -171,10 +173,15 @@ def link_bandwidth(device: str, size_bytes: int = 256 * 2**20, repeats: int = 5)
     return rates
 
 
-def matmul_params(config: Any) -> int:
-    """Parameters of GPT-2 that take part in matrix products: all but the positions."""
-    from stock import StockGPT2
+def matmul_params(config: Any) -> float:
+    """Parameters one token multiplies by: GPT-2's all but the positions; a decoder's as
+    ``stock_decoder.matmul_params`` counts them (routed experts at their active share)."""
+    from stock import StockGPT2, is_gpt2
 
+    if not is_gpt2(config):
+        from stock_decoder import matmul_params as decoder_params
+
+        return decoder_params(config)
     with torch.device("meta"):
         model = StockGPT2(
             config.vocab_size, config.n_positions, config.n_embd, config.n_layer, config.n_head
@@ -183,8 +190,15 @@ def matmul_params(config: Any) -> int:
 
 
 def flops_per_token(config: Any, seq_len: int) -> float:
-    """Model FLOPs of one trained token (forward and backward): ``6 N + 12 L d T``."""
-    return 6.0 * matmul_params(config) + 12.0 * config.n_layer * config.n_embd * seq_len
+    """Model FLOPs of one trained token (forward and backward): ``6 N + 12 L a T`` (``a``
+    the attention width: GPT-2's ``n_embd``, a decoder's query heads x ``head_dim``)."""
+    from stock import is_gpt2
+
+    if is_gpt2(config):
+        layers, width = config.n_layer, config.n_embd
+    else:
+        layers, width = config.num_hidden_layers, config.q_width
+    return 6.0 * matmul_params(config) + 12.0 * layers * width * seq_len
 
 
 def peak_flops(device_name: str) -> float | None:

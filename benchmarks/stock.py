@@ -1,12 +1,13 @@
-"""Stock PyTorch GPT-2 training, the baseline every dataflow speed figure is compared with.
+"""Stock PyTorch training, the baseline every dataflow speed figure is compared with.
 
 What a user would run without dataflow: an ``nn.Module`` GPT-2 (pre-norm blocks,
 ``F.scaled_dot_product_attention`` with ``is_causal``, tanh GELU, tied output projection),
 float32 master weights under ``torch.autocast(bfloat16)`` (or everything in bfloat16),
 full-vocabulary logits with ``F.cross_entropy``, ``torch.optim.AdamW(fused=True)``,
 optionally ``torch.compile``, optionally every block under ``torch.utils.checkpoint``.
-``build_stock`` makes the step; ``time_stock`` times it with CUDA events around forward,
-backward, optimizer step and zero_grad.
+``build_stock`` makes the step (GPT-2 here; any other family's config, a Llama-style
+decoder or its mixture-of-experts kin, is ``stock_decoder.StockDecoder``); ``time_stock``
+times it with CUDA events around forward, backward, optimizer step and zero_grad.
 """
 
 from __future__ import annotations
@@ -75,6 +76,38 @@ def _decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
+def is_gpt2(config: Any) -> bool:
+    return hasattr(config, "n_positions")
+
+
+def stock_model(
+    config: Any,
+    seq_len: int,
+    *,
+    checkpoint: bool = False,
+    device: str = "cuda",
+    dtype: str = "bf16",
+) -> nn.Module:
+    """The stock model of ``config`` on ``device``, initialised there (an 8B model's
+    weights are drawn on the GPU, not the host), all bfloat16 for ``dtype='bf16'``."""
+    from stock_decoder import StockDecoder
+
+    floating = torch.bfloat16 if dtype == "bf16" else torch.float32
+    with torch.device(device):
+        if is_gpt2(config):
+            model = StockGPT2(
+                config.vocab_size,
+                config.n_positions,
+                config.n_embd,
+                config.n_layer,
+                config.n_head,
+                checkpoint=checkpoint,
+            )
+        else:
+            model = StockDecoder(config, seq_len, checkpoint=checkpoint)
+    return model.to(device=device, dtype=floating)
+
+
 def build_stock(
     config: Any,
     batch: int,
@@ -89,22 +122,14 @@ def build_stock(
     """One stock training step as a function of the step index (four random batches,
     cycled), with the model and optimizer built.
 
-    ``dtype``: ``autocast`` (float32 master weights, bf16 autocast) or ``bf16`` (the model,
-    its gradients and AdamW state in bfloat16). ``checkpoint`` wraps every block in
+    ``config`` is GPT-2's or a decoder family's (``stock_model``). ``dtype``: ``autocast``
+    (float32 master weights, bf16 autocast) or ``bf16`` (the model, its gradients and
+    AdamW state in bfloat16). ``checkpoint`` wraps every block in
     ``torch.utils.checkpoint`` (its activations are recomputed in backward)."""
     if dtype not in ("autocast", "bf16"):
         raise ValueError(f"dtype: {dtype!r} is not 'autocast' or 'bf16'")
     torch.manual_seed(0)
-    model = StockGPT2(
-        config.vocab_size,
-        config.n_positions,
-        config.n_embd,
-        config.n_layer,
-        config.n_head,
-        checkpoint=checkpoint,
-    ).to(device)
-    if dtype == "bf16":
-        model = model.to(torch.bfloat16)
+    model = stock_model(config, seq_len, checkpoint=checkpoint, device=device, dtype=dtype)
     optim = torch.optim.AdamW(
         _decay_groups(model, 0.1),
         lr=3e-4,

@@ -24,8 +24,9 @@ import compare_doc  # noqa: E402
 import measure  # noqa: E402
 import stock  # noqa: E402
 
-#: the per-row fields issue 13 names, in its order, plus the note
+#: the per-row fields issue 13 names, in its order, with issue 15's model and the note
 ISSUE_FIELDS = [
+    "model",
     "engine",
     "dtype",
     "budget_bytes",
@@ -76,15 +77,16 @@ def test_every_row_kind_is_written_with_exactly_the_issues_fields(first_run) -> 
     out, _ = first_run
     doc = json.loads(out.read_text())
     rows = by_key(doc)
-    eager, compiled = rows["pytorch eager|bf16|None"], rows["pytorch compile|bf16|None"]
+    eager = rows["gpt2_tiny|pytorch eager|bf16|None"]
+    compiled = rows["gpt2_tiny|pytorch compile|bf16|None"]
     fastest_engine = "eager" if eager["tok_s"] > compiled["tok_s"] else "compile"
     assert set(rows) == {
-        "pytorch eager|bf16|None",
-        "pytorch compile|bf16|None",
-        f"pytorch {fastest_engine} + checkpointing|bf16|None",  # follows the fastest
-        "deepspeed zero-offload|bf16+fp32-master|None",
-        f"dataflow|bf16|{4 * 2**20}",
-        "dataflow|bf16|1024",
+        "gpt2_tiny|pytorch eager|bf16|None",
+        "gpt2_tiny|pytorch compile|bf16|None",
+        f"gpt2_tiny|pytorch {fastest_engine} + checkpointing|bf16|None",  # follows the fastest
+        "gpt2_tiny|deepspeed zero-offload|bf16+fp32-master|None",
+        f"gpt2_tiny|dataflow|bf16|{4 * 2**20}",
+        "gpt2_tiny|dataflow|bf16|1024",
     }
     for row in doc["rows"]:
         assert list(row) == ISSUE_FIELDS
@@ -97,25 +99,27 @@ def test_every_row_kind_is_written_with_exactly_the_issues_fields(first_run) -> 
         assert row["ratio_to_fastest_stock"] == pytest.approx(row["tok_s"] / fastest)
         assert row["mfu"] is None  # no peak is known for a CPU
     meta = doc["meta"]
-    assert meta["device"] == "cpu" and meta["preset"] == "gpt2_tiny" and meta["runs"]
-    assert meta["dataflow_matches"]["dataflow_dtype"] == "bf16"  # nearest the bf16 stock row
+    assert meta["device"] == "cpu" and meta["runs"]
+    model = meta["models"]["gpt2_tiny"]
+    assert model["family"] == "gpt2" and model["seq_len"] == 32
+    assert model["dataflow_matches"]["dataflow_dtype"] == "bf16"  # nearest the bf16 stock row
 
 
 def test_dataflow_rows_come_from_the_engine_and_say_why_a_budget_has_none(first_run) -> None:
     out, _ = first_run
     doc = json.loads(out.read_text())
     rows = by_key(doc)
-    fit = rows[f"dataflow|bf16|{4 * 2**20}"]
+    fit = rows[f"gpt2_tiny|dataflow|bf16|{4 * 2**20}"]
     assert fit["tokens_per_step"] >= 128 and fit["note"] is None
     assert fit["predicted_step_s"] > 0 and 0 <= fit["compute_idle_pct"] < 100
     assert fit["moved_bytes_per_step"] > 0  # this lowering starts W and O in slow memory
-    details = doc["meta"]["row_details"][f"dataflow|bf16|{4 * 2**20}"]
+    details = doc["meta"]["row_details"][f"gpt2_tiny|dataflow|bf16|{4 * 2**20}"]
     assert fit["batch"] * details["rounds"] * 32 == fit["tokens_per_step"]
     assert all(loss > 0 for loss in details["losses"])
-    none = rows["dataflow|bf16|1024"]
+    none = rows["gpt2_tiny|dataflow|bf16|1024"]
     assert none["tok_s"] is None and none["note"].startswith("1 KiB: no batch plans here")
     assert "the smallest budget that works is" in none["note"]
-    deepspeed = rows["deepspeed zero-offload|bf16+fp32-master|None"]
+    deepspeed = rows["gpt2_tiny|deepspeed zero-offload|bf16+fp32-master|None"]
     try:
         import deepspeed as _  # noqa: F401
     except ImportError:
@@ -133,9 +137,9 @@ def test_append_merges_new_rows_and_skips_rows_it_has(first_run, tmp_path) -> No
     assert compare.main([*args, "--out", str(copy), "--doc", str(page_copy)]) == 0
     after = json.loads(copy.read_text())
     old, new = by_key(before), by_key(after)
-    assert set(new) == set(old) | {f"dataflow|mixed|{4 * 2**20}"}
+    assert set(new) == set(old) | {f"gpt2_tiny|dataflow|mixed|{4 * 2**20}"}
     # the eager row was already measured: kept as it was, not run again
-    key = "pytorch eager|bf16|None"
+    key = "gpt2_tiny|pytorch eager|bf16|None"
     assert new[key]["measured_step_s"] == old[key]["measured_step_s"]
     assert len(after["meta"]["runs"]) == len(before["meta"]["runs"]) + 1
     assert "dataflow | mixed | 4 MiB" in page_copy.read_text()
@@ -171,9 +175,9 @@ def test_bad_options_name_themselves(capsys) -> None:
 
 def test_a_row_with_other_fields_is_refused(tmp_path) -> None:
     path = tmp_path / "compare.json"
-    row = compare_doc.make_row("pytorch eager", "bf16", None) | {"extra": 1}
+    row = compare_doc.make_row("m", "pytorch eager", "bf16", None) | {"extra": 1}
     path.write_text(json.dumps({"rows": [row], "meta": {}}))
-    with pytest.raises(ValueError, match=r"row pytorch eager\|bf16\|None has fields"):
+    with pytest.raises(ValueError, match=r"row m\|pytorch eager\|bf16\|None has fields"):
         compare_doc.load_doc(path)
 
 
@@ -230,11 +234,11 @@ def test_time_limit_interrupts_and_is_not_an_exception() -> None:
 
 
 def test_limited_by_rule() -> None:
-    row = compare_doc.make_row("x", "bf16", None, tokens_per_step=1, measured_step_s=1.0)
+    row = compare_doc.make_row("m", "x", "bf16", None, tokens_per_step=1, measured_step_s=1.0)
     assert compare_doc.limited_by(row | {"compute_idle_pct": 4.0}, {}) == "compute"
     assert compare_doc.limited_by(row | {"compute_idle_pct": 30.0}, {"link_busy_pct": 85}) == "link"
     assert compare_doc.limited_by(row | {"compute_idle_pct": 30.0}, {"link_busy_pct": 40}) == "host"
-    assert compare_doc.limited_by(compare_doc.make_row("x", "bf16", None), {}) == ""
+    assert compare_doc.limited_by(compare_doc.make_row("m", "x", "bf16", None), {}) == ""
 
 
 def test_head_chunk_fits_a_quarter_of_the_budget() -> None:

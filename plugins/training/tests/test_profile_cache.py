@@ -111,6 +111,39 @@ def test_the_real_cache_key_names_the_device_and_kernels(tmp_path) -> None:
     assert cache.context["version"] == profile.PROFILE_VERSION
 
 
+@pytest.mark.gpu
+def test_task_inputs_are_filled_on_the_gpu_with_small_noise(program) -> None:
+    """On CUDA a task's floating buffers are drawn on the device (N(0, 0.02)), the same
+    for the same seed; integer buffers within ``int_high``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from dataflow_training.step import StepLayout
+
+    layout, device = StepLayout.of(program), torch.device("cuda")
+    task = program.tasks[0]
+    filled = []
+    for _ in range(2):
+        generator = torch.Generator().manual_seed(3)
+        filled.append(
+            {
+                o: profile._filled(program, layout, o, device, generator, lambda _o: 7)
+                for o in task.uses
+            }
+        )
+    for obj_id, buffer in filled[0].items():
+        assert buffer.device.type == "cuda"
+        torch.testing.assert_close(buffer, filled[1][obj_id], rtol=0, atol=0)
+        obj = program.obj(obj_id)
+        if obj.tensor is not None and obj.tensor.dtype.startswith(("float", "bfloat")):
+            from dataflow.engine.backends.torch_storage import typed_view
+
+            values = typed_view(buffer, obj).float()
+            if values.numel() > 1000:
+                assert 0.015 < values.std().item() < 0.025, obj_id
+
+
 def test_the_same_tokens_split_differently_is_another_signature() -> None:
     """64 x 1024 and 16 x 4096 tokens give every task the same bytes, but attention four
     times the work per token: a cached cost of one must not price the other."""

@@ -14,7 +14,13 @@ from typing import Any
 
 import torch
 
-from dataflow.engine.backends.torch_storage import FastStore, SlowPool, as_bytes, typed_view
+from dataflow.engine.backends.torch_storage import (
+    FastStore,
+    SlowPool,
+    as_bytes,
+    slow_object_ids,
+    typed_view,
+)
 from dataflow.engine.contract import Executable, LaunchContext
 from dataflow.engine.dispatcher import Completion, OpKind
 from dataflow.schema import Location, Program
@@ -39,13 +45,7 @@ class TorchBackend:
         self.runner = runner
         self.name = f"torch-{device.type}"
         self.objs = program.objects_by_id
-        slow_ids = {
-            obj.id
-            for obj in program.objects
-            if program.exists_at_start(obj.id) and obj.location is Location.SLOW
-        }
-        for task in (program.prologue, *program.tasks):
-            slow_ids.update(task.offloads)
+        slow_ids = slow_object_ids(program)
         self.slow = SlowPool([obj for obj in program.objects if obj.id in slow_ids], device)
         sizes = {obj.id: obj.size_bytes for obj in program.objects}
         self.fast = FastStore(sizes, device, arena_bytes, offset_of)

@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 import torch
 
+from dataflow.units import format_size
 from dataflow_training.config import TrainConfig
 from dataflow_training.family import Family, embed_layer, load_family
 from dataflow_training.lowering import Lowered, lower
@@ -63,8 +64,7 @@ class TrainingRun:
     ``family`` is a registered family name or a family object; ``state`` the initial model
     state (default: the family's reference model initialised under ``seed``);
     ``budget_bytes`` the fast-memory budget (default: unbounded); ``resolver`` the
-    registered resolver that runs the tasks; ``backing_bytes`` the backing (pinned host,
-    slow-memory) budget the plan and the engine keep to (default: unbounded); ``planner``
+    registered resolver that runs the tasks; ``planner``
     a planner spec for ``plan`` (default: the ``recompute`` planner, or PressureFit alone
     with ``recompute=False``);
     ``keep_grads`` keeps each step's weight gradients for ``grads()`` (checks only);
@@ -75,6 +75,11 @@ class TrainingRun:
     ``grad_share`` makes the run one member of a data-parallel fleet whose tokens are that
     share of the fleet's: each step all-reduces the gradients before the update
     (``lower``'s ``grad_share``, ``dataflow_training.fleet``).
+    ``backing_bytes`` bounds the slow (pinned host, on CUDA) memory the plan uses at any
+    moment (its slow peak). The engine's slow pool holds a slice for every object the plan
+    ever puts in slow memory, so it is larger than that peak: ``pinned_limit_bytes``
+    (default ``backing_bytes``) bounds it, checked before the pool is allocated at the
+    first step (``check_backing``).
     After a step, ``last_result`` is the engine's ``RunResult`` of it (task spans,
     transfers, peaks: what benchmarks read); None before the first step.
     """
@@ -99,6 +104,7 @@ class TrainingRun:
         cost: Any = None,
         links: Any = None,
         grad_share: float | None = None,
+        pinned_limit_bytes: int | None = None,
     ) -> None:
         from dataflow.planning import place, plan
         from dataflow.plugins import resolvers
@@ -128,12 +134,13 @@ class TrainingRun:
             from dataflow_training.recompute import RECOMPUTE
 
             planner = RECOMPUTE if recompute else PRESSUREFIT
-        options: dict[str, Any] = {
-            "planner": planner,
-            "cyclic": bool(self.program.persistent),
-            "slow_budget_bytes": backing_bytes,
-        }
+        options: dict[str, Any] = {"planner": planner, "cyclic": bool(self.program.persistent)}
         self.backing_bytes = backing_bytes
+        self.pinned_limit_bytes = (
+            backing_bytes if pinned_limit_bytes is None else pinned_limit_bytes
+        )
+        if backing_bytes is not None:
+            options["slow_budget_bytes"] = backing_bytes
         self.vocab_size = embed_layer(self.lowered.layers).params[0].shape[0]
         self.budget_bytes = budget_bytes or UNBOUNDED_BYTES
         if device.startswith("cuda"):
@@ -158,6 +165,7 @@ class TrainingRun:
         }
         self._opt_state: dict[str, torch.Tensor] | None = None
         self._engine: Any = None
+        self._lost: str | None = None  # why the state is gone (a failed engine load)
         self.last_result: Any = None
 
     # -- stepping ----------------------------------------------------------------------
@@ -285,10 +293,12 @@ class TrainingRun:
                     f"optimizer state {obj_id!r} does not fit this step's layout "
                     f"({tuple(raw.shape)} bytes given)"
                 )
+        self.check_backing()
         # built object by object as the engine copies them in: the host holds the pinned
-        # pool, the weights and one object's bytes at a time, not every start value at once
+        # pool and one object's bytes at a time, not every start value at once, and the
+        # weights' host copy goes as each parameter object is put (consume)
         initial = StartValues(
-            self.program, self._weights, lambda _step, r: batches[r], given=opt_state
+            self.program, self._weights, lambda _step, r: batches[r], given=opt_state, consume=True
         )
         engine = Engine(
             "torch",
@@ -297,9 +307,38 @@ class TrainingRun:
             device=self.device,
             graph=self.graph,
         )
-        engine.load(self.planned, self._resolver, initial=initial, placement=self.placement)
+        try:
+            engine.load(self.planned, self._resolver, initial=initial, placement=self.placement)
+        except BaseException as exc:  # the weights were handed over: the state is gone
+            self._weights = self._opt_state = None
+            self._lost = f"its engine failed to load ({type(exc).__name__}: {exc})"
+            raise
         self._engine = engine
         self._weights = self._opt_state = None
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the engine's slow pool for this plan (pinned host memory on CUDA): a
+        slice for every object that starts slow or is ever offloaded."""
+        from dataflow.engine.backends.torch_storage import slow_pool_bytes
+
+        return slow_pool_bytes(self.placement.plan.program)
+
+    def check_backing(self) -> None:
+        """Refuse, before anything is allocated, a plan whose slow pool exceeds
+        ``pinned_limit_bytes``."""
+        limit = self.pinned_limit_bytes
+        if limit is None or self.pinned_bytes <= limit:
+            return
+        from dataflow.planning import PlanningError
+
+        peak = format_size(self.predicted()["slow_peak_bytes"])
+        raise PlanningError(
+            f"pinned_limit_bytes: the engine's slow pool for this plan takes "
+            f"{format_size(self.pinned_bytes)} (a slice for every object ever in slow "
+            f"memory; the plan's slow peak is {peak}), more than the "
+            f"{format_size(limit)} allowed"
+        )
 
     def step_activity(self, lr: float | None = None) -> dict[str, float]:
         """One more optimizer update on the last step's batches, replayed from the CUDA
@@ -326,6 +365,8 @@ class TrainingRun:
         """``(model state, optimizer state)``: ``{"<layer>.<param>": tensor}`` and the raw
         bytes of every ``O_*`` object (zeros before the first update), on the CPU."""
         if self._engine is None:
+            if self._weights is None:
+                raise RuntimeError(f"the run has no state: {self._lost}")
             weights = {k: v.clone() for k, v in self._weights.items()}
             if self._opt_state is not None:
                 return weights, {k: v.clone() for k, v in self._opt_state.items()}
@@ -424,9 +465,16 @@ class TrainingRun:
             "moved_bytes": sim.h2d.bytes + sim.d2h.bytes,
         }
 
-    def close(self) -> None:
+    def close(self, keep_state: bool = True) -> None:
+        """Give the engine's memory back, keeping the state on the host for a later step
+        (``keep_state=False``: drop it; a large model's state need not be copied out when
+        the run ends)."""
         if self._engine is not None:
-            self._weights, self._opt_state = self.state()
+            if keep_state:
+                self._weights, self._opt_state = self.state()
+            else:
+                self._weights = self._opt_state = None
+                self._lost = "the run was closed with keep_state=False"
             self._engine.close()
             self._engine = None
 

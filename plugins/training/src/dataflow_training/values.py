@@ -44,7 +44,9 @@ class StartValues(Mapping[str, torch.Tensor]):
     model's zero optimizer state alone would take tens of GB if built at once, beside
     the pinned pool the engine copies it into). ``given`` replaces an object's value
     (optimizer state carried over); every other value is made afresh on each lookup and
-    kept by nobody here."""
+    kept by nobody here. With ``consume``, a parameter object's entries are removed from
+    ``state`` (a dict) once its packed value is made: an 8B model's host copy of the
+    weights goes as the engine takes each object."""
 
     def __init__(
         self,
@@ -54,7 +56,9 @@ class StartValues(Mapping[str, torch.Tensor]):
         *,
         step: int = 0,
         given: Mapping[str, torch.Tensor] | None = None,
+        consume: bool = False,
     ) -> None:
+        self.consume = consume
         self.program, self.state, self.data, self.step = program, state, data, step
         self.layout = StepLayout.of(program)
         self.given = dict(given or {})
@@ -73,7 +77,13 @@ class StartValues(Mapping[str, torch.Tensor]):
             tokens, targets = self.data(self.step, _round_of(obj_id))
             return tokens if obj_id.startswith("x_") else targets
         packed = self.layout.packed[obj_id]
-        return packed_buffer(self.layout, obj_id, self.state if packed.kind == "W" else None)
+        if packed.kind != "W":
+            return packed_buffer(self.layout, obj_id)
+        value = packed_buffer(self.layout, obj_id, self.state)
+        if self.consume:  # the engine holds the bytes now: the host copy may go
+            for name in packed.layout.views(value):
+                self.state.pop(f"{packed.layer}.{name}", None)
+        return value
 
     def __contains__(self, obj_id: object) -> bool:  # without building the value
         return obj_id in self._roles

@@ -1,0 +1,273 @@
+"""Stock PyTorch Llama-style decoders (Llama 3, Qwen 3) and their mixture-of-experts kin
+(OLMoE, Qwen 3 MoE): the models a user would write to train a family's preset without
+dataflow, for ``benchmarks/compare.py``'s stock rows.
+
+The math is the family's (``dataflow_training.kit``: its reference model is the truth
+``tests/benchmarks/test_stock_decoder.py`` holds these to), written the way stock
+training code is: ``F.scaled_dot_product_attention`` with ``is_causal`` and
+``enable_gqa`` (flash attention on the GPU), the rotary tables built once for the
+sequence length, per-head (Qwen 3) or whole-projection (OLMoE) q/k RMSNorm, SwiGLU, a
+tied or untied output projection, full-vocabulary logits with ``F.cross_entropy``.
+
+The routed FFN sorts the token slots by expert and runs each projection as one grouped
+GEMM (``torch._grouped_mm`` for bfloat16 CUDA tensors, where torch has it; a loop over
+the experts elsewhere), then adds the weighted rows back per token. The objective adds
+the family's router terms over the step (here one round): the load balance
+``router_aux_loss_coef * E * sum_e f_e * P_e`` from the routed slots ``f`` and router
+probabilities ``P`` pooled over the layers, and the router z-loss
+``router_z_loss_coef / L * sum_l mean(logsumexp(logits_l)^2)`` (``kit/moe.py``).
+
+Parameter names are the reference's ``state_dict`` keys (``emb.embed_tokens.weight``,
+``0.self_attn.q_proj.weight``, ``0.mlp.experts.gate_up_proj``, ``head.lm_head.weight``), so
+a reference state loads as is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from dataflow_training.kit.decoder_reference import inverse_frequencies
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rotary_tables(config: Any, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``cos`` and ``sin`` of (seq_len, head_dim / 2): position x frequency."""
+    with torch.device("cpu"):  # the tables are made on the host, whatever device builds
+        positions = torch.arange(seq_len, dtype=torch.float64)
+        angles = positions[:, None] * inverse_frequencies(config)
+        return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (batch, heads, seq, dim): pairs (i, i + dim/2) by position x frequency."""
+    half = x.shape[-1] // 2
+    first, second = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        n, q, kv = config.hidden_size, config.q_width, config.kv_width
+        self.q_proj = nn.Linear(n, q, bias=False)
+        self.k_proj = nn.Linear(n, kv, bias=False)
+        self.v_proj = nn.Linear(n, kv, bias=False)
+        self.o_proj = nn.Linear(q, n, bias=False)
+        self.per_head = config.qk_norm_scope == "head"
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim if self.per_head else q, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim if self.per_head else kv, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        batch, seq, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if c.qk_norm and not self.per_head:  # OLMoE: over the whole projection
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(batch, seq, c.num_attention_heads, c.head_dim)
+        k = k.view(batch, seq, c.num_key_value_heads, c.head_dim)
+        if c.qk_norm and self.per_head:  # Qwen 3: per head, one weight for all heads
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        v = v.view(batch, seq, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        grouped = c.num_key_value_heads != c.num_attention_heads
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, c.q_width))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        n, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(n, inner, bias=False)
+        self.up_proj = nn.Linear(n, inner, bias=False)
+        self.down_proj = nn.Linear(inner, n, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` sorted by expert times each expert's ``weight[e]`` (E, out, in)
+    transposed; ``ends`` (E,) int32 where each expert's rows end."""
+    if hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16:
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    parts = [rows @ w.t() for rows, w in zip(x.split(counts), weight.unbind(0), strict=True)]
+    return torch.cat(parts)
+
+
+def expert_counts(ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """How many token slots chose each expert: a scatter-add into ``experts`` counters
+    (a shape torch.compile knows ahead, unlike ``bincount``'s)."""
+    flat = ids.flatten()
+    return torch.zeros(experts, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+
+
+class Experts(nn.Module):
+    """The routed SwiGLU FFN and its router; ``last`` keeps (router logits, expert ids)
+    of the latest forward for the router terms."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        e, n, inner = config.num_experts, config.hidden_size, config.intermediate_size
+        self.gate = nn.Linear(n, e, bias=False)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inner, n))
+        self.experts.down_proj = nn.Parameter(torch.empty(e, n, inner))
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        flat = x.reshape(-1, c.hidden_size)
+        logits = self.gate(flat)
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, ids = torch.topk(probs, c.num_experts_per_tok, dim=-1)
+        if c.norm_topk_prob:
+            top = top / top.sum(-1, keepdim=True)
+        self.last = (logits, ids)
+        order = ids.flatten().argsort(stable=True)
+        token = order // c.num_experts_per_tok
+        ends = expert_counts(ids, c.num_experts).cumsum(0).to(torch.int32)
+        gate, up = grouped_mm(flat[token], self.experts.gate_up_proj, ends).chunk(2, dim=-1)
+        rows = grouped_mm(F.silu(gate) * up, self.experts.down_proj, ends)
+        rows = rows * top.flatten()[order, None].to(rows.dtype)
+        return torch.zeros_like(flat).index_add(0, token, rows).view_as(x)
+
+
+class Block(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = Experts(config) if is_moe(config) else MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Embed(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+
+
+class Head(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+def is_moe(config: Any) -> bool:
+    return hasattr(config, "num_experts")
+
+
+class StockDecoder(nn.Module):
+    """``model(tokens, targets)`` -> the step's objective: the mean cross-entropy, plus the
+    router terms for a mixture-of-experts config. ``checkpoint`` puts every block under
+    ``torch.utils.checkpoint``."""
+
+    def __init__(self, config: Any, seq_len: int, *, checkpoint: bool = False) -> None:
+        super().__init__()
+        self.config, self.checkpoint = config, checkpoint
+        self.emb = Embed(config)
+        for layer in range(config.num_hidden_layers):
+            self.add_module(str(layer), Block(config))
+        self.head = Head(config)
+        cos, sin = rotary_tables(config, seq_len)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.init_weights()
+
+    def blocks(self) -> list[Block]:
+        return [self.get_submodule(str(layer)) for layer in range(self.config.num_hidden_layers)]
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Every matrix N(0, std), norms 1 (HF's initialization of these models)."""
+        for param in self.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, std)
+            else:
+                param.fill_(1.0)
+
+    def output_weight(self) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return self.emb.embed_tokens.weight
+        return self.head.lm_head.weight
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        cos, sin = self.cos[:seq], self.sin[:seq]
+        x = self.emb.embed_tokens(tokens)
+        for block in self.blocks():
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        return self.head.norm(x) @ self.output_weight().t()
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        if is_moe(self.config):
+            loss = loss + self.router_terms()
+        return loss
+
+    def router_terms(self) -> torch.Tensor:
+        """Load balance and z-loss of the latest forward (the step's one round): the
+        balance from the routed slots and router probabilities pooled over the layers,
+        the z-loss averaged over them (``kit/moe.py``)."""
+        c = self.config
+        routers = [block.mlp.last for block in self.blocks()]
+        counts = sum(expert_counts(ids, c.num_experts).float() for _, ids in routers)
+        probs = torch.cat([torch.softmax(logits.float(), dim=-1) for logits, _ in routers])
+        per_token = counts / (counts.sum() / c.num_experts_per_tok)  # sums to k
+        balance = c.router_aux_loss_coef * c.num_experts * (per_token * probs.mean(0)).sum()
+        z = sum(torch.logsumexp(logits.float(), dim=-1).pow(2).mean() for logits, _ in routers)
+        return balance + c.router_z_loss_coef * z / len(routers)
+
+
+def active_fraction(config: Any, name: str) -> float:
+    """The share of parameter ``name`` one token's matrix products use: ``k / E`` for
+    routed experts, 1 otherwise."""
+    if is_moe(config) and ".experts." in name:
+        return config.num_experts_per_tok / config.num_experts
+    return 1.0
+
+
+def matmul_params(config: Any) -> float:
+    """Parameters one token multiplies by (the token embedding is a lookup unless it is
+    also the output projection), routed experts at their active share."""
+    with torch.device("meta"):
+        model = StockDecoder(config, 1)
+    total = 0.0
+    lookup = "" if config.tie_word_embeddings else "emb.embed_tokens.weight"
+    for name, param in model.named_parameters():
+        if param.dim() < 2 or name == lookup:
+            continue
+        total += param.numel() * active_fraction(config, name)
+    return total

@@ -1,0 +1,80 @@
+"""TrainingRun's host memory for large models: start values made one object at a time
+(``StartValues``), the weights' host copy handed over as the engine takes each object,
+the slow pool's size known before it is allocated and refused past
+``pinned_limit_bytes``, and a close that drops the state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dataflow_training.config import TrainConfig
+from dataflow_training.values import StartValues, start_values
+
+pytest.importorskip("dataflow_family_gpt2")
+
+TRAIN = TrainConfig(seq_len=8, batch=2, rounds=2)
+
+
+def _run(**options):
+    from dataflow_training.run import TrainingRun
+
+    return TrainingRun("gpt2", "gpt2_tiny", TRAIN, seed=0, **options)
+
+
+def _batches():
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randint(0, 256, (2, 8), generator=g), torch.randint(0, 256, (2, 8), generator=g))
+        for _ in range(2)
+    ]
+
+
+def test_start_values_are_made_on_lookup_and_equal_the_dict() -> None:
+    run = _run()
+    batches = _batches()
+    calls = []
+
+    def data(step, round_):
+        calls.append(round_)
+        return batches[round_]
+
+    state = dict(run._weights)
+    lazy = StartValues(run.program, state, data)
+    assert calls == []  # nothing is made until it is looked up
+    eager = start_values(run.program, state, lambda _s, r: batches[r])
+    assert list(lazy) == list(eager) and len(lazy) == len(eager)
+    for obj_id, value in eager.items():
+        torch.testing.assert_close(lazy[obj_id], value, rtol=0, atol=0)
+    assert "no such object" not in lazy
+    with pytest.raises(KeyError):
+        lazy["no such object"]
+    consumed = StartValues(run.program, state, data, consume=True)
+    for obj_id in consumed:
+        consumed[obj_id]
+    assert state == {}  # every parameter went into its packed object
+
+
+def test_the_slow_pool_is_known_before_load_and_is_what_the_engine_allocates() -> None:
+    run = _run()
+    expected = run.pinned_bytes
+    assert expected > 0  # this lowering starts W and O in slow memory
+    run.step(_batches())
+    assert run._engine._backend.slow.total_bytes == expected
+
+
+def test_a_pool_past_the_pinned_limit_is_refused_before_anything_is_allocated() -> None:
+    from dataflow.planning import PlanningError
+
+    run = _run(pinned_limit_bytes=1024)
+    with pytest.raises(PlanningError, match=r"pinned_limit_bytes: the engine's slow pool"):
+        run.step(_batches())
+    weights, _ = run.state()  # refused before the weights were handed over
+    assert weights and run._engine is None
+
+
+def test_close_without_the_state_drops_it() -> None:
+    run = _run()
+    run.step(_batches())
+    run.close(keep_state=False)
+    with pytest.raises(RuntimeError, match="the run has no state: the run was closed"):
+        run.state()

@@ -1,0 +1,262 @@
+"""benchmarks/compare.py across models (issues 15 and 16): rows keyed by model, ratios
+against the same model's fastest stock row, one table per model, a file of the GPT-2-only
+format read as the GPT-2 run it was; the stock decoders (Llama 3, Qwen 3, OLMoE, Qwen 3
+MoE) against each family's plain-autograd reference; and a llama3_tiny run on the CPU
+appended beside GPT-2 rows."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import compare  # noqa: E402
+import compare_doc  # noqa: E402
+import measure  # noqa: E402
+import stock_decoder  # noqa: E402
+
+DECODERS = [
+    ("llama3", "llama3_tiny"),
+    ("qwen3", "qwen3_tiny"),
+    ("olmoe", "olmoe_tiny"),
+    ("qwen3_moe", "qwen3_moe_tiny"),
+]
+
+
+def family(name):
+    from dataflow_training.family import load_family
+
+    return load_family(name)
+
+
+def row(model, engine, budget, tok_s, **fields):
+    return compare_doc.make_row(
+        model, engine, "bf16", budget, tokens_per_step=100, measured_step_s=100 / tok_s, **fields
+    )
+
+
+# -- the document --------------------------------------------------------------------------
+def test_ratios_are_against_the_fastest_stock_row_of_the_same_model() -> None:
+    doc = {
+        "rows": [
+            row("a", "pytorch eager", None, 100.0),
+            row("a", "pytorch compile", None, 200.0),
+            row("a", "dataflow", 2**30, 150.0),
+            row("b", "pytorch compile", None, 10.0),
+            row("b", "dataflow", 2**30, 9.0),
+            row("c", "dataflow", 2**30, 5.0),  # no stock row of its own: no ratio
+        ],
+        "meta": {"models": {"b": {}, "a": {}}},
+    }
+    compare_doc.finish(doc)
+    ratios = {compare_doc.row_key(r): r["ratio_to_fastest_stock"] for r in doc["rows"]}
+    assert ratios["a|pytorch eager|bf16|None"] == pytest.approx(0.5)
+    assert ratios[f"a|dataflow|bf16|{2**30}"] == pytest.approx(0.75)
+    assert ratios[f"b|dataflow|bf16|{2**30}"] == pytest.approx(0.9)
+    assert ratios[f"c|dataflow|bf16|{2**30}"] is None
+    assert [r["model"] for r in doc["rows"]] == ["b", "b", "a", "a", "a", "c"]  # meta order
+
+
+def test_one_table_per_model_each_with_its_own_rows() -> None:
+    doc = {
+        "rows": [row("a", "pytorch compile", None, 200.0), row("b", "dataflow", 2**30, 9.0)],
+        "meta": {"models": {"a": {"seq_len": 7}, "b": {"seq_len": 9}}},
+    }
+    text = compare_doc.render_tables(compare_doc.finish(doc))
+    first, second = text.split("### b\n")
+    assert first.startswith("### a\n") and "| pytorch compile |" in first
+    assert "| dataflow |" not in first and "| dataflow |" in second
+    assert "a, seq 7" in first and "b, seq 9" in second
+
+
+def test_a_file_from_before_models_is_the_gpt2_run_it_was(tmp_path) -> None:
+    legacy = compare_doc.make_row("x", "pytorch compile", "bf16", None)
+    legacy.pop("model")
+    meta = {
+        "preset": "gpt2_124m",
+        "family": "gpt2",
+        "seq_len": 1024,
+        "flops_per_token": 1.0,
+        "peak_flops": 2.0,
+        "device": "NVIDIA H200",
+        "row_details": {"pytorch compile|bf16|None": {"kernel_s": 0.5}},
+    }
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps({"rows": [legacy], "meta": meta}))
+    doc = compare_doc.load_doc(path)
+    (only,) = doc["rows"]
+    assert list(only) == list(compare_doc.FIELDS) and only["model"] == "gpt2_124m"
+    assert doc["meta"]["row_details"] == {"gpt2_124m|pytorch compile|bf16|None": {"kernel_s": 0.5}}
+    entry = doc["meta"]["models"]["gpt2_124m"]
+    assert entry["seq_len"] == 1024 and entry["peak_flops"] == 2.0
+    assert entry["device"] == "NVIDIA H200"
+    assert "preset" not in doc["meta"] and "seq_len" not in doc["meta"]
+
+
+def test_the_committed_results_read_as_gpt2_rows_and_keep_their_table() -> None:
+    doc = compare_doc.finish(compare_doc.load_doc(BENCHMARKS / "results" / "compare.json"))
+    assert {r["model"] for r in doc["rows"]} >= {"gpt2_124m"}
+    page = (ROOT / "docs" / "throughput.md").read_text()
+    table = page.split(compare_doc.TABLE_START + "\n")[1].split(compare_doc.TABLE_END)[0]
+    assert table == compare_doc.render_tables(doc)
+
+
+# -- the stock decoders ---------------------------------------------------------------------
+@pytest.mark.parametrize(("name", "preset"), DECODERS)
+def test_stock_decoder_is_the_family_reference(name, preset) -> None:
+    """The reference's state loads as is; logits, the step's objective (router terms
+    included for MoE) and every gradient agree in float32 on the CPU."""
+    fam = family(name)
+    config = fam.config(preset)
+    torch.manual_seed(0)
+    reference = fam.reference_model(config)
+    model = stock_decoder.StockDecoder(config, 16)
+    model.load_state_dict(reference.state_dict(), strict=True)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, config.vocab_size, (2, 16), generator=generator)
+    targets = torch.randint(0, config.vocab_size, (2, 16), generator=generator)
+    torch.testing.assert_close(model.logits(tokens), reference.logits(tokens), rtol=1e-5, atol=1e-5)
+    if stock_decoder.is_moe(config):
+        losses, terms = reference([(tokens, targets)])
+        expected = losses[0] + terms
+        assert float(terms.detach()) > 0  # the router terms are part of what is compared
+    else:
+        expected = reference(tokens, targets)
+    loss = model(tokens, targets)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    expected.backward()
+    grads = dict(reference.named_parameters())
+    for key, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[key].grad, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_checkpointed_stock_decoder_has_the_same_gradients() -> None:
+    config = family("olmoe").config("olmoe_tiny")
+    tokens = torch.randint(
+        0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2)
+    )
+    results = []
+    for checkpoint in (False, True):
+        torch.manual_seed(0)
+        model = stock_decoder.StockDecoder(config, 16, checkpoint=checkpoint)
+        loss = model(tokens, tokens.roll(1, dims=1))
+        loss.backward()
+        results.append((loss.detach(), {k: p.grad for k, p in model.named_parameters()}))
+    (loss0, g0), (loss1, g1) = results
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
+    for key in g0:
+        torch.testing.assert_close(g1[key], g0[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_matmul_params_of_a_decoder_by_hand() -> None:
+    llama = family("llama3").config("llama3_tiny")  # tied: the embedding is the head
+    n, q, kv, inner, vocab = 64, 64, 32, 160, 256
+    block = n * q + 2 * n * kv + q * n + 3 * n * inner
+    assert measure.matmul_params(llama) == vocab * n + 2 * block
+    olmoe = family("olmoe").config("olmoe_tiny")  # untied: the embedding is a lookup
+    e, k, inner = 8, 2, 32
+    attention = 4 * 64 * 64
+    experts = e * (2 * inner * 64 + 64 * inner) * k / e
+    block = attention + 64 * e + experts
+    assert measure.matmul_params(olmoe) == pytest.approx(256 * 64 + 2 * block)
+    assert measure.flops_per_token(olmoe, 32) == pytest.approx(
+        6 * (256 * 64 + 2 * block) + 12 * 2 * 64 * 32
+    )
+
+
+# -- a second model's rows beside GPT-2's ---------------------------------------------------
+def test_llama3_rows_append_beside_gpt2_rows(tmp_path) -> None:
+    page, out = tmp_path / "page.md", tmp_path / "compare.json"
+    shutil.copy(ROOT / "docs" / "throughput.md", page)
+    shutil.copy(BENCHMARKS / "results" / "compare.json", out)
+    before = compare_doc.load_doc(out)
+    args = [
+        *("--family", "llama3", "--preset", "llama3_tiny", "--seq-len", "32"),
+        *("--device", "cpu", "--compile-backend", "eager", "--steps", "1", "--warmup", "1"),
+        *("--rows", "stock,dataflow", "--stock-engines", "eager", "--stock-dtypes", "bf16"),
+        *("--batches", "2", "--dataflow-batches", "2", "--min-tokens", "128"),
+        *("--budgets", "4MiB", "--backing", "64MiB", "--no-checkpoint-row"),
+        *("--append", "--out", str(out), "--doc", str(page)),
+    ]
+    assert compare.main(args) == 0
+    doc = json.loads(out.read_text())
+    rows = {compare_doc.row_key(r): r for r in doc["rows"]}
+    gpt2 = {k for k in rows if k.startswith("gpt2_124m|")}
+    assert gpt2 == {compare_doc.row_key(r) for r in before["rows"]}
+    stock_row = rows["llama3_tiny|pytorch eager|bf16|None"]
+    flow = rows[f"llama3_tiny|dataflow|bf16|{4 * 2**20}"]
+    assert stock_row["ratio_to_fastest_stock"] == 1.0
+    assert flow["ratio_to_fastest_stock"] == pytest.approx(flow["tok_s"] / stock_row["tok_s"])
+    details = doc["meta"]["row_details"][f"llama3_tiny|dataflow|bf16|{4 * 2**20}"]
+    assert 0 < details["pinned_bytes"] <= 64 * 2**20
+    assert doc["meta"]["models"]["llama3_tiny"]["family"] == "llama3"
+    text = page.read_text()
+    assert "### gpt2_124m" in text and "### llama3_tiny" in text
+
+
+def test_a_backing_the_slow_pool_does_not_fit_is_a_row_that_says_so(tmp_path) -> None:
+    page, out = tmp_path / "page.md", tmp_path / "compare.json"
+    shutil.copy(ROOT / "docs" / "throughput.md", page)
+    args = [
+        *("--family", "llama3", "--preset", "llama3_tiny", "--seq-len", "32"),
+        *("--device", "cpu", "--steps", "1", "--warmup", "1", "--rows", "dataflow"),
+        *("--dataflow-dtypes", "bf16", "--dataflow-batches", "2", "--min-tokens", "64"),
+        *("--budgets", "4MiB", "--backing", "4KiB", "--out", str(out), "--doc", str(page)),
+    ]
+    assert compare.main(args) == 0
+    (only,) = json.loads(out.read_text())["rows"]
+    assert only["tok_s"] is None and "4 KiB" in only["note"]
+
+
+@pytest.mark.gpu
+def test_stock_moe_on_cuda_uses_grouped_mm_and_matches_the_loop() -> None:
+    """On a GPU in bfloat16 the experts run through ``torch._grouped_mm`` (eager and under
+    torch.compile): the objective agrees with the expert loop on the same weights."""
+    if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
+        pytest.skip("needs a CUDA device and torch._grouped_mm")
+    import stock
+
+    config = family("olmoe").config("olmoe_tiny")
+    model = stock.stock_model(config, 32, device="cuda", dtype="bf16")
+    tokens = torch.randint(0, config.vocab_size, (2, 32), device="cuda")
+    targets = tokens.roll(1, dims=1)
+    grouped = model(tokens, targets)
+    compiled = torch.compile(model)(tokens, targets)
+    loop = stock_decoder.StockDecoder(config, 32).to(torch.float32)
+    loop.load_state_dict({k: v.float().cpu() for k, v in model.state_dict().items()})
+    expected = loop(tokens.cpu(), targets.cpu())
+    torch.testing.assert_close(grouped.float().cpu(), expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(compiled.float().cpu(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_model_rows_run_on_cuda_at_tiny_presets(tmp_path) -> None:
+    """llama3_tiny and olmoe_tiny rows on the GPU (inductor, the profiler, the engine
+    with its pinned pool bounded by the host's memory)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    page, out = tmp_path / "page.md", tmp_path / "compare.json"
+    shutil.copy(ROOT / "docs" / "throughput.md", page)
+    for name, preset in (("llama3", "llama3_tiny"), ("olmoe", "olmoe_tiny")):
+        args = [
+            *("--family", name, "--preset", preset, "--seq-len", "64", "--device", "cuda"),
+            *("--rows", "stock,dataflow", "--stock-engines", "compile", "--stock-dtypes", "bf16"),
+            *("--dataflow-dtypes", "bf16", "--batches", "4", "--dataflow-batches", "4"),
+            *("--min-tokens", "512", "--budgets", "64MiB", "--no-checkpoint-row", "--steps", "2"),
+            *("--warmup", "1", "--append", "--out", str(out), "--doc", str(page)),
+        ]
+        assert compare.main(args) == 0
+    for r in json.loads(out.read_text())["rows"]:
+        assert r["tok_s"], r
+        if r["engine"] == "dataflow":
+            assert r["allocator_peak_bytes"] <= r["budget_bytes"]
