@@ -385,3 +385,30 @@ def test_the_pricer_runs_candidates_as_the_simulator_runs_the_annotated_program(
                         assert outcome.link_bytes["h2d"] == sim.h2d.bytes
                         assert outcome.link_bytes["d2h"] == sim.d2h.bytes
     assert failed  # the comparison covered failing runs too
+
+
+@pytest.mark.parametrize("shape", ["training-linkbound", "tied-embedding", "random", "streaming"])
+def test_the_transfers_floor_of_a_set_of_cuts_is_below_every_plan_with_them(shape: str) -> None:
+    """``transfers_floor_us`` (what the search skips rung candidates by) never exceeds the
+    simulated makespan of a plan made of those cuts, and it is at least the compute."""
+    from dataflow.planning.intervals import build_gaps
+    from dataflow.planning.pressurefit import Strategy, transfers_floor_us
+    from dataflow.testing.shapes import SHAPES
+
+    tight = 0
+    for seed in range(4):
+        program = SHAPES[shape](random.Random(seed))
+        chain = build_chain(program)
+        gaps = build_gaps(chain)
+        floor, peak = max(chain.base_bytes), no_offload_peak_bytes(chain)
+        for budget in (floor, (3 * floor + peak) // 4, (floor + peak) // 2, peak):
+            for strategy in (*PORTFOLIO, Strategy("clean", "early")):
+                found = search(program, budget, portfolio=[strategy], repairs=0)
+                if found.best is None:
+                    continue
+                selection = strategy.select(chain, gaps, found.best.capacity_bytes, None)
+                floor_us = transfers_floor_us(chain, gaps, selection.cut)
+                assert chain.start_us[-1] <= floor_us <= found.best.sim.makespan_us * (1 + 1e-12)
+                tight += floor_us > found.lower_bound.compute_us * (1 + 1e-6)
+    if shape in ("training-linkbound", "tied-embedding"):
+        assert tight  # link-bound chains: the floor is more than the compute somewhere

@@ -166,25 +166,137 @@ class ChainBounds:
         ]
         self.peak_held = max(self.held, default=0)
         self.handoff = _handoff_needs(chain) if n else None
+        # the largest objects loaded for a first use after task 0: the room bound's loads
+        heads = [
+            life
+            for life in chain.objects
+            if life.origin is Origin.SLOW and life.uses and life.uses[0] >= 1
+        ]
+        heads.sort(key=lambda life: (-life.size_bytes, life.index))
+        self.room_heads = tuple((life.size_bytes, life.uses[0]) for life in heads[:ROOM_LOADS])
 
-    def at(self, budget_bytes: int | None) -> LowerBound:
+    def _reloads(self, budget_bytes: int, raised: tuple[int, int, int] | None = None) -> list[int]:
+        """The volume cover's reloads by the index of the next use (``_cover_bytes``); with
+        ``raised`` = (first task, end task, bytes), every task in that range also holds
+        that many bytes more."""
+        excess = [held - budget_bytes for held in self.held]
+        if raised is not None:
+            first, end, extra = raised
+            excess[first:end] = [value + extra for value in excess[first:end]]
+        if max(excess) <= 0:
+            return [0] * self.chain.n_tasks
+        return _cover_bytes(self.gaps, excess)
+
+    def _timeline(
+        self, first_load_us: list[float], gaps: list[float], ready: tuple[int, float] = (-1, 0.0)
+    ) -> tuple[float, list[float]]:
+        """The link bound's timeline: task ``t`` starts no sooner than the loads due by it
+        (``first_load_us`` by the index of the use), nor than the task before it ends plus
+        ``gaps``, nor (``ready`` = (task, µs)) than a given time; the run ends no sooner
+        than the loads due at the end, nor than a task's end plus the write-backs of
+        everything last changed at or after it. Returns the bound and each task's earliest
+        end."""
+        cost = self.chain.cost_us
+        n = self.chain.n_tasks
+        start_us, loads_us = 0.0, 0.0
+        earliest_end = []
+        for t in range(n):
+            loads_us += first_load_us[t]
+            if loads_us > start_us:
+                start_us = loads_us
+            if t == ready[0] and ready[1] > start_us:
+                start_us = ready[1]
+            end_us = start_us + cost[t]
+            earliest_end.append(end_us)
+            start_us = end_us + gaps[t]
+        loads_us += first_load_us[n]
+        link_us = max(start_us, loads_us, ready[1] if ready[0] == n else 0.0)
+        write_back_us = self.write_back_us
+        after_us = 0.0
+        for t in range(n - 1, -1, -1):
+            after_us += write_back_us[t]
+            if after_us:
+                link_us = max(link_us, earliest_end[t] + after_us)
+        return link_us, earliest_end
+
+    def _rooms(self, budget_bytes: int) -> list[tuple[int, int, int]]:
+        """(size, first use, task) of each room-bound load: the last task before the
+        object's first use at which it does not fit beside what is held there."""
+        found = []
+        held = self.held
+        for size, use in self.room_heads:
+            room = budget_bytes - size
+            last = next((t for t in range(use - 1, -1, -1) if held[t] > room), None)
+            if last is not None:
+                found.append((size, use, last))
+        return found
+
+    def _room_us(
+        self,
+        budget_bytes: int,
+        size: int,
+        use: int,
+        last: int,
+        gaps: list[float],
+        plain: tuple[list[float], float, list[float]],
+    ) -> float:
+        """The room bound of one load (the module docstring): the load of ``size`` bytes
+        for task ``use`` starts after some task ``k - 1`` ends and before task ``k`` ends
+        (or after task ``use - 1``), so every task from ``k`` to ``use - 1`` holds it too
+        and no task from ``use`` on starts before it is in. ``last`` is the last task
+        before ``use`` that cannot hold it beside everything it holds without cuts. The
+        bound is the least over ``k``; the ``k`` up to ``last`` are taken in a few
+        brackets, each bounded by its weakest ends (the fewest tasks that hold the load,
+        the earliest start), so the minimum is never overstated. ``plain`` is the link
+        bound's own timeline (its loads, bound and earliest ends)."""
+        loads_us, plain_us, earliest_end = plain
+        load_us = self.chain.h2d_us(size)
+
+        def ready_us(k: int) -> float:
+            return (earliest_end[k - 1] if k >= 1 else 0.0) + load_us
+
+        # after ``last``: nothing needs making room
+        least_us, _ = self._timeline(loads_us, gaps, (use, ready_us(last + 1)))
+        if least_us <= plain_us:
+            return least_us  # no better than the link bound whatever the brackets give
+        points = sorted({max(0, last + 1 - 2**step) for step in range(ROOM_BRACKETS)} | {0})
+        points.append(last + 1)
+        for low, high in itertools.pairwise(points):
+            high = min(high, last)  # the bracket's fewest holders still include ``last``
+            reloads = self._reloads(budget_bytes, (high, use, size))
+            bound_us, _ = self._timeline(self._loads_with(reloads), gaps, (use, ready_us(low)))
+            least_us = min(least_us, bound_us)
+            if least_us <= plain_us:
+                break
+        return least_us
+
+    def _loads_with(self, reloads: list[int]) -> list[float]:
+        """First loads plus ``reloads`` (bytes, by the index of the next use)."""
+        bandwidth = self.chain.h2d.bw_bytes_per_us
+        loads = list(self.first_load_us)
+        for use, size in enumerate(reloads):
+            if size:
+                loads[use] += size / bandwidth
+        return loads
+
+    def at(self, budget_bytes: int | None, *, rooms: bool = True) -> LowerBound:
+        """The bounds at ``budget_bytes``; ``rooms=False`` leaves the room bound out of the
+        link bound (cheaper, and still a bound: the search's stopping tests use it)."""
         chain = self.chain
         n = chain.n_tasks
         compute_us = chain.start_us[n]
         if n == 0:
             return LowerBound(0.0, 0.0, 0.0)
         first_load_us = list(self.first_load_us)  # reloads added below
-        cost = chain.cost_us
         # gaps[t]: idle time forced between task t and the next (0 without a budget)
         gaps = [0.0] * n
         reload_us = 0.0  # the fewest bytes that must leave and come back, over h2d
         if budget_bytes is not None:
             gaps = self.handoff.gaps_us(chain, budget_bytes)
             if self.peak_held > budget_bytes:
-                excess = [held - budget_bytes for held in self.held]
                 # each reload lands before the gap's next use: the timeline below counts it
                 # there, bytes only (a cut may be a share of one transfer)
-                reloads = _cover_bytes(self.gaps, excess)
+                reloads = self._reloads(budget_bytes)
                 bandwidth = chain.h2d.bw_bytes_per_us
                 for use, size in enumerate(reloads):
                     if size:
@@ -193,23 +305,11 @@ class ChainBounds:
                     chain.h2d_us(self.peak_held - budget_bytes),
                     chain.h2d.latency_us + sum(reloads) / bandwidth,
                 )
-        start_us, loads_us = 0.0, 0.0
-        earliest_end = []
-        for t in range(n):
-            loads_us += first_load_us[t]
-            if loads_us > start_us:
-                start_us = loads_us
-            end_us = start_us + cost[t]
-            earliest_end.append(end_us)
-            start_us = end_us + gaps[t]
-        loads_us += first_load_us[n]
-        link_us = max(start_us, loads_us)
-        write_back_us = self.write_back_us
-        after_us = 0.0
-        for t in range(n - 1, -1, -1):
-            after_us += write_back_us[t]
-            if after_us:
-                link_us = max(link_us, earliest_end[t] + after_us)
+        link_us, earliest_end = self._timeline(first_load_us, gaps)
+        if budget_bytes is not None and rooms:
+            plain = (first_load_us, link_us, earliest_end)
+            for size, use, last in self._rooms(budget_bytes):
+                link_us = max(link_us, self._room_us(budget_bytes, size, use, last, gaps, plain))
         volume_us = handoff_us = 0.0
         if budget_bytes is not None:
             handoff_us = compute_us + sum(gaps)
@@ -259,6 +359,11 @@ def _cover_bytes(gaps: Gaps, excess: list[int]) -> list[int]:
                 heapq.heappop(spanning)
     return ending[:n]
 
+
+#: The room bound looks at this many of the largest objects that start slow.
+ROOM_LOADS = 3
+#: Brackets of the tasks before ``last`` the room bound splits the load's start into.
+ROOM_BRACKETS = 6
 
 #: Up to this many candidate objects, the cheapest covering set is found by enumeration.
 EXACT_COVER = 8

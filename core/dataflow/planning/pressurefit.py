@@ -28,6 +28,7 @@ from dataflow.planning.emit import Directives, annotate, directives, largest_fir
 from dataflow.planning.intervals import (
     Chain,
     Gaps,
+    Origin,
     PlanningError,
     build_chain,
     build_gaps,
@@ -36,7 +37,7 @@ from dataflow.planning.intervals import (
 from dataflow.planning.lower_bound import ChainBounds, LowerBound
 from dataflow.planning.peaks import select_cuts_peak
 from dataflow.planning.prefetch import RULES, place_prefetches
-from dataflow.schema import Budget, Program
+from dataflow.schema import Budget, Location, Program
 from dataflow.sim import SimResult, simulate
 from dataflow.sim.compiled import CompiledProgram, compile_program
 from dataflow.sim.loop import D2H, H2D, Outcome, run
@@ -238,6 +239,8 @@ def search(
         if selection.failed_task is not None:
             unfit = unfit or selection
             return None
+        if best is not None and transfers_floor_us(chain, gaps, selection.cut) > best.makespan_us:
+            return None  # these cuts move too much to beat the best: no need to place them
         placement = place_prefetches(chain, gaps, selection.cut, place_at, strategy.rule)
         found = directives(chain, gaps, selection.cut, placement)
         valid = try_candidate(strategy, capacity, found)
@@ -310,9 +313,55 @@ def _annotated(
     return Candidate(priced.strategy, priced.capacity_bytes, planned, sim)
 
 
+def transfers_floor_us(chain: Chain, gaps: Gaps, cut: Sequence[bool]) -> float:
+    """A lower bound on the makespan of any plan with these cuts, from the transfers they
+    need (the link bound of ``lower_bound``, for one set of cuts): every object that starts
+    slow and every cut gap comes back over ``h2d`` (one transfer at a time, from program
+    start on) before the task that needs it starts; a cut gap that is dirty (created,
+    mutated, or started fast since it last came back) is written back over ``d2h`` after
+    the task before it ends, as is every dirty object whose final location is slow after
+    its last use. So task ``t`` starts no sooner than the loads due by then, and the run
+    ends no sooner than the end of task ``t`` plus every write-back issued from there on.
+    Cheap next to placing the prefetches and simulating: rungs of the monotone ladder,
+    which cut far more than the budget needs, are skipped with it."""
+    n = chain.n_tasks
+    due_us = [0.0] * (n + 1)  # by the task that needs it back
+    written_us = [0.0] * (n + 1)  # by the task whose end issues it
+    for life in chain.objects:
+        if not life.uses:
+            continue
+        if life.origin is Origin.SLOW:
+            due_us[life.uses[0]] += chain.h2d_us(life.size_bytes)
+        first_gap, last = gaps.first_gap[life.index], len(life.uses) - 1
+        dirty = False
+        for k, (use, dirties) in enumerate(zip(life.uses, life.dirties, strict=True)):
+            dirty = dirty or dirties
+            if k < last and cut[first_gap + k]:
+                due_us[life.uses[k + 1]] += chain.h2d_us(life.size_bytes)
+                if dirty:
+                    written_us[use] += chain.d2h_us(life.size_bytes)
+                dirty = False
+            elif k == last and dirty and life.final is Location.SLOW:
+                written_us[use] += chain.d2h_us(life.size_bytes)
+    cost = chain.cost_us
+    ends = []
+    start_us = loaded_us = 0.0
+    for t in range(n):
+        loaded_us += due_us[t]
+        start_us = max(start_us, loaded_us) + cost[t]
+        ends.append(start_us)
+    floor_us = max(start_us, loaded_us + due_us[n])
+    after_us = 0.0
+    for t in range(n - 1, -1, -1):
+        after_us += written_us[t]
+        if after_us:
+            floor_us = max(floor_us, ends[t] + after_us)
+    return floor_us
+
+
 def _rung_bound_us(bounds: ChainBounds, rung_bytes: int) -> float:
     """The best lower bound at ``rung_bytes``, a hair under (float rounding)."""
-    return bounds.at(rung_bytes).best_us * (1 - 1e-9)
+    return bounds.at(rung_bytes, rooms=False).best_us * (1 - 1e-9)
 
 
 def monotone_capacities(chain: Chain, rungs: int = MONOTONE_RUNGS) -> tuple[int, ...]:
