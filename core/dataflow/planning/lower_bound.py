@@ -13,7 +13,12 @@ Three bounds, each true for every plan the execution model allows:
   them. Every object whose final location is ``slow`` and that ends dirty (created,
   mutated, or started in fast memory) is written back after its last change, over ``d2h``,
   one at a time: the run cannot end before the earliest end of task ``j`` plus the
-  write-backs of every object last changed at or after ``j``.
+  write-backs of every object last changed at or after ``j``. With a budget, a large
+  load also waits for room (``ChainBounds._room_us``): an object that starts slow and
+  that some task before its first use cannot hold beside what that task holds is either
+  loaded after the last such task ends, or every task it overlaps makes room for it (the
+  volume cover with those tasks' excess raised by its size); the least of the two
+  timelines over where the load starts is a bound.
 - **volume** (needs a budget): at a task where the objects that must stay resident between
   two uses exceed the budget, at least that excess must leave fast memory and come back
   over ``h2d``, on top of the first loads. A gap cut once relieves every task it spans,
@@ -361,9 +366,9 @@ def _cover_bytes(gaps: Gaps, excess: list[int]) -> list[int]:
 
 
 #: The room bound looks at this many of the largest objects that start slow.
-ROOM_LOADS = 3
+ROOM_LOADS = 2
 #: Brackets of the tasks before ``last`` the room bound splits the load's start into.
-ROOM_BRACKETS = 6
+ROOM_BRACKETS = 4
 
 #: Up to this many candidate objects, the cheapest covering set is found by enumeration.
 EXACT_COVER = 8

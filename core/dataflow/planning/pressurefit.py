@@ -223,7 +223,7 @@ def search(
     chain = chain or build_chain(program.bare())
     gaps = build_gaps(chain)
     bounds = ChainBounds(chain)
-    bound = bounds.at(budget_bytes)
+    bound = bounds.at(budget_bytes, rooms=False)  # the room bound, if need be, at the end
     target_us = bound.best_us * (1 + 1e-9)
     pricer = Pricer(chain, budget_bytes, slow_budget_bytes)
     best: Priced | None = None
@@ -294,6 +294,8 @@ def search(
     unfit_task = unfit.failed_task if unfit is not None and best is None else None
     unfit_bytes = unfit.over_bytes if unfit is not None and best is None else 0
     winner = None if best is None else _annotated(chain, best, budget_bytes, slow_budget_bytes)
+    if best is not None and best.makespan_us > target_us:
+        bound = bounds.at(budget_bytes)  # with the room bound: only a plan above the rest
     return SearchResult(winner, simulated, bound, unfit_task, unfit_bytes)
 
 
