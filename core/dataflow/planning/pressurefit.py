@@ -41,6 +41,7 @@ from dataflow.schema import Budget, Location, Program
 from dataflow.sim import SimResult, simulate
 from dataflow.sim.compiled import CompiledProgram, compile_program
 from dataflow.sim.loop import D2H, H2D, Outcome, run
+from dataflow.sim.simulate import _result as sim_result
 
 #: Orders in which cuts are chosen: ``sweep`` (``cuts``: the first task over the capacity,
 #: in chain order) or ``peak`` (``peaks``: the task most over it first).
@@ -168,8 +169,8 @@ class Pricer:
     """Runs candidate directives through the simulator's event loop without writing them
     into a Program: the bare chain is compiled once, and each candidate only swaps in its
     directives (index tuples, as ``compile_program`` makes them from the annotated
-    program). ``search`` annotates only the winner, and simulates it once more the usual
-    way (a check that the two agree)."""
+    program). ``search`` annotates only the winner (``plan`` simulates what it returns
+    again; a test checks that the two runs agree)."""
 
     def __init__(self, chain: Chain, budget_bytes: int, slow_budget_bytes: int | None):
         self.bare: CompiledProgram = compile_program(chain.program)
@@ -293,25 +294,31 @@ def search(
                 break
     unfit_task = unfit.failed_task if unfit is not None and best is None else None
     unfit_bytes = unfit.over_bytes if unfit is not None and best is None else 0
-    winner = None if best is None else _annotated(chain, best, budget_bytes, slow_budget_bytes)
+    winner = (
+        None if best is None else _annotated(chain, best, pricer, budget_bytes, slow_budget_bytes)
+    )
     if best is not None and best.makespan_us > target_us:
         bound = bounds.at(budget_bytes)  # with the room bound: only a plan above the rest
     return SearchResult(winner, simulated, bound, unfit_task, unfit_bytes)
 
 
 def _annotated(
-    chain: Chain, priced: Priced, budget_bytes: int, slow_budget_bytes: int | None
+    chain: Chain, priced: Priced, pricer: Pricer, budget_bytes: int, slow_budget_bytes: int | None
 ) -> Candidate:
-    """The winner written into the program, and simulated the usual way (which must agree
-    with the pricer's run)."""
+    """The winner written into the program, with its SimResult made from the pricer's run
+    (``plan`` simulates the program it returns again, recording the timeline)."""
     planned = annotate(chain, priced.found, budget_bytes, slow_budget_bytes)
-    sim = simulate(planned, slow_budget_bytes=slow_budget_bytes, record=False, check=False)
-    if not sim.valid or sim.makespan_us != priced.makespan_us:
-        raise PlanningError(
-            f"PressureFit's plan of {chain.program.name!r} runs differently once written "
-            f"into the program ({sim.makespan_us} us, valid {sim.valid}) than when it was "
-            f"priced ({priced.makespan_us} us): the simulator's compiled form changed"
-        )
+    bare = pricer.bare
+    sim = sim_result(
+        planned,
+        bare.task_ids,
+        bare.obj_ids,
+        bare.size_bytes,
+        priced.outcome,
+        budget_bytes,
+        slow_budget_bytes,
+        False,
+    )
     return Candidate(priced.strategy, priced.capacity_bytes, planned, sim)
 
 
