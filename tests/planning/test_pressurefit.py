@@ -258,19 +258,24 @@ def test_a_candidate_the_simulator_rejects_is_swept_again_with_less_capacity(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from dataflow.planning import pressurefit
+    from dataflow.sim import SimError
+    from dataflow.sim.failure import FailureKind
 
-    real = pressurefit.simulate
+    real = pressurefit.Pricer.run
     calls: list[int] = []
 
     # the first sweep's two emissions (object order, final write-backs largest first) fail
     first_sweep = 2
 
-    def first_sweep_fails(program, **options):
-        result = real(program, **options)
+    def first_sweep_fails(self, found):
+        outcome = real(self, found)
         calls.append(1)
-        return attrs.evolve(result, valid=False) if len(calls) <= first_sweep else result
+        if len(calls) > first_sweep:
+            return outcome
+        error = SimError(FailureKind.DEADLOCK, "made to fail by the test", 0.0)
+        return attrs.evolve(outcome, error=error)
 
-    monkeypatch.setattr(pressurefit, "simulate", first_sweep_fails)
+    monkeypatch.setattr(pressurefit.Pricer, "run", first_sweep_fails)
     program = tiny_training()
     budget = 24 * MiB
     found = search(program, budget, portfolio=PORTFOLIO[:1])
@@ -324,12 +329,86 @@ def test_rungs_whose_bound_the_plan_already_meets_are_not_swept() -> None:
     found = search(program, budget, chain=chain, below=ladder)
     original = pressurefit._rung_bound_us
     try:
-        pressurefit._rung_bound_us = lambda chain, rung: float("-inf")
+        pressurefit._rung_bound_us = lambda bounds, rung: float("-inf")
         every = search(program, budget, chain=chain, below=ladder)
     finally:
         pressurefit._rung_bound_us = original
     assert found.best is not None and every.best is not None
     assert found.best.sim.makespan_us == every.best.sim.makespan_us
     assert found.simulated <= every.simulated
-    bounds = [original(chain, rung) for rung in ladder]
+    at = pressurefit.ChainBounds(chain)
+    bounds = [original(at, rung) for rung in ladder]
     assert bounds == sorted(bounds, reverse=True)  # the bounds only grow as budgets shrink
+
+
+@pytest.mark.parametrize("shape", ["training", "tied-embedding", "random"])
+def test_the_pricer_runs_candidates_as_the_simulator_runs_the_annotated_program(
+    shape: str,
+) -> None:
+    """Candidates are priced without writing them into a Program; the run must be the one
+    ``simulate`` gives of the annotated program (validity, makespan, peak, link bytes), at
+    budgets where some candidates fail too."""
+    from dataflow.planning.emit import annotate, directives, largest_first
+    from dataflow.planning.intervals import build_gaps
+    from dataflow.planning.prefetch import place_prefetches
+    from dataflow.planning.pressurefit import Pricer
+    from dataflow.sim import simulate
+    from dataflow.testing.shapes import SHAPES
+
+    failed = 0
+    for seed in range(3):
+        chain = build_chain(SHAPES[shape](random.Random(seed)))
+        gaps = build_gaps(chain)
+        floor = max(chain.base_bytes)
+        peak = no_offload_peak_bytes(chain)
+        for budget in (floor, (floor + peak) // 2, peak):
+            # priced at less than the sweep's capacity: some of these fail
+            pricer = Pricer(chain, budget - budget // 8, None)
+            for strategy in PORTFOLIO:
+                selection = strategy.select(chain, gaps, budget, None)
+                if selection.failed_task is not None:
+                    continue
+                placement = place_prefetches(chain, gaps, selection.cut, budget)
+                for found in (
+                    directives(chain, gaps, selection.cut, placement),
+                    largest_first(chain, directives(chain, gaps, selection.cut, placement))[0],
+                ):
+                    outcome = pricer.run(found)
+                    sim = simulate(
+                        annotate(chain, found, budget - budget // 8), record=False, check=False
+                    )
+                    assert (outcome.error is None) == sim.valid
+                    failed += not sim.valid
+                    if sim.valid:
+                        assert outcome.makespan_us == sim.makespan_us
+                        assert outcome.fast_peak_bytes == sim.fast_peak_bytes
+                        assert outcome.link_bytes["h2d"] == sim.h2d.bytes
+                        assert outcome.link_bytes["d2h"] == sim.d2h.bytes
+    assert failed  # the comparison covered failing runs too
+
+
+@pytest.mark.parametrize("shape", ["training-linkbound", "tied-embedding", "random", "streaming"])
+def test_the_transfers_floor_of_a_set_of_cuts_is_below_every_plan_with_them(shape: str) -> None:
+    """``transfers_floor_us`` (what the search skips rung candidates by) never exceeds the
+    simulated makespan of a plan made of those cuts, and it is at least the compute."""
+    from dataflow.planning.intervals import build_gaps
+    from dataflow.planning.pressurefit import Strategy, transfers_floor_us
+    from dataflow.testing.shapes import SHAPES
+
+    tight = 0
+    for seed in range(4):
+        program = SHAPES[shape](random.Random(seed))
+        chain = build_chain(program)
+        gaps = build_gaps(chain)
+        floor, peak = max(chain.base_bytes), no_offload_peak_bytes(chain)
+        for budget in (floor, (3 * floor + peak) // 4, (floor + peak) // 2, peak):
+            for strategy in (*PORTFOLIO, Strategy("clean", "early")):
+                found = search(program, budget, portfolio=[strategy], repairs=0)
+                if found.best is None:
+                    continue
+                selection = strategy.select(chain, gaps, found.best.capacity_bytes, None)
+                floor_us = transfers_floor_us(chain, gaps, selection.cut)
+                assert chain.start_us[-1] <= floor_us <= found.best.sim.makespan_us * (1 + 1e-12)
+                tight += floor_us > found.lower_bound.compute_us * (1 + 1e-6)
+    if shape in ("training-linkbound", "tied-embedding"):
+        assert tight  # link-bound chains: the floor is more than the compute somewhere

@@ -65,6 +65,79 @@ def issue_task(chain: Chain, use: int, lead_us: float) -> int:
     return chain.task_at_or_before(chain.start_us[use] - lead_us) - 1
 
 
+@attrs.frozen
+class SweepSetup:
+    """What every sweep of one chain starts from, whatever the capacity: the gaps entering
+    and leaving each task, each task's uses and final write-backs, and the head prefetch
+    windows (every sweep of a search shares it: ``_sweep_setup``)."""
+
+    entering: tuple[tuple[int, ...], ...]
+    leaving: tuple[tuple[int, ...], ...]
+    uses_at: tuple[tuple[tuple[int, bool], ...], ...]
+    tails_at: tuple[tuple[int, ...], ...]
+    head_use: tuple[int, ...]
+    head_p: tuple[int, ...]
+    head_size: tuple[int, ...]
+    head_diff: tuple[int, ...]
+    head_from: tuple[tuple[int, ...], ...]
+
+
+#: The last chain and gaps swept, and their setup (a search sweeps one chain many times).
+_LAST_SETUP: list[tuple[Chain, Gaps, SweepSetup]] = []
+
+
+def _sweep_setup(chain: Chain, gaps: Gaps) -> SweepSetup:
+    """``chain``'s ``SweepSetup``, made once for the last chain and gaps swept (checked by
+    identity: both are frozen)."""
+    if _LAST_SETUP and _LAST_SETUP[0][0] is chain and _LAST_SETUP[0][1] is gaps:
+        return _LAST_SETUP[0][2]
+    n = chain.n_tasks
+    g_a, g_b = gaps.a, gaps.b
+    entering: list[list[int]] = [[] for _ in range(n + 2)]
+    leaving: list[list[int]] = [[] for _ in range(n + 2)]
+    for g in range(len(gaps.obj)):
+        if g_b[g] - g_a[g] >= 2:
+            entering[g_a[g] + 1].append(g)
+            leaving[g_b[g]].append(g)
+    uses_at: list[list[tuple[int, bool]]] = [[] for _ in range(n + 1)]
+    for life in chain.objects:
+        for use, dirties in zip(life.uses, life.dirties, strict=True):
+            uses_at[use].append((life.index, dirties))
+    tails_at: list[list[int]] = [[] for _ in range(n + 2)]
+    for life in chain.objects:
+        if life.uses and life.final is Location.SLOW:
+            tails_at[life.uses[-1] + 1].append(life.index)
+    head_use, head_p, head_size = [], [], []
+    head_diff = [0] * (n + 2)
+    head_from: list[list[int]] = [[] for _ in range(n + 2)]
+    for life in chain.objects:
+        if life.origin is Origin.SLOW and life.uses:
+            use = life.uses[0]
+            lead = chain.h2d_us(life.size_bytes)
+            p = max(-1, min(use - 1, issue_task(chain, use, lead)))
+            if p + 1 > use - 1:
+                continue
+            head_from[p + 1].append(len(head_use))
+            head_use.append(use)
+            head_p.append(p)
+            head_size.append(life.size_bytes)
+            head_diff[p + 1] += life.size_bytes
+            head_diff[use] -= life.size_bytes
+    setup = SweepSetup(
+        entering=tuple(map(tuple, entering)),
+        leaving=tuple(map(tuple, leaving)),
+        uses_at=tuple(map(tuple, uses_at)),
+        tails_at=tuple(map(tuple, tails_at)),
+        head_use=tuple(head_use),
+        head_p=tuple(head_p),
+        head_size=tuple(head_size),
+        head_diff=tuple(head_diff),
+        head_from=tuple(map(tuple, head_from)),
+    )
+    _LAST_SETUP[:] = [(chain, gaps, setup)]
+    return setup
+
+
 def select_cuts(
     chain: Chain,
     gaps: Gaps,
@@ -93,27 +166,20 @@ def select_cuts(
     g_obj, g_a, g_b, g_size = gaps.obj, gaps.a, gaps.b, gaps.size_bytes
     cut = [False] * len(g_obj)
 
-    entering: list[list[int]] = [[] for _ in range(n + 2)]
-    leaving: list[list[int]] = [[] for _ in range(n + 2)]
-    for g in range(len(g_obj)):
-        if g_b[g] - g_a[g] >= 2:
-            entering[g_a[g] + 1].append(g)
-            leaving[g_b[g]].append(g)
-    uses_at: list[list[tuple[int, bool]]] = [[] for _ in range(n + 1)]
-    for life in objects:
-        for use, dirties in zip(life.uses, life.dirties, strict=True):
-            uses_at[use].append((life.index, dirties))
-    tails_at: list[list[int]] = [[] for _ in range(n + 2)]
-    for life in objects:
-        if life.uses and life.final is Location.SLOW:
-            tails_at[life.uses[-1] + 1].append(life.index)
+    setup = _sweep_setup(chain, gaps)
+    entering, leaving, uses_at, tails_at = (
+        setup.entering,
+        setup.leaving,
+        setup.uses_at,
+        setup.tails_at,
+    )
 
     # Prefetch windows: (object, use, issue task p, size); they cover p+1 .. use-1.
-    win_use: list[int] = []
-    win_p: list[int] = []
-    win_size: list[int] = []
-    window_diff = [0] * (n + 2)
-    windows_from: list[list[int]] = [[] for _ in range(n + 2)]
+    win_use: list[int] = list(setup.head_use)
+    win_p: list[int] = list(setup.head_p)
+    win_size: list[int] = list(setup.head_size)
+    window_diff = list(setup.head_diff)
+    windows_from: list[list[int]] = [list(ws) for ws in setup.head_from]
 
     def add_window(use: int, p: int, size: int) -> None:
         if p + 1 > use - 1:
@@ -125,12 +191,6 @@ def select_cuts(
         window_diff[p + 1] += size
         window_diff[use] -= size
         windows_from[p + 1].append(w)
-
-    for life in objects:
-        if life.origin is Origin.SLOW and life.uses:
-            use = life.uses[0]
-            lead = chain.h2d_us(life.size_bytes)
-            add_window(use, max(-1, min(use - 1, issue_task(chain, use, lead))), life.size_bytes)
 
     soft_diff = [0] * (n + 2)
 

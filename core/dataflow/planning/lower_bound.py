@@ -13,7 +13,12 @@ Three bounds, each true for every plan the execution model allows:
   them. Every object whose final location is ``slow`` and that ends dirty (created,
   mutated, or started in fast memory) is written back after its last change, over ``d2h``,
   one at a time: the run cannot end before the earliest end of task ``j`` plus the
-  write-backs of every object last changed at or after ``j``.
+  write-backs of every object last changed at or after ``j``. With a budget, a large
+  load also waits for room (``ChainBounds._room_us``): an object that starts slow and
+  that some task before its first use cannot hold beside what that task holds is either
+  loaded after the last such task ends, or every task it overlaps makes room for it (the
+  volume cover with those tasks' excess raised by its size); the least of the two
+  timelines over where the load starts is a bound.
 - **volume** (needs a budget): at a task where the objects that must stay resident between
   two uses exceed the budget, at least that excess must leave fast memory and come back
   over ``h2d``, on top of the first loads. A gap cut once relieves every task it spans,
@@ -135,67 +140,189 @@ def cyclic_lower_bound(program: Program, budget_bytes: int | None) -> LowerBound
 
 
 def chain_lower_bound(chain: Chain, budget_bytes: int | None) -> LowerBound:
-    n = chain.n_tasks
-    compute_us = chain.start_us[n]
-    if n == 0:
-        return LowerBound(0.0, 0.0, 0.0)
-    first_load_us = [0.0] * (n + 1)  # by the index of the first use (reloads added below)
-    last_change: list[tuple[int, float]] = []  # (task index, write-back µs)
-    for life in chain.objects:
-        if not life.uses:
-            continue
-        if life.origin is Origin.SLOW:
-            first_load_us[life.uses[0]] += chain.h2d_us(life.size_bytes)
-        if life.final is Location.SLOW:
-            changed = [use for use, dirty in zip(life.uses, life.dirties, strict=True) if dirty]
-            if changed:
-                last_change.append((changed[-1], chain.d2h_us(life.size_bytes)))
-    first_loads_us = sum(first_load_us)
-    cost = chain.cost_us
-    # gaps[t]: idle time forced between task t and the next (0 without a budget)
-    gaps = _handoff_gaps_us(chain, budget_bytes) if budget_bytes is not None else [0.0] * n
-    reload_us = 0.0  # the fewest bytes that must leave and come back, over h2d
-    if budget_bytes is not None:
-        cut_gaps = build_gaps(chain)
-        kept = kept_profile(chain, cut_gaps)
-        excess = [
-            base + held - budget_bytes for base, held in zip(chain.base_bytes, kept, strict=True)
+    return ChainBounds(chain).at(budget_bytes)
+
+
+class ChainBounds:
+    """``chain``'s lower bounds at any budget: what does not depend on the budget (first
+    loads, last changes, the gaps, what each task boundary reads and leaves behind) is
+    worked out once, so bounding several budgets of one chain (the monotone ladder) costs
+    little more than the timeline walk per budget."""
+
+    def __init__(self, chain: Chain):
+        self.chain = chain
+        n = chain.n_tasks
+        self.first_load_us = [0.0] * (n + 1)  # by the index of the first use
+        self.write_back_us = [0.0] * (n + 1)  # by the index of the last change
+        for life in chain.objects:
+            if not life.uses:
+                continue
+            if life.origin is Origin.SLOW:
+                self.first_load_us[life.uses[0]] += chain.h2d_us(life.size_bytes)
+            if life.final is Location.SLOW:
+                changed = [use for use, dirty in zip(life.uses, life.dirties, strict=True) if dirty]
+                if changed:
+                    self.write_back_us[changed[-1]] += chain.d2h_us(life.size_bytes)
+        self.first_loads_us = sum(self.first_load_us)
+        self.gaps = build_gaps(chain)
+        self.held = [
+            base + kept
+            for base, kept in zip(chain.base_bytes, kept_profile(chain, self.gaps), strict=True)
         ]
-        if max(excess) > 0:
-            # each reload lands before the gap's next use: the timeline below counts it
-            # there, bytes only (a cut may be a share of one transfer)
-            reloads = _cover_bytes(cut_gaps, excess)
-            for use, size in enumerate(reloads):
-                first_load_us[use] += size / chain.h2d.bw_bytes_per_us
-            reload_us = max(
-                chain.h2d_us(max(excess)),
-                chain.h2d.latency_us + sum(reloads) / chain.h2d.bw_bytes_per_us,
-            )
-    start_us, loads_us = 0.0, 0.0
-    earliest_end = []
-    for t in range(n):
-        loads_us += first_load_us[t]
-        start_us = max(start_us, loads_us)
-        earliest_end.append(start_us + cost[t])
-        start_us = earliest_end[-1] + gaps[t]
-    loads_us += first_load_us[n]
-    link_us = max(start_us, loads_us)
-    write_back_us = [0.0] * (n + 1)
-    for t, us in last_change:
-        write_back_us[t] += us
-    after_us = 0.0
-    for t in range(n - 1, -1, -1):
-        after_us += write_back_us[t]
-        if after_us:
-            link_us = max(link_us, earliest_end[t] + after_us)
-    volume_us = handoff_us = 0.0
-    if budget_bytes is not None:
-        handoff_us = compute_us + sum(gaps)
-        if reload_us or first_loads_us:
-            volume_us = first_loads_us + reload_us
-    return LowerBound(
-        compute_us=compute_us, link_us=link_us, volume_us=volume_us, handoff_us=handoff_us
-    )
+        self.peak_held = max(self.held, default=0)
+        self.handoff = _handoff_needs(chain) if n else None
+        # the largest objects loaded for a first use after task 0: the room bound's loads
+        heads = [
+            life
+            for life in chain.objects
+            if life.origin is Origin.SLOW and life.uses and life.uses[0] >= 1
+        ]
+        heads.sort(key=lambda life: (-life.size_bytes, life.index))
+        self.room_heads = tuple((life.size_bytes, life.uses[0]) for life in heads[:ROOM_LOADS])
+
+    def _reloads(self, budget_bytes: int, raised: tuple[int, int, int] | None = None) -> list[int]:
+        """The volume cover's reloads by the index of the next use (``_cover_bytes``); with
+        ``raised`` = (first task, end task, bytes), every task in that range also holds
+        that many bytes more."""
+        excess = [held - budget_bytes for held in self.held]
+        if raised is not None:
+            first, end, extra = raised
+            excess[first:end] = [value + extra for value in excess[first:end]]
+        if max(excess) <= 0:
+            return [0] * self.chain.n_tasks
+        return _cover_bytes(self.gaps, excess)
+
+    def _timeline(
+        self, first_load_us: list[float], gaps: list[float], ready: tuple[int, float] = (-1, 0.0)
+    ) -> tuple[float, list[float]]:
+        """The link bound's timeline: task ``t`` starts no sooner than the loads due by it
+        (``first_load_us`` by the index of the use), nor than the task before it ends plus
+        ``gaps``, nor (``ready`` = (task, µs)) than a given time; the run ends no sooner
+        than the loads due at the end, nor than a task's end plus the write-backs of
+        everything last changed at or after it. Returns the bound and each task's earliest
+        end."""
+        cost = self.chain.cost_us
+        n = self.chain.n_tasks
+        start_us, loads_us = 0.0, 0.0
+        earliest_end = []
+        for t in range(n):
+            loads_us += first_load_us[t]
+            if loads_us > start_us:
+                start_us = loads_us
+            if t == ready[0] and ready[1] > start_us:
+                start_us = ready[1]
+            end_us = start_us + cost[t]
+            earliest_end.append(end_us)
+            start_us = end_us + gaps[t]
+        loads_us += first_load_us[n]
+        link_us = max(start_us, loads_us, ready[1] if ready[0] == n else 0.0)
+        write_back_us = self.write_back_us
+        after_us = 0.0
+        for t in range(n - 1, -1, -1):
+            after_us += write_back_us[t]
+            if after_us:
+                link_us = max(link_us, earliest_end[t] + after_us)
+        return link_us, earliest_end
+
+    def _rooms(self, budget_bytes: int) -> list[tuple[int, int, int]]:
+        """(size, first use, task) of each room-bound load: the last task before the
+        object's first use at which it does not fit beside what is held there."""
+        found = []
+        held = self.held
+        for size, use in self.room_heads:
+            room = budget_bytes - size
+            last = next((t for t in range(use - 1, -1, -1) if held[t] > room), None)
+            if last is not None:
+                found.append((size, use, last))
+        return found
+
+    def _room_us(
+        self,
+        budget_bytes: int,
+        size: int,
+        use: int,
+        last: int,
+        gaps: list[float],
+        plain: tuple[list[float], float, list[float]],
+    ) -> float:
+        """The room bound of one load (the module docstring): the load of ``size`` bytes
+        for task ``use`` starts after some task ``k - 1`` ends and before task ``k`` ends
+        (or after task ``use - 1``), so every task from ``k`` to ``use - 1`` holds it too
+        and no task from ``use`` on starts before it is in. ``last`` is the last task
+        before ``use`` that cannot hold it beside everything it holds without cuts. The
+        bound is the least over ``k``; the ``k`` up to ``last`` are taken in a few
+        brackets, each bounded by its weakest ends (the fewest tasks that hold the load,
+        the earliest start), so the minimum is never overstated. ``plain`` is the link
+        bound's own timeline (its loads, bound and earliest ends)."""
+        loads_us, plain_us, earliest_end = plain
+        load_us = self.chain.h2d_us(size)
+
+        def ready_us(k: int) -> float:
+            return (earliest_end[k - 1] if k >= 1 else 0.0) + load_us
+
+        # after ``last``: nothing needs making room
+        least_us, _ = self._timeline(loads_us, gaps, (use, ready_us(last + 1)))
+        if least_us <= plain_us:
+            return least_us  # no better than the link bound whatever the brackets give
+        points = sorted({max(0, last + 1 - 2**step) for step in range(ROOM_BRACKETS)} | {0})
+        points.append(last + 1)
+        for low, high in itertools.pairwise(points):
+            high = min(high, last)  # the bracket's fewest holders still include ``last``
+            reloads = self._reloads(budget_bytes, (high, use, size))
+            bound_us, _ = self._timeline(self._loads_with(reloads), gaps, (use, ready_us(low)))
+            least_us = min(least_us, bound_us)
+            if least_us <= plain_us:
+                break
+        return least_us
+
+    def _loads_with(self, reloads: list[int]) -> list[float]:
+        """First loads plus ``reloads`` (bytes, by the index of the next use)."""
+        bandwidth = self.chain.h2d.bw_bytes_per_us
+        loads = list(self.first_load_us)
+        for use, size in enumerate(reloads):
+            if size:
+                loads[use] += size / bandwidth
+        return loads
+
+    def at(self, budget_bytes: int | None, *, rooms: bool = True) -> LowerBound:
+        """The bounds at ``budget_bytes``; ``rooms=False`` leaves the room bound out of the
+        link bound (cheaper, and still a bound: the search's stopping tests use it)."""
+        chain = self.chain
+        n = chain.n_tasks
+        compute_us = chain.start_us[n]
+        if n == 0:
+            return LowerBound(0.0, 0.0, 0.0)
+        first_load_us = list(self.first_load_us)  # reloads added below
+        # gaps[t]: idle time forced between task t and the next (0 without a budget)
+        gaps = [0.0] * n
+        reload_us = 0.0  # the fewest bytes that must leave and come back, over h2d
+        if budget_bytes is not None:
+            gaps = self.handoff.gaps_us(chain, budget_bytes)
+            if self.peak_held > budget_bytes:
+                # each reload lands before the gap's next use: the timeline below counts it
+                # there, bytes only (a cut may be a share of one transfer)
+                reloads = self._reloads(budget_bytes)
+                bandwidth = chain.h2d.bw_bytes_per_us
+                for use, size in enumerate(reloads):
+                    if size:
+                        first_load_us[use] += size / bandwidth
+                reload_us = max(
+                    chain.h2d_us(self.peak_held - budget_bytes),
+                    chain.h2d.latency_us + sum(reloads) / bandwidth,
+                )
+        link_us, earliest_end = self._timeline(first_load_us, gaps)
+        if budget_bytes is not None and rooms:
+            plain = (first_load_us, link_us, earliest_end)
+            for size, use, last in self._rooms(budget_bytes):
+                link_us = max(link_us, self._room_us(budget_bytes, size, use, last, gaps, plain))
+        volume_us = handoff_us = 0.0
+        if budget_bytes is not None:
+            handoff_us = compute_us + sum(gaps)
+            if reload_us or self.first_loads_us:
+                volume_us = self.first_loads_us + reload_us
+        return LowerBound(
+            compute_us=compute_us, link_us=link_us, volume_us=volume_us, handoff_us=handoff_us
+        )
 
 
 def _cover_bytes(gaps: Gaps, excess: list[int]) -> list[int]:
@@ -238,13 +365,50 @@ def _cover_bytes(gaps: Gaps, excess: list[int]) -> list[int]:
     return ending[:n]
 
 
+#: The room bound looks at this many of the largest objects that start slow.
+ROOM_LOADS = 2
+#: Brackets of the tasks before ``last`` the room bound splits the load's start into.
+ROOM_BRACKETS = 4
+
 #: Up to this many candidate objects, the cheapest covering set is found by enumeration.
 EXACT_COVER = 8
 
 
-def _handoff_gaps_us(chain: Chain, budget_bytes: int) -> list[float]:
-    """Per task ``t``, the transfer time forced between it and the next task (the end, for
-    the last one); see the module docstring."""
+@attrs.frozen
+class _HandoffNeeds:
+    """Per task boundary ``t`` -> ``t+1`` (the last one: the end), what the handoff bound
+    needs whatever the budget: the sizes ``t+1`` reads that ``t`` does not use, and of the
+    objects ``t`` leaves behind, the bytes that can leave at once and the sizes that must be
+    written back first (created or mutated by ``t`` and needed later)."""
+
+    fresh: tuple[tuple[int, ...], ...]
+    #: the budget below which loads are forced: sum(fresh[t]) + base[t]
+    load_above: tuple[int, ...]
+    free: tuple[int, ...]
+    pinned: tuple[tuple[int, ...], ...]
+    #: the budget below which something must leave: base[t+1] + everything left behind
+    leave_above: tuple[int, ...]
+
+    def gaps_us(self, chain: Chain, budget_bytes: int) -> list[float]:
+        """Per task ``t``, the transfer time forced between it and the next task."""
+        gaps_us = [0.0] * len(self.fresh)
+        for t, (load_above, leave_above) in enumerate(
+            zip(self.load_above, self.leave_above, strict=True)
+        ):
+            if load_above <= budget_bytes and leave_above <= budget_bytes:
+                continue
+            load_us = write_us = 0.0
+            if load_above > budget_bytes:
+                load_us = _cover_us(list(self.fresh[t]), load_above - budget_bytes, chain.h2d)
+            must_go = leave_above - budget_bytes
+            if must_go > self.free[t]:
+                write_us = _cover_us(list(self.pinned[t]), must_go - self.free[t], chain.d2h)
+            gaps_us[t] = max(load_us, write_us)
+        return gaps_us
+
+
+def _handoff_needs(chain: Chain) -> _HandoffNeeds:
+    """The budget-free part of the handoff bound (see the module docstring)."""
     n = chain.n_tasks
     read_at: list[list[int]] = [[] for _ in range(n + 1)]  # objects each task needs present
     used_at: list[set[int]] = [set() for _ in range(n + 1)]
@@ -260,21 +424,19 @@ def _handoff_gaps_us(chain: Chain, budget_bytes: int) -> list[float]:
                 pinned_at[use].add(life.index)
     size = [life.size_bytes for life in chain.objects]
     base = chain.base_bytes
-    gaps_us = []
+    fresh, load_above, free, pinned, leave_above = [], [], [], [], []
     for t in range(n):
         used, following = used_at[t], used_at[t + 1]
-        fresh = [size[o] for o in read_at[t + 1] if o not in used]
-        load_us = _cover_us(fresh, sum(fresh) - (budget_bytes - base[t]), chain.h2d)
-        leaving = used - following
-        must_go = base[t + 1] + sum(size[o] for o in leaving) - budget_bytes
-        write_us = 0.0
-        if must_go > 0:  # (the common case, nothing forced, without sorting)
-            leaving_in_order = sorted(leaving)
-            free = sum(size[o] for o in leaving_in_order if o not in pinned_at[t])
-            pinned = [size[o] for o in leaving_in_order if o in pinned_at[t]]
-            write_us = _cover_us(pinned, must_go - free, chain.d2h)
-        gaps_us.append(max(load_us, write_us))
-    return gaps_us
+        sizes = tuple(size[o] for o in read_at[t + 1] if o not in used)
+        fresh.append(sizes)
+        load_above.append(sum(sizes) + base[t])
+        leaving = sorted(used - following)
+        free.append(sum(size[o] for o in leaving if o not in pinned_at[t]))
+        pinned.append(tuple(size[o] for o in leaving if o in pinned_at[t]))
+        leave_above.append(base[t + 1] + sum(size[o] for o in leaving))
+    return _HandoffNeeds(
+        tuple(fresh), tuple(load_above), tuple(free), tuple(pinned), tuple(leave_above)
+    )
 
 
 def _cover_us(sizes: list[int], need_bytes: int, link: Link) -> float:

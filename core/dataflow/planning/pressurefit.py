@@ -24,20 +24,24 @@ from collections.abc import Sequence
 import attrs
 
 from dataflow.planning.cuts import SCORES, CutSelection, select_cuts
-from dataflow.planning.emit import annotate, directives, largest_first, reannotate
+from dataflow.planning.emit import Directives, annotate, directives, largest_first
 from dataflow.planning.intervals import (
     Chain,
     Gaps,
+    Origin,
     PlanningError,
     build_chain,
     build_gaps,
     no_offload_peak_bytes,
 )
-from dataflow.planning.lower_bound import LowerBound, chain_lower_bound
+from dataflow.planning.lower_bound import ChainBounds, LowerBound
 from dataflow.planning.peaks import select_cuts_peak
 from dataflow.planning.prefetch import RULES, place_prefetches
-from dataflow.schema import Budget, Program
+from dataflow.schema import Budget, Location, Program
 from dataflow.sim import SimResult, simulate
+from dataflow.sim.compiled import CompiledProgram, compile_program
+from dataflow.sim.loop import D2H, H2D, Outcome, run
+from dataflow.sim.simulate import _result as sim_result
 
 #: Orders in which cuts are chosen: ``sweep`` (``cuts``: the first task over the capacity,
 #: in chain order) or ``peak`` (``peaks``: the task most over it first).
@@ -134,20 +138,55 @@ MONOTONE_RUNGS = 8
 
 @attrs.frozen
 class Candidate:
-    """One simulated candidate plan."""
+    """The winning candidate plan: its annotated program and its simulation."""
 
     strategy: Strategy
     capacity_bytes: int
     program: Program
     sim: SimResult
 
+
+@attrs.frozen
+class Priced:
+    """One candidate's directives and the simulator's run of them (``Pricer``)."""
+
+    strategy: Strategy
+    capacity_bytes: int
+    found: Directives
+    outcome: Outcome
+
+    @property
+    def makespan_us(self) -> float:
+        return self.outcome.makespan_us
+
     @property
     def rank(self) -> tuple[float, int, int]:
-        return (
-            self.sim.makespan_us,
-            self.sim.h2d.bytes + self.sim.d2h.bytes,
-            self.sim.fast_peak_bytes,
+        moved = self.outcome.link_bytes[H2D] + self.outcome.link_bytes[D2H]
+        return (self.outcome.makespan_us, moved, self.outcome.fast_peak_bytes)
+
+
+class Pricer:
+    """Runs candidate directives through the simulator's event loop without writing them
+    into a Program: the bare chain is compiled once, and each candidate only swaps in its
+    directives (index tuples, as ``compile_program`` makes them from the annotated
+    program). ``search`` annotates only the winner (``plan`` simulates what it returns
+    again; a test checks that the two runs agree)."""
+
+    def __init__(self, chain: Chain, budget_bytes: int, slow_budget_bytes: int | None):
+        self.bare: CompiledProgram = compile_program(chain.program)
+        self.links = chain.program.links
+        self.budget_bytes = budget_bytes
+        self.slow_budget_bytes = slow_budget_bytes
+
+    def run(self, found: Directives) -> Outcome:
+        compiled = attrs.evolve(
+            self.bare,
+            has_prologue=bool(found.prefetches[-1]),
+            releases=(*found.releases, ()),
+            offloads=(*found.offloads, ()),
+            prefetches=found.prefetches,
         )
+        return run(compiled, self.links, self.budget_bytes, self.slow_budget_bytes, False)
 
 
 @attrs.frozen
@@ -184,47 +223,49 @@ def search(
     budget leaves room that the plan does not use (for placement's fragmentation)."""
     chain = chain or build_chain(program.bare())
     gaps = build_gaps(chain)
-    bound = chain_lower_bound(chain, budget_bytes)
+    bounds = ChainBounds(chain)
+    bound = bounds.at(budget_bytes, rooms=False)  # the room bound, if need be, at the end
     target_us = bound.best_us * (1 + 1e-9)
-    best: Candidate | None = None
-    seen: dict[tuple[tuple[tuple[int, ...], ...], ...], SimResult] = {}
+    pricer = Pricer(chain, budget_bytes, slow_budget_bytes)
+    best: Priced | None = None
+    seen: dict[tuple[tuple[tuple[int, ...], ...], ...], bool] = {}
     simulated = 0
     unfit: CutSelection | None = None
 
     def attempt(strategy: Strategy, capacity: int, place_at: int) -> bool | None:
         """Sweep at ``capacity``, fit prefetches into ``place_at``; True: valid, False:
         invalid, None: the sweep failed."""
-        nonlocal best, simulated, unfit
+        nonlocal unfit
         selection = strategy.select(chain, gaps, capacity, slow_budget_bytes)
         if selection.failed_task is not None:
             unfit = unfit or selection
             return None
+        if best is not None and transfers_floor_us(chain, gaps, selection.cut) > best.makespan_us:
+            return None  # these cuts move too much to beat the best: no need to place them
         placement = place_prefetches(chain, gaps, selection.cut, place_at, strategy.rule)
         found = directives(chain, gaps, selection.cut, placement)
-        planned = annotate(chain, found, budget_bytes, slow_budget_bytes)
-        valid = try_candidate(strategy, capacity, found, planned)
-        if best is not None and best.sim.makespan_us <= target_us:
+        valid = try_candidate(strategy, capacity, found)
+        if best is not None and best.makespan_us <= target_us:
             return valid  # at the lower bound: nothing to gain from another order
         reordered, tasks = largest_first(chain, found)
         if tasks:
-            planned = reannotate(planned, chain, reordered, tasks)
-            valid = try_candidate(strategy, capacity, reordered, planned) or valid
+            valid = try_candidate(strategy, capacity, reordered) or valid
         return valid
 
-    def try_candidate(strategy: Strategy, capacity: int, found, planned: Program) -> bool:
-        """Simulate ``planned`` (once per set of directives); keep it if it is the best."""
+    def try_candidate(strategy: Strategy, capacity: int, found: Directives) -> bool:
+        """Simulate ``found`` (once per set of directives); keep it if it is the best."""
         nonlocal best, simulated
         key = (found.releases, found.offloads, found.prefetches)
-        sim = seen.get(key)
-        if sim is None:
-            sim = simulate(planned, slow_budget_bytes=slow_budget_bytes, record=False, check=False)
-            seen[key] = sim
+        valid = seen.get(key)
+        if valid is None:
+            outcome = pricer.run(found)
+            valid = seen[key] = outcome.error is None
             simulated += 1
-            if sim.valid:
-                candidate = Candidate(strategy, capacity, planned, sim)
+            if valid:
+                candidate = Priced(strategy, capacity, found, outcome)
                 if best is None or candidate.rank < best.rank:
                     best = candidate
-        return sim.valid
+        return valid
 
     def sweep(capacity: int, place_at: int) -> bool:
         """Every strategy at ``capacity`` (each repaired as needed); True: stop searching."""
@@ -234,7 +275,7 @@ def search(
                 if attempt(strategy, swept, place_at) is not False:
                     break
                 swept = _smaller(chain, swept)  # repair: sweep again with more room
-            if best is not None and (first_valid or best.sim.makespan_us <= target_us):
+            if best is not None and (first_valid or best.makespan_us <= target_us):
                 return True
         return False
 
@@ -245,7 +286,7 @@ def search(
         for rung in sorted(set(below), reverse=True):
             if rung >= top:
                 continue
-            if best is not None and best.sim.makespan_us <= _rung_bound_us(chain, rung):
+            if best is not None and best.makespan_us <= _rung_bound_us(bounds, rung):
                 # A plan within ``rung`` is never faster than its bound, nor one within a
                 # smaller rung (the bounds only grow as the budget shrinks): done.
                 break
@@ -253,12 +294,83 @@ def search(
                 break
     unfit_task = unfit.failed_task if unfit is not None and best is None else None
     unfit_bytes = unfit.over_bytes if unfit is not None and best is None else 0
-    return SearchResult(best, simulated, bound, unfit_task, unfit_bytes)
+    winner = (
+        None if best is None else _annotated(chain, best, pricer, budget_bytes, slow_budget_bytes)
+    )
+    if best is not None and best.makespan_us > target_us:
+        bound = bounds.at(budget_bytes)  # with the room bound: only a plan above the rest
+    return SearchResult(winner, simulated, bound, unfit_task, unfit_bytes)
 
 
-def _rung_bound_us(chain: Chain, rung_bytes: int) -> float:
+def _annotated(
+    chain: Chain, priced: Priced, pricer: Pricer, budget_bytes: int, slow_budget_bytes: int | None
+) -> Candidate:
+    """The winner written into the program, with its SimResult made from the pricer's run
+    (``plan`` simulates the program it returns again, recording the timeline)."""
+    planned = annotate(chain, priced.found, budget_bytes, slow_budget_bytes)
+    bare = pricer.bare
+    sim = sim_result(
+        planned,
+        bare.task_ids,
+        bare.obj_ids,
+        bare.size_bytes,
+        priced.outcome,
+        budget_bytes,
+        slow_budget_bytes,
+        False,
+    )
+    return Candidate(priced.strategy, priced.capacity_bytes, planned, sim)
+
+
+def transfers_floor_us(chain: Chain, gaps: Gaps, cut: Sequence[bool]) -> float:
+    """A lower bound on the makespan of any plan with these cuts, from the transfers they
+    need (the link bound of ``lower_bound``, for one set of cuts): every object that starts
+    slow and every cut gap comes back over ``h2d`` (one transfer at a time, from program
+    start on) before the task that needs it starts; a cut gap that is dirty (created,
+    mutated, or started fast since it last came back) is written back over ``d2h`` after
+    the task before it ends, as is every dirty object whose final location is slow after
+    its last use. So task ``t`` starts no sooner than the loads due by then, and the run
+    ends no sooner than the end of task ``t`` plus every write-back issued from there on.
+    Cheap next to placing the prefetches and simulating: rungs of the monotone ladder,
+    which cut far more than the budget needs, are skipped with it."""
+    n = chain.n_tasks
+    due_us = [0.0] * (n + 1)  # by the task that needs it back
+    written_us = [0.0] * (n + 1)  # by the task whose end issues it
+    for life in chain.objects:
+        if not life.uses:
+            continue
+        if life.origin is Origin.SLOW:
+            due_us[life.uses[0]] += chain.h2d_us(life.size_bytes)
+        first_gap, last = gaps.first_gap[life.index], len(life.uses) - 1
+        dirty = False
+        for k, (use, dirties) in enumerate(zip(life.uses, life.dirties, strict=True)):
+            dirty = dirty or dirties
+            if k < last and cut[first_gap + k]:
+                due_us[life.uses[k + 1]] += chain.h2d_us(life.size_bytes)
+                if dirty:
+                    written_us[use] += chain.d2h_us(life.size_bytes)
+                dirty = False
+            elif k == last and dirty and life.final is Location.SLOW:
+                written_us[use] += chain.d2h_us(life.size_bytes)
+    cost = chain.cost_us
+    ends = []
+    start_us = loaded_us = 0.0
+    for t in range(n):
+        loaded_us += due_us[t]
+        start_us = max(start_us, loaded_us) + cost[t]
+        ends.append(start_us)
+    floor_us = max(start_us, loaded_us + due_us[n])
+    after_us = 0.0
+    for t in range(n - 1, -1, -1):
+        after_us += written_us[t]
+        if after_us:
+            floor_us = max(floor_us, ends[t] + after_us)
+    return floor_us
+
+
+def _rung_bound_us(bounds: ChainBounds, rung_bytes: int) -> float:
     """The best lower bound at ``rung_bytes``, a hair under (float rounding)."""
-    return chain_lower_bound(chain, rung_bytes).best_us * (1 - 1e-9)
+    return bounds.at(rung_bytes, rooms=False).best_us * (1 - 1e-9)
 
 
 def monotone_capacities(chain: Chain, rungs: int = MONOTONE_RUNGS) -> tuple[int, ...]:
