@@ -164,3 +164,25 @@ def test_measured_timeline_takes_the_last_timed_step_and_the_median() -> None:
     assert [i.args["waited_us"] for i in measured.instants] == [2]
     with pytest.raises(ValueError, match="replayed from a CUDA graph"):
         measured_timeline(program, [replayed])
+
+
+def test_measured_role_counters_are_the_predicted_ones_on_the_measured_clock(placement) -> None:
+    """Each predicted instant moves to the measured time between the same task
+    boundaries: a measured run twice as slow (plus a 10 µs start) doubles every time."""
+    predicted = predicted_timeline(placement)
+    slow = [
+        attrs.evolve(s, start_us=10 + 2 * s.start_us, end_us=10 + 2 * s.end_us)
+        for s in predicted.tasks
+    ]
+    program = placement.plan.program
+    measured = measured_timeline(program, [Timeline("m", tasks=slow)], predicted)
+    by_name = {c.name: c for c in measured.counters}
+    roles = [c for c in predicted.counters if c.name.startswith("fast memory: ")]
+    assert roles
+    first, last = predicted.tasks[0].start_us, predicted.tasks[-1].end_us
+    for counter in roles:
+        moved = by_name[counter.name]
+        assert [v for _, v in moved.points] == [v for _, v in counter.points]
+        for (t, _), (u, _) in zip(counter.points, moved.points, strict=True):
+            t = min(max(t, first), last)  # flat beyond the first and last task
+            assert u == pytest.approx(10 + 2 * t)

@@ -15,11 +15,14 @@ with more counters and the stalls:
 measured Timeline: the spans of the last step that has them (a step replayed from a CUDA
 graph has none), each task's args those of the predicted task plus ``measured_us`` and
 the median over the steps (``median_us``), the link rates and stalls computed the same
-way, and every step's makespan in the metadata.
+way, the predicted fast memory by role moved onto the measured clock
+(``warped_role_counters``), and every step's makespan in the metadata.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -196,12 +199,52 @@ def measured_timeline(
         "replayed_steps": [i for i, step in enumerate(steps) if not step.tasks],
         **dict(metadata or {}),
     }
+    roles = warped_role_counters(predicted, timeline) if predicted is not None else []
     return attrs.evolve(
         timeline,
-        counters=[*base.counters, *link_counters(timeline)],
+        counters=[*base.counters, *roles, *link_counters(timeline)],
         instants=stalls(timeline, program),
         metadata=info,
     )
+
+
+def warped_role_counters(predicted: Timeline, measured: Timeline) -> list[Counter]:
+    """The predicted fast-memory-by-role counters on the measured clock. The engine's
+    ledger counts bytes, not roles, but it holds exactly the plan's objects in the plan's
+    order, so each predicted instant is moved to the measured time it corresponds to:
+    linearly between the nearest task starts and ends, as both runs timed them. Between
+    two task boundaries the measured order of transfers may differ slightly; the total
+    ``fast memory`` counter of the measured run is the ledger's own."""
+    measured_spans = {span.task_id: span for span in measured.tasks}
+    anchors = sorted(
+        (at_predicted, at_measured)
+        for span in predicted.tasks
+        if (other := measured_spans.get(span.task_id)) is not None
+        for at_predicted, at_measured in (
+            (span.start_us, other.start_us),
+            (span.end_us, other.end_us),
+        )
+    )
+    if len(anchors) < 2:
+        return []
+    xs = [x for x, _ in anchors]
+    ys = list(itertools.accumulate((y for _, y in anchors), max))  # a clock never runs back
+    return [
+        attrs.evolve(counter, points=[(_interpolate(xs, ys, t), v) for t, v in counter.points])
+        for counter in predicted.counters
+        if counter.name.startswith(FAST_PREFIX)
+    ]
+
+
+def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear ``y(x)`` through the points (``xs`` sorted), flat beyond them."""
+    i = bisect.bisect_right(xs, x)
+    if i == 0:
+        return ys[0]
+    if i == len(xs):
+        return ys[-1]
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 def plan_record(placement: Any, recomputed: Sequence[str] = ()) -> PlanRecord:

@@ -28,11 +28,11 @@ TRAIN = ["--preset", "gpt2_tiny", "--device", "cpu", "--batch", "2", "--seq-len"
 CONSTANT = ["--schedule", "constant"]
 
 
-def topology(tmp_path: Path, b_extra: str = "") -> Path:
+def topology(tmp_path: Path, b_extra: str = "", a_extra: str = "") -> Path:
     port = free_port()
     path = tmp_path / "topology.toml"
     path.write_text(
-        f'conductor = "a"\n[hosts.a]\nlisten = "127.0.0.1:{port}"\n'
+        f'conductor = "a"\n[hosts.a]\nlisten = "127.0.0.1:{port}"\n{a_extra}'
         f'[hosts.b]\nlisten = "127.0.0.1:{port}"\n{b_extra}'
         '[groups.dp]\nmembers = ["a", "b"]\nbackend = "gloo"\n'
     )
@@ -104,7 +104,8 @@ def test_killed_member_stops_the_fleet_and_resume_continues(tmp_path):
 def test_a_member_started_through_ssh(tmp_path):
     """Host b has an ``ssh`` alias: the conductor starts it as ``ssh ALIAS 'cd REPO &&
     env ... python -m dataflow train ...'``; a fake ``ssh`` on PATH logs its argv and
-    runs the command here, and the fleet trains to the end."""
+    runs the command here, and the fleet trains to the end. Both hosts set their own
+    ``fast`` size and the command gives no ``--fast-budget``: every member gets them."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "ssh.log"
@@ -112,7 +113,8 @@ def test_a_member_started_through_ssh(tmp_path):
     fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec sh -c "$2"\n')
     fake.chmod(0o755)
     repo = Path.cwd()
-    topo = topology(tmp_path, f'ssh = "boxB"\npython = "{sys.executable}"\nrepo = "{repo}"\n')
+    b_extra = f'ssh = "boxB"\npython = "{sys.executable}"\nrepo = "{repo}"\nfast = "3MiB"\n'
+    topo = topology(tmp_path, b_extra, a_extra='fast = "4MiB"\n')
     os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
     try:
         code, text = finished(conductor(topo, tmp_path / "run", "--steps", "2"))
@@ -123,6 +125,7 @@ def test_a_member_started_through_ssh(tmp_path):
     assert sent.startswith(f"boxB cd {repo} && env RANK=1 ")
     assert "DATAFLOW_FLEET_HOST=b" in sent and "-m dataflow train" in sent
     assert "--topology" not in sent and "--steps 2" in sent
+    assert "--fast-budget 4MiB,3MiB" in sent
     assert "fleet done: 2 member(s)" in text
 
 
@@ -144,11 +147,20 @@ def test_topology_errors_name_the_field(tmp_path):
         ),
         'conductor = "a"\n[hosts.a]\nlisten = "h:1"\n[groups.g]\nmembers = ["a"]\n'
         'backend = "mpi"\n': "groups.g.backend",
+        'conductor = "a"\n[hosts.a]\nlisten = "h:1"\nfast = "lots"\n': "hosts.a.fast is not a size",
     }
     for text, field in cases.items():
         path.write_text(text)
         with pytest.raises(ValueError, match=field):
             Topology.load(path)
+
+
+def test_host_sizes_are_the_members_default_budgets(tmp_path):
+    both = Topology.load(topology(tmp_path, 'fast = "3MiB"\nbacking = "1GiB"\n', 'fast = "4MiB"\n'))
+    assert both.default_sizes("dp", "fast") == "4MiB,3MiB"
+    with pytest.raises(ValueError, match=r"hosts \['a'\] of group 'dp' set no 'backing' size"):
+        both.default_sizes("dp", "backing")
+    assert Topology.load(topology(tmp_path)).default_sizes("dp", "fast") is None
 
 
 def test_member_env_binds_a_local_fleet_to_loopback(tmp_path):

@@ -56,6 +56,10 @@ class Host:
     repo: str | None = None
     ssh: str | None = None
     nic: str | None = None
+    #: default fast-memory and backing budgets of the member on this host (sizes as
+    #: ``--fast-budget`` takes them, e.g. ``"14GiB"``): used when the command gives none
+    fast: str | None = None
+    backing: str | None = None
 
     @property
     def address(self) -> str:
@@ -92,6 +96,9 @@ class Topology:
             if not listen or ":" not in listen or not listen.rpartition(":")[2].isdigit():
                 raise bad(f"hosts.{name}.listen", "must be ADDRESS:PORT")
             fields = {k: entry[k] for k in ("python", "repo", "ssh", "nic") if k in entry}
+            for size in ("fast", "backing"):
+                if size in entry:
+                    fields[size] = _size(entry[size], bad(f"hosts.{name}.{size}", "is not a size"))
             hosts[name] = Host(name, listen, **fields)
         conductor = raw.get("conductor")
         if conductor not in hosts:
@@ -109,6 +116,22 @@ class Topology:
                 raise bad(f"groups.{name}.backend", f"is {backend!r}; one of {BACKENDS}")
             groups[name] = (members, backend)
         return cls(conductor, hosts, groups)
+
+    def default_sizes(self, group: str, field: str) -> str | None:
+        """The group's members' ``field`` (``fast`` or ``backing``) as a ``--fast-budget``
+        / ``--backing-budget`` value, one per member in rank order; None when no member
+        sets it; an error naming the hosts that lack it when only some do."""
+        members = self.members(group)
+        sizes = [getattr(host, field) for host in members]
+        if all(size is None for size in sizes):
+            return None
+        lacking = [host.name for host, size in zip(members, sizes, strict=True) if size is None]
+        if lacking:
+            raise ValueError(
+                f"hosts {lacking} of group {group!r} set no {field!r} size while others do: "
+                f"set it on every member or give the budgets on the command line"
+            )
+        return ",".join(sizes)
 
     def members(self, group: str) -> list[Host]:
         if group not in self.groups:
@@ -198,3 +221,14 @@ def _stop(procs: list[tuple[Host, subprocess.Popen]]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def _size(value: object, error: ValueError) -> str:
+    """A host's size as written (``"14GiB"``), checked to parse as a budget."""
+    from dataflow.cli.options import BUDGET
+
+    try:
+        BUDGET.convert(str(value), None, None)
+    except Exception:  # click's BadParameter, or anything the parser raises
+        raise error from None
+    return str(value)

@@ -307,13 +307,28 @@ def _conduct(
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--topology") from None
     world = len(topo.members(group))
+    defaults = {"--fast-budget": "fast", "--backing-budget": "backing"}
+    given = {**per_member, "--backing-budget": backing}
+    added: list[str] = []
+    for option, field in defaults.items():
+        if given[option] is None:  # the hosts' own sizes, when the topology sets them
+            try:
+                sizes = topo.default_sizes(group, field)
+            except ValueError as exc:
+                raise click.BadParameter(f"{exc}", param_hint="--topology") from None
+            if sizes is not None:
+                added += [option, sizes]
+                if option == "--backing-budget":
+                    backing = sizes
+                else:
+                    per_member = {**per_member, option: sizes}
     for option, text in per_member.items():
         try:
             per_rank(text, world, option, str)
         except ValueError as exc:
             raise click.BadParameter(f"{exc} (group {group})", param_hint=option) from None
     _backing_budgets(backing, world, f" (group {group})")
-    args = member_args(click.get_current_context())
+    args = member_args(click.get_current_context()) + added
     try:
         conduct(topo, group, args, out=Path(out), timeout_s=timeout_s)
     except FleetError as exc:
