@@ -403,6 +403,13 @@ def step_config(
     )
 
 
+def follows_routing(family: Any) -> bool:
+    """Whether the family's reference model routes with given expert choices: its step
+    check then keeps the engine's AuxTemp and routes the reference with it
+    (``routing_checks``)."""
+    return bool(getattr(getattr(family, "reference", None), "follows_routing", False))
+
+
 def step_checks(
     family: Any,
     preset: str,
@@ -444,8 +451,7 @@ def step_checks(
             torch.randint(0, vocab, (batch, seq_len), generator=g),
         )
 
-    # a reference that can route with given choices takes the engine's (see routing_checks)
-    follows = getattr(reference, "follows_routing", False)
+    follows = follows_routing(family)
     losses, grads, norms, routing = [], {}, [], []
     run = TrainingRun(
         family,
