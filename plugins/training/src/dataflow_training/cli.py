@@ -137,9 +137,11 @@ def _check_budget(family: Any, preset: str, policy: str, budget_bytes: int, **sh
     """Fail before any check runs when the step cannot be planned into ``budget_bytes``."""
     from dataflow.planning import minimal_budget
     from dataflow_training.lowering import lower
-    from dataflow_training.verify import step_config
+    from dataflow_training.verify import follows_routing, step_config
 
-    program = lower(family, preset, step_config(policy, **shape), keep_grads=True).program
+    train = step_config(policy, **shape)
+    keep = follows_routing(family)  # as step_checks lowers it
+    program = lower(family, preset, train, keep_grads=True, keep_aux_temp=keep).program
     smallest = minimal_budget(program)
     if budget_bytes < smallest:
         raise Failure(

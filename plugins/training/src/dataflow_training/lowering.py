@@ -103,6 +103,7 @@ def lower(
     cost: RooflineCost | None = None,
     links: Links | None = None,
     keep_grads: bool = False,
+    keep_aux_temp: bool = False,
     grad_share: float | None = None,
 ) -> Lowered:
     """The Program of one training step of ``family``'s ``preset`` (with ``overrides``).
@@ -112,6 +113,8 @@ def lower(
     means that block in every round, a ``(round, block)`` pair that round only.
     ``keep_grads``: the step's weight gradients must end in slow memory too (for checks
     that read them back; normally they die with the optimizer tasks).
+    ``keep_aux_temp``: every round's AuxTemp (the blocks' recorded decisions, such as the
+    router's expert choices) must end in slow memory too, for checks that read them back.
     ``grad_share``: this step is one member of a data-parallel fleet whose tokens are this
     share of the fleet's; an ``allreduce`` task per trainable group follows the task that
     completes the group's last-round gradient (before its ``gnorm``), scales it by the
@@ -436,6 +439,8 @@ def lower(
     finals |= {gn: "slow" for gn in norms}
     if keep_grads:
         finals |= {p.id: "slow" for p in packed.values() if p.kind == "dW"}
+    if keep_aux_temp:
+        finals |= {p.id: "slow" for p in packed.values() if p.kind == "AuxTemp"}
     step_layout = StepLayout(
         family=family.name,
         preset=preset,

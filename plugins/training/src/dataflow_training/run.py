@@ -68,6 +68,8 @@ class TrainingRun:
     a planner spec for ``plan`` (default: the ``recompute`` planner, or PressureFit alone
     with ``recompute=False``);
     ``keep_grads`` keeps each step's weight gradients for ``grads()`` (checks only);
+    ``keep_aux_temp`` each step's AuxTemp (recorded decisions) for ``aux_temps()`` (checks
+    only);
     ``cost`` and ``links`` (a ``RooflineCost`` and ``Links``, e.g. from a hardware entry)
     price the step where the profiling pass does not (off CUDA) and give its links.
     ``graph`` (CUDA only) replays every step after the first from one captured CUDA graph
@@ -99,6 +101,7 @@ class TrainingRun:
         resolver: str = "torch",
         planner: Any = None,
         keep_grads: bool = False,
+        keep_aux_temp: bool = False,
         graph: bool = True,
         recompute: bool = True,
         cost: Any = None,
@@ -120,6 +123,7 @@ class TrainingRun:
             train,
             overrides=self.overrides,
             keep_grads=keep_grads,
+            keep_aux_temp=keep_aux_temp,
             cost=cost,
             links=links,
             grad_share=grad_share,
@@ -388,6 +392,23 @@ class TrainingRun:
         if not any(p.id in self.program.final_locations for p in self.layout.of_kind("dW")):
             raise RuntimeError("grads() needs TrainingRun(..., keep_grads=True)")
         return {k: v.cpu() for k, v in read_state(self.program, self._engine.fetch, "dW").items()}
+
+    def aux_temps(self) -> list[dict[str, dict[str, torch.Tensor]]]:
+        """The last step's AuxTemp, per round ``{"<layer>": {name: tensor}}`` on the CPU
+        (every block that records decisions); needs ``keep_aux_temp``."""
+        temps = self.layout.of_kind("AuxTemp")
+        if self._engine is None or not temps:
+            raise RuntimeError("aux_temps() needs a step run of a program with AuxTemp")
+        if not all(p.id in self.program.final_locations for p in temps):
+            raise RuntimeError("aux_temps() needs TrainingRun(..., keep_aux_temp=True)")
+        per_layer = len({p.layer for p in temps})
+        rounds: list[dict[str, dict[str, torch.Tensor]]] = []
+        for i, packed in enumerate(temps):  # lowered round by round, block by block
+            if i % per_layer == 0:
+                rounds.append({})
+            views = packed.layout.views(self._engine.fetch(packed.id))
+            rounds[-1][packed.layer] = {name: view.cpu().clone() for name, view in views.items()}
+        return rounds
 
     def set_state(
         self,

@@ -9,7 +9,10 @@
 - **step**: the lowered program, planned into a budget and run on the engine for several
   steps of several accumulation rounds, against the family's plain-autograd reference
   model trained with ``torch.optim.AdamW`` in float64: every round's loss, every weight
-  gradient of the first step, every weight after the last.
+  gradient of the first step, every weight after the last. A reference that
+  ``follows_routing`` (mixture of experts) routes with the engine's recorded expert
+  choices, and ``routing_checks`` holds those choices to the reference's own top-k up to
+  near ties.
 
 Errors are relative, ``||out - ref|| / ||ref||`` (METHOD.md), with the largest absolute
 difference beside it; tolerances per dtype policy are in ``TOLERANCES`` and explained in
@@ -400,6 +403,13 @@ def step_config(
     )
 
 
+def follows_routing(family: Any) -> bool:
+    """Whether the family's reference model routes with given expert choices: its step
+    check then keeps the engine's AuxTemp and routes the reference with it
+    (``routing_checks``)."""
+    return bool(getattr(getattr(family, "reference", None), "follows_routing", False))
+
+
 def step_checks(
     family: Any,
     preset: str,
@@ -441,7 +451,8 @@ def step_checks(
             torch.randint(0, vocab, (batch, seq_len), generator=g),
         )
 
-    losses, grads, norms = [], {}, []
+    follows = follows_routing(family)
+    losses, grads, norms, routing = [], {}, [], []
     run = TrainingRun(
         family,
         preset,
@@ -451,20 +462,24 @@ def step_checks(
         state=state,
         resolver=resolver,
         keep_grads=True,
+        keep_aux_temp=follows,
         overrides=overrides,
     )
     with run:
         for step in range(steps):
             stats = run.step([tokens(step, r) for r in range(rounds)])
+            if follows:
+                routing.append(run.aux_temps())
             losses += [torch.tensor(loss) for loss in stats.losses]
             norms.append(stats.grad_norm)
             if not grads:
                 grads = run.grads()
         weights = run.state()[0]
-    ref_losses, ref_grads, ref_weights, ref_norms = _reference_steps(
-        family, config, state, train, steps, rounds, tokens
+    ref_losses, ref_grads, ref_weights, ref_norms, ref_routing = _reference_steps(
+        family, config, state, train, steps, rounds, tokens, routing if follows else None
     )
-    checks = [
+    checks = routing_checks(config, routing, ref_routing, tolerance) if follows else []
+    checks += [
         compare("step", f"loss step {i // rounds} round {i % rounds}", loss, ref, tolerance)
         for i, (loss, ref) in enumerate(zip(losses, ref_losses, strict=True))
     ]
@@ -502,7 +517,51 @@ def step_checks(
     return checks
 
 
-def _reference_steps(family, config, state, train, steps, rounds, tokens):
+def routing_checks(
+    config: Any,
+    engine: list[list[dict[str, dict[str, torch.Tensor]]]],
+    reference: list[list[list[tuple[torch.Tensor, torch.Tensor]]]],
+    tolerance: float,
+) -> list[Check]:
+    """The routers' discrete decisions, per layer over every step and round: the
+    reference routed with the engine's recorded choices (AuxTemp ``ids``), so its
+    probabilities must agree with the engine's recorded ``weights`` at them, and every
+    choice must be the reference's own top-k up to a near tie: an expert the engine took
+    in place of one the reference ranks higher has a reference probability within the
+    relative ``tolerance`` of the k-th largest (docs/correctness_compare.md)."""
+    k = config.num_experts_per_tok
+    layers = list(engine[0][0])
+    checks = []
+    for i, layer in enumerate(layers):
+        recorded = [r[layer] for step in engine for r in step]
+        logits = torch.cat([r[i][0] for step in reference for r in step]).double().cpu()
+        ids = torch.cat([t["ids"] for t in recorded]).long()
+        weights = torch.cat([t["weights"] for t in recorded])
+        probs = torch.softmax(logits, -1)
+        chosen = probs.gather(1, ids)
+        kth = probs.topk(k, -1).values[:, -1]
+        shortfall = ((kth - chosen.min(-1).values) / kth).clamp(min=0)
+        n = int((shortfall > 0).sum())
+        checks.append(
+            Check(
+                "step",
+                f"routing {layer}: {n} of {ids.shape[0]} token choices differ from the "
+                "reference's top-k",
+                shortfall.max().item(),
+                shortfall.max().item(),
+                tolerance,
+            )
+        )
+        if config.norm_topk_prob:
+            chosen = chosen / chosen.sum(-1, keepdim=True)
+        checks.append(compare("step", f"router weights {layer}", weights, chosen, tolerance))
+    return checks
+
+
+def _reference_steps(family, config, state, train, steps, rounds, tokens, routing=None):
+    """The float64 reference's steps; ``routing``: per step the engine's AuxTemp per round
+    and layer, whose ``ids`` the reference routes with (a reference that
+    ``follows_routing``)."""
     model = family.reference_model(config).double()
     model.load_state_dict({k: v.double() for k, v in state.items()})
     trainable = {
@@ -529,11 +588,17 @@ def _reference_steps(family, config, state, train, steps, rounds, tokens):
         eps=opt.eps,
     )
     multi_round = getattr(model, "steps_over_rounds", False)
-    losses, first_grads, norms = [], {}, []
+    losses, first_grads, norms, decisions = [], {}, [], []
     for step in range(steps):
         optimizer.zero_grad()
         batches = [tokens(step, round_) for round_ in range(rounds)]
-        if multi_round:  # a model whose objective spans the rounds (Aux over the step)
+        if routing is not None:
+            ids = [[temp["ids"] for temp in r.values()] for r in routing[step]]
+            round_losses, extra = model(batches, routing=ids)
+            (sum(loss / rounds for loss in round_losses) + extra).backward()
+            losses += [loss.detach() for loss in round_losses]
+            decisions.append([[(lg.detach(), i) for lg, i in r] for r in model.recorded])
+        elif multi_round:  # a model whose objective spans the rounds (Aux over the step)
             round_losses, extra = model(batches)
             (sum(loss / rounds for loss in round_losses) + extra).backward()
             losses += [loss.detach() for loss in round_losses]
@@ -547,7 +612,8 @@ def _reference_steps(family, config, state, train, steps, rounds, tokens):
         if step == 0:
             first_grads = {n: p.grad.detach().clone() for n, p in named.items()}
         optimizer.step()
-    return losses, first_grads, {n: p.detach() for n, p in named.items()}, norms
+    weights = {n: p.detach() for n, p in named.items()}
+    return losses, first_grads, weights, norms, decisions
 
 
 # -- the ladder --------------------------------------------------------------------------

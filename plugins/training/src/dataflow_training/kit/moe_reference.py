@@ -26,6 +26,11 @@ from torch import nn
 from dataflow_training.kit.decoder_reference import IGNORE_INDEX, Block, DecoderReference
 
 
+def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """Router math in float32, or float64 for a float64 model (the step check's truth)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 class Experts(nn.Module):
     """Routed SwiGLU experts with their router; records what the router decided."""
 
@@ -38,13 +43,19 @@ class Experts(nn.Module):
         self.experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inner, n))
         self.experts.down_proj = nn.Parameter(torch.empty(e, n, inner))
         self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # (logits, ids)
+        #: expert choices (tokens, k) the next forward takes instead of its own top-k
+        self.follow: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         flat = x.reshape(-1, c.hidden_size)
         logits = self.gate(flat)
-        probs = torch.softmax(logits.float(), dim=-1)
-        top, ids = torch.topk(probs, c.num_experts_per_tok, dim=-1)
+        probs = torch.softmax(_at_least_float32(logits), -1)
+        if self.follow is None:
+            top, ids = torch.topk(probs, c.num_experts_per_tok, dim=-1)
+        else:
+            ids, self.follow = self.follow.to(device=probs.device, dtype=torch.long), None
+            top = probs.gather(1, ids)
         if c.norm_topk_prob:
             top = top / top.sum(-1, keepdim=True)
         top = top.to(flat.dtype)
@@ -64,6 +75,10 @@ class MoEReference(DecoderReference):
     """The decoder reference with every FFN routed (see the module docstring)."""
 
     steps_over_rounds = True
+    #: ``forward`` can route with given expert choices (``routing``); after it,
+    #: ``recorded`` holds per round every layer's (router logits, expert choices)
+    follows_routing = True
+    recorded: list[list[tuple[torch.Tensor, torch.Tensor]]]
 
     def make_block(self, config: Any) -> Block:
         return Block(config, Experts(config))
@@ -85,17 +100,29 @@ class MoEReference(DecoderReference):
     def _routers(self) -> list[Experts]:
         return [block.mlp for block in self.blocks()]
 
-    def forward(self, rounds: list[tuple[torch.Tensor, torch.Tensor]]):
+    def forward(
+        self,
+        rounds: list[tuple[torch.Tensor, torch.Tensor]],
+        routing: list[list[torch.Tensor]] | None = None,
+    ):
+        """``routing``: per round, every layer's expert choices (tokens, k) to route
+        with instead of the routers' own top-k (the engine's recorded AuxTemp ``ids``, for
+        a check that compares the math given the same discrete decisions)."""
         c = self.config
         layers = c.num_hidden_layers
         counts = torch.zeros(c.num_experts)  # every layer's and round's routed slots
         losses, z_loss = [], 0.0
-        for tokens, targets in rounds:
+        self.recorded = []
+        for r, (tokens, targets) in enumerate(rounds):
+            if routing is not None:
+                for router, ids in zip(self._routers(), routing[r], strict=True):
+                    router.follow = ids
             losses.append(self._cross_entropy(tokens, targets))
+            self.recorded.append([router.last for router in self._routers()])
             for router in self._routers():
                 logits, ids = router.last
                 counts = counts + torch.bincount(ids.reshape(-1), minlength=c.num_experts)
-                z = torch.logsumexp(logits.float(), -1).pow(2).mean()
+                z = torch.logsumexp(_at_least_float32(logits), -1).pow(2).mean()
                 z_loss = z_loss + c.router_z_loss_coef * z / (layers * len(rounds))
         return losses, self.balance(counts) + z_loss
 
@@ -103,6 +130,8 @@ class MoEReference(DecoderReference):
         """The load-balancing term from the step's pooled ``counts`` and every layer's
         router probabilities of the last round (the ones ``router.last`` holds)."""
         c = self.config
-        probs = torch.cat([torch.softmax(r.last[0].float(), -1) for r in self._routers()])
+        probs = torch.cat(
+            [torch.softmax(_at_least_float32(r.last[0]), -1) for r in self._routers()]
+        )
         per_token = (counts / (counts.sum() / c.num_experts_per_tok)).to(probs)  # sums to k
         return c.router_aux_loss_coef * c.num_experts * (per_token * probs.mean(0)).sum()
