@@ -68,6 +68,7 @@ def test_a_run_keeps_its_aux_temp_per_round_and_layer_only_when_asked() -> None:
     """``TrainingRun(keep_aux_temp=True).aux_temps()``: each round's recorded routing,
     per layer (the same batch twice: the same choices); without it, an error naming the
     option."""
+    pytest.importorskip("dataflow_resolver_torch")  # the run executes its tasks
     train = TrainConfig(seq_len=8, batch=2, rounds=2)
     g = torch.Generator().manual_seed(1)
     batches = [tuple(torch.randint(0, 41, (2, 8), generator=g) for _ in range(2))] * 2
