@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -290,6 +291,7 @@ def dataflow_row(bench: Any, dtype: str, budget: int) -> None:
                     break
                 except Exception as exc:  # infeasible after profiling, breach, ...: go on
                     tried[f"batch {batch} x {rounds}"] = one_line(exc)
+                    traceback.print_exc()  # the whole story in the log, one line in the row
                 finally:
                     bench.free()
     except RowTimeout as exc:

@@ -53,9 +53,9 @@ llama3_8b)
             --batches 2 --dataflow-batches 2 --min-tokens "$big_tokens" \
             --budgets "${big_budgets%,*}" --steps 3 --warmup 1 --compile-row-seconds 200 \
             --row-seconds 280 --total-seconds 330
-        compare --family llama3 "${big[@]}" --rows dataflow --dataflow-batches 4 \
+        compare --family llama3 "${big[@]}" --rows dataflow --dataflow-batches 4,2 \
             --min-tokens "$big_tokens" --budgets "${big_budgets#*,}" --steps 3 --warmup 1 \
-            --row-seconds 150 --total-seconds 150
+            --row-seconds 200 --total-seconds 200
     } 2>&1 | tee "$log"
     ;;
 small)

@@ -51,3 +51,30 @@ def test_chain_on_cuda_matches_autograd_within_budget(tightest: bool) -> None:
     assert result.fast_peak_bytes <= budget
     if tightest:
         assert sum(t.size_bytes for t in result.steps[0].transfers) > 0
+
+
+def test_the_slow_pool_is_page_locked_at_its_exact_size() -> None:
+    """The pool is registered, not taken from torch's pinned allocator (which rounds up to
+    a power of two): its bytes are pinned, copies from it are asynchronous and can be
+    captured, and dropping the pool unlocks them."""
+    import gc
+
+    from dataflow.engine.backends.torch_storage import SlowPool
+    from dataflow.schema import Obj
+
+    objects = [Obj(id=f"x{i}", size_bytes=3 * 2**20 + 7, role="activation") for i in range(3)]
+    pool = SlowPool(objects, torch.device("cuda"))
+    assert pool.arena.is_pinned() and pool.arena.numel() == pool.total_bytes
+    source = pool.view("x1")
+    source.fill_(5)
+    target = torch.empty(source.numel(), dtype=torch.uint8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        target.copy_(source, non_blocking=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert int(target.min()) == int(target.max()) == 5
+    arena = pool.arena
+    del pool, source, graph
+    gc.collect()
+    assert not arena.is_pinned()

@@ -3,8 +3,8 @@
 Objects are bytes to the engine: each lives in a uint8 slice; executables get typed views
 built from the object's ``TensorMeta`` (a flat uint8 view when it has none).
 
-- ``SlowPool``: one host allocation (pinned on CUDA) with a fixed slice for every object
-  that can ever have a slow copy, made once at load: no page-locking during a step.
+- ``SlowPool``: one host allocation (page-locked on CUDA) with a fixed slice for every
+  object that can ever have a slow copy, made once at load: no page-locking during a step.
 - ``FastStore``: with a placement, one device allocation of the placement's arena size,
   each residency of an object a view at its planned offset; without one (the simple path,
   CPU only) each residency is its own allocation.
@@ -12,6 +12,7 @@ built from the object's ``TensorMeta`` (a flat uint8 view when it has none).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -70,8 +71,11 @@ class SlowPool:
         for obj in objects:
             self.offset[obj.id], self.size[obj.id] = total, obj.size_bytes
             total += _aligned(obj.size_bytes)
-        pin = device.type == "cuda"
-        self.arena = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
+        self.arena = torch.empty(max(total, 1), dtype=torch.uint8)
+        if device.type == "cuda":
+            page_lock(self.arena)
+            # unlocked when the pool goes; the finalizer holds the bytes until then
+            weakref.finalize(self, _unlock, self.arena)
         self.total_bytes = total
 
     @staticmethod
@@ -85,6 +89,27 @@ class SlowPool:
     def view(self, obj: str) -> torch.Tensor:
         start = self.offset[obj]
         return self.arena[start : start + self.size[obj]]
+
+
+def page_lock(buffer: torch.Tensor) -> None:
+    """Page-lock a host tensor's bytes for the device's copy engines, in place.
+
+    Registered with ``cudaHostRegister`` rather than allocated with ``pin_memory=True``:
+    torch's pinned allocator rounds every request up to a power of two, so an 80 GiB pool
+    would lock 128 GiB (more than the device machine's host has; it fails as "CUDA error:
+    out of memory"). Registered memory copies and captures into CUDA graphs as pinned."""
+    size = buffer.numel() * buffer.element_size()
+    cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(buffer.data_ptr(), size, 0)
+    if error != cudart.cudaError.success:
+        raise MemoryError(
+            f"could not page-lock the slow pool's {size} bytes of host memory "
+            f"(cudaHostRegister: {error}); give a smaller slow budget or free host memory"
+        )
+
+
+def _unlock(buffer: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
 class FastStore:

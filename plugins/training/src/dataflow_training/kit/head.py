@@ -43,5 +43,7 @@ def lm_head_loss(
     scored = (flat_targets != IGNORE_INDEX).sum().clamp(min=1)
     d_hidden = (d_hidden / scored).to(hidden.dtype).view_as(hidden)
     dx, grads = norm.backward(ops, params, x, stats, d_hidden)
-    grads[projection] = (d_weight / scored).to(weight.dtype)
+    # in place: the kernel's d_weight is ours, and a divided copy would be one more
+    # (vocab, dim) tensor of the task's workspace
+    grads[projection] = d_weight.div_(scored).to(weight.dtype)
     return (loss_sum / scored).to(torch.float32), dx, grads

@@ -28,10 +28,14 @@ class Llama3Scaling:
 
 
 def inverse_frequencies(
-    rotary_dim: int, base: float, scaling: Llama3Scaling | None = None
+    rotary_dim: int,
+    base: float,
+    scaling: Llama3Scaling | None = None,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """float64 (rotary_dim // 2,) angular frequencies, scaled as Llama 3 does."""
-    inv = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    steps = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device)
+    inv = 1.0 / base ** (steps / rotary_dim)
     if scaling is None:
         return inv
     low_wavelen = scaling.original_max_position / scaling.low_freq_factor
@@ -55,11 +59,16 @@ def tables(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each (seq_len, rotary_dim), computed in float64 then cast."""
-    inv = inverse_frequencies(rotary_dim, base, scaling)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)
+    """(cos, sin), each (seq_len, rotary_dim), computed in float64 on ``device`` then cast.
+
+    Made on the device itself, never copied from the host: under torch.compile the cache
+    below is traced through, so this runs inside a compiled task, and a host-to-device copy
+    there cannot be captured into the step's CUDA graph."""
+    inv = inverse_frequencies(rotary_dim, base, scaling, device)
+    positions = torch.arange(seq_len, dtype=torch.float64, device=device)
+    angles = torch.outer(positions, inv)
     angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 @lru_cache(maxsize=32)
