@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 from dataflow_training.config import DtypePolicy, TrainConfig
 from dataflow_training.layout import ALIGN_BYTES
@@ -158,3 +159,48 @@ def test_a_fleet_members_all_reduce_overlaps_the_backward_below() -> None:
     assert spans[below][0] < spans[reduce_][1] and spans[reduce_][0] < spans[below][1]
     assert result.collective.transfers == sum(t.collective for t in program.tasks)
     assert result.collective_exposed_us < result.collective.busy_us
+
+
+def test_layer_order_runs_every_round_through_a_layer_before_the_next() -> None:
+    """The same tasks, reordered: forwards by layer then round, backwards (a recompute
+    right before its backward) by layer descending then round, then the optimizer."""
+    train = TrainConfig(seq_len=4, batch=2, rounds=2, order="layer")
+    by_round = lower(ToyFamily(), "small", attrs.evolve(train, order="round"), recompute=[1])
+    by_layer = lower(ToyFamily(), "small", train, recompute=[1])
+    ids = [task.id for task in by_layer.program.tasks]
+    assert sorted(ids) == sorted(task.id for task in by_round.program.tasks)
+    assert ids == [
+        *(f"embed_0_{r}_emb" for r in (0, 1)),
+        *(f"fwd_0_{r}_{i}" for i in (0, 1, 2) for r in (0, 1)),
+        *(f"head_0_{r}_head" for r in (0, 1)),
+        "bwd_0_0_2",
+        "bwd_0_1_2",
+        "rec_0_0_1",
+        "bwd_0_0_1",
+        "rec_0_1_1",
+        "bwd_0_1_1",
+        "bwd_0_0_0",
+        "bwd_0_1_0",
+        *(f"embbwd_0_{r}_emb" for r in (0, 1)),
+        *("opt_0_1_head", "opt_0_1_2", "opt_0_1_1", "opt_0_1_0", "opt_0_1_emb"),
+    ]
+    assert validate(by_layer.program) == []
+    tight = minimal_budget(by_layer.program)
+    assert plan(by_layer.program, tight).sim.valid
+
+
+def test_layer_order_reads_weights_once_a_step_when_they_do_not_fit() -> None:
+    """A wide toy whose weights are far larger than its activations, in a budget that
+    holds one layer's: by rounds every round fetches every weight twice (forward and
+    backward); by layers each weight crosses once each way, so less comes over the link."""
+    train = TrainConfig(seq_len=4, batch=1, rounds=4)
+    wide = {"dim": 128, "layers": 4}
+    programs = {
+        order: lower(ToyFamily(), "small", attrs.evolve(train, order=order), overrides=wide).program
+        for order in ("round", "layer")
+    }
+    budget = max(minimal_budget(program) for program in programs.values())
+    sims = {order: plan(program, budget).sim for order, program in programs.items()}
+    assert all(sim.valid for sim in sims.values())
+    assert sims["layer"].h2d.bytes < 0.6 * sims["round"].h2d.bytes
+    assert sims["layer"].makespan_us < sims["round"].makespan_us

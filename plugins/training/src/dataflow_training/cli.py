@@ -27,6 +27,20 @@ def budget_option(help_text: str):
     )
 
 
+def order_option() -> Any:
+    """``--order round|layer``: ``TrainConfig.order``."""
+    from dataflow_training.config import ORDERS
+
+    return click.option(
+        "--order",
+        type=click.Choice(ORDERS),
+        default="round",
+        show_default=True,
+        help="the step's task order: each round through every layer, or every round "
+        "through each layer (weights read once a step; for models larger than the budget)",
+    )
+
+
 @click.command("verify")
 @click.option("--family", "family_name", required=True, help="an installed model family")
 @click.option("--preset", required=True, help="one of the family's presets")
@@ -48,8 +62,9 @@ def budget_option(help_text: str):
 @click.option("--seq-len", default=16, show_default=True, type=COUNT)
 @budget_option("fast-memory budget for the step runs (e.g. 2GiB; default: unbounded)")
 @click.option("--seed", default=0, show_default=True)
+@order_option()
 def verify_command(
-    family_name, preset, device, policy, steps, rounds, batch, seq_len, budget_bytes, seed
+    family_name, preset, device, policy, steps, rounds, batch, seq_len, budget_bytes, seed, order
 ) -> None:
     """Compare ops, tasks and whole training steps against the family's reference."""
     from rich.console import Console
@@ -63,7 +78,14 @@ def verify_command(
     _check_seq_len(config, preset, seq_len)
     if budget_bytes is not None:
         _check_budget(
-            family, preset, policy, budget_bytes, batch=batch, seq_len=seq_len, rounds=rounds
+            family,
+            preset,
+            policy,
+            budget_bytes,
+            batch=batch,
+            seq_len=seq_len,
+            rounds=rounds,
+            order=order,
         )
     checks = verify(
         family_name,
@@ -77,6 +99,7 @@ def verify_command(
         budget_bytes=budget_bytes,
         seed=seed,
         progress=LevelPrinter(),
+        order=order,
     )
     table = Table("level", "check", "max |diff|", "rel error", "tolerance", "")
     for check in checks:
@@ -133,7 +156,7 @@ def _check_seq_len(config: Any, preset: str, seq_len: int) -> None:
             )
 
 
-def _check_budget(family: Any, preset: str, policy: str, budget_bytes: int, **shape: int) -> None:
+def _check_budget(family: Any, preset: str, policy: str, budget_bytes: int, **shape: Any) -> None:
     """Fail before any check runs when the step cannot be planned into ``budget_bytes``."""
     from dataflow.planning import minimal_budget
     from dataflow_training.lowering import lower

@@ -63,6 +63,10 @@ class OptimizerPolicy:
     )
 
 
+#: ``TrainConfig.order``'s values.
+ORDERS = ("round", "layer")
+
+
 @attrs.frozen
 class TrainConfig:
     """One training step: ``rounds`` micro-batches of ``batch`` x ``seq_len`` tokens whose
@@ -73,7 +77,22 @@ class TrainConfig:
     sees: every gradient is scaled by ``min(1, clip / (norm + 1e-6))``, as
     ``torch.nn.utils.clip_grad_norm_`` does; None turns clipping off. ``grad_norm`` asks
     for the global norm to be measured even without clipping (a ``gnorm`` task per
-    parameter group; the driver reads it back for its logs)."""
+    parameter group; the driver reads it back for its logs).
+
+    ``order`` is the chain's task order over rounds and layers (the same tasks and the
+    same arithmetic either way: each gradient accumulates over the rounds in round order):
+
+    - ``"round"``: each round runs forward through every layer and back before the next
+      round starts. One round's activations are alive at a time, but every layer's weights
+      are read once per round in forward and once in backward, and a gradient too large
+      to stay resident crosses the link twice a round to accumulate.
+    - ``"layer"``: every round runs through one layer before the next layer (forward from
+      the embedding up, then backward from the last block down). Each layer's weights are
+      read once for the step's forwards and once for its backwards, and its gradient
+      accumulates over all rounds in one stretch; in exchange every round's hidden state
+      at a layer boundary is alive at once, and every round's saved activations wait for
+      the backward (the planner offloads them or the recompute planner re-derives them).
+      The order for a model whose weights do not fit the budget."""
 
     seq_len: int = attrs.field(validator=_positive)
     batch: int = attrs.field(default=1, validator=_positive)
@@ -83,6 +102,7 @@ class TrainConfig:
     chunk_tokens: int = attrs.field(default=1024, validator=_positive)
     clip: float | None = attrs.field(default=None, validator=_clip)
     grad_norm: bool = False
+    order: str = attrs.field(default="round", validator=attrs.validators.in_(ORDERS))
 
     @property
     def measures_grad_norm(self) -> bool:

@@ -47,6 +47,7 @@ class Cell:
     tokens_step: int
     budget_bytes: int
     backing_bytes: int | None = None
+    order: str = "round"  # TrainConfig.order
 
     @property
     def batch(self) -> int:
@@ -73,6 +74,7 @@ class Cell:
             "rounds": self.rounds if not self.tokens_step % self.t_round else None,
             "budget_bytes": self.budget_bytes,
             "backing_bytes": self.backing_bytes,
+            "order": self.order,
         }
 
 
@@ -83,13 +85,16 @@ def grid(
     budgets: Sequence[int],
     tokens_step: int,
     backing_bytes: int | None = None,
+    orders: Sequence[str] = ("round",),
 ) -> list[Cell]:
-    """Every cell, by sequence length, then T_round, then budget (largest first as given)."""
+    """Every cell, by sequence length, then T_round, then budget (largest first as given),
+    then task order."""
     return [
-        Cell(preset, t_round, seq_len, tokens_step, budget, backing_bytes)
+        Cell(preset, t_round, seq_len, tokens_step, budget, backing_bytes, order)
         for seq_len in seq_lens
         for t_round in t_rounds
         for budget in budgets
+        for order in orders
     ]
 
 
@@ -102,6 +107,7 @@ def train_config(cell: Cell, dtype: str = "bf16", chunk_tokens: int = 8192) -> T
         rounds=cell.rounds,
         dtype=DtypePolicy.named(dtype),
         chunk_tokens=min(chunk_tokens, cell.t_round),
+        order=cell.order,
     )
 
 

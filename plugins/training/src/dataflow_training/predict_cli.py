@@ -61,6 +61,23 @@ class SizeList(click.ParamType):
         return tuple(sizes)
 
 
+class OrderList(click.ParamType):
+    """Comma-separated ``TrainConfig.order`` values."""
+
+    name = "ORDER,..."
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> tuple[str, ...]:
+        from dataflow_training.config import ORDERS
+
+        if isinstance(value, tuple):
+            return value
+        orders = tuple(part.strip() for part in str(value).split(","))
+        unknown = [order for order in orders if order not in ORDERS]
+        if unknown or not orders:
+            self.fail(f"{value!r}: each order is one of {', '.join(ORDERS)}", param, ctx)
+        return orders
+
+
 def _bare_number(text: str) -> bool:
     try:
         float(text)
@@ -88,6 +105,14 @@ def _grid_options(command: Any) -> Any:
         click.option("--backing", default=None, type=SizeList(), help="pinned host budget, GiB"),
         click.option(
             "--dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp32"])
+        ),
+        click.option(
+            "--order",
+            "orders",
+            default="round",
+            show_default=True,
+            type=OrderList(),
+            help="the step's task order(s), e.g. round,layer (TrainConfig.order)",
         ),
         click.option(
             "--recompute/--no-recompute",
@@ -124,10 +149,10 @@ def _setup(preset: str, family_name: str | None, hw_name: str, hw_files: tuple, 
     return family, hw, backing[0] if backing else None
 
 
-def _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing):
+def _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders):
     from dataflow_training.predict import grid
 
-    return grid(preset, t_rounds, seq_lens, budgets, tokens_step, backing)
+    return grid(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders)
 
 
 @click.command("predict")
@@ -158,6 +183,7 @@ def predict_command(
     budgets,
     seq_lens,
     backing,
+    orders,
     dtype,
     recompute,
     json_out,
@@ -176,7 +202,7 @@ def predict_command(
         _check_scope(entry, scope)
     if measured:
         options |= _measured_pricing(family, device)
-    cells = _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing)
+    cells = _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders)
     if ranks is None:
         rows = predict(family, cells, entry, **options)
         _print_predicted(rows, entry.name, preset)
@@ -279,6 +305,7 @@ def measure_command(
     budgets,
     seq_lens,
     backing,
+    orders,
     dtype,
     recompute,
     json_out,
@@ -296,7 +323,7 @@ def measure_command(
             f"--warmup {warmup} leaves no measured step of --steps {steps}", param_hint="--warmup"
         )
     family, entry, backing = _setup(preset, family_name, hw, hw_files, backing)
-    cells = _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing)
+    cells = _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders)
     device = device or default_device()
 
     def progress(row: dict[str, Any]) -> None:
@@ -334,7 +361,10 @@ def _write(path: str | None, rows: list[dict[str, Any]], command: str) -> None:
 
 
 def _cell_columns(row: dict[str, Any]) -> list[str]:
-    return [str(row["seq_len"]), str(row["t_round"]), format_size(row["budget_bytes"])]
+    budget = format_size(row["budget_bytes"])
+    if row.get("order", "round") != "round":
+        budget += f" ({row['order']}s)"
+    return [str(row["seq_len"]), str(row["t_round"]), budget]
 
 
 def _print_predicted(rows: list[dict[str, Any]], hw: str, preset: str) -> None:

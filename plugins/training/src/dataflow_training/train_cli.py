@@ -17,7 +17,13 @@ import click
 
 from dataflow.cli.errors import Failure, one_line
 from dataflow.cli.options import COUNT, Device
-from dataflow_training.cli import _check_seq_len, _family, _preset_config, budget_option
+from dataflow_training.cli import (
+    _check_seq_len,
+    _family,
+    _preset_config,
+    budget_option,
+    order_option,
+)
 from dataflow_training.trainer import SCHEDULES
 
 
@@ -142,6 +148,7 @@ def fleet_options(command: Any) -> Any:
     show_default=True,
     help="let the recompute planner re-derive saved activations where that is faster or fits",
 )
+@order_option()
 @click.option(
     "--trace-steps",
     default=0,

@@ -91,6 +91,7 @@ class TrainOptions:
     graph: bool = True
     recompute: bool = True
     trace_steps: int = 0
+    order: str = "round"  # TrainConfig.order
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(
@@ -101,6 +102,7 @@ class TrainOptions:
             optimizer=OptimizerPolicy(lr=self.lr),
             clip=self.clip,
             grad_norm=True,
+            order=self.order,
         )
 
 

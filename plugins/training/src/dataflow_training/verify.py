@@ -389,7 +389,13 @@ def _head_checks(family, config, layers, state, ops, device, dtype, tolerance, h
 
 # -- steps -------------------------------------------------------------------------------
 def step_config(
-    policy: str, *, batch: int, seq_len: int, rounds: int, clip: float | None = None
+    policy: str,
+    *,
+    batch: int,
+    seq_len: int,
+    rounds: int,
+    clip: float | None = None,
+    order: str = "round",
 ) -> TrainConfig:
     """The training step the step level lowers (``dataflow verify`` checks its budget)."""
     return TrainConfig(
@@ -400,6 +406,7 @@ def step_config(
         optimizer=OptimizerPolicy(lr=1e-3),
         chunk_tokens=max(1, batch * seq_len // 3),
         clip=clip,
+        order=order,
     )
 
 
@@ -426,15 +433,16 @@ def step_checks(
     resolver: str = "torch",
     clip: float | None = None,
     overrides: dict[str, Any] | None = None,
+    order: str = "round",
 ) -> list[Check]:
     """The lowered step run by ``TrainingRun`` against the reference; with ``clip`` both
     clip the global gradient norm (the reference through ``clip_grad_norm_``), and each
     step's measured norm is checked too. ``overrides``: config fields of the preset
-    changed, for both."""
+    changed, for both. ``order``: the lowered chain's order (``TrainConfig.order``)."""
     from dataflow_training.run import TrainingRun
 
     config = family.config(preset, **(overrides or {}))
-    train = step_config(policy, batch=batch, seq_len=seq_len, rounds=rounds, clip=clip)
+    train = step_config(policy, batch=batch, seq_len=seq_len, rounds=rounds, clip=clip, order=order)
     torch.manual_seed(seed)
     reference = family.reference_model(config)
     param_dtype = getattr(torch, train.dtype.param)
@@ -630,6 +638,7 @@ def verify(
     budget_bytes: int | None = None,
     seed: int = 0,
     progress: ProgressCallback | None = None,
+    order: str = "round",
 ) -> list[Check]:
     """Every check of the ladder for one family preset; see the module docstring.
     ``progress(level, None)`` is called as each level starts, ``progress(level, checks)``
@@ -661,6 +670,7 @@ def verify(
             budget_bytes=budget_bytes,
             seed=seed,
             tolerance=tolerances["step"],
+            order=order,
         ),
     }
     checks: list[Check] = []
