@@ -27,7 +27,12 @@ from typing import Any
 
 import torch
 from compare_doc import make_row
-from dataflow_training.config import DtypePolicy, OptimizerPolicy, TrainConfig
+from dataflow_training.config import (
+    DtypePolicy,
+    OptimizerPolicy,
+    TrainConfig,
+    head_chunk_tokens,
+)
 from dataflow_training.lowering import lower
 from dataflow_training.run import TrainingRun
 from measure import RowTimeout, idle_pct, one_line, profile_step, time_limit
@@ -41,17 +46,6 @@ POLICIES = {
     "bf16": (DtypePolicy.named("bf16"), "bfloat16"),
     "mixed": (DtypePolicy("bfloat16", "float32", "bfloat16"), "float32"),
 }
-#: a head chunk's logits and their gradient take about this many bytes per token and id
-HEAD_BYTES_PER_LOGIT = 6
-
-
-def chunk_tokens(budget_bytes: int, vocab: int, largest: int = 8192) -> int:
-    """The head's token chunk: the largest power of two up to ``largest`` whose logits
-    workspace (chunk x vocab x 6 bytes) takes at most a quarter of the budget."""
-    chunk = largest
-    while chunk > 16 and chunk * vocab * HEAD_BYTES_PER_LOGIT > budget_bytes // 4:
-        chunk //= 2
-    return chunk
 
 
 def train_config(dtype: str, batch: int, rounds: int, seq_len: int, chunk: int) -> TrainConfig:
@@ -269,7 +263,7 @@ def dataflow_row(bench: Any, dtype: str, budget: int) -> None:
     if bench.have(ENGINE, dtype, budget) or bench.skipped(ENGINE, dtype, budget):
         return
     args = bench.args
-    chunk = chunk_tokens(budget, bench.config.vocab_size)
+    chunk = head_chunk_tokens(budget, bench.config.vocab_size)
     tried: dict[str, Any] = {}
     result, note = None, None
     try:

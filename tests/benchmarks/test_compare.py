@@ -241,14 +241,6 @@ def test_limited_by_rule() -> None:
     assert compare_doc.limited_by(compare_doc.make_row("m", "x", "bf16", None), {}) == ""
 
 
-def test_head_chunk_fits_a_quarter_of_the_budget() -> None:
-    vocab = 50257
-    assert compare_dataflow.chunk_tokens(16 * 2**30, vocab) == 8192
-    for budget in (8 * 2**30, 2**30, 64 * 2**20):
-        chunk = compare_dataflow.chunk_tokens(budget, vocab)
-        assert chunk * vocab * 6 <= budget // 4 < 2 * chunk * vocab * 6
-
-
 def test_shapes_run_in_the_order_of_their_predicted_speed() -> None:
     from dataflow.plugins import families
 

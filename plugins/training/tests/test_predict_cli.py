@@ -209,3 +209,27 @@ def _rows_of(tmp_path, *args) -> list[dict]:
 def test_predict_ranks_takes_whole_numbers() -> None:
     result = invoke("predict", *ONE, "--budget", "1", "--ranks", "0,2")
     assert_one_line_error(result, 2, "--ranks")
+
+
+def test_head_chunk_fits_a_quarter_of_the_budget() -> None:
+    from dataflow_training.config import head_chunk_tokens
+
+    vocab = 50257
+    assert head_chunk_tokens(16 * 2**30, vocab) == 8192
+    for budget in (8 * 2**30, 2**30, 64 * 2**20):
+        chunk = head_chunk_tokens(budget, vocab)
+        assert chunk * vocab * 6 <= budget // 4 < 2 * chunk * vocab * 6
+
+
+def test_a_cells_head_chunk_follows_its_budget() -> None:
+    """predict and measure size the head's chunk by the cell's budget: a 2 GiB cell of
+    gpt2_124m at 16K tokens a round takes 1024-token chunks (8192 would be 2.5 GB of
+    logits workspace beside a 2 GiB arena), a 16 GiB cell 8192."""
+    from dataflow_training.predict import Cell, train_config
+
+    def chunk(budget_gib: int) -> int:
+        cell = Cell("gpt2_124m", 16384, 1024, 65536, budget_gib * 2**30)
+        return train_config(cell, vocab=50257).chunk_tokens
+
+    assert chunk(16) == 8192
+    assert chunk(2) == 1024

@@ -63,6 +63,23 @@ class OptimizerPolicy:
     )
 
 
+#: Bytes of head workspace per logit of a chunk (16-bit logits, a float32 copy of them on
+#: the torch path, and the 16-bit gradient written over them): what ``head_chunk_tokens``
+#: sizes a chunk by.
+HEAD_BYTES_PER_LOGIT = 6
+
+
+def head_chunk_tokens(budget_bytes: int, vocab: int, largest: int = 8192) -> int:
+    """The head's token chunk for a fast budget: the largest power of two up to
+    ``largest`` whose logits workspace (chunk x vocab x ``HEAD_BYTES_PER_LOGIT``) takes at
+    most a quarter of the budget (at least 16 tokens). A larger chunk is a larger matmul
+    but its workspace sits beside the arena, taking room from the plan."""
+    chunk = largest
+    while chunk > 16 and chunk * vocab * HEAD_BYTES_PER_LOGIT > budget_bytes // 4:
+        chunk //= 2
+    return chunk
+
+
 #: ``TrainConfig.order``'s values.
 ORDERS = ("round", "layer")
 

@@ -23,6 +23,7 @@ from dataflow_training.predict import (
     position_overrides,
     row_of,
     train_config,
+    vocab_size,
 )
 
 
@@ -56,7 +57,7 @@ def measure_cell(
         return infeasible_row(cell, extra, reason)
     overrides = position_overrides(family, cell.preset, cell.seq_len)
     extra["overrides"] = overrides
-    train = train_config(cell, dtype)
+    train = train_config(cell, dtype, vocab=vocab_size(family, cell.preset))
     run = None
     try:
         run = TrainingRun(

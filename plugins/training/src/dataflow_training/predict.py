@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 
 from dataflow.schema import DTYPE_BYTES, Program
-from dataflow_training.config import DtypePolicy, TrainConfig
+from dataflow_training.config import DtypePolicy, TrainConfig, head_chunk_tokens
 from dataflow_training.hardware import HardwareEntry
 from dataflow_training.step import StepLayout
 
@@ -98,9 +98,14 @@ def grid(
     ]
 
 
-def train_config(cell: Cell, dtype: str = "bf16", chunk_tokens: int = 8192) -> TrainConfig:
+def train_config(
+    cell: Cell, dtype: str = "bf16", chunk_tokens: int = 8192, vocab: int | None = None
+) -> TrainConfig:
     """The training step of a cell: bf16 weights, gradients and activations with float32
-    optimizer states by default, the head ``chunk_tokens`` tokens at a time."""
+    optimizer states by default, the head ``chunk_tokens`` tokens at a time (with
+    ``vocab``: at most the chunk ``head_chunk_tokens`` gives the cell's budget)."""
+    if vocab is not None:
+        chunk_tokens = head_chunk_tokens(cell.budget_bytes, vocab, chunk_tokens)
     return TrainConfig(
         seq_len=cell.seq_len,
         batch=cell.batch,
@@ -109,6 +114,11 @@ def train_config(cell: Cell, dtype: str = "bf16", chunk_tokens: int = 8192) -> T
         chunk_tokens=min(chunk_tokens, cell.t_round),
         order=cell.order,
     )
+
+
+def vocab_size(family: Any, preset: str) -> int | None:
+    """The preset's vocabulary (None when its config names none)."""
+    return getattr(family.config(preset), "vocab_size", None)
 
 
 def position_overrides(family: Any, preset: str, seq_len: int) -> dict[str, int]:
@@ -240,7 +250,7 @@ def plan_cell(
     overrides = position_overrides(family, cell.preset, cell.seq_len)
     extra["overrides"] = overrides
     started = time.perf_counter()
-    train = train or train_config(cell, dtype)
+    train = train or train_config(cell, dtype, vocab=vocab_size(family, cell.preset))
     program = lower(
         family,
         cell.preset,
