@@ -56,6 +56,7 @@ from compare_doc import (  # noqa: E402
     searched_row,
     write_table,
 )
+from dataflow_training.config import ORDERS  # noqa: E402
 from measure import (  # noqa: E402
     PEAK_SOURCE,
     BatchSearch,
@@ -310,7 +311,8 @@ class Bench:
 
         for dtype in self.dataflow_dtypes():
             for budget in self.args.budgets:
-                dataflow_row(self, dtype, budget)
+                for order in self.args.dataflow_orders:
+                    dataflow_row(self, dtype, budget, order)
 
 
 def _ints(text: str) -> list[int]:
@@ -354,6 +356,13 @@ def parser() -> argparse.ArgumentParser:
         help="auto: nearest the fastest stock row, then bf16",
     )
     p.add_argument("--dataflow-batches", type=_ints, default=[64, 32, 16, 8, 4, 2, 1])
+    p.add_argument(
+        "--dataflow-orders",
+        type=_words(ORDERS),
+        default=["round"],
+        help="the dataflow rows' task orders, e.g. round,layer (TrainConfig.order; a "
+        "layer-order row's engine is 'dataflow by layer')",
+    )
     p.add_argument("--min-tokens", type=int, default=65536, help="dataflow tokens per step")
     p.add_argument("--resolver", default="torch", help="dataflow resolver")
     p.add_argument(

@@ -48,7 +48,9 @@ POLICIES = {
 }
 
 
-def train_config(dtype: str, batch: int, rounds: int, seq_len: int, chunk: int) -> TrainConfig:
+def train_config(
+    dtype: str, batch: int, rounds: int, seq_len: int, chunk: int, order: str = "round"
+) -> TrainConfig:
     policy, state = POLICIES[dtype]
     return TrainConfig(
         seq_len=seq_len,
@@ -57,7 +59,14 @@ def train_config(dtype: str, batch: int, rounds: int, seq_len: int, chunk: int) 
         dtype=policy,
         optimizer=OptimizerPolicy(state_dtypes={"exp_avg": state, "exp_avg_sq": state}),
         chunk_tokens=chunk,
+        order=order,
     )
+
+
+def engine_name(order: str) -> str:
+    """A dataflow row's engine: ``dataflow`` in round order, ``dataflow by layer`` in
+    layer order (``TrainConfig.order``)."""
+    return ENGINE if order == "round" else f"{ENGINE} by {order}"
 
 
 def ranked_shapes(
@@ -69,6 +78,7 @@ def ranked_shapes(
     batches: list[int],
     min_tokens: int,
     chunk: int,
+    order: str = "round",
 ) -> tuple[list[tuple[int, int]], dict[str, Any]]:
     """``(batch, rounds)`` in the order to try, and what the roofline plan said of each.
 
@@ -84,7 +94,8 @@ def ranked_shapes(
         if any(v.get("at_bound") for v in said.values() if isinstance(v, dict)):
             unplanned.append((batch, rounds))
             continue
-        program = lower(family, preset, train_config(dtype, batch, rounds, seq_len, chunk)).program
+        train = train_config(dtype, batch, rounds, seq_len, chunk, order)
+        program = lower(family, preset, train).program
         try:
             planned = plan(program, budget_bytes)
         except PlanningError as exc:
@@ -169,11 +180,13 @@ def pinned_limit(device: str, reserve_bytes: int) -> int | None:
     return max(0, available - reserve_bytes)
 
 
-def trial(bench: Any, dtype: str, budget: int, batch: int, rounds: int, chunk: int) -> dict:
+def trial(
+    bench: Any, dtype: str, budget: int, batch: int, rounds: int, chunk: int, order: str
+) -> dict:
     """One shape on the device: build (profile, plan, place), warm up, measure."""
     args = bench.args
     began = time.perf_counter()
-    train = train_config(dtype, batch, rounds, args.seq_len, chunk)
+    train = train_config(dtype, batch, rounds, args.seq_len, chunk, order)
     run = TrainingRun(
         bench.family,
         args.preset,
@@ -207,6 +220,7 @@ def trial(bench: Any, dtype: str, budget: int, batch: int, rounds: int, chunk: i
     replayed = all(trace.replayed for _, trace in measured)
     details = {
         "rounds": rounds,
+        "order": order,
         "chunk_tokens": chunk,
         "replayed": replayed,
         "graph_note": graph_note,
@@ -258,9 +272,10 @@ def trial(bench: Any, dtype: str, budget: int, batch: int, rounds: int, chunk: i
     }
 
 
-def dataflow_row(bench: Any, dtype: str, budget: int) -> None:
+def dataflow_row(bench: Any, dtype: str, budget: int, order: str = "round") -> None:
     """Measure (or explain) one dataflow row and record it."""
-    if bench.have(ENGINE, dtype, budget) or bench.skipped(ENGINE, dtype, budget):
+    engine = engine_name(order)
+    if bench.have(engine, dtype, budget) or bench.skipped(engine, dtype, budget):
         return
     args = bench.args
     chunk = head_chunk_tokens(budget, bench.config.vocab_size)
@@ -277,10 +292,11 @@ def dataflow_row(bench: Any, dtype: str, budget: int) -> None:
                 args.dataflow_batches,
                 args.min_tokens,
                 chunk,
+                order,
             )
             for batch, rounds in shapes:
                 try:
-                    result = trial(bench, dtype, budget, batch, rounds, chunk)
+                    result = trial(bench, dtype, budget, batch, rounds, chunk, order)
                     result |= {"batch": batch, "rounds": rounds}
                     break
                 except Exception as exc:  # infeasible after profiling, breach, ...: go on
@@ -299,7 +315,7 @@ def dataflow_row(bench: Any, dtype: str, budget: int) -> None:
         if not reason and roofline:  # e.g. "... the smallest budget that works is ..."
             reason = f"no batch plans here; batch {roofline[0]}'s {roofline[1]}"
         bench.record(
-            make_row(bench.model, ENGINE, dtype, budget, note=f"{format_size(budget)}: {reason}"),
+            make_row(bench.model, engine, dtype, budget, note=f"{format_size(budget)}: {reason}"),
             details,
         )
         return
@@ -307,7 +323,7 @@ def dataflow_row(bench: Any, dtype: str, budget: int) -> None:
         note = "; ".join(f"{k}: {v}" for k, v in tried.items() if k != "roofline")
     row = make_row(
         bench.model,
-        ENGINE,
+        engine,
         dtype,
         budget,
         batch=result["batch"],

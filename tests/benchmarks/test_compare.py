@@ -134,10 +134,14 @@ def test_append_merges_new_rows_and_skips_rows_it_has(first_run, tmp_path) -> No
     before = json.loads(copy.read_text())
     args = [*TINY, "--rows", "stock,dataflow", "--stock-engines", "eager", "--stock-dtypes", "bf16"]
     args += ["--dataflow-dtypes", "mixed", "--budgets", "4MiB", "--append"]
+    args += ["--dataflow-orders", "round,layer"]
     assert compare.main([*args, "--out", str(copy), "--doc", str(page_copy)]) == 0
     after = json.loads(copy.read_text())
     old, new = by_key(before), by_key(after)
-    assert set(new) == set(old) | {f"gpt2_tiny|dataflow|mixed|{4 * 2**20}"}
+    by_layer = f"gpt2_tiny|dataflow by layer|mixed|{4 * 2**20}"
+    assert set(new) == set(old) | {f"gpt2_tiny|dataflow|mixed|{4 * 2**20}", by_layer}
+    assert new[by_layer]["tok_s"] > 0
+    assert after["meta"]["row_details"][by_layer]["order"] == "layer"
     # the eager row was already measured: kept as it was, not run again
     key = "gpt2_tiny|pytorch eager|bf16|None"
     assert new[key]["measured_step_s"] == old[key]["measured_step_s"]
