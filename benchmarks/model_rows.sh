@@ -3,7 +3,9 @@
 # minutes each (docs/throughput.md, "Other models"):
 #
 #   bash benchmarks/model_rows.sh llama3_8b     # stock torch.compile + dataflow 16, 8 GiB
-#   bash benchmarks/model_rows.sh small         # l3_1b at 4 GiB, olmoe_1b_7b at 16, 8 GiB
+#   bash benchmarks/model_rows.sh l3_1b         # stock + dataflow 4 GiB, both task orders
+#   bash benchmarks/model_rows.sh olmoe         # stock + dataflow 16, 8 GiB, layer order first
+#   bash benchmarks/model_rows.sh small         # l3_1b then olmoe (two commands' worth)
 #
 # Rows are appended to benchmarks/results/compare.json and the tables of
 # docs/throughput.md rewritten; with $OUT set, the log, both files and the profile cache
@@ -11,7 +13,7 @@
 # run) are copied there. SMOKE=1 runs the same commands on the CPU at tiny presets
 # (llama3_tiny, olmoe_tiny) into /tmp, so nothing fails on the device for a typo.
 set -u
-group=${1:?usage: model_rows.sh llama3_8b|small}
+group=${1:?usage: model_rows.sh llama3_8b|l3_1b|olmoe|small}
 out_json=benchmarks/results/compare.json
 page=docs/throughput.md
 cache=/tmp/dataflow_profiles_$group
@@ -58,24 +60,30 @@ llama3_8b)
             --row-seconds 200 --total-seconds 200
     } 2>&1 | tee "$log"
     ;;
-small)
+l3_1b | olmoe | small)
     {
-        compare --family llama3 "${dense[@]}" --rows stock,dataflow --stock-engines compile \
-            --batches 8,4 --dataflow-batches 8,4,2 --min-tokens "$tokens" \
-            --budgets "$dense_budget" --steps 4 --warmup 2 --compile-row-seconds 120 \
-            --row-seconds 110 --total-seconds 220
+        if [ "$group" != olmoe ]; then
+            compare --family llama3 "${dense[@]}" --rows stock,dataflow --stock-engines compile \
+                --batches 8,4 --dataflow-batches 8,4,2 --min-tokens "$tokens" \
+                --budgets "$dense_budget" --dataflow-orders round,layer --steps 4 --warmup 2 \
+                --compile-row-seconds 120 --row-seconds 110 --total-seconds 360
+        fi
         # the MoE stock row is the grouped-GEMM model under torch.compile (issue 16); the
         # dataflow tasks run eager (torch-compiled is untried on the MoE block here), the
-        # step replayed from a CUDA graph either way
-        compare --family olmoe "${moe[@]}" --rows stock,dataflow --stock-engines compile \
-            --resolver torch \
-            --batches 4,2 --dataflow-batches 4,2 --min-tokens "$tokens" --budgets "$moe_budgets" \
-            --steps 4 --warmup 2 --compile-row-seconds 130 \
-            --row-seconds 130 --total-seconds 280
+        # step replayed from a CUDA graph either way. Layer order first: by the roofline it
+        # is 1.35x (16 GiB) and 2x (8 GiB) round order's tokens/s, the experts' weights
+        # crossing the link once a step each way instead of once a round
+        if [ "$group" != l3_1b ]; then
+            compare --family olmoe "${moe[@]}" --rows stock,dataflow --stock-engines compile \
+                --resolver torch --dataflow-orders layer,round \
+                --batches 4,2 --dataflow-batches 4,2 --min-tokens "$tokens" --budgets "$moe_budgets" \
+                --steps 4 --warmup 2 --compile-row-seconds 130 \
+                --row-seconds 120 --total-seconds 490
+        fi
     } 2>&1 | tee "$log"
     ;;
 *)
-    echo "model_rows.sh: unknown group '$group' (llama3_8b or small)" >&2
+    echo "model_rows.sh: unknown group '$group' (llama3_8b, l3_1b, olmoe or small)" >&2
     exit 2
     ;;
 esac
