@@ -1,6 +1,8 @@
 """Plan and place the llama3_8b training step (seq 4096, bf16 weights, gradients and AdamW
 state, the recompute planner, a cyclic plan) with the task costs and workspace measured on
-the H200 (``benchmarks/results/profiles_llama3_8b.tgz``, a profile cache), on the CPU.
+the H200 (``--profiles``: a profile cache directory, or an archive of one; by default
+``benchmarks/results/profiles_llama3_8b.tgz``, whose entries come from more than one run,
+the last read winning), on the CPU.
 
 With ``--counted`` it plans the way ``TrainingRun`` did before task workspace was planned
 as a reserve beside the arena: each task's workspace counted within the budget while the
@@ -10,7 +12,8 @@ without task workspace at the budget less the largest and places it with
 H200's pinned-host links as compare.json measured them; the CUDA libraries' reserve is
 the 32 MiB the H200 run left.
 
-Run: ``python benchmarks/place_llama3_8b.py --budget 8GiB [--batch 2 --rounds 16] [--counted]``
+Run: ``python benchmarks/place_llama3_8b.py --budget 8GiB [--batch 2 --rounds 16] [--counted]
+[--profiles DIR]``
 """
 
 from __future__ import annotations
@@ -39,16 +42,22 @@ RESERVE_BYTES = 33_556_480  # 8 GiB less the 7.97 GiB the H200 run planned for
 LINKS = Links(h2d=Link(54_804.6, 10.0), d2h=Link(55_228.2, 10.0))  # compare.json's
 
 
-def measured_profiles() -> dict[str, TaskProfile]:
-    """Signature (as JSON) -> profile, from the cache in the archive."""
-    found = {}
+def measured_profiles(source: Path) -> dict[str, TaskProfile]:
+    """Signature (as JSON) -> profile, from a cache directory or an archive of one."""
+    if source.is_dir():
+        return _read(source)
     with tempfile.TemporaryDirectory() as directory:
-        with tarfile.open(PROFILES) as archive:
+        with tarfile.open(source) as archive:
             archive.extractall(directory, filter="data")
-        for path in Path(directory).glob("*.json"):
-            entry = json.loads(path.read_text())
-            key = json.dumps(json.loads(entry["key"])["signature"])
-            found[key] = TaskProfile(entry["cost_us"], entry["workspace_bytes"])
+        return _read(Path(directory))
+
+
+def _read(directory: Path) -> dict[str, TaskProfile]:
+    found = {}
+    for path in sorted(directory.glob("*.json")):
+        entry = json.loads(path.read_text())
+        key = json.dumps(json.loads(entry["key"])["signature"])
+        found[key] = TaskProfile(entry["cost_us"], entry["workspace_bytes"])
     return found
 
 
@@ -58,9 +67,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--counted", action="store_true")
+    parser.add_argument("--profiles", type=Path, default=PROFILES)
     args = parser.parse_args()
     budget = parse_size(args.budget)
-    known = measured_profiles()
+    known = measured_profiles(args.profiles)
     strip = not args.counted
     largest = [0]
 
