@@ -110,7 +110,7 @@ def main() -> None:
     print(
         f"placed in {time.perf_counter() - started:.1f} s: arena {placed.arena_bytes} + "
         f"{placed.workspace_outside_bytes} beside, plan at {placed.plan.budget_bytes}, "
-        f"iteration {placed.plan.cycle.iteration_us / 1e6:.3f} s (roofline-free: measured "
+        f"iteration {placed.plan.cycle.iteration_us / 1e6:.3f} s (simulated: measured "
         "task costs, modelled links)"
     )
 
