@@ -15,6 +15,7 @@ from dataflow.planning.placement import (
     pack,
     place,
     residency_blocks,
+    without_workspace,
 )
 from dataflow.schema import Obj, Program, Task
 from dataflow.testing.shapes import MiB, mutate_and_reuse, tiny_streaming, tiny_training, training
@@ -66,6 +67,52 @@ def test_a_packing_over_the_budget_is_re_planned_at_a_smaller_capacity() -> None
     placement = place(planned)
     assert placement.plan.budget_bytes < budget
     assert placement.arena_bytes <= budget and check_placement(placement) == []
+
+
+def _with_head_workspace() -> tuple[Program, int]:
+    """A training step whose head tasks take a large workspace from the allocator (the
+    head's logits on CUDA), every other task 1 MiB: the llama3_8b step at 8 GiB, small."""
+    program = training(random.Random(6), layers=4)
+    head = minimal_budget(program) // 2
+    tasks = tuple(
+        attrs.evolve(task, workspace_bytes=head if task.id.startswith("head") else MiB)
+        for task in program.tasks
+    )
+    return attrs.evolve(program, tasks=tasks), int(minimal_budget(program) * 2.1)
+
+
+def test_workspace_beside_the_arena_is_planned_as_a_constant_reserve() -> None:
+    program, budget = _with_head_workspace()
+    # Planned with each task's workspace inside the budget, the objects take the room the
+    # head's workspace leaves while any other task runs: more than the arena may have.
+    counted = plan(program, budget)
+    held = live_peak_bytes([b for b in residency_blocks(counted) if b.obj_id is not None])
+    largest = max(task.workspace_bytes for task in program.tasks)
+    assert held > budget - largest
+    with pytest.raises(PlanningError, match="without_workspace"):
+        place(counted, workspace_in_arena=False, replans=0)
+    # Planned without workspace at the budget less the largest, it places with no re-plan.
+    stripped, most = without_workspace(program)
+    assert most == largest
+    assert all(task.workspace_bytes == 0 for task in stripped.tasks)
+    placement = place(plan(stripped, budget - most), workspace_beside_bytes=most, replans=0)
+    assert placement.budget_bytes == budget and placement.workspace_outside_bytes == most
+    assert placement.arena_bytes + most <= budget
+    assert check_placement(placement) == []
+    assert all(block.task_id is None for block in placement.blocks)
+
+
+def test_a_re_plan_that_packs_is_refined_towards_the_budget() -> None:
+    program = training(random.Random(6), layers=4)
+    budget = 45_298_483  # every first packing is over it; the first re-plan overshoots
+    planned = plan(program, budget)
+    assert max(block.end_bytes for block in pack(residency_blocks(planned))) > budget
+    first = place(planned, replans=1)  # the first re-plan, not refined
+    refined = place(planned)
+    assert first.arena_bytes <= budget and refined.arena_bytes <= budget
+    assert first.plan.budget_bytes < refined.plan.budget_bytes < budget
+    assert refined.plan.makespan_us < first.plan.makespan_us
+    assert check_placement(refined) == []
 
 
 def test_when_no_re_plan_fits_the_error_names_the_budget() -> None:

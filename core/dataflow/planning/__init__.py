@@ -11,7 +11,7 @@ from dataflow.planning.cycle import CycleCheck, check_cycle, unroll
 from dataflow.planning.feasibility import InfeasibleBudget, minimal_budget
 from dataflow.planning.intervals import PlanningError
 from dataflow.planning.lower_bound import LowerBound, lower_bound
-from dataflow.planning.placement import Block, Placement, place
+from dataflow.planning.placement import Block, Placement, place, without_workspace
 
 __all__ = [
     "DEFAULT_PLANNER",
@@ -30,4 +30,5 @@ __all__ = [
     "place",
     "plan",
     "unroll",
+    "without_workspace",
 ]

@@ -37,11 +37,14 @@ import attrs
 from dataflow.planning.api import PRESSUREFIT, Plan, plan
 from dataflow.planning.feasibility import InfeasibleBudget
 from dataflow.planning.intervals import PlanningError
-from dataflow.schema import Location
+from dataflow.schema import Location, Program
 from dataflow.units import format_size
 
 #: How many times ``place`` re-plans at a smaller capacity before giving up.
 REPLANS = 6
+#: Once a re-planned capacity packs, bisection towards the budget stops when the capacity
+#: is known within budget / REFINE_PARTS.
+REFINE_PARTS = 256
 #: Seeded restarts tried when no fixed order fits, for plans of at most RESTART_BLOCKS blocks.
 RESTARTS = 32
 RESTART_BLOCKS = 1000
@@ -95,7 +98,13 @@ class Placement:
         return tuple(block for block in self.blocks if block.obj_id == obj_id)
 
 
-def place(planned: Plan, *, replans: int = REPLANS, workspace_in_arena: bool = True) -> Placement:
+def place(
+    planned: Plan,
+    *,
+    replans: int = REPLANS,
+    workspace_in_arena: bool = True,
+    workspace_beside_bytes: int = 0,
+) -> Placement:
     """Pack ``planned`` into one arena no larger than its budget.
 
     With ``workspace_in_arena=False`` tasks' workspace is not packed: their kernels take it
@@ -103,17 +112,28 @@ def place(planned: Plan, *, replans: int = REPLANS, workspace_in_arena: bool = T
     largest task workspace free beside it: ``arena_bytes + workspace_outside_bytes`` stays
     within the budget.
 
+    Such a plan must hold its objects within the budget less that workspace at every
+    instant, which a plan that counts each task's workspace within the budget only while
+    the task runs does not: plan the program with its tasks' workspace taken out
+    (``without_workspace``) at the budget less the largest, and pass that largest as
+    ``workspace_beside_bytes``; the placement's budget is then the plan's plus it.
+
     When fragmentation makes the arena larger than the budget, re-plan (same planner) at
     the plan's live peak less the excess, and pack again (PressureFit: when it finds no
     plan there, halfway back up; any other planner: never below the smallest budget it
-    reports when a capacity is infeasible). Raises ``PlanningError`` naming the budget and the smallest arena found
-    when ``replans`` re-plans do not make it fit.
+    reports when a capacity is infeasible); once a capacity packs, bisect between it and
+    the smallest that did not, and keep the fastest placement. Raises ``PlanningError``
+    naming the budget and the smallest arena found when ``replans`` re-plans do not make
+    it fit.
     """
-    budget = planned.budget_bytes
+    budget = planned.budget_bytes + workspace_beside_bytes
     outside = (
-        0
+        workspace_beside_bytes
         if workspace_in_arena
-        else max((task.workspace_bytes for task in planned.program.tasks), default=0)
+        else max(
+            workspace_beside_bytes,
+            max((task.workspace_bytes for task in planned.program.tasks), default=0),
+        )
     )
     floor = [1]
 
@@ -147,46 +167,86 @@ def place(planned: Plan, *, replans: int = REPLANS, workspace_in_arena: bool = T
     placement, smallest = _pack_or_replan(planned, budget, outside, replans, replan)
     if placement is not None:
         return placement
+    held = live_peak_bytes([b for b in residency_blocks(planned) if b.obj_id is not None])
+    why = ""
+    if outside and held > budget - outside:
+        why = (
+            f"; its plan holds {held} bytes of objects at once, more than that: it counts "
+            "each task's workspace within the budget only while the task runs, so plan the "
+            "program without task workspace at the budget less the largest "
+            "(without_workspace, workspace_beside_bytes)"
+        )
     raise PlanningError(
         f"program {planned.program.name!r}: fragmentation keeps every packing of its plan "
         f"above the fast budget of {format_size(budget)} ({budget} bytes"
         f"{f', less {outside} bytes of task workspace beside the arena' if outside else ''}): "
         f"the smallest arena found takes {smallest} bytes, and re-planning at smaller capacities "
-        f"({replans} at most) did not make one fit; give a slightly larger budget"
+        f"({replans} at most) did not make one fit; give a slightly larger budget{why}"
     )
 
 
+def without_workspace(program: Program) -> tuple[Program, int]:
+    """``program`` with no task holding workspace, and the most any task held: planned at
+    a budget less that, its objects leave room for any task's workspace beside the arena
+    at every instant (``place(..., workspace_beside_bytes=...)``)."""
+    largest = max((task.workspace_bytes for task in program.tasks), default=0)
+    tasks = tuple(attrs.evolve(task, workspace_bytes=0) for task in program.tasks)
+    return attrs.evolve(program, tasks=tasks), largest
+
+
 def _pack_or_replan(
-    planned: Plan, budget: int, outside: int, replans: int, replan
+    planned: Plan, budget: int, outside: int, replans: int, replan, *, refine: bool = True
 ) -> tuple[Placement | None, int | None]:
-    """Pack, re-plan at the live peak less the excess, pack again (``place``); the placement
-    (None when none fits) and the smallest arena found."""
+    """Pack ``planned``; while no packing fits, re-plan at the last plan's live peak less
+    its excess and pack again; once one fits (with ``refine``), bisect the capacity
+    between the largest that packed and the smallest that did not, keeping the fastest
+    placement. At most ``replans`` re-plans in all (``place``). The placement (None when
+    none fits) and the smallest arena found."""
     limit = budget - outside
+    tolerance = max(1, budget // REFINE_PARTS)
     current: Plan | None = planned
+    best: Placement | None = None
     smallest: int | None = None
-    capacity = budget
-    for _ in range(replans + 1):
+    capacity = fails_at = planned.budget_bytes
+    fits_at = live = arena = 0
+    for attempt in range(replans + 1):
+        if attempt:
+            if best is None:
+                # Fragmentation of this packing is arena - live peak; ask the next plan
+                # for a live peak that much below the budget.
+                smaller = min(capacity, current.budget_bytes, live) - (arena - limit)
+                if smaller < 1 or smaller >= capacity:
+                    break
+                capacity = smaller
+            elif refine and fails_at - fits_at > tolerance:
+                capacity = (fits_at + fails_at) // 2
+            else:
+                break
+            found = replan(current, capacity)
+            if found is None:
+                if best is None:
+                    break
+                fails_at = capacity
+                continue
+            current = found
         intervals = residency_blocks(current)
         if outside:
             intervals = [block for block in intervals if block.obj_id is not None]
         blocks, arena = _pack_within(intervals, limit, wrap_pairs(current, intervals))
-        if arena <= limit:
-            placement = Placement(
-                current, budget, arena, live_peak_bytes(intervals), blocks, outside
-            )
-            return placement, arena
-        smallest = arena if smallest is None else min(smallest, arena)
-        # Fragmentation of this packing is arena - live peak; ask the next plan for a live
-        # peak that much below the budget.
         live = live_peak_bytes(intervals)
-        smaller = min(capacity, current.budget_bytes, live) - (arena - limit)
-        if smaller < 1 or smaller >= capacity:
-            break
-        capacity = smaller
-        current = replan(current, capacity)
-        if current is None:
-            break
-    return None, smallest
+        smallest = arena if smallest is None else min(smallest, arena)
+        if arena > limit:
+            fails_at = min(fails_at, capacity)
+            continue
+        fits_at = max(fits_at, capacity)
+        if best is None or _step_us(current) < _step_us(best.plan):
+            best = Placement(current, budget, arena, live, blocks, outside)
+    return best, smallest
+
+
+def _step_us(planned: Plan) -> float:
+    """What one step of ``planned`` takes: a cyclic plan's steady-state iteration."""
+    return planned.cycle.iteration_us if planned.cycle is not None else planned.makespan_us
 
 
 def _pressurefit_at(
@@ -239,7 +299,7 @@ def placed_within(
             chain.program, capacity, slow_budget_bytes, fit_below=current.budget_bytes
         )
 
-    placement, _ = _pack_or_replan(first, budget_bytes, 0, replans, replan)
+    placement, _ = _pack_or_replan(first, budget_bytes, 0, replans, replan, refine=False)
     return placement is not None
 
 
@@ -407,6 +467,11 @@ ORDERS: dict[str, tuple[Callable[[Block], tuple[float, ...]], bool]] = {
     "start": (lambda b: (b.start_us, -b.size_bytes, b.end_us), True),
     "size-then-life": (lambda b: (-b.size_bytes, b.start_us - b.end_us, b.start_us), False),
     "life": (lambda b: (b.start_us - b.end_us, -b.size_bytes, b.start_us), True),
+    # Many blocks of a few sizes (a large model's weights, gradients, saves): the
+    # longer-lived of one size first, then bytes x lifetime, so that long-lived small
+    # blocks are not left to go on top of every hole.
+    "size-longest": (lambda b: (-b.size_bytes, b.start_us - b.end_us, b.start_us), True),
+    "area": (lambda b: (-b.size_bytes * (b.end_us - b.start_us), b.start_us), False),
 }
 
 

@@ -152,3 +152,13 @@ def test_the_same_tokens_split_differently_is_another_signature() -> None:
     assert [o.size_bytes for o in wide.objects] == [o.size_bytes for o in long.objects]
     for a, b in zip(wide.tasks, long.tasks, strict=True):
         assert signature(wide, a) != signature(long, b)
+
+
+def test_without_workspace_drops_every_workspace_and_names_the_largest() -> None:
+    from dataflow_training.profile import TaskProfile, without_workspace
+
+    profiles = {("a",): TaskProfile(5.0, 512), ("b",): TaskProfile(7.0, 3 << 20)}
+    stripped, largest = without_workspace(profiles)
+    assert largest == 3 << 20
+    assert stripped == {("a",): TaskProfile(5.0, 0), ("b",): TaskProfile(7.0, 0)}
+    assert without_workspace({}) == ({}, 0)

@@ -100,7 +100,7 @@ def export_cell(
     if planned.reason is not None:
         raise ExportError(planned.reason)
     try:
-        placement = place(planned.planned, workspace_in_arena=measure is None)
+        placement = place(planned.planned, workspace_beside_bytes=planned.workspace_beside_bytes)
     except PlanningError as exc:
         raise ExportError(" ".join(str(exc).split())) from None
     summary = summary_of(

@@ -211,12 +211,15 @@ def infeasible_row(cell: Cell, extra: dict[str, Any], reason: str) -> dict[str, 
 @attrs.frozen
 class PlannedCell:
     """A cell lowered, priced and planned: ``planned`` (a ``dataflow.planning.Plan``), or
-    ``reason`` why it cannot run; ``extra`` the row's fields that say how."""
+    ``reason`` why it cannot run; ``extra`` the row's fields that say how.
+    ``workspace_beside_bytes``: with measured costs, the task workspace the plan leaves
+    beside its arena (its tasks hold none; ``place(..., workspace_beside_bytes=...)``)."""
 
     cell: Cell
     extra: dict[str, Any]
     planned: Any = None
     reason: str | None = None
+    workspace_beside_bytes: int = 0
 
 
 def plan_cell(
@@ -238,7 +241,7 @@ def plan_cell(
     the ``scope`` collective link."""
     from dataflow.planning import PRESSUREFIT, PlanningError, plan
     from dataflow_training.lowering import lower
-    from dataflow_training.profile import apply_profile
+    from dataflow_training.profile import apply_profile, without_workspace
     from dataflow_training.recompute import measured_recompute_planner, recompute_planner
 
     extra: dict[str, Any] = {"hw": hw.name, "costs": "measured" if measure else "roofline"}
@@ -261,21 +264,39 @@ def plan_cell(
         grad_share=None if ranks is None else 1.0 / ranks,
     ).program
     planner = recompute_planner(family=family) if recompute else PRESSUREFIT
+    beside = 0  # measured workspace is the allocator's, beside the arena (as on CUDA)
     if measure is not None:
-        profiles = measure(program)
+        largest = [0]
+
+        def measured(candidate: Program) -> dict:
+            found, most = without_workspace(measure(candidate))
+            largest[0] = max(largest[0], most)
+            return found
+
+        profiles = measured(program)
         program = apply_profile(program, profiles)
         if recompute:
-            planner = measured_recompute_planner(program, measure, family, known=profiles)
-    budget = cell.budget_bytes - reserve_bytes
+            planner = measured_recompute_planner(program, measured, family, known=profiles)
+        beside = largest[0]
+    budget = cell.budget_bytes - reserve_bytes - beside
     if budget < 1:
-        reason = f"the device's libraries alone take {reserve_bytes} bytes of it"
+        reason = (
+            f"the device's libraries ({reserve_bytes} bytes) and the largest task "
+            f"workspace ({beside} bytes) take all of it"
+        )
         return PlannedCell(cell, extra, reason=reason)
     try:
         planned = plan(program, budget, planner=planner, slow_budget_bytes=cell.backing_bytes)
     except PlanningError as exc:
-        return PlannedCell(cell, extra, reason=_one_line(str(exc)))
+        reason = _one_line(str(exc))
+        if beside:
+            reason += (
+                f" (planned at the budget less {reserve_bytes} bytes for the device's "
+                f"libraries and {beside} bytes of task workspace beside the arena)"
+            )
+        return PlannedCell(cell, extra, reason=reason)
     extra["planning_s"] = time.perf_counter() - started
-    return PlannedCell(cell, extra, planned)
+    return PlannedCell(cell, extra, planned, workspace_beside_bytes=beside)
 
 
 def predict_cell(family: Any, cell: Cell, hw: HardwareEntry, **options: Any) -> dict[str, Any]:

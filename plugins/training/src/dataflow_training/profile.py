@@ -332,6 +332,15 @@ def _replayed_us(
     return times
 
 
+def without_workspace(profiles: dict[tuple, TaskProfile]) -> tuple[dict[tuple, TaskProfile], int]:
+    """``profiles`` with no workspace, and the most any of them measured. On CUDA task
+    workspace is taken from the framework allocator beside the arena, so a program priced
+    by these is planned at the budget less that most (docs/planning.md, Static placement)."""
+    largest = max((found.workspace_bytes for found in profiles.values()), default=0)
+    stripped = {key: attrs.evolve(found, workspace_bytes=0) for key, found in profiles.items()}
+    return stripped, largest
+
+
 def apply_profile(program: Program, profiles: dict[tuple, TaskProfile]) -> Program:
     """``program`` with every task's cost and workspace from its measured signature
     (collective tasks stay as they are: the collective link prices them)."""

@@ -178,12 +178,18 @@ class TrainingRun:
         temporaries measured by the profiling pass (through its disk cache; timed as graph
         replays when steps will be replayed), the links to pinned host memory are measured
         (both directions at once), the plan leaves the CUDA libraries' own reserve and the
-        largest task workspace free beside its arena, and the engine checks the
-        allocator's peak against the whole budget."""
+        largest task workspace free beside its arena (it is made at the budget less both,
+        its tasks holding no workspace), and the engine checks the allocator's peak
+        against the whole budget."""
         from dataflow.engine.backends.torch_cuda import measure_links, runtime_reserve_bytes
-        from dataflow.planning import place, plan
+        from dataflow.planning import InfeasibleBudget, PlanningError, place, plan
         from dataflow.plugins import resolvers
-        from dataflow_training.profile import ProfileCache, apply_profile, profile_program
+        from dataflow_training.profile import (
+            ProfileCache,
+            apply_profile,
+            profile_program,
+            without_workspace,
+        )
         from dataflow_training.recompute import RECOMPUTE, measured_recompute_planner
 
         def int_high(obj_id: str) -> int:
@@ -200,25 +206,50 @@ class TrainingRun:
             graph=self.graph,
         )
         links = attrs.evolve(measure_links(self.device), collective=self.program.links.collective)
+        profiles, beside = without_workspace(profiles)
         self.program = attrs.evolve(apply_profile(self.program, profiles), links=links)
         if options["planner"] is RECOMPUTE:  # candidates priced by measurements too
+            largest = [beside]
 
             def measured(program: Any) -> dict:
                 build = resolvers().get(resolver).build(program)
-                return profile_program(
-                    program,
-                    build,
-                    device=self.device,
-                    int_high=int_high,
-                    cache=cache,
-                    graph=self.graph,
+                found, most = without_workspace(
+                    profile_program(
+                        program,
+                        build,
+                        device=self.device,
+                        int_high=int_high,
+                        cache=cache,
+                        graph=self.graph,
+                    )
                 )
+                largest[0] = max(largest[0], most)
+                return found
 
             spec = measured_recompute_planner(self.program, measured, known=profiles)
+            beside = largest[0]  # every candidate's tasks were measured by now
             options = dict(options, planner=spec)
         reserve = runtime_reserve_bytes(self.device)
-        self.planned = plan(self.program, self.budget_bytes - reserve, **options)
-        self.placement = place(self.planned, workspace_in_arena=False)
+        outside = reserve + beside
+        if self.budget_bytes <= outside:
+            raise PlanningError(
+                f"a budget of {self.budget_bytes} bytes leaves nothing for the arena: the "
+                f"CUDA libraries' reserve ({reserve} bytes) and the largest task workspace "
+                f"({beside} bytes) take it all"
+            )
+        try:
+            self.planned = plan(self.program, self.budget_bytes - outside, **options)
+        except InfeasibleBudget as exc:  # in the budget the caller gave
+            raise InfeasibleBudget(
+                exc.program_name,
+                self.budget_bytes,
+                exc.minimal_budget_bytes + outside,
+                exc.task_id,
+                exc.footprint_bytes,
+                f"{exc.reason} (budgets here include the CUDA libraries' reserve of "
+                f"{reserve} bytes and {beside} bytes of task workspace beside the arena)",
+            ) from None
+        self.placement = place(self.planned, workspace_beside_bytes=beside)
 
     def step(
         self, batches: Sequence[Batch], lr: float | None = None, *, dispatch: bool = False

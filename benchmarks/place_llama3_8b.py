@@ -1,0 +1,119 @@
+"""Plan and place the llama3_8b training step (seq 4096, bf16 weights, gradients and AdamW
+state, the recompute planner, a cyclic plan) with the task costs and workspace measured on
+the H200 (``--profiles``: a profile cache directory, or an archive of one; by default
+``benchmarks/results/profiles_llama3_8b.tgz``, whose entries come from more than one run,
+the last read winning), on the CPU.
+
+With ``--counted`` it plans the way ``TrainingRun`` did before task workspace was planned
+as a reserve beside the arena: each task's workspace counted within the budget while the
+task runs, then ``place(..., workspace_in_arena=False)``. Otherwise it plans the step
+without task workspace at the budget less the largest and places it with
+``workspace_beside_bytes`` (what ``TrainingRun._plan_for_cuda`` does now). Links are the
+H200's pinned-host links as compare.json measured them; the CUDA libraries' reserve is
+the 32 MiB the H200 run left.
+
+Run: ``python benchmarks/place_llama3_8b.py --budget 8GiB [--batch 2 --rounds 16] [--counted]
+[--profiles DIR]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import attrs
+from compare_dataflow import chunk_tokens, train_config
+from dataflow_training.family import load_family
+from dataflow_training.lowering import lower
+from dataflow_training.profile import TaskProfile, apply_profile, signature, without_workspace
+from dataflow_training.recompute import measured_recompute_planner
+
+from dataflow.planning import PlanningError, place, plan
+from dataflow.planning.placement import live_peak_bytes, residency_blocks
+from dataflow.schema.program import Link, Links
+from dataflow.units import parse_size
+
+PROFILES = Path(__file__).parent / "results" / "profiles_llama3_8b.tgz"
+RESERVE_BYTES = 33_556_480  # 8 GiB less the 7.97 GiB the H200 run planned for
+LINKS = Links(h2d=Link(54_804.6, 10.0), d2h=Link(55_228.2, 10.0))  # compare.json's
+
+
+def measured_profiles(source: Path) -> dict[str, TaskProfile]:
+    """Signature (as JSON) -> profile, from a cache directory or an archive of one."""
+    if source.is_dir():
+        return _read(source)
+    with tempfile.TemporaryDirectory() as directory:
+        with tarfile.open(source) as archive:
+            archive.extractall(directory, filter="data")
+        return _read(Path(directory))
+
+
+def _read(directory: Path) -> dict[str, TaskProfile]:
+    found = {}
+    for path in sorted(directory.glob("*.json")):
+        entry = json.loads(path.read_text())
+        key = json.dumps(json.loads(entry["key"])["signature"])
+        found[key] = TaskProfile(entry["cost_us"], entry["workspace_bytes"])
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--budget", default="8GiB")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=16)
+    parser.add_argument("--counted", action="store_true")
+    parser.add_argument("--profiles", type=Path, default=PROFILES)
+    args = parser.parse_args()
+    budget = parse_size(args.budget)
+    known = measured_profiles(args.profiles)
+    strip = not args.counted
+    largest = [0]
+
+    def measured(program):
+        found = {}
+        for task in program.tasks:
+            key = signature(program, task)
+            found[key] = known[json.dumps(json.loads(json.dumps(key, default=repr)))]
+        if not strip:
+            return found
+        found, most = without_workspace(found)
+        largest[0] = max(largest[0], most)
+        return found
+
+    family = load_family("llama3")
+    train = train_config("bf16", args.batch, args.rounds, 4096, chunk_tokens(budget, 128256))
+    program = lower(family, "llama3_8b", train).program
+    profiles = measured(program)
+    program = attrs.evolve(apply_profile(program, profiles), links=LINKS)
+    spec = measured_recompute_planner(program, measured, known=profiles)
+    beside = largest[0]
+    started = time.perf_counter()
+    planned = plan(program, budget - RESERVE_BYTES - beside, planner=spec, cyclic=True)
+    held = live_peak_bytes([b for b in residency_blocks(planned) if b.obj_id is not None])
+    print(f"planned at {planned.budget_bytes} bytes in {time.perf_counter() - started:.1f} s:")
+    print(f"  objects held at once {held}, iteration {planned.cycle.iteration_us / 1e6:.3f} s")
+    started = time.perf_counter()
+    try:
+        placed = (
+            place(planned, workspace_in_arena=False)
+            if args.counted
+            else place(planned, workspace_beside_bytes=beside)
+        )
+    except PlanningError as exc:
+        print(f"does not place ({time.perf_counter() - started:.1f} s): {exc}")
+        return
+    print(
+        f"placed in {time.perf_counter() - started:.1f} s: arena {placed.arena_bytes} + "
+        f"{placed.workspace_outside_bytes} beside, plan at {placed.plan.budget_bytes}, "
+        f"iteration {placed.plan.cycle.iteration_us / 1e6:.3f} s (simulated: measured "
+        "task costs, modelled links)"
+    )
+
+
+if __name__ == "__main__":
+    main()
