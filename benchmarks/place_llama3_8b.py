@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 import attrs
-from compare_dataflow import chunk_tokens, train_config
+from compare_dataflow import train_config
+from dataflow_training.config import head_chunk_tokens
 from dataflow_training.family import load_family
 from dataflow_training.lowering import lower
 from dataflow_training.profile import TaskProfile, apply_profile, signature, without_workspace
@@ -86,7 +87,7 @@ def main() -> None:
         return found
 
     family = load_family("llama3")
-    train = train_config("bf16", args.batch, args.rounds, 4096, chunk_tokens(budget, 128256))
+    train = train_config("bf16", args.batch, args.rounds, 4096, head_chunk_tokens(budget, 128256))
     program = lower(family, "llama3_8b", train).program
     profiles = measured(program)
     program = attrs.evolve(apply_profile(program, profiles), links=LINKS)

@@ -260,3 +260,14 @@ def test_model_rows_run_on_cuda_at_tiny_presets(tmp_path) -> None:
         assert r["tok_s"], r
         if r["engine"] == "dataflow":
             assert r["allocator_peak_bytes"] <= r["budget_bytes"]
+
+
+def test_place_llama3_8b_reads_the_committed_h200_profiles() -> None:
+    """benchmarks/place_llama3_8b.py (a minute of planning, not run here) imports and
+    reads the committed profile archive: its head task's workspace is the one the 8 GiB
+    row was placed with (3.29 GB after the in-place head accumulator)."""
+    import place_llama3_8b
+
+    profiles = place_llama3_8b.measured_profiles(BENCHMARKS / "results" / "profiles_llama3_8b.tgz")
+    heads = [p for key, p in profiles.items() if "llama3.head.loss" in key]
+    assert heads and max(p.workspace_bytes for p in heads) < 3.5e9
