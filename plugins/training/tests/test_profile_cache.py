@@ -65,13 +65,19 @@ def test_a_second_run_takes_every_signature_from_disk(program, tmp_path) -> None
         {"device": "cpu-b"},
         {"kernels": ("k2",)},
         {"version": profile.PROFILE_VERSION + 1},
+        {"code": "edited"},
     ],
 )
 def test_kernel_set_device_or_version_change_is_a_miss(program, tmp_path, changed, monkeypatch):
-    _profile(program, ProfileCache(tmp_path, "cpu-a", ("k1",)))
+    _profile(program, ProfileCache(tmp_path, "cpu-a", ("k1",), code="original"))
     if "version" in changed:
         monkeypatch.setattr(profile, "PROFILE_VERSION", changed["version"])
-    cache = ProfileCache(tmp_path, changed.get("device", "cpu-a"), changed.get("kernels", ("k1",)))
+    cache = ProfileCache(
+        tmp_path,
+        changed.get("device", "cpu-a"),
+        changed.get("kernels", ("k1",)),
+        code=changed.get("code", "original"),
+    )
     _, measured = _profile(program, cache)
     unique = len({signature(program, t) for t in program.tasks})
     assert (cache.hits, cache.misses) == (0, unique)
@@ -109,6 +115,26 @@ def test_the_real_cache_key_names_the_device_and_kernels(tmp_path) -> None:
     assert cache.context["device"].startswith("cpu ")
     assert cache.context["kernels"][0] == "resolver torch"
     assert cache.context["version"] == profile.PROFILE_VERSION
+    assert cache.context["code"] == profile.code_fingerprint("torch", "cpu")
+
+
+def test_the_code_fingerprint_follows_the_familys_source(tmp_path, monkeypatch) -> None:
+    """A family's source edited between two runs is another key (the old measurement
+    priced code that no longer runs); the same source gives the same key."""
+    import importlib
+
+    package = tmp_path / "fingerprinted_family"
+    package.mkdir()
+    source = package / "__init__.py"
+    source.write_text("class Family:\n    cost = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("fingerprinted_family")
+    family = module.Family()
+    first = profile.code_fingerprint("torch", "cpu", family)
+    assert profile.code_fingerprint("torch", "cpu", family) == first
+    assert profile.code_fingerprint("torch", "cpu") != first
+    source.write_text("class Family:\n    cost = 2\n")
+    assert profile.code_fingerprint("torch", "cpu", family) != first
 
 
 @pytest.mark.gpu

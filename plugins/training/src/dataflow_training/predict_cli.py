@@ -264,7 +264,7 @@ def measured_pricing(
 
     device = device or default_device()
     graph = graph and device.startswith("cuda")
-    cache = ProfileCache.for_device(device, "torch", graph=graph)
+    cache = ProfileCache.for_device(device, "torch", graph=graph, family=family)
 
     def measure(program: Any) -> dict:
         from dataflow_training.step import StepLayout

@@ -21,9 +21,12 @@ signature under ``default_cache_dir()`` (``$DATAFLOW_PROFILE_CACHE``, else
 ``$XDG_CACHE_HOME/dataflow/profiles``, else ``~/.cache/dataflow/profiles``; ``off`` turns
 the cache off), keyed by the signature, the kernel set (the resolver and the kernel
 variant every op resolves to, with its distribution's version), the device (its name,
-compute capability, torch and CUDA versions) and ``PROFILE_VERSION`` (the version of this
-measuring method). Any of them changing is a miss; an unreadable file is a miss and is
-written again.
+compute capability, torch and CUDA versions), ``PROFILE_VERSION`` (the version of this
+measuring method) and the **code** that runs the tasks (``code_fingerprint``: a hash of
+the Python source of the training plugin, the resolver's package, every chosen kernel
+variant's package and the family's package), so that an edited kernel or family is
+measured again rather than priced by what its older code took. Any of them changing is a
+miss; an unreadable file is a miss and is written again.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -139,26 +143,70 @@ def device_identity(device: str) -> str:
     )
 
 
+def _chosen_variants(device: str) -> list[Any]:
+    """The variant every registered op resolves to on ``device`` (as ``load_ops`` picks:
+    highest priority first)."""
+    from dataflow.plugins import kernels
+
+    registry = kernels()
+    chosen = []
+    for op in sorted({variant.op for variant in registry}):
+        variants = registry.for_op(op, device=torch.device(device).type)
+        if variants:
+            chosen.append(variants[0])
+    return chosen
+
+
 def kernel_set(resolver: str, device: str) -> tuple[str, ...]:
-    """The resolver and the variant every registered op resolves to on ``device`` (as
-    ``load_ops`` picks: highest priority first), each with its distribution's version."""
+    """The resolver and the variant every registered op resolves to on ``device``, each
+    with its distribution's version."""
     from importlib.metadata import PackageNotFoundError, version
 
     from dataflow.plugins import kernels
 
     registry = kernels()
     chosen = [f"resolver {resolver}"]
-    for op in sorted({variant.op for variant in registry}):
-        variants = registry.for_op(op, device=torch.device(device).type)
-        if not variants:
-            continue
-        dist = registry.distribution_of(variants[0].key)
+    for variant in _chosen_variants(device):
+        dist = registry.distribution_of(variant.key)
         try:
             dist_version = version(dist)
         except PackageNotFoundError:
             dist_version = "?"
-        chosen.append(f"{variants[0].key} ({dist} {dist_version})")
+        chosen.append(f"{variant.key} ({dist} {dist_version})")
     return tuple(chosen)
+
+
+def _package_dir(obj: Any) -> Path | None:
+    """The folder of the top-level package that defines ``obj`` (None for a builtin)."""
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    top = sys.modules.get(module.__name__.partition(".")[0]) if module else None
+    path = getattr(top, "__file__", None)
+    return Path(path).parent if path else None
+
+
+def code_fingerprint(resolver: str, device: str, family: Any = None) -> str:
+    """A short hash of the Python source that runs and shapes the profiled tasks: the
+    training plugin (task executables, the shared kit), the package of ``resolver``, the
+    package of every kernel variant the ops resolve to on ``device`` and, when given,
+    ``family``'s package. Hashes every ``.py`` file under each, by path and content."""
+    from dataflow.plugins import resolvers
+
+    roots = {Path(__file__).parent}
+    if resolver in resolvers().names():  # (one that is not installed runs nothing here)
+        roots.add(_package_dir(resolvers().get(resolver).build))
+    for variant in _chosen_variants(device):
+        try:
+            roots.add(_package_dir(variant.load()))
+        except ImportError:  # a variant that cannot load runs nothing (load_ops says so)
+            continue
+    if family is not None:
+        roots.add(_package_dir(type(family)))
+    digest = hashlib.sha256()
+    for root in sorted(root for root in roots if root is not None):
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root.parent)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 class ProfileCache:
@@ -166,10 +214,17 @@ class ProfileCache:
     ``hits`` and ``misses`` count lookups since the cache was made."""
 
     def __init__(
-        self, directory: str | Path, device: str, kernels: tuple[str, ...], graph: bool = False
+        self,
+        directory: str | Path,
+        device: str,
+        kernels: tuple[str, ...],
+        graph: bool = False,
+        code: str | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.context = {"device": device, "kernels": list(kernels), "version": PROFILE_VERSION}
+        if code is not None:  # code_fingerprint of what runs the tasks
+            self.context["code"] = code
         if graph:  # timed as graph replays: another measurement than a dispatched launch
             self.context["timing"] = "graph"
         self.hits = self.misses = 0
@@ -182,13 +237,21 @@ class ProfileCache:
         directory: str | Path | None = None,
         *,
         graph: bool = False,
+        family: Any = None,
     ) -> ProfileCache | None:
-        """The cache for ``resolver``'s tasks on ``device`` (None when the cache is off),
-        for tasks timed as graph replays with ``graph``."""
+        """The cache for ``resolver``'s tasks (of ``family``, whose code joins the key) on
+        ``device`` (None when the cache is off), for tasks timed as graph replays with
+        ``graph``."""
         directory = directory or default_cache_dir()
         if directory is None:
             return None
-        return cls(directory, device_identity(device), kernel_set(resolver, device), graph)
+        return cls(
+            directory,
+            device_identity(device),
+            kernel_set(resolver, device),
+            graph,
+            code_fingerprint(resolver, device, family),
+        )
 
     def _path(self, key: tuple) -> tuple[Path, str]:
         text = json.dumps({**self.context, "signature": key}, sort_keys=True, default=repr)

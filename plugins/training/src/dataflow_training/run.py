@@ -196,7 +196,7 @@ class TrainingRun:
             return self.vocab_size if obj_id.startswith(("x_", "t_")) else 1
 
         measure = resolvers().get(resolver).build(self.program)
-        cache = ProfileCache.for_device(self.device, resolver, graph=self.graph)
+        cache = ProfileCache.for_device(self.device, resolver, graph=self.graph, family=self.family)
         profiles = profile_program(
             self.program,
             measure,
