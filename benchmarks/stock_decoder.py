@@ -3,7 +3,7 @@
 dataflow, for ``benchmarks/compare.py``'s stock rows.
 
 The math is the family's (``dataflow_training.kit``: its reference model is the truth
-``tests/benchmarks/test_stock_decoder.py`` holds these to), written the way stock
+``tests/benchmarks/test_compare_models.py`` holds these to), written the way stock
 training code is: ``F.scaled_dot_product_attention`` with ``is_causal`` and
 ``enable_gqa`` (flash attention on the GPU), the rotary tables built once for the
 sequence length, per-head (Qwen 3) or whole-projection (OLMoE) q/k RMSNorm, SwiGLU, a
@@ -29,15 +29,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from dataflow_training.kit import decoder_reference as reference
+from dataflow_training.kit import moe_reference
 from dataflow_training.kit.decoder_reference import inverse_frequencies
 from torch import nn
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, width: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(width))
+class RMSNorm(reference.RMSNorm):
+    """The reference's norm (same parameter) through the fused ``F.rms_norm``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -59,19 +58,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
 
-class Attention(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config = config
-        n, q, kv = config.hidden_size, config.q_width, config.kv_width
-        self.q_proj = nn.Linear(n, q, bias=False)
-        self.k_proj = nn.Linear(n, kv, bias=False)
-        self.v_proj = nn.Linear(n, kv, bias=False)
-        self.o_proj = nn.Linear(q, n, bias=False)
-        self.per_head = config.qk_norm_scope == "head"
-        if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim if self.per_head else q, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim if self.per_head else kv, config.rms_norm_eps)
+class Attention(reference.Attention):
+    """The reference's projections and q/k norms (its parameter names), attention through
+    SDPA with the rotary tables made once for the step."""
+
+    norm = RMSNorm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -91,16 +82,7 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, c.q_width))
 
 
-class MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        n, inner = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(n, inner, bias=False)
-        self.up_proj = nn.Linear(n, inner, bias=False)
-        self.down_proj = nn.Linear(inner, n, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+MLP = reference.MLP  # the dense SwiGLU FFN, as stock code writes it
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -122,19 +104,10 @@ def expert_counts(ids: torch.Tensor, experts: int) -> torch.Tensor:
     )
 
 
-class Experts(nn.Module):
-    """The routed SwiGLU FFN and its router; ``last`` keeps (router logits, expert ids)
-    of the latest forward for the router terms."""
-
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config = config
-        e, n, inner = config.num_experts, config.hidden_size, config.intermediate_size
-        self.gate = nn.Linear(n, e, bias=False)
-        self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inner, n))
-        self.experts.down_proj = nn.Parameter(torch.empty(e, n, inner))
-        self.last: tuple[torch.Tensor, torch.Tensor] | None = None
+class Experts(moe_reference.Experts):
+    """The reference's routed SwiGLU FFN and router parameters, the experts run as grouped
+    GEMMs; ``last`` keeps (router logits, expert ids) of the latest forward for the router
+    terms."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -167,10 +140,7 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Embed(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+Embed = reference.Embed
 
 
 class Head(nn.Module):

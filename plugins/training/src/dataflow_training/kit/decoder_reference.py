@@ -72,6 +72,9 @@ class Embed(nn.Module):
 
 
 class Attention(nn.Module):
+    #: the q/k norms' module (a subclass with another forward may keep these parameters)
+    norm = RMSNorm
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
@@ -82,8 +85,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q, n, bias=False)
         self.per_head = config.qk_norm_scope == "head"
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim if self.per_head else q, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim if self.per_head else kv, config.rms_norm_eps)
+            self.q_norm = self.norm(config.head_dim if self.per_head else q, config.rms_norm_eps)
+            self.k_norm = self.norm(config.head_dim if self.per_head else kv, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
