@@ -62,7 +62,7 @@ class Attention(reference.Attention):
     """The reference's projections and q/k norms (its parameter names), attention through
     SDPA with the rotary tables made once for the step."""
 
-    norm = RMSNorm
+    norm_type = RMSNorm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -143,12 +143,10 @@ class Block(nn.Module):
 Embed = reference.Embed
 
 
-class Head(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+class Head(reference.Head):
+    """The reference's final norm (fused) and output projection."""
+
+    norm_type = RMSNorm
 
 
 def is_moe(config: Any) -> bool:

@@ -73,7 +73,7 @@ class Embed(nn.Module):
 
 class Attention(nn.Module):
     #: the q/k norms' module (a subclass with another forward may keep these parameters)
-    norm = RMSNorm
+    norm_type = RMSNorm
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -85,8 +85,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q, n, bias=False)
         self.per_head = config.qk_norm_scope == "head"
         if config.qk_norm:
-            self.q_norm = self.norm(config.head_dim if self.per_head else q, config.rms_norm_eps)
-            self.k_norm = self.norm(config.head_dim if self.per_head else kv, config.rms_norm_eps)
+            self.q_norm = self.norm_type(
+                config.head_dim if self.per_head else q, config.rms_norm_eps
+            )
+            self.k_norm = self.norm_type(
+                config.head_dim if self.per_head else kv, config.rms_norm_eps
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -140,9 +144,12 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
+    #: the final norm's module (as ``Attention.norm_type``)
+    norm_type = RMSNorm
+
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_type(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
