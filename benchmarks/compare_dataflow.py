@@ -34,7 +34,7 @@ from dataflow_training.config import (
     head_chunk_tokens,
 )
 from dataflow_training.lowering import lower
-from dataflow_training.run import TrainingRun
+from dataflow_training.run import TrainingRun, available_host_bytes
 from measure import RowTimeout, idle_pct, one_line, profile_step, time_limit
 
 from dataflow.planning import PlanningError, plan
@@ -156,17 +156,6 @@ def initial_state(config: Any, device: str, param_dtype: str) -> dict[str, torch
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()  # the engine's budget starts from an empty device
     return state
-
-
-def available_host_bytes() -> int | None:
-    """``MemAvailable`` of /proc/meminfo (None where there is none)."""
-    try:
-        for line in open("/proc/meminfo"):  # noqa: SIM115, PTH123
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def pinned_limit(device: str, reserve_bytes: int) -> int | None:

@@ -77,7 +77,9 @@ def test_a_tight_budget_is_met_by_recompute_and_not_without(tmp_path) -> None:
     grid += ("--hw", "slowlink", "--hw-file", str(hw))
     assert invoke("predict", *grid, "--budget", "1", "--json", out).exit_code == 0
     peak = _rows(out)[0]["fast_peak_bytes"]
-    budget = f"{int(0.5 * peak)}B"
+    budget = (
+        f"{int(0.4 * peak)}B"  # (a steady-state plan keeps the weights: 0.5 needs no recompute)
+    )
     assert invoke("predict", *grid, "--budget", budget, "--json", out).exit_code == 0
     assert (
         invoke("predict", *grid, "--budget", budget, "--no-recompute", "--json", off).exit_code == 0
@@ -121,6 +123,26 @@ def test_measure_runs_each_cell_beside_its_prediction(tmp_path) -> None:
     assert run["ratio"] == pytest.approx(run["measured_step_s"] / run["predicted_step_s"])
     assert not small["feasible"] and small["reason"]
     assert "ratio" in result.stdout
+
+
+def test_measure_plans_within_the_backing_and_tells_each_step(tmp_path) -> None:
+    """``--backing`` is the slow budget the cell is planned under (as ``predict`` plans
+    it), and each step's end is printed as it happens."""
+    out = tmp_path / "fidelity.json"
+    args = ("measure", *ONE, "--budget", "0.004", "--steps", "2", "--warmup", "1")
+    result = invoke(*args, "--device", "cpu", "--backing", "0.1", "--json", out)
+    assert result.exit_code == 0, result.output
+    (row,) = _rows(out)
+    assert row["feasible"] and row["backing_peak_bytes"] <= 0.1 * 2**30
+    predicted = _rows_of(tmp_path, "predict", *ONE, "--budget", "0.004", "--backing", "0.1")
+    assert row["predicted_step_s"] == pytest.approx(predicted[0]["step_s"], rel=1e-9)
+    told = [line for line in result.stderr.splitlines() if "budget 4.1 MiB: " in line]
+    assert "planned: " in told[0] and "step 1/2: " in told[1] and "step 2/2: " in told[2]
+    # a backing too small for the weights and optimizer state: a row that says why
+    result = invoke(*args, "--device", "cpu", "--backing", "0.0001", "--json", out)
+    assert result.exit_code == 0, result.output
+    (row,) = _rows(out)
+    assert not row["feasible"] and "slow budget" in row["reason"]
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """TrainingRun's host memory for large models: start values made one object at a time
 (``StartValues``), the weights' host copy handed over as the engine takes each object,
 the slow pool's size known before it is allocated and refused past
-``pinned_limit_bytes``, and a close that drops the state."""
+``pinned_limit_bytes`` or (CUDA) the host's available memory, the reference state made
+without a second whole copy, and a close that drops the state."""
 
 from __future__ import annotations
 
@@ -66,10 +67,46 @@ def test_a_pool_past_the_pinned_limit_is_refused_before_anything_is_allocated() 
     from dataflow.planning import PlanningError
 
     run = _run(pinned_limit_bytes=1024)
-    with pytest.raises(PlanningError, match=r"pinned_limit_bytes: the engine's slow pool"):
+    with pytest.raises(PlanningError, match=r"pinned_limit_bytes: more than the 1 KiB allowed"):
         run.step(_batches())
     weights, _ = run.state()  # refused before the weights were handed over
     assert weights and run._engine is None
+
+
+def test_a_pool_past_the_hosts_memory_is_refused_on_cuda(monkeypatch) -> None:
+    from dataflow_training import run as run_module
+
+    from dataflow.planning import PlanningError
+
+    run = _run()
+    pool = run.pinned_bytes
+    reserve = run_module.HOST_RESERVE_BYTES
+    monkeypatch.setattr(run_module, "available_host_bytes", lambda: reserve + pool - 1)
+    run.check_backing()  # off CUDA the pool is ordinary memory: only the limits given bind
+    run.device = "cuda"  # (the check reads only the device's kind)
+    with pytest.raises(PlanningError, match=r"host memory: more than the .* available less 8 GiB"):
+        run.check_backing()
+    monkeypatch.setattr(run_module, "available_host_bytes", lambda: reserve + pool)
+    run.check_backing()  # exactly enough
+    monkeypatch.setattr(run_module, "available_host_bytes", lambda: None)
+    run.check_backing()  # a host that does not say: nothing to check against
+
+
+def test_the_default_state_is_the_reference_models_in_the_param_dtype() -> None:
+    from dataflow_training.config import DtypePolicy
+    from dataflow_training.family import load_family
+    from dataflow_training.run import TrainingRun
+
+    train = TrainConfig(seq_len=8, batch=2, rounds=2, dtype=DtypePolicy.named("bf16"))
+    run = TrainingRun("gpt2", "gpt2_tiny", train, seed=3)
+    family = load_family("gpt2")
+    torch.manual_seed(3)
+    expected = family.reference_model(family.config("gpt2_tiny")).state_dict()
+    assert list(run._weights) == list(expected)
+    for key, value in expected.items():
+        got = run._weights[key]
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, value.to(torch.bfloat16), rtol=0, atol=0)
 
 
 def test_close_without_the_state_drops_it() -> None:

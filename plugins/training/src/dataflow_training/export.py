@@ -1,7 +1,10 @@
 """Bundles of training steps (``dataflow export --preset``, ``dataflow train --trace-steps``).
 
-``export_cell`` plans a ``predict`` cell exactly as ``dataflow predict`` does (its
-``plan_cell``), with the training step ``dataflow train`` would run, places it, and
+``export_cell`` plans a ``predict`` cell as ``dataflow predict`` does (its ``plan_cell``),
+with the training step ``dataflow train`` would run, but as one run of the step (weights
+and optimizer state from slow memory back to slow memory, not the steady-state cycle
+``predict`` plans), so that the bundle's timeline is the one its program simulates to;
+it places it, and
 returns the bundle (``dataflow.bundle``): the program, the plan and placement, the
 predicted timeline, and a summary whose figures are ``predict``'s row of the placed plan.
 
@@ -96,6 +99,7 @@ def export_cell(
         train=train,
         measure=measure,
         reserve_bytes=reserve_bytes,
+        cyclic=False,  # the bundle's timeline is the one run its program simulates to
     )
     if planned.reason is not None:
         raise ExportError(planned.reason)

@@ -5,11 +5,13 @@ its disk cache; elsewhere by the hardware entry's roofline), then run for ``step
 optimizer steps on random tokens; the first ``warmup`` are dropped and the median of the
 rest is the measured step, printed beside the plan's simulated step with their ratio
 (measured / predicted). A cell that cannot be planned or does not fit the device is a
-row that says why.
+row that says why. ``on_event`` hears, as one line each, when a cell is planned and when
+each of its steps ends (a large model's cell takes minutes: the CLI prints them).
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -18,7 +20,6 @@ from dataflow_training.hardware import HardwareEntry
 from dataflow_training.predict import (
     Cell,
     _one_line,
-    each_cell,
     infeasible_row,
     position_overrides,
     row_of,
@@ -39,6 +40,7 @@ def measure_cell(
     dtype: str = "bf16",
     resolver: str = "torch",
     seed: int = 0,
+    on_event: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """One cell's row: the predicted row's fields and ``predicted_step_s``,
     ``measured_step_s``, ``ratio``, ``steps_s`` (every step's wall time), ``losses``
@@ -65,6 +67,7 @@ def measure_cell(
             cell.preset,
             train,
             budget_bytes=cell.budget_bytes,
+            backing_bytes=cell.backing_bytes,
             device=device,
             seed=seed,
             overrides=overrides,
@@ -80,9 +83,13 @@ def measure_cell(
                 cell,
                 extra,
                 f"the plan needs {row['backing_peak_bytes']} bytes of backing memory, more "
-                f"than --backing ({cell.backing_bytes} bytes); the engine's runs take no "
-                "backing budget",
+                f"than --backing ({cell.backing_bytes} bytes)",
             )
+        tell = on_event or (lambda _line: None)
+        tell(
+            f"planned: {row['step_s']:.4f} s a step predicted, "
+            f"{row['rounds']} rounds of batch {row['batch']}"
+        )
         generator = torch.Generator().manual_seed(seed)
         vocab = run.vocab_size
         times, peaks, losses = [], [], []
@@ -98,6 +105,7 @@ def measure_cell(
             times.append(stats.step_s)
             peaks.append(stats.allocator_peak_bytes)
             losses.append(stats.loss)
+            tell(f"step {len(times)}/{steps}: {stats.step_s:.4f} s, loss {stats.loss:.4f}")
     except (PlanningError, ValueError) as exc:
         return infeasible_row(cell, extra, _one_line(str(exc)))
     except BudgetBreachError as exc:
@@ -133,7 +141,15 @@ def measure(
     hw: HardwareEntry,
     *,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    on_event: Callable[[Cell, str], None] | None = None,
     **options: Any,
 ) -> list[dict[str, Any]]:
-    """Every cell's row (``measure_cell``), ``progress(row)`` after each."""
-    return each_cell(measure_cell, family, cells, hw, progress, **options)
+    """Every cell's row (``measure_cell``), ``progress(row)`` after each and
+    ``on_event(cell, line)`` as the cell is planned and as each of its steps ends."""
+    rows = []
+    for cell in cells:
+        tell = None if on_event is None else functools.partial(on_event, cell)
+        rows.append(measure_cell(family, cell, hw, on_event=tell, **options))
+        if progress is not None:
+            progress(rows[-1])
+    return rows

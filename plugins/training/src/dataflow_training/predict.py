@@ -4,8 +4,9 @@ A **cell** is a preset trained with ``t_round`` tokens a round (``batch = t_roun
 seq_len``), ``rounds = tokens_step / t_round`` accumulation rounds, inside a fast budget
 and, optionally, a backing (pinned host) budget. Each cell is lowered, priced (by the
 hardware entry's roofline, or by the profiling pass through its disk cache with
-``measured``), planned (the recompute planner, or PressureFit alone) and simulated; its
-row says what one step costs. A cell that cannot run is a row that says why
+``measured``), planned (the recompute planner, or PressureFit alone) as the steady-state
+cycle a run plans (weights and optimizer state homed where the plan chooses between
+steps, as ``TrainingRun`` plans them) and simulated; its row says what one step costs. A cell that cannot run is a row that says why
 (``feasible: false`` and ``reason``), never an error.
 
 With ``ranks`` (``predict_fleet``), each cell is also one member of a data-parallel fleet
@@ -234,11 +235,14 @@ def plan_cell(
     reserve_bytes: int = 0,
     ranks: int | None = None,
     scope: str = "nvlink",
+    cyclic: bool | None = None,
 ) -> PlannedCell:
     """Lower, price and plan one cell (module docstring); ``train`` replaces the cell's
     default training step (``train_config``) with one of the same shape. ``ranks``: the
     step of one member of a fleet of that many (equal shares), its all-reduce priced on
-    the ``scope`` collective link."""
+    the ``scope`` collective link. ``cyclic`` (default: when the program has persistent
+    objects, as a run's does) plans the steady-state cycle; False plans one run of the
+    step from slow memory to slow memory."""
     from dataflow.planning import PRESSUREFIT, PlanningError, plan
     from dataflow_training.lowering import lower
     from dataflow_training.profile import apply_profile, without_workspace
@@ -286,7 +290,13 @@ def plan_cell(
         )
         return PlannedCell(cell, extra, reason=reason)
     try:
-        planned = plan(program, budget, planner=planner, slow_budget_bytes=cell.backing_bytes)
+        planned = plan(
+            program,
+            budget,
+            planner=planner,
+            slow_budget_bytes=cell.backing_bytes,
+            cyclic=bool(program.persistent) if cyclic is None else cyclic,
+        )
     except PlanningError as exc:
         reason = _one_line(str(exc))
         if beside:

@@ -326,13 +326,17 @@ def measure_command(
     cells = _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders)
     device = device or default_device()
 
+    def label(seq_len: int, t_round: int, budget_bytes: int) -> str:
+        return f"seq {seq_len} T_round {t_round} budget {format_size(budget_bytes)}"
+
     def progress(row: dict[str, Any]) -> None:
         what = f"{row['ratio']:.3f}" if row["feasible"] else row["reason"]
         click.echo(
-            f"seq {row['seq_len']} T_round {row['t_round']} budget "
-            f"{format_size(row['budget_bytes'])}: {what}",
-            err=True,
+            f"{label(row['seq_len'], row['t_round'], row['budget_bytes'])}: {what}", err=True
         )
+
+    def on_event(cell: Any, line: str) -> None:  # a cell's planning and steps, as they end
+        click.echo(f"{label(cell.seq_len, cell.t_round, cell.budget_bytes)}: {line}", err=True)
 
     rows = measure(
         family,
@@ -345,6 +349,7 @@ def measure_command(
         dtype=dtype,
         seed=seed,
         progress=progress,
+        on_event=on_event,
     )
     _print_measured(rows, entry.name, preset, device)
     _write(json_out, rows, "measure")

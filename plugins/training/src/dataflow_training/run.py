@@ -41,6 +41,46 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 UNBOUNDED_BYTES = 2**62
 
 
+#: Host memory kept free beside the page-locked slow pool (``check_backing``): what the
+#: process still allocates after the check (CUDA graph capture, staging, Python). The
+#: device machine's llama3_8b run at 16 GiB peaked at 98 GiB of host memory with an
+#: 80 GiB pool and the 16 GB of starting weights (docs/throughput.md, session 5): the
+#: weights are already counted as used when the check reads the available memory.
+HOST_RESERVE_BYTES = 8 * 2**30
+
+
+def available_host_bytes() -> int | None:
+    """``MemAvailable`` of /proc/meminfo (None where there is none)."""
+    try:
+        with Path("/proc/meminfo").open() as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reference_state(
+    family: Family, config: Any, seed: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The family reference model's initial state under ``seed``, in ``dtype``. The
+    float32 model's tensors are dropped one by one as their copies are made, so the host
+    holds the float32 model and little more, not the float32 model beside its whole copy
+    (for an 8B model that is 32 GB, not 48)."""
+    import gc
+
+    torch.manual_seed(seed)
+    model = family.reference_model(config)
+    state = model.state_dict()
+    del model
+    gc.collect()  # a module in a reference cycle would keep its parameters otherwise
+    weights = {}
+    for key in list(state):
+        weights[key] = state.pop(key).detach().to(dtype, copy=True)
+    return weights
+
+
 @attrs.frozen
 class StepStats:
     """What one ``TrainingRun.step`` did. ``step`` counts updates before this one (the
@@ -81,7 +121,10 @@ class TrainingRun:
     moment (its slow peak). The engine's slow pool holds a slice for every object the plan
     ever puts in slow memory, so it is larger than that peak: ``pinned_limit_bytes``
     (default ``backing_bytes``) bounds it, checked before the pool is allocated at the
-    first step (``check_backing``).
+    first step (``check_backing``). On CUDA the pool is page-locked host memory, and
+    page-locking more than the host has stalls or kills the process rather than failing:
+    so the check also refuses a pool larger than the host's available memory less
+    ``HOST_RESERVE_BYTES``, whatever the limits given.
     After a step, ``last_result`` is the engine's ``RunResult`` of it (task spans,
     transfers, peaks: what benchmarks read); None before the first step.
     """
@@ -160,13 +203,12 @@ class TrainingRun:
             o.id for o in self.program.objects if o.id.startswith("gn_") and o.role == "output"
         )
         self.updates = 0  # optimizer updates done so far
-        if state is None:
-            torch.manual_seed(seed)
-            state = self.family.reference_model(self.config).state_dict()
         dtype = getattr(torch, train.dtype.param)
-        self._weights: dict[str, torch.Tensor] | None = {
-            k: v.detach().to(dtype).clone() for k, v in state.items()
-        }
+        self._weights: dict[str, torch.Tensor] | None = (
+            _reference_state(self.family, self.config, seed, dtype)
+            if state is None
+            else {k: v.detach().to(dtype, copy=True) for k, v in state.items()}
+        )
         self._opt_state: dict[str, torch.Tensor] | None = None
         self._engine: Any = None
         self._lost: str | None = None  # why the state is gone (a failed engine load)
@@ -361,18 +403,28 @@ class TrainingRun:
 
     def check_backing(self) -> None:
         """Refuse, before anything is allocated, a plan whose slow pool exceeds
-        ``pinned_limit_bytes``."""
-        limit = self.pinned_limit_bytes
-        if limit is None or self.pinned_bytes <= limit:
-            return
+        ``pinned_limit_bytes`` or, on CUDA, the host's available memory less
+        ``HOST_RESERVE_BYTES`` (class docstring)."""
         from dataflow.planning import PlanningError
 
+        pool = self.pinned_bytes
+        limit = self.pinned_limit_bytes
+        if limit is not None and pool > limit:
+            what = f"pinned_limit_bytes: more than the {format_size(limit)} allowed"
+        else:
+            available = available_host_bytes() if self.device.startswith("cuda") else None
+            if available is None or pool <= available - HOST_RESERVE_BYTES:
+                return
+            what = (
+                f"host memory: more than the {format_size(available)} this host has "
+                f"available less {format_size(HOST_RESERVE_BYTES)} kept for the process"
+            )
         peak = format_size(self.predicted()["slow_peak_bytes"])
         raise PlanningError(
-            f"pinned_limit_bytes: the engine's slow pool for this plan takes "
-            f"{format_size(self.pinned_bytes)} (a slice for every object ever in slow "
-            f"memory; the plan's slow peak is {peak}), more than the "
-            f"{format_size(limit)} allowed"
+            f"{what}: the engine's slow pool for this plan takes {format_size(pool)} (a "
+            f"slice for every object ever in slow memory; the plan's slow peak is {peak}); "
+            "a larger fast budget (fewer objects offloaded) or fewer tokens a round "
+            "(smaller activations) needs a smaller pool"
         )
 
     def step_activity(self, lr: float | None = None) -> dict[str, float]:
