@@ -56,7 +56,7 @@ from compare_doc import (  # noqa: E402
     searched_row,
     write_table,
 )
-from dataflow_training.config import ORDERS  # noqa: E402
+from dataflow_training.config import parse_order  # noqa: E402
 from measure import (  # noqa: E402
     PEAK_SOURCE,
     BatchSearch,
@@ -330,6 +330,16 @@ def _words(known: tuple[str, ...]):
     return parse
 
 
+def _orders(text: str) -> list[str]:
+    words = [part for part in text.split(",") if part]
+    try:
+        for word in words:
+            parse_order(word)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return words
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=_words(ROWS), default=list(ROWS), help="stock,dataflow,deepspeed")
@@ -358,10 +368,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dataflow-batches", type=_ints, default=[64, 32, 16, 8, 4, 2, 1])
     p.add_argument(
         "--dataflow-orders",
-        type=_words(ORDERS),
+        type=_orders,
         default=["round"],
-        help="the dataflow rows' task orders, e.g. round,layer (TrainConfig.order; a "
-        "layer-order row's engine is 'dataflow by layer')",
+        help="the dataflow rows' task orders, e.g. round,layer,layer:4 (TrainConfig.order; "
+        "a layer-order row's engine is 'dataflow by layer', 'dataflow by layer:4')",
     )
     p.add_argument("--min-tokens", type=int, default=65536, help="dataflow tokens per step")
     p.add_argument("--resolver", default="torch", help="dataflow resolver")

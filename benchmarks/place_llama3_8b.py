@@ -12,8 +12,12 @@ without task workspace at the budget less the largest and places it with
 H200's pinned-host links as compare.json measured them; the CUDA libraries' reserve is
 the 32 MiB the H200 run left.
 
+``--order`` plans another task order (``TrainConfig.order``: ``layer``, ``layer:4``) and
+``--backing`` under a slow-memory budget; the output gives the plan's slow peak and the
+engine's slow pool (the host memory the run page-locks).
+
 Run: ``python benchmarks/place_llama3_8b.py --budget 8GiB [--batch 2 --rounds 16] [--counted]
-[--profiles DIR]``
+[--order ORDER] [--backing SIZE] [--chunk TOKENS] [--profiles DIR]``
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ from dataflow_training.lowering import lower
 from dataflow_training.profile import TaskProfile, apply_profile, signature, without_workspace
 from dataflow_training.recompute import measured_recompute_planner
 
+from dataflow.engine.backends.torch_storage import slow_pool_bytes
 from dataflow.planning import PlanningError, place, plan
 from dataflow.planning.placement import live_peak_bytes, residency_blocks
 from dataflow.schema.program import Link, Links
-from dataflow.units import parse_size
+from dataflow.units import format_size, parse_size
 
 PROFILES = Path(__file__).parent / "results" / "profiles_llama3_8b.tgz"
 RESERVE_BYTES = 33_556_480  # 8 GiB less the 7.97 GiB the H200 run planned for
@@ -69,7 +74,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--counted", action="store_true")
     parser.add_argument("--profiles", type=Path, default=PROFILES)
+    parser.add_argument("--order", default="round")
+    parser.add_argument("--backing", default=None)
+    parser.add_argument("--chunk", type=int, default=None, help="head tokens a chunk")
     args = parser.parse_args()
+    backing = None if args.backing is None else parse_size(args.backing)
     budget = parse_size(args.budget)
     known = measured_profiles(args.profiles)
     strip = not args.counted
@@ -87,17 +96,30 @@ def main() -> None:
         return found
 
     family = load_family("llama3")
-    train = train_config("bf16", args.batch, args.rounds, 4096, head_chunk_tokens(budget, 128256))
+    chunk = args.chunk or head_chunk_tokens(budget, 128256)  # (the archive has 2048's)
+    train = train_config("bf16", args.batch, args.rounds, 4096, chunk, args.order)
     program = lower(family, "llama3_8b", train).program
     profiles = measured(program)
     program = attrs.evolve(apply_profile(program, profiles), links=LINKS)
     spec = measured_recompute_planner(program, measured, known=profiles)
     beside = largest[0]
     started = time.perf_counter()
-    planned = plan(program, budget - RESERVE_BYTES - beside, planner=spec, cyclic=True)
+    planned = plan(
+        program,
+        budget - RESERVE_BYTES - beside,
+        planner=spec,
+        cyclic=True,
+        slow_budget_bytes=backing,
+    )
     held = live_peak_bytes([b for b in residency_blocks(planned) if b.obj_id is not None])
     print(f"planned at {planned.budget_bytes} bytes in {time.perf_counter() - started:.1f} s:")
     print(f"  objects held at once {held}, iteration {planned.cycle.iteration_us / 1e6:.3f} s")
+    sim = planned.sim
+    print(
+        f"  slow peak {format_size(sim.slow_peak_bytes)}, slow pool "
+        f"{format_size(slow_pool_bytes(planned.program))}, h2d {sim.h2d.bytes / 1e9:.0f} GB, "
+        f"d2h {sim.d2h.bytes / 1e9:.0f} GB a step"
+    )
     started = time.perf_counter()
     try:
         placed = (

@@ -189,6 +189,41 @@ def test_layer_order_runs_every_round_through_a_layer_before_the_next() -> None:
     assert plan(by_layer.program, tight).sim.valid
 
 
+def test_layer_order_in_groups_runs_each_group_of_rounds_by_layer_in_turn() -> None:
+    """``layer:K``: rounds 0..K-1 by layer, then the next K (the last group smaller);
+    ``layer:1`` is round order's chain and ``layer:K`` with K >= rounds layer order's."""
+    train = TrainConfig(seq_len=4, batch=2, rounds=3, order="layer:2")
+    ids = [task.id for task in lower(ToyFamily(), "small", train).program.tasks]
+
+    def group(rounds):
+        return [
+            *(f"embed_0_{r}_emb" for r in rounds),
+            *(f"fwd_0_{r}_{i}" for i in (0, 1, 2) for r in rounds),
+            *(f"head_0_{r}_head" for r in rounds),
+            *(f"bwd_0_{r}_{i}" for i in (2, 1, 0) for r in rounds),
+            *(f"embbwd_0_{r}_emb" for r in rounds),
+        ]
+
+    optimizer = ["opt_0_2_head", "opt_0_2_2", "opt_0_2_1", "opt_0_2_0", "opt_0_2_emb"]
+    assert ids == [*group((0, 1)), *group((2,)), *optimizer]
+
+    def chain(order):
+        return [
+            t.id
+            for t in lower(ToyFamily(), "small", attrs.evolve(train, order=order)).program.tasks
+        ]
+
+    assert chain("layer:1") == chain("round")
+    assert chain("layer:3") == chain("layer:7") == chain("layer")
+    assert attrs.evolve(train, order="layer:7").order_group == 3
+
+
+@pytest.mark.parametrize("bad", ["layers", "layer:0", "layer:", "round:2", "layer:x"])
+def test_an_unknown_order_names_itself(bad) -> None:
+    with pytest.raises(ValueError, match=rf"order '{bad}': one of round, layer or layer:K"):
+        TrainConfig(seq_len=4, order=bad)
+
+
 def test_layer_order_reads_weights_once_a_step_when_they_do_not_fit() -> None:
     """A wide toy whose weights are far larger than its activations, in a budget that
     holds one layer's: by rounds every round fetches every weight twice (forward and

@@ -135,8 +135,9 @@ def test_the_engine_takes_start_values_one_object_at_a_time(monkeypatch):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_layer_order_trains_as_round_order_does(tied):
-    """Two steps of 3 rounds in a budget that offloads: by layers the losses and weights are
-    the round order's, bit for bit without tied embeddings (every gradient sums its rounds
+    """Two steps of 3 rounds in a budget that offloads: by layers (and by layers in groups
+    of 2 rounds) the losses and weights are the round order's, bit for bit without tied
+    embeddings (every gradient sums its rounds
     in the same order); tied, the head's rounds reach the embedding's gradient before the
     embedding backward's, a different order of the same float32 sums."""
     pytest.importorskip("dataflow_family_llama3")
@@ -145,7 +146,8 @@ def test_layer_order_trains_as_round_order_does(tied):
     torch.manual_seed(0)
     batches = [(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8))) for _ in range(3)]
     out = {}
-    for order in ("round", "layer"):
+    orders = ("round", "layer") if tied else ("round", "layer", "layer:2")
+    for order in orders:
         train = TrainConfig(seq_len=8, batch=2, rounds=3, order=order)
         overrides = {"tie_word_embeddings": tied}
         with TrainingRun(
@@ -154,12 +156,13 @@ def test_layer_order_trains_as_round_order_does(tied):
             losses = [run.step(batches).loss for _ in range(2)]
             moved = run.last_result.steps[-1].transfers
             out[order] = (losses, run.state()[0], moved)
-    (round_losses, round_state, moved), (layer_losses, layer_state, _) = out.values()
+    (round_losses, round_state, moved), (layer_losses, layer_state, _), *grouped = out.values()
     assert moved, "the budget should make the plan move objects"
     if tied:
         assert layer_losses == pytest.approx(round_losses, rel=1e-6)
         for key, value in round_state.items():
             torch.testing.assert_close(layer_state[key], value, rtol=1e-5, atol=1e-6)
     else:
-        assert layer_losses == round_losses
-        assert all(torch.equal(layer_state[k], v) for k, v in round_state.items())
+        for losses, state, _ in ((layer_losses, layer_state, None), *grouped):
+            assert losses == round_losses
+            assert all(torch.equal(state[k], v) for k, v in round_state.items())

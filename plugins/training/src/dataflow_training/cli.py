@@ -27,17 +27,31 @@ def budget_option(help_text: str):
     )
 
 
-def order_option() -> Any:
-    """``--order round|layer``: ``TrainConfig.order``."""
-    from dataflow_training.config import ORDERS
+class Order(click.ParamType):
+    """One ``TrainConfig.order``: round, layer or layer:K."""
 
+    name = "ORDER"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> str:
+        from dataflow_training.config import parse_order
+
+        try:
+            parse_order(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+        return str(value)
+
+
+def order_option() -> Any:
+    """``--order round|layer|layer:K``: ``TrainConfig.order``."""
     return click.option(
         "--order",
-        type=click.Choice(ORDERS),
+        type=Order(),
         default="round",
         show_default=True,
-        help="the step's task order: each round through every layer, or every round "
-        "through each layer (weights read once a step; for models larger than the budget)",
+        help="the step's task order: each round through every layer (round), every round "
+        "through each layer (layer: weights read once a step; for models larger than the "
+        "budget), or that in groups of K rounds (layer:K: less host memory for activations)",
     )
 
 

@@ -80,8 +80,26 @@ def head_chunk_tokens(budget_bytes: int, vocab: int, largest: int = 8192) -> int
     return chunk
 
 
-#: ``TrainConfig.order``'s values.
+#: ``TrainConfig.order``'s kinds (``"layer:K"`` is layer order in groups of K rounds).
 ORDERS = ("round", "layer")
+#: What ``parse_order`` takes, for help texts and errors.
+ORDER_FORMS = "round, layer or layer:K (K rounds a group, K >= 1)"
+
+
+def parse_order(text: str) -> tuple[str, int | None]:
+    """``TrainConfig.order`` as (kind, rounds a group): ``"round"`` -> ("round", None),
+    ``"layer"`` -> ("layer", None: every round in one group), ``"layer:K"`` ->
+    ("layer", K). ValueError names the text otherwise."""
+    kind, colon, group = str(text).partition(":")
+    if kind in ORDERS and not colon:
+        return kind, None
+    if kind == "layer" and group.isdigit() and int(group) >= 1:
+        return kind, int(group)
+    raise ValueError(f"order {text!r}: one of {ORDER_FORMS}")
+
+
+def _order(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    parse_order(value)
 
 
 @attrs.frozen
@@ -109,7 +127,12 @@ class TrainConfig:
       accumulates over all rounds in one stretch; in exchange every round's hidden state
       at a layer boundary is alive at once, and every round's saved activations wait for
       the backward (the planner offloads them or the recompute planner re-derives them).
-      The order for a model whose weights do not fit the budget."""
+      The order for a model whose weights do not fit the budget.
+    - ``"layer:K"``: layer order within groups of K consecutive rounds, one group after
+      another (the last group may be smaller): weights cross the link once a group each
+      way, and only a group's activations wait for its backward. Between the two: K = 1
+      is round order's chain, K >= rounds layer order's. The order for a model whose
+      rounds' activations, all kept, would not fit the host."""
 
     seq_len: int = attrs.field(validator=_positive)
     batch: int = attrs.field(default=1, validator=_positive)
@@ -119,7 +142,16 @@ class TrainConfig:
     chunk_tokens: int = attrs.field(default=1024, validator=_positive)
     clip: float | None = attrs.field(default=None, validator=_clip)
     grad_norm: bool = False
-    order: str = attrs.field(default="round", validator=attrs.validators.in_(ORDERS))
+    order: str = attrs.field(default="round", validator=_order)
+
+    @property
+    def order_group(self) -> int:
+        """The rounds that go through the layers together (``order``): 1 in round order,
+        every round in plain layer order."""
+        kind, group = parse_order(self.order)
+        if kind == "round":
+            return 1
+        return min(group or self.rounds, self.rounds)
 
     @property
     def measures_grad_norm(self) -> bool:

@@ -12,7 +12,8 @@ Tasks, in chain order, for step ``s`` (ids ``{kind}_{s}_{round}_{layer}``), with
 With ``order == "layer"`` the same tasks run layer by layer, each layer over every round
 (rounds ascending): embed_s_*_emb, fwd_s_*_0, .., fwd_s_*_{L-1}, head_s_*_head, then
 [rec_s_r_i,] bwd_s_r_i for every round of block L-1 down to block 0, embbwd_s_*_emb, then
-the optimizer tasks as above.
+the optimizer tasks as above. ``order == "layer:K"`` does that for rounds 0..K-1, then for
+rounds K..2K-1, and so on, before the optimizer tasks.
 
 When the step measures its gradient norm (``TrainConfig.clip`` or ``grad_norm``), a
 ``gnorm_s_{R-1}_<layer>[.<group>]`` task follows the task that completes each group's
@@ -404,8 +405,8 @@ def lower(
             mutates=roles.get("mutates", {}),
         )
 
-    if train.order == "layer":
-        tasks[:] = _layer_major(tasks, [layer.name for layer in layers])
+    if train.order != "round":
+        tasks[:] = _layer_major(tasks, [layer.name for layer in layers], train.order_group)
     last = train.rounds - 1
     if grad_share is not None:
         _allreduce_tasks(
@@ -600,10 +601,11 @@ def _allreduce_tasks(
     _after_last_grad(chain["tasks"], chain["task"], grads, make)
 
 
-def _layer_major(tasks: list[Task], layer_names: list[str]) -> list[Task]:
-    """The round-major chain of the rounds' tasks, reordered layer by layer: the forwards
-    (embed, blocks, head) by layer position then round, then the backwards (a block's
-    recompute right before its backward) by layer position descending then round.
+def _layer_major(tasks: list[Task], layer_names: list[str], group: int) -> list[Task]:
+    """The round-major chain of the rounds' tasks, reordered layer by layer within each
+    group of ``group`` consecutive rounds (the groups one after another): the group's
+    forwards (embed, blocks, head) by layer position then round, then its backwards (a
+    block's recompute right before its backward) by layer position descending then round.
 
     Every dependency still points backwards: a round's forward reads the layer below's
     output for that round, a backward the layer above's input gradient, and a gradient is
@@ -611,11 +613,11 @@ def _layer_major(tasks: list[Task], layer_names: list[str]) -> list[Task]:
     position = {name: i for i, name in enumerate(layer_names)}
     backward = {"rec": 0, "bwd": 1, "embbwd": 1}
 
-    def key(t: Task) -> tuple[int, int, int, int]:
+    def key(t: Task) -> tuple[int, int, int, int, int]:
         place, r = position[t.params["layer"]], t.params["round"]
         if t.kind in ("embed", "fwd", "head"):
-            return (0, place, r, 0)
-        return (1, len(layer_names) - place, r, backward[t.kind])
+            return (r // group, 0, place, r, 0)
+        return (r // group, 1, len(layer_names) - place, r, backward[t.kind])
 
     return sorted(tasks, key=key)
 

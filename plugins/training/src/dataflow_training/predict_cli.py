@@ -21,6 +21,7 @@ import click
 from dataflow.cli.errors import one_line
 from dataflow.cli.options import COUNT, Device, OutputFile
 from dataflow.units import format_size, parse_size
+from dataflow_training.config import parse_order
 
 
 class IntList(click.ParamType):
@@ -67,14 +68,16 @@ class OrderList(click.ParamType):
     name = "ORDER,..."
 
     def convert(self, value: Any, param: Any, ctx: Any) -> tuple[str, ...]:
-        from dataflow_training.config import ORDERS
+        from dataflow_training.config import ORDER_FORMS, parse_order
 
         if isinstance(value, tuple):
             return value
         orders = tuple(part.strip() for part in str(value).split(","))
-        unknown = [order for order in orders if order not in ORDERS]
-        if unknown or not orders:
-            self.fail(f"{value!r}: each order is one of {', '.join(ORDERS)}", param, ctx)
+        try:
+            for order in orders:
+                parse_order(order)
+        except ValueError:
+            self.fail(f"{value!r}: each order is one of {ORDER_FORMS}", param, ctx)
         return orders
 
 
@@ -112,7 +115,7 @@ def _grid_options(command: Any) -> Any:
             default="round",
             show_default=True,
             type=OrderList(),
-            help="the step's task order(s), e.g. round,layer (TrainConfig.order)",
+            help="the step's task order(s), e.g. round,layer,layer:4 (TrainConfig.order)",
         ),
         click.option(
             "--recompute/--no-recompute",
@@ -367,8 +370,9 @@ def _write(path: str | None, rows: list[dict[str, Any]], command: str) -> None:
 
 def _cell_columns(row: dict[str, Any]) -> list[str]:
     budget = format_size(row["budget_bytes"])
-    if row.get("order", "round") != "round":
-        budget += f" ({row['order']}s)"
+    kind, group = parse_order(row.get("order", "round"))
+    if kind != "round":
+        budget += " (layers)" if group is None else f" (layers, {group} rounds a group)"
     return [str(row["seq_len"]), str(row["t_round"]), budget]
 
 
