@@ -2,7 +2,7 @@
 # The compare.py rows of issues 15 and 16 on the H200, in two commands of under nine
 # minutes each (docs/throughput.md, "Other models"):
 #
-#   bash benchmarks/model_rows.sh llama3_8b     # stock torch.compile + dataflow 16, 8 GiB
+#   bash benchmarks/model_rows.sh llama3_8b     # stock torch.compile + dataflow 16, 8 GiB by layer
 #   bash benchmarks/model_rows.sh l3_1b         # stock + dataflow 4 GiB, both task orders
 #   bash benchmarks/model_rows.sh olmoe         # stock + dataflow 16, 8 GiB, layer order first
 #   bash benchmarks/model_rows.sh small         # l3_1b then olmoe (two commands' worth)
@@ -47,17 +47,19 @@ log=${OUT:-/tmp}/model_rows_$group.log
 case $group in
 llama3_8b)
     # stock: torch.compile at batch 2 x 4096 (issue 15's fastest stock setup). dataflow at
-    # 16 GiB: batch 2 x 16 rounds (T_round 8K: its slow pool is 80 GiB, against 116 GiB at
-    # 16K, which does not fit the host's 128 GiB beside the process); at 8 GiB batch 4 x 8
-    # (T_round 16K, a 90 GiB pool, faster there than 8K by the roofline)
+    # 16 and 8 GiB: batch 2 x 16 rounds in layer order. By benchmarks/place_llama3_8b.py
+    # (session 6: the H200 profile, the workspace reserve) layer order plans 14.16 s at
+    # 16 GiB with an 85 GiB slow pool, round order 13.80 s but a 123 GiB pool, which the
+    # host refuses (128 GiB beside the process and the weights' host copy); at 8 GiB layer
+    # order ~14.4 s, round order 15.86 s (89 GiB)
     {
         compare --family llama3 "${big[@]}" --rows stock,dataflow --stock-engines compile \
-            --batches 2 --dataflow-batches 2 --min-tokens "$big_tokens" \
+            --batches 2 --dataflow-batches 2 --min-tokens "$big_tokens" --dataflow-orders layer \
             --budgets "${big_budgets%,*}" --steps 3 --warmup 1 --compile-row-seconds 200 \
             --row-seconds 280 --total-seconds 330
-        compare --family llama3 "${big[@]}" --rows dataflow --dataflow-batches 4,2 \
-            --min-tokens "$big_tokens" --budgets "${big_budgets#*,}" --steps 3 --warmup 1 \
-            --row-seconds 200 --total-seconds 200
+        compare --family llama3 "${big[@]}" --rows dataflow --dataflow-batches 2 \
+            --dataflow-orders layer --min-tokens "$big_tokens" --budgets "${big_budgets#*,}" \
+            --steps 3 --warmup 1 --row-seconds 230 --total-seconds 230
     } 2>&1 | tee "$log"
     ;;
 l3_1b | olmoe | small)
@@ -72,13 +74,15 @@ l3_1b | olmoe | small)
         # dataflow tasks run eager (torch-compiled is untried on the MoE block here), the
         # step replayed from a CUDA graph either way. Layer order first: by the roofline it
         # is 1.35x (16 GiB) and 2x (8 GiB) round order's tokens/s, the experts' weights
-        # crossing the link once a step each way instead of once a round
+        # crossing the link once a step each way instead of once a round. A layer-order
+        # row's setup took 78 s on the H200 (session 6), its whole row 124 s; with --append
+        # the rows already measured are kept and the rest run
         if [ "$group" != l3_1b ]; then
             compare --family olmoe "${moe[@]}" --rows stock,dataflow --stock-engines compile \
                 --resolver torch --dataflow-orders layer,round \
                 --batches 4,2 --dataflow-batches 4,2 --min-tokens "$tokens" --budgets "$moe_budgets" \
                 --steps 4 --warmup 2 --compile-row-seconds 130 \
-                --row-seconds 120 --total-seconds 490
+                --row-seconds 230 --total-seconds 490
         fi
     } 2>&1 | tee "$log"
     ;;
