@@ -47,18 +47,18 @@ log=${OUT:-/tmp}/model_rows_$group.log
 case $group in
 llama3_8b)
     # stock: torch.compile at batch 2 x 4096 (issue 15's fastest stock setup). dataflow at
-    # 16 and 8 GiB: batch 2 x 16 rounds in layer order. By benchmarks/place_llama3_8b.py
+    # 16 and 8 GiB: batch 2 x 16 rounds by layer. By benchmarks/place_llama3_8b.py
     # (session 6: the H200 profile, the workspace reserve) layer order plans 14.16 s at
     # 16 GiB with an 85 GiB slow pool, round order 13.80 s but a 123 GiB pool, which the
-    # host refuses (128 GiB beside the process and the weights' host copy); at 8 GiB layer
-    # order ~14.4 s, round order 15.86 s (89 GiB)
+    # host refuses (128 GiB beside the process and the weights' host copy); at 8 GiB
+    # layer:8 14.43 s with a 90.8 GiB pool (layer 14.43 s, 93.2 GiB; round 15.86 s)
     {
         compare --family llama3 "${big[@]}" --rows stock,dataflow --stock-engines compile \
             --batches 2 --dataflow-batches 2 --min-tokens "$big_tokens" --dataflow-orders layer \
             --budgets "${big_budgets%,*}" --steps 3 --warmup 1 --compile-row-seconds 200 \
             --row-seconds 280 --total-seconds 330
         compare --family llama3 "${big[@]}" --rows dataflow --dataflow-batches 2 \
-            --dataflow-orders layer --min-tokens "$big_tokens" --budgets "${big_budgets#*,}" \
+            --dataflow-orders layer:8 --min-tokens "$big_tokens" --budgets "${big_budgets#*,}" \
             --steps 3 --warmup 1 --row-seconds 230 --total-seconds 230
     } 2>&1 | tee "$log"
     ;;
