@@ -32,7 +32,7 @@ from typing import Any, TextIO
 
 import attrs
 
-from dataflow_training.config import DtypePolicy, OptimizerPolicy, TrainConfig
+from dataflow_training.config import DtypePolicy, OptimizerPolicy, TrainConfig, head_chunk_tokens
 from dataflow_training.profiling import ProfileWindow, StepProfiler
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -94,12 +94,24 @@ class TrainOptions:
     order: str = "round"  # TrainConfig.order
 
     def train_config(self) -> TrainConfig:
+        """The step; the head's token chunk follows the budget as ``predict``'s does
+        (``head_chunk_tokens``), 1024 tokens without one."""
+        chunk = 1024
+        if self.budget_bytes is not None:
+            from dataflow_training.family import load_family
+
+            vocab = getattr(
+                load_family(self.family).config(self.preset, **self.overrides), "vocab_size", None
+            )
+            if vocab:
+                chunk = head_chunk_tokens(self.budget_bytes, vocab)
         return TrainConfig(
             seq_len=self.seq_len,
             batch=self.batch,
             rounds=self.rounds,
             dtype=DtypePolicy.named(self.dtype),
             optimizer=OptimizerPolicy(lr=self.lr),
+            chunk_tokens=chunk,
             clip=self.clip,
             grad_norm=True,
             order=self.order,
