@@ -7,14 +7,18 @@ flight; here both start together, and a link without a duplex limit stays as it 
 
 from __future__ import annotations
 
+import random
+
 import attrs
 import pytest
 from hypothesis import given, settings
 
 from dataflow.engine import Engine
+from dataflow.planning import lower_bound, plan
+from dataflow.planning.intervals import build_chain, no_offload_peak_bytes
 from dataflow.schema import Link, Links, Obj, Program, Task
 from dataflow.sim import simulate
-from dataflow.testing import strategies
+from dataflow.testing import shapes, strategies
 
 LINK = Link(bw_bytes_per_us=10.0, latency_us=2.0)
 SHARED = Links(h2d=LINK, d2h=LINK, duplex_bytes_per_us=10.0)
@@ -144,3 +148,39 @@ def test_a_limit_changes_nothing_when_the_directions_never_overlap(program: Prog
     assert limited.transfers == alone.transfers
     assert limited.tasks == alone.tasks
     assert limited.makespan_us == alone.makespan_us
+
+
+@settings(max_examples=100, deadline=None)
+@given(strategies.annotated_chains())
+def test_the_lower_bounds_hold_under_a_duplex_limit(program: Program) -> None:
+    """The planner's bounds price every transfer at its direction's own rate; a shared
+    link only slows transfers, so no run beats them, however tight the limit."""
+    bound = lower_bound(
+        attrs.evolve(program.bare(), budget=None),
+        None if program.budget is None else program.budget.fast_bytes,
+    )
+    for total in (1.0, 8.0, 64.0):
+        links = attrs.evolve(program.links, duplex_bytes_per_us=total)
+        result = simulate(attrs.evolve(program, links=links))
+        assert not result.valid or result.makespan_us >= bound.best_us * (1 - 1e-12), total
+
+
+def test_pressurefit_prices_its_plans_with_the_shared_link() -> None:
+    """PressureFit's candidates run through the simulator's loop with the program's links,
+    so the plan it returns is priced with the limit: its makespan is the simulator's with
+    the limit, and longer than the same directives without it (the link-bound step writes
+    back and prefetches at once)."""
+    bare = shapes.training_linkbound(random.Random(0))
+    links = attrs.evolve(
+        bare.links,
+        duplex_bytes_per_us=0.6 * (bare.links.h2d.bw_bytes_per_us + bare.links.d2h.bw_bytes_per_us),
+    )
+    program = attrs.evolve(bare, links=links)
+    budget = (
+        max(build_chain(program).base_bytes) + no_offload_peak_bytes(build_chain(program))
+    ) // 2
+    planned = plan(program, budget)
+    assert planned.sim.valid and planned.program.links == links
+    assert planned.makespan_us == simulate(planned.program).makespan_us
+    alone = simulate(attrs.evolve(planned.program, links=bare.links))
+    assert alone.valid and alone.makespan_us < planned.makespan_us
