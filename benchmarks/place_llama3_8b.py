@@ -67,6 +67,27 @@ def _read(directory: Path) -> dict[str, TaskProfile]:
     return found
 
 
+class Lookup:
+    """A profiling pass for lowered programs, answered from ``known`` (signature as JSON
+    -> profile): ``lookup(program)`` returns each task signature's profile; with
+    ``strip`` the tasks' workspace is taken out (``without_workspace``) and the largest
+    kept in ``largest_bytes``."""
+
+    def __init__(self, known: dict[str, TaskProfile], strip: bool = True) -> None:
+        self.known, self.strip, self.largest_bytes = known, strip, 0
+
+    def __call__(self, program) -> dict:
+        found = {}
+        for task in program.tasks:
+            key = signature(program, task)
+            found[key] = self.known[json.dumps(json.loads(json.dumps(key, default=repr)))]
+        if not self.strip:
+            return found
+        found, most = without_workspace(found)
+        self.largest_bytes = max(self.largest_bytes, most)
+        return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget", default="8GiB")
@@ -80,20 +101,7 @@ def main() -> None:
     args = parser.parse_args()
     backing = None if args.backing is None else parse_size(args.backing)
     budget = parse_size(args.budget)
-    known = measured_profiles(args.profiles)
-    strip = not args.counted
-    largest = [0]
-
-    def measured(program):
-        found = {}
-        for task in program.tasks:
-            key = signature(program, task)
-            found[key] = known[json.dumps(json.loads(json.dumps(key, default=repr)))]
-        if not strip:
-            return found
-        found, most = without_workspace(found)
-        largest[0] = max(largest[0], most)
-        return found
+    measured = Lookup(measured_profiles(args.profiles), strip=not args.counted)
 
     family = load_family("llama3")
     chunk = args.chunk or head_chunk_tokens(budget, 128256)  # (the archive has 2048's)
@@ -102,7 +110,7 @@ def main() -> None:
     profiles = measured(program)
     program = attrs.evolve(apply_profile(program, profiles), links=LINKS)
     spec = measured_recompute_planner(program, measured, known=profiles)
-    beside = largest[0]
+    beside = measured.largest_bytes
     started = time.perf_counter()
     planned = plan(
         program,

@@ -3,7 +3,9 @@
 Programs come from a random annotator that gets every object where it is needed (so most
 runs are valid; prologue directives included), under random budgets (so some deadlock or fail): valid programs must give
 identical timelines; failing ones must fail in both, with the same kind and task. Some
-programs put tasks on the collective link (all-reduces overlapping the compute after them).
+programs put tasks on the collective link (all-reduces overlapping the compute after them);
+some have a duplex limit (both directions at once share it, and transfers in flight are
+re-timed when the other direction starts or ends).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataflow.testing import strategies
 
 
 @st.composite
-def annotated_programs(draw, collectives: bool = False) -> Program:
+def annotated_programs(draw, collectives: bool = False, duplex: bool = False) -> Program:
     n_start = draw(st.integers(1, 5))
     objects = [
         Obj(f"o{i}", draw(st.integers(1, 400)), "param", draw(st.sampled_from(["fast", "slow"])))
@@ -60,6 +62,8 @@ def annotated_programs(draw, collectives: bool = False) -> Program:
         if collectives
         else None,
     )
+    if duplex:
+        links = _with_duplex(links, draw(st.integers(1, 80)))
     program = Program(
         name="random",
         objects=tuple(objects),
@@ -124,6 +128,18 @@ def _annotate(draw, objects: list[Obj], tasks: list[dict], prologue: dict) -> No
                 where[obj], since[obj] = "slow", index
 
 
+def _with_duplex(links: Links, total: int) -> Links:
+    """``links`` with a duplex limit of ``total`` bytes/us (often below the two
+    directions' sum, so sharing bites)."""
+    return attrs.evolve(links, duplex_bytes_per_us=float(total))
+
+
+@st.composite
+def duplex_chains(draw) -> Program:
+    program = draw(strategies.annotated_chains())
+    return attrs.evolve(program, links=_with_duplex(program.links, draw(st.integers(1, 128))))
+
+
 def _normalized(counter) -> list[tuple[float, int]]:
     points: list[tuple[float, int]] = []
     for time_us, value in counter:
@@ -135,7 +151,13 @@ def _normalized(counter) -> list[tuple[float, int]]:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(annotated_programs() | annotated_programs(collectives=True) | strategies.annotated_chains())
+@given(
+    annotated_programs()
+    | annotated_programs(collectives=True)
+    | annotated_programs(duplex=True)
+    | strategies.annotated_chains()
+    | duplex_chains()
+)
 def test_virtual_backend_reproduces_the_simulator(program: Program) -> None:
     predicted = simulate(program)
     engine = Engine("virtual")
@@ -183,6 +205,26 @@ def test_collective_tasks_overlap_compute_in_generated_programs() -> None:
     # about 3 % of valid generated programs overlap (4 of 140 in one full-suite run); a
     # few are enough to show the property above is not vacuous for collectives
     assert sum(overlapped) >= 3, f"only {sum(overlapped)} of {len(overlapped)} overlapped"
+
+
+def test_duplex_sharing_changes_generated_timelines() -> None:
+    """Guard against a vacuous property for the shared link: in some valid generated
+    programs the limit re-times transfers (the run differs from the same program
+    without it)."""
+    changed = []
+
+    @settings(max_examples=200, deadline=None, database=None, derandomize=True)
+    @given(annotated_programs(duplex=True) | duplex_chains())
+    def collect(program: Program) -> None:
+        shared = simulate(program)
+        if shared.valid and program.links.duplex_limited:
+            alone = simulate(
+                attrs.evolve(program, links=attrs.evolve(program.links, duplex_bytes_per_us=None))
+            )
+            changed.append(alone.transfers != shared.transfers)
+
+    collect()
+    assert sum(changed) >= 10, f"only {sum(changed)} of {len(changed)} re-timed"
 
 
 def test_the_generator_makes_mostly_valid_programs() -> None:

@@ -67,7 +67,12 @@ tasks = st.builds(
     label=st.text(max_size=10),
 )
 links_ = st.builds(Link, bw_bytes_per_us=finite, latency_us=finite)
-linkss = st.builds(Links, h2d=links_, d2h=links_)
+linkss = st.builds(
+    Links,
+    h2d=links_,
+    d2h=links_,
+    duplex_bytes_per_us=st.none() | st.floats(min_value=1e-3, max_value=1e9),
+)
 budgets = st.builds(Budget, fast_bytes=sizes, slow_bytes=st.none() | sizes)
 programs = st.builds(
     Program,
@@ -147,4 +152,14 @@ def test_prologue_and_persistent_round_trip_and_are_left_out_when_empty() -> Non
     program = attrs.evolve(bare, prologue=Prologue(prefetches=("W0",)), persistent=("W0", "O0"))
     document = program.to_dict()
     assert document["prologue"]["prefetches"] == ["W0"] and document["persistent"] == ["W0", "O0"]
+    assert Program.from_json(program.to_json()) == program
+
+
+def test_the_duplex_limit_round_trips_and_is_left_out_when_absent() -> None:
+    from dataflow.testing.shapes import tiny_training
+
+    bare = tiny_training()
+    assert "duplex_bytes_per_us" not in bare.to_dict()["links"]
+    program = attrs.evolve(bare, links=attrs.evolve(bare.links, duplex_bytes_per_us=98947.0))
+    assert program.to_dict()["links"]["duplex_bytes_per_us"] == 98947.0
     assert Program.from_json(program.to_json()) == program

@@ -4,8 +4,8 @@ Rules: unknown keys are errors; scalars are not coerced (``"5"`` is not an int);
 document carries ``"schema": "dataflow.program/v2"`` and older versions migrate forward
 through explicit dict -> dict steps in ``MIGRATIONS``. An empty ``prologue`` and an empty
 ``persistent`` list are left out of what is written, and so are a task's default
-``resource`` (compute) and an absent collective link: a program without collectives
-reads and writes exactly as before they existed.
+``resource`` (compute), an absent collective link and an absent duplex limit: a program
+without them reads and writes exactly as before they existed.
 """
 
 from __future__ import annotations
@@ -76,7 +76,12 @@ def _make_converter() -> cattrs.Converter:
     )
     converter.register_unstructure_hook(
         Links,
-        make_dict_unstructure_fn(Links, converter, collective=override(omit_if_default=True)),
+        make_dict_unstructure_fn(
+            Links,
+            converter,
+            collective=override(omit_if_default=True),
+            duplex_bytes_per_us=override(omit_if_default=True),
+        ),
     )
     converter.register_unstructure_hook(
         Program,

@@ -30,16 +30,53 @@ def _default_link() -> Link:
     return Link(bw_bytes_per_us=25_000.0, latency_us=10.0)
 
 
+def _positive_or_none(instance: Any, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"links.{attribute.name} must be > 0 (or absent), got {value!r}")
+
+
 @attrs.frozen
 class Links:
     """Bandwidth and latency of each direction between fast and slow memory, and of the
-    collective link (None: the program has no collective tasks)."""
+    collective link (None: the program has no collective tasks).
+
+    ``duplex_bytes_per_us`` is the two directions' total bandwidth while both copy at once
+    (None: no shared limit, each direction always runs at its own ``bw_bytes_per_us``).
+    While both directions are busy each runs at its share (``shared_bw``), and a transfer
+    in flight is re-timed when the other direction starts or ends (docs/execution_model.md).
+    """
 
     h2d: Link = attrs.field(factory=_default_link)
     d2h: Link = attrs.field(factory=_default_link)
     #: an all-reduce of ``size_bytes`` over the fleet takes ``collective.transfer_us(size)``:
     #: its bandwidth is the algorithm bandwidth (bytes reduced per us) for the fleet's size
     collective: Link | None = None
+    duplex_bytes_per_us: float | None = attrs.field(default=None, validator=_positive_or_none)
+
+    @property
+    def shared_bw(self) -> tuple[float, float]:
+        """(h2d, d2h) bytes per us while both directions copy at once: the duplex total
+        split fairly (max-min): half each, unless one direction is slower than half on its
+        own, which then keeps its own rate and leaves the rest to the other. Without a
+        duplex limit, or one at least the sum of the two, each keeps its own rate."""
+        h2d, d2h, total = (
+            self.h2d.bw_bytes_per_us,
+            self.d2h.bw_bytes_per_us,
+            self.duplex_bytes_per_us,
+        )
+        if total is None or total >= h2d + d2h:
+            return h2d, d2h
+        half = total / 2
+        if h2d <= half:
+            return h2d, total - h2d
+        if d2h <= half:
+            return total - d2h, d2h
+        return half, half
+
+    @property
+    def duplex_limited(self) -> bool:
+        """Whether copying both ways at once is slower than each way alone."""
+        return self.shared_bw != (self.h2d.bw_bytes_per_us, self.d2h.bw_bytes_per_us)
 
     def collective_us(self, size_bytes: int) -> float:
         """How long a collective task that reduces ``size_bytes`` occupies the link."""

@@ -8,6 +8,13 @@ object is a small int in a list (``fast``: 0 absent, 1 incoming, 2 resident; ``s
 A collective task holds the collective link, not compute: ``coll_task`` is the one running
 (-1 when idle) and ``held`` the objects it uses, which no compute task may use and no
 directive may drop until it ends. Programs without one never enter those branches.
+
+With a duplex limit (``Links.duplex_bytes_per_us`` below the two directions' sum), a
+transfer that starts while the other direction is busy runs at its shared rate, and the
+one in flight on the other direction is re-timed (``duplex.retimed_end_us``); when either
+ends, the other is re-timed back to its own rate. ``*_drain``: when the running
+transfer's bytes start to move (its start plus the link's latency). Programs without a
+limit never enter those branches.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from dataflow.sim.diagnose import (
     final_locations,
     not_resident,
 )
+from dataflow.sim.duplex import retimed_end_us
 from dataflow.sim.failure import FailureKind, SimError
 from dataflow.sim.states import ABSENT, CURRENT, INCOMING, RESIDENT, STALE
 
@@ -77,6 +85,12 @@ def run(
     n_obj, n_task = len(size), c.n_tasks
     h2d_us = [links.h2d.latency_us + s / links.h2d.bw_bytes_per_us for s in size]
     d2h_us = [links.d2h.latency_us + s / links.d2h.bw_bytes_per_us for s in size]
+    duplex = links.duplex_limited
+    h2d_bw, d2h_bw = links.h2d.bw_bytes_per_us, links.d2h.bw_bytes_per_us
+    h2d_lat, d2h_lat = links.h2d.latency_us, links.d2h.latency_us
+    h2d_shared_bw, d2h_shared_bw = links.shared_bw
+    h2d_shared_us = [h2d_lat + s / h2d_shared_bw for s in size] if duplex else h2d_us
+    d2h_shared_us = [d2h_lat + s / d2h_shared_bw for s in size] if duplex else d2h_us
     needs, reserve, footprint, cost = c.needs, c.reserve_bytes, c.footprint_bytes, c.cost_us
     outputs, mutates, workspace = c.outputs, c.mutates, c.workspace_bytes
     releases, offloads, prefetches = c.releases, c.offloads, c.prefetches
@@ -125,6 +139,7 @@ def run(
     h2d_obj = d2h_obj = -1  # the transfer running on the link, -1 when idle
     h2d_end = d2h_end = task_end = inf
     h2d_start = d2h_start = task_start = 0.0
+    h2d_drain = d2h_drain = 0.0
     nxt = 0  # the next task to dispatch
     running = -1
     if c.has_prologue:  # the pseudo-task n_task: it "ends" at time 0, firing the prologue
@@ -229,6 +244,8 @@ def run(
                 d2h_n += 1
                 d2h_bytes += size[o]
                 d2h_busy += now - d2h_start
+                if duplex and h2d_obj >= 0:  # h2d goes back to its own rate
+                    h2d_end = retimed_end_us(h2d_end, h2d_drain, now, h2d_shared_bw, h2d_bw)
                 if record:
                     transfer_log.append((o, D2H, d2h_entry[2], d2h_entry[1], d2h_start, now))
                     fast_log.append((now, used))
@@ -241,6 +258,8 @@ def run(
                 h2d_n += 1
                 h2d_bytes += size[o]
                 h2d_busy += now - h2d_start
+                if duplex and d2h_obj >= 0:  # d2h goes back to its own rate
+                    d2h_end = retimed_end_us(d2h_end, d2h_drain, now, d2h_shared_bw, d2h_bw)
                 if record:
                     transfer_log.append((o, H2D, h2d_entry[2], h2d_entry[1], h2d_start, now))
             # dispatch: the next task once every compute task before it has ended; a
@@ -329,8 +348,11 @@ def run(
                         slow_log.append((now, slow_used))
                 d2h_entry = d2h_q.popleft()
                 d2h_obj = o
-                d2h_start = now
-                d2h_end = now + d2h_us[o]
+                d2h_start, d2h_drain = now, now + d2h_lat
+                shared = duplex and h2d_obj >= 0  # both busy: each at its share
+                d2h_end = now + (d2h_shared_us if shared else d2h_us)[o]
+                if shared:
+                    h2d_end = retimed_end_us(h2d_end, h2d_drain, now, h2d_bw, h2d_shared_bw)
             if h2d_obj < 0 and h2d_q:
                 o = h2d_q[0][0]
                 if slow[o] == CURRENT and used + size[o] <= cap:
@@ -340,8 +362,11 @@ def run(
                     used += size[o]
                     if used > peak:
                         peak = used
-                    h2d_start = now
-                    h2d_end = now + h2d_us[o]
+                    h2d_start, h2d_drain = now, now + h2d_lat
+                    shared = duplex and d2h_obj >= 0  # both busy: each at its share
+                    h2d_end = now + (h2d_shared_us if shared else h2d_us)[o]
+                    if shared:
+                        d2h_end = retimed_end_us(d2h_end, d2h_drain, now, d2h_bw, d2h_shared_bw)
                     if record:
                         fast_log.append((now, used))
             if task_end > now and d2h_end > now and h2d_end > now and coll_end > now:

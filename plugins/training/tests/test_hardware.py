@@ -37,6 +37,10 @@ def test_the_h200_entry_cites_a_source_for_every_figure() -> None:
     assert h200.roofline("bfloat16").flops_per_us == 788e6
     assert h200.links().h2d.bw_bytes_per_us == pytest.approx(55.34e3, rel=1e-3)
     assert h200.duplex_bytes_per_us < h200.h2d_bytes_per_us + h200.d2h_bytes_per_us
+    # the links carry the duplex limit, so the simulator shares it: each way about
+    # 49.5 GB/s while both copy (engine_overhead.json raw_copy.both_GBps / 2)
+    assert h200.links().duplex_bytes_per_us == h200.duplex_bytes_per_us
+    assert h200.links().shared_bw == pytest.approx((49.47e3, 49.47e3), rel=1e-3)
 
 
 def test_roofline_takes_the_largest_roof_plus_the_dispatch_gap() -> None:
@@ -86,6 +90,11 @@ def test_user_entries_add_devices_and_replace_shipped_ones(tmp_path, monkeypatch
             "[x]\nflops_per_us = { bfloat16 = 1 }\nhbm_bytes_per_us = 1\nh2d_bytes_per_us = 1\n"
             "d2h_bytes_per_us = 1\nlaunch = 3\n",
             r"\[x\]: unknown field\(s\) launch",
+        ),
+        (
+            "[x]\nflops_per_us = { bfloat16 = 1 }\nhbm_bytes_per_us = 1\nh2d_bytes_per_us = 1\n"
+            "d2h_bytes_per_us = 1\nduplex_bytes_per_us = -2\n",
+            r"\[x\]: duplex_bytes_per_us must be a number > 0",
         ),
         ("[x\n", r"hw.toml: "),
     ],

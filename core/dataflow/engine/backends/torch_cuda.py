@@ -193,12 +193,16 @@ def runtime_reserve_bytes(device: str | torch.device = "cuda") -> int:
 def measure_links(
     device: str | torch.device = "cuda", size_bytes: int = 64 * 2**20, repeats: int = 5
 ):
-    """The links between the device and pinned host memory, measured: ``Links`` whose
-    bandwidths are those of both directions copying at once (as in a streaming step,
-    where write-backs and prefetches overlap), and whose latency is a small copy's time.
+    """The links between the device and pinned host memory, measured: each direction's
+    bandwidth copying alone, the two directions' total copying at once
+    (``duplex_bytes_per_us``: the simulator shares it while both are busy, as in a
+    streaming step where write-backs and prefetches overlap), and each direction's latency
+    (a small copy's time).
 
     Each direction copies ``size_bytes`` between a pinned host buffer and the device on
-    its own stream, both started together; the median of ``repeats`` is kept.
+    its own stream, alone and then both started together; the median of ``repeats`` is
+    kept. The duplex total is both copies' bytes over the longer of the two, less its
+    latency.
     """
     from dataflow.schema import Link, Links
 
@@ -224,15 +228,24 @@ def measure_links(
         torch.cuda.synchronize(device)
         return {d: s.elapsed_time(e) * 1e3 for d, (s, e) in events.items()}
 
+    def median_us(directions: tuple[str, ...], nbytes: int) -> dict[str, float]:
+        runs = [timed(directions, nbytes) for _ in range(repeats)]
+        return {d: statistics.median(run[d] for run in runs) for d in directions}
+
     timed(("h2d", "d2h"), size_bytes)  # warm-up
-    both = [timed(("h2d", "d2h"), size_bytes) for _ in range(repeats)]
-    small = [timed(("h2d", "d2h"), 4096) for _ in range(repeats)]
+    latency_us = median_us(("h2d", "d2h"), 4096)
     links = {}
     for d in ("h2d", "d2h"):
-        latency_us = statistics.median(t[d] for t in small)
-        total_us = statistics.median(t[d] for t in both)
+        alone_us = median_us((d,), size_bytes)[d]
         links[d] = Link(
-            bw_bytes_per_us=size_bytes / max(total_us - latency_us, 1e-3), latency_us=latency_us
+            bw_bytes_per_us=size_bytes / max(alone_us - latency_us[d], 1e-3),
+            latency_us=latency_us[d],
         )
+    both_us = median_us(("h2d", "d2h"), size_bytes)
+    moving_us = max(both_us[d] - latency_us[d] for d in ("h2d", "d2h"))
     del host_in, host_out, dev_in, dev_out
-    return Links(h2d=links["h2d"], d2h=links["d2h"])
+    return Links(
+        h2d=links["h2d"],
+        d2h=links["d2h"],
+        duplex_bytes_per_us=2 * size_bytes / max(moving_us, 1e-3),
+    )

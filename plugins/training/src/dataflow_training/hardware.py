@@ -99,12 +99,14 @@ class HardwareEntry:
         )
 
     def links(self, ranks: int | None = None, scope: str = "nvlink") -> Links:
-        """The links to pinned host memory; with ``ranks``, also the collective link of a
-        fleet of that many ranks (``collective_link``)."""
+        """The links to pinned host memory (each direction alone, and both at once:
+        ``duplex_bytes_per_us``); with ``ranks``, also the collective link of a fleet of
+        that many ranks (``collective_link``)."""
         return Links(
             h2d=Link(self.h2d_bytes_per_us, self.h2d_latency_us),
             d2h=Link(self.d2h_bytes_per_us, self.d2h_latency_us),
             collective=None if ranks is None else self.collective_link(ranks, scope),
+            duplex_bytes_per_us=self.duplex_bytes_per_us,
         )
 
     def collective_link(self, ranks: int, scope: str = "nvlink") -> Link:
@@ -145,6 +147,8 @@ def _entry(name: str, fields: Any, origin: str) -> HardwareEntry:
         _positive(where, key, values[key])
     for dtype, rate in rates.items():
         _positive(where, f"flops_per_us.{dtype}", rate)
+    if values["duplex_bytes_per_us"] is not None:
+        _positive(where, "duplex_bytes_per_us", values["duplex_bytes_per_us"])
     for key in ("h2d_latency_us", "d2h_latency_us", "launch_us", "dispatch_us"):
         if not isinstance(values[key], int | float) or values[key] < 0:
             raise HardwareError(f"{where}: {key} must be a number >= 0, got {values[key]!r}")
