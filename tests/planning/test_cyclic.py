@@ -136,3 +136,50 @@ def test_homes_are_written_into_locations_and_finals() -> None:
     assert homed.final_locations["W0"] is Location.FAST
     assert homed.obj("W1").location is Location.SLOW
     assert homed.final_locations["W1"] is Location.SLOW
+
+
+def test_a_miss_at_the_budget_falls_back_to_a_smaller_capacity(monkeypatch) -> None:
+    """The search is a heuristic: where it finds no home set's plan at the budget but
+    one at the smallest budget that works (as the one-run planner falls back), that plan
+    is the steady state; with ``explain=False`` the miss fails at once."""
+    from dataflow.planning import PlanningError, cyclic
+    from dataflow.planning.pressurefit import plan_pressurefit
+
+    program = _persistent(training(random.Random(2), layers=6))
+    low = minimal_budget(program)
+    peak = plan(program, 2**40).sim.fast_peak_bytes
+    budget = (low + peak) // 2
+    real = cyclic.search
+
+    def misses_above_the_minimum(chain_program, capacity, **options):
+        found = real(chain_program, capacity, **options)
+        return attrs.evolve(found, best=None) if capacity > low else found
+
+    monkeypatch.setattr(cyclic, "search", misses_above_the_minimum)
+    planned = plan_pressurefit(program, budget, cyclic=True)
+    cycle = check_cycle(planned, budget)
+    assert cycle.valid, cycle.problem
+    assert planned.budget.fast_bytes == budget
+    assert simulate(planned, budget_bytes=budget).fast_peak_bytes <= budget
+    # every persistent object homed slow: the fallback plans the one-run chain
+    assert all(planned.obj(obj).location is Location.SLOW for obj in program.persistent)
+    with pytest.raises(PlanningError, match="explain=False"):
+        plan_pressurefit(program, budget, cyclic=True, explain=False)
+
+
+def test_a_slow_budget_holds_one_iteration_of_the_cycle() -> None:
+    """A run's slow pool has one slice per object, reused by every iteration: a plan whose
+    one iteration fits the slow budget exactly repeats within it, although the unrolled
+    iterations' offloaded activations are named apart."""
+    from dataflow.planning.cycle import repeated_slow_bytes
+
+    program = _persistent(training(random.Random(2), layers=6))
+    low = minimal_budget(program)
+    budget = low + (plan(program, 2**40).sim.fast_peak_bytes - low) // 4
+    once = plan(program, budget)
+    assert repeated_slow_bytes(once.program) > 0, "the budget should offload activations"
+    slow = once.sim.slow_peak_bytes  # exactly what one iteration takes
+    cycle = check_cycle(once.program, budget, slow)
+    assert cycle.valid, cycle.problem
+    assert not check_cycle(once.program, budget, slow - 1).valid  # one byte less: no
+    assert plan(program, budget, slow_budget_bytes=slow, cyclic=True).cycle.valid

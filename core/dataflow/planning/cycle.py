@@ -145,6 +145,20 @@ def _persistent_state(sim: SimResult, persistent: tuple[str, ...]) -> dict[str, 
     return {obj: (obj in resident, obj in current) for obj in persistent}
 
 
+def repeated_slow_bytes(program: Program) -> int:
+    """Bytes of the objects one iteration of ``program`` puts in slow memory anew: the
+    non-persistent objects that start there (fed) or are ever offloaded."""
+    persistent = set(program.persistent)
+    slow = {
+        obj.id
+        for obj in program.objects
+        if obj.location is Location.SLOW and program.exists_at_start(obj.id)
+    }
+    for task in (program.prologue, *program.tasks):
+        slow.update(task.offloads)
+    return sum(program.obj(obj).size_bytes for obj in slow - persistent)
+
+
 def check_cycle(
     program: Program,
     budget_bytes: int | None = None,
@@ -155,13 +169,21 @@ def check_cycle(
 ) -> CycleCheck:
     """Run ``iterations`` consecutive iterations of ``program`` (see the module doc).
 
-    ``one`` is the program's own (one-iteration) run, when the caller has it."""
+    ``one`` is the program's own (one-iteration) run, when the caller has it. The slow
+    budget holds one iteration (``one``'s run checks it): slow space is never given back
+    within a run, and a run's slow pool has one slice per object, which every iteration
+    reuses, but the unrolled program names each iteration's objects apart; so the
+    unrolled run may take, on top of the budget, the slow objects of the iterations after
+    the first (``repeated_slow_bytes``)."""
     if one is None:
         one = simulate(
             program, budget_bytes=budget_bytes, slow_budget_bytes=slow_budget_bytes, record=False
         )
     unrolled = unroll(program, iterations)
-    sim = simulate(unrolled, budget_bytes=budget_bytes, slow_budget_bytes=slow_budget_bytes)
+    unrolled_slow = None
+    if slow_budget_bytes is not None:
+        unrolled_slow = slow_budget_bytes + (iterations - 1) * repeated_slow_bytes(program)
+    sim = simulate(unrolled, budget_bytes=budget_bytes, slow_budget_bytes=unrolled_slow)
     first = program.tasks[0].id if program.tasks else None
     starts = {timing.task_id: timing.start_us for timing in sim.tasks}
     iteration_us = sim.makespan_us / iterations

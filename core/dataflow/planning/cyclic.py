@@ -23,9 +23,9 @@ import attrs
 
 from dataflow.planning.cycle import check_cycle
 from dataflow.planning.feasibility import check_plannable, infeasible
-from dataflow.planning.intervals import Chain, build_chain
+from dataflow.planning.intervals import Chain, PlanningError, build_chain
 from dataflow.planning.pressurefit import monotone_capacities, search
-from dataflow.schema import Location, Program
+from dataflow.schema import Budget, Location, Program
 
 #: Shares of the boundary's room filled with fast homes, besides none.
 FILLS = (0.5, 1.0)
@@ -74,9 +74,19 @@ def home_sets(chain: Chain, persistent: tuple[str, ...], budget_bytes: int) -> l
 
 
 def plan_cyclic(
-    bare: Program, budget_bytes: int, *, slow_budget_bytes: int | None = None
+    bare: Program,
+    budget_bytes: int,
+    *,
+    slow_budget_bytes: int | None = None,
+    explain: bool = True,
 ) -> Program:
-    """The steady-state plan of ``bare`` (one iteration, its persistent objects homed)."""
+    """The steady-state plan of ``bare`` (one iteration, its persistent objects homed).
+
+    When no home set plans at ``budget_bytes``, the search (a heuristic) may still plan at
+    a smaller capacity, as the one-run planner finds (``plan_pressurefit``): the smallest
+    budget that works is searched for, and the every-home-slow plan made there, if it
+    repeats within ``budget_bytes``, is the answer. ``explain=False`` skips that and
+    fails at once with a plain ``PlanningError``."""
     slow_homes = with_homes(bare, frozenset())
     chain = check_plannable(slow_homes, budget_bytes, slow_budget_bytes)
     best, best_rank = None, None
@@ -98,6 +108,22 @@ def plan_cyclic(
         rank = (cycle.iteration_us, found.best.sim.h2d.bytes + found.best.sim.d2h.bytes)
         if best_rank is None or rank < best_rank:
             best, best_rank = found.best.program, rank
-    if best is None:
-        raise infeasible(chain, budget_bytes, slow_budget_bytes)
-    return best
+    if best is not None:
+        return best
+    if not explain:
+        raise PlanningError(
+            f"PressureFit found no steady-state plan of {bare.name!r} within {budget_bytes} "
+            "bytes (the smallest budget that works was not searched for: explain=False)"
+        )
+    error = infeasible(chain, budget_bytes, slow_budget_bytes)
+    if error.minimal_budget_bytes <= budget_bytes:
+        smaller = search(
+            slow_homes, error.minimal_budget_bytes, slow_budget_bytes=slow_budget_bytes, chain=chain
+        )
+        if smaller.best is not None:
+            program = attrs.evolve(
+                smaller.best.program, budget=Budget(budget_bytes, slow_budget_bytes)
+            )
+            if check_cycle(program, budget_bytes, slow_budget_bytes).valid:
+                return program
+    raise error

@@ -418,7 +418,7 @@ def plan_pressurefit(
     if cyclic:
         from dataflow.planning.cyclic import plan_cyclic
 
-        return plan_cyclic(bare, budget_bytes, slow_budget_bytes=slow_budget_bytes)
+        return plan_cyclic(bare, budget_bytes, slow_budget_bytes=slow_budget_bytes, explain=explain)
     chain = check_plannable(bare, budget_bytes, slow_budget_bytes)
     planned = best_plan(chain, budget_bytes, slow_budget_bytes)
     if planned is not None:
