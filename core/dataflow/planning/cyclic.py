@@ -22,10 +22,10 @@ from __future__ import annotations
 import attrs
 
 from dataflow.planning.cycle import check_cycle
-from dataflow.planning.feasibility import check_plannable, infeasible
+from dataflow.planning.feasibility import check_plannable
 from dataflow.planning.intervals import Chain, PlanningError, build_chain
-from dataflow.planning.pressurefit import monotone_capacities, search
-from dataflow.schema import Budget, Location, Program
+from dataflow.planning.pressurefit import monotone_capacities, plan_at_the_minimum, search
+from dataflow.schema import Location, Program
 
 #: Shares of the boundary's room filled with fast homes, besides none.
 FILLS = (0.5, 1.0)
@@ -115,15 +115,9 @@ def plan_cyclic(
             f"PressureFit found no steady-state plan of {bare.name!r} within {budget_bytes} "
             "bytes (the smallest budget that works was not searched for: explain=False)"
         )
-    error = infeasible(chain, budget_bytes, slow_budget_bytes)
-    if error.minimal_budget_bytes <= budget_bytes:
-        smaller = search(
-            slow_homes, error.minimal_budget_bytes, slow_budget_bytes=slow_budget_bytes, chain=chain
-        )
-        if smaller.best is not None:
-            program = attrs.evolve(
-                smaller.best.program, budget=Budget(budget_bytes, slow_budget_bytes)
-            )
-            if check_cycle(program, budget_bytes, slow_budget_bytes).valid:
-                return program
-    raise error
+    return plan_at_the_minimum(
+        chain,
+        budget_bytes,
+        slow_budget_bytes,
+        lambda found: check_cycle(found, budget_bytes, slow_budget_bytes).valid,
+    )

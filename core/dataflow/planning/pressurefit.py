@@ -19,7 +19,7 @@ choice is ordered by task and object position, never by hashing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -410,7 +410,7 @@ def plan_pressurefit(
     capacity ladder below it (``monotone_capacities``) and keeps the fastest, so a larger
     budget never gets a slower plan than those rungs give. With ``cyclic`` it plans one
     iteration of a loop (``cyclic.plan_cyclic``)."""
-    from dataflow.planning.feasibility import check_plannable, infeasible
+    from dataflow.planning.feasibility import check_plannable
 
     bare = program.bare()
     if slow_budget_bytes is None and program.budget is not None:
@@ -428,18 +428,39 @@ def plan_pressurefit(
             f"PressureFit found no plan of {program.name!r} within {budget_bytes} bytes "
             "(the smallest budget that works was not searched for: explain=False)"
         )
+    return plan_at_the_minimum(
+        chain,
+        budget_bytes,
+        slow_budget_bytes,
+        lambda found: simulate(found, record=False, check=False).valid,
+    )
+
+
+def plan_at_the_minimum(
+    chain: Chain,
+    budget_bytes: int,
+    slow_budget_bytes: int | None,
+    runs: Callable[[Program], bool],
+) -> Program:
+    """For a chain the search found no plan of at ``budget_bytes``: the search is a
+    heuristic, and the smallest budget that works is found by sweeping at it, so the plan
+    made at that smaller capacity, with ``budget_bytes`` written in, when ``runs`` accepts
+    it (it runs within the larger budget). Raises the ``InfeasibleBudget`` otherwise."""
+    from dataflow.planning.feasibility import infeasible
+
     error = infeasible(chain, budget_bytes, slow_budget_bytes)
     if error.minimal_budget_bytes <= budget_bytes:
-        # The search is a heuristic: a smaller capacity planned (the minimum is found by
-        # sweeping at it). Its plan runs within the larger budget too (checked here).
         smaller = search(
-            bare, error.minimal_budget_bytes, slow_budget_bytes=slow_budget_bytes, chain=chain
+            chain.program,
+            error.minimal_budget_bytes,
+            slow_budget_bytes=slow_budget_bytes,
+            chain=chain,
         )
         if smaller.best is not None:
             program = attrs.evolve(
                 smaller.best.program, budget=Budget(budget_bytes, slow_budget_bytes)
             )
-            if simulate(program, record=False, check=False).valid:
+            if runs(program):
                 return program
     raise error
 
