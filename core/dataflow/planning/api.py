@@ -16,7 +16,7 @@ import attrs
 
 from dataflow.planning.cycle import CycleCheck, check_cycle
 from dataflow.planning.intervals import PlanningError
-from dataflow.planning.lower_bound import LowerBound, lower_bound
+from dataflow.planning.lower_bound import ChainBounds, LowerBound, lower_bound
 from dataflow.registry import PlannerSpec
 from dataflow.schema import Program
 from dataflow.sim import SimResult, simulate
@@ -31,6 +31,24 @@ def _plan_pressurefit(program: Program, budget_bytes: int, **options: Any) -> Pr
     from dataflow.planning.pressurefit import plan_pressurefit
 
     return plan_pressurefit(program, budget_bytes, **options)
+
+
+def _run_planner(
+    spec: PlannerSpec, program: Program, budget_bytes: int, options: dict[str, Any]
+) -> tuple[Program, ChainBounds | None, bool]:
+    """The planned program, the chain's bounds when the planner worked them out, and
+    whether the planned program still needs ``validate`` before it is simulated.
+
+    PressureFit validated the bare chain before planning it, and the directives it writes
+    are well formed by construction (a test validates its plans of every shape), so its
+    plan of one run is not validated twice; its search's bounds are reused. Any other
+    planner's plan, and a cyclic plan (its objects homed anew), is validated in full."""
+    if spec.plan is not _plan_pressurefit:
+        return spec.plan(program, budget_bytes, **options), None, True
+    from dataflow.planning.pressurefit import pressurefit
+
+    found = pressurefit(program, budget_bytes, **options)
+    return found.program, found.bounds, bool(options.get("cyclic"))
 
 
 def _minimal_pressurefit(program: Program, **options: Any) -> int:
@@ -134,9 +152,11 @@ def plan(
     if cyclic:
         options["cyclic"] = True
     started = time.perf_counter()
-    planned = spec.plan(program, budget_bytes, **options)
+    planned, bounds, check = _run_planner(spec, program, budget_bytes, options)
     planning_s = time.perf_counter() - started
-    sim = simulate(planned, budget_bytes=budget_bytes, slow_budget_bytes=slow_budget_bytes)
+    sim = simulate(
+        planned, budget_bytes=budget_bytes, slow_budget_bytes=slow_budget_bytes, check=check
+    )
     if not sim.valid:
         raise PlanningError(
             f"planner {spec.name!r} returned a plan of {program.name!r} that fails in the "
@@ -150,10 +170,14 @@ def plan(
                 f"planner {spec.name!r} returned a cyclic plan of {program.name!r} that does "
                 f"not repeat at a budget of {budget_bytes} bytes: {cycle.problem}"
             )
+    if bounds is None:
+        bound = lower_bound(planned, budget_bytes, cyclic=cyclic)  # directives ignored
+    else:
+        bound = bounds.at(budget_bytes)
     return Plan(
         program=planned,
         sim=sim,
-        lower_bound=lower_bound(planned, budget_bytes, cyclic=cyclic),  # directives ignored
+        lower_bound=bound,
         budget_bytes=budget_bytes,
         slow_budget_bytes=slow_budget_bytes,
         planner=spec.name,

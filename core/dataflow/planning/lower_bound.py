@@ -147,10 +147,14 @@ class ChainBounds:
     """``chain``'s lower bounds at any budget: what does not depend on the budget (first
     loads, last changes, the gaps, what each task boundary reads and leaves behind) is
     worked out once, so bounding several budgets of one chain (the monotone ladder) costs
-    little more than the timeline walk per budget."""
+    little more than the timeline walk per budget. ``at`` keeps what it found per budget:
+    the search asks for its budget's bound, ``plan`` for the same one again.
 
-    def __init__(self, chain: Chain):
+    ``gaps`` are ``build_gaps(chain)`` when the caller has them already."""
+
+    def __init__(self, chain: Chain, gaps: Gaps | None = None):
         self.chain = chain
+        self._found: dict[tuple[int | None, bool], LowerBound] = {}
         n = chain.n_tasks
         self.first_load_us = [0.0] * (n + 1)  # by the index of the first use
         self.write_back_us = [0.0] * (n + 1)  # by the index of the last change
@@ -164,7 +168,7 @@ class ChainBounds:
                 if changed:
                     self.write_back_us[changed[-1]] += chain.d2h_us(life.size_bytes)
         self.first_loads_us = sum(self.first_load_us)
-        self.gaps = build_gaps(chain)
+        self.gaps = gaps if gaps is not None else build_gaps(chain)
         self.held = [
             base + kept
             for base, kept in zip(chain.base_bytes, kept_profile(chain, self.gaps), strict=True)
@@ -287,6 +291,12 @@ class ChainBounds:
     def at(self, budget_bytes: int | None, *, rooms: bool = True) -> LowerBound:
         """The bounds at ``budget_bytes``; ``rooms=False`` leaves the room bound out of the
         link bound (cheaper, and still a bound: the search's stopping tests use it)."""
+        key = (budget_bytes, rooms)
+        if key not in self._found:
+            self._found[key] = self._at(budget_bytes, rooms)
+        return self._found[key]
+
+    def _at(self, budget_bytes: int | None, rooms: bool) -> LowerBound:
         chain = self.chain
         n = chain.n_tasks
         compute_us = chain.start_us[n]

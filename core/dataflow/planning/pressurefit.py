@@ -199,6 +199,8 @@ class SearchResult:
     lower_bound: LowerBound
     unfit_task: int | None
     unfit_bytes: int
+    #: the chain's bounds at any budget (``ChainBounds``), for callers that bound it again
+    bounds: ChainBounds | None = attrs.field(default=None, eq=False, repr=False)
 
 
 def search(
@@ -212,6 +214,7 @@ def search(
     chain: Chain | None = None,
     below: Sequence[int] = (),
     capacity_bytes: int | None = None,
+    bounds: ChainBounds | None = None,
 ) -> SearchResult:
     """Try every strategy of ``portfolio`` on ``program``'s bare chain at ``budget_bytes``;
     with ``first_valid`` stop at the first valid candidate (feasibility checks).
@@ -220,10 +223,13 @@ def search(
     simulated at ``budget_bytes``: a plan made for less memory runs within more,
     so the best of them is never slower than what those capacities give (``monotone``).
     ``capacity_bytes`` (default: the budget) is what the portfolio sweeps at: less than the
-    budget leaves room that the plan does not use (for placement's fragmentation)."""
+    budget leaves room that the plan does not use (for placement's fragmentation).
+    ``bounds`` are ``chain``'s (``ChainBounds``) when the caller has them already (they do
+    not depend on the budget)."""
     chain = chain or build_chain(program.bare())
-    gaps = build_gaps(chain)
-    bounds = ChainBounds(chain)
+    if bounds is None or bounds.chain is not chain:
+        bounds = ChainBounds(chain)
+    gaps = bounds.gaps
     bound = bounds.at(budget_bytes, rooms=False)  # the room bound, if need be, at the end
     target_us = bound.best_us * (1 + 1e-9)
     pricer = Pricer(chain, budget_bytes, slow_budget_bytes)
@@ -299,7 +305,7 @@ def search(
     )
     if best is not None and best.makespan_us > target_us:
         bound = bounds.at(budget_bytes)  # with the room bound: only a plan above the rest
-    return SearchResult(winner, simulated, bound, unfit_task, unfit_bytes)
+    return SearchResult(winner, simulated, bound, unfit_task, unfit_bytes, bounds)
 
 
 def _annotated(
@@ -391,6 +397,15 @@ def _smaller(chain: Chain, capacity_bytes: int) -> int:
     return max(floor, capacity_bytes - max(1, (capacity_bytes - floor) // 2))
 
 
+@attrs.frozen
+class PressureFitPlan:
+    """PressureFit's plan and the chain's bounds its search worked out (``ChainBounds``;
+    None for a cyclic plan, whose bounds are those of the loop), so ``plan`` neither lowers the chain again nor bounds it from scratch."""
+
+    program: Program
+    bounds: ChainBounds | None = attrs.field(eq=False, repr=False)
+
+
 def plan_pressurefit(
     program: Program,
     budget_bytes: int,
@@ -410,6 +425,24 @@ def plan_pressurefit(
     capacity ladder below it (``monotone_capacities``) and keeps the fastest, so a larger
     budget never gets a slower plan than those rungs give. With ``cyclic`` it plans one
     iteration of a loop (``cyclic.plan_cyclic``)."""
+    return pressurefit(
+        program,
+        budget_bytes,
+        slow_budget_bytes=slow_budget_bytes,
+        cyclic=cyclic,
+        explain=explain,
+    ).program
+
+
+def pressurefit(
+    program: Program,
+    budget_bytes: int,
+    *,
+    slow_budget_bytes: int | None = None,
+    cyclic: bool = False,
+    explain: bool = True,
+) -> PressureFitPlan:
+    """``plan_pressurefit``, with the bounds its search worked out (what ``plan`` calls)."""
     from dataflow.planning.feasibility import check_plannable, infeasible
 
     bare = program.bare()
@@ -418,11 +451,14 @@ def plan_pressurefit(
     if cyclic:
         from dataflow.planning.cyclic import plan_cyclic
 
-        return plan_cyclic(bare, budget_bytes, slow_budget_bytes=slow_budget_bytes)
+        return PressureFitPlan(
+            plan_cyclic(bare, budget_bytes, slow_budget_bytes=slow_budget_bytes), None
+        )
     chain = check_plannable(bare, budget_bytes, slow_budget_bytes)
-    planned = best_plan(chain, budget_bytes, slow_budget_bytes)
+    bounds = ChainBounds(chain)
+    planned = best_plan(chain, budget_bytes, slow_budget_bytes, bounds)
     if planned is not None:
-        return planned
+        return PressureFitPlan(planned, bounds)
     if not explain:
         raise PlanningError(
             f"PressureFit found no plan of {program.name!r} within {budget_bytes} bytes "
@@ -433,20 +469,30 @@ def plan_pressurefit(
         # The search is a heuristic: a smaller capacity planned (the minimum is found by
         # sweeping at it). Its plan runs within the larger budget too (checked here).
         smaller = search(
-            bare, error.minimal_budget_bytes, slow_budget_bytes=slow_budget_bytes, chain=chain
+            bare,
+            error.minimal_budget_bytes,
+            slow_budget_bytes=slow_budget_bytes,
+            chain=chain,
+            bounds=bounds,
         )
         if smaller.best is not None:
             program = attrs.evolve(
                 smaller.best.program, budget=Budget(budget_bytes, slow_budget_bytes)
             )
             if simulate(program, record=False, check=False).valid:
-                return program
+                return PressureFitPlan(program, bounds)
     raise error
 
 
-def best_plan(chain: Chain, budget_bytes: int, slow_budget_bytes: int | None) -> Program | None:
+def best_plan(
+    chain: Chain,
+    budget_bytes: int,
+    slow_budget_bytes: int | None,
+    bounds: ChainBounds | None = None,
+) -> Program | None:
     """PressureFit's plan of ``chain`` at ``budget_bytes`` (the search, with the monotone
-    ladder below it), or None when it finds none; never searches for a minimal budget."""
+    ladder below it), or None when it finds none; never searches for a minimal budget.
+    ``bounds`` are ``chain``'s when the caller has them (else the search makes them)."""
     if chain.n_tasks == 0 and not any(life.uses for life in chain.objects):
         return attrs.evolve(chain.program, budget=Budget(budget_bytes, slow_budget_bytes))
     found = search(
@@ -455,5 +501,6 @@ def best_plan(chain: Chain, budget_bytes: int, slow_budget_bytes: int | None) ->
         slow_budget_bytes=slow_budget_bytes,
         chain=chain,
         below=monotone_capacities(chain),
+        bounds=bounds,
     )
     return found.best.program if found.best is not None else None
