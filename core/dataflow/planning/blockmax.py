@@ -25,7 +25,12 @@ class BlockMax:
         while len(self.top) < len(self.lazy):
             self.top.append(-(2**62))
 
-    def _refresh(self, block: int) -> None:
+    def _refresh(self, block: int, lo: int, hi: int, amount: int) -> None:
+        """Block ``block``'s max after ``amount`` was added to ``values[lo:hi]`` (within
+        it): raising part of a block raises its max to at most that part's new max."""
+        if amount >= 0:
+            self.top[block] = max(self.top[block], max(self.values[lo:hi]) + self.lazy[block])
+            return
         low = block * BLOCK
         self.top[block] = max(self.values[low : low + BLOCK], default=-(2**62)) + self.lazy[block]
 
@@ -36,18 +41,18 @@ class BlockMax:
         first, last = lo // BLOCK, (hi - 1) // BLOCK
         if first == last:
             values[lo:hi] = [value + amount for value in values[lo:hi]]
-            self._refresh(first)
+            self._refresh(first, lo, hi, amount)
             return
         edge = (first + 1) * BLOCK
         values[lo:edge] = [value + amount for value in values[lo:edge]]
-        self._refresh(first)
+        self._refresh(first, lo, edge, amount)
         lazy, top = self.lazy, self.top
         for block in range(first + 1, last):
             lazy[block] += amount
             top[block] += amount
         edge = last * BLOCK
         values[edge:hi] = [value + amount for value in values[edge:hi]]
-        self._refresh(last)
+        self._refresh(last, edge, hi, amount)
 
     def get(self, t: int) -> int:
         return self.values[t] + self.lazy[t // BLOCK]

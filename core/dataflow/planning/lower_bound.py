@@ -155,6 +155,7 @@ class ChainBounds:
     def __init__(self, chain: Chain, gaps: Gaps | None = None):
         self.chain = chain
         self._found: dict[tuple[int | None, bool], LowerBound] = {}
+        self._last_plain: tuple[int | None, tuple] | None = None
         n = chain.n_tasks
         self.first_load_us = [0.0] * (n + 1)  # by the index of the first use
         self.write_back_us = [0.0] * (n + 1)  # by the index of the last change
@@ -302,6 +303,31 @@ class ChainBounds:
         compute_us = chain.start_us[n]
         if n == 0:
             return LowerBound(0.0, 0.0, 0.0)
+        first_load_us, gaps, reload_us, link_us, earliest_end = self._plain(budget_bytes)
+        if budget_bytes is not None and rooms:
+            plain = (first_load_us, link_us, earliest_end)
+            for size, use, last in self._rooms(budget_bytes):
+                link_us = max(link_us, self._room_us(budget_bytes, size, use, last, gaps, plain))
+        volume_us = handoff_us = 0.0
+        if budget_bytes is not None:
+            handoff_us = compute_us + sum(gaps)
+            if reload_us or self.first_loads_us:
+                volume_us = self.first_loads_us + reload_us
+        return LowerBound(
+            compute_us=compute_us, link_us=link_us, volume_us=volume_us, handoff_us=handoff_us
+        )
+
+    def _plain(
+        self, budget_bytes: int | None
+    ) -> tuple[list[float], list[float], float, float, list[float]]:
+        """What the bounds at ``budget_bytes`` share with and without the room bound: the
+        loads by the index of the use (first loads and reloads), the handoff gaps, the
+        reloads' time, and the link bound's timeline (its bound and earliest ends). Kept
+        for the last budget asked (``at`` asks for both at one budget)."""
+        if self._last_plain is not None and self._last_plain[0] == budget_bytes:
+            return self._last_plain[1]
+        chain = self.chain
+        n = chain.n_tasks
         first_load_us = list(self.first_load_us)  # reloads added below
         # gaps[t]: idle time forced between task t and the next (0 without a budget)
         gaps = [0.0] * n
@@ -321,18 +347,9 @@ class ChainBounds:
                     chain.h2d.latency_us + sum(reloads) / bandwidth,
                 )
         link_us, earliest_end = self._timeline(first_load_us, gaps)
-        if budget_bytes is not None and rooms:
-            plain = (first_load_us, link_us, earliest_end)
-            for size, use, last in self._rooms(budget_bytes):
-                link_us = max(link_us, self._room_us(budget_bytes, size, use, last, gaps, plain))
-        volume_us = handoff_us = 0.0
-        if budget_bytes is not None:
-            handoff_us = compute_us + sum(gaps)
-            if reload_us or self.first_loads_us:
-                volume_us = self.first_loads_us + reload_us
-        return LowerBound(
-            compute_us=compute_us, link_us=link_us, volume_us=volume_us, handoff_us=handoff_us
-        )
+        found = (first_load_us, gaps, reload_us, link_us, earliest_end)
+        self._last_plain = (budget_bytes, found)
+        return found
 
 
 def _cover_bytes(gaps: Gaps, excess: list[int]) -> list[int]:

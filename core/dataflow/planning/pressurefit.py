@@ -31,7 +31,6 @@ from dataflow.planning.intervals import (
     Origin,
     PlanningError,
     build_chain,
-    build_gaps,
     no_offload_peak_bytes,
 )
 from dataflow.planning.lower_bound import ChainBounds, LowerBound
@@ -345,19 +344,20 @@ def transfers_floor_us(chain: Chain, gaps: Gaps, cut: Sequence[bool]) -> float:
     for life in chain.objects:
         if not life.uses:
             continue
+        load_us, write_us = chain.load_us[life.index], chain.write_us[life.index]
         if life.origin is Origin.SLOW:
-            due_us[life.uses[0]] += chain.h2d_us(life.size_bytes)
+            due_us[life.uses[0]] += load_us
         first_gap, last = gaps.first_gap[life.index], len(life.uses) - 1
         dirty = False
         for k, (use, dirties) in enumerate(zip(life.uses, life.dirties, strict=True)):
             dirty = dirty or dirties
             if k < last and cut[first_gap + k]:
-                due_us[life.uses[k + 1]] += chain.h2d_us(life.size_bytes)
+                due_us[life.uses[k + 1]] += load_us
                 if dirty:
-                    written_us[use] += chain.d2h_us(life.size_bytes)
+                    written_us[use] += write_us
                 dirty = False
             elif k == last and dirty and life.final is Location.SLOW:
-                written_us[use] += chain.d2h_us(life.size_bytes)
+                written_us[use] += write_us
     cost = chain.cost_us
     ends = []
     start_us = loaded_us = 0.0
@@ -379,12 +379,16 @@ def _rung_bound_us(bounds: ChainBounds, rung_bytes: int) -> float:
     return bounds.at(rung_bytes, rooms=False).best_us * (1 - 1e-9)
 
 
-def monotone_capacities(chain: Chain, rungs: int = MONOTONE_RUNGS) -> tuple[int, ...]:
+def monotone_capacities(
+    chain: Chain, rungs: int = MONOTONE_RUNGS, peak_bytes: int | None = None
+) -> tuple[int, ...]:
     """The fixed ladder of capacities every plan also sweeps at (those below its budget):
-    ``rungs`` from the largest base up to the no-offload peak, so a plan at a larger budget
-    has tried every rung a smaller one did."""
+    ``rungs`` from the largest base up to the no-offload peak (``peak_bytes`` when the
+    caller knows it), so a plan at a larger budget has tried every rung a smaller one did."""
     floor = max(chain.base_bytes, default=0)
-    peak = max(floor, no_offload_peak_bytes(chain))
+    if peak_bytes is None:
+        peak_bytes = no_offload_peak_bytes(chain)
+    peak = max(floor, peak_bytes)
     if rungs < 2 or peak == floor:
         return (floor,)
     return tuple(sorted({floor + (peak - floor) * k // (rungs - 1) for k in range(rungs)}))
@@ -500,7 +504,7 @@ def best_plan(
         budget_bytes,
         slow_budget_bytes=slow_budget_bytes,
         chain=chain,
-        below=monotone_capacities(chain),
+        below=monotone_capacities(chain, peak_bytes=None if bounds is None else bounds.peak_held),
         bounds=bounds,
     )
     return found.best.program if found.best is not None else None
