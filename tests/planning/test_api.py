@@ -114,3 +114,30 @@ def test_plan_matches_a_plan_validated_and_bounded_from_scratch(shape: str) -> N
         assert validate(planned.program) == [], (shape, budget)
         assert planned.sim == simulate(planned.program, budget_bytes=budget)
         assert planned.lower_bound == lower_bound(planned.program, budget)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_plan_pauses_the_garbage_collector_and_restores_it(
+    enabled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+
+    import dataflow.planning.api as api
+
+    seen: list[bool] = []
+    original = api._run_planner
+
+    def spying(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(api, "_run_planner", spying)
+    (gc.enable if enabled else gc.disable)()
+    try:
+        plan(tiny_streaming(), 20 * MiB)
+        assert seen == [False] and gc.isenabled() is enabled
+        with pytest.raises(PlanningError):
+            plan(tiny_streaming(), 1)  # restored when planning fails too
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()

@@ -188,22 +188,6 @@ def select_cuts(
     windows_from: list[list[int]] = [list(ws) for ws in setup.head_from]
     load_us, write_us = chain.load_us, chain.write_us
 
-    def issue_at(use: int, lead_us: float) -> int:
-        """``issue_task(chain, use, lead_us)``, inlined."""
-        return bisect_right(start, start[use] - lead_us) - 2
-
-    def add_window(use: int, p: int, size: int, lead_us: float) -> None:
-        if p + 1 > use - 1:
-            return
-        w = len(win_use)
-        win_use.append(use)
-        win_p.append(p)
-        win_size.append(size)
-        win_lead.append(lead_us)
-        window_diff[p + 1] += size
-        window_diff[use] -= size
-        windows_from[p + 1].append(w)
-
     soft_diff = [0] * (n + 2)
 
     def offload_end_task(end_us: float, a: int) -> int:
@@ -220,7 +204,10 @@ def select_cuts(
         return begin + write_us[o]
 
     def gap_offload_end(g: int) -> int:
-        return offload_end_task(write_back_end_us(g_a[g], g_obj[g]), g_a[g])
+        """``offload_end_task`` of gap ``g``'s write-back (inlined: a hot path)."""
+        a = g_a[g]
+        begin = max(start[a + 1], d2h_free_us) if queue else start[a + 1]
+        return max(a + 1, bisect_right(start, begin + write_us[g_obj[g]] - 1e-9) - 1)
 
     slow_free, has_slow = slow_room(chain, slow_capacity_bytes)
 
@@ -235,15 +222,25 @@ def select_cuts(
                 slow_free -= size
                 has_slow[o] = True
         dirty[o] = False  # offloaded if it was dirty; the copy that comes back is clean
+        # its prefetch window: issued at the latest task that hides its transfer
+        # (``issue_task``, inlined), not before ``t``; it covers p+1 .. b-1
         lead = load_us[o]
-        add_window(b, min(b - 1, max(t, a + 1, issue_at(b, lead))), size, lead)
+        p = min(b - 1, max(t, a + 1, bisect_right(start, start[b] - lead) - 2))
+        if p + 1 <= b - 1:
+            windows_from[p + 1].append(len(win_use))
+            win_use.append(b)
+            win_p.append(p)
+            win_size.append(size)
+            win_lead.append(lead)
+            window_diff[p + 1] += size
+            window_diff[b] -= size
 
     def delay_window(w: int, t: int) -> None:
         """Issue window ``w``'s prefetch later, so it no longer covers task ``t``: when
         ``t`` ends, or at the latest issue that still hides its own transfer if that is
         later (one jump, not one task at a time)."""
         use = win_use[w]
-        latest = issue_at(use, win_lead[w])
+        latest = bisect_right(start, start[use] - win_lead[w]) - 2  # issue_task, inlined
         p = min(use - 1, max(t, latest))
         win_p[w] = p
         window_diff[p + 1] += win_size[w]

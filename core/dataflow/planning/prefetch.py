@@ -107,8 +107,10 @@ def place_prefetches(
         issue = min(use - 1, max(earliest, issue))
         size = sizes[k]
         room = capacity_bytes - size
-        if issue + 1 < use and held.max(issue + 1, use) > room:
-            issue = held.last_over(issue + 1, use, room)
+        if issue + 1 < use:
+            over = held.last_over(issue + 1, use, room)  # the last task it would push over
+            if over >= 0:
+                issue = over
         held.add(issue + 1, use, size)
         placed.append(Prefetch(obj, use, gap, size, earliest, issue, planned[k]))
     return PrefetchPlan(prefetches=tuple(placed), held_bytes=tuple(held.to_list()))
