@@ -8,7 +8,7 @@ the start and at the end), so doing it element by element is quadratic.
 from __future__ import annotations
 
 #: Elements per block.
-BLOCK = 64
+BLOCK = 16
 
 
 class BlockMax:
