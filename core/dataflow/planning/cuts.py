@@ -70,12 +70,13 @@ def issue_task(chain: Chain, use: int, lead_us: float) -> int:
 @attrs.frozen
 class SweepSetup:
     """What every sweep of one chain starts from, whatever the capacity: the gaps entering
-    and leaving each task, each task's uses and final write-backs, and the head prefetch
-    windows (every sweep of a search shares it: ``_sweep_setup``)."""
+    and leaving each task, the objects each task leaves dirty, the final write-backs, and
+    the head prefetch windows (every sweep of a search shares it: ``_sweep_setup``)."""
 
     entering: tuple[tuple[int, ...], ...]
     leaving: tuple[tuple[int, ...], ...]
-    uses_at: tuple[tuple[tuple[int, bool], ...], ...]
+    #: per task: the objects its use leaves dirty
+    dirtied_at: tuple[tuple[int, ...], ...]
     tails_at: tuple[tuple[int, ...], ...]
     head_use: tuple[int, ...]
     head_p: tuple[int, ...]
@@ -102,10 +103,11 @@ def _sweep_setup(chain: Chain, gaps: Gaps) -> SweepSetup:
         if g_b[g] - g_a[g] >= 2:
             entering[g_a[g] + 1].append(g)
             leaving[g_b[g]].append(g)
-    uses_at: list[list[tuple[int, bool]]] = [[] for _ in range(n + 1)]
+    dirtied_at: list[list[int]] = [[] for _ in range(n + 1)]
     for life in chain.objects:
         for use, dirties in zip(life.uses, life.dirties, strict=True):
-            uses_at[use].append((life.index, dirties))
+            if dirties:
+                dirtied_at[use].append(life.index)
     tails_at: list[list[int]] = [[] for _ in range(n + 2)]
     for life in chain.objects:
         if life.uses and life.final is Location.SLOW:
@@ -130,7 +132,7 @@ def _sweep_setup(chain: Chain, gaps: Gaps) -> SweepSetup:
     setup = SweepSetup(
         entering=tuple(map(tuple, entering)),
         leaving=tuple(map(tuple, leaving)),
-        uses_at=tuple(map(tuple, uses_at)),
+        dirtied_at=tuple(map(tuple, dirtied_at)),
         tails_at=tuple(map(tuple, tails_at)),
         head_use=tuple(head_use),
         head_p=tuple(head_p),
@@ -172,10 +174,10 @@ def select_cuts(
     cut = [False] * len(g_obj)
 
     setup = _sweep_setup(chain, gaps)
-    entering, leaving, uses_at, tails_at = (
+    entering, leaving, dirtied_at, tails_at = (
         setup.entering,
         setup.leaving,
-        setup.uses_at,
+        setup.dirtied_at,
         setup.tails_at,
     )
 
@@ -260,9 +262,8 @@ def select_cuts(
     kept = windows = soft = 0
     failed, over = None, 0
     for t in range(n + 1):
-        for o, dirties in uses_at[t]:
-            if dirties:
-                dirty[o] = True
+        for o in dirtied_at[t]:
+            dirty[o] = True
         for o in tails_at[t]:
             if dirty[o]:
                 size = objects[o].size_bytes
