@@ -404,7 +404,8 @@ def _smaller(chain: Chain, capacity_bytes: int) -> int:
 @attrs.frozen
 class PressureFitPlan:
     """PressureFit's plan and the chain's bounds its search worked out (``ChainBounds``;
-    None for a cyclic plan, whose bounds are those of the loop), so ``plan`` neither lowers the chain again nor bounds it from scratch."""
+    None for a cyclic plan, whose bounds are those of the loop), so ``plan`` neither
+    lowers the chain again nor bounds it from scratch."""
 
     program: Program
     bounds: ChainBounds | None = attrs.field(eq=False, repr=False)
