@@ -156,6 +156,7 @@ class ChainBounds:
         self.chain = chain
         self._found: dict[tuple[int | None, bool], LowerBound] = {}
         self._last_plain: tuple[int | None, tuple] | None = None
+        self._spanning: list[list[tuple[int, int]]] | None = None  # for ``_cover_bytes``
         n = chain.n_tasks
         self.first_load_us = [0.0] * (n + 1)  # by the index of the first use
         self.write_back_us = [0.0] * (n + 1)  # by the index of the last change
@@ -195,7 +196,9 @@ class ChainBounds:
             excess[first:end] = [value + extra for value in excess[first:end]]
         if max(excess) <= 0:
             return [0] * self.chain.n_tasks
-        return _cover_bytes(self.gaps, excess)
+        if self._spanning is None:
+            self._spanning = _spanning_from(self.gaps, len(excess))
+        return _cover_bytes(self.gaps, excess, self._spanning)
 
     def _timeline(
         self, first_load_us: list[float], gaps: list[float], ready: tuple[int, float] = (-1, 0.0)
@@ -352,7 +355,9 @@ class ChainBounds:
         return found
 
 
-def _cover_bytes(gaps: Gaps, excess: list[int]) -> list[int]:
+def _cover_bytes(
+    gaps: Gaps, excess: list[int], entering: list[list[tuple[int, int]]] | None = None
+) -> list[int]:
     """By the index of the next use, bytes of cut gaps that bring every task ``t`` within
     the budget (the cut gaps spanning it add up to ``excess[t]``), the fewest in all and
     the fewest due back before any task: a gap cut by ``y`` bytes counts at every task it
@@ -362,34 +367,44 @@ def _cover_bytes(gaps: Gaps, excess: list[int]) -> list[int]:
     the spanning gaps whose next use is farthest: an interval covering, for which that
     greedy choice is optimal (a cut at the first task still short can be moved to the
     spanning gap that reaches farthest without uncovering anything, and its bytes then
-    come back no earlier)."""
+    come back no earlier). ``entering`` is ``_spanning_from(gaps, len(excess))`` when the
+    caller has it (it does not depend on the excess)."""
     n = len(excess)
-    entering: list[list[int]] = [[] for _ in range(n + 1)]
-    for g in range(len(gaps.obj)):
-        if gaps.b[g] - gaps.a[g] >= 2:
-            entering[gaps.a[g] + 1].append(g)
+    if entering is None:
+        entering = _spanning_from(gaps, n)
+    next_use = gaps.b
     left = list(gaps.size_bytes)
     spanning: list[tuple[int, int]] = []  # (-next use, gap)
     ending = [0] * (n + 1)
     covered = 0
     for t in range(n):
         covered -= ending[t]
-        for g in entering[t]:
-            heapq.heappush(spanning, (-gaps.b[g], g))
+        for entry in entering[t]:
+            heapq.heappush(spanning, entry)
         need = excess[t] - covered
         while need > 0 and spanning:
             _, g = spanning[0]
-            if gaps.b[g] <= t:
+            if next_use[g] <= t:
                 heapq.heappop(spanning)
                 continue
             take = min(left[g], need)
             left[g] -= take
             need -= take
             covered += take
-            ending[gaps.b[g]] += take
+            ending[next_use[g]] += take
             if left[g] == 0:
                 heapq.heappop(spanning)
     return ending[:n]
+
+
+def _spanning_from(gaps: Gaps, n: int) -> list[list[tuple[int, int]]]:
+    """Per task ``t < n``: (-next use, gap) of each gap that spans a task from ``t`` on
+    (``_cover_bytes``'s heap entries)."""
+    entering: list[list[tuple[int, int]]] = [[] for _ in range(n + 1)]
+    for g, (a, b) in enumerate(zip(gaps.a, gaps.b, strict=True)):
+        if b - a >= 2:
+            entering[a + 1].append((-b, g))
+    return entering
 
 
 #: The room bound looks at this many of the largest objects that start slow.
