@@ -3,13 +3,24 @@ plan that fails."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from dataflow import hookimpl
-from dataflow.planning import PRESSUREFIT, Plan, PlanningError, minimal_budget, plan
+from dataflow.planning import (
+    PRESSUREFIT,
+    Plan,
+    PlanningError,
+    lower_bound,
+    minimal_budget,
+    plan,
+)
+from dataflow.planning.intervals import build_chain, no_offload_peak_bytes
 from dataflow.registry import PlannerSpec, UnknownNameError
-from dataflow.schema import Program
-from dataflow.testing.shapes import MiB, tiny_streaming
+from dataflow.schema import Program, validate
+from dataflow.sim import simulate
+from dataflow.testing.shapes import SHAPES, MiB, tiny_streaming
 
 
 class _Planners:
@@ -88,3 +99,45 @@ def test_an_unknown_planner_name_in_the_registry_lists_the_known_ones() -> None:
 
     with pytest.raises(UnknownNameError, match="pressurefit"):
         planners().get("no-such-planner")
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_plan_matches_a_plan_validated_and_bounded_from_scratch(shape: str) -> None:
+    """PressureFit's ``plan`` validates the bare chain once and reuses its search's chain
+    and bounds: what it returns passes the full structural check, and its simulation and
+    lower bound equal those made from scratch from the planned program."""
+    program = SHAPES[shape](random.Random(3))
+    chain = build_chain(program)
+    floor, peak = max(chain.base_bytes), no_offload_peak_bytes(chain)
+    for budget in (peak, floor + (peak - floor) // 2):
+        planned = plan(program, budget)
+        assert validate(planned.program) == [], (shape, budget)
+        assert planned.sim == simulate(planned.program, budget_bytes=budget)
+        assert planned.lower_bound == lower_bound(planned.program, budget)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_plan_pauses_the_garbage_collector_and_restores_it(
+    enabled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+
+    import dataflow.planning.api as api
+
+    seen: list[bool] = []
+    original = api._run_planner
+
+    def spying(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(api, "_run_planner", spying)
+    (gc.enable if enabled else gc.disable)()
+    try:
+        plan(tiny_streaming(), 20 * MiB)
+        assert seen == [False] and gc.isenabled() is enabled
+        with pytest.raises(PlanningError):
+            plan(tiny_streaming(), 1)  # restored when planning fails too
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()

@@ -8,15 +8,17 @@ returns a plan that fails (a cyclic plan is also re-run over two iterations).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
 
 from dataflow.planning.cycle import CycleCheck, check_cycle
 from dataflow.planning.intervals import PlanningError
-from dataflow.planning.lower_bound import LowerBound, lower_bound
+from dataflow.planning.lower_bound import ChainBounds, LowerBound, lower_bound
 from dataflow.registry import PlannerSpec
 from dataflow.schema import Program
 from dataflow.sim import SimResult, simulate
@@ -31,6 +33,24 @@ def _plan_pressurefit(program: Program, budget_bytes: int, **options: Any) -> Pr
     from dataflow.planning.pressurefit import plan_pressurefit
 
     return plan_pressurefit(program, budget_bytes, **options)
+
+
+def _run_planner(
+    spec: PlannerSpec, program: Program, budget_bytes: int, options: dict[str, Any]
+) -> tuple[Program, ChainBounds | None, bool]:
+    """The planned program, the chain's bounds when the planner worked them out, and
+    whether the planned program still needs ``validate`` before it is simulated.
+
+    PressureFit validated the bare chain before planning it, and the directives it writes
+    are well formed by construction (a test validates its plans of every shape), so its
+    plan of one run is not validated twice; its search's bounds are reused. Any other
+    planner's plan, and a cyclic plan (its objects homed anew), is validated in full."""
+    if spec.plan is not _plan_pressurefit:
+        return spec.plan(program, budget_bytes, **options), None, True
+    from dataflow.planning.pressurefit import pressurefit
+
+    found = pressurefit(program, budget_bytes, **options)
+    return found.program, found.bounds, bool(options.get("cyclic"))
 
 
 def _minimal_pressurefit(program: Program, **options: Any) -> int:
@@ -126,7 +146,40 @@ def plan(
     Raises ``InfeasibleBudget`` (with the smallest budget that works and the task that
     forces it) when no plan fits, and ``PlanningError`` when the chain cannot be planned at
     all or the planner returns a plan the simulator rejects.
+
+    Python's cyclic garbage collector is paused while it plans (``collector_paused``).
     """
+    with collector_paused():
+        return _plan(program, budget_bytes, planner, slow_budget_bytes, cyclic)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector, and restore it as it was.
+
+    Planning allocates hundreds of thousands of small lists and tuples (per task, per
+    gap, per candidate) that die by reference counting; each allocation burst also counts
+    towards the collector's thresholds, whose full passes then walk every container the
+    process holds: the chain itself (a Task and its tuples per task) and whatever the
+    caller holds (a model, a dataset), so that 15-20 % of a 10,000-task plan went to them
+    on an otherwise empty interpreter. The little cyclic garbage planning leaves (nested
+    functions of a search) is collected once the collector runs again."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan(
+    program: Program,
+    budget_bytes: int,
+    planner: Planner,
+    slow_budget_bytes: int | None,
+    cyclic: bool,
+) -> Plan:
     spec = as_planner_spec(planner)
     options: dict[str, Any] = {}
     if slow_budget_bytes is not None:
@@ -134,9 +187,11 @@ def plan(
     if cyclic:
         options["cyclic"] = True
     started = time.perf_counter()
-    planned = spec.plan(program, budget_bytes, **options)
+    planned, bounds, check = _run_planner(spec, program, budget_bytes, options)
     planning_s = time.perf_counter() - started
-    sim = simulate(planned, budget_bytes=budget_bytes, slow_budget_bytes=slow_budget_bytes)
+    sim = simulate(
+        planned, budget_bytes=budget_bytes, slow_budget_bytes=slow_budget_bytes, check=check
+    )
     if not sim.valid:
         raise PlanningError(
             f"planner {spec.name!r} returned a plan of {program.name!r} that fails in the "
@@ -150,10 +205,14 @@ def plan(
                 f"planner {spec.name!r} returned a cyclic plan of {program.name!r} that does "
                 f"not repeat at a budget of {budget_bytes} bytes: {cycle.problem}"
             )
+    if bounds is None:
+        bound = lower_bound(planned, budget_bytes, cyclic=cyclic)  # directives ignored
+    else:
+        bound = bounds.at(budget_bytes)
     return Plan(
         program=planned,
         sim=sim,
-        lower_bound=lower_bound(planned, budget_bytes, cyclic=cyclic),  # directives ignored
+        lower_bound=bound,
         budget_bytes=budget_bytes,
         slow_budget_bytes=slow_budget_bytes,
         planner=spec.name,

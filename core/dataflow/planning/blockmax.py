@@ -8,7 +8,7 @@ the start and at the end), so doing it element by element is quadratic.
 from __future__ import annotations
 
 #: Elements per block.
-BLOCK = 64
+BLOCK = 16
 
 
 class BlockMax:
@@ -25,7 +25,12 @@ class BlockMax:
         while len(self.top) < len(self.lazy):
             self.top.append(-(2**62))
 
-    def _refresh(self, block: int) -> None:
+    def _refresh(self, block: int, lo: int, hi: int, amount: int) -> None:
+        """Block ``block``'s max after ``amount`` was added to ``values[lo:hi]`` (within
+        it): raising part of a block raises its max to at most that part's new max."""
+        if amount >= 0:
+            self.top[block] = max(self.top[block], max(self.values[lo:hi]) + self.lazy[block])
+            return
         low = block * BLOCK
         self.top[block] = max(self.values[low : low + BLOCK], default=-(2**62)) + self.lazy[block]
 
@@ -36,18 +41,18 @@ class BlockMax:
         first, last = lo // BLOCK, (hi - 1) // BLOCK
         if first == last:
             values[lo:hi] = [value + amount for value in values[lo:hi]]
-            self._refresh(first)
+            self._refresh(first, lo, hi, amount)
             return
         edge = (first + 1) * BLOCK
         values[lo:edge] = [value + amount for value in values[lo:edge]]
-        self._refresh(first)
-        lazy, top = self.lazy, self.top
-        for block in range(first + 1, last):
-            lazy[block] += amount
-            top[block] += amount
+        self._refresh(first, lo, edge, amount)
+        if last > first + 1:
+            lazy, top = self.lazy, self.top
+            lazy[first + 1 : last] = [value + amount for value in lazy[first + 1 : last]]
+            top[first + 1 : last] = [value + amount for value in top[first + 1 : last]]
         edge = last * BLOCK
         values[edge:hi] = [value + amount for value in values[edge:hi]]
-        self._refresh(last)
+        self._refresh(last, edge, hi, amount)
 
     def get(self, t: int) -> int:
         return self.values[t] + self.lazy[t // BLOCK]
@@ -65,17 +70,29 @@ class BlockMax:
 
     def last_over(self, lo: int, hi: int, limit: int) -> int:
         """The largest ``t`` in ``[lo, hi)`` with ``values[t] > limit``; -1 when none."""
+        values, lazy, top = self.values, self.lazy, self.top
         t = hi - 1
         while t >= lo:
             block = t // BLOCK
             low = max(lo, block * BLOCK)
-            if self.top[block] > limit or low > block * BLOCK:
-                extra = self.lazy[block]
-                for u in range(t, low - 1, -1):
-                    if self.values[u] + extra > limit:
-                        return u
+            if top[block] > limit:
+                above = limit - lazy[block]
+                if max(values[low : t + 1]) > above:
+                    return _last_above(values, low, t + 1, above)
             t = low - 1
         return -1
 
     def to_list(self) -> list[int]:
         return [value + self.lazy[t // BLOCK] for t, value in enumerate(self.values)]
+
+
+def _last_above(values: list[int], lo: int, hi: int, limit: int) -> int:
+    """The largest ``t`` in ``[lo, hi)`` with ``values[t] > limit``, which exists: halve
+    the range by the max of its upper half (slices, not one element at a time)."""
+    while hi - lo > 8:
+        middle = (lo + hi) // 2
+        if max(values[middle:hi]) > limit:
+            lo = middle
+        else:
+            hi = middle
+    return next(t for t in range(hi - 1, lo - 1, -1) if values[t] > limit)

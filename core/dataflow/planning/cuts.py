@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_right
 from collections.abc import Callable
+from operator import neg
 
 import attrs
 
@@ -68,16 +70,18 @@ def issue_task(chain: Chain, use: int, lead_us: float) -> int:
 @attrs.frozen
 class SweepSetup:
     """What every sweep of one chain starts from, whatever the capacity: the gaps entering
-    and leaving each task, each task's uses and final write-backs, and the head prefetch
-    windows (every sweep of a search shares it: ``_sweep_setup``)."""
+    and leaving each task, the objects each task leaves dirty, the final write-backs, and
+    the head prefetch windows (every sweep of a search shares it: ``_sweep_setup``)."""
 
     entering: tuple[tuple[int, ...], ...]
     leaving: tuple[tuple[int, ...], ...]
-    uses_at: tuple[tuple[tuple[int, bool], ...], ...]
+    #: per task: the objects its use leaves dirty
+    dirtied_at: tuple[tuple[int, ...], ...]
     tails_at: tuple[tuple[int, ...], ...]
     head_use: tuple[int, ...]
     head_p: tuple[int, ...]
     head_size: tuple[int, ...]
+    head_lead: tuple[float, ...]
     head_diff: tuple[int, ...]
     head_from: tuple[tuple[int, ...], ...]
 
@@ -99,21 +103,22 @@ def _sweep_setup(chain: Chain, gaps: Gaps) -> SweepSetup:
         if g_b[g] - g_a[g] >= 2:
             entering[g_a[g] + 1].append(g)
             leaving[g_b[g]].append(g)
-    uses_at: list[list[tuple[int, bool]]] = [[] for _ in range(n + 1)]
+    dirtied_at: list[list[int]] = [[] for _ in range(n + 1)]
     for life in chain.objects:
         for use, dirties in zip(life.uses, life.dirties, strict=True):
-            uses_at[use].append((life.index, dirties))
+            if dirties:
+                dirtied_at[use].append(life.index)
     tails_at: list[list[int]] = [[] for _ in range(n + 2)]
     for life in chain.objects:
         if life.uses and life.final is Location.SLOW:
             tails_at[life.uses[-1] + 1].append(life.index)
-    head_use, head_p, head_size = [], [], []
+    head_use, head_p, head_size, head_lead = [], [], [], []
     head_diff = [0] * (n + 2)
     head_from: list[list[int]] = [[] for _ in range(n + 2)]
     for life in chain.objects:
         if life.origin is Origin.SLOW and life.uses:
             use = life.uses[0]
-            lead = chain.h2d_us(life.size_bytes)
+            lead = chain.load_us[life.index]
             p = max(-1, min(use - 1, issue_task(chain, use, lead)))
             if p + 1 > use - 1:
                 continue
@@ -121,16 +126,18 @@ def _sweep_setup(chain: Chain, gaps: Gaps) -> SweepSetup:
             head_use.append(use)
             head_p.append(p)
             head_size.append(life.size_bytes)
+            head_lead.append(lead)
             head_diff[p + 1] += life.size_bytes
             head_diff[use] -= life.size_bytes
     setup = SweepSetup(
         entering=tuple(map(tuple, entering)),
         leaving=tuple(map(tuple, leaving)),
-        uses_at=tuple(map(tuple, uses_at)),
+        dirtied_at=tuple(map(tuple, dirtied_at)),
         tails_at=tuple(map(tuple, tails_at)),
         head_use=tuple(head_use),
         head_p=tuple(head_p),
         head_size=tuple(head_size),
+        head_lead=tuple(head_lead),
         head_diff=tuple(head_diff),
         head_from=tuple(map(tuple, head_from)),
     )
@@ -167,10 +174,10 @@ def select_cuts(
     cut = [False] * len(g_obj)
 
     setup = _sweep_setup(chain, gaps)
-    entering, leaving, uses_at, tails_at = (
+    entering, leaving, dirtied_at, tails_at = (
         setup.entering,
         setup.leaving,
-        setup.uses_at,
+        setup.dirtied_at,
         setup.tails_at,
     )
 
@@ -178,36 +185,31 @@ def select_cuts(
     win_use: list[int] = list(setup.head_use)
     win_p: list[int] = list(setup.head_p)
     win_size: list[int] = list(setup.head_size)
+    win_lead: list[float] = list(setup.head_lead)  # its transfer time over h2d
     window_diff = list(setup.head_diff)
     windows_from: list[list[int]] = [list(ws) for ws in setup.head_from]
-
-    def add_window(use: int, p: int, size: int) -> None:
-        if p + 1 > use - 1:
-            return
-        w = len(win_use)
-        win_use.append(use)
-        win_p.append(p)
-        win_size.append(size)
-        window_diff[p + 1] += size
-        window_diff[use] -= size
-        windows_from[p + 1].append(w)
+    load_us, write_us = chain.load_us, chain.write_us
 
     soft_diff = [0] * (n + 2)
 
     def offload_end_task(end_us: float, a: int) -> int:
         """The last task that starts while a write-back issued at the end of ``a`` runs."""
-        return max(a + 1, chain.task_at_or_before(end_us - 1e-9))
+        return max(a + 1, bisect_right(start, end_us - 1e-9) - 1)
 
     # With ``queue``, the d2h link as one FIFO in the ideal timeline, served in the order
     # write-backs are decided: a write-back frees its bytes once those before it are done.
     d2h_free_us = 0.0
 
-    def write_back_end_us(a: int, size: int) -> float:
+    def write_back_end_us(a: int, o: int) -> float:
+        """When object ``o``'s write-back, issued when task ``a`` ends, is done."""
         begin = max(start[a + 1], d2h_free_us) if queue else start[a + 1]
-        return begin + chain.d2h_us(size)
+        return begin + write_us[o]
 
     def gap_offload_end(g: int) -> int:
-        return offload_end_task(write_back_end_us(g_a[g], g_size[g]), g_a[g])
+        """``offload_end_task`` of gap ``g``'s write-back (inlined: a hot path)."""
+        a = g_a[g]
+        begin = max(start[a + 1], d2h_free_us) if queue else start[a + 1]
+        return max(a + 1, bisect_right(start, begin + write_us[g_obj[g]] - 1e-9) - 1)
 
     slow_free, has_slow = slow_room(chain, slow_capacity_bytes)
 
@@ -217,20 +219,30 @@ def select_cuts(
         o, a, b, size = g_obj[g], g_a[g], g_b[g], g_size[g]
         cut[g] = True
         if dirty[o]:
-            d2h_free_us = write_back_end_us(a, size)
+            d2h_free_us = write_back_end_us(a, o)
             if not has_slow[o]:
                 slow_free -= size
                 has_slow[o] = True
         dirty[o] = False  # offloaded if it was dirty; the copy that comes back is clean
-        lead = chain.h2d_us(size)
-        add_window(b, min(b - 1, max(t, a + 1, issue_task(chain, b, lead))), size)
+        # its prefetch window: issued at the latest task that hides its transfer
+        # (``issue_task``, inlined), not before ``t``; it covers p+1 .. b-1
+        lead = load_us[o]
+        p = min(b - 1, max(t, a + 1, bisect_right(start, start[b] - lead) - 2))
+        if p + 1 <= b - 1:
+            windows_from[p + 1].append(len(win_use))
+            win_use.append(b)
+            win_p.append(p)
+            win_size.append(size)
+            win_lead.append(lead)
+            window_diff[p + 1] += size
+            window_diff[b] -= size
 
     def delay_window(w: int, t: int) -> None:
         """Issue window ``w``'s prefetch later, so it no longer covers task ``t``: when
         ``t`` ends, or at the latest issue that still hides its own transfer if that is
         later (one jump, not one task at a time)."""
         use = win_use[w]
-        latest = issue_task(chain, use, chain.h2d_us(win_size[w]))
+        latest = bisect_right(start, start[use] - win_lead[w]) - 2  # issue_task, inlined
         p = min(use - 1, max(t, latest))
         win_p[w] = p
         window_diff[p + 1] += win_size[w]
@@ -250,13 +262,12 @@ def select_cuts(
     kept = windows = soft = 0
     failed, over = None, 0
     for t in range(n + 1):
-        for o, dirties in uses_at[t]:
-            if dirties:
-                dirty[o] = True
+        for o in dirtied_at[t]:
+            dirty[o] = True
         for o in tails_at[t]:
             if dirty[o]:
                 size = objects[o].size_bytes
-                d2h_free_us = write_back_end_us(t - 1, size)
+                d2h_free_us = write_back_end_us(t - 1, o)
                 end = offload_end_task(d2h_free_us, t - 1)
                 soft += size
                 soft_diff[end + 1] -= size
@@ -266,9 +277,9 @@ def select_cuts(
         for g in entering[t]:
             kept += g_size[g]
             o, size, b = g_obj[g], g_size[g], g_b[g]
-            link = chain.h2d_us(size) + (chain.d2h_us(size) if dirty[o] else 0.0)
+            link = load_us[o] + (write_us[o] if dirty[o] else 0.0)
             key = key_of(size, start[b], start[b] - start[t], dirty[o], link)
-            heapq.heappush(reserve if o in pinned else candidates, (tuple(-k for k in key), g))
+            heapq.heappush(reserve if o in pinned else candidates, (tuple(map(neg, key)), g))
         windows += window_diff[t]
         soft += soft_diff[t]
         for w in windows_from[t]:

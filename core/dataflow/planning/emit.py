@@ -52,34 +52,37 @@ def directives(chain: Chain, gaps: Gaps, cut: tuple[bool, ...], plan: PrefetchPl
         )
     dirty_cuts: dict[int, bool] = {}
     tails: dict[int, int] = {}
+    next_use = gaps.b
     for life in chain.objects:
+        uses, dirties = life.uses, life.dirties
+        if not uses:
+            continue
         o = life.index
         dirty = False
         first_gap = gaps.first_gap[o]
-        last = len(life.uses) - 1
-        for k, (use, dirties) in enumerate(zip(life.uses, life.dirties, strict=True)):
-            dirty = dirty or dirties
-            if k < last:
-                g = first_gap + k
-                if cut[g]:
-                    dirty_cuts[g] = dirty
-                    if dirty:
-                        offloads[use].append((gaps.b[g], o))
-                    else:
-                        releases[use].append(o)
-                    dirty = False
-                continue
-            if life.final is Location.FAST:
-                continue
-            if life.final is Location.SLOW and dirty:
-                offloads[use].append((n + 1, o))
-                tails[o] = use
-            else:
-                releases[use].append(o)
+        last = len(uses) - 1
+        for k in range(last):  # the gap after each use but the last
+            dirty = dirty or dirties[k]
+            g = first_gap + k
+            if cut[g]:
+                dirty_cuts[g] = dirty
+                if dirty:
+                    offloads[uses[k]].append((next_use[g], o))
+                else:
+                    releases[uses[k]].append(o)
+                dirty = False
+        dirty = dirty or dirties[last]
+        if life.final is Location.FAST:
+            continue
+        if life.final is Location.SLOW and dirty:
+            offloads[uses[last]].append((n + 1, o))
+            tails[o] = uses[last]
+        else:
+            releases[uses[last]].append(o)
     return Directives(
-        releases=tuple(tuple(sorted(r)) for r in releases),
-        offloads=tuple(tuple(o for _, o in sorted(off)) for off in offloads),
-        prefetches=tuple(tuple(o for _, o in sorted(pre)) for pre in prefetches),
+        releases=tuple(tuple(sorted(r)) if r else () for r in releases),
+        offloads=tuple(tuple(o for _, o in sorted(off)) if off else () for off in offloads),
+        prefetches=tuple(tuple(o for _, o in sorted(pre)) if pre else () for pre in prefetches),
         dirty_cuts=dirty_cuts,
         tails=tails,
     )

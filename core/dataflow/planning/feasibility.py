@@ -12,13 +12,8 @@ from __future__ import annotations
 
 import attrs
 
-from dataflow.planning.intervals import (
-    Chain,
-    Origin,
-    PlanningError,
-    build_chain,
-    no_offload_peak_bytes,
-)
+from dataflow.planning.intervals import Chain, Origin, PlanningError, build_chain
+from dataflow.planning.lower_bound import ChainBounds
 from dataflow.schema import Location, Program, validate
 from dataflow.units import format_size
 
@@ -86,7 +81,14 @@ def floor_bytes(chain: Chain) -> tuple[int, int]:
     return chain.base_bytes[best], best
 
 
-def is_feasible(chain: Chain, budget_bytes: int, slow_budget_bytes: int | None) -> bool:
+def is_feasible(
+    chain: Chain,
+    budget_bytes: int,
+    slow_budget_bytes: int | None,
+    bounds: ChainBounds | None = None,
+) -> bool:
+    """Whether the search finds a plan of ``chain`` at ``budget_bytes`` (``bounds``: the
+    chain's, when the caller tries several budgets)."""
     from dataflow.planning.pressurefit import search
 
     if budget_bytes < floor_bytes(chain)[0]:
@@ -97,6 +99,7 @@ def is_feasible(chain: Chain, budget_bytes: int, slow_budget_bytes: int | None) 
         slow_budget_bytes=slow_budget_bytes,
         first_valid=True,
         chain=chain,
+        bounds=bounds,
     )
     return found.best is not None
 
@@ -111,11 +114,16 @@ def minimal_budget_bytes(chain: Chain, slow_budget_bytes: int | None = None) -> 
 def plannable_budget_bytes(chain: Chain, slow_budget_bytes: int | None = None) -> int:
     """The smallest budget the planner finds a valid plan for (bisection)."""
     low, _ = floor_bytes(chain)
-    if is_feasible(chain, low, slow_budget_bytes):
+    bounds = ChainBounds(chain)  # one for every budget tried
+
+    def works(budget: int) -> bool:
+        return is_feasible(chain, budget, slow_budget_bytes, bounds)
+
+    if works(low):
         return low
-    high = max(no_offload_peak_bytes(chain), low + 1)
+    high = max(bounds.peak_held, low + 1)
     for _ in range(8):
-        if is_feasible(chain, high, slow_budget_bytes):
+        if works(high):
             break
         low, high = high, 2 * high
     else:
@@ -123,7 +131,7 @@ def plannable_budget_bytes(chain: Chain, slow_budget_bytes: int | None = None) -
             f"program {chain.program.name!r}: no fast budget up to {format_size(high)} "
             f"({high} bytes) gives a valid plan"
         )
-    return _bisect(lambda budget: is_feasible(chain, budget, slow_budget_bytes), low, high, 1)
+    return _bisect(works, low, high, 1)
 
 
 def _bisect(works, failed: int, works_at: int, tolerance: int, steps: int = 64) -> int:

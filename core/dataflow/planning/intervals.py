@@ -70,6 +70,9 @@ class Chain:
     objects: tuple[ObjectLife, ...]
     h2d: Link
     d2h: Link
+    #: per object: its transfer time over ``h2d`` and over ``d2h`` (the sweeps read these)
+    load_us: tuple[float, ...] = ()
+    write_us: tuple[float, ...] = ()
 
     @property
     def n_tasks(self) -> int:
@@ -181,6 +184,8 @@ def build_chain(program: Program) -> Chain:
         objects=tuple(lives),
         h2d=program.links.h2d,
         d2h=program.links.d2h,
+        load_us=tuple(map(program.links.h2d.transfer_us, sizes)),
+        write_us=tuple(map(program.links.d2h.transfer_us, sizes)),
     )
 
 

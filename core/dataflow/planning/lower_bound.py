@@ -147,10 +147,16 @@ class ChainBounds:
     """``chain``'s lower bounds at any budget: what does not depend on the budget (first
     loads, last changes, the gaps, what each task boundary reads and leaves behind) is
     worked out once, so bounding several budgets of one chain (the monotone ladder) costs
-    little more than the timeline walk per budget."""
+    little more than the timeline walk per budget. ``at`` keeps what it found per budget:
+    the search asks for its budget's bound, ``plan`` for the same one again.
 
-    def __init__(self, chain: Chain):
+    ``gaps`` are ``build_gaps(chain)`` when the caller has them already."""
+
+    def __init__(self, chain: Chain, gaps: Gaps | None = None):
         self.chain = chain
+        self._found: dict[tuple[int | None, bool], LowerBound] = {}
+        self._last_plain: tuple[int | None, tuple] | None = None
+        self._spanning: list[list[tuple[int, int]]] | None = None  # for ``_cover_bytes``
         n = chain.n_tasks
         self.first_load_us = [0.0] * (n + 1)  # by the index of the first use
         self.write_back_us = [0.0] * (n + 1)  # by the index of the last change
@@ -164,7 +170,7 @@ class ChainBounds:
                 if changed:
                     self.write_back_us[changed[-1]] += chain.d2h_us(life.size_bytes)
         self.first_loads_us = sum(self.first_load_us)
-        self.gaps = build_gaps(chain)
+        self.gaps = gaps if gaps is not None else build_gaps(chain)
         self.held = [
             base + kept
             for base, kept in zip(chain.base_bytes, kept_profile(chain, self.gaps), strict=True)
@@ -190,7 +196,9 @@ class ChainBounds:
             excess[first:end] = [value + extra for value in excess[first:end]]
         if max(excess) <= 0:
             return [0] * self.chain.n_tasks
-        return _cover_bytes(self.gaps, excess)
+        if self._spanning is None:
+            self._spanning = _spanning_from(self.gaps, len(excess))
+        return _cover_bytes(self.gaps, excess, self._spanning)
 
     def _timeline(
         self, first_load_us: list[float], gaps: list[float], ready: tuple[int, float] = (-1, 0.0)
@@ -287,11 +295,42 @@ class ChainBounds:
     def at(self, budget_bytes: int | None, *, rooms: bool = True) -> LowerBound:
         """The bounds at ``budget_bytes``; ``rooms=False`` leaves the room bound out of the
         link bound (cheaper, and still a bound: the search's stopping tests use it)."""
+        key = (budget_bytes, rooms)
+        if key not in self._found:
+            self._found[key] = self._at(budget_bytes, rooms)
+        return self._found[key]
+
+    def _at(self, budget_bytes: int | None, rooms: bool) -> LowerBound:
         chain = self.chain
         n = chain.n_tasks
         compute_us = chain.start_us[n]
         if n == 0:
             return LowerBound(0.0, 0.0, 0.0)
+        first_load_us, gaps, reload_us, link_us, earliest_end = self._plain(budget_bytes)
+        if budget_bytes is not None and rooms:
+            plain = (first_load_us, link_us, earliest_end)
+            for size, use, last in self._rooms(budget_bytes):
+                link_us = max(link_us, self._room_us(budget_bytes, size, use, last, gaps, plain))
+        volume_us = handoff_us = 0.0
+        if budget_bytes is not None:
+            handoff_us = compute_us + sum(gaps)
+            if reload_us or self.first_loads_us:
+                volume_us = self.first_loads_us + reload_us
+        return LowerBound(
+            compute_us=compute_us, link_us=link_us, volume_us=volume_us, handoff_us=handoff_us
+        )
+
+    def _plain(
+        self, budget_bytes: int | None
+    ) -> tuple[list[float], list[float], float, float, list[float]]:
+        """What the bounds at ``budget_bytes`` share with and without the room bound: the
+        loads by the index of the use (first loads and reloads), the handoff gaps, the
+        reloads' time, and the link bound's timeline (its bound and earliest ends). Kept
+        for the last budget asked (``at`` asks for both at one budget)."""
+        if self._last_plain is not None and self._last_plain[0] == budget_bytes:
+            return self._last_plain[1]
+        chain = self.chain
+        n = chain.n_tasks
         first_load_us = list(self.first_load_us)  # reloads added below
         # gaps[t]: idle time forced between task t and the next (0 without a budget)
         gaps = [0.0] * n
@@ -311,21 +350,14 @@ class ChainBounds:
                     chain.h2d.latency_us + sum(reloads) / bandwidth,
                 )
         link_us, earliest_end = self._timeline(first_load_us, gaps)
-        if budget_bytes is not None and rooms:
-            plain = (first_load_us, link_us, earliest_end)
-            for size, use, last in self._rooms(budget_bytes):
-                link_us = max(link_us, self._room_us(budget_bytes, size, use, last, gaps, plain))
-        volume_us = handoff_us = 0.0
-        if budget_bytes is not None:
-            handoff_us = compute_us + sum(gaps)
-            if reload_us or self.first_loads_us:
-                volume_us = self.first_loads_us + reload_us
-        return LowerBound(
-            compute_us=compute_us, link_us=link_us, volume_us=volume_us, handoff_us=handoff_us
-        )
+        found = (first_load_us, gaps, reload_us, link_us, earliest_end)
+        self._last_plain = (budget_bytes, found)
+        return found
 
 
-def _cover_bytes(gaps: Gaps, excess: list[int]) -> list[int]:
+def _cover_bytes(
+    gaps: Gaps, excess: list[int], entering: list[list[tuple[int, int]]] | None = None
+) -> list[int]:
     """By the index of the next use, bytes of cut gaps that bring every task ``t`` within
     the budget (the cut gaps spanning it add up to ``excess[t]``), the fewest in all and
     the fewest due back before any task: a gap cut by ``y`` bytes counts at every task it
@@ -335,34 +367,44 @@ def _cover_bytes(gaps: Gaps, excess: list[int]) -> list[int]:
     the spanning gaps whose next use is farthest: an interval covering, for which that
     greedy choice is optimal (a cut at the first task still short can be moved to the
     spanning gap that reaches farthest without uncovering anything, and its bytes then
-    come back no earlier)."""
+    come back no earlier). ``entering`` is ``_spanning_from(gaps, len(excess))`` when the
+    caller has it (it does not depend on the excess)."""
     n = len(excess)
-    entering: list[list[int]] = [[] for _ in range(n + 1)]
-    for g in range(len(gaps.obj)):
-        if gaps.b[g] - gaps.a[g] >= 2:
-            entering[gaps.a[g] + 1].append(g)
+    if entering is None:
+        entering = _spanning_from(gaps, n)
+    next_use = gaps.b
     left = list(gaps.size_bytes)
     spanning: list[tuple[int, int]] = []  # (-next use, gap)
     ending = [0] * (n + 1)
     covered = 0
     for t in range(n):
         covered -= ending[t]
-        for g in entering[t]:
-            heapq.heappush(spanning, (-gaps.b[g], g))
+        for entry in entering[t]:
+            heapq.heappush(spanning, entry)
         need = excess[t] - covered
         while need > 0 and spanning:
             _, g = spanning[0]
-            if gaps.b[g] <= t:
+            if next_use[g] <= t:
                 heapq.heappop(spanning)
                 continue
             take = min(left[g], need)
             left[g] -= take
             need -= take
             covered += take
-            ending[gaps.b[g]] += take
+            ending[next_use[g]] += take
             if left[g] == 0:
                 heapq.heappop(spanning)
     return ending[:n]
+
+
+def _spanning_from(gaps: Gaps, n: int) -> list[list[tuple[int, int]]]:
+    """Per task ``t < n``: (-next use, gap) of each gap that spans a task from ``t`` on
+    (``_cover_bytes``'s heap entries)."""
+    entering: list[list[tuple[int, int]]] = [[] for _ in range(n + 1)]
+    for g, (a, b) in enumerate(zip(gaps.a, gaps.b, strict=True)):
+        if b - a >= 2:
+            entering[a + 1].append((-b, g))
+    return entering
 
 
 #: The room bound looks at this many of the largest objects that start slow.

@@ -256,22 +256,25 @@ def _pressurefit_at(
     search finds none: no minimal-budget search behind it). With ``fit_below``, when none
     is found, budgets halfway up towards ``fit_below`` are tried too (a few)."""
     from dataflow.planning.intervals import build_chain
-    from dataflow.planning.lower_bound import chain_lower_bound
+    from dataflow.planning.lower_bound import ChainBounds
     from dataflow.planning.pressurefit import best_plan
     from dataflow.sim import simulate
 
     chain = build_chain(program.bare())
+    bounds = ChainBounds(chain)  # whatever the budget: shared by the tries below
     floor = max(chain.base_bytes, default=0)
     for _ in range(4):
         planned = (
-            best_plan(chain, budget_bytes, slow_budget_bytes) if budget_bytes >= floor else None
+            best_plan(chain, budget_bytes, slow_budget_bytes, bounds)
+            if budget_bytes >= floor
+            else None
         )
         if planned is not None:
             sim = simulate(planned, slow_budget_bytes=slow_budget_bytes, check=False)
             return Plan(
                 planned,
                 sim,
-                chain_lower_bound(chain, budget_bytes),
+                bounds.at(budget_bytes),
                 budget_bytes,
                 slow_budget_bytes,
                 PRESSUREFIT.name,

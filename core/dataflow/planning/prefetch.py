@@ -24,6 +24,8 @@ anyway, so placement always succeeds once the cuts fit.
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import attrs
 
 from dataflow.planning.blockmax import BlockMax
@@ -84,12 +86,13 @@ def place_prefetches(
     start = chain.start_us
     requests = prefetch_requests(chain, gaps, cut)
     sizes = [chain.objects[obj].size_bytes for _, obj, _, _ in requests]
+    load_us = chain.load_us
     planned = [0.0] * len(requests)
     next_start = float("inf")
     stretch = 2.0 if rule == "margin" else 1.0
     for k in range(len(requests) - 1, -1, -1):
         use = requests[k][0]
-        transfer_us = chain.h2d_us(sizes[k])
+        transfer_us = load_us[requests[k][1]]
         planned[k] = min(start[use], next_start) - transfer_us * stretch
         next_start = min(start[use], next_start) - transfer_us
     held = BlockMax(
@@ -100,12 +103,14 @@ def place_prefetches(
         if rule == "early":
             issue = earliest
         else:
-            issue = chain.task_at_or_before(planned[k]) - 1
+            issue = bisect_right(start, planned[k]) - 2  # the task before the one then
         issue = min(use - 1, max(earliest, issue))
         size = sizes[k]
         room = capacity_bytes - size
-        if issue + 1 < use and held.max(issue + 1, use) > room:
-            issue = held.last_over(issue + 1, use, room)
+        if issue + 1 < use:
+            over = held.last_over(issue + 1, use, room)  # the last task it would push over
+            if over >= 0:
+                issue = over
         held.add(issue + 1, use, size)
         placed.append(Prefetch(obj, use, gap, size, earliest, issue, planned[k]))
     return PrefetchPlan(prefetches=tuple(placed), held_bytes=tuple(held.to_list()))

@@ -31,7 +31,6 @@ from dataflow.planning.intervals import (
     Origin,
     PlanningError,
     build_chain,
-    build_gaps,
     no_offload_peak_bytes,
 )
 from dataflow.planning.lower_bound import ChainBounds, LowerBound
@@ -199,6 +198,8 @@ class SearchResult:
     lower_bound: LowerBound
     unfit_task: int | None
     unfit_bytes: int
+    #: the chain's bounds at any budget (``ChainBounds``), for callers that bound it again
+    bounds: ChainBounds | None = attrs.field(default=None, eq=False, repr=False)
 
 
 def search(
@@ -212,6 +213,7 @@ def search(
     chain: Chain | None = None,
     below: Sequence[int] = (),
     capacity_bytes: int | None = None,
+    bounds: ChainBounds | None = None,
 ) -> SearchResult:
     """Try every strategy of ``portfolio`` on ``program``'s bare chain at ``budget_bytes``;
     with ``first_valid`` stop at the first valid candidate (feasibility checks).
@@ -220,10 +222,13 @@ def search(
     simulated at ``budget_bytes``: a plan made for less memory runs within more,
     so the best of them is never slower than what those capacities give (``monotone``).
     ``capacity_bytes`` (default: the budget) is what the portfolio sweeps at: less than the
-    budget leaves room that the plan does not use (for placement's fragmentation)."""
+    budget leaves room that the plan does not use (for placement's fragmentation).
+    ``bounds`` are ``chain``'s (``ChainBounds``) when the caller has them already (they do
+    not depend on the budget)."""
     chain = chain or build_chain(program.bare())
-    gaps = build_gaps(chain)
-    bounds = ChainBounds(chain)
+    if bounds is None or bounds.chain is not chain:
+        bounds = ChainBounds(chain)
+    gaps = bounds.gaps
     bound = bounds.at(budget_bytes, rooms=False)  # the room bound, if need be, at the end
     target_us = bound.best_us * (1 + 1e-9)
     pricer = Pricer(chain, budget_bytes, slow_budget_bytes)
@@ -299,7 +304,7 @@ def search(
     )
     if best is not None and best.makespan_us > target_us:
         bound = bounds.at(budget_bytes)  # with the room bound: only a plan above the rest
-    return SearchResult(winner, simulated, bound, unfit_task, unfit_bytes)
+    return SearchResult(winner, simulated, bound, unfit_task, unfit_bytes, bounds)
 
 
 def _annotated(
@@ -339,19 +344,20 @@ def transfers_floor_us(chain: Chain, gaps: Gaps, cut: Sequence[bool]) -> float:
     for life in chain.objects:
         if not life.uses:
             continue
+        load_us, write_us = chain.load_us[life.index], chain.write_us[life.index]
         if life.origin is Origin.SLOW:
-            due_us[life.uses[0]] += chain.h2d_us(life.size_bytes)
+            due_us[life.uses[0]] += load_us
         first_gap, last = gaps.first_gap[life.index], len(life.uses) - 1
         dirty = False
         for k, (use, dirties) in enumerate(zip(life.uses, life.dirties, strict=True)):
             dirty = dirty or dirties
             if k < last and cut[first_gap + k]:
-                due_us[life.uses[k + 1]] += chain.h2d_us(life.size_bytes)
+                due_us[life.uses[k + 1]] += load_us
                 if dirty:
-                    written_us[use] += chain.d2h_us(life.size_bytes)
+                    written_us[use] += write_us
                 dirty = False
             elif k == last and dirty and life.final is Location.SLOW:
-                written_us[use] += chain.d2h_us(life.size_bytes)
+                written_us[use] += write_us
     cost = chain.cost_us
     ends = []
     start_us = loaded_us = 0.0
@@ -373,12 +379,16 @@ def _rung_bound_us(bounds: ChainBounds, rung_bytes: int) -> float:
     return bounds.at(rung_bytes, rooms=False).best_us * (1 - 1e-9)
 
 
-def monotone_capacities(chain: Chain, rungs: int = MONOTONE_RUNGS) -> tuple[int, ...]:
+def monotone_capacities(
+    chain: Chain, rungs: int = MONOTONE_RUNGS, peak_bytes: int | None = None
+) -> tuple[int, ...]:
     """The fixed ladder of capacities every plan also sweeps at (those below its budget):
-    ``rungs`` from the largest base up to the no-offload peak, so a plan at a larger budget
-    has tried every rung a smaller one did."""
+    ``rungs`` from the largest base up to the no-offload peak (``peak_bytes`` when the
+    caller knows it), so a plan at a larger budget has tried every rung a smaller one did."""
     floor = max(chain.base_bytes, default=0)
-    peak = max(floor, no_offload_peak_bytes(chain))
+    if peak_bytes is None:
+        peak_bytes = no_offload_peak_bytes(chain)
+    peak = max(floor, peak_bytes)
     if rungs < 2 or peak == floor:
         return (floor,)
     return tuple(sorted({floor + (peak - floor) * k // (rungs - 1) for k in range(rungs)}))
@@ -389,6 +399,16 @@ def _smaller(chain: Chain, capacity_bytes: int) -> int:
     the same cuts again)."""
     floor = max(chain.base_bytes, default=0)
     return max(floor, capacity_bytes - max(1, (capacity_bytes - floor) // 2))
+
+
+@attrs.frozen
+class PressureFitPlan:
+    """PressureFit's plan and the chain's bounds its search worked out (``ChainBounds``;
+    None for a cyclic plan, whose bounds are those of the loop), so ``plan`` neither
+    lowers the chain again nor bounds it from scratch."""
+
+    program: Program
+    bounds: ChainBounds | None = attrs.field(eq=False, repr=False)
 
 
 def plan_pressurefit(
@@ -410,6 +430,24 @@ def plan_pressurefit(
     capacity ladder below it (``monotone_capacities``) and keeps the fastest, so a larger
     budget never gets a slower plan than those rungs give. With ``cyclic`` it plans one
     iteration of a loop (``cyclic.plan_cyclic``)."""
+    return pressurefit(
+        program,
+        budget_bytes,
+        slow_budget_bytes=slow_budget_bytes,
+        cyclic=cyclic,
+        explain=explain,
+    ).program
+
+
+def pressurefit(
+    program: Program,
+    budget_bytes: int,
+    *,
+    slow_budget_bytes: int | None = None,
+    cyclic: bool = False,
+    explain: bool = True,
+) -> PressureFitPlan:
+    """``plan_pressurefit``, with the bounds its search worked out (what ``plan`` calls)."""
     from dataflow.planning.feasibility import check_plannable
 
     bare = program.bare()
@@ -418,22 +456,28 @@ def plan_pressurefit(
     if cyclic:
         from dataflow.planning.cyclic import plan_cyclic
 
-        return plan_cyclic(bare, budget_bytes, slow_budget_bytes=slow_budget_bytes, explain=explain)
+        return PressureFitPlan(
+            plan_cyclic(bare, budget_bytes, slow_budget_bytes=slow_budget_bytes, explain=explain),
+            None,
+        )
     chain = check_plannable(bare, budget_bytes, slow_budget_bytes)
-    planned = best_plan(chain, budget_bytes, slow_budget_bytes)
+    bounds = ChainBounds(chain)
+    planned = best_plan(chain, budget_bytes, slow_budget_bytes, bounds)
     if planned is not None:
-        return planned
+        return PressureFitPlan(planned, bounds)
     if not explain:
         raise PlanningError(
             f"PressureFit found no plan of {program.name!r} within {budget_bytes} bytes "
             "(the smallest budget that works was not searched for: explain=False)"
         )
-    return plan_at_the_minimum(
+    found = plan_at_the_minimum(
         chain,
         budget_bytes,
         slow_budget_bytes,
         lambda found: simulate(found, record=False, check=False).valid,
+        bounds,
     )
+    return PressureFitPlan(found, bounds)
 
 
 def plan_at_the_minimum(
@@ -441,11 +485,13 @@ def plan_at_the_minimum(
     budget_bytes: int,
     slow_budget_bytes: int | None,
     runs: Callable[[Program], bool],
+    bounds: ChainBounds | None = None,
 ) -> Program:
     """For a chain the search found no plan of at ``budget_bytes``: the search is a
     heuristic, and the smallest budget that works is found by sweeping at it, so the plan
     made at that smaller capacity, with ``budget_bytes`` written in, when ``runs`` accepts
-    it (it runs within the larger budget). Raises the ``InfeasibleBudget`` otherwise."""
+    it (it runs within the larger budget). Raises the ``InfeasibleBudget`` otherwise.
+    ``bounds`` are ``chain``'s when the caller has them."""
     from dataflow.planning.feasibility import infeasible
 
     error = infeasible(chain, budget_bytes, slow_budget_bytes)
@@ -455,6 +501,7 @@ def plan_at_the_minimum(
             error.minimal_budget_bytes,
             slow_budget_bytes=slow_budget_bytes,
             chain=chain,
+            bounds=bounds,
         )
         if smaller.best is not None:
             program = attrs.evolve(
@@ -465,9 +512,15 @@ def plan_at_the_minimum(
     raise error
 
 
-def best_plan(chain: Chain, budget_bytes: int, slow_budget_bytes: int | None) -> Program | None:
+def best_plan(
+    chain: Chain,
+    budget_bytes: int,
+    slow_budget_bytes: int | None,
+    bounds: ChainBounds | None = None,
+) -> Program | None:
     """PressureFit's plan of ``chain`` at ``budget_bytes`` (the search, with the monotone
-    ladder below it), or None when it finds none; never searches for a minimal budget."""
+    ladder below it), or None when it finds none; never searches for a minimal budget.
+    ``bounds`` are ``chain``'s when the caller has them (else the search makes them)."""
     if chain.n_tasks == 0 and not any(life.uses for life in chain.objects):
         return attrs.evolve(chain.program, budget=Budget(budget_bytes, slow_budget_bytes))
     found = search(
@@ -475,6 +528,7 @@ def best_plan(chain: Chain, budget_bytes: int, slow_budget_bytes: int | None) ->
         budget_bytes,
         slow_budget_bytes=slow_budget_bytes,
         chain=chain,
-        below=monotone_capacities(chain),
+        below=monotone_capacities(chain, peak_bytes=None if bounds is None else bounds.peak_held),
+        bounds=bounds,
     )
     return found.best.program if found.best is not None else None
