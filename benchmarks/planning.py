@@ -266,7 +266,7 @@ def markdown(
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
-        placed = "n/a" if s["placed_pct"] is None else f"{s['placed_pct']:.0f} %"
+        placed = "n/a" if s["placed_pct"] is None else _pct(s["placed_pct"])
         lines.append(
             f"| {s['shape']} | {s['cases']} | {s['valid_pct']:.0f} % | {s['ratio_median']:.4f} "
             f"| {s['ratio_p90']:.4f} | {s['ratio_max']:.4f} | {s['compute_ratio_median']:.4f} "
@@ -331,6 +331,11 @@ def machine() -> dict:
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
     }
+
+
+def _pct(value: float) -> str:
+    """A share as the tables print it: "100 %" only when it is all (99.6 is not rounded up)."""
+    return "100 %" if value == 100 else f"{min(value, 99.9):.1f} %"
 
 
 def main(argv: list[str] | None = None) -> int:
