@@ -18,7 +18,15 @@ from dataflow.planning.placement import (
     without_workspace,
 )
 from dataflow.schema import Obj, Program, Task
-from dataflow.testing.shapes import MiB, mutate_and_reuse, tiny_streaming, tiny_training, training
+from dataflow.sim import simulate
+from dataflow.testing.shapes import (
+    MiB,
+    mutate_and_reuse,
+    tiny_streaming,
+    tiny_training,
+    training,
+    training_linkbound,
+)
 
 
 def _live_after(blocks: list[Block], time_us: float) -> int:
@@ -140,3 +148,16 @@ def test_tasks_that_cost_nothing_reuse_what_the_one_before_freed() -> None:
     placement = place(plan(program, 24))  # all at time 0, in three passes
     assert placement.arena_bytes == placement.peak_bytes == 24
     assert check_placement(placement) == []
+
+
+def test_a_replan_that_fragments_as_much_shaves_more_next_time() -> None:
+    """A link-bound chain whose plans at a few MiB below the budget pack into the same
+    too-large arena (the smaller plan fragments more): each re-plan that does not shrink
+    the arena doubles what it asks off the live peak, so the six re-plans reach a plan
+    that packs (the benchmark's one case that planned and did not place)."""
+    program = training_linkbound(random.Random(12))
+    budget = 239_992_832
+    planned = plan(program, budget)
+    placed = place(planned)
+    assert placed.arena_bytes <= budget
+    assert simulate(placed.plan.program, budget_bytes=budget).valid

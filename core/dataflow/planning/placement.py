@@ -198,10 +198,11 @@ def _pack_or_replan(
     planned: Plan, budget: int, outside: int, replans: int, replan, *, refine: bool = True
 ) -> tuple[Placement | None, int | None]:
     """Pack ``planned``; while no packing fits, re-plan at the last plan's live peak less
-    its excess and pack again; once one fits (with ``refine``), bisect the capacity
-    between the largest that packed and the smallest that did not, keeping the fastest
-    placement. At most ``replans`` re-plans in all (``place``). The placement (None when
-    none fits) and the smallest arena found."""
+    its excess and pack again (twice that excess, and so on, while the arena does not
+    shrink: a smaller plan can fragment more); once one fits (with ``refine``), bisect the
+    capacity between the largest that packed and the smallest that did not, keeping the
+    fastest placement. At most ``replans`` re-plans in all (``place``). The placement
+    (None when none fits) and the smallest arena found."""
     limit = budget - outside
     tolerance = max(1, budget // REFINE_PARTS)
     current: Plan | None = planned
@@ -209,12 +210,17 @@ def _pack_or_replan(
     smallest: int | None = None
     capacity = fails_at = planned.budget_bytes
     fits_at = live = arena = 0
+    shave, last_arena = 0, None
     for attempt in range(replans + 1):
         if attempt:
             if best is None:
                 # Fragmentation of this packing is arena - live peak; ask the next plan
-                # for a live peak that much below the budget.
-                smaller = min(capacity, current.budget_bytes, live) - (arena - limit)
+                # for a live peak that much below the budget (more when the last re-plan
+                # did not shrink the arena).
+                grew = last_arena is not None and arena >= last_arena
+                shave = 2 * shave if grew else arena - limit
+                last_arena = arena
+                smaller = min(capacity, current.budget_bytes, live) - shave
                 if smaller < 1 or smaller >= capacity:
                     break
                 capacity = smaller
