@@ -148,15 +148,8 @@ def _persistent_state(sim: SimResult, persistent: tuple[str, ...]) -> dict[str, 
 def repeated_slow_bytes(program: Program) -> int:
     """Bytes of the objects one iteration of ``program`` puts in slow memory anew: the
     non-persistent objects that start there (fed) or are ever offloaded."""
-    persistent = set(program.persistent)
-    slow = {
-        obj.id
-        for obj in program.objects
-        if obj.location is Location.SLOW and program.exists_at_start(obj.id)
-    }
-    for task in (program.prologue, *program.tasks):
-        slow.update(task.offloads)
-    return sum(program.obj(obj).size_bytes for obj in slow - persistent)
+    slow = program.ever_slow_ids() - set(program.persistent)
+    return sum(program.obj(obj).size_bytes for obj in slow)
 
 
 def check_cycle(

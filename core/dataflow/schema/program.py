@@ -151,6 +151,18 @@ class Program:
         """True when no task creates the object, so it is present (at its location) at start."""
         return obj_id not in self.producers
 
+    def ever_slow_ids(self) -> set[str]:
+        """The objects the run ever holds in slow memory: those that start there and those
+        some directive offloads (a run's slow pool holds one slice for each)."""
+        slow = {
+            obj.id
+            for obj in self.objects
+            if self.exists_at_start(obj.id) and obj.location is Location.SLOW
+        }
+        for issuer in (self.prologue, *self.tasks):
+            slow.update(issuer.offloads)
+        return slow
+
     def duration_us(self, task: Task) -> float:
         """How long ``task`` runs: its ``cost_us`` on compute; on the collective link, the
         link's time for the bytes it reduces (its mutates)."""

@@ -18,7 +18,6 @@ from dataflow.engine.backends.torch_storage import (
     FastStore,
     SlowPool,
     as_bytes,
-    slow_object_ids,
     typed_view,
 )
 from dataflow.engine.contract import Executable, LaunchContext
@@ -45,7 +44,7 @@ class TorchBackend:
         self.runner = runner
         self.name = f"torch-{device.type}"
         self.objs = program.objects_by_id
-        slow_ids = slow_object_ids(program)
+        slow_ids = program.ever_slow_ids()
         self.slow = SlowPool([obj for obj in program.objects if obj.id in slow_ids], device)
         sizes = {obj.id: obj.size_bytes for obj in program.objects}
         self.fast = FastStore(sizes, device, arena_bytes, offset_of)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from dataflow.schema import Location, Obj, Program
+from dataflow.schema import Obj, Program
 
 #: Offsets into pools are rounded up to this, so every typed view is aligned.
 ALIGN_BYTES = 256
@@ -151,20 +151,7 @@ class FastStore:
         self.occurrences.clear()
 
 
-def slow_object_ids(program: Program) -> set[str]:
-    """The objects the slow pool holds a slice for: every object that starts in slow
-    memory or is ever offloaded (the pool is made once at load, one slice each)."""
-    slow_ids = {
-        obj.id
-        for obj in program.objects
-        if program.exists_at_start(obj.id) and obj.location is Location.SLOW
-    }
-    for task in (program.prologue, *program.tasks):
-        slow_ids.update(task.offloads)
-    return slow_ids
-
-
 def slow_pool_bytes(program: Program) -> int:
     """Bytes of the slow pool (pinned host memory on CUDA) the backend allocates at load."""
-    slow_ids = slow_object_ids(program)
+    slow_ids = program.ever_slow_ids()
     return SlowPool.total_of([obj for obj in program.objects if obj.id in slow_ids])
