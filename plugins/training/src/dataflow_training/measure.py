@@ -11,7 +11,6 @@ each of its steps ends (a large model's cell takes minutes: the CLI prints them)
 
 from __future__ import annotations
 
-import functools
 import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -20,6 +19,7 @@ from dataflow_training.hardware import HardwareEntry
 from dataflow_training.predict import (
     Cell,
     _one_line,
+    each_cell,
     infeasible_row,
     position_overrides,
     row_of,
@@ -40,7 +40,7 @@ def measure_cell(
     dtype: str = "bf16",
     resolver: str = "torch",
     seed: int = 0,
-    on_event: Callable[[str], None] | None = None,
+    on_event: Callable[[Cell, str], None] | None = None,
 ) -> dict[str, Any]:
     """One cell's row: the predicted row's fields and ``predicted_step_s``,
     ``measured_step_s``, ``ratio``, ``steps_s`` (every step's wall time), ``losses``
@@ -85,7 +85,11 @@ def measure_cell(
                 f"the plan needs {row['backing_peak_bytes']} bytes of backing memory, more "
                 f"than --backing ({cell.backing_bytes} bytes)",
             )
-        tell = on_event or (lambda _line: None)
+
+        def tell(line: str) -> None:
+            if on_event is not None:
+                on_event(cell, line)
+
         tell(
             f"planned: {row['step_s']:.4f} s a step predicted, "
             f"{row['rounds']} rounds of batch {row['batch']}"
@@ -141,15 +145,8 @@ def measure(
     hw: HardwareEntry,
     *,
     progress: Callable[[dict[str, Any]], None] | None = None,
-    on_event: Callable[[Cell, str], None] | None = None,
     **options: Any,
 ) -> list[dict[str, Any]]:
-    """Every cell's row (``measure_cell``), ``progress(row)`` after each and
-    ``on_event(cell, line)`` as the cell is planned and as each of its steps ends."""
-    rows = []
-    for cell in cells:
-        tell = None if on_event is None else functools.partial(on_event, cell)
-        rows.append(measure_cell(family, cell, hw, on_event=tell, **options))
-        if progress is not None:
-            progress(rows[-1])
-    return rows
+    """Every cell's row (``measure_cell``; its ``on_event(cell, line)`` hears each cell
+    planned and each step end), ``progress(row)`` after each."""
+    return each_cell(measure_cell, family, cells, hw, progress, **options)
