@@ -188,3 +188,36 @@ def test_without_workspace_drops_every_workspace_and_names_the_largest() -> None
     assert largest == 3 << 20
     assert stripped == {("a",): TaskProfile(5.0, 0), ("b",): TaskProfile(7.0, 0)}
     assert without_workspace({}) == ({}, 0)
+
+
+@pytest.mark.gpu
+def test_a_task_whose_capture_fails_keeps_its_dispatched_timing(program) -> None:
+    """A task that says it is capturable but reads a device tensor on the host (as
+    grouped_mm's reference loop reads its offsets) cannot be captured: the profiling pass
+    keeps the dispatched launches' time instead of failing the run (the engine's capture
+    of the step then fails the same way and it dispatches)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from dataflow.engine.contract import LaunchContext
+
+    device = torch.device("cuda")
+    counts = torch.arange(8, device=device)
+    launched = []
+
+    class Syncing:
+        capturable = True
+
+        def launch(self, ctx) -> None:
+            with torch.cuda.stream(ctx.stream or torch.cuda.current_stream(device)):
+                launched.append(int(counts.sum()))  # a host read: refused while capturing
+
+    ctx = LaunchContext(
+        task=program.tasks[0], device="cuda", stream=None, inputs=(), mutates=(), outputs=()
+    )
+    found = profile._measure(Syncing(), ctx, device, 3, replay=True)
+    assert found.cost_us > 0
+    assert launched[:4] == [28, 28, 28, 28]  # the warm-up and the three timed launches
+    torch.cuda.synchronize(device)  # the device is usable after the refused capture
+    assert int((counts * 2).sum()) == 56

@@ -120,7 +120,9 @@ def measure_cell(
         return infeasible_row(cell, extra, f"out of device memory: {_one_line(str(exc))[:200]}")
     finally:
         if run is not None:
-            run.close()
+            # nothing reads the state back: copying it out beside the pinned pool would
+            # need the model's state twice in host memory (a large cell was killed so)
+            run.close(keep_state=False)
         del run
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

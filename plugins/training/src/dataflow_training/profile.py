@@ -14,7 +14,9 @@ With ``graph`` (CUDA, the step will be replayed from a CUDA graph) a capturable 
 captured once into a graph of its own and the replays are timed: the device's time alone,
 as in a replayed step, where no host launch gap shows. Otherwise each timed launch
 includes whatever the host adds while it enqueues the task's kernels, as in a dispatched
-step.
+step. A task that declares itself capturable but whose capture fails (an op that reads a
+device tensor on the host) keeps its dispatched timing: the engine's capture of the step
+fails the same way and it dispatches.
 
 **The disk cache** (``ProfileCache``): a measurement is kept in one small JSON file per
 signature under ``default_cache_dir()`` (``$DATAFLOW_PROFILE_CACHE``, else
@@ -369,8 +371,24 @@ def _measure(
     workspace = max(0, torch.cuda.max_memory_allocated(dev) - base)
     workspace = -(-workspace // ROUND_BYTES) * ROUND_BYTES
     if replay:
-        times = _replayed_us(executable, ctx, dev, repeats)
+        try:
+            times = _replayed_us(executable, ctx, dev, repeats)
+        except Exception:  # noqa: BLE001 - whatever the capture refuses
+            # An op that reads the device on the host (e.g. grouped_mm's reference loop
+            # reading its offsets) cannot be captured. The engine's own capture then fails
+            # too and it dispatches every step (saying why), so the dispatched launches
+            # timed above are the time this task will take.
+            _after_failed_capture(dev)
     return TaskProfile(statistics.median(times), workspace)
+
+
+def _after_failed_capture(dev: torch.device) -> None:
+    """Let the work queued before a refused capture finish; the refused capture's own
+    error may surface again here and means nothing more."""
+    try:
+        torch.cuda.synchronize(dev)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _replayed_us(

@@ -351,7 +351,9 @@ def train(
             profiler.close()
         if board is not None:
             board.close()
-        run.close()
+        # the checkpoints hold the state: copying it out of the engine beside the pinned
+        # pool would need the model's state twice in host memory
+        run.close(keep_state=False)
     return {
         "steps": o.steps,
         "start": start,
