@@ -6,6 +6,7 @@
 #   bash benchmarks/model_rows.sh l3_1b         # stock + dataflow 4 GiB, both task orders
 #   bash benchmarks/model_rows.sh olmoe         # stock + dataflow 16, 8 GiB, layer order first
 #   bash benchmarks/model_rows.sh small         # l3_1b then olmoe (two commands' worth)
+#   bash benchmarks/model_rows.sh gpt2          # issue 13/14: stock compile + dataflow 16..1 GiB
 #
 # Rows are appended to benchmarks/results/compare.json and the tables of
 # docs/throughput.md rewritten; with $OUT set, the log, both files and the profile cache
@@ -13,7 +14,7 @@
 # run) are copied there. SMOKE=1 runs the same commands on the CPU at tiny presets
 # (llama3_tiny, olmoe_tiny) into /tmp, so nothing fails on the device for a typo.
 set -u
-group=${1:?usage: model_rows.sh llama3_8b|l3_1b|olmoe|small}
+group=${1:?usage: model_rows.sh llama3_8b|l3_1b|olmoe|small|gpt2}
 out_json=benchmarks/results/compare.json
 page=docs/throughput.md
 cache=/tmp/dataflow_profiles_$group
@@ -29,12 +30,15 @@ if [ "${SMOKE:-0}" = 1 ]; then
     moe=(--preset olmoe_tiny --seq-len 32)
     big_budgets=4MiB,2MiB dense_budget=2MiB moe_budgets=4MiB,2MiB
     big_tokens=256 tokens=256 backing=${BACKING:-64MiB}
+    gpt2=(--preset gpt2_tiny --seq-len 32) gpt2_tokens=512 gpt2_big=4MiB,2MiB gpt2_small=1MiB
 else
     common+=(--resolver torch-compiled)
     big=(--preset llama3_8b --seq-len 4096) dense=(--preset l3_1b --seq-len 4096)
     moe=(--preset olmoe_1b_7b --seq-len 4096)
     big_budgets=16GiB,8GiB dense_budget=4GiB moe_budgets=16GiB,8GiB
     big_tokens=131072 tokens=131072 backing=${BACKING:-}
+    gpt2=(--preset gpt2_124m --seq-len 1024) gpt2_tokens=524288
+    gpt2_big=16GiB,8GiB,4GiB gpt2_small=2GiB,1GiB
 fi
 export DATAFLOW_PROFILE_CACHE=$cache PYTHONUNBUFFERED=1
 saved=benchmarks/results/profiles_$group.tgz
@@ -86,8 +90,22 @@ l3_1b | olmoe | small)
         fi
     } 2>&1 | tee "$log"
     ;;
+gpt2)
+    # issue 13 and 14's rows in one run: the fastest stock row (torch.compile, pure bf16,
+    # batch 64; sessions 3-7 never found another faster) beside dataflow at every budget,
+    # 524,288 tokens a step (GPT-2 124M's usual 0.5M-token step: the host's work between
+    # steps, 2-4 ms, is spread over eight times the tokens of a 65,536-token step). The
+    # 2 and 1 GiB rows plan hundreds of rounds (their setup took over 120 s in session 7)
+    {
+        compare --family gpt2 "${gpt2[@]}" --redo --rows stock,dataflow --stock-engines compile \
+            --batches 64 --min-tokens "$gpt2_tokens" --budgets "$gpt2_big" --steps 5 \
+            --warmup 2 --compile-row-seconds 120 --row-seconds 100 --total-seconds 420
+        compare --family gpt2 "${gpt2[@]}" --redo --rows dataflow --min-tokens "$gpt2_tokens" \
+            --budgets "$gpt2_small" --steps 4 --warmup 2 --row-seconds 250 --total-seconds 500
+    } 2>&1 | tee "$log"
+    ;;
 *)
-    echo "model_rows.sh: unknown group '$group' (llama3_8b, l3_1b, olmoe or small)" >&2
+    echo "model_rows.sh: unknown group '$group' (llama3_8b, l3_1b, olmoe, small or gpt2)" >&2
     exit 2
     ;;
 esac
