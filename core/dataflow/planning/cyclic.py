@@ -88,7 +88,11 @@ def plan_cyclic(
     repeats within ``budget_bytes``, is the answer. ``explain=False`` skips that and
     fails at once with a plain ``PlanningError``."""
     slow_homes = with_homes(bare, frozenset())
-    chain = check_plannable(slow_homes, budget_bytes, slow_budget_bytes)
+    # a persistent object homed fast needs no slow memory: the search holds each home set
+    # to the slow budget
+    chain = check_plannable(
+        slow_homes, budget_bytes, slow_budget_bytes, homed=frozenset(bare.persistent)
+    )
     best, best_rank = None, None
     for fast in home_sets(chain, bare.persistent, budget_bytes):
         homed = with_homes(bare, fast)

@@ -50,9 +50,16 @@ class InfeasibleBudget(PlanningError):
         )
 
 
-def check_plannable(bare: Program, budget_bytes: int, slow_budget_bytes: int | None) -> Chain:
+def check_plannable(
+    bare: Program,
+    budget_bytes: int,
+    slow_budget_bytes: int | None,
+    homed: frozenset[str] = frozenset(),
+) -> Chain:
     """The chain of a structurally valid bare program; raise ``PlanningError`` naming each
-    problem otherwise (budget-dependent problems are left to the search)."""
+    problem otherwise (budget-dependent problems are left to the search). ``homed``: objects
+    whose start and end the planner chooses (a cyclic plan's persistent objects), left out
+    of the slow memory that objects starting or ending there need."""
     if budget_bytes < 1:
         raise ValueError(f"budget_bytes must be >= 1, got {budget_bytes}")
     problems = validate(attrs.evolve(bare, budget=None))
@@ -64,7 +71,8 @@ def check_plannable(bare: Program, budget_bytes: int, slow_budget_bytes: int | N
         needed = sum(
             life.size_bytes
             for life in chain.objects
-            if life.origin is Origin.SLOW or life.final is Location.SLOW
+            if life.obj_id not in homed
+            and (life.origin is Origin.SLOW or life.final is Location.SLOW)
         )
         if needed > slow_budget_bytes:
             raise PlanningError(
@@ -127,9 +135,15 @@ def plannable_budget_bytes(chain: Chain, slow_budget_bytes: int | None = None) -
             break
         low, high = high, 2 * high
     else:
+        within = (
+            ""
+            if slow_budget_bytes is None
+            else f" within the slow budget of {format_size(slow_budget_bytes)} "
+            f"({slow_budget_bytes} bytes)"
+        )
         raise PlanningError(
             f"program {chain.program.name!r}: no fast budget up to {format_size(high)} "
-            f"({high} bytes) gives a valid plan"
+            f"({high} bytes) gives a valid plan{within}"
         )
     return _bisect(works, low, high, 1)
 

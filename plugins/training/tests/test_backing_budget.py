@@ -75,6 +75,7 @@ def test_the_run_plans_and_runs_inside_its_backing_budget():
     from dataflow_training.run import TrainingRun
 
     from dataflow.planning import PlanningError
+    from dataflow.schema import Location
 
     train = train_config(1, None)
     backing = 16 * 2**20
@@ -88,9 +89,20 @@ def test_the_run_plans_and_runs_inside_its_backing_budget():
     assert run._engine.slow_budget_bytes == backing  # the engine checks it too
     assert run.last_result.steps[-1].slow_peak_bytes <= backing
     run.close()
-    # the weights and optimizer state of gpt2_tiny alone take about 1.4 MiB of backing
+    # gpt2_tiny's weights and optimizer state take about 1.4 MiB: a 1 MiB backing cannot
+    # hold them all, but the 2 MiB fast budget homes them fast between steps
+    run = TrainingRun(
+        "gpt2", PRESET, train, seed=0, budget_bytes=2 * 2**20, backing_bytes=2**20,
+        recompute=False,
+    )  # fmt: skip
+    homes = [run.planned.program.obj(o).location for o in run.planned.program.persistent]
+    assert Location.FAST in homes
+    run.step(global_batches(0, 1))
+    assert run.last_result.steps[-1].slow_peak_bytes <= 2**20
+    run.close()
+    # what starts or ends slow and is not persistent (the step's tokens) must fit it
     with pytest.raises(PlanningError, match="more than the slow budget"):
         TrainingRun(
-            "gpt2", PRESET, train, seed=0, budget_bytes=2 * 2**20, backing_bytes=2**20,
+            "gpt2", PRESET, train, seed=0, budget_bytes=2 * 2**20, backing_bytes=64,
             recompute=False,
         )  # fmt: skip

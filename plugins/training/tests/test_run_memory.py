@@ -115,3 +115,39 @@ def test_close_without_the_state_drops_it() -> None:
     run.close(keep_state=False)
     with pytest.raises(RuntimeError, match="the run has no state: the run was closed"):
         run.state()
+
+
+def test_a_pool_past_the_limit_is_planned_again_inside_a_slow_budget_that_fits() -> None:
+    """Without ``backing_bytes`` the plan's slow memory is unbounded; where its pool would
+    pass the limit (on CUDA: the host's memory) the run plans again inside a slow budget,
+    trading offloads for recompute, and trains the same: what fits runs, and only what
+    cannot fit is refused."""
+    from dataflow_training.run import TrainingRun
+
+    from dataflow.planning import PlanningError
+
+    train = TrainConfig(seq_len=128, batch=8, rounds=2)
+    budget = 5 * 2**20
+    free = TrainingRun("gpt2", "gpt2_tiny", train, budget_bytes=budget, seed=0)
+    limit = free.pinned_bytes * 8 // 10
+    fitted = TrainingRun(
+        "gpt2", "gpt2_tiny", train, budget_bytes=budget, seed=0, pinned_limit_bytes=limit
+    )
+    assert free.pool_note is None
+    assert fitted.pinned_bytes <= limit < free.pinned_bytes
+    assert fitted.backing_bytes is not None and fitted.predicted()["slow_peak_bytes"] <= limit
+    assert "planned inside a slow budget" in fitted.pool_note
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randint(0, 256, (8, 128), generator=g), torch.randint(0, 256, (8, 128), generator=g))
+        for _ in range(2)
+    ]
+    for _ in range(2):
+        a, b = free.step(batches), fitted.step(batches)
+        assert abs(a.loss - b.loss) <= 1e-6 * abs(a.loss)
+    too_small = TrainingRun(
+        "gpt2", "gpt2_tiny", train, budget_bytes=budget, seed=0, pinned_limit_bytes=limit // 2
+    )
+    assert too_small.pool_note is None  # no plan inside it: the first plan, refused
+    with pytest.raises(PlanningError, match="pinned_limit_bytes: more than"):
+        too_small.step(batches)

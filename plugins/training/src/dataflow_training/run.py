@@ -21,7 +21,7 @@ fleet share this class.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,10 @@ UNBOUNDED_BYTES = 2**62
 #: 80 GiB pool and the 16 GB of starting weights (docs/throughput.md, session 5): the
 #: weights are already counted as used when the check reads the available memory.
 HOST_RESERVE_BYTES = 8 * 2**30
+
+#: Plans ``TrainingRun`` makes, at most, to bring the slow pool inside the host (the pool's
+#: excess over the slow peak changes with each plan, so one re-plan may fall short)
+FIT_POOL_TRIES = 3
 
 
 def available_host_bytes() -> int | None:
@@ -124,7 +128,9 @@ class TrainingRun:
     first step (``check_backing``). On CUDA the pool is page-locked host memory, and
     page-locking more than the host has stalls or kills the process rather than failing:
     so the check also refuses a pool larger than the host's available memory less
-    ``HOST_RESERVE_BYTES``, whatever the limits given.
+    ``HOST_RESERVE_BYTES``, whatever the limits given. Without ``backing_bytes``, a plan
+    whose pool exceeds those limits is made again inside a slow budget that fits them
+    (``pool_note`` says so), and only what still does not fit is refused.
     After a step, ``last_result`` is the engine's ``RunResult`` of it (task spans,
     transfers, peaks: what benchmarks read); None before the first step.
     """
@@ -183,6 +189,8 @@ class TrainingRun:
             planner = RECOMPUTE if recompute else PRESSUREFIT
         options: dict[str, Any] = {"planner": planner, "cyclic": bool(self.program.persistent)}
         self.backing_bytes = backing_bytes
+        #: why the plan was made again inside a slow budget (``_fit_pool``), else None
+        self.pool_note: str | None = None
         self.pinned_limit_bytes = (
             backing_bytes if pinned_limit_bytes is None else pinned_limit_bytes
         )
@@ -193,8 +201,13 @@ class TrainingRun:
         if device.startswith("cuda"):
             self._plan_for_cuda(resolver, options)
         else:
-            self.planned = plan(self.program, self.budget_bytes, **options)
-            self.placement = place(self.planned)
+
+            def plan_and_place(options: dict[str, Any]) -> None:
+                self.planned = plan(self.program, self.budget_bytes, **options)
+                self.placement = place(self.planned)
+
+            plan_and_place(options)
+            self._fit_pool(plan_and_place, options)
         self.resolver_name = resolver
         # the plan the engine runs: place() may have re-planned (the recompute planner may
         # then have chosen other layers), so the resolver reads that plan's step layout
@@ -279,19 +292,71 @@ class TrainingRun:
                 f"CUDA libraries' reserve ({reserve} bytes) and the largest task workspace "
                 f"({beside} bytes) take it all"
             )
-        try:
-            self.planned = plan(self.program, self.budget_bytes - outside, **options)
-        except InfeasibleBudget as exc:  # in the budget the caller gave
-            raise InfeasibleBudget(
-                exc.program_name,
-                self.budget_bytes,
-                exc.minimal_budget_bytes + outside,
-                exc.task_id,
-                exc.footprint_bytes,
-                f"{exc.reason} (budgets here include the CUDA libraries' reserve of "
-                f"{reserve} bytes and {beside} bytes of task workspace beside the arena)",
-            ) from None
-        self.placement = place(self.planned, workspace_beside_bytes=beside)
+
+        def plan_and_place(options: dict[str, Any]) -> None:
+            try:
+                self.planned = plan(self.program, self.budget_bytes - outside, **options)
+            except InfeasibleBudget as exc:  # in the budget the caller gave
+                raise InfeasibleBudget(
+                    exc.program_name,
+                    self.budget_bytes,
+                    exc.minimal_budget_bytes + outside,
+                    exc.task_id,
+                    exc.footprint_bytes,
+                    f"{exc.reason} (budgets here include the CUDA libraries' reserve of "
+                    f"{reserve} bytes and {beside} bytes of task workspace beside the arena)",
+                ) from None
+            self.placement = place(self.planned, workspace_beside_bytes=beside)
+
+        plan_and_place(options)
+        self._fit_pool(plan_and_place, options)
+
+    def pool_limit_bytes(self) -> int | None:
+        """The most the engine's slow pool may take: ``pinned_limit_bytes`` and, on CUDA,
+        the host's available memory less ``HOST_RESERVE_BYTES`` (None: no limit)."""
+        limits = [] if self.pinned_limit_bytes is None else [self.pinned_limit_bytes]
+        available = available_host_bytes() if self.device.startswith("cuda") else None
+        if available is not None:
+            limits.append(available - HOST_RESERVE_BYTES)
+        return min(limits, default=None)
+
+    def _limit_source(self) -> str:
+        on_host = self.device.startswith("cuda") and available_host_bytes() is not None
+        host = f"the host's available memory less {format_size(HOST_RESERVE_BYTES)}"
+        if self.pinned_limit_bytes is None:
+            return host
+        return f"pinned_limit_bytes{' and ' + host if on_host else ''}"
+
+    def _fit_pool(self, plan_and_place: Callable[[dict[str, Any]], None], options: dict) -> None:
+        """With no ``backing_bytes`` the plan's slow memory is unbounded; where its pool
+        would not fit ``pool_limit_bytes`` (the host, on CUDA), plan again inside a slow
+        budget that leaves room for the pool's excess over the slow peak (a slice per
+        object), a few times, so the run fits the host instead of being refused. What
+        still does not fit is refused by ``check_backing`` with its message."""
+        from dataflow.planning import PlanningError
+
+        limit = self.pool_limit_bytes()
+        if self.backing_bytes is not None or limit is None:
+            return
+        for _ in range(FIT_POOL_TRIES):
+            pool = self.pinned_bytes
+            if pool <= limit:
+                return
+            slow_budget = self.predicted()["slow_peak_bytes"] - (pool - limit)
+            if slow_budget <= 0:
+                return
+            kept = self.planned, self.placement
+            try:
+                plan_and_place(dict(options, slow_budget_bytes=slow_budget))
+            except PlanningError:  # no plan inside it: keep the first for the message
+                self.planned, self.placement = kept
+                return
+            self.backing_bytes = slow_budget  # the engine holds the run to it
+            self.pool_note = (
+                f"a slow pool of {format_size(pool)} would not fit the "
+                f"{format_size(limit)} allowed ({self._limit_source()}): planned inside a "
+                f"slow budget of {format_size(slow_budget)}"
+            )
 
     def step(
         self, batches: Sequence[Batch], lr: float | None = None, *, dispatch: bool = False

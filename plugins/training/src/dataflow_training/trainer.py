@@ -245,6 +245,8 @@ def train(
     if resumed is not None:
         say(f"resumed from {resumed} (step {start})")
     say(plan_line(run))
+    if run.pool_note is not None:
+        say(run.pool_note)
     board = open_tensorboard(o.out / TENSORBOARD_FOLDER, start) if writes else None
     if board is None:
         say(f"metrics: {metrics_path} (pip install tensorboard for TensorBoard events)")
