@@ -151,3 +151,19 @@ def test_a_pool_past_the_limit_is_planned_again_inside_a_slow_budget_that_fits()
     assert too_small.pool_note is None  # no plan inside it: the first plan, refused
     with pytest.raises(PlanningError, match="pinned_limit_bytes: more than"):
         too_small.step(batches)
+
+
+def test_the_pool_limit_on_cuda_leaves_room_for_the_weights_still_to_be_made(monkeypatch) -> None:
+    """``__init__`` plans before it makes the starting weights' host copy, which will be in
+    host memory beside the pool: the limit it plans to leaves room for them."""
+    from dataflow_training import run as run_module
+
+    run = _run()
+    monkeypatch.setattr(run_module, "available_host_bytes", lambda: 64 * 2**30)
+    assert run.pool_limit_bytes() is None  # off CUDA no limit was given
+    run.device = "cuda"  # (the limit reads only the device's kind)
+    assert run.pool_limit_bytes() == 64 * 2**30 - run_module.HOST_RESERVE_BYTES
+    weights = sum(value.numel() * value.element_size() for value in run._weights.values())
+    del run._weights  # as while __init__ plans
+    room = 64 * 2**30 - run_module.HOST_RESERVE_BYTES - run.pool_limit_bytes()
+    assert weights <= room < weights * 11 // 10  # their packed objects' bytes, padding and all

@@ -317,8 +317,15 @@ class TrainingRun:
         limits = [] if self.pinned_limit_bytes is None else [self.pinned_limit_bytes]
         available = available_host_bytes() if self.device.startswith("cuda") else None
         if available is not None:
-            limits.append(available - HOST_RESERVE_BYTES)
+            limits.append(available - HOST_RESERVE_BYTES - self._weights_to_make_bytes())
         return min(limits, default=None)
+
+    def _weights_to_make_bytes(self) -> int:
+        """While ``__init__`` plans, the starting weights' host copy is not made yet, but
+        will be in host memory when the pool is allocated (``check_backing``)."""
+        if hasattr(self, "_weights"):
+            return 0
+        return sum(p.layout.size_bytes for p in self.layout.packed.values() if p.kind == "W")
 
     def _limit_source(self) -> str:
         on_host = self.device.startswith("cuda") and available_host_bytes() is not None
