@@ -211,11 +211,11 @@ def test_a_backing_the_slow_pool_does_not_fit_is_a_row_that_says_so(tmp_path) ->
         *("--family", "llama3", "--preset", "llama3_tiny", "--seq-len", "32"),
         *("--device", "cpu", "--steps", "1", "--warmup", "1", "--rows", "dataflow"),
         *("--dataflow-dtypes", "bf16", "--dataflow-batches", "2", "--min-tokens", "64"),
-        *("--budgets", "4MiB", "--backing", "4KiB", "--out", str(out), "--doc", str(page)),
+        *("--budgets", "4MiB", "--backing", "512B", "--out", str(out), "--doc", str(page)),
     ]
     assert compare.main(args) == 0
     (only,) = json.loads(out.read_text())["rows"]
-    assert only["tok_s"] is None and "4 KiB" in only["note"]
+    assert only["tok_s"] is None and "512 B" in only["note"]
 
 
 @pytest.mark.gpu

@@ -200,7 +200,7 @@ def test_a_task_whose_capture_fails_keeps_its_dispatched_timing(program) -> None
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from dataflow.engine.contract import LaunchContext
+    from dataflow.engine import LaunchContext
 
     device = torch.device("cuda")
     counts = torch.arange(8, device=device)
