@@ -31,6 +31,7 @@ from dataflow.planning.intervals import (
     Origin,
     PlanningError,
     build_chain,
+    kept_profile,
     no_offload_peak_bytes,
 )
 from dataflow.planning.lower_bound import ChainBounds, LowerBound
@@ -247,14 +248,16 @@ def search(
             return None
         if best is not None and transfers_floor_us(chain, gaps, selection.cut) > best.makespan_us:
             return None  # these cuts move too much to beat the best: no need to place them
-        placement = place_prefetches(chain, gaps, selection.cut, place_at, strategy.rule)
-        found = directives(chain, gaps, selection.cut, placement)
-        valid = try_candidate(strategy, capacity, found)
-        if best is not None and best.makespan_us <= target_us:
-            return valid  # at the lower bound: nothing to gain from another order
-        reordered, tasks = largest_first(chain, found)
-        if tasks:
-            valid = try_candidate(strategy, capacity, reordered) or valid
+        valid = False
+        for fit_at in _window_capacities(chain, gaps, selection.cut, place_at):
+            placement = place_prefetches(chain, gaps, selection.cut, fit_at, strategy.rule)
+            found = directives(chain, gaps, selection.cut, placement)
+            valid = try_candidate(strategy, capacity, found) or valid
+            if best is not None and best.makespan_us <= target_us:
+                return valid  # at the lower bound: nothing to gain from another order
+            reordered, tasks = largest_first(chain, found)
+            if tasks:
+                valid = try_candidate(strategy, capacity, reordered) or valid
         return valid
 
     def try_candidate(strategy: Strategy, capacity: int, found: Directives) -> bool:
@@ -372,6 +375,21 @@ def transfers_floor_us(chain: Chain, gaps: Gaps, cut: Sequence[bool]) -> float:
         if after_us:
             floor_us = max(floor_us, ends[t] + after_us)
     return floor_us
+
+
+def _window_capacities(
+    chain: Chain, gaps: Gaps, cut: Sequence[bool], place_at: int
+) -> tuple[int, ...]:
+    """Where a candidate's prefetch windows are fitted: into ``place_at``, and into the
+    least memory its cuts need (every task's base plus the kept gaps spanning it) when
+    that is less. The windows of the same cuts fitted into less memory are issued later
+    where they would crowd a task, which leaves room for what the placement's estimate
+    does not count (write-backs still in flight); so a smaller budget that makes the same
+    cuts gets exactly this candidate, and a larger one is not slower for having more room
+    (``monotone``)."""
+    kept = kept_profile(chain, gaps, cut)
+    need = max((base + held for base, held in zip(chain.base_bytes, kept)), default=0)
+    return (place_at,) if need >= place_at else (place_at, need)
 
 
 def _rung_bound_us(bounds: ChainBounds, rung_bytes: int) -> float:
