@@ -388,7 +388,7 @@ def _window_capacities(
     cuts gets exactly this candidate, and a larger one is not slower for having more room
     (``monotone``)."""
     kept = kept_profile(chain, gaps, cut)
-    need = max((base + held for base, held in zip(chain.base_bytes, kept)), default=0)
+    need = max((base + held for base, held in zip(chain.base_bytes, kept, strict=True)), default=0)
     return (place_at,) if need >= place_at else (place_at, need)
 
 
