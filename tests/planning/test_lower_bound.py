@@ -5,13 +5,15 @@ from __future__ import annotations
 import attrs
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from dataflow.planning import lower_bound, plan
+from dataflow.planning import PlanningError, lower_bound, plan
+from dataflow.planning.intervals import build_chain, no_offload_peak_bytes
 from dataflow.schema import Link, Links, Location, Obj, Program, Task
 from dataflow.sim import simulate
 from dataflow.testing.shapes import SMALL_LINKS as LINKS
 from dataflow.testing.shapes import MiB, tiny_streaming
-from dataflow.testing.strategies import annotated_chains
+from dataflow.testing.strategies import annotated_chains, bare_chains
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -142,3 +144,44 @@ def test_the_room_bound_waits_for_room_before_a_large_load() -> None:
     planned = plan(program, budget)
     assert planned.makespan_us >= expected
     assert planned.makespan_us <= expected * 1.02
+
+
+def test_the_ahead_bound_counts_what_no_room_lets_arrive_early() -> None:
+    """Four tasks, each reading its own 4 MiB weight from slow memory over a 1 MiB/µs
+    link, the first one 100 µs long, within 8 MiB. When task 1 starts (104 µs at the
+    earliest: W0's load, then task 0) it holds W1, so at most 4 MiB of W2 and W3 can be
+    resident or arriving: the other 4 MiB crosses after that, so task 3 starts no sooner
+    than 108 µs and the run ends no sooner than 109 µs (without the room, loads done
+    during task 0: 107 µs). The optimum is 113 µs: W2 can only start once task 0 frees
+    W0, and W3 once task 1 frees W1 and W2 is in; PressureFit finds it."""
+    links = Links(h2d=Link(float(MiB), 0.0), d2h=Link(float(MiB), 0.0))
+    program = Program(
+        "ahead",
+        [Obj(f"W{i}", 4 * MiB, "param", "slow") for i in range(4)],
+        [
+            Task(f"t{i}", "k", "k", inputs=(f"W{i}",), cost_us=100.0 if i == 0 else 1.0)
+            for i in range(4)
+        ],
+        links=links,
+    )
+    assert lower_bound(program).link_us == 107.0
+    assert lower_bound(program, 8 * MiB).link_us == 109.0
+    assert plan(program, 8 * MiB).makespan_us == 113.0
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    bare_chains(first_task_fast=False, max_tasks=12),
+    st.floats(min_value=0.0, max_value=1.0),
+)
+def test_no_plan_pressurefit_finds_beats_the_lower_bound(program: Program, share: float) -> None:
+    """PressureFit's plans, at budgets from the largest base to the no-offload peak."""
+    chain = build_chain(program)
+    floor = max(chain.base_bytes, default=1)
+    budget = max(1, int(floor + share * (max(floor, no_offload_peak_bytes(chain)) - floor)))
+    try:
+        planned = plan(program, budget)
+    except PlanningError:
+        return
+    bound = lower_bound(program.bare(), budget)
+    assert planned.makespan_us >= bound.best_us * (1 - 1e-12), bound

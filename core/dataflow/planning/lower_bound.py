@@ -18,7 +18,12 @@ Three bounds, each true for every plan the execution model allows:
   that some task before its first use cannot hold beside what that task holds is either
   loaded after the last such task ends, or every task it overlaps makes room for it (the
   volume cover with those tasks' excess raised by its size); the least of the two
-  timelines over where the load starts is a bound.
+  timelines over where the load starts is a bound. And no load arrives early without
+  room (the *ahead* bound, ``_AheadPairs``): when task ``k`` starts, the objects that
+  some task in ``(k, u]`` needs and that ``k`` does not use, that start slow or were used
+  before ``k`` (their gap spans it), are resident or arriving only as far as the budget
+  less ``k``'s footprint allows; the rest crosses ``h2d`` after ``k`` starts and before
+  ``u`` starts, one transfer at a time (for checkpoint pairs ``k < u``).
 - **volume** (needs a budget): at a task where the objects that must stay resident between
   two uses exceed the budget, at least that excess must leave fast memory and come back
   over ``h2d``, on top of the first loads. A gap cut once relieves every task it spans,
@@ -170,7 +175,8 @@ class ChainBounds:
                 if changed:
                     self.write_back_us[changed[-1]] += chain.d2h_us(life.size_bytes)
         self.first_loads_us = sum(self.first_load_us)
-        self.gaps = gaps if gaps is not None else build_gaps(chain)
+        self.ahead = _ahead_pairs(chain, self._gaps_for_ahead(gaps)) if n else None
+        self.gaps = self.ahead.gaps if self.ahead is not None else build_gaps(chain)
         self.held = [
             base + kept
             for base, kept in zip(chain.base_bytes, kept_profile(chain, self.gaps), strict=True)
@@ -185,6 +191,9 @@ class ChainBounds:
         ]
         heads.sort(key=lambda life: (-life.size_bytes, life.index))
         self.room_heads = tuple((life.size_bytes, life.uses[0]) for life in heads[:ROOM_LOADS])
+
+    def _gaps_for_ahead(self, gaps: Gaps | None) -> Gaps:
+        return gaps if gaps is not None else build_gaps(self.chain)
 
     def _reloads(self, budget_bytes: int, raised: tuple[int, int, int] | None = None) -> list[int]:
         """The volume cover's reloads by the index of the next use (``_cover_bytes``); with
@@ -201,29 +210,49 @@ class ChainBounds:
         return _cover_bytes(self.gaps, excess, self._spanning)
 
     def _timeline(
-        self, first_load_us: list[float], gaps: list[float], ready: tuple[int, float] = (-1, 0.0)
+        self,
+        first_load_us: list[float],
+        gaps: list[float],
+        ready: tuple[int, float] = (-1, 0.0),
+        budget_bytes: int | None = None,
     ) -> tuple[float, list[float]]:
         """The link bound's timeline: task ``t`` starts no sooner than the loads due by it
         (``first_load_us`` by the index of the use), nor than the task before it ends plus
-        ``gaps``, nor (``ready`` = (task, µs)) than a given time; the run ends no sooner
-        than the loads due at the end, nor than a task's end plus the write-backs of
-        everything last changed at or after it. Returns the bound and each task's earliest
-        end."""
+        ``gaps``, nor (``ready`` = (task, µs)) than a given time, nor (with a budget) than
+        the *ahead* bound says (``_AheadPairs``); the run ends no sooner than the loads
+        due at the end, nor than a task's end plus the write-backs of everything last
+        changed at or after it. Returns the bound and each task's earliest end."""
         cost = self.chain.cost_us
         n = self.chain.n_tasks
         start_us, loads_us = 0.0, 0.0
         earliest_end = []
+        ahead = self.ahead if budget_bytes is not None else None
+        if ahead is not None:
+            per_byte_us = 1.0 / self.chain.h2d.bw_bytes_per_us
+            points, column, bytes_ahead = ahead.points, ahead.column, ahead.bytes_ahead
+            # per checkpoint k passed: its start less the room it leaves, in µs
+            passed: list[float] = []
         for t in range(n):
             loads_us += first_load_us[t]
             if loads_us > start_us:
                 start_us = loads_us
             if t == ready[0] and ready[1] > start_us:
                 start_us = ready[1]
+            if ahead is not None and column[t] >= 0:
+                row = bytes_ahead[column[t]]
+                for k_us, ahead_bytes in zip(passed, row, strict=False):
+                    bound_us = k_us + ahead_bytes * per_byte_us
+                    if bound_us > start_us:
+                        start_us = bound_us
+                passed.append(start_us - (budget_bytes - ahead.held_bytes[t]) * per_byte_us)
             end_us = start_us + cost[t]
             earliest_end.append(end_us)
             start_us = end_us + gaps[t]
         loads_us += first_load_us[n]
         link_us = max(start_us, loads_us, ready[1] if ready[0] == n else 0.0)
+        if ahead is not None:
+            for k_us, ahead_bytes in zip(passed, bytes_ahead[len(points)], strict=False):
+                link_us = max(link_us, k_us + ahead_bytes * per_byte_us)
         write_back_us = self.write_back_us
         after_us = 0.0
         for t in range(n - 1, -1, -1):
@@ -269,7 +298,7 @@ class ChainBounds:
             return (earliest_end[k - 1] if k >= 1 else 0.0) + load_us
 
         # after ``last``: nothing needs making room
-        least_us, _ = self._timeline(loads_us, gaps, (use, ready_us(last + 1)))
+        least_us, _ = self._timeline(loads_us, gaps, (use, ready_us(last + 1)), budget_bytes)
         if least_us <= plain_us:
             return least_us  # no better than the link bound whatever the brackets give
         points = sorted({max(0, last + 1 - 2**step) for step in range(ROOM_BRACKETS)} | {0})
@@ -277,7 +306,9 @@ class ChainBounds:
         for low, high in itertools.pairwise(points):
             high = min(high, last)  # the bracket's fewest holders still include ``last``
             reloads = self._reloads(budget_bytes, (high, use, size))
-            bound_us, _ = self._timeline(self._loads_with(reloads), gaps, (use, ready_us(low)))
+            bound_us, _ = self._timeline(
+                self._loads_with(reloads), gaps, (use, ready_us(low)), budget_bytes
+            )
             least_us = min(least_us, bound_us)
             if least_us <= plain_us:
                 break
@@ -349,10 +380,89 @@ class ChainBounds:
                     chain.h2d_us(self.peak_held - budget_bytes),
                     chain.h2d.latency_us + sum(reloads) / bandwidth,
                 )
-        link_us, earliest_end = self._timeline(first_load_us, gaps)
+        link_us, earliest_end = self._timeline(first_load_us, gaps, budget_bytes=budget_bytes)
         found = (first_load_us, gaps, reload_us, link_us, earliest_end)
         self._last_plain = (budget_bytes, found)
         return found
+
+
+#: Checkpoint tasks of the ahead bound (``_AheadPairs``): at most this many, evenly spaced.
+AHEAD_POINTS = 48
+
+
+@attrs.frozen
+class _AheadPairs:
+    """What the *ahead* bound needs at any budget, for checkpoint tasks ``points`` (a
+    subset of the tasks, evenly spaced; any subset gives a bound). For checkpoints
+    ``k < u`` (``u`` may be the end, index ``len(points)``), ``bytes_ahead[u][k]`` is the
+    bytes of objects not used by task ``k`` that some task in ``(k, u]`` needs and that
+    cannot be in fast memory before they cross ``h2d``: those that start slow and are
+    first used in ``(k, u]``, and those with a gap that spans ``k`` and ends in ``(k, u]``.
+
+    Why it bounds (``ChainBounds._timeline``): when task ``k`` starts, fast memory holds
+    its footprint (``held_bytes[k]``: its inputs, mutates, outputs and workspace) and
+    every one of those objects that is resident or arriving, within the budget, so at
+    most ``budget - held_bytes[k]`` of them are; each of the others crosses ``h2d`` after
+    ``k`` starts and before the task in ``(k, u]`` that needs it, one transfer at a time.
+    So task ``u`` starts no sooner than ``k`` starts plus ``(bytes_ahead - budget +
+    held_bytes[k]) / bandwidth``, with ``k``'s start bounded by the same timeline."""
+
+    gaps: Gaps
+    points: tuple[int, ...]
+    #: task -> its position in ``points``, or -1
+    column: tuple[int, ...]
+    bytes_ahead: tuple[tuple[int, ...], ...]
+    held_bytes: tuple[int, ...]
+
+
+def _ahead_pairs(chain: Chain, gaps: Gaps) -> _AheadPairs:
+    """The ahead bound's checkpoint pairs for ``chain`` (``_AheadPairs``), from one pass
+    over the objects and gaps and a 2-D prefix sum over the checkpoints."""
+    from bisect import bisect_left, bisect_right
+
+    n = chain.n_tasks
+    step = max(1, -(-n // AHEAD_POINTS))
+    points = tuple(range(0, n, step))
+    m = len(points)
+    column = [-1] * n
+    for position, task in enumerate(points):
+        column[task] = position
+    # diff[k][u]: bytes that count for every checkpoint pair (k' >= k row range, u' >= u)
+    diff = [[0] * (m + 2) for _ in range(m + 2)]
+
+    def count(after: int, before: int, use: int, size: int) -> None:
+        """``size`` counts for checkpoints ``k`` with ``after < k < before`` and ``u`` with
+        ``u >= use`` (``u`` = m: the end)."""
+        k_lo = bisect_right(points, after)
+        k_hi = bisect_left(points, before) - 1
+        u_lo = bisect_left(points, use) if use < n else m
+        if k_lo > k_hi or u_lo > m:
+            return
+        diff[k_lo][u_lo] += size
+        diff[k_hi + 1][u_lo] -= size
+
+    for life in chain.objects:
+        if life.origin is Origin.SLOW and life.uses:
+            first = life.uses[0]
+            count(-1, first, first, life.size_bytes)  # every k before its first use
+    for a, b, size in zip(gaps.a, gaps.b, gaps.size_bytes, strict=True):
+        if b - a >= 2:
+            count(a, b, b, size)
+    bytes_ahead = [[0] * m for _ in range(m + 1)]
+    for k in range(m):
+        running = 0
+        for u in range(m + 1):
+            running += diff[k][u]
+            diff[k + 1][u] += diff[k][u]  # carry the row range down
+            bytes_ahead[u][k] = running if k < u else 0
+    held = list(chain.footprint_bytes) + [0]
+    return _AheadPairs(
+        gaps,
+        points,
+        tuple(column),
+        tuple(tuple(row[: min(u, m)]) for u, row in enumerate(bytes_ahead)),
+        tuple(held),
+    )
 
 
 def _cover_bytes(

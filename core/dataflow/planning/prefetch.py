@@ -81,36 +81,55 @@ def place_prefetches(
     rule: str = "jit",
 ) -> PrefetchPlan:
     """Issue task of every prefetch the cuts need, fitted into ``capacity_bytes``."""
-    if rule not in RULES:
-        raise ValueError(f"unknown prefetch rule {rule!r}; known: {', '.join(RULES)}")
-    start = chain.start_us
-    requests = prefetch_requests(chain, gaps, cut)
-    sizes = [chain.objects[obj].size_bytes for _, obj, _, _ in requests]
-    load_us = chain.load_us
-    planned = [0.0] * len(requests)
-    next_start = float("inf")
-    stretch = 2.0 if rule == "margin" else 1.0
-    for k in range(len(requests) - 1, -1, -1):
-        use = requests[k][0]
-        transfer_us = load_us[requests[k][1]]
-        planned[k] = min(start[use], next_start) - transfer_us * stretch
-        next_start = min(start[use], next_start) - transfer_us
-    held = BlockMax(
-        [b + k for b, k in zip(chain.base_bytes, kept_profile(chain, gaps, cut), strict=True)]
-    )
-    placed = []
-    for k, (use, obj, gap, earliest) in enumerate(requests):
-        if rule == "early":
-            issue = earliest
-        else:
-            issue = bisect_right(start, planned[k]) - 2  # the task before the one then
-        issue = min(use - 1, max(earliest, issue))
-        size = sizes[k]
-        room = capacity_bytes - size
-        if issue + 1 < use:
-            over = held.last_over(issue + 1, use, room)  # the last task it would push over
-            if over >= 0:
-                issue = over
-        held.add(issue + 1, use, size)
-        placed.append(Prefetch(obj, use, gap, size, earliest, issue, planned[k]))
-    return PrefetchPlan(prefetches=tuple(placed), held_bytes=tuple(held.to_list()))
+    return PrefetchWindows(chain, gaps, cut, rule).fit(capacity_bytes)
+
+
+class PrefetchWindows:
+    """The prefetches one set of cuts needs, each with its planned start under ``rule``,
+    and what every task holds before any window (its base and the kept gaps spanning it):
+    worked out once, then fitted into one capacity or several (``fit``)."""
+
+    def __init__(self, chain: Chain, gaps: Gaps, cut: tuple[bool, ...], rule: str = "jit"):
+        if rule not in RULES:
+            raise ValueError(f"unknown prefetch rule {rule!r}; known: {', '.join(RULES)}")
+        self.chain, self.rule = chain, rule
+        start = chain.start_us
+        self.requests = requests = prefetch_requests(chain, gaps, cut)
+        self.sizes = [chain.objects[obj].size_bytes for _, obj, _, _ in requests]
+        load_us = chain.load_us
+        planned = [0.0] * len(requests)
+        next_start = float("inf")
+        stretch = 2.0 if rule == "margin" else 1.0
+        for k in range(len(requests) - 1, -1, -1):
+            use = requests[k][0]
+            transfer_us = load_us[requests[k][1]]
+            planned[k] = min(start[use], next_start) - transfer_us * stretch
+            next_start = min(start[use], next_start) - transfer_us
+        self.planned = planned
+        self.held = [
+            b + k for b, k in zip(chain.base_bytes, kept_profile(chain, gaps, cut), strict=True)
+        ]
+        #: the least capacity the windows fit into (each object is counted at its use anyway)
+        self.need_bytes = max(self.held, default=0)
+
+    def fit(self, capacity_bytes: int) -> PrefetchPlan:
+        """Every window fitted into ``capacity_bytes``, earliest deadline first."""
+        start, planned, sizes = self.chain.start_us, self.planned, self.sizes
+        early = self.rule == "early"
+        held = BlockMax(self.held)
+        placed = []
+        for k, (use, obj, gap, earliest) in enumerate(self.requests):
+            if early:
+                issue = earliest
+            else:
+                issue = bisect_right(start, planned[k]) - 2  # the task before the one then
+            issue = min(use - 1, max(earliest, issue))
+            size = sizes[k]
+            room = capacity_bytes - size
+            if issue + 1 < use:
+                over = held.last_over(issue + 1, use, room)  # the last task it would push over
+                if over >= 0:
+                    issue = over
+            held.add(issue + 1, use, size)
+            placed.append(Prefetch(obj, use, gap, size, earliest, issue, planned[k]))
+        return PrefetchPlan(prefetches=tuple(placed), held_bytes=tuple(held.to_list()))

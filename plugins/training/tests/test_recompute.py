@@ -119,7 +119,9 @@ def test_a_recomputed_step_trains_exactly_as_the_saving_one() -> None:
     pytest.importorskip("dataflow_resolver_torch")
     train = TrainConfig(seq_len=16, batch=2, rounds=2)
     saving = TrainingRun("gpt2", "gpt2_tiny", train, recompute=False)
-    budget = int(0.7 * saving.planned.sim.fast_peak_bytes)
+    # half the saving step's peak: tight enough that re-deriving activations beats
+    # offloading them (at 0.7 PressureFit's plan of the saving step is the faster one)
+    budget = int(0.5 * saving.planned.sim.fast_peak_bytes)
     recomputing = TrainingRun("gpt2", "gpt2_tiny", train, budget_bytes=budget)
     assert any(t.kind == "rec" for t in recomputing.planned.program.tasks)
     generator = torch.Generator().manual_seed(0)
