@@ -31,28 +31,32 @@ def test_both_resolvers_are_registered() -> None:
 )
 def test_compiled_tiny_steps_match_the_reference_on_cuda(family_name: str, preset: str) -> None:
     pytest.importorskip(f"dataflow_family_{family_name}")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    failed = _failed_step_checks(family_name, preset, "fp32")
+    assert not failed, failed
+
+
+def _failed_step_checks(family_name: str, preset: str, policy: str) -> list:
+    """``dataflow verify``'s step checks of two compiled steps on CUDA that failed."""
     from dataflow_training.verify import TOLERANCES, step_checks
 
     from dataflow.plugins import families
 
-    family = families().get(family_name).load()
-    torch.backends.cuda.matmul.allow_tf32 = False
     checks = step_checks(
-        family,
+        families().get(family_name).load(),
         preset,
         device="cuda",
-        policy="fp32",
+        policy=policy,
         steps=2,
         rounds=2,
         batch=2,
         seq_len=16,
         budget_bytes=None,
         seed=0,
-        tolerance=TOLERANCES["fp32"]["step"],
+        tolerance=TOLERANCES[policy]["step"],
         resolver="torch-compiled",
     )
-    failed = [check for check in checks if not check.ok]
-    assert not failed, failed
+    return [check for check in checks if not check.ok]
 
 
 @pytest.mark.gpu
@@ -71,27 +75,12 @@ def test_compiled_moe_steps_in_bf16_are_captured_and_match_the_reference(
         pytest.skip("needs a CUDA device")
     from dataflow_training.config import DtypePolicy, TrainConfig
     from dataflow_training.run import TrainingRun
-    from dataflow_training.verify import TOLERANCES, step_checks
 
     from dataflow.plugins import families
 
-    family = families().get(family_name).load()
-    checks = step_checks(
-        family,
-        preset,
-        device="cuda",
-        policy="bf16",
-        steps=2,
-        rounds=2,
-        batch=2,
-        seq_len=16,
-        budget_bytes=None,
-        seed=0,
-        tolerance=TOLERANCES["bf16"]["step"],
-        resolver="torch-compiled",
-    )
-    failed = [check for check in checks if not check.ok]
+    failed = _failed_step_checks(family_name, preset, "bf16")
     assert not failed, failed
+    family = families().get(family_name).load()
     train = TrainConfig(seq_len=16, batch=2, rounds=2, dtype=DtypePolicy.named("bf16"))
     run = TrainingRun(family, preset, train, device="cuda", resolver="torch-compiled", seed=0)
     g = torch.Generator().manual_seed(0)

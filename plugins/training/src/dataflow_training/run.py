@@ -314,11 +314,19 @@ class TrainingRun:
     def pool_limit_bytes(self) -> int | None:
         """The most the engine's slow pool may take: ``pinned_limit_bytes`` and, on CUDA,
         the host's available memory less ``HOST_RESERVE_BYTES`` (None: no limit)."""
-        limits = [] if self.pinned_limit_bytes is None else [self.pinned_limit_bytes]
+        return min((limit for limit, _what in self._pool_limits()), default=None)
+
+    def _pool_limits(self) -> list[tuple[int, str]]:
+        """Each limit on the slow pool, with what it is (``pool_limit_bytes``)."""
+        limits = []
+        if self.pinned_limit_bytes is not None:
+            limits.append((self.pinned_limit_bytes, "pinned_limit_bytes"))
         available = available_host_bytes() if self.device.startswith("cuda") else None
         if available is not None:
-            limits.append(available - HOST_RESERVE_BYTES - self._weights_to_make_bytes())
-        return min(limits, default=None)
+            host = available - HOST_RESERVE_BYTES - self._weights_to_make_bytes()
+            what = f"the host's available memory less {format_size(HOST_RESERVE_BYTES)}"
+            limits.append((host, what))
+        return limits
 
     def _weights_to_make_bytes(self) -> int:
         """While ``__init__`` plans, the starting weights' host copy is not made yet, but
@@ -326,13 +334,6 @@ class TrainingRun:
         if hasattr(self, "_weights"):
             return 0
         return sum(p.layout.size_bytes for p in self.layout.packed.values() if p.kind == "W")
-
-    def _limit_source(self) -> str:
-        on_host = self.device.startswith("cuda") and available_host_bytes() is not None
-        host = f"the host's available memory less {format_size(HOST_RESERVE_BYTES)}"
-        if self.pinned_limit_bytes is None:
-            return host
-        return f"pinned_limit_bytes{' and ' + host if on_host else ''}"
 
     def _fit_pool(self, plan_and_place: Callable[[dict[str, Any]], None], options: dict) -> None:
         """With no ``backing_bytes`` the plan's slow memory is unbounded; where its pool
@@ -342,9 +343,10 @@ class TrainingRun:
         still does not fit is refused by ``check_backing`` with its message."""
         from dataflow.planning import PlanningError
 
-        limit = self.pool_limit_bytes()
-        if self.backing_bytes is not None or limit is None:
+        limits = self._pool_limits()
+        if self.backing_bytes is not None or not limits:
             return
+        limit, what = min(limits)
         for _ in range(FIT_POOL_TRIES):
             pool = self.pinned_bytes
             if pool <= limit:
@@ -361,7 +363,7 @@ class TrainingRun:
             self.backing_bytes = slow_budget  # the engine holds the run to it
             self.pool_note = (
                 f"a slow pool of {format_size(pool)} would not fit the "
-                f"{format_size(limit)} allowed ({self._limit_source()}): planned inside a "
+                f"{format_size(limit)} allowed ({what}): planned inside a "
                 f"slow budget of {format_size(slow_budget)}"
             )
 
