@@ -242,6 +242,9 @@ def isolated(session: nox.Session, folder: str) -> None:
         _check_torch_is_absent(session)
     if tests:
         session.run("pytest", "-q", "-p", "no:cacheprovider", f"{folder}/tests")
+    # Passed: its environment (a few hundred MB with transformers) is not kept, so a run of
+    # every distribution never holds more than one at a time. A failed one stays to look at.
+    shutil.rmtree(session.virtualenv.location, ignore_errors=True)
 
 
 def _add_shared_torch(session: nox.Session) -> None:
