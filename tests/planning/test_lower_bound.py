@@ -65,6 +65,7 @@ def test_volume_and_handoff_bounds_need_a_budget() -> None:
     assert bound.handoff_us == 300.0 + 4 * 500.0 + 3 * gap_us
     # the link bound adds those forced gaps to its own: no earlier than either
     assert bound.link_us >= bound.handoff_us and bound.best_us == bound.link_us
+    assert bound.writeback_us == bound.link_us  # nothing dirty must make room
 
 
 @SETTINGS
@@ -109,6 +110,35 @@ def test_volume_bound_counts_every_peak_a_cut_cannot_serve_twice() -> None:
     assert bound.volume_us == 20.0
 
 
+def test_the_write_back_bound_counts_what_must_leave_to_make_room() -> None:
+    """Three 4 MiB outputs within 8 MiB, over 1 MiB/us links without latency: A and B
+    must end slow, C is read by a 10 us task. When t2 starts it holds C, so of A and B
+    (dirty, still needed) at most 4 MiB can be resident: the other 4 MiB crossed d2h
+    after its creator ended, and A's ends first (at 1 us), so t2 starts no sooner than
+    5 us and the run ends no sooner than 16 us. Without it the bounds say 13 us (the
+    compute, or t0's end plus the three write-backs; the handoff bound sees only what
+    t1 leaves behind). The optimum is 16 us: write A back after t0, B while t3 runs."""
+    links = Links(h2d=Link(float(MiB), 0.0), d2h=Link(float(MiB), 0.0))
+    program = Program(
+        "behind",
+        [Obj(name, 4 * MiB, "activation") for name in "ABC"],
+        [
+            Task("t0", "k", "k", outputs=("A",), cost_us=1.0),
+            Task("t1", "k", "k", outputs=("B",), cost_us=1.0),
+            Task("t2", "k", "k", outputs=("C",), cost_us=1.0),
+            Task("t3", "k", "k", inputs=("C",), cost_us=10.0),
+        ],
+        final_locations={"A": "slow", "B": "slow"},
+        links=links,
+    )
+    bound = lower_bound(program, 8 * MiB)
+    assert (bound.compute_us, bound.link_us, bound.handoff_us) == (13.0, 13.0, 13.0)
+    assert bound.writeback_us == 16.0 and bound.best_us == 16.0
+    assert lower_bound(program, 12 * MiB).writeback_us == 13.0  # room for all three
+    assert lower_bound(program).writeback_us == 0.0  # needs a budget
+    assert plan(program, 8 * MiB).makespan_us == 16.0
+
+
 def test_the_room_bound_waits_for_room_before_a_large_load() -> None:
     """A tied embedding's optimizer state (twice the embedding) at the floor budget
     (embedding + its gradient + its state): it fits only once every task before its update
@@ -144,6 +174,18 @@ def test_the_room_bound_waits_for_room_before_a_large_load() -> None:
     planned = plan(program, budget)
     assert planned.makespan_us >= expected
     assert planned.makespan_us <= expected * 1.02
+    # With the write-backs that make room: if the state's load starts after the layer's
+    # update, the layer's weights and state (12 MiB) must be back in slow memory first
+    # (the embedding and its gradient are the embedding update's to hold, or to load
+    # again after the state: as long over the link either way). The other cases (the
+    # state arriving while the last tasks before its use hold it) give less: the bound
+    # is between that case and the room bound.
+    room = d2h(sizes["W_0"] + sizes["O_0"]) + h2d(sizes["O_emb"])
+    after = expected - h2d(sizes["O_emb"]) + room
+    assert after <= planned.makespan_us <= after + 10.0  # one latency under the plan
+    writeback_us = bounds.at(budget).writeback_us
+    assert expected + 300.0 < writeback_us < after  # 34.473 ms against 34.114 ms
+    assert bounds.at(budget).best_us == writeback_us
 
 
 def test_the_ahead_bound_counts_what_no_room_lets_arrive_early() -> None:
@@ -184,4 +226,5 @@ def test_no_plan_pressurefit_finds_beats_the_lower_bound(program: Program, share
     except PlanningError:
         return
     bound = lower_bound(program.bare(), budget)
+    assert bound.writeback_us >= bound.link_us  # the link bound's timeline and more
     assert planned.makespan_us >= bound.best_us * (1 - 1e-12), bound

@@ -1,6 +1,6 @@
 """Lower bounds on the makespan of any plan of a chain: no valid plan can finish sooner.
 
-Three bounds, each true for every plan the execution model allows:
+Five bounds, each true for every plan the execution model allows:
 
 - **compute**: the tasks run one at a time, so the makespan is at least the sum of costs.
 - **link** (link-aware: bytes that must cross each link over its bandwidth, against the
@@ -48,10 +48,27 @@ Three bounds, each true for every plan the execution model allows:
   Objects move whole: the transfers counted are the cheapest set of whole objects that
   covers the bytes (exact for up to ``EXACT_COVER`` objects, else bytes and the fewest
   transfers).
+- **write-back** (needs a budget): the link bound's timeline, with the write-backs that
+  must have *ended* to make room (``_WritebackPairs``). When task ``k`` starts, fast
+  memory holds its footprint and whichever of its *dirty candidates* are resident (the
+  objects it does not use, needed after it, created or changed before it); an absent one
+  has a current slow copy, which only a ``d2h`` transfer started after its last change
+  and ended before ``k`` starts gives. So for a slot ``j`` (the end of task ``j - 1``),
+  the candidates changed last at ``j`` or later, beyond the budget less ``k``'s
+  footprint, crossed ``d2h`` one at a time between the earliest end of ``j - 1`` and the
+  start of ``k``. An object that starts slow and is not changed before ``k`` may be
+  absent for free. The room bound's loads are bounded the same way: when the load of
+  ``X`` for task ``u`` starts (after task ``m`` ends), fast memory holds ``X``, and of
+  ``u``'s other objects those not absent (the absent ones cross ``h2d`` after ``X``
+  starts), and of the dirty objects changed by task ``m`` and needed after ``u``, those
+  not written back (``ChainBounds._room_after_us``). Bytes are divisible and each
+  direction runs at its own rate (a duplex limit only slows them), so it is a bound;
+  each transfer's latency counts once.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -71,16 +88,21 @@ from dataflow.schema import Link, Location, Program
 
 @attrs.frozen
 class LowerBound:
-    """The bounds, in µs; ``best_us`` is the largest (the one a plan is measured against)."""
+    """The bounds, in µs; ``best_us`` is the largest (the one a plan is measured against).
+    ``writeback_us`` is the link bound with the write-backs that make room added, so it
+    is never below ``link_us`` when there is a budget (0 without one)."""
 
     compute_us: float
     link_us: float
     volume_us: float = 0.0
     handoff_us: float = 0.0
+    writeback_us: float = 0.0
 
     @property
     def best_us(self) -> float:
-        return max(self.compute_us, self.link_us, self.volume_us, self.handoff_us)
+        return max(
+            self.compute_us, self.link_us, self.volume_us, self.handoff_us, self.writeback_us
+        )
 
 
 def lower_bound(
@@ -183,6 +205,7 @@ class ChainBounds:
         ]
         self.peak_held = max(self.held, default=0)
         self.handoff = _handoff_needs(chain) if n else None
+        self.behind = _writeback_pairs(chain) if n else None
         # the largest objects loaded for a first use after task 0: the room bound's loads
         heads = [
             life
@@ -191,6 +214,9 @@ class ChainBounds:
         ]
         heads.sort(key=lambda life: (-life.size_bytes, life.index))
         self.room_heads = tuple((life.size_bytes, life.uses[0]) for life in heads[:ROOM_LOADS])
+        self.room_objects = tuple(life.index for life in heads[:ROOM_LOADS])
+        self._room_behind_found: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
+        self._covers: tuple[int | None, dict] = (None, {})  # ``_reloads`` of one budget
 
     def _gaps_for_ahead(self, gaps: Gaps | None) -> Gaps:
         return gaps if gaps is not None else build_gaps(self.chain)
@@ -198,7 +224,17 @@ class ChainBounds:
     def _reloads(self, budget_bytes: int, raised: tuple[int, int, int] | None = None) -> list[int]:
         """The volume cover's reloads by the index of the next use (``_cover_bytes``); with
         ``raised`` = (first task, end task, bytes), every task in that range also holds
-        that many bytes more."""
+        that many bytes more. The room bound asks for the same covers with and without
+        the write-back bound: those of the last budget are kept."""
+        key = (budget_bytes, raised)
+        if self._covers[0] != budget_bytes:
+            self._covers = (budget_bytes, {})
+        found = self._covers[1].get(key)
+        if found is None:
+            found = self._covers[1][key] = self._cover(budget_bytes, raised)
+        return found
+
+    def _cover(self, budget_bytes: int, raised: tuple[int, int, int] | None) -> list[int]:
         excess = [held - budget_bytes for held in self.held]
         if raised is not None:
             first, end, extra = raised
@@ -215,11 +251,14 @@ class ChainBounds:
         gaps: list[float],
         ready: tuple[int, float] = (-1, 0.0),
         budget_bytes: int | None = None,
+        writeback: bool = False,
     ) -> tuple[float, list[float]]:
         """The link bound's timeline: task ``t`` starts no sooner than the loads due by it
         (``first_load_us`` by the index of the use), nor than the task before it ends plus
         ``gaps``, nor (``ready`` = (task, µs)) than a given time, nor (with a budget) than
-        the *ahead* bound says (``_AheadPairs``); the run ends no sooner than the loads
+        the *ahead* bound says (``_AheadPairs``), nor (with ``writeback`` too) than the
+        write-backs that must have ended for it to fit (``_WritebackPairs``); the run ends
+        no sooner than the loads
         due at the end, nor than a task's end plus the write-backs of everything last
         changed at or after it. Returns the bound and each task's earliest end."""
         cost = self.chain.cost_us
@@ -232,6 +271,12 @@ class ChainBounds:
             points, column, bytes_ahead = ahead.points, ahead.column, ahead.bytes_ahead
             # per checkpoint k passed: its start less the room it leaves, in µs
             passed: list[float] = []
+        behind = self.behind if writeback and budget_bytes is not None else None
+        if behind is not None:
+            d2h = self.chain.d2h
+            d2h_per_byte_us = 1.0 / d2h.bw_bytes_per_us
+            slots, rows, most = behind.slots, behind.behind_bytes, behind.most_bytes
+            tasks_at = behind.column
         for t in range(n):
             loads_us += first_load_us[t]
             if loads_us > start_us:
@@ -245,6 +290,15 @@ class ChainBounds:
                     if bound_us > start_us:
                         start_us = bound_us
                 passed.append(start_us - (budget_bytes - ahead.held_bytes[t]) * per_byte_us)
+            if behind is not None and tasks_at[t] >= 0 and most[tasks_at[t]] > budget_bytes:
+                for slot, behind_bytes in zip(slots, rows[tasks_at[t]], strict=False):
+                    over = behind_bytes - budget_bytes
+                    if over <= 0:
+                        break  # fewer bytes from later slots on
+                    since_us = earliest_end[slot - 1] if slot else 0.0
+                    bound_us = since_us + d2h.latency_us + over * d2h_per_byte_us
+                    if bound_us > start_us:
+                        start_us = bound_us
             end_us = start_us + cost[t]
             earliest_end.append(end_us)
             start_us = end_us + gaps[t]
@@ -261,17 +315,99 @@ class ChainBounds:
                 link_us = max(link_us, earliest_end[t] + after_us)
         return link_us, earliest_end
 
-    def _rooms(self, budget_bytes: int) -> list[tuple[int, int, int]]:
-        """(size, first use, task) of each room-bound load: the last task before the
-        object's first use at which it does not fit beside what is held there."""
+    def _rooms(self, budget_bytes: int) -> list[tuple[int, int, int, int]]:
+        """(size, first use, task, object) of each room-bound load: the last task before
+        the object's first use at which it does not fit beside what is held there."""
         found = []
         held = self.held
-        for size, use in self.room_heads:
+        for (size, use), obj in zip(self.room_heads, self.room_objects, strict=True):
             room = budget_bytes - size
             last = next((t for t in range(use - 1, -1, -1) if held[t] > room), None)
             if last is not None:
-                found.append((size, use, last))
+                found.append((size, use, last, obj))
         return found
+
+    def _room_behind(self, obj: int, last: int) -> tuple[int, tuple[int, ...]]:
+        """For the load of object ``obj`` (first used by task ``use``) started after task
+        ``last`` ends: the bytes of ``use``'s other inputs and mutates that exist then,
+        and per write-back slot (``_WritebackPairs.slots`` up to ``last + 1``) the bytes
+        of the objects ``use`` does not use, needed after it (a later use, or a final
+        location), changed last by task ``last`` at a slot at or after that one."""
+        key = (obj, last)
+        if key in self._room_behind_found:
+            return self._room_behind_found[key]
+        chain = self.chain
+        use = chain.objects[obj].uses[0]
+        task = chain.program.tasks[use]
+        used = {*task.inputs, *task.mutates}
+        first = chain.program.tasks[0]
+        changed_by_first = set(first.mutates)
+        slots = [slot for slot in self.behind.slots if slot <= last + 1]
+        by_slot = [0] * (len(slots) + 1)
+        held_bytes = 0
+        for life in chain.objects:
+            if life.index == obj or not life.uses:
+                continue
+            if life.obj_id in used:
+                if life.origin is not Origin.CREATED or life.uses[0] <= last:
+                    held_bytes += life.size_bytes
+                continue
+            if life.uses[-1] <= use and life.final is not Location.SLOW:
+                continue  # not needed after ``use``
+            slot = -1
+            for k, (at, dirty) in enumerate(zip(life.uses, life.dirties, strict=True)):
+                if at > last:
+                    break
+                if dirty:
+                    virtual = k == 0 and life.origin is Origin.FAST
+                    slot = 0 if virtual and life.obj_id not in changed_by_first else at + 1
+            if slot >= 0:
+                by_slot[bisect.bisect_right(slots, slot)] += life.size_bytes
+        behind, running = [], 0
+        for position in range(len(slots), 0, -1):
+            running += by_slot[position]
+            behind.append(running)
+        found = (held_bytes, tuple(reversed(behind)))
+        self._room_behind_found[key] = found
+        return found
+
+    def _room_after_us(
+        self, budget_bytes: int, size: int, last: int, obj: int, earliest_end: list[float]
+    ) -> float:
+        """The earliest start of the first use of ``obj`` (``size`` bytes) when its load
+        starts after task ``last`` ends, with the write-backs that make room for it: when
+        the load starts, fast memory holds it, and of the first use's other inputs and
+        mutates, those not absent (``a`` bytes absent, loaded after it), and of the dirty
+        objects still needed after it, those not absent (written back since their last
+        change). So for any write-back slot ``j``, ``behind_j + held + size - budget - a``
+        bytes crossed ``d2h`` between the end of task ``j - 1`` and the load's start, and
+        ``size + a`` cross ``h2d`` after it: the least over ``a`` (at its ends or the kink,
+        the bound being convex in ``a`` until the write-backs are not needed) bounds the
+        start, for each ``j``."""
+        chain = self.chain
+        h2d, d2h = chain.h2d, chain.d2h
+        held_bytes, behind = self._room_behind(obj, last)
+        after_us = earliest_end[last]
+        best_us = after_us + h2d.transfer_us(size)
+        for slot, behind_bytes in zip(self.behind.slots, behind, strict=False):
+            over = behind_bytes + held_bytes + size - budget_bytes
+            if over <= 0:
+                break  # fewer bytes from later slots on
+            since_us = (earliest_end[slot - 1] if slot else 0.0) + d2h.latency_us
+
+            def start_us(absent: float, over: int = over, since_us: float = since_us) -> float:
+                written = over - absent
+                ready_us = after_us
+                if written > 0:
+                    ready_us = max(ready_us, since_us + written / d2h.bw_bytes_per_us)
+                return ready_us + h2d.latency_us + (size + absent) / h2d.bw_bytes_per_us
+
+            points = [0.0, float(min(held_bytes, over))]
+            kink = over - (after_us - since_us) * d2h.bw_bytes_per_us
+            if 0.0 < kink < points[1]:
+                points.append(kink)
+            best_us = max(best_us, min(map(start_us, points)))
+        return best_us
 
     def _room_us(
         self,
@@ -281,6 +417,8 @@ class ChainBounds:
         last: int,
         gaps: list[float],
         plain: tuple[list[float], float, list[float]],
+        writeback: bool = False,
+        obj: int = -1,
     ) -> float:
         """The room bound of one load (the module docstring): the load of ``size`` bytes
         for task ``use`` starts after some task ``k - 1`` ends and before task ``k`` ends
@@ -290,15 +428,20 @@ class ChainBounds:
         bound is the least over ``k``; the ``k`` up to ``last`` are taken in a few
         brackets, each bounded by its weakest ends (the fewest tasks that hold the load,
         the earliest start), so the minimum is never overstated. ``plain`` is the link
-        bound's own timeline (its loads, bound and earliest ends)."""
+        bound's own timeline (its loads, bound and earliest ends); with ``writeback``, the
+        timelines (``plain`` too) count the write-back bound, and so does the start of the
+        load after ``last`` (``_room_after_us``; ``obj`` is the object loaded)."""
         loads_us, plain_us, earliest_end = plain
         load_us = self.chain.h2d_us(size)
 
         def ready_us(k: int) -> float:
             return (earliest_end[k - 1] if k >= 1 else 0.0) + load_us
 
-        # after ``last``: nothing needs making room
-        least_us, _ = self._timeline(loads_us, gaps, (use, ready_us(last + 1)), budget_bytes)
+        # after ``last``: nothing needs making room but write-backs
+        after_us = ready_us(last + 1)
+        if writeback and use < self.chain.n_tasks:
+            after_us = self._room_after_us(budget_bytes, size, last, obj, earliest_end)
+        least_us, _ = self._timeline(loads_us, gaps, (use, after_us), budget_bytes, writeback)
         if least_us <= plain_us:
             return least_us  # no better than the link bound whatever the brackets give
         points = sorted({max(0, last + 1 - 2**step) for step in range(ROOM_BRACKETS)} | {0})
@@ -306,8 +449,11 @@ class ChainBounds:
         for low, high in itertools.pairwise(points):
             high = min(high, last)  # the bracket's fewest holders still include ``last``
             reloads = self._reloads(budget_bytes, (high, use, size))
+            start_us = ready_us(low)
+            if writeback and low >= 1 and use < self.chain.n_tasks:
+                start_us = self._room_after_us(budget_bytes, size, low - 1, obj, earliest_end)
             bound_us, _ = self._timeline(
-                self._loads_with(reloads), gaps, (use, ready_us(low)), budget_bytes
+                self._loads_with(reloads), gaps, (use, start_us), budget_bytes, writeback
             )
             least_us = min(least_us, bound_us)
             if least_us <= plain_us:
@@ -338,17 +484,35 @@ class ChainBounds:
         if n == 0:
             return LowerBound(0.0, 0.0, 0.0)
         first_load_us, gaps, reload_us, link_us, earliest_end = self._plain(budget_bytes)
+        writeback_us = link_us if budget_bytes is not None else 0.0
+        behind = self.behind is not None and budget_bytes is not None
+        writeback_end = earliest_end
+        if behind and max(self.behind.most_bytes) > budget_bytes:
+            writeback_us, writeback_end = self._timeline(
+                first_load_us, gaps, budget_bytes=budget_bytes, writeback=True
+            )
         if budget_bytes is not None and rooms:
             plain = (first_load_us, link_us, earliest_end)
-            for size, use, last in self._rooms(budget_bytes):
-                link_us = max(link_us, self._room_us(budget_bytes, size, use, last, gaps, plain))
+            with_writeback = (first_load_us, writeback_us, writeback_end)
+            for size, use, last, obj in self._rooms(budget_bytes):
+                room = (budget_bytes, size, use, last, gaps)
+                link_us = max(link_us, self._room_us(*room, plain))
+                if behind:
+                    writeback_us = max(
+                        writeback_us, self._room_us(*room, with_writeback, True, obj)
+                    )
+            writeback_us = max(writeback_us, link_us)
         volume_us = handoff_us = 0.0
         if budget_bytes is not None:
             handoff_us = compute_us + sum(gaps)
             if reload_us or self.first_loads_us:
                 volume_us = self.first_loads_us + reload_us
         return LowerBound(
-            compute_us=compute_us, link_us=link_us, volume_us=volume_us, handoff_us=handoff_us
+            compute_us=compute_us,
+            link_us=link_us,
+            volume_us=volume_us,
+            handoff_us=handoff_us,
+            writeback_us=writeback_us,
         )
 
     def _plain(
@@ -462,6 +626,115 @@ def _ahead_pairs(chain: Chain, gaps: Gaps) -> _AheadPairs:
         tuple(column),
         tuple(tuple(row[: min(u, m)]) for u, row in enumerate(bytes_ahead)),
         tuple(held),
+    )
+
+
+#: Tasks the write-back bound checks (``_WritebackPairs``): this many evenly spaced, and
+#: this many more where the most must have been written back (``_writeback_pairs``).
+WRITEBACK_TASKS = 48
+#: Release slots (the start, or a task's end) it counts write-backs from, evenly spaced.
+WRITEBACK_SLOTS = 48
+
+
+@attrs.frozen
+class _WritebackPairs:
+    """What the *write-back* bound needs at any budget, for the tasks ``tasks`` and the
+    release slots ``slots`` (slot 0: program start; slot ``j``: the end of task ``j - 1``;
+    any subsets give a bound). ``behind_bytes[i][s]`` is task ``tasks[i]``'s footprint
+    plus the bytes of its *dirty candidates* whose last change before it is at slot
+    ``slots[s]`` or later (only slots up to that task are kept; the bytes fall as the
+    slot rises): the objects it does not use, that exist when it starts, whose value is
+    needed after it (a later use, or a final location), and that were created or changed
+    before it (or started in fast memory: slot 0). ``most_bytes[i]`` is the first entry.
+
+    Why it bounds (``ChainBounds._timeline``): when task ``k`` starts, fast memory holds
+    its footprint and, within the budget, whichever candidates are resident or arriving
+    (one with a write-back still running holds its bytes until the write-back ends). A
+    candidate that is absent is still needed, so its slow copy is current; for a dirty
+    one that takes a ``d2h`` transfer that started after its last change (nothing
+    copies an object while a task uses it) and ended before ``k`` starts. So of the dirty
+    candidates changed last at slot ``j`` or later, at least ``behind_bytes - budget``
+    bytes crossed ``d2h`` between the earliest end of task ``j - 1`` and the start of
+    ``k``, one transfer at a time, each spending the link's latency first: ``k`` starts
+    no sooner than that end plus the latency plus those bytes over the link's bandwidth
+    (alone: a shared duplex rate is slower). Candidates that start slow and are not
+    changed before ``k`` have a current slow copy anyway: they may all be absent."""
+
+    tasks: tuple[int, ...]
+    #: task -> its position in ``tasks``, or -1
+    column: tuple[int, ...]
+    slots: tuple[int, ...]
+    behind_bytes: tuple[tuple[int, ...], ...]
+    most_bytes: tuple[int, ...]
+
+
+def _writeback_pairs(chain: Chain) -> _WritebackPairs:
+    """The write-back bound's pairs for ``chain`` (``_WritebackPairs``): each object's
+    dirty-candidate stretches (tasks after a use and before the next, or to the end when
+    it must end slow, once something changed it), then a 2-D prefix sum over the tasks and
+    slots kept. The tasks kept: evenly spaced ones, and those whose footprint plus every
+    dirty candidate, over the ``d2h`` bandwidth, less its ideal start, is largest (where
+    the bound from program start, plus the compute after, is highest)."""
+    from bisect import bisect_left, bisect_right
+
+    n = chain.n_tasks
+    first = chain.program.tasks[0] if n else None
+    changed_by_first = set(first.mutates) if first is not None else set()
+    used_by_first = changed_by_first | set(first.inputs) if first is not None else set()
+    stretches: list[tuple[int, int, int, int]] = []  # (first task, end task, slot, size)
+    for life in chain.objects:
+        slot = -1  # the slot of the last change so far; -1: none (its slow copy is current)
+        uses = life.uses
+        for k, use in enumerate(uses):
+            low = use + 1
+            if life.dirties[k]:
+                slot = use + 1
+                if k == 0 and life.origin is Origin.FAST and life.obj_id not in changed_by_first:
+                    slot = 0  # dirty from the start: the prologue may write it back
+                    if life.obj_id not in used_by_first:
+                        low = 0  # only the virtual use: task 0 need not hold it
+            end = uses[k + 1] if k + 1 < len(uses) else (n if life.final is Location.SLOW else 0)
+            if slot >= 0 and end > low:
+                stretches.append((low, end, slot, life.size_bytes))
+    everything = [0] * (n + 1)
+    for low, high, _, size in stretches:
+        everything[low] += size
+        everything[high] -= size
+    running, most = 0, []
+    for t in range(n):
+        running += everything[t]
+        most.append(running + chain.footprint_bytes[t])
+    bandwidth = chain.d2h.bw_bytes_per_us
+    step = max(1, -(-n // WRITEBACK_TASKS))
+    ranked = sorted(range(n), key=lambda t: chain.start_us[t] - most[t] / bandwidth)
+    tasks = tuple(sorted(set(range(0, n, step)) | set(ranked[:WRITEBACK_TASKS])))
+    slots = tuple(range(0, n, max(1, -(-n // WRITEBACK_SLOTS))))
+    rows, columns = len(tasks), len(slots)
+    diff = [[0] * (columns + 1) for _ in range(rows + 1)]
+    for low, high, slot, size in stretches:
+        row_lo, row_hi = bisect_left(tasks, low), bisect_left(tasks, high)
+        if row_lo == row_hi:
+            continue
+        last = bisect_right(slots, slot)  # the slots at or before the change
+        diff[row_lo][0] += size
+        diff[row_hi][0] -= size
+        diff[row_lo][last] -= size
+        diff[row_hi][last] += size
+    behind = []
+    for row in range(rows):
+        if row:
+            diff[row] = [a + b for a, b in zip(diff[row], diff[row - 1], strict=True)]
+        task = tasks[row]
+        kept, running = [], chain.footprint_bytes[task]
+        for column in range(bisect_right(slots, task)):
+            running += diff[row][column]
+            kept.append(running)
+        behind.append(tuple(kept))
+    column_of = [-1] * n
+    for position, task in enumerate(tasks):
+        column_of[task] = position
+    return _WritebackPairs(
+        tasks, tuple(column_of), slots, tuple(behind), tuple(most[t] for t in tasks)
     )
 
 
