@@ -17,8 +17,9 @@ Five bounds, each true for every plan the execution model allows:
   load also waits for room (``ChainBounds._room_us``): an object that starts slow and
   that some task before its first use cannot hold beside what that task holds is either
   loaded after the last such task ends, or every task it overlaps makes room for it (the
-  volume cover with those tasks' excess raised by its size); the least of the two
-  timelines over where the load starts is a bound. And no load arrives early without
+  volume cover with those tasks' excess raised by its size, and what the fullest of them
+  cannot keep comes back whole after the load starts); the least of the two timelines
+  over where the load starts is a bound. And no load arrives early without
   room (the *ahead* bound, ``_AheadPairs``): when task ``k`` starts, the objects that
   some task in ``(k, u]`` needs and that ``k`` does not use, that start slow or were used
   before ``k`` (their gap spans it), are resident or arriving only as far as the budget
@@ -43,7 +44,10 @@ Five bounds, each true for every plan the execution model allows:
     objects it does not use is still there; if that is over the budget, some of them must
     have left. Dead or clean ones leave at once, but one that ``t`` created or mutated and
     that is needed later (used again, or final location slow) leaves only when its
-    write-back, which cannot start before ``t`` ends, is done.
+    write-back, which cannot start before ``t`` ends, is done. And when loads are forced,
+    the last one starts only once everything ``t+1`` reads is reserved: if that and
+    those objects of ``t`` are over the budget, the write-backs that make room end
+    before it starts, so the gap is at least they plus the smallest thing ``t+1`` reads.
 
   Objects move whole: the transfers counted are the cheapest set of whole objects that
   covers the bytes (exact for up to ``EXACT_COVER`` objects, else bytes and the fewest
@@ -217,6 +221,7 @@ class ChainBounds:
         self.room_objects = tuple(life.index for life in heads[:ROOM_LOADS])
         self._room_behind_found: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
         self._covers: tuple[int | None, dict] = (None, {})  # ``_reloads`` of one budget
+        self._spanning_at: dict[int, tuple[tuple[int, int], ...]] = {}
 
     def _gaps_for_ahead(self, gaps: Gaps | None) -> Gaps:
         return gaps if gaps is not None else build_gaps(self.chain)
@@ -449,9 +454,11 @@ class ChainBounds:
         for low, high in itertools.pairwise(points):
             high = min(high, last)  # the bracket's fewest holders still include ``last``
             reloads = self._reloads(budget_bytes, (high, use, size))
-            start_us = ready_us(low)
+            start_us = ready_us(low) + self._held_reload_us(budget_bytes, size, high, use)
             if writeback and low >= 1 and use < self.chain.n_tasks:
-                start_us = self._room_after_us(budget_bytes, size, low - 1, obj, earliest_end)
+                start_us = max(
+                    start_us, self._room_after_us(budget_bytes, size, low - 1, obj, earliest_end)
+                )
             bound_us, _ = self._timeline(
                 self._loads_with(reloads), gaps, (use, start_us), budget_bytes, writeback
             )
@@ -459,6 +466,35 @@ class ChainBounds:
             if least_us <= plain_us:
                 break
         return least_us
+
+    def _held_reload_us(self, budget_bytes: int, size: int, high: int, use: int) -> float:
+        """In a room-bound bracket (the load of ``size`` bytes for task ``use`` started
+        before task ``high`` ends), the ``h2d`` time of the whole objects that must come
+        back after the load starts and before ``use``: at some instant of each task ``t``
+        from ``high`` to ``use - 1`` (the one holding the most is taken), fast memory holds
+        the load, ``t``'s base and the objects kept across ``t`` that are still there;
+        those beyond the budget are absent and cross ``h2d`` after that instant, before
+        their next use. Those next used after ``use`` are counted as a share of their
+        bytes, the others whole (``_cover_us``)."""
+        held = self.held
+        first = max(high, 1)
+        if first >= use:
+            return 0.0
+        t = max(range(first, use), key=lambda task: (held[task], task))
+        need = held[t] + size - budget_bytes
+        if need <= 0:
+            return 0.0
+        spanning = self._spanning_at.get(t)
+        if spanning is None:
+            gaps = self.gaps
+            spanning = self._spanning_at[t] = tuple(
+                (gaps.size_bytes[g], b)
+                for g, (a, b) in enumerate(zip(gaps.a, gaps.b, strict=True))
+                if a < t < b
+            )
+        near = [object_bytes for object_bytes, b in spanning if b <= use]
+        need -= sum(object_bytes for object_bytes, b in spanning if b > use)
+        return _cover_us(near, need, self.chain.h2d) if near and need > 0 else 0.0
 
     def _loads_with(self, reloads: list[int]) -> list[float]:
         """First loads plus ``reloads`` (bytes, by the index of the next use)."""
@@ -813,6 +849,10 @@ class _HandoffNeeds:
     pinned: tuple[tuple[int, ...], ...]
     #: the budget below which something must leave: base[t+1] + everything left behind
     leave_above: tuple[int, ...]
+    #: what ``t+1`` reads (inputs and mutates; at the end, the final fast objects) plus
+    #: the sizes that must be written back first, and the smallest thing it reads
+    read_pinned: tuple[int, ...] = ()
+    smallest_read: tuple[int, ...] = ()
 
     def gaps_us(self, chain: Chain, budget_bytes: int) -> list[float]:
         """Per task ``t``, the transfer time forced between it and the next task."""
@@ -828,6 +868,13 @@ class _HandoffNeeds:
             must_go = leave_above - budget_bytes
             if must_go > self.free[t]:
                 write_us = _cover_us(list(self.pinned[t]), must_go - self.free[t], chain.d2h)
+            if load_us and self.read_pinned[t] > budget_bytes:
+                # the last load for t+1 starts once all it reads is reserved: only the
+                # write-backs that make room beside that let it start
+                room_us = _cover_us(
+                    list(self.pinned[t]), self.read_pinned[t] - budget_bytes, chain.d2h
+                )
+                write_us = max(write_us, room_us + chain.h2d_us(self.smallest_read[t]))
             gaps_us[t] = max(load_us, write_us)
         return gaps_us
 
@@ -850,6 +897,7 @@ def _handoff_needs(chain: Chain) -> _HandoffNeeds:
     size = [life.size_bytes for life in chain.objects]
     base = chain.base_bytes
     fresh, load_above, free, pinned, leave_above = [], [], [], [], []
+    read_pinned, smallest_read = [], []
     for t in range(n):
         used, following = used_at[t], used_at[t + 1]
         sizes = tuple(size[o] for o in read_at[t + 1] if o not in used)
@@ -859,8 +907,17 @@ def _handoff_needs(chain: Chain) -> _HandoffNeeds:
         free.append(sum(size[o] for o in leaving if o not in pinned_at[t]))
         pinned.append(tuple(size[o] for o in leaving if o in pinned_at[t]))
         leave_above.append(base[t + 1] + sum(size[o] for o in leaving))
+        reads = [size[o] for o in read_at[t + 1]]
+        read_pinned.append(sum(reads) + sum(pinned[-1]))
+        smallest_read.append(min(reads, default=0))
     return _HandoffNeeds(
-        tuple(fresh), tuple(load_above), tuple(free), tuple(pinned), tuple(leave_above)
+        tuple(fresh),
+        tuple(load_above),
+        tuple(free),
+        tuple(pinned),
+        tuple(leave_above),
+        tuple(read_pinned),
+        tuple(smallest_read),
     )
 
 
