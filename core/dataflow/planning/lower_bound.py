@@ -65,9 +65,8 @@ Five bounds, each true for every plan the execution model allows:
   ``X`` for task ``u`` starts (after task ``m`` ends), fast memory holds ``X``, and of
   ``u``'s other objects those not absent (the absent ones cross ``h2d`` after ``X``
   starts), and of the dirty objects changed by task ``m`` and needed after ``u``, those
-  not written back (``ChainBounds._room_after_us``). Bytes are divisible and each
-  direction runs at its own rate (a duplex limit only slows them), so it is a bound;
-  each transfer's latency counts once.
+  not written back (``ChainBounds._room_after_us``). Each direction runs at its own rate
+  (a duplex limit only slows them), so it is a bound.
 """
 
 from __future__ import annotations
@@ -288,6 +287,17 @@ class ChainBounds:
                 start_us = loads_us
             if t == ready[0] and ready[1] > start_us:
                 start_us = ready[1]
+            # before the ahead bound's checkpoint: its start counts for the pairs after it
+            if behind is not None and tasks_at[t] >= 0 and most[tasks_at[t]] > budget_bytes:
+                for slot, behind_bytes in zip(slots, rows[tasks_at[t]], strict=False):
+                    over = behind_bytes - budget_bytes
+                    if over <= 0:
+                        break  # fewer bytes from later slots on
+                    since_us = earliest_end[slot - 1] if slot else 0.0
+                    count, written = behind.written_bytes(tasks_at[t], over)
+                    bound_us = since_us + count * d2h.latency_us + written * d2h_per_byte_us
+                    if bound_us > start_us:
+                        start_us = bound_us
             if ahead is not None and column[t] >= 0:
                 row = bytes_ahead[column[t]]
                 for k_us, ahead_bytes in zip(passed, row, strict=False):
@@ -295,15 +305,6 @@ class ChainBounds:
                     if bound_us > start_us:
                         start_us = bound_us
                 passed.append(start_us - (budget_bytes - ahead.held_bytes[t]) * per_byte_us)
-            if behind is not None and tasks_at[t] >= 0 and most[tasks_at[t]] > budget_bytes:
-                for slot, behind_bytes in zip(slots, rows[tasks_at[t]], strict=False):
-                    over = behind_bytes - budget_bytes
-                    if over <= 0:
-                        break  # fewer bytes from later slots on
-                    since_us = earliest_end[slot - 1] if slot else 0.0
-                    bound_us = since_us + d2h.latency_us + over * d2h_per_byte_us
-                    if bound_us > start_us:
-                        start_us = bound_us
             end_us = start_us + cost[t]
             earliest_end.append(end_us)
             start_us = end_us + gaps[t]
@@ -691,9 +692,10 @@ class _WritebackPairs:
     copies an object while a task uses it) and ended before ``k`` starts. So of the dirty
     candidates changed last at slot ``j`` or later, at least ``behind_bytes - budget``
     bytes crossed ``d2h`` between the earliest end of task ``j - 1`` and the start of
-    ``k``, one transfer at a time, each spending the link's latency first: ``k`` starts
-    no sooner than that end plus the latency plus those bytes over the link's bandwidth
-    (alone: a shared duplex rate is slower). Candidates that start slow and are not
+    ``k``, one transfer at a time, each spending the link's latency first, in whole
+    objects (``written_bytes``): ``k`` starts no sooner than that end plus those
+    transfers' latencies and bytes over the link's bandwidth (alone: a shared duplex
+    rate is slower). Candidates that start slow and are not
     changed before ``k`` have a current slow copy anyway: they may all be absent."""
 
     tasks: tuple[int, ...]
@@ -702,6 +704,20 @@ class _WritebackPairs:
     slots: tuple[int, ...]
     behind_bytes: tuple[tuple[int, ...], ...]
     most_bytes: tuple[int, ...]
+    #: per task kept: the largest and the smallest of its dirty candidates (objects move
+    #: whole: ``over`` bytes take at least ``ceil(over / largest)`` transfers, each at
+    #: least the smallest)
+    largest_bytes: tuple[int, ...] = ()
+    smallest_bytes: tuple[int, ...] = ()
+
+    def written_bytes(self, position: int, over: int) -> tuple[int, int]:
+        """The fewest transfers, and the fewest bytes, that whole candidates of task
+        ``tasks[position]`` covering ``over`` bytes take."""
+        largest = self.largest_bytes[position]
+        if largest <= 0:
+            return 1, over  # nothing to write: the footprint alone is over the budget
+        count = -(-over // largest)
+        return count, max(over, count * self.smallest_bytes[position])
 
 
 def _writeback_pairs(chain: Chain) -> _WritebackPairs:
@@ -769,9 +785,41 @@ def _writeback_pairs(chain: Chain) -> _WritebackPairs:
     column_of = [-1] * n
     for position, task in enumerate(tasks):
         column_of[task] = position
+    largest, smallest = _extremes(stretches, tasks)
     return _WritebackPairs(
-        tasks, tuple(column_of), slots, tuple(behind), tuple(most[t] for t in tasks)
+        tasks,
+        tuple(column_of),
+        slots,
+        tuple(behind),
+        tuple(most[t] for t in tasks),
+        largest,
+        smallest,
     )
+
+
+def _extremes(
+    stretches: list[tuple[int, int, int, int]], tasks: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per task of ``tasks`` (ascending), the largest and the smallest size of the
+    ``stretches`` (first task, end task, slot, size) that cover it (1 and 0 when none)."""
+    order = sorted(stretches)
+    largest_heap: list[tuple[int, int]] = []  # (-size, end)
+    smallest_heap: list[tuple[int, int]] = []  # (size, end)
+    largest, smallest = [], []
+    position = 0
+    for task in tasks:
+        while position < len(order) and order[position][0] <= task:
+            low, high, _, size = order[position]
+            heapq.heappush(largest_heap, (-size, high))
+            heapq.heappush(smallest_heap, (size, high))
+            position += 1
+        while largest_heap and largest_heap[0][1] <= task:
+            heapq.heappop(largest_heap)
+        while smallest_heap and smallest_heap[0][1] <= task:
+            heapq.heappop(smallest_heap)
+        largest.append(-largest_heap[0][0] if largest_heap else 1)
+        smallest.append(smallest_heap[0][0] if smallest_heap else 0)
+    return tuple(largest), tuple(smallest)
 
 
 def _cover_bytes(
@@ -829,7 +877,7 @@ def _spanning_from(gaps: Gaps, n: int) -> list[list[tuple[int, int]]]:
 #: The room bound looks at this many of the largest objects that start slow.
 ROOM_LOADS = 2
 #: Brackets of the tasks before ``last`` the room bound splits the load's start into.
-ROOM_BRACKETS = 4
+ROOM_BRACKETS = 6
 
 #: Up to this many candidate objects, the cheapest covering set is found by enumeration.
 EXACT_COVER = 8
