@@ -221,6 +221,7 @@ class ChainBounds:
         self._room_behind_found: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
         self._covers: tuple[int | None, dict] = (None, {})  # ``_reloads`` of one budget
         self._spanning_at: dict[int, tuple[tuple[int, int], ...]] = {}
+        self._changes: tuple[list, dict[str, int]] | None = None  # ``_changes(chain)``
 
     def _gaps_for_ahead(self, gaps: Gaps | None) -> Gaps:
         return gaps if gaps is not None else build_gaps(self.chain)
@@ -343,32 +344,26 @@ class ChainBounds:
         if key in self._room_behind_found:
             return self._room_behind_found[key]
         chain = self.chain
-        use = chain.objects[obj].uses[0]
+        lives = chain.objects
+        use = lives[obj].uses[0]
         task = chain.program.tasks[use]
         used = {*task.inputs, *task.mutates}
-        first = chain.program.tasks[0]
-        changed_by_first = set(first.mutates)
+        if self._changes is None:
+            self._changes = _changes(chain)
         slots = [slot for slot in self.behind.slots if slot <= last + 1]
         by_slot = [0] * (len(slots) + 1)
         held_bytes = 0
-        for life in chain.objects:
-            if life.index == obj or not life.uses:
-                continue
-            if life.obj_id in used:
-                if life.origin is not Origin.CREATED or life.uses[0] <= last:
-                    held_bytes += life.size_bytes
-                continue
-            if life.uses[-1] <= use and life.final is not Location.SLOW:
-                continue  # not needed after ``use``
-            slot = -1
-            for k, (at, dirty) in enumerate(zip(life.uses, life.dirties, strict=True)):
-                if at > last:
-                    break
-                if dirty:
-                    virtual = k == 0 and life.origin is Origin.FAST
-                    slot = 0 if virtual and life.obj_id not in changed_by_first else at + 1
-            if slot >= 0:
-                by_slot[bisect.bisect_right(slots, slot)] += life.size_bytes
+        index_of = self._changes[1]
+        for obj_id in used:
+            life = lives[index_of[obj_id]]
+            if life.index != obj and (life.origin is not Origin.CREATED or life.uses[0] <= last):
+                held_bytes += life.size_bytes
+        for index, obj_id, size, needed_after, at, slot_of in self._changes[0]:
+            if index == obj or obj_id in used or needed_after <= use:
+                continue  # the load, the use's own, or not needed after the use
+            changed = bisect.bisect_right(at, last)
+            if changed:
+                by_slot[bisect.bisect_right(slots, slot_of[changed - 1])] += size
         behind, running = [], 0
         for position in range(len(slots), 0, -1):
             running += by_slot[position]
@@ -758,8 +753,11 @@ def _writeback_pairs(chain: Chain) -> _WritebackPairs:
         most.append(running + chain.footprint_bytes[t])
     bandwidth = chain.d2h.bw_bytes_per_us
     step = max(1, -(-n // WRITEBACK_TASKS))
-    ranked = sorted(range(n), key=lambda t: chain.start_us[t] - most[t] / bandwidth)
-    tasks = tuple(sorted(set(range(0, n, step)) | set(ranked[:WRITEBACK_TASKS])))
+    start_us = chain.start_us
+    ranked = heapq.nsmallest(
+        WRITEBACK_TASKS, range(n), key=lambda t: start_us[t] - most[t] / bandwidth
+    )
+    tasks = tuple(sorted(set(range(0, n, step)) | set(ranked)))
     slots = tuple(range(0, n, max(1, -(-n // WRITEBACK_SLOTS))))
     rows, columns = len(tasks), len(slots)
     diff = [[0] * (columns + 1) for _ in range(rows + 1)]
@@ -795,6 +793,28 @@ def _writeback_pairs(chain: Chain) -> _WritebackPairs:
         largest,
         smallest,
     )
+
+
+def _changes(chain: Chain) -> tuple[list, dict[str, int]]:
+    """Per object that something changes (or that starts in fast memory): its index, id,
+    size, the last task it is needed at (``n`` when it must end slow), and its changes'
+    tasks and write-back slots (``_WritebackPairs``); and every object's index by id."""
+    n = chain.n_tasks
+    changed_by_first = set(chain.program.tasks[0].mutates) if n else set()
+    found = []
+    for life in chain.objects:
+        at, slot_of = [], []
+        for k, (use, dirty) in enumerate(zip(life.uses, life.dirties, strict=True)):
+            if dirty:
+                virtual = k == 0 and life.origin is Origin.FAST
+                at.append(use)
+                slot_of.append(0 if virtual and life.obj_id not in changed_by_first else use + 1)
+        if at:
+            needed_after = n if life.final is Location.SLOW else life.uses[-1]
+            found.append(
+                (life.index, life.obj_id, life.size_bytes, needed_after, tuple(at), tuple(slot_of))
+            )
+    return found, {life.obj_id: life.index for life in chain.objects}
 
 
 def _extremes(
