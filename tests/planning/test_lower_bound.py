@@ -65,6 +65,7 @@ def test_volume_and_handoff_bounds_need_a_budget() -> None:
     assert bound.handoff_us == 300.0 + 4 * 500.0 + 3 * gap_us
     # the link bound adds those forced gaps to its own: no earlier than either
     assert bound.link_us >= bound.handoff_us and bound.best_us == bound.link_us
+    assert bound.writeback_us == bound.link_us  # nothing dirty must make room
 
 
 @SETTINGS
@@ -109,6 +110,56 @@ def test_volume_bound_counts_every_peak_a_cut_cannot_serve_twice() -> None:
     assert bound.volume_us == 20.0
 
 
+def test_the_write_back_bound_counts_what_must_leave_to_make_room() -> None:
+    """Three 4 MiB outputs within 8 MiB, over 1 MiB/us links without latency: A and B
+    must end slow, C is read by a 10 us task. When t2 starts it holds C, so of A and B
+    (dirty, still needed) at most 4 MiB can be resident: the other 4 MiB crossed d2h
+    after its creator ended, and A's ends first (at 1 us), so t2 starts no sooner than
+    5 us and the run ends no sooner than 16 us. Without it the bounds say 13 us (the
+    compute, or t0's end plus the three write-backs; the handoff bound sees only what
+    t1 leaves behind). The optimum is 16 us: write A back after t0, B while t3 runs."""
+    links = Links(h2d=Link(float(MiB), 0.0), d2h=Link(float(MiB), 0.0))
+    program = Program(
+        "behind",
+        [Obj(name, 4 * MiB, "activation") for name in "ABC"],
+        [
+            Task("t0", "k", "k", outputs=("A",), cost_us=1.0),
+            Task("t1", "k", "k", outputs=("B",), cost_us=1.0),
+            Task("t2", "k", "k", outputs=("C",), cost_us=1.0),
+            Task("t3", "k", "k", inputs=("C",), cost_us=10.0),
+        ],
+        final_locations={"A": "slow", "B": "slow"},
+        links=links,
+    )
+    bound = lower_bound(program, 8 * MiB)
+    assert (bound.compute_us, bound.link_us, bound.handoff_us) == (13.0, 13.0, 13.0)
+    assert bound.writeback_us == 16.0 and bound.best_us == 16.0
+    assert lower_bound(program, 12 * MiB).writeback_us == 13.0  # room for all three
+    assert lower_bound(program).writeback_us == 0.0  # needs a budget
+    assert plan(program, 8 * MiB).makespan_us == 16.0
+
+
+def test_the_handoff_bound_waits_for_the_write_back_that_makes_room_for_a_load() -> None:
+    """t0 creates A (4 MiB, read again by t2), t1 reads B and C (3 MiB each, slow), within
+    8 MiB over 1 MiB/us links without latency. While t0 runs only 4 MiB of B and C can be
+    there; the last of them starts loading when all t1 reads is reserved, so only once A
+    is written back: t1 starts no sooner than t0's end plus A's write-back plus one
+    load, 1 + 4 + 3 = 8 us (the loads and the write-back each alone: 5 us); t2 then
+    waits for A's load (4 us): 14 us, the optimum PressureFit finds (was 12 us)."""
+    links = Links(h2d=Link(float(MiB), 0.0), d2h=Link(float(MiB), 0.0))
+    objects = [Obj("A", 4 * MiB, "activation")]
+    objects += [Obj(name, 3 * MiB, "param", "slow") for name in "BC"]
+    tasks = [
+        Task("t0", "k", "k", outputs=("A",), cost_us=1.0),
+        Task("t1", "k", "k", inputs=("B", "C"), cost_us=1.0),
+        Task("t2", "k", "k", inputs=("A",), cost_us=1.0),
+    ]
+    program = Program("handoff", objects, tasks, links=links)
+    bound = lower_bound(program, 8 * MiB)
+    assert bound.handoff_us == 3.0 + 7.0 + 4.0 and bound.best_us == 14.0
+    assert plan(program, 8 * MiB).makespan_us == 14.0
+
+
 def test_the_room_bound_waits_for_room_before_a_large_load() -> None:
     """A tied embedding's optimizer state (twice the embedding) at the floor budget
     (embedding + its gradient + its state): it fits only once every task before its update
@@ -144,6 +195,19 @@ def test_the_room_bound_waits_for_room_before_a_large_load() -> None:
     planned = plan(program, budget)
     assert planned.makespan_us >= expected
     assert planned.makespan_us <= expected * 1.02
+    # With the write-backs that make room: if the state's load starts after the layer's
+    # update, the layer's weights and state (12 MiB) must be back in slow memory first
+    # (the embedding and its gradient are the embedding update's to hold, or to load
+    # again after the state: as long over the link either way). The other cases (the
+    # state arriving while the layer's update holds it: the embedding or its gradient
+    # must go and come back whole) give a little less, 20 us (two latencies) under the
+    # plan.
+    room = d2h(sizes["W_0"] + sizes["O_0"]) + h2d(sizes["O_emb"])
+    after = expected - h2d(sizes["O_emb"]) + room
+    assert after <= planned.makespan_us <= after + 10.0  # one latency under the plan
+    writeback_us = bounds.at(budget).writeback_us
+    assert expected + 500.0 < writeback_us < after  # 34.618 ms against 34.114 ms
+    assert bounds.at(budget).best_us == writeback_us
 
 
 def test_the_ahead_bound_counts_what_no_room_lets_arrive_early() -> None:
@@ -184,4 +248,5 @@ def test_no_plan_pressurefit_finds_beats_the_lower_bound(program: Program, share
     except PlanningError:
         return
     bound = lower_bound(program.bare(), budget)
+    assert bound.writeback_us >= bound.link_us  # the link bound's timeline and more
     assert planned.makespan_us >= bound.best_us * (1 - 1e-12), bound

@@ -1,6 +1,6 @@
 """Lower bounds on the makespan of any plan of a chain: no valid plan can finish sooner.
 
-Three bounds, each true for every plan the execution model allows:
+Five bounds, each true for every plan the execution model allows:
 
 - **compute**: the tasks run one at a time, so the makespan is at least the sum of costs.
 - **link** (link-aware: bytes that must cross each link over its bandwidth, against the
@@ -17,8 +17,9 @@ Three bounds, each true for every plan the execution model allows:
   load also waits for room (``ChainBounds._room_us``): an object that starts slow and
   that some task before its first use cannot hold beside what that task holds is either
   loaded after the last such task ends, or every task it overlaps makes room for it (the
-  volume cover with those tasks' excess raised by its size); the least of the two
-  timelines over where the load starts is a bound. And no load arrives early without
+  volume cover with those tasks' excess raised by its size, and what the fullest of them
+  cannot keep comes back whole after the load starts); the least of the two timelines
+  over where the load starts is a bound. And no load arrives early without
   room (the *ahead* bound, ``_AheadPairs``): when task ``k`` starts, the objects that
   some task in ``(k, u]`` needs and that ``k`` does not use, that start slow or were used
   before ``k`` (their gap spans it), are resident or arriving only as far as the budget
@@ -43,15 +44,34 @@ Three bounds, each true for every plan the execution model allows:
     objects it does not use is still there; if that is over the budget, some of them must
     have left. Dead or clean ones leave at once, but one that ``t`` created or mutated and
     that is needed later (used again, or final location slow) leaves only when its
-    write-back, which cannot start before ``t`` ends, is done.
+    write-back, which cannot start before ``t`` ends, is done. And when loads are forced,
+    the last one starts only once everything ``t+1`` reads is reserved: if that and
+    those objects of ``t`` are over the budget, the write-backs that make room end
+    before it starts, so the gap is at least they plus the smallest thing ``t+1`` reads.
 
   Objects move whole: the transfers counted are the cheapest set of whole objects that
   covers the bytes (exact for up to ``EXACT_COVER`` objects, else bytes and the fewest
   transfers).
+- **write-back** (needs a budget): the link bound's timeline, with the write-backs that
+  must have *ended* to make room (``_WritebackPairs``). When task ``k`` starts, fast
+  memory holds its footprint and whichever of its *dirty candidates* are resident (the
+  objects it does not use, needed after it, created or changed before it); an absent one
+  has a current slow copy, which only a ``d2h`` transfer started after its last change
+  and ended before ``k`` starts gives. So for a slot ``j`` (the end of task ``j - 1``),
+  the candidates changed last at ``j`` or later, beyond the budget less ``k``'s
+  footprint, crossed ``d2h`` one at a time between the earliest end of ``j - 1`` and the
+  start of ``k``. An object that starts slow and is not changed before ``k`` may be
+  absent for free. The room bound's loads are bounded the same way: when the load of
+  ``X`` for task ``u`` starts (after task ``m`` ends), fast memory holds ``X``, and of
+  ``u``'s other objects those not absent (the absent ones cross ``h2d`` after ``X``
+  starts), and of the dirty objects changed by task ``m`` and needed after ``u``, those
+  not written back (``ChainBounds._room_after_us``). Each direction runs at its own rate
+  (a duplex limit only slows them), so it is a bound.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -71,16 +91,21 @@ from dataflow.schema import Link, Location, Program
 
 @attrs.frozen
 class LowerBound:
-    """The bounds, in µs; ``best_us`` is the largest (the one a plan is measured against)."""
+    """The bounds, in µs; ``best_us`` is the largest (the one a plan is measured against).
+    ``writeback_us`` is the link bound with the write-backs that make room added, so it
+    is never below ``link_us`` when there is a budget (0 without one)."""
 
     compute_us: float
     link_us: float
     volume_us: float = 0.0
     handoff_us: float = 0.0
+    writeback_us: float = 0.0
 
     @property
     def best_us(self) -> float:
-        return max(self.compute_us, self.link_us, self.volume_us, self.handoff_us)
+        return max(
+            self.compute_us, self.link_us, self.volume_us, self.handoff_us, self.writeback_us
+        )
 
 
 def lower_bound(
@@ -183,6 +208,7 @@ class ChainBounds:
         ]
         self.peak_held = max(self.held, default=0)
         self.handoff = _handoff_needs(chain) if n else None
+        self.behind = _writeback_pairs(chain) if n else None
         # the largest objects loaded for a first use after task 0: the room bound's loads
         heads = [
             life
@@ -191,6 +217,11 @@ class ChainBounds:
         ]
         heads.sort(key=lambda life: (-life.size_bytes, life.index))
         self.room_heads = tuple((life.size_bytes, life.uses[0]) for life in heads[:ROOM_LOADS])
+        self.room_objects = tuple(life.index for life in heads[:ROOM_LOADS])
+        self._room_behind_found: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
+        self._covers: tuple[int | None, dict] = (None, {})  # ``_reloads`` of one budget
+        self._spanning_at: dict[int, tuple[tuple[int, int], ...]] = {}
+        self._changes: tuple[list, dict[str, int]] | None = None  # ``_changes(chain)``
 
     def _gaps_for_ahead(self, gaps: Gaps | None) -> Gaps:
         return gaps if gaps is not None else build_gaps(self.chain)
@@ -198,7 +229,17 @@ class ChainBounds:
     def _reloads(self, budget_bytes: int, raised: tuple[int, int, int] | None = None) -> list[int]:
         """The volume cover's reloads by the index of the next use (``_cover_bytes``); with
         ``raised`` = (first task, end task, bytes), every task in that range also holds
-        that many bytes more."""
+        that many bytes more. The room bound asks for the same covers with and without
+        the write-back bound: those of the last budget are kept."""
+        key = (budget_bytes, raised)
+        if self._covers[0] != budget_bytes:
+            self._covers = (budget_bytes, {})
+        found = self._covers[1].get(key)
+        if found is None:
+            found = self._covers[1][key] = self._cover(budget_bytes, raised)
+        return found
+
+    def _cover(self, budget_bytes: int, raised: tuple[int, int, int] | None) -> list[int]:
         excess = [held - budget_bytes for held in self.held]
         if raised is not None:
             first, end, extra = raised
@@ -215,11 +256,14 @@ class ChainBounds:
         gaps: list[float],
         ready: tuple[int, float] = (-1, 0.0),
         budget_bytes: int | None = None,
+        writeback: bool = False,
     ) -> tuple[float, list[float]]:
         """The link bound's timeline: task ``t`` starts no sooner than the loads due by it
         (``first_load_us`` by the index of the use), nor than the task before it ends plus
         ``gaps``, nor (``ready`` = (task, µs)) than a given time, nor (with a budget) than
-        the *ahead* bound says (``_AheadPairs``); the run ends no sooner than the loads
+        the *ahead* bound says (``_AheadPairs``), nor (with ``writeback`` too) than the
+        write-backs that must have ended for it to fit (``_WritebackPairs``); the run ends
+        no sooner than the loads
         due at the end, nor than a task's end plus the write-backs of everything last
         changed at or after it. Returns the bound and each task's earliest end."""
         cost = self.chain.cost_us
@@ -232,12 +276,29 @@ class ChainBounds:
             points, column, bytes_ahead = ahead.points, ahead.column, ahead.bytes_ahead
             # per checkpoint k passed: its start less the room it leaves, in µs
             passed: list[float] = []
+        behind = self.behind if writeback and budget_bytes is not None else None
+        if behind is not None:
+            d2h = self.chain.d2h
+            d2h_per_byte_us = 1.0 / d2h.bw_bytes_per_us
+            slots, rows, most = behind.slots, behind.behind_bytes, behind.most_bytes
+            tasks_at = behind.column
         for t in range(n):
             loads_us += first_load_us[t]
             if loads_us > start_us:
                 start_us = loads_us
             if t == ready[0] and ready[1] > start_us:
                 start_us = ready[1]
+            # before the ahead bound's checkpoint: its start counts for the pairs after it
+            if behind is not None and tasks_at[t] >= 0 and most[tasks_at[t]] > budget_bytes:
+                for slot, behind_bytes in zip(slots, rows[tasks_at[t]], strict=False):
+                    over = behind_bytes - budget_bytes
+                    if over <= 0:
+                        break  # fewer bytes from later slots on
+                    since_us = earliest_end[slot - 1] if slot else 0.0
+                    count, written = behind.written_bytes(tasks_at[t], over)
+                    bound_us = since_us + count * d2h.latency_us + written * d2h_per_byte_us
+                    if bound_us > start_us:
+                        start_us = bound_us
             if ahead is not None and column[t] >= 0:
                 row = bytes_ahead[column[t]]
                 for k_us, ahead_bytes in zip(passed, row, strict=False):
@@ -261,17 +322,93 @@ class ChainBounds:
                 link_us = max(link_us, earliest_end[t] + after_us)
         return link_us, earliest_end
 
-    def _rooms(self, budget_bytes: int) -> list[tuple[int, int, int]]:
-        """(size, first use, task) of each room-bound load: the last task before the
-        object's first use at which it does not fit beside what is held there."""
+    def _rooms(self, budget_bytes: int) -> list[tuple[int, int, int, int]]:
+        """(size, first use, task, object) of each room-bound load: the last task before
+        the object's first use at which it does not fit beside what is held there."""
         found = []
         held = self.held
-        for size, use in self.room_heads:
+        for (size, use), obj in zip(self.room_heads, self.room_objects, strict=True):
             room = budget_bytes - size
             last = next((t for t in range(use - 1, -1, -1) if held[t] > room), None)
             if last is not None:
-                found.append((size, use, last))
+                found.append((size, use, last, obj))
         return found
+
+    def _room_behind(self, obj: int, last: int) -> tuple[int, tuple[int, ...]]:
+        """For the load of object ``obj`` (first used by task ``use``) started after task
+        ``last`` ends: the bytes of ``use``'s other inputs and mutates that exist then,
+        and per write-back slot (``_WritebackPairs.slots`` up to ``last + 1``) the bytes
+        of the objects ``use`` does not use, needed after it (a later use, or a final
+        location), changed last by task ``last`` at a slot at or after that one."""
+        key = (obj, last)
+        if key in self._room_behind_found:
+            return self._room_behind_found[key]
+        chain = self.chain
+        lives = chain.objects
+        use = lives[obj].uses[0]
+        task = chain.program.tasks[use]
+        used = {*task.inputs, *task.mutates}
+        if self._changes is None:
+            self._changes = _changes(chain)
+        slots = [slot for slot in self.behind.slots if slot <= last + 1]
+        by_slot = [0] * (len(slots) + 1)
+        held_bytes = 0
+        index_of = self._changes[1]
+        for obj_id in used:
+            life = lives[index_of[obj_id]]
+            if life.index != obj and (life.origin is not Origin.CREATED or life.uses[0] <= last):
+                held_bytes += life.size_bytes
+        for index, obj_id, size, needed_after, at, slot_of in self._changes[0]:
+            if index == obj or obj_id in used or needed_after <= use:
+                continue  # the load, the use's own, or not needed after the use
+            changed = bisect.bisect_right(at, last)
+            if changed:
+                by_slot[bisect.bisect_right(slots, slot_of[changed - 1])] += size
+        behind, running = [], 0
+        for position in range(len(slots), 0, -1):
+            running += by_slot[position]
+            behind.append(running)
+        found = (held_bytes, tuple(reversed(behind)))
+        self._room_behind_found[key] = found
+        return found
+
+    def _room_after_us(
+        self, budget_bytes: int, size: int, last: int, obj: int, earliest_end: list[float]
+    ) -> float:
+        """The earliest start of the first use of ``obj`` (``size`` bytes) when its load
+        starts after task ``last`` ends, with the write-backs that make room for it: when
+        the load starts, fast memory holds it, and of the first use's other inputs and
+        mutates, those not absent (``a`` bytes absent, loaded after it), and of the dirty
+        objects still needed after it, those not absent (written back since their last
+        change). So for any write-back slot ``j``, ``behind_j + held + size - budget - a``
+        bytes crossed ``d2h`` between the end of task ``j - 1`` and the load's start, and
+        ``size + a`` cross ``h2d`` after it: the least over ``a`` (at its ends or the kink,
+        the bound being convex in ``a`` until the write-backs are not needed) bounds the
+        start, for each ``j``."""
+        chain = self.chain
+        h2d, d2h = chain.h2d, chain.d2h
+        held_bytes, behind = self._room_behind(obj, last)
+        after_us = earliest_end[last]
+        best_us = after_us + h2d.transfer_us(size)
+        for slot, behind_bytes in zip(self.behind.slots, behind, strict=False):
+            over = behind_bytes + held_bytes + size - budget_bytes
+            if over <= 0:
+                break  # fewer bytes from later slots on
+            since_us = (earliest_end[slot - 1] if slot else 0.0) + d2h.latency_us
+
+            def start_us(absent: float, over: int = over, since_us: float = since_us) -> float:
+                written = over - absent
+                ready_us = after_us
+                if written > 0:
+                    ready_us = max(ready_us, since_us + written / d2h.bw_bytes_per_us)
+                return ready_us + h2d.latency_us + (size + absent) / h2d.bw_bytes_per_us
+
+            points = [0.0, float(min(held_bytes, over))]
+            kink = over - (after_us - since_us) * d2h.bw_bytes_per_us
+            if 0.0 < kink < points[1]:
+                points.append(kink)
+            best_us = max(best_us, min(map(start_us, points)))
+        return best_us
 
     def _room_us(
         self,
@@ -281,6 +418,8 @@ class ChainBounds:
         last: int,
         gaps: list[float],
         plain: tuple[list[float], float, list[float]],
+        writeback: bool = False,
+        obj: int = -1,
     ) -> float:
         """The room bound of one load (the module docstring): the load of ``size`` bytes
         for task ``use`` starts after some task ``k - 1`` ends and before task ``k`` ends
@@ -290,15 +429,20 @@ class ChainBounds:
         bound is the least over ``k``; the ``k`` up to ``last`` are taken in a few
         brackets, each bounded by its weakest ends (the fewest tasks that hold the load,
         the earliest start), so the minimum is never overstated. ``plain`` is the link
-        bound's own timeline (its loads, bound and earliest ends)."""
+        bound's own timeline (its loads, bound and earliest ends); with ``writeback``, the
+        timelines (``plain`` too) count the write-back bound, and so does the start of the
+        load after ``last`` (``_room_after_us``; ``obj`` is the object loaded)."""
         loads_us, plain_us, earliest_end = plain
         load_us = self.chain.h2d_us(size)
 
         def ready_us(k: int) -> float:
             return (earliest_end[k - 1] if k >= 1 else 0.0) + load_us
 
-        # after ``last``: nothing needs making room
-        least_us, _ = self._timeline(loads_us, gaps, (use, ready_us(last + 1)), budget_bytes)
+        # after ``last``: nothing needs making room but write-backs
+        after_us = ready_us(last + 1)
+        if writeback and use < self.chain.n_tasks:
+            after_us = self._room_after_us(budget_bytes, size, last, obj, earliest_end)
+        least_us, _ = self._timeline(loads_us, gaps, (use, after_us), budget_bytes, writeback)
         if least_us <= plain_us:
             return least_us  # no better than the link bound whatever the brackets give
         points = sorted({max(0, last + 1 - 2**step) for step in range(ROOM_BRACKETS)} | {0})
@@ -306,13 +450,47 @@ class ChainBounds:
         for low, high in itertools.pairwise(points):
             high = min(high, last)  # the bracket's fewest holders still include ``last``
             reloads = self._reloads(budget_bytes, (high, use, size))
+            start_us = ready_us(low) + self._held_reload_us(budget_bytes, size, high, use)
+            if writeback and low >= 1 and use < self.chain.n_tasks:
+                start_us = max(
+                    start_us, self._room_after_us(budget_bytes, size, low - 1, obj, earliest_end)
+                )
             bound_us, _ = self._timeline(
-                self._loads_with(reloads), gaps, (use, ready_us(low)), budget_bytes
+                self._loads_with(reloads), gaps, (use, start_us), budget_bytes, writeback
             )
             least_us = min(least_us, bound_us)
             if least_us <= plain_us:
                 break
         return least_us
+
+    def _held_reload_us(self, budget_bytes: int, size: int, high: int, use: int) -> float:
+        """In a room-bound bracket (the load of ``size`` bytes for task ``use`` started
+        before task ``high`` ends), the ``h2d`` time of the whole objects that must come
+        back after the load starts and before ``use``: at some instant of each task ``t``
+        from ``high`` to ``use - 1`` (the one holding the most is taken), fast memory holds
+        the load, ``t``'s base and the objects kept across ``t`` that are still there;
+        those beyond the budget are absent and cross ``h2d`` after that instant, before
+        their next use. Those next used after ``use`` are counted as a share of their
+        bytes, the others whole (``_cover_us``)."""
+        held = self.held
+        first = max(high, 1)
+        if first >= use:
+            return 0.0
+        t = max(range(first, use), key=lambda task: (held[task], task))
+        need = held[t] + size - budget_bytes
+        if need <= 0:
+            return 0.0
+        spanning = self._spanning_at.get(t)
+        if spanning is None:
+            gaps = self.gaps
+            spanning = self._spanning_at[t] = tuple(
+                (gaps.size_bytes[g], b)
+                for g, (a, b) in enumerate(zip(gaps.a, gaps.b, strict=True))
+                if a < t < b
+            )
+        near = [object_bytes for object_bytes, b in spanning if b <= use]
+        need -= sum(object_bytes for object_bytes, b in spanning if b > use)
+        return _cover_us(near, need, self.chain.h2d) if near and need > 0 else 0.0
 
     def _loads_with(self, reloads: list[int]) -> list[float]:
         """First loads plus ``reloads`` (bytes, by the index of the next use)."""
@@ -338,17 +516,35 @@ class ChainBounds:
         if n == 0:
             return LowerBound(0.0, 0.0, 0.0)
         first_load_us, gaps, reload_us, link_us, earliest_end = self._plain(budget_bytes)
+        writeback_us = link_us if budget_bytes is not None else 0.0
+        behind = self.behind is not None and budget_bytes is not None
+        writeback_end = earliest_end
+        if behind and max(self.behind.most_bytes) > budget_bytes:
+            writeback_us, writeback_end = self._timeline(
+                first_load_us, gaps, budget_bytes=budget_bytes, writeback=True
+            )
         if budget_bytes is not None and rooms:
             plain = (first_load_us, link_us, earliest_end)
-            for size, use, last in self._rooms(budget_bytes):
-                link_us = max(link_us, self._room_us(budget_bytes, size, use, last, gaps, plain))
+            with_writeback = (first_load_us, writeback_us, writeback_end)
+            for size, use, last, obj in self._rooms(budget_bytes):
+                room = (budget_bytes, size, use, last, gaps)
+                link_us = max(link_us, self._room_us(*room, plain))
+                if behind:
+                    writeback_us = max(
+                        writeback_us, self._room_us(*room, with_writeback, True, obj)
+                    )
+            writeback_us = max(writeback_us, link_us)
         volume_us = handoff_us = 0.0
         if budget_bytes is not None:
             handoff_us = compute_us + sum(gaps)
             if reload_us or self.first_loads_us:
                 volume_us = self.first_loads_us + reload_us
         return LowerBound(
-            compute_us=compute_us, link_us=link_us, volume_us=volume_us, handoff_us=handoff_us
+            compute_us=compute_us,
+            link_us=link_us,
+            volume_us=volume_us,
+            handoff_us=handoff_us,
+            writeback_us=writeback_us,
         )
 
     def _plain(
@@ -465,6 +661,187 @@ def _ahead_pairs(chain: Chain, gaps: Gaps) -> _AheadPairs:
     )
 
 
+#: Tasks the write-back bound checks (``_WritebackPairs``): this many evenly spaced, and
+#: this many more where the most must have been written back (``_writeback_pairs``).
+WRITEBACK_TASKS = 48
+#: Release slots (the start, or a task's end) it counts write-backs from, evenly spaced.
+WRITEBACK_SLOTS = 48
+
+
+@attrs.frozen
+class _WritebackPairs:
+    """What the *write-back* bound needs at any budget, for the tasks ``tasks`` and the
+    release slots ``slots`` (slot 0: program start; slot ``j``: the end of task ``j - 1``;
+    any subsets give a bound). ``behind_bytes[i][s]`` is task ``tasks[i]``'s footprint
+    plus the bytes of its *dirty candidates* whose last change before it is at slot
+    ``slots[s]`` or later (only slots up to that task are kept; the bytes fall as the
+    slot rises): the objects it does not use, that exist when it starts, whose value is
+    needed after it (a later use, or a final location), and that were created or changed
+    before it (or started in fast memory: slot 0). ``most_bytes[i]`` is the first entry.
+
+    Why it bounds (``ChainBounds._timeline``): when task ``k`` starts, fast memory holds
+    its footprint and, within the budget, whichever candidates are resident or arriving
+    (one with a write-back still running holds its bytes until the write-back ends). A
+    candidate that is absent is still needed, so its slow copy is current; for a dirty
+    one that takes a ``d2h`` transfer that started after its last change (nothing
+    copies an object while a task uses it) and ended before ``k`` starts. So of the dirty
+    candidates changed last at slot ``j`` or later, at least ``behind_bytes - budget``
+    bytes crossed ``d2h`` between the earliest end of task ``j - 1`` and the start of
+    ``k``, one transfer at a time, each spending the link's latency first, in whole
+    objects (``written_bytes``): ``k`` starts no sooner than that end plus those
+    transfers' latencies and bytes over the link's bandwidth (alone: a shared duplex
+    rate is slower). Candidates that start slow and are not
+    changed before ``k`` have a current slow copy anyway: they may all be absent."""
+
+    tasks: tuple[int, ...]
+    #: task -> its position in ``tasks``, or -1
+    column: tuple[int, ...]
+    slots: tuple[int, ...]
+    behind_bytes: tuple[tuple[int, ...], ...]
+    most_bytes: tuple[int, ...]
+    #: per task kept: the largest and the smallest of its dirty candidates (objects move
+    #: whole: ``over`` bytes take at least ``ceil(over / largest)`` transfers, each at
+    #: least the smallest)
+    largest_bytes: tuple[int, ...] = ()
+    smallest_bytes: tuple[int, ...] = ()
+
+    def written_bytes(self, position: int, over: int) -> tuple[int, int]:
+        """The fewest transfers, and the fewest bytes, that whole candidates of task
+        ``tasks[position]`` covering ``over`` bytes take."""
+        largest = self.largest_bytes[position]
+        if largest <= 0:
+            return 1, over  # nothing to write: the footprint alone is over the budget
+        count = -(-over // largest)
+        return count, max(over, count * self.smallest_bytes[position])
+
+
+def _writeback_pairs(chain: Chain) -> _WritebackPairs:
+    """The write-back bound's pairs for ``chain`` (``_WritebackPairs``): each object's
+    dirty-candidate stretches (tasks after a use and before the next, or to the end when
+    it must end slow, once something changed it), then a 2-D prefix sum over the tasks and
+    slots kept. The tasks kept: evenly spaced ones, and those whose footprint plus every
+    dirty candidate, over the ``d2h`` bandwidth, less its ideal start, is largest (where
+    the bound from program start, plus the compute after, is highest)."""
+    from bisect import bisect_left, bisect_right
+
+    n = chain.n_tasks
+    first = chain.program.tasks[0] if n else None
+    changed_by_first = set(first.mutates) if first is not None else set()
+    used_by_first = changed_by_first | set(first.inputs) if first is not None else set()
+    stretches: list[tuple[int, int, int, int]] = []  # (first task, end task, slot, size)
+    for life in chain.objects:
+        slot = -1  # the slot of the last change so far; -1: none (its slow copy is current)
+        uses = life.uses
+        for k, use in enumerate(uses):
+            low = use + 1
+            if life.dirties[k]:
+                slot = use + 1
+                if k == 0 and life.origin is Origin.FAST and life.obj_id not in changed_by_first:
+                    slot = 0  # dirty from the start: the prologue may write it back
+                    if life.obj_id not in used_by_first:
+                        low = 0  # only the virtual use: task 0 need not hold it
+            end = uses[k + 1] if k + 1 < len(uses) else (n if life.final is Location.SLOW else 0)
+            if slot >= 0 and end > low:
+                stretches.append((low, end, slot, life.size_bytes))
+    everything = [0] * (n + 1)
+    for low, high, _, size in stretches:
+        everything[low] += size
+        everything[high] -= size
+    running, most = 0, []
+    for t in range(n):
+        running += everything[t]
+        most.append(running + chain.footprint_bytes[t])
+    bandwidth = chain.d2h.bw_bytes_per_us
+    step = max(1, -(-n // WRITEBACK_TASKS))
+    start_us = chain.start_us
+    ranked = heapq.nsmallest(
+        WRITEBACK_TASKS, range(n), key=lambda t: start_us[t] - most[t] / bandwidth
+    )
+    tasks = tuple(sorted(set(range(0, n, step)) | set(ranked)))
+    slots = tuple(range(0, n, max(1, -(-n // WRITEBACK_SLOTS))))
+    rows, columns = len(tasks), len(slots)
+    diff = [[0] * (columns + 1) for _ in range(rows + 1)]
+    for low, high, slot, size in stretches:
+        row_lo, row_hi = bisect_left(tasks, low), bisect_left(tasks, high)
+        if row_lo == row_hi:
+            continue
+        last = bisect_right(slots, slot)  # the slots at or before the change
+        diff[row_lo][0] += size
+        diff[row_hi][0] -= size
+        diff[row_lo][last] -= size
+        diff[row_hi][last] += size
+    behind = []
+    for row in range(rows):
+        if row:
+            diff[row] = [a + b for a, b in zip(diff[row], diff[row - 1], strict=True)]
+        task = tasks[row]
+        kept, running = [], chain.footprint_bytes[task]
+        for column in range(bisect_right(slots, task)):
+            running += diff[row][column]
+            kept.append(running)
+        behind.append(tuple(kept))
+    column_of = [-1] * n
+    for position, task in enumerate(tasks):
+        column_of[task] = position
+    largest, smallest = _extremes(stretches, tasks)
+    return _WritebackPairs(
+        tasks,
+        tuple(column_of),
+        slots,
+        tuple(behind),
+        tuple(most[t] for t in tasks),
+        largest,
+        smallest,
+    )
+
+
+def _changes(chain: Chain) -> tuple[list, dict[str, int]]:
+    """Per object that something changes (or that starts in fast memory): its index, id,
+    size, the last task it is needed at (``n`` when it must end slow), and its changes'
+    tasks and write-back slots (``_WritebackPairs``); and every object's index by id."""
+    n = chain.n_tasks
+    changed_by_first = set(chain.program.tasks[0].mutates) if n else set()
+    found = []
+    for life in chain.objects:
+        at, slot_of = [], []
+        for k, (use, dirty) in enumerate(zip(life.uses, life.dirties, strict=True)):
+            if dirty:
+                virtual = k == 0 and life.origin is Origin.FAST
+                at.append(use)
+                slot_of.append(0 if virtual and life.obj_id not in changed_by_first else use + 1)
+        if at:
+            needed_after = n if life.final is Location.SLOW else life.uses[-1]
+            found.append(
+                (life.index, life.obj_id, life.size_bytes, needed_after, tuple(at), tuple(slot_of))
+            )
+    return found, {life.obj_id: life.index for life in chain.objects}
+
+
+def _extremes(
+    stretches: list[tuple[int, int, int, int]], tasks: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per task of ``tasks`` (ascending), the largest and the smallest size of the
+    ``stretches`` (first task, end task, slot, size) that cover it (1 and 0 when none)."""
+    order = sorted(stretches)
+    largest_heap: list[tuple[int, int]] = []  # (-size, end)
+    smallest_heap: list[tuple[int, int]] = []  # (size, end)
+    largest, smallest = [], []
+    position = 0
+    for task in tasks:
+        while position < len(order) and order[position][0] <= task:
+            low, high, _, size = order[position]
+            heapq.heappush(largest_heap, (-size, high))
+            heapq.heappush(smallest_heap, (size, high))
+            position += 1
+        while largest_heap and largest_heap[0][1] <= task:
+            heapq.heappop(largest_heap)
+        while smallest_heap and smallest_heap[0][1] <= task:
+            heapq.heappop(smallest_heap)
+        largest.append(-largest_heap[0][0] if largest_heap else 1)
+        smallest.append(smallest_heap[0][0] if smallest_heap else 0)
+    return tuple(largest), tuple(smallest)
+
+
 def _cover_bytes(
     gaps: Gaps, excess: list[int], entering: list[list[tuple[int, int]]] | None = None
 ) -> list[int]:
@@ -520,7 +897,7 @@ def _spanning_from(gaps: Gaps, n: int) -> list[list[tuple[int, int]]]:
 #: The room bound looks at this many of the largest objects that start slow.
 ROOM_LOADS = 2
 #: Brackets of the tasks before ``last`` the room bound splits the load's start into.
-ROOM_BRACKETS = 4
+ROOM_BRACKETS = 6
 
 #: Up to this many candidate objects, the cheapest covering set is found by enumeration.
 EXACT_COVER = 8
@@ -540,6 +917,10 @@ class _HandoffNeeds:
     pinned: tuple[tuple[int, ...], ...]
     #: the budget below which something must leave: base[t+1] + everything left behind
     leave_above: tuple[int, ...]
+    #: what ``t+1`` reads (inputs and mutates; at the end, the final fast objects) plus
+    #: the sizes that must be written back first, and the smallest thing it reads
+    read_pinned: tuple[int, ...] = ()
+    smallest_read: tuple[int, ...] = ()
 
     def gaps_us(self, chain: Chain, budget_bytes: int) -> list[float]:
         """Per task ``t``, the transfer time forced between it and the next task."""
@@ -555,6 +936,13 @@ class _HandoffNeeds:
             must_go = leave_above - budget_bytes
             if must_go > self.free[t]:
                 write_us = _cover_us(list(self.pinned[t]), must_go - self.free[t], chain.d2h)
+            if load_us and self.read_pinned[t] > budget_bytes:
+                # the last load for t+1 starts once all it reads is reserved: only the
+                # write-backs that make room beside that let it start
+                room_us = _cover_us(
+                    list(self.pinned[t]), self.read_pinned[t] - budget_bytes, chain.d2h
+                )
+                write_us = max(write_us, room_us + chain.h2d_us(self.smallest_read[t]))
             gaps_us[t] = max(load_us, write_us)
         return gaps_us
 
@@ -577,6 +965,7 @@ def _handoff_needs(chain: Chain) -> _HandoffNeeds:
     size = [life.size_bytes for life in chain.objects]
     base = chain.base_bytes
     fresh, load_above, free, pinned, leave_above = [], [], [], [], []
+    read_pinned, smallest_read = [], []
     for t in range(n):
         used, following = used_at[t], used_at[t + 1]
         sizes = tuple(size[o] for o in read_at[t + 1] if o not in used)
@@ -586,8 +975,17 @@ def _handoff_needs(chain: Chain) -> _HandoffNeeds:
         free.append(sum(size[o] for o in leaving if o not in pinned_at[t]))
         pinned.append(tuple(size[o] for o in leaving if o in pinned_at[t]))
         leave_above.append(base[t + 1] + sum(size[o] for o in leaving))
+        reads = [size[o] for o in read_at[t + 1]]
+        read_pinned.append(sum(reads) + sum(pinned[-1]))
+        smallest_read.append(min(reads, default=0))
     return _HandoffNeeds(
-        tuple(fresh), tuple(load_above), tuple(free), tuple(pinned), tuple(leave_above)
+        tuple(fresh),
+        tuple(load_above),
+        tuple(free),
+        tuple(pinned),
+        tuple(leave_above),
+        tuple(read_pinned),
+        tuple(smallest_read),
     )
 
 
