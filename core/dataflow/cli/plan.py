@@ -178,7 +178,8 @@ def plan_table(
         "lower bound",
         _us(bound.best_us),
         f"compute {_us(bound.compute_us)}, link {_us(bound.link_us)}, "
-        f"volume {_us(bound.volume_us)}, handoff {_us(bound.handoff_us)}",
+        f"volume {_us(bound.volume_us)}, handoff {_us(bound.handoff_us)}, "
+        f"write-back {_us(bound.writeback_us)}",
     )
     if planned.cycle is not None:
         table.add_row(
