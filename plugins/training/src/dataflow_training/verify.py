@@ -434,11 +434,13 @@ def step_checks(
     clip: float | None = None,
     overrides: dict[str, Any] | None = None,
     order: str = "round",
+    note: Callable[[str], None] | None = None,
 ) -> list[Check]:
     """The lowered step run by ``TrainingRun`` against the reference; with ``clip`` both
     clip the global gradient norm (the reference through ``clip_grad_norm_``), and each
     step's measured norm is checked too. ``overrides``: config fields of the preset
-    changed, for both. ``order``: the lowered chain's order (``TrainConfig.order``)."""
+    changed, for both. ``order``: the lowered chain's order (``TrainConfig.order``).
+    ``note`` is given the run's plan line (``trainer.plan_line``: what it recomputes)."""
     from dataflow_training.run import TrainingRun
 
     config = family.config(preset, **(overrides or {}))
@@ -473,6 +475,10 @@ def step_checks(
         keep_aux_temp=follows,
         overrides=overrides,
     )
+    if note is not None:
+        from dataflow_training.trainer import plan_line
+
+        note(plan_line(run))
     with run:
         for step in range(steps):
             stats = run.step([tokens(step, r) for r in range(rounds)])
@@ -671,6 +677,7 @@ def verify(
             seed=seed,
             tolerance=tolerances["step"],
             order=order,
+            note=getattr(progress, "note", None),
         ),
     }
     checks: list[Check] = []
