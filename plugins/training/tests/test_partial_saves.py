@@ -167,26 +167,31 @@ def _forced(units, partial):
     return PlannerSpec("forced", forced)
 
 
-@pytest.mark.parametrize("order", ["round", "layer"])
-def test_a_step_with_partial_saves_matches_the_reference(order):
+@pytest.mark.parametrize(
+    ("family_name", "order"),
+    [("gpt2", "round"), ("gpt2", "layer"), ("llama3", "round"), ("qwen3", "layer")],
+)
+def test_a_step_with_partial_saves_matches_the_reference(family_name, order):
     """verify's step level (the engine on CPU, three steps of three rounds, against
-    the reference model trained by autograd) with four of six units saved partially."""
-    checks, lines = _partial_step_checks("cpu", "torch", order, steps=3)
+    the reference model trained by autograd) with four of six units saved partially:
+    gpt2's block and the kit's decoder block (llama3, qwen3)."""
+    pytest.importorskip(f"dataflow_family_{family_name}")
+    checks, lines = _partial_step_checks(family_name, "cpu", "torch", order, steps=3)
     assert [c for c in checks if not c.ok] == []
     assert len(checks) > 20
     assert lines and lines[0].endswith("recomputed layers: 0, 1 (saved partially: 0, 1)")
 
 
-def _partial_step_checks(device, resolver, order, *, steps):
-    """verify's step checks of gpt2_tiny (three rounds) with ``_forced(FULL, PARTIAL)``,
-    and the plan lines the run noted."""
+def _partial_step_checks(family_name, device, resolver, order, *, steps):
+    """verify's step checks of the family's tiny preset (three rounds) with
+    ``_forced(FULL, PARTIAL)``, and the plan lines the run noted."""
     from dataflow_training.family import load_family
     from dataflow_training.verify import TOLERANCES, step_checks
 
     lines: list[str] = []
     checks = step_checks(
-        load_family("gpt2"),
-        "gpt2_tiny",
+        load_family(family_name),
+        f"{family_name}_tiny",
         device=device,
         policy="fp32",
         steps=steps,
@@ -204,17 +209,23 @@ def _partial_step_checks(device, resolver, order, *, steps):
     return checks, lines
 
 
-def test_a_partially_saved_step_trains_bitwise_as_the_saving_one():
+@pytest.mark.parametrize("family_name", ["gpt2", "llama3"])
+def test_a_partially_saved_step_trains_bitwise_as_the_saving_one(family_name):
     """rederive is the tail of recompute, which forward is built on: the same bits."""
     from dataflow_training.run import TrainingRun
 
-    saving = TrainingRun("gpt2", "gpt2_tiny", TRAIN, recompute=False)
-    partial = TrainingRun("gpt2", "gpt2_tiny", TRAIN, planner=_forced(FULL, PARTIAL))
+    pytest.importorskip(f"dataflow_family_{family_name}")
+    preset = f"{family_name}_tiny"
+    saving = TrainingRun(family_name, preset, TRAIN, recompute=False)
+    partial = TrainingRun(family_name, preset, TRAIN, planner=_forced(FULL, PARTIAL))
     rec = [t for t in partial.placement.plan.program.tasks if t.kind == "rec"]
     assert sum("partial" in t.params for t in rec) == len(PARTIAL)
     generator = torch.Generator().manual_seed(0)
     for _ in range(2):
-        batches = [(torch.randint(0, 256, (2, 16), generator=generator),) * 2 for _ in range(3)]
+        batches = [
+            (torch.randint(0, saving.vocab_size, (2, 16), generator=generator),) * 2
+            for _ in range(3)
+        ]
         assert saving.step(batches).losses == partial.step(batches).losses
     theirs = partial.state()[0]
     for name, tensor in saving.state()[0].items():
@@ -296,6 +307,26 @@ def test_a_step_with_partial_saves_matches_the_reference_on_cuda(resolver, order
         pytest.skip("needs a CUDA device")
     pytest.importorskip("dataflow_resolver_torch")
     torch.backends.cuda.matmul.allow_tf32 = False
-    checks, lines = _partial_step_checks("cuda", resolver, order, steps=2)
+    checks, lines = _partial_step_checks("gpt2", "cuda", resolver, order, steps=2)
     assert [c for c in checks if not c.ok] == []
     assert lines[0].endswith("(saved partially: 0, 1)"), lines
+
+
+def test_the_measured_planner_has_every_partial_candidates_signature(gpt2):
+    """``measured_recompute_planner`` prices candidates from profiles of a few programs;
+    a candidate with partial saves must find its forward, rec and backward tasks there."""
+    from dataflow_training.profile import TaskProfile, signature
+    from dataflow_training.recompute import measured_recompute_planner
+
+    def profile(program):  # stands in for the device: the roofline's own figures
+        return {signature(program, t): TaskProfile(t.cost_us, 0) for t in program.tasks}
+
+    train = TrainConfig(seq_len=128, batch=4, rounds=2)
+    program = lower(gpt2, "gpt2_tiny", train).program
+    program = attrs.evolve(program, links=Links(h2d=Link(1e4), d2h=Link(1e4)))
+    rewriter = Rewriter(program, family=gpt2)
+    budget = plan(rewriter.candidate((), rewriter.all), 2**40, cyclic=True).sim.fast_peak_bytes
+    planner = measured_recompute_planner(program, profile, gpt2)
+    planned = plan(program, budget, planner=planner, cyclic=True)
+    rec = [t for t in planned.program.tasks if t.kind == "rec"]
+    assert rec and all(t.params.get("partial") == "mlp" for t in rec)

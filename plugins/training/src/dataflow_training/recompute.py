@@ -1,32 +1,41 @@
-"""The recompute planner: per block and round, keep ``A`` from forward or re-derive it
-just before backward, whichever makes the planned step faster or makes it fit at all.
+"""The recompute planner: per block and round, keep ``A`` from forward, re-derive it just
+before backward, or (where the block kind offers a partial save) keep part of it and
+re-derive the rest, whichever makes the planned step faster or makes it fit at all.
 
 Registered as the planner ``recompute`` (``RECOMPUTE``). For a program lowered by
 ``dataflow_training.lowering`` it plans candidate steps with PressureFit and keeps the
 best; any other program goes to PressureFit unchanged.
 
-A **unit** is one block in one accumulation round: recomputing it drops ``A`` from the
-forward task's outputs and inserts the lowering's ``rec`` task right before the backward
-(``lower(recompute=[(round, block)])``). Candidates are spliced from one lowering with
-every unit recomputed, so each is exactly what ``lower`` makes of its units; a candidate
-keeps every task's cost and workspace from the program it started from, and prices a new
-``rec`` task as its forward scaled by the declared work of recompute over forward (or
-by ``price``, which re-prices a whole candidate, e.g. from the profile cache).
+A **unit** is one block in one accumulation round. Its mode: ``keep``; ``full``
+(recomputed: ``A`` leaves the forward task's outputs and the lowering's ``rec`` task runs
+right before the backward, ``lower(recompute=[(round, block)])``); or the name of the
+partial save its kind offers first (``A`` holds only what that keeps, and a ``rec`` task
+re-derives the rest into ``A_...<name>``, ``lower(partial={(round, block): name})``).
+Candidates are spliced from one lowering per mode with every unit in it, so each is
+exactly what ``lower`` makes of its units; a candidate keeps every task's cost and
+workspace from the program it started from, and prices a new ``rec`` task as its forward
+scaled by the declared work of that ``rec`` over forward (or by ``price``, which re-prices
+a whole candidate, e.g. from the profile cache).
 
-The search, at most ``max_candidates`` plans (each planned by PressureFit and simulated):
+The search, at most ``max_candidates`` plans (each planned by PressureFit and simulated;
+one tried already is not planned again):
 
 1. the program as given. If it fits and no unit could pay for itself (its step is no
-   longer than its compute plus the cheapest recompute), that is the answer;
+   longer than its compute plus the cheapest ``rec`` task), that is the answer;
 2. when it does not fit: every unit recomputed; if even that does not fit, the budget is
    infeasible (the error names the smallest budget found with every unit recomputed).
    Then the fewest blocks (in chain order, every round) that still fit, by bisection
    (a candidate with one task larger than the budget is never planned);
-3. then, greedily: the units whose ``A`` the best plan so far moves over the link
-   (offloaded), all at once, then halves of them; a candidate is accepted only if its
-   simulated step is shorter (for a cyclic plan, its steady-state iteration), and one
-   whose compute alone cannot beat the best is never planned; last, every unit at once.
+3. the partial ladder (where partial saves are on offer): the recomputed units saved
+   partially instead, all of them, else by bisection the most blocks, from the last;
+4. then, greedily: the units whose ``A`` the best plan so far moves over the link
+   (offloaded), all at once, then halves of them, each saved partially first where it
+   can be, else recomputed; then the ladder again; last, every unit saved partially
+   (then the greedy step again), and every unit recomputed (then the ladder again).
 
-So the answer is never slower than the program as given, whenever that fits.
+A candidate is accepted only if its simulated step is shorter (for a cyclic plan, its
+steady-state iteration), and one whose compute alone cannot beat the best is never
+planned. So the answer is never slower than the program as given, whenever that fits.
 """
 
 from __future__ import annotations
@@ -316,21 +325,31 @@ def search(
         (units, partial), best = trial, candidate
         return True
 
-    _partial_ladder(rewriter, accept, lambda: (units, partial))
-    pool = rewriter.offloaded(best)
-    while pool and planned < max_candidates:
-        cheaper = frozenset(pool) & rewriter.partial_units - partial - units
-        if cheaper and accept((units, partial | cheaper)):
-            pool = rewriter.offloaded(best)
-        elif accept((units | frozenset(pool), partial - frozenset(pool))):
-            pool = rewriter.offloaded(best)
-        else:
-            pool = pool[: len(pool) // 2]
+    def offloaded_units() -> None:
+        """The units whose ``A`` the best plan moves over the link, all at once, then
+        halves of them: saved partially first where they can be, else recomputed."""
+        pool = rewriter.offloaded(best)
+        while pool and planned < max_candidates:
+            cheaper = frozenset(pool) & rewriter.partial_units - partial - units
+            if cheaper and accept((units, partial | cheaper)):
+                pool = rewriter.offloaded(best)
+            elif accept((units | frozenset(pool), partial - frozenset(pool))):
+                pool = rewriter.offloaded(best)
+            else:
+                pool = pool[: len(pool) // 2]
+
+    def now() -> tuple[frozenset[Unit], frozenset[Unit]]:
+        return units, partial
+
+    _partial_ladder(rewriter, accept, now)
+    offloaded_units()
+    _partial_ladder(rewriter, accept, now)
     everything = rewriter.all | rewriter.given
     if units != everything and rewriter.partial_units - units - partial:
-        accept((everything - rewriter.partial_units, rewriter.partial_units))
+        if accept((everything - rewriter.partial_units, rewriter.partial_units)):
+            offloaded_units()
     if units != everything and accept((everything, frozenset())):
-        _partial_ladder(rewriter, accept, lambda: (units, partial))
+        _partial_ladder(rewriter, accept, now)
     return Choice(units, best, planned, partial)
 
 
@@ -458,13 +477,16 @@ def measured_recompute_planner(
 ) -> PlannerSpec:
     """A ``recompute`` planner whose candidates are priced by the profiling pass:
     ``profile(program)`` returns the measured profiles of a program's task signatures
-    (``dataflow_training.profile.profile_program``); it is called for ``program`` and for
-    the program with every unit recomputed, which between them hold every signature any
-    candidate has (the ``rec`` tasks and the forward tasks that do not save); ``known``:
+    (``dataflow_training.profile.profile_program``); it is called for ``program``, for
+    the program with every unit recomputed and (where partial saves are on offer) with
+    every unit saved partially, which between them hold every signature any candidate
+    has (a unit's tasks depend only on its own mode); ``known``:
     profiles of ``program`` measured already."""
     from dataflow_training.profile import apply_profile
 
     rewriter = Rewriter(program, family=family)
     profiles = dict(known) if known is not None else profile(program)
     profiles |= profile(rewriter.candidate(rewriter.all))
+    if rewriter.partial_units:  # the partial saves' forward, rec and backward tasks
+        profiles |= profile(rewriter.candidate((), rewriter.partial_units))
     return recompute_planner(price=lambda p: apply_profile(p, profiles), family=family)
