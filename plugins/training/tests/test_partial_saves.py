@@ -169,12 +169,20 @@ def _forced(units, partial):
 
 @pytest.mark.parametrize(
     ("family_name", "order"),
-    [("gpt2", "round"), ("gpt2", "layer"), ("llama3", "round"), ("qwen3", "layer")],
+    [
+        ("gpt2", "round"),
+        ("gpt2", "layer"),
+        ("llama3", "round"),
+        ("qwen3", "layer"),
+        ("olmoe", "round"),
+        ("qwen3_moe", "layer"),
+    ],
 )
 def test_a_step_with_partial_saves_matches_the_reference(family_name, order):
     """verify's step level (the engine on CPU, three steps of three rounds, against
     the reference model trained by autograd) with four of six units saved partially:
-    gpt2's block and the kit's decoder block (llama3, qwen3)."""
+    gpt2's block, the kit's decoder block (llama3, qwen3) and its MoE block (olmoe,
+    qwen3_moe: the rest re-derived with forward's routing)."""
     pytest.importorskip(f"dataflow_family_{family_name}")
     checks, lines = _partial_step_checks(family_name, "cpu", "torch", order, steps=3)
     assert [c for c in checks if not c.ok] == []
@@ -209,7 +217,7 @@ def _partial_step_checks(family_name, device, resolver, order, *, steps):
     return checks, lines
 
 
-@pytest.mark.parametrize("family_name", ["gpt2", "llama3"])
+@pytest.mark.parametrize("family_name", ["gpt2", "llama3", "olmoe"])
 def test_a_partially_saved_step_trains_bitwise_as_the_saving_one(family_name):
     """rederive is the tail of recompute, which forward is built on: the same bits."""
     from dataflow_training.run import TrainingRun

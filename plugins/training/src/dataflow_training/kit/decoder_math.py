@@ -271,7 +271,32 @@ def attention_matmul_flops(config: DecoderConfig, batch: int, seq_len: int) -> t
     return 2 * tokens * n * (2 * q + 2 * kv), 2 * tokens * seq_len * q  # causal: half
 
 
-class DecoderBlock:
+class MlpPartialSave:
+    """The ``mlp`` partial save of a block on the attention half (the decoder's and the
+    MoE block): keep what the attention half saves, re-derive the FFN's saved projections
+    from the kept ``h_mid``: the block's ``ffn_saved`` of ``n2(h_mid)``, the very call its
+    ``recompute`` ends with."""
+
+    def partial_saves(self, config: DecoderConfig) -> tuple[PartialSave, ...]:
+        return (PartialSave("mlp", tuple(s.name for s in attention_saved(config, 1, 1))),)
+
+    def rederive(
+        self,
+        config: DecoderConfig,
+        params: Tensors,
+        x: torch.Tensor,
+        kept: Tensors,
+        aux_temp: Tensors,
+        env: Env,
+        partial: str,
+    ) -> Tensors:
+        if partial != "mlp":
+            raise KeyError(f"the block has no partial save {partial!r}; it has: mlp")
+        h2, _ = ffn_input(config, params, kept["h_mid"], env.ops)
+        return self.ffn_saved(config, params, h2, aux_temp, env.ops)
+
+
+class DecoderBlock(MlpPartialSave):
     """Pre-norm block: ``h = x + attention(n1(x))``, ``y = h + swiglu(n2(h))``."""
 
     def saved(self, config: DecoderConfig, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
@@ -295,27 +320,13 @@ class DecoderBlock:
         self, config: DecoderConfig, params: Tensors, x: torch.Tensor, aux_temp: Tensors, env: Env
     ) -> Tensors:
         saved, h2 = attention_forward_half(config, params, x, env.ops)
-        return saved | _mlp_inputs(params, h2, env.ops)
+        return saved | self.ffn_saved(config, params, h2, aux_temp, env.ops)
 
-    def partial_saves(self, config: DecoderConfig) -> tuple[PartialSave, ...]:
-        return (PartialSave("mlp", tuple(s.name for s in attention_saved(config, 1, 1))),)
-
-    def rederive(
-        self,
-        config: DecoderConfig,
-        params: Tensors,
-        x: torch.Tensor,
-        kept: Tensors,
-        aux_temp: Tensors,
-        env: Env,
-        partial: str,
+    def ffn_saved(
+        self, config: DecoderConfig, params: Tensors, h2: torch.Tensor, aux_temp: Tensors, ops: Any
     ) -> Tensors:
-        """``mlp``: ``gate`` and ``up`` from the kept ``h_mid`` (the projections
-        ``recompute`` ends with, of the same ``n2(h_mid)``)."""
-        if partial != "mlp":
-            raise KeyError(f"the decoder block has no partial save {partial!r}; it has: mlp")
-        h2, _ = ffn_input(config, params, kept["h_mid"], env.ops)
-        return _mlp_inputs(params, h2, env.ops)
+        """The SwiGLU's two projections of ``h2 = n2(h_mid)``, as the block saves them."""
+        return {"gate": MLP.gate.forward(ops, params, h2), "up": MLP.up.forward(ops, params, h2)}
 
     def backward(
         self,
@@ -350,11 +361,6 @@ class DecoderBlock:
             backward=Work(2 * matmul + 2.5 * attention, 2 * activations),
             partial={"mlp": mlp_in},
         )
-
-
-def _mlp_inputs(params: Tensors, h2: torch.Tensor, ops: Any) -> Tensors:
-    """The SwiGLU's two projections of its input ``h2``, as the block saves them."""
-    return {"gate": MLP.gate.forward(ops, params, h2), "up": MLP.up.forward(ops, params, h2)}
 
 
 class DecoderHead:
