@@ -10,6 +10,7 @@ from dataflow_training.family import (
     LayerCost,
     LayerSpec,
     ParamGroup,
+    PartialSave,
     TensorSpec,
     Work,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "LayerCost",
     "LayerSpec",
     "ParamGroup",
+    "PartialSave",
     "TensorSpec",
     "Work",
 ]

@@ -145,6 +145,30 @@ class LayerCost:
     forward: Work
     backward: Work
     recompute: Work | None = None  # None: the same as forward
+    #: the work of each partial save's ``rederive`` (``BlockMath.partial_saves``), by name
+    partial: Mapping[str, Work] = attrs.field(factory=dict, converter=dict, hash=False)
+
+
+@attrs.frozen
+class PartialSave:
+    """A cheaper recompute a block kind offers beside the full one: forward keeps only the
+    saved tensors named in ``keeps`` (its ``A`` holds just those), and right before backward
+    the kind's ``rederive`` makes the others from the block input, the kept tensors, the
+    parameters and AuxTemp, at the cost ``LayerCost.partial[name]`` declares. Worth
+    declaring where the kept tensors are cheap to store and costly to derive (attention's)
+    and the others the reverse (an MLP's pre-activations). ``name`` (lowercase letters,
+    digits and ``_``) names the part re-derived (``"mlp"``) and ends the id of the object
+    that holds it (``A_<step>_<round>_<block>.mlp``)."""
+
+    name: str = attrs.field()
+    keeps: tuple[str, ...] = attrs.field(converter=tuple)
+
+    @name.validator
+    def _name(self, attribute: attrs.Attribute, value: str) -> None:
+        if not value or not all(c.islower() or c.isdigit() or c == "_" for c in value):
+            raise FamilyContractError(
+                f"partial save name {value!r}: use lowercase letters, digits and '_'"
+            )
 
 
 @attrs.frozen
@@ -191,7 +215,16 @@ class EmbedMath(Protocol):
 class BlockMath(Protocol):
     """One block kind. Forward saves ``saved``; backward uses only those, the block's
     input, its parameters and its AuxTemp; recompute re-derives ``saved`` from the input
-    and the AuxTemp that forward wrote (never re-deciding what AuxTemp holds)."""
+    and the AuxTemp that forward wrote (never re-deciding what AuxTemp holds).
+
+    A kind may also offer partial saves (detected with hasattr; ``partial_saves`` below):
+      ``partial_saves(config) -> tuple[PartialSave, ...]``: the ones it offers (the
+      recompute planner offers the first; ``lower(partial=...)`` takes any);
+      ``rederive(config, params, x, kept, aux_temp, env, partial) -> Tensors``: the saved
+      tensors that partial save ``partial`` does not keep, from the block input, the
+      ``kept`` ones, the parameters and AuxTemp (equal to what forward saves);
+    and its ``cost`` then gives ``LayerCost.partial[name]`` for each.
+    """
 
     def saved(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
         """What forward saves for backward (the contents of ``A_...``), exact shapes."""
@@ -277,6 +310,32 @@ class Family(Protocol):
     # Families with a public checkpoint format also provide (detected with hasattr):
     #   import_hf(path) -> (config, state)        state keys as in reference_model
     #   export_hf(config, state, path) -> None    writes safetensors + config.json
+
+
+def partial_saves(math: Any, config: Any, saved: tuple[TensorSpec, ...]) -> dict[str, PartialSave]:
+    """The partial saves block math ``math`` offers (``{}`` when it declares none), by name,
+    checked against what it saves: each keeps a non-empty proper subset of ``saved``, and
+    the kind has ``rederive``."""
+    declare = getattr(math, "partial_saves", None)
+    if declare is None:
+        return {}
+    found: dict[str, PartialSave] = {}
+    names = [s.name for s in saved]
+    for partial in declare(config):
+        where = f"{type(math).__name__}: partial save {partial.name!r}"
+        unknown = sorted(set(partial.keeps) - set(names))
+        if unknown:
+            raise FamilyContractError(
+                f"{where} keeps {unknown}, which it does not save (saved: {', '.join(names)})"
+            )
+        if not partial.keeps or set(partial.keeps) == set(names):
+            raise FamilyContractError(f"{where} must keep some but not all of {', '.join(names)}")
+        if partial.name in found:
+            raise FamilyContractError(f"{where} is declared twice")
+        if not callable(getattr(math, "rederive", None)):
+            raise FamilyContractError(f"{where} is declared but the kind has no rederive")
+        found[partial.name] = partial
+    return found
 
 
 def embed_layer(layers: list[LayerSpec] | tuple[LayerSpec, ...]) -> LayerSpec:

@@ -4,7 +4,8 @@ Tasks, in chain order, for step ``s`` (ids ``{kind}_{s}_{round}_{layer}``), with
 ``TrainConfig.order == "round"``:
 
     for each round r:  embed_s_r_emb, fwd_s_r_0 .. fwd_s_r_{L-1}, head_s_r_head,
-                       [rec_s_r_i before bwd_s_r_i where recompute is chosen]
+                       [rec_s_r_i before bwd_s_r_i where recompute or a partial
+                        save is chosen]
                        bwd_s_r_{L-1} .. bwd_s_r_0, embbwd_s_r_emb
     then:              one opt_s_{R-1}_<layer>[.<group>] per trainable parameter group,
                        head, blocks L-1 .. 0, emb
@@ -27,7 +28,9 @@ tasks need. Objects (see ``dataflow_training.family`` for what each holds): ``W`
 parameter group (gradients: round 0 creates them, later rounds accumulate), ``Aux_i`` (or
 ``Aux_<kind>``, shared by a kind's layers; the step's first forward to touch an Aux
 object zeroes it: its task's ``zero_aux`` param),
-per round ``A_s_r_i`` and ``AuxTemp_s_r_i``, hidden states ``y_s_r_i`` (``y_s_r_0`` is
+per round ``A_s_r_i`` (with a partial save ``p``: only the tensors it keeps, and
+``A_s_r_i.p`` the others, which its ``rec`` task re-derives from them) and
+``AuxTemp_s_r_i``, hidden states ``y_s_r_i`` (``y_s_r_0`` is
 the embedding; block i makes ``y_s_r_{i+1}``), their gradients ``dy_s_r_i``, tokens
 ``x_s_r``, targets ``t_s_r``, losses ``loss_s_r``. Task inputs by role and every packed
 object's layout are in the returned ``StepLayout``.
@@ -36,7 +39,7 @@ object's layout are in the returned ``StepLayout``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -48,10 +51,12 @@ from dataflow_training.family import (
     Family,
     FamilyContractError,
     LayerSpec,
+    PartialSave,
     TensorSpec,
     Work,
     embed_layer,
     head_layer,
+    partial_saves,
 )
 from dataflow_training.keys import GRAD_ALLREDUCE_KEY, GRAD_NORM_KEY, family_key, optimizer_key
 from dataflow_training.layout import Layout
@@ -107,6 +112,7 @@ def lower(
     overrides: dict[str, Any] | None = None,
     step: int = 0,
     recompute: Iterable[int | tuple[int, int]] = (),
+    partial: Mapping[int | tuple[int, int], str] | None = None,
     cost: RooflineCost | None = None,
     links: Links | None = None,
     keep_grads: bool = False,
@@ -118,6 +124,11 @@ def lower(
     ``recompute``: blocks whose saved activations are not kept from forward but
     re-derived just before their backward (the declared recompute rewrite): a block index
     means that block in every round, a ``(round, block)`` pair that round only.
+    ``partial``: blocks (named the same way) whose forward keeps only part of ``A``, each
+    mapped to the name of the partial save its kind declares
+    (``BlockMath.partial_saves``); their ``rec`` task re-derives the rest into
+    ``A_s_r_i.<name>`` and backward reads both. A unit is in ``recompute`` or ``partial``,
+    not both.
     ``keep_grads``: the step's weight gradients must end in slow memory too (for checks
     that read them back; normally they die with the optimizer tasks).
     ``keep_aux_temp``: every round's AuxTemp (the blocks' recorded decisions, such as the
@@ -141,6 +152,7 @@ def lower(
         )
     blocks = list(layers[1:-1])
     recompute = recompute_units(recompute, train.rounds, len(blocks))
+    partial_of = _partial_units(partial or {}, train.rounds, len(blocks), recompute)
     by_name = {layer.name: layer for layer in layers}
     if len(by_name) != len(layers):
         raise FamilyContractError(f"family {family.name!r}: layer names repeat")
@@ -215,12 +227,15 @@ def lower(
     act_bytes = hidden.nbytes // max(1, math.prod(hidden.shape))
     kinds = {block.kind for block in blocks}
     saved_layout, temp_layout, block_cost = {}, {}, {}
+    partial_layouts: dict[str, dict[str, tuple[Layout, Layout]]] = {}  # kind -> name -> kept, rest
     for kind in kinds:
         kind_math = family.math(kind)
-        saved_layout[kind] = Layout.pack(
-            (s.name, s.shape, _dtype(s, policy.activation))
-            for s in kind_math.saved(config, train.batch, train.seq_len)
-        )
+        saved_specs = kind_math.saved(config, train.batch, train.seq_len)
+        saved_layout[kind] = _pack(saved_specs, policy.activation)
+        partial_layouts[kind] = {
+            name: _split(saved_specs, p, policy.activation)
+            for name, p in partial_saves(kind_math, config, saved_specs).items()
+        }
         temp_specs = kind_math.aux_temp(config, train.batch, train.seq_len)
         temp_layout[kind] = (
             Layout.pack((s.name, s.shape, _dtype(s, policy.activation)) for s in temp_specs)
@@ -228,6 +243,19 @@ def lower(
             else None
         )
         block_cost[kind] = kind_math.cost(config, train.batch, train.seq_len, act_bytes)
+        missing = set(partial_layouts[kind]) - set(block_cost[kind].partial)
+        if missing:
+            raise FamilyContractError(
+                f"family {family.name!r}: block kind {kind!r} declares partial save(s) "
+                f"{sorted(missing)} but its cost gives no LayerCost.partial work for them"
+            )
+    for (r, i), name in sorted(partial_of.items()):
+        offered = partial_layouts[blocks[i].kind]
+        if name not in offered:
+            raise ValueError(
+                f"partial names {name!r} for block {i} of round {r}; its kind "
+                f"{blocks[i].kind!r} offers {', '.join(sorted(offered)) or 'no partial saves'}"
+            )
     embed_cost = family.math("embed").cost(config, train.batch, train.seq_len, act_bytes)
     head_cost = family.math("head").cost(config, train.batch, train.seq_len, act_bytes)
 
@@ -241,6 +269,7 @@ def lower(
         group = roles.pop("group", "")
         save = roles.pop("save", True)
         zero_aux = roles.pop("zero_aux", False)
+        partial_name = roles.pop("partial", None)
         slot = TaskSlot(
             f"{kind}_{step}_{r}_{group_name(layer, group)}",
             kind,
@@ -260,6 +289,8 @@ def lower(
             params["save"] = save
             if zero_aux:
                 params["zero_aux"] = True
+        if partial_name is not None:
+            params["partial"] = partial_name  # the partial save a rec task completes
         if group:
             params["group"] = group
         if kind == "head":
@@ -296,12 +327,20 @@ def lower(
         dy = [f"dy_{step}_{r}_{i}" for i in range(n_blocks + 1)]
         objects += [Obj(name, hidden.nbytes, Role.ACTIVATION, tensor=hidden) for name in y]
         objects += [Obj(name, hidden.nbytes, Role.GRAD, tensor=hidden) for name in dy]
-        saved, temps = {}, {}
+        saved, rest, temps = {}, {}, {}
         for i, block in enumerate(blocks):
             saved[i] = f"A_{step}_{r}_{i}"
             layout = saved_layout[block.kind]
-            packed[saved[i]] = PackedObject(saved[i], "A", block.name, layout)
-            objects.append(Obj(saved[i], layout.size_bytes, Role.ACTIVATION))
+            parts = [(saved[i], saved_layout[block.kind])]
+            if (r, i) in partial_of:  # what forward keeps, and what its rec task makes
+                name = partial_of[r, i]
+                rest[i] = f"{saved[i]}.{name}"
+                parts = list(
+                    zip((saved[i], rest[i]), partial_layouts[block.kind][name], strict=True)
+                )
+            for obj_id, layout in parts:
+                packed[obj_id] = PackedObject(obj_id, "A", block.name, layout)
+                objects.append(Obj(obj_id, layout.size_bytes, Role.ACTIVATION))
             if temp_layout[block.kind] is not None:
                 temps[i] = f"AuxTemp_{step}_{r}_{i}"
                 layout = temp_layout[block.kind]
@@ -372,6 +411,24 @@ def lower(
                     inputs={"x": (y[i],), "w": weights[block.name], "aux_temp": temp},
                     outputs={"saved": (saved[i],)},
                 )
+            elif (r, i) in partial_of:
+                task(
+                    "rec",
+                    r,
+                    block.name,
+                    family_key(family.name, block.kind, "recompute"),
+                    priced(
+                        block_cost[block.kind].partial[partial_of[r, i]], param_bytes[block.name]
+                    ),
+                    inputs={
+                        "x": (y[i],),
+                        "w": weights[block.name],
+                        "saved": (saved[i],),
+                        "aux_temp": temp,
+                    },
+                    outputs={"saved": (rest[i],)},
+                    partial=partial_of[r, i],
+                )
             aux = (block.aux_object,) if block.aux and r == train.rounds - 1 else ()
             roles = grad_roles(block.name, r)
             task(
@@ -383,7 +440,7 @@ def lower(
                 inputs={
                     "dy": (dy[i + 1],),
                     "x": (y[i],),
-                    "saved": (saved[i],),
+                    "saved": (saved[i], *((rest[i],) if i in rest else ())),
                     "aux_temp": temp,
                     "aux": aux,
                     "w": weights[block.name],
@@ -491,6 +548,39 @@ def _add_aux(family: str, layer: LayerSpec, packed: dict[str, PackedObject], add
             f"{[(a.name, a.shape) for a in layer.aux]} but {obj}, shared by the {layer.kind!r} "
             f"layers, was declared by layer {packed[obj].layer!r} with others"
         )
+
+
+def _pack(specs: Iterable[TensorSpec], policy_dtype: str) -> Layout:
+    return Layout.pack((s.name, s.shape, _dtype(s, policy_dtype)) for s in specs)
+
+
+def _split(
+    saved: tuple[TensorSpec, ...], partial: PartialSave, policy_dtype: str
+) -> tuple[Layout, Layout]:
+    """The layouts of what a partial save keeps and of what its ``rec`` task re-derives,
+    each in ``saved``'s order."""
+    kept = [s for s in saved if s.name in partial.keeps]
+    return _pack(kept, policy_dtype), _pack(
+        (s for s in saved if s.name not in partial.keeps), policy_dtype
+    )
+
+
+def _partial_units(
+    partial: Mapping[int | tuple[int, int], str],
+    rounds: int,
+    n_blocks: int,
+    recompute: frozenset[tuple[int, int]],
+) -> dict[tuple[int, int], str]:
+    """``lower``'s ``partial`` by ``(round, block)``; a unit named twice with different
+    partial saves, or also in ``recompute``, is an error naming it."""
+    units: dict[tuple[int, int], str] = {}
+    for item, name in partial.items():
+        for unit in sorted(recompute_units([item], rounds, n_blocks)):
+            if units.get(unit, name) != name or unit in recompute:
+                how = "in recompute too" if unit in recompute else f"as {units[unit]!r} too"
+                raise ValueError(f"partial names block {unit[1]} of round {unit[0]} {how}")
+            units[unit] = name
+    return units
 
 
 def _step_links(links: Links | None, grad_share: float | None) -> Links:

@@ -151,7 +151,9 @@ def step_flops(family: Any, program: Program) -> tuple[float, float]:
             costs[kind] = family.math(kind).cost(config, train.batch, train.seq_len, act_bytes)
         cost = costs[kind]
         if task.kind == "rec":
-            executed += (cost.recompute or cost.forward).flops
+            partial = task.params.get("partial")
+            work = cost.partial[partial] if partial else (cost.recompute or cost.forward)
+            executed += work.flops
             continue
         work = cost.backward if task.kind in ("bwd", "embbwd") else cost.forward
         model += work.flops
@@ -160,10 +162,11 @@ def step_flops(family: Any, program: Program) -> tuple[float, float]:
 
 
 def recomputed(program: Program) -> list[str]:
-    """The recomputed units as ``round:block`` (block = the layer's name)."""
+    """The recomputed units as ``round:block`` (block = the layer's name), and
+    ``round:block:partial`` for a unit saved partially (its rest re-derived)."""
     layout = StepLayout.of(program)
     return [
-        f"{slot.round_}:{slot.layer}"
+        ":".join((str(slot.round_), slot.layer, *filter(None, [task.params.get("partial")])))
         for task in program.tasks
         if (slot := layout.tasks[task.id]).kind == "rec"
     ]
@@ -197,6 +200,7 @@ def row_of(planned: Any, family: Any, cell: Cell, extra: dict[str, Any]) -> dict
         "compute_idle_pct": 100 * sim.compute_idle_us / sim.makespan_us,
         "recomputed_units": len(units),
         "recomputed_layers": blocks,
+        "partial_units": sum(1 for u in units if u.count(":") == 2),
         "lower_bound_s": planned.lower_bound_us / 1e6,
     }
 

@@ -411,7 +411,9 @@ def _recomputed(row: dict[str, Any]) -> str:
     if not row["recomputed_units"]:
         return "none"
     layers = ",".join(row["recomputed_layers"])
-    return f"blocks {layers}: {row['recomputed_units']} units of {row['rounds']} rounds"
+    text = f"blocks {layers}: {row['recomputed_units']} units of {row['rounds']} rounds"
+    partial = row.get("partial_units", 0)
+    return text + (f" ({partial} partial)" if partial else "")
 
 
 def _print_measured(rows: list[dict[str, Any]], hw: str, preset: str, device: str) -> None:

@@ -3,7 +3,8 @@
 ``verify(..., progress=callback)`` calls ``callback(level, None)`` when a level starts and
 ``callback(level, checks)`` when it is done. ``LevelPrinter`` is the callback the
 ``dataflow verify`` command uses: one line per event, on stderr, so the table on stdout
-stays clean.
+stays clean. A callback with a ``note(text)`` method is also told what the step level
+planned (``LevelPrinter`` prints it).
 """
 
 from __future__ import annotations
@@ -41,3 +42,6 @@ class LevelPrinter:
         failed = sum(not check.ok for check in checks)
         verdict = f"{len(checks) - failed} passed" + (f", {failed} FAILED" if failed else "")
         print(f"{level}: {len(checks)} checks, {verdict} in {seconds:.1f} s", file=out, flush=True)
+
+    def note(self, text: str) -> None:
+        print(f"  {text}", file=self.out or sys.stderr, flush=True)

@@ -1,32 +1,41 @@
-"""The recompute planner: per block and round, keep ``A`` from forward or re-derive it
-just before backward, whichever makes the planned step faster or makes it fit at all.
+"""The recompute planner: per block and round, keep ``A`` from forward, re-derive it just
+before backward, or (where the block kind offers a partial save) keep part of it and
+re-derive the rest, whichever makes the planned step faster or makes it fit at all.
 
 Registered as the planner ``recompute`` (``RECOMPUTE``). For a program lowered by
 ``dataflow_training.lowering`` it plans candidate steps with PressureFit and keeps the
 best; any other program goes to PressureFit unchanged.
 
-A **unit** is one block in one accumulation round: recomputing it drops ``A`` from the
-forward task's outputs and inserts the lowering's ``rec`` task right before the backward
-(``lower(recompute=[(round, block)])``). Candidates are spliced from one lowering with
-every unit recomputed, so each is exactly what ``lower`` makes of its units; a candidate
-keeps every task's cost and workspace from the program it started from, and prices a new
-``rec`` task as its forward scaled by the declared work of recompute over forward (or
-by ``price``, which re-prices a whole candidate, e.g. from the profile cache).
+A **unit** is one block in one accumulation round. Its mode: ``keep``; ``full``
+(recomputed: ``A`` leaves the forward task's outputs and the lowering's ``rec`` task runs
+right before the backward, ``lower(recompute=[(round, block)])``); or the name of the
+partial save its kind offers first (``A`` holds only what that keeps, and a ``rec`` task
+re-derives the rest into ``A_...<name>``, ``lower(partial={(round, block): name})``).
+Candidates are spliced from one lowering per mode with every unit in it, so each is
+exactly what ``lower`` makes of its units; a candidate keeps every task's cost and
+workspace from the program it started from, and prices a new ``rec`` task as its forward
+scaled by the declared work of that ``rec`` over forward (or by ``price``, which re-prices
+a whole candidate, e.g. from the profile cache).
 
-The search, at most ``max_candidates`` plans (each planned by PressureFit and simulated):
+The search, at most ``max_candidates`` plans (each planned by PressureFit and simulated;
+one tried already is not planned again):
 
 1. the program as given. If it fits and no unit could pay for itself (its step is no
-   longer than its compute plus the cheapest recompute), that is the answer;
+   longer than its compute plus the cheapest ``rec`` task), that is the answer;
 2. when it does not fit: every unit recomputed; if even that does not fit, the budget is
    infeasible (the error names the smallest budget found with every unit recomputed).
    Then the fewest blocks (in chain order, every round) that still fit, by bisection
    (a candidate with one task larger than the budget is never planned);
-3. then, greedily: the units whose ``A`` the best plan so far moves over the link
-   (offloaded), all at once, then halves of them; a candidate is accepted only if its
-   simulated step is shorter (for a cyclic plan, its steady-state iteration), and one
-   whose compute alone cannot beat the best is never planned; last, every unit at once.
+3. the partial ladder (where partial saves are on offer): the recomputed units saved
+   partially instead, all of them, else by bisection the most blocks, from the last;
+4. then, greedily: the units whose ``A`` the best plan so far moves over the link
+   (offloaded), all at once, then halves of them, each saved partially first where it
+   can be, else recomputed; then the ladder again; last, every unit saved partially
+   (then the greedy step again), and every unit recomputed (then the ladder again).
 
-So the answer is never slower than the program as given, whenever that fits.
+A candidate is accepted only if its simulated step is shorter (for a cyclic plan, its
+steady-state iteration), and one whose compute alone cannot beat the best is never
+planned. So the answer is never slower than the program as given, whenever that fits.
 """
 
 from __future__ import annotations
@@ -43,6 +52,8 @@ from dataflow_training.step import StepLayout
 
 #: The most candidate plans one search makes (each is a PressureFit plan and a simulation).
 MAX_CANDIDATES = 10
+#: How many more it may make where the step's blocks offer partial saves.
+PARTIAL_CANDIDATES = 6
 
 Unit = tuple[int, int]  # (round, block index)
 
@@ -58,12 +69,13 @@ Price = Callable[[Program], Program]
 
 @attrs.frozen
 class Choice:
-    """What the search settled on: the recomputed ``units``, the plan, and how many
-    candidates it planned."""
+    """What the search settled on: the fully recomputed ``units``, the ``partial`` units
+    (saved partially, the rest re-derived), the plan, and how many candidates it planned."""
 
     units: frozenset[Unit]
     plan: Plan
     candidates: int
+    partial: frozenset[Unit] = frozenset()
 
     @property
     def step_us(self) -> float:
@@ -74,11 +86,21 @@ def _step_us(planned: Plan) -> float:
     return planned.cycle.iteration_us if planned.cycle is not None else planned.makespan_us
 
 
+#: a unit's mode: ``A`` kept whole, recomputed whole, or the name of a partial save
+KEEP, FULL = "keep", "full"
+
+
+def _unit_of_saved(obj_id: str) -> Unit:
+    """``(round, block)`` of ``A_<step>_<round>_<block>`` or of its ``.<partial>`` rest."""
+    _, _step, r, i = obj_id.partition(".")[0].split("_")
+    return int(r), int(i)
+
+
 class Rewriter:
     """Candidate programs of one lowered step (module docstring)."""
 
     def __init__(self, program: Program, price: Price | None = None, family: Any = None) -> None:
-        from dataflow_training.family import load_family
+        from dataflow_training.family import load_family, partial_saves
         from dataflow_training.lowering import lower
 
         self.program, self.price = program, price
@@ -87,72 +109,144 @@ class Rewriter:
         self.blocks = {name: i for i, name in enumerate(names[1:-1])}
         rounds = self.layout.train.rounds
         self.all = frozenset((r, i) for r in range(rounds) for i in self.blocks.values())
-        self.given = frozenset(
-            (slot.round_, self.blocks[slot.layer])
-            for slot in self.layout.tasks.values()
-            if slot.kind == "rec"
-        )
+        self.given_mode: dict[Unit, str] = {}
+        for task in program.tasks:
+            if task.kind == "rec":
+                unit = (task.params["round"], self.blocks[task.params["layer"]])
+                self.given_mode[unit] = task.params.get("partial", FULL)
+        self.given = frozenset(u for u, mode in self.given_mode.items() if mode == FULL)
         family = family or load_family(self.layout.family)
-        source = lower(
-            family,
-            self.layout.preset,
-            self.layout.train,
-            overrides=self.layout.overrides,
-            step=self.layout.step,
-            recompute=sorted(self.all),
-        )
-        self.source = source.program.tasks_by_id
-        self.source_slots = source.layout.tasks
+        config = family.config(self.layout.preset, **self.layout.overrides)
+        train = self.layout.train
+        # the partial save each block kind offers first, where it offers one
+        offered = {}
+        for layer in self.layout.layers[1:-1]:
+            if layer.kind not in offered:
+                math = family.math(layer.kind)
+                saved = math.saved(config, train.batch, train.seq_len)
+                offered[layer.kind] = next(iter(partial_saves(math, config, saved)), None)
+        self.partial_of = {
+            (r, i): offered[self.layout.layer(name).kind]
+            for name, i in self.blocks.items()
+            for r in range(rounds)
+            if offered[self.layout.layer(name).kind] is not None
+        }
+        self.partial_units = frozenset(self.partial_of)
+
+        def lowered(mode: str) -> Any:
+            """The step with every unit in ``mode`` (that offers it)."""
+            return lower(
+                family,
+                self.layout.preset,
+                train,
+                overrides=self.layout.overrides,
+                step=self.layout.step,
+                recompute=sorted(self.all) if mode == FULL else (),
+                partial={u: m for u, m in self.partial_of.items() if m == mode},
+            )
+
+        modes = {FULL, *self.partial_of.values(), *((KEEP,) if self.given_mode else ())}
+        self.sources = {}  # mode -> (tasks by id, step layout, program) of its lowering
+        for mode in modes:
+            source = lowered(mode)
+            self.sources[mode] = (source.program.tasks_by_id, source.layout, source.program)
         plain = {t.id: t for t in program.tasks}
         # a rec task's price: its forward's, scaled by the declared work of the two
-        self.rec_cost: dict[Unit, Task] = {}
-        for slot in self.source_slots.values():
-            if slot.kind != "rec":
-                continue
-            unit = (slot.round_, self.blocks[slot.layer])
-            fwd_id = slot.id.replace("rec_", "fwd_", 1)
-            rec, fwd_fresh, fwd_given = self.source[slot.id], self.source[fwd_id], plain[fwd_id]
-            if slot.id in plain:
-                self.rec_cost[unit] = plain[slot.id]
-                continue
-            ratio = rec.cost_us / fwd_fresh.cost_us if fwd_fresh.cost_us > 0 else 1.0
-            self.rec_cost[unit] = attrs.evolve(
-                rec,
-                cost_us=fwd_given.cost_us * ratio,
-                workspace_bytes=fwd_given.workspace_bytes,
-            )
+        self.rec_cost: dict[tuple[Unit, str], Task] = {}
+        for mode, (source, layout, _) in self.sources.items():
+            for slot in layout.tasks.values():
+                if slot.kind != "rec":
+                    continue
+                unit = (slot.round_, self.blocks[slot.layer])
+                fwd_id = slot.id.replace("rec_", "fwd_", 1)
+                rec, fwd_fresh, fwd_given = source[slot.id], source[fwd_id], plain[fwd_id]
+                if self.given_mode.get(unit) == mode:
+                    self.rec_cost[unit, mode] = plain[slot.id]
+                    continue
+                ratio = rec.cost_us / fwd_fresh.cost_us if fwd_fresh.cost_us > 0 else 1.0
+                self.rec_cost[unit, mode] = attrs.evolve(
+                    rec,
+                    cost_us=fwd_given.cost_us * ratio,
+                    workspace_bytes=fwd_given.workspace_bytes,
+                )
+        self.base_us = sum(t.cost_us for t in program.tasks if t.kind != "rec")
 
     def unit_of(self, task_id: str) -> Unit | None:
         slot = self.layout.tasks.get(task_id)
-        if slot is None or slot.kind not in ("fwd", "bwd") or slot.layer not in self.blocks:
+        if slot is None or slot.kind not in ("fwd", "rec", "bwd") or slot.layer not in self.blocks:
             return None
         return slot.round_, self.blocks[slot.layer]
 
-    def candidate(self, units: Iterable[Unit]) -> Program:
-        """The program with ``units`` recomputed (on top of those it recomputes already)."""
-        added = frozenset(units) - self.given
-        if not added:
+    def modes(self, units: Iterable[Unit] = (), partial: Iterable[Unit] = ()) -> dict[Unit, str]:
+        """Every unit's mode in the candidate with ``units`` recomputed and ``partial``
+        saved partially, on top of the given program's (full recompute wins)."""
+        full = frozenset(units) | self.given
+        modes = {u: m for u, m in self.given_mode.items() if m != FULL}
+        modes |= {u: self.partial_of[u] for u in partial if u in self.partial_of}
+        return {u: FULL if u in full else modes.get(u, KEEP) for u in self.all}
+
+    def candidate(self, units: Iterable[Unit] = (), partial: Iterable[Unit] = ()) -> Program:
+        """The program with ``units`` recomputed and ``partial`` saved partially (on top of
+        those it recomputes already)."""
+        changed = {
+            u: m for u, m in self.modes(units, partial).items() if m != self.given_mode.get(u, KEEP)
+        }
+        if not changed:
             return self.program if self.price is None else self.price(self.program)
         tasks: list[Task] = []
         slots = dict(self.layout.tasks)
         for task in self.program.tasks:
             unit = self.unit_of(task.id)
-            if unit in added and task.kind == "fwd":
-                fresh = self.source[task.id]
+            mode = changed.get(unit)
+            if mode is None:
+                tasks.append(task)
+                continue
+            source, layout, _ = self.sources[mode]
+            if task.kind == "rec":
+                del slots[task.id]
+                continue
+            if task.kind == "fwd":
+                fresh = source[task.id]
                 task = attrs.evolve(task, outputs=fresh.outputs, params=fresh.params)
-                slots[task.id] = self.source_slots[task.id]
-            if unit in added and task.kind == "bwd":
-                rec = self.rec_cost[unit]
-                tasks.append(rec)
-                slots[rec.id] = self.source_slots[rec.id]
+            if task.kind == "bwd":
+                if mode != KEEP:
+                    rec = self.rec_cost[unit, mode]
+                    tasks.append(rec)
+                    slots[rec.id] = layout.tasks[rec.id]
+                task = attrs.evolve(task, inputs=source[task.id].inputs)
+            slots[task.id] = layout.tasks[task.id]
             tasks.append(task)
-        layout = attrs.evolve(self.layout, tasks=slots)
+        objects, packed = self._saved_objects(changed)
+        layout = attrs.evolve(self.layout, tasks=slots, packed=packed)
         metadata = {**self.program.metadata, **layout.to_metadata()}
-        program = attrs.evolve(self.program, tasks=tuple(tasks), metadata=metadata)
+        program = attrs.evolve(self.program, tasks=tuple(tasks), objects=objects, metadata=metadata)
         return program if self.price is None else self.price(program)
 
-    def recompute_us(self, units: Iterable[Unit]) -> float:
-        return sum(self.rec_cost[u].cost_us for u in frozenset(units) - self.given)
+    def _saved_objects(self, changed: dict[Unit, str]) -> tuple[tuple[Any, ...], dict]:
+        """The program's objects and packed objects with every changed unit's ``A`` (and
+        a partial save's rest) as its new mode's lowering has them, in place."""
+        packed, objects, done = dict(self.layout.packed), [], set()
+        for obj in self.program.objects:
+            if not obj.id.startswith("A_") or _unit_of_saved(obj.id) not in changed:
+                objects.append(obj)
+                continue
+            unit = _unit_of_saved(obj.id)
+            del packed[obj.id]
+            if unit in done:
+                continue
+            done.add(unit)
+            _, layout, source = self.sources[changed[unit]]
+            for fresh in source.objects:
+                if fresh.id.startswith("A_") and _unit_of_saved(fresh.id) == unit:
+                    objects.append(fresh)
+                    packed[fresh.id] = layout.packed[fresh.id]
+        return tuple(objects), packed
+
+    def compute_us(self, units: Iterable[Unit] = (), partial: Iterable[Unit] = ()) -> float:
+        """The candidate's compute: the given tasks but the rec ones, plus its rec tasks."""
+        return self.base_us + sum(
+            self.rec_cost[u, m].cost_us for u, m in self.modes(units, partial).items() if m != KEEP
+        )
 
     def offloaded(self, planned: Plan) -> list[Unit]:
         """Units (not yet recomputed) whose ``A`` the plan writes back to slow memory."""
@@ -160,8 +254,7 @@ class Rewriter:
         for task in planned.program.tasks:
             for obj_id in task.offloads:
                 if obj_id.startswith("A_"):
-                    _, _step, r, i = obj_id.split("_")
-                    found.add((int(r), int(i)))
+                    found.add(_unit_of_saved(obj_id))
         return sorted(found - self.given, key=_chain_order)
 
 
@@ -175,23 +268,34 @@ def search(
     budget_bytes: int,
     *,
     price: Price | None = None,
-    max_candidates: int = MAX_CANDIDATES,
+    max_candidates: int | None = None,
     family: Any = None,
     **options: Any,
 ) -> Choice:
     """The best recompute choice for ``program`` within ``budget_bytes`` (module
     docstring). ``options`` go to every PressureFit plan (``slow_budget_bytes``,
     ``cyclic``); ``family`` is the family object the program was lowered from (default:
-    the registered family the step layout names). Raises ``InfeasibleBudget`` when no
-    candidate fits."""
+    the registered family the step layout names); ``max_candidates`` defaults to
+    ``MAX_CANDIDATES``, plus ``PARTIAL_CANDIDATES`` where the step's blocks offer partial
+    saves. Raises ``InfeasibleBudget`` when no candidate fits."""
     rewriter = Rewriter(program, price, family)
+    if max_candidates is None:
+        max_candidates = MAX_CANDIDATES + (PARTIAL_CANDIDATES if rewriter.partial_of else 0)
     planned = 0
+    tried: dict[tuple[frozenset[Unit], ...], Plan | None] = {}
 
-    def evaluate(units: frozenset[Unit]) -> Plan | None:
+    def evaluate(units: frozenset[Unit], partial: frozenset[Unit] = frozenset()) -> Plan | None:
         """The candidate's plan, or None when it does not fit (found without asking
-        PressureFit for the smallest budget that works, which can take far longer)."""
+        PressureFit for the smallest budget that works, which can take far longer);
+        a candidate tried before is not planned again."""
+        key = (frozenset(units), frozenset(partial) - frozenset(units))
+        if key not in tried:
+            tried[key] = _evaluate(*key)
+        return tried[key]
+
+    def _evaluate(units: frozenset[Unit], partial: frozenset[Unit]) -> Plan | None:
         nonlocal planned
-        candidate = rewriter.candidate(units)
+        candidate = rewriter.candidate(units, partial)
         if _floor_bytes(candidate) > budget_bytes:
             return None
         planned += 1
@@ -200,36 +304,77 @@ def search(
         except PlanningError:
             return None
 
-    units = rewriter.given
+    units, partial = rewriter.given, frozenset()
     first = evaluate(units)
     if first is None:
         units, first = _make_it_fit(rewriter, evaluate, budget_bytes, options)
     best = first
-    compute_us = sum(t.cost_us for t in rewriter.candidate(units).tasks)
     cheapest = min((t.cost_us for t in rewriter.rec_cost.values()), default=0.0)
-    if _step_us(best) <= compute_us + cheapest:
+    if _step_us(best) <= rewriter.compute_us(units) + cheapest:
         return Choice(units, best, planned)
-    pool = rewriter.offloaded(best)
-    while pool and planned < max_candidates:
-        trial = units | frozenset(pool)
-        if compute_us + rewriter.recompute_us(trial - units) >= _step_us(best):
-            pool = pool[: len(pool) // 2]  # its compute alone cannot beat the best
-            continue
-        candidate = evaluate(trial)
-        if candidate is not None and _step_us(candidate) < _step_us(best):
-            compute_us += rewriter.recompute_us(trial - units)
-            units, best = trial, candidate
-            pool = rewriter.offloaded(best)
-        else:
-            pool = pool[: len(pool) // 2]
+
+    def accept(trial: tuple[frozenset[Unit], frozenset[Unit]]) -> bool:
+        """Plan ``trial`` (full, partial) unless its compute alone cannot beat the best;
+        take it when its step is shorter."""
+        nonlocal units, partial, best
+        if planned >= max_candidates or rewriter.compute_us(*trial) >= _step_us(best):
+            return False
+        candidate = evaluate(*trial)
+        if candidate is None or _step_us(candidate) >= _step_us(best):
+            return False
+        (units, partial), best = trial, candidate
+        return True
+
+    def offloaded_units() -> None:
+        """The units whose ``A`` the best plan moves over the link, all at once, then
+        halves of them: saved partially first where they can be, else recomputed."""
+        pool = rewriter.offloaded(best)
+        while pool and planned < max_candidates:
+            cheaper = frozenset(pool) & rewriter.partial_units - partial - units
+            if cheaper and accept((units, partial | cheaper)):
+                pool = rewriter.offloaded(best)
+            elif accept((units | frozenset(pool), partial - frozenset(pool))):
+                pool = rewriter.offloaded(best)
+            else:
+                pool = pool[: len(pool) // 2]
+
+    def now() -> tuple[frozenset[Unit], frozenset[Unit]]:
+        return units, partial
+
+    _partial_ladder(rewriter, accept, now)
+    offloaded_units()
+    _partial_ladder(rewriter, accept, now)
     everything = rewriter.all | rewriter.given
-    if planned < max_candidates and units != everything:
-        added = rewriter.recompute_us(everything - units)
-        if compute_us + added < _step_us(best):
-            candidate = evaluate(everything)
-            if candidate is not None and _step_us(candidate) < _step_us(best):
-                units, best = everything, candidate
-    return Choice(units, best, planned)
+    if units != everything and rewriter.partial_units - units - partial:
+        if accept((everything - rewriter.partial_units, rewriter.partial_units)):
+            offloaded_units()
+    if units != everything and accept((everything, frozenset())):
+        _partial_ladder(rewriter, accept, now)
+    return Choice(units, best, planned, partial)
+
+
+def _partial_ladder(rewriter: Rewriter, accept: Callable, current: Callable) -> None:
+    """The fully recomputed units saved partially instead, block by block from the last
+    (every round of a block at once): all of them, else by bisection the most blocks whose
+    candidate is accepted (fewer when one does not fit or is slower: more kept bytes
+    mean more movement)."""
+    units, partial = current()
+    movable = units & rewriter.partial_units - rewriter.given
+    blocks = sorted({i for _, i in movable}, reverse=True)
+
+    def trial(count: int) -> tuple[frozenset[Unit], frozenset[Unit]]:
+        chosen = frozenset(u for u in movable if u[1] in blocks[:count])
+        return units - chosen, partial | chosen
+
+    if not blocks or accept(trial(len(blocks))):
+        return
+    low, high = 0, len(blocks)  # trial(low) is the best so far; trial(high) is not
+    while high - low > 1:
+        middle = (low + high) // 2
+        if accept(trial(middle)):
+            low = middle
+        else:
+            high = middle
 
 
 def _floor_bytes(program: Program) -> int:
@@ -332,13 +477,16 @@ def measured_recompute_planner(
 ) -> PlannerSpec:
     """A ``recompute`` planner whose candidates are priced by the profiling pass:
     ``profile(program)`` returns the measured profiles of a program's task signatures
-    (``dataflow_training.profile.profile_program``); it is called for ``program`` and for
-    the program with every unit recomputed, which between them hold every signature any
-    candidate has (the ``rec`` tasks and the forward tasks that do not save); ``known``:
+    (``dataflow_training.profile.profile_program``); it is called for ``program``, for
+    the program with every unit recomputed and (where partial saves are on offer) with
+    every unit saved partially, which between them hold every signature any candidate
+    has (a unit's tasks depend only on its own mode); ``known``:
     profiles of ``program`` measured already."""
     from dataflow_training.profile import apply_profile
 
     rewriter = Rewriter(program, family=family)
     profiles = dict(known) if known is not None else profile(program)
     profiles |= profile(rewriter.candidate(rewriter.all))
+    if rewriter.partial_units:  # the partial saves' forward, rec and backward tasks
+        profiles |= profile(rewriter.candidate((), rewriter.partial_units))
     return recompute_planner(price=lambda p: apply_profile(p, profiles), family=family)

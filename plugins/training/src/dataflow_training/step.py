@@ -13,7 +13,8 @@ x          a layer's input hidden state ``y_s_r_i``
 y          a layer's output hidden state
 w          parameter objects the task reads or updates (every group of a layer)
 tied       parameter objects of another layer a tied head reads
-saved      ``A_s_r_i`` (forward writes, recompute writes, backward reads)
+saved      ``A_s_r_i`` (forward writes, recompute writes, backward reads); with a partial
+           save, also ``A_s_r_i.<partial>`` (its rec task reads ``A_s_r_i`` and writes it)
 aux_temp   ``AuxTemp_s_r_i`` (forward writes, recompute and backward read)
 aux        ``Aux_i`` (forward mutates, the last round's backward reads)
 dy         the gradient of a layer's output; ``dx`` the gradient of its input

@@ -206,9 +206,18 @@ class _Exec:
         for start, end in self.layout.packed[obj].layout.gaps():
             buffer[start:end].zero_()
 
-    def store(self, ctx: LaunchContext, role: str, values: Mapping[str, Any], what: str) -> None:
-        """Write every declared tensor of the ``role`` object from ``values``."""
-        obj = self.slot.one(role)
+    def store(
+        self,
+        ctx: LaunchContext,
+        role: str,
+        values: Mapping[str, Any],
+        what: str,
+        *,
+        obj: str | None = None,
+    ) -> None:
+        """Write every declared tensor of the ``role`` object (or of ``obj``) from
+        ``values``; entries of ``values`` it does not declare are left out."""
+        obj = obj or self.slot.one(role)
         for name, target in self.views(ctx, obj).items():
             value = values.get(name)
             if value is None:
@@ -264,8 +273,25 @@ class BlockForward(_Exec):
 
 
 class BlockRecompute(_Exec):
+    """The full recompute (``A`` from the block input), or with the task's ``partial``
+    param the rest of a partial save (``A_...<name>`` from ``A``, which forward kept)."""
+
     def launch(self, ctx: LaunchContext) -> None:
         math = self.tasks.math(self.kind)
+        partial = self.task.params.get("partial")
+        if partial is not None:
+            (kept,), (rest,) = self.slot.inputs["saved"], self.slot.outputs["saved"]
+            values = math.rederive(
+                self.tasks.config,
+                self.named(ctx, "w"),
+                self.one(ctx, "x"),
+                self.views(ctx, kept),
+                self.named(ctx, "aux_temp"),
+                self.env(ctx),
+                partial,
+            )
+            self.store(ctx, "saved", values, f"{partial!r} tensor", obj=rest)
+            return
         saved = math.recompute(
             self.tasks.config,
             self.named(ctx, "w"),

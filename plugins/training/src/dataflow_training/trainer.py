@@ -152,18 +152,34 @@ def budget_text(budget_bytes: int) -> str:
     return "unbounded" if budget_bytes >= 2**61 else format_size(budget_bytes)
 
 
-def recomputed_layers(layout: Any) -> list[str]:
+def recomputed_layers(layout: Any, *, partial: bool | None = None) -> list[str]:
     """The layers whose saved activations the step re-derives before their backward
-    (its ``rec`` tasks), in layer order."""
-    recomputed = {slot.layer for slot in layout.tasks.values() if slot.kind == "rec"}
+    (its ``rec`` tasks), in layer order; with ``partial`` True (False) only those with a
+    partial save's (a full recompute's) rec task in some round."""
+    recomputed = {
+        slot.layer
+        for slot in layout.tasks.values()
+        if slot.kind == "rec" and (partial is None or partial == _is_partial(slot))
+    }
     return [layer.name for layer in layout.layers if layer.name in recomputed]
+
+
+def _is_partial(slot: Any) -> bool:
+    """Whether a rec task completes a partial save: its output is ``A_...<partial>``."""
+    return "." in slot.outputs["saved"][0]
 
 
 def plan_line(run: Any) -> str:
     from dataflow.units import format_size
+    from dataflow_training.step import StepLayout
 
     p = run.predicted()
-    recomputed = ", ".join(recomputed_layers(run.layout)) or "none"
+    # the layout of the plan the engine runs (the recompute planner chose its rec tasks)
+    layout = StepLayout.of(getattr(run.placement, "plan", run.planned).program)
+    recomputed = ", ".join(recomputed_layers(layout)) or "none"
+    partial = recomputed_layers(layout, partial=True)
+    if partial:
+        recomputed += f" (saved partially: {', '.join(partial)})"
     return (
         f"plan: {run.program.name} on {run.device}: predicted {p['step_s']:.4g} s/step, "
         f"{p['tok_s']:,.0f} tok/s; fast peak {format_size(p['fast_peak_bytes'])} of "

@@ -3,7 +3,8 @@
 - **op**: every op the kernel registry picks for the device, against a float64 formula
   written here (softmax attention, the norm formulas, full cross-entropy with autograd,
   the AdamW update).
-- **task**: every layer kind's math: recompute equals what forward saved; the hand
+- **task**: every layer kind's math: recompute (and each partial save's rederive) equals
+  what forward saved; the hand
   backward equals autograd through the family's own forward; the fused head gives the
   same loss and gradients whatever its chunk size.
 - **step**: the lowered program, planned into a budget and run on the engine for several
@@ -303,7 +304,7 @@ def check_state_keys(family: Any, config: Any, state: Any) -> None:
 def _layer_checks(
     family, config, layer, params, ops, device, dtype, tolerance, batch, seq_len, hidden_shape
 ):
-    from dataflow_training.family import Env
+    from dataflow_training.family import Env, partial_saves
 
     env = Env(ops)
     math_ = family.math(layer.kind)
@@ -330,6 +331,22 @@ def _layer_checks(
         compare("task", f"{layer.kind} recompute {name}", again[name], saved[name], tolerance)
         for name in saved
     ]
+    specs = math_.saved(config, batch, seq_len)
+    for partial in partial_saves(math_, config, specs).values():
+        kept = {name: saved[name] for name in partial.keeps}
+        with torch.no_grad():
+            rest = math_.rederive(config, params, x, kept, aux_temp, env, partial.name)
+        checks += [
+            compare(
+                "task",
+                f"{layer.kind} rederive {partial.name!r} {s.name}",
+                rest.get(s.name, torch.full((0,), math.nan)),
+                saved[s.name],
+                tolerance,
+            )
+            for s in specs
+            if s.name not in partial.keeps
+        ]
     specs = {s.name: tuple(s.shape) for s in math_.saved(config, batch, seq_len)}
     for name, value in saved.items():
         if specs.get(name) != tuple(value.shape):
@@ -434,11 +451,15 @@ def step_checks(
     clip: float | None = None,
     overrides: dict[str, Any] | None = None,
     order: str = "round",
+    note: Callable[[str], None] | None = None,
+    planner: Any = None,
 ) -> list[Check]:
     """The lowered step run by ``TrainingRun`` against the reference; with ``clip`` both
     clip the global gradient norm (the reference through ``clip_grad_norm_``), and each
     step's measured norm is checked too. ``overrides``: config fields of the preset
-    changed, for both. ``order``: the lowered chain's order (``TrainConfig.order``)."""
+    changed, for both. ``order``: the lowered chain's order (``TrainConfig.order``).
+    ``note`` is given the run's plan line (``trainer.plan_line``: what it recomputes).
+    ``planner``: the run's planner spec (default: ``TrainingRun``'s)."""
     from dataflow_training.run import TrainingRun
 
     config = family.config(preset, **(overrides or {}))
@@ -472,7 +493,12 @@ def step_checks(
         keep_grads=True,
         keep_aux_temp=follows,
         overrides=overrides,
+        planner=planner,
     )
+    if note is not None:
+        from dataflow_training.trainer import plan_line
+
+        note(plan_line(run))
     with run:
         for step in range(steps):
             stats = run.step([tokens(step, r) for r in range(rounds)])
@@ -671,6 +697,7 @@ def verify(
             seed=seed,
             tolerance=tolerances["step"],
             order=order,
+            note=getattr(progress, "note", None),
         ),
     }
     checks: list[Check] = []

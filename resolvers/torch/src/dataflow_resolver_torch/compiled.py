@@ -1,5 +1,5 @@
 """The ``torch-compiled`` resolver: the training executables with each block kind's math
-(forward, recompute, backward) compiled by ``torch.compile``.
+(forward, recompute, backward, and a partial save's rederive) compiled by ``torch.compile``.
 
 Embedding and head stay eager: the embedding is a gather, and the head's chunked loss is
 already one op. Compilation happens at a kind's first launch for its shapes, so the first
@@ -19,13 +19,15 @@ from dataflow_resolver_torch.training import TrainingResolver
 
 
 class _CompiledMath:
-    """A block kind's math with its three functions compiled once each."""
+    """A block kind's math with each of its functions compiled once."""
 
     def __init__(self, math: Any) -> None:
         self._math = math
         self.forward = torch.compile(math.forward)
         self.recompute = torch.compile(math.recompute)
         self.backward = torch.compile(math.backward)
+        if hasattr(math, "rederive"):  # the rest of a partial save
+            self.rederive = torch.compile(math.rederive)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._math, name)

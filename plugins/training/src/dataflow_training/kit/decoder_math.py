@@ -22,6 +22,11 @@ q/k norms and rotations from the saved ``q`` and ``k``, ``silu(gate) * up``) and
 fused backward kernels (``attention_bwd`` with the saved logsumexp, ``rms_norm_bwd``,
 ``swiglu_bwd``); every projection's gradients are ``linear`` calls. ``forward`` is
 ``recompute`` plus the SwiGLU product and ``down_proj``, so the two cannot drift apart.
+
+The block offers one partial save, ``mlp``: forward keeps the attention half's tensors
+(``q``, ``k``, ``v``, ``attn``, ``lse``, ``h_mid``) and ``rederive`` makes ``gate`` and
+``up`` again from ``h_mid`` (``n2`` and the two projections: no attention), freeing the
+``2 * intermediate`` values a token that are most of what the block saves.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any
 
 import torch
 
-from dataflow_training.family import Env, LayerCost, TensorSpec, Work
+from dataflow_training.family import Env, LayerCost, PartialSave, TensorSpec, Work
 from dataflow_training.kit import rotary
 from dataflow_training.kit.attention import (
     attention_backward,
@@ -266,7 +271,32 @@ def attention_matmul_flops(config: DecoderConfig, batch: int, seq_len: int) -> t
     return 2 * tokens * n * (2 * q + 2 * kv), 2 * tokens * seq_len * q  # causal: half
 
 
-class DecoderBlock:
+class MlpPartialSave:
+    """The ``mlp`` partial save of a block on the attention half (the decoder's and the
+    MoE block): keep what the attention half saves, re-derive the FFN's saved projections
+    from the kept ``h_mid``: the block's ``ffn_saved`` of ``n2(h_mid)``, the very call its
+    ``recompute`` ends with."""
+
+    def partial_saves(self, config: DecoderConfig) -> tuple[PartialSave, ...]:
+        return (PartialSave("mlp", tuple(s.name for s in attention_saved(config, 1, 1))),)
+
+    def rederive(
+        self,
+        config: DecoderConfig,
+        params: Tensors,
+        x: torch.Tensor,
+        kept: Tensors,
+        aux_temp: Tensors,
+        env: Env,
+        partial: str,
+    ) -> Tensors:
+        if partial != "mlp":
+            raise KeyError(f"the block has no partial save {partial!r}; it has: mlp")
+        h2, _ = ffn_input(config, params, kept["h_mid"], env.ops)
+        return self.ffn_saved(config, params, h2, aux_temp, env.ops)
+
+
+class DecoderBlock(MlpPartialSave):
     """Pre-norm block: ``h = x + attention(n1(x))``, ``y = h + swiglu(n2(h))``."""
 
     def saved(self, config: DecoderConfig, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
@@ -289,10 +319,14 @@ class DecoderBlock:
     def recompute(
         self, config: DecoderConfig, params: Tensors, x: torch.Tensor, aux_temp: Tensors, env: Env
     ) -> Tensors:
-        ops = env.ops
-        saved, h2 = attention_forward_half(config, params, x, ops)
-        gate, up = MLP.gate.forward(ops, params, h2), MLP.up.forward(ops, params, h2)
-        return saved | {"gate": gate, "up": up}
+        saved, h2 = attention_forward_half(config, params, x, env.ops)
+        return saved | self.ffn_saved(config, params, h2, aux_temp, env.ops)
+
+    def ffn_saved(
+        self, config: DecoderConfig, params: Tensors, h2: torch.Tensor, aux_temp: Tensors, ops: Any
+    ) -> Tensors:
+        """The SwiGLU's two projections of ``h2 = n2(h_mid)``, as the block saves them."""
+        return {"gate": MLP.gate.forward(ops, params, h2), "up": MLP.up.forward(ops, params, h2)}
 
     def backward(
         self,
@@ -320,9 +354,12 @@ class DecoderBlock:
         matmul = projections + 2 * tokens * 3 * n * inner
         saved = 2 * q + 2 * kv + n + 2 * inner
         activations = tokens * act_bytes * (2 * n + 2 * saved)
+        # mlp: n2 reads h_mid and writes h2, gate and up each read h2 and write their own
+        mlp_in = Work(2 * tokens * 2 * n * inner, tokens * act_bytes * (4 * n + 2 * inner))
         return LayerCost(
             forward=Work(matmul + attention, activations),
             backward=Work(2 * matmul + 2.5 * attention, 2 * activations),
+            partial={"mlp": mlp_in},
         )
 
 

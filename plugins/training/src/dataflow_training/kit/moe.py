@@ -46,7 +46,9 @@ empty ``env.aux``, as ``dataflow verify``'s task level calls it) differentiates 
 block's output alone.
 
 Saved for backward (``A_<layer>``): the attention half's tensors and ``gate_up`` (tokens *
-k, 2 * inter), the experts' two projections in expert order. Backward recomputes the
+k, 2 * inter), the experts' two projections in expert order. Its partial save ``mlp``
+keeps the attention half's and re-derives ``gate_up`` (``n2`` and one grouped matmul, with
+forward's routing). Backward recomputes the
 router logits (one (tokens, hidden) x (hidden, E) matmul) and the experts' outputs (one
 grouped matmul) rather than saving them.
 """
@@ -73,6 +75,7 @@ from dataflow_training.kit.decoder_math import (
 from dataflow_training.kit.decoder_math import (
     DecoderEmbed,
     DecoderHead,
+    MlpPartialSave,
     attention_backward_half,
     attention_forward_half,
     attention_matmul_flops,
@@ -197,7 +200,7 @@ def _split(config: MoEConfig, gate_up: torch.Tensor) -> tuple[torch.Tensor, torc
     return gate_up[:, :inner], gate_up[:, inner:]
 
 
-class MoEBlock:
+class MoEBlock(MlpPartialSave):
     """Pre-norm block: attention as the decoder's, then the routed experts."""
 
     def saved(self, config: MoEConfig, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
@@ -251,7 +254,13 @@ class MoEBlock:
         self, config: MoEConfig, params: Tensors, x: torch.Tensor, aux_temp: Tensors, env: Env
     ) -> Tensors:
         saved, h2 = attention_forward_half(config, params, x, env.ops)
-        return saved | {"gate_up": _gate_up(config, params, h2, aux_temp, env.ops)}
+        return saved | self.ffn_saved(config, params, h2, aux_temp, env.ops)
+
+    def ffn_saved(
+        self, config: MoEConfig, params: Tensors, h2: torch.Tensor, aux_temp: Tensors, ops: Any
+    ) -> Tensors:
+        """The experts' ``gate_up`` of every routed row of ``h2``, by forward's routing."""
+        return {"gate_up": _gate_up(config, params, h2, aux_temp, ops)}
 
     def backward(
         self,
@@ -336,11 +345,14 @@ class MoEBlock:
         q, kv = config.q_width, config.kv_width
         saved = 2 * q + 2 * kv + n + 2 * k * inner
         activations = tokens * act_bytes * (2 * n + 2 * saved + 2 * k * n)
+        # mlp: n2 of h_mid, then every routed row's gate and up projections
+        mlp_in = Work(2 * experts / 3, tokens * act_bytes * (2 * n + k * n + 2 * k * inner))
         return LayerCost(
             forward=Work(matmul + attention, activations),
             # backward: twice the matmuls, plus the router and the experts' down projection
             # recomputed
             backward=Work(2 * matmul + router + experts / 3 + 2.5 * attention, 2 * activations),
+            partial={"mlp": mlp_in},
         )
 
 
