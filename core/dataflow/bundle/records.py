@@ -89,7 +89,7 @@ class PlanRecord:
     the one the plan was made at (smaller when placement had to re-plan); ``step_us`` one
     step (a cyclic plan's steady-state iteration), ``makespan_us`` the simulated run;
     ``recomputed`` the units whose saved values are re-derived (``round:layer``, training
-    plans); ``directives`` per task id (and ``<prologue>``), only those with any."""
+    plans; ``round:layer:name`` where only partial save ``name``'s part is); ``directives`` per task id (and ``<prologue>``), only those with any."""
 
     planner: str
     budget_bytes: int
