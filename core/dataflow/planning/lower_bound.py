@@ -81,6 +81,7 @@ import attrs
 from dataflow.planning.intervals import (
     Chain,
     Gaps,
+    ObjectLife,
     Origin,
     build_chain,
     build_gaps,
@@ -200,7 +201,9 @@ class ChainBounds:
                 if changed:
                     self.write_back_us[changed[-1]] += chain.d2h_us(life.size_bytes)
         self.first_loads_us = sum(self.first_load_us)
-        self.ahead = _ahead_pairs(chain, self._gaps_for_ahead(gaps)) if n else None
+        self.ahead = (
+            _ahead_pairs(chain, gaps if gaps is not None else build_gaps(chain)) if n else None
+        )
         self.gaps = self.ahead.gaps if self.ahead is not None else build_gaps(chain)
         self.held = [
             base + kept
@@ -222,9 +225,6 @@ class ChainBounds:
         self._covers: tuple[int | None, dict] = (None, {})  # ``_reloads`` of one budget
         self._spanning_at: dict[int, tuple[tuple[int, int], ...]] = {}
         self._changes: tuple[list, dict[str, int]] | None = None  # ``_changes(chain)``
-
-    def _gaps_for_ahead(self, gaps: Gaps | None) -> Gaps:
-        return gaps if gaps is not None else build_gaps(self.chain)
 
     def _reloads(self, budget_bytes: int, raised: tuple[int, int, int] | None = None) -> list[int]:
         """The volume cover's reloads by the index of the next use (``_cover_bytes``); with
@@ -614,8 +614,7 @@ class _AheadPairs:
 def _ahead_pairs(chain: Chain, gaps: Gaps) -> _AheadPairs:
     """The ahead bound's checkpoint pairs for ``chain`` (``_AheadPairs``), from one pass
     over the objects and gaps and a 2-D prefix sum over the checkpoints."""
-    from bisect import bisect_left, bisect_right
-
+    bisect_left, bisect_right = bisect.bisect_left, bisect.bisect_right
     n = chain.n_tasks
     step = max(1, -(-n // AHEAD_POINTS))
     points = tuple(range(0, n, step))
@@ -722,8 +721,7 @@ def _writeback_pairs(chain: Chain) -> _WritebackPairs:
     slots kept. The tasks kept: evenly spaced ones, and those whose footprint plus every
     dirty candidate, over the ``d2h`` bandwidth, less its ideal start, is largest (where
     the bound from program start, plus the compute after, is highest)."""
-    from bisect import bisect_left, bisect_right
-
+    bisect_left, bisect_right = bisect.bisect_left, bisect.bisect_right
     n = chain.n_tasks
     first = chain.program.tasks[0] if n else None
     changed_by_first = set(first.mutates) if first is not None else set()
@@ -735,11 +733,9 @@ def _writeback_pairs(chain: Chain) -> _WritebackPairs:
         for k, use in enumerate(uses):
             low = use + 1
             if life.dirties[k]:
-                slot = use + 1
-                if k == 0 and life.origin is Origin.FAST and life.obj_id not in changed_by_first:
-                    slot = 0  # dirty from the start: the prologue may write it back
-                    if life.obj_id not in used_by_first:
-                        low = 0  # only the virtual use: task 0 need not hold it
+                slot = _change_slot(life, k, use, changed_by_first)
+                if slot == 0 and life.obj_id not in used_by_first:
+                    low = 0  # only the virtual use: task 0 need not hold it
             end = uses[k + 1] if k + 1 < len(uses) else (n if life.final is Location.SLOW else 0)
             if slot >= 0 and end > low:
                 stretches.append((low, end, slot, life.size_bytes))
@@ -795,6 +791,15 @@ def _writeback_pairs(chain: Chain) -> _WritebackPairs:
     )
 
 
+def _change_slot(life: ObjectLife, k: int, use: int, changed_by_first: set[str]) -> int:
+    """The write-back slot of the change ``life`` gets at its ``k``-th use (task ``use``):
+    the end of that task, or the program start (slot 0) for an object that starts in fast
+    memory, dirty, and that task 0 does not change (the prologue may write it back)."""
+    if k == 0 and life.origin is Origin.FAST and life.obj_id not in changed_by_first:
+        return 0
+    return use + 1
+
+
 def _changes(chain: Chain) -> tuple[list, dict[str, int]]:
     """Per object that something changes (or that starts in fast memory): its index, id,
     size, the last task it is needed at (``n`` when it must end slow), and its changes'
@@ -806,9 +811,8 @@ def _changes(chain: Chain) -> tuple[list, dict[str, int]]:
         at, slot_of = [], []
         for k, (use, dirty) in enumerate(zip(life.uses, life.dirties, strict=True)):
             if dirty:
-                virtual = k == 0 and life.origin is Origin.FAST
                 at.append(use)
-                slot_of.append(0 if virtual and life.obj_id not in changed_by_first else use + 1)
+                slot_of.append(_change_slot(life, k, use, changed_by_first))
         if at:
             needed_after = n if life.final is Location.SLOW else life.uses[-1]
             found.append(
