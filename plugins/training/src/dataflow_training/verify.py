@@ -331,8 +331,8 @@ def _layer_checks(
         compare("task", f"{layer.kind} recompute {name}", again[name], saved[name], tolerance)
         for name in saved
     ]
-    specs = math_.saved(config, batch, seq_len)
-    for partial in partial_saves(math_, config, specs).values():
+    saved_specs = math_.saved(config, batch, seq_len)
+    for partial in partial_saves(math_, config, saved_specs).values():
         kept = {name: saved[name] for name in partial.keeps}
         with torch.no_grad():
             rest = math_.rederive(config, params, x, kept, aux_temp, env, partial.name)
@@ -344,10 +344,10 @@ def _layer_checks(
                 saved[s.name],
                 tolerance,
             )
-            for s in specs
+            for s in saved_specs
             if s.name not in partial.keeps
         ]
-    specs = {s.name: tuple(s.shape) for s in math_.saved(config, batch, seq_len)}
+    specs = {s.name: tuple(s.shape) for s in saved_specs}
     for name, value in saved.items():
         if specs.get(name) != tuple(value.shape):
             checks.append(
