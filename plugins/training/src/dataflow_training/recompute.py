@@ -146,10 +146,15 @@ class Rewriter:
             )
 
         modes = {FULL, *self.partial_of.values(), *((KEEP,) if self.given_mode else ())}
-        self.sources = {}  # mode -> (tasks by id, step layout, program) of its lowering
+        # mode -> (tasks by id, step layout, each unit's A objects) of its lowering
+        self.sources: dict[str, tuple[dict[str, Task], StepLayout, dict[Unit, list]]] = {}
         for mode in modes:
             source = lowered(mode)
-            self.sources[mode] = (source.program.tasks_by_id, source.layout, source.program)
+            saved: dict[Unit, list] = {}
+            for obj in source.program.objects:
+                if obj.id.startswith("A_"):
+                    saved.setdefault(_unit_of_saved(obj.id), []).append(obj)
+            self.sources[mode] = (source.program.tasks_by_id, source.layout, saved)
         plain = {t.id: t for t in program.tasks}
         # a rec task's price: its forward's, scaled by the declared work of the two
         self.rec_cost: dict[tuple[Unit, str], Task] = {}
@@ -235,11 +240,10 @@ class Rewriter:
             if unit in done:
                 continue
             done.add(unit)
-            _, layout, source = self.sources[changed[unit]]
-            for fresh in source.objects:
-                if fresh.id.startswith("A_") and _unit_of_saved(fresh.id) == unit:
-                    objects.append(fresh)
-                    packed[fresh.id] = layout.packed[fresh.id]
+            _, layout, saved = self.sources[changed[unit]]
+            for fresh in saved[unit]:
+                objects.append(fresh)
+                packed[fresh.id] = layout.packed[fresh.id]
         return tuple(objects), packed
 
     def compute_us(self, units: Iterable[Unit] = (), partial: Iterable[Unit] = ()) -> float:
