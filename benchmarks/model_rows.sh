@@ -100,11 +100,13 @@ gpt2)
     # 524,288 tokens a step (GPT-2 124M's usual 0.5M-token step: the host's work between
     # steps, 2-4 ms, is spread over eight times the tokens of a 65,536-token step). The
     # 2 and 1 GiB rows plan hundreds of rounds (their setup took over 120 s in session 7)
+    # GPT2_PART=big or small runs one of the two commands (each fits one device call)
+    part=${GPT2_PART:-both}
     {
-        compare --family gpt2 "${gpt2[@]}" --redo --rows stock,dataflow --stock-engines compile \
+        [ "$part" = small ] || compare --family gpt2 "${gpt2[@]}" --redo --rows stock,dataflow --stock-engines compile \
             --batches 64 --min-tokens "$gpt2_tokens" --budgets "$gpt2_big" --steps 5 \
             --warmup 2 --compile-row-seconds 120 --row-seconds 100 --total-seconds 420
-        compare --family gpt2 "${gpt2[@]}" --redo --rows dataflow --min-tokens "$gpt2_tokens" \
+        [ "$part" = big ] || compare --family gpt2 "${gpt2[@]}" --redo --rows dataflow --min-tokens "$gpt2_tokens" \
             --budgets "$gpt2_small" --steps 4 --warmup 2 --row-seconds 250 --total-seconds 500
     } 2>&1 | tee "$log"
     ;;
