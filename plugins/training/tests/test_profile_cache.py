@@ -221,3 +221,52 @@ def test_a_task_whose_capture_fails_keeps_its_dispatched_timing(program) -> None
     assert launched[:4] == [28, 28, 28, 28]  # the warm-up and the three timed launches
     torch.cuda.synchronize(device)  # the device is usable after the refused capture
     assert int((counts * 2).sum()) == 56
+
+
+class Recording:
+    """The torch resolver's executables, keeping a copy of every AuxTemp each task reads
+    (by task id) before it runs."""
+
+    def __init__(self, program) -> None:
+        from dataflow_training.step import StepLayout
+
+        from dataflow.plugins import resolvers
+
+        self.build = resolvers().get("torch").build(program)
+        self.layout, self.read = StepLayout.of(program), {}
+
+    def __call__(self, task):
+        inner, outer = self.build(task), self
+        names = [o for o in task.inputs if o.startswith("AuxTemp_")]
+
+        class Executable:
+            def launch(self, ctx) -> None:
+                seen = dict(zip(task.inputs, ctx.inputs, strict=True))
+                for o in names:
+                    views = outer.layout.packed[o].layout.views(seen[o].view(-1))
+                    outer.read[task.id] = {k: v.clone() for k, v in views.items()}
+                inner.launch(ctx)
+
+        return Executable()
+
+
+def test_a_task_reading_aux_temp_is_timed_on_its_forward_decisions() -> None:
+    """Recompute and backward read the routing that forward decided; noise there is no
+    routing (ids all 0 send both of a token's top-2 slots to one expert). The profiling
+    pass gives them the decisions the block's forward task makes on filled inputs."""
+    import torch
+    from dataflow_training.toy_moe import ToyMoEFamily
+
+    family = ToyMoEFamily()
+    program = lower(family, "toy_moe_tiny", TrainConfig(seq_len=8, batch=2, rounds=2)).program
+    recording = Recording(program)
+    profile_program(program, recording, device="cpu", repeats=1, int_high=lambda o: 41)
+    readers = {t.id for t in program.tasks if any(o.startswith("AuxTemp_") for o in t.inputs)}
+    assert recording.read and set(recording.read) <= readers  # one task a signature
+    config = family.config("toy_moe_tiny")
+    for task_id, aux in recording.read.items():
+        ids = aux["ids"].long().reshape(-1, config.top_k)
+        assert (ids[:, 0] != ids[:, 1]).all(), task_id  # two distinct experts a token
+        assert ids.min() >= 0 and ids.max() < config.experts
+        sums = aux["weights"].float().reshape(-1, config.top_k).sum(-1)
+        torch.testing.assert_close(sums, torch.ones_like(sums), rtol=0, atol=1e-5)

@@ -5,7 +5,8 @@ A task's **signature** is its compute key, its parameters other than where it si
 chain (layer, round, step) and the sizes of what it reads, changes and creates: the
 twelve forward tasks of a 12-block model share one. For each signature the executable
 runs on freshly filled buffers (random floats, token 0, packed objects filled through
-their layouts): once to warm up, then ``repeats`` times timed with the device's events
+their layouts, and a block's recorded decisions, ``AuxTemp``, as its forward task makes
+them; see ``_decided``): once to warm up, then ``repeats`` times timed with the device's events
 (CUDA) or the host clock (CPU). On CUDA the allocator's peak above what was allocated
 before the launch is the task's **workspace**: the temporaries its kernels take from the
 framework allocator, which the plan must leave room for.
@@ -53,7 +54,7 @@ from dataflow.schema import Program, Task
 from dataflow_training.step import StepLayout
 
 #: The version of the measuring method (fills, warm-up, timing); part of every cache key.
-PROFILE_VERSION = 2  # 2: the token shape joined the signature
+PROFILE_VERSION = 3  # 2: the token shape joined the signature; 3: AuxTemp as forward decides
 #: Names the cache directory (``off``: no disk cache).
 CACHE_ENV = "DATAFLOW_PROFILE_CACHE"
 #: Workspace is rounded up to the allocator's block size (kMinBlockSize, 512 bytes).
@@ -301,6 +302,11 @@ def profile_program(
     generator = torch.Generator().manual_seed(seed)
     profiles: dict[tuple, TaskProfile] = {}
     layout = StepLayout.of(program)
+
+    def decided(obj_id: str) -> torch.Tensor:
+        return _decided(program, layout, obj_id, resolver, dev, generator, int_high, made)
+
+    made: dict[tuple, torch.Tensor] = {}
     for task in program.tasks:
         if task.collective:
             continue  # the collective link prices it, not a measurement of compute
@@ -311,7 +317,7 @@ def profile_program(
         if cached is not None:
             profiles[key] = cached
             continue
-        ctx = _context(program, layout, task, dev, generator, int_high)
+        ctx = _context(program, layout, task, dev, generator, int_high, decided)
         executable = resolver(task)
         replay = graph and dev.type == "cuda" and getattr(executable, "capturable", False)
         profiles[key] = _measure(executable, ctx, dev, repeats, replay)
@@ -327,10 +333,38 @@ def _context(
     dev: torch.device,
     generator: torch.Generator,
     int_high: Callable[[str], int],
+    decided: Callable[[str], torch.Tensor] | None = None,
 ) -> LaunchContext:
-    """A launch context over fresh, filled buffers for every object the task names."""
+    """A launch context over fresh, filled buffers for every object the task names; with
+    ``decided``, an AuxTemp the task reads holds what ``decided`` returns for it."""
+    return _launch_context(
+        program, task, dev, _buffers(program, layout, task, dev, generator, int_high, decided)
+    )
+
+
+def _buffers(
+    program: Program,
+    layout: StepLayout,
+    task: Task,
+    dev: torch.device,
+    generator: torch.Generator,
+    int_high: Callable[[str], int],
+    decided: Callable[[str], torch.Tensor] | None,
+) -> dict[str, torch.Tensor]:
+    return {
+        o: (
+            decided(o)
+            if decided is not None and _is_decision(layout, o) and o not in task.outputs
+            else _filled(program, layout, o, dev, generator, int_high)
+        )
+        for o in task.uses
+    }
+
+
+def _launch_context(
+    program: Program, task: Task, dev: torch.device, buffers: dict[str, torch.Tensor]
+) -> LaunchContext:
     objs = program.objects_by_id
-    buffers = {o: _filled(program, layout, o, dev, generator, int_high) for o in task.uses}
 
     def views(names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
         return tuple(typed_view(buffers[o], objs[o]) for o in names)
@@ -344,6 +378,35 @@ def _context(
         outputs=views(task.outputs),
         values={"step": 0},
     )
+
+
+def _is_decision(layout: StepLayout, obj_id: str) -> bool:
+    packed = layout.packed.get(obj_id)
+    return packed is not None and packed.kind == "AuxTemp"
+
+
+def _decided(
+    program: Program,
+    layout: StepLayout,
+    obj_id: str,
+    resolver: Callable[[Task], Any],
+    dev: torch.device,
+    generator: torch.Generator,
+    int_high: Callable[[str], int],
+    made: dict[tuple, torch.Tensor],
+) -> torch.Tensor:
+    """A buffer holding AuxTemp ``obj_id`` as the task that writes it (its block's forward)
+    decides it on filled inputs. Noise is not a decision: a router's expert offsets filled
+    with zeros route every row nowhere, so a backward timed on them skips the experts'
+    GEMMs, and a loop over the offsets refuses them. The writer runs once per signature
+    (``made``); each reader gets its own copy."""
+    writer = program.tasks[program.producers[obj_id]]
+    key = (signature(program, writer), writer.outputs.index(obj_id))
+    if key not in made:
+        buffers = _buffers(program, layout, writer, dev, generator, int_high, None)
+        resolver(writer).launch(_launch_context(program, writer, dev, buffers))
+        made[key] = buffers[obj_id]
+    return made[key].clone()
 
 
 def _measure(

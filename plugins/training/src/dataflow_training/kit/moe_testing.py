@@ -154,6 +154,29 @@ class MoEFamilyChecks(DecoderFamilyChecks):
         _, _, fresh = math.forward(config, rerouted, x, env)
         assert not torch.equal(fresh["ids"], temp["ids"])
 
+    def test_the_profiling_pass_times_backward_on_forward_routing(self, family):
+        """Profiling times each task alone on filled buffers; the experts' offsets that
+        recompute and backward read come from the block's forward on those buffers, not
+        zeros (which route every row nowhere: the grouped GEMM's loop refuses them, and
+        the fused kernel would skip every expert's work)."""
+        from dataflow_training.config import TrainConfig
+        from dataflow_training.lowering import lower
+        from dataflow_training.profile import profile_program, signature
+
+        from dataflow.plugins import resolvers
+
+        program = lower(family, self.preset, TrainConfig(seq_len=8, batch=2, rounds=2)).program
+        build = resolvers().get("torch").build(program)
+        vocab = family.config(self.preset).vocab_size
+        profiles = profile_program(
+            program,
+            build,
+            device="cpu",
+            repeats=1,
+            int_high=lambda o: vocab if o.startswith(("x_", "t_")) else 1,
+        )
+        assert set(profiles) == {signature(program, t) for t in program.tasks}
+
 
 def load_balancing_loss(logits: torch.Tensor, experts: int, k: int) -> torch.Tensor:
     """One layer's Switch-Transformer balance term ``E * sum_e f_e * P_e`` from its router
