@@ -317,29 +317,14 @@ def profile_program(
         if cached is not None:
             profiles[key] = cached
             continue
-        ctx = _context(program, layout, task, dev, generator, int_high, decided)
+        buffers = _buffers(program, layout, task, dev, generator, int_high, decided)
+        ctx = _launch_context(program, task, dev, buffers)
         executable = resolver(task)
         replay = graph and dev.type == "cuda" and getattr(executable, "capturable", False)
         profiles[key] = _measure(executable, ctx, dev, repeats, replay)
         if cache is not None:
             cache.put(key, profiles[key])
     return profiles
-
-
-def _context(
-    program: Program,
-    layout: StepLayout,
-    task: Task,
-    dev: torch.device,
-    generator: torch.Generator,
-    int_high: Callable[[str], int],
-    decided: Callable[[str], torch.Tensor] | None = None,
-) -> LaunchContext:
-    """A launch context over fresh, filled buffers for every object the task names; with
-    ``decided``, an AuxTemp the task reads holds what ``decided`` returns for it."""
-    return _launch_context(
-        program, task, dev, _buffers(program, layout, task, dev, generator, int_high, decided)
-    )
 
 
 def _buffers(
@@ -351,6 +336,8 @@ def _buffers(
     int_high: Callable[[str], int],
     decided: Callable[[str], torch.Tensor] | None,
 ) -> dict[str, torch.Tensor]:
+    """Fresh, filled buffers for every object ``task`` names; with ``decided``, an AuxTemp
+    the task reads holds what ``decided`` returns for it."""
     return {
         o: (
             decided(o)
