@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
-# The GPU tests on the device machine (about 4 minutes on an H200): every test marked
-# `gpu` but not `slow`. The whole log goes to $OUT/gpu_tests.log (or /tmp); what is
-# printed is the summary and, for each failure, its first error lines, so that a caller
-# keeping only the tail of the output still sees why a test failed.
+# The GPU tests on the device machine: every test marked `gpu` but not `slow`. In session
+# 9 they took more than one device call (600 s): the 41 tests outside kernels/ (compiled
+# steps, partial saves, profiling) about 300 s, the ~500 kernel tests about 1 s each. So
+# the suite runs in two parts, one call each:
 #
-#   source benchmarks/device_setup.sh && bash benchmarks/gpu_tests.sh [extra pytest args]
+#   source benchmarks/device_setup.sh && bash benchmarks/gpu_tests.sh steps    # all but kernels/
+#   source benchmarks/device_setup.sh && bash benchmarks/gpu_tests.sh kernels  # kernels/ only
+#
+# (no part, or `all`: both at once; extra arguments go to pytest). The whole log goes to
+# $OUT/gpu_tests_<part>.log (or /tmp), with the 25 slowest tests; what is printed is the
+# summary and, for each failure, its first error lines, so that a caller keeping only the
+# tail of the output still sees why a test failed.
 set -u
-log=${OUT:-/tmp}/gpu_tests.log
-timeout "${GPU_TESTS_SECONDS:-300}" python -m pytest -q -rfE --tb=short -p no:cacheprovider \
-    -W ignore::UserWarning -m "gpu and not slow" tests families plugins resolvers kernels \
-    examples/third_party_plugin examples/custom_program --ignore=plugins/viewer "$@" >"$log" 2>&1
+part=${1:-all}
+[ $# -gt 0 ] && shift
+case $part in
+steps) paths=(tests families plugins resolvers examples/third_party_plugin examples/custom_program) ;;
+kernels) paths=(kernels) ;;
+all) paths=(tests families plugins resolvers kernels examples/third_party_plugin examples/custom_program) ;;
+*) echo "gpu_tests.sh: unknown part '$part' (steps, kernels or all)" >&2; exit 2 ;;
+esac
+log=${OUT:-/tmp}/gpu_tests_$part.log
+timeout "${GPU_TESTS_SECONDS:-560}" python -m pytest -q -rfE --tb=short -p no:cacheprovider \
+    -W ignore::UserWarning --durations=25 -m "gpu and not slow" "${paths[@]}" \
+    --ignore=plugins/viewer "$@" >"$log" 2>&1
 rc=$?
 grep -E "^(FAILED|ERROR) " "$log" | head -20
 grep -E "^E  " "$log" | head -30
 tail -1 "$log"
+[ $rc = 124 ] && echo "gpu_tests.sh: stopped at ${GPU_TESTS_SECONDS:-560} s (timeout); the log has how far it got"
 exit $rc
