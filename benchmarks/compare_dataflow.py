@@ -187,12 +187,15 @@ def trial(
         backing_bytes=args.backing,
         pinned_limit_bytes=pinned_limit(args.device, args.host_reserve) or args.backing,
     )
+    shape = f"{format_size(budget)} batch {batch} x {rounds}"
+    print(f"{shape}: profiled, planned, placed in {time.perf_counter() - began:.0f} s", flush=True)
     try:
         data = [random_batches(run.vocab_size, batch, rounds, args.seq_len, s) for s in (0, 1)]
         for i in range(args.warmup):
             run.step(data[i % 2])
             if i == 0:  # profiling, planning, placing, the engine's load, the first step
                 setup_s = time.perf_counter() - began
+                print(f"{shape}: first step done at {setup_s:.0f} s", flush=True)
         measured = []
         for i in range(args.steps):
             stats = run.step(data[i % 2])
@@ -269,7 +272,7 @@ def dataflow_row(bench: Any, dtype: str, budget: int, order: str = "round") -> N
     args = bench.args
     chunk = head_chunk_tokens(budget, bench.config.vocab_size)
     tried: dict[str, Any] = {}
-    result, note = None, None
+    result, note, current = None, None, ""  # current: the shape on the device
     try:
         with time_limit(bench.limit(args.row_seconds)):
             shapes, tried["roofline"] = ranked_shapes(
@@ -284,6 +287,7 @@ def dataflow_row(bench: Any, dtype: str, budget: int, order: str = "round") -> N
                 order,
             )
             for batch, rounds in shapes:
+                current = f"while trying batch {batch} x {rounds}"
                 try:
                     result = trial(bench, dtype, budget, batch, rounds, chunk, order)
                     result |= {"batch": batch, "rounds": rounds}
@@ -294,7 +298,7 @@ def dataflow_row(bench: Any, dtype: str, budget: int, order: str = "round") -> N
                 finally:
                     bench.free()
     except RowTimeout as exc:
-        note = f"{exc} reached"
+        note = f"{exc} reached {current}".rstrip()
         bench.free()
     details = {"tried": tried}
     if result is None:

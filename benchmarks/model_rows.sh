@@ -100,14 +100,27 @@ gpt2)
     # 524,288 tokens a step (GPT-2 124M's usual 0.5M-token step: the host's work between
     # steps, 2-4 ms, is spread over eight times the tokens of a 65,536-token step). The
     # 2 and 1 GiB rows plan hundreds of rounds (their setup took over 120 s in session 7)
-    # GPT2_PART=big or small runs one of the two commands (each fits one device call)
+    # GPT2_PART=big or small runs one of the two commands (each fits one device call);
+    # GPT2_PART=1gib the 1 GiB row alone, with a row limit of 540 s and batches 8 and 4:
+    # by the roofline (`dataflow predict --preset gpt2_124m --hw h200 --t-round
+    # 2048,4096,8192 --tokens-step 524288 --budget 1 --seq-len 1024`, session 9) 8 x 64
+    # plans 0.696 s, 4 x 128 0.718 s, 2 x 256 0.782 s; in session 9 its run with every
+    # batch spent its 250 s row limit in setup
     part=${GPT2_PART:-both}
     {
-        [ "$part" = small ] || compare --family gpt2 "${gpt2[@]}" --redo --rows stock,dataflow --stock-engines compile \
-            --batches 64 --min-tokens "$gpt2_tokens" --budgets "$gpt2_big" --steps 5 \
-            --warmup 2 --compile-row-seconds 120 --row-seconds 100 --total-seconds 420
-        [ "$part" = big ] || compare --family gpt2 "${gpt2[@]}" --redo --rows dataflow --min-tokens "$gpt2_tokens" \
-            --budgets "$gpt2_small" --steps 4 --warmup 2 --row-seconds 250 --total-seconds 500
+        if [ "$part" = 1gib ]; then
+            compare --family gpt2 "${gpt2[@]}" --redo --rows dataflow --min-tokens "$gpt2_tokens" \
+                --budgets "${gpt2_small#*,}" --dataflow-batches 8,4 --steps 4 --warmup 2 \
+                --row-seconds 540 --total-seconds 560
+        else
+            [ "$part" = small ] || compare --family gpt2 "${gpt2[@]}" --redo --rows stock,dataflow \
+                --stock-engines compile --batches 64 --min-tokens "$gpt2_tokens" \
+                --budgets "$gpt2_big" --steps 5 --warmup 2 --compile-row-seconds 120 \
+                --row-seconds 100 --total-seconds 420
+            [ "$part" = big ] || compare --family gpt2 "${gpt2[@]}" --redo --rows dataflow \
+                --min-tokens "$gpt2_tokens" --budgets "$gpt2_small" --steps 4 --warmup 2 \
+                --row-seconds 250 --total-seconds 500
+        fi
     } 2>&1 | tee "$log"
     ;;
 *)
