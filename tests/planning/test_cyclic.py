@@ -51,7 +51,8 @@ def test_a_cyclic_plan_repeats(make) -> None:
         for obj in program.persistent:
             home = planned.program.obj(obj).location
             assert planned.program.final_locations[obj] is home
-        # a third iteration ends as the second did: the state has closed
+        # a third iteration ends as the second did: the state has closed. simulate checks
+        # the unrolled program's structure here (check_cycle leaves that to unroll)
         three = simulate(unroll(planned.program, 3), budget_bytes=budget)
         assert three.valid
         assert _state(three, program.persistent) == _state(cycle.sim, program.persistent)
