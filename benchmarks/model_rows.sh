@@ -26,6 +26,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
     cp "$page" "$smoke/throughput.md"
     out_json=$smoke/compare.json page=$smoke/throughput.md cache=$smoke/profiles
     common+=(--device cpu --compile-backend eager --resolver torch)
+    moe_resolver=torch
     big=(--preset llama3_tiny --seq-len 32) dense=(--preset llama3_tiny --seq-len 32)
     moe=(--preset olmoe_tiny --seq-len 32)
     big_budgets=4MiB,2MiB dense_budget=2MiB moe_budgets=4MiB,2MiB
@@ -33,6 +34,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
     gpt2=(--preset gpt2_tiny --seq-len 32) gpt2_tokens=512 gpt2_big=4MiB,2MiB gpt2_small=1MiB
 else
     common+=(--resolver torch-compiled)
+    moe_resolver=${MOE_RESOLVER:-torch-compiled}
     big=(--preset llama3_8b --seq-len 4096) dense=(--preset l3_1b --seq-len 4096)
     moe=(--preset olmoe_1b_7b --seq-len 4096)
     big_budgets=16GiB,8GiB dense_budget=4GiB moe_budgets=16GiB,8GiB
@@ -40,6 +42,9 @@ else
     gpt2=(--preset gpt2_124m --seq-len 1024) gpt2_tokens=524288
     gpt2_big=16GiB,8GiB,4GiB gpt2_small=2GiB,1GiB
 fi
+# REDO=1 measures again the rows the results already have (--redo), e.g. the first call
+# after a change to what the rows run; later calls without it measure only what is missing
+[ "${REDO:-0}" = 1 ] && common+=(--redo)
 export DATAFLOW_PROFILE_CACHE=$cache PYTHONUNBUFFERED=1
 saved=benchmarks/results/profiles_$group.tgz
 [ -f "$saved" ] && mkdir -p "$cache" && tar xzf "$saved" -C "$cache"
@@ -79,15 +84,16 @@ l3_1b | olmoe | small)
                 --compile-row-seconds 120 --row-seconds 110 --total-seconds 360
         fi
         # the MoE stock row is the grouped-GEMM model under torch.compile (issue 16); the
-        # dataflow tasks run eager (torch-compiled is untried on the MoE block here), the
-        # step replayed from a CUDA graph either way. Layer order first: by the roofline it
+        # dataflow tasks compiled too (the bf16 compiled MoE GPU tests passed in session 9:
+        # the grouped GEMM over device offsets is captured; MOE_RESOLVER=torch runs them
+        # eager, as sessions 6-8 did), the step replayed from a CUDA graph either way. Layer order first: by the roofline it
         # is 1.35x (16 GiB) and 2x (8 GiB) round order's tokens/s, the experts' weights
         # crossing the link once a step each way instead of once a round. A layer-order
         # row's setup took 78 s on the H200 (session 6), its whole row 124 s; with --append
         # the rows already measured are kept and the rest run
         if [ "$group" != l3_1b ]; then
             compare --family olmoe "${moe[@]}" --rows stock,dataflow --stock-engines compile \
-                --resolver torch --dataflow-orders layer,round \
+                --resolver "$moe_resolver" --dataflow-orders layer,round \
                 --batches 4,2 --dataflow-batches 4,2 --min-tokens "$tokens" --budgets "$moe_budgets" \
                 --steps 4 --warmup 2 --compile-row-seconds 130 \
                 --row-seconds 230 --total-seconds 490
