@@ -146,8 +146,8 @@ def train_gpt2_tiny(console: Console) -> bool:
     console.print(table)
     failed = [check for check in checks if not check.ok]
     console.print(
-        f"{len(checks) - len(failed)} of {len(checks)} checks (losses, every "
-        "gradient of step 0, every weight after step 2) within tolerance"
+        f"{len(checks) - len(failed)} of {len(checks)} checks (each step from the "
+        "engine's state: losses, every gradient, every weight after it) within tolerance"
     )
     return not failed
 

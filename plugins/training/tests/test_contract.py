@@ -229,8 +229,8 @@ def test_toy_moe_verify_passes_at_a_tight_budget() -> None:
     checks = verify("toy_moe", "toy_moe_tiny", budget_bytes=budget)
     failed = [check for check in checks if not check.ok]
     assert not failed, failed
-    # a loss per round of each of the 3 steps, then a gradient and a weight per parameter
-    assert sum(check.level == "step" for check in checks) == 3 * 2 + 2 * 8
+    # each of the 3 steps: a loss per round, a gradient and a weight per parameter
+    assert sum(check.level == "step" for check in checks) == 3 * (2 + 2 * 8)
 
 
 def test_layers_sharing_an_aux_object_must_declare_the_same_tensors(monkeypatch) -> None:

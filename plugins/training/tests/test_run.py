@@ -44,6 +44,65 @@ def test_clipped_steps_match_clip_grad_norm(clip):
     assert not failed, failed[:3]
 
 
+def _gpt2_steps(**options):
+    return step_checks(
+        _family(),
+        "gpt2_tiny",
+        device="cpu",
+        policy="fp32",
+        steps=3,
+        budget_bytes=None,
+        seed=0,
+        tolerance=FP32,
+        **{"rounds": 2, "batch": 2, "seq_len": 8} | options,
+    )
+
+
+def test_every_step_is_checked_from_the_state_it_starts_from():
+    """Three rounds of three sequences: compared over three steps from one start, the
+    engine's and the reference's weights drifted apart through the near-zero gradients of
+    the first step (a query bias 1.46e-4 off after step 2, against 1e-4). Each step from
+    the engine's own weights and moments, every step's gradients and weights are held to
+    the tolerance."""
+    checks = _gpt2_steps(rounds=3, batch=3, seq_len=16)
+    failed = [c for c in checks if not c.ok]
+    assert not failed, failed[:3]
+    for step in range(3):
+        assert any(c.name == f"grad 1.attn.c_attn.bias (step {step})" for c in checks)
+        assert any(
+            c.name.startswith(f"weight 1.attn.c_attn.bias (after step {step}") for c in checks
+        )
+
+
+@pytest.mark.parametrize(
+    ("wrong", "value"),
+    [("lr", 1.02), ("update", 1)],  # a 2 % larger lr; Adam's bias correction of step 1
+    ids=["lr", "bias-correction"],
+)
+def test_a_wrong_later_update_fails_its_own_step(monkeypatch, wrong, value):
+    """The engine's third update goes wrong (its lr, or the step count its bias correction
+    reads): the weights after step 2 fail, those after steps 0 and 1 and every
+    gradient pass."""
+    from dataflow_training.run import TrainingRun
+
+    step = TrainingRun.step
+
+    def third_wrong(self, batches, lr=None, **kwargs):
+        if self.updates != 2:
+            return step(self, batches, lr, **kwargs)
+        if wrong == "lr":
+            return step(self, batches, value * self.train.optimizer.lr, **kwargs)
+        updates, self.updates = self.updates, value - 1  # values["update"] = value
+        stats = step(self, batches, lr, **kwargs)
+        self.updates = updates + 1
+        return stats
+
+    monkeypatch.setattr(TrainingRun, "step", third_wrong)
+    failed = [c.name for c in _gpt2_steps() if not c.ok]
+    assert failed, "a wrong third update passed"
+    assert all(n.startswith("weight ") and "(after step 2" in n for n in failed), failed
+
+
 def test_binding_clip_changes_the_update():
     """Clipping at 0.05 must move the weights differently from no clipping (the check
     above could pass with clipping silently off only if this fails)."""

@@ -124,8 +124,8 @@ def test_verify_ladder_passes_on_the_toy_family(isolated_plugin_manager) -> None
     levels = {check.level for check in checks}
     failed = [check for check in checks if not check.ok]
     assert levels == {"op", "task", "step"} and not failed, failed
-    # 4 losses (2 steps x 2 rounds), then a gradient and a final value of each of 8 parameters
-    assert sum(check.level == "step" for check in checks) == 4 + 2 * 8
+    # each of 2 steps: a loss per round (2), a gradient and a weight of each of 8 parameters
+    assert sum(check.level == "step" for check in checks) == 2 * (2 + 2 * 8)
 
 
 def test_an_added_optimizer_runs_through_lowering_and_resolver(monkeypatch) -> None:

@@ -9,8 +9,9 @@
   same loss and gradients whatever its chunk size.
 - **step**: the lowered program, planned into a budget and run on the engine for several
   steps of several accumulation rounds, against the family's plain-autograd reference
-  model trained with ``torch.optim.AdamW`` in float64: every round's loss, every weight
-  gradient of the first step, every weight after the last. A reference that
+  model trained with ``torch.optim.AdamW`` in float64, each step from the weights and
+  AdamW moments the engine's step starts from: every round's loss, every weight gradient
+  and every weight after the step. A reference that
   ``follows_routing`` (mixture of experts) routes with the engine's recorded expert
   choices, and ``routing_checks`` holds those choices to the reference's own top-k up to
   near ties.
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from dataflow_training.config import DtypePolicy, OptimizerPolicy, TrainConfig
 from dataflow_training.ops import STANDARD_OPS, load_ops
 from dataflow_training.progress import ProgressCallback
-from dataflow_training.tolerances import adam_weight_error
+from dataflow_training.tolerances import adam_update_gap, sign_flips, weight_error
 
 #: largest relative error accepted, per dtype policy and level
 TOLERANCES = {
@@ -465,9 +466,9 @@ def step_checks(
     config = family.config(preset, **(overrides or {}))
     train = step_config(policy, batch=batch, seq_len=seq_len, rounds=rounds, clip=clip, order=order)
     torch.manual_seed(seed)
-    reference = family.reference_model(config)
+    start = family.reference_model(config)
     param_dtype = getattr(torch, train.dtype.param)
-    state = {k: v.detach().to(param_dtype) for k, v in reference.state_dict().items()}
+    state = {k: v.detach().to(param_dtype) for k, v in start.state_dict().items()}
     check_state_keys(family, config, state)
     vocab = (
         next(layer for layer in family.layers(config) if layer.kind == "embed").params[0].shape[0]
@@ -481,7 +482,6 @@ def step_checks(
         )
 
     follows = follows_routing(family)
-    losses, grads, norms, routing = [], {}, [], []
     run = TrainingRun(
         family,
         preset,
@@ -499,56 +499,87 @@ def step_checks(
         from dataflow_training.trainer import plan_line
 
         note(plan_line(run))
+    reference = _Reference(family, config, train)
+    opt = train.optimizer
+    checks: list[Check] = []
+    routing, ref_routing = [], []
     with run:
         for step in range(steps):
-            stats = run.step([tokens(step, r) for r in range(rounds)])
+            # each step from the state the engine's step starts from: the reference takes
+            # the engine's weights and AdamW moments, so what is compared is that one
+            # step, not differences carried from earlier steps (docs/correctness_compare.md)
+            weights, opt_state = run.state()
+            moments = adam_moments(run.layout, opt_state)
+            batches = [tokens(step, r) for r in range(rounds)]
+            stats = run.step(batches)
+            grads, after = run.grads(), run.state()[0]
             if follows:
                 routing.append(run.aux_temps())
-            losses += [torch.tensor(loss) for loss in stats.losses]
-            norms.append(stats.grad_norm)
-            if not grads:
-                grads = run.grads()
-        weights = run.state()[0]
-    ref_losses, ref_grads, ref_weights, ref_norms, ref_routing = _reference_steps(
-        family, config, state, train, steps, rounds, tokens, routing if follows else None
-    )
-    checks = routing_checks(config, routing, ref_routing, tolerance) if follows else []
-    checks += [
-        compare("step", f"loss step {i // rounds} round {i % rounds}", loss, ref, tolerance)
-        for i, (loss, ref) in enumerate(zip(losses, ref_losses, strict=True))
-    ]
-    if clip is not None:
-        checks += [
-            compare("step", f"grad norm step {i} (clip {clip:g})", torch.tensor(n), ref, tolerance)
-            for i, (n, ref) in enumerate(zip(norms, ref_norms, strict=True))
-        ]
-    checks += [
-        compare("step", f"grad {name} (step 0)", grads[name], ref_grads[name], tolerance)
-        for name in sorted(ref_grads)
-    ]
-    # Adam steps a near-zero gradient's entry by about lr either way: see tolerances.py
-    for name in sorted(ref_weights):
-        error = adam_weight_error(
-            weights[name],
-            ref_weights[name],
-            grads[name],
-            ref_grads[name],
-            lr=train.optimizer.lr,
-            eps=train.optimizer.eps,
-            steps=steps,
-        )
-        n = error.sign_flips
-        flips = f"; {n} first-step sign flip{'s' * (n != 1)}" if n else ""
-        checks.append(
-            Check(
-                "step",
-                f"weight {name} (after step {steps - 1}{flips})",
-                error.max_abs,
-                error.rel,
-                tolerance,
-            )
-        )
+            ref = reference.step(weights, moments, step, batches, routing[-1] if follows else None)
+            if follows:
+                ref_routing.append(ref.decisions)
+            checks += [
+                compare(
+                    "step", f"loss step {step} round {r}", torch.tensor(loss), ref_loss, tolerance
+                )
+                for r, (loss, ref_loss) in enumerate(zip(stats.losses, ref.losses, strict=True))
+            ]
+            if clip is not None:
+                checks.append(
+                    compare(
+                        "step",
+                        f"grad norm step {step} (clip {clip:g})",
+                        torch.tensor(stats.grad_norm),
+                        ref.norm,
+                        tolerance,
+                    )
+                )
+            checks += [
+                compare(
+                    "step", f"grad {name} (step {step})", grads[name], ref.grads[name], tolerance
+                )
+                for name in sorted(ref.grads)
+            ]
+            for name in sorted(ref.weights):
+                # what the two gradients alone make AdamW's update differ by: near-zero
+                # entries move by up to 2 lr either way (tolerances.py)
+                exp_avg, exp_avg_sq = moments[name]
+                gap = adam_update_gap(
+                    grads[name],
+                    ref.grads[name],
+                    exp_avg,
+                    exp_avg_sq,
+                    step=step + 1,
+                    lr=opt.lr,
+                    betas=(opt.beta1, opt.beta2),
+                    eps=opt.eps,
+                )
+                n = sign_flips(grads[name], ref.grads[name])
+                error = weight_error(after[name], ref.weights[name], gap, n)
+                flips = f"; {n} sign flip{'s' * (n != 1)}" if n else ""
+                checks.append(
+                    Check(
+                        "step",
+                        f"weight {name} (after step {step}{flips})",
+                        error.max_abs,
+                        error.rel,
+                        tolerance,
+                    )
+                )
+    if follows:
+        checks = routing_checks(config, routing, ref_routing, tolerance) + checks
     return checks
+
+
+def adam_moments(layout: Any, opt_state: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    """``{"<layer>.<param>": (exp_avg, exp_avg_sq)}`` from a run's raw ``O`` objects
+    (``TrainingRun.state``)."""
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    for packed in layout.of_kind("O"):
+        for name, view in packed.layout.views(opt_state[packed.id]).items():
+            param, field = name.rsplit("/", 1)
+            moments.setdefault(f"{packed.layer}.{param}", {})[field] = view
+    return {k: (v["exp_avg"], v["exp_avg_sq"]) for k, v in moments.items()}
 
 
 def routing_checks(
@@ -592,62 +623,83 @@ def routing_checks(
     return checks
 
 
-def _reference_steps(family, config, state, train, steps, rounds, tokens, routing=None):
-    """The float64 reference's steps; ``routing``: per step the engine's AuxTemp per round
-    and layer, whose ``ids`` the reference routes with (a reference that
-    ``follows_routing``)."""
-    model = family.reference_model(config).double()
-    model.load_state_dict({k: v.double() for k, v in state.items()})
-    trainable = {
-        f"{layer.name}.{p.name}"
-        for layer in family.layers(config)
-        for p in layer.params
-        if p.trainable
-    }
-    decay_names = {
-        f"{layer.name}.{p.name}" for layer in family.layers(config) for p in layer.params if p.decay
-    }
-    named = {n: p for n, p in model.named_parameters() if n in trainable}
-    opt = train.optimizer
-    optimizer = torch.optim.AdamW(
-        [
-            {
-                "params": [p for n, p in named.items() if n in decay_names],
-                "weight_decay": opt.weight_decay,
-            },
-            {"params": [p for n, p in named.items() if n not in decay_names], "weight_decay": 0.0},
-        ],
-        lr=opt.lr,
-        betas=(opt.beta1, opt.beta2),
-        eps=opt.eps,
-    )
-    multi_round = getattr(model, "steps_over_rounds", False)
-    losses, first_grads, norms, decisions = [], {}, [], []
-    for step in range(steps):
+@attrs.frozen
+class _RefStep:
+    losses: list[torch.Tensor]
+    grads: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor]
+    norm: torch.Tensor | None
+    decisions: list
+
+
+class _Reference:
+    """The family's float64 reference model trained with ``torch.optim.AdamW``, one step at
+    a time from given weights and moments."""
+
+    def __init__(self, family: Any, config: Any, train: TrainConfig) -> None:
+        self.model = family.reference_model(config).double()
+        self.train = train
+        layers = family.layers(config)
+        params = [(f"{layer.name}.{p.name}", p) for layer in layers for p in layer.params]
+        trainable = {name for name, p in params if p.trainable}
+        self.decay = {name for name, p in params if p.decay}
+        self.named = {n: p for n, p in self.model.named_parameters() if n in trainable}
+        self.multi_round = getattr(self.model, "steps_over_rounds", False)
+
+    def step(self, weights, moments, step: int, batches, routing=None) -> _RefStep:
+        """Step ``step`` (0-based) from ``weights`` (``{"<layer>.<param>": tensor}``) and
+        ``moments`` (``adam_moments``); ``routing``: the engine's AuxTemp per round and
+        layer, whose ``ids`` a reference that ``follows_routing`` routes with."""
+        model, opt, rounds = self.model, self.train.optimizer, len(batches)
+        model.load_state_dict({k: v.double() for k, v in weights.items()})
+        named = self.named
+        optimizer = torch.optim.AdamW(
+            [
+                {
+                    "params": [p for n, p in named.items() if n in self.decay],
+                    "weight_decay": opt.weight_decay,
+                },
+                {
+                    "params": [p for n, p in named.items() if n not in self.decay],
+                    "weight_decay": 0.0,
+                },
+            ],
+            lr=opt.lr,
+            betas=(opt.beta1, opt.beta2),
+            eps=opt.eps,
+        )
+        for name, param in named.items():
+            exp_avg, exp_avg_sq = moments[name]
+            optimizer.state[param] = {
+                "step": torch.tensor(float(step), dtype=torch.float64),
+                "exp_avg": exp_avg.double().clone(),
+                "exp_avg_sq": exp_avg_sq.double().clone(),
+            }
         optimizer.zero_grad()
-        batches = [tokens(step, round_) for round_ in range(rounds)]
+        losses, decisions = [], []
         if routing is not None:
-            ids = [[temp["ids"] for temp in r.values()] for r in routing[step]]
+            ids = [[temp["ids"] for temp in r.values()] for r in routing]
             round_losses, extra = model(batches, routing=ids)
             (sum(loss / rounds for loss in round_losses) + extra).backward()
-            losses += [loss.detach() for loss in round_losses]
-            decisions.append([[(lg.detach(), i) for lg, i in r] for r in model.recorded])
-        elif multi_round:  # a model whose objective spans the rounds (Aux over the step)
+            losses = [loss.detach() for loss in round_losses]
+            decisions = [[(lg.detach(), i) for lg, i in r] for r in model.recorded]
+        elif self.multi_round:  # a model whose objective spans the rounds (Aux over the step)
             round_losses, extra = model(batches)
             (sum(loss / rounds for loss in round_losses) + extra).backward()
-            losses += [loss.detach() for loss in round_losses]
+            losses = [loss.detach() for loss in round_losses]
         else:
             for x, t in batches:
                 loss = model(x, t)
                 (loss / rounds).backward()
                 losses.append(loss.detach())
-        if train.clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(list(named.values()), train.clip))
-        if step == 0:
-            first_grads = {n: p.grad.detach().clone() for n, p in named.items()}
+        norm = None
+        if self.train.clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(list(named.values()), self.train.clip)
+        grads = {n: p.grad.detach().clone() for n, p in named.items()}
         optimizer.step()
-    weights = {n: p.detach() for n, p in named.items()}
-    return losses, first_grads, weights, norms, decisions
+        return _RefStep(
+            losses, grads, {n: p.detach().clone() for n, p in named.items()}, norm, decisions
+        )
 
 
 # -- the ladder --------------------------------------------------------------------------

@@ -159,11 +159,10 @@ class MoEFamilyChecks(DecoderFamilyChecks):
         recompute and backward read come from the block's forward on those buffers, not
         zeros (which route every row nowhere: the grouped GEMM's loop refuses them, and
         the fused kernel would skip every expert's work)."""
+        from dataflow.plugins import resolvers
         from dataflow_training.config import TrainConfig
         from dataflow_training.lowering import lower
         from dataflow_training.profile import profile_program, signature
-
-        from dataflow.plugins import resolvers
 
         program = lower(family, self.preset, TrainConfig(seq_len=8, batch=2, rounds=2)).program
         build = resolvers().get("torch").build(program)
