@@ -132,17 +132,24 @@ class CudaRunner:
 #: c10/cuda/CUDAStream.cpp): ``torch.cuda.Stream()`` hands them out round-robin.
 STREAM_POOL_SIZE = 32
 
-#: The caching allocator hands out blocks in multiples of 512 bytes (kMinBlockSize in
-#: c10/cuda/CUDACachingAllocator.cpp), so the arena itself may take up to this much more
-#: than its size; seen here as a 256-byte breach of a budget planned to the byte.
-ALLOCATOR_ROUND_BYTES = 512
+#: What the caching allocator may count beyond the arena's and the largest task
+#: workspace's own sizes (c10/cuda/CUDACachingAllocator.cpp). Blocks come in multiples of
+#: 512 bytes (kMinBlockSize): seen as a 256-byte breach of a budget planned to the byte.
+#: And a block of the large pool (over 1 MiB) is split off a cached or new segment only
+#: when more than kSmallSize (1 MiB) would be left (``should_split``); otherwise the whole
+#: block is handed out, and ``memory_allocated`` counts the whole block: up to 1 MiB more
+#: than asked, for the arena and again for a workspace that lands in such a block. The
+#: 1,409,536-byte breach of gpt2_124m's 2 GiB budget at batch 8 x 64 (session 9, with 512
+#: here) is within that; not yet run again with it.
+ALLOCATOR_ROUND_BYTES = 2 * (2**20 + 512)
 
 
 def runtime_reserve_bytes(device: str | torch.device = "cuda") -> int:
     """Device memory the run takes beside the planned arena: what the CUDA libraries keep
     once a stream has run matrix products, what the engine itself keeps (the per-step
     values buffer) and takes while it captures a step into a CUDA graph, plus the
-    allocator's rounding of the arena.
+    allocator's rounding of the arena and of the largest workspace
+    (``ALLOCATOR_ROUND_BYTES``).
 
     cuBLAS gives every (handle, stream) pair a workspace from the framework allocator the
     first time a product runs there, and keeps it. The engine's compute stream gets one
