@@ -82,6 +82,11 @@ def ranked_shapes(
 ) -> tuple[list[tuple[int, int]], dict[str, Any]]:
     """``(batch, rounds)`` in the order to try, and what the roofline plan said of each.
 
+    The ranking plans with PressureFit alone on the lowering's default (H200) roofline
+    costs: one run of the step, no recompute, so it is quick. Where recompute decides the
+    speed it can misrank: at gpt2_124m 1 GiB it put 4 x 128 first, where `dataflow predict`
+    (recompute, steady state) ranks 8 x 64 first (session 9); pass the batches to try then.
+
     Batches are planned largest first, and planning stops at the first plan within 2 %
     of its compute-only lower bound: a smaller batch has the same FLOPs per token and
     more weight reads per token, so it cannot be predicted faster. The batches not
