@@ -90,11 +90,18 @@ l3_1b | olmoe | small)
         # is 1.35x (16 GiB) and 2x (8 GiB) round order's tokens/s, the experts' weights
         # crossing the link once a step each way instead of once a round. A layer-order
         # row's setup took 78 s on the H200 (session 6), its whole row 124 s; with --append
-        # the rows already measured are kept and the rest run
+        # the rows already measured are kept and the rest run. MOE_TOKENS sets the dataflow
+        # rows' tokens a step (default 131,072): by the roofline (`dataflow predict --family
+        # olmoe --preset olmoe_1b_7b --hw h200 --t-round 16384 --tokens-step N --budget 16
+        # --seq-len 4096 --order layer`, session 9) layer order at 16 GiB gives 41,551,
+        # 51,784 and 60,058 tok/s at 131,072, 262,144 and 524,288 tokens (the experts' weights
+        # and AdamW state cross the link once a step, over more tokens), with a slow pool of
+        # 78, 99 and 103 GiB. The stock row takes an optimizer step every batch either way
         if [ "$group" != l3_1b ]; then
             compare --family olmoe "${moe[@]}" --rows stock,dataflow --stock-engines compile \
                 --resolver "$moe_resolver" --dataflow-orders layer,round \
-                --batches 4,2 --dataflow-batches 4,2 --min-tokens "$tokens" --budgets "$moe_budgets" \
+                --batches 4,2 --dataflow-batches 4,2 --min-tokens "${MOE_TOKENS:-$tokens}" \
+                --budgets "$moe_budgets" \
                 --steps 4 --warmup 2 --compile-row-seconds 130 \
                 --row-seconds 230 --total-seconds 490
         fi
