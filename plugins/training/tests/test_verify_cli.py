@@ -56,3 +56,17 @@ def test_one_step_passes_and_reports_each_level() -> None:
     for level in ("op", "task", "step"):
         assert f"{level}: " in result.stderr and " checks, " in result.stderr
     assert " passed, 0 failed" in result.stdout
+
+
+def test_the_table_lists_failures_and_each_levels_closest_check_unless_all() -> None:
+    """By default the table holds each level's check nearest its tolerance (nothing
+    failed here); ``--all`` lists every check, every step's gradients among them."""
+    shape = ("--steps", "2", "--rounds", "1", "--batch", "1", "--seq-len", "8")
+    short, full = invoke(*TINY, *shape), invoke(*TINY, *shape, "--all")
+    assert short.exit_code == 0 and full.exit_code == 0, short.output + full.output
+    rows = [line for line in short.stdout.splitlines() if line.startswith("│ ")]
+    assert {row.split("│")[1].strip() for row in rows} >= {"op", "task", "step"}
+    assert len(rows) <= 6  # three levels, a name wrapped onto a second line at most
+    assert "closest to its tolerance" in short.stdout
+    assert "grad emb.wte (step 1)" in full.stdout and "grad emb.wte (step 1)" not in short.stdout
+    assert " passed, 0 failed" in short.stdout and " passed, 0 failed" in full.stdout
