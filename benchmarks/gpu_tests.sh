@@ -2,7 +2,7 @@
 # The GPU tests on the device machine: every test marked `gpu` but not `slow`. In session
 # 9 they took more than one device call (600 s): the 41 tests outside kernels/ (compiled
 # steps, partial saves, profiling) about 300 s, the ~500 kernel tests about 1 s each. So
-# the suite runs in two parts, one call each:
+# the suite runs in two parts, one call each (the kernel part on several processes):
 #
 #   source benchmarks/device_setup.sh && bash benchmarks/gpu_tests.sh steps    # all but kernels/
 #   source benchmarks/device_setup.sh && bash benchmarks/gpu_tests.sh kernels  # kernels/ only
@@ -16,7 +16,12 @@ part=${1:-all}
 [ $# -gt 0 ] && shift
 case $part in
 steps) paths=(tests families plugins resolvers examples/third_party_plugin examples/custom_program) ;;
-kernels) paths=(kernels) ;;
+kernels)
+    paths=(kernels)
+    # the kernel tests are numerical and independent: with pytest-xdist (on the device
+    # image) they run on GPU_TESTS_WORKERS processes sharing the GPU. The steps part stays
+    # one process: its tests time tasks and links and check allocator peaks
+    python -c "import xdist" 2>/dev/null && paths+=(-n "${GPU_TESTS_WORKERS:-4}") ;;
 all) paths=(tests families plugins resolvers kernels examples/third_party_plugin examples/custom_program) ;;
 *) echo "gpu_tests.sh: unknown part '$part' (steps, kernels or all)" >&2; exit 2 ;;
 esac
