@@ -14,15 +14,16 @@
 set -u
 part=${1:-all}
 [ $# -gt 0 ] && shift
+steps=(tests families plugins resolvers examples/third_party_plugin examples/custom_program)
 case $part in
-steps) paths=(tests families plugins resolvers examples/third_party_plugin examples/custom_program) ;;
+steps) paths=("${steps[@]}") ;;
 kernels)
     paths=(kernels)
     # the kernel tests are numerical and independent: with pytest-xdist (on the device
     # image) they run on GPU_TESTS_WORKERS processes sharing the GPU. The steps part stays
     # one process: its tests time tasks and links and check allocator peaks
     python -c "import xdist" 2>/dev/null && paths+=(-n "${GPU_TESTS_WORKERS:-4}") ;;
-all) paths=(tests families plugins resolvers kernels examples/third_party_plugin examples/custom_program) ;;
+all) paths=("${steps[@]}" kernels) ;;
 *) echo "gpu_tests.sh: unknown part '$part' (steps, kernels or all)" >&2; exit 2 ;;
 esac
 log=${OUT:-/tmp}/gpu_tests_$part.log

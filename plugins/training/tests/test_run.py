@@ -50,11 +50,10 @@ def _gpt2_steps(**options):
         "gpt2_tiny",
         device="cpu",
         policy="fp32",
-        steps=3,
         budget_bytes=None,
         seed=0,
         tolerance=FP32,
-        **{"rounds": 2, "batch": 2, "seq_len": 8} | options,
+        **{"steps": 3, "rounds": 2, "batch": 2, "seq_len": 8} | options,
     )
 
 
@@ -225,3 +224,23 @@ def test_layer_order_trains_as_round_order_does(tied):
         for losses, state, _ in ((layer_losses, layer_state, None), *grouped):
             assert losses == round_losses
             assert all(torch.equal(state[k], v) for k, v in round_state.items())
+
+
+def test_a_gradient_of_the_wrong_shape_fails_its_checks_without_stopping_verify(monkeypatch):
+    """A gradient read back at the wrong shape fails its grad check and its weight check
+    (no allowance can be made from it); the other checks still run."""
+    from dataflow_training.run import TrainingRun
+
+    grads = TrainingRun.grads
+
+    def one_wrong(self):
+        found = grads(self)
+        found["head.ln_f.bias"] = found["head.ln_f.bias"][:-1]
+        return found
+
+    monkeypatch.setattr(TrainingRun, "grads", one_wrong)
+    checks = _gpt2_steps(steps=1)
+    failed = {c.name for c in checks if not c.ok}
+    assert any(n.startswith("grad head.ln_f.bias (step 0)") for n in failed), failed
+    assert "weight head.ln_f.bias (after step 0; its gradients' shapes differ)" in failed
+    assert len(failed) == 2, failed

@@ -504,15 +504,16 @@ def step_checks(
     checks: list[Check] = []
     routing, ref_routing = [], []
     with run:
+        # each step from the state the engine's step starts from: the reference takes the
+        # engine's weights and AdamW moments, so what is compared is that one step, not
+        # differences carried from earlier steps (docs/correctness_compare.md). A step's
+        # end state is the next one's start, read back once
+        weights, opt_state = run.state()
         for step in range(steps):
-            # each step from the state the engine's step starts from: the reference takes
-            # the engine's weights and AdamW moments, so what is compared is that one
-            # step, not differences carried from earlier steps (docs/correctness_compare.md)
-            weights, opt_state = run.state()
             moments = adam_moments(run.layout, opt_state)
             batches = [tokens(step, r) for r in range(rounds)]
             stats = run.step(batches)
-            grads, after = run.grads(), run.state()[0]
+            grads, (after, after_opt) = run.grads(), run.state()
             if follows:
                 routing.append(run.aux_temps())
             ref = reference.step(weights, moments, step, batches, routing[-1] if follows else None)
@@ -541,6 +542,17 @@ def step_checks(
                 for name in sorted(ref.grads)
             ]
             for name in sorted(ref.weights):
+                if grads[name].shape != ref.grads[name].shape:  # its grad check says so
+                    checks.append(
+                        Check(
+                            "step",
+                            f"weight {name} (after step {step}; its gradients' shapes differ)",
+                            math.inf,
+                            math.inf,
+                            tolerance,
+                        )
+                    )
+                    continue
                 # what the two gradients alone make AdamW's update differ by: near-zero
                 # entries move by up to 2 lr either way (tolerances.py)
                 exp_avg, exp_avg_sq = moments[name]
@@ -566,6 +578,7 @@ def step_checks(
                         tolerance,
                     )
                 )
+            weights, opt_state = after, after_opt
     if follows:
         checks = routing_checks(config, routing, ref_routing, tolerance) + checks
     return checks
