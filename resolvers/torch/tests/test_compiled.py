@@ -96,3 +96,53 @@ def test_compiled_moe_steps_in_bf16_are_captured_and_match_the_reference(
     assert run.graph_note is None, run.graph_note  # replayed, not dispatched
     assert all(torch.isfinite(torch.tensor(losses)))
     run.close(keep_state=False)
+
+
+@pytest.mark.parametrize(
+    ("family_name", "preset", "whole"),
+    # olmoe on the CPU: the grouped GEMM's reference loop reads the expert offsets on the
+    # host, a graph break by design (on CUDA, bfloat16 runs torch._grouped_mm in-graph)
+    [("gpt2", "gpt2_tiny", True), ("llama3", "llama3_tiny", True), ("olmoe", "olmoe_tiny", False)],
+)
+def test_compiled_blocks_write_their_views_inside_the_graph_on_cpu(
+    monkeypatch, family_name: str, preset: str, whole: bool
+) -> None:
+    """Each block function is compiled with the writes of what it returns into the task's
+    views (``Strategy.run_into``): dynamo and AOT autograd trace the writes, into views
+    sharing one packed object's storage, as input mutations of the graph. ``aot_eager``
+    traces what inductor would compile without generating code: the steps match the
+    float64 reference and each block function is one graph, writes included (a graph
+    break splits the fusion; the kit's frozen op classes, the kernels' build checks and
+    the decoder's attention half each caused one); olmoe's Aux counts and AuxTemp routing
+    are written the same way."""
+    pytest.importorskip(f"dataflow_family_{family_name}")
+    from torch._dynamo.utils import counters
+
+    from dataflow_resolver_torch import compiled
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    from dataflow_training.verify import TOLERANCES, step_checks
+
+    from dataflow.plugins import families
+
+    checks = step_checks(
+        families().get(family_name).load(),
+        preset,
+        device="cpu",
+        policy="fp32",
+        steps=2,
+        rounds=2,
+        batch=2,
+        seq_len=16,
+        budget_bytes=None,
+        seed=0,
+        tolerance=TOLERANCES["fp32"]["step"],
+        resolver="torch-compiled",
+    )
+    assert [c for c in checks if not c.ok] == []
+    assert counters["stats"]["unique_graphs"] >= 2  # forward and backward at least
+    if whole:
+        assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()

@@ -17,9 +17,14 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # fixed per build: no graph break under torch.compile
 def has_kernel(op: str, device_type: str) -> bool:
     """Whether aten op ``op`` (``"aten::mm.dtype"``) has a kernel registered for
     ``device_type`` (``"cpu"`` or ``"cuda"``) in this build; asked once per pair."""
+    return _has_kernel(op, device_type)
+
+
+@functools.cache
+def _has_kernel(op: str, device_type: str) -> bool:
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op, key)

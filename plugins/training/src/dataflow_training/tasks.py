@@ -32,6 +32,32 @@ from dataflow_training.step import StepLayout, TaskSlot
 Tensors = dict[str, torch.Tensor]
 
 
+#: Where one value a block's math returns goes: the path to it in what the function
+#: returned (tuple indexes, dict keys), the view it is written into, whether it is added
+#: to what the view holds (a later round's gradients) and what it is, for errors.
+Put = tuple[tuple[int | str, ...], torch.Tensor, bool, str]
+
+
+def put_all(result: Any, puts: list[Put]) -> None:
+    """Write every value ``puts`` names from ``result`` into its view (copied, or added).
+    A value missing or of another shape than its view is a ``FamilyContractError`` (the
+    caller names the task)."""
+    for path, target, add, what in puts:
+        value = result
+        for step in path:
+            value = value.get(step) if isinstance(value, Mapping) else value[step]
+            if value is None:
+                raise FamilyContractError(f"returned no {what}")
+        if tuple(value.shape) != tuple(target.shape):
+            raise FamilyContractError(
+                f"gave {what} of shape {tuple(value.shape)}; declared {tuple(target.shape)}"
+            )
+        if add:
+            target.add_(value)
+        else:
+            target.copy_(value)
+
+
 class Strategy:
     """How the executables run a family's math; the eager strategy changes nothing."""
 
@@ -40,6 +66,12 @@ class Strategy:
     def block_math(self, kind: str, math: Any) -> Any:
         """The math object executables call for block kind ``kind``."""
         return math
+
+    def run_into(self, math: Any, function: str, puts: list[Put], *args: Any) -> None:
+        """Call ``math.<function>(*args)`` and write what it returns into ``puts``. A
+        compiling strategy compiles the writes with the math, so a value computed by a
+        fused kernel is stored by that kernel instead of being copied afterwards."""
+        put_all(getattr(math, function)(*args), puts)
 
 
 class TrainingTasks:
@@ -200,6 +232,34 @@ class _Exec:
                 else:
                     target.copy_(value)
 
+    def puts(
+        self, ctx: LaunchContext, role: str, path: tuple[int | str, ...], what: str, **kw: Any
+    ) -> list[Put]:
+        """Where a block's returned dict at ``path`` goes: one ``Put`` per declared tensor
+        of every ``role`` object (or of ``obj=``), gradients (``grads=True``) added in a
+        round that accumulates and copied, padding zeroed, in the one that creates them."""
+        grads = kw.get("grads", False)
+        objs = [kw["obj"]] if "obj" in kw else self.slot.objects(role)
+        out: list[Put] = []
+        for obj in objs:
+            add = grads and obj in self.slot.mutates.get(role, ())
+            if grads and not add:
+                self.zero_gaps(ctx, obj)
+            for name, target in self.views(ctx, obj).items():
+                label = f"gradient for {obj}:{name}" if grads else f"{what} {name!r}"
+                out.append(((*path, name), target, add, label))
+        return out
+
+    def run_into(self, function: str, puts: list[Put], *args: Any) -> None:
+        """The block's ``function`` with its values written into ``puts`` by the
+        strategy; a broken contract names the task."""
+        try:
+            self.tasks.strategy.run_into(self.tasks.math(self.kind), function, puts, *args)
+        except FamilyContractError as exc:
+            raise FamilyContractError(
+                f"task {self.task.id}: {self.task.compute_key} {exc}"
+            ) from None
+
     def zero_gaps(self, ctx: LaunchContext, obj: str) -> None:
         """Zeros in a created object's padding, so flat spans over it are clean."""
         buffer = self.buffer(ctx, obj)
@@ -260,16 +320,21 @@ class BlockForward(_Exec):
         if self.task.params.get("zero_aux"):
             for tensor in aux.values():
                 tensor.zero_()  # Aux over the step: zeroed by the first forward touching it
-        math = self.tasks.math(self.kind)
-        y, saved, aux_temp = math.forward(
-            self.tasks.config, self.named(ctx, "w"), self.one(ctx, "x"), self.env(ctx, aux=aux)
-        )
-        _check_shape(self.task, "output", y, self.one(ctx, "y"))
-        self.one(ctx, "y").copy_(y)
+        puts: list[Put] = [((0,), self.one(ctx, "y"), False, "output")]
         if self.slot.save:
-            self.store(ctx, "saved", saved, "saved tensor")
+            puts += self.puts(ctx, "saved", (1,), "saved tensor", obj=self.slot.one("saved"))
         if self.slot.objects("aux_temp"):
-            self.store(ctx, "aux_temp", aux_temp, "aux_temp tensor")
+            puts += self.puts(
+                ctx, "aux_temp", (2,), "aux_temp tensor", obj=self.slot.one("aux_temp")
+            )
+        self.run_into(
+            "forward",
+            puts,
+            self.tasks.config,
+            self.named(ctx, "w"),
+            self.one(ctx, "x"),
+            self.env(ctx, aux=aux),
+        )
 
 
 class BlockRecompute(_Exec):
@@ -277,11 +342,12 @@ class BlockRecompute(_Exec):
     param the rest of a partial save (``A_...<name>`` from ``A``, which forward kept)."""
 
     def launch(self, ctx: LaunchContext) -> None:
-        math = self.tasks.math(self.kind)
         partial = self.task.params.get("partial")
         if partial is not None:
             (kept,), (rest,) = self.slot.inputs["saved"], self.slot.outputs["saved"]
-            values = math.rederive(
+            self.run_into(
+                "rederive",
+                self.puts(ctx, "saved", (), f"{partial!r} tensor", obj=rest),
                 self.tasks.config,
                 self.named(ctx, "w"),
                 self.one(ctx, "x"),
@@ -290,22 +356,25 @@ class BlockRecompute(_Exec):
                 self.env(ctx),
                 partial,
             )
-            self.store(ctx, "saved", values, f"{partial!r} tensor", obj=rest)
             return
-        saved = math.recompute(
+        self.run_into(
+            "recompute",
+            self.puts(ctx, "saved", (), "saved tensor", obj=self.slot.one("saved")),
             self.tasks.config,
             self.named(ctx, "w"),
             self.one(ctx, "x"),
             self.named(ctx, "aux_temp"),
             self.env(ctx),
         )
-        self.store(ctx, "saved", saved, "saved tensor")
 
 
 class BlockBackward(_Exec):
     def launch(self, ctx: LaunchContext) -> None:
-        math = self.tasks.math(self.kind)
-        dx, grads = math.backward(
+        puts: list[Put] = [((0,), self.one(ctx, "dx"), False, "dx")]
+        puts += self.puts(ctx, "grad", (1,), "gradient", grads=True)
+        self.run_into(
+            "backward",
+            puts,
             self.tasks.config,
             self.named(ctx, "w"),
             self.one(ctx, "x"),
@@ -314,9 +383,6 @@ class BlockBackward(_Exec):
             self.one(ctx, "dy"),
             self.env(ctx, aux=self.named(ctx, "aux")),
         )
-        _check_shape(self.task, "dx", dx, self.one(ctx, "dx"))
-        self.one(ctx, "dx").copy_(dx)
-        self.store_grads(ctx, "grad", grads)
 
 
 class HeadLoss(_Exec):

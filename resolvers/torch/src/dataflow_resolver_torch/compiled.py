@@ -1,5 +1,10 @@
 """The ``torch-compiled`` resolver: the training executables with each block kind's math
-(forward, recompute, backward, and a partial save's rederive) compiled by ``torch.compile``.
+(forward, recompute, backward, and a partial save's rederive) compiled by ``torch.compile``,
+together with the writes of what it returns into the task's arena views
+(``Strategy.run_into``): a value a fused kernel computes (a residual sum, the attention
+output's head merge, a layer norm's input gradient) is stored by that kernel, where a
+copy after the compiled call would read and write it again. A matrix product's result
+(inductor calls cuBLAS for it into a buffer of its own) is still copied, inside the graph.
 
 Embedding and head stay eager: the embedding is a gather, and the head's chunked loss is
 already one op. Compilation happens at a kind's first launch for its shapes, so the first
@@ -12,36 +17,67 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from dataflow_training.tasks import Strategy
+from dataflow_training.tasks import Put, Strategy, put_all
 
 from dataflow.schema import Program
 from dataflow_resolver_torch.training import TrainingResolver
 
 
-class _CompiledMath:
-    """A block kind's math with each of its functions compiled once."""
+#: torch.compile's backend where none is given (tests on the CPU set ``aot_eager``)
+DEFAULT_BACKEND = "inductor"
+#: the block functions the executables call through ``run_into``
+FUNCTIONS = ("forward", "recompute", "backward", "rederive")
 
-    def __init__(self, math: Any) -> None:
+
+def _writing(function: Any) -> Any:
+    """``function`` followed by the writes of its values, as one function to compile."""
+
+    def run(puts: list[Put], *args: Any) -> None:
+        put_all(function(*args), puts)
+
+    return run
+
+
+class _CompiledMath:
+    """A block kind's math with each of its functions compiled once, with its writes
+    (``into``) and alone (the attribute of the function's name)."""
+
+    def __init__(self, math: Any, backend: str = "inductor") -> None:
         self._math = math
-        self.forward = torch.compile(math.forward)
-        self.recompute = torch.compile(math.recompute)
-        self.backward = torch.compile(math.backward)
-        if hasattr(math, "rederive"):  # the rest of a partial save
-            self.rederive = torch.compile(math.rederive)
+        self.into: dict[str, Any] = {}
+        for name in FUNCTIONS:
+            if hasattr(math, name):  # rederive: only a block with a partial save
+                setattr(self, name, torch.compile(getattr(math, name), backend=backend))
+                self.into[name] = torch.compile(_writing(getattr(math, name)), backend=backend)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._math, name)
 
 
 class CompiledStrategy(Strategy):
+    """``backend``: torch.compile's (``inductor``; the CPU tests use ``aot_eager``, which
+    traces the same graphs, input writes included, without generating code)."""
+
     name = "compiled"
 
+    def __init__(self, backend: str | None = None) -> None:
+        self.backend = backend or DEFAULT_BACKEND
+
     def block_math(self, kind: str, math: Any) -> Any:
-        return _CompiledMath(math)
+        return _CompiledMath(math, self.backend)
+
+    def run_into(self, math: Any, function: str, puts: list[Put], *args: Any) -> None:
+        into = getattr(math, "into", {}).get(function)
+        if into is None:
+            super().run_into(math, function, puts, *args)
+        else:
+            into(puts, *args)
 
 
 class CompiledTrainingResolver(TrainingResolver):
     name = "torch-compiled"
 
-    def __init__(self, program: Program, *, family: Any = None, ops: Any = None) -> None:
-        super().__init__(program, family=family, ops=ops, strategy=CompiledStrategy())
+    def __init__(
+        self, program: Program, *, family: Any = None, ops: Any = None, backend: str | None = None
+    ) -> None:
+        super().__init__(program, family=family, ops=ops, strategy=CompiledStrategy(backend))

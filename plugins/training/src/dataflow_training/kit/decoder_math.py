@@ -194,7 +194,13 @@ def attention_forward_half(
     _check_seq_len(config, x.shape[1])
     norm_1, norm_2 = _norms(config)
     h1, _ = norm_1.forward(ops, params, x)
-    q, k, v = (proj.forward(ops, params, h1) for proj in (Q_PROJ, K_PROJ, V_PROJ))
+    # three calls, not a generator over h1: deleting a variable a closure captured is a
+    # bytecode (DELETE_DEREF) torch.compile cannot trace, and it skips the rest of the block
+    q, k, v = (
+        Q_PROJ.forward(ops, params, h1),
+        K_PROJ.forward(ops, params, h1),
+        V_PROJ.forward(ops, params, h1),
+    )
     del h1
     q_heads, k_heads, _ = _attention_inputs(config, params, q, k, ops)
     v_heads = split_heads(v, config.num_key_value_heads)

@@ -6,10 +6,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import attrs
 import torch
 
 Tensors = Mapping[str, torch.Tensor]
@@ -34,7 +34,9 @@ def linear_backward(
     return dx, d_weight, d_bias
 
 
-@attrs.frozen
+#: a stdlib frozen dataclass, not attrs: block math builds these inside torch.compile's
+#: trace, and dynamo cannot trace attrs' frozen __init__ (a graph break in every block)
+@dataclasses.dataclass(frozen=True)
 class Linear:
     """A projection whose parameters are named ``weight`` (and ``bias``, or None)."""
 

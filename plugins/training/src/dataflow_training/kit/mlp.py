@@ -7,10 +7,10 @@ projection runs again.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import attrs
 import torch
 
 from dataflow_training.kit.linear import Linear
@@ -18,7 +18,9 @@ from dataflow_training.kit.linear import Linear
 Tensors = Mapping[str, torch.Tensor]
 
 
-@attrs.frozen
+#: a stdlib frozen dataclass, not attrs: block math builds these inside torch.compile's
+#: trace, and dynamo cannot trace attrs' frozen __init__ (a graph break in every block)
+@dataclasses.dataclass(frozen=True)
 class SwiGLU:
     gate: Linear
     up: Linear

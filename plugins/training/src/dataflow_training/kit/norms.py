@@ -7,16 +7,18 @@ so no forward runs again. Statistics are float32 (``dataflow_training.ops``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import attrs
 import torch
 
 Tensors = Mapping[str, torch.Tensor]
 
 
-@attrs.frozen
+#: a stdlib frozen dataclass, not attrs: block math builds these inside torch.compile's
+#: trace, and dynamo cannot trace attrs' frozen __init__ (a graph break in every block)
+@dataclasses.dataclass(frozen=True)
 class LayerNorm:
     weight: str
     bias: str | None
@@ -38,7 +40,9 @@ class LayerNorm:
         return dx, grads
 
 
-@attrs.frozen
+#: a stdlib frozen dataclass, not attrs: block math builds these inside torch.compile's
+#: trace, and dynamo cannot trace attrs' frozen __init__ (a graph break in every block)
+@dataclasses.dataclass(frozen=True)
 class RMSNorm:
     weight: str
     eps: float
