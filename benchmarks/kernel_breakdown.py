@@ -8,7 +8,10 @@ kernel's time is summed by name and by kind (matrix products, attention, fused T
 work, the optimizer, copies, the rest), per 16,384 tokens, so that setups with different
 steps compare directly. The stock rows are ``benchmarks/stock.py`` (pure bf16 or
 autocast, ``torch.compile``); the dataflow rows are ``TrainingRun`` at a budget and
-``batch x rounds`` (``--dataflow BUDGET:BATCHxROUNDS``, the compiled resolver). Written:
+``batch x rounds`` (``--dataflow BUDGET:BATCHxROUNDS[:OPTION+OPTION]``, the compiled
+resolver); options: ``cudnn`` (the cuDNN attention pair in place of the registry's
+choice), ``eager-writes`` (the compiled math alone, its values copied into the arena after
+each call, as before ``Strategy.run_into``). Written:
 ``breakdown.json`` (every kernel name's total), ``breakdown.md`` (the kinds side by side
 and each setup's 25 largest kernels) and, with ``--traces``, each setup's Chrome trace.
 """
@@ -16,6 +19,7 @@ and each setup's 25 largest kernels) and, with ``--traces``, each setup's Chrome
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import re
@@ -24,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +117,36 @@ def stock_setup(config: Any, batch: int, seq_len: int, dtype: str) -> tuple[Call
     return (lambda: step(next(counter))), batch * seq_len
 
 
+OPTIONS = ("cudnn", "eager-writes")
+
+
+@contextlib.contextmanager
+def options(chosen: set[str]) -> Iterator[None]:
+    """The setup's options, patched in for its run and undone after."""
+    import dataflow_resolver_torch.compiled as compiled
+    import dataflow_training.tasks as tasks
+
+    from dataflow.plugins import kernels
+
+    saved = (tasks.load_ops, compiled.CompiledStrategy.run_into)
+    if "cudnn" in chosen:
+
+        def load_ops(device: str, names: Any, **kw: Any) -> dict:
+            ops = saved[0](device, names, **kw)
+            for op in ("attention_fwd", "attention_bwd"):
+                if op in ops:
+                    ops[op] = kernels().get(f"{op}/cudnn").load()
+            return ops
+
+        tasks.load_ops = load_ops
+    if "eager-writes" in chosen:
+        compiled.CompiledStrategy.run_into = tasks.Strategy.run_into
+    try:
+        yield
+    finally:
+        tasks.load_ops, compiled.CompiledStrategy.run_into = saved
+
+
 def dataflow_setup(
     family: Any, args: argparse.Namespace, budget: int, batch: int, rounds: int
 ) -> tuple[Callable, int, Any]:
@@ -181,40 +215,51 @@ def main(argv: list[str] | None = None) -> int:
     family = families().get(args.family).load()
     config = family.config(args.preset)
     args.out.mkdir(parents=True, exist_ok=True)
-    setups: list[tuple[str, Callable[[], tuple]]] = []
+    setups: list[tuple[str, Callable[[], tuple], set[str]]] = []
     for batch in (int(b) for b in args.stock_batches.split(",") if b):
         setups.append(
             (
                 f"stock compile {args.stock_dtype} {batch}x{args.seq_len}",
-                lambda batch=batch: (*stock_setup(config, batch, args.seq_len, args.stock_dtype), None),
+                lambda batch=batch: (
+                    *stock_setup(config, batch, args.seq_len, args.stock_dtype),
+                    None,
+                ),
+                set(),
             )
         )
     for spec in (s for s in args.dataflow.split(",") if s):
-        budget, shape = spec.split(":")
+        budget, shape, *rest = spec.split(":")
+        chosen = set(rest[0].split("+")) if rest else set()
+        if chosen - set(OPTIONS):
+            p.error(f"--dataflow {spec}: unknown option(s) {sorted(chosen - set(OPTIONS))}")
         batch, rounds = (int(x) for x in shape.lower().split("x"))
+        size = parse_size(budget)
         setups.append(
             (
-                f"dataflow {budget} {batch}x{args.seq_len} x{rounds}",
-                lambda b=parse_size(budget), batch=batch, rounds=rounds: dataflow_setup(
+                f"dataflow {budget} {batch}x{args.seq_len} x{rounds}"
+                + (f" ({', '.join(sorted(chosen))})" if chosen else ""),
+                lambda b=size, batch=batch, rounds=rounds: dataflow_setup(
                     family, args, b, batch, rounds
                 ),
+                chosen,
             )
         )
     rows = []
-    for label, make in setups:
+    for label, make, chosen in setups:
         began = time.perf_counter()
-        step, tokens, run = make()
-        try:
-            for _ in range(args.warmup):
-                step()
-            keep = args.out / f"trace_{re.sub(r'[^A-Za-z0-9]+', '_', label)}.json.gz"
-            events, wall = traced(step, args.steps, keep if args.traces else None)
-        finally:
-            if run is not None:
-                close_quietly(run)
-            del step
-            torch._dynamo.reset()
-            torch.cuda.empty_cache()
+        with options(chosen):
+            step, tokens, run = make()
+            try:
+                for _ in range(args.warmup):
+                    step()
+                keep = args.out / f"trace_{re.sub(r'[^A-Za-z0-9]+', '_', label)}.json.gz"
+                events, wall = traced(step, args.steps, keep if args.traces else None)
+            finally:
+                if run is not None:
+                    close_quietly(run)
+                del step
+                torch._dynamo.reset()
+                torch.cuda.empty_cache()
         row = summarise(label, events, wall, args.steps, tokens)
         row["setup_s"] = time.perf_counter() - began
         rows.append(row)

@@ -116,9 +116,8 @@ def test_compiled_blocks_write_their_views_inside_the_graph_on_cpu(
     the decoder's attention half each caused one); olmoe's Aux counts and AuxTemp routing
     are written the same way."""
     pytest.importorskip(f"dataflow_family_{family_name}")
-    from torch._dynamo.utils import counters
-
     from dataflow_resolver_torch import compiled
+    from torch._dynamo.utils import counters
 
     monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
     torch._dynamo.reset()
@@ -145,4 +144,32 @@ def test_compiled_blocks_write_their_views_inside_the_graph_on_cpu(
     assert counters["stats"]["unique_graphs"] >= 2  # forward and backward at least
     if whole:
         assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
+def test_views_of_one_arena_in_several_dtypes_are_written_inside_a_graph() -> None:
+    """The CUDA engine's tensors are views of one byte arena; a compiled block writes
+    bf16 views beside a float32 one. Given storages of their own (``own_storage``), AOT
+    autograd takes them as separate inputs (over the plain views it refuses, as of torch
+    2.13, "input mutations on views with different dtypes"), and the writes land in the
+    arena's bytes."""
+    from dataflow_resolver_torch.compiled import _own_storages
+
+    arena = torch.zeros(8192, dtype=torch.uint8)
+    views = [
+        arena[0:2048].view(torch.bfloat16),
+        arena[2048:3072].view(torch.float32),
+        arena[3072:5120].view(torch.bfloat16),
+    ]
+
+    def write(puts, source):
+        for target in puts:
+            target.copy_(source[: target.numel()].to(target.dtype) * 2)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(write, backend="aot_eager")
+    compiled(*_own_storages((views, torch.arange(1024.0))))
+    for view in views:
+        assert torch.equal(view, (2 * torch.arange(float(view.numel()))).to(view.dtype))
+    assert torch.count_nonzero(arena[5120:]) == 0  # nothing written past the views
     torch._dynamo.reset()

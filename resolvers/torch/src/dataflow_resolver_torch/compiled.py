@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
+from dataflow_training.family import Env
 from dataflow_training.tasks import Put, Strategy, put_all
 
 from dataflow.schema import Program
 from dataflow_resolver_torch.training import TrainingResolver
-
 
 #: torch.compile's backend where none is given (tests on the CPU set ``aot_eager``)
 DEFAULT_BACKEND = "inductor"
@@ -36,6 +37,37 @@ def _writing(function: Any) -> Any:
         put_all(function(*args), puts)
 
     return run
+
+
+def own_storage(value: Any) -> Any:
+    """A tensor over the same memory as ``value`` with a storage object of its own (other
+    values as they are).
+
+    The engine's tensors are views of one arena: written inside a compiled graph, views
+    sharing a storage make AOT autograd look for overlaps between them, and its overlap
+    test compares offsets in elements, so views of different dtypes (bf16 activations
+    beside a float32 logsumexp) look overlapping and it refuses them ("input mutations
+    on views with different dtypes"). Views that never overlap, as the arena's do not,
+    lose nothing by each having a storage of its own."""
+    if not isinstance(value, torch.Tensor) or value.numel() == 0:
+        return value
+    size = value.element_size()
+    start = value.storage_offset() * size
+    extent = 1 + sum((n - 1) * step for n, step in zip(value.shape, value.stride(), strict=True))
+    storage = value.untyped_storage()[start : start + extent * size]
+    alias = torch.empty(0, dtype=value.dtype, device=value.device)
+    return alias.set_(storage, 0, value.shape, value.stride())
+
+
+def _own_storages(args: Any) -> Any:
+    """``own_storage`` through lists, tuples, dicts and an ``Env``'s Aux tensors."""
+    if isinstance(args, Env):
+        return attrs.evolve(args, aux=_own_storages(args.aux)) if args.aux else args
+    if isinstance(args, dict):
+        return {k: _own_storages(v) for k, v in args.items()}
+    if isinstance(args, list | tuple):
+        return type(args)(_own_storages(v) for v in args)
+    return own_storage(args)
 
 
 class _CompiledMath:
@@ -71,7 +103,7 @@ class CompiledStrategy(Strategy):
         if into is None:
             super().run_into(math, function, puts, *args)
         else:
-            into(puts, *args)
+            into(*_own_storages((puts, *args)))
 
 
 class CompiledTrainingResolver(TrainingResolver):
