@@ -142,6 +142,7 @@ def test_compiled_blocks_write_their_views_inside_the_graph_on_cpu(
     )
     assert [c for c in checks if not c.ok] == []
     assert counters["stats"]["unique_graphs"] >= 2  # forward and backward at least
+    assert not counters["recompile_limit"] and not counters["cache_size_limit"]
     if whole:
         assert not counters["graph_break"], dict(counters["graph_break"])
     torch._dynamo.reset()
@@ -173,3 +174,26 @@ def test_views_of_one_arena_in_several_dtypes_are_written_inside_a_graph() -> No
         assert torch.equal(view, (2 * torch.arange(float(view.numel()))).to(view.dtype))
     assert torch.count_nonzero(arena[5120:]) == 0  # nothing written past the views
     torch._dynamo.reset()
+
+
+def test_each_compiled_block_function_has_a_code_object_of_its_own() -> None:
+    """dynamo counts recompilations per code object (limit 8): the writing wrappers of
+    every kind's functions must not share one."""
+    from dataflow_resolver_torch.compiled import CompiledStrategy
+
+    class Math:
+        def forward(self, *args):
+            return args
+
+        def backward(self, *args):
+            return args
+
+    strategy = CompiledStrategy("aot_eager")
+    wrappers = [
+        strategy.block_math(kind, Math()).into[name]
+        for kind in ("dense", "moe")
+        for name in ("forward", "backward")
+    ]
+    codes = {id(w._torchdynamo_orig_callable.__code__) for w in wrappers}
+    assert len(codes) == 4
+    assert wrappers[0]._torchdynamo_orig_callable.__name__ == "dense_forward_and_writes"

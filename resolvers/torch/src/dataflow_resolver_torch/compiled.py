@@ -30,12 +30,19 @@ DEFAULT_BACKEND = "inductor"
 FUNCTIONS = ("forward", "recompute", "backward", "rederive")
 
 
-def _writing(function: Any) -> Any:
-    """``function`` followed by the writes of its values, as one function to compile."""
+def _writing(function: Any, name: str) -> Any:
+    """``function`` followed by the writes of its values, as one function to compile.
+
+    Each gets a code object of its own (named ``name``): dynamo keeps its compiled
+    entries, and counts recompilations against its limit (8), per code object, and
+    closures of one ``def`` share theirs, so every block function of every kind would
+    otherwise pile onto one count and past it run uncompiled."""
 
     def run(puts: list[Put], *args: Any) -> None:
         put_all(function(*args), puts)
 
+    run.__code__ = run.__code__.replace(co_name=name)
+    run.__name__ = run.__qualname__ = name
     return run
 
 
@@ -74,13 +81,15 @@ class _CompiledMath:
     """A block kind's math with each of its functions compiled once, with its writes
     (``into``) and alone (the attribute of the function's name)."""
 
-    def __init__(self, math: Any, backend: str = "inductor") -> None:
+    def __init__(self, kind: str, math: Any, backend: str = "inductor") -> None:
         self._math = math
         self.into: dict[str, Any] = {}
         for name in FUNCTIONS:
             if hasattr(math, name):  # rederive: only a block with a partial save
-                setattr(self, name, torch.compile(getattr(math, name), backend=backend))
-                self.into[name] = torch.compile(_writing(getattr(math, name)), backend=backend)
+                function = getattr(math, name)
+                setattr(self, name, torch.compile(function, backend=backend))
+                writing = _writing(function, f"{kind}_{name}_and_writes")
+                self.into[name] = torch.compile(writing, backend=backend)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._math, name)
@@ -96,7 +105,7 @@ class CompiledStrategy(Strategy):
         self.backend = backend or DEFAULT_BACKEND
 
     def block_math(self, kind: str, math: Any) -> Any:
-        return _CompiledMath(math, self.backend)
+        return _CompiledMath(kind, math, self.backend)
 
     def run_into(self, math: Any, function: str, puts: list[Put], *args: Any) -> None:
         into = getattr(math, "into", {}).get(function)
