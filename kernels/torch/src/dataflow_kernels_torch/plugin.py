@@ -225,12 +225,14 @@ _TRITON = (
 
 
 #: cuDNN's fused attention pair: one priority for both, so they are chosen together.
-#: Not preferred. On an H200 (torch 2.11, 2026-12-01) its causal bf16 forward + backward
-#: on contiguous q, k, v at GPT-2 124M shapes beat flash (benchmarks/_probe_mm.py: 0.198
-#: against 0.318 ms at batch 8), but inside GPT-2's tasks, where q, k, v are strided views
-#: of one qkv tensor, the twelve backward tasks took 18.6 ms against flash's 13.6 at batch
-#: 8 (and 37.0 against 39.5 at batch 32): benchmarks/task_speed.py --variant.
-CUDNN_ATTENTION_PRIORITY = -5
+#: Preferred where it applies (16-bit CUDA; elsewhere it calls the torch pair). On an
+#: H200 (torch 2.11, 2026-12-02), inside compiled tasks replayed from a CUDA graph,
+#: attention took 4.34 ms per 16K tokens of GPT-2 124M (flash: 6.16) and 68.6 ms of
+#: l3_1b at seq 4096 (flash: 97.9); stock torch.compile's SDPA picks cuDNN there too
+#: (benchmarks/kernel_breakdown.py, results/kernel_breakdown/*_after.md). An earlier
+#: measurement against it (session 3) timed eager tasks launched from the host, where
+#: launch overhead, not the kernels, decided.
+CUDNN_ATTENTION_PRIORITY = 5
 
 
 def _cudnn_variants() -> list[KernelVariant]:
