@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gzip
+import itertools
 import json
 import re
 import statistics
@@ -113,7 +114,7 @@ def summarise(label: str, events: list, wall_s: float, steps: int, tokens: int) 
 
 def stock_setup(config: Any, batch: int, seq_len: int, dtype: str) -> tuple[Callable, int]:
     step = build_stock(config, batch, seq_len, compile=True, dtype=dtype)
-    counter = iter(range(10**9))
+    counter = itertools.count()
     return (lambda: step(next(counter))), batch * seq_len
 
 

@@ -36,8 +36,8 @@ def test_compiled_tiny_steps_match_the_reference_on_cuda(family_name: str, prese
     assert not failed, failed
 
 
-def _failed_step_checks(family_name: str, preset: str, policy: str) -> list:
-    """``dataflow verify``'s step checks of two compiled steps on CUDA that failed."""
+def _failed_step_checks(family_name: str, preset: str, policy: str, device: str = "cuda") -> list:
+    """``dataflow verify``'s step checks of two compiled steps on ``device`` that failed."""
     from dataflow_training.verify import TOLERANCES, step_checks
 
     from dataflow.plugins import families
@@ -45,7 +45,7 @@ def _failed_step_checks(family_name: str, preset: str, policy: str) -> list:
     checks = step_checks(
         families().get(family_name).load(),
         preset,
-        device="cuda",
+        device=device,
         policy=policy,
         steps=2,
         rounds=2,
@@ -122,25 +122,8 @@ def test_compiled_blocks_write_their_views_inside_the_graph_on_cpu(
     monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
     torch._dynamo.reset()
     counters.clear()
-    from dataflow_training.verify import TOLERANCES, step_checks
-
-    from dataflow.plugins import families
-
-    checks = step_checks(
-        families().get(family_name).load(),
-        preset,
-        device="cpu",
-        policy="fp32",
-        steps=2,
-        rounds=2,
-        batch=2,
-        seq_len=16,
-        budget_bytes=None,
-        seed=0,
-        tolerance=TOLERANCES["fp32"]["step"],
-        resolver="torch-compiled",
-    )
-    assert [c for c in checks if not c.ok] == []
+    failed = _failed_step_checks(family_name, preset, "fp32", device="cpu")
+    assert not failed, failed
     assert counters["stats"]["unique_graphs"] >= 2  # forward and backward at least
     assert not counters["recompile_limit"] and not counters["cache_size_limit"]
     if whole:

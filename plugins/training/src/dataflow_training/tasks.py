@@ -48,10 +48,7 @@ def put_all(result: Any, puts: list[Put]) -> None:
             value = value.get(step) if isinstance(value, Mapping) else value[step]
             if value is None:
                 raise FamilyContractError(f"returned no {what}")
-        if tuple(value.shape) != tuple(target.shape):
-            raise FamilyContractError(
-                f"gave {what} of shape {tuple(value.shape)}; declared {tuple(target.shape)}"
-            )
+        _check_shape(None, what, value, target)
         if add:
             target.add_(value)
         else:
@@ -233,20 +230,26 @@ class _Exec:
                     target.copy_(value)
 
     def puts(
-        self, ctx: LaunchContext, role: str, path: tuple[int | str, ...], what: str, **kw: Any
+        self,
+        ctx: LaunchContext,
+        role: str,
+        path: tuple[int | str, ...],
+        what: str,
+        *,
+        obj: str | None = None,
+        grads: bool = False,
     ) -> list[Put]:
         """Where a block's returned dict at ``path`` goes: one ``Put`` per declared tensor
-        of every ``role`` object (or of ``obj=``), gradients (``grads=True``) added in a
-        round that accumulates and copied, padding zeroed, in the one that creates them."""
-        grads = kw.get("grads", False)
-        objs = [kw["obj"]] if "obj" in kw else self.slot.objects(role)
+        of every ``role`` object (or of ``obj``), gradients (``grads``) added in a round
+        that accumulates and copied, padding zeroed, in the one that creates them."""
+        objs = [obj] if obj is not None else self.slot.objects(role)
         out: list[Put] = []
-        for obj in objs:
-            add = grads and obj in self.slot.mutates.get(role, ())
+        for each in objs:
+            add = grads and each in self.slot.mutates.get(role, ())
             if grads and not add:
-                self.zero_gaps(ctx, obj)
-            for name, target in self.views(ctx, obj).items():
-                label = f"gradient for {obj}:{name}" if grads else f"{what} {name!r}"
+                self.zero_gaps(ctx, each)
+            for name, target in self.views(ctx, each).items():
+                label = f"gradient for {each}:{name}" if grads else f"{what} {name!r}"
                 out.append(((*path, name), target, add, label))
         return out
 
@@ -266,34 +269,14 @@ class _Exec:
         for start, end in self.layout.packed[obj].layout.gaps():
             buffer[start:end].zero_()
 
-    def store(
-        self,
-        ctx: LaunchContext,
-        role: str,
-        values: Mapping[str, Any],
-        what: str,
-        *,
-        obj: str | None = None,
-    ) -> None:
-        """Write every declared tensor of the ``role`` object (or of ``obj``) from
-        ``values``; entries of ``values`` it does not declare are left out."""
-        obj = obj or self.slot.one(role)
-        for name, target in self.views(ctx, obj).items():
-            value = values.get(name)
-            if value is None:
-                raise FamilyContractError(
-                    f"task {self.task.id}: {self.task.compute_key} returned no {what} {name!r} "
-                    f"(declared: {', '.join(e.name for e in self.layout.packed[obj].layout.entries)})"
-                )
-            _check_shape(self.task, f"{what} {name!r}", value, target)
-            target.copy_(value)
 
-
-def _check_shape(task: Task, what: str, value: Any, target: torch.Tensor) -> None:
+def _check_shape(task: Task | None, what: str, value: Any, target: torch.Tensor) -> None:
+    """``value`` has ``target``'s shape, or a ``FamilyContractError`` naming ``what`` (and
+    the task, where given; ``put_all``'s caller adds it)."""
     if tuple(value.shape) != tuple(target.shape):
+        prefix = f"task {task.id}: {task.compute_key} " if task is not None else ""
         raise FamilyContractError(
-            f"task {task.id}: {task.compute_key} gave {what} of shape {tuple(value.shape)}; "
-            f"declared {tuple(target.shape)}"
+            f"{prefix}gave {what} of shape {tuple(value.shape)}; declared {tuple(target.shape)}"
         )
 
 
