@@ -127,11 +127,23 @@ class Fleet:
 
         dist.barrier()
 
-    def close(self) -> None:
+    def close(self, *, finished: bool = False) -> None:
+        """Leave the fleet. ``finished`` (every member ran to the end): first wait at a
+        barrier, so no member tears its process group down while another still talks to
+        it, then collect the garbage, so no cycle keeps a gloo or store thread alive into
+        the interpreter's teardown (where its destructor aborts the process: "terminate
+        called without an active exception", exit -6, seen once in CI on a run that had
+        finished). After a failure there is no barrier: the others may be gone."""
+        import gc
+
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            return
+        if finished:
+            dist.barrier()
+        dist.destroy_process_group()
+        gc.collect()
 
 
 def join(

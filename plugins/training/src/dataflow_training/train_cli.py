@@ -255,9 +255,11 @@ def train_command(
         profile=window,
         **rest,
     )
+    finished = False
     try:
         progress = _progress(options.steps) if fleet is None or fleet.writes else None
         summary = train(options, progress=progress, fleet=fleet)
+        finished = True
     except InfeasibleBudget as exc:
         raise Failure(
             f"--budget {format_size(budget_bytes)} is too small for this step: the smallest "
@@ -281,7 +283,7 @@ def train_command(
         raise Failure(f"fleet member stopped: {one_line(str(exc))}") from None
     finally:
         if fleet is not None:
-            fleet.close()
+            fleet.close(finished=finished)
     if summary["last"] and (fleet is None or fleet.writes):
         click.echo(done_line(summary, options.out))
 
