@@ -1,30 +1,33 @@
 #!/usr/bin/env bash
-# The GPU tests on the device machine: every test marked `gpu` but not `slow`. In session
-# 9 they took more than one device call (600 s): the 41 tests outside kernels/ (compiled
-# steps, partial saves, profiling) about 300 s, the ~500 kernel tests about 1 s each. So
-# the suite runs in two parts, one call each (the kernel part on several processes):
+# The GPU tests on the device machine: every test marked `gpu` but not `slow`. They take
+# more than one device call (600 s): in session 12 the 43 tests outside kernels/ ran past
+# 520 s (resolvers/torch's compiled-step tests are most of it), the ~500 kernel tests take
+# about 1 s each. So the suite runs in three parts, one call each (the kernel part on
+# several processes):
 #
-#   source benchmarks/device_setup.sh && bash benchmarks/gpu_tests.sh steps    # all but kernels/
-#   source benchmarks/device_setup.sh && bash benchmarks/gpu_tests.sh kernels  # kernels/ only
+#   source benchmarks/device_setup.sh && bash benchmarks/gpu_tests.sh steps      # tests, families, plugins, examples
+#   source benchmarks/device_setup.sh && bash benchmarks/gpu_tests.sh resolvers  # resolvers/ only
+#   source benchmarks/device_setup.sh && bash benchmarks/gpu_tests.sh kernels    # kernels/ only
 #
-# (no part, or `all`: both at once; extra arguments go to pytest). The whole log goes to
+# (no part, or `all`: every part at once; extra arguments go to pytest). The whole log goes to
 # $OUT/gpu_tests_<part>.log (or /tmp), with the 25 slowest tests; what is printed is the
 # summary and, for each failure, its first error lines, so that a caller keeping only the
 # tail of the output still sees why a test failed.
 set -u
 part=${1:-all}
 [ $# -gt 0 ] && shift
-steps=(tests families plugins resolvers examples/third_party_plugin examples/custom_program)
+steps=(tests families plugins examples/third_party_plugin examples/custom_program)
 case $part in
 steps) paths=("${steps[@]}") ;;
+resolvers) paths=(resolvers) ;;
 kernels)
     paths=(kernels)
     # the kernel tests are numerical and independent: with pytest-xdist (on the device
     # image) they run on GPU_TESTS_WORKERS processes sharing the GPU. The steps part stays
     # one process: its tests time tasks and links and check allocator peaks
     python -c "import xdist" 2>/dev/null && paths+=(-n "${GPU_TESTS_WORKERS:-4}") ;;
-all) paths=("${steps[@]}" kernels) ;;
-*) echo "gpu_tests.sh: unknown part '$part' (steps, kernels or all)" >&2; exit 2 ;;
+all) paths=("${steps[@]}" resolvers kernels) ;;
+*) echo "gpu_tests.sh: unknown part '$part' (steps, resolvers, kernels or all)" >&2; exit 2 ;;
 esac
 log=${OUT:-/tmp}/gpu_tests_$part.log
 timeout "${GPU_TESTS_SECONDS:-560}" python -m pytest -q -rfE --tb=short -p no:cacheprovider \

@@ -31,7 +31,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
     moe=(--preset olmoe_tiny --seq-len 32)
     big_budgets=4MiB,2MiB dense_budget=2MiB moe_budgets=4MiB,2MiB
     big_tokens=256 tokens=256 backing=${BACKING:-64MiB}
-    gpt2=(--preset gpt2_tiny --seq-len 32) gpt2_tokens=512 gpt2_big=4MiB,2MiB gpt2_small=1MiB
+    gpt2=(--preset gpt2_tiny --seq-len 32) gpt2_tokens=512 gpt2_big=4MiB,2MiB,1MiB gpt2_small=512KiB
 else
     common+=(--resolver torch-compiled)
     moe_resolver=${MOE_RESOLVER:-torch-compiled}
@@ -40,7 +40,7 @@ else
     big_budgets=16GiB,8GiB dense_budget=4GiB moe_budgets=16GiB,8GiB
     big_tokens=131072 tokens=131072 backing=${BACKING:-}
     gpt2=(--preset gpt2_124m --seq-len 1024) gpt2_tokens=524288
-    gpt2_big=16GiB,8GiB,4GiB gpt2_small=2GiB,1GiB
+    gpt2_big=16GiB,8GiB,4GiB,2GiB gpt2_small=1GiB
 fi
 # REDO=1 measures again the rows the results already have (--redo), e.g. the first call
 # after a change to what the rows run; later calls without it measure only what is missing
@@ -108,32 +108,25 @@ l3_1b | olmoe | small)
     } 2>&1 | tee "$log"
     ;;
 gpt2)
-    # issue 13 and 14's rows in one run: the fastest stock row (torch.compile, pure bf16,
-    # batch 64; sessions 3-7 never found another faster) beside dataflow at every budget,
-    # 524,288 tokens a step (GPT-2 124M's usual 0.5M-token step: the host's work between
-    # steps, 2-4 ms, is spread over eight times the tokens of a 65,536-token step). The
-    # 2 and 1 GiB rows plan hundreds of rounds (their setup took over 120 s in session 7)
-    # GPT2_PART=big or small runs one of the two commands (each fits one device call);
-    # GPT2_PART=1gib the 1 GiB row alone, with a row limit of 540 s and batches 8 and 4:
-    # by the roofline (`dataflow predict --preset gpt2_124m --hw h200 --t-round
-    # 2048,4096,8192 --tokens-step 524288 --budget 1 --seq-len 1024`, session 9) 8 x 64
-    # plans 0.696 s, 4 x 128 0.718 s, 2 x 256 0.782 s; in session 9 its run with every
-    # batch spent its 250 s row limit in setup
+    # issue 13 and 14's rows: the fastest stock row (torch.compile, pure bf16, batch 64;
+    # sessions 3-7 never found another faster) beside dataflow at every budget, 524,288
+    # tokens a step (GPT-2 124M's usual 0.5M-token step: the host's work between steps,
+    # 2-4 ms, is spread over eight times the tokens of a 65,536-token step).
+    # GPT2_PART=big runs stock and 16, 8, 4, 2 GiB (about 250 s on the H200 in session
+    # 12, the 2 GiB row's setup 60 s of it); GPT2_PART=small the 1 GiB row alone, with a
+    # row limit of 540 s and batches 8 and 4: by the roofline (`dataflow predict --preset
+    # gpt2_124m --hw h200 --t-round 2048,4096,8192 --tokens-step 524288 --budget 1
+    # --seq-len 1024`, session 9) 8 x 64 plans 0.696 s, 4 x 128 0.718 s, 2 x 256 0.782 s;
+    # in sessions 9 and 12 its runs spent their 250 s row limit in setup
     part=${GPT2_PART:-both}
     {
-        if [ "$part" = 1gib ]; then
-            compare --family gpt2 "${gpt2[@]}" --redo --rows dataflow --min-tokens "$gpt2_tokens" \
-                --budgets "${gpt2_small#*,}" --dataflow-batches 8,4 --steps 4 --warmup 2 \
-                --row-seconds 540 --total-seconds 560
-        else
-            [ "$part" = small ] || compare --family gpt2 "${gpt2[@]}" --redo --rows stock,dataflow \
-                --stock-engines compile --batches 64 --min-tokens "$gpt2_tokens" \
-                --budgets "$gpt2_big" --steps 5 --warmup 2 --compile-row-seconds 120 \
-                --row-seconds 100 --total-seconds 420
-            [ "$part" = big ] || compare --family gpt2 "${gpt2[@]}" --redo --rows dataflow \
-                --min-tokens "$gpt2_tokens" --budgets "$gpt2_small" --steps 4 --warmup 2 \
-                --row-seconds 250 --total-seconds 500
-        fi
+        [ "$part" = small ] || compare --family gpt2 "${gpt2[@]}" --redo --rows stock,dataflow \
+            --stock-engines compile --batches 64 --min-tokens "$gpt2_tokens" \
+            --budgets "$gpt2_big" --steps 5 --warmup 2 --compile-row-seconds 120 \
+            --row-seconds 120 --total-seconds 480
+        [ "$part" = big ] || compare --family gpt2 "${gpt2[@]}" --redo --rows dataflow \
+            --min-tokens "$gpt2_tokens" --budgets "$gpt2_small" --dataflow-batches 8,4 \
+            --steps 4 --warmup 2 --row-seconds 540 --total-seconds 560
     } 2>&1 | tee "$log"
     ;;
 *)

@@ -271,3 +271,43 @@ def test_a_task_reading_aux_temp_is_timed_on_its_forward_decisions() -> None:
         assert ids.min() >= 0 and ids.max() < config.experts
         sums = aux["weights"].float().reshape(-1, config.top_k).sum(-1)
         torch.testing.assert_close(sums, torch.ones_like(sums), rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_a_settled_measurement_runs_the_task_back_to_back_first(program) -> None:
+    """``settle_s`` launches the task back to back for that long before the timed
+    launches (the clocks of a loaded device); ``flush_l2`` overwrites a buffer of twice
+    the L2 cache before each timed launch, between the launches."""
+    import time
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from dataflow.engine import LaunchContext
+
+    device = torch.device("cuda")
+    work = torch.zeros(1 << 20, device=device)
+    launched = []
+
+    class Adding:
+        def launch(self, ctx) -> None:
+            launched.append(time.perf_counter())
+            work.add_(1.0)
+
+    ctx = LaunchContext(
+        task=program.tasks[0], device="cuda", stream=None, inputs=(), mutates=(), outputs=()
+    )
+    plain = profile._measure(Adding(), ctx, device, 3)
+    assert len(launched) == 4 and plain.cost_us > 0
+    launched.clear()
+    timing = profile._Timing.on(device, 0.05, True)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    assert timing.scratch is not None and timing.scratch.numel() == 2 * l2
+    settled = profile._measure(Adding(), ctx, device, 3, timing=timing)
+    assert settled.cost_us > 0
+    assert len(launched) > 4 + 4  # the warm-up, at least a batch of four, three timed
+    # the settling launches took settle_s (from just before the first of them)
+    assert launched[-3] - launched[1] >= 0.04
+    assert timing.scratch[-1].item() == 1  # overwritten before the timed launches
+    assert int(work[0].item()) == 4 + len(launched)  # and the plain measurement's four

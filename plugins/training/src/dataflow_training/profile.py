@@ -6,8 +6,9 @@ chain (layer, round, step) and the sizes of what it reads, changes and creates: 
 twelve forward tasks of a 12-block model share one. For each signature the executable
 runs on freshly filled buffers (random floats, token 0, packed objects filled through
 their layouts, and a block's recorded decisions, ``AuxTemp``, as its forward task makes
-them; see ``_decided``): once to warm up, then ``repeats`` times timed with the device's events
-(CUDA) or the host clock (CPU). On CUDA the allocator's peak above what was allocated
+them; see ``_decided``): once to warm up, on CUDA back to back for ``SETTLE_S`` seconds
+(a task timed right after the device idled runs at clocks a loaded step does not keep),
+then ``repeats`` times timed with the device's events (CUDA) or the host clock (CPU). On CUDA the allocator's peak above what was allocated
 before the launch is the task's **workspace**: the temporaries its kernels take from the
 framework allocator, which the plan must leave room for.
 
@@ -54,7 +55,13 @@ from dataflow.schema import Program, Task
 from dataflow_training.step import StepLayout
 
 #: The version of the measuring method (fills, warm-up, timing); part of every cache key.
-PROFILE_VERSION = 3  # 2: the token shape joined the signature; 3: AuxTemp as forward decides
+PROFILE_VERSION = 4  # 2: the token shape joined the signature; 3: AuxTemp as forward
+# decides; 4: the task settles (SETTLE_S) before it is timed
+#: How long (seconds) a task runs back to back before its timed launches on CUDA (see
+#: ``profile_program``): benchmarks/profile_method.py measured what it changes.
+SETTLE_S = 0.2
+#: Whether the L2 cache is overwritten before each timed launch on CUDA.
+FLUSH_L2 = False
 #: Names the cache directory (``off``: no disk cache).
 CACHE_ENV = "DATAFLOW_PROFILE_CACHE"
 #: Workspace is rounded up to the allocator's block size (kMinBlockSize, 512 bytes).
@@ -293,12 +300,20 @@ def profile_program(
     int_high: Callable[[str], int] = lambda obj_id: 1,
     graph: bool = False,
     cache: ProfileCache | None = None,
+    settle_s: float = SETTLE_S,
+    flush_l2: bool = FLUSH_L2,
 ) -> dict[tuple, TaskProfile]:
     """Measure every distinct task signature of ``program`` once (see the module docstring),
     or take it from ``cache`` (and store what was measured there). Integer tensors are
     filled uniformly from ``[0, int_high(obj_id))`` (zeros by default; tokens should be
-    spread over the vocabulary, or the embedding's scatter-add contends on one row)."""
+    spread over the vocabulary, or the embedding's scatter-add contends on one row).
+
+    ``settle_s`` (CUDA): before its timed launches each task runs back to back for that
+    long, so the clocks are those of a loaded device rather than of one that idled between
+    short tasks. ``flush_l2`` (CUDA): a buffer twice the L2 cache is overwritten before
+    every timed launch, so no input is read from a cache the previous launch warmed."""
     dev = torch.device(device)
+    timing = _Timing.on(dev, settle_s, flush_l2)
     generator = torch.Generator().manual_seed(seed)
     profiles: dict[tuple, TaskProfile] = {}
     layout = StepLayout.of(program)
@@ -321,7 +336,7 @@ def profile_program(
         ctx = _launch_context(program, task, dev, buffers)
         executable = resolver(task)
         replay = graph and dev.type == "cuda" and getattr(executable, "capturable", False)
-        profiles[key] = _measure(executable, ctx, dev, repeats, replay)
+        profiles[key] = _measure(executable, ctx, dev, repeats, replay, timing)
         if cache is not None:
             cache.put(key, profiles[key])
     return profiles
@@ -396,8 +411,46 @@ def _decided(
     return made[key].clone()
 
 
+@attrs.frozen
+class _Timing:
+    """How timed launches are prepared on CUDA (``profile_program``'s ``settle_s`` and
+    ``flush_l2``)."""
+
+    settle_s: float = 0.0
+    scratch: torch.Tensor | None = None
+
+    @classmethod
+    def on(cls, dev: torch.device, settle_s: float, flush_l2: bool) -> _Timing:
+        if dev.type != "cuda":
+            return cls()
+        scratch = None
+        if flush_l2:
+            l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+            scratch = torch.empty(2 * l2, dtype=torch.uint8, device=dev)
+        return cls(settle_s, scratch)
+
+    def settle(self, launch: Callable[[], None], dev: torch.device) -> None:
+        """Launch back to back until ``settle_s`` has passed on the host clock."""
+        if self.settle_s <= 0:
+            return
+        began = time.perf_counter()
+        while time.perf_counter() - began < self.settle_s:
+            for _ in range(4):
+                launch()
+            torch.cuda.synchronize(dev)
+
+    def before_launch(self) -> None:
+        if self.scratch is not None:
+            self.scratch.fill_(1)
+
+
 def _measure(
-    executable: Any, ctx: LaunchContext, dev: torch.device, repeats: int, replay: bool = False
+    executable: Any,
+    ctx: LaunchContext,
+    dev: torch.device,
+    repeats: int,
+    replay: bool = False,
+    timing: _Timing = _Timing(),
 ) -> TaskProfile:
     executable.launch(ctx)  # warm-up: lazy initialisation, library handles, caches
     if dev.type != "cuda":
@@ -410,8 +463,11 @@ def _measure(
     torch.cuda.synchronize(dev)
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
+    if not replay:
+        timing.settle(lambda: executable.launch(ctx), dev)
     times = []
     for _ in range(repeats):
+        timing.before_launch()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         executable.launch(ctx)
@@ -422,7 +478,7 @@ def _measure(
     workspace = -(-workspace // ROUND_BYTES) * ROUND_BYTES
     if replay:
         try:
-            times = _replayed_us(executable, ctx, dev, repeats)
+            times = _replayed_us(executable, ctx, dev, repeats, timing)
         except Exception:  # noqa: BLE001 - whatever the capture refuses
             # An op that reads the device on the host (e.g. grouped_mm's reference loop
             # reading its offsets) cannot be captured. The engine's own capture then fails
@@ -442,7 +498,7 @@ def _after_failed_capture(dev: torch.device) -> None:
 
 
 def _replayed_us(
-    executable: Any, ctx: LaunchContext, dev: torch.device, repeats: int
+    executable: Any, ctx: LaunchContext, dev: torch.device, repeats: int, timing: _Timing
 ) -> list[float]:
     """The task captured into a CUDA graph of its own, each replay timed by events."""
     stream = torch.cuda.Stream(device=dev)
@@ -451,8 +507,10 @@ def _replayed_us(
     with torch.cuda.graph(graph, stream=stream):
         executable.launch(attrs.evolve(ctx, stream=stream))
     graph.replay()  # warm: the first replay uploads the graph
+    timing.settle(graph.replay, dev)
     times = []
     for _ in range(repeats):
+        timing.before_launch()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
