@@ -184,3 +184,28 @@ def test_a_slow_budget_holds_one_iteration_of_the_cycle() -> None:
     assert cycle.valid, cycle.problem
     assert not check_cycle(once.program, budget, slow - 1).valid  # one byte less: no
     assert plan(program, budget, slow_budget_bytes=slow, cyclic=True).cycle.valid
+
+
+def test_given_homes_are_the_only_sets_tried() -> None:
+    """``homes`` replaces the planner's own sets of fast homes: each plan homes exactly
+    the set it was given, and it fits and repeats; a name that is not persistent, or
+    homes for a plan that is not cyclic, is refused by name."""
+    from dataflow.planning import PlanningError
+    from dataflow.planning.cyclic import fast_homes, plan_cyclic
+    from dataflow.planning.pressurefit import plan_pressurefit
+
+    program = _persistent(tiny_training())
+    budget = plan(program, 2**40).sim.fast_peak_bytes
+    for fast in (frozenset(), frozenset({"W0"}), frozenset(program.persistent)):
+        planned = plan_cyclic(program.bare(), budget, homes=[fast])
+        assert fast_homes(planned) == fast
+        assert check_cycle(planned, budget).valid
+    chosen = plan(program, budget, cyclic=True).program
+    again = plan_cyclic(program.bare(), budget, homes=[fast_homes(chosen)])
+    assert check_cycle(again, budget).iteration_us == pytest.approx(
+        check_cycle(chosen, budget).iteration_us
+    )
+    with pytest.raises(PlanningError, match="'h0'"):
+        plan_cyclic(program.bare(), budget, homes=[frozenset({"h0", "W0"})])
+    with pytest.raises(PlanningError, match="cyclic plans only"):
+        plan_pressurefit(program, budget, homes=[frozenset()])

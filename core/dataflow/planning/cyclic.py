@@ -19,6 +19,8 @@ iteration is shortest wins.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 
 from dataflow.planning.cycle import check_cycle
@@ -73,14 +75,26 @@ def home_sets(chain: Chain, persistent: tuple[str, ...], budget_bytes: int) -> l
     return sets
 
 
+def fast_homes(program: Program) -> frozenset[str]:
+    """The persistent objects a steady-state plan homes in fast memory."""
+    objects = program.objects_by_id
+    return frozenset(o for o in program.persistent if objects[o].location is Location.FAST)
+
+
 def plan_cyclic(
     bare: Program,
     budget_bytes: int,
     *,
     slow_budget_bytes: int | None = None,
     explain: bool = True,
+    homes: Sequence[frozenset[str]] | None = None,
 ) -> Program:
     """The steady-state plan of ``bare`` (one iteration, its persistent objects homed).
+
+    ``homes``: the sets of fast homes to try instead of ``home_sets``' (e.g. the one an
+    earlier plan of a similar program chose, ``fast_homes``: the training plugin's
+    recompute planner plans many candidates of one step, whose persistent objects and
+    boundary are the same).
 
     When no home set plans at ``budget_bytes``, the search (a heuristic) may still plan at
     a smaller capacity, as the one-run planner finds (``plan_pressurefit``): the smallest
@@ -93,8 +107,18 @@ def plan_cyclic(
     chain = check_plannable(
         slow_homes, budget_bytes, slow_budget_bytes, homed=frozenset(bare.persistent)
     )
+    if homes is None:
+        homes = home_sets(chain, bare.persistent, budget_bytes)
+    else:
+        homes = [frozenset(fast) for fast in homes]
+        unknown = sorted(set().union(*homes) - set(bare.persistent))
+        if unknown:
+            raise PlanningError(
+                f"homes names objects that are not persistent in {bare.name!r}: "
+                + ", ".join(map(repr, unknown[:5]))
+            )
     best, best_rank = None, None
-    for fast in home_sets(chain, bare.persistent, budget_bytes):
+    for fast in homes:
         homed = with_homes(bare, fast)
         homed_chain = chain if not fast else build_chain(homed)
         found = search(

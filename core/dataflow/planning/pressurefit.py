@@ -433,6 +433,7 @@ def plan_pressurefit(
     slow_budget_bytes: int | None = None,
     cyclic: bool = False,
     explain: bool = True,
+    homes: Sequence[frozenset[str]] | None = None,
 ) -> Program:
     """The registered planner: ``program``'s bare chain with PressureFit's directives and
     the budget written in. Raises ``InfeasibleBudget`` (with the smallest budget that
@@ -444,13 +445,15 @@ def plan_pressurefit(
     Monotone in the budget: besides ``budget_bytes`` it sweeps at every rung of a fixed
     capacity ladder below it (``monotone_capacities``) and keeps the fastest, so a larger
     budget never gets a slower plan than those rungs give. With ``cyclic`` it plans one
-    iteration of a loop (``cyclic.plan_cyclic``)."""
+    iteration of a loop (``cyclic.plan_cyclic``; ``homes``: the sets of fast homes it
+    tries, default its own)."""
     return pressurefit(
         program,
         budget_bytes,
         slow_budget_bytes=slow_budget_bytes,
         cyclic=cyclic,
         explain=explain,
+        homes=homes,
     ).program
 
 
@@ -461,9 +464,13 @@ def pressurefit(
     slow_budget_bytes: int | None = None,
     cyclic: bool = False,
     explain: bool = True,
+    homes: Sequence[frozenset[str]] | None = None,
 ) -> PressureFitPlan:
     """``plan_pressurefit``, with the bounds its search worked out (what ``plan`` calls)."""
     from dataflow.planning.feasibility import check_plannable
+
+    if homes is not None and not cyclic:
+        raise PlanningError("homes (sets of fast homes) is an option of cyclic plans only")
 
     bare = program.bare()
     if slow_budget_bytes is None and program.budget is not None:
@@ -472,7 +479,13 @@ def pressurefit(
         from dataflow.planning.cyclic import plan_cyclic
 
         return PressureFitPlan(
-            plan_cyclic(bare, budget_bytes, slow_budget_bytes=slow_budget_bytes, explain=explain),
+            plan_cyclic(
+                bare,
+                budget_bytes,
+                slow_budget_bytes=slow_budget_bytes,
+                explain=explain,
+                homes=homes,
+            ),
             None,
         )
     chain = check_plannable(bare, budget_bytes, slow_budget_bytes)

@@ -83,6 +83,46 @@ def test_a_step_with_time_to_spare_is_left_as_it_is() -> None:
     assert search(compute_bound, 2**40, family=TOY).candidates == 1
 
 
+def test_steady_state_candidates_try_the_homes_of_the_first_plan(monkeypatch) -> None:
+    """In a steady-state search the first plan that fits tries every set of fast homes;
+    later candidates try only the set it chose, and a winner planned so is planned again
+    with every set. The answer is never slower than the step planned alone."""
+    from dataflow.planning import cyclic
+
+    seen: list = []
+    real = cyclic.plan_cyclic
+
+    def recording(bare, budget_bytes, **options):
+        seen.append(options.get("homes"))
+        return real(bare, budget_bytes, **options)
+
+    monkeypatch.setattr(cyclic, "plan_cyclic", recording)
+    program = _step(rounds=3)
+    peak = plan(program, 2**40, cyclic=True).sim.fast_peak_bytes
+    narrowed = 0
+    for share in (0.3, 0.5, 0.7, 0.9):
+        budget = int(peak * share)
+        try:
+            alone = plan(program, budget, cyclic=True).cycle.iteration_us
+        except InfeasibleBudget:
+            alone = None
+        seen.clear()
+        try:
+            choice = search(program, budget, family=TOY, cyclic=True)
+        except InfeasibleBudget:
+            continue  # below what every unit recomputed needs
+        assert choice.plan.cycle is not None and choice.plan.cycle.valid
+        if alone is not None:
+            assert choice.step_us <= alone * (1 + 1e-9)
+        first = next(i for i, homes in enumerate(seen) if homes is None)
+        later = seen[first + 1 :]
+        assert all(homes is None or len(homes) == 1 for homes in later)
+        if any(homes is not None for homes in later):
+            narrowed += 1
+            assert later[-1] is None  # the winner, with every set
+    assert narrowed
+
+
 def test_a_candidate_is_what_the_lowering_makes_of_its_units() -> None:
     program = _step()
     rewriter = Rewriter(program, family=TOY)

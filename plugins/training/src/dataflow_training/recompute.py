@@ -46,6 +46,7 @@ from typing import Any
 import attrs
 
 from dataflow.planning import PRESSUREFIT, Plan, PlanningError, plan
+from dataflow.planning.cyclic import fast_homes
 from dataflow.registry import PlannerSpec
 from dataflow.schema import Program, Task
 from dataflow_training.step import StepLayout
@@ -64,6 +65,17 @@ def _quick_pressurefit(program: Program, budget_bytes: int, **options: Any) -> P
 
 
 _QUICK = PlannerSpec("pressurefit", _quick_pressurefit)
+
+
+def _quick_within(homes: frozenset[str]) -> PlannerSpec:
+    """``_QUICK`` for a steady-state plan that tries only ``homes`` as its fast homes."""
+
+    def quick(program: Program, budget_bytes: int, **options: Any) -> Program:
+        return _quick_pressurefit(program, budget_bytes, homes=[homes], **options)
+
+    return PlannerSpec("pressurefit", quick)
+
+
 Price = Callable[[Program], Program]
 
 
@@ -287,6 +299,12 @@ def search(
         max_candidates = MAX_CANDIDATES + (PARTIAL_CANDIDATES if rewriter.partial_of else 0)
     planned = 0
     tried: dict[tuple[frozenset[Unit], ...], Plan | None] = {}
+    # A steady-state plan tries a few sets of fast homes, each a whole PressureFit search.
+    # The candidates differ only in their activations, which never cross the step
+    # boundary, so after the first plan that fits they try the set it chose; the winner
+    # is planned again with every set (``narrowed``: the candidates planned with one).
+    homes: frozenset[str] | None = None
+    narrowed: set[tuple[frozenset[Unit], ...]] = set()
 
     def evaluate(units: frozenset[Unit], partial: frozenset[Unit] = frozenset()) -> Plan | None:
         """The candidate's plan, or None when it does not fit (found without asking
@@ -298,15 +316,21 @@ def search(
         return tried[key]
 
     def _evaluate(units: frozenset[Unit], partial: frozenset[Unit]) -> Plan | None:
-        nonlocal planned
+        nonlocal planned, homes
         candidate = rewriter.candidate(units, partial)
         if _floor_bytes(candidate) > budget_bytes:
             return None
         planned += 1
+        planner = _QUICK if homes is None else _quick_within(homes)
         try:
-            return plan(candidate, budget_bytes, planner=_QUICK, **options)
+            found = plan(candidate, budget_bytes, planner=planner, **options)
         except PlanningError:
             return None
+        if homes is not None:
+            narrowed.add((units, partial))
+        elif found.cycle is not None:
+            homes = fast_homes(found.program)
+        return found
 
     units, partial = rewriter.given, frozenset()
     first = evaluate(units)
@@ -354,6 +378,16 @@ def search(
             offloaded_units()
     if units != everything and accept((everything, frozenset())):
         _partial_ladder(rewriter, accept, now)
+    if (units, partial - units) in narrowed:  # the winner, with every set of fast homes
+        planned += 1
+        try:
+            again = plan(
+                rewriter.candidate(units, partial), budget_bytes, planner=_QUICK, **options
+            )
+        except PlanningError:
+            again = None
+        if again is not None and _step_us(again) < _step_us(best):
+            best = again
     return Choice(units, best, planned, partial)
 
 
