@@ -117,7 +117,8 @@ gpt2)
     # row limit of 540 s and batches 8 and 4: by the roofline (`dataflow predict --preset
     # gpt2_124m --hw h200 --t-round 2048,4096,8192 --tokens-step 524288 --budget 1
     # --seq-len 1024`, session 9) 8 x 64 plans 0.696 s, 4 x 128 0.718 s, 2 x 256 0.782 s;
-    # in sessions 9 and 12 its runs spent their 250 s row limit in setup
+    # in sessions 9 and 12 its runs spent their 250 s row limit in setup (GPT2_ROW_SECONDS
+    # sets that row's limit)
     part=${GPT2_PART:-both}
     {
         [ "$part" = small ] || compare --family gpt2 "${gpt2[@]}" --redo --rows stock,dataflow \
@@ -126,7 +127,7 @@ gpt2)
             --row-seconds 120 --total-seconds 480
         [ "$part" = big ] || compare --family gpt2 "${gpt2[@]}" --redo --rows dataflow \
             --min-tokens "$gpt2_tokens" --budgets "$gpt2_small" --dataflow-batches 8,4 \
-            --steps 4 --warmup 2 --row-seconds 540 --total-seconds 560
+            --steps 4 --warmup 2 --row-seconds "${GPT2_ROW_SECONDS:-540}" --total-seconds 560
     } 2>&1 | tee "$log"
     ;;
 *)
