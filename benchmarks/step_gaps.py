@@ -7,7 +7,8 @@ its own makespan. In some runs of session 12 the two differed by 60-90 ms at 8 a
 and by 3 ms in others, with the same plan. This runs one row's step (gpt2_124m, as
 compare.py's trial does) and splits each measured step into the engine's ``run`` call,
 the feed it calls, the loss reads after it and Python's garbage-collector pauses inside
-the step (``gc.callbacks``); then the same steps with the collector off.
+the step (``gc.callbacks``), and the engine's own parts of a replayed step
+(``ENGINE_PARTS``); then the same steps with the collector off.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from compare_dataflow import initial_state, random_batches, train_config  # noqa: E402
 
 GIB = 1 << 30
+#: Engine methods a replayed step calls (``Engine.run``), timed one by one
+ENGINE_PARTS = ("_carry_over", "_device_values", "_replay", "_allocator_peak")
 
 
 class Timed:
@@ -85,6 +88,10 @@ def main() -> int:
         run.step(data[i % 2])
     engine = run._engine
     engine_run = engine.run = Timed(engine.run)
+    # the parts of Engine.run a replayed step goes through, each timed on the host
+    parts = {name: Timed(getattr(engine, name)) for name in ENGINE_PARTS}
+    for name, timed in parts.items():
+        setattr(engine, name, timed)
     reads = engine.read_scalar = Timed(engine.read_scalar)
     feed = run._data = Timed(run._data)
     pauses: list[tuple[int, float]] = []
@@ -107,6 +114,8 @@ def main() -> int:
         for i in range(args.steps):
             pauses.clear()
             engine_run.take(), reads.take(), feed.take()
+            for timed in parts.values():
+                timed.take()
             stats = run.step(data[i % 2])
             rows.append(
                 {
@@ -116,6 +125,7 @@ def main() -> int:
                     "feed_s": feed.take(),
                     "reads_s": reads.take(),
                     "gc_pauses": list(pauses),
+                    **{f"{name.strip('_')}_s": timed.take() for name, timed in parts.items()},
                 }
             )
         gc.callbacks.remove(on_gc)
@@ -127,7 +137,8 @@ def main() -> int:
             print(
                 f"  step {r['step_s']:.4f} makespan {r['makespan_s']:.4f} run "
                 f"{r['engine_run_s']:.4f} feed {r['feed_s']:.4f} reads {r['reads_s']:.4f} "
-                f"gc {sum(p for _, p in r['gc_pauses']):.4f} ({len(r['gc_pauses'])})",
+                f"gc {sum(p for _, p in r['gc_pauses']):.4f} ({len(r['gc_pauses'])}) "
+                + " ".join(f"{n.strip('_')} {r[n.strip('_') + '_s']:.4f}" for n in ENGINE_PARTS),
                 flush=True,
             )
     run.close()
