@@ -8,6 +8,7 @@ it never imports torch.
 
 from dataflow.planning.api import DEFAULT_PLANNER, PRESSUREFIT, Plan, Planner, plan
 from dataflow.planning.cycle import CycleCheck, check_cycle, unroll
+from dataflow.planning.cyclic import fast_homes
 from dataflow.planning.feasibility import InfeasibleBudget, minimal_budget
 from dataflow.planning.intervals import PlanningError
 from dataflow.planning.lower_bound import LowerBound, lower_bound
@@ -27,6 +28,7 @@ __all__ = [
     "lower_bound",
     "minimal_budget",
     "check_cycle",
+    "fast_homes",
     "place",
     "plan",
     "unroll",

@@ -87,16 +87,23 @@ def test_steady_state_candidates_try_the_homes_of_the_first_plan(monkeypatch) ->
     """In a steady-state search the first plan that fits tries every set of fast homes;
     later candidates try only the set it chose, and a winner planned so is planned again
     with every set. The answer is never slower than the step planned alone."""
-    from dataflow.planning import cyclic
+    from dataflow_training import recompute
 
-    seen: list = []
-    real = cyclic.plan_cyclic
+    seen: list = []  # per candidate planned: the homes it tried, None for every set
+    made: list = []  # (spec, homes) of each narrowed planner made
+    real_plan, real_within = recompute.plan, recompute._quick_within
 
-    def recording(bare, budget_bytes, **options):
-        seen.append(options.get("homes"))
-        return real(bare, budget_bytes, **options)
+    def within(homes):
+        spec = real_within(homes)
+        made.append((spec, homes))
+        return spec
 
-    monkeypatch.setattr(cyclic, "plan_cyclic", recording)
+    def recording(program, budget_bytes, *, planner, **options):
+        seen.append(next((h for spec, h in made if spec is planner), None))
+        return real_plan(program, budget_bytes, planner=planner, **options)
+
+    monkeypatch.setattr(recompute, "_quick_within", within)
+    monkeypatch.setattr(recompute, "plan", recording)
     program = _step(rounds=3)
     peak = plan(program, 2**40, cyclic=True).sim.fast_peak_bytes
     narrowed = 0
@@ -116,7 +123,7 @@ def test_steady_state_candidates_try_the_homes_of_the_first_plan(monkeypatch) ->
             assert choice.step_us <= alone * (1 + 1e-9)
         first = next(i for i, homes in enumerate(seen) if homes is None)
         later = seen[first + 1 :]
-        assert all(homes is None or len(homes) == 1 for homes in later)
+        assert all(homes is None or isinstance(homes, frozenset) for homes in later)
         if any(homes is not None for homes in later):
             narrowed += 1
             assert later[-1] is None  # the winner, with every set

@@ -45,8 +45,7 @@ from typing import Any
 
 import attrs
 
-from dataflow.planning import PRESSUREFIT, Plan, PlanningError, plan
-from dataflow.planning.cyclic import fast_homes
+from dataflow.planning import PRESSUREFIT, Plan, PlanningError, fast_homes, plan
 from dataflow.registry import PlannerSpec
 from dataflow.schema import Program, Task
 from dataflow_training.step import StepLayout
