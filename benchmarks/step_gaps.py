@@ -33,6 +33,8 @@ from compare_dataflow import initial_state, random_batches, train_config  # noqa
 GIB = 1 << 30
 #: Engine methods a replayed step calls (``Engine.run``), timed one by one
 ENGINE_PARTS = ("_carry_over", "_device_values", "_replay", "_allocator_peak")
+#: the backend's calls in ``Engine._carry_over``: forgetting residencies, writing start values
+BACKEND_PARTS = ("reset_fast", "put_initial")
 
 
 class Timed:
@@ -92,6 +94,9 @@ def main() -> int:
     parts = {name: Timed(getattr(engine, name)) for name in ENGINE_PARTS}
     for name, timed in parts.items():
         setattr(engine, name, timed)
+    for name in BACKEND_PARTS:  # inside _carry_over: which of its writes takes the time
+        parts[name] = Timed(getattr(engine._backend, name))
+        setattr(engine._backend, name, parts[name])
     reads = engine.read_scalar = Timed(engine.read_scalar)
     feed = run._data = Timed(run._data)
     pauses: list[tuple[int, float]] = []
@@ -138,7 +143,10 @@ def main() -> int:
                 f"  step {r['step_s']:.4f} makespan {r['makespan_s']:.4f} run "
                 f"{r['engine_run_s']:.4f} feed {r['feed_s']:.4f} reads {r['reads_s']:.4f} "
                 f"gc {sum(p for _, p in r['gc_pauses']):.4f} ({len(r['gc_pauses'])}) "
-                + " ".join(f"{n.strip('_')} {r[n.strip('_') + '_s']:.4f}" for n in ENGINE_PARTS),
+                + " ".join(
+                    f"{n.strip('_')} {r[n.strip('_') + '_s']:.4f}"
+                    for n in (*ENGINE_PARTS, *BACKEND_PARTS)
+                ),
                 flush=True,
             )
     run.close()
