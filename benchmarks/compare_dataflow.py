@@ -174,6 +174,31 @@ def pinned_limit(device: str, reserve_bytes: int) -> int | None:
     return max(0, available - reserve_bytes)
 
 
+def row_run(
+    family: Any,
+    preset: str,
+    train: TrainConfig,
+    budget: int,
+    *,
+    device: str,
+    resolver: str,
+    **options: Any,
+) -> TrainingRun:
+    """The ``TrainingRun`` of one dataflow row: ``train`` inside ``budget``, from a fresh
+    initial state (``initial_state``); ``options`` go to ``TrainingRun``."""
+    state = initial_state(family.config(preset), device, train.dtype.param)
+    return TrainingRun(
+        family,
+        preset,
+        train,
+        budget_bytes=budget,
+        device=device,
+        resolver=resolver,
+        state=state,
+        **options,
+    )
+
+
 def trial(
     bench: Any, dtype: str, budget: int, batch: int, rounds: int, chunk: int, order: str
 ) -> dict:
@@ -181,14 +206,13 @@ def trial(
     args = bench.args
     began = time.perf_counter()
     train = train_config(dtype, batch, rounds, args.seq_len, chunk, order)
-    run = TrainingRun(
+    run = row_run(
         bench.family,
         args.preset,
         train,
-        budget_bytes=budget,
+        budget,
         device=args.device,
         resolver=args.resolver,
-        state=initial_state(bench.config, args.device, train.dtype.param),
         backing_bytes=args.backing,
         pinned_limit_bytes=pinned_limit(args.device, args.host_reserve) or args.backing,
     )

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compare_dataflow import close_quietly, initial_state, random_batches, train_config  # noqa: E402
+from compare_dataflow import close_quietly, random_batches, row_run, train_config  # noqa: E402
 from stock import build_stock  # noqa: E402
 
 from dataflow.engine.backends.torch_graph import trace_activity  # noqa: E402
@@ -152,20 +152,10 @@ def dataflow_setup(
     family: Any, args: argparse.Namespace, budget: int, batch: int, rounds: int
 ) -> tuple[Callable, int, Any]:
     from dataflow_training.config import head_chunk_tokens
-    from dataflow_training.run import TrainingRun
 
-    config = family.config(args.preset)
-    chunk = head_chunk_tokens(budget, config.vocab_size)
+    chunk = head_chunk_tokens(budget, family.config(args.preset).vocab_size)
     train = train_config(args.dtype, batch, rounds, args.seq_len, chunk)
-    run = TrainingRun(
-        family,
-        args.preset,
-        train,
-        budget_bytes=budget,
-        device="cuda",
-        resolver=args.resolver,
-        state=initial_state(config, "cuda", train.dtype.param),
-    )
+    run = row_run(family, args.preset, train, budget, device="cuda", resolver=args.resolver)
     data = random_batches(run.vocab_size, batch, rounds, args.seq_len, 0)
     return (lambda: run.step(data)), batch * rounds * args.seq_len, run
 

@@ -23,12 +23,11 @@ from pathlib import Path
 
 import torch
 from dataflow_training.config import head_chunk_tokens
-from dataflow_training.run import TrainingRun
 
 from dataflow.plugins import families
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compare_dataflow import initial_state, random_batches, train_config  # noqa: E402
+from compare_dataflow import random_batches, row_run, train_config  # noqa: E402
 
 GIB = 1 << 30
 #: Engine methods a replayed step calls (``Engine.run``), timed one by one
@@ -74,15 +73,7 @@ def main() -> int:
     train = train_config(
         "bf16", args.batch, args.rounds, args.seq_len, head_chunk_tokens(budget, config.vocab_size)
     )
-    run = TrainingRun(
-        family,
-        args.preset,
-        train,
-        budget_bytes=budget,
-        device="cuda",
-        resolver="torch-compiled",
-        state=initial_state(config, "cuda", train.dtype.param),
-    )
+    run = row_run(family, args.preset, train, budget, device="cuda", resolver="torch-compiled")
     data = [
         random_batches(run.vocab_size, args.batch, args.rounds, args.seq_len, s) for s in (0, 1)
     ]

@@ -300,10 +300,16 @@ def search(
     tried: dict[tuple[frozenset[Unit], ...], Plan | None] = {}
     # A steady-state plan tries a few sets of fast homes, each a whole PressureFit search.
     # The candidates differ only in their activations, which never cross the step
-    # boundary, so after the first plan that fits they try the set it chose; the winner
-    # is planned again with every set (``narrowed``: the candidates planned with one).
-    homes: frozenset[str] | None = None
+    # boundary, so after the first plan that fits they try the set it chose (``quick``);
+    # the winner is planned again with every set (``narrowed``: the candidates planned so).
+    quick = _QUICK
     narrowed: set[tuple[frozenset[Unit], ...]] = set()
+
+    def planned_with(candidate: Program, planner: PlannerSpec) -> Plan | None:
+        try:
+            return plan(candidate, budget_bytes, planner=planner, **options)
+        except PlanningError:
+            return None
 
     def evaluate(units: frozenset[Unit], partial: frozenset[Unit] = frozenset()) -> Plan | None:
         """The candidate's plan, or None when it does not fit (found without asking
@@ -315,20 +321,18 @@ def search(
         return tried[key]
 
     def _evaluate(units: frozenset[Unit], partial: frozenset[Unit]) -> Plan | None:
-        nonlocal planned, homes
+        nonlocal planned, quick
         candidate = rewriter.candidate(units, partial)
         if _floor_bytes(candidate) > budget_bytes:
             return None
         planned += 1
-        planner = _QUICK if homes is None else _quick_within(homes)
-        try:
-            found = plan(candidate, budget_bytes, planner=planner, **options)
-        except PlanningError:
+        found = planned_with(candidate, quick)
+        if found is None:
             return None
-        if homes is not None:
+        if quick is not _QUICK:
             narrowed.add((units, partial))
         elif found.cycle is not None:
-            homes = fast_homes(found.program)
+            quick = _quick_within(fast_homes(found.program))
         return found
 
     units, partial = rewriter.given, frozenset()
@@ -379,12 +383,7 @@ def search(
         _partial_ladder(rewriter, accept, now)
     if (units, partial - units) in narrowed:  # the winner, with every set of fast homes
         planned += 1
-        try:
-            again = plan(
-                rewriter.candidate(units, partial), budget_bytes, planner=_QUICK, **options
-            )
-        except PlanningError:
-            again = None
+        again = planned_with(rewriter.candidate(units, partial), _QUICK)
         if again is not None and _step_us(again) < _step_us(best):
             best = again
     return Choice(units, best, planned, partial)
