@@ -97,6 +97,54 @@ def test_uncapturable_executable_falls_back_with_a_reason() -> None:
     assert "capturable" in engine.graph_note and "\n" not in engine.graph_note
 
 
+def _chain_reference(h0: torch.Tensor, weights: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The chain's gradients by plain autograd on the CPU: g_0 and every dW_i."""
+    h0 = h0.clone().requires_grad_(True)
+    leaves = [w.clone().requires_grad_(True) for w in weights]
+    h = h0
+    for w in leaves:
+        h = torch.tanh(h @ w)
+    (0.5 * (h**2).sum()).backward()
+    return {"g_0": h0.grad} | {f"dW_{i}": w.grad for i, w in enumerate(leaves)}
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_a_new_input_fed_every_step_is_what_the_step_computes_on(graph: bool) -> None:
+    """h_0 starts fast and is fed anew each step: the engine writes it asynchronously
+    from a page-locked staging copy on the compute stream (``put_initial(per_step=True)``),
+    so a step that read the last step's input, or a half-written one, would show here."""
+    from dataflow.engine.backends.torch_cuda import runtime_reserve_bytes
+
+    layers = 4
+    program = chain.build_program(layers, 512, 2048, dtype="float64")
+    start = chain.initial_values(program)
+    weights = [start[f"W_{i}"] for i in range(layers)]
+    inputs = [
+        torch.randn(2048, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(s))
+        for s in range(1, STEPS + 1)
+    ]
+    objects_bytes = minimal_budget(program)
+    planned = plan(program, objects_bytes)
+    budget = objects_bytes + runtime_reserve_bytes("cuda")
+    with Engine("torch", budget_bytes=budget, device="cuda", graph=graph) as engine:
+        first = start | {"h_0": inputs[0]}  # later steps' inputs come through the feed
+        engine.load(planned, build(planned.program), initial=first, placement=place(planned))
+        for step, h0 in enumerate(inputs):
+            # the host tensor is overwritten right after the step: the engine must not
+            # read it later than the call
+            fed = h0.clone()
+            result = engine.run(steps=1, feed=lambda _step, fed=fed: {"h_0": fed})
+            fed.zero_()
+            want = _chain_reference(h0, weights)
+            for name, value in want.items():
+                got = engine.fetch(name)
+                torch.testing.assert_close(
+                    got, value, rtol=1e-9, atol=1e-9, msg=f"step {step}: {name}"
+                )
+        assert result.steps[0].replayed is graph
+        assert engine._backend.staging.total_bytes == 2048 * 512 * 8
+
+
 def _train(graph: bool, budget: int):
     from dataflow_training.config import TrainConfig
     from dataflow_training.run import TrainingRun

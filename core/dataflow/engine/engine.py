@@ -368,7 +368,7 @@ class Engine:
                 )
         backend.reset_fast(keep=kept)
         for obj_id, value in moved.items():
-            backend.put_initial(obj_id, value)
+            backend.put_initial(obj_id, value, per_step=True)
 
     def close(self) -> None:
         """Release the backend's workers; the engine cannot run again after this."""

@@ -311,3 +311,38 @@ def test_a_settled_measurement_runs_the_task_back_to_back_first(program) -> None
     assert launched[-3] - launched[1] >= 0.04
     assert timing.scratch[-1].item() == 1  # overwritten before the timed launches
     assert int(work[0].item()) == 4 + len(launched)  # and the plain measurement's four
+
+
+@pytest.mark.gpu
+def test_a_task_that_cannot_be_captured_is_timed_dispatched_after_settling(program) -> None:
+    """With ``replay`` asked, a task whose capture fails keeps dispatched timings: those
+    are taken again after the settling launches (the first ones measured the workspace)."""
+    import time
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from dataflow.engine import LaunchContext
+
+    device = torch.device("cuda")
+    work = torch.zeros(1 << 20, device=device)
+    launched, refused = [], []
+
+    class Uncapturable:
+        def launch(self, ctx) -> None:
+            if torch.cuda.is_current_stream_capturing():
+                refused.append(time.perf_counter())
+                raise RuntimeError("reads the device on the host")
+            launched.append(time.perf_counter())
+            work.add_(1.0)
+
+    ctx = LaunchContext(
+        task=program.tasks[0], device="cuda", stream=None, inputs=(), mutates=(), outputs=()
+    )
+    timing = profile._Timing.on(device, 0.05, False)
+    measured = profile._measure(Uncapturable(), ctx, device, 3, replay=True, timing=timing)
+    assert measured.cost_us > 0 and len(refused) == 1
+    after = [t for t in launched if t > refused[0]]
+    assert len(after) > 3  # settling launches, then the three timed
+    assert after[-3] - after[0] >= 0.04

@@ -17,6 +17,7 @@ import torch
 from dataflow.engine.backends.torch_storage import (
     FastStore,
     SlowPool,
+    Staging,
     as_bytes,
     typed_view,
 )
@@ -54,22 +55,45 @@ class TorchBackend:
         self.ended: set[tuple[str, int]] = set()
         self.values: Mapping[str, Any] = {}
         self.origin = time.perf_counter()
+        self.staging = Staging()  # page-locked host copies of the values fed per step
 
     # -- data in and out ---------------------------------------------------------------
-    def put_initial(self, obj: str, tensor: torch.Tensor) -> None:
-        """Place the start value of an object that exists at start, where it starts."""
+    def put_initial(self, obj: str, tensor: torch.Tensor, *, per_step: bool = False) -> None:
+        """Place the start value of an object that exists at start, where it starts.
+
+        ``per_step``: the value of a later step (``Engine.run``'s feed and carried values),
+        written between steps while the device is idle. On CUDA a fast-starting object is
+        then written asynchronously on the compute stream, which orders the step after it:
+        a host value through a page-locked staging copy of its own, a device value once the
+        current stream's work on it is done. A synchronous copy from pageable host memory
+        (the load's path) held the host 23-98 ms in 7 of 24 steps of a gpt2_124m 8 GiB
+        run (session 13, ``benchmarks/step_gaps.py``)."""
         data = as_bytes(tensor.detach())
         if data.numel() != self.objs[obj].size_bytes:
             raise ValueError(
                 f"initial value of {obj!r} has {data.numel()} bytes, the program "
                 f"declares {self.objs[obj].size_bytes}"
             )
-        if self.objs[obj].location is Location.FAST:
-            if obj not in self.fast.buffers:
-                self.alloc_fast(obj)
-            self.fast.buffers[obj].copy_(data)
-        else:
+        if self.objs[obj].location is not Location.FAST:
             self.slow.view(obj).copy_(data)
+            return
+        if obj not in self.fast.buffers:
+            self.alloc_fast(obj)
+        target = self.fast.buffers[obj]
+        if not (per_step and self.device.type == "cuda"):
+            target.copy_(data)
+            return
+        stream = self.runner.compute_stream
+        if data.device.type == "cuda":
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            data.record_stream(stream)  # its memory is not reused before the copy is done
+            source = data
+        else:
+            source = self.staging.write(obj, data)
+        with torch.cuda.stream(stream):
+            target.copy_(source, non_blocking=True)
+        if data.device.type != "cuda":
+            self.staging.written(obj, stream)
 
     def reset_fast(self, keep: tuple[str, ...] | list[str] = ()) -> None:
         """Forget every fast residency but those of ``keep`` (between steps, before the

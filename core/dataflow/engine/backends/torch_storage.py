@@ -91,6 +91,42 @@ class SlowPool:
         return self.arena[start : start + self.size[obj]]
 
 
+class Staging:
+    """A page-locked host buffer per object fed between steps, reused every step.
+
+    ``write`` copies a host value into the object's buffer (made and locked on first use,
+    as the slow pool's: registered, not rounded up by the pinned allocator) after the
+    last asynchronous copy out of it has ended; ``written`` marks a copy out of it."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.copied: dict[str, torch.cuda.Event] = {}
+        self._locked: list[torch.Tensor] = []  # unlocked when the staging goes
+        weakref.finalize(self, _unlock_each, self._locked)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(buffer.numel() for buffer in self.buffers.values())
+
+    def write(self, obj: str, data: torch.Tensor) -> torch.Tensor:
+        buffer = self.buffers.get(obj)
+        if buffer is None or buffer.numel() != data.numel():
+            buffer = torch.empty(data.numel(), dtype=torch.uint8)
+            page_lock(buffer)
+            self._locked.append(buffer)
+            self.buffers[obj] = buffer
+        elif obj in self.copied:
+            self.copied[obj].synchronize()
+        buffer.copy_(data)
+        return buffer
+
+    def written(self, obj: str, stream: torch.cuda.Stream) -> None:
+        event = self.copied.get(obj)
+        if event is None:
+            event = self.copied[obj] = torch.cuda.Event()
+        event.record(stream)
+
+
 def page_lock(buffer: torch.Tensor) -> None:
     """Page-lock a host tensor's bytes for the device's copy engines, in place.
 
@@ -110,6 +146,11 @@ def page_lock(buffer: torch.Tensor) -> None:
 
 def _unlock(buffer: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+def _unlock_each(buffers: list[torch.Tensor]) -> None:
+    for buffer in buffers:
+        _unlock(buffer)
 
 
 class FastStore:

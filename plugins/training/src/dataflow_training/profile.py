@@ -465,6 +465,28 @@ def _measure(
     torch.cuda.reset_peak_memory_stats(dev)
     if not replay:
         timing.settle(lambda: executable.launch(ctx), dev)
+    times = _dispatched_us(executable, ctx, repeats, timing)
+    workspace = max(0, torch.cuda.max_memory_allocated(dev) - base)
+    workspace = -(-workspace // ROUND_BYTES) * ROUND_BYTES
+    if replay:
+        try:
+            times = _replayed_us(executable, ctx, dev, repeats, timing)
+        except Exception:  # noqa: BLE001 - whatever the capture refuses
+            # An op that reads the device on the host (e.g. grouped_mm's reference loop
+            # reading its offsets) cannot be captured. The engine's own capture then fails
+            # too and it dispatches every step (saying why), so dispatched launches are the
+            # time this task will take: timed again, settled as every other timing is (the
+            # ones above were taken to measure the workspace, without settling).
+            _after_failed_capture(dev)
+            timing.settle(lambda: executable.launch(ctx), dev)
+            times = _dispatched_us(executable, ctx, repeats, timing)
+    return TaskProfile(statistics.median(times), workspace)
+
+
+def _dispatched_us(
+    executable: Any, ctx: LaunchContext, repeats: int, timing: _Timing
+) -> list[float]:
+    """Each of ``repeats`` launches of the task timed by events around it."""
     times = []
     for _ in range(repeats):
         timing.before_launch()
@@ -474,18 +496,7 @@ def _measure(
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    workspace = max(0, torch.cuda.max_memory_allocated(dev) - base)
-    workspace = -(-workspace // ROUND_BYTES) * ROUND_BYTES
-    if replay:
-        try:
-            times = _replayed_us(executable, ctx, dev, repeats, timing)
-        except Exception:  # noqa: BLE001 - whatever the capture refuses
-            # An op that reads the device on the host (e.g. grouped_mm's reference loop
-            # reading its offsets) cannot be captured. The engine's own capture then fails
-            # too and it dispatches every step (saying why), so the dispatched launches
-            # timed above are the time this task will take.
-            _after_failed_capture(dev)
-    return TaskProfile(statistics.median(times), workspace)
+    return times
 
 
 def _after_failed_capture(dev: torch.device) -> None:
