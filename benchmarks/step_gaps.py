@@ -63,7 +63,12 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads before the run"
+    )
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if not torch.cuda.is_available():
         print("step_gaps.py needs a CUDA device", file=sys.stderr)
         return 2
@@ -88,6 +93,18 @@ def main() -> int:
     for name in BACKEND_PARTS:  # inside _carry_over: which of its writes takes the time
         parts[name] = Timed(getattr(engine._backend, name))
         setattr(engine._backend, name, parts[name])
+    # each write of _carry_over on its own: the slowest of a step, its object and where
+    # that object starts (a host copy into the slow pool, or a copy to the device)
+    writes: list[tuple[float, str, str]] = []
+    put_initial = parts["put_initial"].fn  # the backend's own method (Timed wraps it)
+
+    def timed_put(obj: str, tensor, **kwargs) -> None:
+        began = time.perf_counter()
+        put_initial(obj, tensor, **kwargs)
+        location = engine._backend.objs[obj].location.value
+        writes.append((time.perf_counter() - began, obj, location))
+
+    parts["put_initial"].fn = timed_put
     reads = engine.read_scalar = Timed(engine.read_scalar)
     feed = run._data = Timed(run._data)
     pauses: list[tuple[int, float]] = []
@@ -100,7 +117,7 @@ def main() -> int:
             pauses.append((info["generation"], time.perf_counter() - began[0]))
 
     result = {"preset": args.preset, "budget_bytes": budget, "batch": args.batch}
-    result["rounds"] = args.rounds
+    result["rounds"], result["threads"] = args.rounds, torch.get_num_threads()
     for label in ("gc on", "gc off"):
         if label == "gc off":
             gc.collect()
@@ -109,6 +126,7 @@ def main() -> int:
         rows = []
         for i in range(args.steps):
             pauses.clear()
+            writes.clear()
             engine_run.take(), reads.take(), feed.take()
             for timed in parts.values():
                 timed.take()
@@ -121,6 +139,8 @@ def main() -> int:
                     "feed_s": feed.take(),
                     "reads_s": reads.take(),
                     "gc_pauses": list(pauses),
+                    "writes": len(writes),
+                    "slowest_write": max(writes, default=None),
                     **{f"{name.strip('_')}_s": timed.take() for name, timed in parts.items()},
                 }
             )
@@ -137,7 +157,8 @@ def main() -> int:
                 + " ".join(
                     f"{n.strip('_')} {r[n.strip('_') + '_s']:.4f}"
                     for n in (*ENGINE_PARTS, *BACKEND_PARTS)
-                ),
+                )
+                + f" slowest of {r['writes']} writes {r['slowest_write']}",
                 flush=True,
             )
     run.close()

@@ -142,7 +142,8 @@ def test_a_new_input_fed_every_step_is_what_the_step_computes_on(graph: bool) ->
                     got, value, rtol=1e-9, atol=1e-9, msg=f"step {step}: {name}"
                 )
         assert result.steps[0].replayed is graph
-        assert engine._backend.staging.total_bytes == 2048 * 512 * 8
+        # h_0 went through its staging buffer (so may objects carried from the host)
+        assert engine._backend.staging.buffers["h_0"].numel() == 2048 * 512 * 8
 
 
 def _train(graph: bool, budget: int):

@@ -19,6 +19,7 @@ from dataflow.engine.backends.torch_storage import (
     SlowPool,
     Staging,
     as_bytes,
+    host_copy,
     typed_view,
 )
 from dataflow.engine.contract import Executable, LaunchContext
@@ -62,12 +63,12 @@ class TorchBackend:
         """Place the start value of an object that exists at start, where it starts.
 
         ``per_step``: the value of a later step (``Engine.run``'s feed and carried values),
-        written between steps while the device is idle. On CUDA a fast-starting object is
-        then written asynchronously on the compute stream, which orders the step after it:
-        a host value through a page-locked staging copy of its own, a device value once the
-        current stream's work on it is done. A synchronous copy from pageable host memory
-        (the load's path) held the host 23-98 ms in 7 of 24 steps of a gpt2_124m 8 GiB
-        run (session 13, ``benchmarks/step_gaps.py``)."""
+        written between steps while the device is idle. Host bytes are copied on this
+        thread alone (``host_copy``: torch's intra-op threads, asleep through a step, took
+        up to 87 ms a step to wake for them). On CUDA a fast-starting object is written
+        asynchronously on the compute stream, which orders the step after it: a host value
+        through a page-locked staging copy of its own, a device value once the current
+        stream's work on it is done."""
         data = as_bytes(tensor.detach())
         if data.numel() != self.objs[obj].size_bytes:
             raise ValueError(
@@ -75,7 +76,10 @@ class TorchBackend:
                 f"declares {self.objs[obj].size_bytes}"
             )
         if self.objs[obj].location is not Location.FAST:
-            self.slow.view(obj).copy_(data)
+            if per_step:
+                host_copy(self.slow.view(obj), data)
+            else:
+                self.slow.view(obj).copy_(data)
             return
         if obj not in self.fast.buffers:
             self.alloc_fast(obj)

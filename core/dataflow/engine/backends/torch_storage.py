@@ -15,6 +15,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable
 
+import numpy
 import torch
 
 from dataflow.schema import Obj, Program
@@ -57,6 +58,21 @@ def typed_view(buffer: torch.Tensor, obj: Obj) -> torch.Tensor:
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor's bytes."""
     return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src``'s bytes into ``dst`` (flat uint8 host tensors) on this thread alone.
+
+    ``Tensor.copy_`` splits a host copy of more than 32K elements over torch's intra-op
+    threads; between steps those threads have slept through a whole step, and waking
+    them cost up to 7 ms a copy on the device machine (gpt2_124m at 8 GiB: 32 fed
+    writes took 37-87 ms in 6 of 16 steps with 16 threads, 1.7-2.3 ms in every step with
+    one; session 14, ``benchmarks/step_gaps.py --threads``). numpy copies on the caller's
+    thread."""
+    if src.device.type != "cpu":
+        dst.copy_(src)
+        return
+    numpy.copyto(dst.numpy(), src.numpy())
 
 
 def _aligned(size_bytes: int) -> int:
@@ -117,7 +133,7 @@ class Staging:
             self.buffers[obj] = buffer
         elif obj in self.copied:
             self.copied[obj].synchronize()
-        buffer.copy_(data)
+        host_copy(buffer, data)
         return buffer
 
     def written(self, obj: str, stream: torch.cuda.Stream) -> None:
