@@ -42,6 +42,19 @@ def test_predict_prints_a_row_per_cell_and_says_why_a_cell_cannot_run(tmp_path) 
     assert "infeasible: tokens per step 64" in result.stdout
 
 
+def test_cells_planned_in_parallel_are_the_cells_planned_one_by_one(tmp_path) -> None:
+    """``--jobs 2`` forks workers: the same rows in the same order (all but the planning
+    time), an infeasible cell included."""
+    rows = {}
+    for jobs in ("1", "2"):
+        out = tmp_path / f"p{jobs}.json"
+        result = invoke("predict", *GRID, "--budget", "1,0.00001", "--jobs", jobs, "--json", out)
+        assert result.exit_code == 0, result.output
+        rows[jobs] = [{k: v for k, v in r.items() if k != "planning_s"} for r in _rows(out)]
+    assert len(rows["1"]) == 4 and rows["1"] == rows["2"]
+    assert [r["feasible"] for r in rows["2"]] == [True, False, False, False]
+
+
 def test_model_flops_follow_gpt2s_closed_form(tmp_path) -> None:
     """Per token: 6 x 12 n^2 per block for the matrix products (forward 2x, backward 4x),
     7 seq n per block for causal attention (forward 2, backward 5), and 6 V n for the

@@ -23,6 +23,8 @@ the table (an override the row names): the step is then the preset's at that len
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -387,10 +389,57 @@ def predict(
     hw: HardwareEntry,
     *,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    jobs: int = 1,
     **options: Any,
 ) -> list[dict[str, Any]]:
-    """Every cell's row (``predict_cell``), ``progress(row)`` after each."""
-    return each_cell(predict_cell, family, cells, hw, progress, **options)
+    """Every cell's row (``predict_cell``), ``progress(row)`` after each, in the cells'
+    order. ``jobs`` > 1 plans that many cells at once, each in a forked worker process
+    (cells are independent; planning is pure Python, so threads would not help). Where
+    the platform cannot fork, or a cell is priced by ``measure`` (the profiling pass may
+    hold a CUDA context, which a fork cannot carry), cells are planned one by one."""
+    cells = list(cells)
+    forkable = "fork" in multiprocessing.get_all_start_methods()
+    if jobs <= 1 or len(cells) <= 1 or not forkable or options.get("measure") is not None:
+        return each_cell(predict_cell, family, cells, hw, progress, **options)
+    global _FORKED
+    _FORKED = (family, cells, hw, options)
+    rows = []
+    try:
+        context = multiprocessing.get_context("fork")
+        with context.Pool(min(jobs, len(cells)), initializer=_worker_start) as pool:
+            for row in pool.imap(_forked_row, range(len(cells))):
+                rows.append(row)
+                if progress is not None:
+                    progress(row)
+    finally:
+        _FORKED = None
+    return rows
+
+
+#: what ``predict``'s forked workers plan: (family, cells, hw, options), set before the
+#: fork (a family is a module, which does not pickle; a worker inherits it)
+_FORKED: tuple[Any, list[Cell], HardwareEntry, dict[str, Any]] | None = None
+
+
+def _worker_start() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # one core a worker: the pool already fills the machine
+
+
+def _forked_row(index: int) -> dict[str, Any]:
+    assert _FORKED is not None, "predict's workers are forked with the cells to plan"
+    family, cells, hw, options = _FORKED
+    return predict_cell(family, cells[index], hw, **options)
+
+
+def default_jobs() -> int:
+    """The CPUs this process may run on (a container's or taskset's limit, not the
+    host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def each_cell(

@@ -176,6 +176,12 @@ def _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders):
     type=click.Choice(["nvlink", "network"]),
     help="with --ranks: the ranks share one host (nvlink) or are on several (network)",
 )
+@click.option(
+    "--jobs",
+    default=None,
+    type=click.IntRange(min=1),
+    help="cells planned at once, each in its own process [default: the CPUs this may use]",
+)
 def predict_command(
     preset,
     family_name,
@@ -194,10 +200,11 @@ def predict_command(
     device,
     ranks,
     scope,
+    jobs,
 ) -> None:
     """Predict a grid of training steps from the simulator: one row per cell (with
     --ranks, one per cell and fleet size)."""
-    from dataflow_training.predict import predict, predict_fleet
+    from dataflow_training.predict import default_jobs, predict, predict_fleet
 
     family, entry, backing = _setup(preset, family_name, hw, hw_files, backing)
     options: dict[str, Any] = {"recompute": recompute, "dtype": dtype}
@@ -207,7 +214,7 @@ def predict_command(
         options |= _measured_pricing(family, device)
     cells = _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders)
     if ranks is None:
-        rows = predict(family, cells, entry, **options)
+        rows = predict(family, cells, entry, jobs=jobs or default_jobs(), **options)
         _print_predicted(rows, entry.name, preset)
     else:
         rows = predict_fleet(family, cells, entry, ranks, scope=scope, **options)
