@@ -209,3 +209,17 @@ def test_given_homes_are_the_only_sets_tried() -> None:
         plan_cyclic(program.bare(), budget, homes=[frozenset({"h0", "W0"})])
     with pytest.raises(PlanningError, match="cyclic plans only"):
         plan_pressurefit(program, budget, homes=[frozenset()])
+
+
+def test_a_program_checked_again_gets_its_last_answer() -> None:
+    """``check_cycle`` remembers its latest checks by the program object: the same object
+    under the same budgets is not simulated again; other budgets, or an equal but distinct
+    program, are."""
+    program = _persistent(training(random.Random(3), layers=4))
+    planned = plan(program, 2**40, cyclic=True).program
+    first = check_cycle(planned, 2**40)
+    assert check_cycle(planned, 2**40) is first
+    assert check_cycle(planned, 2**40 - 1) is not first
+    copy = attrs.evolve(planned)
+    again = check_cycle(copy, 2**40)
+    assert again is not first and again == first

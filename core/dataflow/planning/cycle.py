@@ -27,6 +27,8 @@ first's tail, which may already have fetched what it needs).
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import attrs
 
 from dataflow.schema import Location, Obj, Program, Prologue, Task
@@ -152,6 +154,13 @@ def repeated_slow_bytes(program: Program) -> int:
     return sum(program.obj(obj).size_bytes for obj in slow)
 
 
+#: How many of the latest checks ``check_cycle`` remembers: every home set one
+#: steady-state search tries (none, and one per share of ``cyclic.FILLS``), so that the
+#: plan it returns is not unrolled and simulated again by ``plan``.
+RECENT_CHECKS = 3
+_recent: OrderedDict[int, tuple[Program, tuple, CycleCheck]] = OrderedDict()
+
+
 def check_cycle(
     program: Program,
     budget_bytes: int | None = None,
@@ -167,7 +176,30 @@ def check_cycle(
     within a run, and a run's slow pool has one slice per object, which every iteration
     reuses, but the unrolled program names each iteration's objects apart; so the
     unrolled run may take, on top of the budget, the slow objects of the iterations after
-    the first (``repeated_slow_bytes``)."""
+    the first (``repeated_slow_bytes``).
+
+    A program checked again under the same budgets (the very object, which is frozen) gets
+    the answer of its last check (``RECENT_CHECKS``)."""
+    key = (budget_bytes, slow_budget_bytes, iterations)
+    remembered = _recent.get(id(program))
+    if remembered is not None and remembered[0] is program and remembered[1] == key:
+        _recent.move_to_end(id(program))
+        return remembered[2]
+    check = _check_cycle(program, budget_bytes, slow_budget_bytes, iterations, one)
+    _recent[id(program)] = (program, key, check)
+    _recent.move_to_end(id(program))
+    while len(_recent) > RECENT_CHECKS:
+        _recent.popitem(last=False)
+    return check
+
+
+def _check_cycle(
+    program: Program,
+    budget_bytes: int | None,
+    slow_budget_bytes: int | None,
+    iterations: int,
+    one: SimResult | None,
+) -> CycleCheck:
     if one is None:
         one = simulate(
             program, budget_bytes=budget_bytes, slow_budget_bytes=slow_budget_bytes, record=False
