@@ -1,14 +1,16 @@
 """Repository-wide pytest hook: the suites run in one pytest process (``nox -s tests``).
 
 With ``--import-mode=importlib`` pytest names a test module by its path from the
-repository root (``kernels/torch/tests/test_adamw.py`` is ``kernels.torch.tests.test_adamw``)
-and imports the missing parents (``kernels``, ``kernels.torch``, ...) as namespace
-packages of the repository's folders. One named like an installed package hides it: transformers imports the Hugging Face ``kernels`` package, and found the placeholder of
-this repository's ``kernels/`` folder instead ("cannot import name 'CUDAProperties' from
-'kernels' (unknown location)"), failing every test that builds a transformers model after
-the kernel tests were collected. Once collection is over the test modules are imported,
-so the namespace modules of the repository's top-level folders are dropped: an import of
-that name then finds the real package, if there is one.
+repository root (``kernels/torch/tests/test_adamw.py`` is
+``kernels.torch.tests.test_adamw``) and imports the missing parents (``kernels``,
+``kernels.torch``, ...) as namespace packages of the repository's folders. One named like
+an installed package hides it: transformers imports the Hugging Face ``kernels``
+package, and found the namespace module of this repository's ``kernels/`` folder instead
+("cannot import name 'CUDAProperties' from 'kernels' (unknown location)"), failing every
+test that builds a transformers model after the kernel tests were collected. Once
+collection is over the test modules are imported, so the namespace modules of the
+repository's top-level folders are dropped: an import of that name then finds the real
+package, if there is one.
 """
 
 from __future__ import annotations

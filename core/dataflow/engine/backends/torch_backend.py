@@ -84,20 +84,18 @@ class TorchBackend:
         if obj not in self.fast.buffers:
             self.alloc_fast(obj)
         target = self.fast.buffers[obj]
-        if not (per_step and self.device.type == "cuda"):
+        if not per_step:
             target.copy_(data)
-            return
-        stream = self.runner.compute_stream
-        if data.device.type == "cuda":
+        elif self.device.type != "cuda":
+            host_copy(target, data)
+        elif data.device.type != "cuda":
+            self.staging.send(obj, data, target, self.runner.compute_stream)
+        else:
+            stream = self.runner.compute_stream
             stream.wait_stream(torch.cuda.current_stream(self.device))
             data.record_stream(stream)  # its memory is not reused before the copy is done
-            source = data
-        else:
-            source = self.staging.write(obj, data)
-        with torch.cuda.stream(stream):
-            target.copy_(source, non_blocking=True)
-        if data.device.type != "cuda":
-            self.staging.written(obj, stream)
+            with torch.cuda.stream(stream):
+                target.copy_(data, non_blocking=True)
 
     def reset_fast(self, keep: tuple[str, ...] | list[str] = ()) -> None:
         """Forget every fast residency but those of ``keep`` (between steps, before the

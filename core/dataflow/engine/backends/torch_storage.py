@@ -110,37 +110,30 @@ class SlowPool:
 class Staging:
     """A page-locked host buffer per object fed between steps, reused every step.
 
-    ``write`` copies a host value into the object's buffer (made and locked on first use,
-    as the slow pool's: registered, not rounded up by the pinned allocator) after the
-    last asynchronous copy out of it has ended; ``written`` marks a copy out of it."""
+    ``send`` writes a host value to the device through the object's buffer (made and
+    locked on first use, as the slow pool's: registered, not rounded up by the pinned
+    allocator): into the buffer once the last copy out of it has ended, then out of it
+    asynchronously on a stream."""
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
-        self.copied: dict[str, torch.cuda.Event] = {}
-        self._locked: list[torch.Tensor] = []  # unlocked when the staging goes
-        weakref.finalize(self, _unlock_each, self._locked)
+        self.copied: dict[str, torch.cuda.Event] = {}  # each buffer's last copy out
+        weakref.finalize(self, _unlock_each, self.buffers)  # unlocked when the staging goes
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(buffer.numel() for buffer in self.buffers.values())
-
-    def write(self, obj: str, data: torch.Tensor) -> torch.Tensor:
+    def send(
+        self, obj: str, data: torch.Tensor, target: torch.Tensor, stream: torch.cuda.Stream
+    ) -> None:
         buffer = self.buffers.get(obj)
-        if buffer is None or buffer.numel() != data.numel():
+        if buffer is None:
             buffer = torch.empty(data.numel(), dtype=torch.uint8)
             page_lock(buffer)
-            self._locked.append(buffer)
-            self.buffers[obj] = buffer
-        elif obj in self.copied:
+            self.buffers[obj], self.copied[obj] = buffer, torch.cuda.Event()
+        else:
             self.copied[obj].synchronize()
         host_copy(buffer, data)
-        return buffer
-
-    def written(self, obj: str, stream: torch.cuda.Stream) -> None:
-        event = self.copied.get(obj)
-        if event is None:
-            event = self.copied[obj] = torch.cuda.Event()
-        event.record(stream)
+        with torch.cuda.stream(stream):
+            target.copy_(buffer, non_blocking=True)
+        self.copied[obj].record(stream)
 
 
 def page_lock(buffer: torch.Tensor) -> None:
@@ -164,8 +157,8 @@ def _unlock(buffer: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
-def _unlock_each(buffers: list[torch.Tensor]) -> None:
-    for buffer in buffers:
+def _unlock_each(buffers: dict[str, torch.Tensor]) -> None:
+    for buffer in buffers.values():
         _unlock(buffer)
 
 
