@@ -398,6 +398,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--doc", type=Path, default=Path("docs/throughput.md"), help="table page")
     p.add_argument("--append", action="store_true", help="merge into --out, skip rows it has")
     p.add_argument("--redo", action="store_true", help="with --append: run rows it has again")
+    p.add_argument(
+        "--trace-dir",
+        type=Path,
+        default=None,
+        help="write each dataflow row's profiled step (torch.profiler) and simulated step here",
+    )
     p.add_argument("--table-only", action="store_true", help="--out -> the table in --doc")
     return p
 

@@ -19,12 +19,16 @@ budget by the engine itself).
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
 import statistics
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
+import cattrs
 import torch
 from compare_doc import make_row
 from dataflow_training.config import (
@@ -199,6 +203,25 @@ def row_run(
     )
 
 
+def write_simulated(run: TrainingRun, path: Path) -> None:
+    """The simulated step of ``run``'s placed plan as gzipped JSON: each task's and each
+    transfer's span (microseconds from the step's start), to set beside the profiled
+    step's trace (``--trace-dir``)."""
+    sim = run.placement.plan.sim if hasattr(run.placement, "plan") else run.planned.sim
+    path.parent.mkdir(parents=True, exist_ok=True)
+    timeline = {
+        "makespan_us": sim.makespan_us,
+        "links": cattrs.unstructure(run.program.links),
+        "tasks": [[t.task_id, t.start_us, t.end_us] for t in sim.tasks],
+        "transfers": [
+            [t.obj_id, t.direction, t.size_bytes, t.enqueue_us, t.start_us, t.end_us]
+            for t in sim.transfers
+        ],
+    }
+    with gzip.open(path, "wt") as f:
+        json.dump(timeline, f)
+
+
 def trial(
     bench: Any, dtype: str, budget: int, batch: int, rounds: int, chunk: int, order: str
 ) -> dict:
@@ -229,7 +252,13 @@ def trial(
         for i in range(args.steps):
             stats = run.step(data[i % 2])
             measured.append((stats, run.last_result.steps[-1]))
-        activity = profile_step(lambda: run.step(data[0]), args.device)
+        keep = None
+        if args.trace_dir is not None:  # the profiled step beside the simulated one
+            size = format_size(budget).replace(" ", "")
+            stem = args.trace_dir / f"{args.preset}_{size}_{batch}x{rounds}"
+            keep = stem.with_suffix(".trace.json.gz")
+            write_simulated(run, stem.with_suffix(".sim.json.gz"))
+        activity = profile_step(lambda: run.step(data[0]), args.device, keep)
         predicted = run.predicted()
         graph_note = run.graph_note
         pinned = run.pinned_bytes
@@ -253,8 +282,17 @@ def trial(
         "predicted_slow_peak_bytes": predicted["slow_peak_bytes"],
         "setup_s": setup_s,
     }
+    # which resource the simulator mispriced, where measured and predicted differ: the
+    # kernels' busy time against the tasks' summed costs, each link's busy time and bytes
+    details["predicted_compute_s"] = predicted["compute_busy_s"]
+    for way in ("h2d", "d2h"):
+        details[f"predicted_{way}_s"] = predicted[f"{way}_busy_s"]
+        details[f"predicted_{way}_bytes"] = predicted[f"{way}_bytes"]
     if activity is not None:
         details["kernel_s"] = activity.kernel_s
+        for way in ("h2d", "d2h"):
+            details[f"{way}_s"] = getattr(activity, f"{way}_s")
+            details[f"{way}_bytes"] = getattr(activity, f"{way}_bytes")
         details["kernel_idle_pct"] = idle_pct(activity.kernel_s, median_s)
     if replayed:
         # A step replayed from a CUDA graph has no per-task spans: what the device did

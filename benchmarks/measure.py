@@ -128,12 +128,13 @@ def device_activity(trace: dict[str, Any]) -> DeviceActivity:
     return _activity(trace_activity(trace.get("traceEvents", [])))
 
 
-def profile_step(step: Callable[[], Any], device: str) -> DeviceActivity | None:
-    """The device's activity during one call of ``step`` (None off CUDA)."""
+def profile_step(step: Callable[[], Any], device: str, keep: Any = None) -> DeviceActivity | None:
+    """The device's activity during one call of ``step`` (None off CUDA); with ``keep``,
+    its torch.profiler trace is written there (gzipped JSON)."""
     if torch.device(device).type != "cuda":
         return None
     synchronize(device)
-    return _activity(stream_activity(step))
+    return _activity(stream_activity(step, keep))
 
 
 def _activity(found: dict[str, float]) -> DeviceActivity:

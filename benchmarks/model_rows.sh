@@ -45,6 +45,9 @@ fi
 # REDO=1 measures again the rows the results already have (--redo), e.g. the first call
 # after a change to what the rows run; later calls without it measure only what is missing
 [ "${REDO:-0}" = 1 ] && common+=(--redo)
+# TRACES=DIR: each dataflow row's profiled step and simulated step go there (compare.py
+# --trace-dir), to see which transfers and tasks the prediction got wrong
+[ -n "${TRACES:-}" ] && common+=(--trace-dir "$TRACES")
 export DATAFLOW_PROFILE_CACHE=$cache PYTHONUNBUFFERED=1
 saved=benchmarks/results/profiles_$group.tgz
 [ -f "$saved" ] && mkdir -p "$cache" && tar xzf "$saved" -C "$cache"

@@ -315,8 +315,20 @@ def test_compare_runs_on_cuda_at_tiny_size(tmp_path) -> None:
     shutil.copy(ROOT / "docs" / "throughput.md", page)
     out = tmp_path / "compare.json"
     args = [*SHAPE, "--device", "cuda", "--budgets", "64MiB", "--rows", "stock,dataflow"]
+    traces = tmp_path / "traces"
+    args += ["--trace-dir", str(traces)]
     assert compare.main([*args, "--out", str(out), "--doc", str(page)]) == 0
     doc = json.loads(out.read_text())
+    # the dataflow row's profiled step and simulated step, set side by side
+    (sim,) = traces.glob("*.sim.json.gz")
+    stem = str(sim).removesuffix(".sim.json.gz")
+    assert Path(f"{stem}.trace.json.gz").is_file()
+    import trace_vs_sim
+
+    report = trace_vs_sim.main([stem])
+    for way in ("h2d", "d2h"):
+        link = report["links"][way]
+        assert link["trace_bytes"] >= link["sim_bytes"], link  # the fed tokens come on top
     for row in doc["rows"]:
         if row["engine"].startswith(("pytorch", "dataflow")):
             assert row["tok_s"] and row["allocator_peak_bytes"], row

@@ -173,10 +173,13 @@ class GraphCapture:
         pass
 
 
-def stream_activity(run_one: Any) -> dict[str, float]:
+def stream_activity(run_one: Any, keep: Any = None) -> dict[str, float]:
     """What the device did while ``run_one()`` ran (one replayed step), from a
-    torch.profiler trace of it (``trace_activity``)."""
+    torch.profiler trace of it (``trace_activity``); with ``keep`` (a path), the trace is
+    also written there, gzipped (Perfetto and chrome://tracing open it)."""
+    import gzip
     import json
+    import shutil
     import tempfile
     from pathlib import Path
 
@@ -188,6 +191,10 @@ def stream_activity(run_one: Any) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(path))
+        if keep is not None:
+            Path(keep).parent.mkdir(parents=True, exist_ok=True)
+            with path.open("rb") as src, gzip.open(keep, "wb") as dst:
+                shutil.copyfileobj(src, dst)
         return trace_activity(json.loads(path.read_text()).get("traceEvents", []))
 
 

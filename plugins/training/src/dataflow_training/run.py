@@ -641,6 +641,11 @@ class TrainingRun:
             "fast_peak_bytes": sim.fast_peak_bytes,
             "slow_peak_bytes": sim.slow_peak_bytes,
             "moved_bytes": sim.h2d.bytes + sim.d2h.bytes,
+            "compute_busy_s": sim.compute_busy_us / 1e6,
+            "h2d_bytes": sim.h2d.bytes,
+            "d2h_bytes": sim.d2h.bytes,
+            "h2d_busy_s": sim.h2d.busy_us / 1e6,
+            "d2h_busy_s": sim.d2h.busy_us / 1e6,
         }
 
     def close(self, keep_state: bool = True) -> None:
