@@ -260,6 +260,7 @@ def trial(
             write_simulated(run, stem.with_suffix(".sim.json.gz"))
         activity = profile_step(lambda: run.step(data[0]), args.device, keep)
         predicted = run.predicted()
+        links = cattrs.unstructure(run.program.links)  # as measured for the plan
         graph_note = run.graph_note
         pinned = run.pinned_bytes
     finally:
@@ -281,6 +282,7 @@ def trial(
         "pinned_bytes": pinned,
         "predicted_slow_peak_bytes": predicted["slow_peak_bytes"],
         "setup_s": setup_s,
+        "links": links,
     }
     # which resource the simulator mispriced, where measured and predicted differ: the
     # kernels' busy time against the tasks' summed costs, each link's busy time and bytes

@@ -25,6 +25,7 @@ for another model.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import statistics
@@ -145,6 +146,54 @@ def gaps(compute: list[dict]) -> dict:
     }
 
 
+def _overlap_us(spans: list[tuple[float, float]], starts: list[float], begin, end) -> float:
+    """How long the sorted ``spans`` cover of ``[begin, end)``."""
+    i, covered = max(0, bisect.bisect_left(starts, begin) - 1), 0.0
+    while i < len(spans) and spans[i][0] < end:
+        covered += max(0.0, min(end, spans[i][1]) - max(begin, spans[i][0]))
+        i += 1
+    return covered
+
+
+def copy_rates(events: list[dict], least_bytes: int = 1 << 20) -> dict:
+    """Per direction, the median GB/s of copies of at least ``least_bytes``, by what ran
+    beside each: ``duplex`` (the other direction copying through a tenth of it or more),
+    else ``compute_busy`` (kernels through half of it or more) or ``compute_idle``.
+    Copies beside kernels ran slower than a lone copy in the gpt2_124m 1 GiB step (what
+    ``measure_links(beside=...)`` prices)."""
+
+    def spans(keep) -> tuple[list[tuple[float, float]], list[float]]:
+        found = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if keep(e))
+        return found, [a for a, _ in found]
+
+    kernels = spans(lambda e: e["cat"] == "kernel")
+    copies = {
+        tag: spans(lambda e, tag=tag: e["cat"] == "gpu_memcpy" and tag in e["name"])
+        for tag in ("HtoD", "DtoH")
+    }
+    out = {}
+    for way, tag, other in (("h2d", "HtoD", "DtoH"), ("d2h", "DtoH", "HtoD")):
+        split: dict[str, list[float]] = {"duplex": [], "compute_busy": [], "compute_idle": []}
+        for e in events:
+            size = int(e.get("args", {}).get("bytes", 0))
+            if e["cat"] != "gpu_memcpy" or tag not in e["name"] or size < least_bytes:
+                continue
+            begin, end = e["ts"], e["ts"] + e["dur"]
+            if _overlap_us(*copies[other], begin, end) >= 0.1 * e["dur"]:
+                kind = "duplex"
+            elif _overlap_us(*kernels, begin, end) >= 0.5 * e["dur"]:
+                kind = "compute_busy"
+            else:
+                kind = "compute_idle"
+            split[kind].append(size / e["dur"] / 1e3)
+        out[way] = {
+            kind: {"copies": len(rates), "median_gb_s": round(statistics.median(rates), 1)}
+            for kind, rates in split.items()
+            if rates
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("stem", help="path without .sim.json.gz / .trace.json.gz")
@@ -168,6 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
         "drift": drift(sim, events, start),
         "tasks": rounds_and_blocks(sim, compute, args.round_kernel, args.block_kernel),
         "compute_gaps": gaps(compute),
+        "copy_rates": copy_rates(events),
     }
     text = json.dumps(report, indent=1)
     print(text)

@@ -98,3 +98,33 @@ def test_links_drift_rounds_and_memset_gaps_are_read_from_the_pair(tmp_path) -> 
     # round's gather (twice)
     assert gaps["gaps_next_to_memsets_ms"] == 0.024
     assert gaps["other_gaps_ms"] == 0.012
+
+
+def test_copy_rates_are_split_by_what_ran_beside_each_copy() -> None:
+    def copy(tag: str, ts: float, dur: float, size: int) -> dict:
+        name = f"Memcpy {tag} (Pinned -> Device)"
+        return {
+            "ph": "X",
+            "cat": "gpu_memcpy",
+            "name": name,
+            "ts": ts,
+            "dur": dur,
+            "args": {"bytes": size},
+        }
+
+    mb = 1 << 20
+    events = [
+        kernel("gemm", 0.0, 100.0),
+        copy("HtoD", 10.0, 40.0, 2 * mb),  # under the gemm: compute busy
+        copy("HtoD", 200.0, 20.0, 1 * mb),  # nothing beside it
+        copy("HtoD", 300.0, 40.0, 2 * mb),  # beside a d2h: duplex
+        copy("DtoH", 310.0, 40.0, 2 * mb),
+        copy("HtoD", 400.0, 1.0, 4096),  # too small to count
+    ]
+    rates = trace_vs_sim.copy_rates(sorted(events, key=lambda e: e["ts"]))
+    assert rates["h2d"] == {
+        "duplex": {"copies": 1, "median_gb_s": round(2 * mb / 40 / 1e3, 1)},
+        "compute_busy": {"copies": 1, "median_gb_s": round(2 * mb / 40 / 1e3, 1)},
+        "compute_idle": {"copies": 1, "median_gb_s": round(mb / 20 / 1e3, 1)},
+    }
+    assert rates["d2h"] == {"duplex": {"copies": 1, "median_gb_s": round(2 * mb / 40 / 1e3, 1)}}

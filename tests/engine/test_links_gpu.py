@@ -26,3 +26,25 @@ def test_measured_links_carry_each_direction_alone_and_the_duplex_total() -> Non
     assert max(h2d, d2h) < total <= 1.05 * (h2d + d2h), (h2d, d2h, total)
     shared = links.shared_bw
     assert shared[0] <= h2d and shared[1] <= d2h
+
+
+def test_links_measured_beside_compute_keep_it_running_through_every_copy() -> None:
+    """``beside`` is launched before every timed copy, enough to outlast it: the device
+    computed through the whole measurement, on a stream of its own."""
+    from dataflow.engine.backends.torch_cuda import measure_links
+
+    a = torch.randn(2048, 2048, device="cuda")
+    streams: list = []
+
+    def beside(stream) -> None:
+        with torch.cuda.stream(stream):
+            torch.mm(a, a)
+        streams.append(stream)
+
+    links = measure_links("cuda", size_bytes=16 * 2**20, repeats=3, beside=beside)
+    assert links.h2d.bw_bytes_per_us > 0 and links.d2h.bw_bytes_per_us > 0
+    # 2 timing launches, then per timed copy group (1 warm-up, 3 x 4 KiB, 3 x h2d,
+    # 3 x d2h, 3 x both) at least one launch
+    assert len(streams) >= 2 + 13
+    assert len({id(s) for s in streams}) == 1
+    assert streams[0] != torch.cuda.current_stream()

@@ -75,6 +75,9 @@ class Engine:
         #: why steps are not replayed from a CUDA graph (None while they are, or may be)
         self.graph_note: str | None = None
         self._graph: Any = None
+        #: small memset nodes of the captured step turned into fill-kernel nodes
+        #: (``backends.graph_memsets``)
+        self.memsets_replaced = 0
         self._graph_trace: DispatchTrace | None = None
         self._values: Any = None
         #: why the loaded program's executables cannot be captured (None: they can)
@@ -242,12 +245,13 @@ class Engine:
         failure the engine goes on dispatching and says why (``graph_note``)."""
         import torch
 
+        from dataflow.engine.backends.graph_memsets import memsets_to_kernels
         from dataflow.engine.backends.torch_graph import GraphCapture
 
         backend = self._backend
         runner = backend.runner
         capture = GraphCapture(self.program, runner.streams)
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)  # edited before it is instantiated
         torch.cuda.synchronize(self.device)
         backup = backend.snapshot()
         backend.runner = capture
@@ -266,6 +270,8 @@ class Engine:
                 capture.join()  # the copy streams rejoin; the capture ends where it began
             if failure is not None:
                 raise failure
+            self.memsets_replaced = memsets_to_kernels(graph.raw_cuda_graph())
+            graph.instantiate()
         except Exception as exc:  # anything the capture refuses: dispatch instead
             try:
                 torch.cuda.synchronize(self.device)

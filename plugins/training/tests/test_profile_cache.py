@@ -346,3 +346,28 @@ def test_a_task_that_cannot_be_captured_is_timed_dispatched_after_settling(progr
     after = [t for t in launched if t > refused[0]]
     assert len(after) > 3  # settling launches, then the three timed
     assert after[-3] - after[0] >= 0.04
+
+
+def test_the_busiest_task_is_the_signature_with_the_most_time_in_all() -> None:
+    """Cost times count: a task that is cheap but repeated every round outweighs a dearer
+    one that runs once; the launcher runs the task it is given on its own buffers."""
+    from dataflow_training.profile import TaskProfile, busiest_task, task_launcher
+
+    program = lower(ToyFamily(), "small", TrainConfig(seq_len=8, batch=2, rounds=4)).program
+    keys = {signature(program, t) for t in program.tasks}
+    counts = {k: sum(signature(program, t) == k for t in program.tasks) for k in keys}
+    once = next(k for k, n in counts.items() if n == 1)
+    often = max(keys, key=counts.__getitem__)
+    assert counts[often] >= 4
+    profiles = {k: TaskProfile(0.1, 0) for k in keys}
+    profiles[often] = TaskProfile(1.0, 0)
+    profiles[once] = TaskProfile(1.5 * counts[often], 0)  # dearest per launch and in all
+    assert signature(program, busiest_task(program, profiles)) == once
+    profiles[once] = TaskProfile(0.5 * counts[often], 0)  # dearest per launch only
+    chosen = busiest_task(program, profiles)
+    assert chosen == next(t for t in program.tasks if signature(program, t) == often)
+    resolver = Counting()
+    launch = task_launcher(program, resolver, chosen, device="cpu")
+    launch(None)
+    launch(None)
+    assert resolver.launches == 2

@@ -9,8 +9,10 @@ Copies between the fast arena and the pinned slow pool run on the copy engines.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -197,8 +199,32 @@ def runtime_reserve_bytes(device: str | torch.device = "cuda") -> int:
     return max(0, grown) + ALLOCATOR_ROUND_BYTES
 
 
+class _Busy:
+    """Compute kept running on a stream of its own (``measure_links``' ``beside``)."""
+
+    def __init__(self, device: torch.device, launch: Callable[[torch.cuda.Stream], None]):
+        self.stream = torch.cuda.Stream(device=device)
+        self.launch = launch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(2):  # the second launch is timed: the first initialises
+            torch.cuda.synchronize(device)
+            start.record(self.stream)
+            launch(self.stream)
+            end.record(self.stream)
+        torch.cuda.synchronize(device)
+        self.launch_us = max(start.elapsed_time(end) * 1e3, 1.0)
+
+    def start(self, for_us: float) -> None:
+        """Enqueue launches enough to keep the device computing for ``for_us``."""
+        for _ in range(max(1, math.ceil(for_us / self.launch_us))):
+            self.launch(self.stream)
+
+
 def measure_links(
-    device: str | torch.device = "cuda", size_bytes: int = 64 * 2**20, repeats: int = 5
+    device: str | torch.device = "cuda",
+    size_bytes: int = 64 * 2**20,
+    repeats: int = 5,
+    beside: Callable[[torch.cuda.Stream], None] | None = None,
 ):
     """The links between the device and pinned host memory, measured: each direction's
     bandwidth copying alone, the two directions' total copying at once
@@ -210,6 +236,13 @@ def measure_links(
     its own stream, alone and then both started together; the median of ``repeats`` is
     kept. The duplex total is both copies' bytes over the longer of the two, less its
     latency.
+
+    ``beside(stream)`` enqueues some compute on ``stream`` (a task of the program to be
+    run); it is kept running through every timed copy, since a step's copies run beside
+    its kernels and slower than alone: in gpt2_124m's step at 1 GiB the 1-32 MB copies
+    ran at 46-47 GB/s each way beside kernels, 53-55 GB/s in the few with nothing beside
+    them, where a lone 64 MiB copy measures 55 GB/s
+    (``benchmarks/results/trace_vs_sim_gpt2_1GiB_fills.json``, ``copy_rates``).
     """
     from dataflow.schema import Link, Links
 
@@ -221,9 +254,13 @@ def measure_links(
     streams = {"h2d": torch.cuda.Stream(device=device), "d2h": torch.cuda.Stream(device=device)}
     copies = {"h2d": (dev_in, host_in), "d2h": (host_out, dev_out)}
 
+    busy = _Busy(device, beside) if beside is not None else None
+
     def timed(directions: tuple[str, ...], nbytes: int) -> dict[str, float]:
         events = {}
         torch.cuda.synchronize(device)
+        if busy is not None:
+            busy.start(2 * nbytes / 40e3 + 500)  # outlasts both copies at 40 GB/s
         for d in directions:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             dst, src = copies[d]

@@ -50,13 +50,15 @@ import attrs
 import torch
 
 from dataflow.engine import LaunchContext
+from dataflow.engine.backends.graph_memsets import memsets_to_kernels
 from dataflow.engine.backends.torch_storage import typed_view
 from dataflow.schema import Program, Task
 from dataflow_training.step import StepLayout
 
 #: The version of the measuring method (fills, warm-up, timing); part of every cache key.
-PROFILE_VERSION = 4  # 2: the token shape joined the signature; 3: AuxTemp as forward
-# decides; 4: the task settles (SETTLE_S) before it is timed
+PROFILE_VERSION = 5  # 2: the token shape joined the signature; 3: AuxTemp as forward
+# decides; 4: the task settles (SETTLE_S) before it is timed; 5: small memsets of the
+# task's graph become fill kernels, as in the engine's captured step
 #: How long (seconds) a task runs back to back before its timed launches on CUDA (see
 #: ``profile_program``): benchmarks/profile_method.py measured what it changes.
 SETTLE_S = 0.2
@@ -342,6 +344,56 @@ def profile_program(
     return profiles
 
 
+def busiest_task(program: Program, profiles: dict[tuple, TaskProfile]) -> Task:
+    """The first task of the signature that takes most of ``program``'s profiled compute
+    time (its cost times its count)."""
+    totals: dict[tuple, float] = {}
+    first: dict[tuple, Task] = {}
+    for task in program.tasks:
+        key = signature(program, task)
+        if task.collective or key not in profiles:
+            continue
+        totals[key] = totals.get(key, 0.0) + profiles[key].cost_us
+        first.setdefault(key, task)
+    return first[max(totals, key=totals.__getitem__)]
+
+
+def task_launcher(
+    program: Program,
+    resolver: Callable[[Task], Any],
+    task: Task,
+    *,
+    device: str | torch.device,
+    int_high: Callable[[str], int] = lambda obj_id: 1,
+    seed: int = 0,
+) -> Callable[[Any], None]:
+    """``launch(stream)``: ``task`` enqueued on a CUDA ``stream`` (run in place on the
+    CPU, where ``stream`` is None) over filled buffers of its own, as the profiling pass
+    fills them. ``measure_links(beside=...)`` keeps the busiest task running this way
+    while it times copies, so the links are priced as a step's copies run, beside its
+    kernels."""
+    dev = torch.device(device)
+    layout = StepLayout.of(program)
+    generator = torch.Generator().manual_seed(seed)
+    made: dict[tuple, torch.Tensor] = {}
+
+    def decided(obj_id: str) -> torch.Tensor:
+        return _decided(program, layout, obj_id, resolver, dev, generator, int_high, made)
+
+    buffers = _buffers(program, layout, task, dev, generator, int_high, decided)
+    ctx = _launch_context(program, task, dev, buffers)
+    executable = resolver(task)
+
+    def launch(stream: Any) -> None:
+        if stream is None:
+            executable.launch(ctx)
+            return
+        with torch.cuda.stream(stream):
+            executable.launch(attrs.evolve(ctx, stream=stream))
+
+    return launch
+
+
 def _buffers(
     program: Program,
     layout: StepLayout,
@@ -514,9 +566,11 @@ def _replayed_us(
     """The task captured into a CUDA graph of its own, each replay timed by events."""
     stream = torch.cuda.Stream(device=dev)
     stream.wait_stream(torch.cuda.current_stream(dev))
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
     with torch.cuda.graph(graph, stream=stream):
         executable.launch(attrs.evolve(ctx, stream=stream))
+    memsets_to_kernels(graph.raw_cuda_graph())  # as the engine's step graph has them
+    graph.instantiate()
     graph.replay()  # warm: the first replay uploads the graph
     timing.settle(graph.replay, dev)
     times = []

@@ -242,7 +242,9 @@ class TrainingRun:
         from dataflow_training.profile import (
             ProfileCache,
             apply_profile,
+            busiest_task,
             profile_program,
+            task_launcher,
             without_workspace,
         )
         from dataflow_training.recompute import RECOMPUTE, measured_recompute_planner
@@ -260,7 +262,14 @@ class TrainingRun:
             cache=cache,
             graph=self.graph,
         )
-        links = attrs.evolve(measure_links(self.device), collective=self.program.links.collective)
+        # the links as the step's copies see them: beside its costliest task's kernels
+        busiest = busiest_task(self.program, profiles)
+        beside = task_launcher(
+            self.program, measure, busiest, device=self.device, int_high=int_high
+        )
+        measured_links = measure_links(self.device, beside=beside)
+        del beside  # its buffers
+        links = attrs.evolve(measured_links, collective=self.program.links.collective)
         profiles, beside = without_workspace(profiles)
         self.program = attrs.evolve(apply_profile(self.program, profiles), links=links)
         if options["planner"] is RECOMPUTE:  # candidates priced by measurements too
