@@ -138,10 +138,15 @@ class _Driver:
 
 
 @cache
-def _fill_functions() -> tuple[_Driver, dict[int, int]]:
-    """The driver and the fill kernel for each element size, loaded into the current
-    context (torch's, on the current device)."""
-    driver = _Driver()
+def _driver() -> _Driver:
+    return _Driver()
+
+
+@cache
+def _fill_functions(context: int) -> dict[int, int]:
+    """The fill kernel for each element size, loaded into ``context`` (the current one:
+    torch's, of the current device; a function belongs to the context it was loaded in)."""
+    driver = _driver()
     module = ctypes.c_void_p()
     driver("cuModuleLoadData", ctypes.byref(module), ctypes.c_char_p(FILL_PTX.encode()))
     functions = {}
@@ -150,7 +155,7 @@ def _fill_functions() -> tuple[_Driver, dict[int, int]]:
         name = f"df_fill{8 * size}".encode()
         driver("cuModuleGetFunction", ctypes.byref(func), module, ctypes.c_char_p(name))
         functions[size] = func.value
-    return driver, functions
+    return functions
 
 
 def memsets_to_kernels(graph: int, max_bytes: int = 1 << 20) -> int:
@@ -158,7 +163,10 @@ def memsets_to_kernels(graph: int, max_bytes: int = 1 << 20) -> int:
     that sets at most ``max_bytes`` by a fill-kernel node doing the same; return how many
     were replaced. Larger memsets keep their nodes: they run at memory bandwidth, where a
     node's start-up no longer matters."""
-    driver, functions = _fill_functions()
+    driver = _driver()
+    context = ctypes.c_void_p()
+    driver("cuCtxGetCurrent", ctypes.byref(context))
+    functions = _fill_functions(context.value or 0)
     replaced = 0
     for node in driver.nodes("cuGraphGetNodes", graph):
         kind = ctypes.c_int()

@@ -264,11 +264,9 @@ class TrainingRun:
         )
         # the links as the step's copies see them: beside its costliest task's kernels
         busiest = busiest_task(self.program, profiles)
-        beside = task_launcher(
-            self.program, measure, busiest, device=self.device, int_high=int_high
-        )
-        measured_links = measure_links(self.device, beside=beside)
-        del beside  # its buffers
+        load = task_launcher(self.program, measure, busiest, device=self.device, int_high=int_high)
+        measured_links = measure_links(self.device, beside=load)
+        del load  # its buffers
         links = attrs.evolve(measured_links, collective=self.program.links.collective)
         profiles, beside = without_workspace(profiles)
         self.program = attrs.evolve(apply_profile(self.program, profiles), links=links)
