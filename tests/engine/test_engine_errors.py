@@ -57,6 +57,42 @@ def test_a_small_program_runs_and_its_values_read_back(device: str) -> None:
     assert torch.equal(engine.fetch("w"), torch.full((4,), 4.0))  # +2 per step, two steps
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_scalars_read_together_are_each_what_read_scalar_gives(device: str) -> None:
+    """One-element objects of two dtypes, fast and slow, read in one call: each value is
+    what ``read_scalar`` reads alone, in the order asked; an unknown one is named."""
+    one = TensorMeta("float32", (1,))
+    half = TensorMeta("bfloat16", (1,))
+    program = Program(
+        name="scalars",
+        objects=(
+            Obj("a", 4, "data", "fast", one),
+            Obj("s", 4, "data", "slow", one),
+            Obj("h", 2, "data", "fast", half),
+            Obj("x", 4, "activation", tensor=one),
+            Obj("y", 2, "activation", tensor=half),
+        ),
+        tasks=(
+            Task("t0", "k", "one", inputs=("a",), outputs=("x",)),
+            Task("t1", "k", "two", inputs=("h",), outputs=("y",)),
+        ),
+        final_locations={"x": "fast", "y": "fast"},
+    )
+    engine = Engine("torch", device=device)
+    initial = {
+        "a": torch.zeros(1),
+        "s": torch.tensor([0.1]),
+        "h": torch.tensor([3.0], dtype=torch.bfloat16),
+    }
+    engine.load(program, _resolver(), initial=initial)
+    engine.run(steps=1)
+    names = ["y", "s", "x", "a", "h"]
+    assert engine.read_scalars(names) == [engine.read_scalar(n) for n in names]
+    assert engine.read_scalars(names) == [2.0, float(torch.tensor(0.1)), 1.0, 0.0, 3.0]
+    with pytest.raises(KeyError, match="nope"):
+        engine.read_scalars(["x", "nope"])
+
+
 def test_unknown_compute_key_fails_at_load_naming_task_and_resolver() -> None:
     program = _program()
     program = attrs.evolve(

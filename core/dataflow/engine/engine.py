@@ -8,7 +8,7 @@ w0_after = engine.fetch("W_0")
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -106,6 +106,8 @@ class Engine:
             listing = "\n".join(f"  - {problem.message}" for problem in problems)
             raise EngineLoadError(f"program {program.name!r} is not valid:\n{listing}")
         self.program = program
+        #: the objects that exist at start, in program order (every step puts them back)
+        self._at_start = tuple(obj for obj in program.objects if program.exists_at_start(obj.id))
         if program.budget is not None:
             if self.budget_bytes is None:
                 self.budget_bytes = program.budget.fast_bytes
@@ -129,7 +131,7 @@ class Engine:
     def _put_initial(self, program: Program, initial: Mapping[str, Any]) -> None:
         """Each start value copied in as it is looked up (once per object), so a lazy
         mapping never holds every value at once."""
-        at_start = [obj.id for obj in program.objects if program.exists_at_start(obj.id)]
+        at_start = [obj.id for obj in self._at_start]
         missing = [obj for obj in at_start if obj not in initial]
         unknown = [obj for obj in initial if obj not in at_start]
         if missing or unknown:
@@ -345,12 +347,10 @@ class Engine:
         if self.backend_name == "virtual":
             self._backend.clock_us = 0.0
             return
-        backend, program, ledger = self._backend, self.program, self._ledger
+        backend, ledger = self._backend, self._ledger
         kept: list[str] = []
         moved: dict[str, Any] = {}
-        for obj in program.objects:
-            if not program.exists_at_start(obj.id):
-                continue
+        for obj in self._at_start:  # not every object: a step has thousands
             if obj.id in fed:
                 moved[obj.id] = fed[obj.id]
                 continue
@@ -425,6 +425,27 @@ class Engine:
         if value is None:
             return float(self.fetch(obj))  # raises the error that says why
         return float(value.reshape(()).item())
+
+    def read_scalars(self, objs: Sequence[str]) -> list[float]:
+        """``read_scalar`` of each of ``objs``, the device's values fetched together (one
+        copy to the host, not one per object: a step of 128 rounds reads 128 losses)."""
+        known = self.program is not None and self.backend_name != "virtual"
+        values = [
+            self._current_value(o) if known and o in self.program.objects_by_id else None
+            for o in objs
+        ]
+        if any(v is None for v in values):
+            return [self.read_scalar(o) for o in objs]  # the one that is missing says why
+        import torch
+
+        found: dict[int, float] = {}
+        groups: dict[tuple, list[int]] = {}  # torch.cat joins one device's one dtype
+        for i, value in enumerate(values):
+            groups.setdefault((value.device, value.dtype), []).append(i)
+        for indices in groups.values():
+            joined = torch.cat([values[i].reshape(1) for i in indices]).cpu()
+            found.update(zip(indices, joined.tolist(), strict=True))
+        return [found[i] for i in range(len(objs))]
 
     def _allocator_peak(self) -> int | None:
         """The device allocator's peak since load, less what was allocated before it."""

@@ -395,11 +395,14 @@ class TrainingRun:
                 values=values, feed=lambda _step: self._data(batches), dispatch=dispatch
             )
         self.last_result = result
-        read = self._engine.read_scalar
-        losses = tuple(read(f"loss_{self.layout.step}_{r}") for r in range(self.train.rounds))
+        # the losses and gradient norms of the step, fetched from the device together
+        step = self.layout.step
+        names = [f"loss_{step}_{r}" for r in range(self.train.rounds)]
+        read = self._engine.read_scalars([*names, *self.grad_norms])
+        losses = tuple(read[: len(names)])
         grad_norm = None
         if self.grad_norms:
-            grad_norm = sum(read(gn) for gn in self.grad_norms) ** 0.5
+            grad_norm = sum(read[len(names) :]) ** 0.5
         step_s = time.perf_counter() - started
         self.updates += 1
         return StepStats(
