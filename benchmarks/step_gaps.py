@@ -105,7 +105,7 @@ def main() -> int:
         writes.append((time.perf_counter() - began, obj, location))
 
     parts["put_initial"].fn = timed_put
-    reads = engine.read_scalar = Timed(engine.read_scalar)
+    reads = engine.read_scalars = Timed(engine.read_scalars)
     feed = run._data = Timed(run._data)
     pauses: list[tuple[int, float]] = []
     began = [0.0]

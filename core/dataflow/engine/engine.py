@@ -418,24 +418,20 @@ class Engine:
 
     def read_scalar(self, obj: str) -> float:
         """The value of a one-element object after the last run, as a Python float: what
-        ``float(fetch(obj))`` gives, without building a copy (a training step reads its
-        losses and gradient norms this way every step)."""
-        known = self.program is not None and obj in self.program.objects_by_id
-        value = self._current_value(obj) if known and self.backend_name != "virtual" else None
-        if value is None:
-            return float(self.fetch(obj))  # raises the error that says why
-        return float(value.reshape(()).item())
+        ``float(fetch(obj))`` gives, without building a copy."""
+        return self.read_scalars([obj])[0]
 
     def read_scalars(self, objs: Sequence[str]) -> list[float]:
-        """``read_scalar`` of each of ``objs``, the device's values fetched together (one
-        copy to the host, not one per object: a step of 128 rounds reads 128 losses)."""
+        """``read_scalar`` of each of ``objs``, in order, the values of each device (and
+        dtype) copied to the host together: a training step reads its losses, one per
+        round, and its gradient norms this way every step."""
         known = self.program is not None and self.backend_name != "virtual"
         values = [
             self._current_value(o) if known and o in self.program.objects_by_id else None
             for o in objs
         ]
         if any(v is None for v in values):
-            return [self.read_scalar(o) for o in objs]  # the one that is missing says why
+            return [float(self.fetch(o)) for o in objs]  # one missing raises, saying why
         import torch
 
         found: dict[int, float] = {}
