@@ -207,7 +207,7 @@ def write_simulated(run: TrainingRun, path: Path) -> None:
     """The simulated step of ``run``'s placed plan as gzipped JSON: each task's and each
     transfer's span (microseconds from the step's start), to set beside the profiled
     step's trace (``--trace-dir``)."""
-    sim = run.placement.plan.sim if hasattr(run.placement, "plan") else run.planned.sim
+    sim = run.simulated
     path.parent.mkdir(parents=True, exist_ok=True)
     timeline = {
         "makespan_us": sim.makespan_us,

@@ -63,6 +63,7 @@ def test_plan_line_lists_the_recomputed_layers(recompute, listed):
         placement=planned,
         train=train_config,
     )
+    run.simulated = TrainingRun.simulated.fget(run)
     run.predicted = lambda: TrainingRun.predicted(run)
     line = plan_line(run)
     assert line.startswith("plan: gpt2-gpt2_tiny-train on cpu: predicted ")

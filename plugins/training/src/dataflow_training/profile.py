@@ -334,9 +334,9 @@ def profile_program(
         if cached is not None:
             profiles[key] = cached
             continue
-        buffers = _buffers(program, layout, task, dev, generator, int_high, decided)
-        ctx = _launch_context(program, task, dev, buffers)
-        executable = resolver(task)
+        executable, ctx = _prepared(
+            program, layout, task, resolver, dev, generator, int_high, decided
+        )
         replay = graph and dev.type == "cuda" and getattr(executable, "capturable", False)
         profiles[key] = _measure(executable, ctx, dev, repeats, replay, timing)
         if cache is not None:
@@ -380,9 +380,7 @@ def task_launcher(
     def decided(obj_id: str) -> torch.Tensor:
         return _decided(program, layout, obj_id, resolver, dev, generator, int_high, made)
 
-    buffers = _buffers(program, layout, task, dev, generator, int_high, decided)
-    ctx = _launch_context(program, task, dev, buffers)
-    executable = resolver(task)
+    executable, ctx = _prepared(program, layout, task, resolver, dev, generator, int_high, decided)
 
     def launch(stream: Any) -> None:
         if stream is None:
@@ -392,6 +390,21 @@ def task_launcher(
             executable.launch(attrs.evolve(ctx, stream=stream))
 
     return launch
+
+
+def _prepared(
+    program: Program,
+    layout: StepLayout,
+    task: Task,
+    resolver: Callable[[Task], Any],
+    dev: torch.device,
+    generator: torch.Generator,
+    int_high: Callable[[str], int],
+    decided: Callable[[str], torch.Tensor],
+) -> tuple[Any, LaunchContext]:
+    """``task``'s executable and a launch context over fresh, filled buffers of its own."""
+    buffers = _buffers(program, layout, task, dev, generator, int_high, decided)
+    return resolver(task), _launch_context(program, task, dev, buffers)
 
 
 def _buffers(

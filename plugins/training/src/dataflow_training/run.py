@@ -640,9 +640,14 @@ class TrainingRun:
         }
 
     # -- what the plan says ------------------------------------------------------------
+    @property
+    def simulated(self) -> Any:
+        """The simulator's step of the placed plan (``place`` may have re-planned)."""
+        return self.placement.plan.sim if hasattr(self.placement, "plan") else self.planned.sim
+
     def predicted(self) -> dict[str, float]:
         """The simulator's figures for one step of the placed plan."""
-        sim = self.placement.plan.sim if hasattr(self.placement, "plan") else self.planned.sim
+        sim = self.simulated
         step_s = sim.makespan_us / 1e6
         tokens = self.train.tokens_per_round * self.train.rounds
         return {
