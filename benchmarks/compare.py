@@ -374,6 +374,12 @@ def parser() -> argparse.ArgumentParser:
         "a layer-order row's engine is 'dataflow by layer', 'dataflow by layer:4')",
     )
     p.add_argument("--min-tokens", type=int, default=65536, help="dataflow tokens per step")
+    p.add_argument(
+        "--head-vocab-tiles",
+        action="store_true",
+        help="dataflow rows: the head's weight gradient by vocabulary tiles "
+        "(TrainConfig.head_vocab_tiles)",
+    )
     p.add_argument("--resolver", default="torch", help="dataflow resolver")
     p.add_argument(
         "--backing",

@@ -53,7 +53,13 @@ POLICIES = {
 
 
 def train_config(
-    dtype: str, batch: int, rounds: int, seq_len: int, chunk: int, order: str = "round"
+    dtype: str,
+    batch: int,
+    rounds: int,
+    seq_len: int,
+    chunk: int,
+    order: str = "round",
+    tiles: bool = False,
 ) -> TrainConfig:
     policy, state = POLICIES[dtype]
     return TrainConfig(
@@ -64,6 +70,7 @@ def train_config(
         optimizer=OptimizerPolicy(state_dtypes={"exp_avg": state, "exp_avg_sq": state}),
         chunk_tokens=chunk,
         order=order,
+        head_vocab_tiles=tiles,
     )
 
 
@@ -83,6 +90,7 @@ def ranked_shapes(
     min_tokens: int,
     chunk: int,
     order: str = "round",
+    tiles: bool = False,
 ) -> tuple[list[tuple[int, int]], dict[str, Any]]:
     """``(batch, rounds)`` in the order to try, and what the roofline plan said of each.
 
@@ -103,7 +111,7 @@ def ranked_shapes(
         if any(v.get("at_bound") for v in said.values() if isinstance(v, dict)):
             unplanned.append((batch, rounds))
             continue
-        train = train_config(dtype, batch, rounds, seq_len, chunk, order)
+        train = train_config(dtype, batch, rounds, seq_len, chunk, order, tiles)
         program = lower(family, preset, train).program
         try:
             planned = plan(program, budget_bytes)
@@ -228,7 +236,7 @@ def trial(
     """One shape on the device: build (profile, plan, place), warm up, measure."""
     args = bench.args
     began = time.perf_counter()
-    train = train_config(dtype, batch, rounds, args.seq_len, chunk, order)
+    train = train_config(dtype, batch, rounds, args.seq_len, chunk, order, args.head_vocab_tiles)
     run = row_run(
         bench.family,
         args.preset,
@@ -273,6 +281,7 @@ def trial(
         "rounds": rounds,
         "order": order,
         "chunk_tokens": chunk,
+        "head_vocab_tiles": args.head_vocab_tiles,
         "replayed": replayed,
         "graph_note": graph_note,
         "engine_makespan_s": statistics.median(t.makespan_us for _, t in measured) / 1e6,
@@ -354,6 +363,7 @@ def dataflow_row(bench: Any, dtype: str, budget: int, order: str = "round") -> N
                 args.min_tokens,
                 chunk,
                 order,
+                args.head_vocab_tiles,
             )
             for batch, rounds in shapes:
                 current = f"while trying batch {batch} x {rounds}"

@@ -309,3 +309,112 @@ def test_triton_variant_matches_float64_and_the_reference(
     assert_rel_close(fast[1], plain[1], 1e-2, "d_hidden vs reference")
     assert_rel_close(fast[2], plain[2], 1e-2, "d_weight vs reference")
     assert fast[1][targets == IGNORE].abs().sum() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("tokens", "dim", "vocab", "chunk_tokens"),
+    [
+        (37, 16, 101, 8),  # tiles of 21 rows: the last has 17
+        (64, 48, 257, 10),
+        (37, 16, 101, 37),  # one chunk: tiles are not needed, the one matmul writes d_weight
+        (5, 8, 11, 1),  # tiles of 2 rows
+    ],
+)
+@pytest.mark.parametrize("ignored", [0.0, 0.3])
+def test_vocab_tiles_match_the_float64_reference(
+    kernel, randn, monkeypatch, device, dtype, tokens, dim, vocab, chunk_tokens, ignored
+) -> None:
+    """d_weight made one vocabulary tile at a time (``vocab_tiles=True``): the same
+    tolerances as the chunk-summed path, grad_scale on the gradients only."""
+    from dataflow_kernels_torch import cross_entropy
+
+    tiled = []
+    by_tiles = cross_entropy._d_weight_by_tiles
+    monkeypatch.setattr(
+        cross_entropy,
+        "_d_weight_by_tiles",
+        lambda *args: tiled.append(args[-1]) or by_tiles(*args),
+    )
+    hidden = randn(tokens, dim, dtype=dtype, device=device)
+    weight = randn(vocab, dim, dtype=dtype, device=device)
+    targets = make_targets(randn, tokens, vocab, ignored, device)
+    loss, d_hidden, d_weight = kernel("chunked_cross_entropy", "torch")(
+        hidden, weight, targets, chunk_tokens, grad_scale=0.5, vocab_tiles=True
+    )
+    want_loss, want_d_hidden, want_d_weight = reference(hidden, weight, targets)
+    assert d_weight.shape == weight.shape and d_weight.dtype == weight.dtype
+    # the 16-bit path made d_weight by tiles whenever there were several chunks
+    several = dtype == torch.bfloat16 and chunk_tokens < tokens
+    assert tiled == ([chunk_tokens * vocab // tokens] if several else [])
+    rtol = LOSS_RTOL[dtype]
+    torch.testing.assert_close(loss.double(), want_loss, rtol=rtol, atol=rtol)
+    tolerance = GRAD_TOLERANCE[dtype]
+    torch.testing.assert_close(d_hidden.double(), 0.5 * want_d_hidden, **tolerance)
+    torch.testing.assert_close(d_weight.double(), 0.5 * want_d_weight, **tolerance)
+
+
+def test_vocab_tile_rows_hold_about_one_chunk_of_logits() -> None:
+    from dataflow_kernels_torch.cross_entropy import vocab_tile_rows
+
+    # Llama 3 8B at 8 GiB: 8,192 tokens a round, chunks of 2,048, 128,256 rows
+    rows = vocab_tile_rows(8192, 128256, 2048, 128)
+    assert rows == 32000 and rows * 8192 <= 2048 * 128256
+    assert vocab_tile_rows(37, 101, 8) == 21
+    assert vocab_tile_rows(10, 50, 1, 128) == 128  # at least one multiple
+    assert vocab_tile_rows(1000, 3, 1) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_vocab_tiles_keep_no_float32_vocabulary_table(kernel, randn, name) -> None:
+    """The tiled head's CUDA peak: outputs, one chunk's logits (float32 and 16-bit on the
+    torch path, 16-bit on the Triton one) and row temporaries; the float32 (vocab, dim)
+    accumulator of the chunk-summed path would not fit under the bound."""
+    if name == "triton":
+        pytest.importorskip("triton")
+    tokens, dim, vocab, chunk_tokens = 1024, 256, 16384, 128
+    hidden = randn(tokens, dim, dtype=torch.bfloat16, device="cuda")
+    weight = randn(vocab, dim, dtype=torch.bfloat16, device="cuda", scale=0.3)
+    targets = make_targets(randn, tokens, vocab, 0.1, "cuda")
+    ce = kernel("chunked_cross_entropy", name)
+    ce(hidden, weight, targets, chunk_tokens, vocab_tiles=True)  # warm up
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    outputs = ce(hidden, weight, targets, chunk_tokens, vocab_tiles=True)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    outputs_bytes = tokens * dim * 2 + vocab * dim * 2
+    logits_chunk = chunk_tokens * vocab * 6  # float32 logits and their 16-bit d_logits
+    temporaries = 256 * 1024
+    assert extra <= outputs_bytes + logits_chunk + temporaries, extra
+    assert vocab * dim * 4 > logits_chunk + temporaries  # the table would not have fit
+    truth = reference(hidden, weight, targets)
+    torch.testing.assert_close(outputs[0].double(), truth[0], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(outputs[2].double(), truth[2], rtol=2e-2, atol=2e-2)
+    del outputs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [5001, 5120])
+def test_triton_vocab_tiles_match_float64_and_the_chunk_summed_path(
+    kernel, randn, assert_rel_close, vocab
+) -> None:
+    """The Triton variant with ``vocab_tiles``: the padding columns stay out of every
+    tile's softmax (vocab 5001 pads to 5120), ignored rows get no gradient."""
+    pytest.importorskip("triton")
+    hidden = randn(1000, 64, dtype=torch.bfloat16, device="cuda")
+    weight = randn(vocab, 64, dtype=torch.bfloat16, device="cuda", scale=0.3)
+    targets = make_targets(randn, 1000, vocab, 0.1, "cuda")
+    ce = kernel("chunked_cross_entropy", "triton")
+    tiled = ce(hidden, weight, targets, 300, grad_scale=0.25, vocab_tiles=True)
+    summed = ce(hidden, weight, targets, 300, grad_scale=0.25)
+    truth = reference(hidden, weight, targets)
+    assert tiled[2].shape == weight.shape and tiled[2].dtype == torch.bfloat16
+    assert_rel_close(tiled[0], truth[0], 1e-3, "loss vs float64")
+    assert_rel_close(tiled[1], 0.25 * truth[1], 1e-2, "d_hidden vs float64")
+    assert_rel_close(tiled[2], 0.25 * truth[2], 1e-2, "d_weight vs float64")
+    assert_rel_close(tiled[2], summed[2], 1e-2, "d_weight vs the chunk-summed path")
+    assert tiled[1][targets == IGNORE].abs().sum() == 0

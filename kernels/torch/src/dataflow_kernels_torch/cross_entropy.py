@@ -14,6 +14,16 @@ summed loss with ``grad_scale`` times d loss / d hidden and d loss / d weight, s
 the pass that forms d_logits); the loss is the plain sum. Nothing here synchronizes with
 the device (no ``.item()``), so on CUDA it only enqueues work.
 
+``vocab_tiles=True`` (with more than one chunk) trades compute for memory: d_weight is
+not summed over the chunks in a float32 (vocab, dim) accumulator (2.1 GB for Llama 3's
+128,256 x 4,096 head) but made one vocabulary tile at a time over every token. The first
+pass keeps each token's log-sum-exp; then per tile the logits are computed again
+(``hidden @ weight[tile].T``, one more logits matmul: a third more head compute),
+turned into ``grad_scale * (softmax - onehot)`` with that log-sum-exp, and one matmul
+over all tokens writes the tile's rows of d_weight (float32 accumulation inside it, one
+rounding). A tile has about as many logits as one token chunk, so the head's workspace is
+one chunk's logits and the 16-bit d_weight.
+
 Two variants, one formula:
 
 - ``chunked_cross_entropy`` (fast). hidden and weight both bfloat16 (or both float16): the
@@ -52,6 +62,7 @@ def chunked_cross_entropy(
     chunk_tokens: int,
     *,
     grad_scale: float = 1.0,
+    vocab_tiles: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (loss_sum, d_hidden like hidden, d_weight like weight); 16-bit matmuls with
     float32 softmax when hidden and weight share a 16-bit dtype (module doc)."""
@@ -62,23 +73,27 @@ def chunked_cross_entropy(
     _check(hidden, weight, targets, chunk_tokens, grad_scale)
     tokens = hidden.shape[0]
     starts = range(0, tokens, chunk_tokens)
+    tiled = vocab_tiles and len(starts) > 1
     with torch.no_grad():
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         d_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format)
-        d_weight = None if len(starts) == 1 else torch.empty_like(weight)
+        d_weight = None if len(starts) == 1 or tiled else torch.empty_like(weight)
         accumulator = product = None  # float32 (vocab, dim), only with several chunks
+        lse = torch.empty(tokens, 1, dtype=torch.float32, device=hidden.device) if tiled else None
         for index, start in enumerate(starts):
             chunk = hidden[start : start + chunk_tokens]
             valid, target = _valid_targets(targets[start : start + chunk_tokens])
             logits = _mm_float32(chunk, weight.T)  # (rows, vocab) float32: the one chunk
-            chunk_loss, row_sum = _softmax_minus_onehot_(logits, valid, target)
+            chunk_loss, row_sum, row_lse = _softmax_minus_onehot_(logits, valid, target)
             loss_sum += chunk_loss
             # d_logits = grad_scale * (softmax - onehot), scaled and cast in one pass.
             d_logits = torch.empty(logits.shape, dtype=hidden.dtype, device=hidden.device)
             torch.mul(logits, _row_scale(valid, row_sum, grad_scale), out=d_logits)
             del logits
             torch.mm(d_logits, weight, out=d_hidden[start : start + chunk_tokens])
-            if d_weight is None:  # one chunk: the 16-bit matmul writes d_weight directly
+            if tiled:  # d_weight after the last chunk, tile by tile
+                lse[start : start + chunk_tokens] = row_lse
+            elif d_weight is None:  # one chunk: the 16-bit matmul writes d_weight directly
                 d_weight = d_logits.T @ chunk
             elif index == 0:
                 accumulator = _mm_float32(d_logits.T, chunk)
@@ -88,7 +103,45 @@ def chunked_cross_entropy(
                 # the last addition writes the cast result (one pass instead of two)
                 torch.add(accumulator, product, out=d_weight if last else accumulator)
             del d_logits
+        if tiled:
+            tile = vocab_tile_rows(tokens, weight.shape[0], chunk_tokens)
+            d_weight = _d_weight_by_tiles(hidden, weight, targets, lse, grad_scale, tile)
         return loss_sum, d_hidden, d_weight
+
+
+def vocab_tile_rows(tokens: int, vocab: int, chunk_tokens: int, multiple: int = 1) -> int:
+    """The rows of a vocabulary tile (``vocab_tiles``): about as many logits over every
+    token as one chunk has over the whole vocabulary, a multiple of ``multiple`` rows."""
+    rows = max(1, chunk_tokens * vocab // tokens)
+    return max(multiple, rows // multiple * multiple)
+
+
+def _d_weight_by_tiles(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    grad_scale: float,
+    tile: int,
+) -> torch.Tensor:
+    """d_weight one vocabulary tile of ``tile`` rows at a time, over every token, from
+    each token's log-sum-exp ``lse`` (tokens, 1) (the module doc's ``vocab_tiles``)."""
+    valid, target = _valid_targets(targets)
+    scale = torch.where(valid, grad_scale, 0.0)  # (tokens, 1): 0 on ignored rows
+    d_weight = torch.empty_like(weight)
+    for start in range(0, weight.shape[0], tile):
+        rows = weight[start : start + tile]
+        logits = _mm_float32(hidden, rows.T)  # (tokens, tile) float32, again
+        logits.sub_(lse).exp_()  # softmax over the whole vocabulary, this tile's columns
+        local = target - start
+        inside = (local >= 0) & (local < rows.shape[0])
+        logits.scatter_add_(1, local.clamp(0, rows.shape[0] - 1), -inside.to(logits.dtype))
+        d_logits = torch.empty(logits.shape, dtype=hidden.dtype, device=hidden.device)
+        torch.mul(logits, scale, out=d_logits)
+        del logits
+        torch.mm(d_logits.T, hidden, out=d_weight[start : start + tile])
+        del d_logits
+    return d_weight
 
 
 def chunked_cross_entropy_reference(
@@ -98,9 +151,11 @@ def chunked_cross_entropy_reference(
     chunk_tokens: int,
     *,
     grad_scale: float = 1.0,
+    vocab_tiles: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (loss_sum, d_hidden like hidden, d_weight like weight), all math in float32
-    (float64 when hidden or weight is float64); see the module doc."""
+    (float64 when hidden or weight is float64); see the module doc. ``vocab_tiles`` is
+    taken and changes nothing: the truth sums d_weight in a whole compute-dtype table."""
     _check(hidden, weight, targets, chunk_tokens, grad_scale)
     compute = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
     tokens = hidden.shape[0]
@@ -114,7 +169,7 @@ def chunked_cross_entropy_reference(
             chunk = hidden[start:stop].to(compute)
             valid, target = _valid_targets(targets[start:stop])
             logits = chunk @ weight_c.T  # (rows, vocab): the only chunk-sized buffer
-            chunk_loss, row_sum = _softmax_minus_onehot_(logits, valid, target)
+            chunk_loss, row_sum, _ = _softmax_minus_onehot_(logits, valid, target)
             loss_sum += chunk_loss
             logits.mul_(_row_scale(valid, row_sum, grad_scale))
             if d_hidden.dtype == compute:
@@ -134,18 +189,19 @@ def _valid_targets(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _softmax_minus_onehot_(
     logits: torch.Tensor, valid: torch.Tensor, target: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Turns ``logits`` in place into ``row_sum * (softmax - onehot)`` with
-    ``row_sum = sum(exp(logits - row_max))``; returns (the chunk's loss sum, row_sum), so
-    one scaling pass by ``_row_scale`` finishes d_logits."""
+    ``row_sum = sum(exp(logits - row_max))``; returns (the chunk's loss sum, row_sum, each
+    row's log-sum-exp), so one scaling pass by ``_row_scale`` finishes d_logits."""
     target_logit = logits.gather(1, target)
     row_max = logits.amax(dim=1, keepdim=True)
     logits.sub_(row_max).exp_()
     row_sum = logits.sum(dim=1, keepdim=True)
-    row_loss = row_max + row_sum.log() - target_logit
+    lse = row_max + row_sum.log()
+    row_loss = lse - target_logit
     # exp - row_sum * onehot: one index per row, so the scatter has no colliding adds.
     logits.scatter_add_(1, target, -row_sum)
-    return torch.where(valid, row_loss, 0.0).sum(), row_sum
+    return torch.where(valid, row_loss, 0.0).sum(), row_sum, lse
 
 
 def _row_scale(valid: torch.Tensor, row_sum: torch.Tensor, grad_scale: float) -> torch.Tensor:

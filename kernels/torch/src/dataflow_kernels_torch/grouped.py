@@ -52,6 +52,11 @@ def _check(op: str, offsets: torch.Tensor, rows: int, experts: int) -> None:
         raise ValueError(f"{op}: offsets end at {int(offsets[-1])}, x has {rows} rows")
 
 
+# The loops run eagerly under torch.compile: they read the offsets on the host (a graph
+# break either way), and traced into, each break left a resume function that dynamo
+# compiled again for every weight's strides until its recompile limit (qwen3_moe_tiny's
+# compiled float32 step took 286 s on the CPU, olmoe_tiny's 105 s; session 17)
+@torch.compiler.disable
 def grouped_mm_reference(
     x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
@@ -67,6 +72,7 @@ def grouped_mm_reference(
         return y
 
 
+@torch.compiler.disable
 def grouped_mm_wgrad_reference(
     dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:

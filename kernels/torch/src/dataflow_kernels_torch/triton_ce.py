@@ -19,6 +19,12 @@ Memory beyond the outputs: the padded weight copy, one chunk's (chunk, vocab) 16
 logits, and with several chunks one float32 (vocab, dim) accumulator, which each chunk's
 product adds into in place (a product beside it measured 2 GiB more workspace for
 Llama 3's 128K x 4096 head).
+
+With ``vocab_tiles`` (``cross_entropy``'s module doc) there is no accumulator: the first
+kernel also keeps each row's log-sum-exp, and per vocabulary tile (a multiple of 128
+rows of the padded weight, about one chunk's logits over every token) a 16-bit matmul
+makes the tile's logits again, a second kernel turns them into d_logits in place, and a
+matmul over every token writes the tile's rows of d_weight.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ _BLOCK = 4096
 
 @triton.jit
 def _softmax_ce_kernel(
-    logits_ptr, stride, targets_ptr, loss_ptr, vocab, padded, scale, ignore,
+    logits_ptr, stride, targets_ptr, loss_ptr, lse_ptr, vocab, padded, scale, ignore,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -53,6 +59,7 @@ def _softmax_ce_kernel(
         )
         running_max = new_max
     lse = running_max + tl.log(running_sum)
+    tl.store(lse_ptr + row, lse)
     valid = target != ignore
     safe_target = tl.where(valid, target, 0)
     picked = tl.load(base + safe_target).to(tl.float32)
@@ -67,6 +74,28 @@ def _softmax_ce_kernel(
         tl.store(base + cols, (p * row_scale).to(logits_ptr.dtype.element_ty), mask=in_row)
 
 
+@triton.jit
+def _tile_grad_kernel(
+    logits_ptr, stride, targets_ptr, lse_ptr, first, vocab, columns, scale, ignore,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One row of a vocabulary tile's logits (columns ``first`` on) turned in place into
+    ``scale * (softmax - onehot)`` from the row's log-sum-exp; zero past ``vocab``."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride
+    target = tl.load(targets_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    row_scale = tl.where(target != ignore, scale, 0.0)
+    local = target - first
+    for start in range(0, columns, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        in_row = cols < columns
+        x = tl.load(base + cols, mask=in_row, other=0.0).to(tl.float32)
+        p = tl.where(first + cols < vocab, tl.exp(x - lse), 0.0)
+        p = tl.where(cols == local, p - 1.0, p)
+        tl.store(base + cols, (p * row_scale).to(logits_ptr.dtype.element_ty), mask=in_row)
+
+
 def chunked_cross_entropy_triton(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -74,6 +103,7 @@ def chunked_cross_entropy_triton(
     chunk_tokens: int,
     *,
     grad_scale: float = 1.0,
+    vocab_tiles: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (loss_sum, d_hidden like hidden, d_weight like weight); see the module doc."""
     if not (
@@ -83,7 +113,7 @@ def chunked_cross_entropy_triton(
         and hidden.is_contiguous()
     ):
         return cross_entropy.chunked_cross_entropy(
-            hidden, weight, targets, chunk_tokens, grad_scale=grad_scale
+            hidden, weight, targets, chunk_tokens, grad_scale=grad_scale, vocab_tiles=vocab_tiles
         )
     cross_entropy._check(hidden, weight, targets, chunk_tokens, grad_scale)
     vocab, dim = weight.shape
@@ -97,7 +127,9 @@ def chunked_cross_entropy_triton(
             weight_p[:vocab].copy_(weight)
         targets = targets.reshape(-1).contiguous()
         losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
         d_hidden = torch.empty_like(hidden)
+        tiled = vocab_tiles and len(starts) > 1
         accumulator = None
         d_weight_p = None
         for index, start in enumerate(starts):
@@ -106,10 +138,13 @@ def chunked_cross_entropy_triton(
             logits = torch.mm(chunk, weight_p.T)  # (rows, padded), 16-bit
             _softmax_ce_kernel[(rows,)](
                 logits, logits.stride(0), targets[start : start + rows],
-                losses[start : start + rows], vocab, padded, float(grad_scale),
-                cross_entropy.IGNORE_INDEX, BLOCK=_BLOCK, num_warps=8,
+                losses[start : start + rows], lse[start : start + rows], vocab, padded,
+                float(grad_scale), cross_entropy.IGNORE_INDEX, BLOCK=_BLOCK, num_warps=8,
             )  # fmt: skip
             torch.mm(logits, weight_p, out=d_hidden[start : start + rows])
+            if tiled:  # d_weight after the last chunk, tile by tile
+                del logits
+                continue
             if len(starts) == 1:
                 d_weight_p = logits.T @ chunk
             elif index == 0:
@@ -117,7 +152,37 @@ def chunked_cross_entropy_triton(
             else:  # accumulate in place: no second (vocab, dim) float32 product
                 torch.addmm(accumulator, logits.T, chunk, torch.float32, out=accumulator)
             del logits
+        if tiled:
+            d_weight_p = _d_weight_by_tiles(
+                hidden, weight_p, targets, lse, vocab, chunk_tokens, grad_scale
+            )
         if d_weight_p is None:
             d_weight_p = accumulator
         d_weight = d_weight_p[:vocab].to(weight.dtype)
         return losses.sum(), d_hidden, d_weight
+
+
+def _d_weight_by_tiles(
+    hidden: torch.Tensor,
+    weight_p: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    vocab: int,
+    chunk_tokens: int,
+    grad_scale: float,
+) -> torch.Tensor:
+    """The padded weight's gradient one vocabulary tile at a time over every token, from
+    each token's log-sum-exp ``lse`` (module doc)."""
+    tokens, padded = hidden.shape[0], weight_p.shape[0]
+    d_weight_p = torch.empty_like(weight_p)
+    tile = cross_entropy.vocab_tile_rows(tokens, padded, chunk_tokens, _PAD_ROWS)
+    for first in range(0, padded, tile):
+        rows = weight_p[first : first + tile]
+        logits = torch.mm(hidden, rows.T)  # (tokens, tile), 16-bit, again
+        _tile_grad_kernel[(tokens,)](
+            logits, logits.stride(0), targets, lse, first, vocab, rows.shape[0],
+            float(grad_scale), cross_entropy.IGNORE_INDEX, BLOCK=_BLOCK, num_warps=8,
+        )  # fmt: skip
+        torch.mm(logits.T, hidden, out=d_weight_p[first : first + tile])
+        del logits
+    return d_weight_p

@@ -11,6 +11,7 @@ from dataflow_training.family import (
     LayerSpec,
     ParamGroup,
     PartialSave,
+    RowGradient,
     TensorSpec,
     Work,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "LayerSpec",
     "ParamGroup",
     "PartialSave",
+    "RowGradient",
     "TensorSpec",
     "Work",
 ]

@@ -106,7 +106,11 @@ def _order(instance: object, attribute: attrs.Attribute, value: str) -> None:
 class TrainConfig:
     """One training step: ``rounds`` micro-batches of ``batch`` x ``seq_len`` tokens whose
     gradients accumulate, then one optimizer update. ``chunk_tokens`` bounds the head's
-    logits to chunk_tokens x vocab at a time.
+    logits to chunk_tokens x vocab at a time. ``head_vocab_tiles`` makes the head's weight
+    gradient one vocabulary tile at a time instead of summing it over the chunks in a
+    float32 (vocab, dim) table: that table leaves the head's workspace (2.1 GB for Llama
+    3's 128,256 x 4,096 head, set aside beside the arena for the whole step), for one more
+    logits matmul (a third more head compute). For a large vocabulary in a small budget.
 
     ``clip`` is the largest global gradient norm (over every trainable tensor) the update
     sees: every gradient is scaled by ``min(1, clip / (norm + 1e-6))``, as
@@ -140,6 +144,7 @@ class TrainConfig:
     dtype: DtypePolicy = attrs.field(factory=DtypePolicy)
     optimizer: OptimizerPolicy = attrs.field(factory=OptimizerPolicy)
     chunk_tokens: int = attrs.field(default=1024, validator=_positive)
+    head_vocab_tiles: bool = False
     clip: float | None = attrs.field(default=None, validator=_clip)
     grad_norm: bool = False
     order: str = attrs.field(default="round", validator=_order)

@@ -178,7 +178,9 @@ class Env:
     ``ops``: implementations by op name. ``round_``/``rounds``: which accumulation round of
     the step this is. ``grad_scale``: the head multiplies every gradient it returns by it
     (``1 / rounds``: the step's loss is the mean over its rounds). ``chunk_tokens``: the
-    head's token chunk. ``aux``: the layer's ``Aux`` tensors (forward adds into them;
+    head's token chunk; ``head_vocab_tiles``: the head makes its weight's gradient one
+    vocabulary tile at a time (``chunked_cross_entropy(..., vocab_tiles=True)``: no
+    float32 (vocab, dim) accumulator, one more logits matmul). ``aux``: the layer's ``Aux`` tensors (forward adds into them;
     the last round's backward reads them; shared by the layers of a kind with
     ``aux_scope="model"``); empty when the layer declares none or the task does not see
     them.
@@ -189,11 +191,58 @@ class Env:
     rounds: int = 1
     grad_scale: float = 1.0
     chunk_tokens: int = 1024
+    head_vocab_tiles: bool = False
     aux: Tensors = attrs.field(factory=dict, hash=False)
 
     @property
     def last_round(self) -> bool:
         return self.round_ == self.rounds - 1
+
+
+@attrs.frozen(eq=False)
+class RowGradient:
+    """A gradient that is zero outside ``rows``: what an embedding's backward may return
+    instead of a whole (vocab, dim) table (for Llama 3 8B a float32 table is 2.1 GB of
+    workspace; its rows for one round's tokens are 134 MB).
+
+    ``rows`` int64 (n,) may repeat a row, and every repeat carries the same value in
+    ``values`` (n, *shape[1:]): that row's whole gradient. n is the round's token count, so
+    the shapes are the same every step (a captured CUDA graph replays it) and writing a
+    repeated row more than once writes the same bytes. ``shape`` is the whole gradient's.
+    """
+
+    rows: Any
+    values: Any
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+
+    @classmethod
+    def summed(cls, rows: Any, values: Any, shape: tuple[int, ...], dtype: Any) -> RowGradient:
+        """The gradient whose row ``r`` is the sum, in ``dtype``, of ``values[i]`` over every
+        ``i`` with ``rows[i] == r`` (an embedding's: rows are the tokens, values d_hidden)."""
+        rows, order = rows.reshape(-1).sort()
+        starts = rows.new_ones(rows.shape, dtype=bool)
+        starts[1:] = rows[1:] != rows[:-1]
+        segment = starts.cumsum(0) - 1  # each position's run of equal rows
+        sums = values.new_zeros(values.shape, dtype=dtype)
+        sums.index_add_(0, segment, values[order].to(dtype))
+        return cls(rows, sums[segment], shape)
+
+    def add_into(self, target: Any) -> None:
+        """``target`` += this gradient, each row summed in ``values``' dtype and rounded
+        once to ``target``'s (as ``target.add_`` of a dense table would)."""
+        summed = target[self.rows].to(self.values.dtype).add_(self.values)
+        target.index_put_((self.rows,), summed.to(target.dtype))
+
+    def copy_into(self, target: Any) -> None:
+        """``target`` = this gradient."""
+        target.zero_()
+        target.index_put_((self.rows,), self.values.to(target.dtype))
+
+    def dense(self) -> Any:
+        """The whole gradient as one tensor of ``values``' dtype."""
+        out = self.values.new_zeros(self.shape)
+        out.index_put_((self.rows,), self.values)
+        return out
 
 
 @runtime_checkable
@@ -204,8 +253,9 @@ class EmbedMath(Protocol):
         """``tokens`` int64 (batch, seq_len) -> hidden (batch, seq_len, hidden)."""
 
     def backward(self, config: Any, tokens: Any, d_hidden: Any, env: Env) -> Tensors:
-        """Gradients of the embed parameters by name. The weights are not passed: an
-        embedding's gradient needs only tokens and d_hidden, so they need not be resident."""
+        """Gradients of the embed parameters by name, each a tensor or a ``RowGradient``
+        (the rows the tokens pick). The weights are not passed: an embedding's gradient
+        needs only tokens and d_hidden, so they need not be resident."""
 
     def cost(self, config: Any, batch: int, seq_len: int, act_bytes: int) -> LayerCost:
         """Work of forward and backward."""

@@ -258,6 +258,18 @@ def lower(
             )
     embed_cost = family.math("embed").cost(config, train.batch, train.seq_len, act_bytes)
     head_cost = family.math("head").cost(config, train.batch, train.seq_len, act_bytes)
+    if train.head_vocab_tiles:  # the logits made again, tile by tile, over every token
+        vocab, dim = embed.params[0].shape[:2]
+        tokens = train.batch * train.seq_len
+        was = head_cost.forward
+        again = Work(
+            was.flops + 2 * tokens * vocab * dim,
+            was.bytes + 2 * tokens * vocab * act_bytes,  # the tiles' logits, written and read
+            # a tile's logits matmul, its kernel and its d_weight matmul; about one tile
+            # per token chunk
+            was.kernels and was.kernels + 3 * math.ceil(tokens / train.chunk_tokens),
+        )
+        head_cost = attrs.evolve(head_cost, forward=again)
 
     def priced(work: Work, weight_bytes: float) -> float:
         return cost.cost_us(work.flops, work.bytes + weight_bytes, max(1, work.kernels))
@@ -295,6 +307,8 @@ def lower(
             params["group"] = group
         if kind == "head":
             params["chunk_tokens"] = train.chunk_tokens
+            if train.head_vocab_tiles:
+                params["vocab_tiles"] = True
         slots[slot.id] = slot
         tasks.append(
             Task(

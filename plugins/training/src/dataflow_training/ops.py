@@ -22,12 +22,15 @@ float64 inputs). Backward ops never rebuild autograd graphs and never re-run a f
   -> (dx, dweight)``.
 - ``gelu(x) -> y`` (tanh approximation, GPT-2's ``gelu_new``); ``gelu_bwd(dy, x) -> dx``.
 - ``swiglu_fwd(gate, up) -> silu(gate) * up``; ``swiglu_bwd(dy, gate, up) -> (dgate, dup)``.
-- ``chunked_cross_entropy(hidden, weight, targets, chunk_tokens, *, grad_scale=1.0)
-  -> (loss_sum, d_hidden, d_weight)``: logits = hidden @ weight.T chunk by chunk of
-  ``chunk_tokens`` rows (matmuls in the input dtype, the loss in float32); returns the
-  summed loss (0-d float32) and ``grad_scale`` times its gradients, never holding more
-  than one chunk's logits. hidden (tokens, dim), weight (vocab, dim), targets int64
-  (tokens,); a target of -100 is ignored.
+- ``chunked_cross_entropy(hidden, weight, targets, chunk_tokens, *, grad_scale=1.0,
+  vocab_tiles=False) -> (loss_sum, d_hidden, d_weight)``: logits = hidden @ weight.T chunk
+  by chunk of ``chunk_tokens`` rows (matmuls in the input dtype, the loss in float32);
+  returns the summed loss (0-d float32) and ``grad_scale`` times its gradients, never
+  holding more than one chunk's logits. hidden (tokens, dim), weight (vocab, dim), targets
+  int64 (tokens,); a target of -100 is ignored. ``vocab_tiles=True`` asks for d_weight
+  one vocabulary tile at a time (the logits made again per tile) instead of summed over
+  the chunks in a float32 (vocab, dim) table; the head passes it only when
+  ``TrainConfig.head_vocab_tiles`` is set, so a variant may leave it out.
 - ``grouped_mm(x, weight, offsets) -> y`` and ``grouped_mm_wgrad(dy, x, offsets) ->
   d_weight``: a matmul per expert over rows sorted by expert (MoE FFNs; ``offsets`` int32
   ``(E + 1,)``): x (N, in), weight (E, out, in), y (N, out); d_weight (E, out, in). Not in

@@ -22,7 +22,7 @@ import torch
 
 from dataflow.engine import LaunchContext
 from dataflow.schema import Program, Task
-from dataflow_training.family import Env, FamilyContractError, load_family
+from dataflow_training.family import Env, FamilyContractError, RowGradient, load_family
 from dataflow_training.keys import ComputeKeyError, parse
 from dataflow_training.layout import flat_view
 from dataflow_training.ops import load_ops
@@ -174,6 +174,7 @@ class _Exec:
             round_=self.slot.round_,
             rounds=train.rounds,
             chunk_tokens=train.chunk_tokens,
+            head_vocab_tiles=train.head_vocab_tiles,
             **fields,
         )
 
@@ -224,7 +225,9 @@ class _Exec:
                         f"for {obj}:{name}"
                     )
                 _check_shape(self.task, f"gradient {name}", value, target)
-                if add:
+                if isinstance(value, RowGradient):
+                    (value.add_into if add else value.copy_into)(target)
+                elif add:
                     target.add_(value)
                 else:
                     target.copy_(value)

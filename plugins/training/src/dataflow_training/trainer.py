@@ -92,6 +92,7 @@ class TrainOptions:
     recompute: bool = True
     trace_steps: int = 0
     order: str = "round"  # TrainConfig.order
+    head_vocab_tiles: bool = False  # TrainConfig.head_vocab_tiles
 
     def train_config(self) -> TrainConfig:
         """The step; the head's token chunk follows the budget as ``predict``'s does
@@ -115,6 +116,7 @@ class TrainOptions:
             clip=self.clip,
             grad_norm=True,
             order=self.order,
+            head_vocab_tiles=self.head_vocab_tiles,
         )
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from dataflow_training.family import Env, LayerCost, PartialSave, TensorSpec, Work
+from dataflow_training.family import Env, LayerCost, PartialSave, RowGradient, TensorSpec, Work
 from dataflow_training.kit import rotary
 from dataflow_training.kit.attention import (
     attention_backward,
@@ -148,7 +148,8 @@ def _qk_norm_backward(
 
 
 class DecoderEmbed:
-    """``embed_tokens.weight[tokens]``; its gradient by scatter-add over the tokens."""
+    """``embed_tokens.weight[tokens]``; its gradient the rows of the round's tokens
+    (``RowGradient``: no (vocab, dim) table)."""
 
     def forward(self, config: DecoderConfig, params: Tensors, tokens: torch.Tensor, env: Env):
         _check_seq_len(config, tokens.shape[1])
@@ -157,19 +158,23 @@ class DecoderEmbed:
     def backward(
         self, config: DecoderConfig, tokens: torch.Tensor, d_hidden: torch.Tensor, env: Env
     ) -> Tensors:
-        """Needs no weights; sums in float32 at least, returned in that dtype."""
-        acc = accumulation_dtype(d_hidden.dtype)
+        """Needs no weights; each token's rows summed in float32 at least."""
         n = config.hidden_size
-        grad = torch.zeros(config.vocab_size, n, dtype=acc, device=d_hidden.device)
-        grad.index_add_(0, tokens.reshape(-1), d_hidden.reshape(-1, n).to(acc))
+        grad = RowGradient.summed(
+            tokens,
+            d_hidden.reshape(-1, n),
+            (config.vocab_size, n),
+            accumulation_dtype(d_hidden.dtype),
+        )
         return {EMBED_WEIGHT: grad}
 
     def cost(self, config: DecoderConfig, batch: int, seq_len: int, act_bytes: int) -> LayerCost:
         tokens, n = batch * seq_len, config.hidden_size
-        table = config.vocab_size * n * 4  # float32 sums
+        rows = tokens * n * 4  # float32 row sums
+        # read d_hidden; sum, gather and add the rows; read and write the gradient's rows
         return LayerCost(
             forward=Work(0, 2 * tokens * n * act_bytes),
-            backward=Work(0, tokens * n * act_bytes + 3 * table),
+            backward=Work(0, tokens * n * act_bytes + 4 * rows + 2 * tokens * n * act_bytes),
         )
 
 

@@ -33,12 +33,15 @@ def lm_head_loss(
     weight = params[projection]
     hidden, stats = norm.forward(ops, params, x)
     flat_targets = targets.reshape(-1)
+    # only when asked: a kernel variant written before the keyword need not take it
+    tiles = {"vocab_tiles": True} if env.head_vocab_tiles else {}
     loss_sum, d_hidden, d_weight = ops["chunked_cross_entropy"](
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         flat_targets,
         env.chunk_tokens,
         grad_scale=env.grad_scale,
+        **tiles,
     )
     scored = (flat_targets != IGNORE_INDEX).sum().clamp(min=1)
     d_hidden = (d_hidden / scored).to(hidden.dtype).view_as(hidden)
