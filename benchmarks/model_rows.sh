@@ -73,14 +73,15 @@ llama3_8b)
         compare --family llama3 "${big[@]}" --rows stock,dataflow --stock-engines compile \
             --batches 2 --dataflow-batches 2 --min-tokens "$big_tokens" "${big16[@]}" \
             --steps 3 --warmup 1 --compile-row-seconds 200 --row-seconds 280 --total-seconds 330
-        # 8 GiB with the head's weight gradient by vocabulary tiles: the float32
-        # (vocab, dim) accumulator (2.1 GB of the head's 3.29 GB workspace, set aside
-        # beside the arena) kept the 2026-12-01 row from planning (docs/throughput.md,
-        # "What keeps llama3_8b out of 8 GiB"); the embedding's gradient is the round's
-        # rows since session 17 either way
+        # 8 GiB: on the CPU with the H200 profile archive it places (session 17,
+        # place_llama3_8b.py --budget 8GiB --order layer:8: 14.435 s simulated; with the
+        # head's gradient by vocabulary tiles, estimated, 14.559 s), so the head is not
+        # tiled; HEAD_TILES=1 adds --head-vocab-tiles should the device refuse to place it
+        tiles=()
+        [ "${HEAD_TILES:-0}" = 1 ] && tiles=(--head-vocab-tiles)
         compare --family llama3 "${big[@]}" --rows dataflow --dataflow-batches 2 \
             --dataflow-orders layer:8 --min-tokens "$big_tokens" --budgets "${big_budgets#*,}" \
-            --head-vocab-tiles --steps 3 --warmup 1 --row-seconds 230 --total-seconds 230
+            "${tiles[@]}" --steps 3 --warmup 1 --row-seconds 230 --total-seconds 230
     } 2>&1 | tee "$log"
     ;;
 l3_1b | olmoe | small)
