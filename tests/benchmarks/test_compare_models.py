@@ -271,3 +271,30 @@ def test_place_llama3_8b_reads_the_committed_h200_profiles() -> None:
     profiles = place_llama3_8b.measured_profiles(BENCHMARKS / "results" / "profiles_llama3_8b.tgz")
     heads = [p for key, p in profiles.items() if "llama3.head.loss" in key]
     assert heads and max(p.workspace_bytes for p in heads) < 3.5e9
+
+
+def test_place_llama3_8b_estimates_the_tiled_head_from_the_archive() -> None:
+    """``--head-vocab-tiles`` prices the head under its tiled signature at 4/3 of its time
+    with the float32 (vocab, dim) accumulator out of its workspace, and the embedding
+    backward with its float32 table replaced by the row sums' buffers."""
+    import json
+
+    import place_llama3_8b
+
+    known = place_llama3_8b.measured_profiles(BENCHMARKS / "results" / "profiles_llama3_8b.tgz")
+    tokens, vocab, dim = 8192, 128256, 4096
+    found = place_llama3_8b.estimated_tiles(known, tokens, vocab, dim)
+    table = vocab * dim * 4
+    heads = 0
+    for key, profile in known.items():
+        signature = json.loads(key)
+        if signature[0] == "llama3.head.loss":
+            signature[1] = sorted([*signature[1], ["vocab_tiles", "True"]])
+            tiled = found[json.dumps(signature)]
+            assert tiled.cost_us == profile.cost_us * 4 / 3
+            assert tiled.workspace_bytes == profile.workspace_bytes - table
+            heads += 1
+        elif signature[0] == "llama3.embed.backward":
+            rows = place_llama3_8b.ROWS_TEMPORARIES * tokens * dim * 4
+            assert found[key].workspace_bytes == profile.workspace_bytes - table + rows
+    assert heads
