@@ -127,7 +127,7 @@ class Lookup:
             text = json.dumps(json.loads(json.dumps(key, default=repr)))
             if text not in self.known:
                 self.stand_ins.add(text)
-                found[key] = self.by_key[json.dumps([key[0], json.loads(text)[2]])]
+                found[key] = self.by_key[json.dumps([key[0], key[2]])]  # (compute key, shape)
                 continue
             found[key] = self.known[text]
         if not self.strip:
@@ -175,9 +175,8 @@ def main() -> None:
         slow_budget_bytes=backing,
     )
     if measured.stand_ins:
-        print(
-            f"{len(measured.stand_ins)} signatures not in the archive, priced as their key's costliest"
-        )
+        missing = len(measured.stand_ins)
+        print(f"{missing} signatures not in the archive, priced as their key's costliest")
     held = live_peak_bytes([b for b in residency_blocks(planned) if b.obj_id is not None])
     print(f"planned at {planned.budget_bytes} bytes in {time.perf_counter() - started:.1f} s:")
     print(f"  objects held at once {held}, iteration {planned.cycle.iteration_us / 1e6:.3f} s")

@@ -180,10 +180,10 @@ class Env:
     (``1 / rounds``: the step's loss is the mean over its rounds). ``chunk_tokens``: the
     head's token chunk; ``head_vocab_tiles``: the head makes its weight's gradient one
     vocabulary tile at a time (``chunked_cross_entropy(..., vocab_tiles=True)``: no
-    float32 (vocab, dim) accumulator, one more logits matmul). ``aux``: the layer's ``Aux`` tensors (forward adds into them;
-    the last round's backward reads them; shared by the layers of a kind with
-    ``aux_scope="model"``); empty when the layer declares none or the task does not see
-    them.
+    float32 (vocab, dim) accumulator, one more logits matmul). ``aux``: the layer's
+    ``Aux`` tensors (forward adds into them; the last round's backward reads them; shared
+    by the layers of a kind with ``aux_scope="model"``); empty when the layer declares
+    none or the task does not see them.
     """
 
     ops: Ops
