@@ -26,12 +26,20 @@ GRAD_TOLERANCE = {
 
 
 def reference(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    logits_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss_sum, d_hidden, d_weight) in float64, from the definition, by autograd."""
+    """(loss_sum, d_hidden, d_weight) in float64, from the definition, by autograd.
+    ``logits_dtype``: the logits' values rounded to it (as a head that writes 16-bit logits
+    has them), their gradient passed through exactly."""
     h = hidden.detach().double().requires_grad_()
     w = weight.detach().double().requires_grad_()
     logits = h @ w.T
+    if logits_dtype is not None:
+        rounded = logits.detach().to(logits_dtype).double()
+        logits = logits + (rounded - logits.detach())
     valid = targets != IGNORE
     picked = logits.gather(1, torch.where(valid, targets, 0).unsqueeze(1)).squeeze(1)
     per_token = torch.logsumexp(logits, dim=1) - picked
@@ -391,7 +399,11 @@ def test_vocab_tiles_keep_no_float32_vocabulary_table(kernel, randn, name) -> No
     temporaries = 256 * 1024
     assert extra <= outputs_bytes + logits_chunk + temporaries, extra
     assert vocab * dim * 4 > logits_chunk + temporaries  # the table would not have fit
-    truth = reference(hidden, weight, targets)
+    # The Triton variant's logits are 16-bit (its module doc); these are large (std ~5),
+    # where one bfloat16 step moves a probability by up to 6 %: it is held to the
+    # definition over the logits it has. (On the device on 2026-12-04, against the
+    # float64 logits, 3 of the 16,384 rows of its d_weight were 0.074 off.)
+    truth = reference(hidden, weight, targets, torch.bfloat16 if name == "triton" else None)
     torch.testing.assert_close(outputs[0].double(), truth[0], rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(outputs[2].double(), truth[2], rtol=2e-2, atol=2e-2)
     del outputs
