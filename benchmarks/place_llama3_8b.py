@@ -25,8 +25,15 @@ dim) accumulator; the embedding backward's workspace less its float32 table plus
 ``ROWS_TEMPORARIES`` float32 (tokens, dim) buffers. An estimate, until the device
 profiles them.
 
+``--preset`` (with ``--seq-len``) places another preset the archive has profiles for, e.g.
+``--preset gpt2_124m --seq-len 1024 --batch 8 --rounds 64 --budget 2GiB --profiles
+benchmarks/results/profiles_gpt2.tgz``. ``--workspace KEY=SIZE`` (repeatable) is a what-if:
+every task of compute key ``KEY`` (e.g. ``gpt2.head.loss``) priced with that workspace
+instead of its measured one, to see what a task that held less would buy the plan.
+
 Run: ``python benchmarks/place_llama3_8b.py --budget 8GiB [--batch 2 --rounds 16] [--counted]
-[--order ORDER] [--backing SIZE] [--chunk TOKENS] [--profiles DIR] [--head-vocab-tiles]``
+[--order ORDER] [--backing SIZE] [--chunk TOKENS] [--profiles DIR] [--head-vocab-tiles]
+[--preset PRESET --seq-len N] [--workspace KEY=SIZE ...]``
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from dataflow_training.family import load_family
 from dataflow_training.lowering import lower
 from dataflow_training.profile import TaskProfile, apply_profile, signature, without_workspace
 from dataflow_training.recompute import measured_recompute_planner
+from dataflow_training.train_cli import default_family
 
 from dataflow.engine.backends.torch_storage import slow_pool_bytes
 from dataflow.planning import PlanningError, place, plan
@@ -102,6 +110,16 @@ def estimated_tiles(known: dict[str, TaskProfile], tokens: int, vocab: int, dim:
     return found
 
 
+def with_workspace(known: dict[str, TaskProfile], caps: dict[str, int]) -> dict:
+    """``known`` with every profile of a compute key in ``caps`` given that workspace."""
+    found = dict(known)
+    for key, profile in known.items():
+        compute_key = json.loads(key)[0]
+        if compute_key in caps:
+            found[key] = TaskProfile(profile.cost_us, caps[compute_key])
+    return found
+
+
 class Lookup:
     """A profiling pass for lowered programs, answered from ``known`` (signature as JSON
     -> profile): ``lookup(program)`` returns each task signature's profile; with
@@ -148,20 +166,30 @@ def main() -> None:
     parser.add_argument("--backing", default=None)
     parser.add_argument("--chunk", type=int, default=None, help="head tokens a chunk")
     parser.add_argument("--head-vocab-tiles", action="store_true", help="estimated (module doc)")
+    parser.add_argument("--preset", default="llama3_8b")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument(
+        "--workspace", action="append", default=[], help="KEY=SIZE, a what-if (module doc)"
+    )
     args = parser.parse_args()
     backing = None if args.backing is None else parse_size(args.backing)
     budget = parse_size(args.budget)
+    family = load_family(default_family(args.preset))
+    config = family.presets[args.preset]
+    vocab = config.vocab_size
+    dim = getattr(config, "hidden_size", None) or config.n_embd
     known = measured_profiles(args.profiles)
     if args.head_vocab_tiles:
-        known = estimated_tiles(known, args.batch * 4096, 128256, 4096)
+        known = estimated_tiles(known, args.batch * args.seq_len, vocab, dim)
+    caps = dict(item.split("=", 1) for item in args.workspace)
+    known = with_workspace(known, {key: parse_size(size) for key, size in caps.items()})
     measured = Lookup(known, strip=not args.counted)
 
-    family = load_family("llama3")
-    chunk = args.chunk or head_chunk_tokens(budget, 128256)  # (the archive has 2048's)
+    chunk = args.chunk or head_chunk_tokens(budget, vocab)  # (the 8B archive has 2048's)
     train = train_config(
-        "bf16", args.batch, args.rounds, 4096, chunk, args.order, args.head_vocab_tiles
+        "bf16", args.batch, args.rounds, args.seq_len, chunk, args.order, args.head_vocab_tiles
     )
-    program = lower(family, "llama3_8b", train).program
+    program = lower(family, args.preset, train).program
     profiles = measured(program)
     program = attrs.evolve(apply_profile(program, profiles), links=LINKS)
     spec = measured_recompute_planner(program, measured, known=profiles)

@@ -298,3 +298,25 @@ def test_place_llama3_8b_estimates_the_tiled_head_from_the_archive() -> None:
             rows = place_llama3_8b.ROWS_TEMPORARIES * tokens * dim * 4
             assert found[key].workspace_bytes == profile.workspace_bytes - table + rows
     assert heads
+
+
+def test_place_llama3_8b_what_if_gives_a_compute_key_its_workspace() -> None:
+    """``--workspace KEY=SIZE`` re-prices every profile of that compute key (any preset the
+    archive has; here gpt2_124m's) with that workspace and leaves the others and every
+    cost alone."""
+    import json
+
+    import place_llama3_8b
+
+    known = place_llama3_8b.measured_profiles(BENCHMARKS / "results" / "profiles_gpt2.tgz")
+    found = place_llama3_8b.with_workspace(known, {"gpt2.head.loss": 180_000_000})
+    heads = 0
+    for key, profile in known.items():
+        capped = found[key]
+        assert capped.cost_us == profile.cost_us
+        if json.loads(key)[0] == "gpt2.head.loss":
+            assert capped.workspace_bytes == 180_000_000 != profile.workspace_bytes
+            heads += 1
+        else:
+            assert capped.workspace_bytes == profile.workspace_bytes
+    assert heads

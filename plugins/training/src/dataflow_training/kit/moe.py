@@ -281,12 +281,15 @@ class MoEBlock(MlpPartialSave):
         gate, up = _split(config, gate_up)
         act = ops["swiglu_fwd"](gate, up)
         rows_dy = flat_dy[tokens]
-        d_row_weights = (ops["grouped_mm"](act, params[DOWN], offsets) * rows_dy).sum(-1)
-        d_rows = rows_dy * weights.unsqueeze(-1)
-        del rows_dy
-        grads = {DOWN: ops["grouped_mm_wgrad"](d_rows, act, offsets)}
-        d_act = ops["grouped_mm"](d_rows, params[DOWN].transpose(1, 2), offsets)
-        del d_rows, act
+        # dy through the down projection, unweighted: a row's routing weight's gradient is
+        # <down(act), dy> = <act, dy @ down>, so the rows' outputs need not be made again
+        d_act = ops["grouped_mm"](rows_dy, params[DOWN].transpose(1, 2), offsets)
+        d_row_weights = (act * d_act).sum(-1)
+        row_weights = weights.unsqueeze(-1)
+        d_act.mul_(row_weights)
+        act.mul_(row_weights)  # sum over rows of weight * dy^T act: the down weights' gradient
+        grads = {DOWN: ops["grouped_mm_wgrad"](rows_dy, act, offsets)}
+        del rows_dy, act
         d_gate_up = torch.cat(ops["swiglu_bwd"](d_act, gate, up), dim=-1)
         del d_act
         grads[GATE_UP] = ops["grouped_mm_wgrad"](d_gate_up, flat_h2[tokens], offsets)
@@ -349,9 +352,8 @@ class MoEBlock(MlpPartialSave):
         mlp_in = Work(2 * experts / 3, tokens * act_bytes * (2 * n + k * n + 2 * k * inner))
         return LayerCost(
             forward=Work(matmul + attention, activations),
-            # backward: twice the matmuls, plus the router and the experts' down projection
-            # recomputed
-            backward=Work(2 * matmul + router + experts / 3 + 2.5 * attention, 2 * activations),
+            # backward: twice the matmuls, plus the router's logits made again
+            backward=Work(2 * matmul + router + 2.5 * attention, 2 * activations),
             partial={"mlp": mlp_in},
         )
 
