@@ -26,16 +26,20 @@ SHAPES = [(1, 1, 1, 8), (2, 3, 17, 24), (3, 2, 40, 64), (1, 4, 33, 16), (2, 2, 6
 
 
 def autograd_truth(q, k, v, dout, *, causal, scale=None):
-    """(out, lse, dq, dk, dv) in float64 from the formula, gradients by autograd."""
+    """(out, lse, dq, dk, dv) in float64 from the formula, gradients by autograd. With
+    fewer key/value heads than query heads, query head h reads key/value head
+    h // (heads // kv_heads) (autograd sums each key/value head's gradient over them)."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     factor = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = q64 @ k64.transpose(-2, -1) * factor
+    owner = torch.arange(q.shape[1], device=q.device) // (q.shape[1] // k.shape[1])
+    keys, values = k64[:, owner], v64[:, owner]
+    scores = q64 @ keys.transpose(-2, -1) * factor
     if causal:
         seq = q.shape[-2]
         future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, -math.inf)
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.softmax(scores, dim=-1) @ v64
+    out = torch.softmax(scores, dim=-1) @ values
     grads = torch.autograd.grad(out, (q64, k64, v64), dout.double())
     return (out.detach(), lse.detach(), *grads)
 
@@ -44,26 +48,49 @@ def inputs(randn, shape, dtype, device):
     return [randn(*shape, dtype=dtype, device=device) for _ in range(4)]
 
 
+#: (batch, heads, kv_heads, seq, head_dim) with fewer key/value heads than query heads:
+#: grouped-query attention, one key/value head (multi-query), Llama 3's head_dim
+GROUPED = [(2, 4, 2, 17, 24), (1, 8, 2, 40, 64), (2, 6, 1, 33, 16), (1, 4, 1, 64, 128)]
+
+
 @pytest.mark.parametrize("name", ALL_VARIANTS)
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(
+    "shape", [(b, h, h, s, d) for b, h, s, d in SHAPES] + GROUPED, ids=lambda shape: str(shape)
+)
 def test_forward_and_backward_match_autograd(
     kernel, randn, assert_rel_close, device, dtype, tol, name, causal, shape
 ) -> None:
-    q, k, v, dout = inputs(randn, shape, dtype, device)
+    """With grouped key/value heads, dk and dv are like k and v, each the sum over its
+    group of query heads (the contract, docs/kernel_registry.md)."""
+    batch, heads, kv_heads, seq, head_dim = shape
+    q, dout = (randn(batch, heads, seq, head_dim, dtype=dtype, device=device) for _ in range(2))
+    k, v = (randn(batch, kv_heads, seq, head_dim, dtype=dtype, device=device) for _ in range(2))
     want = autograd_truth(q, k, v, dout, causal=causal)
     out, lse = kernel("attention_fwd", name)(q, k, v, causal=causal)
     stats = torch.float64 if dtype == torch.float64 else torch.float32
-    assert out.dtype == dtype and lse.dtype == stats and lse.shape == shape[:3]
-    assert lse.is_contiguous()
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.dtype == stats and lse.shape == q.shape[:3] and lse.is_contiguous()
     assert_rel_close(out, want[0], tol, "out")
     assert_rel_close(lse, want[1], tol, "lse")
     grads = kernel("attention_bwd", name)(dout, q, k, v, out, lse, causal=causal)
     for label, got, expected, like in zip(
         ("dq", "dk", "dv"), grads, want[2:], (q, k, v), strict=True
     ):
-        assert got.dtype == like.dtype
+        assert got.shape == like.shape and got.dtype == like.dtype, label
         assert_rel_close(got, expected, tol, label)
+
+
+@pytest.mark.parametrize("name", ALL_VARIANTS)
+def test_key_value_heads_that_do_not_divide_the_query_heads_are_refused(
+    kernel, randn, name
+) -> None:
+    q = randn(1, 6, 9, 8)
+    k = v = randn(1, 4, 9, 8)
+    with pytest.raises(
+        ValueError, match=r"kv_heads dividing heads, got q \(1, 6, 9, 8\), k \(1, 4"
+    ):
+        kernel("attention_fwd", name)(q, k, v, causal=True)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -124,8 +151,8 @@ def test_inputs_that_require_grad_build_no_graph(kernel, randn, name) -> None:
 @pytest.mark.parametrize("name", VARIANTS)
 def test_bad_shapes_are_named(kernel, randn, name) -> None:
     q = randn(1, 2, 5, 8)
-    with pytest.raises(ValueError, match=r"one shape \(batch, heads, seq, head_dim\)"):
-        kernel("attention_fwd", name)(q, randn(1, 1, 5, 8), q, causal=True)
+    with pytest.raises(ValueError, match=r"k, v \(batch, kv_heads, seq, head_dim\)"):
+        kernel("attention_fwd", name)(q, randn(1, 1, 5, 8), q, causal=True)  # k unlike v
     out, lse = kernel("attention_fwd", name)(q, q, q, causal=True)
     with pytest.raises(ValueError, match=r"lse \(batch, heads, seq\) = \(1, 2, 5\)"):
         kernel("attention_bwd", name)(q, q, q, q, out, lse[..., :4], causal=True)

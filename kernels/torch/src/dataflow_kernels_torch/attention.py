@@ -1,8 +1,11 @@
 """Softmax attention as an explicit forward/backward pair: the forward returns the
 logsumexp its backward takes, so backward never runs the forward again.
 
-``attention_fwd(q, k, v, *, causal, scale=None) -> (out, lse)`` with q, k, v
-(batch, heads, seq, head_dim), one head count and one sequence length for all three:
+``attention_fwd(q, k, v, *, causal, scale=None) -> (out, lse)`` with q (batch, heads, seq,
+head_dim) and k, v (batch, kv_heads, seq, head_dim), one sequence length for all three and
+``kv_heads`` dividing ``heads`` (grouped-query attention: query head ``h`` attends with
+key/value head ``h // (heads // kv_heads)``; ``kv_heads == heads`` is plain multi-head
+attention):
 
     scores = q @ k.T * scale               (scale defaults to 1 / sqrt(head_dim))
     scores[i, j] = -inf where j > i        (causal only)
@@ -17,8 +20,13 @@ logsumexp its backward takes, so backward never runs the forward again.
     dq = dS @ k * scale
     dk = dS.T @ q * scale
 
-``lse`` is the one contract between the two: any variant's backward accepts any variant's
-forward output, contiguous (batch, heads, seq).
+``dk`` and ``dv`` come back like ``k`` and ``v``: with grouped heads, each is the sum over its
+group of query heads. ``lse`` is the one contract between the two: any variant's backward
+accepts any variant's forward output, contiguous (batch, heads, seq).
+
+With grouped heads the pairs here repeat each key/value head for its group before the
+kernel (``repeat_kv``) and sum the group's gradients after it (``sum_groups``); cuDNN's pair
+(``attention_cudnn``) takes the grouped heads as they are.
 
 Which kernel the fast pair (``attention_fwd``, ``attention_bwd``) calls, by device and dtype
 (``backend``):
@@ -55,7 +63,8 @@ def attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out like q, lse (batch, heads, seq) in the statistics dtype); see the module doc."""
-    _check(q, k, v)
+    group = _check(q, k, v)
+    k, v = repeat_kv(k, group), repeat_kv(v, group)
     kernel = backend(q)
     with torch.no_grad():
         if kernel == "flash":
@@ -90,8 +99,13 @@ def attention_bwd(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv) like q, k, v, from the forward's ``out`` and ``lse``."""
-    _check(q, k, v)
+    group = _check(q, k, v)
     _check_saved(dout, q, out, lse)
+    if group > 1:
+        dq, dk, dv = attention_bwd(
+            dout, q, repeat_kv(k, group), repeat_kv(v, group), out, lse, causal=causal, scale=scale
+        )
+        return dq, sum_groups(dk, group), sum_groups(dv, group)
     kernel = backend(q)
     with torch.no_grad():
         if kernel == "flash":
@@ -126,7 +140,8 @@ def attention_fwd_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward formulas with explicit (seq, seq) scores in the statistics dtype."""
-    _check(q, k, v)
+    group = _check(q, k, v)
+    k, v = repeat_kv(k, group), repeat_kv(v, group)
     compute = stats_dtype(q.dtype)
     with torch.no_grad():
         scores = _scores(q, k, causal, scale, compute)
@@ -148,8 +163,10 @@ def attention_bwd_reference(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward formulas: P from q, k and lse; dS = P * (dP - rowsum(dout * out))."""
-    _check(q, k, v)
+    group = _check(q, k, v)
     _check_saved(dout, q, out, lse)
+    k_dtype, v_dtype = k.dtype, v.dtype
+    k, v = repeat_kv(k, group), repeat_kv(v, group)
     compute = stats_dtype(q.dtype)
     factor = _scale(q, scale)
     with torch.no_grad():
@@ -160,7 +177,7 @@ def attention_bwd_reference(
         d_scores = probs.mul_((dout_c @ v.to(compute).transpose(-2, -1)).sub_(delta))
         dq = (d_scores @ k.to(compute)).mul_(factor)
         dk = (d_scores.transpose(-2, -1) @ q.to(compute)).mul_(factor)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), sum_groups(dk, group).to(k_dtype), sum_groups(dv, group).to(v_dtype)
 
 
 def backend(q: torch.Tensor) -> str:
@@ -213,16 +230,40 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+def repeat_kv(kv: torch.Tensor, group: int) -> torch.Tensor:
+    """(batch, kv_heads, seq, dim) -> (batch, kv_heads * group, seq, dim), each head repeated
+    for its ``group`` query heads (``kv`` itself when ``group`` is 1)."""
+    return kv if group == 1 else kv.repeat_interleave(group, dim=1)
+
+
+def sum_groups(d_kv: torch.Tensor, group: int) -> torch.Tensor:
+    """The inverse of ``repeat_kv`` for gradients: each group of ``group`` heads summed."""
+    if group == 1:
+        return d_kv
+    batch, heads, seq, head_dim = d_kv.shape
+    return d_kv.view(batch, heads // group, group, seq, head_dim).sum(2)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Validate q, k, v (module doc); -> query heads per key/value head."""
+    if (
+        q.dim() != 4
+        or k.shape != v.shape
+        or k.dim() != 4
+        or (k.shape[0], k.shape[2], k.shape[3]) != (q.shape[0], q.shape[2], q.shape[3])
+        or k.shape[1] == 0
+        or q.shape[1] % k.shape[1]
+    ):
         raise ValueError(
-            "attention expects q, k, v of one shape (batch, heads, seq, head_dim), got q "
-            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            "attention expects q (batch, heads, seq, head_dim) and k, v (batch, kv_heads, "
+            f"seq, head_dim) with kv_heads dividing heads, got q {tuple(q.shape)}, k "
+            f"{tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
         raise ValueError(
             f"attention expects q, k, v of one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
+    return q.shape[1] // k.shape[1]
 
 
 def _check_saved(dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:

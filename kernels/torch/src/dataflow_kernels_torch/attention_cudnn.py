@@ -2,7 +2,10 @@
 ``attention_fwd`` / ``attention_bwd`` of ``attention.py`` documents.
 
 ``aten._scaled_dot_product_cudnn_attention`` returns the logsumexp its backward takes,
-like flash. Where it does not apply (not CUDA, not 16-bit, head_dim not a multiple of 8
+like flash. It takes grouped key/value heads as they are (fewer than the query heads,
+dividing them; PyTorch 2.8 and later, pytorch/pytorch#150337), so grouped-query attention
+runs without the repeated copies of K and V the ``torch`` pair makes, and its backward
+returns dk and dv with the key/value heads' count, each group's sum. Where it does not apply (not CUDA, not 16-bit, head_dim not a multiple of 8
 or above 128, a sequence of one token) both functions are the ``torch`` pair. The two must be chosen together:
 they are registered as one priority, so ``load_ops`` never mixes them with another pair.
 """
@@ -63,4 +66,9 @@ def attention_bwd_cudnn(
             dout, q, k, v, out, lse.unsqueeze(-1), unused, unused, None, None, None,
             seq, seq, 0.0, causal, scale=scale,
         )  # fmt: skip
+    if dk.shape != k.shape or dv.shape != v.shape:
+        raise RuntimeError(
+            f"cuDNN attention backward returned dk {tuple(dk.shape)}, dv {tuple(dv.shape)} "
+            f"for k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     return dq, dk, dv

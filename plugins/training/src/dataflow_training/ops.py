@@ -118,6 +118,8 @@ def autograd_ops(base: Mapping[str, Callable]) -> dict[str, Callable]:
 
     def attention_fwd(q, k, v, *, causal, scale=None):
         scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+        group = q.shape[1] // k.shape[1]  # grouped key/value heads: each for its query heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         scores = (q @ k.transpose(-1, -2)) * scale
         if causal:
             mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()

@@ -3,8 +3,10 @@ fused forward that returns its logsumexp with the backward that takes it.
 
 Backward never runs attention's forward again: it needs q, k, v, the output and the
 logsumexp, all saved by forward (``attention_fwd`` / ``attention_bwd`` ops). Grouped-query
-attention (fewer key/value heads than query heads) repeats each key/value head for its
-group of query heads before the kernel and sums the group's gradients after it.
+attention (fewer key/value heads than query heads) passes the grouped heads to the ops,
+whose contract takes them (docs/kernel_registry.md): a variant that cannot run them
+grouped repeats each key/value head for its query heads itself and sums their gradients,
+one that can (cuDNN's) makes no repeated copies.
 """
 
 from __future__ import annotations
@@ -26,23 +28,11 @@ def merge_heads(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).reshape(batch, seq, heads * head_dim)
 
 
-def _repeat(kv: torch.Tensor, group: int) -> torch.Tensor:
-    return kv if group == 1 else kv.repeat_interleave(group, dim=1)
-
-
-def _group_sum(d_kv: torch.Tensor, group: int) -> torch.Tensor:
-    if group == 1:
-        return d_kv
-    batch, heads, seq, head_dim = d_kv.shape
-    return d_kv.view(batch, heads // group, group, seq, head_dim).sum(2)
-
-
-def _group(q: torch.Tensor, k: torch.Tensor) -> int:
+def _check_groups(q: torch.Tensor, k: torch.Tensor) -> None:
     if q.shape[1] % k.shape[1]:
         raise ValueError(
             f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key heads"
         )
-    return q.shape[1] // k.shape[1]
 
 
 def attention_forward(
@@ -55,8 +45,8 @@ def attention_forward(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (batch, heads, seq, dim); k, v (batch, kv_heads, seq, dim) -> (out like q, lse)."""
-    group = _group(q, k)
-    return ops["attention_fwd"](q, _repeat(k, group), _repeat(v, group), causal=causal, scale=scale)
+    _check_groups(q, k)
+    return ops["attention_fwd"](q, k, v, causal=causal, scale=scale)
 
 
 def attention_backward(
@@ -72,8 +62,5 @@ def attention_backward(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv), dk and dv with k's and v's head counts."""
-    group = _group(q, k)
-    dq, dk, dv = ops["attention_bwd"](
-        d_out, q, _repeat(k, group), _repeat(v, group), out, lse, causal=causal, scale=scale
-    )
-    return dq, _group_sum(dk, group), _group_sum(dv, group)
+    _check_groups(q, k)
+    return ops["attention_bwd"](d_out, q, k, v, out, lse, causal=causal, scale=scale)
