@@ -8,7 +8,9 @@
 #   bash benchmarks/fidelity.sh 4096
 #   python benchmarks/fidelity_merge.py OUT/fidelity_*.json   # -> results/fidelity.json
 #
-# T_ROUNDS overrides the T_rounds, CELL_SECONDS each command's limit (default 170 s).
+# T_ROUNDS overrides the T_rounds, CELL_SECONDS each command's limit (default 170 s),
+# RESOLVER the resolver (default auto: torch-compiled on CUDA, what `dataflow train` runs;
+# the rows of 2026-12-04 ran on the eager `torch` one, before measure had --resolver).
 # The profile cache starts from results/profiles_gpt2.tgz and is copied to $OUT.
 set -u
 seq_len=${1:?usage: fidelity.sh SEQ_LEN}
@@ -22,7 +24,8 @@ for t_round in ${T_ROUNDS:-16384 65536 32768}; do
     start=$(date +%s)
     timeout "${CELL_SECONDS:-170}" dataflow measure --preset gpt2_124m --hw h200 \
         --t-round "$t_round" --tokens-step 524288 --budget 16,8,4,2 --seq-len "$seq_len" \
-        --backing 16 --steps 5 --warmup 2 --json "$out/$name.json" >"$out/$name.log" 2>&1
+        --backing 16 --steps 5 --warmup 2 --resolver "${RESOLVER:-auto}" \
+        --json "$out/$name.json" >"$out/$name.log" 2>&1
     echo "$name: rc $? in $(($(date +%s) - start)) s"
     grep -E "^seq .*: [0-9.]+$|cannot|infeasible" "$out/$name.log" | head -8
 done

@@ -135,7 +135,13 @@ def test_measure_runs_each_cell_beside_its_prediction(tmp_path) -> None:
     )
     assert run["ratio"] == pytest.approx(run["measured_step_s"] / run["predicted_step_s"])
     assert not small["feasible"] and small["reason"]
+    assert run["resolver"] == small["resolver"] == "torch"  # --resolver auto on the CPU
     assert "ratio" in result.stdout
+
+
+def test_measure_names_an_unknown_resolver_and_the_known_ones() -> None:
+    result = invoke("measure", *ONE, "--budget", "1", "--device", "cpu", "--resolver", "jit")
+    assert_one_line_error(result, 2, "--resolver", "'jit'", "torch-compiled")
 
 
 def test_measure_plans_within_the_backing_and_tells_each_step(tmp_path) -> None:

@@ -247,6 +247,22 @@ def test_missing_data_path_is_one_line(site, tmp_path):
     assert_one_line_error(result, 1, "nowhere.txt")
 
 
+def test_an_unknown_resolver_is_one_line_naming_the_known_ones(site, corpus, tmp_path):
+    result = invoke(*_args(corpus, tmp_path / "run", 2, "--resolver", "jit"))
+    assert_one_line_error(result, 1, "--resolver", "'jit'", "torch-compiled")
+
+
+def test_the_auto_resolver_compiles_on_cuda_only() -> None:
+    from dataflow_training.run import resolver_for
+
+    assert resolver_for("auto", "cpu") == "torch"
+    assert resolver_for("auto", "cuda:0") == "torch-compiled"  # resolvers/torch installed
+    assert resolver_for("torch", "cuda") == "torch"
+    assert resolver_for("torch-compiled", "cpu") == "torch-compiled"
+    with pytest.raises(ValueError, match="known: auto, .*synthetic"):
+        resolver_for("jit", "cpu")
+
+
 def test_infeasible_budget_names_the_budget_that_fits(site, corpus, tmp_path):
     result = invoke(*_args(corpus, tmp_path / "run", 2, "--budget", "64KiB"))
     assert_one_line_error(result, 1, "--budget")

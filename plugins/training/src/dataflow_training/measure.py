@@ -53,7 +53,7 @@ def measure_cell(
     from dataflow_training.run import TrainingRun
 
     costs = "measured" if device.startswith("cuda") else "roofline"
-    extra: dict[str, Any] = {"hw": hw.name, "costs": costs, "device": device}
+    extra: dict[str, Any] = {"hw": hw.name, "costs": costs, "device": device, "resolver": resolver}
     reason = cell.why_not()
     if reason is not None:
         return infeasible_row(cell, extra, reason)

@@ -305,6 +305,13 @@ def measured_pricing(
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(min=0))
 @click.option("--device", default=None, type=Device(), help="default: cuda when present")
 @click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--resolver",
+    default="auto",
+    show_default=True,
+    help="the registered resolver that runs the tasks; auto: torch-compiled on CUDA, torch "
+    "elsewhere (as dataflow train)",
+)
 def measure_command(
     preset,
     family_name,
@@ -323,9 +330,11 @@ def measure_command(
     warmup,
     device,
     seed,
+    resolver,
 ) -> None:
     """Run a grid of training steps on the engine, each beside its prediction."""
     from dataflow_training.measure import measure
+    from dataflow_training.run import resolver_for
     from dataflow_training.train_cli import default_device
 
     if warmup >= steps:
@@ -335,6 +344,12 @@ def measure_command(
     family, entry, backing = _setup(preset, family_name, hw, hw_files, backing)
     cells = _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders)
     device = device or default_device()
+    try:
+        resolver = resolver_for(resolver, device)
+    except ValueError as exc:
+        raise click.BadParameter(
+            str(exc).removeprefix("--resolver "), param_hint="--resolver"
+        ) from None
 
     def label(seq_len: int, t_round: int, budget_bytes: int) -> str:
         return f"seq {seq_len} T_round {t_round} budget {format_size(budget_bytes)}"
@@ -358,6 +373,7 @@ def measure_command(
         recompute=recompute,
         dtype=dtype,
         seed=seed,
+        resolver=resolver,
         progress=progress,
         on_event=on_event,
     )

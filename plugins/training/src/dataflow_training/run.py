@@ -53,6 +53,27 @@ HOST_RESERVE_BYTES = 8 * 2**30
 FIT_POOL_TRIES = 3
 
 
+#: ``resolver_for``'s choice for "auto" on CUDA: each block kind's math compiled, what the
+#: throughput rows of docs/throughput.md run (compare.py --resolver torch-compiled)
+CUDA_RESOLVER = "torch-compiled"
+
+
+def resolver_for(name: str, device: str) -> str:
+    """The registered resolver ``name`` names for ``device``: "auto" is ``CUDA_RESOLVER`` on
+    CUDA where it is installed, else ``torch`` (eager; compiling on a CPU costs more than
+    it gains). ValueError names the known ones for a name that is not registered."""
+    from dataflow.plugins import resolvers
+
+    known = [spec.name for spec in resolvers()]
+    if name == "auto":
+        return CUDA_RESOLVER if device.startswith("cuda") and CUDA_RESOLVER in known else "torch"
+    if name not in known:
+        raise ValueError(
+            f"--resolver {name!r}: not a registered resolver; known: auto, {', '.join(known)}"
+        )
+    return name
+
+
 def available_host_bytes() -> int | None:
     """``MemAvailable`` of /proc/meminfo (None where there is none)."""
     try:

@@ -150,6 +150,14 @@ def fleet_options(command: Any) -> Any:
 )
 @order_option()
 @click.option(
+    "--resolver",
+    default="auto",
+    show_default=True,
+    help="the registered resolver that runs the tasks (`dataflow plugins`); auto: "
+    "torch-compiled on CUDA (each block kind's math compiled; the first steps take longer), "
+    "torch (eager) elsewhere",
+)
+@click.option(
     "--head-vocab-tiles",
     is_flag=True,
     help="make the head's weight gradient one vocabulary tile at a time: no float32 "

@@ -93,6 +93,8 @@ class TrainOptions:
     trace_steps: int = 0
     order: str = "round"  # TrainConfig.order
     head_vocab_tiles: bool = False  # TrainConfig.head_vocab_tiles
+    #: the registered resolver that runs the tasks, or "auto" (``run.resolver_for``)
+    resolver: str = "auto"
 
     def train_config(self) -> TrainConfig:
         """The step; the head's token chunk follows the budget as ``predict``'s does
@@ -213,7 +215,7 @@ def train(
     steps, metrics)`` is called after every step. Lines go to ``out`` (default: stdout as
     it is when each is printed, so that a progress bar that took stdout over shows them)."""
     from dataflow_training.checkpoint import latest_checkpoint, prune, step_name
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.run import TrainingRun, resolver_for
 
     writes = fleet is None or fleet.writes
 
@@ -233,6 +235,7 @@ def train(
         overrides=o.overrides,
         graph=o.graph,
         recompute=o.recompute,
+        resolver=resolver_for(o.resolver, o.device),
         grad_share=None if fleet is None else fleet.share,
         links=fleet_links(fleet, o.device),
     )
