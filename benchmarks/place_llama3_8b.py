@@ -25,7 +25,8 @@ dim) accumulator; the embedding backward's workspace less its float32 table plus
 ``ROWS_TEMPORARIES`` float32 (tokens, dim) buffers. An estimate, until the device
 profiles them.
 
-``--preset`` (with ``--seq-len``) places another preset the archive has profiles for, e.g.
+``--resolver`` (default ``torch-compiled``, what compare.py's rows run) keeps only that
+resolver's profiles, the newest of each signature. ``--preset`` (with ``--seq-len``) places another preset the archive has profiles for, e.g.
 ``--preset gpt2_124m --seq-len 1024 --batch 8 --rounds 64 --budget 2GiB --profiles
 benchmarks/results/profiles_gpt2.tgz``. ``--workspace KEY=SIZE`` (repeatable) is a what-if:
 every task of compute key ``KEY`` (e.g. ``gpt2.head.loss``) priced with that workspace
@@ -65,22 +66,28 @@ RESERVE_BYTES = 33_556_480  # 8 GiB less the 7.97 GiB the H200 run planned for
 LINKS = Links(h2d=Link(54_804.6, 10.0), d2h=Link(55_228.2, 10.0))  # compare.json's
 
 
-def measured_profiles(source: Path) -> dict[str, TaskProfile]:
-    """Signature (as JSON) -> profile, from a cache directory or an archive of one."""
+def measured_profiles(source: Path, resolver: str | None = None) -> dict[str, TaskProfile]:
+    """Signature (as JSON) -> profile, from a cache directory or an archive of one. With
+    ``resolver``, only its entries (an archive may hold another resolver's, or an older
+    code's, for the same signature); where several remain, the newest file wins."""
     if source.is_dir():
-        return _read(source)
+        return _read(source, resolver)
     with tempfile.TemporaryDirectory() as directory:
         with tarfile.open(source) as archive:
             archive.extractall(directory, filter="data")
-        return _read(Path(directory))
+        return _read(Path(directory), resolver)
 
 
-def _read(directory: Path) -> dict[str, TaskProfile]:
+def _read(directory: Path, resolver: str | None) -> dict[str, TaskProfile]:
     found = {}
-    for path in sorted(directory.glob("*.json")):
+    for path in sorted(directory.glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name)):
         entry = json.loads(path.read_text())
-        key = json.dumps(json.loads(entry["key"])["signature"])
-        found[key] = TaskProfile(entry["cost_us"], entry["workspace_bytes"])
+        key = json.loads(entry["key"])
+        if resolver is not None and f"resolver {resolver}" not in key["kernels"]:
+            continue
+        found[json.dumps(key["signature"])] = TaskProfile(
+            entry["cost_us"], entry["workspace_bytes"]
+        )
     return found
 
 
@@ -166,6 +173,9 @@ def main() -> None:
     parser.add_argument("--backing", default=None)
     parser.add_argument("--chunk", type=int, default=None, help="head tokens a chunk")
     parser.add_argument("--head-vocab-tiles", action="store_true", help="estimated (module doc)")
+    parser.add_argument(
+        "--resolver", default="torch-compiled", help="whose profiles (compare.py's rows' default)"
+    )
     parser.add_argument("--preset", default="llama3_8b")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument(
@@ -178,7 +188,7 @@ def main() -> None:
     config = family.presets[args.preset]
     vocab = config.vocab_size
     dim = getattr(config, "hidden_size", None) or config.n_embd
-    known = measured_profiles(args.profiles)
+    known = measured_profiles(args.profiles, args.resolver)
     if args.head_vocab_tiles:
         known = estimated_tiles(known, args.batch * args.seq_len, vocab, dim)
     caps = dict(item.split("=", 1) for item in args.workspace)

@@ -320,3 +320,30 @@ def test_place_llama3_8b_what_if_gives_a_compute_key_its_workspace() -> None:
         else:
             assert capped.workspace_bytes == profile.workspace_bytes
     assert heads
+
+
+def test_place_llama3_8b_reads_one_resolvers_profiles_the_newest_first(tmp_path) -> None:
+    """An archive may hold two resolvers' entries (or two code versions') for one
+    signature: only ``resolver``'s count, and of those the newest file."""
+    import json
+    import os
+
+    import place_llama3_8b
+
+    signature = ["olmoe.moe.backward", [], [4, 4096]]
+
+    def entry(name: str, resolver: str, cost_us: float, mtime: int) -> None:
+        key = {"signature": signature, "kernels": [f"resolver {resolver}"]}
+        path = tmp_path / f"{name}.json"
+        path.write_text(
+            json.dumps({"key": json.dumps(key), "cost_us": cost_us, "workspace_bytes": 1})
+        )
+        os.utime(path, (mtime, mtime))
+
+    entry("a", "torch-compiled", 18_000.0, 200)
+    entry("b", "torch-compiled", 17_000.0, 100)
+    entry("z", "torch", 15_000.0, 300)  # sorts last by name and by time
+    (compiled,) = place_llama3_8b.measured_profiles(tmp_path, "torch-compiled").values()
+    assert compiled.cost_us == 18_000.0
+    (eager,) = place_llama3_8b.measured_profiles(tmp_path, "torch").values()
+    assert eager.cost_us == 15_000.0
