@@ -60,8 +60,9 @@ CUDA_RESOLVER = "torch-compiled"
 
 def resolver_for(name: str, device: str) -> str:
     """The registered resolver ``name`` names for ``device``: "auto" is ``CUDA_RESOLVER`` on
-    CUDA where it is installed, else ``torch`` (eager; compiling on a CPU costs more than
-    it gains). ValueError names the known ones for a name that is not registered."""
+    CUDA where it is installed, else ``torch`` (eager: the compiled resolver is made for
+    CUDA, and on a CPU compiling a small model's tasks takes longer than its steps). A
+    name that is not registered is a ValueError naming the known ones."""
     from dataflow.plugins import resolvers
 
     known = [spec.name for spec in resolvers()]
