@@ -26,11 +26,12 @@ dim) accumulator; the embedding backward's workspace less its float32 table plus
 profiles them.
 
 ``--resolver`` (default ``torch-compiled``, what compare.py's rows run) keeps only that
-resolver's profiles, the newest of each signature. ``--preset`` (with ``--seq-len``) places another preset the archive has profiles for, e.g.
-``--preset gpt2_124m --seq-len 1024 --batch 8 --rounds 64 --budget 2GiB --profiles
-benchmarks/results/profiles_gpt2.tgz``. ``--workspace KEY=SIZE`` (repeatable) is a what-if:
-every task of compute key ``KEY`` (e.g. ``gpt2.head.loss``) priced with that workspace
-instead of its measured one, to see what a task that held less would buy the plan.
+resolver's profiles, the newest of each signature. ``--preset`` (with ``--seq-len``)
+places another preset the archive has profiles for, e.g. ``--preset gpt2_124m --seq-len
+1024 --batch 8 --rounds 64 --budget 2GiB --profiles benchmarks/results/profiles_gpt2.tgz``.
+``--workspace KEY=SIZE`` (repeatable) is a what-if: every task of compute key ``KEY`` (e.g.
+``gpt2.head.loss``) priced with that workspace instead of its measured one, to see what a
+task that held less would buy the plan.
 
 Run: ``python benchmarks/place_llama3_8b.py --budget 8GiB [--batch 2 --rounds 16] [--counted]
 [--order ORDER] [--backing SIZE] [--chunk TOKENS] [--profiles DIR] [--head-vocab-tiles]

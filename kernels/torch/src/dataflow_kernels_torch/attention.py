@@ -165,7 +165,6 @@ def attention_bwd_reference(
     """The backward formulas: P from q, k and lse; dS = P * (dP - rowsum(dout * out))."""
     group = _check(q, k, v)
     _check_saved(dout, q, out, lse)
-    k_dtype, v_dtype = k.dtype, v.dtype
     k, v = repeat_kv(k, group), repeat_kv(v, group)
     compute = stats_dtype(q.dtype)
     factor = _scale(q, scale)
@@ -177,7 +176,7 @@ def attention_bwd_reference(
         d_scores = probs.mul_((dout_c @ v.to(compute).transpose(-2, -1)).sub_(delta))
         dq = (d_scores @ k.to(compute)).mul_(factor)
         dk = (d_scores.transpose(-2, -1) @ q.to(compute)).mul_(factor)
-    return dq.to(q.dtype), sum_groups(dk, group).to(k_dtype), sum_groups(dv, group).to(v_dtype)
+    return dq.to(q.dtype), sum_groups(dk, group).to(k.dtype), sum_groups(dv, group).to(v.dtype)
 
 
 def backend(q: torch.Tensor) -> str:

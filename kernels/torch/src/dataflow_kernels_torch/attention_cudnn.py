@@ -5,9 +5,10 @@
 like flash. It takes grouped key/value heads as they are (fewer than the query heads,
 dividing them; PyTorch 2.8 and later, pytorch/pytorch#150337), so grouped-query attention
 runs without the repeated copies of K and V the ``torch`` pair makes, and its backward
-returns dk and dv with the key/value heads' count, each group's sum. Where it does not apply (not CUDA, not 16-bit, head_dim not a multiple of 8
-or above 128, a sequence of one token) both functions are the ``torch`` pair. The two must be chosen together:
-they are registered as one priority, so ``load_ops`` never mixes them with another pair.
+returns dk and dv with the key/value heads' count, each group's sum. Where it does not
+apply (not CUDA, not 16-bit, head_dim not a multiple of 8 or above 128, a sequence of one
+token) both functions are the ``torch`` pair. The two must be chosen together: they are
+registered as one priority, so ``load_ops`` never mixes them with another pair.
 """
 
 from __future__ import annotations
