@@ -5,6 +5,8 @@ Llama 3 scaling), the cached rotary tables, ``DecoderConfig``'s rules, the share
 
 from __future__ import annotations
 
+import re
+
 from typing import ClassVar
 
 import attrs
@@ -63,6 +65,41 @@ def test_cached_tables_are_made_once_and_equal_tables() -> None:
     assert first[0] is again[0] and first[1] is again[1]
     expected = rotary.tables(12, 16, 10000.0, scaling=Llama3Scaling(), dtype=torch.float64)
     assert all(torch.equal(a, b) for a, b in zip(first, expected, strict=True))
+
+
+def test_compiled_callers_take_the_cached_tables_as_inputs() -> None:
+    """Under torch.compile the tables are looked up, not made again by every call: the
+    first call's graph makes them (and fills the cache), the graph that runs from then on
+    takes them as inputs and computes no cosine or sine; the results equal eager's."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        cos, sin = rotary.cached_tables(
+            x.shape[1], x.shape[-1], 500.0, None, x.device, x.dtype
+        )
+        return rotary.apply(x.transpose(1, 2), cos, sin) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(rotate, backend=backend)
+    x = torch.randn(2, 24, 3, 8, dtype=torch.float64)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x), rotate(x), rtol=0, atol=0)
+    def trig(gm: torch.fx.GraphModule) -> list[str]:
+        return [str(n.target) for n in gm.graph.nodes if re.search("cos|sin", str(n.target))]
+
+    assert len(graphs) == 2 and trig(graphs[0]) and not trig(graphs[1])
+
+
+def test_the_table_cache_keeps_the_newest() -> None:
+    for n in range(rotary._KEPT + 3):
+        rotary.cached_tables(n + 1, 4, 10000.0, None, torch.device("cpu"), torch.float32)
+    assert len(rotary._TABLES) == rotary._KEPT
+    lengths = [key[0] for key in rotary._TABLES]
+    assert lengths == list(range(4, rotary._KEPT + 4))
 
 
 def test_config_rules_name_the_field() -> None:

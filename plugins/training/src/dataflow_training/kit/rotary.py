@@ -11,7 +11,6 @@ positions.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import attrs
 import torch
@@ -61,9 +60,8 @@ def tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each (seq_len, rotary_dim), computed in float64 on ``device`` then cast.
 
-    Made on the device itself, never copied from the host: under torch.compile the cache
-    below is traced through, so this runs inside a compiled task, and a host-to-device copy
-    there cannot be captured into the step's CUDA graph."""
+    Made on the device itself, never copied from the host: a task may make them while
+    the step's CUDA graph is captured, where a host-to-device copy cannot be."""
     inv = inverse_frequencies(rotary_dim, base, scaling, device)
     positions = torch.arange(seq_len, dtype=torch.float64, device=device)
     angles = torch.outer(positions, inv)
@@ -71,7 +69,12 @@ def tables(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-@lru_cache(maxsize=32)
+#: ``cached_tables``' tables by (length, rotation, base, scaling, device, dtype); at most
+#: ``_KEPT`` of them, the oldest dropped first
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_KEPT = 32
+
+
 def cached_tables(
     seq_len: int,
     rotary_dim: int,
@@ -82,8 +85,31 @@ def cached_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``tables`` made once per (length, rotation, device, dtype) and kept: a block's
     forward, recompute and backward all take the same two tensors, already on the device
-    (nothing is copied from the host while a step runs). Callers must not write into them."""
-    return tables(seq_len, rotary_dim, base, scaling=scaling, device=device, dtype=dtype)
+    (nothing is copied from the host while a step runs). Callers must not write into them.
+
+    Under torch.compile the lookup is traced and the tables it finds become inputs of the
+    compiled graph. The graph of a caller that finds none makes them and fills the cache
+    (dynamo replays the dict's write after the graph); the changed cache fails that
+    graph's guard, so the caller is compiled once more, taking them as inputs. A
+    ``functools.lru_cache`` here would be traced through: every compiled block made its
+    tables again, in float64, fused into the kernels that use them (session 19: 65 ms of
+    OLMoE's 507 ms of kernels a 16K-token round went to one such q/k-norm backward)."""
+    scale = None
+    if scaling is not None:
+        scale = (
+            scaling.factor,
+            scaling.low_freq_factor,
+            scaling.high_freq_factor,
+            scaling.original_max_position,
+        )
+    key = (seq_len, rotary_dim, base, scale, device.type, device.index, dtype)
+    found = _TABLES.get(key)
+    if found is None:
+        found = tables(seq_len, rotary_dim, base, scaling=scaling, device=device, dtype=dtype)
+        while len(_TABLES) >= _KEPT:
+            del _TABLES[next(iter(_TABLES))]
+        _TABLES[key] = found
+    return found
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
