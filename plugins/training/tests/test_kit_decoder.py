@@ -6,7 +6,6 @@ Llama 3 scaling), the cached rotary tables, ``DecoderConfig``'s rules, the share
 from __future__ import annotations
 
 import re
-
 from typing import ClassVar
 
 import attrs
@@ -78,9 +77,7 @@ def test_compiled_callers_take_the_cached_tables_as_inputs() -> None:
         return gm.forward
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        cos, sin = rotary.cached_tables(
-            x.shape[1], x.shape[-1], 500.0, None, x.device, x.dtype
-        )
+        cos, sin = rotary.cached_tables(x.shape[1], x.shape[-1], 500.0, None, x.device, x.dtype)
         return rotary.apply(x.transpose(1, 2), cos, sin) * 2
 
     torch._dynamo.reset()
@@ -88,6 +85,7 @@ def test_compiled_callers_take_the_cached_tables_as_inputs() -> None:
     x = torch.randn(2, 24, 3, 8, dtype=torch.float64)
     for _ in range(3):
         torch.testing.assert_close(compiled(x), rotate(x), rtol=0, atol=0)
+
     def trig(gm: torch.fx.GraphModule) -> list[str]:
         return [str(n.target) for n in gm.graph.nodes if re.search("cos|sin", str(n.target))]
 
