@@ -8,8 +8,10 @@ import attrs
 import pytest
 
 from dataflow.planning import PlanningError, minimal_budget, plan
+from dataflow.planning import placement as placement_module
 from dataflow.planning.placement import (
     Block,
+    _pack_within,
     check_placement,
     live_peak_bytes,
     pack,
@@ -66,9 +68,12 @@ def test_placement_fits_the_budget_without_overlaps(make) -> None:
         assert used <= resident
 
 
-def test_a_packing_over_the_budget_is_re_planned_at_a_smaller_capacity() -> None:
+def test_a_packing_over_the_budget_is_re_planned_at_a_smaller_capacity(monkeypatch) -> None:
+    # fragmentation puts every first packing over this budget (the repair, off here, fits
+    # one; the re-plan is for when it does not)
+    monkeypatch.setattr(placement_module, "REPAIR_STEPS", ())
     program = training(random.Random(6), layers=4)
-    budget = 87_293_952  # fragmentation puts every first packing over this budget
+    budget = 87_293_952
     planned = plan(program, budget)
     blocks = residency_blocks(planned)
     assert max(block.end_bytes for block in pack(blocks)) > budget
@@ -123,7 +128,8 @@ def test_a_re_plan_that_packs_is_refined_towards_the_budget() -> None:
     assert check_placement(refined) == []
 
 
-def test_when_no_re_plan_fits_the_error_names_the_budget() -> None:
+def test_when_no_re_plan_fits_the_error_names_the_budget(monkeypatch) -> None:
+    monkeypatch.setattr(placement_module, "REPAIR_STEPS", ())
     program = training(random.Random(6), layers=4)
     budget = minimal_budget(program)
     with pytest.raises(PlanningError, match=f"fast budget of .*{budget} bytes"):
@@ -161,3 +167,33 @@ def test_a_replan_that_fragments_as_much_shaves_more_next_time() -> None:
     placed = place(planned)
     assert placed.arena_bytes <= budget
     assert simulate(placed.plan.program, budget_bytes=budget).valid
+
+
+def _no_two_share_bytes(blocks: tuple[Block, ...]) -> bool:
+    return all(
+        a.end_bytes <= b.offset_bytes or b.end_bytes <= a.offset_bytes
+        for i, a in enumerate(blocks)
+        for b in blocks[i + 1 :]
+        if a.start < b.end and b.start < a.end
+    )
+
+
+def test_the_repair_packs_what_no_fixed_order_does(monkeypatch) -> None:
+    """Eight blocks whose live peak is 88 bytes: every fixed order packs them into 93
+    (within ``REPAIR_WITHIN``), the repair (the blocks that end above the budget packed
+    earlier, again) into 88; an arena further over is left to the re-plan."""
+    spec = [(2, 6, 30), (0, 1, 36), (8, 9, 21), (0, 5, 16), (0, 1, 23), (6, 7, 17), (1, 6, 23)]
+    spec.append((0, 5, 13))
+    blocks = [
+        Block(s, e, size, 0, obj_id=f"o{i}", start=(s, 1, 0), end=(e, 1, 0))
+        for i, (s, e, size) in enumerate(spec)
+    ]
+    assert live_peak_bytes(blocks) == 88
+    monkeypatch.setattr(placement_module, "RESTARTS", 0)
+    placed, arena = _pack_within(blocks, 88)
+    assert arena == max(b.end_bytes for b in placed) == 88 and _no_two_share_bytes(placed)
+    monkeypatch.setattr(placement_module, "REPAIR_WITHIN", 1.05)  # 93 is 5.7 % over
+    assert _pack_within(blocks, 88)[1] == 93
+    monkeypatch.setattr(placement_module, "REPAIR_WITHIN", 1.08)
+    monkeypatch.setattr(placement_module, "REPAIR_STEPS", ())
+    assert _pack_within(blocks, 88)[1] == 93

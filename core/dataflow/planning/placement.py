@@ -48,6 +48,21 @@ REFINE_PARTS = 256
 #: Seeded restarts tried when no fixed order fits, for plans of at most RESTART_BLOCKS blocks.
 RESTARTS = 32
 RESTART_BLOCKS = 1000
+#: When nothing above fits, the repair (``_repair``): the blocks that end above the budget
+#: move forward in the packing order by each of these fractions of the block count in
+#: turn, for up to REPAIR_ROUNDS packings per fraction. Session 19: of 73 packings that
+#: two device runs' plans (OLMoE 1B-7B at 16 GiB by layer, Llama 3.2 1B at 4 GiB by
+#: round) asked for, each with its live peak within the budget, 3 fitted by the orders
+#: and restarts alone, 40 with the repair (12 rounds of 0.05, 0.2, 1; 16 rounds of 0.05
+#: and 0.2 fitted 39, 32 of 0.1 fitted 36).
+REPAIR_STEPS = (0.05, 0.2, 1.0)
+REPAIR_ROUNDS = 12
+#: The repair is tried only when the smallest arena is at most this times the budget: of
+#: those 73 packings it fitted 37 of the 43 that started up to 8 % over (the most, 6.8 %)
+#: and none of the 27 that started further; each try costs up to 36 packings, and a
+#: minimal-budget search probes many capacities that cannot fit (OLMoE's at 8 GiB: 27 s
+#: without the repair, 94 s with it at every probe, 54 s with this bound).
+REPAIR_WITHIN = 1.08
 
 
 @attrs.frozen
@@ -344,7 +359,8 @@ def _pack_within(
     intervals: list[Block], budget_bytes: int, pairs: dict[int, int] | None = None
 ) -> tuple[tuple[Block, ...], int]:
     """The first packing whose arena fits ``budget_bytes`` (the fixed orders, then up to
-    ``RESTARTS`` seeded restarts for up to ``RESTART_BLOCKS`` blocks), else the smallest.
+    ``RESTARTS`` seeded restarts for up to ``RESTART_BLOCKS`` blocks, then ``_repair`` of
+    the smallest), else the smallest.
     ``pairs`` maps a block to the one it must share an offset with (``wrap_pairs``)."""
     if not intervals:
         return (), 0
@@ -356,20 +372,54 @@ def _pack_within(
     for later, earlier in (pairs or {}).items():  # one unit: either one's neighbours
         joined = sorted(set(neighbours[later]) | set(neighbours[earlier]) - {later, earlier})
         neighbours[later] = neighbours[earlier] = joined
+    start: tuple[list[int], bool] | None = None
     for order, seed in attempts:
         ranked, tightest = _ranking(intervals, order, seed)
         offsets = _offsets(sizes, neighbours, ranked, tightest, pairs or {})
         arena = max(offset + size for offset, size in zip(offsets, sizes, strict=True))
         if best is None or arena < best[1]:
-            best = (offsets, arena)
+            best, start = (offsets, arena), (ranked, tightest)
         if arena <= budget_bytes:
             break
-    assert best is not None
+    assert best is not None and start is not None
+    if budget_bytes < best[1] <= budget_bytes * REPAIR_WITHIN:
+        best = _repair(sizes, neighbours, pairs or {}, budget_bytes, best, *start)
     placed = tuple(
         attrs.evolve(block, offset_bytes=offset)
         for block, offset in zip(intervals, best[0], strict=True)
     )
     return placed, best[1]
+
+
+def _repair(
+    sizes: list[int],
+    neighbours: list[list[int]],
+    pairs: dict[int, int],
+    budget_bytes: int,
+    best: tuple[list[int], int],
+    ranked: list[int],
+    tightest: bool,
+) -> tuple[list[int], int]:
+    """Pack again from the best packing's order, each time moving the blocks that ended
+    above ``budget_bytes`` forward (a "squeaky wheel": they take their holes before the
+    blocks that crowded them out), until one fits (``REPAIR_STEPS``, ``REPAIR_ROUNDS``).
+    The offsets and arena of the first packing that fits, else of the smallest found."""
+    count, first = len(sizes), best[0]
+    for step in REPAIR_STEPS:
+        rank = {block: position for position, block in enumerate(ranked)}
+        offsets = first
+        for _ in range(REPAIR_ROUNDS):
+            for block in range(count):
+                if offsets[block] + sizes[block] > budget_bytes:
+                    rank[block] -= step * count
+            order = sorted(range(count), key=rank.__getitem__)
+            offsets = _offsets(sizes, neighbours, order, tightest, pairs)
+            arena = max(offset + size for offset, size in zip(offsets, sizes, strict=True))
+            if arena < best[1]:
+                best = (offsets, arena)
+            if arena <= budget_bytes:
+                return best
+    return best
 
 
 #: Order of the steps of one pass at one instant (docs/execution_model.md).
