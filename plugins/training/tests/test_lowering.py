@@ -163,7 +163,9 @@ def test_a_fleet_members_all_reduce_overlaps_the_backward_below() -> None:
 
 def test_layer_order_runs_every_round_through_a_layer_before_the_next() -> None:
     """The same tasks, reordered: forwards by layer then round, backwards (a recompute
-    right before its backward) by layer descending then round, then the optimizer."""
+    right before its backward) by layer descending then round, each group's update right
+    after the last task that touches its weights or gradient (early updates, layer
+    orders' default; the tied embedding's after the embedding backward)."""
     train = TrainConfig(seq_len=4, batch=2, rounds=2, order="layer")
     by_round = lower(ToyFamily(), "small", attrs.evolve(train, order="round"), recompute=[1])
     by_layer = lower(ToyFamily(), "small", train, recompute=[1])
@@ -173,17 +175,25 @@ def test_layer_order_runs_every_round_through_a_layer_before_the_next() -> None:
         *(f"embed_0_{r}_emb" for r in (0, 1)),
         *(f"fwd_0_{r}_{i}" for i in (0, 1, 2) for r in (0, 1)),
         *(f"head_0_{r}_head" for r in (0, 1)),
+        "opt_0_1_head",
         "bwd_0_0_2",
         "bwd_0_1_2",
+        "opt_0_1_2",
         "rec_0_0_1",
         "bwd_0_0_1",
         "rec_0_1_1",
         "bwd_0_1_1",
+        "opt_0_1_1",
         "bwd_0_0_0",
         "bwd_0_1_0",
+        "opt_0_1_0",
         *(f"embbwd_0_{r}_emb" for r in (0, 1)),
-        *("opt_0_1_head", "opt_0_1_2", "opt_0_1_1", "opt_0_1_0", "opt_0_1_emb"),
+        "opt_0_1_emb",
     ]
+    ends = [
+        t.id for t in lower(ToyFamily(), "small", attrs.evolve(train, updates="end")).program.tasks
+    ]
+    assert ends[-5:] == ["opt_0_1_head", "opt_0_1_2", "opt_0_1_1", "opt_0_1_0", "opt_0_1_emb"]
     assert validate(by_layer.program) == []
     tight = minimal_budget(by_layer.program)
     assert plan(by_layer.program, tight).sim.valid
@@ -205,17 +215,47 @@ def test_layer_order_in_groups_runs_each_group_of_rounds_by_layer_in_turn() -> N
         ]
 
     optimizer = ["opt_0_2_head", "opt_0_2_2", "opt_0_2_1", "opt_0_2_0", "opt_0_2_emb"]
-    assert ids == [*group((0, 1)), *group((2,)), *optimizer]
+    ends = lower(ToyFamily(), "small", attrs.evolve(train, updates="end")).program.tasks
+    assert [t.id for t in ends] == [*group((0, 1)), *group((2,)), *optimizer]
+    assert sorted(ids) == sorted(t.id for t in ends)
 
-    def chain(order):
-        return [
-            t.id
-            for t in lower(ToyFamily(), "small", attrs.evolve(train, order=order)).program.tasks
-        ]
+    def chain(order, updates="auto"):
+        changed = attrs.evolve(train, order=order, updates=updates)
+        return [t.id for t in lower(ToyFamily(), "small", changed).program.tasks]
 
-    assert chain("layer:1") == chain("round")
+    assert chain("layer:1", "end") == chain("round")
     assert chain("layer:3") == chain("layer:7") == chain("layer")
     assert attrs.evolve(train, order="layer:7").order_group == 3
+
+
+def test_early_updates_follow_the_last_use_of_their_group() -> None:
+    """``updates="early"`` in round order: each block's update right after the last
+    round's backward of that block, the head's after the last head, the tied embedding's
+    after the last embedding backward; with a clip (every update reads the global norm)
+    ``auto`` keeps them at the end and ``early`` is refused, naming the field."""
+    train = TrainConfig(seq_len=4, batch=2, rounds=2, updates="early")
+    ids = [t.id for t in lower(ToyFamily(), "small", train).program.tasks]
+    assert ids[-10:] == [
+        "head_0_1_head",
+        "opt_0_1_head",
+        "bwd_0_1_2",
+        "opt_0_1_2",
+        "bwd_0_1_1",
+        "opt_0_1_1",
+        "bwd_0_1_0",
+        "opt_0_1_0",
+        "embbwd_0_1_emb",
+        "opt_0_1_emb",
+    ]
+    program = lower(ToyFamily(), "small", train).program
+    assert validate(program) == [] and plan(program, minimal_budget(program)).sim.valid
+    clipped = TrainConfig(seq_len=4, batch=2, rounds=2, order="layer", clip=1.0)
+    tasks = lower(ToyFamily(), "small", clipped).program.tasks
+    assert [t.kind for t in tasks[-5:]] == ["opt"] * 5
+    with pytest.raises(ValueError, match="updates='early' cannot clip"):
+        attrs.evolve(clipped, updates="early")
+    with pytest.raises(ValueError, match="updates must be one of auto, early, end"):
+        TrainConfig(seq_len=4, updates="soon")
 
 
 @pytest.mark.parametrize("bad", ["layers", "layer:0", "layer:", "round:2", "layer:x"])

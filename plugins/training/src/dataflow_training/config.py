@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from dataflow.schema import DTYPE_BYTES
@@ -102,6 +104,20 @@ def _order(instance: object, attribute: attrs.Attribute, value: str) -> None:
     parse_order(value)
 
 
+#: ``TrainConfig.updates``' values
+UPDATES = ("auto", "early", "end")
+
+
+def _updates(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+    if value not in UPDATES:
+        raise ValueError(f"updates must be one of {', '.join(UPDATES)}, got {value!r}")
+    if value == "early" and instance.clip is not None:
+        raise ValueError(
+            "updates='early' cannot clip: every update reads the step's global gradient "
+            "norm, known only after the last gradient (use updates='end' or 'auto')"
+        )
+
+
 @attrs.frozen
 class TrainConfig:
     """One training step: ``rounds`` micro-batches of ``batch`` x ``seq_len`` tokens whose
@@ -136,7 +152,20 @@ class TrainConfig:
       another (the last group may be smaller): weights cross the link once a group each
       way, and only a group's activations wait for its backward. Between the two: K = 1
       is round order's chain, K >= rounds layer order's. The order for a model whose
-      rounds' activations, all kept, would not fit the host."""
+      rounds' activations, all kept, would not fit the host.
+
+    ``updates`` places the optimizer's updates in the chain: ``"end"`` after every
+    backward; ``"early"`` each right after the last task that touches its group's weights
+    or gradient (its layer's last-round backward), where those are still in fast memory
+    and the update, its optimizer state's transfers included, runs while the layers below
+    run backward (not with ``clip``, which every update waits for; a data-parallel
+    all-reduce keeps them at the end too); ``"auto"`` is ``"early"`` in layer orders and
+    ``"end"`` in round order. Planned on the CPU with session 19's H200 task profiles
+    (``benchmarks/place_llama3_8b.py``), early updates took OLMoE 1B-7B at 16 GiB by
+    layer from 6.29 to 5.53 s a step, Llama 3 8B at 8 GiB (layer:8) from 14.44 to 13.47 s
+    and at 16 GiB by round from 13.73 to 13.08 s, Llama 3.2 1B at 4 GiB by layer from
+    2.64 to 2.49 s, but GPT-2 124M at 2 GiB by round from 1.167 to 1.191 s (the updates'
+    optimizer state in fast memory beside the last round's activations: more recompute)."""
 
     seq_len: int = attrs.field(validator=_positive)
     batch: int = attrs.field(default=1, validator=_positive)
@@ -148,6 +177,7 @@ class TrainConfig:
     clip: float | None = attrs.field(default=None, validator=_clip)
     grad_norm: bool = False
     order: str = attrs.field(default="round", validator=_order)
+    updates: str = attrs.field(default="auto", validator=_updates)
 
     @property
     def order_group(self) -> int:
@@ -157,6 +187,13 @@ class TrainConfig:
         if kind == "round":
             return 1
         return min(group or self.rounds, self.rounds)
+
+    @property
+    def early_updates(self) -> bool:
+        """Whether each update follows its group's last use (``updates``)."""
+        if self.updates == "auto":
+            return self.order_group > 1 and self.clip is None
+        return self.updates == "early"
 
     @property
     def measures_grad_norm(self) -> bool:
