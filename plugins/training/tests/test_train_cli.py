@@ -263,6 +263,22 @@ def test_the_auto_resolver_compiles_on_cuda_only() -> None:
         resolver_for("jit", "cpu")
 
 
+def test_early_updates_train_by_layer_and_refuse_a_clip(site, corpus, tmp_path):
+    """``--updates early`` with the default clip is a usage error naming the option;
+    without a clip, by layer in a budget, the run trains (its loss falls) and its config
+    records the updates."""
+    refused = invoke(*_args(corpus, tmp_path / "clipped", 2, "--updates", "early"))
+    assert_one_line_error(refused, 2, "--updates", "cannot clip", "--clip 0")
+    out = tmp_path / "run"
+    extra = ("--updates", "early", "--clip", "0", "--order", "layer", "--ga-rounds", "2")
+    result = invoke(*_args(corpus, out, 8, *extra, "--budget", "8MiB"))
+    assert result.exit_code == 0, result.output
+    losses = [loss for _, loss in _losses(out)]
+    assert losses[-1] < losses[0]
+    manifest = (sorted(out.glob("step_*"))[-1] / "manifest.json").read_text()
+    assert '"updates": "early"' in manifest
+
+
 def test_infeasible_budget_names_the_budget_that_fits(site, corpus, tmp_path):
     result = invoke(*_args(corpus, tmp_path / "run", 2, "--budget", "64KiB"))
     assert_one_line_error(result, 1, "--budget")

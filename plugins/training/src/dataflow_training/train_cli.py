@@ -150,6 +150,15 @@ def fleet_options(command: Any) -> Any:
 )
 @order_option()
 @click.option(
+    "--updates",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "early", "end"]),
+    help="where the optimizer's updates run: early (each right after its layer's last "
+    "backward, while its weights and gradient are still on the GPU; not with --clip), end "
+    "(after the whole backward), auto (early in layer orders without --clip, else end)",
+)
+@click.option(
     "--resolver",
     default="auto",
     show_default=True,
@@ -248,6 +257,12 @@ def train_command(
         backing_bytes = _backing_budgets(backing_budgets, 1)
         backing_bytes = None if backing_bytes is None else backing_bytes[0]
 
+    if rest["updates"] == "early" and clip:
+        raise click.BadParameter(
+            "early updates cannot clip: every update needs the step's global gradient norm, "
+            "known only after the last backward (pass --clip 0, or --updates auto or end)",
+            param_hint="--updates",
+        )
     if rest["trace_steps"] > rest["steps"]:
         raise click.BadParameter(
             f"{rest['trace_steps']} is more than the run's --steps {rest['steps']}",

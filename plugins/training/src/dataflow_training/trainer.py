@@ -92,6 +92,7 @@ class TrainOptions:
     recompute: bool = True
     trace_steps: int = 0
     order: str = "round"  # TrainConfig.order
+    updates: str = "auto"  # TrainConfig.updates
     head_vocab_tiles: bool = False  # TrainConfig.head_vocab_tiles
     #: the registered resolver that runs the tasks, or "auto" (``run.resolver_for``)
     resolver: str = "auto"
@@ -118,6 +119,7 @@ class TrainOptions:
             clip=self.clip,
             grad_norm=True,
             order=self.order,
+            updates=self.updates,
             head_vocab_tiles=self.head_vocab_tiles,
         )
 
