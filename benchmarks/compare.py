@@ -380,6 +380,12 @@ def parser() -> argparse.ArgumentParser:
         help="dataflow rows: the head's weight gradient by vocabulary tiles "
         "(TrainConfig.head_vocab_tiles)",
     )
+    p.add_argument(
+        "--updates",
+        default="auto",
+        choices=("auto", "early", "end"),
+        help="dataflow rows: where the optimizer's updates run (TrainConfig.updates)",
+    )
     p.add_argument("--resolver", default="torch", help="dataflow resolver")
     p.add_argument(
         "--backing",

@@ -60,6 +60,7 @@ def train_config(
     chunk: int,
     order: str = "round",
     tiles: bool = False,
+    updates: str = "auto",
 ) -> TrainConfig:
     policy, state = POLICIES[dtype]
     return TrainConfig(
@@ -70,6 +71,7 @@ def train_config(
         optimizer=OptimizerPolicy(state_dtypes={"exp_avg": state, "exp_avg_sq": state}),
         chunk_tokens=chunk,
         order=order,
+        updates=updates,
         head_vocab_tiles=tiles,
     )
 
@@ -91,6 +93,7 @@ def ranked_shapes(
     chunk: int,
     order: str = "round",
     tiles: bool = False,
+    updates: str = "auto",
 ) -> tuple[list[tuple[int, int]], dict[str, Any]]:
     """``(batch, rounds)`` in the order to try, and what the roofline plan said of each.
 
@@ -111,7 +114,7 @@ def ranked_shapes(
         if any(v.get("at_bound") for v in said.values() if isinstance(v, dict)):
             unplanned.append((batch, rounds))
             continue
-        train = train_config(dtype, batch, rounds, seq_len, chunk, order, tiles)
+        train = train_config(dtype, batch, rounds, seq_len, chunk, order, tiles, updates)
         program = lower(family, preset, train).program
         try:
             planned = plan(program, budget_bytes)
@@ -236,7 +239,9 @@ def trial(
     """One shape on the device: build (profile, plan, place), warm up, measure."""
     args = bench.args
     began = time.perf_counter()
-    train = train_config(dtype, batch, rounds, args.seq_len, chunk, order, args.head_vocab_tiles)
+    train = train_config(
+        dtype, batch, rounds, args.seq_len, chunk, order, args.head_vocab_tiles, args.updates
+    )
     run = row_run(
         bench.family,
         args.preset,
@@ -282,6 +287,7 @@ def trial(
         "order": order,
         "chunk_tokens": chunk,
         "head_vocab_tiles": args.head_vocab_tiles,
+        "updates": args.updates,
         "replayed": replayed,
         "graph_note": graph_note,
         "engine_makespan_s": statistics.median(t.makespan_us for _, t in measured) / 1e6,
@@ -364,6 +370,7 @@ def dataflow_row(bench: Any, dtype: str, budget: int, order: str = "round") -> N
                 chunk,
                 order,
                 args.head_vocab_tiles,
+                args.updates,
             )
             for batch, rounds in shapes:
                 current = f"while trying batch {batch} x {rounds}"

@@ -29,6 +29,7 @@ profiles them.
 resolver's profiles, the newest of each signature. ``--preset`` (with ``--seq-len``)
 places another preset the archive has profiles for, e.g. ``--preset gpt2_124m --seq-len
 1024 --batch 8 --rounds 64 --budget 2GiB --profiles benchmarks/results/profiles_gpt2.tgz``.
+``--updates`` places the optimizer's updates (``TrainConfig.updates``: auto, early, end).
 ``--workspace KEY=SIZE`` (repeatable) is a what-if: every task of compute key ``KEY`` (e.g.
 ``gpt2.head.loss``) priced with that workspace instead of its measured one, to see what a
 task that held less would buy the plan.
@@ -177,6 +178,9 @@ def main() -> None:
     parser.add_argument(
         "--resolver", default="torch-compiled", help="whose profiles (compare.py's rows' default)"
     )
+    parser.add_argument(
+        "--updates", default="auto", choices=("auto", "early", "end"), help="TrainConfig.updates"
+    )
     parser.add_argument("--preset", default="llama3_8b")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument(
@@ -198,7 +202,14 @@ def main() -> None:
 
     chunk = args.chunk or head_chunk_tokens(budget, vocab)  # (the 8B archive has 2048's)
     train = train_config(
-        "bf16", args.batch, args.rounds, args.seq_len, chunk, args.order, args.head_vocab_tiles
+        "bf16",
+        args.batch,
+        args.rounds,
+        args.seq_len,
+        chunk,
+        args.order,
+        args.head_vocab_tiles,
+        args.updates,
     )
     program = lower(family, args.preset, train).program
     profiles = measured(program)
