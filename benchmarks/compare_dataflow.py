@@ -384,7 +384,9 @@ def dataflow_row(bench: Any, dtype: str, budget: int, order: str = "round") -> N
                 finally:
                     bench.free()
     except RowTimeout as exc:
-        note = f"{exc} reached {current}".rstrip()
+        # which limit: a row that stops in its setup wants a larger --row-seconds (a
+        # 1B-parameter model's profiling and planning take 40-80 s on the H200)
+        note = f"{exc} (--row-seconds / --total-seconds) reached {current}".rstrip()
         bench.free()
     details = {"tried": tried}
     if result is None:
