@@ -56,7 +56,7 @@ from compare_doc import (  # noqa: E402
     searched_row,
     write_table,
 )
-from dataflow_training.config import parse_order  # noqa: E402
+from dataflow_training.config import UPDATES, parse_order  # noqa: E402
 from measure import (  # noqa: E402
     PEAK_SOURCE,
     BatchSearch,
@@ -383,7 +383,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--updates",
         default="auto",
-        choices=("auto", "early", "end"),
+        choices=UPDATES,
         help="dataflow rows: where the optimizer's updates run (TrainConfig.updates)",
     )
     p.add_argument("--resolver", default="torch", help="dataflow resolver")

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import attrs
 from compare_dataflow import train_config
-from dataflow_training.config import head_chunk_tokens
+from dataflow_training.config import UPDATES, head_chunk_tokens
 from dataflow_training.family import load_family
 from dataflow_training.lowering import lower
 from dataflow_training.profile import TaskProfile, apply_profile, signature, without_workspace
@@ -178,9 +178,7 @@ def main() -> None:
     parser.add_argument(
         "--resolver", default="torch-compiled", help="whose profiles (compare.py's rows' default)"
     )
-    parser.add_argument(
-        "--updates", default="auto", choices=("auto", "early", "end"), help="TrainConfig.updates"
-    )
+    parser.add_argument("--updates", default="auto", choices=UPDATES, help="TrainConfig.updates")
     parser.add_argument("--preset", default="llama3_8b")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument(

@@ -24,6 +24,7 @@ from dataflow_training.cli import (
     budget_option,
     order_option,
 )
+from dataflow_training.config import UPDATES
 from dataflow_training.trainer import SCHEDULES
 
 
@@ -153,7 +154,7 @@ def fleet_options(command: Any) -> Any:
     "--updates",
     default="auto",
     show_default=True,
-    type=click.Choice(["auto", "early", "end"]),
+    type=click.Choice(UPDATES),
     help="where the optimizer's updates run: early (each right after its layer's last "
     "backward, while its weights and gradient are still on the GPU; not with --clip), end "
     "(after the whole backward), auto (early in layer orders without --clip, else end)",
