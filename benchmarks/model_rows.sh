@@ -51,6 +51,8 @@ fi
 [ -n "${TRACES:-}" ] && common+=(--trace-dir "$TRACES")
 export DATAFLOW_PROFILE_CACHE=$cache PYTHONUNBUFFERED=1
 saved=benchmarks/results/profiles_$group.tgz
+# olmoe16 runs the olmoe group's tasks: their saved profiles serve it
+[ -f "$saved" ] || saved=benchmarks/results/profiles_${group%16}.tgz
 [ -f "$saved" ] && mkdir -p "$cache" && tar xzf "$saved" -C "$cache"
 # --backing only when one is given: planning under a slow budget takes minutes for an 8B
 # model, and without one its pool (80 GiB at batch 2 x 16 rounds) fits the host anyway
