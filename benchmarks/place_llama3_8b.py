@@ -32,7 +32,9 @@ places another preset the archive has profiles for, e.g. ``--preset gpt2_124m --
 ``--updates`` places the optimizer's updates (``TrainConfig.updates``: auto, early, end).
 ``--workspace KEY=SIZE`` (repeatable) is a what-if: every task of compute key ``KEY`` (e.g.
 ``gpt2.head.loss``) priced with that workspace instead of its measured one, to see what a
-task that held less would buy the plan.
+task that held less would buy the plan. A ``--batch`` the archive has no profiles of is
+priced from its largest by the tokens a task covers (time and workspace; an estimate),
+but for a task whose objects keep their sizes (an update), priced as profiled.
 
 Run: ``python benchmarks/place_llama3_8b.py --budget 8GiB [--batch 2 --rounds 16] [--counted]
 [--order ORDER] [--backing SIZE] [--chunk TOKENS] [--profiles DIR] [--head-vocab-tiles]
@@ -119,14 +121,17 @@ def estimated_tiles(known: dict[str, TaskProfile], tokens: int, vocab: int, dim:
     return found
 
 
-def with_workspace(known: dict[str, TaskProfile], caps: dict[str, int]) -> dict:
-    """``known`` with every profile of a compute key in ``caps`` given that workspace."""
-    found = dict(known)
-    for key, profile in known.items():
-        compute_key = json.loads(key)[0]
-        if compute_key in caps:
-            found[key] = TaskProfile(profile.cost_us, caps[compute_key])
-    return found
+def _without_shape(signature: list) -> str:
+    """A signature (parsed) as JSON with its (batch, seq_len) shape left out."""
+    return json.dumps([*signature[:2], *signature[3:]])
+
+
+def _tokens(shape: list[int]) -> int:
+    """The tokens of a signature's (batch, seq_len) shape."""
+    total = 1
+    for n in shape:
+        total *= n
+    return total
 
 
 class Lookup:
@@ -135,28 +140,70 @@ class Lookup:
     ``strip`` the tasks' workspace is taken out (``without_workspace``) and the largest
     kept in ``largest_bytes``."""
 
-    def __init__(self, known: dict[str, TaskProfile], strip: bool = True) -> None:
+    def __init__(
+        self,
+        known: dict[str, TaskProfile],
+        strip: bool = True,
+        caps: dict[str, int] | None = None,
+    ) -> None:
         self.known, self.strip, self.largest_bytes = known, strip, 0
+        self.caps = caps or {}
         #: signatures the archive lacks (the partial saves' tasks came after it), priced
-        #: as the costliest profile of their compute key at their token shape
+        #: as the costliest profile of their compute key at their token shape, or, where
+        #: the archive has the key at other shapes only (another batch), the costliest of
+        #: the largest shape scaled by the tokens (time and workspace alike: an estimate);
+        #: a task whose objects are all of the sizes it was profiled with (an optimizer
+        #: update) is taken as it is
         self.stand_ins: set[str] = set()
+        self.scaled: set[str] = set()
         self.by_key: dict[str, TaskProfile] = {}
+        self.shapes: dict[str, list[int]] = {}
+        self.same_sizes: dict[str, TaskProfile] = {}
         for text, profile in known.items():
             signature = json.loads(text)
+            self.same_sizes[_without_shape(signature)] = profile
             key = json.dumps([signature[0], signature[2]])
             if key not in self.by_key or profile.cost_us > self.by_key[key].cost_us:
                 self.by_key[key] = profile
+            shape = self.shapes.setdefault(signature[0], signature[2])
+            if _tokens(signature[2]) > _tokens(shape):
+                self.shapes[signature[0]] = signature[2]
+
+    def _stand_in(self, compute_key: str, shape: list[int]) -> TaskProfile:
+        exact = self.by_key.get(json.dumps([compute_key, shape]))
+        if exact is not None:
+            return exact
+        if compute_key not in self.shapes:
+            raise KeyError(f"the archive has no profile of {compute_key}")
+        other = self.shapes[compute_key]
+        profile = self.by_key[json.dumps([compute_key, other])]
+        ratio = _tokens(shape) / _tokens(other)
+        self.scaled.add(compute_key)
+        return TaskProfile(profile.cost_us * ratio, int(profile.workspace_bytes * ratio))
+
+    def profile_of(self, text: str) -> TaskProfile:
+        """The profile of a signature (as JSON): the archive's, else a stand-in; with its
+        compute key's workspace what-if."""
+        signature = json.loads(text)
+        if text in self.known:
+            profile = self.known[text]
+        elif (same := self.same_sizes.get(_without_shape(signature))) is not None:
+            self.stand_ins.add(text)
+            profile = same  # every object the same size (an update): tokens do not count
+        else:
+            self.stand_ins.add(text)
+            profile = self._stand_in(signature[0], signature[2])
+        compute_key = json.loads(text)[0]
+        if compute_key in self.caps:
+            profile = TaskProfile(profile.cost_us, self.caps[compute_key])
+        return profile
 
     def __call__(self, program) -> dict:
         found = {}
         for task in program.tasks:
             key = signature(program, task)
             text = json.dumps(json.loads(json.dumps(key, default=repr)))
-            if text not in self.known:
-                self.stand_ins.add(text)
-                found[key] = self.by_key[json.dumps([key[0], key[2]])]  # (compute key, shape)
-                continue
-            found[key] = self.known[text]
+            found[key] = self.profile_of(text)
         if not self.strip:
             return found
         found, most = without_workspace(found)
@@ -195,8 +242,8 @@ def main() -> None:
     if args.head_vocab_tiles:
         known = estimated_tiles(known, args.batch * args.seq_len, vocab, dim)
     caps = dict(item.split("=", 1) for item in args.workspace)
-    known = with_workspace(known, {key: parse_size(size) for key, size in caps.items()})
-    measured = Lookup(known, strip=not args.counted)
+    caps = {key: parse_size(size) for key, size in caps.items()}
+    measured = Lookup(known, strip=not args.counted, caps=caps)
 
     chunk = args.chunk or head_chunk_tokens(budget, vocab)  # (the 8B archive has 2048's)
     train = train_config(
@@ -225,6 +272,8 @@ def main() -> None:
     if measured.stand_ins:
         missing = len(measured.stand_ins)
         print(f"{missing} signatures not in the archive, priced as their key's costliest")
+    if measured.scaled:
+        print(f"scaled by tokens from another shape: {', '.join(sorted(measured.scaled))}")
     held = live_peak_bytes([b for b in residency_blocks(planned) if b.obj_id is not None])
     print(f"planned at {planned.budget_bytes} bytes in {time.perf_counter() - started:.1f} s:")
     print(f"  objects held at once {held}, iteration {planned.cycle.iteration_us / 1e6:.3f} s")

@@ -309,10 +309,10 @@ def test_place_llama3_8b_what_if_gives_a_compute_key_its_workspace() -> None:
     import place_llama3_8b
 
     known = place_llama3_8b.measured_profiles(BENCHMARKS / "results" / "profiles_gpt2.tgz")
-    found = place_llama3_8b.with_workspace(known, {"gpt2.head.loss": 180_000_000})
+    lookup = place_llama3_8b.Lookup(known, caps={"gpt2.head.loss": 180_000_000})
     heads = 0
     for key, profile in known.items():
-        capped = found[key]
+        capped = lookup.profile_of(key)
         assert capped.cost_us == profile.cost_us
         if json.loads(key)[0] == "gpt2.head.loss":
             assert capped.workspace_bytes == 180_000_000 != profile.workspace_bytes
@@ -320,6 +320,47 @@ def test_place_llama3_8b_what_if_gives_a_compute_key_its_workspace() -> None:
         else:
             assert capped.workspace_bytes == profile.workspace_bytes
     assert heads
+    assert not lookup.stand_ins
+
+
+def test_place_llama3_8b_prices_another_batch_from_the_archive_by_its_tokens() -> None:
+    """A signature at a batch the archive lacks is priced from the key's largest shape,
+    time and workspace scaled by the tokens; the what-if still wins over the scaled
+    workspace."""
+    import json
+
+    import place_llama3_8b
+
+    known = place_llama3_8b.measured_profiles(BENCHMARKS / "results" / "profiles_olmoe16.tgz")
+    text = next(k for k in known if json.loads(k)[0] == "olmoe.moe.backward")
+    signature = json.loads(text)
+    assert signature[2] == [4, 4096]
+    costliest = max(
+        (p for k, p in known.items() if json.loads(k)[0] == signature[0]),
+        key=lambda p: p.cost_us,
+    )
+    signature[2] = [2, 4096]
+    activations = 4 * 4096 * 2048 * 2  # (tokens, hidden) in bf16: half as many at batch 2
+    signature[3] = [n // 2 if n == activations else n for n in signature[3]]
+    halved = json.dumps(signature)
+    lookup = place_llama3_8b.Lookup(known)
+    scaled = lookup.profile_of(halved)
+    assert scaled.cost_us == costliest.cost_us / 2
+    assert scaled.workspace_bytes == costliest.workspace_bytes // 2
+    assert lookup.scaled == {"olmoe.moe.backward"} and halved in lookup.stand_ins
+    capped = place_llama3_8b.Lookup(known, caps={"olmoe.moe.backward": 123}).profile_of(halved)
+    assert (capped.cost_us, capped.workspace_bytes) == (scaled.cost_us, 123)
+    update = json.loads(next(k for k in known if json.loads(k)[0] == "optim.adamw"))
+    profiled = known[json.dumps(update)]
+    update[2] = [2, 4096]
+    assert place_llama3_8b.Lookup(known).profile_of(json.dumps(update)) == profiled
+    signature[0] = "olmoe.nothing"
+    try:
+        lookup.profile_of(json.dumps(signature))
+    except KeyError as exc:
+        assert "olmoe.nothing" in str(exc)
+    else:
+        raise AssertionError("a compute key the archive lacks was priced")
 
 
 def test_place_llama3_8b_reads_one_resolvers_profiles_the_newest_first(tmp_path) -> None:
