@@ -32,13 +32,14 @@ places another preset the archive has profiles for, e.g. ``--preset gpt2_124m --
 ``--updates`` places the optimizer's updates (``TrainConfig.updates``: auto, early, end).
 ``--workspace KEY=SIZE`` (repeatable) is a what-if: every task of compute key ``KEY`` (e.g.
 ``gpt2.head.loss``) priced with that workspace instead of its measured one, to see what a
-task that held less would buy the plan. A ``--batch`` the archive has no profiles of is
+task that held less would buy the plan; ``--cost KEY=FACTOR`` (repeatable) likewise
+prices every task of ``KEY`` at that multiple of its time (what a faster task would buy). A ``--batch`` the archive has no profiles of is
 priced from its largest by the tokens a task covers (time and workspace; an estimate),
 but for a task whose objects keep their sizes (an update), priced as profiled.
 
 Run: ``python benchmarks/place_llama3_8b.py --budget 8GiB [--batch 2 --rounds 16] [--counted]
 [--order ORDER] [--backing SIZE] [--chunk TOKENS] [--profiles DIR] [--head-vocab-tiles]
-[--preset PRESET --seq-len N] [--workspace KEY=SIZE ...]``
+[--preset PRESET --seq-len N] [--workspace KEY=SIZE ...] [--cost KEY=FACTOR ...]``
 """
 
 from __future__ import annotations
@@ -145,9 +146,10 @@ class Lookup:
         known: dict[str, TaskProfile],
         strip: bool = True,
         caps: dict[str, int] | None = None,
+        scales: dict[str, float] | None = None,
     ) -> None:
         self.known, self.strip, self.largest_bytes = known, strip, 0
-        self.caps = caps or {}
+        self.caps, self.scales = caps or {}, scales or {}
         #: signatures the archive lacks (the partial saves' tasks came after it), priced
         #: as the costliest profile of their compute key at their token shape, or, where
         #: the archive has the key at other shapes only (another batch), the costliest of
@@ -193,9 +195,13 @@ class Lookup:
         else:
             self.stand_ins.add(text)
             profile = self._stand_in(signature[0], signature[2])
-        compute_key = json.loads(text)[0]
+        compute_key = signature[0]
         if compute_key in self.caps:
             profile = TaskProfile(profile.cost_us, self.caps[compute_key])
+        if compute_key in self.scales:
+            profile = TaskProfile(
+                profile.cost_us * self.scales[compute_key], profile.workspace_bytes
+            )
         return profile
 
     def __call__(self, program) -> dict:
@@ -229,6 +235,9 @@ def main() -> None:
     parser.add_argument("--preset", default="llama3_8b")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument(
+        "--cost", action="append", default=[], help="KEY=FACTOR, a what-if (module doc)"
+    )
+    parser.add_argument(
         "--workspace", action="append", default=[], help="KEY=SIZE, a what-if (module doc)"
     )
     args = parser.parse_args()
@@ -243,7 +252,8 @@ def main() -> None:
         known = estimated_tiles(known, args.batch * args.seq_len, vocab, dim)
     caps = dict(item.split("=", 1) for item in args.workspace)
     caps = {key: parse_size(size) for key, size in caps.items()}
-    measured = Lookup(known, strip=not args.counted, caps=caps)
+    scales = {key: float(f) for key, f in (item.split("=", 1) for item in args.cost)}
+    measured = Lookup(known, strip=not args.counted, caps=caps, scales=scales)
 
     chunk = args.chunk or head_chunk_tokens(budget, vocab)  # (the 8B archive has 2048's)
     train = train_config(

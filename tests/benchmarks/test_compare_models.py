@@ -350,6 +350,8 @@ def test_place_llama3_8b_prices_another_batch_from_the_archive_by_its_tokens() -
     assert lookup.scaled == {"olmoe.moe.backward"} and halved in lookup.stand_ins
     capped = place_llama3_8b.Lookup(known, caps={"olmoe.moe.backward": 123}).profile_of(halved)
     assert (capped.cost_us, capped.workspace_bytes) == (scaled.cost_us, 123)
+    faster = place_llama3_8b.Lookup(known, scales={"olmoe.moe.backward": 0.5}).profile_of(halved)
+    assert (faster.cost_us, faster.workspace_bytes) == (scaled.cost_us / 2, scaled.workspace_bytes)
     update = json.loads(next(k for k in known if json.loads(k)[0] == "optim.adamw"))
     profiled = known[json.dumps(update)]
     update[2] = [2, 4096]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dataflow_family_gpt2.model import OPS, GPT2Block, GPT2Embed, GPT2Head, math_of
-from dataflow_training.family import Env
+from dataflow_training.family import Env, RowGradient
 
 
 def test_installed_kernels_provide_every_op(installed_ops) -> None:
@@ -30,7 +30,8 @@ def test_embed_forward_and_backward_match_the_reference(
     d_hidden = torch.randn_like(hidden)
     grads = embed.backward(config, tokens, d_hidden, ops)
     auto = torch.autograd.grad(expected, (reference.emb.wte, reference.emb.wpe), d_hidden)
-    torch.testing.assert_close(grads["wte"], auto[0], **float64_tol)
+    assert isinstance(grads["wte"], RowGradient)  # the tokens' rows, no (vocab, dim) table
+    torch.testing.assert_close(grads["wte"].dense(), auto[0], **float64_tol)
     torch.testing.assert_close(grads["wpe"], auto[1], **float64_tol)
     assert grads["wpe"][11:].abs().sum() == 0  # positions past seq_len get nothing
 
@@ -39,8 +40,11 @@ def test_embed_backward_accumulates_bf16_in_float32(config, ops) -> None:
     tokens = torch.zeros(4, 8, dtype=torch.int64)  # one row takes 32 additions
     d_hidden = torch.full((4, 8, config.n_embd), 1.0 + 2**-7, dtype=torch.bfloat16)
     grads = GPT2Embed().backward(config, tokens, d_hidden, ops)
-    assert grads["wte"].dtype == torch.float32
-    torch.testing.assert_close(grads["wte"][0], torch.full((config.n_embd,), 32 * (1 + 2**-7)))
+    wte = grads["wte"].dense()
+    assert wte.dtype == grads["wpe"].dtype == torch.float32
+    torch.testing.assert_close(wte[0], torch.full((config.n_embd,), 32 * (1 + 2**-7)))
+    assert wte[1:].abs().sum() == 0
+    torch.testing.assert_close(grads["wpe"][0], torch.full((config.n_embd,), 4 * (1 + 2**-7)))
 
 
 def test_a_sequence_longer_than_n_positions_is_refused(config, layer_params, ops) -> None:

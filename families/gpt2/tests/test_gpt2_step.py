@@ -36,7 +36,7 @@ def family_step(family, config, layer_params, tokens, targets, ops, *, recompute
         d_hidden, grads[layer.name] = math.backward(config, params, x, kept, {}, d_hidden, ops)
     grads[embed.name] = family.math("embed").backward(config, tokens, d_hidden, ops)
     assert head.tied == {"wte": "emb.wte"}
-    grads[embed.name]["wte"] = grads[embed.name]["wte"] + tied_wte
+    grads[embed.name]["wte"] = grads[embed.name]["wte"].dense() + tied_wte
     return loss, grads
 
 

@@ -122,9 +122,8 @@ def chunked_cross_entropy_triton(
     starts = range(0, tokens, chunk_tokens)
     with torch.no_grad():
         weight_p = weight
-        if padded != vocab:
-            weight_p = torch.zeros(padded, dim, dtype=weight.dtype, device=weight.device)
-            weight_p[:vocab].copy_(weight)
+        if padded != vocab:  # one copy kernel: zeroing the whole buffer first wrote it twice
+            weight_p = torch.cat((weight, weight.new_zeros(padded - vocab, dim)))
         targets = targets.reshape(-1).contiguous()
         losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
