@@ -23,7 +23,8 @@ entropy. Rows:
   policy nearest the fastest stock row and with pure bf16 (``--dataflow-dtypes``). The
   (batch, rounds) of each budget: every batch of ``--dataflow-batches`` is lowered and
   planned at the budget with roofline costs; they run in the order of the plans' predicted
-  speed (larger batch first among those within 2 %) until one runs.
+  speed (larger batch first among those within 2 %) until one runs
+  (``--dataflow-batch-order given``: in the order given, not planned first).
 
 Each row has a time limit (``--row-seconds``, compile rows ``--compile-row-seconds``) and
 the whole command one (``--total-seconds``); a row that meets it keeps what it measured,
@@ -366,6 +367,14 @@ def parser() -> argparse.ArgumentParser:
         help="auto: nearest the fastest stock row, then bf16",
     )
     p.add_argument("--dataflow-batches", type=_ints, default=[64, 32, 16, 8, 4, 2, 1])
+    p.add_argument(
+        "--dataflow-batch-order",
+        choices=("roofline", "given"),
+        default="roofline",
+        help="roofline: try --dataflow-batches in the order of their roofline plans' speed; "
+        "given: in the order given (shapes chosen from measured profiles on the host, e.g. "
+        "by place_llama3_8b.py, where the roofline misranks them)",
+    )
     p.add_argument(
         "--dataflow-orders",
         type=_orders,

@@ -82,6 +82,12 @@ def engine_name(order: str) -> str:
     return ENGINE if order == "round" else f"{ENGINE} by {order}"
 
 
+def given_shapes(batches: list[int], min_tokens: int, seq_len: int) -> list[tuple[int, int]]:
+    """``(batch, rounds)`` of each batch in the order given, with as many rounds as reach
+    ``min_tokens`` (``--dataflow-batch-order given``)."""
+    return [(batch, max(1, math.ceil(min_tokens / (batch * seq_len)))) for batch in batches]
+
+
 def ranked_shapes(
     family: Any,
     preset: str,
@@ -359,19 +365,23 @@ def dataflow_row(bench: Any, dtype: str, budget: int, order: str = "round") -> N
     result, note, current = None, None, ""  # current: the shape on the device
     try:
         with time_limit(bench.limit(args.row_seconds)):
-            shapes, tried["roofline"] = ranked_shapes(
-                bench.family,
-                args.preset,
-                dtype,
-                budget,
-                args.seq_len,
-                args.dataflow_batches,
-                args.min_tokens,
-                chunk,
-                order,
-                args.head_vocab_tiles,
-                args.updates,
-            )
+            if args.dataflow_batch_order == "given":
+                shapes = given_shapes(args.dataflow_batches, args.min_tokens, args.seq_len)
+                tried["given"] = [f"{batch} x {rounds}" for batch, rounds in shapes]
+            else:
+                shapes, tried["roofline"] = ranked_shapes(
+                    bench.family,
+                    args.preset,
+                    dtype,
+                    budget,
+                    args.seq_len,
+                    args.dataflow_batches,
+                    args.min_tokens,
+                    chunk,
+                    order,
+                    args.head_vocab_tiles,
+                    args.updates,
+                )
             for batch, rounds in shapes:
                 current = f"while trying batch {batch} x {rounds}"
                 try:

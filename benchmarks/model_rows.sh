@@ -8,6 +8,7 @@
 #   bash benchmarks/model_rows.sh small         # l3_1b then olmoe (two commands' worth)
 #   bash benchmarks/model_rows.sh olmoe16       # issue 16's row: stock + 16 GiB by layer, 262,144 tokens
 #   bash benchmarks/model_rows.sh gpt2          # issue 13/14: stock compile + dataflow 16..1 GiB
+#                                               # (GPT2_PART=big: stock, 16..2 GiB; small: 1 GiB)
 #
 # Rows are appended to benchmarks/results/compare.json and the tables of
 # docs/throughput.md rewritten; with $OUT set, the log, both files and the profile cache
@@ -32,7 +33,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
     moe=(--preset olmoe_tiny --seq-len 32)
     big_budgets=4MiB,2MiB dense_budget=2MiB moe_budgets=4MiB,2MiB
     big_tokens=256 tokens=256 olmoe16_tokens=1024 backing=${BACKING:-64MiB}
-    gpt2=(--preset gpt2_tiny --seq-len 32) gpt2_tokens=512 gpt2_big=4MiB,2MiB,1MiB gpt2_small=512KiB
+    gpt2=(--preset gpt2_tiny --seq-len 32) gpt2_tokens=512 gpt2_big=4MiB,2MiB gpt2_two=1MiB
+    gpt2_small=512KiB
 else
     common+=(--resolver torch-compiled)
     moe_resolver=${MOE_RESOLVER:-torch-compiled}
@@ -41,7 +43,7 @@ else
     big_budgets=16GiB,8GiB dense_budget=4GiB moe_budgets=16GiB,8GiB
     big_tokens=131072 tokens=131072 olmoe16_tokens=262144 backing=${BACKING:-}
     gpt2=(--preset gpt2_124m --seq-len 1024) gpt2_tokens=524288
-    gpt2_big=16GiB,8GiB,4GiB,2GiB gpt2_small=1GiB
+    gpt2_big=16GiB,8GiB,4GiB gpt2_two=2GiB gpt2_small=1GiB
 fi
 # REDO=1 measures again the rows the results already have (--redo), e.g. the first call
 # after a change to what the rows run; later calls without it measure only what is missing
@@ -159,20 +161,36 @@ gpt2)
     # gpt2_124m --hw h200 --t-round 2048,4096,8192 --tokens-step 524288 --budget 1
     # --seq-len 1024`, session 9) 8 x 64 plans 0.696 s, 4 x 128 0.718 s, 2 x 256 0.782 s;
     # in sessions 9 and 12 its runs spent their 250 s row limit in setup (GPT2_ROW_SECONDS
-    # sets that row's limit)
+    # sets that row's limit).
+    # Session 20: the roofline ranking put 8 x 64 first at 2 GiB and 4 x 128 at 1 GiB (the
+    # rows of sessions 12-17), but planned with the H200 profiles (benchmarks/
+    # place_llama3_8b.py --preset gpt2_124m --seq-len 1024 --profiles
+    # benchmarks/results/profiles_gpt2.tgz --budget B --batch N --rounds R) larger rounds
+    # are faster there, their tasks' fixed costs spread over more tokens: at 2 GiB 8 x 64
+    # 1.195 s, 16 x 32 1.155 s, 32 x 16 about 1.13 s (early updates 1.129 s; its head at
+    # chunk 1024 estimated from the chunk-4096 profile); at 1 GiB 4 x 128 1.420 s, 8 x 64
+    # about 1.35 s, 16 x 32 about 1.24 s (early 1.231 s). So those two rows run the
+    # batches given, in that order, with early updates
     part=${GPT2_PART:-both}
+    given=(--dataflow-batch-order given --updates early)
     {
-        [ "$part" = small ] || compare --family gpt2 "${gpt2[@]}" --redo --rows stock,dataflow \
-            --stock-engines compile --batches 64 --min-tokens "$gpt2_tokens" \
-            --budgets "$gpt2_big" --steps 5 --warmup 2 --compile-row-seconds 120 \
-            --row-seconds 120 --total-seconds 480
+        if [ "$part" != small ]; then
+            compare --family gpt2 "${gpt2[@]}" --redo --rows stock,dataflow \
+                --stock-engines compile --batches 64 --min-tokens "$gpt2_tokens" \
+                --budgets "$gpt2_big" --steps 5 --warmup 2 --compile-row-seconds 120 \
+                --row-seconds 120 --total-seconds 400
+            compare --family gpt2 "${gpt2[@]}" --redo --rows dataflow --min-tokens "$gpt2_tokens" \
+                --budgets "$gpt2_two" --dataflow-batches 32,16,8 "${given[@]}" --steps 5 \
+                --warmup 2 --row-seconds 150 --total-seconds 150
+        fi
         [ "$part" = big ] || compare --family gpt2 "${gpt2[@]}" --redo --rows dataflow \
-            --min-tokens "$gpt2_tokens" --budgets "$gpt2_small" --dataflow-batches 8,4 \
-            --steps 4 --warmup 2 --row-seconds "${GPT2_ROW_SECONDS:-540}" --total-seconds 560
+            --min-tokens "$gpt2_tokens" --budgets "$gpt2_small" --dataflow-batches 16,8,4 \
+            "${given[@]}" --steps 4 --warmup 2 --row-seconds "${GPT2_ROW_SECONDS:-540}" \
+            --total-seconds 560
     } 2>&1 | tee "$log"
     ;;
 *)
-    echo "model_rows.sh: unknown group '$group' (llama3_8b, l3_1b, olmoe, small or gpt2)" >&2
+    echo "model_rows.sh: unknown group '$group' (llama3_8b, l3_1b, olmoe, olmoe16, olmoe8, small or gpt2)" >&2
     exit 2
     ;;
 esac

@@ -271,6 +271,22 @@ def test_shapes_run_in_the_order_of_their_predicted_speed() -> None:
     assert nothing == [] and said["1"].startswith("roofline plan: InfeasibleBudget")
 
 
+def test_given_batch_order_runs_the_first_batch_given_without_ranking(tmp_path) -> None:
+    """``--dataflow-batch-order given``: the row runs the first batch given (here the
+    smaller, which the roofline ranking would try last) and its details say so."""
+    page = tmp_path / "page.md"
+    shutil.copy(ROOT / "docs" / "throughput.md", page)
+    out = tmp_path / "compare.json"
+    args = [*TINY, "--rows", "dataflow", "--budgets", "4MiB", "--dataflow-dtypes", "bf16"]
+    args += ["--dataflow-batches", "1,2", "--dataflow-batch-order", "given"]
+    assert compare.main([*args, "--out", str(out), "--doc", str(page)]) == 0
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    assert (row["batch"], row["tokens_per_step"]) == (1, 128), row
+    details = doc["meta"]["row_details"][compare_doc.row_key(row)]
+    assert details["tried"] == {"given": ["1 x 4", "2 x 2"]} and details["rounds"] == 4
+
+
 def test_checkpointing_leaves_the_stock_step_unchanged() -> None:
     """Checkpointed blocks recompute in backward: the loss and every gradient are the
     plain model's (float32 on the CPU)."""
