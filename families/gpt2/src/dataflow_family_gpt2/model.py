@@ -89,8 +89,8 @@ class GPT2Embed:
     def backward(
         self, config: GPT2Config, tokens: torch.Tensor, d_hidden: torch.Tensor, env: Env
     ) -> Tensors:
-        """Needs no weights. Sums run in float32 at least, in that dtype in what comes
-        back (the caller rounds them into its gradient buffers).
+        """Needs no weights. Sums run in float32 at least and come back in that dtype
+        (the caller rounds them into its gradient buffers).
 
         ``wte``'s gradient is the rows of the tokens, not a (vocab, n_embd) float32
         table: zeroing, filling, casting and adding the table took about 200 us of a
@@ -110,14 +110,11 @@ class GPT2Embed:
         tokens, n = batch * seq_len, config.n_embd
         rows = tokens * n * 4  # float32 row sums
         positions = config.n_positions * n * 4  # wpe's float32 table
-        # read d_hidden twice; sum, gather and add the rows; read and write the
-        # gradient's rows; the positions' table
+        # d_hidden read twice (rows, positions) and the gradient's rows read and written;
+        # the rows summed, gathered and added in float32; the positions' table
         return LayerCost(
             forward=Work(0, 3 * tokens * n * act_bytes),
-            backward=Work(
-                0,
-                2 * tokens * n * act_bytes + 4 * rows + 2 * tokens * n * act_bytes + 3 * positions,
-            ),
+            backward=Work(0, 4 * tokens * n * act_bytes + 4 * rows + 3 * positions),
         )
 
 
