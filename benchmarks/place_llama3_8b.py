@@ -33,9 +33,10 @@ places another preset the archive has profiles for, e.g. ``--preset gpt2_124m --
 ``--workspace KEY=SIZE`` (repeatable) is a what-if: every task of compute key ``KEY`` (e.g.
 ``gpt2.head.loss``) priced with that workspace instead of its measured one, to see what a
 task that held less would buy the plan; ``--cost KEY=FACTOR`` (repeatable) likewise
-prices every task of ``KEY`` at that multiple of its time (what a faster task would buy). A ``--batch`` the archive has no profiles of is
-priced from its largest by the tokens a task covers (time and workspace; an estimate),
-but for a task whose objects keep their sizes (an update), priced as profiled.
+prices every task of ``KEY`` at that multiple of its time (what a faster task would
+buy). A ``--batch`` the archive has no profiles of is priced from its largest by the
+tokens a task covers (time and workspace; an estimate), but for a task whose objects keep
+their sizes (an update), priced as profiled.
 
 Run: ``python benchmarks/place_llama3_8b.py --budget 8GiB [--batch 2 --rounds 16] [--counted]
 [--order ORDER] [--backing SIZE] [--chunk TOKENS] [--profiles DIR] [--head-vocab-tiles]
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import tarfile
 import tempfile
 import time
@@ -127,14 +129,6 @@ def _without_shape(signature: list) -> str:
     return json.dumps([*signature[:2], *signature[3:]])
 
 
-def _tokens(shape: list[int]) -> int:
-    """The tokens of a signature's (batch, seq_len) shape."""
-    total = 1
-    for n in shape:
-        total *= n
-    return total
-
-
 class Lookup:
     """A profiling pass for lowered programs, answered from ``known`` (signature as JSON
     -> profile): ``lookup(program)`` returns each task signature's profile; with
@@ -168,7 +162,7 @@ class Lookup:
             if key not in self.by_key or profile.cost_us > self.by_key[key].cost_us:
                 self.by_key[key] = profile
             shape = self.shapes.setdefault(signature[0], signature[2])
-            if _tokens(signature[2]) > _tokens(shape):
+            if math.prod(signature[2]) > math.prod(shape):
                 self.shapes[signature[0]] = signature[2]
 
     def _stand_in(self, compute_key: str, shape: list[int]) -> TaskProfile:
@@ -179,21 +173,20 @@ class Lookup:
             raise KeyError(f"the archive has no profile of {compute_key}")
         other = self.shapes[compute_key]
         profile = self.by_key[json.dumps([compute_key, other])]
-        ratio = _tokens(shape) / _tokens(other)
+        ratio = math.prod(shape) / math.prod(other)
         self.scaled.add(compute_key)
         return TaskProfile(profile.cost_us * ratio, int(profile.workspace_bytes * ratio))
 
     def profile_of(self, text: str) -> TaskProfile:
         """The profile of a signature (as JSON): the archive's, else a stand-in; with its
-        compute key's workspace what-if."""
+        compute key's workspace and cost what-ifs."""
         signature = json.loads(text)
-        if text in self.known:
-            profile = self.known[text]
-        elif (same := self.same_sizes.get(_without_shape(signature))) is not None:
+        profile = self.known.get(text)
+        if profile is None:
             self.stand_ins.add(text)
-            profile = same  # every object the same size (an update): tokens do not count
-        else:
-            self.stand_ins.add(text)
+            # every object the same size (an update): tokens do not count
+            profile = self.same_sizes.get(_without_shape(signature))
+        if profile is None:
             profile = self._stand_in(signature[0], signature[2])
         compute_key = signature[0]
         if compute_key in self.caps:
