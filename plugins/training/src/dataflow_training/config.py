@@ -164,8 +164,9 @@ class TrainConfig:
     (``benchmarks/place_llama3_8b.py``), early updates took OLMoE 1B-7B at 16 GiB by
     layer from 6.29 to 5.53 s a step, Llama 3 8B at 8 GiB (layer:8) from 14.44 to 13.47 s
     and at 16 GiB by round from 13.73 to 13.08 s, Llama 3.2 1B at 4 GiB by layer from
-    2.64 to 2.49 s, but GPT-2 124M at 2 GiB by round from 1.167 to 1.191 s (the updates'
-    optimizer state in fast memory beside the last round's activations: more recompute)."""
+    2.64 to 2.49 s, while GPT-2 124M by round moved little (2 GiB 1.195 to 1.191 s, 1 GiB
+    1.329 to 1.333 s: the updates' optimizer state in fast memory beside the last round's
+    activations costs recompute at small budgets)."""
 
     seq_len: int = attrs.field(validator=_positive)
     batch: int = attrs.field(default=1, validator=_positive)
