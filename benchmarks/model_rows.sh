@@ -56,38 +56,42 @@ saved=benchmarks/results/profiles_$group.tgz
 # olmoe16 and olmoe8 run the olmoe group's tasks: their saved profiles serve them
 case $group in olmoe?*) [ -f "$saved" ] || saved=benchmarks/results/profiles_olmoe16.tgz ;; esac
 [ -f "$saved" ] && mkdir -p "$cache" && tar xzf "$saved" -C "$cache"
-# --backing only when one is given: planning under a slow budget takes minutes for an 8B
-# model, and without one its pool (80 GiB at batch 2 x 16 rounds) fits the host anyway
+# BACKING=SIZE gives every row a slow budget; llama3_8b's rows set their own (below: an
+# 8B plan's pool without one outgrows the host's 128 GiB)
 [ -n "$backing" ] && common+=(--backing "$backing")
 compare() { python benchmarks/compare.py "${common[@]}" --out "$out_json" --doc "$page" "$@"; }
 log=${OUT:-/tmp}/model_rows_$group.log
 case $group in
 llama3_8b)
     # stock: torch.compile at batch 2 x 4096 (issue 15's fastest stock setup). dataflow at
-    # 16 and 8 GiB: batch 2 x 16 rounds by layer. By benchmarks/place_llama3_8b.py
-    # (session 6: the H200 profile, the workspace reserve) layer order plans 14.16 s at
-    # 16 GiB with an 85 GiB slow pool, round order 13.80 s but a 123 GiB pool, which the
-    # host refuses (128 GiB beside the process and the weights' host copy); at 8 GiB
-    # layer:8 14.43 s with a 90.8 GiB pool (layer 14.43 s, 93.2 GiB; round 15.86 s).
-    # Session 7: round order inside a 95 GiB backing budget plans 13.65 s with a 93 GiB
-    # pool (80 GiB: 13.80 s, 80 GiB pool; 8 GiB round inside 90 GiB: 15.86 s), so the
-    # 16 GiB row runs round order there. Session 19 (its profile archive, the same code
-    # both ways): early optimizer updates plan 13.08 s against 13.73 s at the end, so
-    # that row asks for them (round order's default is the end)
+    # 16 and 8 GiB: batch 2 x 16 rounds. Sessions 5-7 ran 16 GiB in round order inside a
+    # 95 GiB backing budget (the host has 128 GiB; an unlimited plan's pool is larger).
+    # Session 21, on the CPU with the H200 profile archive (benchmarks/place_llama3_8b.py
+    # --budget B --order O --batch 2 --rounds 16 --updates early --backing S
+    # --workspace llama3.embed.backward=403MB, the embedding's row gradient since session
+    # 17): 16 GiB round 13.080 s (905 GB over the link a step), layer:2 12.912 s (520 GB),
+    # layer:4 13.104 s, all inside 95 GiB; so 16 GiB runs layer:2. At 8 GiB, layer:8
+    # without a backing budget plans 13.474 s with a 137 GiB pool, which the host cannot
+    # page-lock, and inside 90 GiB it cannot be planned (its smallest budget is 5.34 GiB
+    # of the 4.91 left beside the head's workspace); layer:4 inside 90 GiB plans 13.390 s
+    # with an 89.8 GiB pool, so 8 GiB runs that
     {
-        big16=(--dataflow-orders round --updates early --budgets "${big_budgets%,*}")
-        [ "${SMOKE:-0}" = 1 ] || big16+=(--backing "${BACKING16:-95GiB}")
+        big16=(--dataflow-orders "${ORDER16:-layer:2}" --updates early --budgets "${big_budgets%,*}")
+        big8=(--dataflow-orders "${ORDER8:-layer:4}" --budgets "${big_budgets#*,}")
+        if [ "${SMOKE:-0}" != 1 ]; then
+            big16+=(--backing "${BACKING16:-95GiB}")
+            big8+=(--backing "${BACKING8:-90GiB}")
+        fi
         compare --family llama3 "${big[@]}" --rows stock,dataflow --stock-engines compile \
             --batches 2 --dataflow-batches 2 --min-tokens "$big_tokens" "${big16[@]}" \
             --steps 3 --warmup 1 --compile-row-seconds 200 --row-seconds 280 --total-seconds 330
-        # 8 GiB: on the CPU with the H200 profile archive it places (session 17,
-        # place_llama3_8b.py --budget 8GiB --order layer:8: 14.435 s simulated; with the
-        # head's gradient by vocabulary tiles, estimated, 14.559 s), so the head is not
-        # tiled; HEAD_TILES=1 adds --head-vocab-tiles should the device refuse to place it
+        # 8 GiB: the head is not tiled (session 17: by layer:8 tiling planned 14.559 s
+        # against 14.435); HEAD_TILES=1 adds --head-vocab-tiles should the device refuse
+        # to place it
         tiles=()
         [ "${HEAD_TILES:-0}" = 1 ] && tiles=(--head-vocab-tiles)
         compare --family llama3 "${big[@]}" --rows dataflow --dataflow-batches 2 \
-            --dataflow-orders layer:8 --min-tokens "$big_tokens" --budgets "${big_budgets#*,}" \
+            --min-tokens "$big_tokens" "${big8[@]}" \
             "${tiles[@]}" --steps 3 --warmup 1 --row-seconds 230 --total-seconds 230
     } 2>&1 | tee "$log"
     ;;

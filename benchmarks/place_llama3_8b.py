@@ -34,13 +34,16 @@ places another preset the archive has profiles for, e.g. ``--preset gpt2_124m --
 ``gpt2.head.loss``) priced with that workspace instead of its measured one, to see what a
 task that held less would buy the plan; ``--cost KEY=FACTOR`` (repeatable) likewise
 prices every task of ``KEY`` at that multiple of its time (what a faster task would
-buy). A ``--batch`` the archive has no profiles of is priced from its largest by the
+buy); ``--link-scale F`` multiplies both links' bandwidth by ``F`` (what a faster host link
+would buy: where the step's recompute goes away, the link is what forces it). A ``--batch``
+the archive has no profiles of is priced from its largest by the
 tokens a task covers (time and workspace; an estimate), but for a task whose objects keep
 their sizes (an update), priced as profiled.
 
 Run: ``python benchmarks/place_llama3_8b.py --budget 8GiB [--batch 2 --rounds 16] [--counted]
 [--order ORDER] [--backing SIZE] [--chunk TOKENS] [--profiles DIR] [--head-vocab-tiles]
-[--preset PRESET --seq-len N] [--workspace KEY=SIZE ...] [--cost KEY=FACTOR ...]``
+[--preset PRESET --seq-len N] [--workspace KEY=SIZE ...] [--cost KEY=FACTOR ...]
+[--link-scale F]``
 """
 
 from __future__ import annotations
@@ -71,6 +74,18 @@ from dataflow.units import format_size, parse_size
 PROFILES = Path(__file__).parent / "results" / "profiles_llama3_8b.tgz"
 RESERVE_BYTES = 33_556_480  # 8 GiB less the 7.97 GiB the H200 run planned for
 LINKS = Links(h2d=Link(54_804.6, 10.0), d2h=Link(55_228.2, 10.0))  # compare.json's
+
+
+def scaled_links(links: Links, factor: float) -> Links:
+    """``links`` with each direction's bandwidth, and their total while both copy at once
+    where it is set, times ``factor`` (latencies and the collective link unchanged)."""
+    duplex = links.duplex_bytes_per_us
+    return attrs.evolve(
+        links,
+        duplex_bytes_per_us=None if duplex is None else duplex * factor,
+        h2d=attrs.evolve(links.h2d, bw_bytes_per_us=links.h2d.bw_bytes_per_us * factor),
+        d2h=attrs.evolve(links.d2h, bw_bytes_per_us=links.d2h.bw_bytes_per_us * factor),
+    )
 
 
 def measured_profiles(source: Path, resolver: str | None = None) -> dict[str, TaskProfile]:
@@ -233,7 +248,12 @@ def main() -> None:
     parser.add_argument(
         "--workspace", action="append", default=[], help="KEY=SIZE, a what-if (module doc)"
     )
+    parser.add_argument(
+        "--link-scale", type=float, default=1.0, help="both links' bandwidth times F (a what-if)"
+    )
     args = parser.parse_args()
+    if not args.link_scale > 0:
+        parser.error(f"--link-scale must be a positive number, got {args.link_scale}")
     backing = None if args.backing is None else parse_size(args.backing)
     budget = parse_size(args.budget)
     family = load_family(default_family(args.preset))
@@ -261,7 +281,9 @@ def main() -> None:
     )
     program = lower(family, args.preset, train).program
     profiles = measured(program)
-    program = attrs.evolve(apply_profile(program, profiles), links=LINKS)
+    program = attrs.evolve(
+        apply_profile(program, profiles), links=scaled_links(LINKS, args.link_scale)
+    )
     spec = measured_recompute_planner(program, measured, known=profiles)
     beside = measured.largest_bytes
     started = time.perf_counter()

@@ -390,3 +390,19 @@ def test_place_llama3_8b_reads_one_resolvers_profiles_the_newest_first(tmp_path)
     assert compiled.cost_us == 18_000.0
     (eager,) = place_llama3_8b.measured_profiles(tmp_path, "torch").values()
     assert eager.cost_us == 15_000.0
+
+
+def test_place_llama3_8b_link_scale_multiplies_each_direction_and_keeps_the_rest() -> None:
+    """``--link-scale F``: both directions' bandwidth, and their duplex total, times F;
+    latencies and the collective link as they were."""
+    import place_llama3_8b
+
+    from dataflow.schema.program import Link, Links
+
+    links = Links(h2d=Link(54_804.6, 10.0), d2h=Link(55_228.2, 12.0), duplex_bytes_per_us=98_947.0)
+    faster = place_llama3_8b.scaled_links(links, 3.0)
+    assert faster.h2d == Link(54_804.6 * 3, 10.0)
+    assert faster.d2h == Link(55_228.2 * 3, 12.0)
+    assert faster.duplex_bytes_per_us == 98_947.0 * 3
+    assert faster.collective is None
+    assert place_llama3_8b.scaled_links(links, 1.0) == links
