@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 15's `dataflow verify` on the device: Llama 3.2 1B (l3_1b) and Qwen 3 0.6B
+# (qwen3_0_6b) in bf16 on CUDA, ops, tasks and whole steps against each family's plain
+# autograd reference (tiny presets run on the CPU in CI). One call:
+#
+#   source benchmarks/device_setup.sh && bash benchmarks/verify_rows.sh
+#
+# Each report goes to $OUT/verify_<preset>_bf16_cuda.txt (or /tmp); commit them as
+# benchmarks/results/verify_<preset>_bf16_cuda.txt beside gpt2_124m's. Each preset has
+# VERIFY_SECONDS (default 240) before it is stopped; the exit status is the first failing
+# preset's. SMOKE=1 runs the tiny presets on the CPU instead, so a typo fails here first.
+set -u
+out=${OUT:-/tmp}
+if [ "${SMOKE:-0}" = 1 ]; then
+    runs=("llama3 llama3_tiny cpu" "qwen3 qwen3_tiny cpu")
+else
+    runs=("llama3 l3_1b cuda" "qwen3 qwen3_0_6b cuda")
+fi
+status=0
+for run in "${runs[@]}"; do
+    read -r family preset device <<<"$run"
+    report=$out/verify_${preset}_bf16_$device.txt
+    started=$SECONDS
+    timeout "${VERIFY_SECONDS:-240}" dataflow verify --family "$family" --preset "$preset" \
+        --device "$device" --dtype bf16 >"$report" 2>&1
+    rc=$?
+    echo "verify $preset bf16 on $device: exit $rc in $((SECONDS - started)) s ($report)"
+    grep -E "checks, .* passed|FAIL|fail" "$report" | head -8
+    [ $rc = 124 ] && echo "verify_rows.sh: $preset stopped at ${VERIFY_SECONDS:-240} s"
+    [ $status = 0 ] && status=$rc
+done
+exit $status
