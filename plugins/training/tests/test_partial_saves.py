@@ -97,12 +97,15 @@ def test_a_family_without_partial_saves_lowers_as_it_did_before(gpt2):
     tasks): lowered with ``updates="end"`` and that one line taken out, the JSON hashed to
     00826b58... and db7a0c80... for gpt2; session 20 gave GPT-2's embedding backward a
     row gradient, whose roofline cost (each ``embbwd`` task's ``cost_us``, 0.0934 -> 0.0610)
-    is the only change in gpt2's, hence its digests below."""
+    changed gpt2's digests to f70af1cd... and 42228bd5...; session 21 declared what the
+    full recompute costs (forward less GELU and the MLP's c_proj, ``LayerCost.recompute``):
+    the one ``rec`` task's ``cost_us``, 0.0831 -> 0.0660, is the only change, hence the
+    digests below."""
     golden = {
         ("toy", "round"): "61a21c12d8ae00e24f18c663261a989683e334c1d3428370cde000d7fda4d2b9",
         ("toy", "layer"): "892069df527378bd4a4337492f80c5df072109fc1442d4b9b992cdea9f31b5b4",
-        ("gpt2", "round"): "f70af1cd8d65064c663d04861560f85f4355100ef9f5c35fcbcdc5aa784dabdb",
-        ("gpt2", "layer"): "42228bd500a4477de425d78b4fad10677a9ae69392a476cdd55138dd099131d2",
+        ("gpt2", "round"): "e7af531b22559cdd1113bdd3ad6da32a4c7f6a4051aa2b6746fd362255045e7a",
+        ("gpt2", "layer"): "ee4560e185b3253dfd5d033e3310cc3e3ea545b8c3a2550c2d8c562d4df283c0",
     }
     for (name, order), digest in golden.items():
         family, preset = (ToyFamily(), "small") if name == "toy" else (gpt2, "gpt2_tiny")
@@ -348,3 +351,43 @@ def test_the_measured_planner_has_every_partial_candidates_signature(gpt2):
     planned = plan(program, budget, planner=planner, cyclic=True)
     rec = [t for t in planned.program.tasks if t.kind == "rec"]
     assert rec and all(t.params.get("partial") == "mlp" for t in rec)
+
+
+@pytest.mark.parametrize(
+    ("family_name", "preset", "kind"),
+    [
+        ("gpt2", "gpt2_tiny", "block"),
+        ("llama3", "llama3_tiny", "block"),
+        ("olmoe", "olmoe_tiny", "moe"),
+    ],
+)
+def test_a_full_recompute_is_priced_as_forward_less_the_output_projection(
+    family_name, preset, kind
+):
+    """A full ``rec`` re-derives what forward saves and stops there: no MLP output
+    projection (GPT-2's ``c_proj``, the decoder's ``down_proj``, the experts' down
+    projections), so its declared work is forward's FLOPs less those, and the lowering
+    prices the ``rec`` task from that declaration, below its forward."""
+    from dataflow_training.family import load_family
+
+    pytest.importorskip(f"dataflow_family_{family_name}")
+    family = load_family(family_name)
+    config = family.config(preset)
+    batch, seq = TRAIN.batch, TRAIN.seq_len
+    cost = family.math(kind).cost(config, batch, seq, 2)
+    tokens = batch * seq
+    if family_name == "gpt2":
+        n, inner = config.n_embd, config.n_inner
+        skipped = 2 * tokens * n * inner
+    elif kind == "moe":
+        n, inner = config.hidden_size, config.intermediate_size
+        skipped = 2 * tokens * config.num_experts_per_tok * n * inner
+    else:
+        n, inner = config.hidden_size, config.intermediate_size
+        skipped = 2 * tokens * n * inner
+    assert cost.recompute is not None
+    assert cost.recompute.flops == pytest.approx(cost.forward.flops - skipped)
+    assert 0 < cost.recompute.bytes < cost.forward.bytes
+    program = lower(family, preset, TRAIN, recompute=[(1, 0)]).program
+    tasks = program.tasks_by_id
+    assert tasks["rec_0_1_0"].cost_us < tasks["fwd_0_1_0"].cost_us

@@ -239,9 +239,14 @@ class GPT2Block:
         mlp_in = Work(
             2 * tokens * n * config.n_inner, tokens * act_bytes * (3 * n + config.n_inner)
         )
+        # recompute: forward up to the saved fc (no GELU, no MLP c_proj, no output): x
+        # read and the 9 * n_embd saved values written
         return LayerCost(
             forward=Work(matmul + attention, activations),
             backward=Work(2 * matmul + 2.5 * attention, 2 * activations),
+            recompute=Work(
+                matmul - 2 * tokens * n * config.n_inner + attention, tokens * act_bytes * 10 * n
+            ),
             partial={"mlp": mlp_in},
         )
 

@@ -367,9 +367,14 @@ class DecoderBlock(MlpPartialSave):
         activations = tokens * act_bytes * (2 * n + 2 * saved)
         # mlp: n2 reads h_mid and writes h2, gate and up each read h2 and write their own
         mlp_in = Work(2 * tokens * 2 * n * inner, tokens * act_bytes * (4 * n + 2 * inner))
+        # recompute: forward up to the saved gate and up (no SwiGLU product, no down_proj,
+        # no output): x read, the saved tensors written, all but gate and up read again
+        down = 2 * tokens * n * inner
+        rederived = tokens * act_bytes * (n + 2 * saved - 2 * inner)
         return LayerCost(
             forward=Work(matmul + attention, activations),
             backward=Work(2 * matmul + 2.5 * attention, 2 * activations),
+            recompute=Work(matmul - down + attention, rederived),
             partial={"mlp": mlp_in},
         )
 

@@ -376,10 +376,14 @@ class MoEBlock(MlpPartialSave):
         activations = tokens * act_bytes * (2 * n + 2 * saved + 2 * k * n)
         # mlp: n2 of h_mid, then every routed row's gate and up projections
         mlp_in = Work(2 * experts / 3, tokens * act_bytes * (2 * n + k * n + 2 * k * inner))
+        # recompute: forward up to the routed rows' gate and up (no expert down
+        # projections, no combine, no output)
+        rederived = tokens * act_bytes * (n + 2 * saved - 2 * k * inner)
         return LayerCost(
             forward=Work(matmul + attention, activations),
             # backward: twice the matmuls, plus the router's logits made again
             backward=Work(2 * matmul + router + 2.5 * attention, 2 * activations),
+            recompute=Work(matmul - experts / 3 + attention, rederived),
             partial={"mlp": mlp_in},
         )
 
