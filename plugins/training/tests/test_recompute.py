@@ -145,31 +145,6 @@ def test_a_candidate_is_what_the_lowering_makes_of_its_units() -> None:
     assert costs["rec_0_1_0"] == pytest.approx(7.0) and costs["bwd_0_1_0"] == 7.0
 
 
-def test_with_a_price_the_search_estimates_rec_tasks_as_priced() -> None:
-    """Given ``price`` (the profile cache, in a real run), a rec task's cost in the
-    search's estimates is what ``price`` gives it, not its forward's cost scaled by the
-    declared work: the estimates then prune by measured costs."""
-    program = _step()
-
-    def price(candidate):
-        return attrs.evolve(
-            candidate,
-            tasks=[
-                attrs.evolve(t, cost_us=123.0 if t.kind == "rec" else 7.0) for t in candidate.tasks
-            ],
-        )
-
-    given = price(program)
-    units = [(1, 0), (0, 2)]
-    priced = Rewriter(given, price, family=TOY)
-    assert priced.rec_cost and all(t.cost_us == 123.0 for t in priced.rec_cost.values())
-    base = sum(t.cost_us for t in given.tasks)
-    assert priced.compute_us(units) == pytest.approx(base + 2 * 123.0)
-    # without a price: the forward's 7.0 scaled by the declared rec over forward work
-    plain = Rewriter(given, family=TOY)
-    assert all(t.cost_us != 123.0 for t in plain.rec_cost.values())
-
-
 class TestRecomputePlanner(PlannerConformance):
     distribution = "dataflow-training"
     expected_names = ("recompute",)

@@ -14,9 +14,8 @@ re-derives the rest into ``A_...<name>``, ``lower(partial={(round, block): name}
 Candidates are spliced from one lowering per mode with every unit in it, so each is
 exactly what ``lower`` makes of its units; a candidate keeps every task's cost and
 workspace from the program it started from, and prices a new ``rec`` task as its forward
-scaled by the declared work of that ``rec`` over forward, or, given ``price`` (which
-re-prices a whole candidate, e.g. from the profile cache), as ``price`` prices it: the
-search's estimates of a candidate's compute then use the measured ``rec`` costs too.
+scaled by the declared work of that ``rec`` over forward (or by ``price``, which re-prices
+a whole candidate, e.g. from the profile cache).
 
 The search, at most ``max_candidates`` plans (each planned by PressureFit and simulated;
 one tried already is not planned again):
@@ -160,23 +159,17 @@ class Rewriter:
         modes = {FULL, *self.partial_of.values(), *((KEEP,) if self.given_mode else ())}
         # mode -> (tasks by id, step layout, each unit's A objects) of its lowering
         self.sources: dict[str, tuple[dict[str, Task], StepLayout, dict[Unit, list]]] = {}
-        lowerings = {}
         for mode in modes:
-            source = lowerings[mode] = lowered(mode)
+            source = lowered(mode)
             saved: dict[Unit, list] = {}
             for obj in source.program.objects:
                 if obj.id.startswith("A_"):
                     saved.setdefault(_unit_of_saved(obj.id), []).append(obj)
             self.sources[mode] = (source.program.tasks_by_id, source.layout, saved)
         plain = {t.id: t for t in program.tasks}
-        # a rec task's price: with ``price``, as it prices that mode's lowering (the
-        # profiles have every rec signature: ``measured_recompute_planner``), else its
-        # forward's, scaled by the declared work of the two
+        # a rec task's price: its forward's, scaled by the declared work of the two
         self.rec_cost: dict[tuple[Unit, str], Task] = {}
         for mode, (source, layout, _) in self.sources.items():
-            priced = None
-            if price is not None:
-                priced = price(lowerings[mode].program).tasks_by_id
             for slot in layout.tasks.values():
                 if slot.kind != "rec":
                     continue
@@ -185,9 +178,6 @@ class Rewriter:
                 rec, fwd_fresh, fwd_given = source[slot.id], source[fwd_id], plain[fwd_id]
                 if self.given_mode.get(unit) == mode:
                     self.rec_cost[unit, mode] = plain[slot.id]
-                    continue
-                if priced is not None:
-                    self.rec_cost[unit, mode] = priced[slot.id]
                     continue
                 ratio = rec.cost_us / fwd_fresh.cost_us if fwd_fresh.cost_us > 0 else 1.0
                 self.rec_cost[unit, mode] = attrs.evolve(
