@@ -225,7 +225,8 @@ class Lookup:
         return found
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (module doc); ``plan_rows.py`` parses its rows with it too."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget", default="8GiB")
     parser.add_argument("--batch", type=int, default=2)
@@ -251,9 +252,17 @@ def main() -> None:
     parser.add_argument(
         "--link-scale", type=float, default=1.0, help="both links' bandwidth times F (a what-if)"
     )
-    args = parser.parse_args()
+    return parser
+
+
+def place_row(args: argparse.Namespace, say=print) -> dict:
+    """Plan and place one step as the module doc says; ``say`` gets each line of the
+    report. -> what came of it: ``planned_s`` and ``placed_s`` (steady-state iterations;
+    ``placed_s`` None where it does not place, ``planned_s`` None where it cannot be
+    planned, ``error`` then says why), the slow pool and peak, the bytes each way, the
+    units re-derived (whole and partial) and their time, the sum of the step's tasks."""
     if not args.link_scale > 0:
-        parser.error(f"--link-scale must be a positive number, got {args.link_scale}")
+        raise ValueError(f"--link-scale must be a positive number, got {args.link_scale}")
     backing = None if args.backing is None else parse_size(args.backing)
     budget = parse_size(args.budget)
     family = load_family(default_family(args.preset))
@@ -286,28 +295,56 @@ def main() -> None:
     )
     spec = measured_recompute_planner(program, measured, known=profiles)
     beside = measured.largest_bytes
+    row: dict = {"planned_s": None, "placed_s": None, "error": None}
+    arena = budget - RESERVE_BYTES - beside
+    if arena < 1:
+        error = (
+            f"the budget of {format_size(budget)} leaves no room beside the largest task "
+            f"workspace ({format_size(beside)}) and the CUDA libraries' reserve"
+        )
+        say(f"cannot be planned: {error}")
+        return row | {"error": error}
     started = time.perf_counter()
-    planned = plan(
-        program,
-        budget - RESERVE_BYTES - beside,
-        planner=spec,
-        cyclic=True,
-        slow_budget_bytes=backing,
-    )
+    try:
+        planned = plan(
+            program,
+            arena,
+            planner=spec,
+            cyclic=True,
+            slow_budget_bytes=backing,
+        )
+    except PlanningError as exc:
+        say(f"cannot be planned ({time.perf_counter() - started:.1f} s): {exc}")
+        return row | {"error": str(exc)}
     if measured.stand_ins:
         missing = len(measured.stand_ins)
-        print(f"{missing} signatures not in the archive, priced as their key's costliest")
+        say(f"{missing} signatures not in the archive, priced as their key's costliest")
     if measured.scaled:
-        print(f"scaled by tokens from another shape: {', '.join(sorted(measured.scaled))}")
+        say(f"scaled by tokens from another shape: {', '.join(sorted(measured.scaled))}")
     held = live_peak_bytes([b for b in residency_blocks(planned) if b.obj_id is not None])
-    print(f"planned at {planned.budget_bytes} bytes in {time.perf_counter() - started:.1f} s:")
-    print(f"  objects held at once {held}, iteration {planned.cycle.iteration_us / 1e6:.3f} s")
+    iteration = planned.cycle.iteration_us / 1e6
+    say(f"planned at {planned.budget_bytes} bytes in {time.perf_counter() - started:.1f} s:")
+    say(f"  objects held at once {held}, iteration {iteration:.3f} s")
     sim = planned.sim
-    print(
+    pool = slow_pool_bytes(planned.program)
+    say(
         f"  slow peak {format_size(sim.slow_peak_bytes)}, slow pool "
-        f"{format_size(slow_pool_bytes(planned.program))}, h2d {sim.h2d.bytes / 1e9:.0f} GB, "
+        f"{format_size(pool)}, h2d {sim.h2d.bytes / 1e9:.0f} GB, "
         f"d2h {sim.d2h.bytes / 1e9:.0f} GB a step"
     )
+    recs = [t for t in planned.program.tasks if t.kind == "rec"]
+    row |= {
+        "planned_s": iteration,
+        "tasks_s": sum(t.cost_us for t in planned.program.tasks) / 1e6,
+        "rederived_whole": sum(1 for t in recs if "partial" not in t.params),
+        "rederived_partial": sum(1 for t in recs if "partial" in t.params),
+        "rederive_s": sum(t.cost_us for t in recs) / 1e6,
+        "slow_peak_bytes": sim.slow_peak_bytes,
+        "slow_pool_bytes": pool,
+        "h2d_gb": sim.h2d.bytes / 1e9,
+        "d2h_gb": sim.d2h.bytes / 1e9,
+        "stand_ins": len(measured.stand_ins),
+    }
     started = time.perf_counter()
     try:
         placed = (
@@ -316,14 +353,27 @@ def main() -> None:
             else place(planned, workspace_beside_bytes=beside)
         )
     except PlanningError as exc:
-        print(f"does not place ({time.perf_counter() - started:.1f} s): {exc}")
-        return
-    print(
+        say(f"does not place ({time.perf_counter() - started:.1f} s): {exc}")
+        return row | {"error": f"does not place: {exc}"}
+    say(
         f"placed in {time.perf_counter() - started:.1f} s: arena {placed.arena_bytes} + "
         f"{placed.workspace_outside_bytes} beside, plan at {placed.plan.budget_bytes}, "
         f"iteration {placed.plan.cycle.iteration_us / 1e6:.3f} s (simulated: measured "
         "task costs, modelled links)"
     )
+    return row | {
+        "placed_s": placed.plan.cycle.iteration_us / 1e6,
+        "arena_bytes": placed.arena_bytes,
+        "beside_bytes": placed.workspace_outside_bytes,
+    }
+
+
+def main() -> None:
+    command = parser()
+    args = command.parse_args()
+    if not args.link_scale > 0:
+        command.error(f"--link-scale must be a positive number, got {args.link_scale}")
+    place_row(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,59 @@
+"""benchmarks/plan_rows.py: every throughput row planned on the CPU from the H200
+profile archives, beside the fastest stock row of compare.json."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import place_llama3_8b  # noqa: E402
+import plan_rows  # noqa: E402
+
+
+def test_each_models_fastest_stock_row_is_the_baseline() -> None:
+    stock = plan_rows.stock_tok_s(BENCHMARKS / "results" / "compare.json")
+    # gpt2's rows from before compare.json named models count as gpt2_124m's
+    assert stock["gpt2_124m"] == pytest.approx(544_182.26, rel=1e-6)
+    assert {"l3_1b", "llama3_8b", "olmoe_1b_7b"} <= set(stock)
+
+
+def test_every_row_parses_and_names_an_archive_that_exists() -> None:
+    for name, argv in plan_rows.ROWS.items():
+        args = place_llama3_8b.parser().parse_args(argv)
+        assert args.profiles.exists(), name
+        assert args.preset.split("_")[0] in name or args.preset in name
+
+
+def test_a_row_planned_and_placed_and_its_ratio_to_stock() -> None:
+    """gpt2_124m at 4 GiB (16 x 32 rounds: no re-derivation, every task profiled): the
+    placed step, and the stock ratio as tokens / stock tok/s / step."""
+    name = "gpt2_124m 4 GiB, 16 x 32"
+    row = plan_rows.planned(name, plan_rows.ROWS[name], {"gpt2_124m": 500_000.0})
+    assert row["error"] is None and row["stand_ins"] == 0
+    assert row["placed_s"] == pytest.approx(row["planned_s"], rel=0.02)
+    assert row["rederived_whole"] == row["rederived_partial"] == 0
+    assert row["tokens"] == 16 * 32 * 1024
+    assert row["vs_stock"] == pytest.approx(row["tokens"] / 500_000.0 / row["placed_s"])
+    table = plan_rows.table([row])
+    assert f"| {name} | {row['planned_s']:.3f} |" in table
+
+
+def test_a_row_that_cannot_be_planned_says_why() -> None:
+    """gpt2_124m at 2 GiB in rounds of 64 x 1024 tokens: one block's backward needs 1.15 GiB
+    beside the head's workspace (the planner's error); at 1 GiB that workspace alone takes
+    the budget (said before planning)."""
+    rows = [
+        plan_rows.planned(f"{budget}", [*plan_rows.GPT2, "--budget", budget, "--batch", "64"], {})
+        for budget in ("2GiB", "1GiB")
+    ]
+    for row in rows:
+        assert row["planned_s"] is None and row["placed_s"] is None and row["vs_stock"] is None
+    assert "smallest budget that works is 1.15 GiB" in rows[0]["error"]
+    assert "leaves no room beside the largest task workspace" in rows[1]["error"]
+    assert "| 2GiB |  |  |  |" in plan_rows.table(rows)
