@@ -35,10 +35,11 @@ places another preset the archive has profiles for, e.g. ``--preset gpt2_124m --
 task that held less would buy the plan; ``--cost KEY=FACTOR`` (repeatable) likewise
 prices every task of ``KEY`` at that multiple of its time (what a faster task would
 buy); ``--link-scale F`` multiplies both links' bandwidth by ``F`` (what a faster host link
-would buy: where the step's recompute goes away, the link is what forces it). A ``--batch``
-the archive has no profiles of is priced from its largest by the
-tokens a task covers (time and workspace; an estimate), but for a task whose objects keep
-their sizes (an update), priced as profiled.
+would buy: where the step's recompute goes away, the link is what forces it). A
+``--batch`` the archive has no profiles of is priced from its largest by the tokens a
+task covers (time and workspace; an estimate), but for a task whose objects keep their
+sizes (an update), priced as profiled. ``place_row`` does the work and returns what came
+of it (``plan_rows.py`` plans every throughput row with it).
 
 Run: ``python benchmarks/place_llama3_8b.py --budget 8GiB [--batch 2 --rounds 16] [--counted]
 [--order ORDER] [--backing SIZE] [--chunk TOKENS] [--profiles DIR] [--head-vocab-tiles]
