@@ -3,7 +3,7 @@
 # minutes each (docs/throughput.md, "Other models"):
 #
 #   bash benchmarks/model_rows.sh llama3_8b     # stock torch.compile + dataflow 16, 8 GiB by layer
-#   bash benchmarks/model_rows.sh l3_1b         # stock + dataflow 4 GiB, both task orders
+#   bash benchmarks/model_rows.sh l3_1b         # stock + dataflow 4 GiB by layer (L3_ORDERS)
 #   bash benchmarks/model_rows.sh olmoe         # stock + dataflow 16, 8 GiB, layer order first
 #   bash benchmarks/model_rows.sh small         # l3_1b then olmoe (two commands' worth)
 #   bash benchmarks/model_rows.sh olmoe16       # issue 16's row: stock + 16 GiB by layer, 262,144 tokens
@@ -97,10 +97,15 @@ llama3_8b)
     ;;
 l3_1b | olmoe | small)
     {
+        # l3_1b at 4 GiB: by layer, batch 4 then 2 (benchmarks/plan_rows.py, session 21:
+        # 4 x 8 by layer plans 2.504 s, 2 x 16 2.545 s, 4 x 8 in round order 2.736 s, 8 x 4
+        # cannot be planned beside its head's workspace; session 19's round-order row ran out
+        # of row time). L3_ORDERS=round,layer measures round order too
         if [ "$group" != olmoe ]; then
             compare --family llama3 "${dense[@]}" --rows stock,dataflow --stock-engines compile \
-                --batches 8,4 --dataflow-batches 8,4,2 --min-tokens "$tokens" \
-                --budgets "$dense_budget" --dataflow-orders round,layer --steps 4 --warmup 2 \
+                --batches 8,4 --dataflow-batches 4,2 --dataflow-batch-order given \
+                --min-tokens "$tokens" --budgets "$dense_budget" \
+                --dataflow-orders "${L3_ORDERS:-layer}" --steps 4 --warmup 2 \
                 --compile-row-seconds 120 --row-seconds 110 --total-seconds 360
         fi
         # the MoE stock row is the grouped-GEMM model under torch.compile (issue 16); the
