@@ -275,3 +275,41 @@ def test_a_cells_head_chunk_follows_its_budget() -> None:
 
     assert chunk(16) == 8192
     assert chunk(2) == 1024
+
+
+def test_optimizer_states_in_bf16_halve_their_bytes_in_the_plan(tmp_path) -> None:
+    """``--optimizer-states bf16`` (predict and measure): the AdamW moments are bf16, so
+    the step's optimizer state objects take half the bytes of fp32's, and every row says
+    which it planned."""
+    from dataflow_training.config import STATE_DTYPES, optimizer_states
+    from dataflow_training.family import load_family
+    from dataflow_training.lowering import lower
+    from dataflow_training.predict import Cell, train_config
+
+    rows = {}
+    for states in STATE_DTYPES:
+        out = tmp_path / f"{states}.json"
+        result = invoke(
+            "predict", *ONE, "--budget", "1", "--optimizer-states", states, "--json", out
+        )
+        assert result.exit_code == 0, result.output
+        (rows[states],) = _rows(out)
+        assert rows[states]["optimizer_states"] == states
+    cell = Cell("gpt2_tiny", 32, 16, 64, 2**30)
+    sizes = {}
+    for states in STATE_DTYPES:
+        train = train_config(cell, "bf16", states=states)
+        assert train.optimizer == optimizer_states(states)
+        program = lower(load_family("gpt2"), "gpt2_tiny", train).program
+        sizes[states] = sum(o.size_bytes for o in program.objects if o.id.startswith("O_"))
+    assert sizes["fp32"] == 2 * sizes["bf16"] > 0
+    measured = tmp_path / "m.json"
+    result = invoke(
+        "measure", *ONE, "--budget", "1", "--optimizer-states", "bf16", "--steps", "2",
+        "--warmup", "1", "--device", "cpu", "--json", measured,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (row,) = _rows(measured)
+    assert row["optimizer_states"] == "bf16" and math.isfinite(row["measured_step_s"])
+    bad = invoke("predict", *ONE, "--budget", "1", "--optimizer-states", "fp8")
+    assert_one_line_error(bad, 2, "--optimizer-states")

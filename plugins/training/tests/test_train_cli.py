@@ -407,3 +407,29 @@ def test_zero_config_on_a_gpu_takes_cuda_and_the_free_memory(tmp_path):
     assert 0 < metrics["allocator_peak_bytes"] <= free
     manifest = json.loads((out / "step_000002" / "manifest.json").read_text())
     assert 0.5 * free < manifest["budget_bytes"] <= free
+
+
+def test_bf16_optimizer_states_train_and_a_resume_must_ask_for_them(site, corpus, tmp_path):
+    """``--optimizer-states bf16``: the checkpoint records bf16 moments and holds half the
+    optimizer bytes of an fp32 run's; resuming it without the option is one line naming
+    the differing field, and with it the run continues."""
+    from dataflow_training.checkpoint import read_checkpoint
+
+    out, fp32 = tmp_path / "run", tmp_path / "fp32"
+    result = invoke(*_args(corpus, out, 2, "--optimizer-states", "bf16"))
+    assert result.exit_code == 0, result.output
+    assert invoke(*_args(corpus, fp32, 2)).exit_code == 0
+    _, opt, manifest, _ = read_checkpoint(out / "step_000002")
+    _, opt_fp32, _, _ = read_checkpoint(fp32 / "step_000002")
+    states = manifest["train"]["optimizer"]["state_dtypes"]
+    assert states == {"exp_avg": "bfloat16", "exp_avg_sq": "bfloat16"}
+    assert set(opt) == set(opt_fp32)
+    for name, packed in opt.items():
+        assert 2 * packed.numel() * packed.element_size() == pytest.approx(
+            opt_fp32[name].numel() * opt_fp32[name].element_size(), rel=0.01
+        ), name
+    refused = invoke(*_args(corpus, out, 4, "--resume", "auto"))
+    assert_one_line_error(refused, 1, "train.optimizer.state_dtypes.exp_avg is 'bfloat16'")
+    resumed = invoke(*_args(corpus, out, 4, "--resume", "auto", "--optimizer-states", "bf16"))
+    assert resumed.exit_code == 0, resumed.output
+    assert [step for step, _ in _losses(out)] == [1, 2, 3, 4]

@@ -15,6 +15,7 @@ import click
 from dataflow.cli.errors import Failure, one_line, plugin_failure
 from dataflow.cli.options import BUDGET, COUNT, Device, lookup
 from dataflow.units import format_size
+from dataflow_training.config import STATE_DTYPES
 
 #: Config fields under which a family may declare the longest sequence its model takes.
 MAX_SEQ_LEN_FIELDS = ("max_seq_len", "n_positions", "max_position_embeddings")
@@ -52,6 +53,21 @@ def order_option() -> Any:
         help="the step's task order: each round through every layer (round), every round "
         "through each layer (layer: weights read once a step; for models larger than the "
         "budget), or that in groups of K rounds (layer:K: less host memory for activations)",
+    )
+
+
+def optimizer_states_option() -> Any:
+    """``--optimizer-states fp32|bf16``: the dtype of the optimizer's state
+    (``config.optimizer_states``)."""
+    return click.option(
+        "--optimizer-states",
+        "optimizer_states",
+        type=click.Choice(list(STATE_DTYPES)),
+        default="fp32",
+        show_default=True,
+        help="dtype of AdamW's two moments: bf16 halves their memory and their traffic over "
+        "the host link (the throughput rows of docs/throughput.md use it, as stock PyTorch "
+        "with bf16 parameters does); fp32 keeps them exact",
     )
 
 

@@ -65,6 +65,22 @@ class OptimizerPolicy:
     )
 
 
+#: ``--optimizer-states`` names -> the dtype of the optimizer's state fields
+STATE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def optimizer_states(name: str, **fields: Any) -> OptimizerPolicy:
+    """AdamW (``OptimizerPolicy(**fields)``) with both moments kept in ``name``'s dtype
+    (``STATE_DTYPES``): ``bf16`` halves their memory and their traffic over the host link
+    (what the throughput rows of docs/throughput.md use, as stock PyTorch does with bf16
+    parameters), ``fp32`` keeps them exact. An unknown name is a ValueError naming the
+    known ones."""
+    if name not in STATE_DTYPES:
+        raise ValueError(f"optimizer states {name!r}: one of {', '.join(STATE_DTYPES)}")
+    dtype = STATE_DTYPES[name]
+    return OptimizerPolicy(**fields, state_dtypes={"exp_avg": dtype, "exp_avg_sq": dtype})
+
+
 #: Bytes of head workspace per logit of a chunk (16-bit logits, a float32 copy of them on
 #: the torch path, and the 16-bit gradient written over them): what ``head_chunk_tokens``
 #: sizes a chunk by.

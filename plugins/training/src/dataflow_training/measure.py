@@ -38,6 +38,7 @@ def measure_cell(
     warmup: int = 2,
     recompute: bool = True,
     dtype: str = "bf16",
+    states: str = "fp32",
     resolver: str = "torch",
     seed: int = 0,
     on_event: Callable[[Cell, str], None] | None = None,
@@ -54,12 +55,13 @@ def measure_cell(
 
     costs = "measured" if device.startswith("cuda") else "roofline"
     extra: dict[str, Any] = {"hw": hw.name, "costs": costs, "device": device, "resolver": resolver}
+    extra["optimizer_states"] = states
     reason = cell.why_not()
     if reason is not None:
         return infeasible_row(cell, extra, reason)
     overrides = position_overrides(family, cell.preset, cell.seq_len)
     extra["overrides"] = overrides
-    train = train_config(cell, dtype, vocab=vocab_size(family, cell.preset))
+    train = train_config(cell, dtype, vocab=vocab_size(family, cell.preset), states=states)
     run = None
     try:
         run = TrainingRun(

@@ -32,7 +32,12 @@ from typing import Any
 import attrs
 
 from dataflow.schema import DTYPE_BYTES, Program
-from dataflow_training.config import DtypePolicy, TrainConfig, head_chunk_tokens
+from dataflow_training.config import (
+    DtypePolicy,
+    TrainConfig,
+    head_chunk_tokens,
+    optimizer_states,
+)
 from dataflow_training.hardware import HardwareEntry
 from dataflow_training.step import StepLayout
 
@@ -102,11 +107,16 @@ def grid(
 
 
 def train_config(
-    cell: Cell, dtype: str = "bf16", chunk_tokens: int = 8192, vocab: int | None = None
+    cell: Cell,
+    dtype: str = "bf16",
+    chunk_tokens: int = 8192,
+    vocab: int | None = None,
+    states: str = "fp32",
 ) -> TrainConfig:
     """The training step of a cell: bf16 weights, gradients and activations with float32
-    optimizer states by default, the head ``chunk_tokens`` tokens at a time (with
-    ``vocab``: at most the chunk ``head_chunk_tokens`` gives the cell's budget)."""
+    optimizer states by default (``states``: ``config.STATE_DTYPES``), the head
+    ``chunk_tokens`` tokens at a time (with ``vocab``: at most the chunk
+    ``head_chunk_tokens`` gives the cell's budget)."""
     if vocab is not None:
         chunk_tokens = head_chunk_tokens(cell.budget_bytes, vocab, chunk_tokens)
     return TrainConfig(
@@ -114,6 +124,7 @@ def train_config(
         batch=cell.batch,
         rounds=cell.rounds,
         dtype=DtypePolicy.named(dtype),
+        optimizer=optimizer_states(states),
         chunk_tokens=min(chunk_tokens, cell.t_round),
         order=cell.order,
     )
@@ -236,6 +247,7 @@ def plan_cell(
     *,
     recompute: bool = True,
     dtype: str = "bf16",
+    states: str = "fp32",
     train: TrainConfig | None = None,
     measure: Callable[[Program], dict] | None = None,
     reserve_bytes: int = 0,
@@ -255,6 +267,7 @@ def plan_cell(
     from dataflow_training.recompute import measured_recompute_planner, recompute_planner
 
     extra: dict[str, Any] = {"hw": hw.name, "costs": "measured" if measure else "roofline"}
+    extra["optimizer_states"] = states
     if ranks is not None:
         extra |= {"ranks": ranks, "scope": scope}
     reason = cell.why_not()
@@ -263,7 +276,7 @@ def plan_cell(
     overrides = position_overrides(family, cell.preset, cell.seq_len)
     extra["overrides"] = overrides
     started = time.perf_counter()
-    train = train or train_config(cell, dtype, vocab=vocab_size(family, cell.preset))
+    train = train or train_config(cell, dtype, vocab=vocab_size(family, cell.preset), states=states)
     program = lower(
         family,
         cell.preset,

@@ -21,6 +21,7 @@ import click
 from dataflow.cli.errors import one_line
 from dataflow.cli.options import COUNT, Device, OutputFile
 from dataflow.units import format_size, parse_size
+from dataflow_training.cli import optimizer_states_option
 from dataflow_training.config import parse_order
 
 
@@ -109,6 +110,7 @@ def _grid_options(command: Any) -> Any:
         click.option(
             "--dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp32"])
         ),
+        optimizer_states_option(),
         click.option(
             "--order",
             "orders",
@@ -194,6 +196,7 @@ def predict_command(
     backing,
     orders,
     dtype,
+    optimizer_states,
     recompute,
     json_out,
     measured,
@@ -207,7 +210,7 @@ def predict_command(
     from dataflow_training.predict import default_jobs, predict, predict_fleet
 
     family, entry, backing = _setup(preset, family_name, hw, hw_files, backing)
-    options: dict[str, Any] = {"recompute": recompute, "dtype": dtype}
+    options: dict[str, Any] = {"recompute": recompute, "dtype": dtype, "states": optimizer_states}
     if ranks is not None:
         _check_scope(entry, scope)
     if measured:
@@ -324,6 +327,7 @@ def measure_command(
     backing,
     orders,
     dtype,
+    optimizer_states,
     recompute,
     json_out,
     steps,
@@ -372,6 +376,7 @@ def measure_command(
         warmup=warmup,
         recompute=recompute,
         dtype=dtype,
+        states=optimizer_states,
         seed=seed,
         resolver=resolver,
         progress=progress,

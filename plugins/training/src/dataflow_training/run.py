@@ -75,6 +75,17 @@ def resolver_for(name: str, device: str) -> str:
     return name
 
 
+def _differences(theirs: Any, ours: Any, path: str) -> list[tuple[str, Any, Any]]:
+    """``(dotted path, theirs, ours)`` of every value that differs between two manifest
+    fields, nested mappings compared key by key (a missing key is None)."""
+    if isinstance(theirs, Mapping) and isinstance(ours, Mapping):
+        found = []
+        for key in sorted(set(theirs) | set(ours), key=str):
+            found += _differences(theirs.get(key), ours.get(key), f"{path}.{key}")
+        return found
+    return [] if theirs == ours else [(path, theirs, ours)]
+
+
 def available_host_bytes() -> int | None:
     """``MemAvailable`` of /proc/meminfo (None where there is none)."""
     try:
@@ -634,10 +645,13 @@ class TrainingRun:
             if field == "train" and loose and isinstance(theirs, dict):
                 theirs = {k: v for k, v in theirs.items() if k not in loose}
                 ours = {k: v for k, v in ours.items() if k not in loose}
-            if theirs != ours:
+            differences = _differences(theirs, ours, field)
+            if differences:
+                where, was, now = differences[0]
+                more = [d[0] for d in differences[1:]]
+                also = f" (and {len(more)} more: {', '.join(more)})" if more else ""
                 raise ValueError(
-                    f"checkpoint {path}: {field} is {manifest.get(field)!r}; this run's is "
-                    f"{mine[field]!r}"
+                    f"checkpoint {path}: {where} is {was!r}; this run's is {now!r}{also}"
                 )
         self.set_state(weights, opt, int(manifest["step"]))
         set_rng_state(rng)

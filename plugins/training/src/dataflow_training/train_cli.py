@@ -22,6 +22,7 @@ from dataflow_training.cli import (
     _family,
     _preset_config,
     budget_option,
+    optimizer_states_option,
     order_option,
 )
 from dataflow_training.config import UPDATES
@@ -136,6 +137,7 @@ def fleet_options(command: Any) -> Any:
 )
 @click.option("--seed", default=0, show_default=True)
 @click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"]))
+@optimizer_states_option()
 @click.option(
     "--graph/--no-graph",
     default=True,

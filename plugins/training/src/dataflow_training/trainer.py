@@ -32,7 +32,12 @@ from typing import Any, TextIO
 
 import attrs
 
-from dataflow_training.config import DtypePolicy, OptimizerPolicy, TrainConfig, head_chunk_tokens
+from dataflow_training.config import (
+    DtypePolicy,
+    TrainConfig,
+    head_chunk_tokens,
+    optimizer_states,
+)
 from dataflow_training.profiling import ProfileWindow, StepProfiler
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -86,6 +91,8 @@ class TrainOptions:
     clip: float | None = 1.0
     seed: int = 0
     dtype: str = "fp32"
+    #: the optimizer states' dtype (``config.STATE_DTYPES``: fp32 or bf16)
+    optimizer_states: str = "fp32"
     overrides: dict[str, Any] = attrs.field(factory=dict)
     profile: ProfileWindow | None = None
     graph: bool = True
@@ -114,7 +121,7 @@ class TrainOptions:
             batch=self.batch,
             rounds=self.rounds,
             dtype=DtypePolicy.named(self.dtype),
-            optimizer=OptimizerPolicy(lr=self.lr),
+            optimizer=optimizer_states(self.optimizer_states, lr=self.lr),
             chunk_tokens=chunk,
             clip=self.clip,
             grad_norm=True,
