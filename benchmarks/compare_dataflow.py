@@ -33,9 +33,9 @@ import torch
 from compare_doc import make_row
 from dataflow_training.config import (
     DtypePolicy,
-    OptimizerPolicy,
     TrainConfig,
     head_chunk_tokens,
+    optimizer_states,
 )
 from dataflow_training.lowering import lower
 from dataflow_training.run import TrainingRun, available_host_bytes
@@ -45,10 +45,10 @@ from dataflow.planning import PlanningError, plan
 from dataflow.units import format_size
 
 ENGINE = "dataflow"
-#: name -> (storage dtypes, AdamW state dtype)
+#: name -> (storage dtypes, AdamW states: ``--optimizer-states`` of ``dataflow train``)
 POLICIES = {
-    "bf16": (DtypePolicy.named("bf16"), "bfloat16"),
-    "mixed": (DtypePolicy("bfloat16", "float32", "bfloat16"), "float32"),
+    "bf16": (DtypePolicy.named("bf16"), "bf16"),
+    "mixed": (DtypePolicy("bfloat16", "float32", "bfloat16"), "fp32"),
 }
 
 
@@ -68,7 +68,7 @@ def train_config(
         batch=batch,
         rounds=rounds,
         dtype=policy,
-        optimizer=OptimizerPolicy(state_dtypes={"exp_avg": state, "exp_avg_sq": state}),
+        optimizer=optimizer_states(state),
         chunk_tokens=chunk,
         order=order,
         updates=updates,
