@@ -150,14 +150,20 @@ def searched_row(
     return row, details
 
 
-def finish(doc: dict[str, Any]) -> dict[str, Any]:
-    """Sort the rows (by model, then engine) and set every row's ratio to the fastest stock
-    (budget-free) row of its model."""
-    rows = doc["rows"]
+def fastest_stock(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Each model's fastest stock (budget-free) row's tokens/s."""
     fastest: dict[str, float] = {}
     for row in rows:
         if row["budget_bytes"] is None and row["tok_s"]:
             fastest[row["model"]] = max(fastest.get(row["model"], 0.0), row["tok_s"])
+    return fastest
+
+
+def finish(doc: dict[str, Any]) -> dict[str, Any]:
+    """Sort the rows (by model, then engine) and set every row's ratio to the fastest stock
+    (budget-free) row of its model."""
+    rows = doc["rows"]
+    fastest = fastest_stock(rows)
     for row in rows:
         best = fastest.get(row["model"])
         row["ratio_to_fastest_stock"] = row["tok_s"] / best if best and row["tok_s"] else None

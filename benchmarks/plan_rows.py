@@ -23,6 +23,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import compare_doc
 import place_llama3_8b
 
 RESULTS = Path(__file__).parent / "results"
@@ -81,13 +82,8 @@ ROWS: dict[str, list[str]] = {
 
 
 def stock_tok_s(compare: Path) -> dict[str, float]:
-    """Each model's fastest stock row (tokens/s) in compare.json."""
-    fastest: dict[str, float] = {}
-    for row in json.loads(compare.read_text())["rows"]:
-        if row.get("engine", "").startswith("pytorch") and row.get("tok_s"):
-            model = row.get("model") or "gpt2_124m"
-            fastest[model] = max(fastest.get(model, 0.0), row["tok_s"])
-    return fastest
+    """Each model's fastest stock row (tokens/s) in compare.json, as its tables rate rows."""
+    return compare_doc.fastest_stock(compare_doc.load_doc(compare)["rows"])
 
 
 def planned(name: str, argv: list[str], stock: dict[str, float]) -> dict:
