@@ -226,6 +226,14 @@ class Lookup:
         return found
 
 
+def _positive(text: str) -> float:
+    """A positive number (``--link-scale``)."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line (module doc); ``plan_rows.py`` parses its rows with it too."""
     parser = argparse.ArgumentParser()
@@ -251,7 +259,10 @@ def parser() -> argparse.ArgumentParser:
         "--workspace", action="append", default=[], help="KEY=SIZE, a what-if (module doc)"
     )
     parser.add_argument(
-        "--link-scale", type=float, default=1.0, help="both links' bandwidth times F (a what-if)"
+        "--link-scale",
+        type=_positive,
+        default=1.0,
+        help="both links' bandwidth times F (a what-if)",
     )
     return parser
 
@@ -262,8 +273,6 @@ def place_row(args: argparse.Namespace, say=print) -> dict:
     ``placed_s`` None where it does not place, ``planned_s`` None where it cannot be
     planned, ``error`` then says why), the slow pool and peak, the bytes each way, the
     units re-derived (whole and partial) and their time, the sum of the step's tasks."""
-    if not args.link_scale > 0:
-        raise ValueError(f"--link-scale must be a positive number, got {args.link_scale}")
     backing = None if args.backing is None else parse_size(args.backing)
     budget = parse_size(args.budget)
     family = load_family(default_family(args.preset))
@@ -370,11 +379,7 @@ def place_row(args: argparse.Namespace, say=print) -> dict:
 
 
 def main() -> None:
-    command = parser()
-    args = command.parse_args()
-    if not args.link_scale > 0:
-        command.error(f"--link-scale must be a positive number, got {args.link_scale}")
-    place_row(args)
+    place_row(parser().parse_args())
 
 
 if __name__ == "__main__":
