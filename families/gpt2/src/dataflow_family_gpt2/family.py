@@ -45,6 +45,10 @@ class GPT2Family:
     def reference_model(self, config: GPT2Config) -> GPT2Reference:
         return GPT2Reference(config)
 
+    def config_from_hf(self, hf: Mapping[str, Any], source: str) -> GPT2Config:
+        """The config of an HF ``config.json`` (its contents; ``source`` names the file)."""
+        return checkpoint.config_from_hf(hf, source)
+
     def import_hf(
         self, path: str | Path, *, dtype: torch.dtype | None = None
     ) -> tuple[GPT2Config, dict[str, torch.Tensor]]:

@@ -123,6 +123,14 @@ def fleet_options(command: Any) -> Any:
 @click.option("--checkpoint-every", default=None, type=COUNT, help="steps between checkpoints")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="run folder")
 @click.option("--resume", default=None, help="auto (newest complete checkpoint) or a folder")
+@click.option(
+    "--init",
+    default=None,
+    metavar="FOLDER",
+    help="start from the weights of a Hugging Face model folder (config.json beside "
+    "model.safetensors or its shards), e.g. to fine-tune; its config.json's fields that "
+    "differ from the preset's become the run's (a checkpoint --resume finds comes first)",
+)
 @click.option("--keep", default=None, type=COUNT, help="keep only the newest N checkpoints")
 @click.option("--lr", default=3e-4, show_default=True, type=click.FloatRange(min=0))
 @click.option("--warmup", default=0, show_default=True, type=click.IntRange(min=0))
@@ -273,7 +281,15 @@ def train_command(
         )
     window = _profile_window(profile, profile_start, profile_stop, prof_dir, rest)
     family_name = family_name or default_family(preset)
-    config = _preset_config(_family(family_name), family_name, preset)
+    family = _family(family_name)
+    config = _preset_config(family, family_name, preset)
+    if rest["init"] is not None:
+        from dataflow_training.hf_init import InitError, hf_overrides
+
+        try:
+            config = hf_overrides(family, family_name, preset, rest["init"]).config
+        except InitError as exc:
+            raise Failure(one_line(str(exc))) from None
     _check_seq_len(config, preset, rest["seq_len"])
     device = device or default_device()
     if budget_bytes is None:

@@ -103,6 +103,9 @@ class TrainOptions:
     head_vocab_tiles: bool = False  # TrainConfig.head_vocab_tiles
     #: the registered resolver that runs the tasks, or "auto" (``run.resolver_for``)
     resolver: str = "auto"
+    #: a Hugging Face model folder whose weights start the run (``hf_init``); its config's
+    #: fields that differ from the preset's become the run's overrides
+    init: str | None = None
 
     def train_config(self) -> TrainConfig:
         """The step; the head's token chunk follows the budget as ``predict``'s does
@@ -232,6 +235,12 @@ def train(
         if writes:
             print(line, file=out or sys.stdout, flush=True)
 
+    resumed = None
+    if o.resume is not None:
+        resumed = latest_checkpoint(o.out) if o.resume == "auto" else Path(o.resume)
+    init = None
+    if o.init is not None:
+        o, init = _with_init(o)
     feed = open_feed(o) if fleet is None else open_feed(o, fleet.rank, fleet.world)
     run = TrainingRun(
         o.family,
@@ -247,6 +256,8 @@ def train(
         resolver=resolver_for(o.resolver, o.device),
         grad_share=None if fleet is None else fleet.share,
         links=fleet_links(fleet, o.device),
+        # a resumed run's weights come from its checkpoint: the folder's are not read
+        state=_init_weights(o, init) if init is not None and resumed is None else None,
     )
     vocab = getattr(feed, "vocab_size", None)
     if vocab is not None and vocab > run.vocab_size:
@@ -257,21 +268,23 @@ def train(
     o.out.mkdir(parents=True, exist_ok=True)
     history: list[tuple[int, float]] = []
     start = 0
-    resumed = None
-    if o.resume is not None:
-        resumed = latest_checkpoint(o.out) if o.resume == "auto" else Path(o.resume)
-        if resumed is not None:
+    if resumed is not None:
+        try:
             manifest = run.restore(resumed, loose=() if fleet is None else ("rounds",))
-            if fleet is not None:
-                feed.restore(_fleet_feed_state(manifest, fleet, resumed))
-            elif "feed" in manifest:
-                feed.restore(manifest["feed"])
-            start = int(manifest["step"])
-            history = [tuple(x) for x in manifest.get("history", [])]
+        except ValueError as exc:  # another run's checkpoint: say how that run started
+            raise type(exc)(f"{exc}{_init_hint(resumed, o)}") from None
+        if fleet is not None:
+            feed.restore(_fleet_feed_state(manifest, fleet, resumed))
+        elif "feed" in manifest:
+            feed.restore(manifest["feed"])
+        start = int(manifest["step"])
+        history = [tuple(x) for x in manifest.get("history", [])]
     metrics_path = o.out / METRICS_FILE
     if writes:
         _truncate_metrics(metrics_path, start)
     say(f"data: {feed.describe()}")
+    if init is not None:
+        say(init.line if resumed is None else f"init: {o.init} not read (the run resumes)")
     if resumed is not None:
         say(f"resumed from {resumed} (step {start})")
     say(plan_line(run))
@@ -437,6 +450,47 @@ def _truncate_metrics(path: Path, step: int) -> None:
         if line.strip() and json.loads(line).get("step", 0) <= step
     ]
     path.write_text("".join(f"{line}\n" for line in kept))
+
+
+def _with_init(o: TrainOptions) -> tuple[TrainOptions, Any]:
+    """``o`` with the overrides that make its preset the ``init`` folder's config, and the
+    folder's ``HFStart`` (``hf_init``)."""
+    from dataflow_training.family import load_family
+    from dataflow_training.hf_init import InitError, hf_overrides
+
+    if o.overrides:
+        raise InitError(
+            f"--init {o.init}: the folder's config.json sets the run's overrides; "
+            f"{sorted(o.overrides)} were given too"
+        )
+    init = hf_overrides(load_family(o.family), o.family, o.preset, o.init)
+    return attrs.evolve(o, overrides=init.overrides), init
+
+
+def _init_hint(checkpoint: Path, o: TrainOptions) -> str:
+    """``; that run started with --init X`` when the checkpoint's run had another ``--init``
+    than ``o`` (its overrides came from that folder's config.json), else nothing."""
+    from dataflow_training.checkpoint import MANIFEST_FILE
+
+    try:
+        options = json.loads((checkpoint / MANIFEST_FILE).read_text()).get("options", {})
+    except (OSError, ValueError, AttributeError):
+        return ""
+    theirs = options.get("init") if isinstance(options, dict) else None
+    if theirs == o.init:
+        return ""
+    return f"; that run started with --init {theirs}" if theirs else "; that run had no --init"
+
+
+def _init_weights(o: TrainOptions, init: Any) -> Any:
+    """The ``init`` folder's weights, in the run's parameter dtype."""
+    import torch
+
+    from dataflow_training.family import load_family
+    from dataflow_training.hf_init import hf_weights
+
+    dtype = getattr(torch, DtypePolicy.named(o.dtype).param)
+    return hf_weights(load_family(o.family), init, dtype)
 
 
 def _jsonable(o: TrainOptions) -> dict[str, Any]:

@@ -1,0 +1,132 @@
+"""Start a training run from a Hugging Face model folder: ``dataflow train --init PATH``.
+
+The folder is what ``save_pretrained`` writes and the hub serves: ``config.json`` beside
+``model.safetensors``, or shards with ``model.safetensors.index.json`` (pickled weights
+are refused). The family reads it (``import_hf``; ``config_from_hf`` for the config
+alone, where it has one), so a Llama 3, Qwen 3, OLMoE, Qwen 3 MoE or GPT-2 checkpoint
+starts a run of that family.
+
+The run stays a preset plus overrides, as every run is: the checkpoint's config is
+compared with the preset's, and the fields that differ become the run's overrides
+(``hf_overrides``), so its checkpoints, ``--resume`` and ``dataflow export --hf`` work as
+for any run. A checkpoint whose config is another preset's exactly is refused (the
+preset given was most likely a slip); one that no preset matches trains as the named
+preset with its fields, which the ``init:`` line lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+#: fields an ``init:`` line names before it says how many more there are
+SHOWN_FIELDS = 4
+
+
+class InitError(ValueError):
+    """An ``--init`` folder that cannot start the run; the message names the folder and
+    the file or field at fault."""
+
+
+@attrs.frozen
+class HFStart:
+    """What ``--init`` gives a run: the overrides that make the preset the checkpoint's
+    config, and the line that says so."""
+
+    path: Path
+    config: Any
+    overrides: dict[str, Any]
+    line: str
+
+
+def _jsonable(value: Any) -> Any:
+    """An override as plain JSON values (a checkpoint's manifest keeps them)."""
+    return attrs.asdict(value) if attrs.has(type(value)) else value
+
+
+def hf_config(family: Any, family_name: str, path: str | Path) -> Any:
+    """The config of the HF model folder ``path``, as ``family`` reads it (its
+    ``config_from_hf`` when it has one, else its whole ``import_hf``)."""
+    from dataflow_training.kit.hf import CONFIG, checkpoint_folder, read_config
+
+    folder = Path(path)
+    if not folder.exists():
+        raise InitError(f"--init {path}: no such folder")
+    try:
+        if hasattr(family, "config_from_hf"):
+            return family.config_from_hf(
+                read_config(folder), str(checkpoint_folder(folder) / CONFIG)
+            )
+        if hasattr(family, "import_hf"):
+            return family.import_hf(folder)[0]
+    except ValueError as error:  # CheckpointError: names the file and the field
+        raise InitError(f"--init: {error}") from None
+    raise InitError(f"--init {path}: family {family_name!r} has no Hugging Face import (import_hf)")
+
+
+def hf_overrides(family: Any, family_name: str, preset: str, path: str | Path) -> HFStart:
+    """The run of ``preset`` that is the HF model at ``path``: its config's fields that
+    differ from the preset's as overrides (all of them where the differing ones alone do
+    not rebuild it, as a width whose ``head_dim`` the preset sets apart)."""
+    config = hf_config(family, family_name, path)
+    base = family.config(preset)
+    if type(config) is not type(base):
+        raise InitError(
+            f"--init {path}: its config is a {type(config).__name__}; preset {preset!r} of "
+            f"family {family_name!r} is a {type(base).__name__}"
+        )
+    names = [field.name for field in attrs.fields(type(config))]
+    differing = [name for name in names if getattr(config, name) != getattr(base, name)]
+    if not differing:
+        return HFStart(Path(path), config, {}, f"init: weights from {path} (preset {preset})")
+    exact = [
+        name
+        for name in getattr(family, "presets", {})
+        if name != preset and family.config(name) == config
+    ]
+    if exact:
+        raise InitError(
+            f"--init {path}: its config.json is preset {exact[0]!r}, not {preset!r} "
+            f"({_fields(config, base, differing)}); pass --preset {exact[0]}"
+        )
+    overrides = {name: _jsonable(getattr(config, name)) for name in differing}
+    if family.config(preset, **overrides) != config:
+        overrides = {name: _jsonable(getattr(config, name)) for name in names}
+    if family.config(preset, **overrides) != config:  # a config no override can reach
+        raise InitError(
+            f"--init {path}: preset {preset!r} with its config.json's fields is not its "
+            f"config ({_fields(config, base, differing)})"
+        )
+    shown = ", ".join(f"{name}={getattr(config, name)!r}" for name in differing[:SHOWN_FIELDS])
+    more = len(differing) - SHOWN_FIELDS
+    shown += f" and {more} more" if more > 0 else ""
+    line = (
+        f"init: weights from {path}: preset {preset} with config.json's {shown} (no preset "
+        f"of {family_name} has this config)"
+    )
+    return HFStart(Path(path), config, overrides, line)
+
+
+def _fields(config: Any, base: Any, names: list[str]) -> str:
+    """``hidden_size 2048 here, 4096 in the preset, ...`` for the first few ``names``."""
+    said = [
+        f"{name} {getattr(config, name)!r} there, {getattr(base, name)!r} in the preset"
+        for name in names[:SHOWN_FIELDS]
+    ]
+    more = len(names) - SHOWN_FIELDS
+    return "; ".join(said) + (f"; and {more} more field(s)" if more > 0 else "")
+
+
+def hf_weights(family: Any, start: HFStart, dtype: Any) -> Mapping[str, Any]:
+    """The model state of ``start``'s folder in ``dtype`` (keyed as the reference model's
+    ``state_dict``): missing, mis-shaped or unexpected tensors are one error naming them."""
+    try:
+        config, state = family.import_hf(start.path, dtype=dtype)
+    except ValueError as error:
+        raise InitError(f"--init: {error}") from None
+    if config != start.config:  # the folder changed since its config was read
+        raise InitError(f"--init {start.path}: config.json changed while the run started")
+    return state
