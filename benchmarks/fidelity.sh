@@ -10,7 +10,9 @@
 #
 # gpt2_124m (issue 14's grid, the default): 524,288 tokens a step, budgets 16, 8, 4 and 2
 # GiB, 16 GiB of pinned backing, round order. l3_1b (issue 15's): 131,072 tokens a step,
-# budgets 4 and 8 GiB by layer (its throughput row's order), 64 GiB of backing. T_ROUNDS,
+# budgets 4 and 8 GiB by layer (its throughput row's order and, with bf16 AdamW moments,
+# its policy: with float32 ones the embedding's update alone needs 2.94 GiB and 4 GiB
+# cannot be planned, session 22), 64 GiB of backing. T_ROUNDS, STATES,
 # BUDGETS, ORDER and BACKING override them, CELL_SECONDS each command's limit (default
 # 170 s; l3_1b's 280 s: its compiled tasks' setup took about 100 s in its throughput row),
 # RESOLVER the resolver (default auto: torch-compiled on CUDA, what `dataflow train`
@@ -26,10 +28,10 @@ preset=${PRESET:-gpt2_124m}
 case $preset in
 gpt2_124m)
     group=gpt2 rounds="16384 65536 32768" tokens=524288 budgets=16,8,4,2 order=round
-    backing=16 seconds=170 prefix=fidelity ;;  # the file names of before
+    backing=16 seconds=170 prefix=fidelity states=fp32 ;;  # the file names of before
 l3_1b)
     group=l3_1b rounds="16384 32768" tokens=131072 budgets=4,8 order=layer backing=64
-    seconds=280 prefix=fidelity_l3_1b ;;
+    seconds=280 prefix=fidelity_l3_1b states=bf16 ;;
 *) echo "fidelity.sh: PRESET '$preset': gpt2_124m or l3_1b" >&2; exit 2 ;;
 esac
 out=${OUT:-/tmp}
@@ -51,6 +53,7 @@ for t_round in ${T_ROUNDS:-$rounds}; do
     timeout "${CELL_SECONDS:-$seconds}" dataflow measure --preset "$measured" --hw h200 \
         --t-round "$t_round" --tokens-step "$tokens" --budget "${BUDGETS:-$budgets}" \
         --seq-len "$seq_len" --order "${ORDER:-$order}" --backing "${BACKING:-$backing}" \
+        --optimizer-states "${STATES:-$states}" \
         --steps 5 --warmup 2 --resolver "${RESOLVER:-auto}" "${device[@]}" \
         --json "$out/$name.json" >"$out/$name.log" 2>&1
     echo "$name: rc $? in $(($(date +%s) - start)) s"
