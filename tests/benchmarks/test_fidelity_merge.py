@@ -41,28 +41,31 @@ def _merge(tmp_path: Path, *files: Path, note: str | None = None) -> tuple[dict,
 def test_the_committed_results_merge_into_themselves(tmp_path) -> None:
     merged, printed = _merge(tmp_path, RESULTS)
     assert merged == json.loads(RESULTS.read_text())
-    assert "| preset |" not in printed  # one preset: no preset column
+    # a preset column only when the rows have more than one preset
+    assert ("| preset |" in printed) == (len({r["preset"] for r in merged["rows"]}) > 1)
 
 
 def test_new_cells_join_the_committed_ones_after_them_with_both_notes(tmp_path) -> None:
     committed = json.loads(RESULTS.read_text())
-    new = tmp_path / "fidelity_l3_1b_4096_16384.json"
+    # a preset the committed rows lack: its cells go after theirs
+    new = tmp_path / "fidelity_qwen3_0_6b_4096_16384.json"
     cells = [
-        _cell("l3_1b", 4096, 16384, 4 * 2**30, 1.02),
-        _cell("l3_1b", 4096, 16384, 8 * 2**30, None),
-        _cell("l3_1b", 4096, 16384, 8 * 2**30 + 1, 0.98),
+        _cell("qwen3_0_6b", 4096, 16384, 4 * 2**30, 1.02),
+        _cell("qwen3_0_6b", 4096, 16384, 8 * 2**30, None),
+        _cell("qwen3_0_6b", 4096, 16384, 8 * 2**30 + 1, 0.98),
     ]
-    new.write_text(json.dumps({"command": "dataflow measure --preset l3_1b", "rows": cells}))
-    merged, printed = _merge(tmp_path, RESULTS, new, note="the l3_1b grid")
+    command = "dataflow measure --preset qwen3_0_6b"
+    new.write_text(json.dumps({"command": command, "rows": cells}))
+    merged, printed = _merge(tmp_path, RESULTS, new, note="the qwen3 grid")
     rows = merged["rows"]
     assert rows[: len(committed["rows"])] == committed["rows"]
     added = rows[len(committed["rows"]) :]
     assert [r["budget_bytes"] for r in added] == [8 * 2**30 + 1, 8 * 2**30, 4 * 2**30]
     assert merged["meta"]["commands"] == [
         *committed["meta"]["commands"],
-        "dataflow measure --preset l3_1b",
+        command,
     ]
-    assert merged["meta"]["note"] == f"{committed['meta']['note']}; the l3_1b grid"
+    assert merged["meta"]["note"] == f"{committed['meta']['note']}; the qwen3 grid"
     assert merged["meta"]["ratio_max"] == max(committed["meta"]["ratio_max"], 1.02)
-    assert "| preset |" in printed and "| l3_1b | 4096 | 16384 | 4 GiB |" in printed
+    assert "| preset |" in printed and "| qwen3_0_6b | 4096 | 16384 | 4 GiB |" in printed
     assert "cannot be planned" in printed and "| 0 | - |" in printed

@@ -19,7 +19,7 @@ import plan_rows  # noqa: E402
 def test_each_models_fastest_stock_row_is_the_baseline() -> None:
     stock = plan_rows.stock_tok_s(BENCHMARKS / "results" / "compare.json")
     # gpt2's rows from before compare.json named models count as gpt2_124m's
-    assert stock["gpt2_124m"] == pytest.approx(544_182.26, rel=1e-6)
+    assert stock["gpt2_124m"] == pytest.approx(547_313.56, rel=1e-6)
     assert {"l3_1b", "llama3_8b", "olmoe_1b_7b"} <= set(stock)
 
 
