@@ -19,6 +19,10 @@
 Errors are relative, ``||out - ref|| / ||ref||`` (METHOD.md), with the largest absolute
 difference beside it; tolerances per dtype policy are in ``TOLERANCES`` and explained in
 docs/correctness_compare.md.
+
+The op and task levels and the ladder are here; the step level is ``verify_step.py``,
+``Check``, ``compare`` and ``TOLERANCES`` are ``verify_checks.py``, all of them
+re-exported here (the public names: docs/api.md).
 """
 
 from __future__ import annotations
@@ -27,55 +31,36 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import attrs
 import torch
 import torch.nn.functional as F
 
-from dataflow_training.config import DtypePolicy, OptimizerPolicy, TrainConfig
+from dataflow_training.config import DtypePolicy
 from dataflow_training.ops import STANDARD_OPS, load_ops
 from dataflow_training.progress import ProgressCallback
-from dataflow_training.tolerances import adam_update_gap, sign_flips, weight_error
+from dataflow_training.verify_checks import TOLERANCES, Check, compare
+from dataflow_training.verify_step import (
+    adam_moments,
+    check_state_keys,
+    follows_routing,
+    routing_checks,
+    step_checks,
+    step_config,
+)
 
-#: largest relative error accepted, per dtype policy and level
-TOLERANCES = {
-    "fp32": {"op": 1e-5, "task": 1e-4, "step": 1e-4},
-    "bf16": {"op": 1e-2, "task": 3e-2, "step": 5e-2},
-}
-
-
-@attrs.frozen
-class Check:
-    level: str
-    name: str
-    max_abs: float
-    rel: float
-    tolerance: float
-    #: also accepted: every element within this absolute distance (see step_checks)
-    abs_tolerance: float | None = None
-
-    @property
-    def ok(self) -> bool:
-        if self.abs_tolerance is not None and self.max_abs <= self.abs_tolerance:
-            return True
-        return math.isfinite(self.rel) and self.rel <= self.tolerance
-
-
-def compare(level: str, name: str, out: Any, ref: Any, tolerance: float) -> Check:
-    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
-    if out64.shape != ref64.shape:
-        return Check(
-            level,
-            f"{name} (shape {tuple(out64.shape)} != {tuple(ref64.shape)})",
-            math.inf,
-            math.inf,
-            tolerance,
-        )
-    diff = (out64 - ref64).norm().item()
-    scale = ref64.norm().item()
-    rel = diff / scale if scale > 0 else diff
-    return Check(
-        level, name, (out64 - ref64).abs().max().item() if out64.numel() else 0.0, rel, tolerance
-    )
+__all__ = [
+    "TOLERANCES",
+    "Check",
+    "adam_moments",
+    "check_state_keys",
+    "compare",
+    "follows_routing",
+    "op_checks",
+    "routing_checks",
+    "step_checks",
+    "step_config",
+    "task_checks",
+    "verify",
+]
 
 
 # -- ops ---------------------------------------------------------------------------------
@@ -289,19 +274,6 @@ def task_checks(
     return checks
 
 
-def check_state_keys(family: Any, config: Any, state: Any) -> None:
-    """The reference model's parameters are exactly the declared ones."""
-    declared = {f"{layer.name}.{p.name}" for layer in family.layers(config) for p in layer.params}
-    extra, missing = sorted(set(state) - declared), sorted(declared - set(state))
-    if extra or missing:
-        from dataflow_training.family import FamilyContractError
-
-        raise FamilyContractError(
-            f"family {family.name!r}: the reference model's parameters differ from the "
-            f"declared layers: not declared by any layer {extra}; declared but missing {missing}"
-        )
-
-
 def _dense(grad: Any) -> torch.Tensor:
     """A gradient as one tensor (a ``RowGradient`` made whole)."""
     from dataflow_training.family import RowGradient
@@ -410,316 +382,6 @@ def _head_checks(family, config, layers, state, ops, device, dtype, tolerance, h
         for name in whole[2]
     ]
     return checks
-
-
-# -- steps -------------------------------------------------------------------------------
-def step_config(
-    policy: str,
-    *,
-    batch: int,
-    seq_len: int,
-    rounds: int,
-    clip: float | None = None,
-    order: str = "round",
-) -> TrainConfig:
-    """The training step the step level lowers (``dataflow verify`` checks its budget)."""
-    return TrainConfig(
-        seq_len=seq_len,
-        batch=batch,
-        rounds=rounds,
-        dtype=DtypePolicy.named(policy),
-        optimizer=OptimizerPolicy(lr=1e-3),
-        chunk_tokens=max(1, batch * seq_len // 3),
-        clip=clip,
-        order=order,
-    )
-
-
-def follows_routing(family: Any) -> bool:
-    """Whether the family's reference model routes with given expert choices: its step
-    check then keeps the engine's AuxTemp and routes the reference with it
-    (``routing_checks``)."""
-    return bool(getattr(getattr(family, "reference", None), "follows_routing", False))
-
-
-def step_checks(
-    family: Any,
-    preset: str,
-    *,
-    device: str,
-    policy: str,
-    steps: int,
-    rounds: int,
-    batch: int,
-    seq_len: int,
-    budget_bytes: int | None,
-    seed: int,
-    tolerance: float,
-    resolver: str = "torch",
-    clip: float | None = None,
-    overrides: dict[str, Any] | None = None,
-    order: str = "round",
-    note: Callable[[str], None] | None = None,
-    planner: Any = None,
-) -> list[Check]:
-    """The lowered step run by ``TrainingRun`` against the reference; with ``clip`` both
-    clip the global gradient norm (the reference through ``clip_grad_norm_``), and each
-    step's measured norm is checked too. ``overrides``: config fields of the preset
-    changed, for both. ``order``: the lowered chain's order (``TrainConfig.order``).
-    ``note`` is given the run's plan line (``trainer.plan_line``: what it recomputes).
-    ``planner``: the run's planner spec (default: ``TrainingRun``'s)."""
-    from dataflow_training.run import TrainingRun
-
-    config = family.config(preset, **(overrides or {}))
-    train = step_config(policy, batch=batch, seq_len=seq_len, rounds=rounds, clip=clip, order=order)
-    torch.manual_seed(seed)
-    start = family.reference_model(config)
-    param_dtype = getattr(torch, train.dtype.param)
-    state = {k: v.detach().to(param_dtype) for k, v in start.state_dict().items()}
-    check_state_keys(family, config, state)
-    vocab = (
-        next(layer for layer in family.layers(config) if layer.kind == "embed").params[0].shape[0]
-    )
-
-    def tokens(step: int, round_: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(seed * 7919 + 1000 * step + round_)
-        return (
-            torch.randint(0, vocab, (batch, seq_len), generator=g),
-            torch.randint(0, vocab, (batch, seq_len), generator=g),
-        )
-
-    follows = follows_routing(family)
-    run = TrainingRun(
-        family,
-        preset,
-        train,
-        budget_bytes=budget_bytes,
-        device=device,
-        state=state,
-        resolver=resolver,
-        keep_grads=True,
-        keep_aux_temp=follows,
-        overrides=overrides,
-        planner=planner,
-    )
-    if note is not None:
-        from dataflow_training.trainer import plan_line
-
-        note(plan_line(run))
-    reference = _Reference(family, config, train)
-    opt = train.optimizer
-    checks: list[Check] = []
-    routing, ref_routing = [], []
-    with run:
-        # each step from the state the engine's step starts from: the reference takes the
-        # engine's weights and AdamW moments, so what is compared is that one step, not
-        # differences carried from earlier steps (docs/correctness_compare.md). A step's
-        # end state is the next one's start, read back once
-        weights, opt_state = run.state()
-        for step in range(steps):
-            moments = adam_moments(run.layout, opt_state)
-            batches = [tokens(step, r) for r in range(rounds)]
-            stats = run.step(batches)
-            grads, (after, after_opt) = run.grads(), run.state()
-            if follows:
-                routing.append(run.aux_temps())
-            ref = reference.step(weights, moments, step, batches, routing[-1] if follows else None)
-            if follows:
-                ref_routing.append(ref.decisions)
-            checks += [
-                compare(
-                    "step", f"loss step {step} round {r}", torch.tensor(loss), ref_loss, tolerance
-                )
-                for r, (loss, ref_loss) in enumerate(zip(stats.losses, ref.losses, strict=True))
-            ]
-            if clip is not None:
-                checks.append(
-                    compare(
-                        "step",
-                        f"grad norm step {step} (clip {clip:g})",
-                        torch.tensor(stats.grad_norm),
-                        ref.norm,
-                        tolerance,
-                    )
-                )
-            checks += [
-                compare(
-                    "step", f"grad {name} (step {step})", grads[name], ref.grads[name], tolerance
-                )
-                for name in sorted(ref.grads)
-            ]
-            for name in sorted(ref.weights):
-                if grads[name].shape != ref.grads[name].shape:  # its grad check says so
-                    checks.append(
-                        Check(
-                            "step",
-                            f"weight {name} (after step {step}; its gradients' shapes differ)",
-                            math.inf,
-                            math.inf,
-                            tolerance,
-                        )
-                    )
-                    continue
-                # what the two gradients alone make AdamW's update differ by: near-zero
-                # entries move by up to 2 lr either way (tolerances.py)
-                exp_avg, exp_avg_sq = moments[name]
-                gap = adam_update_gap(
-                    grads[name],
-                    ref.grads[name],
-                    exp_avg,
-                    exp_avg_sq,
-                    step=step + 1,
-                    lr=opt.lr,
-                    betas=(opt.beta1, opt.beta2),
-                    eps=opt.eps,
-                )
-                n = sign_flips(grads[name], ref.grads[name])
-                error = weight_error(after[name], ref.weights[name], gap, n)
-                flips = f"; {n} sign flip{'s' * (n != 1)}" if n else ""
-                checks.append(
-                    Check(
-                        "step",
-                        f"weight {name} (after step {step}{flips})",
-                        error.max_abs,
-                        error.rel,
-                        tolerance,
-                    )
-                )
-            weights, opt_state = after, after_opt
-    if follows:
-        checks = routing_checks(config, routing, ref_routing, tolerance) + checks
-    return checks
-
-
-def adam_moments(layout: Any, opt_state: dict[str, torch.Tensor]) -> dict[str, tuple]:
-    """``{"<layer>.<param>": (exp_avg, exp_avg_sq)}`` from a run's raw ``O`` objects
-    (``TrainingRun.state``)."""
-    moments: dict[str, dict[str, torch.Tensor]] = {}
-    for packed in layout.of_kind("O"):
-        for name, view in packed.layout.views(opt_state[packed.id]).items():
-            param, field = name.rsplit("/", 1)
-            moments.setdefault(f"{packed.layer}.{param}", {})[field] = view
-    return {k: (v["exp_avg"], v["exp_avg_sq"]) for k, v in moments.items()}
-
-
-def routing_checks(
-    config: Any,
-    engine: list[list[dict[str, dict[str, torch.Tensor]]]],
-    reference: list[list[list[tuple[torch.Tensor, torch.Tensor]]]],
-    tolerance: float,
-) -> list[Check]:
-    """The routers' discrete decisions, per layer over every step and round: the
-    reference routed with the engine's recorded choices (AuxTemp ``ids``), so its
-    probabilities must agree with the engine's recorded ``weights`` at them, and every
-    choice must be the reference's own top-k up to a near tie: an expert the engine took
-    in place of one the reference ranks higher has a reference probability within the
-    relative ``tolerance`` of the k-th largest (docs/correctness_compare.md)."""
-    k = config.num_experts_per_tok
-    layers = list(engine[0][0])
-    checks = []
-    for i, layer in enumerate(layers):
-        recorded = [r[layer] for step in engine for r in step]
-        logits = torch.cat([r[i][0] for step in reference for r in step]).double().cpu()
-        ids = torch.cat([t["ids"] for t in recorded]).long()
-        weights = torch.cat([t["weights"] for t in recorded])
-        probs = torch.softmax(logits, -1)
-        chosen = probs.gather(1, ids)
-        kth = probs.topk(k, -1).values[:, -1]
-        shortfall = ((kth - chosen.min(-1).values) / kth).clamp(min=0)
-        n = int((shortfall > 0).sum())
-        checks.append(
-            Check(
-                "step",
-                f"routing {layer}: {n} of {ids.shape[0]} token choices differ from the "
-                "reference's top-k",
-                shortfall.max().item(),
-                shortfall.max().item(),
-                tolerance,
-            )
-        )
-        if config.norm_topk_prob:
-            chosen = chosen / chosen.sum(-1, keepdim=True)
-        checks.append(compare("step", f"router weights {layer}", weights, chosen, tolerance))
-    return checks
-
-
-@attrs.frozen
-class _RefStep:
-    losses: list[torch.Tensor]
-    grads: dict[str, torch.Tensor]
-    weights: dict[str, torch.Tensor]
-    norm: torch.Tensor | None
-    decisions: list
-
-
-class _Reference:
-    """The family's float64 reference model trained with ``torch.optim.AdamW``, one step at
-    a time from given weights and moments."""
-
-    def __init__(self, family: Any, config: Any, train: TrainConfig) -> None:
-        self.model = family.reference_model(config).double()
-        self.train = train
-        layers = family.layers(config)
-        params = [(f"{layer.name}.{p.name}", p) for layer in layers for p in layer.params]
-        trainable = {name for name, p in params if p.trainable}
-        self.decay = {name for name, p in params if p.decay}
-        self.named = {n: p for n, p in self.model.named_parameters() if n in trainable}
-        self.multi_round = getattr(self.model, "steps_over_rounds", False)
-
-    def step(self, weights, moments, step: int, batches, routing=None) -> _RefStep:
-        """Step ``step`` (0-based) from ``weights`` (``{"<layer>.<param>": tensor}``) and
-        ``moments`` (``adam_moments``); ``routing``: the engine's AuxTemp per round and
-        layer, whose ``ids`` a reference that ``follows_routing`` routes with."""
-        model, opt, rounds = self.model, self.train.optimizer, len(batches)
-        model.load_state_dict({k: v.double() for k, v in weights.items()})
-        named = self.named
-        optimizer = torch.optim.AdamW(
-            [
-                {
-                    "params": [p for n, p in named.items() if n in self.decay],
-                    "weight_decay": opt.weight_decay,
-                },
-                {
-                    "params": [p for n, p in named.items() if n not in self.decay],
-                    "weight_decay": 0.0,
-                },
-            ],
-            lr=opt.lr,
-            betas=(opt.beta1, opt.beta2),
-            eps=opt.eps,
-        )
-        for name, param in named.items():
-            exp_avg, exp_avg_sq = moments[name]
-            optimizer.state[param] = {
-                "step": torch.tensor(float(step), dtype=torch.float64),
-                "exp_avg": exp_avg.double().clone(),
-                "exp_avg_sq": exp_avg_sq.double().clone(),
-            }
-        optimizer.zero_grad()
-        losses, decisions = [], []
-        if routing is not None:
-            ids = [[temp["ids"] for temp in r.values()] for r in routing]
-            round_losses, extra = model(batches, routing=ids)
-            (sum(loss / rounds for loss in round_losses) + extra).backward()
-            losses = [loss.detach() for loss in round_losses]
-            decisions = [[(lg.detach(), i) for lg, i in r] for r in model.recorded]
-        elif self.multi_round:  # a model whose objective spans the rounds (Aux over the step)
-            round_losses, extra = model(batches)
-            (sum(loss / rounds for loss in round_losses) + extra).backward()
-            losses = [loss.detach() for loss in round_losses]
-        else:
-            for x, t in batches:
-                loss = model(x, t)
-                (loss / rounds).backward()
-                losses.append(loss.detach())
-        norm = None
-        if self.train.clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(list(named.values()), self.train.clip)
-        grads = {n: p.grad.detach().clone() for n, p in named.items()}
-        optimizer.step()
-        return _RefStep(
-            losses, grads, {n: p.detach().clone() for n, p in named.items()}, norm, decisions
-        )
 
 
 # -- the ladder --------------------------------------------------------------------------
