@@ -1,0 +1,105 @@
+"""How far plain bf16 autograd is from float64 on a family's gradients: the yardstick for
+``dataflow verify``'s bf16 step checks (docs/correctness_compare.md).
+
+The family's reference model starts from ``verify``'s weights (its seed, rounded to bf16)
+and takes ``verify``'s step tokens (batch 2 x seq 16, 2 rounds). Each step, the gradients
+are computed twice from the same bf16 weights, by the reference in float64 and in bf16
+(plain autograd), and the relative error ``||g_bf16 - g_64|| / ||g_64||`` of every
+parameter whose name has one of ``--match`` is summarised (median, largest, how many over
+5 %). The weights then take an AdamW step on the bf16 gradients (float32 moments and
+arithmetic, decay on the matrices, weights rounded to bf16: verify's step policy), so later
+steps start where a bf16 run would be.
+
+Run: ``python benchmarks/bf16_yardstick.py --family qwen3 --preset qwen3_0_6b --steps 2``
+(session 22, on the 24 GB CPU machine: about 4 minutes a step; a third step ran out of
+memory). ``--json PATH`` writes every error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from dataflow_training.family import load_family
+
+#: verify's step shape and optimizer (``verify.verify`` defaults, ``step_config``)
+BATCH, SEQ_LEN, ROUNDS, SEED = 2, 16, 2, 0
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 1e-8, 0.1
+
+
+def _tokens(vocab: int, step: int, round_: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify.step_checks``' tokens of ``step`` and ``round_``."""
+    g = torch.Generator().manual_seed(SEED * 7919 + 1000 * step + round_)
+    return (
+        torch.randint(0, vocab, (BATCH, SEQ_LEN), generator=g),
+        torch.randint(0, vocab, (BATCH, SEQ_LEN), generator=g),
+    )
+
+
+def _grads(family, config, state, dtype, batches) -> dict[str, torch.Tensor]:
+    model = family.reference_model(config).to(dtype)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()})
+    for x, t in batches:
+        (model(x, t) / len(batches)).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", required=True)
+    parser.add_argument("--preset", required=True)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--match", default="q_norm,k_norm,q_proj,k_proj")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    family = load_family(args.family)
+    config = family.config(args.preset)
+    torch.manual_seed(SEED)
+    start = family.reference_model(config)
+    state = {k: v.detach().to(torch.bfloat16) for k, v in start.state_dict().items()}
+    del start
+    vocab = next(layer for layer in family.layers(config) if layer.kind == "embed")
+    vocab = vocab.params[0].shape[0]
+    keys = args.match.split(",")
+    moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    found: list[dict] = []
+    for step in range(args.steps):
+        batches = [_tokens(vocab, step, r) for r in range(ROUNDS)]
+        exact = _grads(family, config, state, torch.float64, batches)
+        rounded = _grads(family, config, state, torch.bfloat16, batches)
+        for key in keys:
+            errors = {
+                name: ((rounded[name].double() - g).norm() / g.norm()).item()
+                for name, g in exact.items()
+                if key in name
+            }
+            if not errors:
+                continue
+            found += [{"step": step, "param": n, "rel": e} for n, e in errors.items()]
+            values = list(errors.values())
+            print(
+                f"step {step} {key}: median {statistics.median(values):.3e} largest "
+                f"{max(values):.3e} over 5e-2: {sum(v > 5e-2 for v in values)} of {len(values)}",
+                flush=True,
+            )
+        del exact
+        for name, g in rounded.items():  # AdamW: float32 moments and arithmetic, bf16 weights
+            g = g.float()
+            m, v = moments.get(name, (torch.zeros_like(g), torch.zeros_like(g)))
+            m, v = BETAS[0] * m + (1 - BETAS[0]) * g, BETAS[1] * v + (1 - BETAS[1]) * g * g
+            moments[name] = (m, v)
+            m_hat, v_hat = m / (1 - BETAS[0] ** (step + 1)), v / (1 - BETAS[1] ** (step + 1))
+            w = state[name].float()
+            decay = WEIGHT_DECAY if w.dim() > 1 else 0.0
+            w = w * (1 - LR * decay) - LR * m_hat / (v_hat.sqrt() + EPS)
+            state[name] = w.to(torch.bfloat16)
+        del rounded
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"family": args.family, "preset": args.preset, "errors": found}, out)
+
+
+if __name__ == "__main__":
+    main()
