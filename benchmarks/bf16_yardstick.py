@@ -22,20 +22,12 @@ import json
 import statistics
 
 import torch
-from dataflow_training.family import load_family
+from dataflow_training.family import embed_layer, load_family
+from dataflow_training.verify_step import step_tokens
 
 #: verify's step shape and optimizer (``verify.verify`` defaults, ``step_config``)
 BATCH, SEQ_LEN, ROUNDS, SEED = 2, 16, 2, 0
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 1e-8, 0.1
-
-
-def _tokens(vocab: int, step: int, round_: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``verify.step_checks``' tokens of ``step`` and ``round_``."""
-    g = torch.Generator().manual_seed(SEED * 7919 + 1000 * step + round_)
-    return (
-        torch.randint(0, vocab, (BATCH, SEQ_LEN), generator=g),
-        torch.randint(0, vocab, (BATCH, SEQ_LEN), generator=g),
-    )
 
 
 def _grads(family, config, state, dtype, batches) -> dict[str, torch.Tensor]:
@@ -60,13 +52,12 @@ def main() -> None:
     start = family.reference_model(config)
     state = {k: v.detach().to(torch.bfloat16) for k, v in start.state_dict().items()}
     del start
-    vocab = next(layer for layer in family.layers(config) if layer.kind == "embed")
-    vocab = vocab.params[0].shape[0]
+    vocab = embed_layer(family.layers(config)).params[0].shape[0]
     keys = args.match.split(",")
     moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     found: list[dict] = []
     for step in range(args.steps):
-        batches = [_tokens(vocab, step, r) for r in range(ROUNDS)]
+        batches = [step_tokens(SEED, vocab, BATCH, SEQ_LEN, step, r) for r in range(ROUNDS)]
         exact = _grads(family, config, state, torch.float64, batches)
         rounded = _grads(family, config, state, torch.bfloat16, batches)
         for key in keys:

@@ -209,7 +209,7 @@ def lower(
 
     kinds_of = {layer.name: layer.kind for layer in layers}
     chain = StepChain(family.name, step, train, kinds_of, cost or RooflineCost())
-    params = _add_parameters(chain, layers, optimizer.state_fields)
+    params = _add_parameters(chain, layers, by_name, optimizer.state_fields)
     policy = train.dtype
     hidden = TensorMeta(policy.activation, family.hidden_shape(config, train.batch, train.seq_len))
     act_bytes = hidden.nbytes // max(1, math.prod(hidden.shape))
@@ -251,7 +251,10 @@ def lower(
 
 
 def _add_parameters(
-    chain: StepChain, layers: tuple[LayerSpec, ...], state_fields: tuple[str, ...]
+    chain: StepChain,
+    layers: tuple[LayerSpec, ...],
+    by_name: Mapping[str, LayerSpec],
+    state_fields: tuple[str, ...],
 ) -> _Parameters:
     """Each layer's parameter groups as objects: ``W`` (every parameter, in the param
     dtype), and for a group with trainable ones ``dW`` (grad dtype) and ``O`` (the
@@ -304,7 +307,6 @@ def _add_parameters(
         if layer.aux:
             _add_aux(family, layer, chain.packed, chain.add_packed)
     head = layers[-1]
-    by_name = {layer.name: layer for layer in layers}
     for local, target in head.tied.items():
         owner, _, name = target.partition(".")
         if owner not in by_name or name not in {p.name for p in by_name[owner].params}:

@@ -48,13 +48,8 @@ class StepChain:
         kinds: Mapping[str, str],
         cost: RooflineCost,
     ) -> None:
-        self.family, self.step, self.train, self.kinds, self.cost = (
-            family,
-            step,
-            train,
-            kinds,
-            cost,
-        )
+        self.family, self.step, self.train = family, step, train
+        self.kinds, self.cost = kinds, cost
         self.packed: dict[str, PackedObject] = {}
         self.objects: list[Obj] = []
         self.tasks: list[Task] = []

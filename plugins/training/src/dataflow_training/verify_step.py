@@ -16,6 +16,7 @@ import attrs
 import torch
 
 from dataflow_training.config import DtypePolicy, OptimizerPolicy, TrainConfig
+from dataflow_training.family import embed_layer
 from dataflow_training.tolerances import adam_update_gap, sign_flips, weight_error
 from dataflow_training.verify_checks import Check, compare
 
@@ -62,6 +63,18 @@ def follows_routing(family: Any) -> bool:
     return bool(getattr(getattr(family, "reference", None), "follows_routing", False))
 
 
+def step_tokens(
+    seed: int, vocab: int, batch: int, seq_len: int, step: int, round_: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (tokens, targets) of ``step`` and ``round_`` in the step checks: random ids
+    below ``vocab``, fixed by ``seed``, step and round."""
+    g = torch.Generator().manual_seed(seed * 7919 + 1000 * step + round_)
+    return (
+        torch.randint(0, vocab, (batch, seq_len), generator=g),
+        torch.randint(0, vocab, (batch, seq_len), generator=g),
+    )
+
+
 def step_checks(
     family: Any,
     preset: str,
@@ -97,16 +110,7 @@ def step_checks(
     param_dtype = getattr(torch, train.dtype.param)
     state = {k: v.detach().to(param_dtype) for k, v in start.state_dict().items()}
     check_state_keys(family, config, state)
-    vocab = (
-        next(layer for layer in family.layers(config) if layer.kind == "embed").params[0].shape[0]
-    )
-
-    def tokens(step: int, round_: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(seed * 7919 + 1000 * step + round_)
-        return (
-            torch.randint(0, vocab, (batch, seq_len), generator=g),
-            torch.randint(0, vocab, (batch, seq_len), generator=g),
-        )
+    vocab = embed_layer(family.layers(config)).params[0].shape[0]
 
     follows = follows_routing(family)
     run = TrainingRun(
@@ -138,7 +142,7 @@ def step_checks(
         weights, opt_state = run.state()
         for step in range(steps):
             moments = adam_moments(run.layout, opt_state)
-            batches = [tokens(step, r) for r in range(rounds)]
+            batches = [step_tokens(seed, vocab, batch, seq_len, step, r) for r in range(rounds)]
             stats = run.step(batches)
             grads, (after, after_opt) = run.grads(), run.state()
             if follows:
