@@ -12,7 +12,8 @@ steps start where a bf16 run would be.
 
 Run: ``python benchmarks/bf16_yardstick.py --family qwen3 --preset qwen3_0_6b --steps 2``
 (session 22, on the 24 GB CPU machine: about 4 minutes a step; a third step ran out of
-memory). ``--json PATH`` writes every error.
+memory). ``--json PATH`` writes every error; ``--device cuda`` runs both models on the GPU
+(float64 products included), as a stock bf16 run would.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ BATCH, SEQ_LEN, ROUNDS, SEED = 2, 16, 2, 0
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 1e-8, 0.1
 
 
-def _grads(family, config, state, dtype, batches) -> dict[str, torch.Tensor]:
-    model = family.reference_model(config).to(dtype)
+def _grads(family, config, state, dtype, batches, device) -> dict[str, torch.Tensor]:
+    model = family.reference_model(config).to(device=device, dtype=dtype)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()})
     for x, t in batches:
-        (model(x, t) / len(batches)).backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        (model(x.to(device), t.to(device)) / len(batches)).backward()
+    return {
+        n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def main() -> None:
@@ -45,6 +48,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--match", default="q_norm,k_norm,q_proj,k_proj")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--device", default="cpu", help="where both models run (cuda: the GPU's bf16 kernels)"
+    )
     args = parser.parse_args()
     family = load_family(args.family)
     config = family.config(args.preset)
@@ -58,8 +64,8 @@ def main() -> None:
     found: list[dict] = []
     for step in range(args.steps):
         batches = [step_tokens(SEED, vocab, BATCH, SEQ_LEN, step, r) for r in range(ROUNDS)]
-        exact = _grads(family, config, state, torch.float64, batches)
-        rounded = _grads(family, config, state, torch.bfloat16, batches)
+        exact = _grads(family, config, state, torch.float64, batches, args.device)
+        rounded = _grads(family, config, state, torch.bfloat16, batches, args.device)
         for key in keys:
             errors = {
                 name: ((rounded[name].double() - g).norm() / g.norm()).item()
