@@ -31,13 +31,17 @@ BATCH, SEQ_LEN, ROUNDS, SEED = 2, 16, 2, 0
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 1e-8, 0.1
 
 
-def _grads(family, config, state, dtype, batches, device) -> dict[str, torch.Tensor]:
+def _grads(family, config, state, dtype, batches, device, keep=None) -> dict[str, torch.Tensor]:
+    """The gradients of the reference model in ``dtype`` from ``state``; ``keep``: only
+    those whose names have one of these keys (the rest are freed at once)."""
     model = family.reference_model(config).to(device=device, dtype=dtype)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()})
     for x, t in batches:
         (model(x.to(device), t.to(device)) / len(batches)).backward()
     return {
-        n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None
+        n: p.grad.detach().cpu().clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None and (keep is None or any(k in n for k in keep))
     }
 
 
@@ -64,7 +68,7 @@ def main() -> None:
     found: list[dict] = []
     for step in range(args.steps):
         batches = [step_tokens(SEED, vocab, BATCH, SEQ_LEN, step, r) for r in range(ROUNDS)]
-        exact = _grads(family, config, state, torch.float64, batches, args.device)
+        exact = _grads(family, config, state, torch.float64, batches, args.device, keys)
         rounded = _grads(family, config, state, torch.bfloat16, batches, args.device)
         for key in keys:
             errors = {
