@@ -254,7 +254,10 @@ class ToyMoEReference(torch.nn.Module):
         config = self.config
         losses, loads, last_probs = (
             [],
-            [torch.zeros(config.experts, dtype=torch.float64) for _ in range(config.layers)],
+            [
+                torch.zeros(config.experts, dtype=torch.float64, device=rounds[0][0].device)
+                for _ in range(config.layers)
+            ],
             [],
         )
         for tokens, targets in rounds:

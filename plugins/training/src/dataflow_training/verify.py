@@ -18,11 +18,13 @@
 
 Errors are relative, ``||out - ref|| / ||ref||`` (METHOD.md), with the largest absolute
 difference beside it; tolerances per dtype policy are in ``TOLERANCES`` and explained in
-docs/correctness_compare.md.
+docs/correctness_compare.md. In bf16 a step's gradient check may also pass within
+``YARDSTICK_FACTOR`` times the error of plain bf16 autograd on the same gradient (its
+yardstick, ``step_checks``).
 
 The op and task levels and the ladder are here; the step level is ``verify_step.py``,
-``Check``, ``compare`` and ``TOLERANCES`` are ``verify_checks.py``, all of them
-re-exported here (the public names: docs/api.md).
+``Check``, ``compare``, ``TOLERANCES`` and ``YARDSTICK_FACTOR`` are ``verify_checks.py``,
+all of them re-exported here (the public names: docs/api.md).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 from dataflow_training.config import DtypePolicy
 from dataflow_training.ops import STANDARD_OPS, load_ops
 from dataflow_training.progress import ProgressCallback
-from dataflow_training.verify_checks import TOLERANCES, Check, compare
+from dataflow_training.verify_checks import TOLERANCES, YARDSTICK_FACTOR, Check, compare
 from dataflow_training.verify_step import (
     adam_moments,
     check_state_keys,
@@ -49,6 +51,7 @@ from dataflow_training.verify_step import (
 
 __all__ = [
     "TOLERANCES",
+    "YARDSTICK_FACTOR",
     "Check",
     "adam_moments",
     "check_state_keys",
@@ -399,10 +402,12 @@ def verify(
     seed: int = 0,
     progress: ProgressCallback | None = None,
     order: str = "round",
+    yardstick: bool = True,
 ) -> list[Check]:
     """Every check of the ladder for one family preset; see the module docstring.
     ``progress(level, None)`` is called as each level starts, ``progress(level, checks)``
-    as it ends (``dataflow_training.progress``)."""
+    as it ends (``dataflow_training.progress``). ``yardstick``: in bf16, hold each step
+    gradient also to plain bf16 autograd's error on it (``step_checks``)."""
     from dataflow_training.family import load_family
 
     if policy not in TOLERANCES:
@@ -432,6 +437,7 @@ def verify(
             tolerance=tolerances["step"],
             order=order,
             note=getattr(progress, "note", None),
+            yardstick=yardstick,
         ),
     }
     checks: list[Check] = []

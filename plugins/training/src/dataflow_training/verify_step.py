@@ -4,7 +4,9 @@ plain-autograd reference in float64, trained with ``torch.optim.AdamW`` one step
 from the engine's own weights and moments: every round's loss, every weight gradient, every
 weight after the step (with AdamW's allowance for the two gradients,
 ``dataflow_training.tolerances``); for a mixture of experts, the routing decisions
-(``routing_checks``)."""
+(``routing_checks``). In bf16 each gradient check also carries its yardstick: how far the
+same step's gradients by plain bf16 autograd of the reference model are from float64
+(``Check.yardstick``)."""
 
 from __future__ import annotations
 
@@ -94,13 +96,21 @@ def step_checks(
     order: str = "round",
     note: Callable[[str], None] | None = None,
     planner: Any = None,
+    yardstick: bool = True,
 ) -> list[Check]:
     """The lowered step run by ``TrainingRun`` against the reference; with ``clip`` both
     clip the global gradient norm (the reference through ``clip_grad_norm_``), and each
     step's measured norm is checked too. ``overrides``: config fields of the preset
     changed, for both. ``order``: the lowered chain's order (``TrainConfig.order``).
     ``note`` is given the run's plan line (``trainer.plan_line``: what it recomputes).
-    ``planner``: the run's planner spec (default: ``TrainingRun``'s)."""
+    ``planner``: the run's planner spec (default: ``TrainingRun``'s).
+
+    ``yardstick`` (ignored where the policy's weights are float32): each step's gradients
+    are also computed by plain autograd of the family's reference model in the weights'
+    dtype on ``device``, from the same start-of-step weights, batches and routing as the
+    float64 reference; each gradient check carries their relative error against the
+    float64 gradients as its ``yardstick`` (``Check.effective_tolerance``). That is one
+    more forward and backward of the whole model a step, on the device."""
     from dataflow_training.run import TrainingRun
 
     config = family.config(preset, **(overrides or {}))
@@ -131,6 +141,11 @@ def step_checks(
 
         note(plan_line(run))
     reference = _Reference(family, config, train)
+    plain = (
+        _Reference(family, config, train, dtype=param_dtype, device=device)
+        if yardstick and param_dtype != torch.float32
+        else None
+    )
     opt = train.optimizer
     checks: list[Check] = []
     routing, ref_routing = [], []
@@ -147,9 +162,13 @@ def step_checks(
             grads, (after, after_opt) = run.grads(), run.state()
             if follows:
                 routing.append(run.aux_temps())
-            ref = reference.step(weights, moments, step, batches, routing[-1] if follows else None)
+            step_routing = routing[-1] if follows else None
+            ref = reference.step(weights, moments, step, batches, step_routing)
             if follows:
                 ref_routing.append(ref.decisions)
+            plain_grads = (
+                plain.grads(weights, batches, step_routing).grads if plain is not None else None
+            )
             checks += [
                 compare(
                     "step", f"loss step {step} round {r}", torch.tensor(loss), ref_loss, tolerance
@@ -166,12 +185,14 @@ def step_checks(
                         tolerance,
                     )
                 )
-            checks += [
-                compare(
+            for name in sorted(ref.grads):
+                check = compare(
                     "step", f"grad {name} (step {step})", grads[name], ref.grads[name], tolerance
                 )
-                for name in sorted(ref.grads)
-            ]
+                if plain_grads is not None:  # plain autograd's error on the same gradient
+                    bf16 = compare("step", name, plain_grads[name], ref.grads[name], tolerance)
+                    check = attrs.evolve(check, yardstick=bf16.rel)
+                checks.append(check)
             for name in sorted(ref.weights):
                 if grads[name].shape != ref.grads[name].shape:  # its grad check says so
                     checks.append(
@@ -268,6 +289,18 @@ def routing_checks(
 
 
 @attrs.frozen
+class _Grads:
+    """One step of plain autograd: every round's loss, every trainable weight's gradient
+    (clipped where the step clips), the norm measured by the clip, and for a reference
+    that ``follows_routing`` every round's and layer's (router logits, expert choices)."""
+
+    losses: list[torch.Tensor]
+    grads: dict[str, torch.Tensor]
+    norm: torch.Tensor | None
+    decisions: list
+
+
+@attrs.frozen
 class _RefStep:
     losses: list[torch.Tensor]
     grads: dict[str, torch.Tensor]
@@ -277,11 +310,23 @@ class _RefStep:
 
 
 class _Reference:
-    """The family's float64 reference model trained with ``torch.optim.AdamW``, one step at
-    a time from given weights and moments."""
+    """The family's reference model in ``dtype`` on ``device``: one step's gradients by
+    plain autograd from given weights (``grads``); in float64 on the CPU (the default) the
+    truth of the step checks, also trained with ``torch.optim.AdamW`` one step at a time
+    from given weights and moments (``step``); in the run's bf16 on its device, the
+    yardstick of the bf16 gradient checks."""
 
-    def __init__(self, family: Any, config: Any, train: TrainConfig) -> None:
-        self.model = family.reference_model(config).double()
+    def __init__(
+        self,
+        family: Any,
+        config: Any,
+        train: TrainConfig,
+        *,
+        dtype: torch.dtype = torch.float64,
+        device: str = "cpu",
+    ) -> None:
+        self.model = family.reference_model(config).to(dtype=dtype, device=device)
+        self.dtype, self.device = dtype, device
         self.train = train
         layers = family.layers(config)
         params = [(f"{layer.name}.{p.name}", p) for layer in layers for p in layer.params]
@@ -290,13 +335,43 @@ class _Reference:
         self.named = {n: p for n, p in self.model.named_parameters() if n in trainable}
         self.multi_round = getattr(self.model, "steps_over_rounds", False)
 
+    def grads(self, weights, batches, routing=None) -> _Grads:
+        """The gradients of one step from ``weights`` (``{"<layer>.<param>": tensor}``,
+        taken in this model's dtype) over ``batches`` (the rounds' ``(tokens, targets)``):
+        each round's ``loss / rounds`` accumulated by autograd, or the step's objective at
+        once for a model whose objective spans the rounds (``steps_over_rounds``), routed
+        with ``routing``'s ``ids`` (the engine's AuxTemp per round and layer) for one that
+        ``follows_routing``; then clipped where the step clips."""
+        model, rounds = self.model, len(batches)
+        model.load_state_dict({k: v.to(self.dtype) for k, v in weights.items()})
+        model.zero_grad(set_to_none=True)
+        batches = [(x.to(self.device), t.to(self.device)) for x, t in batches]
+        losses, decisions = [], []
+        if routing is not None:
+            ids = [[temp["ids"] for temp in r.values()] for r in routing]
+            round_losses, extra = model(batches, routing=ids)
+            (sum(loss / rounds for loss in round_losses) + extra).backward()
+            losses = [loss.detach() for loss in round_losses]
+            decisions = [[(lg.detach(), i) for lg, i in r] for r in model.recorded]
+        elif self.multi_round:  # a model whose objective spans the rounds (Aux over the step)
+            round_losses, extra = model(batches)
+            (sum(loss / rounds for loss in round_losses) + extra).backward()
+            losses = [loss.detach() for loss in round_losses]
+        else:
+            for x, t in batches:
+                loss = model(x, t)
+                (loss / rounds).backward()
+                losses.append(loss.detach())
+        norm = None
+        if self.train.clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(list(self.named.values()), self.train.clip)
+        grads = {n: p.grad.detach().clone() for n, p in self.named.items()}
+        return _Grads(losses, grads, norm, decisions)
+
     def step(self, weights, moments, step: int, batches, routing=None) -> _RefStep:
-        """Step ``step`` (0-based) from ``weights`` (``{"<layer>.<param>": tensor}``) and
-        ``moments`` (``adam_moments``); ``routing``: the engine's AuxTemp per round and
-        layer, whose ``ids`` a reference that ``follows_routing`` routes with."""
-        model, opt, rounds = self.model, self.train.optimizer, len(batches)
-        model.load_state_dict({k: v.double() for k, v in weights.items()})
-        named = self.named
+        """Step ``step`` (0-based) from ``weights`` and ``moments`` (``adam_moments``): the
+        gradients of ``grads`` (``routing`` as there), then one AdamW step."""
+        opt, named = self.train.optimizer, self.named
         optimizer = torch.optim.AdamW(
             [
                 {
@@ -316,31 +391,15 @@ class _Reference:
             exp_avg, exp_avg_sq = moments[name]
             optimizer.state[param] = {
                 "step": torch.tensor(float(step), dtype=torch.float64),
-                "exp_avg": exp_avg.double().clone(),
-                "exp_avg_sq": exp_avg_sq.double().clone(),
+                "exp_avg": exp_avg.to(self.dtype).clone(),
+                "exp_avg_sq": exp_avg_sq.to(self.dtype).clone(),
             }
-        optimizer.zero_grad()
-        losses, decisions = [], []
-        if routing is not None:
-            ids = [[temp["ids"] for temp in r.values()] for r in routing]
-            round_losses, extra = model(batches, routing=ids)
-            (sum(loss / rounds for loss in round_losses) + extra).backward()
-            losses = [loss.detach() for loss in round_losses]
-            decisions = [[(lg.detach(), i) for lg, i in r] for r in model.recorded]
-        elif self.multi_round:  # a model whose objective spans the rounds (Aux over the step)
-            round_losses, extra = model(batches)
-            (sum(loss / rounds for loss in round_losses) + extra).backward()
-            losses = [loss.detach() for loss in round_losses]
-        else:
-            for x, t in batches:
-                loss = model(x, t)
-                (loss / rounds).backward()
-                losses.append(loss.detach())
-        norm = None
-        if self.train.clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(list(named.values()), self.train.clip)
-        grads = {n: p.grad.detach().clone() for n, p in named.items()}
+        found = self.grads(weights, batches, routing)
         optimizer.step()
         return _RefStep(
-            losses, grads, {n: p.detach().clone() for n, p in named.items()}, norm, decisions
+            found.losses,
+            found.grads,
+            {n: p.detach().clone() for n, p in named.items()},
+            found.norm,
+            found.decisions,
         )

@@ -110,7 +110,9 @@ class MoEReference(DecoderReference):
         a check that compares the math given the same discrete decisions)."""
         c = self.config
         layers = c.num_hidden_layers
-        counts = torch.zeros(c.num_experts)  # every layer's and round's routed slots
+        # every layer's and round's routed slots, where the tokens are (verify's bf16
+        # yardstick runs this model on the device)
+        counts = torch.zeros(c.num_experts, device=rounds[0][0].device)
         losses, z_loss = [], 0.0
         self.recorded = []
         for r, (tokens, targets) in enumerate(rounds):
