@@ -70,3 +70,26 @@ def test_the_table_lists_failures_and_each_levels_closest_check_unless_all() -> 
     assert "closest to its tolerance" in short.stdout
     assert "grad emb.wte (step 1)" in full.stdout and "grad emb.wte (step 1)" not in short.stdout
     assert " passed, 0 failed" in short.stdout and " passed, 0 failed" in full.stdout
+
+
+def test_json_writes_every_check(tmp_path) -> None:
+    import json
+
+    path = tmp_path / "checks.json"
+    small = ("--steps", "1", "--rounds", "1", "--batch", "1", "--seq-len", "8", "--dtype", "bf16")
+    result = invoke(*TINY, *small, "--json", str(path))
+    assert result.exit_code == 0, result.output
+    rows = json.loads(path.read_text())
+    passed = int(re.search(r"(\d+) passed, 0 failed", result.stdout).group(1))
+    assert len(rows) == passed and all(row["ok"] for row in rows)
+    assert {row["level"] for row in rows} == {"op", "task", "step"}
+    grads = [row for row in rows if row["name"].startswith("grad ")]
+    assert grads and all(row["yardstick"] > 0 for row in grads)  # bf16: plain autograd's error
+    assert all(row["effective_tolerance"] >= row["tolerance"] for row in rows)
+
+
+def test_json_to_a_path_that_cannot_be_written_is_one_line(tmp_path) -> None:
+    small = ("--steps", "1", "--rounds", "1", "--batch", "1", "--seq-len", "8")
+    bad = tmp_path / "missing" / "checks.json"
+    result = invoke(*TINY, *small, "--json", str(bad))
+    assert_one_line_error(result, USAGE_EXIT, "--json", "missing")  # before any check ran

@@ -111,6 +111,14 @@ def optimizer_states_option() -> Any:
     is_flag=True,
     help="list every check (default: the failed ones and, per level, the closest to its tolerance)",
 )
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="also write every check to this file as JSON (level, name, max_abs, rel, "
+    "tolerance, abs_tolerance, yardstick, effective_tolerance, ok), failed or not",
+)
 def verify_command(
     family_name,
     preset,
@@ -125,6 +133,7 @@ def verify_command(
     order,
     yardstick,
     show_all,
+    json_path,
 ) -> None:
     """Compare ops, tasks and whole training steps against the family's reference."""
     from rich.console import Console
@@ -136,6 +145,8 @@ def verify_command(
     family = _family(family_name)
     config = _preset_config(family, family_name, preset)
     _check_seq_len(config, preset, seq_len)
+    if json_path is not None:
+        _check_writable(json_path)
     if budget_bytes is not None:
         _check_budget(
             family,
@@ -162,6 +173,8 @@ def verify_command(
         order=order,
         yardstick=yardstick,
     )
+    if json_path is not None:
+        _write_checks(json_path, checks)
     shown = checks if show_all else _verify_summary(checks)
     title = (
         "every check"
@@ -186,6 +199,34 @@ def verify_command(
         names = ", ".join(f"{check.level} {check.name}" for check in failed[:3])
         more = f" and {len(failed) - 3} more" if len(failed) > 3 else ""
         raise Failure(f"{len(failed)} of {len(checks)} checks failed: {names}{more}")
+
+
+def _check_writable(path: str) -> None:
+    """``--json``'s folder exists and takes a file, checked before any check runs."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise click.BadParameter(
+            f"cannot write {path}: no such writable folder", param_hint="--json"
+        )
+
+
+def _write_checks(path: str, checks: list) -> None:
+    """Every check as one JSON record (``--json``), written before the table, so that a
+    failed run leaves it too."""
+    import json
+
+    import attrs
+
+    rows = [
+        attrs.asdict(c) | {"effective_tolerance": c.effective_tolerance, "ok": c.ok} for c in checks
+    ]
+    try:
+        with open(path, "w") as out:
+            json.dump(rows, out, indent=0)
+    except OSError as error:
+        raise Failure(f"--json: cannot write {path}: {error.strerror}") from None
 
 
 def _verify_summary(checks: list) -> list:
