@@ -259,7 +259,12 @@ def trial(
         pinned_limit_bytes=pinned_limit(args.device, args.host_reserve) or args.backing,
     )
     shape = f"{format_size(budget)} batch {batch} x {rounds}"
-    print(f"{shape}: profiled, planned, placed in {time.perf_counter() - began:.0f} s", flush=True)
+    print(
+        f"{shape}: profiled, planned, placed in {time.perf_counter() - began:.0f} s; "
+        f"loading (a slow pool of {format_size(run.pinned_bytes)} to page-lock) and the "
+        "first step next",
+        flush=True,
+    )
     try:
         data = [random_batches(run.vocab_size, batch, rounds, args.seq_len, s) for s in (0, 1)]
         for i in range(args.warmup):
@@ -397,6 +402,7 @@ def dataflow_row(bench: Any, dtype: str, budget: int, order: str = "round") -> N
         # which limit: a row that stops in its setup wants a larger --row-seconds (a
         # 1B-parameter model's profiling and planning take 40-80 s on the H200)
         note = f"{exc} (--row-seconds / --total-seconds) reached {current}".rstrip()
+        traceback.print_exc()  # where the limit stopped it (the engine's load, a step, ...)
         bench.free()
     details = {"tried": tried}
     if result is None:
