@@ -119,6 +119,7 @@ def step_checks(
     start = family.reference_model(config)
     param_dtype = getattr(torch, train.dtype.param)
     state = {k: v.detach().to(param_dtype) for k, v in start.state_dict().items()}
+    del start  # a float32 copy of the whole model (bf16's state is another)
     check_state_keys(family, config, state)
     vocab = embed_layer(family.layers(config)).params[0].shape[0]
 
@@ -365,7 +366,9 @@ class _Reference:
         norm = None
         if self.train.clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(list(self.named.values()), self.train.clip)
-        grads = {n: p.grad.detach().clone() for n, p in self.named.items()}
+        # the tensors themselves, not copies: the next step's zero_grad(set_to_none) leaves
+        # them to this dict, and AdamW's step reads them without writing
+        grads = {n: p.grad.detach() for n, p in self.named.items()}
         return _Grads(losses, grads, norm, decisions)
 
     def step(self, weights, moments, step: int, batches, routing=None) -> _RefStep:
@@ -391,8 +394,8 @@ class _Reference:
             exp_avg, exp_avg_sq = moments[name]
             optimizer.state[param] = {
                 "step": torch.tensor(float(step), dtype=torch.float64),
-                "exp_avg": exp_avg.to(self.dtype).clone(),
-                "exp_avg_sq": exp_avg_sq.to(self.dtype).clone(),
+                "exp_avg": exp_avg.to(self.dtype, copy=True),
+                "exp_avg_sq": exp_avg_sq.to(self.dtype, copy=True),
             }
         found = self.grads(weights, batches, routing)
         optimizer.step()
