@@ -8,6 +8,7 @@ table of checks to stdout; exit 1 when a check fails.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import click
@@ -191,7 +192,9 @@ def verify_command(
             _tolerance_cell(check),
             "[green]ok" if check.ok else "[red]FAIL",
         )
-    console = Console()
+    # a report written to a file keeps each check's name on one line (rich takes 80
+    # columns where there is no terminal, and the names are longer than its column)
+    console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(table)
     failed = [check for check in checks if not check.ok]
     console.print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
