@@ -494,6 +494,36 @@ def test_hook_dataflow_kernels(isolated_plugin_manager) -> None:
         kernels.for_op("conv")
 
 
+def test_a_pinned_kernel_variant_comes_first_where_it_runs(
+    isolated_plugin_manager, monkeypatch
+) -> None:
+    from dataflow.registry.registry import PIN_ENV, pinned_variants
+
+    class Kernels:
+        @hookimpl
+        def dataflow_kernels(self):
+            return [
+                KernelVariant("matmul", "reference", lambda: "ref"),
+                KernelVariant("matmul", "triton", lambda: "fast", devices=("cuda",), priority=5),
+                KernelVariant("matmul", "blocked", lambda: "cpu", devices=("cpu",), priority=1),
+            ]
+
+    isolated_plugin_manager(Kernels())
+    kernels = plugins.kernels()
+    monkeypatch.setenv(PIN_ENV, " matmul = reference ")
+    assert [v.name for v in kernels.for_op("matmul")] == ["reference", "triton", "blocked"]
+    assert [v.name for v in kernels.for_op("matmul", device="cuda")] == ["reference", "triton"]
+    monkeypatch.setenv(PIN_ENV, "matmul=triton")  # not a CPU variant: the CPU keeps its order
+    assert [v.name for v in kernels.for_op("matmul", device="cpu")] == ["blocked", "reference"]
+    monkeypatch.setenv(PIN_ENV, "matmul=cudnn")
+    with pytest.raises(ValueError, match="DATAFLOW_KERNELS: op matmul has no variant 'cudnn'; its"):
+        kernels.for_op("matmul")
+    assert pinned_variants("") == {}
+    assert pinned_variants("a=x, b=y,") == {"a": "x", "b": "y"}
+    with pytest.raises(ValueError, match="DATAFLOW_KERNELS: 'attention' is not OP=NAME"):
+        pinned_variants("attention")
+
+
 def test_hook_dataflow_feeds(isolated_plugin_manager) -> None:
     opened = []
 

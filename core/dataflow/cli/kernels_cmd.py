@@ -29,7 +29,8 @@ def list_command(as_json: bool, op: str | None, device: str | None) -> None:
     """List each kernel variant: op, name, distribution, devices, whether it is
     deterministic, its priority and what it is. Within an op, variants come in the order
     they are preferred (highest priority first): with --device, the first of each op is
-    the one `dataflow_training.ops.load_ops` picks for that device."""
+    the one `dataflow_training.ops.load_ops` picks for that device. DATAFLOW_KERNELS
+    (OP=NAME,...) puts a variant first wherever it runs."""
     manager = get_plugin_manager()
     try:
         registry = manager.kernels()
@@ -49,6 +50,8 @@ def list_command(as_json: bool, op: str | None, device: str | None) -> None:
             variants = registry.for_op(name, device=device)
         except UnknownNameError as exc:
             raise click.BadParameter(_unknown_op(name, registry, exc), param_hint="--op") from None
+        except ValueError as exc:  # a DATAFLOW_KERNELS pin that names no variant
+            raise click.ClickException(str(exc)) from None
         rows += [_as_dict(registry, variant) for variant in variants]
     if as_json:
         click.echo(json.dumps({"variants": rows}, indent=2))

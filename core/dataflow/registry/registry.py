@@ -89,21 +89,52 @@ class Registry(Generic[R]):
         return f"<Registry {self.kind.name}: {', '.join(self._entries) or 'empty'}>"
 
 
+#: ``OP=NAME[,OP=NAME...]``: the variant each named op runs wherever that variant supports
+#: the device, ahead of the priorities (``KernelRegistry.for_op``); e.g.
+#: ``attention_fwd=torch,attention_bwd=torch`` runs flash attention where cuDNN's pair
+#: would be chosen. A forward/backward pair that shares saved statistics is pinned together
+PIN_ENV = "DATAFLOW_KERNELS"
+
+
+def pinned_variants(text: str | None = None) -> dict[str, str]:
+    """``{op: variant name}`` from ``text`` (default: the ``DATAFLOW_KERNELS`` variable);
+    ``ValueError`` naming the variable for an entry that is not ``OP=NAME``."""
+    import os
+
+    text = os.environ.get(PIN_ENV, "") if text is None else text
+    pins: dict[str, str] = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        op, equals, name = (part.strip() for part in entry.partition("="))
+        if not equals or not op or not name:
+            raise ValueError(f"{PIN_ENV}: {entry!r} is not OP=NAME (e.g. attention_fwd=torch)")
+        pins[op] = name
+    return pins
+
+
 class KernelRegistry(Registry[KernelVariant]):
     """Kernel variants, named ``OP/NAME``; ``for_op`` lists one op's variants, best first."""
 
     def for_op(self, op: str, *, device: str | None = None) -> list[KernelVariant]:
-        """Variants of ``op`` (that support ``device``), highest priority first, then by name.
+        """Variants of ``op`` (that support ``device``), highest priority first, then by name;
+        a variant pinned by ``DATAFLOW_KERNELS`` (``PIN_ENV``) first of all.
 
-        Raises ``UnknownNameError`` when no variant of ``op`` is registered at all.
+        Raises ``UnknownNameError`` when no variant of ``op`` is registered at all, and
+        ``ValueError`` when the pinned name is none of its variants.
         """
         variants = [variant for variant in self if variant.op == op]
         if not variants:
             ops = sorted({variant.op for variant in self})
             raise UnknownNameError("kernel op", op, ops, self._broken)
+        pinned = pinned_variants().get(op)
+        if pinned is not None and pinned not in {variant.name for variant in variants}:
+            known = ", ".join(sorted(variant.name for variant in variants))
+            raise ValueError(f"{PIN_ENV}: op {op} has no variant {pinned!r}; its variants: {known}")
         if device is not None:
             variants = [variant for variant in variants if device in variant.devices]
-        return sorted(variants, key=lambda variant: (-variant.priority, variant.name))
+        return sorted(
+            variants,
+            key=lambda variant: (variant.name != pinned, -variant.priority, variant.name),
+        )
 
 
 class FeedRegistry(Registry[FeedSpec]):
