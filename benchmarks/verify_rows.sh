@@ -5,8 +5,11 @@
 #
 #   source benchmarks/device_setup.sh && bash benchmarks/verify_rows.sh
 #
-# Each report goes to $OUT/verify_<preset>_bf16_cuda.txt (or /tmp); commit them as
-# benchmarks/results/verify_<preset>_bf16_cuda.txt beside gpt2_124m's. Each preset has
+# Each report goes to $OUT/verify_<preset>_bf16_cuda.txt (or /tmp), every check with its
+# yardstick to verify_<preset>_bf16_cuda_checks.json beside it; commit them under
+# benchmarks/results/ beside gpt2_124m's. VERIFY_ONLY=PRESET runs one preset;
+# DATAFLOW_KERNELS (docs/kernel_registry.md) pins kernel variants, e.g.
+# DATAFLOW_KERNELS=attention_fwd=torch,attention_bwd=torch for the flash pair. Each preset has
 # VERIFY_SECONDS (default 240) before it is stopped; the exit status is the first failing
 # preset's. SMOKE=1 runs the tiny presets on the CPU instead, so a typo fails here first.
 set -u
@@ -19,10 +22,12 @@ fi
 status=0
 for run in "${runs[@]}"; do
     read -r family preset device <<<"$run"
+    # VERIFY_ONLY=PRESET runs that preset alone
+    [ -n "${VERIFY_ONLY:-}" ] && [ "$preset" != "$VERIFY_ONLY" ] && continue
     report=$out/verify_${preset}_bf16_$device.txt
     started=$SECONDS
     timeout "${VERIFY_SECONDS:-240}" dataflow verify --family "$family" --preset "$preset" \
-        --device "$device" --dtype bf16 >"$report" 2>&1
+        --device "$device" --dtype bf16 --json "${report%.txt}_checks.json" >"$report" 2>&1
     rc=$?
     echo "verify $preset bf16 on $device: exit $rc in $((SECONDS - started)) s ($report)"
     grep -E "checks, .* passed|FAIL|fail" "$report" | head -8
