@@ -93,3 +93,25 @@ def test_json_to_a_path_that_cannot_be_written_is_one_line(tmp_path) -> None:
     bad = tmp_path / "missing" / "checks.json"
     result = invoke(*TINY, *small, "--json", str(bad))
     assert_one_line_error(result, USAGE_EXIT, "--json", "missing")  # before any check ran
+
+
+def test_levels_runs_only_those_named() -> None:
+    small = ("--steps", "1", "--rounds", "1", "--batch", "1", "--seq-len", "8")
+    result = invoke(*TINY, *small, "--levels", "step")
+    assert result.exit_code == 0, result.output
+    assert "step: " in result.stderr and "op: " not in result.stderr
+    assert "task: " not in result.stderr
+
+
+@pytest.mark.parametrize("value", ["steps", "", "op,bogus"])
+def test_an_unknown_level_is_a_usage_error(value) -> None:
+    assert_one_line_error(
+        invoke(*TINY, "--levels", value), USAGE_EXIT, "--levels", "op, task, step"
+    )
+
+
+def test_verify_refuses_unknown_levels() -> None:
+    from dataflow_training.verify import verify
+
+    with pytest.raises(ValueError, match="each is one of op, task, step"):
+        verify("gpt2", "gpt2_tiny", levels=("steps",))

@@ -120,6 +120,14 @@ def optimizer_states_option() -> Any:
     help="also write every check to this file as JSON (level, name, max_abs, rel, "
     "tolerance, abs_tolerance, yardstick, effective_tolerance, ok), failed or not",
 )
+@click.option(
+    "--levels",
+    default="op,task,step",
+    show_default=True,
+    callback=lambda ctx, param, value: _levels(value),
+    help="which levels run, comma-separated (e.g. step: a full-size preset's step checks "
+    "alone, its op and task checks being the same kernels at any size)",
+)
 def verify_command(
     family_name,
     preset,
@@ -135,6 +143,7 @@ def verify_command(
     yardstick,
     show_all,
     json_path,
+    levels,
 ) -> None:
     """Compare ops, tasks and whole training steps against the family's reference."""
     from rich.console import Console
@@ -173,6 +182,7 @@ def verify_command(
         progress=LevelPrinter(),
         order=order,
         yardstick=yardstick,
+        levels=levels,
     )
     if json_path is not None:
         _write_checks(json_path, checks)
@@ -202,6 +212,20 @@ def verify_command(
         names = ", ".join(f"{check.level} {check.name}" for check in failed[:3])
         more = f" and {len(failed) - 3} more" if len(failed) > 3 else ""
         raise Failure(f"{len(failed)} of {len(checks)} checks failed: {names}{more}")
+
+
+def _levels(text: str) -> tuple[str, ...]:
+    """``--levels``: known level names, at least one."""
+    from dataflow_training.verify import LEVELS
+
+    named = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [name for name in named if name not in LEVELS]
+    if unknown or not named:
+        raise click.BadParameter(
+            f"{', '.join(unknown) or 'no level'}: give one or more of {', '.join(LEVELS)}",
+            param_hint="--levels",
+        )
+    return named
 
 
 def _check_writable(path: str) -> None:

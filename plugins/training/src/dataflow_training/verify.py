@@ -30,7 +30,7 @@ all of them re-exported here (the public names: docs/api.md).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +50,7 @@ from dataflow_training.verify_step import (
 )
 
 __all__ = [
+    "LEVELS",
     "TOLERANCES",
     "YARDSTICK_FACTOR",
     "Check",
@@ -64,6 +65,9 @@ __all__ = [
     "task_checks",
     "verify",
 ]
+
+#: the ladder's levels, in the order they run
+LEVELS = ("op", "task", "step")
 
 
 # -- ops ---------------------------------------------------------------------------------
@@ -403,22 +407,27 @@ def verify(
     progress: ProgressCallback | None = None,
     order: str = "round",
     yardstick: bool = True,
+    levels: Sequence[str] = LEVELS,
 ) -> list[Check]:
     """Every check of the ladder for one family preset; see the module docstring.
     ``progress(level, None)`` is called as each level starts, ``progress(level, checks)``
     as it ends (``dataflow_training.progress``). ``yardstick``: in bf16, hold each step
-    gradient also to plain bf16 autograd's error on it (``step_checks``)."""
+    gradient also to plain bf16 autograd's error on it (``step_checks``). ``levels``: which
+    of ``LEVELS`` run (in the ladder's order whatever the order given)."""
     from dataflow_training.family import load_family
 
     if policy not in TOLERANCES:
         raise ValueError(f"unknown dtype policy {policy!r}; known: {sorted(TOLERANCES)}")
+    unknown = sorted(set(levels) - set(LEVELS))
+    if unknown or not levels:
+        raise ValueError(f"levels {unknown or '(none)'}: each is one of {', '.join(LEVELS)}")
     family = load_family(family_name)
     config = family.config(preset)
     tolerances = TOLERANCES[policy]
     dtype = getattr(torch, DtypePolicy.named(policy).param)
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # full float32 products: see the docs
-    levels: dict[str, Callable[[], list[Check]]] = {
+    ladder: dict[str, Callable[[], list[Check]]] = {
         "op": lambda: op_checks(
             device, dtype, tolerances["op"], seed, (*family.ops, "adamw_multi")
         ),
@@ -442,7 +451,9 @@ def verify(
     }
     checks: list[Check] = []
     try:
-        for level, run in levels.items():
+        for level, run in ladder.items():
+            if level not in levels:
+                continue
             if progress is not None:
                 progress(level, None)
             done = run()
