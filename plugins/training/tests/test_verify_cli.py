@@ -56,6 +56,9 @@ def test_one_step_passes_and_reports_each_level() -> None:
     for level in ("op", "task", "step"):
         assert f"{level}: " in result.stderr and " checks, " in result.stderr
     assert " passed, 0 failed" in result.stdout
+    assert re.search(
+        r"step 1 of 1: engine \d+\.\d s, reference \d+\.\d s; \d+ checks, 0 failed", result.stderr
+    )
 
 
 def test_the_table_lists_failures_and_each_levels_closest_check_unless_all() -> None:

@@ -11,6 +11,7 @@ same step's gradients by plain bf16 autograd of the reference model are from flo
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -102,7 +103,8 @@ def step_checks(
     clip the global gradient norm (the reference through ``clip_grad_norm_``), and each
     step's measured norm is checked too. ``overrides``: config fields of the preset
     changed, for both. ``order``: the lowered chain's order (``TrainConfig.order``).
-    ``note`` is given the run's plan line (``trainer.plan_line``: what it recomputes).
+    ``note`` is given the run's plan line (``trainer.plan_line``: what it recomputes), then
+    a line as each step's checks are done.
     ``planner``: the run's planner spec (default: ``TrainingRun``'s).
 
     ``yardstick`` (ignored where the policy's weights are float32): each step's gradients
@@ -157,6 +159,7 @@ def step_checks(
         # end state is the next one's start, read back once
         weights, opt_state = run.state()
         for step in range(steps):
+            began = time.perf_counter()
             moments = adam_moments(run.layout, opt_state)
             batches = [step_tokens(seed, vocab, batch, seq_len, step, r) for r in range(rounds)]
             stats = run.step(batches)
@@ -164,12 +167,14 @@ def step_checks(
             if follows:
                 routing.append(run.aux_temps())
             step_routing = routing[-1] if follows else None
+            engine_s, began = time.perf_counter() - began, time.perf_counter()
             ref = reference.step(weights, moments, step, batches, step_routing)
             if follows:
                 ref_routing.append(ref.decisions)
             plain_grads = (
                 plain.grads(weights, batches, step_routing).grads if plain is not None else None
             )
+            reference_s, first = time.perf_counter() - began, len(checks)
             checks += [
                 compare(
                     "step", f"loss step {step} round {r}", torch.tensor(loss), ref_loss, tolerance
@@ -232,6 +237,12 @@ def step_checks(
                     )
                 )
             weights, opt_state = after, after_opt
+            if note is not None:  # a full-size preset's step takes minutes on a CPU
+                failed = sum(not check.ok for check in checks[first:])
+                note(
+                    f"step {step + 1} of {steps}: engine {engine_s:.1f} s, reference "
+                    f"{reference_s:.1f} s; {len(checks) - first} checks, {failed} failed"
+                )
     if follows:
         checks = routing_checks(config, routing, ref_routing, tolerance) + checks
     return checks
