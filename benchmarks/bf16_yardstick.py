@@ -10,10 +10,14 @@ parameter whose name has one of ``--match`` is summarised (median, largest, how 
 arithmetic, decay on the matrices, weights rounded to bf16: verify's step policy), so later
 steps start where a bf16 run would be.
 
-Run: ``python benchmarks/bf16_yardstick.py --family qwen3 --preset qwen3_0_6b --steps 2``
-(session 22, on the 24 GB CPU machine: about 4 minutes a step; a third step ran out of
-memory). ``--json PATH`` writes every error; ``--device cuda`` runs both models on the GPU
-(float64 products included), as a stock bf16 run would.
+Run: ``python benchmarks/bf16_yardstick.py --family qwen3 --preset qwen3_0_6b --steps 3
+--device cuda`` (session 23 on the H200, a few seconds a step:
+results/yardstick_qwen3_0_6b_cuda.json; on the 24 GB CPU machine about 4 minutes a step).
+``--json PATH`` writes every error; ``--device cuda`` runs both models on the GPU (float64
+products included), as a stock bf16 run would. Since session 23 the reference's attention
+is ``F.scaled_dot_product_attention`` (fused kernels in bf16 on a GPU); that JSON predates
+it (softmax and matmuls in bf16). ``dataflow verify --dtype bf16`` computes the same
+yardstick from the engine's own weights each step (its ``--json``).
 """
 
 from __future__ import annotations
