@@ -28,7 +28,8 @@ import statistics
 
 import torch
 from dataflow_training.family import embed_layer, load_family
-from dataflow_training.verify_step import step_tokens
+from dataflow_training.verify_checks import compare
+from dataflow_training.verify_step import Reference, start_weights, step_config, step_tokens
 
 #: verify's step shape and optimizer (``verify.verify`` defaults, ``step_config``)
 BATCH, SEQ_LEN, ROUNDS, SEED = 2, 16, 2, 0
@@ -36,17 +37,12 @@ LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 1e-8, 0.1
 
 
 def _grads(family, config, state, dtype, batches, device, keep=None) -> dict[str, torch.Tensor]:
-    """The gradients of the reference model in ``dtype`` from ``state``; ``keep``: only
-    those whose names have one of these keys (the rest are freed at once)."""
-    model = family.reference_model(config).to(device=device, dtype=dtype)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()})
-    for x, t in batches:
-        (model(x.to(device), t.to(device)) / len(batches)).backward()
-    return {
-        n: p.grad.detach().cpu().clone()
-        for n, p in model.named_parameters()
-        if p.grad is not None and (keep is None or any(k in n for k in keep))
-    }
+    """The gradients of the reference model in ``dtype`` from ``state`` (verify's
+    ``Reference.grads``, the model built for this call alone and freed after it), on the
+    CPU; ``keep``: only those whose names have one of these keys."""
+    train = step_config("bf16", batch=BATCH, seq_len=SEQ_LEN, rounds=ROUNDS)
+    found = Reference(family, config, train, dtype=dtype, device=device).grads(state, batches)
+    return {n: g.cpu() for n, g in found.grads.items() if keep is None or any(k in n for k in keep)}
 
 
 def main() -> None:
@@ -62,10 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     family = load_family(args.family)
     config = family.config(args.preset)
-    torch.manual_seed(SEED)
-    start = family.reference_model(config)
-    state = {k: v.detach().to(torch.bfloat16) for k, v in start.state_dict().items()}
-    del start
+    state = start_weights(family, config, SEED, torch.bfloat16)
     vocab = embed_layer(family.layers(config)).params[0].shape[0]
     keys = args.match.split(",")
     moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -76,7 +69,7 @@ def main() -> None:
         rounded = _grads(family, config, state, torch.bfloat16, batches, args.device)
         for key in keys:
             errors = {
-                name: ((rounded[name].double() - g).norm() / g.norm()).item()
+                name: compare("step", name, rounded[name], g, 0.0).rel
                 for name, g in exact.items()
                 if key in name
             }

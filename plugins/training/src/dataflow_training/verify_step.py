@@ -66,6 +66,15 @@ def follows_routing(family: Any) -> bool:
     return bool(getattr(getattr(family, "reference", None), "follows_routing", False))
 
 
+def start_weights(family: Any, config: Any, seed: int, dtype: torch.dtype) -> dict:
+    """The step checks' first weights: the reference model's initialisation under
+    ``seed``, in ``dtype`` (``{"<layer>.<param>": tensor}``); the float32 model they come
+    from is not kept."""
+    torch.manual_seed(seed)
+    start = family.reference_model(config)
+    return {k: v.detach().to(dtype) for k, v in start.state_dict().items()}
+
+
 def step_tokens(
     seed: int, vocab: int, batch: int, seq_len: int, step: int, round_: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,11 +126,8 @@ def step_checks(
 
     config = family.config(preset, **(overrides or {}))
     train = step_config(policy, batch=batch, seq_len=seq_len, rounds=rounds, clip=clip, order=order)
-    torch.manual_seed(seed)
-    start = family.reference_model(config)
     param_dtype = getattr(torch, train.dtype.param)
-    state = {k: v.detach().to(param_dtype) for k, v in start.state_dict().items()}
-    del start  # a float32 copy of the whole model (bf16's state is another)
+    state = start_weights(family, config, seed, param_dtype)
     check_state_keys(family, config, state)
     vocab = embed_layer(family.layers(config)).params[0].shape[0]
 
@@ -143,9 +149,9 @@ def step_checks(
         from dataflow_training.trainer import plan_line
 
         note(plan_line(run))
-    reference = _Reference(family, config, train)
+    reference = Reference(family, config, train)
     plain = (
-        _Reference(family, config, train, dtype=param_dtype, device=device)
+        Reference(family, config, train, dtype=param_dtype, device=device)
         if yardstick and param_dtype != torch.float32
         else None
     )
@@ -321,7 +327,7 @@ class _RefStep:
     decisions: list
 
 
-class _Reference:
+class Reference:
     """The family's reference model in ``dtype`` on ``device``: one step's gradients by
     plain autograd from given weights (``grads``); in float64 on the CPU (the default) the
     truth of the step checks, also trained with ``torch.optim.AdamW`` one step at a time
