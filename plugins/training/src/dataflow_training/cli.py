@@ -216,15 +216,13 @@ def verify_command(
 
 def _levels(text: str) -> tuple[str, ...]:
     """``--levels``: known level names, at least one."""
-    from dataflow_training.verify import LEVELS
+    from dataflow_training.verify import check_levels
 
     named = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    unknown = [name for name in named if name not in LEVELS]
-    if unknown or not named:
-        raise click.BadParameter(
-            f"{', '.join(unknown) or 'no level'}: give one or more of {', '.join(LEVELS)}",
-            param_hint="--levels",
-        )
+    try:
+        check_levels(named)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--levels") from None
     return named
 
 

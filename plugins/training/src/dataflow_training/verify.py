@@ -55,6 +55,7 @@ __all__ = [
     "YARDSTICK_FACTOR",
     "Check",
     "adam_moments",
+    "check_levels",
     "check_state_keys",
     "compare",
     "follows_routing",
@@ -68,6 +69,14 @@ __all__ = [
 
 #: the ladder's levels, in the order they run
 LEVELS = ("op", "task", "step")
+
+
+def check_levels(levels: Sequence[str]) -> None:
+    """``ValueError`` unless ``levels`` names one or more of ``LEVELS`` and nothing else
+    (``verify``'s ``levels``, ``dataflow verify --levels``)."""
+    unknown = sorted(set(levels) - set(LEVELS))
+    if unknown or not levels:
+        raise ValueError(f"levels {unknown or '(none)'}: each is one of {', '.join(LEVELS)}")
 
 
 # -- ops ---------------------------------------------------------------------------------
@@ -418,9 +427,7 @@ def verify(
 
     if policy not in TOLERANCES:
         raise ValueError(f"unknown dtype policy {policy!r}; known: {sorted(TOLERANCES)}")
-    unknown = sorted(set(levels) - set(LEVELS))
-    if unknown or not levels:
-        raise ValueError(f"levels {unknown or '(none)'}: each is one of {', '.join(LEVELS)}")
+    check_levels(levels)
     family = load_family(family_name)
     config = family.config(preset)
     tolerances = TOLERANCES[policy]
