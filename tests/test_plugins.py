@@ -468,18 +468,21 @@ def test_hook_dataflow_resolvers(isolated_plugin_manager) -> None:
     assert resolver(program.tasks[0]) == "matmul"
 
 
-def test_hook_dataflow_kernels(isolated_plugin_manager) -> None:
-    class Kernels:
-        @hookimpl
-        def dataflow_kernels(self):
-            return [
-                KernelVariant("matmul", "reference", lambda: "ref"),
-                KernelVariant("matmul", "triton", lambda: "fast", devices=("cuda",), priority=5),
-                KernelVariant("matmul", "blocked", lambda: "cpu", devices=("cpu",), priority=1),
-                KernelVariant("softmax", "reference", lambda: "soft"),
-            ]
+class _Kernels:
+    """Three matmul variants (one per device kind and a reference) and a softmax."""
 
-    isolated_plugin_manager(Kernels())
+    @hookimpl
+    def dataflow_kernels(self):
+        return [
+            KernelVariant("matmul", "reference", lambda: "ref"),
+            KernelVariant("matmul", "triton", lambda: "fast", devices=("cuda",), priority=5),
+            KernelVariant("matmul", "blocked", lambda: "cpu", devices=("cpu",), priority=1),
+            KernelVariant("softmax", "reference", lambda: "soft"),
+        ]
+
+
+def test_hook_dataflow_kernels(isolated_plugin_manager) -> None:
+    isolated_plugin_manager(_Kernels())
     kernels = plugins.kernels()
     assert kernels.names() == [
         "matmul/blocked",
@@ -499,16 +502,7 @@ def test_a_pinned_kernel_variant_comes_first_where_it_runs(
 ) -> None:
     from dataflow.registry.registry import PIN_ENV, pinned_variants
 
-    class Kernels:
-        @hookimpl
-        def dataflow_kernels(self):
-            return [
-                KernelVariant("matmul", "reference", lambda: "ref"),
-                KernelVariant("matmul", "triton", lambda: "fast", devices=("cuda",), priority=5),
-                KernelVariant("matmul", "blocked", lambda: "cpu", devices=("cpu",), priority=1),
-            ]
-
-    isolated_plugin_manager(Kernels())
+    isolated_plugin_manager(_Kernels())
     kernels = plugins.kernels()
     monkeypatch.setenv(PIN_ENV, " matmul = reference ")
     assert [v.name for v in kernels.for_op("matmul")] == ["reference", "triton", "blocked"]
