@@ -268,10 +268,16 @@ def trial(
     try:
         data = [random_batches(run.vocab_size, batch, rounds, args.seq_len, s) for s in (0, 1)]
         for i in range(args.warmup):
-            run.step(data[i % 2])
+            first = run.step(data[i % 2])
             if i == 0:  # profiling, planning, placing, the engine's load, the first step
                 setup_s = time.perf_counter() - began
-                print(f"{shape}: first step done at {setup_s:.0f} s", flush=True)
+                load = run.load_seconds
+                phases = ", ".join(f"{name} {secs:.1f}" for name, secs in load.items())
+                print(
+                    f"{shape}: first step done at {setup_s:.0f} s (load: {phases} s; the "
+                    f"step itself {first.step_s - sum(load.values()):.1f} s)",
+                    flush=True,
+                )
         measured = []
         for i in range(args.steps):
             stats = run.step(data[i % 2])
@@ -308,6 +314,7 @@ def trial(
         "pinned_bytes": pinned,
         "predicted_slow_peak_bytes": predicted["slow_peak_bytes"],
         "setup_s": setup_s,
+        "load_s": load,
         "links": links,
     }
     # which resource the simulator mispriced, where measured and predicted differ: the

@@ -11,9 +11,14 @@
 # DATAFLOW_KERNELS (docs/kernel_registry.md) pins kernel variants, e.g.
 # DATAFLOW_KERNELS=attention_fwd=torch,attention_bwd=torch for the flash pair. Each preset has
 # VERIFY_SECONDS (default 240) before it is stopped; the exit status is the first failing
-# preset's. SMOKE=1 runs the tiny presets on the CPU instead, so a typo fails here first.
+# preset's. ATTENTION_PAIRS=torch,reference then verifies each preset's whole steps again
+# (--levels step) with each named attention pair pinned (attention_fwd=P,attention_bwd=P),
+# into verify_<preset>_bf16_<device>_attention-<P>.txt and its _checks.json: which pair
+# loses the gradients' precision, in the same call. SMOKE=1 runs the tiny presets on the
+# CPU instead, so a typo fails here first.
 set -u
 out=${OUT:-/tmp}
+ATTENTION_PAIRS=${ATTENTION_PAIRS:-}
 if [ "${SMOKE:-0}" = 1 ]; then
     runs=("llama3 llama3_tiny cpu" "qwen3 qwen3_tiny cpu")
 else
@@ -33,5 +38,16 @@ for run in "${runs[@]}"; do
     grep -E "checks, .* passed|FAIL|fail" "$report" | head -8
     [ $rc = 124 ] && echo "verify_rows.sh: $preset stopped at ${VERIFY_SECONDS:-240} s"
     [ $status = 0 ] && status=$rc
+    for pair in ${ATTENTION_PAIRS//,/ }; do
+        pinned=${report%.txt}_attention-$pair.txt
+        started=$SECONDS
+        DATAFLOW_KERNELS=attention_fwd=$pair,attention_bwd=$pair timeout \
+            "${VERIFY_SECONDS:-240}" dataflow verify --family "$family" --preset "$preset" \
+            --device "$device" --dtype bf16 --levels step --json "${pinned%.txt}_checks.json" \
+            >"$pinned" 2>&1
+        echo "verify $preset bf16 on $device, attention $pair: exit $? in" \
+            "$((SECONDS - started)) s ($pinned)"
+        grep -E "checks, .* passed|FAIL|fail" "$pinned" | head -8
+    done
 done
 exit $status

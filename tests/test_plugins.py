@@ -518,6 +518,25 @@ def test_a_pinned_kernel_variant_comes_first_where_it_runs(
         pinned_variants("attention")
 
 
+def test_every_pin_is_checked_before_any_kernel_loads(isolated_plugin_manager, monkeypatch) -> None:
+    from dataflow.registry.registry import PIN_ENV
+
+    isolated_plugin_manager(_Kernels())
+    kernels = plugins.kernels()
+    monkeypatch.setenv(PIN_ENV, "softmax=reference,matmul=blocked")
+    assert kernels.check_pins() == {"softmax": "reference", "matmul": "blocked"}
+    monkeypatch.setenv(PIN_ENV, "matmul=blocked,conv=fast")  # for_op("matmul") never sees conv
+    with pytest.raises(
+        ValueError, match="DATAFLOW_KERNELS: no kernel op 'conv'; the ops: matmul, "
+    ):
+        kernels.check_pins()
+    monkeypatch.setenv(PIN_ENV, "softmax=fast")
+    with pytest.raises(
+        ValueError, match="op softmax has no variant 'fast'; its variants: reference"
+    ):
+        kernels.check_pins()
+
+
 def test_hook_dataflow_feeds(isolated_plugin_manager) -> None:
     opened = []
 

@@ -107,7 +107,10 @@ class EngineRunError(RuntimeError):
             if fast_used_bytes >= 0
             else ""
         )
-        super().__init__(f"{kind}: {message}{memory}")
+        # an executable's or a copy's own error is not prefixed with its kind: the CLI
+        # says "error: " already, and the message names the task and what it raised
+        head = message if kind == "error" else f"{kind}: {message}"
+        super().__init__(f"{head}{memory}")
 
 
 @attrs.frozen

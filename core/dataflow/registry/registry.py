@@ -136,6 +136,18 @@ class KernelRegistry(Registry[KernelVariant]):
             key=lambda variant: (variant.name != pinned, -variant.priority, variant.name),
         )
 
+    def check_pins(self) -> dict[str, str]:
+        """The ``DATAFLOW_KERNELS`` pins (``pinned_variants``), each checked against this
+        registry before any kernel is loaded: ``ValueError`` naming the variable for an op
+        it has no variant of, or a variant name the op does not have."""
+        pins = pinned_variants()
+        ops = sorted({variant.op for variant in self})
+        for op in pins:
+            if op not in ops:
+                raise ValueError(f"{PIN_ENV}: no kernel op {op!r}; the ops: {', '.join(ops)}")
+            self.for_op(op)  # a name the op has no variant of
+        return pins
+
 
 class FeedRegistry(Registry[FeedSpec]):
     """Feeds by scheme; ``open("shards:data/tok")`` opens one from a spec string."""

@@ -252,6 +252,13 @@ def test_an_unknown_resolver_is_one_line_naming_the_known_ones(site, corpus, tmp
     assert_one_line_error(result, 1, "--resolver", "'jit'", "torch-compiled")
 
 
+def test_a_bad_kernel_pin_is_one_line_before_planning(site, corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("DATAFLOW_KERNELS", "attention_fwd=flash3")
+    result = invoke(*_args(corpus, tmp_path / "run", 2))
+    assert_one_line_error(result, 1, "DATAFLOW_KERNELS", "attention_fwd", "'flash3'", "cudnn")
+    assert "plan:" not in result.stdout  # refused before the step was planned
+
+
 def test_the_auto_resolver_compiles_on_cuda_only() -> None:
     from dataflow_training.run import resolver_for
 

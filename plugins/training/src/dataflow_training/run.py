@@ -192,8 +192,9 @@ class TrainingRun:
         pinned_limit_bytes: int | None = None,
     ) -> None:
         from dataflow.planning import place, plan
-        from dataflow.plugins import resolvers
+        from dataflow.plugins import kernels, resolvers
 
+        kernels().check_pins()  # a bad DATAFLOW_KERNELS fails here, not in the first task
         self.family = load_family(family) if isinstance(family, str) else family
         self.preset, self.train, self.device, self.seed = preset, train, device, seed
         self.graph = graph and device.startswith("cuda")
@@ -563,6 +564,12 @@ class TrainingRun:
         if not self.graph:
             return "CUDA graphs are off (not on CUDA, or graph=False)"
         return None if self._engine is None else self._engine.graph_note
+
+    @property
+    def load_seconds(self) -> dict[str, float]:
+        """Seconds the engine's load (in the first step) spent in each phase
+        (``Engine.load_seconds``); empty before the first step."""
+        return {} if self._engine is None else dict(self._engine.load_seconds)
 
     # -- state -------------------------------------------------------------------------
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
