@@ -321,6 +321,17 @@ def test_export_hf_loads_in_transformers(site, corpus, tmp_path):
     assert torch.equal(model.transformer.wte.weight.detach(), ours["emb.wte"])
     tokens = torch.randint(0, 256, (1, 16))
     assert torch.isfinite(model(tokens).logits).all()
+    # the run's folder stands for its latest checkpoint
+    result = invoke("export", "--hf", tmp_path / "hf_latest", "--from", out)
+    assert result.exit_code == 0 and "step_000002 (step 2)" in result.output, result.output
+    theirs = load_file(tmp_path / "hf_latest" / "model.safetensors")
+    assert theirs.keys() == load_file(hf / "model.safetensors").keys()
+    assert torch.equal(theirs["transformer.wte.weight"], ours["emb.wte"])
+    # a folder that is neither: one line naming it
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    result = invoke("export", "--hf", tmp_path / "hf_bare", "--from", bare)
+    assert_one_line_error(result, 1, "--from", str(bare), "step_NNNNNN")
 
 
 def test_ctrl_c_writes_a_final_checkpoint_and_exits_130(site, corpus, tmp_path):

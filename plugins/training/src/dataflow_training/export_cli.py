@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import click
@@ -54,7 +55,7 @@ PRICINGS = ("auto", "profile", "roofline")
     "checkpoint",
     default=None,
     type=click.Path(exists=True, file_okay=False),
-    help="with --hf: a checkpoint folder (OUT/step_NNNNNN)",
+    help="with --hf: a checkpoint folder (OUT/step_NNNNNN), or a run's OUT (its latest)",
 )
 def export_command(preset, out_dir, hf_out, checkpoint, **step: Any) -> None:
     """Write a planned training step as a bundle (--preset ... -o DIR), or a training
@@ -193,8 +194,21 @@ def _pricing_label(priced: dict[str, Any], cache: Any) -> str:
 
 def _export_hf(hf_out: str, checkpoint: str) -> None:
     """``--hf OUT --from CHECKPOINT``."""
-    from dataflow_training.checkpoint import CheckpointError, read_checkpoint
+    from dataflow_training.checkpoint import (
+        MANIFEST_FILE,
+        CheckpointError,
+        latest_checkpoint,
+        read_checkpoint,
+    )
 
+    if not (Path(checkpoint) / MANIFEST_FILE).exists():  # a run's --out folder: its latest
+        latest = latest_checkpoint(checkpoint)
+        if latest is None:
+            raise Failure(
+                f"--from: {checkpoint} is neither a checkpoint (no {MANIFEST_FILE}) nor a "
+                "run's folder with step_NNNNNN checkpoints in it"
+            )
+        checkpoint = str(latest)
     try:
         weights, _opt, manifest, _rng = read_checkpoint(checkpoint)
     except CheckpointError as exc:
