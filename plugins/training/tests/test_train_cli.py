@@ -327,6 +327,18 @@ def test_export_hf_loads_in_transformers(site, corpus, tmp_path):
     theirs = load_file(tmp_path / "hf_latest" / "model.safetensors")
     assert theirs.keys() == load_file(hf / "model.safetensors").keys()
     assert torch.equal(theirs["transformer.wte.weight"], ours["emb.wte"])
+    # shards of at most --max-shard-size, with their index, load as the single file does
+    sharded = tmp_path / "hf_sharded"
+    result = invoke("export", "--hf", sharded, "--from", out, "--max-shard-size", "64KiB")
+    assert result.exit_code == 0 and "shards and their index" in result.output, result.output
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert not (sharded / "model.safetensors").exists()
+    again = transformers.GPT2LMHeadModel.from_pretrained(sharded, local_files_only=True)
+    assert torch.equal(again.transformer.wte.weight.detach(), ours["emb.wte"])
+    result = invoke(
+        "export", "--preset", "gpt2_tiny", "-o", tmp_path / "b", "--max-shard-size", "1MiB"
+    )
+    assert_one_line_error(result, 2, "--max-shard-size", "--hf")
     # a folder that is neither: one line naming it
     bare = tmp_path / "bare"
     bare.mkdir()

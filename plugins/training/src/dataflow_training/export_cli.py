@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,16 @@ PRICINGS = ("auto", "profile", "roofline")
     type=click.Path(exists=True, file_okay=False),
     help="with --hf: a checkpoint folder (OUT/step_NNNNNN), or a run's OUT (its latest)",
 )
-def export_command(preset, out_dir, hf_out, checkpoint, **step: Any) -> None:
+@click.option(
+    "--max-shard-size",
+    "max_shard_bytes",
+    type=BUDGET,
+    default=None,
+    metavar="SIZE",
+    help="with --hf: shards of at most SIZE and their model.safetensors.index.json "
+    "(default: one model.safetensors, as transformers writes up to 50GB)",
+)
+def export_command(preset, out_dir, hf_out, checkpoint, max_shard_bytes, **step: Any) -> None:
     """Write a planned training step as a bundle (--preset ... -o DIR), or a training
     checkpoint as a Hugging Face model folder (--hf OUT --from CHECKPOINT)."""
     if hf_out is not None or checkpoint is not None:
@@ -65,8 +75,10 @@ def export_command(preset, out_dir, hf_out, checkpoint, **step: Any) -> None:
             raise click.UsageError("--hf/--from and --preset/-o are two modes; give one")
         if hf_out is None or checkpoint is None:
             raise click.UsageError("--hf and --from go together")
-        _export_hf(hf_out, checkpoint)
+        _export_hf(hf_out, checkpoint, max_shard_bytes)
         return
+    if max_shard_bytes is not None:
+        raise click.UsageError("--max-shard-size goes with --hf")
     if preset is None or out_dir is None:
         raise click.UsageError(
             "give --preset P ... -o DIR (a bundle) or --hf OUT --from CHECKPOINT"
@@ -192,7 +204,7 @@ def _pricing_label(priced: dict[str, Any], cache: Any) -> str:
     return "profiled" if cache is None else "profile cache"
 
 
-def _export_hf(hf_out: str, checkpoint: str) -> None:
+def _export_hf(hf_out: str, checkpoint: str, max_shard_bytes: int | None = None) -> None:
     """``--hf OUT --from CHECKPOINT``."""
     from dataflow_training.checkpoint import (
         MANIFEST_FILE,
@@ -217,8 +229,15 @@ def _export_hf(hf_out: str, checkpoint: str) -> None:
     if not hasattr(family, "export_hf"):
         raise Failure(f"family {manifest['family']!r} has no Hugging Face export (export_hf)")
     config = family.config(manifest["preset"], **manifest.get("overrides", {}))
+    shards = {}
+    if max_shard_bytes is not None:
+        if "max_shard_bytes" not in inspect.signature(family.export_hf).parameters:
+            raise Failure(f"--max-shard-size: family {manifest['family']!r} writes no shards")
+        shards["max_shard_bytes"] = max_shard_bytes
     try:
-        family.export_hf(config, weights, hf_out)
+        family.export_hf(config, weights, hf_out, **shards)
     except (ValueError, KeyError) as exc:
         raise Failure(f"--hf {hf_out}: {one_line(str(exc))}") from None
-    click.echo(f"wrote {hf_out} from {checkpoint} (step {manifest['step']})")
+    files = sorted(p.name for p in Path(hf_out).glob("*.safetensors"))
+    what = files[0] if len(files) == 1 else f"{len(files)} shards and their index"
+    click.echo(f"wrote {hf_out} ({what}) from {checkpoint} (step {manifest['step']})")
