@@ -239,5 +239,7 @@ def _export_hf(hf_out: str, checkpoint: str, max_shard_bytes: int | None = None)
     except (ValueError, KeyError) as exc:
         raise Failure(f"--hf {hf_out}: {one_line(str(exc))}") from None
     files = sorted(p.name for p in Path(hf_out).glob("*.safetensors"))
-    what = files[0] if len(files) == 1 else f"{len(files)} shards and their index"
-    click.echo(f"wrote {hf_out} ({what}) from {checkpoint} (step {manifest['step']})")
+    what = f" ({files[0]})" if len(files) == 1 else ""
+    if len(files) > 1:
+        what = f" ({len(files)} shards and their index)"
+    click.echo(f"wrote {hf_out}{what} from {checkpoint} (step {manifest['step']})")
