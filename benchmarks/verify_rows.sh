@@ -14,11 +14,16 @@
 # preset's. ATTENTION_PAIRS=torch,reference then verifies each preset's whole steps again
 # (--levels step) with each named attention pair pinned (attention_fwd=P,attention_bwd=P),
 # into verify_<preset>_bf16_<device>_attention-<P>.txt and its _checks.json: which pair
-# loses the gradients' precision, in the same call. SMOKE=1 runs the tiny presets on the
-# CPU instead, so a typo fails here first.
+# loses the gradients' precision, in the same call. VERIFY_RESOLVER=auto runs the step
+# level's engine as `dataflow train` does on the device (torch-compiled; default: torch,
+# eager), its reports named ..._auto.txt. SMOKE=1 runs the tiny presets on the CPU
+# instead, so a typo fails here first.
 set -u
 out=${OUT:-/tmp}
 ATTENTION_PAIRS=${ATTENTION_PAIRS:-}
+resolver=${VERIFY_RESOLVER:-torch}
+suffix=""
+[ "$resolver" != torch ] && suffix=_$resolver
 if [ "${SMOKE:-0}" = 1 ]; then
     runs=("llama3 llama3_tiny cpu" "qwen3 qwen3_tiny cpu")
 else
@@ -29,10 +34,11 @@ for run in "${runs[@]}"; do
     read -r family preset device <<<"$run"
     # VERIFY_ONLY=PRESET runs that preset alone
     [ -n "${VERIFY_ONLY:-}" ] && [ "$preset" != "$VERIFY_ONLY" ] && continue
-    report=$out/verify_${preset}_bf16_$device.txt
+    report=$out/verify_${preset}_bf16_$device$suffix.txt
     started=$SECONDS
     timeout "${VERIFY_SECONDS:-240}" dataflow verify --family "$family" --preset "$preset" \
-        --device "$device" --dtype bf16 --json "${report%.txt}_checks.json" >"$report" 2>&1
+        --device "$device" --dtype bf16 --resolver "$resolver" \
+        --json "${report%.txt}_checks.json" >"$report" 2>&1
     rc=$?
     echo "verify $preset bf16 on $device: exit $rc in $((SECONDS - started)) s ($report)"
     grep -E "checks, .* passed|FAIL|fail" "$report" | head -8
@@ -43,7 +49,8 @@ for run in "${runs[@]}"; do
         started=$SECONDS
         DATAFLOW_KERNELS=attention_fwd=$pair,attention_bwd=$pair timeout \
             "${VERIFY_SECONDS:-240}" dataflow verify --family "$family" --preset "$preset" \
-            --device "$device" --dtype bf16 --levels step --json "${pinned%.txt}_checks.json" \
+            --device "$device" --dtype bf16 --levels step --resolver "$resolver" \
+            --json "${pinned%.txt}_checks.json" \
             >"$pinned" 2>&1
         echo "verify $preset bf16 on $device, attention $pair: exit $? in" \
             "$((SECONDS - started)) s ($pinned)"

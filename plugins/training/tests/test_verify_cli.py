@@ -106,6 +106,16 @@ def test_levels_runs_only_those_named() -> None:
     assert "task: " not in result.stderr
 
 
+def test_the_resolver_is_named_and_an_unknown_one_refused_before_any_check() -> None:
+    small = ("--steps", "1", "--rounds", "1", "--batch", "1", "--seq-len", "8")
+    result = invoke(*TINY, *small, "--levels", "step", "--resolver", "auto")
+    assert result.exit_code == 0, result.output
+    assert "tasks run by the torch resolver" in result.stderr  # auto on the CPU: eager
+    result = invoke(*TINY, "--resolver", "jit")
+    assert_one_line_error(result, FAILURE_EXIT, "--resolver 'jit'", "known: auto")
+    assert "op:" not in result.stderr
+
+
 @pytest.mark.parametrize("value", ["steps", "", "op,bogus"])
 def test_an_unknown_level_is_a_usage_error(value) -> None:
     assert_one_line_error(

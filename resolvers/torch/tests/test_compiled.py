@@ -131,6 +131,27 @@ def test_compiled_blocks_write_their_views_inside_the_graph_on_cpu(
     torch._dynamo.reset()
 
 
+def test_verify_runs_its_step_level_on_the_compiled_resolver(monkeypatch) -> None:
+    """``verify(resolver=...)`` (``dataflow verify --resolver``) hands the step level's
+    engine to the named resolver: the compiled blocks' graphs are made (and pass), where
+    the default eager resolver makes none."""
+    pytest.importorskip("dataflow_family_llama3")
+    from dataflow_resolver_torch import compiled
+    from dataflow_training.verify import verify
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    small = {"steps": 1, "rounds": 1, "batch": 1, "seq_len": 8, "levels": ("step",)}
+    for resolver, graphs in (("torch", 0), ("torch-compiled", 2)):
+        torch._dynamo.reset()
+        counters.clear()
+        checks = verify("llama3", "llama3_tiny", resolver=resolver, **small)
+        assert checks and all(check.ok for check in checks), [c for c in checks if not c.ok]
+        made = counters["stats"]["unique_graphs"]
+        assert made >= graphs if graphs else made == 0, (resolver, made)
+    torch._dynamo.reset()
+
+
 def test_views_of_one_arena_in_several_dtypes_are_written_inside_a_graph() -> None:
     """The CUDA engine's tensors are views of one byte arena; a compiled block writes
     bf16 views beside a float32 one. Given storages of their own (``own_storage``), AOT

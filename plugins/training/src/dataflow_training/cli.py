@@ -128,6 +128,14 @@ def optimizer_states_option() -> Any:
     help="which levels run, comma-separated (e.g. step: a full-size preset's step checks "
     "alone, its op and task checks being the same kernels at any size)",
 )
+@click.option(
+    "--resolver",
+    default="torch",
+    show_default=True,
+    help="the registered resolver that runs the engine's tasks in the step level: torch "
+    "(eager), torch-compiled (each block kind's math compiled), or auto (what `dataflow "
+    "train` runs: torch-compiled on CUDA, torch elsewhere)",
+)
 def verify_command(
     family_name,
     preset,
@@ -144,12 +152,14 @@ def verify_command(
     show_all,
     json_path,
     levels,
+    resolver,
 ) -> None:
     """Compare ops, tasks and whole training steps against the family's reference."""
     from rich.console import Console
     from rich.table import Table
 
     from dataflow_training.progress import LevelPrinter
+    from dataflow_training.run import resolver_for
     from dataflow_training.verify import verify
 
     family = _family(family_name)
@@ -157,6 +167,7 @@ def verify_command(
     _check_seq_len(config, preset, seq_len)
     if json_path is not None:
         _check_writable(json_path)
+    resolver_for(resolver, device)  # an unknown name: one line before any check runs
     if budget_bytes is not None:
         _check_budget(
             family,
@@ -183,6 +194,7 @@ def verify_command(
         order=order,
         yardstick=yardstick,
         levels=levels,
+        resolver=resolver,
     )
     if json_path is not None:
         _write_checks(json_path, checks)

@@ -417,17 +417,22 @@ def verify(
     order: str = "round",
     yardstick: bool = True,
     levels: Sequence[str] = LEVELS,
+    resolver: str = "torch",
 ) -> list[Check]:
     """Every check of the ladder for one family preset; see the module docstring.
     ``progress(level, None)`` is called as each level starts, ``progress(level, checks)``
     as it ends (``dataflow_training.progress``). ``yardstick``: in bf16, hold each step
     gradient also to plain bf16 autograd's error on it (``step_checks``). ``levels``: which
-    of ``LEVELS`` run (in the ladder's order whatever the order given)."""
+    of ``LEVELS`` run (in the ladder's order whatever the order given). ``resolver``: the
+    registered resolver that runs the step level's engine (``run.resolver_for``: ``auto``
+    is what ``dataflow train`` runs on the device)."""
     from dataflow_training.family import load_family
+    from dataflow_training.run import resolver_for
 
     if policy not in TOLERANCES:
         raise ValueError(f"unknown dtype policy {policy!r}; known: {sorted(TOLERANCES)}")
     check_levels(levels)
+    resolver = resolver_for(resolver, device)
     family = load_family(family_name)
     config = family.config(preset)
     tolerances = TOLERANCES[policy]
@@ -454,6 +459,7 @@ def verify(
             order=order,
             note=getattr(progress, "note", None),
             yardstick=yardstick,
+            resolver=resolver,
         ),
     }
     checks: list[Check] = []

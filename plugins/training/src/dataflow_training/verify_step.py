@@ -148,7 +148,7 @@ def step_checks(
     if note is not None:
         from dataflow_training.trainer import plan_line
 
-        note(plan_line(run))
+        note(f"{plan_line(run)}; tasks run by the {resolver} resolver")
     reference = Reference(family, config, train)
     plain = (
         Reference(family, config, train, dtype=param_dtype, device=device)
