@@ -8,7 +8,7 @@ With ``--counted`` it plans the way ``TrainingRun`` did before task workspace wa
 as a reserve beside the arena: each task's workspace counted within the budget while the
 task runs, then ``place(..., workspace_in_arena=False)``. Otherwise it plans the step
 without task workspace at the budget less the largest and places it with
-``workspace_beside_bytes`` (what ``TrainingRun._plan_for_cuda`` does now). Links are the
+``workspace_beside_bytes`` (what ``dataflow_training.cuda_plan.plan_for_cuda`` does now). Links are the
 H200's pinned-host links as compare.json measured them; the CUDA libraries' reserve is
 the 32 MiB the H200 run left.
 

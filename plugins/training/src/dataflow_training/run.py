@@ -223,7 +223,7 @@ class TrainingRun:
             planner = RECOMPUTE if recompute else PRESSUREFIT
         options: dict[str, Any] = {"planner": planner, "cyclic": bool(self.program.persistent)}
         self.backing_bytes = backing_bytes
-        #: why the plan was made again inside a slow budget (``_fit_pool``), else None
+        #: why the plan was made again inside a slow budget (``fit_pool``), else None
         self.pool_note: str | None = None
         self.pinned_limit_bytes = (
             backing_bytes if pinned_limit_bytes is None else pinned_limit_bytes
@@ -233,7 +233,9 @@ class TrainingRun:
         self.vocab_size = embed_layer(self.lowered.layers).params[0].shape[0]
         self.budget_bytes = budget_bytes or UNBOUNDED_BYTES
         if device.startswith("cuda"):
-            self._plan_for_cuda(resolver, options)
+            from dataflow_training.cuda_plan import plan_for_cuda
+
+            plan_for_cuda(self, resolver, options)
         else:
 
             def plan_and_place(options: dict[str, Any]) -> None:
@@ -241,7 +243,7 @@ class TrainingRun:
                 self.placement = place(self.planned)
 
             plan_and_place(options)
-            self._fit_pool(plan_and_place, options)
+            self.fit_pool(plan_and_place, options)
         self.resolver_name = resolver
         # the plan the engine runs: place() may have re-planned (the recompute planner may
         # then have chosen other layers), so the resolver reads that plan's step layout
@@ -262,96 +264,6 @@ class TrainingRun:
         self.last_result: Any = None
 
     # -- stepping ----------------------------------------------------------------------
-    def _plan_for_cuda(self, resolver: str, options: dict[str, Any]) -> None:
-        """On CUDA the budget is the allocator's: every task is priced and its framework
-        temporaries measured by the profiling pass (through its disk cache; timed as graph
-        replays when steps will be replayed), the links to pinned host memory are measured
-        (both directions at once), the plan leaves the CUDA libraries' own reserve and the
-        largest task workspace free beside its arena (it is made at the budget less both,
-        its tasks holding no workspace), and the engine checks the allocator's peak
-        against the whole budget."""
-        from dataflow.engine.backends.torch_cuda import measure_links, runtime_reserve_bytes
-        from dataflow.planning import InfeasibleBudget, PlanningError, place, plan
-        from dataflow.plugins import resolvers
-        from dataflow_training.profile import (
-            ProfileCache,
-            apply_profile,
-            busiest_task,
-            profile_program,
-            task_launcher,
-            without_workspace,
-        )
-        from dataflow_training.recompute import RECOMPUTE, measured_recompute_planner
-
-        def int_high(obj_id: str) -> int:
-            return self.vocab_size if obj_id.startswith(("x_", "t_")) else 1
-
-        measure = resolvers().get(resolver).build(self.program)
-        cache = ProfileCache.for_device(self.device, resolver, graph=self.graph, family=self.family)
-        profiles = profile_program(
-            self.program,
-            measure,
-            device=self.device,
-            int_high=int_high,
-            cache=cache,
-            graph=self.graph,
-        )
-        # the links as the step's copies see them: beside its costliest task's kernels
-        busiest = busiest_task(self.program, profiles)
-        load = task_launcher(self.program, measure, busiest, device=self.device, int_high=int_high)
-        measured_links = measure_links(self.device, beside=load)
-        del load  # its buffers
-        links = attrs.evolve(measured_links, collective=self.program.links.collective)
-        profiles, beside = without_workspace(profiles)
-        self.program = attrs.evolve(apply_profile(self.program, profiles), links=links)
-        if options["planner"] is RECOMPUTE:  # candidates priced by measurements too
-            largest = [beside]
-
-            def measured(program: Any) -> dict:
-                build = resolvers().get(resolver).build(program)
-                found, most = without_workspace(
-                    profile_program(
-                        program,
-                        build,
-                        device=self.device,
-                        int_high=int_high,
-                        cache=cache,
-                        graph=self.graph,
-                    )
-                )
-                largest[0] = max(largest[0], most)
-                return found
-
-            spec = measured_recompute_planner(self.program, measured, known=profiles)
-            beside = largest[0]  # every candidate's tasks were measured by now
-            options = dict(options, planner=spec)
-        reserve = runtime_reserve_bytes(self.device)
-        outside = reserve + beside
-        if self.budget_bytes <= outside:
-            raise PlanningError(
-                f"a budget of {self.budget_bytes} bytes leaves nothing for the arena: the "
-                f"CUDA libraries' reserve ({reserve} bytes) and the largest task workspace "
-                f"({beside} bytes) take it all"
-            )
-
-        def plan_and_place(options: dict[str, Any]) -> None:
-            try:
-                self.planned = plan(self.program, self.budget_bytes - outside, **options)
-            except InfeasibleBudget as exc:  # in the budget the caller gave
-                raise InfeasibleBudget(
-                    exc.program_name,
-                    self.budget_bytes,
-                    exc.minimal_budget_bytes + outside,
-                    exc.task_id,
-                    exc.footprint_bytes,
-                    f"{exc.reason} (budgets here include the CUDA libraries' reserve of "
-                    f"{reserve} bytes and {beside} bytes of task workspace beside the arena)",
-                ) from None
-            self.placement = place(self.planned, workspace_beside_bytes=beside)
-
-        plan_and_place(options)
-        self._fit_pool(plan_and_place, options)
-
     def pool_limit_bytes(self) -> int | None:
         """The most the engine's slow pool may take: ``pinned_limit_bytes`` and, on CUDA,
         the host's available memory less ``HOST_RESERVE_BYTES`` (None: no limit)."""
@@ -376,7 +288,7 @@ class TrainingRun:
             return 0
         return sum(p.layout.size_bytes for p in self.layout.packed.values() if p.kind == "W")
 
-    def _fit_pool(self, plan_and_place: Callable[[dict[str, Any]], None], options: dict) -> None:
+    def fit_pool(self, plan_and_place: Callable[[dict[str, Any]], None], options: dict) -> None:
         """With no ``backing_bytes`` the plan's slow memory is unbounded; where its pool
         would not fit ``pool_limit_bytes`` (the host, on CUDA), plan again inside a slow
         budget that leaves room for the pool's excess over the slow peak (a slice per
