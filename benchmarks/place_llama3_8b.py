@@ -68,7 +68,7 @@ from dataflow_training.train_cli import default_family
 
 from dataflow.engine.backends.torch_storage import slow_pool_bytes
 from dataflow.planning import PlanningError, place, plan
-from dataflow.planning.placement import live_peak_bytes, residency_blocks
+from dataflow.planning.arena import live_peak_bytes, residency_blocks
 from dataflow.schema.program import Link, Links
 from dataflow.units import format_size, parse_size
 

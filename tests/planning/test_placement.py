@@ -9,14 +9,11 @@ import pytest
 
 from dataflow.planning import PlanningError, minimal_budget, plan
 from dataflow.planning import placement as placement_module
+from dataflow.planning.arena import Block, live_peak_bytes, pack, residency_blocks
 from dataflow.planning.placement import (
-    Block,
     _pack_within,
     check_placement,
-    live_peak_bytes,
-    pack,
     place,
-    residency_blocks,
     without_workspace,
 )
 from dataflow.schema import Obj, Program, Task

@@ -7,12 +7,13 @@ it never imports torch.
 """
 
 from dataflow.planning.api import DEFAULT_PLANNER, PRESSUREFIT, Plan, Planner, plan
+from dataflow.planning.arena import Block
 from dataflow.planning.cycle import CycleCheck, check_cycle, unroll
 from dataflow.planning.cyclic import fast_homes
 from dataflow.planning.feasibility import InfeasibleBudget, minimal_budget
 from dataflow.planning.intervals import PlanningError
 from dataflow.planning.lower_bound import LowerBound, lower_bound
-from dataflow.planning.placement import Block, Placement, place, without_workspace
+from dataflow.planning.placement import Placement, place, without_workspace
 
 __all__ = [
     "DEFAULT_PLANNER",

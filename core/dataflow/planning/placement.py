@@ -24,17 +24,30 @@ iteration and at the start of the next: its last block (to the end) and its firs
 (from time 0) are one residency across the boundary, so they are packed as one unit and
 share an offset; the next iteration finds the object where the last one left it, and the
 engine moves nothing between steps.
+
+The blocks and one packing of them are ``arena.py``'s (``residency_blocks``, ``pack``);
+this module tries the orders, restarts and repairs, and re-plans.
 """
 
 from __future__ import annotations
 
 import bisect
-import random
-from collections.abc import Callable
 
 import attrs
 
 from dataflow.planning.api import PRESSUREFIT, Plan, plan
+from dataflow.planning.arena import (
+    AT_START,
+    END_PASS,
+    ORDERS,
+    Block,
+    live_peak_bytes,
+    offsets_of,
+    overlap,
+    overlapping,
+    ranking,
+    residency_blocks,
+)
 from dataflow.planning.feasibility import InfeasibleBudget
 from dataflow.planning.intervals import PlanningError
 from dataflow.schema import Location, Program
@@ -63,31 +76,6 @@ REPAIR_ROUNDS = 12
 #: minimal-budget search probes many capacities that cannot fit (OLMoE's at 8 GiB: 27 s
 #: without the repair, 94 s with it at every probe, 54 s with this bound).
 REPAIR_WITHIN = 1.08
-
-
-@attrs.frozen
-class Block:
-    """One interval of fast memory: ``obj_id``'s bytes, or ``task_id``'s workspace.
-
-    ``start``/``end`` order the reservation and the freeing among all events of the run,
-    as ``(time_us, pass, phase)``: within one instant the execution model runs passes of
-    completions (task, d2h, h2d), then dispatch, then the d2h and h2d starts (``PHASE``),
-    and a task that costs nothing ends one pass after it starts. The block is live over
-    ``[start, end)``.
-    """
-
-    start_us: float
-    end_us: float
-    size_bytes: int
-    offset_bytes: int
-    obj_id: str | None = None
-    task_id: str | None = None
-    start: tuple[float, int, int] = (0.0, 0, 0)
-    end: tuple[float, int, int] = (0.0, 0, 0)
-
-    @property
-    def end_bytes(self) -> int:
-        return self.offset_bytes + self.size_bytes
 
 
 @attrs.frozen
@@ -350,8 +338,8 @@ def wrap_pairs(planned: Plan, blocks: list[Block]) -> dict[int, int]:
         last[obj]: first[obj]
         for obj in first
         if last[obj] != first[obj]
-        and blocks[first[obj]].start == _AT_START
-        and blocks[last[obj]].end[1] == _END_PASS
+        and blocks[first[obj]].start == AT_START
+        and blocks[last[obj]].end[1] == END_PASS
     }
 
 
@@ -367,15 +355,15 @@ def _pack_within(
     best: tuple[list[int], int] | None = None
     restarts = RESTARTS if len(intervals) <= RESTART_BLOCKS else 0
     attempts = [(order, None) for order in ORDERS] + [("size", k) for k in range(restarts)]
-    neighbours = _overlapping(intervals)
+    neighbours = overlapping(intervals)
     sizes = [block.size_bytes for block in intervals]
     for later, earlier in (pairs or {}).items():  # one unit: either one's neighbours
         joined = sorted(set(neighbours[later]) | set(neighbours[earlier]) - {later, earlier})
         neighbours[later] = neighbours[earlier] = joined
     start: tuple[list[int], bool] | None = None
     for order, seed in attempts:
-        ranked, tightest = _ranking(intervals, order, seed)
-        offsets = _offsets(sizes, neighbours, ranked, tightest, pairs or {})
+        ranked, tightest = ranking(intervals, order, seed)
+        offsets = offsets_of(sizes, neighbours, ranked, tightest, pairs or {})
         arena = max(offset + size for offset, size in zip(offsets, sizes, strict=True))
         if best is None or arena < best[1]:
             best, start = (offsets, arena), (ranked, tightest)
@@ -413,7 +401,7 @@ def _repair(
                 if offsets[block] + sizes[block] > budget_bytes:
                     rank[block] -= step * count
             order = sorted(range(count), key=rank.__getitem__)
-            offsets = _offsets(sizes, neighbours, order, tightest, pairs)
+            offsets = offsets_of(sizes, neighbours, order, tightest, pairs)
             arena = max(offset + size for offset, size in zip(offsets, sizes, strict=True))
             if arena < best[1]:
                 best = (offsets, arena)
@@ -423,222 +411,6 @@ def _repair(
 
 
 #: Order of the steps of one pass at one instant (docs/execution_model.md).
-PHASE = {"task-end": 0, "d2h-end": 1, "h2d-end": 2, "dispatch": 3, "d2h-start": 4, "h2d-start": 5}
-_AT_START = (0.0, 0, 0)
-#: The pass number of "the end of the run" (after every pass of the last instant).
-_END_PASS = 1 << 30
-
-
-def residency_blocks(planned: Plan) -> list[Block]:
-    """Every fast-memory interval of the plan's recorded run, unplaced (offset 0)."""
-    program, sim = planned.program, planned.sim
-    transfers = {(t.obj_id, t.direction, t.enqueued_by): t for t in sim.transfers}
-    sizes = {obj.id: obj.size_bytes for obj in program.objects}
-    since: dict[str, tuple[float, float, int, int]] = {
-        obj.id: (0.0, *_AT_START)
-        for obj in program.objects
-        if program.exists_at_start(obj.id) and obj.location is Location.FAST
-    }
-    blocks: list[Block] = []
-
-    def close(obj_id: str, end_us: float, end: tuple[float, int, int]) -> None:
-        start_us, *start = since.pop(obj_id)
-        blocks.append(
-            Block(start_us, end_us, sizes[obj_id], 0, obj_id=obj_id, start=tuple(start), end=end)
-        )
-
-    end_pass: dict[str, int] = {}
-
-    def fire(task, end_us: float, ended: tuple[float, int, int]) -> None:
-        """Close and open blocks for a task's (or the prologue's) directives."""
-        for obj_id in task.releases:
-            close(obj_id, end_us, ended)
-        for obj_id in task.offloads:
-            back = transfers.get((obj_id, "d2h", task.id))
-            if back is None:  # clean: dropped at once
-                close(obj_id, end_us, ended)
-            else:
-                close(obj_id, back.end_us, (back.end_us, 1, PHASE["d2h-end"]))
-        for obj_id in task.prefetches:
-            load = transfers[(obj_id, "h2d", task.id)]
-            # The earliest pass it can have started in: a block that starts no later than
-            # it really did is only ever more cautious.
-            first = end_pass[task.id] if load.start_us == load.enqueue_us else 1
-            since[obj_id] = (load.start_us, load.start_us, first, PHASE["h2d-start"])
-
-    # The prologue "ends" at time 0 in the first pass, before task 0 can start.
-    end_pass[program.prologue.id] = 1
-    fire(program.prologue, 0.0, (0.0, 1, PHASE["task-end"]))
-    previous_end_us, previous_end_pass = None, 0
-    for task, timing in zip(program.tasks, sim.tasks, strict=True):
-        start_us, end_us = timing.start_us, timing.end_us
-        # The pass of this instant in which the task starts, and the one in which it ends.
-        start_pass = previous_end_pass if previous_end_us == start_us else 1
-        finish_pass = start_pass + 1 if end_us == start_us else 1
-        previous_end_us, previous_end_pass = end_us, finish_pass
-        end_pass[task.id] = finish_pass
-        started = (start_us, start_pass, PHASE["dispatch"])
-        ended = (end_us, finish_pass, PHASE["task-end"])
-        for obj_id in task.outputs:
-            since[obj_id] = (start_us, *started)
-        if task.workspace_bytes:
-            blocks.append(
-                Block(
-                    start_us,
-                    end_us,
-                    task.workspace_bytes,
-                    0,
-                    task_id=task.id,
-                    start=started,
-                    end=ended,
-                )
-            )
-        fire(task, end_us, ended)
-    finish = (sim.makespan_us, _END_PASS, 0)
-    for obj_id in list(since):
-        close(obj_id, sim.makespan_us, finish)
-    blocks.sort(key=lambda block: (block.start, block.end, block.obj_id or "", block.task_id or ""))
-    return blocks
-
-
-def _overlap(a: Block, b: Block) -> bool:
-    """Whether two blocks are live at one moment of the run's event order."""
-    return a.start < b.end and b.start < a.end
-
-
-def live_peak_bytes(blocks: list[Block]) -> int:
-    """The most bytes live at one moment of the run's event order."""
-    events = sorted(
-        [(block.start, 1, block.size_bytes) for block in blocks]
-        + [(block.end, 0, -block.size_bytes) for block in blocks]
-    )
-    live = peak = 0
-    for _, _, change in events:
-        live += change
-        peak = max(peak, live)
-    return peak
-
-
-#: Packing orders, tried in turn until one fits the budget (the smallest arena is kept):
-#: name -> (sort key of a block, tightest hole (True) or lowest hole (False)).
-ORDERS: dict[str, tuple[Callable[[Block], tuple[float, ...]], bool]] = {
-    "size": (lambda b: (-b.size_bytes, b.start_us, b.end_us), True),
-    "start": (lambda b: (b.start_us, -b.size_bytes, b.end_us), True),
-    "size-then-life": (lambda b: (-b.size_bytes, b.start_us - b.end_us, b.start_us), False),
-    "life": (lambda b: (b.start_us - b.end_us, -b.size_bytes, b.start_us), True),
-    # Many blocks of a few sizes (a large model's weights, gradients, saves): the
-    # longer-lived of one size first, then bytes x lifetime, so that long-lived small
-    # blocks are not left to go on top of every hole.
-    "size-longest": (lambda b: (-b.size_bytes, b.start_us - b.end_us, b.start_us), True),
-    "area": (lambda b: (-b.size_bytes * (b.end_us - b.start_us), b.start_us), False),
-}
-
-
-def pack(blocks: list[Block], order: str = "size", *, seed: int | None = None) -> tuple[Block, ...]:
-    """Offsets for ``blocks`` in the given ``ORDERS`` order; returned in the order given.
-
-    With ``seed``, a restart for when the fixed orders all fail: blocks are ranked by
-    size times a random factor in [0.5, 1.5], with a random hole rule
-    (``random.Random(seed)``: the same seed gives the same packing).
-    """
-    if not blocks:
-        return ()
-    ranked, tightest = _ranking(blocks, order, seed)
-    sizes = [block.size_bytes for block in blocks]
-    offsets = _offsets(sizes, _overlapping(blocks), ranked, tightest)
-    return tuple(
-        attrs.evolve(block, offset_bytes=offset)
-        for block, offset in zip(blocks, offsets, strict=True)
-    )
-
-
-def _ranking(blocks: list[Block], order: str, seed: int | None) -> tuple[list[int], bool]:
-    """Block indices in packing order, and whether each takes the tightest hole."""
-    if seed is None:
-        key, tightest = ORDERS[order]
-        keys = [(*key(block), i) for i, block in enumerate(blocks)]
-    else:
-        rng = random.Random(seed)
-        tightest = rng.random() < 0.5
-        keys = [
-            (-block.size_bytes * rng.uniform(0.5, 1.5), rng.random(), i)
-            for i, block in enumerate(blocks)
-        ]
-    return sorted(range(len(blocks)), key=keys.__getitem__), tightest
-
-
-def _overlapping(blocks: list[Block]) -> list[list[int]]:
-    """For each block, the blocks live at some moment it is (one sweep in event order)."""
-    events = sorted(
-        [(block.start, 1, i) for i, block in enumerate(blocks)]
-        + [(block.end, 0, i) for i, block in enumerate(blocks)]
-    )
-    neighbours: list[list[int]] = [[] for _ in blocks]
-    live: set[int] = set()
-    for _, starting, i in events:
-        if not starting:
-            live.discard(i)
-            continue
-        for j in live:
-            neighbours[i].append(j)
-            neighbours[j].append(i)
-        live.add(i)
-    return neighbours
-
-
-def _offsets(
-    sizes: list[int],
-    neighbours: list[list[int]],
-    ranked: list[int],
-    tightest: bool,
-    pairs: dict[int, int] | None = None,
-) -> list[int]:
-    """Each block in ``ranked`` order put in a hole between the placed blocks it overlaps;
-    a block of a pair takes its partner's offset once the partner is placed."""
-    partner = dict(pairs or {})
-    partner.update({b: a for a, b in list(partner.items())})
-    offsets = [-1] * len(sizes)
-    for i in ranked:
-        if offsets[i] >= 0:
-            continue
-        taken = sorted(
-            (offsets[j], offsets[j] + sizes[j]) for j in neighbours[i] if offsets[j] >= 0
-        )
-        offsets[i] = _fit(taken, sizes[i], tightest)
-        if i in partner:
-            offsets[partner[i]] = offsets[i]
-    return offsets
-
-
-#: Every block starts at a multiple of this many bytes (so every typed view of an object
-#: is aligned for any dtype and for vectorised loads), or of its own size when smaller.
-ALIGN_BYTES = 16
-
-
-def _aligned(offset: int, size_bytes: int) -> int:
-    align = ALIGN_BYTES
-    while align > 1 and size_bytes % align:
-        align //= 2
-    return -(-offset // align) * align
-
-
-def _fit(taken: list[tuple[int, int]], size_bytes: int, tightest: bool) -> int:
-    """The offset of the tightest (or the lowest) hole of at least ``size_bytes`` between
-    the sorted ``taken`` ranges (lowest on ties); above all of them when none fits.
-    Offsets are aligned (``ALIGN_BYTES``)."""
-    best_offset, best_hole = -1, None
-    top = 0
-    for low, high in taken:
-        start = _aligned(top, size_bytes)
-        hole = low - start
-        if hole >= size_bytes and (best_hole is None or hole < best_hole):
-            best_offset, best_hole = start, hole
-            if not tightest:
-                break
-        top = max(top, high)
-    return best_offset if best_hole is not None else _aligned(top, size_bytes)
-
-
 def check_placement(placement: Placement) -> list[str]:
     """Every pair of blocks live at the same time whose addresses overlap (empty: sound)."""
     faults = []
@@ -647,7 +419,7 @@ def check_placement(placement: Placement) -> list[str]:
     for i, block in enumerate(blocks):
         stop = bisect.bisect_left(starts, block.end_bytes)
         for other in blocks[i + 1 : stop]:
-            if _overlap(block, other):
+            if overlap(block, other):
                 faults.append(f"{_name(block)} and {_name(other)} overlap in time and address")
     return faults
 
