@@ -106,6 +106,25 @@ def test_levels_runs_only_those_named() -> None:
     assert "task: " not in result.stderr
 
 
+def test_a_step_level_the_host_cannot_hold_is_refused_before_any_check(monkeypatch) -> None:
+    from dataflow_training import run
+    from dataflow_training.verify import step_host_bytes
+
+    from dataflow.plugins import families
+
+    family = families().get("gpt2").load()
+    need = step_host_bytes(family, family.config("gpt2_tiny"))
+    monkeypatch.setattr(run, "available_host_bytes", lambda: need - 1)
+    result = invoke(*TINY)
+    assert_one_line_error(result, FAILURE_EXIT, "--preset gpt2_tiny", "--levels op,task")
+    assert "op:" not in result.stderr
+    monkeypatch.setattr(run, "available_host_bytes", lambda: need)
+    small = ("--steps", "1", "--rounds", "1", "--batch", "1", "--seq-len", "8")
+    assert invoke(*TINY, *small, "--levels", "step").exit_code == 0
+    monkeypatch.setattr(run, "available_host_bytes", lambda: 1)
+    assert invoke(*TINY, "--levels", "op").exit_code == 0  # no step level: no such need
+
+
 def test_the_resolver_is_named_and_an_unknown_one_refused_before_any_check() -> None:
     small = ("--steps", "1", "--rounds", "1", "--batch", "1", "--seq-len", "8")
     result = invoke(*TINY, *small, "--levels", "step", "--resolver", "auto")

@@ -168,6 +168,8 @@ def verify_command(
     if json_path is not None:
         _check_writable(json_path)
     resolver_for(resolver, device)  # an unknown name: one line before any check runs
+    if device == "cpu" and "step" in levels:
+        _check_host_memory(family, config, preset)
     if budget_bytes is not None:
         _check_budget(
             family,
@@ -327,6 +329,27 @@ def _check_seq_len(config: Any, preset: str, seq_len: int) -> None:
                 f"give at most {longest}",
                 param_hint="--seq-len",
             )
+
+
+def _check_host_memory(family: Any, config: Any, preset: str) -> None:
+    """Fail before any check runs when the step level on the CPU would need more host
+    memory than is available (``verify.step_host_bytes``): it would be killed for memory
+    after minutes of work rather than fail."""
+    from dataflow_training import run
+    from dataflow_training.verify import CPU_STEP_BYTES_PER_PARAM, model_params, step_host_bytes
+
+    available = run.available_host_bytes()
+    need = step_host_bytes(family, config)
+    if available is None or need <= available:
+        return
+    raise Failure(
+        f"--preset {preset}: the step level on the CPU needs about {format_size(need)} of "
+        f"host memory ({model_params(family, config):,} parameters at about "
+        f"{CPU_STEP_BYTES_PER_PARAM} bytes each: a float64 reference with its AdamW state "
+        f"beside the engine's run); this host has {format_size(available)} available. "
+        "Run it with --device cuda on a larger host, or the op and task levels alone "
+        "(--levels op,task)"
+    )
 
 
 def _check_budget(family: Any, preset: str, policy: str, budget_bytes: int, **shape: Any) -> None:

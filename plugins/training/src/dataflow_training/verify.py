@@ -63,12 +63,32 @@ __all__ = [
     "routing_checks",
     "step_checks",
     "step_config",
+    "step_host_bytes",
     "task_checks",
     "verify",
 ]
 
 #: the ladder's levels, in the order they run
 LEVELS = ("op", "task", "step")
+
+#: Host memory the step level takes on the CPU, per model parameter: the float64
+#: reference with its gradients and AdamW state, the engine's run (its objects and their
+#: slow-pool slices), the start weights and each step's compared copies. Measured peak RSS
+#: (session 24, this repository's CPU machine, 2 x 16 tokens, 2 rounds, 1 step): qwen3_0_6b
+#: cut to vocabulary 8,192 and 2 layers (39.9M parameters) 104 (fp32) and 95 (bf16) bytes
+#: a parameter, 4 layers (71.3M) 99; 93 a parameter between the two. Used to refuse, up
+#: front, a step level the host cannot hold (``step_host_bytes``).
+CPU_STEP_BYTES_PER_PARAM = 100
+
+
+def model_params(family: Any, config: Any) -> int:
+    """The model's parameters as its layers declare them (a tied weight once)."""
+    return sum(math.prod(p.shape) for layer in family.layers(config) for p in layer.params)
+
+
+def step_host_bytes(family: Any, config: Any) -> int:
+    """About what the step level holds in host memory on the CPU (``CPU_STEP_BYTES_PER_PARAM``)."""
+    return CPU_STEP_BYTES_PER_PARAM * model_params(family, config)
 
 
 def check_levels(levels: Sequence[str]) -> None:
