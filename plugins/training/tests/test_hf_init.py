@@ -154,6 +154,32 @@ def test_init_failures_are_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_without_a_preset_the_folders_config_names_it(tmp_path):
+    pytest.importorskip("transformers")
+    from dataflow_training.hf_init import preset_of
+
+    _hf_model(3).save_pretrained(tmp_path / "hf")  # llama3_tiny with a layer more
+    assert preset_of(tmp_path / "hf") == ("llama3", PRESET)
+    base = ["train", "--device", "cpu", "--steps", 1, "--batch", BATCH, "--seq-len", SEQ]
+    result = invoke(*base, "--init", tmp_path / "hf", "--out", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    assert "preset llama3_tiny with config.json's num_hidden_layers=3" in result.output
+    (tmp_path / "bare").mkdir()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "mistral"}')
+    cases = [
+        (["--init", tmp_path / "bare"], ["bare", "config.json", "--preset"]),
+        (["--init", other], ["model_type 'mistral'", "--preset"]),
+        (["--init", tmp_path / "hf", "--family", "qwen3"], ["family 'qwen3'", "'llama'"]),
+    ]
+    for args, culprits in cases:
+        assert_one_line_error(invoke(*base, *args, "--out", tmp_path / "x"), 1, *culprits)
+    result = invoke(*base, "--out", tmp_path / "x")
+    assert_one_line_error(result, 2, "--preset", "--init")
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_family_without_an_hf_import_says_so(tmp_path):
     from dataflow_training.hf_init import InitError, hf_overrides
     from dataflow_training.toy import ToyFamily

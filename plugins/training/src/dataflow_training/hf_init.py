@@ -67,6 +67,63 @@ def hf_config(family: Any, family_name: str, path: str | Path) -> Any:
     raise InitError(f"--init {path}: family {family_name!r} has no Hugging Face import (import_hf)")
 
 
+def preset_of(path: str | Path, family_name: str | None = None) -> tuple[str, str]:
+    """``(family, preset)`` for the HF model folder ``path`` when no preset is given: the
+    installed family whose ``config_from_hf`` reads its ``config.json`` (``family_name``
+    alone when given), and of its presets the one with that config exactly, else the one
+    with the fewest fields apart (``hf_overrides`` then makes the rest the run's
+    overrides). Families without ``config_from_hf`` are not tried: only their whole
+    import reads a config."""
+    from dataflow.plugins import families
+
+    if not Path(path).is_dir():
+        raise InitError(f"--init {path}: no such folder")
+    candidates: list[tuple[int, str, str]] = []
+    refusals: list[str] = []
+    for spec in families():
+        if family_name is not None and spec.name != family_name:
+            continue
+        try:
+            family = spec.load()
+        except Exception:  # noqa: BLE001 - a broken family plugin cannot read it
+            continue
+        if not hasattr(family, "config_from_hf"):
+            continue
+        try:
+            config = hf_config(family, spec.name, path)
+        except InitError as error:
+            refusals.append(str(error))
+            continue
+        names = [field.name for field in attrs.fields(type(config))]
+        for preset in getattr(family, "presets", {}):
+            base = family.config(preset)
+            if type(base) is type(config):
+                apart = sum(getattr(config, name) != getattr(base, name) for name in names)
+                candidates.append((apart, spec.name, preset))
+    if not candidates:
+        if family_name is not None:
+            why = f" ({refusals[0].removeprefix('--init: ')})" if refusals else ""
+            head = f"family {family_name!r} does not read its config.json{why}"
+        elif refusals and all(r == refusals[0] for r in refusals):  # the folder's own fault
+            head = refusals[0].removeprefix("--init: ").removeprefix(f"{path}: ")
+        else:
+            head = f"no installed family reads its config.json{_model_type(path)}"
+        raise InitError(f"--init {path}: {head}; name the preset with --preset")
+    _apart, family, preset = min(candidates)
+    return family, preset
+
+
+def _model_type(path: str | Path) -> str:
+    """`` (model_type 'x')`` of the folder's config.json where it says one, else ""."""
+    from dataflow_training.kit.hf import read_config
+
+    try:
+        kind = read_config(Path(path)).get("model_type")
+    except ValueError:
+        return ""
+    return f" (model_type {kind!r})" if kind else ""
+
+
 def hf_overrides(family: Any, family_name: str, preset: str, path: str | Path) -> HFStart:
     """The run of ``preset`` that is the HF model at ``path``: its config's fields that
     differ from the preset's as overrides (all of them where the differing ones alone do

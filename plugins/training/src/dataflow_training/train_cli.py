@@ -105,7 +105,12 @@ def fleet_options(command: Any) -> Any:
 
 
 @click.command("train")
-@click.option("--preset", required=True, help="a family preset, e.g. gpt2_tiny")
+@click.option(
+    "--preset",
+    default=None,
+    help="a family preset, e.g. gpt2_tiny (with --init, default: the preset nearest the "
+    "folder's config.json, its other fields the run's)",
+)
 @click.option("--family", "family_name", default=None, help="default: the preset's family")
 @click.option("--steps", required=True, type=COUNT, help="optimizer updates in the whole run")
 @click.option(
@@ -279,6 +284,15 @@ def train_command(
             f"{rest['trace_steps']} is more than the run's --steps {rest['steps']}",
             param_hint="--trace-steps",
         )
+    if preset is None:
+        if rest["init"] is None:
+            raise click.UsageError("Missing option '--preset' (or --init FOLDER to take it from)")
+        from dataflow_training.hf_init import InitError, preset_of
+
+        try:
+            family_name, preset = preset_of(rest["init"], family_name)
+        except InitError as exc:
+            raise Failure(one_line(str(exc))) from None
     window = _profile_window(profile, profile_start, profile_stop, prof_dir, rest)
     family_name = family_name or default_family(preset)
     family = _family(family_name)
