@@ -259,6 +259,25 @@ def test_a_bad_kernel_pin_is_one_line_before_planning(site, corpus, tmp_path, mo
     assert "plan:" not in result.stdout  # refused before the step was planned
 
 
+def test_data_may_be_a_bare_path(tmp_path):
+    import click
+    from dataflow_training.train_cli import data_spec
+
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "train_000000.bin").write_bytes(b"")
+    assert data_spec(str(text)) == f"text:{text}"
+    assert data_spec(str(tmp_path)) == f"text:{tmp_path}"  # a folder of text files
+    assert data_spec(str(shards)) == f"shards:{shards}"
+    assert data_spec("nosuch:somewhere") == "nosuch:somewhere"  # the registry refuses it
+    with pytest.raises(click.BadParameter, match="'gone.txt' is no file or folder here"):
+        data_spec("gone.txt")
+    result = invoke(*_args(None, tmp_path / "run", 2), "--data", tmp_path / "gone.txt")
+    assert_one_line_error(result, 2, "--data", "gone.txt", "SCHEME:LOCATION")
+
+
 def test_the_auto_resolver_compiles_on_cuda_only() -> None:
     from dataflow_training.run import resolver_for
 

@@ -54,6 +54,32 @@ def default_family(preset: str) -> str:
     )
 
 
+def data_spec(data: str) -> str:
+    """``--data`` as a feed spec: ``SCHEME:LOCATION`` as given; a bare path that exists,
+    a folder of llm.c shards (``*.bin`` in it) as ``shards:``, any other file or folder as
+    ``text:``; a bare path that does not is a usage error, and an unknown scheme is the feed
+    registry's to refuse (listing the schemes)."""
+    from pathlib import Path
+
+    from dataflow.plugins import feeds
+
+    scheme, colon, _location = data.partition(":")
+    if colon and scheme in feeds().names():
+        return data
+    path = Path(data)
+    if not path.exists():
+        if colon:
+            return data
+        raise click.BadParameter(
+            f"{data!r} is no file or folder here, nor a feed spec SCHEME:LOCATION (SCHEME "
+            f"one of: {', '.join(feeds().names())})",
+            param_hint="--data",
+        )
+    if path.is_dir() and any(path.glob("*.bin")):
+        return f"shards:{data}"
+    return f"text:{data}"
+
+
 def default_device() -> str:
     import torch
 
@@ -117,7 +143,8 @@ def fleet_options(command: Any) -> Any:
     "--data",
     default="embedded:python-stdlib",
     show_default=True,
-    help="a feed spec SCHEME:LOCATION (shards:DIR, text:PATH, ...)",
+    help="a feed spec SCHEME:LOCATION (shards:DIR, text:PATH, ...), or a path: a folder of "
+    "*.bin shards is shards:, another file or folder text:",
 )
 @click.option("--batch", default=8, show_default=True, type=COUNT)
 @click.option("--ga-rounds", "rounds", default=1, show_default=True, type=COUNT)
@@ -308,6 +335,7 @@ def train_command(
     device = device or default_device()
     if budget_bytes is None:
         budget_bytes = default_budget(device)
+    rest["data"] = data_spec(rest["data"])
     options = TrainOptions(
         family=family_name,
         preset=preset,
