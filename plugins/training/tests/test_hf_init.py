@@ -180,6 +180,22 @@ def test_without_a_preset_the_folders_config_names_it(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_byte_tokens_for_a_model_with_its_own_tokenizer_are_warned_of(tmp_path):
+    from dataflow_training.trainer import train
+
+    _hf_model().save_pretrained(tmp_path / "hf")
+    for with_tokenizer in (False, True):
+        if with_tokenizer:
+            (tmp_path / "hf" / "tokenizer.json").write_text("{}")  # only its presence counts
+        lines: list[str] = []
+        out = tmp_path / f"run_{with_tokenizer}"
+        options = _options(tmp_path / "hf", out, 1)  # the default feed: byte tokens
+        train(options, out=_Lines(lines))
+        warned = [line for line in lines if line.startswith("warning: --data")]
+        assert bool(warned) == with_tokenizer, lines
+    assert "dataflow data prepare --text PATH --tokenizer" in warned[0]
+
+
 def test_a_family_without_an_hf_import_says_so(tmp_path):
     from dataflow_training.hf_init import InitError, hf_overrides
     from dataflow_training.toy import ToyFamily

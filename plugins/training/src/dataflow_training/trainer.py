@@ -51,6 +51,8 @@ TENSORBOARD_FOLDER = "tensorboard"
 TENSORBOARD_SCALARS = ("loss", "lr", "grad_norm", "tok_s", "step_s")
 #: losses kept in every checkpoint's manifest
 HISTORY_TAIL = 100
+#: a feed of this vocabulary gives byte tokens (the feeds' byte tokenizer: ids 0..255)
+BYTE_VOCAB = 256
 
 
 class TrainingStopped(RuntimeError):
@@ -285,6 +287,13 @@ def train(
     say(f"data: {feed.describe()}")
     if init is not None:
         say(init.line if resumed is None else f"init: {o.init} not read (the run resumes)")
+        tokenizer = Path(o.init) / "tokenizer.json"
+        if vocab == BYTE_VOCAB and tokenizer.is_file():  # a real model fed bytes: say so
+            say(
+                f"warning: --data {o.data} gives byte tokens (ids 0-255), not those of "
+                f"{tokenizer}; for the model's own: dataflow data prepare --text PATH "
+                f"--tokenizer {tokenizer} -o DIR, then --data shards:DIR"
+            )
     if resumed is not None:
         say(f"resumed from {resumed} (step {start})")
     say(plan_line(run))
