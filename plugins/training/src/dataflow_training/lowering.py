@@ -38,7 +38,9 @@ per round ``A_s_r_i`` (with a partial save ``p``: only the tensors it keeps, and
 ``AuxTemp_s_r_i``, hidden states ``y_s_r_i`` (``y_s_r_0`` is
 the embedding; block i makes ``y_s_r_{i+1}``), their gradients ``dy_s_r_i``, tokens
 ``x_s_r``, targets ``t_s_r``, losses ``loss_s_r``. Task inputs by role and every packed
-object's layout are in the returned ``StepLayout``.
+object's layout are in the returned ``StepLayout``. Each round's objects and tasks are
+``round_tasks.lower_round``'s; the chain's order, updates, norms and all-reduces
+``step_chain``'s.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from typing import Any
 
 import attrs
 
-from dataflow.schema import Link, Links, Obj, Program, Role, TensorMeta
+from dataflow.schema import Link, Links, Program, Role, TensorMeta
 from dataflow_training.config import TrainConfig
 from dataflow_training.costs import RooflineCost
 from dataflow_training.family import (
@@ -64,9 +66,10 @@ from dataflow_training.family import (
     head_layer,
     partial_saves,
 )
-from dataflow_training.keys import family_key, optimizer_key
+from dataflow_training.keys import optimizer_key
 from dataflow_training.layout import Layout
 from dataflow_training.optimizers import optimizer_spec
+from dataflow_training.round_tasks import Kinds, Parameters, Rounds, lower_round
 from dataflow_training.step import LayerInfo, PackedObject, StepLayout
 from dataflow_training.step_chain import (
     StepChain,
@@ -106,46 +109,6 @@ def _ordered(params: Iterable[TensorSpec]) -> list[TensorSpec]:
 #: a CPU; a fleet on GPUs passes its link from the hardware table
 #: (``HardwareEntry.collective_link``).
 ASSUMED_COLLECTIVE = Link(bw_bytes_per_us=1000.0, latency_us=100.0)
-
-
-@attrs.frozen
-class _Parameters:
-    """Every layer's parameter objects, by layer name, and the layers the head ties to."""
-
-    weights: dict[str, tuple[str, ...]]  # its W objects
-    grads: dict[str, tuple[str, ...]]  # its dW objects (the trainable groups')
-    param_bytes: dict[str, int]  # its W objects' bytes
-    tied: tuple[str, ...]
-
-
-@attrs.frozen
-class _Kinds:
-    """What each block kind saves for its backward and costs, at the step's shape; and
-    the embed's and the head's costs."""
-
-    saved: dict[str, Layout]
-    #: kind -> partial save -> (what forward keeps, what its rec task re-derives)
-    partial: dict[str, dict[str, tuple[Layout, Layout]]]
-    temp: dict[str, Layout | None]
-    cost: dict[str, LayerCost]
-    embed: LayerCost
-    head: LayerCost
-
-
-@attrs.frozen
-class _Rounds:
-    """What lowering each round reads: the layers, their objects and costs, the units
-    re-derived whole (``recompute``) or in part (``partial``: name by unit), the shapes."""
-
-    embed: LayerSpec
-    blocks: tuple[LayerSpec, ...]
-    head: LayerSpec
-    params: _Parameters
-    kinds: _Kinds
-    recompute: frozenset[tuple[int, int]]
-    partial: dict[tuple[int, int], str]
-    hidden: TensorMeta
-    tokens: TensorMeta
 
 
 def lower(
@@ -221,7 +184,7 @@ def lower(
                 f"partial names {name!r} for block {i} of round {r}; its kind "
                 f"{blocks[i].kind!r} offers {', '.join(sorted(offered)) or 'no partial saves'}"
             )
-    rounds = _Rounds(
+    rounds = Rounds(
         embed,
         blocks,
         head,
@@ -234,7 +197,7 @@ def lower(
     )
     zeroed: set[str] = set()  # Aux objects the step's forwards have zeroed
     for r in range(train.rounds):
-        _lower_round(chain, rounds, r, zeroed)
+        lower_round(chain, rounds, r, zeroed)
 
     if train.order != "round":
         names = [layer.name for layer in layers]
@@ -255,7 +218,7 @@ def _add_parameters(
     layers: tuple[LayerSpec, ...],
     by_name: Mapping[str, LayerSpec],
     state_fields: tuple[str, ...],
-) -> _Parameters:
+) -> Parameters:
     """Each layer's parameter groups as objects: ``W`` (every parameter, in the param
     dtype), and for a group with trainable ones ``dW`` (grad dtype) and ``O`` (the
     optimizer's ``state_fields`` of each, in their dtypes); then its ``Aux``."""
@@ -314,7 +277,7 @@ def _add_parameters(
                 f"family {family!r}: head ties {local!r} to {target!r}, which no layer declares"
             )
     tied = tuple(sorted({target.partition(".")[0] for target in head.tied.values()}))
-    return _Parameters(weights, grads, param_bytes, tied)
+    return Parameters(weights, grads, param_bytes, tied)
 
 
 def _kinds(
@@ -323,7 +286,7 @@ def _kinds(
     layers: tuple[LayerSpec, ...],
     train: TrainConfig,
     act_bytes: int,
-) -> _Kinds:
+) -> Kinds:
     """Each block kind's saved, partial and AuxTemp layouts and its cost; the embed's and
     the head's costs."""
     policy = train.dtype
@@ -352,7 +315,7 @@ def _kinds(
             )
     embed_cost = family.math("embed").cost(config, train.batch, train.seq_len, act_bytes)
     head_cost = _head_cost(family, config, train, layers[0], act_bytes)
-    return _Kinds(saved_layout, partial_layouts, temp_layout, block_cost, embed_cost, head_cost)
+    return Kinds(saved_layout, partial_layouts, temp_layout, block_cost, embed_cost, head_cost)
 
 
 def _head_cost(
@@ -374,162 +337,6 @@ def _head_cost(
         was.kernels and was.kernels + 3 * math.ceil(tokens / train.chunk_tokens),
     )
     return attrs.evolve(head_cost, forward=again)
-
-
-def _grad_roles(grads: tuple[str, ...], r: int, created: bool | None = None) -> dict[str, Any]:
-    """Round 0 creates a layer's gradients, later rounds accumulate into them."""
-    create = r == 0 if created is None else created
-    return {"outputs" if create else "mutates": {"grad": grads}}
-
-
-def _lower_round(chain: StepChain, s: _Rounds, r: int, zeroed: set[str]) -> None:
-    """Round ``r``'s objects (tokens, targets, loss, hidden states and their gradients,
-    each block's saved activations and AuxTemp) and tasks: embed, the blocks' forwards,
-    the head, then each block's backward from the top (after its ``rec`` task where the
-    unit is re-derived), the embedding's backward. ``zeroed``: the Aux objects the
-    step's forwards have zeroed so far (the first forward to touch one zeroes it)."""
-    family, step = chain.family, chain.step
-    weights, grads, param_bytes = s.params.weights, s.params.grads, s.params.param_bytes
-    embed, head, blocks = s.embed, s.head, s.blocks
-    hidden, tokens_meta = s.hidden, s.tokens
-    x, t, loss = f"x_{step}_{r}", f"t_{step}_{r}", f"loss_{step}_{r}"
-    chain.objects += [
-        Obj(x, tokens_meta.nbytes, Role.DATA, "slow", tokens_meta),
-        Obj(t, tokens_meta.nbytes, Role.DATA, "slow", tokens_meta),
-        Obj(loss, 4, Role.OUTPUT, tensor=TensorMeta("float32", ())),
-    ]
-    n_blocks = len(blocks)
-    y = [f"y_{step}_{r}_{i}" for i in range(n_blocks + 1)]
-    dy = [f"dy_{step}_{r}_{i}" for i in range(n_blocks + 1)]
-    chain.objects += [Obj(name, hidden.nbytes, Role.ACTIVATION, tensor=hidden) for name in y]
-    chain.objects += [Obj(name, hidden.nbytes, Role.GRAD, tensor=hidden) for name in dy]
-    saved, rest, temps = {}, {}, {}
-    for i, block in enumerate(blocks):
-        saved[i] = f"A_{step}_{r}_{i}"
-        parts = [(saved[i], s.kinds.saved[block.kind])]
-        if (r, i) in s.partial:  # what forward keeps, and what its rec task makes
-            name = s.partial[r, i]
-            rest[i] = f"{saved[i]}.{name}"
-            parts = list(zip((saved[i], rest[i]), s.kinds.partial[block.kind][name], strict=True))
-        for obj_id, layout in parts:
-            chain.packed[obj_id] = PackedObject(obj_id, "A", block.name, layout)
-            chain.objects.append(Obj(obj_id, layout.size_bytes, Role.ACTIVATION))
-        if s.kinds.temp[block.kind] is not None:
-            temps[i] = f"AuxTemp_{step}_{r}_{i}"
-            layout = s.kinds.temp[block.kind]
-            chain.packed[temps[i]] = PackedObject(temps[i], "AuxTemp", block.name, layout)
-            chain.objects.append(Obj(temps[i], layout.size_bytes, Role.AUX_TEMP))
-
-    chain.task(
-        "embed",
-        r,
-        embed.name,
-        family_key(family, "embed", "forward"),
-        chain.priced(s.kinds.embed.forward, 0),
-        inputs={"tokens": (x,), "w": weights[embed.name]},
-        outputs={"y": (y[0],)},
-    )
-    for i, block in enumerate(blocks):
-        keep = (r, i) not in s.recompute
-        temp = (temps[i],) if i in temps else ()
-        aux = (block.aux_object,) if block.aux else ()
-        zero_aux = bool(aux) and aux[0] not in zeroed  # the step's first forward to touch it
-        if zero_aux:
-            zeroed.add(aux[0])
-        chain.task(
-            "fwd",
-            r,
-            block.name,
-            family_key(family, block.kind, "forward"),
-            chain.priced(s.kinds.cost[block.kind].forward, param_bytes[block.name]),
-            inputs={"x": (y[i],), "w": weights[block.name]},
-            mutates={"aux": aux},
-            outputs={"y": (y[i + 1],), "saved": (saved[i],) if keep else (), "aux_temp": temp},
-            save=keep,
-            zero_aux=zero_aux,
-        )
-    head_grad = _grad_roles(grads[head.name], r)
-    tied_w = tuple(w for layer in s.params.tied for w in weights[layer])
-    tied_grad = tuple(g for layer in s.params.tied for g in grads[layer])
-    head_mut = dict(head_grad.get("mutates", {}))
-    head_out = {"loss": (loss,), "dx": (dy[n_blocks],), **head_grad.get("outputs", {})}
-    if tied_grad:
-        (head_out if r == 0 else head_mut)["tied_grad"] = tied_grad
-    chain.task(
-        "head",
-        r,
-        head.name,
-        family_key(family, "head", "loss"),
-        chain.priced(
-            s.kinds.head.forward,
-            param_bytes[head.name] + 2 * sum(chain.packed[w].layout.size_bytes for w in tied_w),
-        ),
-        inputs={"x": (y[n_blocks],), "targets": (t,), "w": weights[head.name], "tied": tied_w},
-        mutates=head_mut,
-        outputs=head_out,
-    )
-    for i in reversed(range(n_blocks)):
-        block = blocks[i]
-        block_cost = s.kinds.cost[block.kind]
-        temp = (temps[i],) if i in temps else ()
-        if (r, i) in s.recompute:
-            chain.task(
-                "rec",
-                r,
-                block.name,
-                family_key(family, block.kind, "recompute"),
-                chain.priced(block_cost.recompute or block_cost.forward, param_bytes[block.name]),
-                inputs={"x": (y[i],), "w": weights[block.name], "aux_temp": temp},
-                outputs={"saved": (saved[i],)},
-            )
-        elif (r, i) in s.partial:
-            chain.task(
-                "rec",
-                r,
-                block.name,
-                family_key(family, block.kind, "recompute"),
-                chain.priced(block_cost.partial[s.partial[r, i]], param_bytes[block.name]),
-                inputs={
-                    "x": (y[i],),
-                    "w": weights[block.name],
-                    "saved": (saved[i],),
-                    "aux_temp": temp,
-                },
-                outputs={"saved": (rest[i],)},
-                partial=s.partial[r, i],
-            )
-        aux = (block.aux_object,) if block.aux and r == chain.train.rounds - 1 else ()
-        roles = _grad_roles(grads[block.name], r)
-        chain.task(
-            "bwd",
-            r,
-            block.name,
-            family_key(family, block.kind, "backward"),
-            chain.priced(block_cost.backward, 2 * param_bytes[block.name]),
-            inputs={
-                "dy": (dy[i + 1],),
-                "x": (y[i],),
-                "saved": (saved[i], *((rest[i],) if i in rest else ())),
-                "aux_temp": temp,
-                "aux": aux,
-                "w": weights[block.name],
-            },
-            outputs={"dx": (dy[i],), **roles.get("outputs", {})},
-            mutates=roles.get("mutates", {}),
-        )
-    # a tied head ran first and already created the embedding's gradient
-    created = r == 0 and embed.name not in s.params.tied
-    roles = _grad_roles(grads[embed.name], r, created=created)
-    chain.task(
-        "embbwd",
-        r,
-        embed.name,
-        family_key(family, "embed", "backward"),
-        chain.priced(s.kinds.embed.backward, param_bytes[embed.name]),
-        inputs={"dy": (dy[0],), "tokens": (x,)},
-        outputs=roles.get("outputs", {}),
-        mutates=roles.get("mutates", {}),
-    )
 
 
 def _add_updates(chain: StepChain, layers: tuple[LayerSpec, ...], norms: tuple[str, ...]) -> None:
