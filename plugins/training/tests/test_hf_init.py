@@ -9,6 +9,7 @@ line naming the folder and the field. Skipped without transformers."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -125,14 +126,22 @@ def test_an_overridden_run_resumes_and_exports_what_it_trained(tmp_path):
     )
 
 
-def test_a_resume_without_the_init_says_how_that_run_started(tmp_path):
+def test_a_resume_keeps_the_init_runs_overrides_and_names_its_folder_on_a_clash(tmp_path):
+    """Resumed without ``--init``, a run started from a folder keeps that folder's overrides
+    (from its manifest: the folder is not needed again); resumed with another folder whose
+    config does not fit, the error says which folder the run started from."""
     pytest.importorskip("transformers")
     _hf_model(3).save_pretrained(tmp_path / "hf")
+    _hf_model(2).save_pretrained(tmp_path / "other")
     base = ["train", "--preset", PRESET, "--device", "cpu", "--out", tmp_path / "run"]
     base += ["--batch", BATCH, "--seq-len", SEQ]
     assert invoke(*base, "--init", tmp_path / "hf", "--steps", 1).exit_code == 0
-    result = invoke(*base, "--steps", 2, "--resume", "auto")
+    result = invoke(*base, "--steps", 3, "--resume", "auto", "--init", tmp_path / "other")
     assert_one_line_error(result, 1, "num_hidden_layers", f"started with --init {tmp_path / 'hf'}")
+    shutil.rmtree(tmp_path / "hf")
+    result = invoke(*base, "--steps", 2, "--resume", "auto")
+    assert result.exit_code == 0, result.output
+    assert "overrides {'num_hidden_layers': 3}" in result.output.splitlines()[0]
 
 
 def test_init_failures_are_one_line(tmp_path):

@@ -458,10 +458,11 @@ def test_zero_config_on_a_gpu_takes_cuda_and_the_free_memory(tmp_path):
     assert 0.5 * free < manifest["budget_bytes"] <= free
 
 
-def test_bf16_optimizer_states_train_and_a_resume_must_ask_for_them(site, corpus, tmp_path):
+def test_bf16_optimizer_states_train_and_a_resume_keeps_them(site, corpus, tmp_path):
     """``--optimizer-states bf16``: the checkpoint records bf16 moments and holds half the
-    optimizer bytes of an fp32 run's; resuming it without the option is one line naming
-    the differing field, and with it the run continues."""
+    optimizer bytes of an fp32 run's; a resume without the option takes the run's (its
+    ``resume:`` line says so) and continues, one that asks for fp32 is one line naming the
+    differing field."""
     from dataflow_training.checkpoint import read_checkpoint
 
     out, fp32 = tmp_path / "run", tmp_path / "fp32"
@@ -477,8 +478,31 @@ def test_bf16_optimizer_states_train_and_a_resume_must_ask_for_them(site, corpus
         assert 2 * packed.numel() * packed.element_size() == pytest.approx(
             opt_fp32[name].numel() * opt_fp32[name].element_size(), rel=0.01
         ), name
-    refused = invoke(*_args(corpus, out, 4, "--resume", "auto"))
+    refused = invoke(*_args(corpus, out, 4, "--resume", "auto", "--optimizer-states", "fp32"))
     assert_one_line_error(refused, 1, "train.optimizer.state_dtypes.exp_avg is 'bfloat16'")
-    resumed = invoke(*_args(corpus, out, 4, "--resume", "auto", "--optimizer-states", "bf16"))
+    resumed = invoke(*_args(corpus, out, 4, "--resume", "auto"))
     assert resumed.exit_code == 0, resumed.output
+    assert "optimizer_states bf16" in resumed.output.splitlines()[0]
     assert [step for step, _ in _losses(out)] == [1, 2, 3, 4]
+
+
+def test_a_resume_takes_every_option_it_is_not_given(site, corpus, tmp_path):
+    """``--out OUT --resume auto`` alone continues the run as it was started (preset, data,
+    batch, lr, ... from its manifest) to its own --steps; an option given wins (and one
+    that does not fit is refused naming it); at its last step there is nothing to do."""
+    out = tmp_path / "run"
+    assert invoke(*_args(corpus, out, 2)).exit_code == 0
+    result = invoke("train", "--out", out, "--resume", "auto", "--steps", 3)
+    assert result.exit_code == 0, result.output
+    said = result.output.splitlines()[0]
+    for taken in ("preset gpt2_tiny", "batch 4", "seq_len 32", "lr 0.003", "testbytes:"):
+        assert taken in said, said
+    assert "steps" not in said.split(": the options")[0].split(", ")[0]
+    assert [step for step, _ in _losses(out)] == [1, 2, 3]
+    result = invoke("train", "--out", out, "--resume", "auto")
+    assert result.exit_code == 0, result.output
+    assert "done: the run is at its last step (3); nothing trained" in result.output
+    refused = invoke("train", "--out", out, "--resume", "auto", "--steps", 4, "--batch", 8)
+    assert_one_line_error(refused, 1, "train.batch is 4")
+    fresh = invoke("train", "--out", tmp_path / "none", "--resume", "auto")
+    assert_one_line_error(fresh, 2, "--steps")

@@ -190,6 +190,21 @@ def latest_checkpoint(out: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def resumed_options(out: str | Path, resume: str) -> tuple[Path, dict[str, Any]] | None:
+    """``(checkpoint, the options its run was started with)`` of the checkpoint ``--resume``
+    names (``auto``: the newest in ``out``), from its manifest; None where there is none or
+    its manifest cannot be read (the resume itself then says why, or starts afresh)."""
+    folder = latest_checkpoint(out) if resume == "auto" else Path(resume)
+    if folder is None:
+        return None
+    try:
+        manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    options = manifest.get("options") if isinstance(manifest, dict) else None
+    return (folder, options) if isinstance(options, dict) else None
+
+
 def prune(out: str | Path, keep: int) -> list[Path]:
     """Delete all but the newest ``keep`` complete checkpoints, and leftover partial
     folders of processes that are gone; returns what was deleted."""

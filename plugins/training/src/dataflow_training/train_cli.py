@@ -54,6 +54,59 @@ def default_family(preset: str) -> str:
     )
 
 
+#: ``dataflow train`` parameters a resumed run takes from its manifest's options when not
+#: given (parameter name -> TrainOptions field); not the run's folder, the resume itself,
+#: the fleet's, or what one invocation does (--trace-steps, --profile and its window)
+RESUMED = {
+    "family_name": "family",
+    "preset": "preset",
+    "device": "device",
+    "budget_bytes": "budget_bytes",
+    "clip": "clip",
+    **{
+        name: name
+        for name in (
+            "steps data batch rounds seq_len checkpoint_every keep lr warmup schedule "
+            "min_lr_ratio seed dtype optimizer_states graph recompute order updates resolver "
+            "head_vocab_tiles"
+        ).split()
+    },
+}
+
+
+def _resumed(rest: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """Fill ``rest`` and ``given`` (the parameters ``train_command`` names) with the
+    resumed run's options wherever the command line left them at their defaults, and say
+    which in a ``resume:`` line; -> the run's options (empty: no checkpoint to resume).
+    A run started from ``--init`` keeps its overrides, its folder not needed again."""
+    from click.core import ParameterSource
+
+    from dataflow_training.checkpoint import resumed_options
+
+    found = resumed_options(rest["out"], rest["resume"])
+    if found is None:
+        return {}
+    folder, options = found
+    ctx = click.get_current_context()
+    taken = []
+    for name, field in RESUMED.items():
+        if field not in options or ctx.get_parameter_source(name) is not ParameterSource.DEFAULT:
+            continue
+        value = options[field]
+        if name == "clip":
+            value = value or 0.0  # the command line's 0 is the options' None (off)
+        target = given if name in given else rest
+        if target[name] != value:
+            taken.append(f"{field} {value}")
+        target[name] = value
+    if rest["init"] is None and options.get("init") is not None:
+        rest["overrides"] = dict(options.get("overrides") or {})
+        taken.append(f"overrides {rest['overrides']} (from --init {options['init']})")
+    if taken:
+        click.echo(f"resume: {', '.join(taken)}: the options of {folder}")
+    return options
+
+
 def data_spec(data: str) -> str:
     """``--data`` as a feed spec: ``SCHEME:LOCATION`` as given; a bare path that exists,
     a folder of llm.c shards (``*.bin`` in it) as ``shards:``, any other file or folder as
@@ -138,7 +191,12 @@ def fleet_options(command: Any) -> Any:
     "folder's config.json, its other fields the run's)",
 )
 @click.option("--family", "family_name", default=None, help="default: the preset's family")
-@click.option("--steps", required=True, type=COUNT, help="optimizer updates in the whole run")
+@click.option(
+    "--steps",
+    default=None,
+    type=COUNT,
+    help="optimizer updates in the whole run (with --resume, default: the resumed run's)",
+)
 @click.option(
     "--data",
     default="embedded:python-stdlib",
@@ -154,7 +212,12 @@ def fleet_options(command: Any) -> Any:
 @click.option("--device", default=None, type=Device(), help="default: cuda when present")
 @click.option("--checkpoint-every", default=None, type=COUNT, help="steps between checkpoints")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="run folder")
-@click.option("--resume", default=None, help="auto (newest complete checkpoint) or a folder")
+@click.option(
+    "--resume",
+    default=None,
+    help="auto (newest complete checkpoint) or a folder; every option not given is the "
+    "resumed run's (its manifest)",
+)
 @click.option(
     "--init",
     default=None,
@@ -297,8 +360,18 @@ def train_command(
             "process takes --ga-rounds and --budget"
         )
     else:
+        if rest["resume"] is not None:  # the options not given are the resumed run's
+            given = {"family_name": family_name, "preset": preset, "device": device}
+            given |= {"budget_bytes": budget_bytes, "clip": clip}
+            adopted = _resumed(rest, given)
+            family_name, preset, device = given["family_name"], given["preset"], given["device"]
+            budget_bytes, clip = given["budget_bytes"], given["clip"]
         backing_bytes = _backing_budgets(backing_budgets, 1)
         backing_bytes = None if backing_bytes is None else backing_bytes[0]
+        if rest["resume"] is not None and backing_budgets is None:
+            backing_bytes = adopted.get("backing_bytes", backing_bytes)
+    if rest["steps"] is None:
+        raise click.UsageError("Missing option '--steps' (or --resume, to take the run's)")
 
     if rest["updates"] == "early" and clip:
         raise click.BadParameter(
@@ -377,6 +450,11 @@ def train_command(
             fleet.close(finished=finished)
     if summary["last"] and (fleet is None or fleet.writes):
         click.echo(done_line(summary, options.out))
+    elif not summary["last"] and (fleet is None or fleet.writes):  # resumed at its end
+        click.echo(
+            f"done: the run is at its last step ({options.steps}); nothing trained (a larger "
+            "--steps goes on)"
+        )
 
 
 #: options the conductor does not hand on to the members it starts
