@@ -505,4 +505,6 @@ def test_a_resume_takes_every_option_it_is_not_given(site, corpus, tmp_path):
     refused = invoke("train", "--out", out, "--resume", "auto", "--steps", 4, "--batch", 8)
     assert_one_line_error(refused, 1, "train.batch is 4")
     fresh = invoke("train", "--out", tmp_path / "none", "--resume", "auto")
-    assert_one_line_error(fresh, 2, "--steps")
+    assert_one_line_error(fresh, 2, "--steps", "found no checkpoint in")
+    missing = invoke("train", "--out", out, "--resume", tmp_path / "gone")
+    assert_one_line_error(missing, 2, "--resume", "gone is not a folder")

@@ -79,10 +79,16 @@ def _resumed(rest: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     resumed run's options wherever the command line left them at their defaults, and say
     which in a ``resume:`` line; -> the run's options (empty: no checkpoint to resume).
     A run started from ``--init`` keeps its overrides, its folder not needed again."""
+    from pathlib import Path
+
     from click.core import ParameterSource
 
     from dataflow_training.checkpoint import resumed_options
 
+    if rest["resume"] != "auto" and not Path(rest["resume"]).is_dir():
+        raise click.BadParameter(
+            f"checkpoint {rest['resume']} is not a folder", param_hint="--resume"
+        )
     found = resumed_options(rest["out"], rest["resume"])
     if found is None:
         return {}
@@ -371,7 +377,12 @@ def train_command(
         if rest["resume"] is not None and backing_budgets is None:
             backing_bytes = adopted.get("backing_bytes", backing_bytes)
     if rest["steps"] is None:
-        raise click.UsageError("Missing option '--steps' (or --resume, to take the run's)")
+        if rest["resume"] is None:
+            raise click.UsageError("Missing option '--steps' (or --resume, to take the run's)")
+        raise click.UsageError(
+            f"Missing option '--steps': --resume {rest['resume']} found no checkpoint in "
+            f"{rest['out']} to take the run's from"
+        )
 
     if rest["updates"] == "early" and clip:
         raise click.BadParameter(
