@@ -244,6 +244,12 @@ def train(
     if o.init is not None:
         o, init = _with_init(o)
     feed = open_feed(o) if fleet is None else open_feed(o, fleet.rank, fleet.world)
+    on_cuda = o.device.startswith("cuda")
+    if on_cuda:  # tens of seconds for a large model: say what is under way
+        say(
+            f"profiling: each task of the step timed on {o.device}, then planned (the "
+            "profile cache keeps the timings: a later run of these shapes skips them)"
+        )
     run = TrainingRun(
         o.family,
         o.preset,
@@ -312,6 +318,15 @@ def train(
         )
     elif profiler is not None:
         say(profiler.describe())
+    if on_cuda and start < o.steps:
+        from dataflow.units import format_size
+
+        slow = [f"the engine loads (a slow pool of {format_size(run.pinned_bytes)} page-locked)"]
+        if run.resolver_name == "torch-compiled":
+            slow.append("each block kind compiles")
+        if run.graph:
+            slow.append("the second step is captured into a CUDA graph")
+        say(f"first steps: {', '.join(slow)}; they take longer than the rest")
     predicted = run.predicted()["step_s"]
     tokens = o.batch * o.seq_len * (o.rounds if fleet is None else sum(fleet.rounds))
     saved: list[Path] = []
