@@ -504,6 +504,16 @@ def test_a_resume_takes_every_option_it_is_not_given(site, corpus, tmp_path):
     assert "done: the run is at its last step (3); nothing trained" in result.output
     refused = invoke("train", "--out", out, "--resume", "auto", "--steps", 4, "--batch", 8)
     assert_one_line_error(refused, 1, "train.batch is 4")
+    import torch
+
+    if not torch.cuda.is_available():  # a run of a GPU machine resumed on this one
+        manifest = out / "step_000003" / "manifest.json"
+        data = json.loads(manifest.read_text())
+        data["options"]["device"] = "cuda"
+        manifest.write_text(json.dumps(data))
+        result = invoke("train", "--out", out, "--resume", "auto", "--steps", 4)
+        assert result.exit_code == 0, result.output
+        assert "device" not in result.output.splitlines()[0]
     fresh = invoke("train", "--out", tmp_path / "none", "--resume", "auto")
     assert_one_line_error(fresh, 2, "--steps", "found no checkpoint in")
     missing = invoke("train", "--out", out, "--resume", tmp_path / "gone")

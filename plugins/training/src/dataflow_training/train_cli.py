@@ -99,6 +99,8 @@ def _resumed(rest: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
         if field not in options or ctx.get_parameter_source(name) is not ParameterSource.DEFAULT:
             continue
         value = options[field]
+        if name == "device" and str(value).startswith("cuda") and not _cuda_here():
+            continue  # resumed on a machine without one: the default device instead
         if name == "clip":
             value = value or 0.0  # the command line's 0 is the options' None (off)
         target = given if name in given else rest
@@ -111,6 +113,12 @@ def _resumed(rest: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     if taken:
         click.echo(f"resume: {', '.join(taken)}: the options of {folder}")
     return options
+
+
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def data_spec(data: str) -> str:
