@@ -452,6 +452,12 @@ def test_zero_config_on_a_gpu_takes_cuda_and_the_free_memory(tmp_path):
     result = invoke("train", "--preset", "gpt2_tiny", "--steps", "2", "--out", str(out))
     assert result.exit_code == 0, result.output
     assert "plan: gpt2-gpt2_tiny-train on cuda: predicted" in result.output
+    lines = result.output.splitlines()
+    profiling = next(i for i, line in enumerate(lines) if line.startswith("profiling: "))
+    first = next(i for i, line in enumerate(lines) if line.startswith("first steps: "))
+    plan = next(i for i, line in enumerate(lines) if line.startswith("plan: "))
+    assert profiling < plan < first, lines  # each said before the stretch it explains
+    assert "each block kind compiles" in lines[first] and "CUDA graph" in lines[first]
     metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert 0 < metrics["allocator_peak_bytes"] <= free
     manifest = json.loads((out / "step_000002" / "manifest.json").read_text())
