@@ -74,15 +74,16 @@ RESUMED = {
 }
 
 
-def _resumed(rest: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+def _resumed(rest: dict[str, Any], given: dict[str, Any]) -> None:
     """Fill ``rest`` and ``given`` (the parameters ``train_command`` names) with the
     resumed run's options wherever the command line left them at their defaults, and say
-    which in a ``resume:`` line; -> the run's options (empty: no checkpoint to resume).
-    A run started from ``--init`` keeps its overrides, its folder not needed again."""
+    which in a ``resume:`` line (nothing where there is no checkpoint to resume). A run
+    started from ``--init`` keeps its overrides, its folder not needed again."""
     from pathlib import Path
 
     from click.core import ParameterSource
 
+    from dataflow.units import format_size
     from dataflow_training.checkpoint import resumed_options
 
     if rest["resume"] != "auto" and not Path(rest["resume"]).is_dir():
@@ -91,7 +92,7 @@ def _resumed(rest: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
         )
     found = resumed_options(rest["out"], rest["resume"])
     if found is None:
-        return {}
+        return
     folder, options = found
     ctx = click.get_current_context()
     taken = []
@@ -105,14 +106,18 @@ def _resumed(rest: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
             value = value or 0.0  # the command line's 0 is the options' None (off)
         target = given if name in given else rest
         if target[name] != value:
-            taken.append(f"{field} {value}")
+            shown = format_size(value) if field.endswith("_bytes") and value else value
+            taken.append(f"{field} {shown}")
         target[name] = value
+    backing = options.get("backing_bytes")
+    if backing and ctx.get_parameter_source("backing_budgets") is ParameterSource.DEFAULT:
+        given["backing_bytes"] = backing
+        taken.append(f"backing_bytes {format_size(backing)}")
     if rest["init"] is None and options.get("init") is not None:
         rest["overrides"] = dict(options.get("overrides") or {})
         taken.append(f"overrides {rest['overrides']} (from --init {options['init']})")
     if taken:
         click.echo(f"resume: {', '.join(taken)}: the options of {folder}")
-    return options
 
 
 def _cuda_here() -> bool:
@@ -374,16 +379,15 @@ def train_command(
             "process takes --ga-rounds and --budget"
         )
     else:
-        if rest["resume"] is not None:  # the options not given are the resumed run's
-            given = {"family_name": family_name, "preset": preset, "device": device}
-            given |= {"budget_bytes": budget_bytes, "clip": clip}
-            adopted = _resumed(rest, given)
-            family_name, preset, device = given["family_name"], given["preset"], given["device"]
-            budget_bytes, clip = given["budget_bytes"], given["clip"]
         backing_bytes = _backing_budgets(backing_budgets, 1)
         backing_bytes = None if backing_bytes is None else backing_bytes[0]
-        if rest["resume"] is not None and backing_budgets is None:
-            backing_bytes = adopted.get("backing_bytes", backing_bytes)
+        if rest["resume"] is not None:  # the options not given are the resumed run's
+            given = {"family_name": family_name, "preset": preset, "device": device}
+            given |= {"budget_bytes": budget_bytes, "clip": clip, "backing_bytes": backing_bytes}
+            _resumed(rest, given)
+            family_name, preset, device = given["family_name"], given["preset"], given["device"]
+            budget_bytes, clip = given["budget_bytes"], given["clip"]
+            backing_bytes = given["backing_bytes"]
     if rest["steps"] is None:
         if rest["resume"] is None:
             raise click.UsageError("Missing option '--steps' (or --resume, to take the run's)")
