@@ -64,7 +64,7 @@ from dataflow_training.family import load_family
 from dataflow_training.lowering import lower
 from dataflow_training.profile import TaskProfile, apply_profile, signature, without_workspace
 from dataflow_training.recompute import measured_recompute_planner
-from dataflow_training.train_cli import default_family
+from dataflow_training.train_defaults import default_family
 
 from dataflow.engine.backends.torch_storage import slow_pool_bytes
 from dataflow.planning import PlanningError, place, plan

@@ -261,7 +261,7 @@ def test_a_bad_kernel_pin_is_one_line_before_planning(site, corpus, tmp_path, mo
 
 def test_data_may_be_a_bare_path(tmp_path):
     import click
-    from dataflow_training.train_cli import data_spec
+    from dataflow_training.train_defaults import data_spec
 
     text = tmp_path / "notes.txt"
     text.write_text("hello")

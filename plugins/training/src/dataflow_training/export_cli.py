@@ -128,7 +128,7 @@ def export_bundle(
     from dataflow_training.export import ExportError, export_cell
     from dataflow_training.hardware import HardwareError, hardware
     from dataflow_training.predict import Cell
-    from dataflow_training.train_cli import default_family
+    from dataflow_training.train_defaults import default_family
     from dataflow_training.trainer import TrainOptions
 
     if budget_bytes is None:

@@ -135,7 +135,7 @@ def _grid_options(command: Any) -> Any:
 def _setup(preset: str, family_name: str | None, hw_name: str, hw_files: tuple, backing: Any):
     from dataflow_training.cli import _family
     from dataflow_training.hardware import HardwareError, hardware
-    from dataflow_training.train_cli import default_family
+    from dataflow_training.train_defaults import default_family
 
     family_name = family_name or default_family(preset)
     family = _family(family_name)
@@ -273,7 +273,7 @@ def measured_pricing(
     ``device`` (timed as graph replays with ``graph``), and that cache (None when off)."""
     from dataflow.plugins import resolvers
     from dataflow_training.profile import ProfileCache, profile_program
-    from dataflow_training.train_cli import default_device
+    from dataflow_training.train_defaults import default_device
 
     device = device or default_device()
     graph = graph and device.startswith("cuda")
@@ -339,7 +339,7 @@ def measure_command(
     """Run a grid of training steps on the engine, each beside its prediction."""
     from dataflow_training.measure import measure
     from dataflow_training.run import resolver_for
-    from dataflow_training.train_cli import default_device
+    from dataflow_training.train_defaults import default_device
 
     if warmup >= steps:
         raise click.BadParameter(

@@ -24,7 +24,7 @@ def lower_command(preset, family_name, batch, seq_len, rounds, dtype, clip, outp
 
     from dataflow_training.config import DtypePolicy, TrainConfig
     from dataflow_training.lowering import lower
-    from dataflow_training.train_cli import default_family
+    from dataflow_training.train_defaults import default_family
 
     family_name = family_name or default_family(preset)
     family = _family(family_name)
