@@ -94,12 +94,10 @@ def preset_of(path: str | Path, family_name: str | None = None) -> tuple[str, st
         except InitError as error:
             refusals.append(str(error))
             continue
-        names = [field.name for field in attrs.fields(type(config))]
         for preset in getattr(family, "presets", {}):
             base = family.config(preset)
             if type(base) is type(config):
-                apart = sum(getattr(config, name) != getattr(base, name) for name in names)
-                candidates.append((apart, spec.name, preset))
+                candidates.append((len(_differing(config, base)), spec.name, preset))
     if not candidates:
         if family_name is not None:
             why = f" ({refusals[0].removeprefix('--init: ')})" if refusals else ""
@@ -111,6 +109,12 @@ def preset_of(path: str | Path, family_name: str | None = None) -> tuple[str, st
         raise InitError(f"--init {path}: {head}; name the preset with --preset")
     _apart, family, preset = min(candidates)
     return family, preset
+
+
+def _differing(config: Any, base: Any) -> list[str]:
+    """The fields of ``config`` (an attrs config) whose values ``base``'s differ from."""
+    names = [field.name for field in attrs.fields(type(config))]
+    return [name for name in names if getattr(config, name) != getattr(base, name)]
 
 
 def _model_type(path: str | Path) -> str:
@@ -136,7 +140,7 @@ def hf_overrides(family: Any, family_name: str, preset: str, path: str | Path) -
             f"family {family_name!r} is a {type(base).__name__}"
         )
     names = [field.name for field in attrs.fields(type(config))]
-    differing = [name for name in names if getattr(config, name) != getattr(base, name)]
+    differing = _differing(config, base)
     if not differing:
         return HFStart(Path(path), config, {}, f"init: weights from {path} (preset {preset})")
     exact = [
