@@ -494,13 +494,12 @@ def _with_init(o: TrainOptions) -> tuple[TrainOptions, Any]:
 def _init_hint(checkpoint: Path, o: TrainOptions) -> str:
     """``; that run started with --init X`` when the checkpoint's run had another ``--init``
     than ``o`` (its overrides came from that folder's config.json), else nothing."""
-    from dataflow_training.checkpoint import MANIFEST_FILE
+    from dataflow_training.checkpoint import resumed_options
 
-    try:
-        options = json.loads((checkpoint / MANIFEST_FILE).read_text()).get("options", {})
-    except (OSError, ValueError, AttributeError):
+    found = resumed_options(o.out, str(checkpoint))
+    if found is None:
         return ""
-    theirs = options.get("init") if isinstance(options, dict) else None
+    theirs = found[1].get("init")
     if theirs == o.init:
         return ""
     return f"; that run started with --init {theirs}" if theirs else "; that run had no --init"
