@@ -159,7 +159,6 @@ def verify_command(
     from rich.table import Table
 
     from dataflow_training.progress import LevelPrinter
-    from dataflow_training.run import resolver_for
     from dataflow_training.verify import verify
 
     family = _family(family_name)
@@ -167,7 +166,6 @@ def verify_command(
     _check_seq_len(config, preset, seq_len)
     if json_path is not None:
         _check_writable(json_path)
-    resolver_for(resolver, device)  # an unknown name: one line before any check runs
     if device == "cpu" and "step" in levels:
         _check_host_memory(family, config, preset)
     if budget_bytes is not None:
