@@ -29,32 +29,32 @@ if [ "${SMOKE:-0}" = 1 ]; then
 else
     runs=("llama3 l3_1b cuda" "qwen3 qwen3_0_6b cuda")
 fi
+# verify REPORT WHAT ARGS...: one `dataflow verify` of $family/$preset into REPORT (and its
+# _checks.json), its summary printed; its exit status is the command's
+verify() {
+    local report=$1 what=$2 started=$SECONDS rc
+    shift 2
+    timeout "${VERIFY_SECONDS:-240}" dataflow verify --family "$family" --preset "$preset" \
+        --device "$device" --dtype bf16 --resolver "$resolver" \
+        --json "${report%.txt}_checks.json" "$@" >"$report" 2>&1
+    rc=$?
+    echo "verify $preset bf16 on $device$what: exit $rc in $((SECONDS - started)) s ($report)"
+    grep -E "checks, .* passed|FAIL|fail" "$report" | head -8
+    [ $rc = 124 ] && echo "verify_rows.sh: $preset stopped at ${VERIFY_SECONDS:-240} s"
+    return $rc
+}
 status=0
 for run in "${runs[@]}"; do
     read -r family preset device <<<"$run"
     # VERIFY_ONLY=PRESET runs that preset alone
     [ -n "${VERIFY_ONLY:-}" ] && [ "$preset" != "$VERIFY_ONLY" ] && continue
     report=$out/verify_${preset}_bf16_$device$suffix.txt
-    started=$SECONDS
-    timeout "${VERIFY_SECONDS:-240}" dataflow verify --family "$family" --preset "$preset" \
-        --device "$device" --dtype bf16 --resolver "$resolver" \
-        --json "${report%.txt}_checks.json" >"$report" 2>&1
+    verify "$report" ""
     rc=$?
-    echo "verify $preset bf16 on $device: exit $rc in $((SECONDS - started)) s ($report)"
-    grep -E "checks, .* passed|FAIL|fail" "$report" | head -8
-    [ $rc = 124 ] && echo "verify_rows.sh: $preset stopped at ${VERIFY_SECONDS:-240} s"
     [ $status = 0 ] && status=$rc
     for pair in ${ATTENTION_PAIRS//,/ }; do
-        pinned=${report%.txt}_attention-$pair.txt
-        started=$SECONDS
-        DATAFLOW_KERNELS=attention_fwd=$pair,attention_bwd=$pair timeout \
-            "${VERIFY_SECONDS:-240}" dataflow verify --family "$family" --preset "$preset" \
-            --device "$device" --dtype bf16 --levels step --resolver "$resolver" \
-            --json "${pinned%.txt}_checks.json" \
-            >"$pinned" 2>&1
-        echo "verify $preset bf16 on $device, attention $pair: exit $? in" \
-            "$((SECONDS - started)) s ($pinned)"
-        grep -E "checks, .* passed|FAIL|fail" "$pinned" | head -8
+        DATAFLOW_KERNELS=attention_fwd=$pair,attention_bwd=$pair \
+            verify "${report%.txt}_attention-$pair.txt" ", attention $pair" --levels step
     done
 done
 exit $status
