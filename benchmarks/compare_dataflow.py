@@ -38,7 +38,8 @@ from dataflow_training.config import (
     optimizer_states,
 )
 from dataflow_training.lowering import lower
-from dataflow_training.run import TrainingRun, available_host_bytes
+from dataflow_training.compiled_step import available_host_bytes
+from dataflow_training.run import TrainingRun
 from measure import RowTimeout, idle_pct, one_line, profile_step, time_limit
 
 from dataflow.planning import PlanningError, plan
@@ -208,7 +209,7 @@ def row_run(
     """The ``TrainingRun`` of one dataflow row: ``train`` inside ``budget``, from a fresh
     initial state (``initial_state``); ``options`` go to ``TrainingRun``."""
     state = initial_state(family.config(preset), device, train.dtype.param)
-    return TrainingRun(
+    return TrainingRun.of(
         family,
         preset,
         train,
@@ -224,11 +225,11 @@ def write_simulated(run: TrainingRun, path: Path) -> None:
     """The simulated step of ``run``'s placed plan as gzipped JSON: each task's and each
     transfer's span (microseconds from the step's start), to set beside the profiled
     step's trace (``--trace-dir``)."""
-    sim = run.simulated
+    sim = run.compiled.plan.sim
     path.parent.mkdir(parents=True, exist_ok=True)
     timeline = {
         "makespan_us": sim.makespan_us,
-        "links": cattrs.unstructure(run.program.links),
+        "links": cattrs.unstructure(run.compiled.program.links),
         "tasks": [[t.task_id, t.start_us, t.end_us] for t in sim.tasks],
         "transfers": [
             [t.obj_id, t.direction, t.size_bytes, t.enqueue_us, t.start_us, t.end_us]
@@ -261,7 +262,7 @@ def trial(
     shape = f"{format_size(budget)} batch {batch} x {rounds}"
     print(
         f"{shape}: profiled, planned, placed in {time.perf_counter() - began:.0f} s; "
-        f"loading (a slow pool of {format_size(run.pinned_bytes)} to page-lock) and the "
+        f"loading (a slow pool of {format_size(run.compiled.pinned_bytes)} to page-lock) and the "
         "first step next",
         flush=True,
     )
@@ -289,10 +290,10 @@ def trial(
             keep = stem.with_suffix(".trace.json.gz")
             write_simulated(run, stem.with_suffix(".sim.json.gz"))
         activity = profile_step(lambda: run.step(data[0]), args.device, keep)
-        predicted = run.predicted()
-        links = cattrs.unstructure(run.program.links)  # as measured for the plan
+        predicted = run.compiled.predicted()
+        links = cattrs.unstructure(run.compiled.program.links)  # as measured for the plan
         graph_note = run.graph_note
-        pinned = run.pinned_bytes
+        pinned = run.compiled.pinned_bytes
     finally:
         close_quietly(run)
     step_s = [stats.step_s for stats, _ in measured]

@@ -122,7 +122,7 @@ def member(out: str, rounds: list[int], args: argparse.Namespace) -> None:
     train = TrainConfig(
         seq_len=args.seq_len, batch=args.batch, rounds=mine, dtype=DtypePolicy.named(dtype)
     )
-    run = TrainingRun(
+    run = TrainingRun.of(
         "gpt2",
         args.preset,
         train,
@@ -143,11 +143,11 @@ def member(out: str, rounds: list[int], args: argparse.Namespace) -> None:
         if step >= args.warmup:
             times.append(stats.step_s)
     trace = run.last_result.steps[-1]
-    collective = {t.id for t in run.program.tasks if t.collective}
+    collective = {t.id for t in run.compiled.program.tasks if t.collective}
     on_link = [(t.start_us, t.end_us) for t in trace.tasks if t.task in collective]
     computing = [(t.start_us, t.end_us) for t in trace.tasks if t.task not in collective]
-    sim = run.planned.sim
-    planned = run.planned
+    sim = run.compiled.plan.sim
+    planned = run.compiled.plan
     predicted_us = planned.cycle.iteration_us if planned.cycle is not None else sim.makespan_us
     report = {
         "rank": fleet.rank,
@@ -159,8 +159,8 @@ def member(out: str, rounds: list[int], args: argparse.Namespace) -> None:
         "predicted_allreduce_ms": sim.collective.busy_us / 1e3,
         "predicted_exposed_ms": sim.collective_exposed_us / 1e3,
         "collective_link": {
-            "bw_bytes_per_us": run.program.links.collective.bw_bytes_per_us,
-            "latency_us": run.program.links.collective.latency_us,
+            "bw_bytes_per_us": run.compiled.program.links.collective.bw_bytes_per_us,
+            "latency_us": run.compiled.program.links.collective.latency_us,
         },
     }
     run.close()

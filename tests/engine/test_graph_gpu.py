@@ -153,7 +153,7 @@ def _train(graph: bool, budget: int):
     train = TrainConfig(seq_len=64, batch=4, rounds=2)
     gen = torch.Generator().manual_seed(0)
     losses = []
-    with TrainingRun(
+    with TrainingRun.of(
         "gpt2", "gpt2_tiny", train, budget_bytes=budget, device="cuda", graph=graph
     ) as run:
         for _ in range(STEPS):
@@ -163,7 +163,7 @@ def _train(graph: bool, budget: int):
             ]
             losses.append(run.step(batches, lr=1e-3).losses)
         weights, _ = run.state()
-        return losses, weights, run.graph_note, run.predicted()
+        return losses, weights, run.graph_note, run.compiled.predicted()
 
 
 def test_replayed_training_matches_dispatch() -> None:

@@ -1,7 +1,7 @@
 """``Engine``: load a planned program with a resolver and initial values, run it, read back.
 
 engine = Engine("torch", budget_bytes=plan_budget, device="cpu")
-engine.load(plan, resolver, initial={"W_0": w0, ...})
+engine.load(place(plan), resolver, initial={"W_0": w0, ...})
 result = engine.run(steps=3)
 w0_after = engine.fetch("W_0")
 """
@@ -19,6 +19,7 @@ from dataflow.engine.dispatcher import Dispatcher, DispatchTrace, EngineRunError
 from dataflow.engine.ledger import Fast, Ledger, Slow
 from dataflow.engine.result import RunResult
 from dataflow.extras import require_torch
+from dataflow.planning import Placement, Plan
 from dataflow.schema import Location, Program, validate
 
 BACKENDS = ("virtual", "torch")
@@ -91,21 +92,22 @@ class Engine:
     # -- load --------------------------------------------------------------------------
     def load(
         self,
-        plan: Any,
+        source: Placement | Plan | Program,
         resolver: Resolver | None = None,
         *,
         initial: Mapping[str, Any] | None = None,
         resolver_name: str = "resolver",
-        placement: Any = None,
     ) -> None:
-        """Load ``plan`` (a ``Plan`` from ``dataflow.planning.plan`` or an annotated
-        ``Program``). Every task is resolved now: an unknown compute key fails here, naming
-        the task and the resolver. ``initial`` gives a tensor for every object that exists at
-        start (torch backend)."""
-        if placement is not None:
-            plan = placement.plan  # place() may have re-planned at a smaller capacity
-        program = plan.program if hasattr(plan, "program") else plan
-        self.predicted = getattr(plan, "sim", None)
+        """Load what runs: a ``Placement`` (``dataflow.planning.place``: its plan, each
+        object at its packed offset in one arena; what CUDA graphs need), a ``Plan``
+        (objects allocated one by one) or an annotated ``Program``. ``resolver`` turns its
+        tasks into executables; every task is resolved now: an unknown compute key fails
+        here, naming the task and the resolver. ``initial`` gives a tensor for every object
+        that exists at start (torch backend)."""
+        placement = source if isinstance(source, Placement) else None
+        plan = source.plan if isinstance(source, Placement) else source
+        program = plan.program if isinstance(plan, Plan) else plan
+        self.predicted = plan.sim if isinstance(plan, Plan) else None
         problems = validate(program)
         if problems:
             listing = "\n".join(f"  - {problem.message}" for problem in problems)
@@ -223,7 +225,7 @@ class Engine:
         if self.backend_name != "torch" or not self.device.startswith("cuda"):
             reason = "CUDA graphs need the torch backend on a CUDA device"
         elif self._backend.fast.arena is None:
-            reason = "CUDA graphs need a placed plan (Engine.load(..., placement=...))"
+            reason = "CUDA graphs need a placed plan (Engine.load(placement, ...))"
         else:
             reason = DeviceValues.unsupported(values) or self._not_capturable
         if reason is not None:

@@ -62,11 +62,11 @@ def test_fast_homes_wrap_at_one_offset(share: float) -> None:
 def _run(budget: int | None):
     gen = torch.Generator().manual_seed(0)
     losses, pointers = [], []
-    with TrainingRun("gpt2", "gpt2_tiny", TRAIN, budget_bytes=budget) as run:
+    with TrainingRun.of("gpt2", "gpt2_tiny", TRAIN, budget_bytes=budget) as run:
         homed = [
             o
-            for o in run.planned.program.persistent
-            if run.placement.plan.program.final_locations.get(o) is Location.FAST
+            for o in run.compiled.program.persistent
+            if run.compiled.program.final_locations.get(o) is Location.FAST
         ]
         for _ in range(STEPS):
             batches = [
@@ -77,7 +77,7 @@ def _run(budget: int | None):
             buffers = run._engine._backend.fast.buffers
             pointers.append({o: buffers[o].data_ptr() for o in homed if o in buffers})
         weights, opt = run.state()
-        moved = run.predicted()["moved_bytes"]
+        moved = run.compiled.predicted()["moved_bytes"]
     return losses, weights, opt, pointers, moved
 
 

@@ -39,7 +39,7 @@ def main(out: str, rounds_text: str, steps: int, clip_text: str, device: str = "
     mine = rounds[fleet.rank]
     first = sum(rounds[: fleet.rank])
     train = train_config(mine, clip)
-    run = TrainingRun("gpt2", PRESET, train, seed=0, grad_share=fleet.share, device=device)
+    run = TrainingRun.of("gpt2", PRESET, train, seed=0, grad_share=fleet.share, device=device)
     record = []
     for step in range(steps):
         batches = global_batches(step, sum(rounds))[first : first + mine]
@@ -57,7 +57,7 @@ def collective_order(run) -> list[str]:
     """Where the last step broke the collective link's order: an all-reduce that started
     before the task completing its gradient ended, or a task reading the gradient that
     started before the all-reduce ended (empty: none)."""
-    program = run.program
+    program = run.compiled.program
     spans = {t.task: (t.start_us, t.end_us) for t in run.last_result.steps[-1].tasks}
     tasks = list(program.tasks)
     wrong = [] if any(t.collective for t in tasks) else ["no collective task in the step"]

@@ -79,11 +79,11 @@ def test_the_run_plans_and_runs_inside_its_backing_budget():
 
     train = train_config(1, None)
     backing = 16 * 2**20
-    run = TrainingRun(
+    run = TrainingRun.of(
         "gpt2", PRESET, train, seed=0, budget_bytes=2 * 2**20, backing_bytes=backing,
         recompute=False,
     )  # fmt: skip
-    assert run.planned.slow_budget_bytes == backing
+    assert run.compiled.plan.slow_budget_bytes == backing
     stats = run.step(global_batches(0, 1))
     assert torch.isfinite(torch.tensor(stats.loss))
     assert run._engine.slow_budget_bytes == backing  # the engine checks it too
@@ -91,18 +91,18 @@ def test_the_run_plans_and_runs_inside_its_backing_budget():
     run.close()
     # gpt2_tiny's weights and optimizer state take about 1.4 MiB: a 1 MiB backing cannot
     # hold them all, but the 2 MiB fast budget homes them fast between steps
-    run = TrainingRun(
+    run = TrainingRun.of(
         "gpt2", PRESET, train, seed=0, budget_bytes=2 * 2**20, backing_bytes=2**20,
         recompute=False,
     )  # fmt: skip
-    homes = [run.planned.program.obj(o).location for o in run.planned.program.persistent]
+    homes = [run.compiled.program.obj(o).location for o in run.compiled.program.persistent]
     assert Location.FAST in homes
     run.step(global_batches(0, 1))
     assert run.last_result.steps[-1].slow_peak_bytes <= 2**20
     run.close()
     # what starts or ends slow and is not persistent (the step's tokens) must fit it
     with pytest.raises(PlanningError, match="more than the slow budget"):
-        TrainingRun(
+        TrainingRun.of(
             "gpt2", PRESET, train, seed=0, budget_bytes=2 * 2**20, backing_bytes=64,
             recompute=False,
         )  # fmt: skip

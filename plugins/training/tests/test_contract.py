@@ -23,7 +23,7 @@ from dataflow.planning import plan
 TRAIN = TrainConfig(seq_len=4, batch=2, rounds=2)
 
 
-def _run_one_step(family, program) -> None:
+def _run_one_step(family, lowered) -> None:
     config = family.config("small")
     state = {k: v.detach() for k, v in family.reference_model(config).state_dict().items()}
 
@@ -31,10 +31,10 @@ def _run_one_step(family, program) -> None:
         g = torch.Generator().manual_seed(round_)
         return tuple(torch.randint(0, config.vocab, (2, 4), generator=g) for _ in range(2))
 
-    planned = plan(program, 2**30)
+    planned = plan(lowered.program, 2**30)
     with Engine("torch") as engine:
-        resolver = TrainingTasks(planned.program, family=family, ops=plain_ops())
-        engine.load(planned, resolver, initial=start_values(program, state, data))
+        resolver = TrainingTasks(lowered.with_program(planned.program), ops=plain_ops())
+        engine.load(planned, resolver, initial=start_values(lowered, state, data))
         engine.run()
 
 
@@ -97,7 +97,7 @@ def test_a_missing_gradient_is_named(monkeypatch) -> None:
     with pytest.raises(
         Exception, match=r"bwd_0_0_2: toy\.block\.backward returned no gradient for dW_2:b"
     ):
-        _run_one_step(family, lower(family, "small", TRAIN).program)
+        _run_one_step(family, lower(family, "small", TRAIN))
 
 
 def test_a_saved_tensor_of_the_wrong_shape_is_named(monkeypatch) -> None:
@@ -112,7 +112,7 @@ def test_a_saved_tensor_of_the_wrong_shape_is_named(monkeypatch) -> None:
         match=r"fwd_0_0_0: toy\.block\.forward gave saved tensor 'pre' "
         r"of shape \(2, 4, 3\); declared \(2, 4, 16\)",
     ):
-        _run_one_step(family, lower(family, "small", TRAIN).program)
+        _run_one_step(family, lower(family, "small", TRAIN))
 
 
 def test_a_head_tied_to_an_undeclared_parameter_is_named(monkeypatch) -> None:
@@ -183,8 +183,9 @@ def test_the_optimizer_updates_each_group_as_two_flat_tensors() -> None:
     update call per weight-decay class covers a whole group (two kernels, not one per
     tensor); a layout that does not line up falls back to per-tensor lists."""
     family = ToyMoEFamily()
-    program = lower(family, "toy_moe_tiny", TRAIN).program
-    tasks = TrainingTasks(program, family=family, ops=plain_ops())
+    lowered = lower(family, "toy_moe_tiny", TRAIN)
+    program = lowered.program
+    tasks = TrainingTasks(lowered, ops=plain_ops())
     step = tasks(program.tasks_by_id["opt_0_1_0.experts"])
     assert [(names, spans is not None) for names, _, spans in step.classes] == [
         (["w_in", "w_out"], True)
@@ -204,11 +205,11 @@ def test_a_heterogeneous_stack_gets_a_task_kind_per_block_kind(monkeypatch) -> N
     monkeypatch.setattr(
         ToyFamily, "math", lambda self, kind: original(self, "block" if kind == "other" else kind)
     )
-    program = lower(family, "small", TRAIN).program
-    keys = {task.id: task.compute_key for task in program.tasks}
+    lowered = lower(family, "small", TRAIN)
+    keys = {task.id: task.compute_key for task in lowered.program.tasks}
     assert keys["fwd_0_0_0"] == "toy.block.forward" and keys["fwd_0_0_1"] == "toy.other.forward"
     assert keys["bwd_0_1_1"] == "toy.other.backward"
-    _run_one_step(family, program)
+    _run_one_step(family, lowered)
 
 
 def test_toy_moe_verify_passes_at_a_tight_budget() -> None:

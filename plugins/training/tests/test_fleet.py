@@ -50,7 +50,7 @@ def single_process(rounds: int, steps: int, clip: float | None, device: str = "c
     import fleet_worker as w
     from dataflow_training.run import TrainingRun
 
-    run = TrainingRun("gpt2", w.PRESET, w.train_config(rounds, clip), seed=0, device=device)
+    run = TrainingRun.of("gpt2", w.PRESET, w.train_config(rounds, clip), seed=0, device=device)
     record = []
     for step in range(steps):
         stats = run.step(w.global_batches(step, rounds), lr=1e-3)

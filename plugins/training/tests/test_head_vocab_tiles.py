@@ -66,7 +66,7 @@ def test_a_tiled_head_trains_as_the_chunk_summed_one(monkeypatch) -> None:
     results = {}
     for tiles in (False, True):
         asked.clear()
-        run = TrainingRun("llama3", PRESET, _train(tiles), device="cpu", seed=0)
+        run = TrainingRun.of("llama3", PRESET, _train(tiles), device="cpu", seed=0)
         losses = [run.step(rounds).loss for rounds in batches]
         weights, _ = run.state()
         run.close(keep_state=False)

@@ -20,13 +20,13 @@ def test_a_second_cuda_run_takes_every_profile_from_disk(tmp_path, monkeypatch) 
 
     monkeypatch.setenv(profile.CACHE_ENV, str(tmp_path))
     train = TrainConfig(seq_len=64, batch=4, rounds=2, dtype=DtypePolicy.named("bf16"))
-    TrainingRun("gpt2", "gpt2_tiny", train, device="cuda", budget_bytes=2**30).close()
+    TrainingRun.of("gpt2", "gpt2_tiny", train, device="cuda", budget_bytes=2**30).close()
     written = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("*.json")}
     assert written
     measured = []
     real = profile._measure
     monkeypatch.setattr(profile, "_measure", lambda *a: measured.append(a) or real(*a))
-    TrainingRun("gpt2", "gpt2_tiny", train, device="cuda", budget_bytes=2**30).close()
+    TrainingRun.of("gpt2", "gpt2_tiny", train, device="cuda", budget_bytes=2**30).close()
     assert measured == []
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("*.json")} == written
 

@@ -12,7 +12,7 @@ import torch
 from dataflow_training.config import TrainConfig
 from dataflow_training.costs import RooflineCost
 from dataflow_training.family import FamilyContractError, PartialSave, partial_saves
-from dataflow_training.lowering import lower
+from dataflow_training.lowering import Lowered, lower
 from dataflow_training.recompute import (
     MAX_CANDIDATES,
     PARTIAL_CANDIDATES,
@@ -152,21 +152,24 @@ def test_declarations_are_checked(gpt2):
 
 
 def test_a_candidate_is_what_the_lowering_makes_of_its_modes(gpt2):
-    program = lower(gpt2, "gpt2_tiny", TRAIN).program
-    rewriter = Rewriter(program, family=gpt2)
-    spliced = rewriter.candidate(FULL, PARTIAL)
+    rewriter = Rewriter(lower(gpt2, "gpt2_tiny", TRAIN))
+    candidate = rewriter.candidate(FULL, PARTIAL)
+    spliced = candidate.program
     lowered = _lowered(gpt2)
     strip = lambda p: [attrs.evolve(t, cost_us=0.0) for t in p.tasks]  # noqa: E731
     assert strip(spliced) == strip(lowered.program)
     assert set(spliced.objects) == set(lowered.program.objects)
-    assert StepLayout.of(spliced).tasks == lowered.layout.tasks
-    assert StepLayout.of(spliced).packed == lowered.layout.packed
+    assert candidate.layout.tasks == lowered.layout.tasks
+    assert candidate.layout.packed == lowered.layout.packed
+    assert StepLayout.of(spliced).packed == lowered.layout.packed  # as written out
     # and back again: from the mixed program, every unit kept is the plain lowering
-    back = Rewriter(lowered.program, family=gpt2)
+    back = Rewriter(lowered)
     assert back.given == frozenset(FULL) and back.given_mode[(0, 0)] == "mlp"
     assert rewriter.compute_us(FULL, PARTIAL) == pytest.approx(
         sum(t.cost_us for t in spliced.tasks)
     )
+    # a planned candidate is read back as its step: the layout of its modes
+    assert rewriter.step_of(spliced).layout == candidate.layout
 
 
 def _forced(units, partial):
@@ -174,8 +177,8 @@ def _forced(units, partial):
     partially (the rewriter's candidate), whatever the budget."""
 
     def forced(program, budget_bytes, **options):
-        candidate = Rewriter(program).candidate(units, partial)
-        return PRESSUREFIT.plan(candidate, budget_bytes, **options)
+        candidate = Rewriter(Lowered.read(program)).candidate(units, partial)
+        return PRESSUREFIT.plan(candidate.program, budget_bytes, **options)
 
     return PlannerSpec("forced", forced)
 
@@ -237,9 +240,9 @@ def test_a_partially_saved_step_trains_bitwise_as_the_saving_one(family_name):
 
     pytest.importorskip(f"dataflow_family_{family_name}")
     preset = f"{family_name}_tiny"
-    saving = TrainingRun(family_name, preset, TRAIN, recompute=False)
-    partial = TrainingRun(family_name, preset, TRAIN, planner=_forced(FULL, PARTIAL))
-    rec = [t for t in partial.placement.plan.program.tasks if t.kind == "rec"]
+    saving = TrainingRun.of(family_name, preset, TRAIN, recompute=False)
+    partial = TrainingRun.of(family_name, preset, TRAIN, planner=_forced(FULL, PARTIAL))
+    rec = [t for t in partial.compiled.program.tasks if t.kind == "rec"]
     assert sum("partial" in t.params for t in rec) == len(PARTIAL)
     generator = torch.Generator().manual_seed(0)
     for _ in range(2):
@@ -258,18 +261,21 @@ def test_the_planner_picks_partial_saves_where_they_beat_full_recompute(gpt2):
     10 GB/s links (an offloaded A costs far more than re-deriving it): keeping every A does
     not fit, full recompute fits but re-derives more, so every unit is saved partially."""
     train = TrainConfig(seq_len=128, batch=4, rounds=2)  # activations outweigh the rest
-    program = lower(gpt2, "gpt2_tiny", train).program
-    program = attrs.evolve(program, links=Links(h2d=Link(1e4), d2h=Link(1e4)))
-    rewriter = Rewriter(program, family=gpt2)
+    step = lower(gpt2, "gpt2_tiny", train)
+    program = attrs.evolve(step.program, links=Links(h2d=Link(1e4), d2h=Link(1e4)))
+    step = step.with_program(program)
+    rewriter = Rewriter(step)
     everything = rewriter.all
-    budget = plan(rewriter.candidate((), everything), 2**40, cyclic=True).sim.fast_peak_bytes
+    budget = plan(rewriter.candidate((), everything).program, 2**40, cyclic=True)
+    budget = budget.sim.fast_peak_bytes
     assert plan(program, 2**40, cyclic=True).sim.fast_peak_bytes > budget
-    choice = search(program, budget, family=gpt2, cyclic=True)
+    choice = search(rewriter, budget, cyclic=True)
     assert choice.partial == everything and choice.units == frozenset()
-    full = plan(rewriter.candidate(everything), budget, cyclic=True)
+    full = plan(rewriter.candidate(everything).program, budget, cyclic=True)
     assert choice.step_us < full.cycle.iteration_us
     # without partial saves on offer the same search settles on something slower
-    plain = search(program, budget, family=_without_partials(gpt2), cyclic=True)
+    hidden = attrs.evolve(step, family=_without_partials(gpt2))
+    plain = search(Rewriter(hidden), budget, cyclic=True)
     assert plain.partial == frozenset() and plain.step_us > choice.step_us
 
 
@@ -299,11 +305,12 @@ def _without_partials(family):
 @pytest.mark.parametrize("fraction", [0.2, 0.45, 0.6, 0.8, 1.0])
 @pytest.mark.parametrize("order", ["round", "layer"])
 def test_partial_saves_never_make_a_step_that_fits_slower(gpt2, fraction, order):
-    program = lower(gpt2, "gpt2_tiny", attrs.evolve(TRAIN, order=order)).program
+    step = lower(gpt2, "gpt2_tiny", attrs.evolve(TRAIN, order=order))
+    program = step.program
     peak = plan(program, 2**40).sim.fast_peak_bytes
     budget = int(peak * fraction)
     try:
-        choice = search(program, budget, family=gpt2)
+        choice = search(Rewriter(step), budget)
     except InfeasibleBudget:  # then PressureFit alone finds no plan either
         with pytest.raises(InfeasibleBudget):
             plan(program, budget)
@@ -334,20 +341,22 @@ def test_a_step_with_partial_saves_matches_the_reference_on_cuda(resolver, order
 
 
 def test_the_measured_planner_has_every_partial_candidates_signature(gpt2):
-    """``measured_recompute_planner`` prices candidates from profiles of a few programs;
-    a candidate with partial saves must find its forward, rec and backward tasks there."""
+    """``measured_rewriter`` prices candidates from profiles of a few steps; a candidate
+    with partial saves must find its forward, rec and backward tasks there."""
     from dataflow_training.profile import TaskProfile, signature
-    from dataflow_training.recompute import measured_recompute_planner
+    from dataflow_training.recompute import measured_rewriter, step_planner
 
-    def profile(program):  # stands in for the device: the roofline's own figures
-        return {signature(program, t): TaskProfile(t.cost_us, 0) for t in program.tasks}
+    def profile(step):  # stands in for the device: the roofline's own figures
+        return {signature(step, t): TaskProfile(t.cost_us, 0) for t in step.program.tasks}
 
     train = TrainConfig(seq_len=128, batch=4, rounds=2)
-    program = lower(gpt2, "gpt2_tiny", train).program
-    program = attrs.evolve(program, links=Links(h2d=Link(1e4), d2h=Link(1e4)))
-    rewriter = Rewriter(program, family=gpt2)
-    budget = plan(rewriter.candidate((), rewriter.all), 2**40, cyclic=True).sim.fast_peak_bytes
-    planner = measured_recompute_planner(program, profile, gpt2)
+    step = lower(gpt2, "gpt2_tiny", train)
+    program = attrs.evolve(step.program, links=Links(h2d=Link(1e4), d2h=Link(1e4)))
+    step = step.with_program(program)
+    rewriter = Rewriter(step)
+    budget = plan(rewriter.candidate((), rewriter.all).program, 2**40, cyclic=True)
+    budget = budget.sim.fast_peak_bytes
+    planner = step_planner(measured_rewriter(step, profile))
     planned = plan(program, budget, planner=planner, cyclic=True)
     rec = [t for t in planned.program.tasks if t.kind == "rec"]
     assert rec and all(t.params.get("partial") == "mlp" for t in rec)

@@ -21,7 +21,7 @@ TOY = ToyFamily()
 
 
 def _step(seq_len=32, batch=4, rounds=2, family=TOY, preset="small"):
-    return lower(family, preset, TrainConfig(seq_len=seq_len, batch=batch, rounds=rounds)).program
+    return lower(family, preset, TrainConfig(seq_len=seq_len, batch=batch, rounds=rounds))
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -37,14 +37,15 @@ def test_it_never_makes_a_step_that_fits_slower(seq_len, batch, rounds, where, f
 
     fam = TOY if family == "toy" else load_family(family)
     preset = "small" if family == "toy" else next(iter(fam.presets))
-    program = _step(seq_len, batch, rounds, fam, preset)
+    step = _step(seq_len, batch, rounds, fam, preset)
+    program = step.program
     peak = plan(program, 2**40).sim.fast_peak_bytes
     budget = int(peak * (0.25 + 0.75 * where))
     try:
         alone = plan(program, budget)
     except InfeasibleBudget:
         return  # the other test's case
-    choice = search(program, budget, family=fam)
+    choice = search(Rewriter(step), budget)
     assert choice.step_us <= alone.makespan_us * (1 + 1e-9)
     # what the registered planner hands back passes the simulator's own check
     again = plan(program, budget, planner=recompute_planner(family=fam))
@@ -53,7 +54,7 @@ def test_it_never_makes_a_step_that_fits_slower(seq_len, batch, rounds, where, f
 
 
 def test_it_makes_a_step_fit_a_backing_budget_it_does_not_fit_alone() -> None:
-    program = _step()
+    program = _step().program
     budget = minimal_budget(program)
     fits = plan(program, budget).sim.slow_peak_bytes
     backing = fits - 4 * program.obj("A_0_0_0").size_bytes
@@ -73,14 +74,15 @@ def test_it_makes_a_step_fit_a_backing_budget_it_does_not_fit_alone() -> None:
 
 
 def test_a_step_with_time_to_spare_is_left_as_it_is() -> None:
-    program = _step()
-    choice = search(program, 2**40, family=TOY)
+    step = _step()
+    program = step.program
+    choice = search(Rewriter(step), 2**40)
     assert choice.units == frozenset()
     assert choice.step_us == plan(program, 2**40).makespan_us
     # a step already as fast as its compute: no candidate can win, none is planned
     instant = Links(h2d=Link(1e15), d2h=Link(1e15))
     compute_bound = attrs.evolve(program, links=instant)
-    assert search(compute_bound, 2**40, family=TOY).candidates == 1
+    assert search(Rewriter(step.with_program(compute_bound)), 2**40).candidates == 1
 
 
 def test_steady_state_candidates_try_the_homes_of_the_first_plan(monkeypatch) -> None:
@@ -104,7 +106,8 @@ def test_steady_state_candidates_try_the_homes_of_the_first_plan(monkeypatch) ->
 
     monkeypatch.setattr(recompute, "_quick_within", within)
     monkeypatch.setattr(recompute, "plan", recording)
-    program = _step(rounds=3)
+    step = _step(rounds=3)
+    program = step.program
     peak = plan(program, 2**40, cyclic=True).sim.fast_peak_bytes
     narrowed = 0
     for share in (0.3, 0.5, 0.7, 0.9):
@@ -115,7 +118,7 @@ def test_steady_state_candidates_try_the_homes_of_the_first_plan(monkeypatch) ->
             alone = None
         seen.clear()
         try:
-            choice = search(program, budget, family=TOY, cyclic=True)
+            choice = search(Rewriter(step), budget, cyclic=True)
         except InfeasibleBudget:
             continue  # below what every unit recomputed needs
         assert choice.plan.cycle is not None and choice.plan.cycle.valid
@@ -131,17 +134,21 @@ def test_steady_state_candidates_try_the_homes_of_the_first_plan(monkeypatch) ->
 
 
 def test_a_candidate_is_what_the_lowering_makes_of_its_units() -> None:
-    program = _step()
-    rewriter = Rewriter(program, family=TOY)
+    step = _step()
+    program = step.program
+    rewriter = Rewriter(step)
     units = [(1, 0), (0, 2)]
     spliced = rewriter.candidate(units)
     lowered = lower(TOY, "small", TrainConfig(seq_len=32, batch=4, rounds=2), recompute=units)
     strip = lambda p: [attrs.evolve(t, cost_us=0.0) for t in p.tasks]  # noqa: E731
-    assert strip(spliced) == strip(lowered.program)
-    assert StepLayout.of(spliced).tasks == lowered.layout.tasks
+    assert strip(spliced.program) == strip(lowered.program)
+    assert spliced.layout.tasks == lowered.layout.tasks
+    # the layout written out with it is the same, read back as the program's readers do
+    assert StepLayout.of(spliced.program).tasks == lowered.layout.tasks
     # given costs are kept; a rec task is priced as its forward
     scaled = attrs.evolve(program, tasks=[attrs.evolve(t, cost_us=7.0) for t in program.tasks])
-    costs = {t.id: t.cost_us for t in Rewriter(scaled, family=TOY).candidate(units).tasks}
+    candidate = Rewriter(step.with_program(scaled)).candidate(units)
+    costs = {t.id: t.cost_us for t in candidate.program.tasks}
     assert costs["rec_0_1_0"] == pytest.approx(7.0) and costs["bwd_0_1_0"] == 7.0
 
 
@@ -165,12 +172,12 @@ def test_a_recomputed_step_trains_exactly_as_the_saving_one() -> None:
     pytest.importorskip("dataflow_family_gpt2")
     pytest.importorskip("dataflow_resolver_torch")
     train = TrainConfig(seq_len=16, batch=2, rounds=2)
-    saving = TrainingRun("gpt2", "gpt2_tiny", train, recompute=False)
+    saving = TrainingRun.of("gpt2", "gpt2_tiny", train, recompute=False)
     # half the saving step's peak: tight enough that re-deriving activations beats
     # offloading them (at 0.7 PressureFit's plan of the saving step is the faster one)
-    budget = int(0.5 * saving.planned.sim.fast_peak_bytes)
-    recomputing = TrainingRun("gpt2", "gpt2_tiny", train, budget_bytes=budget)
-    assert any(t.kind == "rec" for t in recomputing.planned.program.tasks)
+    budget = int(0.5 * saving.compiled.plan.sim.fast_peak_bytes)
+    recomputing = TrainingRun.of("gpt2", "gpt2_tiny", train, budget_bytes=budget)
+    assert any(t.kind == "rec" for t in recomputing.compiled.program.tasks)
     generator = torch.Generator().manual_seed(0)
     for _ in range(2):
         batches = [(torch.randint(0, 256, (2, 16), generator=generator),) * 2 for _ in range(2)]

@@ -111,7 +111,7 @@ def test_binding_clip_changes_the_update():
     out = {}
     for clip in (None, 0.05):
         train = TrainConfig(seq_len=8, batch=2, clip=clip, grad_norm=True)
-        with TrainingRun("gpt2", "gpt2_tiny", train, seed=0) as run:
+        with TrainingRun.of("gpt2", "gpt2_tiny", train, seed=0) as run:
             stats = run.step(batches)
             run.step(batches)
             out[clip] = (stats.grad_norm, run.state()[0]["emb.wte"])
@@ -126,7 +126,7 @@ def test_lr_per_step_reaches_the_update():
 
     train = TrainConfig(seq_len=8, batch=2, optimizer=OptimizerPolicy(lr=1e-2))
     batches = [(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))]
-    with TrainingRun("gpt2", "gpt2_tiny", train, seed=0) as run:
+    with TrainingRun.of("gpt2", "gpt2_tiny", train, seed=0) as run:
         before = run.state()[0]
         run.step(batches, lr=0.0)
         same = run.state()[0]
@@ -140,7 +140,7 @@ def test_bad_batches_name_what_is_wrong():
     from dataflow_training.run import TrainingRun
 
     train = TrainConfig(seq_len=8, batch=2, rounds=2)
-    run = TrainingRun("gpt2", "gpt2_tiny", train, seed=0)
+    run = TrainingRun.of("gpt2", "gpt2_tiny", train, seed=0)
     good = (torch.zeros(2, 8, dtype=torch.int64), torch.zeros(2, 8, dtype=torch.int64))
     with pytest.raises(ValueError, match="2 accumulation round"):
         run.step([good])
@@ -177,7 +177,7 @@ def test_the_engine_takes_start_values_one_object_at_a_time(monkeypatch):
         return value
 
     monkeypatch.setattr(values.StartValues, "__getitem__", spy)
-    lazy = TrainingRun("gpt2", "gpt2_tiny", train, seed=0)
+    lazy = TrainingRun.of("gpt2", "gpt2_tiny", train, seed=0)
     stats = lazy.step(batches)
     program = lazy.program
     assert sorted(looked_up) == sorted(
@@ -185,7 +185,7 @@ def test_the_engine_takes_start_values_one_object_at_a_time(monkeypatch):
     )
     assert len(alive) > 4
     monkeypatch.undo()
-    eager = TrainingRun("gpt2", "gpt2_tiny", train, seed=0)
+    eager = TrainingRun.of("gpt2", "gpt2_tiny", train, seed=0)
     eager_initial = values.start_values(eager.program, eager._weights, lambda _s, r: batches[r])
     assert set(eager_initial) == set(looked_up)
     assert eager.step(batches).losses == stats.losses
@@ -208,7 +208,7 @@ def test_layer_order_trains_as_round_order_does(tied):
     for order in orders:
         train = TrainConfig(seq_len=8, batch=2, rounds=3, order=order)
         overrides = {"tie_word_embeddings": tied}
-        with TrainingRun(
+        with TrainingRun.of(
             "llama3", "llama3_tiny", train, seed=0, overrides=overrides, budget_bytes=3 * 2**20
         ) as run:
             losses = [run.step(batches).loss for _ in range(2)]

@@ -19,7 +19,7 @@ TRAIN = TrainConfig(seq_len=8, batch=2, rounds=2)
 def _run(**options):
     from dataflow_training.run import TrainingRun
 
-    return TrainingRun("gpt2", "gpt2_tiny", TRAIN, seed=0, **options)
+    return TrainingRun.of("gpt2", "gpt2_tiny", TRAIN, seed=0, **options)
 
 
 def _batches():
@@ -40,16 +40,16 @@ def test_start_values_are_made_on_lookup_and_equal_the_dict() -> None:
         return batches[round_]
 
     state = dict(run._weights)
-    lazy = StartValues(run.program, state, data)
+    lazy = StartValues(run.compiled.running, state, data)
     assert calls == []  # nothing is made until it is looked up
-    eager = start_values(run.program, state, lambda _s, r: batches[r])
+    eager = start_values(run.compiled.running, state, lambda _s, r: batches[r])
     assert list(lazy) == list(eager) and len(lazy) == len(eager)
     for obj_id, value in eager.items():
         torch.testing.assert_close(lazy[obj_id], value, rtol=0, atol=0)
     assert "no such object" not in lazy
     with pytest.raises(KeyError):
         lazy["no such object"]
-    consumed = StartValues(run.program, state, data, consume=True)
+    consumed = StartValues(run.compiled.running, state, data, consume=True)
     for obj_id in consumed:
         consumed[obj_id]
     assert state == {}  # every parameter went into its packed object
@@ -57,7 +57,7 @@ def test_start_values_are_made_on_lookup_and_equal_the_dict() -> None:
 
 def test_the_slow_pool_is_known_before_load_and_is_what_the_engine_allocates() -> None:
     run = _run()
-    expected = run.pinned_bytes
+    expected = run.compiled.pinned_bytes
     assert expected > 0  # this lowering starts W and O in slow memory
     run.step(_batches())
     assert run._engine._backend.slow.total_bytes == expected
@@ -79,7 +79,7 @@ def test_a_pool_past_the_hosts_memory_is_refused_on_cuda(monkeypatch) -> None:
     from dataflow.planning import PlanningError
 
     run = _run()
-    pool = run.pinned_bytes
+    pool = run.compiled.pinned_bytes
     reserve = run_module.HOST_RESERVE_BYTES
     monkeypatch.setattr(run_module, "available_host_bytes", lambda: reserve + pool - 1)
     run.check_backing()  # off CUDA the pool is ordinary memory: only the limits given bind
@@ -98,7 +98,7 @@ def test_the_default_state_is_the_reference_models_in_the_param_dtype() -> None:
     from dataflow_training.run import TrainingRun
 
     train = TrainConfig(seq_len=8, batch=2, rounds=2, dtype=DtypePolicy.named("bf16"))
-    run = TrainingRun("gpt2", "gpt2_tiny", train, seed=3)
+    run = TrainingRun.of("gpt2", "gpt2_tiny", train, seed=3)
     family = load_family("gpt2")
     torch.manual_seed(3)
     expected = family.reference_model(family.config("gpt2_tiny")).state_dict()
@@ -128,15 +128,15 @@ def test_a_pool_past_the_limit_is_planned_again_inside_a_slow_budget_that_fits()
 
     train = TrainConfig(seq_len=128, batch=8, rounds=2)
     budget = 5 * 2**20
-    free = TrainingRun("gpt2", "gpt2_tiny", train, budget_bytes=budget, seed=0)
-    limit = free.pinned_bytes * 8 // 10
-    fitted = TrainingRun(
+    free = TrainingRun.of("gpt2", "gpt2_tiny", train, budget_bytes=budget, seed=0)
+    limit = free.compiled.pinned_bytes * 8 // 10
+    fitted = TrainingRun.of(
         "gpt2", "gpt2_tiny", train, budget_bytes=budget, seed=0, pinned_limit_bytes=limit
     )
-    assert free.pool_note is None
-    assert fitted.pinned_bytes <= limit < free.pinned_bytes
-    assert fitted.backing_bytes is not None and fitted.predicted()["slow_peak_bytes"] <= limit
-    assert "planned inside a slow budget" in fitted.pool_note
+    assert free.compiled.pool_note is None
+    assert fitted.pinned_bytes <= limit < free.compiled.pinned_bytes
+    assert fitted.compiled.backing_bytes is not None and fitted.compiled.predicted()["slow_peak_bytes"] <= limit
+    assert "planned inside a slow budget" in fitted.compiled.pool_note
     g = torch.Generator().manual_seed(1)
     batches = [
         (torch.randint(0, 256, (8, 128), generator=g), torch.randint(0, 256, (8, 128), generator=g))
@@ -145,25 +145,27 @@ def test_a_pool_past_the_limit_is_planned_again_inside_a_slow_budget_that_fits()
     for _ in range(2):
         a, b = free.step(batches), fitted.step(batches)
         assert abs(a.loss - b.loss) <= 1e-6 * abs(a.loss)
-    too_small = TrainingRun(
+    too_small = TrainingRun.of(
         "gpt2", "gpt2_tiny", train, budget_bytes=budget, seed=0, pinned_limit_bytes=limit // 2
     )
-    assert too_small.pool_note is None  # no plan inside it: the first plan, refused
+    assert too_small.compiled.pool_note is None  # no plan inside it: the first plan, refused
     with pytest.raises(PlanningError, match="pinned_limit_bytes: more than"):
         too_small.step(batches)
 
 
 def test_the_pool_limit_on_cuda_leaves_room_for_the_weights_still_to_be_made(monkeypatch) -> None:
-    """``__init__`` plans before it makes the starting weights' host copy, which will be in
-    host memory beside the pool: the limit it plans to leaves room for them."""
-    from dataflow_training import run as run_module
+    """``compile_step`` plans before the run makes the starting weights' host copy, which
+    will be in host memory beside the pool: the limit it plans to leaves room for them."""
+    from dataflow_training import compiled_step as compiled_module
 
     run = _run()
-    monkeypatch.setattr(run_module, "available_host_bytes", lambda: 64 * 2**30)
-    assert run.pool_limit_bytes() is None  # off CUDA no limit was given
-    run.device = "cuda"  # (the limit reads only the device's kind)
-    assert run.pool_limit_bytes() == 64 * 2**30 - run_module.HOST_RESERVE_BYTES
+    monkeypatch.setattr(compiled_module, "available_host_bytes", lambda: 64 * 2**30)
+    assert compiled_module.pool_limits("cpu", None) == []  # off CUDA no limit was given
+    reserve = compiled_module.HOST_RESERVE_BYTES
+    # (the limit reads only the device's kind)
+    assert compiled_module.pool_limits("cuda", None)[0][0] == 64 * 2**30 - reserve
     weights = sum(value.numel() * value.element_size() for value in run._weights.values())
-    del run._weights  # as while __init__ plans
-    room = 64 * 2**30 - run_module.HOST_RESERVE_BYTES - run.pool_limit_bytes()
+    packed = sum(p.layout.size_bytes for p in run.compiled.layout.of_kind("W"))
+    (limit, _what), = compiled_module.pool_limits("cuda", None, packed)
+    room = 64 * 2**30 - reserve - limit
     assert weights <= room < weights * 11 // 10  # their packed objects' bytes, padding and all

@@ -19,7 +19,7 @@ pytest.importorskip("dataflow_feed_shards")
 from dataflow_training.config import TrainConfig  # noqa: E402
 from dataflow_training.family import load_family  # noqa: E402
 from dataflow_training.lowering import lower  # noqa: E402
-from dataflow_training.run import UNBOUNDED_BYTES, TrainingRun  # noqa: E402
+from dataflow_training.compiled_step import UNBOUNDED_BYTES, compile_step  # noqa: E402
 from dataflow_training.trainer import (  # noqa: E402
     TENSORBOARD_SCALARS,
     TrainOptions,
@@ -49,23 +49,19 @@ def test_lr_schedules(schedule, steps, expected, tmp_path):
 
 @pytest.mark.parametrize(("recompute", "listed"), [((), "none"), ((1,), "1"), ((0, 1), "0, 1")])
 def test_plan_line_lists_the_recomputed_layers(recompute, listed):
-    from dataflow.planning import plan
+    from dataflow.planning import PRESSUREFIT, plan
 
     train_config = TrainConfig(seq_len=16, batch=2, rounds=2)
     lowered = lower(load_family("gpt2"), "gpt2_tiny", train_config, recompute=recompute)
     assert recomputed_layers(lowered.layout) == [str(i) for i in recompute]
-    planned = plan(lowered.program, UNBOUNDED_BYTES)
-    run = SimpleNamespace(
-        program=lowered.program,
-        layout=lowered.layout,
-        device="cpu",
-        planned=planned,
-        placement=planned,
-        train=train_config,
+    planned = plan(lowered.program, UNBOUNDED_BYTES, planner=PRESSUREFIT)
+    compiled = compile_step(load_family("gpt2"), "gpt2_tiny", train_config, recompute=False)
+    compiled = attrs.evolve(
+        compiled,
+        running=lowered.with_program(planned.program),
+        placement=SimpleNamespace(plan=planned),
     )
-    run.simulated = TrainingRun.simulated.fget(run)
-    run.predicted = lambda: TrainingRun.predicted(run)
-    line = plan_line(run)
+    line = plan_line(compiled)
     assert line.startswith("plan: gpt2-gpt2_tiny-train on cpu: predicted ")
     assert line.endswith(f"recomputed layers: {listed}"), line
     assert "of unbounded" in line

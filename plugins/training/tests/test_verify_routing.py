@@ -65,22 +65,22 @@ def test_a_wrong_choice_or_wrong_weights_fail() -> None:
 
 
 def test_a_run_keeps_its_aux_temp_per_round_and_layer_only_when_asked() -> None:
-    """``TrainingRun(keep_aux_temp=True).aux_temps()``: each round's recorded routing,
+    """``TrainingRun.of(keep_aux_temp=True).aux_temps()``: each round's recorded routing,
     per layer (the same batch twice: the same choices); without it, an error naming the
     option."""
     pytest.importorskip("dataflow_resolver_torch")  # the run executes its tasks
     train = TrainConfig(seq_len=8, batch=2, rounds=2)
     g = torch.Generator().manual_seed(1)
     batches = [tuple(torch.randint(0, 41, (2, 8), generator=g) for _ in range(2))] * 2
-    with TrainingRun("toy_moe", "toy_moe_tiny", train, keep_aux_temp=True) as run:
+    with TrainingRun.of("toy_moe", "toy_moe_tiny", train, keep_aux_temp=True) as run:
         run.step(batches)
         rounds = run.aux_temps()
-        blocks = [layer.name for layer in run.layout.layers if layer.kind == "moe"]
+        blocks = [layer.name for layer in run.compiled.layout.layers if layer.kind == "moe"]
     assert len(rounds) == 2 and all(list(r) == blocks for r in rounds) and blocks
-    k = run.config.top_k
+    k = run.compiled.config.top_k
     assert all(t["ids"].shape == (16, k) for r in rounds for t in r.values())
     assert torch.equal(rounds[0][blocks[0]]["ids"], rounds[1][blocks[0]]["ids"])
-    with TrainingRun("toy_moe", "toy_moe_tiny", train) as run:
+    with TrainingRun.of("toy_moe", "toy_moe_tiny", train) as run:
         run.step(batches)
         with pytest.raises(RuntimeError, match="keep_aux_temp=True"):
             run.aux_temps()

@@ -82,7 +82,7 @@ def test_compiled_moe_steps_in_bf16_are_captured_and_match_the_reference(
     assert not failed, failed
     family = families().get(family_name).load()
     train = TrainConfig(seq_len=16, batch=2, rounds=2, dtype=DtypePolicy.named("bf16"))
-    run = TrainingRun(family, preset, train, device="cuda", resolver="torch-compiled", seed=0)
+    run = TrainingRun.of(family, preset, train, device="cuda", resolver="torch-compiled", seed=0)
     g = torch.Generator().manual_seed(0)
     vocab = run.vocab_size
     batches = [

@@ -53,11 +53,11 @@ def _reference_run(family, config, state):
     return losses, {name: model.param(name).detach() for name in state}
 
 
-def _initial(program, config, state, step: int, data_only: bool = False):
+def _initial(lowered, config, state, step: int, data_only: bool = False):
     """Start values of every object that exists at start: packed weights, zero optimizer
     state, this step's tokens."""
     return start_values(
-        program, state, lambda s, r: _data(config, s, r), step=step, data_only=data_only
+        lowered, state, lambda s, r: _data(config, s, r), step=step, data_only=data_only
     )
 
 
@@ -73,21 +73,20 @@ def test_toy_training_matches_autograd(budget: str) -> None:
     }
     state["head.g"] = 1 + 0.1 * torch.randn(config.dim)
     train = TrainConfig(seq_len=SEQ, batch=BATCH, rounds=ROUNDS, optimizer=OPT, chunk_tokens=4)
-    program = lower(family, "small", train).program
+    lowered = lower(family, "small", train)
+    program = lowered.program
     # "tight": a quarter above the smallest feasible budget, which still moves every
     # weight and optimizer state through the links (asserted below)
     budget_bytes = 2**30 if budget == "generous" else int(1.25 * minimal_budget(program))
     planned = plan(program, budget_bytes)
-    resolver = TrainingResolver(planned.program, family=family, ops=plain_ops())
+    resolver = TrainingResolver(lowered.with_program(planned.program), ops=plain_ops())
     losses = []
     with Engine("torch", budget_bytes=budget_bytes) as engine:
-        engine.load(
-            planned, resolver, initial=_initial(program, config, state, 0), placement=place(planned)
-        )
+        engine.load(place(planned), resolver, initial=_initial(lowered, config, state, 0))
         for _ in range(STEPS):  # fresh tokens each step; weights and states carry over
-            engine.run(feed=lambda step: _initial(program, config, state, step, data_only=True))
+            engine.run(feed=lambda step: _initial(lowered, config, state, step, data_only=True))
             losses += [engine.fetch(f"loss_0_{r}").item() for r in range(ROUNDS)]
-        weights = read_state(program, engine.fetch)
+        weights = read_state(lowered, engine.fetch)
     if budget == "tight":
         assert (
             planned.sim.fast_peak_bytes <= budget_bytes < plan(program, 2**30).sim.fast_peak_bytes
@@ -147,20 +146,20 @@ def test_an_added_optimizer_runs_through_lowering_and_resolver(monkeypatch) -> N
     state = {k: v.detach().clone() for k, v in family.reference_model(config).state_dict().items()}
     policy = OptimizerPolicy(name="sgd", lr=0.05, beta1=0.9, state_dtypes={"momentum": "float32"})
     train = TrainConfig(seq_len=SEQ, batch=BATCH, rounds=1, optimizer=policy)
-    program = lower(family, "small", train).program
-    planned = plan(program, 2**30)
+    lowered = lower(family, "small", train)
+    planned = plan(lowered.program, 2**30)
     with Engine("torch") as engine:
         engine.load(
             planned,
-            TrainingResolver(planned.program, family=family, ops=plain_ops()),
-            initial=_initial(program, config, state, 0),
+            TrainingResolver(lowered.with_program(planned.program), ops=plain_ops()),
+            initial=_initial(lowered, config, state, 0),
         )
         engine.run(
-            steps=2, feed=lambda step: _initial(program, config, state, step, data_only=True)
+            steps=2, feed=lambda step: _initial(lowered, config, state, step, data_only=True)
         )
         weights = {
             k.partition(".")[2]: v
-            for k, v in read_state(program, engine.fetch).items()
+            for k, v in read_state(lowered, engine.fetch).items()
             if k.startswith("1.")
         }
     model = family.reference_model(config).double()

@@ -333,10 +333,10 @@ def _check_host_memory(family: Any, config: Any, preset: str) -> None:
     """Fail before any check runs when the step level on the CPU would need more host
     memory than is available (``verify.step_host_bytes``): it would be killed for memory
     after minutes of work rather than fail."""
-    from dataflow_training import run
+    from dataflow_training.compiled_step import available_host_bytes
     from dataflow_training.verify import CPU_STEP_BYTES_PER_PARAM, model_params, step_host_bytes
 
-    available = run.available_host_bytes()
+    available = available_host_bytes()
     need = step_host_bytes(family, config)
     if available is None or need <= available:
         return

@@ -43,7 +43,7 @@ def shape_of(train: TrainConfig, tokens_step: int) -> dict[str, Any]:
 
 def summary_of(
     placement: Any,
-    family: Any,
+    step: Any,
     cell: Cell,
     train: TrainConfig,
     *,
@@ -52,9 +52,10 @@ def summary_of(
     family_name: str,
     measured: Measured | None = None,
 ) -> Summary:
-    """The bundle summary of a placed training step: ``predict``'s row of the plan the
-    placement packed, with the step's shape and where its costs came from."""
-    row = row_of(placement.plan, family, cell, {})
+    """The bundle summary of a placed training step (``step``: the placed plan's program
+    with its layout): ``predict``'s row of the plan the placement packed, with the
+    step's shape and where its costs came from."""
+    row = row_of(placement.plan, step, cell, {})
     return plan_summary(
         placement,
         pricing,
@@ -107,30 +108,33 @@ def export_cell(
         placement = place(planned.planned, workspace_beside_bytes=planned.workspace_beside_bytes)
     except PlanningError as exc:
         raise ExportError(" ".join(str(exc).split())) from None
+    step = planned.step_of(placement.plan.program)
     summary = summary_of(
         placement,
-        family,
+        step,
         cell,
         train,
         pricing=pricing,
         hw=None if pricing in ("profile cache", "profiled") else hw.name,
         family_name=family_name,
     )
-    return bundle_of(placement, summary, recomputed=recomputed(placement.plan.program))
+    return bundle_of(placement, summary, recomputed=recomputed(step))
 
 
 def run_cell(run: Any) -> Cell:
     """The ``predict`` cell of a ``TrainingRun``'s step."""
-    train = run.train
+    compiled, train = run.compiled, run.train
     t_round = train.batch * train.seq_len
-    return Cell(run.preset, t_round, train.seq_len, t_round * train.rounds, run.budget_bytes)
+    return Cell(
+        compiled.preset, t_round, train.seq_len, t_round * train.rounds, compiled.budget_bytes
+    )
 
 
 def traced_timeline(run: Any, results: Sequence[Any], predicted: Any) -> Any:
     """The measured timeline of the steps in ``results`` (each a step's ``RunResult``)."""
     steps = [result.to_timeline() for result in results]
-    device = {"device": run.device, "graph": run.graph, "graph_note": run.graph_note}
-    return measured_timeline(run.placement.plan.program, steps, predicted, metadata=device)
+    device = {"device": run.device, "graph": run.compiled.graph, "graph_note": run.graph_note}
+    return measured_timeline(run.compiled.program, steps, predicted, metadata=device)
 
 
 def measured_step(run: Any, makespans: Sequence[tuple[float, bool]], results: Sequence[Any]):
@@ -166,17 +170,18 @@ def run_bundle(
     step (``measured_step``)."""
     measured = measured_step(run, makespans, results) if makespans else None
     pricing = pricing or ("profiled" if run.device.startswith("cuda") else "roofline")
+    compiled = run.compiled
     summary = summary_of(
-        run.placement,
-        run.family,
+        compiled.placement,
+        compiled.running,
         run_cell(run),
         run.train,
         pricing=pricing,
         hw=None,
-        family_name=run.family.name,
+        family_name=compiled.family.name,
         measured=measured,
     )
-    bundle = bundle_of(run.placement, summary, recomputed=recomputed(run.placement.plan.program))
+    bundle = bundle_of(compiled.placement, summary, recomputed=recomputed(compiled.running))
     if not results:
         return bundle
     return attrs.evolve(bundle, measured=traced_timeline(run, results, bundle.timeline))

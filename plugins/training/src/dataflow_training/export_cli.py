@@ -166,7 +166,7 @@ def export_bundle(
             family_name,
             cell,
             entry,
-            options.train_config(),
+            options.train_config(family),
             recompute=recompute,
             pricing=_pricing_label(priced, cache),
             **priced,

@@ -64,6 +64,7 @@ from dataflow_training.family import (
     Work,
     embed_layer,
     head_layer,
+    load_family,
     partial_saves,
 )
 from dataflow_training.keys import optimizer_key
@@ -83,11 +84,45 @@ from dataflow_training.step_chain import (
 
 @attrs.frozen
 class Lowered:
-    """The program plus its typed step layout."""
+    """One lowered training step as a value: the program, its typed step layout, the
+    family object it was lowered from (with its model config and layers).
+
+    Made by ``lower`` (and by the recompute planner for each candidate), and passed down
+    to whatever runs, prices or checks the step: they read roles from ``layout`` and call
+    ``family``; none looks the family up by name or parses ``program.metadata`` again.
+    A program read from a file becomes one through ``read`` alone."""
 
     program: Program
     layout: StepLayout
     layers: tuple[LayerSpec, ...]
+    family: Family = attrs.field(eq=False, repr=False)
+    config: Any = attrs.field(eq=False, repr=False)
+
+    @classmethod
+    def read(cls, program: Program, family: Family | None = None) -> Lowered:
+        """The step of a program that was lowered and written out (a program JSON file,
+        a bundle): its step layout parsed from ``program.metadata`` (the one place it is)
+        and its family loaded by the name the layout records (or ``family``, which must
+        bear that name). A program not lowered by dataflow-training is a ValueError."""
+        layout = StepLayout.of(program)
+        if family is None:
+            family = load_family(layout.family)
+        elif family.name != layout.family:
+            raise FamilyContractError(
+                f"family object is named {family.name!r} but the program was lowered for "
+                f"{layout.family!r}"
+            )
+        config = family.config(layout.preset, **layout.overrides)
+        return cls(program, layout, tuple(family.layers(config)), family, config)
+
+    def with_program(self, program: Program, layout: StepLayout | None = None) -> Lowered:
+        """The same step as ``program`` (planned, re-priced or a recompute candidate of
+        this one), with ``layout`` where its tasks differ."""
+        return attrs.evolve(self, program=program, layout=layout or self.layout)
+
+    @property
+    def data_objects(self) -> dict[str, tuple[int, str]]:
+        return self.layout.data_objects()
 
 
 def _dtype(spec: TensorSpec, policy_dtype: str) -> str:
@@ -208,9 +243,10 @@ def lower(
     _add_updates(chain, (head, *reversed(blocks), embed), norms)
     if train.early_updates and grad_share is None:
         chain.tasks[:] = updates_after_last_use(chain.tasks)
-    return _lowered(
+    program, layout = _lowered(
         chain, preset, overrides, layers, norms, keep_grads, keep_aux_temp, links, grad_share
     )
+    return Lowered(program, layout, layers, family, config)
 
 
 def _add_parameters(
@@ -384,7 +420,7 @@ def _lowered(
     keep_aux_temp: bool,
     links: Links | None,
     grad_share: float | None,
-) -> Lowered:
+) -> tuple[Program, StepLayout]:
     """The Program of ``chain`` and its step layout: weights, optimizer state, Aux, the
     losses and the gradient norms end in slow memory (the gradients and AuxTemp too, when
     kept for checks)."""
@@ -418,7 +454,7 @@ def _lowered(
         links=_step_links(links, grad_share),
         metadata=step_layout.to_metadata(),
     )
-    return Lowered(program, step_layout, layers)
+    return program, step_layout
 
 
 def _add_aux(family: str, layer: LayerSpec, packed: dict[str, PackedObject], add: Any) -> None:

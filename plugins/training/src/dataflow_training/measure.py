@@ -51,6 +51,7 @@ def measure_cell(
 
     from dataflow.engine import BudgetBreachError
     from dataflow.planning import PlanningError
+    from dataflow_training.compiled_step import compile_step
     from dataflow_training.run import TrainingRun
 
     costs = "measured" if device.startswith("cuda") else "roofline"
@@ -64,22 +65,21 @@ def measure_cell(
     train = train_config(cell, dtype, vocab=vocab_size(family, cell.preset), states=states)
     run = None
     try:
-        run = TrainingRun(
+        compiled = compile_step(
             family,
             cell.preset,
             train,
+            overrides=overrides,
             budget_bytes=cell.budget_bytes,
             backing_bytes=cell.backing_bytes,
             device=device,
-            seed=seed,
-            overrides=overrides,
             resolver=resolver,
             recompute=recompute,
             cost=hw.roofline(train.dtype.param),
             links=hw.links(),
         )
-        planned = getattr(run.placement, "plan", run.planned)
-        row = row_of(planned, family, cell, extra)
+        run = TrainingRun(compiled, seed=seed)
+        row = row_of(compiled.plan, compiled.running, cell, extra)
         if cell.backing_bytes is not None and row["backing_peak_bytes"] > cell.backing_bytes:
             return infeasible_row(
                 cell,

@@ -145,11 +145,10 @@ def position_overrides(family: Any, preset: str, seq_len: int) -> dict[str, int]
     return {}
 
 
-def step_flops(family: Any, program: Program) -> tuple[float, float]:
-    """``(model, executed)`` FLOPs of a lowered step from its families' declared work: the
+def step_flops(step: Lowered) -> tuple[float, float]:
+    """``(model, executed)`` FLOPs of a lowered step from its family's declared work: the
     model's are forward, head and backward of every round; executed adds recompute."""
-    layout = StepLayout.of(program)
-    config = family.config(layout.preset, **layout.overrides)
+    program, layout, family, config = step.program, step.layout, step.family, step.config
     train = layout.train
     act_bytes = DTYPE_BYTES[train.dtype.activation]
     kinds = {layer.name: layer.kind for layer in layout.layers}
@@ -174,10 +173,10 @@ def step_flops(family: Any, program: Program) -> tuple[float, float]:
     return model, executed
 
 
-def recomputed(program: Program) -> list[str]:
+def recomputed(step: Lowered) -> list[str]:
     """The recomputed units as ``round:block`` (block = the layer's name), and
     ``round:block:partial`` for a unit saved partially (its rest re-derived)."""
-    layout = StepLayout.of(program)
+    program, layout = step.program, step.layout
     return [
         ":".join((str(slot.round_), slot.layer, *filter(None, [task.params.get("partial")])))
         for task in program.tasks
@@ -185,14 +184,15 @@ def recomputed(program: Program) -> list[str]:
     ]
 
 
-def row_of(planned: Any, family: Any, cell: Cell, extra: dict[str, Any]) -> dict[str, Any]:
-    """A feasible cell's row from its plan (``dataflow.planning.Plan``)."""
+def row_of(planned: Any, step: Lowered, cell: Cell, extra: dict[str, Any]) -> dict[str, Any]:
+    """A feasible cell's row from its plan (``dataflow.planning.Plan``) and its step
+    (``planned.program`` with its layout)."""
     sim, program = planned.sim, planned.program
     step_us = planned.cycle.iteration_us if planned.cycle is not None else sim.makespan_us
     step_s = step_us / 1e6
-    model, executed = step_flops(family, program)
+    model, executed = step_flops(step)
     rec_us = sum(t.cost_us for t in program.tasks if t.kind == "rec")
-    units = recomputed(program)
+    units = recomputed(step)
     blocks = sorted({u.split(":")[1] for u in units}, key=_natural)
     return {
         **cell.key(),
@@ -231,13 +231,24 @@ class PlannedCell:
     """A cell lowered, priced and planned: ``planned`` (a ``dataflow.planning.Plan``), or
     ``reason`` why it cannot run; ``extra`` the row's fields that say how.
     ``workspace_beside_bytes``: with measured costs, the task workspace the plan leaves
-    beside its arena (its tasks hold none; ``place(..., workspace_beside_bytes=...)``)."""
+    beside its arena (its tasks hold none; ``place(..., workspace_beside_bytes=...)``).
+    ``lowered`` is the step as lowered and priced, ``rewriter`` the recompute search's
+    (None without one): ``step_of`` gives the step of the plan, or of a placement's."""
 
     cell: Cell
     extra: dict[str, Any]
     planned: Any = None
     reason: str | None = None
     workspace_beside_bytes: int = 0
+    lowered: Any = None
+    rewriter: Any = None
+
+    def step_of(self, program: Program | None = None) -> Lowered:
+        """The step whose program is ``program`` (default: the plan's)."""
+        from dataflow_training.compiled_step import running_step
+
+        chosen = self.planned.program if program is None else program
+        return running_step(self.lowered, self.rewriter, chosen)
 
 
 def plan_cell(
@@ -249,7 +260,7 @@ def plan_cell(
     dtype: str = "bf16",
     states: str = "fp32",
     train: TrainConfig | None = None,
-    measure: Callable[[Program], dict] | None = None,
+    measure: Callable[[Lowered], dict] | None = None,
     reserve_bytes: int = 0,
     ranks: int | None = None,
     scope: str = "nvlink",
@@ -264,7 +275,12 @@ def plan_cell(
     from dataflow.planning import PRESSUREFIT, PlanningError, plan
     from dataflow_training.lowering import lower
     from dataflow_training.profile import apply_profile, without_workspace
-    from dataflow_training.recompute import measured_recompute_planner, recompute_planner
+    from dataflow_training.recompute import (
+        MAX_CANDIDATES,
+        Rewriter,
+        measured_rewriter,
+        step_planner,
+    )
 
     extra: dict[str, Any] = {"hw": hw.name, "costs": "measured" if measure else "roofline"}
     extra["optimizer_states"] = states
@@ -277,7 +293,7 @@ def plan_cell(
     extra["overrides"] = overrides
     started = time.perf_counter()
     train = train or train_config(cell, dtype, vocab=vocab_size(family, cell.preset), states=states)
-    program = lower(
+    lowered = lower(
         family,
         cell.preset,
         train,
@@ -285,22 +301,24 @@ def plan_cell(
         cost=hw.roofline(train.dtype.param),
         links=hw.links(ranks, scope),
         grad_share=None if ranks is None else 1.0 / ranks,
-    ).program
-    planner = recompute_planner(family=family) if recompute else PRESSUREFIT
+    )
+    rewriter = Rewriter(lowered) if recompute and measure is None else None
     beside = 0  # measured workspace is the allocator's, beside the arena (as on CUDA)
     if measure is not None:
         largest = [0]
 
-        def measured(candidate: Program) -> dict:
+        def measured(candidate: Lowered) -> dict:
             found, most = without_workspace(measure(candidate))
             largest[0] = max(largest[0], most)
             return found
 
-        profiles = measured(program)
-        program = apply_profile(program, profiles)
+        profiles = measured(lowered)
+        lowered = lowered.with_program(apply_profile(lowered, profiles))
         if recompute:
-            planner = measured_recompute_planner(program, measured, family, known=profiles)
+            rewriter = measured_rewriter(lowered, measured, known=profiles)
         beside = largest[0]
+    program = lowered.program
+    planner = step_planner(rewriter, MAX_CANDIDATES) if rewriter is not None else PRESSUREFIT
     budget = cell.budget_bytes - reserve_bytes - beside
     if budget < 1:
         reason = (
@@ -325,7 +343,7 @@ def plan_cell(
             )
         return PlannedCell(cell, extra, reason=reason)
     extra["planning_s"] = time.perf_counter() - started
-    return PlannedCell(cell, extra, planned, workspace_beside_bytes=beside)
+    return PlannedCell(cell, extra, planned, None, beside, lowered, rewriter)
 
 
 def predict_cell(family: Any, cell: Cell, hw: HardwareEntry, **options: Any) -> dict[str, Any]:
@@ -337,7 +355,7 @@ def predict_cell(family: Any, cell: Cell, hw: HardwareEntry, **options: Any) -> 
     planned = plan_cell(family, cell, hw, **options)
     if planned.reason is not None:
         return infeasible_row(cell, planned.extra, planned.reason)
-    row = row_of(planned.planned, family, cell, planned.extra)
+    row = row_of(planned.planned, planned.step_of(), cell, planned.extra)
     ranks = options.get("ranks")
     if ranks is not None:
         row |= fleet_fields(planned.planned, ranks, planned.planned.program.links.collective)

@@ -279,20 +279,9 @@ def measured_pricing(
     graph = graph and device.startswith("cuda")
     cache = ProfileCache.for_device(device, "torch", graph=graph, family=family)
 
-    def measure(program: Any) -> dict:
-        from dataflow_training.step import StepLayout
-
-        layout = StepLayout.of(program)
-        vocab = family.config(layout.preset, **layout.overrides)
-        vocab_size = getattr(vocab, "vocab_size", getattr(vocab, "vocab", 1))
-
-        def int_high(obj_id: str) -> int:
-            return vocab_size if obj_id.startswith(("x_", "t_")) else 1
-
-        build = resolvers().get("torch").build(program)
-        return profile_program(
-            program, build, device=device, int_high=int_high, cache=cache, graph=graph
-        )
+    def measure(step: Any) -> dict:
+        build = resolvers().get("torch").build(step)
+        return profile_program(step, build, device=device, cache=cache, graph=graph)
 
     options: dict[str, Any] = {"measure": measure}
     if device.startswith("cuda"):

@@ -53,6 +53,8 @@ from dataflow.engine import LaunchContext
 from dataflow.engine.backends.graph_memsets import memsets_to_kernels
 from dataflow.engine.backends.torch_storage import typed_view
 from dataflow.schema import Program, Task
+from dataflow_training.family import embed_layer
+from dataflow_training.lowering import Lowered
 from dataflow_training.step import StepLayout
 
 #: The version of the measuring method (fills, warm-up, timing); part of every cache key.
@@ -77,27 +79,21 @@ class TaskProfile:
     workspace_bytes: int
 
 
-def signature(program: Program, task: Task) -> tuple:
+def signature(step: Lowered, task: Task) -> tuple:
     """What a task's cost depends on: its kernel, its parameters, its objects' sizes and the
     step's token shape. Sizes alone are not enough: 64 x 1024 and 16 x 4096 tokens give
     attention the same bytes but four times the work per token."""
-    sizes = program.objects_by_id
+    sizes = step.program.objects_by_id
+    train = step.layout.train
     params = tuple(sorted((k, repr(v)) for k, v in task.params.items() if k not in _POSITION))
     return (
         task.compute_key,
         params,
-        _token_shape(program),
+        (train.batch, train.seq_len),
         tuple(sizes[o].size_bytes for o in task.inputs),
         tuple(sizes[o].size_bytes for o in task.mutates),
         tuple(sizes[o].size_bytes for o in task.outputs),
     )
-
-
-def _token_shape(program: Program) -> tuple[int, int] | None:
-    """``(batch, seq_len)`` of a lowered training step (read without parsing the whole
-    layout, which is slow for big programs); None for other programs."""
-    train = program.metadata.get(StepLayout.METADATA_KEY, {}).get("train")
-    return None if train is None else (train.get("batch", 1), train["seq_len"])
 
 
 def _filled(
@@ -293,22 +289,23 @@ class ProfileCache:
 
 
 def profile_program(
-    program: Program,
+    step: Lowered,
     resolver: Callable[[Task], Any],
     *,
     device: str = "cuda",
     repeats: int = 3,
     seed: int = 0,
-    int_high: Callable[[str], int] = lambda obj_id: 1,
+    int_high: Callable[[str], int] | None = None,
     graph: bool = False,
     cache: ProfileCache | None = None,
     settle_s: float = SETTLE_S,
     flush_l2: bool = FLUSH_L2,
 ) -> dict[tuple, TaskProfile]:
-    """Measure every distinct task signature of ``program`` once (see the module docstring),
+    """Measure every distinct task signature of ``step`` once (see the module docstring),
     or take it from ``cache`` (and store what was measured there). Integer tensors are
-    filled uniformly from ``[0, int_high(obj_id))`` (zeros by default; tokens should be
-    spread over the vocabulary, or the embedding's scatter-add contends on one row).
+    filled uniformly from ``[0, int_high(obj_id))`` (default: the step's tokens and
+    targets over the vocabulary, or the embedding's scatter-add contends on one row;
+    every other integer tensor zeros).
 
     ``settle_s`` (CUDA): before its timed launches each task runs back to back for that
     long, so the clocks are those of a loaded device rather than of one that idled between
@@ -318,16 +315,17 @@ def profile_program(
     timing = _Timing.on(dev, settle_s, flush_l2)
     generator = torch.Generator().manual_seed(seed)
     profiles: dict[tuple, TaskProfile] = {}
-    layout = StepLayout.of(program)
+    program, layout = step.program, step.layout
+    int_high = int_high or vocabulary_high(step)
 
     def decided(obj_id: str) -> torch.Tensor:
-        return _decided(program, layout, obj_id, resolver, dev, generator, int_high, made)
+        return _decided(step, obj_id, resolver, dev, generator, int_high, made)
 
     made: dict[tuple, torch.Tensor] = {}
     for task in program.tasks:
         if task.collective:
             continue  # the collective link prices it, not a measurement of compute
-        key = signature(program, task)
+        key = signature(step, task)
         if key in profiles:
             continue
         cached = cache.get(key) if cache is not None else None
@@ -344,13 +342,13 @@ def profile_program(
     return profiles
 
 
-def busiest_task(program: Program, profiles: dict[tuple, TaskProfile]) -> Task:
-    """The first task of the signature that takes most of ``program``'s profiled compute
+def busiest_task(step: Lowered, profiles: dict[tuple, TaskProfile]) -> Task:
+    """The first task of the signature that takes most of ``step``'s profiled compute
     time (its cost times its count)."""
     totals: dict[tuple, float] = {}
     first: dict[tuple, Task] = {}
-    for task in program.tasks:
-        key = signature(program, task)
+    for task in step.program.tasks:
+        key = signature(step, task)
         if task.collective or key not in profiles:
             continue
         totals[key] = totals.get(key, 0.0) + profiles[key].cost_us
@@ -359,12 +357,12 @@ def busiest_task(program: Program, profiles: dict[tuple, TaskProfile]) -> Task:
 
 
 def task_launcher(
-    program: Program,
+    step: Lowered,
     resolver: Callable[[Task], Any],
     task: Task,
     *,
     device: str | torch.device,
-    int_high: Callable[[str], int] = lambda obj_id: 1,
+    int_high: Callable[[str], int] | None = None,
     seed: int = 0,
 ) -> Callable[[Any], None]:
     """``launch(stream)``: ``task`` enqueued on a CUDA ``stream`` (run in place on the
@@ -373,12 +371,13 @@ def task_launcher(
     while it times copies, so the links are priced as a step's copies run, beside its
     kernels."""
     dev = torch.device(device)
-    layout = StepLayout.of(program)
+    program, layout = step.program, step.layout
+    int_high = int_high or vocabulary_high(step)
     generator = torch.Generator().manual_seed(seed)
     made: dict[tuple, torch.Tensor] = {}
 
     def decided(obj_id: str) -> torch.Tensor:
-        return _decided(program, layout, obj_id, resolver, dev, generator, int_high, made)
+        return _decided(step, obj_id, resolver, dev, generator, int_high, made)
 
     executable, ctx = _prepared(program, layout, task, resolver, dev, generator, int_high, decided)
 
@@ -453,8 +452,7 @@ def _is_decision(layout: StepLayout, obj_id: str) -> bool:
 
 
 def _decided(
-    program: Program,
-    layout: StepLayout,
+    step: Lowered,
     obj_id: str,
     resolver: Callable[[Task], Any],
     dev: torch.device,
@@ -467,8 +465,9 @@ def _decided(
     with zeros route every row nowhere, so a backward timed on them skips the experts'
     GEMMs, and a loop over the offsets refuses them. The writer runs once per signature
     (``made``); each reader gets its own copy."""
+    program, layout = step.program, step.layout
     writer = program.tasks[program.producers[obj_id]]
-    key = (signature(program, writer), writer.outputs.index(obj_id))
+    key = (signature(step, writer), writer.outputs.index(obj_id))
     if key not in made:
         buffers = _buffers(program, layout, writer, dev, generator, int_high, None)
         resolver(writer).launch(_launch_context(program, writer, dev, buffers))
@@ -599,6 +598,14 @@ def _replayed_us(
     return times
 
 
+def vocabulary_high(step: Lowered) -> Callable[[str], int]:
+    """``int_high`` of the profiling pass: the step's tokens and targets drawn over its
+    vocabulary, every other integer tensor zeros."""
+    vocab = embed_layer(step.layers).params[0].shape[0]
+    data = step.layout.data_objects()
+    return lambda obj_id: vocab if obj_id in data else 1
+
+
 def without_workspace(profiles: dict[tuple, TaskProfile]) -> tuple[dict[tuple, TaskProfile], int]:
     """``profiles`` with no workspace, and the most any of them measured. On CUDA task
     workspace is taken from the framework allocator beside the arena, so a program priced
@@ -608,15 +615,16 @@ def without_workspace(profiles: dict[tuple, TaskProfile]) -> tuple[dict[tuple, T
     return stripped, largest
 
 
-def apply_profile(program: Program, profiles: dict[tuple, TaskProfile]) -> Program:
-    """``program`` with every task's cost and workspace from its measured signature
+def apply_profile(step: Lowered, profiles: dict[tuple, TaskProfile]) -> Program:
+    """``step``'s program with every task's cost and workspace from its measured signature
     (collective tasks stay as they are: the collective link prices them)."""
+    program = step.program
     tasks = []
     for task in program.tasks:
         if task.collective:
             tasks.append(task)
             continue
-        measured = profiles[signature(program, task)]
+        measured = profiles[signature(step, task)]
         tasks.append(
             attrs.evolve(task, cost_us=measured.cost_us, workspace_bytes=measured.workspace_bytes)
         )

@@ -40,7 +40,7 @@ planned. So the answer is never slower than the program as given, whenever that 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -48,6 +48,7 @@ import attrs
 from dataflow.planning import PRESSUREFIT, Plan, PlanningError, fast_homes, plan
 from dataflow.registry import PlannerSpec
 from dataflow.schema import Program, Task
+from dataflow_training.lowering import Lowered
 from dataflow_training.step import StepLayout
 
 #: The most candidate plans one search makes (each is a PressureFit plan and a simulation).
@@ -81,12 +82,15 @@ Price = Callable[[Program], Program]
 @attrs.frozen
 class Choice:
     """What the search settled on: the fully recomputed ``units``, the ``partial`` units
-    (saved partially, the rest re-derived), the plan, and how many candidates it planned."""
+    (saved partially, the rest re-derived), the plan, how many candidates it planned, and
+    the step it runs."""
 
     units: frozenset[Unit]
     plan: Plan
     candidates: int
-    partial: frozenset[Unit] = frozenset()
+    partial: frozenset[Unit]
+    #: the chosen candidate as planned: ``plan.program`` with its step layout
+    step: Lowered
 
     @property
     def step_us(self) -> float:
@@ -101,34 +105,57 @@ def _step_us(planned: Plan) -> float:
 KEEP, FULL = "keep", "full"
 
 
-def _unit_of_saved(obj_id: str) -> Unit:
-    """``(round, block)`` of ``A_<step>_<round>_<block>`` or of its ``.<partial>`` rest."""
-    _, _step, r, i = obj_id.partition(".")[0].split("_")
-    return int(r), int(i)
+Relower = Callable[[frozenset[Unit], Mapping[Unit, str]], Lowered]
+
+
+def relowering(step: Lowered) -> Relower:
+    """``step``'s family object lowering the same step again with ``recompute`` units
+    re-derived whole and ``partial`` units (each mapped to its partial save) saved in
+    part: the recompute planner's candidates are made of these."""
+    from dataflow_training.lowering import lower
+
+    layout = step.layout
+
+    def relower(recompute: frozenset[Unit], partial: Mapping[Unit, str]) -> Lowered:
+        return lower(
+            step.family,
+            layout.preset,
+            layout.train,
+            overrides=layout.overrides,
+            step=layout.step,
+            recompute=sorted(recompute),
+            partial=dict(partial),
+        )
+
+    return relower
 
 
 class Rewriter:
-    """Candidate programs of one lowered step (module docstring)."""
+    """Candidate steps of one lowered step (module docstring). ``relower`` lowers the
+    step again with units in another mode (default: ``relowering(step)``); ``price``
+    re-prices a candidate's program."""
 
-    def __init__(self, program: Program, price: Price | None = None, family: Any = None) -> None:
-        from dataflow_training.family import load_family, partial_saves
-        from dataflow_training.lowering import lower
+    def __init__(
+        self,
+        step: Lowered,
+        price: Price | None = None,
+        relower: Relower | None = None,
+        lowerings: dict[str, Lowered] | None = None,
+    ) -> None:
+        from dataflow_training.family import partial_saves
 
-        self.program, self.price = program, price
-        self.layout = StepLayout.of(program)
+        self.step, self.program, self.price = step, step.program, price
+        self.relower = relower or relowering(step)
+        #: the step lowered with every unit in one mode, by mode (shared by ``rebased``)
+        self._lowerings = {} if lowerings is None else lowerings
+        self.layout = step.layout
         names = [layer.name for layer in self.layout.layers]
         self.blocks = {name: i for i, name in enumerate(names[1:-1])}
         rounds = self.layout.train.rounds
         self.all = frozenset((r, i) for r in range(rounds) for i in self.blocks.values())
-        self.given_mode: dict[Unit, str] = {}
-        for task in program.tasks:
-            if task.kind == "rec":
-                unit = (task.params["round"], self.blocks[task.params["layer"]])
-                self.given_mode[unit] = task.params.get("partial", FULL)
+        self.given_mode = self._modes_of(self.program)
         self.given = frozenset(u for u, mode in self.given_mode.items() if mode == FULL)
-        family = family or load_family(self.layout.family)
-        config = family.config(self.layout.preset, **self.layout.overrides)
-        train = self.layout.train
+        family, config, train = step.family, step.config, self.layout.train
         # the partial save each block kind offers first, where it offers one
         offered = {}
         for layer in self.layout.layers[1:-1]:
@@ -143,30 +170,23 @@ class Rewriter:
             if offered[self.layout.layer(name).kind] is not None
         }
         self.partial_units = frozenset(self.partial_of)
-
-        def lowered(mode: str) -> Any:
-            """The step with every unit in ``mode`` (that offers it)."""
-            return lower(
-                family,
-                self.layout.preset,
-                train,
-                overrides=self.layout.overrides,
-                step=self.layout.step,
-                recompute=sorted(self.all) if mode == FULL else (),
-                partial={u: m for u, m in self.partial_of.items() if m == mode},
-            )
-
         modes = {FULL, *self.partial_of.values(), *((KEEP,) if self.given_mode else ())}
         # mode -> (tasks by id, step layout, each unit's A objects) of its lowering
         self.sources: dict[str, tuple[dict[str, Task], StepLayout, dict[Unit, list]]] = {}
         for mode in modes:
-            source = lowered(mode)
+            if mode not in self._lowerings:
+                self._lowerings[mode] = self.relower(
+                    self.all if mode == FULL else frozenset(),
+                    {u: m for u, m in self.partial_of.items() if m == mode},
+                )
+            source = self._lowerings[mode]
             saved: dict[Unit, list] = {}
+            units_of = self._saved_units(source.layout)
             for obj in source.program.objects:
-                if obj.id.startswith("A_"):
-                    saved.setdefault(_unit_of_saved(obj.id), []).append(obj)
+                if obj.id in units_of:
+                    saved.setdefault(units_of[obj.id], []).append(obj)
             self.sources[mode] = (source.program.tasks_by_id, source.layout, saved)
-        plain = {t.id: t for t in program.tasks}
+        plain = {t.id: t for t in self.program.tasks}
         # a rec task's price: its forward's, scaled by the declared work of the two
         self.rec_cost: dict[tuple[Unit, str], Task] = {}
         for mode, (source, layout, _) in self.sources.items():
@@ -174,7 +194,7 @@ class Rewriter:
                 if slot.kind != "rec":
                     continue
                 unit = (slot.round_, self.blocks[slot.layer])
-                fwd_id = slot.id.replace("rec_", "fwd_", 1)
+                fwd_id = layout.task_of("fwd", slot.layer, slot.round_).id
                 rec, fwd_fresh, fwd_given = source[slot.id], source[fwd_id], plain[fwd_id]
                 if self.given_mode.get(unit) == mode:
                     self.rec_cost[unit, mode] = plain[slot.id]
@@ -185,7 +205,44 @@ class Rewriter:
                     cost_us=fwd_given.cost_us * ratio,
                     workspace_bytes=fwd_given.workspace_bytes,
                 )
-        self.base_us = sum(t.cost_us for t in program.tasks if t.kind != "rec")
+        self.base_us = sum(t.cost_us for t in self.program.tasks if t.kind != "rec")
+
+    def _modes_of(self, program: Program) -> dict[Unit, str]:
+        """The mode of every unit that ``program`` (this step or a candidate of it)
+        re-derives, read from its ``rec`` tasks' params."""
+        modes = {}
+        for task in program.tasks:
+            if task.kind == "rec":
+                unit = (task.params["round"], self.blocks[task.params["layer"]])
+                modes[unit] = task.params.get("partial", FULL)
+        return modes
+
+    def _saved_units(self, layout: StepLayout) -> dict[str, Unit]:
+        """Each saved-context object of ``layout`` with its unit."""
+        return {
+            obj_id: (slot.round_, self.blocks[slot.layer])
+            for obj_id, slot in layout.saved_by().items()
+        }
+
+    def step_of(self, program: Program) -> Lowered:
+        """``program``, a candidate of this step (as planned: with directives), as a
+        step with its own layout, read from which units its ``rec`` tasks re-derive."""
+        modes = self._modes_of(program)
+        full = frozenset(u for u, m in modes.items() if m == FULL)
+        partial = frozenset(u for u, m in modes.items() if m != FULL)
+        if modes == self.given_mode:
+            return self.step.with_program(program)
+        found = self._candidate(full, partial)
+        if {t.id for t in found.program.tasks} != {t.id for t in program.tasks}:
+            raise ValueError(
+                f"program {program.name!r} is not a recompute candidate of this step"
+            )
+        return self.step.with_program(program, found.layout)
+
+    def rebased(self, step: Lowered) -> Rewriter:
+        """A rewriter of ``step`` (a candidate of this one) sharing this one's lowerings
+        of each mode and its pricing."""
+        return Rewriter(step, self.price, self.relower, self._lowerings)
 
     def unit_of(self, task_id: str) -> Unit | None:
         slot = self.layout.tasks.get(task_id)
@@ -201,14 +258,18 @@ class Rewriter:
         modes |= {u: self.partial_of[u] for u in partial if u in self.partial_of}
         return {u: FULL if u in full else modes.get(u, KEEP) for u in self.all}
 
-    def candidate(self, units: Iterable[Unit] = (), partial: Iterable[Unit] = ()) -> Program:
-        """The program with ``units`` recomputed and ``partial`` saved partially (on top of
-        those it recomputes already)."""
+    def candidate(self, units: Iterable[Unit] = (), partial: Iterable[Unit] = ()) -> Lowered:
+        """The step with ``units`` recomputed and ``partial`` saved partially (on top of
+        those it recomputes already), its program priced by ``price``."""
+        found = self._candidate(units, partial)
+        return found if self.price is None else found.with_program(self.price(found.program))
+
+    def _candidate(self, units: Iterable[Unit] = (), partial: Iterable[Unit] = ()) -> Lowered:
         changed = {
             u: m for u, m in self.modes(units, partial).items() if m != self.given_mode.get(u, KEEP)
         }
         if not changed:
-            return self.program if self.price is None else self.price(self.program)
+            return self.step
         tasks: list[Task] = []
         slots = dict(self.layout.tasks)
         for task in self.program.tasks:
@@ -234,19 +295,20 @@ class Rewriter:
             tasks.append(task)
         objects, packed = self._saved_objects(changed)
         layout = attrs.evolve(self.layout, tasks=slots, packed=packed)
-        metadata = {**self.program.metadata, **layout.to_metadata()}
+        metadata = {**self.program.metadata, **layout.to_metadata()}  # written out with it
         program = attrs.evolve(self.program, tasks=tuple(tasks), objects=objects, metadata=metadata)
-        return program if self.price is None else self.price(program)
+        return self.step.with_program(program, layout)
 
     def _saved_objects(self, changed: dict[Unit, str]) -> tuple[tuple[Any, ...], dict]:
         """The program's objects and packed objects with every changed unit's ``A`` (and
         a partial save's rest) as its new mode's lowering has them, in place."""
         packed, objects, done = dict(self.layout.packed), [], set()
+        units_of = self._saved_units(self.layout)
         for obj in self.program.objects:
-            if not obj.id.startswith("A_") or _unit_of_saved(obj.id) not in changed:
+            unit = units_of.get(obj.id)
+            if unit not in changed:
                 objects.append(obj)
                 continue
-            unit = _unit_of_saved(obj.id)
             del packed[obj.id]
             if unit in done:
                 continue
@@ -265,11 +327,13 @@ class Rewriter:
 
     def offloaded(self, planned: Plan) -> list[Unit]:
         """Units (not yet recomputed) whose ``A`` the plan writes back to slow memory."""
-        found = set()
-        for task in planned.program.tasks:
-            for obj_id in task.offloads:
-                if obj_id.startswith("A_"):
-                    found.add(_unit_of_saved(obj_id))
+        units_of = self._saved_units(self.layout)
+        found = {
+            units_of[obj_id]
+            for task in planned.program.tasks
+            for obj_id in task.offloads
+            if obj_id in units_of
+        }
         return sorted(found - self.given, key=_chain_order)
 
 
@@ -279,21 +343,17 @@ def _chain_order(unit: Unit) -> tuple[int, int]:
 
 
 def search(
-    program: Program,
+    rewriter: Rewriter,
     budget_bytes: int,
     *,
-    price: Price | None = None,
     max_candidates: int | None = None,
-    family: Any = None,
     **options: Any,
 ) -> Choice:
-    """The best recompute choice for ``program`` within ``budget_bytes`` (module
+    """The best recompute choice for the rewriter's step within ``budget_bytes`` (module
     docstring). ``options`` go to every PressureFit plan (``slow_budget_bytes``,
-    ``cyclic``); ``family`` is the family object the program was lowered from (default:
-    the registered family the step layout names); ``max_candidates`` defaults to
-    ``MAX_CANDIDATES``, plus ``PARTIAL_CANDIDATES`` where the step's blocks offer partial
-    saves. Raises ``InfeasibleBudget`` when no candidate fits."""
-    rewriter = Rewriter(program, price, family)
+    ``cyclic``); ``max_candidates`` defaults to ``MAX_CANDIDATES``, plus
+    ``PARTIAL_CANDIDATES`` where the step's blocks offer partial saves. Raises
+    ``InfeasibleBudget`` when no candidate fits."""
     if max_candidates is None:
         max_candidates = MAX_CANDIDATES + (PARTIAL_CANDIDATES if rewriter.partial_of else 0)
     planned = 0
@@ -322,7 +382,7 @@ def search(
 
     def _evaluate(units: frozenset[Unit], partial: frozenset[Unit]) -> Plan | None:
         nonlocal planned, quick
-        candidate = rewriter.candidate(units, partial)
+        candidate = rewriter.candidate(units, partial).program
         if _floor_bytes(candidate) > budget_bytes:
             return None
         planned += 1
@@ -342,7 +402,7 @@ def search(
     best = first
     cheapest = min((t.cost_us for t in rewriter.rec_cost.values()), default=0.0)
     if _step_us(best) <= rewriter.compute_us(units) + cheapest:
-        return Choice(units, best, planned)
+        return _choice(rewriter, units, best, planned, frozenset())
 
     def accept(trial: tuple[frozenset[Unit], frozenset[Unit]]) -> bool:
         """Plan ``trial`` (full, partial) unless its compute alone cannot beat the best;
@@ -383,10 +443,21 @@ def search(
         _partial_ladder(rewriter, accept, now)
     if (units, partial - units) in narrowed:  # the winner, with every set of fast homes
         planned += 1
-        again = planned_with(rewriter.candidate(units, partial), _QUICK)
+        again = planned_with(rewriter.candidate(units, partial).program, _QUICK)
         if again is not None and _step_us(again) < _step_us(best):
             best = again
-    return Choice(units, best, planned, partial)
+    return _choice(rewriter, units, best, planned, partial)
+
+
+def _choice(
+    rewriter: Rewriter,
+    units: frozenset[Unit],
+    best: Plan,
+    planned: int,
+    partial: frozenset[Unit],
+) -> Choice:
+    step = rewriter.candidate(units, partial).with_program(best.program)
+    return Choice(units, best, planned, partial, step)
 
 
 def _partial_ladder(rewriter: Rewriter, accept: Callable, current: Callable) -> None:
@@ -432,7 +503,7 @@ def _make_it_fit(
     everything = rewriter.all | rewriter.given
     fitted = evaluate(everything)
     if fitted is None:
-        plan(rewriter.candidate(everything), budget_bytes, planner=PRESSUREFIT, **options)
+        plan(rewriter.candidate(everything).program, budget_bytes, planner=PRESSUREFIT, **options)
         raise PlanningError(  # PressureFit's quick search missed a plan its full one finds
             f"the recompute planner found no plan of {rewriter.program.name!r} within "
             f"{budget_bytes} bytes"
@@ -456,16 +527,13 @@ def _make_it_fit(
     return best_units, best
 
 
-def minimal_recompute_budget(program: Program, *, family: Any = None, **options: Any) -> int:
-    """The smaller of the minimal budgets of the program as given and with every unit
-    recomputed."""
+def minimal_recompute_budget(rewriter: Rewriter, **options: Any) -> int:
+    """The smaller of the minimal budgets of the rewriter's step as given and with every
+    unit recomputed."""
     from dataflow.planning import minimal_budget
 
-    given = minimal_budget(program, **options)
-    if StepLayout.METADATA_KEY not in program.metadata:
-        return given
-    rewriter = Rewriter(program, family=family)
-    return min(given, minimal_budget(rewriter.candidate(rewriter.all), **options))
+    given = minimal_budget(rewriter.program, **options)
+    return min(given, minimal_budget(rewriter.candidate(rewriter.all).program, **options))
 
 
 RECOMPUTE_DESCRIPTION = (
@@ -474,29 +542,52 @@ RECOMPUTE_DESCRIPTION = (
 )
 
 
+def step_planner(rewriter: Rewriter, max_candidates: int | None = None) -> PlannerSpec:
+    """The ``recompute`` planner of one lowered step: it plans the rewriter's step, or a
+    candidate of it (a placement re-planning the chosen one), by ``search``."""
+
+    def rewriter_of(program: Program) -> Rewriter:
+        step = rewriter.step_of(program)
+        return rewriter if step.program is rewriter.program else rewriter.rebased(step)
+
+    def plan_step(program: Program, budget_bytes: int, **options: Any) -> Program:
+        found = search(
+            rewriter_of(program), budget_bytes, max_candidates=max_candidates, **options
+        )
+        return found.plan.program
+
+    def minimal(program: Program, **options: Any) -> int:
+        return minimal_recompute_budget(rewriter_of(program), **options)
+
+    return PlannerSpec("recompute", plan_step, RECOMPUTE_DESCRIPTION, minimal_budget=minimal)
+
+
 def recompute_planner(
     price: Price | None = None, max_candidates: int = MAX_CANDIDATES, family: Any = None
 ) -> PlannerSpec:
-    """A ``recompute`` planner spec whose candidates are priced by ``price`` (default:
-    the costs of the program it is given) and re-lowered with ``family`` (default: the
-    registered family the program names). Its ``plan`` is the best candidate's planned
-    program; a program not lowered by dataflow-training goes to PressureFit as is."""
+    """The ``recompute`` planner of programs read from files (``dataflow plan FILE.json``:
+    the planner registered by name). A lowered step's program is read as its step
+    (``Lowered.read``, with ``family`` if given, else the registered family its layout
+    names) and planned by ``search``, its candidates priced by ``price`` (default: their
+    costs as lowered); any other program goes to PressureFit as is."""
+
+    def rewriter_of(program: Program) -> Rewriter:
+        return Rewriter(Lowered.read(program, family), price)
 
     def plan_recompute(program: Program, budget_bytes: int, **options: Any) -> Program:
         if StepLayout.METADATA_KEY not in program.metadata:
             return PRESSUREFIT.plan(program, budget_bytes, **options)
-        choice = search(
-            program,
-            budget_bytes,
-            price=price,
-            max_candidates=max_candidates,
-            family=family,
-            **options,
+        found = search(
+            rewriter_of(program), budget_bytes, max_candidates=max_candidates, **options
         )
-        return choice.plan.program
+        return found.plan.program
 
     def minimal(program: Program, **options: Any) -> int:
-        return minimal_recompute_budget(program, family=family, **options)
+        from dataflow.planning import minimal_budget
+
+        if StepLayout.METADATA_KEY not in program.metadata:
+            return minimal_budget(program, **options)
+        return minimal_recompute_budget(rewriter_of(program), **options)
 
     return PlannerSpec("recompute", plan_recompute, RECOMPUTE_DESCRIPTION, minimal_budget=minimal)
 
@@ -505,24 +596,23 @@ def recompute_planner(
 RECOMPUTE = recompute_planner()
 
 
-def measured_recompute_planner(
-    program: Program,
-    profile: Callable[[Program], dict],
-    family: Any = None,
+def measured_rewriter(
+    step: Lowered,
+    profile: Callable[[Lowered], dict],
     known: dict | None = None,
-) -> PlannerSpec:
-    """A ``recompute`` planner whose candidates are priced by the profiling pass:
-    ``profile(program)`` returns the measured profiles of a program's task signatures
-    (``dataflow_training.profile.profile_program``); it is called for ``program``, for
-    the program with every unit recomputed and (where partial saves are on offer) with
-    every unit saved partially, which between them hold every signature any candidate
-    has (a unit's tasks depend only on its own mode); ``known``:
-    profiles of ``program`` measured already."""
+) -> Rewriter:
+    """A rewriter of ``step`` whose candidates are priced by the profiling pass:
+    ``profile(step)`` returns the measured profiles of a step's task signatures
+    (``dataflow_training.profile.profile_program``); it is called for ``step``, for the
+    step with every unit recomputed and (where partial saves are on offer) with every
+    unit saved partially, which between them hold every signature any candidate has (a
+    unit's tasks depend only on its own mode); ``known``: profiles of ``step`` measured
+    already."""
     from dataflow_training.profile import apply_profile
 
-    rewriter = Rewriter(program, family=family)
-    profiles = dict(known) if known is not None else profile(program)
+    rewriter = Rewriter(step)
+    profiles = dict(known) if known is not None else profile(step)
     profiles |= profile(rewriter.candidate(rewriter.all))
     if rewriter.partial_units:  # the partial saves' forward, rec and backward tasks
         profiles |= profile(rewriter.candidate((), rewriter.partial_units))
-    return recompute_planner(price=lambda p: apply_profile(p, profiles), family=family)
+    return Rewriter(step, lambda p: apply_profile(p, profiles), rewriter.relower, rewriter._lowerings)

@@ -164,9 +164,53 @@ class StepLayout:
     def of_kind(self, kind: str) -> list[PackedObject]:
         return [p for p in self.packed.values() if p.kind == kind]
 
+    def data_objects(self) -> dict[str, tuple[int, str]]:
+        """Each round's token and target objects: ``{id: (round, "tokens" | "targets")}``
+        (the embed task reads the tokens, the head task the targets)."""
+        found = {}
+        for slot in self.tasks.values():
+            for role in ("tokens", "targets"):
+                if slot.kind in ("embed", "head"):
+                    for obj_id in slot.inputs.get(role, ()):
+                        found[obj_id] = (slot.round_, role)
+        return found
+
+    def losses(self) -> tuple[str, ...]:
+        """The step's loss objects, one a round, in round order."""
+        heads = sorted((s for s in self.tasks.values() if s.kind == "head"), key=_round)
+        return tuple(slot.one("loss") for slot in heads)
+
+    def grad_norms(self) -> tuple[str, ...]:
+        """The squared gradient norms the step's ``gnorm`` tasks write (none when the
+        step neither clips nor measures its gradient norm)."""
+        return tuple(
+            slot.one("grad_norm") for slot in self.tasks.values() if slot.kind == "gnorm"
+        )
+
+    def saved_by(self) -> dict[str, TaskSlot]:
+        """Each saved-context object (``A`` and a partial save's rest) with the forward
+        or ``rec`` task that writes it (its round and layer)."""
+        return {
+            obj_id: slot
+            for slot in self.tasks.values()
+            if slot.kind in ("fwd", "rec")
+            for obj_id in slot.outputs.get("saved", ())
+        }
+
+    def task_of(self, kind: str, layer: str, round_: int) -> TaskSlot:
+        """The task of ``kind`` for ``layer`` in round ``round_``."""
+        for slot in self.tasks.values():
+            if slot.kind == kind and slot.layer == layer and slot.round_ == round_:
+                return slot
+        raise KeyError(f"no {kind} task of layer {layer!r} in round {round_}")
+
     def views(self, obj_id: str, buffer: Any) -> dict[str, Any]:
         """Typed views of a packed object's named tensors in its flat ``buffer``."""
         return self.packed[obj_id].layout.views(buffer)
+
+
+def _round(slot: TaskSlot) -> int:
+    return slot.round_
 
 
 _CONVERTER = cattrs.Converter()

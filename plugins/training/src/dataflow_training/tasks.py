@@ -22,12 +22,13 @@ import torch
 
 from dataflow.engine import LaunchContext
 from dataflow.schema import Program, Task
-from dataflow_training.family import Env, FamilyContractError, RowGradient, load_family
+from dataflow_training.family import Env, FamilyContractError, RowGradient
 from dataflow_training.keys import ComputeKeyError, parse
 from dataflow_training.layout import flat_view
+from dataflow_training.lowering import Lowered
 from dataflow_training.ops import load_ops
 from dataflow_training.optimizers import optimizer_spec
-from dataflow_training.step import StepLayout, TaskSlot
+from dataflow_training.step import TaskSlot
 
 Tensors = dict[str, torch.Tensor]
 
@@ -76,25 +77,21 @@ class TrainingTasks:
 
     def __init__(
         self,
-        program: Program,
+        step: Lowered | Program,
         *,
-        family: Any = None,
         ops: Mapping[str, Any] | None = None,
         strategy: Strategy | None = None,
     ) -> None:
-        """``family`` and ``ops`` default to the registered family the program names and
-        the kernel registry's ops; tests pass their own."""
-        self.layout = StepLayout.of(program)
-        if family is None:
-            family = load_family(self.layout.family)
-        if family.name != self.layout.family:
-            raise FamilyContractError(
-                f"family object is named {family.name!r} but the program was lowered for "
-                f"{self.layout.family!r}"
-            )
+        """``step``: the lowered step whose tasks these run (a program read from a file
+        is read as its step, ``Lowered.read``); ``ops`` default to the kernel registry's
+        (tests pass their own)."""
+        if not isinstance(step, Lowered):
+            step = Lowered.read(step)
+        self.layout = step.layout
+        family = step.family
         self.family = family
         self.strategy = strategy or Strategy()
-        self.config = family.config(self.layout.preset, **self.layout.overrides)
+        self.config = step.config
         self.train = self.layout.train
         self.optimizer = optimizer_spec(self.train.optimizer.name)
         self._given_ops = ops

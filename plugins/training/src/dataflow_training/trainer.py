@@ -109,16 +109,13 @@ class TrainOptions:
     #: fields that differ from the preset's become the run's overrides
     init: str | None = None
 
-    def train_config(self) -> TrainConfig:
-        """The step; the head's token chunk follows the budget as ``predict``'s does
-        (``head_chunk_tokens``), 1024 tokens without one."""
+    def train_config(self, family: Any) -> TrainConfig:
+        """The step of ``family`` (the family object ``self.family`` names); the head's
+        token chunk follows the budget as ``predict``'s does (``head_chunk_tokens``), 1024
+        tokens without one."""
         chunk = 1024
         if self.budget_bytes is not None:
-            from dataflow_training.family import load_family
-
-            vocab = getattr(
-                load_family(self.family).config(self.preset, **self.overrides), "vocab_size", None
-            )
+            vocab = getattr(family.config(self.preset, **self.overrides), "vocab_size", None)
             if vocab:
                 chunk = head_chunk_tokens(self.budget_bytes, vocab)
         return TrainConfig(
@@ -187,21 +184,22 @@ def _is_partial(slot: Any) -> bool:
     return "." in slot.outputs["saved"][0]
 
 
-def plan_line(run: Any) -> str:
+def plan_line(compiled: Any) -> str:
+    """The plan line of a compiled step (``CompiledStep``): the simulator's step of the
+    plan that runs and the layers its ``rec`` tasks re-derive."""
     from dataflow.units import format_size
-    from dataflow_training.step import StepLayout
 
-    p = run.predicted()
-    # the layout of the plan the engine runs (the recompute planner chose its rec tasks)
-    layout = StepLayout.of(getattr(run.placement, "plan", run.planned).program)
+    p = compiled.predicted()
+    layout = compiled.layout  # the plan the engine runs: the recompute planner chose it
     recomputed = ", ".join(recomputed_layers(layout)) or "none"
     partial = recomputed_layers(layout, partial=True)
     if partial:
         recomputed += f" (saved partially: {', '.join(partial)})"
     return (
-        f"plan: {run.program.name} on {run.device}: predicted {p['step_s']:.4g} s/step, "
+        f"plan: {compiled.program.name} on {compiled.device}: predicted "
+        f"{p['step_s']:.4g} s/step, "
         f"{p['tok_s']:,.0f} tok/s; fast peak {format_size(p['fast_peak_bytes'])} of "
-        f"{budget_text(run.planned.budget_bytes)}, slow peak "
+        f"{budget_text(compiled.planned_budget_bytes)}, slow peak "
         f"{format_size(p['slow_peak_bytes'])}; moved {format_size(p['moved_bytes'])}/step; "
         f"recomputed layers: {recomputed}"
     )
@@ -229,6 +227,8 @@ def train(
     steps, metrics)`` is called after every step. Lines go to ``out`` (default: stdout as
     it is when each is printed, so that a progress bar that took stdout over shows them)."""
     from dataflow_training.checkpoint import latest_checkpoint, prune, step_name
+    from dataflow_training.compiled_step import compile_step
+    from dataflow_training.family import load_family
     from dataflow_training.run import TrainingRun, resolver_for
 
     writes = fleet is None or fleet.writes
@@ -240,9 +240,10 @@ def train(
     resumed = None
     if o.resume is not None:
         resumed = latest_checkpoint(o.out) if o.resume == "auto" else Path(o.resume)
+    family = load_family(o.family)  # the one load of the run: passed down from here
     init = None
     if o.init is not None:
-        o, init = _with_init(o)
+        o, init = _with_init(o, family)
     feed = open_feed(o) if fleet is None else open_feed(o, fleet.rank, fleet.world)
     on_cuda = o.device.startswith("cuda")
     if on_cuda:  # tens of seconds for a large model: say what is under way
@@ -250,22 +251,25 @@ def train(
             f"profiling: each task of the step timed on {o.device}, then planned (the "
             "profile cache keeps the timings: a later run of these shapes skips them)"
         )
-    run = TrainingRun(
-        o.family,
+    compiled = compile_step(
+        family,
         o.preset,
-        o.train_config(),
+        o.train_config(family),
+        overrides=o.overrides,
         budget_bytes=o.budget_bytes,
         backing_bytes=o.backing_bytes,
         device=o.device,
-        seed=o.seed,
-        overrides=o.overrides,
         graph=o.graph,
         recompute=o.recompute,
         resolver=resolver_for(o.resolver, o.device),
         grad_share=None if fleet is None else fleet.share,
         links=fleet_links(fleet, o.device),
+    )
+    run = TrainingRun(
+        compiled,
+        seed=o.seed,
         # a resumed run's weights come from its checkpoint: the folder's are not read
-        state=_init_weights(o, init) if init is not None and resumed is None else None,
+        state=_init_weights(o, init, family) if init is not None and resumed is None else None,
     )
     vocab = getattr(feed, "vocab_size", None)
     if vocab is not None and vocab > run.vocab_size:
@@ -302,9 +306,9 @@ def train(
             )
     if resumed is not None:
         say(f"resumed from {resumed} (step {start})")
-    say(plan_line(run))
-    if run.pool_note is not None:
-        say(run.pool_note)
+    say(plan_line(compiled))
+    if compiled.pool_note is not None:
+        say(compiled.pool_note)
     board = open_tensorboard(o.out / TENSORBOARD_FOLDER, start) if writes else None
     if board is None:
         say(f"metrics: {metrics_path} (pip install tensorboard for TensorBoard events)")
@@ -321,13 +325,14 @@ def train(
     if on_cuda and start < o.steps:
         from dataflow.units import format_size
 
-        slow = [f"the engine loads (a slow pool of {format_size(run.pinned_bytes)} page-locked)"]
-        if run.resolver_name == "torch-compiled":
+        pool = format_size(compiled.pinned_bytes)
+        slow = [f"the engine loads (a slow pool of {pool} page-locked)"]
+        if compiled.resolver == "torch-compiled":
             slow.append("each block kind compiles")
-        if run.graph:
+        if compiled.graph:
             slow.append("the second step is captured into a CUDA graph")
         say(f"first steps: {', '.join(slow)}; they take longer than the rest")
-    predicted = run.predicted()["step_s"]
+    predicted = compiled.predicted()["step_s"]
     tokens = o.batch * o.seq_len * (o.rounds if fleet is None else sum(fleet.rounds))
     saved: list[Path] = []
 
@@ -476,10 +481,9 @@ def _truncate_metrics(path: Path, step: int) -> None:
     path.write_text("".join(f"{line}\n" for line in kept))
 
 
-def _with_init(o: TrainOptions) -> tuple[TrainOptions, Any]:
+def _with_init(o: TrainOptions, family: Any) -> tuple[TrainOptions, Any]:
     """``o`` with the overrides that make its preset the ``init`` folder's config, and the
     folder's ``HFStart`` (``hf_init``)."""
-    from dataflow_training.family import load_family
     from dataflow_training.hf_init import InitError, hf_overrides
 
     if o.overrides:
@@ -487,7 +491,7 @@ def _with_init(o: TrainOptions) -> tuple[TrainOptions, Any]:
             f"--init {o.init}: the folder's config.json sets the run's overrides; "
             f"{sorted(o.overrides)} were given too"
         )
-    init = hf_overrides(load_family(o.family), o.family, o.preset, o.init)
+    init = hf_overrides(family, o.family, o.preset, o.init)
     return attrs.evolve(o, overrides=init.overrides), init
 
 
@@ -505,15 +509,14 @@ def _init_hint(checkpoint: Path, o: TrainOptions) -> str:
     return f"; that run started with --init {theirs}" if theirs else "; that run had no --init"
 
 
-def _init_weights(o: TrainOptions, init: Any) -> Any:
+def _init_weights(o: TrainOptions, init: Any, family: Any) -> Any:
     """The ``init`` folder's weights, in the run's parameter dtype."""
     import torch
 
-    from dataflow_training.family import load_family
     from dataflow_training.hf_init import hf_weights
 
     dtype = getattr(torch, DtypePolicy.named(o.dtype).param)
-    return hf_weights(load_family(o.family), init, dtype)
+    return hf_weights(family, init, dtype)
 
 
 def _jsonable(o: TrainOptions) -> dict[str, Any]:

@@ -13,14 +13,23 @@ from typing import Any
 
 import torch
 
-from dataflow.schema import Program
+from dataflow_training.lowering import Lowered
 from dataflow_training.step import StepLayout
 
 Data = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
-def _round_of(obj_id: str) -> int:
-    return int(obj_id.split("_")[2])
+def data_values(
+    data_objects: Mapping[str, tuple[int, str]], data: Data, step: int = 0
+) -> dict[str, torch.Tensor]:
+    """``step``'s tokens and targets from ``data``, by object (``StepLayout.data_objects``)."""
+    rounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    values = {}
+    for obj_id, (round_, role) in data_objects.items():
+        if round_ not in rounds:
+            rounds[round_] = data(step, round_)
+        values[obj_id] = rounds[round_][0 if role == "tokens" else 1]
+    return values
 
 
 def packed_buffer(
@@ -50,7 +59,7 @@ class StartValues(Mapping[str, torch.Tensor]):
 
     def __init__(
         self,
-        program: Program,
+        lowered: Lowered,
         state: Mapping[str, torch.Tensor],
         data: Data,
         *,
@@ -59,8 +68,10 @@ class StartValues(Mapping[str, torch.Tensor]):
         consume: bool = False,
     ) -> None:
         self.consume = consume
+        program = lowered.program
         self.program, self.state, self.data, self.step = program, state, data, step
-        self.layout = StepLayout.of(program)
+        self.layout = lowered.layout
+        self._data = self.layout.data_objects()
         self.given = dict(given or {})
         self._ids = [o.id for o in program.objects if program.exists_at_start(o.id)]
         self._roles = {o.id: o.role for o in program.objects if o.id in set(self._ids)}
@@ -74,8 +85,9 @@ class StartValues(Mapping[str, torch.Tensor]):
         if obj_id in self.given:
             return self.given[obj_id]
         if self._roles[obj_id] == "data":
-            tokens, targets = self.data(self.step, _round_of(obj_id))
-            return tokens if obj_id.startswith("x_") else targets
+            round_, role = self._data[obj_id]
+            tokens, targets = self.data(self.step, round_)
+            return tokens if role == "tokens" else targets
         packed = self.layout.packed[obj_id]
         if packed.kind != "W":
             return packed_buffer(self.layout, obj_id)
@@ -96,7 +108,7 @@ class StartValues(Mapping[str, torch.Tensor]):
 
 
 def start_values(
-    program: Program,
+    lowered: Lowered,
     state: Mapping[str, torch.Tensor],
     data: Data,
     *,
@@ -107,21 +119,16 @@ def start_values(
     optimizer state and Aux, and ``step``'s tokens and targets from ``data``. With
     ``data_only``, just the tokens and targets (the feed of a later step)."""
     if not data_only:
-        return dict(StartValues(program, state, data, step=step))
-    values: dict[str, torch.Tensor] = {}  # the step layout is not parsed: it costs host time
-    for obj in program.objects:
-        if program.exists_at_start(obj.id) and obj.role == "data":
-            tokens, targets = data(step, _round_of(obj.id))
-            values[obj.id] = tokens if obj.id.startswith("x_") else targets
-    return values
+        return dict(StartValues(lowered, state, data, step=step))
+    return data_values(lowered.layout.data_objects(), data, step)
 
 
 def read_state(
-    program: Program, fetch: Callable[[str], Any], kind: str = "W"
+    lowered: Lowered, fetch: Callable[[str], Any], kind: str = "W"
 ) -> dict[str, torch.Tensor]:
     """``{"<layer>.<name>": tensor}`` of every ``kind`` object (``W``, ``dW``) that the
-    program leaves in slow memory, read through ``fetch(obj_id)``."""
-    layout = StepLayout.of(program)
+    step's program leaves in slow memory, read through ``fetch(obj_id)``."""
+    program, layout = lowered.program, lowered.layout
     out = {}
     for packed in layout.of_kind(kind):
         if packed.id not in program.final_locations:

@@ -132,7 +132,7 @@ def step_checks(
     vocab = embed_layer(family.layers(config)).params[0].shape[0]
 
     follows = follows_routing(family)
-    run = TrainingRun(
+    run = TrainingRun.of(
         family,
         preset,
         train,
@@ -148,7 +148,7 @@ def step_checks(
     if note is not None:
         from dataflow_training.trainer import plan_line
 
-        note(f"{plan_line(run)}; tasks run by the {resolver} resolver")
+        note(f"{plan_line(run.compiled)}; tasks run by the {resolver} resolver")
     reference = Reference(family, config, train)
     plain = (
         Reference(family, config, train, dtype=param_dtype, device=device)
@@ -166,7 +166,7 @@ def step_checks(
         weights, opt_state = run.state()
         for step in range(steps):
             began = time.perf_counter()
-            moments = adam_moments(run.layout, opt_state)
+            moments = adam_moments(run.compiled.layout, opt_state)
             batches = [step_tokens(seed, vocab, batch, seq_len, step, r) for r in range(rounds)]
             stats = run.step(batches)
             grads, (after, after_opt) = run.grads(), run.state()

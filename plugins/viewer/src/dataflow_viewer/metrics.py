@@ -31,20 +31,19 @@ class StepWork:
 def step_work(program: Program) -> StepWork | None:
     """Tokens and model FLOPs of a program ``dataflow-training`` lowered; None for any
     other program (a hand-written chain has neither)."""
+    from dataflow.registry import UnknownNameError
+    from dataflow_training.lowering import Lowered
     from dataflow_training.predict import step_flops
     from dataflow_training.step import StepLayout
 
     if StepLayout.METADATA_KEY not in program.metadata:
         return None
-    layout = StepLayout.of(program)
-    from dataflow_viewer.run import preset_family
-
     try:
-        _, family = preset_family(layout.preset)
-    except ValueError:
+        step = Lowered.read(program)
+    except UnknownNameError:
         return None  # the family is not installed here: no FLOPs, the timeline still shows
-    train = layout.train
-    model, _executed = step_flops(family, program)
+    train = step.layout.train
+    model, _executed = step_flops(step)
     return StepWork(tokens=train.batch * train.seq_len * train.rounds, model_flops=model)
 
 

@@ -21,7 +21,6 @@ import torch
 from dataflow_training.family import Env
 from dataflow_training.tasks import Put, Strategy, put_all
 
-from dataflow.schema import Program
 from dataflow_resolver_torch.training import TrainingResolver
 
 #: torch.compile's backend where none is given (tests on the CPU set ``aot_eager``)
@@ -118,7 +117,5 @@ class CompiledStrategy(Strategy):
 class CompiledTrainingResolver(TrainingResolver):
     name = "torch-compiled"
 
-    def __init__(
-        self, program: Program, *, family: Any = None, ops: Any = None, backend: str | None = None
-    ) -> None:
-        super().__init__(program, family=family, ops=ops, strategy=CompiledStrategy(backend))
+    def __init__(self, step: Any, *, ops: Any = None, backend: str | None = None) -> None:
+        super().__init__(step, ops=ops, strategy=CompiledStrategy(backend))

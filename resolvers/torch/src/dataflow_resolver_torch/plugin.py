@@ -6,16 +6,17 @@ from dataflow import hookimpl
 from dataflow.registry import ResolverSpec
 
 
-def _build(program):
+def _build(step):
+    """``step``: a lowered training step, or a program read from a file."""
     from dataflow_resolver_torch.training import TrainingResolver
 
-    return TrainingResolver(program)
+    return TrainingResolver(step)
 
 
-def _build_compiled(program):
+def _build_compiled(step):
     from dataflow_resolver_torch.compiled import CompiledTrainingResolver
 
-    return CompiledTrainingResolver(program)
+    return CompiledTrainingResolver(step)
 
 
 @hookimpl

@@ -10,15 +10,11 @@ from typing import Any
 
 from dataflow_training.tasks import Strategy, TrainingTasks
 
-from dataflow.schema import Program
-
 
 class TrainingResolver(TrainingTasks):
     """Eager: each task's math runs op by op as the family wrote it."""
 
     name = "torch"
 
-    def __init__(
-        self, program: Program, *, family: Any = None, ops: Any = None, strategy: Any = None
-    ) -> None:
-        super().__init__(program, family=family, ops=ops, strategy=strategy or Strategy())
+    def __init__(self, step: Any, *, ops: Any = None, strategy: Any = None) -> None:
+        super().__init__(step, ops=ops, strategy=strategy or Strategy())

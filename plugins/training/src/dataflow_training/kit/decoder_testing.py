@@ -153,7 +153,7 @@ class DecoderHFParity:
         overrides = {
             field.name: getattr(config, field.name) for field in attrs.fields(type(config))
         }
-        run = TrainingRun(
+        run = TrainingRun.of(
             family, self.preset, train, overrides=overrides, state=state, keep_grads=True
         )
         with run:
