@@ -244,12 +244,7 @@ def measure_fidelity(
     planned = plan(program, budget)
     placement = place(planned)
     with Engine("torch", budget_bytes=budget, device="cuda") as engine:
-        engine.load(
-            planned,
-            sleep_resolver(cycles_per_us),
-            initial=zeros_for(planned.program),
-            placement=placement,
-        )
+        engine.load(placement, sleep_resolver(cycles_per_us), initial=zeros_for(planned.program))
         result = engine.run(steps=steps, feed=lambda step: zeros_for(planned.program))
     if trace_path is not None:
         result.to_chrome_trace(trace_path)  # predicted beside the last measured step

@@ -76,10 +76,9 @@ def run_engine(
     planning_s = time.perf_counter() - began
     with Engine("torch", budget_bytes=budget, device="cuda", graph=graph) as engine:
         engine.load(
-            planned,
+            placement,
             resolvers().get(resolver).build(planned.program),
             initial=feed(program, state, vocab, train.batch, train.seq_len, 0),
-            placement=placement,
         )
         result = engine.run(
             steps=steps,

@@ -32,7 +32,7 @@ def _run(tightest: bool):
     planned = plan(program, objects_bytes)
     placement = place(planned)
     with Engine("torch", budget_bytes=budget, device="cuda") as engine:
-        engine.load(planned, build(planned.program), initial=values, placement=placement)
+        engine.load(placement, build(placement.plan.program), initial=values)
         result = engine.run(steps=1)
         grads = {k: engine.fetch(k) for k in program.final_locations}
     return budget, result, grads, reference_gradients(values, LAYERS)

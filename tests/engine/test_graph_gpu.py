@@ -36,7 +36,7 @@ def _chain_steps(graph: bool, dispatch_at: tuple[int, ...] = ()):
     budget = objects_bytes + runtime_reserve_bytes("cuda")
     outputs, traces = [], []
     with Engine("torch", budget_bytes=budget, device="cuda", graph=graph) as engine:
-        engine.load(planned, build(planned.program), initial=values, placement=placement)
+        engine.load(placement, build(placement.plan.program), initial=values)
         for step in range(STEPS):
             dispatch = step in dispatch_at
             result = engine.run(steps=1, feed=lambda _step: values, dispatch=dispatch)
@@ -90,7 +90,7 @@ def test_uncapturable_executable_falls_back_with_a_reason() -> None:
         return Opaque(resolver(task))
 
     with Engine("torch", device="cuda", graph=True) as engine:
-        engine.load(planned, wrapped, initial=values, placement=place(planned))
+        engine.load(place(planned), wrapped, initial=values)
         with pytest.warns(RuntimeWarning, match="does not declare capturable"):
             result = engine.run(steps=3, feed=lambda _step: values)
     assert not any(t.replayed for t in result.steps)
@@ -128,7 +128,7 @@ def test_a_new_input_fed_every_step_is_what_the_step_computes_on(graph: bool) ->
     budget = objects_bytes + runtime_reserve_bytes("cuda")
     with Engine("torch", budget_bytes=budget, device="cuda", graph=graph) as engine:
         first = start | {"h_0": inputs[0]}  # later steps' inputs come through the feed
-        engine.load(planned, build(planned.program), initial=first, placement=place(planned))
+        engine.load(place(planned), build(planned.program), initial=first)
         for step, h0 in enumerate(inputs):
             # the host tensor is overwritten right after the step: the engine must not
             # read it later than the call

@@ -27,7 +27,7 @@ def _run(program, budget_bytes: int, values, device: str = "cpu"):
 
         budget_bytes += runtime_reserve_bytes("cuda")
     with Engine("torch", budget_bytes=budget_bytes, device=device) as engine:
-        engine.load(planned, build(planned.program), initial=values, placement=placement)
+        engine.load(placement, build(placement.plan.program), initial=values)
         result = engine.run()
         return result, {name: engine.fetch(name) for name in program.final_locations}
 

@@ -37,26 +37,26 @@ class Counting:
 
 
 @pytest.fixture
-def program():
-    return lower(ToyFamily(), "small", TrainConfig(seq_len=8, batch=2, rounds=2)).program
+def step():
+    return lower(ToyFamily(), "small", TrainConfig(seq_len=8, batch=2, rounds=2))
 
 
-def _profile(program, cache, resolver=None):
+def _profile(step, cache, resolver=None):
     resolver = resolver or Counting()
-    return profile_program(program, resolver, device="cpu", repeats=2, cache=cache), resolver
+    return profile_program(step, resolver, device="cpu", repeats=2, cache=cache), resolver
 
 
-def test_a_second_run_takes_every_signature_from_disk(program, tmp_path) -> None:
-    unique = {signature(program, t) for t in program.tasks}
-    first, measured = _profile(program, ProfileCache(tmp_path, "cpu-a", ("k1",)))
+def test_a_second_run_takes_every_signature_from_disk(step, tmp_path) -> None:
+    unique = {signature(step, t) for t in step.program.tasks}
+    first, measured = _profile(step, ProfileCache(tmp_path, "cpu-a", ("k1",)))
     assert measured.launches == 3 * len(unique)  # warm-up + 2 timed, once per signature
     assert len(list(tmp_path.glob("*.json"))) == len(unique)
     cache = ProfileCache(tmp_path, "cpu-a", ("k1",))
-    second, again = _profile(program, cache)
+    second, again = _profile(step, cache)
     assert again.launches == 0
     assert (cache.hits, cache.misses) == (len(unique), 0)
     assert second == first
-    assert apply_profile(program, second) == apply_profile(program, first)
+    assert apply_profile(step, second) == apply_profile(step, first)
 
 
 @pytest.mark.parametrize(
@@ -68,8 +68,8 @@ def test_a_second_run_takes_every_signature_from_disk(program, tmp_path) -> None
         {"code": "edited"},
     ],
 )
-def test_kernel_set_device_or_version_change_is_a_miss(program, tmp_path, changed, monkeypatch):
-    _profile(program, ProfileCache(tmp_path, "cpu-a", ("k1",), code="original"))
+def test_kernel_set_device_or_version_change_is_a_miss(step, tmp_path, changed, monkeypatch):
+    _profile(step, ProfileCache(tmp_path, "cpu-a", ("k1",), code="original"))
     if "version" in changed:
         monkeypatch.setattr(profile, "PROFILE_VERSION", changed["version"])
     cache = ProfileCache(
@@ -78,24 +78,24 @@ def test_kernel_set_device_or_version_change_is_a_miss(program, tmp_path, change
         changed.get("kernels", ("k1",)),
         code=changed.get("code", "original"),
     )
-    _, measured = _profile(program, cache)
-    unique = len({signature(program, t) for t in program.tasks})
+    _, measured = _profile(step, cache)
+    unique = len({signature(step, t) for t in step.program.tasks})
     assert (cache.hits, cache.misses) == (0, unique)
     assert measured.launches == 3 * unique
 
 
-def test_a_damaged_entry_is_measured_and_written_again(program, tmp_path) -> None:
-    first, _ = _profile(program, ProfileCache(tmp_path, "cpu-a", ("k1",)))
+def test_a_damaged_entry_is_measured_and_written_again(step, tmp_path) -> None:
+    first, _ = _profile(step, ProfileCache(tmp_path, "cpu-a", ("k1",)))
     files = sorted(tmp_path.glob("*.json"))
     files[0].write_text("{not json")
     other = json.loads(files[1].read_text())
     files[1].write_text(json.dumps({**other, "key": "another signature"}))  # a collision
     cache = ProfileCache(tmp_path, "cpu-a", ("k1",))
-    _, measured = _profile(program, cache)
+    _, measured = _profile(step, cache)
     assert cache.misses == 2 and measured.launches == 6
     json.loads(files[0].read_text())  # rewritten whole
     third = ProfileCache(tmp_path, "cpu-a", ("k1",))
-    _profile(program, third)
+    _profile(step, third)
     assert third.misses == 0
 
 
@@ -138,7 +138,7 @@ def test_the_code_fingerprint_follows_the_familys_source(tmp_path, monkeypatch) 
 
 
 @pytest.mark.gpu
-def test_task_inputs_are_filled_on_the_gpu_with_small_noise(program) -> None:
+def test_task_inputs_are_filled_on_the_gpu_with_small_noise(step) -> None:
     """On CUDA a task's floating buffers are drawn on the device (N(0, 0.02)), the same
     for the same seed; integer buffers within ``int_high``."""
     import torch
@@ -147,21 +147,21 @@ def test_task_inputs_are_filled_on_the_gpu_with_small_noise(program) -> None:
         pytest.skip("needs a CUDA device")
     from dataflow_training.step import StepLayout
 
-    layout, device = StepLayout.of(program), torch.device("cuda")
-    task = program.tasks[0]
+    layout, device = step.layout, torch.device("cuda")
+    task = step.program.tasks[0]
     filled = []
     for _ in range(2):
         generator = torch.Generator().manual_seed(3)
         filled.append(
             {
-                o: profile._filled(program, layout, o, device, generator, lambda _o: 7)
+                o: profile._filled(step.program, layout, o, device, generator, lambda _o: 7)
                 for o in task.uses
             }
         )
     for obj_id, buffer in filled[0].items():
         assert buffer.device.type == "cuda"
         torch.testing.assert_close(buffer, filled[1][obj_id], rtol=0, atol=0)
-        obj = program.obj(obj_id)
+        obj = step.program.obj(obj_id)
         if obj.tensor is not None and obj.tensor.dtype.startswith(("float", "bfloat")):
             from dataflow.engine.backends.torch_storage import typed_view
 
@@ -173,10 +173,11 @@ def test_task_inputs_are_filled_on_the_gpu_with_small_noise(program) -> None:
 def test_the_same_tokens_split_differently_is_another_signature() -> None:
     """64 x 1024 and 16 x 4096 tokens give every task the same bytes, but attention four
     times the work per token: a cached cost of one must not price the other."""
-    wide = lower(ToyFamily(), "small", TrainConfig(seq_len=8, batch=4, rounds=1)).program
-    long = lower(ToyFamily(), "small", TrainConfig(seq_len=16, batch=2, rounds=1)).program
-    assert [o.size_bytes for o in wide.objects] == [o.size_bytes for o in long.objects]
-    for a, b in zip(wide.tasks, long.tasks, strict=True):
+    wide = lower(ToyFamily(), "small", TrainConfig(seq_len=8, batch=4, rounds=1))
+    long = lower(ToyFamily(), "small", TrainConfig(seq_len=16, batch=2, rounds=1))
+    sizes = [o.size_bytes for o in wide.program.objects]
+    assert sizes == [o.size_bytes for o in long.program.objects]
+    for a, b in zip(wide.program.tasks, long.program.tasks, strict=True):
         assert signature(wide, a) != signature(long, b)
 
 
@@ -191,7 +192,7 @@ def test_without_workspace_drops_every_workspace_and_names_the_largest() -> None
 
 
 @pytest.mark.gpu
-def test_a_task_whose_capture_fails_keeps_its_dispatched_timing(program) -> None:
+def test_a_task_whose_capture_fails_keeps_its_dispatched_timing(step) -> None:
     """A task that says it is capturable but reads a device tensor on the host (as
     grouped_mm's reference loop reads its offsets) cannot be captured: the profiling pass
     keeps the dispatched launches' time instead of failing the run (the engine's capture
@@ -214,7 +215,7 @@ def test_a_task_whose_capture_fails_keeps_its_dispatched_timing(program) -> None
                 launched.append(int(counts.sum()))  # a host read: refused while capturing
 
     ctx = LaunchContext(
-        task=program.tasks[0], device="cuda", stream=None, inputs=(), mutates=(), outputs=()
+        task=step.program.tasks[0], device="cuda", stream=None, inputs=(), mutates=(), outputs=()
     )
     found = profile._measure(Syncing(), ctx, device, 3, replay=True)
     assert found.cost_us > 0
@@ -227,13 +228,11 @@ class Recording:
     """The torch resolver's executables, keeping a copy of every AuxTemp each task reads
     (by task id) before it runs."""
 
-    def __init__(self, program) -> None:
-        from dataflow_training.step import StepLayout
-
+    def __init__(self, step) -> None:
         from dataflow.plugins import resolvers
 
-        self.build = resolvers().get("torch").build(program)
-        self.layout, self.read = StepLayout.of(program), {}
+        self.build = resolvers().get("torch").build(step)
+        self.layout, self.read = step.layout, {}
 
     def __call__(self, task):
         inner, outer = self.build(task), self
@@ -259,10 +258,10 @@ def test_a_task_reading_aux_temp_is_timed_on_its_forward_decisions() -> None:
     from dataflow_training.toy_moe import ToyMoEFamily
 
     family = ToyMoEFamily()
-    program = lower(family, "toy_moe_tiny", TrainConfig(seq_len=8, batch=2, rounds=2)).program
-    recording = Recording(program)
-    profile_program(program, recording, device="cpu", repeats=1, int_high=lambda o: 41)
-    readers = {t.id for t in program.tasks if any(o.startswith("AuxTemp_") for o in t.inputs)}
+    step = lower(family, "toy_moe_tiny", TrainConfig(seq_len=8, batch=2, rounds=2))
+    recording = Recording(step)
+    profile_program(step, recording, device="cpu", repeats=1, int_high=lambda o: 41)
+    readers = {t.id for t in step.program.tasks if any(o.startswith("AuxTemp_") for o in t.inputs)}
     assert recording.read and set(recording.read) <= readers  # one task a signature
     config = family.config("toy_moe_tiny")
     for task_id, aux in recording.read.items():
@@ -274,7 +273,7 @@ def test_a_task_reading_aux_temp_is_timed_on_its_forward_decisions() -> None:
 
 
 @pytest.mark.gpu
-def test_a_settled_measurement_runs_the_task_back_to_back_first(program) -> None:
+def test_a_settled_measurement_runs_the_task_back_to_back_first(step) -> None:
     """``settle_s`` launches the task back to back for that long before the timed
     launches (the clocks of a loaded device); ``flush_l2`` overwrites a buffer of twice
     the L2 cache before each timed launch, between the launches."""
@@ -296,7 +295,7 @@ def test_a_settled_measurement_runs_the_task_back_to_back_first(program) -> None
             work.add_(1.0)
 
     ctx = LaunchContext(
-        task=program.tasks[0], device="cuda", stream=None, inputs=(), mutates=(), outputs=()
+        task=step.program.tasks[0], device="cuda", stream=None, inputs=(), mutates=(), outputs=()
     )
     plain = profile._measure(Adding(), ctx, device, 3)
     assert len(launched) == 4 and plain.cost_us > 0
@@ -314,7 +313,7 @@ def test_a_settled_measurement_runs_the_task_back_to_back_first(program) -> None
 
 
 @pytest.mark.gpu
-def test_a_task_that_cannot_be_captured_is_timed_dispatched_after_settling(program) -> None:
+def test_a_task_that_cannot_be_captured_is_timed_dispatched_after_settling(step) -> None:
     """With ``replay`` asked, a task whose capture fails keeps dispatched timings: those
     are taken again after the settling launches (the first ones measured the workspace)."""
     import time
@@ -338,7 +337,7 @@ def test_a_task_that_cannot_be_captured_is_timed_dispatched_after_settling(progr
             work.add_(1.0)
 
     ctx = LaunchContext(
-        task=program.tasks[0], device="cuda", stream=None, inputs=(), mutates=(), outputs=()
+        task=step.program.tasks[0], device="cuda", stream=None, inputs=(), mutates=(), outputs=()
     )
     timing = profile._Timing.on(device, 0.05, False)
     measured = profile._measure(Uncapturable(), ctx, device, 3, replay=True, timing=timing)
@@ -353,21 +352,21 @@ def test_the_busiest_task_is_the_signature_with_the_most_time_in_all() -> None:
     one that runs once; the launcher runs the task it is given on its own buffers."""
     from dataflow_training.profile import TaskProfile, busiest_task, task_launcher
 
-    program = lower(ToyFamily(), "small", TrainConfig(seq_len=8, batch=2, rounds=4)).program
-    keys = {signature(program, t) for t in program.tasks}
-    counts = {k: sum(signature(program, t) == k for t in program.tasks) for k in keys}
+    step = lower(ToyFamily(), "small", TrainConfig(seq_len=8, batch=2, rounds=4))
+    keys = {signature(step, t) for t in step.program.tasks}
+    counts = {k: sum(signature(step, t) == k for t in step.program.tasks) for k in keys}
     once = next(k for k, n in counts.items() if n == 1)
     often = max(keys, key=counts.__getitem__)
     assert counts[often] >= 4
     profiles = {k: TaskProfile(0.1, 0) for k in keys}
     profiles[often] = TaskProfile(1.0, 0)
     profiles[once] = TaskProfile(1.5 * counts[often], 0)  # dearest per launch and in all
-    assert signature(program, busiest_task(program, profiles)) == once
+    assert signature(step, busiest_task(step, profiles)) == once
     profiles[once] = TaskProfile(0.5 * counts[often], 0)  # dearest per launch only
-    chosen = busiest_task(program, profiles)
-    assert chosen == next(t for t in program.tasks if signature(program, t) == often)
+    chosen = busiest_task(step, profiles)
+    assert chosen == next(t for t in step.program.tasks if signature(step, t) == often)
     resolver = Counting()
-    launch = task_launcher(program, resolver, chosen, device="cpu")
+    launch = task_launcher(step, resolver, chosen, device="cpu")
     launch(None)
     launch(None)
     assert resolver.launches == 2

@@ -134,7 +134,7 @@ def test_a_pool_past_the_limit_is_planned_again_inside_a_slow_budget_that_fits()
         "gpt2", "gpt2_tiny", train, budget_bytes=budget, seed=0, pinned_limit_bytes=limit
     )
     assert free.compiled.pool_note is None
-    assert fitted.pinned_bytes <= limit < free.compiled.pinned_bytes
+    assert fitted.compiled.pinned_bytes <= limit < free.compiled.pinned_bytes
     assert fitted.compiled.backing_bytes is not None and fitted.compiled.predicted()["slow_peak_bytes"] <= limit
     assert "planned inside a slow budget" in fitted.compiled.pool_note
     g = torch.Generator().manual_seed(1)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import attrs
 import pytest
 
 pytest.importorskip("dataflow_family_gpt2")

@@ -28,7 +28,7 @@ def run_at(program, budget_bytes: int, device: str, values) -> tuple[object, dic
     planned = plan(program, budget_bytes)
     placement = place(planned)
     with Engine("torch", budget_bytes=budget_bytes, device=device) as engine:
-        engine.load(planned, build(planned.program), initial=values, placement=placement)
+        engine.load(placement, build(placement.plan.program), initial=values)
         result = engine.run()
         outputs = {obj: engine.fetch(obj) for obj in program.final_locations}
     return (planned, result), outputs

@@ -76,7 +76,8 @@ def _quick_within(homes: frozenset[str]) -> PlannerSpec:
     return PlannerSpec("pressurefit", quick)
 
 
-Price = Callable[[Program], Program]
+#: re-prices a candidate step: its program with every task's cost and workspace set
+Price = Callable[[Lowered], Program]
 
 
 @attrs.frozen
@@ -262,7 +263,7 @@ class Rewriter:
         """The step with ``units`` recomputed and ``partial`` saved partially (on top of
         those it recomputes already), its program priced by ``price``."""
         found = self._candidate(units, partial)
-        return found if self.price is None else found.with_program(self.price(found.program))
+        return found if self.price is None else found.with_program(self.price(found))
 
     def _candidate(self, units: Iterable[Unit] = (), partial: Iterable[Unit] = ()) -> Lowered:
         changed = {
