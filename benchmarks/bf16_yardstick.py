@@ -10,7 +10,7 @@ parameter whose name has one of ``--match`` is summarised (median, largest, how 
 arithmetic, decay on the matrices, weights rounded to bf16: verify's step policy), so later
 steps start where a bf16 run would be.
 
-Run: ``python benchmarks/bf16_yardstick.py --family qwen3 --preset qwen3_0_6b --steps 3
+Run: ``python -m benchmarks.bf16_yardstick --family qwen3 --preset qwen3_0_6b --steps 3
 --device cuda`` (session 23 on the H200, a few seconds a step:
 results/yardstick_qwen3_0_6b_cuda.json; on the 24 GB CPU machine about 4 minutes a step).
 ``--json PATH`` writes every error; ``--device cuda`` runs both models on the GPU (float64

@@ -15,7 +15,7 @@ each direction alone and both at once, with the device idle and with a bf16 matm
 running beside the copies (as compute runs beside a step's transfers). One JSON line per
 case on stdout and in ``--out``.
 
-    python benchmarks/host_memory_links.py --out $OUT/host_memory_links.jsonl
+    python -m benchmarks.host_memory_links --out $OUT/host_memory_links.jsonl
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ variant: the median replay time (event-timed, after settling), and from one prof
 replay the kernels' busy time, the gaps, and the gaps next to memsets. The two graphs'
 outputs must be bit-identical.
 
-    python benchmarks/memset_nodes.py --out $OUT/memset_nodes.json
+    python -m benchmarks.memset_nodes --out $OUT/memset_nodes.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How the profiling pass's timing method moves a program's summed task cost (CUDA).
 
-    python benchmarks/profile_method.py --methods none,settle:0.2,settle:0.2+flush \
+    python -m benchmarks.profile_method --methods none,settle:0.2,settle:0.2+flush \
         --out benchmarks/results/profile_method.json
 
 One gpt2_124m training step is lowered as compare.py's 16 GiB row runs it (bf16, batch
@@ -29,10 +29,8 @@ from dataflow_training.config import head_chunk_tokens
 from dataflow_training.lowering import lower
 from dataflow_training.profile import profile_program, signature
 
+from benchmarks.harness.compare_dataflow import train_config
 from dataflow.plugins import families, resolvers
-
-sys.path.insert(0, str(Path(__file__).parent))
-from compare_dataflow import train_config  # noqa: E402
 
 GIB = 1 << 30
 

@@ -1,6 +1,6 @@
 """Where a dataflow step's wall time goes beyond the engine's makespan (CUDA).
 
-    python benchmarks/step_gaps.py --budget-gib 8 --batch 32 --rounds 16 --out /tmp/gaps.json
+    python -m benchmarks.step_gaps --budget-gib 8 --batch 32 --rounds 16 --out /tmp/gaps.json
 
 compare.py's dataflow rows measure ``TrainingRun.step``'s wall time; the engine reports
 its own makespan. In some runs of session 12 the two differed by 60-90 ms at 8 and 4 GiB
@@ -24,10 +24,8 @@ from pathlib import Path
 import torch
 from dataflow_training.config import head_chunk_tokens
 
+from benchmarks.harness.compare_dataflow import random_batches, row_run, train_config
 from dataflow.plugins import families
-
-sys.path.insert(0, str(Path(__file__).parent))
-from compare_dataflow import random_batches, row_run, train_config  # noqa: E402
 
 GIB = 1 << 30
 #: Engine methods a replayed step calls (``Engine.run``), timed one by one
