@@ -1,6 +1,6 @@
-"""What benchmarks/compare.py and benchmarks/harness/deepspeed_row.py measure, the same way for every
-row: wall-clock steps, the device's own activity in one profiled step, the links' bandwidth,
-model FLOPs and MFU, and a time limit per row.
+"""What benchmarks/compare.py and its DeepSpeed row (``deepspeed_row``) measure, the same way
+for every row: wall-clock steps, the device's own activity in one profiled step, the links'
+bandwidth, model FLOPs and MFU, and a time limit per row.
 
 - A step's time is wall clock with the device synchronised before and after it, so host
   dispatch, data feeding and read-back all count, whatever the engine.

@@ -1,6 +1,13 @@
-"""GPT-2 training steps on CUDA inside fast-memory budgets, beside stock PyTorch.
+"""Probe, 2026-11-29 to 2026-12-01: does gpt2_124m train inside 16, 4 and 2 GiB, and how fast?
 
-    python -m benchmarks.gpt2_budgets --preset gpt2_124m --budgets 16GiB,4GiB,2GiB \
+Answer: inside every budget, at 1.48x, 1.54x and 2.68x stock eager's step
+(results/gpt2_budgets.md, before steady-state plans and graph replay). Superseded by
+compare.py's dataflow rows (docs/throughput.md), which measure the same against
+torch.compile.
+
+GPT-2 training steps on CUDA inside fast-memory budgets, beside stock PyTorch.
+
+    python -m benchmarks.probes.gpt2_budgets --preset gpt2_124m --budgets 16GiB,4GiB,2GiB \
         --out benchmarks/results/gpt2_budgets.json
 
 Lower one training step (bf16 weights, gradients and activations, fp32 AdamW states) and

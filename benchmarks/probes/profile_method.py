@@ -1,6 +1,12 @@
-"""How the profiling pass's timing method moves a program's summed task cost (CUDA).
+"""Probe, 2026-12-03 (sessions 12-13): which timing method prices tasks as a whole step runs them?
 
-    python -m benchmarks.profile_method --methods none,settle:0.2,settle:0.2+flush \
+Answer: settled for 0.2 s first (``SETTLE_S``): 1.00 s of tasks for gpt2_124m's 16 GiB
+step against 0.94 s timed cold (results/profile_method.json; docs/benchmarking.md,
+"Profiling").
+
+How the profiling pass's timing method moves a program's summed task cost (CUDA).
+
+    python -m benchmarks.probes.profile_method --methods none,settle:0.2,settle:0.2+flush \
         --out benchmarks/results/profile_method.json
 
 One gpt2_124m training step is lowered as compare.py's 16 GiB row runs it (bf16, batch

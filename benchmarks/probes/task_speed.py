@@ -1,6 +1,12 @@
-"""Per-task speed of a GPT-2 training step against stock PyTorch, on CUDA.
+"""Probe, 2026-12-01 (session 3): how fast are gpt2_124m's tasks, summed, against stock PyTorch?
 
-    python -m benchmarks.task_speed --preset gpt2_124m --batches 8,32 \
+Answer: 0.80x and 0.56x stock eager's step at batch 8 and 32, 1.28x and 1.13x
+torch.compile's (results/gpt2_task_speed.md). Whole steps are measured by compare.py
+(docs/throughput.md) and kernel by kernel by kernel_breakdown.py now.
+
+Per-task speed of a GPT-2 training step against stock PyTorch, on CUDA.
+
+    python -m benchmarks.probes.task_speed --preset gpt2_124m --batches 8,32 \
         --out benchmarks/results/gpt2_task_speed.json
 
 For each batch (x seq_len tokens): lower one training step (bf16 weights, gradients and
@@ -135,7 +141,7 @@ def main() -> int:
         "chunk_tokens": args.chunk_tokens,
         "pinned_variants": args.variant,
         "repeats": args.repeats,
-        "stock": "benchmarks/harness/stock.py: fp32 master weights, bf16 autocast, SDPA, AdamW(fused)",
+        "stock": "benchmarks.harness.stock: fp32 master weights, bf16 autocast, SDPA, AdamW(fused)",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
