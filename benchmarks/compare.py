@@ -1,9 +1,9 @@
 """Training throughput of GPT-2 124M: stock PyTorch, DeepSpeed ZeRO-Offload and dataflow
 inside fast-memory budgets, in one run on one GPU (issue 13).
 
-    python benchmarks/compare.py --rows stock                       # about 5 minutes on an H200
-    python benchmarks/compare.py --rows dataflow,deepspeed --append # adds to the same JSON
-    python benchmarks/compare.py --table-only                       # JSON -> docs/throughput.md
+    python -m benchmarks.compare --rows stock                       # about 5 minutes on an H200
+    python -m benchmarks.compare --rows dataflow,deepspeed --append # adds to the same JSON
+    python -m benchmarks.compare --table-only                       # JSON -> docs/throughput.md
 
 Same math everywhere: GPT-2 (``--preset``), sequence ``--seq-len``, random tokens, AdamW
 (lr 3e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices), full-vocabulary cross
@@ -11,12 +11,12 @@ entropy. Rows:
 
 - **stock**: PyTorch eager and ``torch.compile``, each with bf16 autocast over float32
   master weights (``autocast``) and all in bfloat16 (``bf16``: weights, gradients, AdamW
-  state), SDPA and ``AdamW(fused=True)`` (``benchmarks/stock.py``), each at the fastest
+  state), SDPA and ``AdamW(fused=True)`` (``benchmarks/harness/stock.py``), each at the fastest
   batch of ``--batches`` that fits (largest first; an out-of-memory batch is skipped; the
   search stops once a smaller batch runs more than 3 % slower than the best, unless
   ``--full-search``); then the fastest of those four with every block under
   ``torch.utils.checkpoint``.
-- **deepspeed**: ZeRO-Offload (stage 2, AdamW on the CPU), ``benchmarks/deepspeed_row.py``
+- **deepspeed**: ZeRO-Offload (stage 2, AdamW on the CPU), ``benchmarks/harness/deepspeed_row.py``
   in a child process, or a row whose note says why it could not run.
 - **dataflow**: ``TrainingRun`` on the device at each of ``--budgets``, at least
   ``--min-tokens`` tokens per step (batch x accumulation rounds x seq-len), with the dtype
@@ -46,9 +46,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dataflow_training.config import UPDATES, parse_order
 
-sys.path.insert(0, str(Path(__file__).parent))
-from compare_doc import (  # noqa: E402
+from benchmarks.harness import ROOT
+from benchmarks.harness.compare_doc import (
     finish,
     load_doc,
     make_row,
@@ -57,8 +58,7 @@ from compare_doc import (  # noqa: E402
     searched_row,
     write_table,
 )
-from dataflow_training.config import UPDATES, parse_order  # noqa: E402
-from measure import (  # noqa: E402
+from benchmarks.harness.measure import (
     PEAK_SOURCE,
     BatchSearch,
     RowTimeout,
@@ -69,9 +69,8 @@ from measure import (  # noqa: E402
     peak_flops,
     time_limit,
 )
-from stock import build_stock, is_gpt2  # noqa: E402
-
-from dataflow.units import parse_size  # noqa: E402
+from benchmarks.harness.stock import build_stock, is_gpt2
+from dataflow.units import parse_size
 
 DTYPES = {
     "autocast": "stock: bf16 autocast over float32 master weights; float32 grads and AdamW state",
@@ -251,26 +250,26 @@ class Bench:
 
     # -- deepspeed -----------------------------------------------------------------------
     def deepspeed_rows(self) -> None:
-        """benchmarks/deepspeed_row.py in a child process (DeepSpeed sets up
-        torch.distributed and builds its CPU Adam op: kept out of this process)."""
+        """``python -m benchmarks.harness.deepspeed_row`` in a child process, from the
+        repository root (DeepSpeed sets up torch.distributed and builds its CPU Adam op:
+        kept out of this process)."""
         engine, dtype = DEEPSPEED
         if self.have(engine, dtype, None) or self.skipped(engine, dtype, None):
             return
         args = self.args
         if not is_gpt2(self.config):
-            note = "not run: deepspeed_row.py trains benchmarks/stock.py's GPT-2 only"
+            note = "not run: deepspeed_row.py trains benchmarks/harness/stock.py's GPT-2 only"
             self.record(make_row(self.model, engine, dtype, None, note=note), {})
             return
         seconds = self.limit(args.deepspeed_seconds)
         out = args.out.with_name(args.out.stem + "_deepspeed_row.json")
         command = [
-            sys.executable,
-            str(Path(__file__).with_name("deepspeed_row.py")),
+            *(sys.executable, "-m", "benchmarks.harness.deepspeed_row"),
             *("--family", args.family, "--preset", args.preset),
             *("--seq-len", str(args.seq_len), "--device", args.device),
             *("--batches", ",".join(map(str, args.batches))),
             *("--steps", str(args.steps), "--warmup", str(args.warmup)),
-            *("--seconds", f"{max(1.0, seconds - 15):.0f}", "--out", str(out)),
+            *("--seconds", f"{max(1.0, seconds - 15):.0f}", "--out", str(out.resolve())),
         ]
         if args.full_search:
             command.append("--full-search")
@@ -278,7 +277,9 @@ class Bench:
             command += ["--peak-tflops", str(self.peak / 1e12)]
         out.unlink(missing_ok=True)
         try:
-            done = subprocess.run(command, timeout=seconds, capture_output=True, text=True)
+            done = subprocess.run(
+                command, timeout=seconds, capture_output=True, text=True, cwd=ROOT
+            )
             tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
             returncode = done.returncode
         except subprocess.TimeoutExpired:
@@ -308,7 +309,7 @@ class Bench:
         return [matching] if matching == "bf16" else [matching, "bf16"]
 
     def dataflow_rows(self) -> None:
-        from compare_dataflow import dataflow_row
+        from benchmarks.harness.compare_dataflow import dataflow_row
 
         for dtype in self.dataflow_dtypes():
             for budget in self.args.budgets:

@@ -1,6 +1,6 @@
 """Engine overhead on CUDA: host dispatch per task, transfer bandwidth, and fidelity.
 
-    python benchmarks/engine_overhead.py --out benchmarks/results/engine_overhead.json
+    python -m benchmarks.engine_overhead --out benchmarks/results/engine_overhead.json
 
 Three measurements, all in one run on one GPU:
 

@@ -6,7 +6,7 @@
 #   bash benchmarks/fidelity.sh 1024        # T_round 16384, 65536, 32768 at seq 1024
 #   bash benchmarks/fidelity.sh 4096
 #   PRESET=l3_1b bash benchmarks/fidelity.sh 4096   # issue 15's: T_round 16384, 32768
-#   python benchmarks/fidelity_merge.py [benchmarks/results/fidelity.json] OUT/fidelity_*.json
+#   python -m benchmarks.fidelity_merge [benchmarks/results/fidelity.json] OUT/fidelity_*.json
 #
 # gpt2_124m (issue 14's grid, the default): 524,288 tokens a step, budgets 16, 8, 4 and 2
 # GiB, 16 GiB of pinned backing, round order. l3_1b (issue 15's): 131,072 tokens a step,

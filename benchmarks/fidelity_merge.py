@@ -9,7 +9,7 @@ why) and the rest of what ``measure`` wrote. Rows are sorted by preset (in the o
 first given), sequence length, T_round and budget (largest first); the table for
 docs/throughput.md is printed, with a preset column when there is more than one.
 
-Run: ``python benchmarks/fidelity_merge.py [results/fidelity.json] OUT/fidelity_*.json [--out PATH]
+Run: ``python -m benchmarks.fidelity_merge [results/fidelity.json] OUT/fidelity_*.json [--out PATH]
 [--note TEXT]``
 """
 

@@ -1,7 +1,7 @@
 """The data-parallel fleet measured: 1 rank, 2 ranks and a weighted 3:1 split (issue 18).
 
-    python benchmarks/fleet.py --out benchmarks/results/fleet.json        # 2 GPUs: NCCL
-    python benchmarks/fleet.py --preset gpt2_tiny --device cpu --budget 64MiB \
+    python -m benchmarks.fleet --out benchmarks/results/fleet.json        # 2 GPUs: NCCL
+    python -m benchmarks.fleet --preset gpt2_tiny --device cpu --budget 64MiB \
         --seq-len 16 --batch 2 --steps 3 --warmup 1 --out /tmp/fleet.json  # CPU smoke: gloo
 
 Each configuration is a fleet of local processes (rank *i* on GPU *i*, or all on the CPU),
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(run_config(name, CONFIGS[name], args))
     add_efficiency(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    document = {"command": " ".join(["python", "benchmarks/fleet.py", *(argv or sys.argv[1:])])}
+    document = {"command": " ".join(["python", "-m", "benchmarks.fleet", *(argv or sys.argv[1:])])}
     args.out.write_text(json.dumps({**document, "rows": rows}, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(table(rows))
     print(table(rows))

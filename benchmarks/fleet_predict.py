@@ -1,6 +1,6 @@
 """Predicted data-parallel fleets of H200s: gpt2_124m and llama3_8b, 1, 2 and 8 ranks.
 
-    python benchmarks/fleet_predict.py --out benchmarks/results/fleet_predict.json
+    python -m benchmarks.fleet_predict --out benchmarks/results/fleet_predict.json
 
 For each preset, each rank runs the same step as one process would (its rounds inside its
 own fast budget), and the step ends with the all-reduce of every gradient group on the
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
             print(commands[-1], file=sys.stderr)
             rows += predict_fleet(family, cells, hw, RANKS, scope=scope)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    document = {"harness": "python benchmarks/fleet_predict.py", "commands": commands, "rows": rows}
+    document = {"harness": "python -m benchmarks.fleet_predict", "commands": commands, "rows": rows}
     args.out.write_text(json.dumps(document, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(table(rows))
     print(table(rows))

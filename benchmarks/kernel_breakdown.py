@@ -1,12 +1,12 @@
 """Where a training step's GPU time goes, stock torch.compile beside dataflow, kernel by kernel.
 
-    python benchmarks/kernel_breakdown.py --preset gpt2_124m --stock-batches 16,64 \
+    python -m benchmarks.kernel_breakdown --preset gpt2_124m --stock-batches 16,64 \
         --dataflow 16GiB:16x4 --out benchmarks/results/kernel_breakdown
 
 For each setup, a few warmed steps run under torch.profiler (CUDA activity only). Every
 kernel's time is summed by name and by kind (matrix products, attention, fused Triton
 work, the optimizer, copies, the rest), per 16,384 tokens, so that setups with different
-steps compare directly. The stock rows are ``benchmarks/stock.py`` (pure bf16 or
+steps compare directly. The stock rows are ``benchmarks/harness/stock.py`` (pure bf16 or
 autocast, ``torch.compile``); the dataflow rows are ``TrainingRun`` at a budget and
 ``batch x rounds`` (``--dataflow BUDGET:BATCHxROUNDS[:OPTION+OPTION]``, the compiled
 resolver); options: ``cudnn`` (the cuDNN attention pair in place of the registry's
@@ -25,7 +25,6 @@ import itertools
 import json
 import re
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -35,12 +34,10 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from compare_dataflow import close_quietly, random_batches, row_run, train_config  # noqa: E402
-from stock import build_stock  # noqa: E402
-
-from dataflow.engine.backends.torch_graph import trace_activity  # noqa: E402
-from dataflow.units import parse_size  # noqa: E402
+from benchmarks.harness.compare_dataflow import close_quietly, random_batches, row_run, train_config
+from benchmarks.harness.stock import build_stock
+from dataflow.engine.backends.torch_graph import trace_activity
+from dataflow.units import parse_size
 
 #: per-16K-token figures (a round of 16 x 1024)
 PER_TOKENS = 16384

@@ -60,7 +60,7 @@ case $group in olmoe?*) [ -f "$saved" ] || saved=benchmarks/results/profiles_olm
 # BACKING=SIZE gives every row a slow budget; llama3_8b's rows set their own (below: an
 # 8B plan's pool without one outgrows the host's 128 GiB)
 [ -n "$backing" ] && common+=(--backing "$backing")
-compare() { python benchmarks/compare.py "${common[@]}" --out "$out_json" --doc "$page" "$@"; }
+compare() { python -m benchmarks.compare "${common[@]}" --out "$out_json" --doc "$page" "$@"; }
 log=${OUT:-/tmp}/model_rows_$group.log
 case $group in
 llama3_8b)

@@ -41,7 +41,7 @@ task covers (time and workspace; an estimate), but for a task whose objects keep
 sizes (an update), priced as profiled. ``place_row`` does the work and returns what came
 of it (``plan_rows.py`` plans every throughput row with it).
 
-Run: ``python benchmarks/place_llama3_8b.py --budget 8GiB [--batch 2 --rounds 16] [--counted]
+Run: ``python -m benchmarks.place_llama3_8b --budget 8GiB [--batch 2 --rounds 16] [--counted]
 [--order ORDER] [--backing SIZE] [--chunk TOKENS] [--profiles DIR] [--head-vocab-tiles]
 [--preset PRESET --seq-len N] [--workspace KEY=SIZE ...] [--cost KEY=FACTOR ...]
 [--link-scale F]``
@@ -58,7 +58,6 @@ import time
 from pathlib import Path
 
 import attrs
-from compare_dataflow import train_config
 from dataflow_training.config import UPDATES, head_chunk_tokens
 from dataflow_training.family import load_family
 from dataflow_training.lowering import lower
@@ -66,6 +65,7 @@ from dataflow_training.profile import TaskProfile, apply_profile, signature, wit
 from dataflow_training.recompute import measured_recompute_planner
 from dataflow_training.train_defaults import default_family
 
+from benchmarks.harness.compare_dataflow import train_config
 from dataflow.engine.backends.torch_storage import slow_pool_bytes
 from dataflow.planning import PlanningError, place, plan
 from dataflow.planning.arena import live_peak_bytes, residency_blocks

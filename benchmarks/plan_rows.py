@@ -9,7 +9,7 @@ Each row is a ``place_llama3_8b.py`` command line (``ROWS``: the shapes ``compar
 runs for each row now, by ``model_rows.sh``). ``vs stock`` is the fastest stock row's
 seconds for the row's tokens over the planned (placed, where it places) step.
 
-Run: ``python benchmarks/plan_rows.py [--only TEXT ...] [--out PATH]`` (about 4 minutes
+Run: ``python -m benchmarks.plan_rows [--only TEXT ...] [--out PATH]`` (about 4 minutes
 on 2 cores; ``--only`` keeps the rows whose name contains any TEXT). Writes
 ``results/plan_rows.json`` and prints a Markdown table.
 """
@@ -23,8 +23,8 @@ import subprocess
 import time
 from pathlib import Path
 
-import compare_doc
-import place_llama3_8b
+from benchmarks import place_llama3_8b
+from benchmarks.harness import compare_doc
 
 RESULTS = Path(__file__).parent / "results"
 GPT2 = [

@@ -19,7 +19,7 @@ inflates less), and the 10,000-task training chain the same way (targets: 0.5 s 
 on the CI machine, 2 cores). Each of those is the fastest of ``--repeats`` (3) plans of
 the same chain and budget.
 
-Run: ``python benchmarks/planning.py`` (``--no-write`` to only print; ``--ablation`` to
+Run: ``python -m benchmarks.planning`` (``--no-write`` to only print; ``--ablation`` to
 also compare single portfolio members against the whole portfolio). It writes
 ``benchmarks/results/planning.json`` (summary), ``planning_cases.jsonl`` (one line per
 planned case) and ``planning.md`` (the tables).
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         header = (
             f"Planning benchmark, {info['date']}, commit {info['commit']}, "
             f"{info['cpus']} CPUs, Python {info['python']}: "
-            f"`python benchmarks/planning.py --seeds {args.seeds} --rungs {args.rungs} "
+            f"`python -m benchmarks.planning --seeds {args.seeds} --rungs {args.rungs} "
             f"--cyclic-seeds {args.cyclic_seeds} --repeats {args.repeats}"
             f"{' --ablation' if args.ablation else ''}` (each large chain's timings: the "
             f"fastest of {args.repeats} plans)\n\n"

@@ -8,7 +8,7 @@ every saved activation is offloaded in the forward pass and prefetched back for 
 backward pass (about 31,000 transfers). The fast budget (120 MiB) is below what the
 prefetches want, so transfers wait for room and the run exercises every rule.
 
-Run: ``python benchmarks/sim_speed.py`` (add ``--no-write`` to only print). It writes
+Run: ``python -m benchmarks.sim_speed`` (add ``--no-write`` to only print). It writes
 ``benchmarks/results/sim_speed.json`` and appends a row to ``benchmarks/results/sim_speed.md``;
 it exits 1 when ``record=False`` takes more than the limit (1 s).
 """
@@ -117,7 +117,7 @@ def write(report: dict) -> None:
     (RESULTS / "sim_speed.json").write_text(json.dumps(report, indent=1) + "\n")
     table = RESULTS / "sim_speed.md"
     if not table.exists():
-        table.write_text("# Simulator speed (`python benchmarks/sim_speed.py`)\n\n" + TABLE_HEADER)
+        table.write_text("# Simulator speed (`python -m benchmarks.sim_speed`)\n\n" + TABLE_HEADER)
     seconds = report["seconds"]
     info = report["machine"]
     machine = f"{info['cpus']} cpus (load {info['load_average_1min']}), Python {info['python']}"

@@ -14,7 +14,7 @@ Reads the two files ``compare.py --trace-dir`` writes for a dataflow row
 * gaps between consecutive device events on the compute streams, split by whether a
   memset sits next to them.
 
-    python benchmarks/trace_vs_sim.py benchmarks/results/traces/gpt2_124m_1GiB_4x128 \
+    python -m benchmarks.trace_vs_sim benchmarks/results/traces/gpt2_124m_1GiB_4x128 \
         --out benchmarks/results/trace_vs_sim_gpt2_1GiB.json
 
 The task boundaries lean on GPT-2's kernels (an embedding gather starts each round, a

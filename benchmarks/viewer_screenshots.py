@@ -1,7 +1,7 @@
 """The screenshots of docs/exporting_runs.md: the report of a real (CPU) run and the
 served page after a re-plan, in headless Chromium.
 
-    python benchmarks/viewer_screenshots.py --out docs/images
+    python -m benchmarks.viewer_screenshots --out docs/images
 
 Exports GPT-2 tiny (batch 8 x 64, fp32) planned into 2 MiB, priced by the h200 roofline;
 traces three steps of that plan on the CPU into the bundle (`dataflow trace --bundle`);

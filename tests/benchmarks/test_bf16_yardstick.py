@@ -1,4 +1,4 @@
-"""benchmarks/bf16_yardstick.py on qwen3_tiny: one line per matched parameter kind and
+"""benchmarks/probes/bf16_yardstick.py on qwen3_tiny: one line per matched parameter kind and
 step, every error finite and small (bf16 against float64), and its JSON."""
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("dataflow_family_qwen3")
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bf16_yardstick.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_yardstick_runs_on_a_tiny_preset(tmp_path) -> None:
     out = tmp_path / "errors.json"
-    command = [sys.executable, str(SCRIPT), "--family", "qwen3", "--preset", "qwen3_tiny"]
+    command = [sys.executable, "-m", "benchmarks.probes.bf16_yardstick"]
+    command += ["--family", "qwen3", "--preset", "qwen3_tiny"]
     command += ["--steps", "2", "--match", "q_norm,mlp", "--json", str(out)]
-    printed = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    printed = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT).stdout
     lines = printed.splitlines()
     assert [line.split(":")[0] for line in lines] == [
         "step 0 q_norm",

@@ -14,15 +14,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parents[2]
-BENCHMARKS = ROOT / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+from benchmarks import compare  # noqa: E402
+from benchmarks.harness import compare_dataflow, compare_doc, measure, stock  # noqa: E402
 
-import compare  # noqa: E402
-import compare_dataflow  # noqa: E402
-import compare_doc  # noqa: E402
-import measure  # noqa: E402
-import stock  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 #: the per-row fields issue 13 names, in its order, with issue 15's model and the note
 ISSUE_FIELDS = [
@@ -58,8 +53,7 @@ def first_run(tmp_path_factory):
     shutil.copy(ROOT / "docs" / "throughput.md", page)
     out = folder / "compare.json"
     command = [
-        sys.executable,
-        str(BENCHMARKS / "compare.py"),
+        *(sys.executable, "-m", "benchmarks.compare"),
         *TINY,
         *("--stock-dtypes", "bf16", "--budgets", "4MiB,1KiB"),
         *("--out", str(out), "--doc", str(page)),
@@ -339,7 +333,7 @@ def test_compare_runs_on_cuda_at_tiny_size(tmp_path) -> None:
     (sim,) = traces.glob("*.sim.json.gz")
     stem = str(sim).removesuffix(".sim.json.gz")
     assert Path(f"{stem}.trace.json.gz").is_file()
-    import trace_vs_sim
+    from benchmarks import trace_vs_sim
 
     report = trace_vs_sim.main([stem])
     for way in ("h2d", "d2h"):
@@ -358,14 +352,14 @@ def test_deepspeed_row_measures_where_deepspeed_is_installed(tmp_path) -> None:
     """The ZeRO-Offload row itself, where DeepSpeed is installed (its CPU Adam op is
     compiled on first use: minutes). On a CPU it runs on DeepSpeed's CPU accelerator."""
     pytest.importorskip("deepspeed")
-    import deepspeed_row
+    from benchmarks.harness import deepspeed_row
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = tmp_path / "row.json"
     args = ["--device", device, "--preset", "gpt2_tiny", "--seq-len", "32", "--batches", "2"]
-    command = [sys.executable, str(BENCHMARKS / "deepspeed_row.py"), *args, "--out", str(out)]
+    command = [sys.executable, "-m", "benchmarks.harness.deepspeed_row", *args, "--out", str(out)]
     done = subprocess.run(
-        [*command, "--steps", "2", "--warmup", "2"], capture_output=True, text=True
+        [*command, "--steps", "2", "--warmup", "2"], capture_output=True, text=True, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())

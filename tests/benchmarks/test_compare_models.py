@@ -8,21 +8,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from benchmarks import compare  # noqa: E402
+from benchmarks.harness import compare_doc, measure, stock_decoder  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import compare  # noqa: E402
-import compare_doc  # noqa: E402
-import measure  # noqa: E402
-import stock_decoder  # noqa: E402
 
 DECODERS = [
     ("llama3", "llama3_tiny"),
@@ -224,7 +220,7 @@ def test_stock_moe_on_cuda_uses_grouped_mm_and_matches_the_loop() -> None:
     torch.compile): the objective agrees with the expert loop on the same weights."""
     if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
         pytest.skip("needs a CUDA device and torch._grouped_mm")
-    import stock
+    from benchmarks.harness import stock
 
     config = family("olmoe").config("olmoe_tiny")
     model = stock.stock_model(config, 32, device="cuda", dtype="bf16")
@@ -266,7 +262,7 @@ def test_place_llama3_8b_reads_the_committed_h200_profiles() -> None:
     """benchmarks/place_llama3_8b.py (a minute of planning, not run here) imports and
     reads the committed profile archive: its head task's workspace is the one the 8 GiB
     row was placed with (3.29 GB after the in-place head accumulator)."""
-    import place_llama3_8b
+    from benchmarks import place_llama3_8b
 
     profiles = place_llama3_8b.measured_profiles(BENCHMARKS / "results" / "profiles_llama3_8b.tgz")
     heads = [p for key, p in profiles.items() if "llama3.head.loss" in key]
@@ -279,7 +275,7 @@ def test_place_llama3_8b_estimates_the_tiled_head_from_the_archive() -> None:
     backward with its float32 table replaced by the row sums' buffers."""
     import json
 
-    import place_llama3_8b
+    from benchmarks import place_llama3_8b
 
     known = place_llama3_8b.measured_profiles(BENCHMARKS / "results" / "profiles_llama3_8b.tgz")
     tokens, vocab, dim = 8192, 128256, 4096
@@ -306,7 +302,7 @@ def test_place_llama3_8b_what_if_gives_a_compute_key_its_workspace() -> None:
     cost alone."""
     import json
 
-    import place_llama3_8b
+    from benchmarks import place_llama3_8b
 
     known = place_llama3_8b.measured_profiles(BENCHMARKS / "results" / "profiles_gpt2.tgz")
     lookup = place_llama3_8b.Lookup(known, caps={"gpt2.head.loss": 180_000_000})
@@ -329,7 +325,7 @@ def test_place_llama3_8b_prices_another_batch_from_the_archive_by_its_tokens() -
     workspace."""
     import json
 
-    import place_llama3_8b
+    from benchmarks import place_llama3_8b
 
     known = place_llama3_8b.measured_profiles(BENCHMARKS / "results" / "profiles_olmoe16.tgz")
     text = next(k for k in known if json.loads(k)[0] == "olmoe.moe.backward")
@@ -371,7 +367,7 @@ def test_place_llama3_8b_reads_one_resolvers_profiles_the_newest_first(tmp_path)
     import json
     import os
 
-    import place_llama3_8b
+    from benchmarks import place_llama3_8b
 
     signature = ["olmoe.moe.backward", [], [4, 4096]]
 
@@ -395,8 +391,7 @@ def test_place_llama3_8b_reads_one_resolvers_profiles_the_newest_first(tmp_path)
 def test_place_llama3_8b_link_scale_multiplies_each_direction_and_keeps_the_rest() -> None:
     """``--link-scale F``: both directions' bandwidth, and their duplex total, times F;
     latencies and the collective link as they were."""
-    import place_llama3_8b
-
+    from benchmarks import place_llama3_8b
     from dataflow.schema.program import Link, Links
 
     links = Links(h2d=Link(54_804.6, 10.0), d2h=Link(55_228.2, 12.0), duplex_bytes_per_us=98_947.0)

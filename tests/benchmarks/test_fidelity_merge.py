@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-RESULTS = BENCHMARKS / "results" / "fidelity.json"
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results" / "fidelity.json"
 
 
 def _cell(preset: str, seq: int, t_round: int, budget: int, ratio: float | None) -> dict:
@@ -32,9 +32,9 @@ def _cell(preset: str, seq: int, t_round: int, budget: int, ratio: float | None)
 
 def _merge(tmp_path: Path, *files: Path, note: str | None = None) -> tuple[dict, str]:
     out = tmp_path / "merged.json"
-    command = [sys.executable, str(BENCHMARKS / "fidelity_merge.py"), *map(str, files)]
+    command = [sys.executable, "-m", "benchmarks.fidelity_merge", *map(str, files)]
     command += ["--out", str(out), *(["--note", note] if note else [])]
-    printed = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    printed = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT).stdout
     return json.loads(out.read_text()), printed
 
 

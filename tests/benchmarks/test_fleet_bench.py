@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_fleet_benchmark_runs_on_cpu(tmp_path):
     out = tmp_path / "fleet.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "fleet.py"), "--preset", "gpt2_tiny"]
+    cmd = [sys.executable, "-m", "benchmarks.fleet", "--preset", "gpt2_tiny"]
     cmd += ["--device", "cpu", "--budget", "64MiB", "--seq-len", "16", "--batch", "2"]
     cmd += ["--steps", "2", "--warmup", "1", "--configs", "1 rank,3:1", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [(row["config"], row["rounds"]) for row in rows] == [("1 rank", [2]), ("3:1", [3, 1])]

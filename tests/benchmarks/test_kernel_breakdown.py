@@ -3,15 +3,11 @@ needs CUDA): kernels summed by name and kind, per 16K tokens, over several steps
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("torch")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import kernel_breakdown  # noqa: E402
+from benchmarks import kernel_breakdown
 
 
 def kernel(name: str, ts: float, dur: float) -> dict:

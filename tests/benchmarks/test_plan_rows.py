@@ -3,17 +3,15 @@ profile archives, beside the fastest stock row of compare.json."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
 
-import place_llama3_8b  # noqa: E402
-import plan_rows  # noqa: E402
+from benchmarks import place_llama3_8b, plan_rows
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def test_each_models_fastest_stock_row_is_the_baseline() -> None:

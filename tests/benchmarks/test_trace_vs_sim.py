@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import gzip
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import trace_vs_sim
 
-import trace_vs_sim  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def kernel(name: str, ts: float, dur: float) -> dict:

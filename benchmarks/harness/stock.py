@@ -90,7 +90,7 @@ def stock_model(
 ) -> nn.Module:
     """The stock model of ``config`` on ``device``, initialised there (an 8B model's
     weights are drawn on the GPU, not the host), all bfloat16 for ``dtype='bf16'``."""
-    from stock_decoder import StockDecoder
+    from benchmarks.harness.stock_decoder import StockDecoder
 
     floating = torch.bfloat16 if dtype == "bf16" else torch.float32
     with torch.device(device):

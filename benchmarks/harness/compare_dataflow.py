@@ -30,7 +30,7 @@ from typing import Any
 
 import cattrs
 import torch
-from compare_doc import make_row
+from dataflow_training.compiled_step import available_host_bytes
 from dataflow_training.config import (
     DtypePolicy,
     TrainConfig,
@@ -38,10 +38,10 @@ from dataflow_training.config import (
     optimizer_states,
 )
 from dataflow_training.lowering import lower
-from dataflow_training.compiled_step import available_host_bytes
 from dataflow_training.run import TrainingRun
-from measure import RowTimeout, idle_pct, one_line, profile_step, time_limit
 
+from benchmarks.harness.compare_doc import make_row
+from benchmarks.harness.measure import RowTimeout, idle_pct, one_line, profile_step, time_limit
 from dataflow.planning import PlanningError, plan
 from dataflow.units import format_size
 
@@ -169,7 +169,7 @@ def initial_state(config: Any, device: str, param_dtype: str) -> dict[str, torch
     keys as the family's reference state, N(0, 0.02) matrices, unit norms) and brought to
     the host in the run's parameter dtype: an 8B model's weights are not drawn in float32
     on the host. None for GPT-2 (its reference model initialises the run, as before)."""
-    from stock import is_gpt2, stock_model
+    from benchmarks.harness.stock import is_gpt2, stock_model
 
     if is_gpt2(config):
         return None

@@ -1,4 +1,10 @@
-"""Do the small memsets cuBLASLt and cuDNN ask for stall a captured step, and does
+"""Probe, 2026-12-04 (session 16): do cuBLASLt's and cuDNN's memset nodes stall a captured step?
+
+Answer: yes: beside busy copy engines 264 us of compute gaps beside 24 memsets, 22 us once
+they are fill kernels (results/memset_nodes.json; docs/throughput.md, session 16); the
+engine has rewritten them since (``dataflow.engine.backends.graph_memsets``).
+
+Do the small memsets cuBLASLt and cuDNN ask for stall a captured step, and does
 turning them into kernel nodes (``dataflow.engine.backends.graph_memsets``) help?
 
 A chain of GPT-2-shaped forward blocks (bias GEMMs, cuDNN attention, GELU) at
@@ -9,7 +15,7 @@ variant: the median replay time (event-timed, after settling), and from one prof
 replay the kernels' busy time, the gaps, and the gaps next to memsets. The two graphs'
 outputs must be bit-identical.
 
-    python benchmarks/memset_nodes.py --out $OUT/memset_nodes.json
+    python -m benchmarks.probes.memset_nodes --out $OUT/memset_nodes.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,13 @@
-"""GPT-2 training steps on CUDA inside fast-memory budgets, beside stock PyTorch.
+"""Probe, 2026-11-29 to 2026-12-01: does gpt2_124m train inside 16, 4 and 2 GiB, and how fast?
 
-    python benchmarks/gpt2_budgets.py --preset gpt2_124m --budgets 16GiB,4GiB,2GiB \
+Answer: inside every budget, at 1.48x, 1.54x and 2.68x stock eager's step
+(results/gpt2_budgets.md, before steady-state plans and graph replay). Superseded by
+compare.py's dataflow rows (docs/throughput.md), which measure the same against
+torch.compile.
+
+GPT-2 training steps on CUDA inside fast-memory budgets, beside stock PyTorch.
+
+    python -m benchmarks.probes.gpt2_budgets --preset gpt2_124m --budgets 16GiB,4GiB,2GiB \
         --out benchmarks/results/gpt2_budgets.json
 
 Lower one training step (bf16 weights, gradients and activations, fp32 AdamW states) and
@@ -9,7 +16,7 @@ temporaries measured as workspace). For each budget: plan it with PressureFit at
 budget less the CUDA libraries' own reserve, place it with the largest workspace left
 free beside the arena, run it on the engine for a few steps and record the step time, the
 allocator's own peak (which the engine checks against the budget), the ledger peak and
-the bytes moved. In the same run, stock PyTorch (``benchmarks/stock.py``: bf16 autocast
+the bytes moved. In the same run, stock PyTorch (``benchmarks/harness/stock.py``: bf16 autocast
 over float32 weights, SDPA, ``torch.optim.AdamW(fused=True)``) trains the same shape: its
 step time and peak memory are the baseline. Medians over the measured steps; the first
 step warms up.
@@ -31,14 +38,12 @@ from dataflow_training.lowering import lower
 from dataflow_training.profile import apply_profile, profile_program
 from dataflow_training.values import start_values
 
+from benchmarks.harness.stock import time_stock
 from dataflow.engine import Engine
 from dataflow.engine.backends.torch_cuda import measure_links, runtime_reserve_bytes
 from dataflow.planning import place, plan
 from dataflow.plugins import families, resolvers
 from dataflow.units import format_size, parse_size
-
-sys.path.insert(0, str(Path(__file__).parent))
-from stock import time_stock  # noqa: E402
 
 GiB = 2**30
 
@@ -117,7 +122,7 @@ def run_engine(
 
 
 def run_stock(config, train, steps) -> dict:
-    """Stock PyTorch at the same shape (benchmarks/stock.py: bf16 autocast, SDPA, fused
+    """Stock PyTorch at the same shape (benchmarks/harness/stock.py: bf16 autocast, SDPA, fused
     AdamW); one round per step."""
     stock = time_stock(config, train.batch, train.seq_len, steps=steps)
     return {"step_ms_median": stock["step_ms"], "peak_bytes": stock["peak_bytes"]}

@@ -1,4 +1,10 @@
-"""How fast do copies run between the device and each kind of page-locked host memory?
+"""Probe, 2026-12-04 (session 16): do registered or huge-page host buffers copy slower than pinned?
+
+Answer: no: every kind copies at 53-55 GB/s a direction alone and 47-51 both ways, 1-2 %
+slower beside a matmul, so the step's slower copies came from its own kernels
+(results/host_memory_links*.jsonl; docs/throughput.md, session 16).
+
+How fast do copies run between the device and each kind of page-locked host memory?
 
 In the profiled gpt2_124m step at 1 GiB (session 16, ``trace_vs_sim.py``) the 1-32 MB
 copies to and from the slow pool ran at 46-47 GB/s each way, where ``measure_links`` (one
@@ -15,7 +21,7 @@ each direction alone and both at once, with the device idle and with a bf16 matm
 running beside the copies (as compute runs beside a step's transfers). One JSON line per
 case on stdout and in ``--out``.
 
-    python benchmarks/host_memory_links.py --out $OUT/host_memory_links.jsonl
+    python -m benchmarks.probes.host_memory_links --out $OUT/host_memory_links.jsonl
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The DeepSpeed ZeRO-Offload row of benchmarks/compare.py: stage 2, AdamW on the CPU.
 
-    python benchmarks/deepspeed_row.py --out /tmp/deepspeed_row.json
+    python -m benchmarks.harness.deepspeed_row --out /tmp/deepspeed_row.json
 
 One process, no launcher: the rendezvous is local (``MASTER_ADDR=127.0.0.1``, a free
 port, rank 0 of 1), ``deepspeed.init_distributed`` then ``deepspeed.initialize`` with a
-config dict. The model is benchmarks/stock.py's GPT-2 (same math as every other row); the
+config dict. The model is benchmarks/harness/stock.py's GPT-2 (same math as every other row); the
 optimizer is DeepSpeed's ``AdamW`` (lr 3e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1 on
 matrices), which ZeRO-Offload runs as its CPU Adam op over float32 master weights in host
 memory, while the GPU holds bf16 weights, activations and gradients (``"bf16":
@@ -29,9 +29,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from compare_doc import make_row, searched_row  # noqa: E402
-from measure import (  # noqa: E402
+from benchmarks.harness.compare_doc import make_row, searched_row
+from benchmarks.harness.measure import (
     BatchSearch,
     RowTimeout,
     flops_per_token,
@@ -39,7 +38,7 @@ from measure import (  # noqa: E402
     one_line,
     time_limit,
 )
-from stock import StockGPT2, _decay_groups  # noqa: E402
+from benchmarks.harness.stock import StockGPT2, _decay_groups
 
 ENGINE, DTYPE = "deepspeed zero-offload", "bf16+fp32-master"
 

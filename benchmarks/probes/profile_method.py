@@ -1,6 +1,12 @@
-"""How the profiling pass's timing method moves a program's summed task cost (CUDA).
+"""Probe, 2026-12-03 (sessions 12-13): which timing method prices tasks as a whole step runs them?
 
-    python benchmarks/profile_method.py --methods none,settle:0.2,settle:0.2+flush \
+Answer: settled for 0.2 s first (``SETTLE_S``): 1.00 s of tasks for gpt2_124m's 16 GiB
+step against 0.94 s timed cold (results/profile_method.json; docs/benchmarking.md,
+"Profiling").
+
+How the profiling pass's timing method moves a program's summed task cost (CUDA).
+
+    python -m benchmarks.probes.profile_method --methods none,settle:0.2,settle:0.2+flush \
         --out benchmarks/results/profile_method.json
 
 One gpt2_124m training step is lowered as compare.py's 16 GiB row runs it (bf16, batch
@@ -29,10 +35,8 @@ from dataflow_training.config import head_chunk_tokens
 from dataflow_training.lowering import lower
 from dataflow_training.profile import profile_program, signature
 
+from benchmarks.harness.compare_dataflow import train_config
 from dataflow.plugins import families, resolvers
-
-sys.path.insert(0, str(Path(__file__).parent))
-from compare_dataflow import train_config  # noqa: E402
 
 GIB = 1 << 30
 

@@ -1,6 +1,6 @@
-"""What benchmarks/compare.py and benchmarks/deepspeed_row.py measure, the same way for every
-row: wall-clock steps, the device's own activity in one profiled step, the links' bandwidth,
-model FLOPs and MFU, and a time limit per row.
+"""What benchmarks/compare.py and its DeepSpeed row (``deepspeed_row``) measure, the same way
+for every row: wall-clock steps, the device's own activity in one profiled step, the links'
+bandwidth, model FLOPs and MFU, and a time limit per row.
 
 - A step's time is wall clock with the device synchronised before and after it, so host
   dispatch, data feeding and read-back all count, whatever the engine.
@@ -177,10 +177,10 @@ def link_bandwidth(device: str, size_bytes: int = 256 * 2**20, repeats: int = 5)
 def matmul_params(config: Any) -> float:
     """Parameters one token multiplies by: GPT-2's all but the positions; a decoder's as
     ``stock_decoder.matmul_params`` counts them (routed experts at their active share)."""
-    from stock import StockGPT2, is_gpt2
+    from benchmarks.harness.stock import StockGPT2, is_gpt2
 
     if not is_gpt2(config):
-        from stock_decoder import matmul_params as decoder_params
+        from benchmarks.harness.stock_decoder import matmul_params as decoder_params
 
         return decoder_params(config)
     with torch.device("meta"):
@@ -193,7 +193,7 @@ def matmul_params(config: Any) -> float:
 def flops_per_token(config: Any, seq_len: int) -> float:
     """Model FLOPs of one trained token (forward and backward): ``6 N + 12 L a T`` (``a``
     the attention width: GPT-2's ``n_embd``, a decoder's query heads x ``head_dim``)."""
-    from stock import is_gpt2
+    from benchmarks.harness.stock import is_gpt2
 
     if is_gpt2(config):
         layers, width = config.n_layer, config.n_embd

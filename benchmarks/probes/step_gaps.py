@@ -1,6 +1,13 @@
-"""Where a dataflow step's wall time goes beyond the engine's makespan (CUDA).
+"""Probe, 2026-12-03 (sessions 13-14): where does a step's wall time beyond the makespan go?
 
-    python benchmarks/step_gaps.py --budget-gib 8 --batch 32 --rounds 16 --out /tmp/gaps.json
+Answer: into ``Engine._carry_over``'s host copies, split over torch's intra-op threads
+that slept through the step (37-87 ms in 6 of 16 steps; under 2.4 ms with one thread).
+The engine copies per-step values on its own thread since (results/step_gaps_gpt2_8GiB*.json;
+docs/throughput.md, sessions 12-14).
+
+Where a dataflow step's wall time goes beyond the engine's makespan (CUDA).
+
+    python -m benchmarks.probes.step_gaps --budget-gib 8 --batch 32 --rounds 16 --out /tmp/gaps.json
 
 compare.py's dataflow rows measure ``TrainingRun.step``'s wall time; the engine reports
 its own makespan. In some runs of session 12 the two differed by 60-90 ms at 8 and 4 GiB
@@ -24,10 +31,8 @@ from pathlib import Path
 import torch
 from dataflow_training.config import head_chunk_tokens
 
+from benchmarks.harness.compare_dataflow import random_batches, row_run, train_config
 from dataflow.plugins import families
-
-sys.path.insert(0, str(Path(__file__).parent))
-from compare_dataflow import random_batches, row_run, train_config  # noqa: E402
 
 GIB = 1 << 30
 #: Engine methods a replayed step calls (``Engine.run``), timed one by one

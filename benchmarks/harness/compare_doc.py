@@ -27,8 +27,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from measure import BatchSearch, idle_pct, link_busy_pct
-
+from benchmarks.harness.measure import BatchSearch, idle_pct, link_busy_pct
 from dataflow.units import format_size
 
 FIELDS = (

@@ -1,6 +1,12 @@
-"""Per-task speed of a GPT-2 training step against stock PyTorch, on CUDA.
+"""Probe, 2026-12-01 (session 3): how fast are gpt2_124m's tasks, summed, against stock PyTorch?
 
-    python benchmarks/task_speed.py --preset gpt2_124m --batches 8,32 \
+Answer: 0.80x and 0.56x stock eager's step at batch 8 and 32, 1.28x and 1.13x
+torch.compile's (results/gpt2_task_speed.md). Whole steps are measured by compare.py
+(docs/throughput.md) and kernel by kernel by kernel_breakdown.py now.
+
+Per-task speed of a GPT-2 training step against stock PyTorch, on CUDA.
+
+    python -m benchmarks.probes.task_speed --preset gpt2_124m --batches 8,32 \
         --out benchmarks/results/gpt2_task_speed.json
 
 For each batch (x seq_len tokens): lower one training step (bf16 weights, gradients and
@@ -8,7 +14,7 @@ activations, float32 AdamW states), time every distinct task with CUDA events af
 warm-up (the profiling pass: ``repeats`` launches, median; the twelve block forwards share
 one signature), and add the tasks up: ``sum_task_ms`` is what the step's compute costs
 when nothing waits for memory. In the same run, stock PyTorch trains the same model at
-the same shape (``benchmarks/stock.py``: bf16 autocast over float32 weights, SDPA, fused
+the same shape (``benchmarks/harness/stock.py``: bf16 autocast over float32 weights, SDPA, fused
 AdamW), eager and under ``torch.compile``. With ``--trace DIR`` a torch.profiler table
 of one launch of every distinct task is written there.
 """
@@ -27,10 +33,8 @@ from dataflow_training.lowering import lower
 from dataflow_training.profile import profile_program, signature
 from dataflow_training.tasks import TrainingTasks
 
+from benchmarks.harness.stock import time_stock
 from dataflow.plugins import families, kernels, resolvers
-
-sys.path.insert(0, str(Path(__file__).parent))
-from stock import time_stock  # noqa: E402
 
 POLICY = DtypePolicy("bfloat16", "bfloat16", "bfloat16")
 
@@ -137,7 +141,7 @@ def main() -> int:
         "chunk_tokens": args.chunk_tokens,
         "pinned_variants": args.variant,
         "repeats": args.repeats,
-        "stock": "benchmarks/stock.py: fp32 master weights, bf16 autocast, SDPA, AdamW(fused)",
+        "stock": "benchmarks.harness.stock: fp32 master weights, bf16 autocast, SDPA, AdamW(fused)",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")

@@ -1,4 +1,9 @@
-"""Predicted s/step of a measured dataflow row with and without the duplex link model.
+"""Probe, 2026-12-01 (session 6): what does sharing the host link between directions cost a step?
+
+Answer: the duplex limit adds 2.2 % to llama3_8b's 16 GiB step and 0.4 % to l3_1b's at
+4 GiB (results/duplex_check.jsonl; docs/throughput.md, "The duplex link model").
+
+Predicted s/step of a measured dataflow row with and without the duplex link model.
 
 Rebuilds a llama3-family training step (seq 4096, bf16 weights, gradients and AdamW
 state, the recompute planner, a cyclic plan) with the task costs and workspace the H200
@@ -19,9 +24,9 @@ hardware entry's links:
   ``measure_links`` gave it before it measured the duplex total (the gpt2_124m 4 GiB
   export, ``results/export_gpt2_124m_4GiB/program.json``, holds 52.38 and 51.16).
 
-Run: ``python benchmarks/duplex_check.py --preset llama3_8b --budget 16GiB --batch 2
+Run: ``python -m benchmarks.probes.duplex_check --preset llama3_8b --budget 16GiB --batch 2
 --rounds 16 --chunk 2048`` (the archive holds the 2048-token head only) or
-``python benchmarks/duplex_check.py --preset l3_1b --budget 4GiB --batch 4 --rounds 8
+``python -m benchmarks.probes.duplex_check --preset l3_1b --budget 4GiB --batch 4 --rounds 8
 --profiles benchmarks/results/profiles_l3_1b.tgz [--order layer]``.
 """
 
@@ -33,15 +38,15 @@ import time
 from pathlib import Path
 
 import attrs
-from compare_dataflow import train_config
 from dataflow_training.config import head_chunk_tokens
 from dataflow_training.family import load_family
 from dataflow_training.hardware import hardware
 from dataflow_training.lowering import lower
 from dataflow_training.profile import apply_profile
 from dataflow_training.recompute import measured_recompute_planner
-from place_llama3_8b import PROFILES, RESERVE_BYTES, Lookup, measured_profiles
 
+from benchmarks.harness.compare_dataflow import train_config
+from benchmarks.place_llama3_8b import PROFILES, RESERVE_BYTES, Lookup, measured_profiles
 from dataflow.planning import plan
 from dataflow.planning.cycle import check_cycle
 from dataflow.schema import Links
