@@ -62,7 +62,7 @@ from dataflow_training.config import UPDATES, head_chunk_tokens
 from dataflow_training.family import load_family
 from dataflow_training.lowering import lower
 from dataflow_training.profile import TaskProfile, apply_profile, signature, without_workspace
-from dataflow_training.recompute import measured_recompute_planner
+from dataflow_training.recompute import measured_rewriter, step_planner
 from dataflow_training.train_defaults import default_family
 
 from benchmarks.harness.compare_dataflow import train_config
@@ -213,10 +213,10 @@ class Lookup:
             )
         return profile
 
-    def __call__(self, program) -> dict:
+    def __call__(self, step) -> dict:
         found = {}
-        for task in program.tasks:
-            key = signature(program, task)
+        for task in step.program.tasks:
+            key = signature(step, task)
             text = json.dumps(json.loads(json.dumps(key, default=repr)))
             found[key] = self.profile_of(text)
         if not self.strip:
@@ -298,12 +298,12 @@ def place_row(args: argparse.Namespace, say=print) -> dict:
         args.head_vocab_tiles,
         args.updates,
     )
-    program = lower(family, args.preset, train).program
-    profiles = measured(program)
+    step = lower(family, args.preset, train)
+    profiles = measured(step)
     program = attrs.evolve(
-        apply_profile(program, profiles), links=scaled_links(LINKS, args.link_scale)
+        apply_profile(step, profiles), links=scaled_links(LINKS, args.link_scale)
     )
-    spec = measured_recompute_planner(program, measured, known=profiles)
+    spec = step_planner(measured_rewriter(step.with_program(program), measured, known=profiles))
     beside = measured.largest_bytes
     row: dict = {"planned_s": None, "placed_s": None, "error": None}
     arena = budget - RESERVE_BYTES - beside

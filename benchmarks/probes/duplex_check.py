@@ -43,7 +43,7 @@ from dataflow_training.family import load_family
 from dataflow_training.hardware import hardware
 from dataflow_training.lowering import lower
 from dataflow_training.profile import apply_profile
-from dataflow_training.recompute import measured_recompute_planner
+from dataflow_training.recompute import measured_rewriter, step_planner
 
 from benchmarks.harness.compare_dataflow import train_config
 from benchmarks.place_llama3_8b import PROFILES, RESERVE_BYTES, Lookup, measured_profiles
@@ -99,7 +99,7 @@ def main() -> None:
     family = load_family("llama3")
     chunk = args.chunk or head_chunk_tokens(budget, 128256)
     train = train_config("bf16", args.batch, args.rounds, 4096, chunk, args.order)
-    program = lower(family, args.preset, train).program
+    step = lower(family, args.preset, train)
     duplex_links = hardware("h200").links()
     solo_links = attrs.evolve(duplex_links, duplex_bytes_per_us=None)
     row = {"preset": args.preset, "budget": args.budget, "batch": args.batch}
@@ -113,8 +113,9 @@ def main() -> None:
         h2d_gbps, d2h_gbps = (float(rate) for rate in args.measured_links.split(","))
         variants.append(("measured_links", fixed_rates(solo_links, h2d_gbps * 1e3, d2h_gbps * 1e3)))
     for name, links in variants:
-        priced = attrs.evolve(apply_profile(program, measured(program)), links=links)
-        spec = measured_recompute_planner(priced, measured, known=measured(program))
+        priced = attrs.evolve(apply_profile(step, measured(step)), links=links)
+        rewriter = measured_rewriter(step.with_program(priced), measured, known=measured(step))
+        spec = step_planner(rewriter)
         started = time.perf_counter()
         planned = plan(
             priced, budget - RESERVE_BYTES - measured.largest_bytes, planner=spec, cyclic=True

@@ -48,7 +48,7 @@ from dataflow.units import format_size, parse_size
 GiB = 2**30
 
 
-def feed(program, state, vocab, batch, seq_len, step, data_only=False):
+def feed(lowered, state, vocab, batch, seq_len, step, data_only=False):
     def data(step_, round_):
         g = torch.Generator().manual_seed(1000 * step_ + round_)
         return (
@@ -56,23 +56,25 @@ def feed(program, state, vocab, batch, seq_len, step, data_only=False):
             torch.randint(0, vocab, (batch, seq_len), generator=g),
         )
 
-    return start_values(program, state, data, step=step, data_only=data_only)
+    return start_values(lowered, state, data, step=step, data_only=data_only)
 
 
 def priced_program(family, preset, train, resolver: str, *, graph: bool):
     """The lowered step with every task's cost and workspace measured on this device (as
     replayed from a CUDA graph with ``graph``, else as dispatched)."""
-    program = lower(family, preset, train).program
+    step = lower(family, preset, train)
     profiles = profile_program(
-        program, resolvers().get(resolver).build(program), device="cuda", graph=graph
+        step, resolvers().get(resolver).build(step), device="cuda", graph=graph
     )
-    return attrs.evolve(apply_profile(program, profiles), links=measure_links("cuda"))
+    priced = attrs.evolve(apply_profile(step, profiles), links=measure_links("cuda"))
+    return step.with_program(priced)
 
 
 def run_engine(
-    program, train, budget, steps, state, vocab, resolver: str, *, graph: bool, cyclic: bool
+    lowered, train, budget, steps, state, vocab, resolver: str, *, graph: bool, cyclic: bool
 ) -> dict:
     reserve = runtime_reserve_bytes("cuda")
+    program = lowered.program
     began = time.perf_counter()
     planned = plan(program, budget - reserve, cyclic=cyclic)
     # The family's kernels take their temporaries from the allocator: leave the largest
@@ -82,13 +84,13 @@ def run_engine(
     with Engine("torch", budget_bytes=budget, device="cuda", graph=graph) as engine:
         engine.load(
             placement,
-            resolvers().get(resolver).build(planned.program),
-            initial=feed(program, state, vocab, train.batch, train.seq_len, 0),
+            resolvers().get(resolver).build(lowered.with_program(planned.program)),
+            initial=feed(lowered, state, vocab, train.batch, train.seq_len, 0),
         )
         result = engine.run(
             steps=steps,
             feed=lambda step: feed(
-                program, state, vocab, train.batch, train.seq_len, step, data_only=True
+                lowered, state, vocab, train.batch, train.seq_len, step, data_only=True
             ),
         )
         losses = [engine.fetch(f"loss_0_{r}").item() for r in range(train.rounds)]

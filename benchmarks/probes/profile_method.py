@@ -75,30 +75,26 @@ def main() -> int:
     config = family.config(args.preset)
     chunk = head_chunk_tokens(int(args.budget_gib * GIB), config.vocab_size)
     train = train_config("bf16", args.batch, args.rounds, args.seq_len, chunk)
-    program = lower(family, args.preset, train).program
-    resolver = resolvers().get(args.resolver).build(program)
-
-    def int_high(obj_id: str) -> int:
-        return config.vocab_size if obj_id.startswith(("x_", "t_")) else 1
+    step = lower(family, args.preset, train)
+    resolver = resolvers().get(args.resolver).build(step)
 
     rows = []
     # the first pass compiles every task; measure it again so no method pays for that
     for name, settle_s, flush in [methods[0], *methods]:
         began = time.perf_counter()
         profiles = profile_program(
-            program,
+            step,
             resolver,
             device="cuda",
             repeats=args.repeats,
-            int_high=int_high,
             graph=True,
             settle_s=settle_s,
             flush_l2=flush,
         )
         by_kind: dict[str, float] = defaultdict(float)
-        for task in program.tasks:
+        for task in step.program.tasks:
             if not task.collective:
-                by_kind[task.kind] += profiles[signature(program, task)].cost_us / 1e6
+                by_kind[task.kind] += profiles[signature(step, task)].cost_us / 1e6
         rows.append(
             {
                 "method": name,

@@ -42,35 +42,31 @@ POLICY = DtypePolicy("bfloat16", "bfloat16", "bfloat16")
 def measure_tasks(
     family, preset, batch, seq_len, chunk_tokens, repeats, trace_dir=None, variants=None
 ):
-    config = family.config(preset)
     train = TrainConfig(seq_len=seq_len, batch=batch, dtype=POLICY, chunk_tokens=chunk_tokens)
-    program = lower(family, preset, train).program
-    resolver = resolvers().get("torch").build(program)
+    step = lower(family, preset, train)
+    resolver = resolvers().get("torch").build(step)
     if variants:  # pinned variants (OP -> NAME) over the registry's choice
         ops = dict(resolver.ops("cuda"))
         ops |= {op: kernels().get(f"{op}/{name}").load() for op, name in variants.items()}
-        resolver = TrainingTasks(program, family=family, ops=ops)
+        resolver = TrainingTasks(step, ops=ops)
 
-    def int_high(obj_id: str) -> int:
-        return config.vocab_size if obj_id.startswith(("x_", "t_")) else 1
-
-    profiles = profile_program(program, resolver, device="cuda", repeats=repeats, int_high=int_high)
+    profiles = profile_program(step, resolver, device="cuda", repeats=repeats)
     by_kind: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "ms": 0.0})
-    for task in program.tasks:
-        ms = profiles[signature(program, task)].cost_us / 1e3
+    for task in step.program.tasks:
+        ms = profiles[signature(step, task)].cost_us / 1e3
         by_kind[task.kind]["count"] += 1
         by_kind[task.kind]["ms"] += ms
     if trace_dir is not None:
-        _trace(program, resolver, trace_dir / f"tasks_b{batch}.txt", int_high)
+        _trace(step, resolver, trace_dir / f"tasks_b{batch}.txt")
     return sum(v["ms"] for v in by_kind.values()), dict(by_kind)
 
 
-def _trace(program, resolver, path: Path, int_high) -> None:
+def _trace(step, resolver, path: Path) -> None:
     """One launch of each distinct task under torch.profiler: where the time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        profile_program(program, resolver, device="cuda", repeats=1, int_high=int_high)
+        profile_program(step, resolver, device="cuda", repeats=1)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
 

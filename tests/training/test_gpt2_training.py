@@ -61,14 +61,13 @@ def test_profiling_pass_prices_every_task_by_its_signature() -> None:
     from dataflow.plugins import resolvers
 
     family = families().get("gpt2").load()
-    program = lower(family, "gpt2_tiny", TrainConfig(seq_len=SEQ, batch=BATCH, rounds=2)).program
-    profiles = profile_program(
-        program, resolvers().get("torch").build(program), device="cpu", repeats=1
-    )
+    step = lower(family, "gpt2_tiny", TrainConfig(seq_len=SEQ, batch=BATCH, rounds=2))
+    program = step.program
+    profiles = profile_program(step, resolvers().get("torch").build(step), device="cpu", repeats=1)
     # one measurement per distinct signature: the blocks of one kind share theirs
     assert len(profiles) < len(program.tasks)
-    assert {signature(program, t) for t in program.tasks} == set(profiles)
-    priced = apply_profile(program, profiles)
+    assert {signature(step, t) for t in program.tasks} == set(profiles)
+    priced = apply_profile(step, profiles)
     assert all(task.cost_us > 0 for task in priced.tasks)
     assert all(task.workspace_bytes == 0 for task in priced.tasks)  # not measurable on CPU
     fwd = [t for t in priced.tasks if t.kind == "fwd"]
