@@ -136,9 +136,10 @@ def tied_embedding(
         for obj in program.objects
     ]
     tasks = []
+    heads = 0  # the chain runs its rounds in order: its first head task is round 0's
     for task in program.tasks:
         if task.kind == "head":  # tied: the head reads the embedding, adds to its gradient
-            round_0 = task.id.split("_")[2] == "0"
+            round_0, heads = heads == 0, heads + 1
             grads = (
                 {"outputs": (*task.outputs, "dW_emb")}
                 if round_0

@@ -312,7 +312,7 @@ def train_command(
     finished = False
     try:
         progress = _progress(options.steps) if fleet is None or fleet.writes else None
-        summary = train(options, progress=progress, fleet=fleet)
+        summary = train(options, progress=progress, fleet=fleet, family=family)
         finished = True
     except InfeasibleBudget as exc:
         raise Failure(

@@ -222,10 +222,12 @@ def train(
     out: TextIO | None = None,
     progress: Callable[[int, int, dict[str, Any]], None] | None = None,
     fleet: Any = None,
+    family: Any = None,
 ) -> dict[str, Any]:
     """Run ``o``; returns a summary (steps done, last loss, checkpoints). ``progress(step,
     steps, metrics)`` is called after every step. Lines go to ``out`` (default: stdout as
-    it is when each is printed, so that a progress bar that took stdout over shows them)."""
+    it is when each is printed, so that a progress bar that took stdout over shows them).
+    ``family``: the family object ``o.family`` names, when the caller has it loaded."""
     from dataflow_training.checkpoint import latest_checkpoint, prune, step_name
     from dataflow_training.compiled_step import compile_step
     from dataflow_training.family import load_family
@@ -240,7 +242,8 @@ def train(
     resumed = None
     if o.resume is not None:
         resumed = latest_checkpoint(o.out) if o.resume == "auto" else Path(o.resume)
-    family = load_family(o.family)  # the one load of the run: passed down from here
+    if family is None:  # the one load of the run: passed down from here
+        family = load_family(o.family)
     init = None
     if o.init is not None:
         o, init = _with_init(o, family)
