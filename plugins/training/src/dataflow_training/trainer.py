@@ -19,19 +19,26 @@ restores from it.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
-import shutil
-import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
 
+from dataflow_training.components import (
+    METRICS_FILE,
+    TENSORBOARD_FOLDER,
+    Checkpointer,
+    JsonlMetrics,
+    MetricsSink,
+    ProgressMetrics,
+    Say,
+    StopRequest,
+    TensorBoardMetrics,
+)
 from dataflow_training.config import (
     DtypePolicy,
     TrainConfig,
@@ -40,15 +47,14 @@ from dataflow_training.config import (
 )
 from dataflow_training.profiling import ProfileWindow, StepProfiler
 
+if TYPE_CHECKING:
+    from dataflow_training.fleet import Fleet
+
 SCHEDULES = ("cosine", "wsd", "constant")
 #: the share of the steps after warmup that WSD spends decaying (the rest is stable)
 WSD_DECAY_FRACTION = 0.2
-METRICS_FILE = "metrics.jsonl"
 #: the Perfetto trace ``trace_steps`` writes beside the run's bundle
 PERFETTO_FILE = "perfetto.json"
-TENSORBOARD_FOLDER = "tensorboard"
-#: the metrics.jsonl fields also written as TensorBoard scalars (when not None)
-TENSORBOARD_SCALARS = ("loss", "lr", "grad_norm", "tok_s", "step_s")
 #: losses kept in every checkpoint's manifest
 HISTORY_TAIL = 100
 #: a feed of this vocabulary gives byte tokens (the feeds' byte tokenizer: ids 0..255)
@@ -205,15 +211,18 @@ def plan_line(compiled: Any) -> str:
     )
 
 
-def open_tensorboard(folder: Path, start: int) -> Any:
-    """A ``SummaryWriter`` into ``folder``, or None when ``tensorboard`` is not installed.
-    A resumed run (``start`` > 0) purges the events after ``start`` that an earlier,
-    interrupted run left, as ``metrics.jsonl`` loses its lines."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(folder), purge_step=start + 1 if start else None)
+@attrs.frozen
+class Started:
+    """A run ready for its loop: the options (an ``--init`` run's with its overrides),
+    the feed, the compiled step and its driver, the step it starts after and the losses
+    so far (both from the checkpoint it resumed, if any)."""
+
+    o: TrainOptions
+    feed: Any
+    compiled: Any
+    run: Any
+    start: int
+    history: list[tuple[int, float]]
 
 
 def train(
@@ -221,23 +230,111 @@ def train(
     *,
     out: TextIO | None = None,
     progress: Callable[[int, int, dict[str, Any]], None] | None = None,
-    fleet: Any = None,
+    fleet: Fleet | None = None,
     family: Any = None,
 ) -> dict[str, Any]:
     """Run ``o``; returns a summary (steps done, last loss, checkpoints). ``progress(step,
     steps, metrics)`` is called after every step. Lines go to ``out`` (default: stdout as
     it is when each is printed, so that a progress bar that took stdout over shows them).
     ``family``: the family object ``o.family`` names, when the caller has it loaded."""
-    from dataflow_training.checkpoint import latest_checkpoint, prune, step_name
-    from dataflow_training.compiled_step import compile_step
-    from dataflow_training.family import load_family
-    from dataflow_training.run import TrainingRun, resolver_for
+    from dataflow_training.checkpoint import latest_checkpoint
 
     writes = fleet is None or fleet.writes
 
     def say(line: str) -> None:
         if writes:
             print(line, file=out or sys.stdout, flush=True)
+
+    began = _start(o, fleet, family, say)
+    o, feed, compiled, run, start, history = attrs.astuple(began, recurse=False)
+    sinks = _metrics_sinks(o, start, writes, progress, say)
+    profiler = _profiler(o, start, out, say)
+    _say_first_steps(compiled, start < o.steps, say)
+    predicted = compiled.predicted()["step_s"]
+    tokens = o.batch * o.seq_len * (o.rounds if fleet is None else sum(fleet.rounds))
+
+    def manifest_extra() -> dict[str, Any]:
+        extra = {"feed": feed.state(), "history": history[-HISTORY_TAIL:], "options": _jsonable(o)}
+        if fleet is not None:  # every member's data position; rank 0 writes
+            extra["fleet"] = {"rounds": list(fleet.rounds), "feeds": fleet.gather(feed.state())}
+        return extra
+
+    every, keep = o.checkpoint_every, o.keep
+    saver = Checkpointer(
+        run,
+        o.out,
+        every=every,
+        steps=o.steps,
+        keep=keep,
+        writes=writes,
+        extra=manifest_extra,
+        say=say,
+    )
+    stop = StopRequest()
+    last: dict[str, Any] = {}
+    fast_peak = 0
+    traced: list[Any] = []  # the traced steps' RunResults
+    makespans: list[tuple[float, bool]] = []  # every step's (makespan_us, replayed)
+    try:
+        for step in range(start, o.steps):
+            lr = lr_at(step, o)
+            batches = [feed.next() for _ in range(o.rounds)]
+            tracing = step >= o.steps - o.trace_steps
+            with profiler.step(step + 1) if profiler else contextlib.nullcontext():
+                stats = run.step(batches, lr, dispatch=tracing)
+            result = run.last_result
+            makespans.append((result.makespan_us, result.steps[-1].replayed))
+            if tracing:
+                traced.append(result)
+            if fleet is not None:  # the loss of every round in the fleet
+                stats = attrs.evolve(stats, loss=fleet.mean_loss(stats.losses))
+            if not math.isfinite(stats.loss) or not all(math.isfinite(x) for x in stats.losses):
+                kept = latest_checkpoint(o.out)
+                raise TrainingStopped(
+                    f"step {step + 1}: the loss is {stats.loss} (not finite); stopped "
+                    f"without saving; the last checkpoint ({kept or 'none'}) is kept"
+                )
+            history.append((step + 1, stats.loss))
+            last = _metrics(step + 1, stats, lr, tokens, predicted)
+            for sink in sinks:
+                sink.write(step + 1, last)
+            fast_peak = max(fast_peak, stats.fast_peak_bytes)
+            if saver.due(step + 1):
+                saver.save(step + 1)
+            if fleet is not None:  # one member's Ctrl-C stops every member
+                stop.requested = any(fleet.gather(stop.requested))
+            if stop.requested:
+                raise Interrupted(step + 1, saver.at(step + 1))
+        if traced and writes:
+            say(write_run_bundle(run, o.out, traced, makespans))
+    finally:
+        stop.close()
+        if profiler is not None:
+            profiler.close()
+        for sink in sinks:
+            sink.close()
+        # the checkpoints hold the state: copying it out of the engine beside the pinned
+        # pool would need the model's state twice in host memory
+        run.close(keep_state=False)
+    return {
+        "steps": o.steps,
+        "start": start,
+        "first": history[0] if history else None,
+        "last": last,
+        "checkpoints": saver.saved,
+        "fast_peak_bytes": fast_peak,
+        "budget_bytes": o.budget_bytes,
+        "trace": None if profiler is None or not profiler.steps else o.profile.trace_path,
+    }
+
+
+def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Started:
+    """Open the feed, compile the step, build its driver and resume it when asked; say
+    what the run is (data, init, the checkpoint it resumes, the plan)."""
+    from dataflow_training.checkpoint import latest_checkpoint
+    from dataflow_training.compiled_step import compile_step
+    from dataflow_training.family import load_family
+    from dataflow_training.run import TrainingRun, resolver_for
 
     resumed = None
     if o.resume is not None:
@@ -248,8 +345,7 @@ def train(
     if o.init is not None:
         o, init = _with_init(o, family)
     feed = open_feed(o) if fleet is None else open_feed(o, fleet.rank, fleet.world)
-    on_cuda = o.device.startswith("cuda")
-    if on_cuda:  # tens of seconds for a large model: say what is under way
+    if o.device.startswith("cuda"):  # tens of seconds for a large model: say what is under way
         say(
             f"profiling: each task of the step timed on {o.device}, then planned (the "
             "profile cache keeps the timings: a later run of these shapes skips them)"
@@ -294,9 +390,6 @@ def train(
             feed.restore(manifest["feed"])
         start = int(manifest["step"])
         history = [tuple(x) for x in manifest.get("history", [])]
-    metrics_path = o.out / METRICS_FILE
-    if writes:
-        _truncate_metrics(metrics_path, start)
     say(f"data: {feed.describe()}")
     if init is not None:
         say(init.line if resumed is None else f"init: {o.init} not read (the run resumes)")
@@ -312,134 +405,75 @@ def train(
     say(plan_line(compiled))
     if compiled.pool_note is not None:
         say(compiled.pool_note)
-    board = open_tensorboard(o.out / TENSORBOARD_FOLDER, start) if writes else None
-    if board is None:
-        say(f"metrics: {metrics_path} (pip install tensorboard for TensorBoard events)")
-    else:
-        say(f"metrics: {metrics_path}; TensorBoard events in {board.log_dir}")
-    profiler = None if o.profile is None else StepProfiler(o.profile, o.device, out, o.graph)
-    if profiler is not None and start >= o.profile.stop:
+    return Started(o, feed, compiled, run, start, history)
+
+
+def _metrics_sinks(
+    o: TrainOptions,
+    start: int,
+    writes: bool,
+    progress: Callable[[int, int, dict[str, Any]], None] | None,
+    say: Say,
+) -> list[MetricsSink]:
+    """``metrics.jsonl`` and TensorBoard (where this process writes), and the progress
+    callback; says where the metrics go."""
+    sinks: list[MetricsSink] = []
+    if writes:
+        jsonl = JsonlMetrics(o.out / METRICS_FILE, start)
+        board = TensorBoardMetrics.open(o.out / TENSORBOARD_FOLDER, start)
+        sinks.append(jsonl)
+        if board is None:
+            say(f"metrics: {jsonl.path} (pip install tensorboard for TensorBoard events)")
+        else:
+            sinks.append(board)
+            say(f"metrics: {jsonl.path}; TensorBoard events in {board.log_dir}")
+    if progress is not None:
+        sinks.append(ProgressMetrics(progress, o.steps))
+    return sinks
+
+
+def _profiler(o: TrainOptions, start: int, out: TextIO | None, say: Say) -> StepProfiler | None:
+    """The profiler window of ``--profile`` (None without one), said."""
+    if o.profile is None:
+        return None
+    profiler = StepProfiler(o.profile, o.device, out, o.graph)
+    if start >= o.profile.stop:
         say(
             f"profile: steps {o.profile.start}-{o.profile.stop} ran before step {start}, "
             "where this run resumes: nothing to trace"
         )
-    elif profiler is not None:
+    else:
         say(profiler.describe())
-    if on_cuda and start < o.steps:
-        from dataflow.units import format_size
+    return profiler
 
-        pool = format_size(compiled.pinned_bytes)
-        slow = [f"the engine loads (a slow pool of {pool} page-locked)"]
-        if compiled.resolver == "torch-compiled":
-            slow.append("each block kind compiles")
-        if compiled.graph:
-            slow.append("the second step is captured into a CUDA graph")
-        say(f"first steps: {', '.join(slow)}; they take longer than the rest")
-    predicted = compiled.predicted()["step_s"]
-    tokens = o.batch * o.seq_len * (o.rounds if fleet is None else sum(fleet.rounds))
-    saved: list[Path] = []
 
-    def save(step: int) -> Path:
-        extra = {
-            "feed": feed.state(),
-            "history": history[-HISTORY_TAIL:],
-            "options": _jsonable(o),
-        }
-        if fleet is not None:  # every member's data position; rank 0 writes
-            extra["fleet"] = {"rounds": list(fleet.rounds), "feeds": fleet.gather(feed.state())}
-        path = o.out / step_name(step)
-        if not writes:
-            saved.append(path)
-            return path
-        if path.is_dir():  # resumed from an earlier step: this one is of the old history
-            say(f"replacing {path}, written by the run this one resumed before")
-            shutil.rmtree(path)
-        path = run.save(path, extra)
-        saved.append(path)
-        if o.keep is not None:
-            prune(o.out, o.keep)
-        return path
+def _say_first_steps(compiled: Any, steps_left: bool, say: Say) -> None:
+    """On CUDA, what makes the first steps slow (the load, compiling, the graph capture)."""
+    if not compiled.device.startswith("cuda") or not steps_left:
+        return
+    from dataflow.units import format_size
 
-    stop = {"interrupt": False}
+    pool = format_size(compiled.pinned_bytes)
+    slow = [f"the engine loads (a slow pool of {pool} page-locked)"]
+    if compiled.resolver == "torch-compiled":
+        slow.append("each block kind compiles")
+    if compiled.graph:
+        slow.append("the second step is captured into a CUDA graph")
+    say(f"first steps: {', '.join(slow)}; they take longer than the rest")
 
-    def on_sigint(signum: int, frame: Any) -> None:
-        stop["interrupt"] = True
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    metrics_file = metrics_path if writes else Path(os.devnull)
-    last: dict[str, Any] = {}
-    fast_peak = 0
-    traced: list[Any] = []  # the traced steps' RunResults
-    makespans: list[tuple[float, bool]] = []  # every step's (makespan_us, replayed)
-    try:
-        with metrics_file.open("a") as metrics:
-            for step in range(start, o.steps):
-                lr = lr_at(step, o)
-                batches = [feed.next() for _ in range(o.rounds)]
-                tracing = step >= o.steps - o.trace_steps
-                with profiler.step(step + 1) if profiler else contextlib.nullcontext():
-                    stats = run.step(batches, lr, dispatch=tracing)
-                result = run.last_result
-                makespans.append((result.makespan_us, result.steps[-1].replayed))
-                if tracing:
-                    traced.append(result)
-                if fleet is not None:  # the loss of every round in the fleet
-                    stats = attrs.evolve(stats, loss=fleet.mean_loss(stats.losses))
-                if not math.isfinite(stats.loss) or not all(math.isfinite(x) for x in stats.losses):
-                    kept = latest_checkpoint(o.out)
-                    raise TrainingStopped(
-                        f"step {step + 1}: the loss is {stats.loss} (not finite); stopped "
-                        f"without saving; the last checkpoint ({kept or 'none'}) is kept"
-                    )
-                history.append((step + 1, stats.loss))
-                last = {
-                    "step": step + 1,
-                    "loss": stats.loss,
-                    "lr": lr,
-                    "grad_norm": stats.grad_norm,
-                    "tok_s": tokens / stats.step_s if stats.step_s > 0 else None,
-                    "step_s": stats.step_s,
-                    "predicted_step_s": predicted,
-                    "fast_peak_bytes": stats.fast_peak_bytes,
-                    "allocator_peak_bytes": stats.allocator_peak_bytes,
-                }
-                metrics.write(json.dumps(last) + "\n")
-                metrics.flush()
-                fast_peak = max(fast_peak, stats.fast_peak_bytes)
-                if board is not None:
-                    for name in TENSORBOARD_SCALARS:
-                        if last[name] is not None:
-                            board.add_scalar(name, last[name], step + 1)
-                if progress is not None:
-                    progress(step + 1, o.steps, last)
-                every = o.checkpoint_every
-                if (every and (step + 1) % every == 0) or step + 1 == o.steps:
-                    save(step + 1)
-                if fleet is not None:  # one member's Ctrl-C stops every member
-                    stop["interrupt"] = any(fleet.gather(stop["interrupt"]))
-                if stop["interrupt"]:
-                    path = saved[-1] if saved and saved[-1].name == step_name(step + 1) else None
-                    raise Interrupted(step + 1, path or save(step + 1))
-        if traced and writes:
-            say(write_run_bundle(run, o.out, traced, makespans))
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if profiler is not None:
-            profiler.close()
-        if board is not None:
-            board.close()
-        # the checkpoints hold the state: copying it out of the engine beside the pinned
-        # pool would need the model's state twice in host memory
-        run.close(keep_state=False)
+def _metrics(step: int, stats: Any, lr: float, tokens: int, predicted: float) -> dict[str, Any]:
+    """A step's line of ``metrics.jsonl``."""
     return {
-        "steps": o.steps,
-        "start": start,
-        "first": history[0] if history else None,
-        "last": last,
-        "checkpoints": saved,
-        "fast_peak_bytes": fast_peak,
-        "budget_bytes": o.budget_bytes,
-        "trace": None if profiler is None or not profiler.steps else o.profile.trace_path,
+        "step": step,
+        "loss": stats.loss,
+        "lr": lr,
+        "grad_norm": stats.grad_norm,
+        "tok_s": tokens / stats.step_s if stats.step_s > 0 else None,
+        "step_s": stats.step_s,
+        "predicted_step_s": predicted,
+        "fast_peak_bytes": stats.fast_peak_bytes,
+        "allocator_peak_bytes": stats.allocator_peak_bytes,
     }
 
 
@@ -470,18 +504,6 @@ def _fleet_feed_state(manifest: dict[str, Any], fleet: Any, path: Path) -> Any:
             "as many members"
         )
     return recorded["feeds"][fleet.rank]
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Keep the lines of steps up to ``step`` (a resumed run rewrites what came after)."""
-    if not path.exists():
-        return
-    kept = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line).get("step", 0) <= step
-    ]
-    path.write_text("".join(f"{line}\n" for line in kept))
 
 
 def _with_init(o: TrainOptions, family: Any) -> tuple[TrainOptions, Any]:
