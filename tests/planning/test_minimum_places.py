@@ -7,7 +7,7 @@ import random
 from hypothesis import HealthCheck, given, settings
 
 from dataflow.planning import InfeasibleBudget, minimal_budget, place, plan
-from dataflow.planning.feasibility import plannable_budget_bytes
+from dataflow.planning.api import plannable_budget_bytes
 from dataflow.planning.intervals import build_chain
 from dataflow.planning.placement import check_placement
 from dataflow.planning.pressurefit import monotone_capacities
