@@ -32,7 +32,7 @@ from dataflow.planning.feasibility import (
     raised_to_place,
     smallest_plannable,
 )
-from dataflow.planning.intervals import Chain, PlanningError, build_chain
+from dataflow.planning.intervals import Chain, PlanningError, build_chain, no_offload_peak_bytes
 from dataflow.planning.lower_bound import ChainBounds, lower_bound
 from dataflow.planning.placement import REPLANS, Placement, Replan, pack_or_replan, pack_plan
 from dataflow.planning.plans import Plan, Planner, PlannerRun, as_planner_spec
@@ -138,7 +138,9 @@ def plan_cyclic(
     When no home set plans at ``budget_bytes``, the search (a heuristic) may still plan at
     a smaller capacity, as the one-run planner finds: the smallest budget that works for
     one run is searched for, and the every-home-slow plan made there, if it repeats within
-    ``budget_bytes``, is the answer. ``explain=False`` skips that and fails at once with a
+    ``budget_bytes``, is the answer; else the smallest budget a steady-state plan is found
+    and placed at, and the plan made there if that is within ``budget_bytes``; else
+    ``InfeasibleBudget`` names it. ``explain=False`` skips that and fails at once with a
     plain ``PlanningError``."""
     # a persistent object homed fast needs no slow memory: the search holds each home set
     # to the slow budget
@@ -156,12 +158,22 @@ def plan_cyclic(
             f"PressureFit found no steady-state plan of {bare.name!r} within {budget_bytes} "
             "bytes (the smallest budget that works was not searched for: explain=False)"
         )
-    return _at_the_minimum(
-        chain,
-        budget_bytes,
-        slow_budget_bytes,
-        lambda found: check_cycle(found, budget_bytes, slow_budget_bytes).valid,
-    )
+
+    def repeats(found: Program) -> bool:
+        return check_cycle(found, budget_bytes, slow_budget_bytes).valid
+
+    try:
+        return _at_the_minimum(chain, budget_bytes, slow_budget_bytes, repeats)
+    except InfeasibleBudget:
+        pass  # the one-run minimum is not the steady state's: search for that
+    plannable, minimum = _cyclic_minimum(bare, chain, slow_budget_bytes)
+    if minimum <= budget_bytes:
+        found = steady_state(bare, chain, minimum, slow_budget_bytes)
+        if found is not None:
+            found = attrs.evolve(found, budget=Budget(budget_bytes, slow_budget_bytes))
+            if repeats(found):
+                return found
+    raise infeasible_budget(chain, budget_bytes, plannable, minimum, slow_budget_bytes)
 
 
 def _at_the_minimum(
@@ -232,10 +244,18 @@ def _pressurefit_at(
 # -- The minimal budget --------------------------------------------------------------------
 
 
-def minimal_budget(program: Program, *, slow_budget_bytes: int | None = None) -> int:
+def minimal_budget(
+    program: Program, *, slow_budget_bytes: int | None = None, cyclic: bool = False
+) -> int:
     """The smallest fast budget PressureFit plans ``program``'s bare chain for, and whose
-    plan static placement packs into one arena of that size."""
+    plan static placement packs into one arena of that size; with ``cyclic``, as a
+    steady-state plan (``plan(..., cyclic=True)``), its persistent objects homed."""
     bare = program.bare()
+    if cyclic:
+        chain = check_plannable(
+            with_homes(bare, frozenset()), 1, slow_budget_bytes, homed=frozenset(bare.persistent)
+        )
+        return _cyclic_minimum(bare, chain, slow_budget_bytes)[1]
     chain = check_plannable(bare, 1, slow_budget_bytes)
     return minimal_budget_bytes(chain, slow_budget_bytes)
 
@@ -276,17 +296,39 @@ def infeasible(chain: Chain, budget_bytes: int, slow_budget_bytes: int | None) -
     return infeasible_budget(chain, budget_bytes, plannable, minimum, slow_budget_bytes)
 
 
+def _cyclic_minimum(bare: Program, chain: Chain, slow_budget_bytes: int | None) -> tuple[int, int]:
+    """(plannable, placeable): the smallest budget at which a steady-state plan of ``bare``
+    is found (``steady_state``, bisection), and the smallest from there up at which it
+    also places (``placed_within``). ``chain``: ``bare``'s with every home slow."""
+    low, _ = floor_bytes(chain)
+    plannable = smallest_plannable(
+        chain,
+        lambda budget: steady_state(bare, chain, budget, slow_budget_bytes) is not None,
+        max(no_offload_peak_bytes(chain), low + 1),
+        slow_budget_bytes,
+    )
+    minimum = raised_to_place(
+        chain,
+        plannable,
+        lambda budget: placed_within(chain, budget, slow_budget_bytes, cyclic=True),
+    )
+    return plannable, minimum
+
+
 def placed_within(
     chain: Chain,
     budget_bytes: int,
     slow_budget_bytes: int | None = None,
     *,
+    cyclic: bool = False,
     replans: int = REPLANS,
 ) -> bool:
     """Whether PressureFit's plan of ``chain`` at ``budget_bytes`` packs into one arena of
     that size, re-planning as ``place`` does (what ``minimal_budget`` checks). It never
     calls ``plan``, so it never asks for a minimal budget itself."""
-    first = _pressurefit_at(chain.program, budget_bytes, slow_budget_bytes=slow_budget_bytes)
+    first = _pressurefit_at(
+        chain.program, budget_bytes, slow_budget_bytes=slow_budget_bytes, cyclic=cyclic
+    )
     if first is None:
         return False
 
@@ -295,6 +337,7 @@ def placed_within(
             chain.program,
             capacity,
             slow_budget_bytes=slow_budget_bytes,
+            cyclic=cyclic,
             fit_below=current.budget_bytes,
         )
 
