@@ -30,8 +30,7 @@ from pathlib import Path
 import torch
 
 from dataflow.engine import DictResolver, Engine
-from dataflow.planning import plan
-from dataflow.planning.placement import place
+from dataflow.planning import place, plan
 from dataflow.schema import Link, Links, Obj, Program, Task
 
 MiB = 2**20

@@ -40,9 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-from dataflow.planning import PlanningError, minimal_budget, plan
+from dataflow.planning import PlanningError, minimal_budget, place, plan
 from dataflow.planning.intervals import build_chain, no_offload_peak_bytes
-from dataflow.planning.placement import place
 from dataflow.planning.pressurefit import ALTERNATIVES, PORTFOLIO, search
 from dataflow.schema import Program
 from dataflow.testing.shapes import SHAPES

@@ -44,14 +44,17 @@ def test_a_row_planned_and_placed_and_its_ratio_to_stock() -> None:
 
 def test_a_row_that_cannot_be_planned_says_why() -> None:
     """gpt2_124m at 2 GiB in rounds of 64 x 1024 tokens: one block's backward needs 1.15 GiB
-    beside the head's workspace (the planner's error); at 1 GiB that workspace alone takes
-    the budget (said before planning)."""
+    beside the head's workspace, and no steady-state plan packs into one arena under
+    1.17 GiB (the planner's error); at 1 GiB that workspace alone takes the budget (said
+    before planning)."""
     rows = [
         plan_rows.planned(f"{budget}", [*plan_rows.GPT2, "--budget", budget, "--batch", "64"], {})
         for budget in ("2GiB", "1GiB")
     ]
     for row in rows:
         assert row["planned_s"] is None and row["placed_s"] is None and row["vs_stock"] is None
-    assert "smallest budget that works is 1.15 GiB" in rows[0]["error"]
+    assert "smallest budget that works is 1.17 GiB" in rows[0]["error"]
+    assert "plans fit from 1.15 GiB" in rows[0]["error"]
+    assert "task 'bwd_0_0_11', 1.15 GiB" in rows[0]["error"]
     assert "leaves no room beside the largest task workspace" in rows[1]["error"]
     assert "| 2GiB |  |  |  |" in plan_rows.table(rows)

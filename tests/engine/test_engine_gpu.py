@@ -12,8 +12,7 @@ from dataflow_resolver_matmul_chain.reference import reference_gradients  # noqa
 from dataflow_resolver_matmul_chain.resolver import build  # noqa: E402
 
 from dataflow.engine import Engine  # noqa: E402
-from dataflow.planning import minimal_budget, plan  # noqa: E402
-from dataflow.planning.placement import place  # noqa: E402
+from dataflow.planning import minimal_budget, place, plan  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 LAYERS = 6

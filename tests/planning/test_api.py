@@ -35,7 +35,7 @@ class _Planners:
 
 
 def _delegate(program: Program, budget_bytes: int, **options: object) -> Program:
-    from dataflow.planning.pressurefit import plan_pressurefit
+    from dataflow.planning.api import plan_pressurefit
 
     return plan_pressurefit(program, budget_bytes, **options)
 

@@ -144,7 +144,7 @@ def test_a_miss_at_the_budget_falls_back_to_a_smaller_capacity(monkeypatch) -> N
     one at the smallest budget that works (as the one-run planner falls back), that plan
     is the steady state; with ``explain=False`` the miss fails at once."""
     from dataflow.planning import PlanningError, cyclic
-    from dataflow.planning.pressurefit import plan_pressurefit
+    from dataflow.planning.api import plan_pressurefit
 
     program = _persistent(training(random.Random(2), layers=6))
     low = minimal_budget(program)
@@ -191,8 +191,8 @@ def test_given_homes_are_the_only_sets_tried() -> None:
     the set it was given, and it fits and repeats; a name that is not persistent, or
     homes for a plan that is not cyclic, is refused by name."""
     from dataflow.planning import PlanningError
-    from dataflow.planning.cyclic import fast_homes, plan_cyclic
-    from dataflow.planning.pressurefit import plan_pressurefit
+    from dataflow.planning.api import plan_cyclic, plan_pressurefit
+    from dataflow.planning.cyclic import fast_homes
 
     program = _persistent(tiny_training())
     budget = plan(program, 2**40).sim.fast_peak_bytes

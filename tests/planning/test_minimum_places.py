@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from dataflow.planning import InfeasibleBudget, minimal_budget, place, plan
-from dataflow.planning.feasibility import plannable_budget_bytes
+from dataflow.planning.api import plannable_budget_bytes
 from dataflow.planning.intervals import build_chain
 from dataflow.planning.placement import check_placement
 from dataflow.planning.pressurefit import monotone_capacities
@@ -43,6 +44,22 @@ def test_the_minimum_is_raised_past_fragmentation_when_it_must_be() -> None:
         error = exc
     assert error is not None and error.minimal_budget_bytes == low
     assert "fragmentation" in str(error)
+
+
+def test_the_minimum_of_a_steady_state_plan_plans_and_places() -> None:
+    """A steady-state plan has a minimum of its own: this tied-embedding step (weights and
+    optimizer state persistent) plans and places as one run from 256 MiB, but no cyclic
+    plan there packs into one arena that small. The minimum a cyclic plan's
+    ``InfeasibleBudget`` names, and ``minimal_budget(..., cyclic=True)`` (which is
+    ``PRESSUREFIT.minimal_budget``), is one where it plans and places."""
+    program = SHAPES["tied-embedding"](random.Random(2))
+    once = minimal_budget(program)
+    with pytest.raises(InfeasibleBudget) as failure:
+        plan(program, once // 2, cyclic=True)
+    low = failure.value.minimal_budget_bytes
+    placement = place(plan(program, low, cyclic=True))
+    assert placement.arena_bytes <= low and check_placement(placement) == []
+    assert minimal_budget(program, cyclic=True) == low > once
 
 
 def test_a_larger_budget_never_gets_a_slower_plan_than_a_rung_below_it() -> None:

@@ -7,13 +7,12 @@ import random
 import attrs
 import pytest
 
-from dataflow.planning import PlanningError, minimal_budget, plan
+from dataflow.planning import PlanningError, minimal_budget, place, plan
 from dataflow.planning import placement as placement_module
 from dataflow.planning.arena import Block, live_peak_bytes, pack, residency_blocks
 from dataflow.planning.placement import (
     _pack_within,
     check_placement,
-    place,
     without_workspace,
 )
 from dataflow.schema import Obj, Program, Task

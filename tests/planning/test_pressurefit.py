@@ -91,7 +91,7 @@ def test_the_same_input_gives_the_same_plan() -> None:
 def test_plans_do_not_depend_on_hash_randomization() -> None:
     script = (
         "import hashlib, random\n"
-        "from dataflow.planning.pressurefit import plan_pressurefit\n"
+        "from dataflow.planning.api import plan_pressurefit\n"
         "from dataflow.testing.shapes import random_chain\n"
         "p = random_chain(random.Random(7), tasks=60)\n"
         "print(hashlib.sha256(plan_pressurefit(p, 2**28).to_json().encode()).hexdigest())\n"
@@ -103,7 +103,7 @@ def test_plans_do_not_depend_on_hash_randomization() -> None:
             [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
         )
         digests.add(run.stdout.strip())
-    from dataflow.planning.pressurefit import plan_pressurefit
+    from dataflow.planning.api import plan_pressurefit
     from dataflow.testing.shapes import random_chain
 
     here = plan_pressurefit(random_chain(random.Random(7), tasks=60), 2**28).to_json()

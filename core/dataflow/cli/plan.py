@@ -20,7 +20,7 @@ from rich.table import Table
 from dataflow.cli.errors import Failure, one_line, plugin_failure
 from dataflow.cli.options import BUDGET, OutputFile, lookup, write_to
 from dataflow.cli.validate import PROGRAM_FILE, load_program
-from dataflow.planning import DEFAULT_PLANNER, Plan, PlanningError, plan
+from dataflow.planning import DEFAULT_PLANNER, Plan, PlanningError, place, plan
 from dataflow.schema import Program
 from dataflow.units import format_size
 
@@ -99,8 +99,6 @@ def plan_command(
     )
     arena = None
     if do_place:
-        from dataflow.planning.placement import place
-
         try:
             placement = place(planned)
         except PlanningError as exc:

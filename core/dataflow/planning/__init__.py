@@ -6,14 +6,15 @@ simulation, the lower bound, planning time; ``cyclic=True`` plans one iteration 
 it never imports torch.
 """
 
-from dataflow.planning.api import DEFAULT_PLANNER, PRESSUREFIT, Plan, Planner, plan
+from dataflow.planning.api import DEFAULT_PLANNER, PRESSUREFIT, minimal_budget, place, plan
 from dataflow.planning.arena import Block
 from dataflow.planning.cycle import CycleCheck, check_cycle, unroll
 from dataflow.planning.cyclic import fast_homes
-from dataflow.planning.feasibility import InfeasibleBudget, minimal_budget
+from dataflow.planning.feasibility import InfeasibleBudget
 from dataflow.planning.intervals import PlanningError
 from dataflow.planning.lower_bound import LowerBound, lower_bound
-from dataflow.planning.placement import Placement, place, without_workspace
+from dataflow.planning.placement import Placement, without_workspace
+from dataflow.planning.plans import Plan, Planner
 
 __all__ = [
     "DEFAULT_PLANNER",

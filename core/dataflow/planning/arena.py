@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import attrs
 
-from dataflow.planning.api import Plan
+from dataflow.planning.plans import Plan
 from dataflow.schema import Location
 
 

@@ -14,7 +14,8 @@ wrap (from the end of their last use to their first use in the next iteration, i
 stall-free timeline) is shortest, filled into half of, and all of, the room the boundary
 leaves under the budget. Each set is planned by PressureFit's search; each plan is checked
 over two consecutive iterations (``cycle.check_cycle``), and the one whose steady-state
-iteration is shortest wins.
+iteration is shortest wins (``steady_state``). What to do when none is found, the
+smallest budget that works, is ``api.py``'s (``plan_cyclic``).
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ from collections.abc import Sequence
 import attrs
 
 from dataflow.planning.cycle import check_cycle
-from dataflow.planning.feasibility import check_plannable
 from dataflow.planning.intervals import Chain, PlanningError, build_chain
-from dataflow.planning.pressurefit import monotone_capacities, plan_at_the_minimum, search
+from dataflow.planning.pressurefit import monotone_capacities, search
 from dataflow.schema import Location, Program
 
 #: Shares of the boundary's room filled with fast homes, besides none.
@@ -81,32 +81,21 @@ def fast_homes(program: Program) -> frozenset[str]:
     return frozenset(o for o in program.persistent if objects[o].location is Location.FAST)
 
 
-def plan_cyclic(
+def steady_state(
     bare: Program,
+    chain: Chain,
     budget_bytes: int,
-    *,
     slow_budget_bytes: int | None = None,
-    explain: bool = True,
     homes: Sequence[frozenset[str]] | None = None,
-) -> Program:
-    """The steady-state plan of ``bare`` (one iteration, its persistent objects homed).
+) -> Program | None:
+    """The steady-state plan of ``bare`` (one iteration, its persistent objects homed) at
+    ``budget_bytes``, or None when no home set's plan is found there that repeats.
 
-    ``homes``: the sets of fast homes to try instead of ``home_sets``' (e.g. the one an
-    earlier plan of a similar program chose, ``fast_homes``: the training plugin's
-    recompute planner plans many candidates of one step, whose persistent objects and
-    boundary are the same).
-
-    When no home set plans at ``budget_bytes``, the search (a heuristic) may still plan at
-    a smaller capacity, as the one-run planner finds (``plan_pressurefit``): the smallest
-    budget that works is searched for, and the every-home-slow plan made there, if it
-    repeats within ``budget_bytes``, is the answer. ``explain=False`` skips that and
-    fails at once with a plain ``PlanningError``."""
-    slow_homes = with_homes(bare, frozenset())
-    # a persistent object homed fast needs no slow memory: the search holds each home set
-    # to the slow budget
-    chain = check_plannable(
-        slow_homes, budget_bytes, slow_budget_bytes, homed=frozenset(bare.persistent)
-    )
+    ``chain`` is that of ``bare`` with every persistent object homed slow
+    (``with_homes(bare, frozenset())``). ``homes``: the sets of fast homes to try instead
+    of ``home_sets``' (e.g. the one an earlier plan of a similar program chose,
+    ``fast_homes``: the training plugin's recompute planner plans many candidates of one
+    step, whose persistent objects and boundary are the same)."""
     if homes is None:
         homes = home_sets(chain, bare.persistent, budget_bytes)
     else:
@@ -136,16 +125,4 @@ def plan_cyclic(
         rank = (cycle.iteration_us, found.best.sim.h2d.bytes + found.best.sim.d2h.bytes)
         if best_rank is None or rank < best_rank:
             best, best_rank = found.best.program, rank
-    if best is not None:
-        return best
-    if not explain:
-        raise PlanningError(
-            f"PressureFit found no steady-state plan of {bare.name!r} within {budget_bytes} "
-            "bytes (the smallest budget that works was not searched for: explain=False)"
-        )
-    return plan_at_the_minimum(
-        chain,
-        budget_bytes,
-        slow_budget_bytes,
-        lambda found: check_cycle(found, budget_bytes, slow_budget_bytes).valid,
-    )
+    return best

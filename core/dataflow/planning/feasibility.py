@@ -2,18 +2,21 @@
 
 No plan fits below the largest *base* of a task: its own footprint (inputs + mutates +
 outputs + workspace), plus, for task 0, every object that starts in fast memory, and, at
-the end, every object whose final location is ``fast``. Above that, whether a budget works
-is what the planner finds: the smallest budget that works is found by bisection, each
-step a planner search that stops at its first valid candidate; then it is raised until
-static placement also fits it (fragmentation), so the minimum reported always places.
+the end, every object whose final location is ``fast`` (``floor_bytes``). Above that,
+whether a budget works is what the planner finds: ``smallest_plannable`` bisects for the
+smallest budget a given test accepts, ``raised_to_place`` raises it until static
+placement also fits it (fragmentation), and ``infeasible_budget`` says what forces the
+minimum. The tests themselves (a planner search, a placement) are the caller's
+(``api.py``): this module only knows the chain.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 
 from dataflow.planning.intervals import Chain, Origin, PlanningError, build_chain
-from dataflow.planning.lower_bound import ChainBounds
 from dataflow.schema import Location, Program, validate
 from dataflow.units import format_size
 
@@ -89,47 +92,15 @@ def floor_bytes(chain: Chain) -> tuple[int, int]:
     return chain.base_bytes[best], best
 
 
-def is_feasible(
-    chain: Chain,
-    budget_bytes: int,
-    slow_budget_bytes: int | None,
-    bounds: ChainBounds | None = None,
-) -> bool:
-    """Whether the search finds a plan of ``chain`` at ``budget_bytes`` (``bounds``: the
-    chain's, when the caller tries several budgets)."""
-    from dataflow.planning.pressurefit import search
-
-    if budget_bytes < floor_bytes(chain)[0]:
-        return False
-    found = search(
-        chain.program,
-        budget_bytes,
-        slow_budget_bytes=slow_budget_bytes,
-        first_valid=True,
-        chain=chain,
-        bounds=bounds,
-    )
-    return found.best is not None
-
-
-def minimal_budget_bytes(chain: Chain, slow_budget_bytes: int | None = None) -> int:
-    """The smallest budget the planner finds a valid plan for (bisection), raised until
-    static placement fits it too (``placeable_budget_bytes``)."""
-    plannable = plannable_budget_bytes(chain, slow_budget_bytes)
-    return placeable_budget_bytes(chain, plannable, slow_budget_bytes)
-
-
-def plannable_budget_bytes(chain: Chain, slow_budget_bytes: int | None = None) -> int:
-    """The smallest budget the planner finds a valid plan for (bisection)."""
+def smallest_plannable(
+    chain: Chain, works: Callable[[int], bool], high: int, slow_budget_bytes: int | None = None
+) -> int:
+    """The smallest budget from the floor (``floor_bytes``) up that ``works`` accepts: the
+    floor if it works, else doubling from ``high`` until one works (8 times at most), then
+    bisection to the byte between the last that failed and the first that worked."""
     low, _ = floor_bytes(chain)
-    bounds = ChainBounds(chain)  # one for every budget tried
-
-    def works(budget: int) -> bool:
-        return is_feasible(chain, budget, slow_budget_bytes, bounds)
-
     if works(low):
         return low
-    high = max(bounds.peak_held, low + 1)
     for _ in range(8):
         if works(high):
             break
@@ -145,10 +116,10 @@ def plannable_budget_bytes(chain: Chain, slow_budget_bytes: int | None = None) -
             f"program {chain.program.name!r}: no fast budget up to {format_size(high)} "
             f"({high} bytes) gives a valid plan{within}"
         )
-    return _bisect(works, low, high, 1)
+    return bisect_budget(works, low, high, 1)
 
 
-def _bisect(works, failed: int, works_at: int, tolerance: int, steps: int = 64) -> int:
+def bisect_budget(works, failed: int, works_at: int, tolerance: int, steps: int = 64) -> int:
     """A budget that ``works``, within ``tolerance`` of one that did not (at most ``steps``
     halvings between ``failed`` and ``works_at``)."""
     for _ in range(steps):
@@ -168,23 +139,19 @@ def _bisect(works, failed: int, works_at: int, tolerance: int, steps: int = 64) 
 PLACEMENT_STEPS = 32
 
 
-def placeable_budget_bytes(
-    chain: Chain, minimum_bytes: int, slow_budget_bytes: int | None = None
-) -> int:
-    """The smallest budget from ``minimum_bytes`` up at which a plan also packs into one
-    arena of the budget (``placement.placed_within``, re-plans included): near the
-    minimum, fragmentation can leave no arena that small. Steps up by
+def raised_to_place(chain: Chain, minimum_bytes: int, places: Callable[[int], bool]) -> int:
+    """The smallest budget from ``minimum_bytes`` up that ``places`` accepts (a plan at it
+    packs into one arena of the budget, re-plans included): near the minimum,
+    fragmentation can leave no arena that small. Steps up by
     ``minimum / PLACEMENT_STEPS``, then bisects between the last step that failed and the
     first that placed (placement is not monotone in the budget, so the result is one that
     was checked, not necessarily the least)."""
-    from dataflow.planning.placement import placed_within
-
-    if placed_within(chain, minimum_bytes, slow_budget_bytes):
+    if places(minimum_bytes):
         return minimum_bytes
     failed = minimum_bytes
     for step in range(1, PLACEMENT_STEPS + 1):
         budget = minimum_bytes + minimum_bytes * step // PLACEMENT_STEPS
-        if placed_within(chain, budget, slow_budget_bytes):
+        if places(budget):
             break
         failed = budget
     else:
@@ -192,19 +159,18 @@ def placeable_budget_bytes(
             f"program {chain.program.name!r}: no budget from {format_size(minimum_bytes)} to "
             f"{format_size(budget)} packs into one arena of its size"
         )
-    return _bisect(
-        lambda budget: placed_within(chain, budget, slow_budget_bytes),
-        failed,
-        budget,
-        max(1, minimum_bytes // 1024),
-        steps=6,
-    )
+    return bisect_budget(places, failed, budget, max(1, minimum_bytes // 1024), steps=6)
 
 
-def infeasible(chain: Chain, budget_bytes: int, slow_budget_bytes: int | None) -> InfeasibleBudget:
-    """The ``InfeasibleBudget`` for ``budget_bytes``, with the minimum found by search."""
-    plannable = plannable_budget_bytes(chain, slow_budget_bytes)
-    minimum = placeable_budget_bytes(chain, plannable, slow_budget_bytes)
+def infeasible_budget(
+    chain: Chain,
+    budget_bytes: int,
+    plannable: int,
+    minimum: int,
+    slow_budget_bytes: int | None,
+) -> InfeasibleBudget:
+    """The ``InfeasibleBudget`` for ``budget_bytes``: plans fit from ``plannable``, and
+    place from ``minimum``; the reason names what forces the minimum."""
     name = chain.program.name
     if chain.n_tasks == 0:
         return InfeasibleBudget(name, budget_bytes, minimum, None, 0, "there are no tasks")
@@ -246,11 +212,3 @@ def infeasible(chain: Chain, budget_bytes: int, slow_budget_bytes: int | None) -
             f"into a single arena takes {format_size(minimum)} (fragmentation); " + reason
         )
     return InfeasibleBudget(name, budget_bytes, minimum, task_id, footprint, reason)
-
-
-def minimal_budget(program: Program, *, slow_budget_bytes: int | None = None) -> int:
-    """The smallest fast budget PressureFit plans ``program``'s bare chain for, and whose
-    plan static placement packs into one arena of that size."""
-    bare = program.bare()
-    chain = check_plannable(bare, 1, slow_budget_bytes)
-    return minimal_budget_bytes(chain, slow_budget_bytes)

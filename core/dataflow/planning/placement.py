@@ -16,8 +16,9 @@ jittered, and the smallest arena is kept.
 Intervals are half-open in the run's event order (``Block.start``/``end``): what is freed
 can be reused by a reservation that comes after it, even at the same instant.
 
-If the arena comes out larger than the budget (fragmentation), ``place`` re-plans at the
-plan's live peak less the excess, and packs again, a bounded number of times.
+If the arena comes out larger than the budget (fragmentation), ``pack_plan`` re-plans at
+the plan's live peak less the excess, and packs again, a bounded number of times. How to
+re-plan is handed in (``Replan``): ``api.place`` passes the planner's own re-planner.
 
 In a cyclic plan a persistent object homed in fast memory is resident at the end of an
 iteration and at the start of the next: its last block (to the end) and its first block
@@ -26,16 +27,16 @@ share an offset; the next iteration finds the object where the last one left it,
 engine moves nothing between steps.
 
 The blocks and one packing of them are ``arena.py``'s (``residency_blocks``, ``pack``);
-this module tries the orders, restarts and repairs, and re-plans.
+this module tries the orders, restarts and repairs, and calls the re-planner.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import attrs
 
-from dataflow.planning.api import PRESSUREFIT, Plan, plan
 from dataflow.planning.arena import (
     AT_START,
     END_PASS,
@@ -48,10 +49,14 @@ from dataflow.planning.arena import (
     ranking,
     residency_blocks,
 )
-from dataflow.planning.feasibility import InfeasibleBudget
 from dataflow.planning.intervals import PlanningError
+from dataflow.planning.plans import Plan
 from dataflow.schema import Location, Program
 from dataflow.units import format_size
+
+#: ``replan(current, capacity_bytes)``: a plan of the same program at ``capacity_bytes``
+#: (or near it), None when there is none; ``current`` is the last plan packed.
+Replan = Callable[[Plan, int], Plan | None]
 
 #: How many times ``place`` re-plans at a smaller capacity before giving up.
 REPLANS = 6
@@ -101,34 +106,16 @@ class Placement:
         return tuple(block for block in self.blocks if block.obj_id == obj_id)
 
 
-def place(
+def pack_plan(
     planned: Plan,
+    replan: Replan,
     *,
     replans: int = REPLANS,
     workspace_in_arena: bool = True,
     workspace_beside_bytes: int = 0,
 ) -> Placement:
-    """Pack ``planned`` into one arena no larger than its budget.
-
-    With ``workspace_in_arena=False`` tasks' workspace is not packed: their kernels take it
-    from the device allocator (temporaries of framework ops), so the arena must leave the
-    largest task workspace free beside it: ``arena_bytes + workspace_outside_bytes`` stays
-    within the budget.
-
-    Such a plan must hold its objects within the budget less that workspace at every
-    instant, which a plan that counts each task's workspace within the budget only while
-    the task runs does not: plan the program with its tasks' workspace taken out
-    (``without_workspace``) at the budget less the largest, and pass that largest as
-    ``workspace_beside_bytes``; the placement's budget is then the plan's plus it.
-
-    When fragmentation makes the arena larger than the budget, re-plan (same planner) at
-    the plan's live peak less the excess, and pack again (PressureFit: when it finds no
-    plan there, halfway back up; any other planner: never below the smallest budget it
-    reports when a capacity is infeasible); once a capacity packs, bisect between it and
-    the smallest that did not, and keep the fastest placement. Raises ``PlanningError``
-    naming the budget and the smallest arena found when ``replans`` re-plans do not make
-    it fit.
-    """
+    """Pack ``planned`` into one arena no larger than its budget, re-planning with
+    ``replan`` while fragmentation keeps it over (what ``api.place`` does; see there)."""
     budget = planned.budget_bytes + workspace_beside_bytes
     outside = (
         workspace_beside_bytes
@@ -138,36 +125,7 @@ def place(
             max((task.workspace_bytes for task in planned.program.tasks), default=0),
         )
     )
-    floor = [1]
-
-    def replan(current: Plan, capacity: int) -> Plan | None:
-        if planned.spec.plan is PRESSUREFIT.plan and not planned.cyclic:
-            return _pressurefit_at(
-                planned.program, capacity, planned.slow_budget_bytes, fit_below=current.budget_bytes
-            )
-        options = {"cyclic": True} if planned.cyclic else {}
-        capacity = max(floor[0], capacity)
-        try:
-            return plan(
-                planned.program,
-                capacity,
-                planner=planned.spec,
-                slow_budget_bytes=planned.slow_budget_bytes,
-                **options,
-            )
-        except InfeasibleBudget as exc:
-            floor[0] = exc.minimal_budget_bytes
-            if floor[0] >= current.budget_bytes:
-                return None
-            return plan(
-                planned.program,
-                floor[0],
-                planner=planned.spec,
-                slow_budget_bytes=planned.slow_budget_bytes,
-                **options,
-            )
-
-    placement, smallest = _pack_or_replan(planned, budget, outside, replans, replan)
+    placement, smallest = pack_or_replan(planned, budget, outside, replans, replan)
     if placement is not None:
         return placement
     held = live_peak_bytes([b for b in residency_blocks(planned) if b.obj_id is not None])
@@ -197,8 +155,14 @@ def without_workspace(program: Program) -> tuple[Program, int]:
     return attrs.evolve(program, tasks=tasks), largest
 
 
-def _pack_or_replan(
-    planned: Plan, budget: int, outside: int, replans: int, replan, *, refine: bool = True
+def pack_or_replan(
+    planned: Plan,
+    budget: int,
+    outside: int,
+    replans: int,
+    replan: Replan,
+    *,
+    refine: bool = True,
 ) -> tuple[Placement | None, int | None]:
     """Pack ``planned``; while no packing fits, re-plan at the last plan's live peak less
     its excess and pack again (twice that excess, and so on, while the arena does not
@@ -256,63 +220,6 @@ def _pack_or_replan(
 def _step_us(planned: Plan) -> float:
     """What one step of ``planned`` takes: a cyclic plan's steady-state iteration."""
     return planned.cycle.iteration_us if planned.cycle is not None else planned.makespan_us
-
-
-def _pressurefit_at(
-    program, budget_bytes: int, slow_budget_bytes: int | None, *, fit_below: int | None = None
-) -> Plan | None:
-    """PressureFit's plan at ``budget_bytes``, as ``plan`` would return it (None when its
-    search finds none: no minimal-budget search behind it). With ``fit_below``, when none
-    is found, budgets halfway up towards ``fit_below`` are tried too (a few)."""
-    from dataflow.planning.intervals import build_chain
-    from dataflow.planning.lower_bound import ChainBounds
-    from dataflow.planning.pressurefit import best_plan
-    from dataflow.sim import simulate
-
-    chain = build_chain(program.bare())
-    bounds = ChainBounds(chain)  # whatever the budget: shared by the tries below
-    floor = max(chain.base_bytes, default=0)
-    for _ in range(4):
-        planned = (
-            best_plan(chain, budget_bytes, slow_budget_bytes, bounds)
-            if budget_bytes >= floor
-            else None
-        )
-        if planned is not None:
-            sim = simulate(planned, slow_budget_bytes=slow_budget_bytes, check=False)
-            return Plan(
-                planned,
-                sim,
-                bounds.at(budget_bytes),
-                budget_bytes,
-                slow_budget_bytes,
-                PRESSUREFIT.name,
-                0.0,
-                PRESSUREFIT,
-            )
-        if fit_below is None or fit_below - budget_bytes <= 1:
-            return None
-        budget_bytes = max(floor, (budget_bytes + fit_below) // 2)
-    return None
-
-
-def placed_within(
-    chain, budget_bytes: int, slow_budget_bytes: int | None = None, *, replans: int = REPLANS
-) -> bool:
-    """Whether PressureFit's plan of ``chain`` at ``budget_bytes`` packs into one arena of
-    that size, re-planning as ``place`` does (what ``minimal_budget`` checks). It never
-    calls ``plan``, so it never asks for a minimal budget itself."""
-    first = _pressurefit_at(chain.program, budget_bytes, slow_budget_bytes)
-    if first is None:
-        return False
-
-    def replan(current: Plan, capacity: int) -> Plan | None:
-        return _pressurefit_at(
-            chain.program, capacity, slow_budget_bytes, fit_below=current.budget_bytes
-        )
-
-    placement, _ = _pack_or_replan(first, budget_bytes, 0, replans, replan, refine=False)
-    return placement is not None
 
 
 def wrap_pairs(planned: Plan, blocks: list[Block]) -> dict[int, int]:

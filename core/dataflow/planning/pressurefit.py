@@ -20,7 +20,7 @@ choice is ordered by task and object position, never by hashing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import attrs
 
@@ -30,7 +30,6 @@ from dataflow.planning.intervals import (
     Chain,
     Gaps,
     Origin,
-    PlanningError,
     build_chain,
     no_offload_peak_bytes,
 )
@@ -38,7 +37,7 @@ from dataflow.planning.lower_bound import ChainBounds, LowerBound
 from dataflow.planning.peaks import select_cuts_peak
 from dataflow.planning.prefetch import RULES, PrefetchWindows
 from dataflow.schema import Budget, Location, Program
-from dataflow.sim import SimResult, simulate
+from dataflow.sim import SimResult
 from dataflow.sim.compiled import CompiledProgram, compile_program
 from dataflow.sim.loop import D2H, H2D, Outcome, run
 from dataflow.sim.simulate import _result as sim_result
@@ -416,147 +415,52 @@ def _smaller(chain: Chain, capacity_bytes: int) -> int:
     return max(floor, capacity_bytes - max(1, (capacity_bytes - floor) // 2))
 
 
-@attrs.frozen
-class PressureFitPlan:
-    """PressureFit's plan and the chain's bounds its search worked out (``ChainBounds``;
-    None for a cyclic plan, whose bounds are those of the loop), so ``plan`` neither
-    lowers the chain again nor bounds it from scratch."""
-
-    program: Program
-    bounds: ChainBounds | None = attrs.field(eq=False, repr=False)
-
-
-def plan_pressurefit(
-    program: Program,
-    budget_bytes: int,
-    *,
-    slow_budget_bytes: int | None = None,
-    cyclic: bool = False,
-    explain: bool = True,
-    homes: Sequence[frozenset[str]] | None = None,
-) -> Program:
-    """The registered planner: ``program``'s bare chain with PressureFit's directives and
-    the budget written in. Raises ``InfeasibleBudget`` (with the smallest budget that
-    works) when no plan fits ``budget_bytes``; with ``explain=False`` a plain
-    ``PlanningError`` instead, at once (searching for that smallest budget can take far
-    longer than planning: callers that try many candidates and only need to know which
-    fit, such as the training plugin's recompute planner, ask for this).
-
-    Monotone in the budget: besides ``budget_bytes`` it sweeps at every rung of a fixed
-    capacity ladder below it (``monotone_capacities``) and keeps the fastest, so a larger
-    budget never gets a slower plan than those rungs give. With ``cyclic`` it plans one
-    iteration of a loop (``cyclic.plan_cyclic``; ``homes``: the sets of fast homes it
-    tries, default its own)."""
-    return pressurefit(
-        program,
-        budget_bytes,
-        slow_budget_bytes=slow_budget_bytes,
-        cyclic=cyclic,
-        explain=explain,
-        homes=homes,
-    ).program
-
-
-def pressurefit(
-    program: Program,
-    budget_bytes: int,
-    *,
-    slow_budget_bytes: int | None = None,
-    cyclic: bool = False,
-    explain: bool = True,
-    homes: Sequence[frozenset[str]] | None = None,
-) -> PressureFitPlan:
-    """``plan_pressurefit``, with the bounds its search worked out (what ``plan`` calls)."""
-    from dataflow.planning.feasibility import check_plannable
-
-    if homes is not None and not cyclic:
-        raise PlanningError("homes (sets of fast homes) is an option of cyclic plans only")
-
-    bare = program.bare()
-    if slow_budget_bytes is None and program.budget is not None:
-        slow_budget_bytes = program.budget.slow_bytes
-    if cyclic:
-        from dataflow.planning.cyclic import plan_cyclic
-
-        return PressureFitPlan(
-            plan_cyclic(
-                bare,
-                budget_bytes,
-                slow_budget_bytes=slow_budget_bytes,
-                explain=explain,
-                homes=homes,
-            ),
-            None,
-        )
-    chain = check_plannable(bare, budget_bytes, slow_budget_bytes)
-    bounds = ChainBounds(chain)
-    planned = best_plan(chain, budget_bytes, slow_budget_bytes, bounds)
-    if planned is not None:
-        return PressureFitPlan(planned, bounds)
-    if not explain:
-        raise PlanningError(
-            f"PressureFit found no plan of {program.name!r} within {budget_bytes} bytes "
-            "(the smallest budget that works was not searched for: explain=False)"
-        )
-    found = plan_at_the_minimum(
-        chain,
-        budget_bytes,
-        slow_budget_bytes,
-        lambda found: simulate(found, record=False, check=False).valid,
-        bounds,
-    )
-    return PressureFitPlan(found, bounds)
-
-
-def plan_at_the_minimum(
-    chain: Chain,
-    budget_bytes: int,
-    slow_budget_bytes: int | None,
-    runs: Callable[[Program], bool],
-    bounds: ChainBounds | None = None,
-) -> Program:
-    """For a chain the search found no plan of at ``budget_bytes``: the search is a
-    heuristic, and the smallest budget that works is found by sweeping at it, so the plan
-    made at that smaller capacity, with ``budget_bytes`` written in, when ``runs`` accepts
-    it (it runs within the larger budget). Raises the ``InfeasibleBudget`` otherwise.
-    ``bounds`` are ``chain``'s when the caller has them."""
-    from dataflow.planning.feasibility import infeasible
-
-    error = infeasible(chain, budget_bytes, slow_budget_bytes)
-    if error.minimal_budget_bytes <= budget_bytes:
-        smaller = search(
-            chain.program,
-            error.minimal_budget_bytes,
-            slow_budget_bytes=slow_budget_bytes,
-            chain=chain,
-            bounds=bounds,
-        )
-        if smaller.best is not None:
-            program = attrs.evolve(
-                smaller.best.program, budget=Budget(budget_bytes, slow_budget_bytes)
-            )
-            if runs(program):
-                return program
-    raise error
-
-
 def best_plan(
     chain: Chain,
     budget_bytes: int,
     slow_budget_bytes: int | None,
     bounds: ChainBounds | None = None,
+    *,
+    ladder: bool = True,
 ) -> Program | None:
     """PressureFit's plan of ``chain`` at ``budget_bytes`` (the search, with the monotone
-    ladder below it), or None when it finds none; never searches for a minimal budget.
-    ``bounds`` are ``chain``'s when the caller has them (else the search makes them)."""
+    ladder below it unless ``ladder`` is False), or None when it finds none; never searches
+    for a minimal budget. ``bounds`` are ``chain``'s when the caller has them (else the
+    search makes them)."""
     if chain.n_tasks == 0 and not any(life.uses for life in chain.objects):
         return attrs.evolve(chain.program, budget=Budget(budget_bytes, slow_budget_bytes))
+    below: Sequence[int] = ()
+    if ladder:
+        peak = None if bounds is None else bounds.peak_held
+        below = monotone_capacities(chain, peak_bytes=peak)
     found = search(
         chain.program,
         budget_bytes,
         slow_budget_bytes=slow_budget_bytes,
         chain=chain,
-        below=monotone_capacities(chain, peak_bytes=None if bounds is None else bounds.peak_held),
+        below=below,
         bounds=bounds,
     )
     return found.best.program if found.best is not None else None
+
+
+def finds_plan(
+    chain: Chain,
+    budget_bytes: int,
+    slow_budget_bytes: int | None,
+    bounds: ChainBounds | None = None,
+) -> bool:
+    """Whether the search finds a plan of ``chain`` at ``budget_bytes``, stopping at its
+    first valid candidate (what the minimal-budget search asks; ``bounds``: the chain's,
+    when the caller tries several budgets)."""
+    if budget_bytes < max(chain.base_bytes, default=0):
+        return False
+    found = search(
+        chain.program,
+        budget_bytes,
+        slow_budget_bytes=slow_budget_bytes,
+        first_valid=True,
+        chain=chain,
+        bounds=bounds,
+    )
+    return found.best is not None

@@ -131,14 +131,31 @@ class FeedSpec:
 class PlannerSpec:
     """A planner: ``plan(program, budget_bytes, **options)`` returns the planned Program.
 
-    ``minimal_budget(program, **options)`` (optional) returns the smallest fast budget the
-    planner plans ``program`` for, one at which static placement also fits.
+    What else it can do, each optional (None: ``dataflow.planning`` does without):
+
+    - ``minimal_budget(program, **options)`` returns the smallest fast budget the planner
+      plans ``program`` for, one at which static placement also fits.
+    - ``run(program, budget_bytes, **options)`` is ``plan`` with what the planner worked
+      out on the way (a ``dataflow.planning.plans.PlannerRun``: the chain's lower bounds,
+      and whether the program is well formed by construction): ``dataflow.planning.plan``
+      calls it instead of ``plan``, and neither bounds nor validates the chain again.
+    - ``replan(program, budget_bytes, **options)`` returns the planner's
+      ``dataflow.planning.Plan`` at ``budget_bytes`` found without searching for a smaller
+      budget that works, or None when it finds none there (option ``fit_below``: then a
+      few budgets halfway up towards it too). Static placement re-plans with it; without
+      it, through ``plan``.
     """
 
     name: str = attrs.field(validator=_valid_name)
     plan: Callable[..., Program] = attrs.field(validator=_callable)
     description: str = attrs.field(default="", validator=_text)
     minimal_budget: Callable[..., int] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_callable)
+    )
+    run: Callable[..., Any] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_callable)
+    )
+    replan: Callable[..., Any] | None = attrs.field(
         default=None, validator=attrs.validators.optional(_callable)
     )
 

@@ -5,7 +5,13 @@ document carries ``"schema": "dataflow.program/v2"`` and older versions migrate 
 through explicit dict -> dict steps in ``MIGRATIONS``. An empty ``prologue`` and an empty
 ``persistent`` list are left out of what is written, and so are a task's default
 ``resource`` (compute), an absent collective link and an absent duplex limit: a program
-without them reads and writes exactly as before they existed.
+without them reads and writes exactly as before they existed. Those fields carry
+``OMIT_IF_DEFAULT`` in their attrs metadata; the converter leaves out any field so marked
+while it holds its default.
+
+The converter knows the schema's classes only through the class it is asked for (the
+schema imports it, never the other way round): ``Program.from_dict`` and the rest call
+the functions here with their class.
 """
 
 from __future__ import annotations
@@ -14,17 +20,23 @@ import enum
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import attrs
 import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 from cattrs.gen import make_dict_unstructure_fn, override
 
-from dataflow.schema.program import Links, Program
-from dataflow.schema.tasks import Task
-
 SCHEMA_KEY = "schema"
 PROGRAM_SCHEMA = "dataflow.program/v2"
+
+_OMIT_KEY = "dataflow.schema.omit_if_default"
+#: attrs field metadata: the field is left out of what is written while it holds its
+#: default (``attrs.field(..., metadata=OMIT_IF_DEFAULT)``).
+OMIT_IF_DEFAULT = {_OMIT_KEY: True}
+
+#: the Program class the functions below are handed (``Program.from_dict`` and the rest)
+P = TypeVar("P")
 
 
 def _v1_to_v2(body: dict[str, Any]) -> dict[str, Any]:
@@ -70,28 +82,16 @@ def _make_converter() -> cattrs.Converter:
     # A StrEnum is a str too: without its own hook the str hook above would take it.
     converter.register_structure_hook(enum.StrEnum, _structure_str_enum)
     converter.register_structure_hook_func(lambda t: t == dict[str, Any], _structure_json_object)
-    # before Program's: its generated function takes the hooks of its fields as they are
-    converter.register_unstructure_hook(
-        Task, make_dict_unstructure_fn(Task, converter, resource=override(omit_if_default=True))
-    )
-    converter.register_unstructure_hook(
-        Links,
-        make_dict_unstructure_fn(
-            Links,
-            converter,
-            collective=override(omit_if_default=True),
-            duplex_bytes_per_us=override(omit_if_default=True),
-        ),
-    )
-    converter.register_unstructure_hook(
-        Program,
-        make_dict_unstructure_fn(
-            Program,
-            converter,
-            prologue=override(omit_if_default=True),
-            persistent=override(omit_if_default=True),
-        ),
-    )
+
+    def unstructure_attrs(kind: type) -> Callable[[Any], dict[str, Any]]:
+        omitted = {
+            field.name: override(omit_if_default=True)
+            for field in attrs.fields(kind)
+            if field.metadata.get(_OMIT_KEY)
+        }
+        return make_dict_unstructure_fn(kind, converter, **omitted)
+
+    converter.register_unstructure_hook_factory(attrs.has, unstructure_attrs)
     return converter
 
 
@@ -145,19 +145,19 @@ def migrate(data: Mapping[str, Any], source: str = "program") -> dict[str, Any]:
     return body
 
 
-def program_from_dict(data: Mapping[str, Any], source: str = "program") -> Program:
+def program_from_dict(kind: type[P], data: Mapping[str, Any], source: str = "program") -> P:
     body = migrate(data, source)
     try:
-        return converter.structure(body, Program)
+        return converter.structure(body, kind)
     except (ClassValidationError, ForbiddenExtraKeysError, ValueError, TypeError) as exc:
         raise SchemaError(source, _describe(exc)) from None
 
 
-def program_to_dict(program: Program) -> dict[str, Any]:
+def program_to_dict(program: Any) -> dict[str, Any]:
     return {SCHEMA_KEY: PROGRAM_SCHEMA, **converter.unstructure(program)}
 
 
-def program_from_json(text_or_path: str | Path) -> Program:
+def program_from_json(kind: type[P], text_or_path: str | Path) -> P:
     if isinstance(text_or_path, Path) or not str(text_or_path).lstrip().startswith(("{", "[")):
         path = Path(text_or_path)
         source = str(path)
@@ -173,8 +173,8 @@ def program_from_json(text_or_path: str | Path) -> Program:
         raise SchemaError(
             source, [f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"]
         ) from None
-    return program_from_dict(data, source)
+    return program_from_dict(kind, data, source)
 
 
-def program_to_json(program: Program, *, indent: int | None = 1) -> str:
+def program_to_json(program: Any, *, indent: int | None = 1) -> str:
     return json.dumps(program_to_dict(program), indent=indent, sort_keys=False)

@@ -9,6 +9,13 @@ from typing import Any
 
 import attrs
 
+from dataflow.schema.converter import (
+    OMIT_IF_DEFAULT,
+    program_from_dict,
+    program_from_json,
+    program_to_dict,
+    program_to_json,
+)
 from dataflow.schema.objects import Location, Obj
 from dataflow.schema.tasks import Prologue, Task
 
@@ -50,8 +57,10 @@ class Links:
     d2h: Link = attrs.field(factory=_default_link)
     #: an all-reduce of ``size_bytes`` over the fleet takes ``collective.transfer_us(size)``:
     #: its bandwidth is the algorithm bandwidth (bytes reduced per us) for the fleet's size
-    collective: Link | None = None
-    duplex_bytes_per_us: float | None = attrs.field(default=None, validator=_positive_or_none)
+    collective: Link | None = attrs.field(default=None, metadata=OMIT_IF_DEFAULT)
+    duplex_bytes_per_us: float | None = attrs.field(
+        default=None, validator=_positive_or_none, metadata=OMIT_IF_DEFAULT
+    )
 
     @property
     def shared_bw(self) -> tuple[float, float]:
@@ -120,8 +129,8 @@ class Program:
     budget: Budget | None = None
     links: Links = attrs.field(factory=Links)
     metadata: dict[str, Any] = attrs.field(factory=dict, hash=False)
-    prologue: Prologue = attrs.field(factory=Prologue)
-    persistent: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    prologue: Prologue = attrs.field(factory=Prologue, metadata=OMIT_IF_DEFAULT)
+    persistent: tuple[str, ...] = attrs.field(default=(), converter=tuple, metadata=OMIT_IF_DEFAULT)
 
     # -- lookups -------------------------------------------------------------------------
     @functools.cached_property
@@ -191,23 +200,15 @@ class Program:
     # -- wire form -----------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Program:
-        from dataflow.schema.converter import program_from_dict
-
-        return program_from_dict(data)
+        return program_from_dict(cls, data)
 
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> Program:
         """Read a program from JSON text or from a path to a JSON file."""
-        from dataflow.schema.converter import program_from_json
-
-        return program_from_json(text_or_path)
+        return program_from_json(cls, text_or_path)
 
     def to_dict(self) -> dict[str, Any]:
-        from dataflow.schema.converter import program_to_dict
-
         return program_to_dict(self)
 
     def to_json(self, *, indent: int | None = 1) -> str:
-        from dataflow.schema.converter import program_to_json
-
         return program_to_json(self, indent=indent)

@@ -7,6 +7,8 @@ from typing import Any
 
 import attrs
 
+from dataflow.schema.converter import OMIT_IF_DEFAULT
+
 
 class Directive(enum.StrEnum):
     """What a task may ask for on completion, enqueued in this order."""
@@ -62,7 +64,9 @@ class Task:
     offloads: tuple[str, ...] = attrs.field(default=(), converter=_ids)
     prefetches: tuple[str, ...] = attrs.field(default=(), converter=_ids)
     label: str = ""
-    resource: Resource = attrs.field(default=Resource.COMPUTE, converter=Resource)
+    resource: Resource = attrs.field(
+        default=Resource.COMPUTE, converter=Resource, metadata=OMIT_IF_DEFAULT
+    )
 
     @property
     def collective(self) -> bool:

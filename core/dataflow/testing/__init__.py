@@ -9,6 +9,8 @@
 - ``tiny_chain()`` and the budget helpers: small programs to test plugins on;
   ``dataflow.testing.chains`` builds training-shaped chains (the demo's).
 - ``heavy_imports(module)``: what of torch and triton an entry-point module imports.
+- ``dataflow.testing.import_cycles``: the import circles of a package's source, every
+  import counted (``import_cycles``; the core's own test holds the core to none).
 
 Importing it imports neither torch nor pytest.
 """
