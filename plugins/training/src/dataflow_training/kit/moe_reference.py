@@ -3,7 +3,8 @@ the kit's MoE math is checked against (OLMoE, Qwen 3 MoE), itself held to transf
 ``OlmoeForCausalLM`` / ``Qwen3MoeForCausalLM`` by each family's HF tests.
 
 The attention, norms, embedding and head are the decoder reference's (plain torch, no
-``ops``); the FFN is written out here expert by expert, as a loop over the experts that
+``ops``; each block built by the config's architecture, whose MoE FFN part makes its
+``Experts`` here); the FFN is written out here expert by expert, as a loop over the experts that
 some token chose (no grouping, no sorting, no ``grouped_mm``). Its ``state_dict()`` keys
 are the layers' names (``0.mlp.gate.weight``, ``0.mlp.experts.gate_up_proj``, ...).
 
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dataflow_training.kit.decoder_reference import IGNORE_INDEX, Block, DecoderReference
+from dataflow_training.kit.decoder_reference import IGNORE_INDEX, DecoderReference
 
 
 def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
@@ -79,9 +80,6 @@ class MoEReference(DecoderReference):
     #: ``recorded`` holds per round every layer's (router logits, expert choices)
     follows_routing = True
     recorded: list[list[tuple[torch.Tensor, torch.Tensor]]]
-
-    def make_block(self, config: Any) -> Block:
-        return Block(config, Experts(config))
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
