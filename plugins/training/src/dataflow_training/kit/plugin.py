@@ -24,8 +24,11 @@ from dataflow import hookimpl
 from dataflow.registry import FamilySpec
 
 
-def lazy(target: str) -> Callable[[], Any]:
-    """A ``FamilySpec.load``: import ``"module:Class"`` and make a ``Class()``."""
+def lazy(target: str | Callable[[], Any]) -> Callable[[], Any]:
+    """A ``FamilySpec.load``: import ``"module:Class"`` and make a ``Class()`` (a class or
+    function given instead of its name is called as it is: code that has it at hand)."""
+    if callable(target):
+        return target
     module, _, attribute = target.partition(":")
     if not module or not attribute:
         raise ValueError(f"a family's load target is 'module:Class', got {target!r}")
@@ -36,7 +39,9 @@ def lazy(target: str) -> Callable[[], Any]:
     return load
 
 
-def family_plugin(name: str, description: str, target: str) -> Callable[[], list[FamilySpec]]:
+def family_plugin(
+    name: str, description: str, target: str | Callable[[], Any]
+) -> Callable[[], list[FamilySpec]]:
     """The ``dataflow_families`` hook implementation registering family ``name`` (its
     object made by ``lazy(target)``); assign it to ``dataflow_families`` in the
     entry-point module."""
