@@ -169,6 +169,40 @@ class QKNorm:
 
 
 @dataclasses.dataclass(frozen=True)
+class OutputGate:
+    """A sigmoid gate on the attention's output, as a part of an attention (Qwen3-Next's
+    and Qwen 3.5's full attention): ``q_proj`` makes each head's query and then its gate
+    (``head_dim`` each, so it is twice as wide), and ``o_proj`` takes ``attn *
+    sigmoid(gate)``. Its parameters are ``q_proj``'s second half; it saves nothing of its
+    own (the gate is in the saved ``q``, the ungated output is ``attn``, which the
+    attention's backward needs); its work is elementwise."""
+
+    def split(self, config: Any, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries, gates), each (batch, seq, heads * head_dim), of the projection ``q``."""
+        batch, seq, _ = q.shape
+        heads = q.view(batch, seq, config.num_attention_heads, 2 * config.head_dim)
+        query, gate = heads.chunk(2, dim=-1)
+        return query.reshape(batch, seq, config.q_width), gate.reshape(batch, seq, config.q_width)
+
+    def join(self, config: Any, d_query: torch.Tensor, d_gate: torch.Tensor) -> torch.Tensor:
+        """The gradient of the projection ``q`` from those of its queries and gates."""
+        batch, seq, _ = d_query.shape
+        shape = (batch, seq, config.num_attention_heads, config.head_dim)
+        return torch.cat((d_query.view(shape), d_gate.view(shape)), dim=-1).flatten(2)
+
+    def forward(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return attn * torch.sigmoid(gate)
+
+    def backward(
+        self, attn: torch.Tensor, gate: torch.Tensor, d_out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d attn, d gate) of ``attn * sigmoid(gate)``."""
+        sig = torch.sigmoid(gate)
+        d_attn = d_out * sig
+        return d_attn, d_attn * attn * (1 - sig)
+
+
+@dataclasses.dataclass(frozen=True)
 class SelfAttention:
     """Causal grouped-query self-attention, as a part of a block: ``o_proj(attention(
     rope(qn(q_proj(h))), rope(kn(k_proj(h))), v_proj(h)))`` scaled by ``1 / sqrt(head_dim)``,
@@ -183,11 +217,13 @@ class SelfAttention:
     input; ``lse`` (heads, float32), the logsumexp. Backward rebuilds the norms and
     rotations from ``q`` and ``k`` and calls ``attention_bwd``; no projection or attention
     forward runs again. Cost: the projections' matmuls and ``attention_flops`` of the
-    window."""
+    window. With a ``gate`` (``OutputGate``), ``q`` holds each head's query and gate and
+    ``o_proj`` takes the gated output."""
 
     qk_norm: QKNorm | None = None
     positions: rotary.Rope = rotary.Rope()
     window: str | None = None
+    gate: OutputGate | None = None
 
     @property
     def ops(self) -> tuple[str, ...]:
@@ -200,7 +236,8 @@ class SelfAttention:
 
     def params(self, config: Any) -> tuple[TensorSpec, ...]:
         n, q, kv = config.hidden_size, config.q_width, config.kv_width
-        shapes = {"q_proj": (q, n), "k_proj": (kv, n), "v_proj": (kv, n), "o_proj": (n, q)}
+        projected = q if self.gate is None else 2 * q
+        shapes = {"q_proj": (projected, n), "k_proj": (kv, n), "v_proj": (kv, n), "o_proj": (n, q)}
         qk_norm = self.qk_norm.params(config) if self.qk_norm is not None else ()
         return (
             *(TensorSpec(f"self_attn.{p}.weight", shapes[p]) for p in _PROJECTIONS),
@@ -210,7 +247,7 @@ class SelfAttention:
     def saved(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
         q, kv = config.q_width, config.kv_width
         return (
-            TensorSpec("q", (batch, seq_len, q)),
+            TensorSpec("q", (batch, seq_len, q if self.gate is None else 2 * q)),
             TensorSpec("k", (batch, seq_len, kv)),
             TensorSpec("v", (batch, seq_len, kv)),
             TensorSpec("attn", (batch, seq_len, q)),
@@ -222,11 +259,14 @@ class SelfAttention:
 
     def reference_args(self, config: Any) -> dict[str, Any]:
         """The settings ``decoder_reference.Attention`` takes, as plain values."""
-        return {
+        args = {
             "qk_norm": None if self.qk_norm is None else self.qk_norm.scope,
             "window": self.window_size(config),
             **self.positions.reference_args(config),
         }
+        if self.qk_norm is not None and self.qk_norm.norm.offset:
+            args["qk_norm_offset"] = self.qk_norm.norm.offset
+        return args | ({"gated": True} if self.gate is not None else {})
 
     def reference(self, config: Any) -> Any:
         """``decoder_reference.Attention`` with this part's settings."""
@@ -241,6 +281,8 @@ class SelfAttention:
         """Query and key heads (batch, heads, seq, head_dim) as attention takes them, from
         the projections: normed, then rotated; and the norms' statistics."""
         stats: tuple = ()
+        if self.gate is not None:
+            q, _ = self.gate.split(config, q)
         if self.qk_norm is not None:
             q, k, stats = self.qk_norm.forward(config, params, q, k, ops)
         q_heads, k_heads = _per_head(config, q.flatten(2)), _per_head(config, k.flatten(2))
@@ -269,7 +311,10 @@ class SelfAttention:
         out, lse = attention_forward(ops, q_heads, k_heads, v_heads, window=window)
         del q_heads, k_heads, v_heads
         attn = merge_heads(out)
-        return O_PROJ.forward(ops, params, attn), {"attn": attn, "lse": lse}
+        if self.gate is None:
+            return O_PROJ.forward(ops, params, attn), {"attn": attn, "lse": lse}
+        gated = self.gate.forward(attn, self.gate.split(config, projected["q"])[1])
+        return O_PROJ.forward(ops, params, gated), {"attn": attn, "lse": lse}
 
     def backward(
         self,
@@ -284,7 +329,13 @@ class SelfAttention:
         """The gradients of the projections (``project``'s outputs, in its order) from that
         of the output; ``x`` (the block input) gives the rotary tables' length, device and
         dtype. The parameters' gradients but the projections' go into ``grads``."""
-        d_attn, g = O_PROJ.backward(ops, params, saved["attn"], d_out)
+        if self.gate is None:
+            d_attn, g = O_PROJ.backward(ops, params, saved["attn"], d_out)
+        else:  # o_proj's input made again from the saved output and gate
+            gate = self.gate.split(config, saved["q"])[1]
+            d_gated, g = O_PROJ.backward(ops, params, self.gate.forward(saved["attn"], gate), d_out)
+            d_attn, d_gate = self.gate.backward(saved["attn"], gate, d_gated)
+            del d_gated, gate
         grads.update(g)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         q_heads, k_heads, qk_stats = self._heads(config, params, saved["q"], saved["k"], ops)
@@ -304,9 +355,16 @@ class SelfAttention:
         if self.qk_norm is None:
             dq, dk = dq.flatten(2), dk.flatten(2)
         else:  # back through the q/k norms, from the saved projections
-            dq, dk, g = self.qk_norm.backward(config, params, saved, qk_stats, dq, dk, ops)
+            queries = saved if self.gate is None else self._queries(config, saved)
+            dq, dk, g = self.qk_norm.backward(config, params, queries, qk_stats, dq, dk, ops)
             grads.update(g)
+        if self.gate is not None:
+            dq = self.gate.join(config, dq, d_gate)
         return dq, dk, merge_heads(dv)
+
+    def _queries(self, config: Any, saved: Tensors) -> Tensors:
+        """``saved`` with ``q`` its queries alone (the q/k norm's input)."""
+        return {"q": self.gate.split(config, saved["q"])[0], "k": saved["k"]}
 
     def project_backward(
         self,
@@ -330,4 +388,7 @@ class SelfAttention:
         tokens, n = batch * seq_len, config.hidden_size
         q, kv = config.q_width, config.kv_width
         window = self.window_size(config)
-        return 2 * tokens * n * (2 * q + 2 * kv), attention_flops(batch, seq_len, q, window)
+        projections = 2 * tokens * n * (2 * q + 2 * kv)
+        if self.gate is not None:  # q_proj's gate half
+            projections += 2 * tokens * n * q
+        return projections, attention_flops(batch, seq_len, q, window)

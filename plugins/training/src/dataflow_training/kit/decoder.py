@@ -33,6 +33,7 @@ from dataflow_training.family import LayerSpec, TensorSpec
 from dataflow_training.kit.block import Block
 from dataflow_training.kit.decoder_math import EMBED_WEIGHT, FINAL_NORM, LM_HEAD
 from dataflow_training.kit.decoder_reference import Block as ReferenceBlock
+from dataflow_training.kit.norms import Norm
 from dataflow_training.kit.rotary import Llama3Scaling
 
 EMBED = "emb"
@@ -49,10 +50,12 @@ class Decoder:
     where layers mix kinds as HF's ``layer_types`` does: HF layer type -> block kind,
     read from the config's ``layer_types`` field (None there: every layer the first
     kind). Qwen 3's is ``{"full_attention": "block", "sliding_attention":
-    "sliding_block"}``."""
+    "sliding_block"}``. ``norm``: the head's final norm (an RMSNorm; ``Norm(offset=1.0)``
+    where it scales by ``1 + w``)."""
 
     blocks: Mapping[str, Block]
     layer_types: Mapping[str, str] | None = None
+    norm: Norm = Norm()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", MappingProxyType(dict(self.blocks)))

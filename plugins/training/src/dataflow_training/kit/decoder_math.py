@@ -16,7 +16,6 @@ import torch
 from dataflow_training.family import Env, LayerCost, RowGradient, Work
 from dataflow_training.kit.head import lm_head_loss
 from dataflow_training.kit.linear import accumulation_dtype
-from dataflow_training.kit.norms import RMSNorm
 
 Tensors = dict[str, torch.Tensor]
 
@@ -69,13 +68,13 @@ class DecoderEmbed:
 
 
 class DecoderHead:
-    """Final RMSNorm, logits against ``lm_head.weight`` (the embedding's, when tied) chunk
-    by chunk, mean loss."""
+    """Final RMSNorm (the architecture's ``norm``), logits against ``lm_head.weight`` (the
+    embedding's, when tied) chunk by chunk, mean loss."""
 
     def forward_backward(
         self, config: Any, params: Tensors, x: torch.Tensor, targets: Any, env: Env
     ) -> tuple[torch.Tensor, torch.Tensor, Tensors]:
-        norm = RMSNorm(FINAL_NORM, config.rms_norm_eps)
+        norm = config.architecture.norm.op(config, FINAL_NORM.removesuffix(".weight"))
         return lm_head_loss(env, params, x, targets, norm=norm, projection=LM_HEAD)
 
     def cost(self, config: Any, batch: int, seq_len: int, act_bytes: int) -> LayerCost:

@@ -94,9 +94,11 @@ class Embed(nn.Module):
 class Attention(nn.Module):
     """Grouped-query self-attention, causal. ``qk_norm``: None, ``"head"`` (an RMSNorm over
     each head, one ``head_dim`` weight: Qwen 3) or ``"projection"`` (over the whole q and
-    k projections: OLMoE), before the rotation. ``window``: None, or the tokens a query
-    sees counting itself (a sliding window). ``rotary_dim``: the rotated dims of each head
-    (default all)."""
+    k projections: OLMoE), before the rotation; ``qk_norm_offset``: its norms scale by
+    ``offset + w``. ``window``: None, or the tokens a query sees counting itself (a
+    sliding window). ``rotary_dim``: the rotated dims of each head (default all).
+    ``gated``: ``q_proj`` makes each head's query and then its gate (``head_dim`` each),
+    and ``o_proj`` takes the attention's output times ``sigmoid(gate)`` (Qwen3-Next)."""
 
     #: the q/k norms' module (a subclass with another forward may keep these parameters)
     norm_type = RMSNorm
@@ -106,24 +108,26 @@ class Attention(nn.Module):
         config: Any,
         *,
         qk_norm: str | None = None,
+        qk_norm_offset: float = 0.0,
         window: int | None = None,
         rotary_dim: int | None = None,
+        gated: bool = False,
     ) -> None:
         super().__init__()
-        self.config, self.qk_norm, self.window = config, qk_norm, window
+        self.config, self.qk_norm, self.window, self.gated = config, qk_norm, window, gated
         self.rotary_dim = rotary_dim or config.head_dim
         n, q, kv = config.hidden_size, config.q_width, config.kv_width
-        self.q_proj = nn.Linear(n, q, bias=False)
+        self.q_proj = nn.Linear(n, 2 * q if gated else q, bias=False)
         self.k_proj = nn.Linear(n, kv, bias=False)
         self.v_proj = nn.Linear(n, kv, bias=False)
         self.o_proj = nn.Linear(q, n, bias=False)
         self.per_head = qk_norm == "head"
         if qk_norm is not None:
             self.q_norm = self.norm_type(
-                config.head_dim if self.per_head else q, config.rms_norm_eps
+                config.head_dim if self.per_head else q, config.rms_norm_eps, qk_norm_offset
             )
             self.k_norm = self.norm_type(
-                config.head_dim if self.per_head else kv, config.rms_norm_eps
+                config.head_dim if self.per_head else kv, config.rms_norm_eps, qk_norm_offset
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,7 +141,11 @@ class Attention(nn.Module):
             return (norm(t) if norm is not None and self.per_head else t).transpose(1, 2)
 
         q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
-        q = heads(self.q_proj(x), c.num_attention_heads, q_norm)
+        q = self.q_proj(x)
+        if self.gated:  # per head: the query, then its gate
+            q, gate = q.view(batch, seq, c.num_attention_heads, 2 * c.head_dim).chunk(2, -1)
+            q, gate = q.reshape(batch, seq, c.q_width), gate.reshape(batch, seq, c.q_width)
+        q = heads(q, c.num_attention_heads, q_norm)
         k = heads(self.k_proj(x), c.num_key_value_heads, k_norm)
         v = heads(self.v_proj(x), c.num_key_value_heads, None)
         inv = inverse_frequencies(c, self.rotary_dim)
@@ -152,13 +160,16 @@ class Attention(nn.Module):
         else:
             mask = window_mask(seq, self.window).to(x.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, c.q_width))
+        out = out.transpose(1, 2).reshape(batch, seq, c.q_width)
+        return self.o_proj(out * torch.sigmoid(gate) if self.gated else out)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """SwiGLU of width ``width`` (default ``intermediate_size``)."""
+
+    def __init__(self, config: Any, width: int | None = None) -> None:
         super().__init__()
-        n, inner = config.hidden_size, config.intermediate_size
+        n, inner = config.hidden_size, width or config.intermediate_size
         self.gate_proj = nn.Linear(n, inner, bias=False)
         self.up_proj = nn.Linear(n, inner, bias=False)
         self.down_proj = nn.Linear(inner, n, bias=False)
@@ -189,9 +200,9 @@ class Head(nn.Module):
     #: the final norm's module (as ``Attention.norm_type``)
     norm_type = RMSNorm
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, norm_offset: float = 0.0) -> None:
         super().__init__()
-        self.norm = self.norm_type(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_type(config.hidden_size, config.rms_norm_eps, norm_offset)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -207,7 +218,7 @@ class DecoderReference(nn.Module):
         self.emb = Embed(config)
         for layer in range(config.num_hidden_layers):
             self.add_module(str(layer), self.make_block(config, layer))
-        self.head = Head(config)
+        self.head = Head(config, config.architecture.norm.offset)
         self.init_weights()
 
     def make_block(self, config: Any, layer: int) -> nn.Module:
@@ -219,12 +230,13 @@ class DecoderReference(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
-        """HF's initialization of these models: every matrix N(0, std), norms 1."""
+        """HF's initialization of these models: every matrix N(0, std), norms 1 (their
+        stored weight 0 where they scale by ``1 + w``)."""
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
                 module.weight.normal_(0.0, std, generator=generator)
             elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+                module.weight.fill_(1.0 - module.offset)
 
     def output_weight(self) -> torch.Tensor:
         """The output projection (vocab, hidden): ``lm_head``'s, or the embedding when tied."""

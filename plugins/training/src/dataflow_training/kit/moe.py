@@ -73,6 +73,7 @@ from dataflow_training.kit.decoder import (
     parameter_count,
 )
 from dataflow_training.kit.linear import Linear
+from dataflow_training.kit.mlp import SwiGLU
 from dataflow_training.kit.parts import FfnCost, as_is
 
 Tensors = dict[str, torch.Tensor]
@@ -158,19 +159,108 @@ def _split(config: MoEConfig, gate_up: torch.Tensor) -> tuple[torch.Tensor, torc
     return gate_up[:, :inner], gate_up[:, inner:]
 
 
+SHARED = SwiGLU(
+    Linear("mlp.shared_expert.gate_proj.weight"),
+    Linear("mlp.shared_expert.up_proj.weight"),
+    Linear("mlp.shared_expert.down_proj.weight"),
+)
+SHARED_GATE = Linear("mlp.shared_expert_gate.weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedExpert:
+    """One more SwiGLU expert that every token goes through beside the routed ones, as a
+    part of ``RoutedExperts``, its output scaled by a sigmoid gate of the token (Qwen3-Next,
+    Qwen 2 MoE, Qwen 3.5 MoE)::
+
+        y += sigmoid(shared_expert_gate(h)) * down(silu(gate(h)) * up(h))
+
+    ``width`` names the config field of its width. Parameters (HF's names)
+    ``mlp.shared_expert.{gate,up,down}_proj.weight`` and ``mlp.shared_expert_gate.weight``
+    (1, hidden), in the layer's main group; saved ``shared_gate`` and ``shared_up`` (its
+    two projections); backward makes its output (one down projection) and the gate's
+    logit (a (tokens, hidden) x (hidden, 1) product) again rather than saving them."""
+
+    width: str = "shared_expert_intermediate_size"
+
+    def params(self, config: Any) -> tuple[TensorSpec, ...]:
+        n, inner = config.hidden_size, getattr(config, self.width)
+        return (
+            TensorSpec(SHARED.gate.weight, (inner, n)),
+            TensorSpec(SHARED.up.weight, (inner, n)),
+            TensorSpec(SHARED.down.weight, (n, inner)),
+            TensorSpec(SHARED_GATE.weight, (1, n)),
+        )
+
+    def saved(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
+        inner = getattr(config, self.width)
+        return (
+            TensorSpec("shared_gate", (batch * seq_len, inner)),
+            TensorSpec("shared_up", (batch * seq_len, inner)),
+        )
+
+    def recompute(self, config: Any, params: Tensors, h: torch.Tensor, ops: Any) -> Tensors:
+        """Its two projections of ``h`` (tokens, hidden), as forward saves them."""
+        return {
+            "shared_gate": SHARED.gate.forward(ops, params, h),
+            "shared_up": SHARED.up.forward(ops, params, h),
+        }
+
+    def forward(
+        self, config: Any, params: Tensors, h: torch.Tensor, ops: Any
+    ) -> tuple[torch.Tensor, Tensors]:
+        """(its gated output (tokens, hidden), what it saves) of ``h`` (tokens, hidden)."""
+        saved = self.recompute(config, params, h, ops)
+        act = ops["swiglu_fwd"](saved["shared_gate"], saved["shared_up"])
+        scale = torch.sigmoid(SHARED_GATE.forward(ops, params, h))
+        return SHARED.down.forward(ops, params, act) * scale, saved
+
+    def backward(
+        self,
+        config: Any,
+        params: Tensors,
+        h: torch.Tensor,
+        saved: Tensors,
+        dy: torch.Tensor,
+        ops: Any,
+    ) -> tuple[torch.Tensor, Tensors]:
+        """-> (dh, its gradients), ``h`` and ``dy`` (tokens, hidden)."""
+        gate, up = saved["shared_gate"], saved["shared_up"]
+        out = SHARED.down.forward(ops, params, ops["swiglu_fwd"](gate, up))
+        scale = torch.sigmoid(SHARED_GATE.forward(ops, params, h))
+        d_logit = (dy * out).sum(-1, keepdim=True) * scale * (1 - scale)
+        del out
+        d_h, grads = SHARED.backward(ops, params, h, gate, up, dy * scale)
+        d_h_gate, g = SHARED_GATE.backward(ops, params, h, d_logit)
+        grads.update(g)
+        return d_h.add_(d_h_gate), grads
+
+    def matmul_flops(self, config: Any, tokens: int) -> int:
+        """Its forward's matmul FLOPs: three projections and the gate."""
+        n = config.hidden_size
+        return 2 * tokens * 3 * n * getattr(config, self.width) + 2 * tokens * n
+
+    def reference_args(self, config: Any) -> dict[str, Any]:
+        return {"shared_width": getattr(config, self.width)}
+
+
 @dataclasses.dataclass(frozen=True)
 class RoutedExperts:
     """``num_experts`` SwiGLU experts of width ``intermediate_size`` behind a softmax
     router, ``num_experts_per_tok`` of them per token, as the FFN part of a block (see the
     module docstring). Parameters: the router ``mlp.gate.weight`` in the layer's main
     group, the stacked experts their own group ``experts``; Aux ``counts`` pooled over
-    the layers (``aux_scope="model"``); AuxTemp the routing; saved ``gate_up``."""
+    the layers (``aux_scope="model"``); AuxTemp the routing; saved ``gate_up``.
+    ``shared``: a ``SharedExpert`` beside the routed ones (None: none)."""
+
+    shared: SharedExpert | None = None
 
     ops = ("swiglu_fwd", "swiglu_bwd", "grouped_mm", "grouped_mm_wgrad")
     aux_scope = "model"
 
     def params(self, config: MoEConfig) -> tuple[TensorSpec, ...]:
-        return (TensorSpec(ROUTER.weight, (config.num_experts, config.hidden_size)),)
+        router = TensorSpec(ROUTER.weight, (config.num_experts, config.hidden_size))
+        return (router, *(self.shared.params(config) if self.shared is not None else ()))
 
     def groups(self, config: MoEConfig) -> tuple[ParamGroup, ...]:
         n, inner, e = config.hidden_size, config.intermediate_size, config.num_experts
@@ -199,11 +289,14 @@ class RoutedExperts:
     def reference(self, config: MoEConfig) -> Any:
         from dataflow_training.kit import moe_reference
 
-        return moe_reference.Experts(config)
+        shared = self.shared.reference_args(config) if self.shared is not None else {}
+        return moe_reference.Experts(config, **shared)
 
     def saved(self, config: MoEConfig, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
         slots = batch * seq_len * config.num_experts_per_tok
-        return (TensorSpec("gate_up", (slots, 2 * config.intermediate_size)),)
+        routed = TensorSpec("gate_up", (slots, 2 * config.intermediate_size))
+        shared = self.shared.saved(config, batch, seq_len) if self.shared is not None else ()
+        return (routed, *shared)
 
     def aux_temp(self, config: MoEConfig, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
         tokens, k = batch * seq_len, config.num_experts_per_tok
@@ -232,7 +325,10 @@ class RoutedExperts:
         aux_temp |= {"order": order, "offsets": offsets}
         gate_up = _gate_up(config, params, h, aux_temp, ops)
         out = self._experts_out(config, params, gate_up, aux_temp, ops)
-        return out.view_as(h), {"gate_up": gate_up}, aux_temp
+        if self.shared is None:
+            return out.view_as(h), {"gate_up": gate_up}, aux_temp
+        shared, saved = self.shared.forward(config, params, h.reshape(out.shape), ops)
+        return (out + shared).view_as(h), {"gate_up": gate_up, **saved}, aux_temp
 
     def _expert_rows(self, config, params, gate_up, aux_temp, ops) -> torch.Tensor:
         """Every expert row's output, unweighted (tokens * k, hidden)."""
@@ -246,8 +342,12 @@ class RoutedExperts:
     def recompute(
         self, config: MoEConfig, params: Tensors, h: torch.Tensor, aux_temp: Tensors, ops: Any
     ) -> Tensors:
-        """The experts' ``gate_up`` of every routed row of ``h``, by forward's routing."""
-        return {"gate_up": _gate_up(config, params, h, aux_temp, ops)}
+        """The experts' ``gate_up`` of every routed row of ``h``, by forward's routing (and
+        the shared expert's projections)."""
+        saved = {"gate_up": _gate_up(config, params, h, aux_temp, ops)}
+        if self.shared is not None:
+            saved |= self.shared.recompute(config, params, h.reshape(-1, config.hidden_size), ops)
+        return saved
 
     def backward(
         self,
@@ -291,6 +391,10 @@ class RoutedExperts:
         d_router_in, g = ROUTER.backward(ops, params, flat_h2, d_logits)
         grads.update(g)
         d_h2 += d_router_in
+        if self.shared is not None:
+            d_shared, g = self.shared.backward(config, params, flat_h2, saved, flat_dy, ops)
+            grads.update(g)
+            d_h2 += d_shared
         del flat_h2
         return d_h2.view_as(h), grads
 
@@ -327,6 +431,19 @@ class RoutedExperts:
         k, e = config.num_experts_per_tok, config.num_experts
         experts = 2 * tokens * k * 3 * n * inner
         router = 2 * tokens * n * e
+        if self.shared is not None:  # one more expert for every token, and its gate
+            shared = self.shared.matmul_flops(config, tokens)
+            width = getattr(config, self.shared.width)
+            return FfnCost(
+                matmul=router + experts + shared,
+                rederive=Work(
+                    2 * experts / 3 + 2 * tokens * 2 * n * width,
+                    tokens * act_bytes * (2 * n + k * n + 2 * k * inner + 2 * width),
+                ),
+                not_recomputed=experts / 3 + 2 * tokens * n * (width + 1),
+                moved=2 * k * n,
+                backward=router + 2 * tokens * n * (width + 1),
+            )
         return FfnCost(
             matmul=router + experts,
             # rederive: n2 of h_mid, then every routed row's gate and up projections

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dataflow_training.kit.decoder_reference import IGNORE_INDEX, DecoderReference
+from dataflow_training.kit.decoder_reference import IGNORE_INDEX, MLP, DecoderReference
 
 
 def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
@@ -33,9 +33,11 @@ def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
 
 
 class Experts(nn.Module):
-    """Routed SwiGLU experts with their router; records what the router decided."""
+    """Routed SwiGLU experts with their router; records what the router decided. With
+    ``shared_width``, one more SwiGLU expert of that width every token goes through,
+    scaled by ``sigmoid(shared_expert_gate(x))`` (Qwen3-Next)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, shared_width: int | None = None) -> None:
         super().__init__()
         self.config = config
         e, n, inner = config.num_experts, config.hidden_size, config.intermediate_size
@@ -43,6 +45,10 @@ class Experts(nn.Module):
         self.experts = nn.Module()
         self.experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inner, n))
         self.experts.down_proj = nn.Parameter(torch.empty(e, n, inner))
+        if shared_width is not None:
+            self.shared_expert = MLP(config, shared_width)
+            self.shared_expert_gate = nn.Linear(n, 1, bias=False)
+        self.shared = shared_width is not None
         self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # (logits, ids)
         #: expert choices (tokens, k) the next forward takes instead of its own top-k
         self.follow: torch.Tensor | None = None
@@ -69,6 +75,8 @@ class Experts(nn.Module):
             gate, up = (flat[token] @ w_gate_up.t()).split(inner, dim=-1)
             hidden = (F.silu(gate) * up) @ self.experts.down_proj[expert].t()
             out = out.index_add(0, token, hidden * top[token, slot, None])
+        if self.shared:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view_as(x)
 
 
