@@ -181,7 +181,9 @@ def test_a_sliding_window_checkpoint_trains_from_init_and_exports(tmp_path) -> N
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "preset", ["qwen3_tiny", pytest.param("qwen3_0_6b", marks=pytest.mark.slow)]
+    "preset",
+    # qwen3_tiny_swa: the sliding window through flash's own window in bf16
+    ["qwen3_tiny", "qwen3_tiny_swa", pytest.param("qwen3_0_6b", marks=pytest.mark.slow)],
 )
 def test_verify_passes_in_bf16_on_cuda(preset: str) -> None:
     """`dataflow verify --family qwen3 --preset PRESET --device cuda --dtype bf16`: the
