@@ -68,15 +68,17 @@ class Attention(reference.Attention):
         c = self.config
         batch, seq, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if c.qk_norm and not self.per_head:  # OLMoE: over the whole projection
+        if self.qk_norm == "projection":  # OLMoE: over the whole projection
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(batch, seq, c.num_attention_heads, c.head_dim)
         k = k.view(batch, seq, c.num_key_value_heads, c.head_dim)
-        if c.qk_norm and self.per_head:  # Qwen 3: per head, one weight for all heads
+        if self.qk_norm == "head":  # Qwen 3: per head, one weight for all heads
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         v = v.view(batch, seq, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        if self.window is not None and self.window < seq:
+            raise NotImplementedError("the stock decoder runs causal attention without a window")
         grouped = c.num_key_value_heads != c.num_attention_heads
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, c.q_width))
@@ -128,10 +130,11 @@ class Experts(moe_reference.Experts):
 
 
 class Block(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, layer: int) -> None:
         super().__init__()
+        part = config.architecture.block_of(config, layer).attention  # the family's settings
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, **part.reference_args(config))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = Experts(config) if is_moe(config) else MLP(config)
 
@@ -163,7 +166,7 @@ class StockDecoder(nn.Module):
         self.config, self.checkpoint = config, checkpoint
         self.emb = Embed(config)
         for layer in range(config.num_hidden_layers):
-            self.add_module(str(layer), Block(config))
+            self.add_module(str(layer), Block(config, layer))
         self.head = Head(config)
         cos, sin = rotary_tables(config, seq_len)
         self.register_buffer("cos", cos, persistent=False)

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from dataflow_family_llama3.config import Llama3Config
 from dataflow_family_llama3.family import Llama3Family
+from dataflow_training.kit.block import Block
+from dataflow_training.kit.decoder import Decoder
 from dataflow_training.kit.decoder_testing import DecoderFamilyChecks
 from dataflow_training.testing import TrainingFamilyConformance
 
@@ -32,7 +34,9 @@ class TestLlama3(TrainingFamilyConformance, DecoderFamilyChecks):
 def test_presets_are_llama3_configs_without_qk_norm() -> None:
     family = Llama3Family()
     assert all(type(config) is Llama3Config for config in family.presets.values())
-    assert not Llama3Config.qk_norm
+    # Llama's parts, the kit's default: no q/k norm, no window, the dense SwiGLU
+    assert Llama3Config.architecture == Decoder({"block": Block()})
+    assert Block().attention.qk_norm is None and Block().attention.window is None
     released = [family.config(name) for name in ("l3_1b", "l3_3b", "llama3_8b")]
     assert [c.rope_scaling.factor for c in released] == [32.0, 32.0, 8.0]
     assert [c.tie_word_embeddings for c in released] == [True, True, False]

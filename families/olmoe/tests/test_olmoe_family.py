@@ -31,7 +31,8 @@ class TestOlmoe(TrainingFamilyConformance, MoEFamilyChecks):
 
 def test_the_released_preset_is_olmoe_1b_7b() -> None:
     config = OlmoeFamily().config("olmoe_1b_7b")
-    assert type(config) is OlmoeConfig and OlmoeConfig.qk_norm_scope == "projection"
+    assert type(config) is OlmoeConfig
+    assert OlmoeConfig.architecture.blocks["moe"].attention.qk_norm.scope == "projection"
     assert (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob) == (64, 8, False)
     assert (config.head_dim, config.num_key_value_heads, config.intermediate_size) == (
         128,

@@ -32,7 +32,8 @@ def test_the_released_preset_and_its_cut() -> None:
 
     family = Qwen3MoeFamily()
     full, cut = family.config("qwen3_30b_a3b"), family.config("qwen3_30b_a3b_l12")
-    assert type(full) is Qwen3MoeConfig and Qwen3MoeConfig.qk_norm_scope == "head"
+    assert type(full) is Qwen3MoeConfig
+    assert Qwen3MoeConfig.architecture.blocks["moe"].attention.qk_norm.scope == "head"
     assert (full.num_experts, full.num_experts_per_tok, full.norm_topk_prob) == (128, 8, True)
     assert (full.head_dim, full.num_key_value_heads, full.intermediate_size) == (128, 4, 768)
     block = {p.name: p.shape for p in family.layers(full)[1].params}

@@ -8,6 +8,10 @@ reference variant, by relative error ``||got - want|| / ||want||`` (conftest.PRE
 
 - CPU float64: 1e-10; CPU float32: 1e-5
 - CUDA float32: 1e-4; CUDA bfloat16 and float16: 1e-2 (outputs rounded to 16 bits)
+
+A sliding ``window`` (query ``i`` sees keys ``i - window < j <= i``) is held to the same
+truth with that mask: the CPU kernel with its additive mask, flash's own window on CUDA in
+16 bits (the ``gpu`` tests), the reference formulas elsewhere.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ ALL_VARIANTS = [*VARIANTS, "cudnn"]
 SHAPES = [(1, 1, 1, 8), (2, 3, 17, 24), (3, 2, 40, 64), (1, 4, 33, 16), (2, 2, 64, 64)]
 
 
-def autograd_truth(q, k, v, dout, *, causal, scale=None):
+def autograd_truth(q, k, v, dout, *, causal, scale=None, window=None):
     """(out, lse, dq, dk, dv) in float64 from the formula, gradients by autograd. With
     fewer key/value heads than query heads, query head h reads key/value head
     h // (heads // kv_heads) (autograd sums each key/value head's gradient over them)."""
@@ -37,6 +41,8 @@ def autograd_truth(q, k, v, dout, *, causal, scale=None):
     if causal:
         seq = q.shape[-2]
         future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+        if window is not None:  # and the keys window or more tokens back
+            future |= torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril(-window)
         scores = scores.masked_fill(future, -math.inf)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.softmax(scores, dim=-1) @ values
@@ -79,6 +85,41 @@ def test_forward_and_backward_match_autograd(
     ):
         assert got.shape == like.shape and got.dtype == like.dtype, label
         assert_rel_close(got, expected, tol, label)
+
+
+@pytest.mark.parametrize("name", ALL_VARIANTS)
+@pytest.mark.parametrize("window", [2, 5, 16, 40, 64])
+@pytest.mark.parametrize(
+    "shape", [(2, 3, 3, 40, 32), (1, 4, 2, 33, 64), (2, 2, 1, 17, 16)], ids=lambda s: str(s)
+)
+def test_a_sliding_window_matches_autograd(
+    kernel, randn, assert_rel_close, device, dtype, tol, name, window, shape
+) -> None:
+    """Windows narrower than the sequence (two tokens, a few, most of it) and at or past it
+    (plain causal attention), grouped key/value heads included. (A window of one token is
+    left out: its out is v and its dq exactly zero, which a relative error cannot hold.)"""
+    batch, heads, kv_heads, seq, head_dim = shape
+    q, dout = (randn(batch, heads, seq, head_dim, dtype=dtype, device=device) for _ in range(2))
+    k, v = (randn(batch, kv_heads, seq, head_dim, dtype=dtype, device=device) for _ in range(2))
+    want = autograd_truth(q, k, v, dout, causal=True, window=window)
+    out, lse = kernel("attention_fwd", name)(q, k, v, causal=True, window=window)
+    assert out.shape == q.shape and out.dtype == dtype and lse.is_contiguous()
+    assert_rel_close(out, want[0], tol, "out")
+    assert_rel_close(lse, want[1], tol, "lse")
+    grads = kernel("attention_bwd", name)(dout, q, k, v, out, lse, causal=True, window=window)
+    for label, got, expected, like in zip(
+        ("dq", "dk", "dv"), grads, want[2:], (q, k, v), strict=True
+    ):
+        assert got.shape == like.shape and got.dtype == like.dtype, label
+        assert_rel_close(got, expected, tol, label)
+
+
+@pytest.mark.parametrize("name", ALL_VARIANTS)
+def test_a_window_is_causal_and_positive(kernel, randn, name) -> None:
+    q = randn(1, 2, 9, 8)
+    for window, causal in ((0, True), (4, False)):
+        with pytest.raises(ValueError, match=r"a sliding window is a causal window of at least"):
+            kernel("attention_fwd", name)(q, q, q, causal=causal, window=window)
 
 
 @pytest.mark.parametrize("name", ALL_VARIANTS)

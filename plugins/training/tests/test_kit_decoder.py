@@ -12,7 +12,9 @@ import attrs
 import pytest
 import torch
 from dataflow_training.kit import rotary
-from dataflow_training.kit.decoder import DecoderConfig, parameter_count
+from dataflow_training.kit.attention import QKNorm, SelfAttention
+from dataflow_training.kit.block import Block
+from dataflow_training.kit.decoder import Decoder, DecoderConfig, parameter_count
 from dataflow_training.kit.decoder_hf import fields_from_hf, fields_to_hf
 from dataflow_training.kit.decoder_reference import DecoderReference, inverse_frequencies
 from dataflow_training.kit.hf import CheckpointError
@@ -39,7 +41,7 @@ def small(**fields) -> DecoderConfig:
 
 @attrs.frozen
 class WithQKNorm(DecoderConfig):
-    qk_norm: ClassVar[bool] = True
+    architecture: ClassVar[Decoder] = Decoder({"block": Block(SelfAttention(QKNorm("head")))})
 
 
 @pytest.mark.parametrize(

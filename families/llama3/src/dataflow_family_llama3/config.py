@@ -1,11 +1,6 @@
-"""``Llama3Config``: the kit's decoder shape without q/k norm, RoPE with Llama 3.1's
-frequency scaling where a preset has it (``rope_scaling``), GQA, SwiGLU, tied or untied
-embeddings. Fields are named as in HF's ``LlamaConfig``; see
-``dataflow_training.kit.decoder.DecoderConfig``."""
-
-from __future__ import annotations
-
-from typing import ClassVar
+"""``Llama3Config``: the kit's decoder config (fields as HF's ``LlamaConfig``) and its default
+architecture, Llama's: RMSNorm, GQA with RoPE (Llama 3.1's scaling where a preset has
+``rope_scaling``), SwiGLU, tied or untied embeddings."""
 
 import attrs
 from dataflow_training.kit.decoder import DecoderConfig
@@ -13,6 +8,4 @@ from dataflow_training.kit.decoder import DecoderConfig
 
 @attrs.frozen
 class Llama3Config(DecoderConfig):
-    """Sizes of a Llama 3 model (no per-head q/k norm)."""
-
-    qk_norm: ClassVar[bool] = False
+    """Sizes of a Llama 3 model."""

@@ -1,9 +1,5 @@
-"""The llama3 family object: what ``FamilySpec("llama3").load()`` returns.
-
-A ``DecoderFamily`` of the training kit (protocol v2: presets, layers, the decoder math,
-the reference, HF checkpoints through the kit's key table) plus what is Llama's own: the
-``config.json`` of ``LlamaForCausalLM``, both ways.
-"""
+"""The llama3 family object: the kit's ``DecoderFamily`` with Llama 3's presets and the
+``config.json`` of ``LlamaForCausalLM``."""
 
 from __future__ import annotations
 
@@ -12,12 +8,10 @@ from typing import Any
 
 import torch
 from dataflow_training.kit.decoder_family import DecoderFamily
-from dataflow_training.kit.decoder_hf import fields_to_hf
 from dataflow_training.kit.hf import CheckpointError
 
 from dataflow_family_llama3.config import Llama3Config
 from dataflow_family_llama3.presets import HF_NAMES, PRESETS
-from dataflow_family_llama3.reference import Llama3Reference
 
 
 class Llama3Family(DecoderFamily):
@@ -26,9 +20,8 @@ class Llama3Family(DecoderFamily):
     name = "llama3"
     presets = PRESETS
     hf_names = HF_NAMES
-    reference = Llama3Reference
-
     config_class = Llama3Config
+    hf_class = "LlamaForCausalLM"
     hf_model_type = "llama"
 
     def check_hf(self, hf: Mapping[str, Any], source: str) -> None:
@@ -38,13 +31,10 @@ class Llama3Family(DecoderFamily):
             )
 
     def config_to_hf(self, config: Llama3Config, dtype: torch.dtype) -> dict[str, Any]:
-        """The ``config.json`` of a ``LlamaForCausalLM`` of ``config``."""
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            **fields_to_hf(config, dtype),
+        released = config.vocab_size == 128256
+        return super().config_to_hf(config, dtype) | {
             "mlp_bias": False,
             "pretraining_tp": 1,
-            "bos_token_id": 128000 if config.vocab_size == 128256 else None,
-            "eos_token_id": 128001 if config.vocab_size == 128256 else None,
+            "bos_token_id": 128000 if released else None,
+            "eos_token_id": 128001 if released else None,
         }

@@ -9,11 +9,16 @@ from __future__ import annotations
 from typing import ClassVar
 
 import attrs
-from dataflow_training.kit.moe import MoEConfig
+from dataflow_training.kit.attention import QKNorm, SelfAttention
+from dataflow_training.kit.block import Block
+from dataflow_training.kit.decoder import Decoder
+from dataflow_training.kit.moe import MoEConfig, RoutedExperts
 
 
 @attrs.frozen
 class OlmoeConfig(MoEConfig):
     """Sizes of an OLMoE model."""
 
-    qk_norm_scope: ClassVar[str] = "projection"
+    architecture: ClassVar[Decoder] = Decoder(
+        {"moe": Block(SelfAttention(qk_norm=QKNorm("projection")), RoutedExperts())}
+    )

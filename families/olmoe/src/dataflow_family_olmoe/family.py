@@ -1,10 +1,5 @@
-"""The olmoe family object: what ``FamilySpec("olmoe").load()`` returns.
-
-A ``MoEFamily`` of the training kit (protocol v2: presets, MoE layers with their experts
-as a parameter group of their own and the router's AuxTemp and Aux, the reference, HF
-checkpoints with per-expert tensors stacked) plus what is OLMoE's own: the
-``config.json`` of ``OlmoeForCausalLM``, both ways.
-"""
+"""The olmoe family object: the kit's ``MoEFamily`` with OLMoE's presets and the
+``config.json`` of ``OlmoeForCausalLM``."""
 
 from __future__ import annotations
 
@@ -17,7 +12,6 @@ from dataflow_training.kit.moe_family import MoEFamily
 
 from dataflow_family_olmoe.config import OlmoeConfig
 from dataflow_family_olmoe.presets import HF_NAMES, PRESETS
-from dataflow_family_olmoe.reference import OlmoeReference
 
 #: HF ``OlmoeConfig`` defaults, for fields a config.json leaves out (as transformers does)
 _HF_DEFAULTS: Mapping[str, Any] = {
@@ -43,9 +37,8 @@ class OlmoeFamily(MoEFamily):
     name = "olmoe"
     presets = PRESETS
     hf_names = HF_NAMES
-    reference = OlmoeReference
-
     config_class = OlmoeConfig
+    hf_class = "OlmoeForCausalLM"
     hf_model_type = "olmoe"
     hf_defaults = _HF_DEFAULTS
 
@@ -60,10 +53,7 @@ class OlmoeFamily(MoEFamily):
     def config_to_hf(self, config: OlmoeConfig, dtype: torch.dtype) -> dict[str, Any]:
         """The ``config.json`` of an ``OlmoeForCausalLM`` of ``config``."""
         released = config.vocab_size == 50304
-        return {
-            "architectures": ["OlmoeForCausalLM"],
-            "model_type": "olmoe",
-            **self.moe_fields_to_hf(config, dtype),
+        return super().config_to_hf(config, dtype) | {
             "clip_qkv": None,
             "pad_token_id": 1 if released else None,
             "bos_token_id": None,

@@ -8,7 +8,10 @@ vocabulary 151,936, context 40,960, ``head_dim`` 128, 8 key/value heads,
 three small sizes tie the output projection to the embedding, the 8B does not.
 ``qwen3_tiny`` is byte-sized (256 tokens), 2 layers of width 64 with 4 query and 2
 key/value heads of ``head_dim`` 32, so, as in every Qwen 3, the attention is wider
-(4 x 32 = 128) than the residual stream.
+(4 x 32 = 128) than the residual stream. ``qwen3_tiny_swa`` is ``qwen3_tiny`` with a
+sliding window of 4 tokens on its second layer (HF's ``use_sliding_window`` with
+``max_window_layers`` 1: the layer types ``full_attention``, ``sliding_attention``), so
+every sequence ``dataflow verify`` runs is longer than the window.
 
 ``python -m dataflow_family_qwen3.presets`` prints the table of ``docs/builtin_models.md``.
 """
@@ -35,20 +38,25 @@ def _released(**sizes: object) -> Qwen3Config:
     )
 
 
+_TINY = Qwen3Config(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=128,
+    rope_theta=_THETA,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
 PRESETS: Mapping[str, Qwen3Config] = MappingProxyType(
     {
-        "qwen3_tiny": Qwen3Config(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=160,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            max_position_embeddings=128,
-            rope_theta=_THETA,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
+        "qwen3_tiny": _TINY,
+        "qwen3_tiny_swa": _TINY.with_overrides(
+            sliding_window=4, layer_types=("full_attention", "sliding_attention")
         ),
         # Qwen/Qwen3-0.6B config.json
         "qwen3_0_6b": _released(

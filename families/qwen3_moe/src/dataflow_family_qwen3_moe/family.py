@@ -1,9 +1,5 @@
-"""The qwen3_moe family object: what ``FamilySpec("qwen3_moe").load()`` returns.
-
-A ``MoEFamily`` of the training kit (experts a parameter group of their own, the router's
-AuxTemp and Aux, the reference, HF checkpoints with per-expert tensors stacked) plus what
-is Qwen's own: the ``config.json`` of ``Qwen3MoeForCausalLM``, both ways.
-"""
+"""The qwen3_moe family object: the kit's ``MoEFamily`` with Qwen 3 MoE's presets and the
+``config.json`` of ``Qwen3MoeForCausalLM``."""
 
 from __future__ import annotations
 
@@ -17,7 +13,6 @@ from dataflow_training.kit.moe_family import MoEFamily
 
 from dataflow_family_qwen3_moe.config import Qwen3MoeConfig
 from dataflow_family_qwen3_moe.presets import HF_NAMES, PRESETS
-from dataflow_family_qwen3_moe.reference import Qwen3MoeReference
 
 #: HF ``Qwen3MoeConfig`` defaults, for fields a config.json leaves out (as transformers does)
 _HF_DEFAULTS: Mapping[str, Any] = {
@@ -44,9 +39,8 @@ class Qwen3MoeFamily(MoEFamily):
     name = "qwen3_moe"
     presets = PRESETS
     hf_names = HF_NAMES
-    reference = Qwen3MoeReference
-
     config_class = Qwen3MoeConfig
+    hf_class = "Qwen3MoeForCausalLM"
     hf_model_type = "qwen3_moe"
     hf_defaults = _HF_DEFAULTS
     hf_expert_width = "moe_intermediate_size"
@@ -69,10 +63,7 @@ class Qwen3MoeFamily(MoEFamily):
     def config_to_hf(self, config: Qwen3MoeConfig, dtype: torch.dtype) -> dict[str, Any]:
         """The ``config.json`` of a ``Qwen3MoeForCausalLM`` of ``config``."""
         released = config.vocab_size == 151936
-        return {
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            **self.moe_fields_to_hf(config, dtype),
+        return super().config_to_hf(config, dtype) | {
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
             **full_attention_fields(config.num_hidden_layers),

@@ -1,7 +1,7 @@
 """Softmax attention as an explicit forward/backward pair: the forward returns the
 logsumexp its backward takes, so backward never runs the forward again.
 
-``attention_fwd(q, k, v, *, causal, scale=None) -> (out, lse)`` with q (batch, heads, seq,
+``attention_fwd(q, k, v, *, causal, scale=None, window=None) -> (out, lse)`` with q (batch, heads, seq,
 head_dim) and k, v (batch, kv_heads, seq, head_dim), one sequence length for all three and
 ``kv_heads`` dividing ``heads`` (grouped-query attention: query head ``h`` attends with
 key/value head ``h // (heads // kv_heads)``; ``kv_heads == heads`` is plain multi-head
@@ -9,11 +9,12 @@ attention):
 
     scores = q @ k.T * scale               (scale defaults to 1 / sqrt(head_dim))
     scores[i, j] = -inf where j > i        (causal only)
+    scores[i, j] = -inf where j <= i - window   (a sliding window: causal, ``window`` keys)
     lse    = logsumexp(scores, -1)         (batch, heads, seq), float32 (float64 inputs: float64)
     out    = exp(scores - lse) @ v         like q
 
-``attention_bwd(dout, q, k, v, out, lse, *, causal, scale=None) -> (dq, dk, dv)``, with
-``P = exp(scores - lse)``:
+``attention_bwd(dout, q, k, v, out, lse, *, causal, scale=None, window=None) -> (dq, dk,
+dv)``, with ``P = exp(scores - lse)``:
 
     dv = P.T @ dout
     dS = P * (dout @ v.T - rowsum(dout * out))
@@ -41,6 +42,14 @@ Which kernel the fast pair (``attention_fwd``, ``attention_bwd``) calls, by devi
   out (batch, seq, heads) in memory; returned contiguous).
 - Anything else (float64 on CUDA, other head dims): the reference formulas below.
 
+With a sliding ``window`` (HF's ``sliding_window``: query ``i`` sees keys ``i - window < j
+<= i``; causal only; a window at or past the sequence length is plain causal attention):
+flash on CUDA runs ``aten._flash_attention_forward`` / ``_flash_attention_backward`` with
+``window_size_left = window - 1`` (its window in (batch, seq, heads, head_dim) layout,
+views of the same tensors); the CPU kernel takes the window as an additive mask
+(``attn_mask``: 0 where a key is seen, -inf elsewhere), exact as it is without one; the
+memory-efficient kernel and everything else run the reference formulas, masked.
+
 The reference pair (``attention_fwd_reference``, ``attention_bwd_reference``) computes the
 formulas above with matmuls in the statistics dtype: (batch, heads, seq, seq) scores, any
 device. Nothing here builds an autograd graph or synchronizes with the device.
@@ -60,12 +69,21 @@ _EFFICIENT_LSE_ALIGN = 32
 
 
 def attention_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out like q, lse (batch, heads, seq) in the statistics dtype); see the module doc."""
     group = _check(q, k, v)
+    window = _cut(window, causal, q)
     k, v = repeat_kv(k, group), repeat_kv(v, group)
     kernel = backend(q)
+    if window is not None:
+        return _windowed_fwd(kernel, q, k, v, scale, window)
     with torch.no_grad():
         if kernel == "flash":
             q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
@@ -87,6 +105,28 @@ def attention_fwd(
     return attention_fwd_reference(q, k, v, causal=causal, scale=scale)
 
 
+def _windowed_fwd(
+    kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward with a sliding window that cuts (module doc), heads already repeated."""
+    with torch.no_grad():
+        if kernel == "flash":
+            q, k, v = (_last_dim_contiguous(t.transpose(1, 2)) for t in (q, k, v))
+            seq = q.shape[1]
+            out, lse, *_ = _aten._flash_attention_forward(
+                q, k, v, None, None, seq, seq, 0.0, True, False,
+                scale=scale, window_size_left=window - 1, window_size_right=0,
+            )  # fmt: skip
+            return out.transpose(1, 2), lse.contiguous()
+        if kernel == "cpu":
+            mask = window_bias(q.shape[2], window, q.dtype, q.device)
+            out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, False, attn_mask=mask, scale=scale
+            )
+            return out, lse.contiguous()
+    return attention_fwd_reference(q, k, v, causal=True, scale=scale, window=window)
+
+
 def attention_bwd(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -97,16 +137,21 @@ def attention_bwd(
     *,
     causal: bool,
     scale: float | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv) like q, k, v, from the forward's ``out`` and ``lse``."""
     group = _check(q, k, v)
     _check_saved(dout, q, out, lse)
+    window = _cut(window, causal, q)
     if group > 1:
         dq, dk, dv = attention_bwd(
-            dout, q, repeat_kv(k, group), repeat_kv(v, group), out, lse, causal=causal, scale=scale
-        )
+            dout, q, repeat_kv(k, group), repeat_kv(v, group), out, lse,
+            causal=causal, scale=scale, window=window,
+        )  # fmt: skip
         return dq, sum_groups(dk, group), sum_groups(dv, group)
     kernel = backend(q)
+    if window is not None:
+        return _windowed_bwd(kernel, dout, q, k, v, out, lse, scale, window)
     with torch.no_grad():
         if kernel == "flash":
             q, k, v, out, dout = (_last_dim_contiguous(t) for t in (q, k, v, out, dout))
@@ -136,15 +181,57 @@ def attention_bwd(
     return attention_bwd_reference(dout, q, k, v, out, lse, causal=causal, scale=scale)
 
 
+def _windowed_bwd(
+    kernel: str,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float | None,
+    window: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward with a sliding window that cuts (module doc), one head per query head."""
+    with torch.no_grad():
+        if kernel == "flash":
+            seq = q.shape[2]
+            q, k, v, out, dout = (
+                _last_dim_contiguous(t.transpose(1, 2)) for t in (q, k, v, out, dout)
+            )
+            rng_state = torch.empty(2, dtype=torch.uint64, device=q.device)  # no dropout
+            unused = torch.empty((), dtype=torch.uint64, device=q.device)
+            dq, dk, dv = _aten._flash_attention_backward(
+                dout, q, k, v, out, lse.float().contiguous(), None, None, seq, seq, 0.0, True,
+                rng_state, unused, scale=scale, window_size_left=window - 1,
+                window_size_right=0,
+            )  # fmt: skip
+            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        if kernel == "cpu":
+            mask = window_bias(q.shape[2], window, q.dtype, q.device)
+            return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k, v, out, lse.to(stats_dtype(q.dtype)), 0.0, False,
+                attn_mask=mask, scale=scale,
+            )  # fmt: skip
+    return attention_bwd_reference(dout, q, k, v, out, lse, causal=True, scale=scale, window=window)
+
+
 def attention_fwd_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward formulas with explicit (seq, seq) scores in the statistics dtype."""
     group = _check(q, k, v)
+    window = _cut(window, causal, q)
     k, v = repeat_kv(k, group), repeat_kv(v, group)
     compute = stats_dtype(q.dtype)
     with torch.no_grad():
-        scores = _scores(q, k, causal, scale, compute)
+        scores = _scores(q, k, causal, scale, compute, window)
         lse = torch.logsumexp(scores, dim=-1)
         probs = scores.sub_(lse.unsqueeze(-1)).exp_()
         out = (probs @ v.to(compute)).to(q.dtype)
@@ -161,15 +248,18 @@ def attention_bwd_reference(
     *,
     causal: bool,
     scale: float | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward formulas: P from q, k and lse; dS = P * (dP - rowsum(dout * out))."""
     group = _check(q, k, v)
     _check_saved(dout, q, out, lse)
+    window = _cut(window, causal, q)
     k, v = repeat_kv(k, group), repeat_kv(v, group)
     compute = stats_dtype(q.dtype)
     factor = _scale(q, scale)
     with torch.no_grad():
-        probs = _scores(q, k, causal, scale, compute).sub_(lse.to(compute).unsqueeze(-1)).exp_()
+        scores = _scores(q, k, causal, scale, compute, window)
+        probs = scores.sub_(lse.to(compute).unsqueeze(-1)).exp_()
         dout_c = dout.to(compute)
         dv = probs.transpose(-2, -1) @ dout_c
         delta = (dout_c * out.to(compute)).sum(dim=-1, keepdim=True)
@@ -200,14 +290,46 @@ def backend(q: torch.Tensor) -> str:
 
 
 def _scores(
-    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None, compute: torch.dtype
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    compute: torch.dtype,
+    window: int | None = None,
 ) -> torch.Tensor:
     scores = (q.to(compute) @ k.to(compute).transpose(-2, -1)).mul_(_scale(q, scale))
-    if causal:
+    if window is not None:
+        scores.masked_fill_(~window_keep(q.shape[-2], window, q.device), -math.inf)
+    elif causal:
         seq = q.shape[-2]
         future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu_(1)
         scores.masked_fill_(future, -math.inf)
     return scores
+
+
+def window_keep(seq: int, window: int, device: torch.device) -> torch.Tensor:
+    """(seq, seq) bool: True where query ``i`` sees key ``j`` (``i - window < j <= i``)."""
+    distance = torch.arange(seq, device=device)[:, None] - torch.arange(seq, device=device)
+    return (distance >= 0) & (distance < window)
+
+
+def window_bias(seq: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``window_keep`` as an additive mask: 0 where a key is seen, -inf elsewhere."""
+    bias = torch.zeros(seq, seq, dtype=dtype, device=device)
+    return bias.masked_fill_(~window_keep(seq, window, device), -math.inf)
+
+
+def _cut(window: int | None, causal: bool, q: torch.Tensor) -> int | None:
+    """The window where it cuts something (below the sequence length), else None; a window
+    is causal and at least one token."""
+    if window is None:
+        return None
+    if not causal or isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(
+            f"attention: a sliding window is a causal window of at least 1 token, got "
+            f"window={window!r}, causal={causal}"
+        )
+    return window if window < q.shape[-2] else None
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:

@@ -13,8 +13,12 @@ float64 inputs). Backward ops never rebuild autograd graphs and never re-run a f
 
 - ``linear(x, weight, bias=None) -> y``: ``x @ weight.T + bias``, weight (out, in).
 - ``attention_fwd(q, k, v, *, causal, scale=None) -> (out, lse)``: q, k, v (batch, heads,
-  seq, head_dim), equal head counts; lse stats (batch, heads, seq).
-- ``attention_bwd(dout, q, k, v, out, lse, *, causal, scale=None) -> (dq, dk, dv)``.
+  seq, head_dim), equal head counts; lse stats (batch, heads, seq). A family with a
+  sliding window passes ``window=W`` too (causal, query ``i`` sees keys ``i - W < j <=
+  i``), only where ``W`` is below the sequence length, so a variant that never meets a
+  windowed family need not take it.
+- ``attention_bwd(dout, q, k, v, out, lse, *, causal, scale=None) -> (dq, dk, dv)``, and
+  ``window=W`` as the forward.
 - ``layer_norm_fwd(x, weight, bias, eps) -> (y, mean, rstd)`` over the last dimension;
   mean and rstd stats of shape ``x.shape[:-1]``.
 - ``layer_norm_bwd(dy, x, mean, rstd, weight, bias) -> (dx, dweight, dbias)``.
@@ -116,13 +120,15 @@ def autograd_ops(base: Mapping[str, Callable]) -> dict[str, Callable]:
     def stats(t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(torch.promote_types(t.dtype, torch.float32))
 
-    def attention_fwd(q, k, v, *, causal, scale=None):
+    def attention_fwd(q, k, v, *, causal, scale=None, window=None):
         scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
         group = q.shape[1] // k.shape[1]  # grouped key/value heads: each for its query heads
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         scores = (q @ k.transpose(-1, -2)) * scale
         if causal:
             mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+            if window is not None:  # and at most ``window`` keys back, itself included
+                mask = mask & ~mask.tril(-window)
             scores = scores.masked_fill(~mask, -math.inf)
         lse = torch.logsumexp(scores, -1)
         return torch.softmax(scores, -1) @ v, stats(lse)

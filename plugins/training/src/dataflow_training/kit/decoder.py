@@ -1,37 +1,122 @@
-"""The shape of a Llama-style decoder, and its layers: what Llama 3 and Qwen 3 share.
+"""The shape of a decoder: its architecture (the block of each layer kind, composed of parts)
+and its config (sizes, under HF's field names), and its layers.
 
-A decoder here is: a token embedding (no positions), ``num_hidden_layers`` pre-norm blocks
-(RMSNorm -> grouped-query attention with rotary positions -> residual, RMSNorm -> SwiGLU ->
-residual), a final RMSNorm and an output projection that is its own weight or the token
-embedding (``tie_word_embeddings``). ``qk_norm`` adds Qwen 3's per-head RMSNorm on the
-queries and keys (over ``head_dim``, one weight shared by the heads) before the rotation;
-``rope_scaling`` is Llama 3.1's frequency scaling (None: plain RoPE). No biases, no dropout.
+A decoder here is: a token embedding (no positions), ``num_hidden_layers`` blocks, a
+final RMSNorm and an output projection that is its own weight or the token embedding
+(``tie_word_embeddings``). What a block is, is its parts (``block.Block``: a norm kind, an
+attention, an FFN; ``parts.py``), and which block each layer is, the architecture's
+(``Decoder``): one kind for every layer, or a kind per HF ``layer_types`` entry (full and
+sliding-window attention, layer by layer). A config class names its architecture
+(``DecoderConfig.architecture``, a class attribute: Llama's by default), so a config says
+what model it is wherever it goes (the math, the reference, the HF key table, a
+benchmark's stock model).
 
 Field names are those of HF's ``LlamaConfig`` / ``Qwen3Config``, so a config reads like the
-``config.json`` it comes from. Families subclass it (``Llama3Config``, ``Qwen3Config``) and
-set the class attribute ``qk_norm``. Parameter names inside a layer are HF's too
-(``self_attn.q_proj.weight``), every projection stored ``(out, in)`` as HF stores it. The
-math is ``decoder_math.py``; a plain-torch reference is ``decoder_reference.py``; the HF key
-table and ``config.json`` fields are ``decoder_hf.py``.
+``config.json`` it comes from; ``rope_scaling`` is Llama 3.1's frequency scaling (None:
+plain RoPE). Parameter names inside a layer are HF's too (``self_attn.q_proj.weight``),
+every projection stored ``(out, in)`` as HF stores it. The embedding's and head's math is
+``decoder_math.py``; a plain-torch reference is ``decoder_reference.py``; the HF key table
+and ``config.json`` fields are ``decoder_hf.py``; a whole family is ``decoder_family.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Mapping
 from math import prod
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import attrs
 
 from dataflow_training.family import LayerSpec, TensorSpec
+from dataflow_training.kit.block import Block
+from dataflow_training.kit.decoder_math import EMBED_WEIGHT, FINAL_NORM, LM_HEAD
+from dataflow_training.kit.decoder_reference import Block as ReferenceBlock
+from dataflow_training.kit.norms import Norm
 from dataflow_training.kit.rotary import Llama3Scaling
 
 EMBED = "emb"
 HEAD = "head"
-#: the embedding's weight, and the head's name for the output projection (tied or not)
-EMBED_WEIGHT = "embed_tokens.weight"
-LM_HEAD = "lm_head.weight"
-FINAL_NORM = "norm.weight"
+#: HF's layer types (``layer_types`` of its configs) that a decoder's blocks may be
+LAYER_TYPES = ("full_attention", "sliding_attention")
+_CHAIN_KINDS = ("embed", "head")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """A decoder's architecture: ``blocks``, its block kinds (kind name -> ``Block``; the
+    first is every layer's unless ``layer_types`` says otherwise), and ``layer_types``,
+    where layers mix kinds as HF's ``layer_types`` does: HF layer type -> block kind,
+    read from the config's ``layer_types`` field (None there: every layer the first
+    kind). Qwen 3's is ``{"full_attention": "block", "sliding_attention":
+    "sliding_block"}``. ``norm``: the head's final norm (an RMSNorm; ``Norm(offset=1.0)``
+    where it scales by ``1 + w``)."""
+
+    blocks: Mapping[str, Block]
+    layer_types: Mapping[str, str] | None = None
+    norm: Norm = Norm()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks", MappingProxyType(dict(self.blocks)))
+        if not self.blocks or set(self.blocks) & set(_CHAIN_KINDS):
+            raise ValueError(
+                f"a decoder needs block kinds other than {', '.join(_CHAIN_KINDS)}; "
+                f"got {', '.join(self.blocks) or 'none'}"
+            )
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", MappingProxyType(dict(self.layer_types)))
+            unknown = sorted(set(self.layer_types.values()) - set(self.blocks))
+            if unknown or set(self.layer_types) - set(LAYER_TYPES):
+                raise ValueError(
+                    f"layer types {dict(self.layer_types)} must map some of "
+                    f"{', '.join(LAYER_TYPES)} to block kinds of {', '.join(self.blocks)}"
+                )
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """Every op the blocks call."""
+        return tuple(dict.fromkeys(op for block in self.blocks.values() for op in block.ops))
+
+    def kinds(self, config: Any) -> list[str]:
+        """The block kind of every layer of ``config``, in order."""
+        first = next(iter(self.blocks))
+        types = None if self.layer_types is None else config.layer_types
+        if types is None:
+            return [first] * config.num_hidden_layers
+        return [self.layer_types[kind] for kind in types]
+
+    def block_of(self, config: Any, layer: int) -> Block:
+        return self.blocks[self.kinds(config)[layer]]
+
+    def reference_block(self, config: Any, layer: int) -> ReferenceBlock:
+        """The plain-torch module of block ``layer`` (``DecoderReference`` asks)."""
+        return self.block_of(config, layer).reference(config)
+
+    def check(self, config: Any) -> None:
+        """``config``'s ``layer_types``, where the architecture reads them: one per layer,
+        each one it maps, and a window set for every windowed kind a layer is."""
+        if self.layer_types is None or config.layer_types is None:
+            return
+        name = type(config).__name__
+        types = config.layer_types
+        if len(types) != config.num_hidden_layers:
+            raise ValueError(
+                f"{name}.layer_types has {len(types)} entries; {name}.num_hidden_layers is "
+                f"{config.num_hidden_layers}"
+            )
+        unknown = sorted(set(types) - set(self.layer_types))
+        if unknown:
+            raise ValueError(
+                f"{name}.layer_types has {unknown}: known layer types are "
+                f"{', '.join(self.layer_types)}"
+            )
+        for kind in sorted(set(types)):
+            window = self.blocks[self.layer_types[kind]].attention.window
+            if window is not None and getattr(config, window) is None:
+                raise ValueError(
+                    f"{name}.layer_types has {kind!r} layers but {name}.{window} is None"
+                )
 
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: object) -> None:
@@ -74,14 +159,52 @@ def _as_scaling(value: object) -> object:
     return value
 
 
+def _optional_positive(instance: Any, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None:
+        _positive(instance, attribute, value)
+
+
+def _as_layer_types(value: object) -> object:
+    """A tuple of names from a list too (overrides travel as JSON)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _layer_types(instance: Any, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and (
+        not isinstance(value, tuple) or not all(isinstance(kind, str) for kind in value)
+    ):
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be None or a list of layer "
+            f"types, got {value!r}"
+        )
+
+
+def sliding_window_field() -> Any:
+    """The config field ``sliding_window: int | None = None`` (HF's name): the tokens a
+    sliding-window attention's query sees, counting itself (None: no window)."""
+    return attrs.field(default=None, kw_only=True, validator=_optional_positive)
+
+
+def layer_types_field() -> Any:
+    """The config field ``layer_types: tuple[str, ...] | None = None`` (HF's name): each
+    layer's type (``LAYER_TYPES``), which the architecture maps to block kinds (None:
+    every layer the architecture's first kind)."""
+    return attrs.field(
+        default=None, kw_only=True, converter=_as_layer_types, validator=_layer_types
+    )
+
+
 def _default_head_dim(config: Any) -> int:
     return config.hidden_size // config.num_attention_heads
 
 
 @attrs.frozen
 class DecoderConfig:
-    """Sizes of a Llama-style decoder (see the module docstring). ``head_dim`` defaults to
-    ``hidden_size // num_attention_heads``; Qwen 3 sets it apart (128 at every size)."""
+    """Sizes of a decoder (see the module docstring). ``head_dim`` defaults to
+    ``hidden_size // num_attention_heads``; Qwen 3 sets it apart (128 at every size).
+    ``architecture`` (a class attribute) is what the model is made of: by default
+    Llama's, every layer a ``Block()`` (RMSNorm, causal grouped-query attention with
+    RoPE, the dense SwiGLU); a family's config class names its own."""
 
     vocab_size: int = attrs.field(validator=_positive)
     hidden_size: int = attrs.field(validator=_positive)
@@ -99,12 +222,9 @@ class DecoderConfig:
     rope_scaling: Llama3Scaling | None = attrs.field(
         default=None, converter=_as_scaling, validator=_scaling
     )
-    #: per-head q/k RMSNorm: a property of the architecture, set by a family's subclass
-    #: (Qwen 3), not a field a preset or an override changes
-    qk_norm: ClassVar[bool] = False
-    #: what the q/k norms normalise: ``"head"`` (Qwen 3: each head, one ``head_dim`` weight)
-    #: or ``"projection"`` (OLMoE: the whole q and k projections, one weight per channel)
-    qk_norm_scope: ClassVar[str] = "head"
+    #: the parts of the model: a property of the architecture, named by a family's config
+    #: class, not a field a preset or an override changes
+    architecture: ClassVar[Decoder] = Decoder({"block": Block()})
 
     def __attrs_post_init__(self) -> None:
         name = type(self).__name__
@@ -115,6 +235,7 @@ class DecoderConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"{name}.head_dim ({self.head_dim}) must be even (rotary pairs)")
+        self.architecture.check(self)
 
     @property
     def q_width(self) -> int:
@@ -150,45 +271,6 @@ class DecoderConfig:
 
 # -- layers ----------------------------------------------------------------------------
 
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-def attention_params(config: DecoderConfig) -> tuple[TensorSpec, ...]:
-    """A block's parameters up to and including the second norm, in HF's order: what a
-    dense and an MoE block share. Norm scales take no weight decay."""
-    n, q, kv = config.hidden_size, config.q_width, config.kv_width
-    attention = {"q_proj": (q, n), "k_proj": (kv, n), "v_proj": (kv, n), "o_proj": (n, q)}
-    per_head = config.qk_norm_scope == "head"
-    qk_norm = (
-        (
-            TensorSpec(
-                "self_attn.q_norm.weight", (config.head_dim if per_head else q,), decay=False
-            ),
-            TensorSpec(
-                "self_attn.k_norm.weight", (config.head_dim if per_head else kv,), decay=False
-            ),
-        )
-        if config.qk_norm
-        else ()
-    )
-    return (
-        TensorSpec("input_layernorm.weight", (n,), decay=False),
-        *(TensorSpec(f"self_attn.{p}.weight", attention[p]) for p in _ATTENTION),
-        *qk_norm,
-        TensorSpec("post_attention_layernorm.weight", (n,), decay=False),
-    )
-
-
-def block_params(config: DecoderConfig) -> tuple[TensorSpec, ...]:
-    """One dense block's parameters, in HF's order."""
-    n, inner = config.hidden_size, config.intermediate_size
-    mlp = {"gate_proj": (inner, n), "up_proj": (inner, n), "down_proj": (n, inner)}
-    return (
-        *attention_params(config),
-        *(TensorSpec(f"mlp.{p}.weight", mlp[p]) for p in _MLP),
-    )
-
 
 def head_params(config: DecoderConfig) -> tuple[TensorSpec, ...]:
     """The final norm, and the output projection unless it is the embedding's (tied)."""
@@ -198,20 +280,19 @@ def head_params(config: DecoderConfig) -> tuple[TensorSpec, ...]:
     return (norm, TensorSpec(LM_HEAD, (config.vocab_size, config.hidden_size)))
 
 
-def layer_specs(
-    config: DecoderConfig, block: Callable[[str], LayerSpec] | None = None
-) -> list[LayerSpec]:
-    """``emb``, blocks ``"0"`` .. ``str(num_hidden_layers - 1)``, ``head``: the chain's
-    order. ``block(name)`` makes a block (default: a dense ``block``, ``block_params``).
-    A tied head reads the embedding's weight as its ``lm_head.weight``."""
-    if block is None:
-        params = block_params(config)
-        block = lambda name: LayerSpec.single(name, "block", params)  # noqa: E731
+def layer_specs(config: DecoderConfig) -> list[LayerSpec]:
+    """``emb``, blocks ``"0"`` .. ``str(num_hidden_layers - 1)`` (each of its kind, by the
+    config's architecture), ``head``: the chain's order. A tied head reads the embedding's
+    weight as its ``lm_head.weight``."""
+    architecture = config.architecture
     embed = TensorSpec(EMBED_WEIGHT, (config.vocab_size, config.hidden_size))
     tied = {LM_HEAD: f"{EMBED}.{EMBED_WEIGHT}"} if config.tie_word_embeddings else {}
     return [
         LayerSpec.single(EMBED, "embed", (embed,)),
-        *(block(str(layer)) for layer in range(config.num_hidden_layers)),
+        *(
+            architecture.blocks[kind].layer(config, str(layer), kind)
+            for layer, kind in enumerate(architecture.kinds(config))
+        ),
         LayerSpec.single(HEAD, "head", head_params(config), tied=tied),
     ]
 
@@ -220,7 +301,7 @@ def expected_state(
     config: DecoderConfig, layers: list[LayerSpec] | None = None
 ) -> dict[str, tuple[int, ...]]:
     """State key (``f"{layer}.{param}"``) -> shape of every parameter, in chain order
-    (of ``layers``; default the dense decoder's)."""
+    (of ``layers``; default the config's)."""
     return {
         f"{layer.name}.{param.name}": param.shape
         for layer in (layer_specs(config) if layers is None else layers)

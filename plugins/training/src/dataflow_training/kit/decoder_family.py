@@ -1,12 +1,17 @@
-"""``DecoderFamily``: a whole ``Family`` (protocol v2) for a Llama-style decoder, so that a
-family built on ``decoder.py`` writes only its presets, its reference's name and its
+"""``DecoderFamily``: a whole ``Family`` (protocol v2) for a decoder of the kit's parts
+(``decoder.py``), so that a family built on it writes only its presets and its
 ``config.json`` mapping.
 
-A subclass sets ``name``, ``presets`` (name -> config), ``config_class``, ``hf_names``
-(preset -> the HF hub model whose weights it takes), ``hf_model_type`` and ``hf_defaults``
-of its ``config.json``, and ``reference`` (the plain-autograd model class); it implements
-``config_to_hf(config, dtype)`` and, where its ``config.json`` has settings of its own that
-it does not implement, ``check_hf(hf, source)``.
+A subclass sets ``name`` and ``presets`` (name -> config); where they differ from the
+kit's defaults, ``config_class`` (whose ``architecture`` names the parts: Llama's by
+default), ``hf_names`` (preset -> the HF hub model whose weights it takes),
+``hf_class``, ``hf_model_type`` and ``hf_defaults`` of its ``config.json``, and
+``reference`` (the plain-autograd model class: ``DecoderReference``). Its ``config.json``
+settings of its own are ``check_hf(hf, source)`` (refuse what it does not implement),
+``hf_fields(hf, source)`` (read its own fields) and ``config_to_hf(config, dtype)``
+(``super()``'s, with its own fields added). Everything else (layers, math, ops, the
+reference, the HF key table, import and export, the preset table) follows from the
+config's architecture.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from dataflow_training.family import LayerSpec
+from dataflow_training.kit import decoder_hf
 from dataflow_training.kit.decoder import (
     EMBED,
     EMBED_WEIGHT,
@@ -25,13 +31,9 @@ from dataflow_training.kit.decoder import (
     layer_specs,
     parameter_count,
 )
-from dataflow_training.kit.decoder_hf import (
-    HF_DEFAULTS,
-    export_decoder,
-    fields_from_hf,
-    import_decoder,
-)
-from dataflow_training.kit.decoder_math import OPS, math_of
+from dataflow_training.kit.decoder_hf import HF_DEFAULTS, export_decoder, import_decoder
+from dataflow_training.kit.decoder_math import OPS as CHAIN_OPS
+from dataflow_training.kit.decoder_math import DecoderEmbed, DecoderHead
 from dataflow_training.kit.decoder_reference import DecoderReference
 from dataflow_training.kit.hf import CheckpointError
 
@@ -44,17 +46,23 @@ class UnknownPresetError(KeyError):
 
 
 class DecoderFamily:
-    """Embed, ``num_hidden_layers`` blocks of kind ``block``, head (tied or not)."""
+    """Embed, ``num_hidden_layers`` blocks of the config's architecture, head (tied or not)."""
 
     name: ClassVar[str] = ""
     presets: ClassVar[Mapping[str, DecoderConfig]] = {}
     hf_names: ClassVar[Mapping[str, str]] = {}
     reference: ClassVar[type[DecoderReference]] = DecoderReference
     config_class: ClassVar[type[DecoderConfig]] = DecoderConfig
-    #: the ``model_type`` of the family's ``config.json``, and transformers' defaults for it
+    #: the ``architectures`` and ``model_type`` of the family's ``config.json``, and
+    #: transformers' defaults for it
+    hf_class: ClassVar[str] = ""
     hf_model_type: ClassVar[str] = ""
     hf_defaults: ClassVar[Mapping[str, Any]] = HF_DEFAULTS
-    ops = OPS
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """Every op the blocks, the embedding and the head call."""
+        return tuple(dict.fromkeys((*self.config_class.architecture.ops, *CHAIN_OPS)))
 
     def preset(self, name: str) -> DecoderConfig:
         """The config of preset ``name``; an unknown name is an error listing the known ones."""
@@ -75,7 +83,15 @@ class DecoderFamily:
         return (batch, seq_len, config.hidden_size)
 
     def math(self, kind: str) -> Any:
-        return math_of(self.name, kind)
+        """The embedding's, the head's, or a block kind's (the ``Block`` itself)."""
+        kinds = {
+            "embed": DecoderEmbed(),
+            **self.config_class.architecture.blocks,
+            "head": DecoderHead(),
+        }
+        if kind not in kinds:
+            raise KeyError(f"{self.name} has no layer kind {kind!r}; its kinds: {', '.join(kinds)}")
+        return kinds[kind]
 
     def reference_model(self, config: DecoderConfig) -> DecoderReference:
         return self.reference(config)
@@ -84,21 +100,32 @@ class DecoderFamily:
     def check_hf(self, hf: Mapping[str, Any], source: str) -> None:
         """Refuse the family's own ``config.json`` settings it does not implement (raise a
         ``CheckpointError`` naming the field and ``source``); the shared ones are checked by
-        ``fields_from_hf``."""
+        ``decoder_hf.fields_from_hf``."""
+
+    def hf_fields(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+        """The config's fields from ``config.json``: the decoder's shared ones (a family
+        with fields of its own adds them)."""
+        return decoder_hf.fields_from_hf(
+            hf, source, model_type=self.hf_model_type, defaults=self.hf_defaults
+        )
 
     def config_from_hf(self, hf: Mapping[str, Any], source: str) -> DecoderConfig:
         """The config of an HF ``config.json`` (its contents; ``source`` names the file)."""
         self.check_hf(hf, source)
-        fields = fields_from_hf(
-            hf, source, model_type=self.hf_model_type, defaults=self.hf_defaults
-        )
+        fields = self.hf_fields(hf, source)
         try:
             return self.config_class(**fields)
         except (TypeError, ValueError) as error:
             raise CheckpointError(f"{source}: {error}") from error
 
     def config_to_hf(self, config: DecoderConfig, dtype: torch.dtype) -> dict[str, Any]:
-        raise NotImplementedError
+        """The ``config.json`` of ``config``: the class, the model type and the decoder's
+        shared fields (a family adds its own to ``super()``'s)."""
+        return {
+            "architectures": [self.hf_class],
+            "model_type": self.hf_model_type,
+            **decoder_hf.fields_to_hf(config, dtype),
+        }
 
     def import_hf(
         self, path: str | Path, *, dtype: torch.dtype | None = None

@@ -1,8 +1,9 @@
-"""HF checkpoints of a Llama-style decoder (``decoder.py``): the key table and the
-``config.json`` fields that ``LlamaForCausalLM`` and ``Qwen3ForCausalLM`` share.
+"""HF checkpoints of a decoder (``decoder.py``): the key table and the ``config.json`` fields
+that ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` and their MoE kin share.
 
 Tensor names are HF's with the layer moved: ``{layer}.{param}`` <-> ``model.layers.{layer}.
-{param}``, ``emb.embed_tokens.weight`` <-> ``model.embed_tokens.weight``, ``head.norm.weight``
+{param}`` (each block part declares its rules: as they are, or an MoE's experts stacked),
+``emb.embed_tokens.weight`` <-> ``model.embed_tokens.weight``, ``head.norm.weight``
 <-> ``model.norm.weight``, ``head.lm_head.weight`` <-> ``lm_head.weight``. HF stores every
 projection ``(out, in)``, as the family does, so nothing is transposed. A tied model has
 no ``head.lm_head.weight``: a checkpoint's ``lm_head.weight``, where present, must equal
@@ -11,7 +12,10 @@ the embedding, and export does not write it.
 Rotary settings are read in both spellings found in the wild: ``rope_theta`` with
 ``rope_scaling`` (the published Llama 3.x and Qwen 3 files, transformers 4) and
 ``rope_parameters`` (transformers 5); export writes both, so either version loads it.
-The family's own file maps the rest of ``config.json`` (``model_type``, its own checks).
+Sliding windows are read and written in Qwen's fields (``use_sliding_window``,
+``sliding_window``, ``max_window_layers``, ``layer_types``: ``window_fields_from_hf``,
+``window_fields_to_hf``). The family's own file maps the rest of ``config.json``
+(``model_type``, its own checks).
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ from dataflow_training.kit.decoder import (
     EMBED_WEIGHT,
     FINAL_NORM,
     HEAD,
+    LAYER_TYPES,
     LM_HEAD,
     DecoderConfig,
-    block_params,
     expected_state,
 )
 from dataflow_training.kit.hf import (
@@ -59,17 +63,29 @@ HF_DEFAULTS: Mapping[str, Any] = {
 }
 
 
+#: where HF keeps a layer's tensors
+LAYER_PREFIX = "model.layers.{layer}"
+
+
+def block_rules(config: DecoderConfig) -> list[KeyRule]:
+    """The key rules every block kind of ``config``'s architecture declares, each once."""
+    rules: dict[str, KeyRule] = {}
+    for kind, block in config.architecture.blocks.items():
+        for rule in block.hf_rules(config, LAYER_PREFIX):
+            if rules.setdefault(rule.key, rule) != rule:
+                raise ValueError(f"block kind {kind!r} stores {rule.key!r} otherwise: {rule}")
+    return list(rules.values())
+
+
 def key_map(family: str, config: DecoderConfig) -> KeyMap:
-    """The family key <-> HF tensor name table of ``config`` (tied or not, q/k norm or not)."""
+    """The family key <-> HF tensor name table of ``config`` (tied or not; its blocks'
+    parts' rules)."""
     tied = "lm_head.weight" if config.tie_word_embeddings else ()
     return KeyMap(
         family,
         rules=[
             KeyRule(f"{EMBED}.{EMBED_WEIGHT}", "model.embed_tokens.weight", tied=tied),
-            *(
-                KeyRule(f"{{layer}}.{p.name}", f"model.layers.{{layer}}.{p.name}")
-                for p in block_params(config)
-            ),
+            *block_rules(config),
             KeyRule(f"{HEAD}.{FINAL_NORM}", "model.norm.weight"),
             KeyRule(f"{HEAD}.{LM_HEAD}", "lm_head.weight"),
         ],
@@ -126,8 +142,7 @@ def fields_from_hf(
     model_type: str,
     defaults: Mapping[str, Any] = HF_DEFAULTS,
 ) -> dict[str, Any]:
-    """The ``DecoderConfig`` fields (all but ``qk_norm``) of an HF ``config.json`` of
-    ``model_type``. Settings the decoder does not implement (another activation, biases,
+    """The ``DecoderConfig`` fields of an HF ``config.json`` of ``model_type``. Settings the decoder does not implement (another activation, biases,
     another rope type) are errors naming the field and ``source``."""
     refuse = _refuser(hf, source)
     if hf.get("model_type", model_type) != model_type:
@@ -209,6 +224,50 @@ def full_attention_fields(layers: int) -> dict[str, Any]:
         "sliding_window": None,
         "max_window_layers": layers,
         "layer_types": ["full_attention"] * layers,
+    }
+
+
+def window_fields_from_hf(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` of a config whose layers are full or
+    sliding-window attention, from Qwen's ``config.json`` fields, as transformers reads
+    them: the window is ``sliding_window`` where ``use_sliding_window`` (else none); the
+    layers are ``layer_types``, or where a file has none, sliding from layer
+    ``max_window_layers`` on (default 28) when there is a window. Every layer full
+    attention reads as ``layer_types`` None."""
+    refuse = _refuser(hf, source)
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+    layers = hf.get("num_hidden_layers", 0)
+    types = hf.get("layer_types")
+    if types is None:
+        first = hf.get("max_window_layers", 28)
+        types = [
+            "sliding_attention" if window is not None and i >= first else "full_attention"
+            for i in range(layers)
+        ]
+    elif not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise refuse("layer_types", "expected a list of layer type names")
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        why = f"{unknown} are not implemented (only {', '.join(LAYER_TYPES)})"
+        raise refuse("layer_types", why)
+    if "sliding_attention" in types and window is None:
+        why = "sliding_attention layers need use_sliding_window and a sliding_window"
+        raise refuse("layer_types", why)
+    full = all(kind == "full_attention" for kind in types)
+    return {"sliding_window": window, "layer_types": None if full else list(types)}
+
+
+def window_fields_to_hf(config: Any) -> dict[str, Any]:
+    """The ``config.json`` fields (Qwen's) of ``config``'s window and layer types:
+    ``max_window_layers`` the full layers before the first sliding one."""
+    layers = config.num_hidden_layers
+    types = list(config.layer_types or ["full_attention"] * layers)
+    first = next((i for i, kind in enumerate(types) if kind != "full_attention"), layers)
+    return {
+        "use_sliding_window": config.sliding_window is not None,
+        "sliding_window": config.sliding_window,
+        "max_window_layers": first,
+        "layer_types": types,
     }
 
 

@@ -1,5 +1,6 @@
 """A Llama-style decoder (``decoder.py``) as one plain-autograd ``nn.Module``: the truth the
-kit's decoder math is checked against, shared by the families built on it (Llama 3, Qwen 3).
+kit's decoder math is checked against, shared by the families built on it (Llama 3, Qwen 3,
+and with ``moe_reference``'s experts OLMoE and Qwen 3 MoE).
 
 Isolated on purpose: it imports only torch and shares no code with the kit's math (no
 ``ops``, no rotary tables of ``rotary.py``: the frequencies, Llama 3's scaling, the
@@ -9,6 +10,11 @@ against ``transformers`` (``LlamaForCausalLM``, ``Qwen3ForCausalLM``) by each fa
 tests. Its ``state_dict()`` keys are the layers' ``f"{layer}.{param}"`` names
 (``emb.embed_tokens.weight``, ``0.self_attn.q_proj.weight``, ``head.norm.weight``, and
 ``head.lm_head.weight`` unless the output projection is the embedding). No dropout.
+
+Each block is built by the part that declares it (``DecoderReference.make_block`` asks the
+config's architecture, ``config.architecture.reference_block(config, layer)``): a part
+passes its settings to these modules as plain values (``Attention(config, qk_norm="head",
+window=4)``), and never its code.
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ from torch import nn
 IGNORE_INDEX = -100
 
 
-def inverse_frequencies(config: Any) -> torch.Tensor:
-    """float64 RoPE frequencies of ``config``, with Llama 3's scaling where it has one:
-    wavelengths longer than ``original / low_freq_factor`` are divided by ``factor``,
-    shorter than ``original / high_freq_factor`` kept, and the band between blended."""
-    dim, scaling = config.head_dim, config.rope_scaling
+def inverse_frequencies(config: Any, rotary_dim: int | None = None) -> torch.Tensor:
+    """float64 RoPE frequencies of ``config`` over the first ``rotary_dim`` of each head
+    (default all of ``head_dim``), with Llama 3's scaling where it has one: wavelengths
+    longer than ``original / low_freq_factor`` are divided by ``factor``, shorter than
+    ``original / high_freq_factor`` kept, and the band between blended."""
+    dim, scaling = rotary_dim or config.head_dim, config.rope_scaling
     inv = config.rope_theta ** -(torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     if scaling is None:
         return inv
@@ -48,21 +55,34 @@ def inverse_frequencies(config: Any) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    """Rotate (batch, heads, seq, dim) by position: pairs (i, i + dim/2), angle pos * inv_i."""
+    """Rotate (batch, heads, seq, dim) by position: pairs (i, i + r/2) of the first
+    ``r = 2 * len(inv)`` dims, angle pos * inv_i; the dims past ``r`` pass unrotated."""
+    half = inv.numel()
     angles = torch.arange(x.shape[-2], dtype=torch.float64)[:, None] * inv[None, :]
     cos, sin = angles.cos().to(x), angles.sin().to(x)
-    first, second = x[..., : inv.numel()], x[..., inv.numel() :]
-    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    first, second, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat((first * cos - second * sin, second * cos + first * sin, rest), dim=-1)
+
+
+def window_mask(seq: int, window: int) -> torch.Tensor:
+    """(seq, seq) bool, True where query i sees key j: causal, and at most ``window``
+    tokens back counting itself (``i - window < j <= i``, HF's sliding window)."""
+    i = torch.arange(seq)[:, None]
+    j = torch.arange(seq)[None, :]
+    return (j <= i) & (j > i - window)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, width: int, eps: float) -> None:
+    """``x / rms(x) * (offset + weight)``; ``offset`` 1 for norms stored as ``w`` for ``1 + w``."""
+
+    def __init__(self, width: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        scale = self.weight + self.offset if self.offset else self.weight
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * scale
 
 
 class Embed(nn.Module):
@@ -72,24 +92,42 @@ class Embed(nn.Module):
 
 
 class Attention(nn.Module):
+    """Grouped-query self-attention, causal. ``qk_norm``: None, ``"head"`` (an RMSNorm over
+    each head, one ``head_dim`` weight: Qwen 3) or ``"projection"`` (over the whole q and
+    k projections: OLMoE), before the rotation; ``qk_norm_offset``: its norms scale by
+    ``offset + w``. ``window``: None, or the tokens a query sees counting itself (a
+    sliding window). ``rotary_dim``: the rotated dims of each head (default all).
+    ``gated``: ``q_proj`` makes each head's query and then its gate (``head_dim`` each),
+    and ``o_proj`` takes the attention's output times ``sigmoid(gate)`` (Qwen3-Next)."""
+
     #: the q/k norms' module (a subclass with another forward may keep these parameters)
     norm_type = RMSNorm
 
-    def __init__(self, config: Any) -> None:
+    def __init__(
+        self,
+        config: Any,
+        *,
+        qk_norm: str | None = None,
+        qk_norm_offset: float = 0.0,
+        window: int | None = None,
+        rotary_dim: int | None = None,
+        gated: bool = False,
+    ) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.qk_norm, self.window, self.gated = config, qk_norm, window, gated
+        self.rotary_dim = rotary_dim or config.head_dim
         n, q, kv = config.hidden_size, config.q_width, config.kv_width
-        self.q_proj = nn.Linear(n, q, bias=False)
+        self.q_proj = nn.Linear(n, 2 * q if gated else q, bias=False)
         self.k_proj = nn.Linear(n, kv, bias=False)
         self.v_proj = nn.Linear(n, kv, bias=False)
         self.o_proj = nn.Linear(q, n, bias=False)
-        self.per_head = config.qk_norm_scope == "head"
-        if config.qk_norm:
+        self.per_head = qk_norm == "head"
+        if qk_norm is not None:
             self.q_norm = self.norm_type(
-                config.head_dim if self.per_head else q, config.rms_norm_eps
+                config.head_dim if self.per_head else q, config.rms_norm_eps, qk_norm_offset
             )
             self.k_norm = self.norm_type(
-                config.head_dim if self.per_head else kv, config.rms_norm_eps
+                config.head_dim if self.per_head else kv, config.rms_norm_eps, qk_norm_offset
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,25 +140,36 @@ class Attention(nn.Module):
             t = t.view(batch, seq, count, c.head_dim)
             return (norm(t) if norm is not None and self.per_head else t).transpose(1, 2)
 
-        q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
-        q = heads(self.q_proj(x), c.num_attention_heads, q_norm)
+        q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        q = self.q_proj(x)
+        if self.gated:  # per head: the query, then its gate
+            q, gate = q.view(batch, seq, c.num_attention_heads, 2 * c.head_dim).chunk(2, -1)
+            q, gate = q.reshape(batch, seq, c.q_width), gate.reshape(batch, seq, c.q_width)
+        q = heads(q, c.num_attention_heads, q_norm)
         k = heads(self.k_proj(x), c.num_key_value_heads, k_norm)
         v = heads(self.v_proj(x), c.num_key_value_heads, None)
-        inv = inverse_frequencies(c)
+        inv = inverse_frequencies(c, self.rotary_dim)
         q, k = rotate(q, inv), rotate(k, inv)
         group = c.num_attention_heads // c.num_key_value_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         # stock PyTorch attention: in float64 (the truth of verify's checks) SDPA runs its
         # math kernel, softmax(q k^T / sqrt(d)) v as written; in bf16 on a GPU the fused
         # kernels a stock run uses, so the bf16 yardstick is stock training's rounding
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, c.q_width))
+        if self.window is None or self.window >= seq:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            mask = window_mask(seq, self.window).to(x.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = out.transpose(1, 2).reshape(batch, seq, c.q_width)
+        return self.o_proj(out * torch.sigmoid(gate) if self.gated else out)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """SwiGLU of width ``width`` (default ``intermediate_size``)."""
+
+    def __init__(self, config: Any, width: int | None = None) -> None:
         super().__init__()
-        n, inner = config.hidden_size, config.intermediate_size
+        n, inner = config.hidden_size, width or config.intermediate_size
         self.gate_proj = nn.Linear(n, inner, bias=False)
         self.up_proj = nn.Linear(n, inner, bias=False)
         self.down_proj = nn.Linear(inner, n, bias=False)
@@ -130,14 +179,17 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block; ``mlp`` is the FFN module (default: the dense SwiGLU ``MLP``)."""
+    """Pre-norm block: ``x + self_attn(input_layernorm(x))``, then ``h + mlp(
+    post_attention_layernorm(h))``, of the modules it is given."""
 
-    def __init__(self, config: Any, mlp: nn.Module | None = None) -> None:
+    def __init__(
+        self, norm_1: nn.Module, self_attn: nn.Module, norm_2: nn.Module, mlp: nn.Module
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config) if mlp is None else mlp
+        self.input_layernorm = norm_1
+        self.self_attn = self_attn
+        self.post_attention_layernorm = norm_2
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
@@ -148,9 +200,9 @@ class Head(nn.Module):
     #: the final norm's module (as ``Attention.norm_type``)
     norm_type = RMSNorm
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, norm_offset: float = 0.0) -> None:
         super().__init__()
-        self.norm = self.norm_type(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_type(config.hidden_size, config.rms_norm_eps, norm_offset)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -165,25 +217,26 @@ class DecoderReference(nn.Module):
         self.config = config
         self.emb = Embed(config)
         for layer in range(config.num_hidden_layers):
-            self.add_module(str(layer), self.make_block(config))
-        self.head = Head(config)
+            self.add_module(str(layer), self.make_block(config, layer))
+        self.head = Head(config, config.architecture.norm.offset)
         self.init_weights()
 
-    def make_block(self, config: Any) -> Block:
-        """One block (a subclass returns one with another FFN: ``kit.moe_reference``)."""
-        return Block(config)
+    def make_block(self, config: Any, layer: int) -> nn.Module:
+        """Block ``layer``, built from its parts' settings by the config's architecture."""
+        return config.architecture.reference_block(config, layer)
 
     def blocks(self) -> list[Block]:
         return [self.get_submodule(str(layer)) for layer in range(self.config.num_hidden_layers)]
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
-        """HF's initialization of these models: every matrix N(0, std), norms 1."""
+        """HF's initialization of these models: every matrix N(0, std), norms 1 (their
+        stored weight 0 where they scale by ``1 + w``)."""
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
                 module.weight.normal_(0.0, std, generator=generator)
             elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+                module.weight.fill_(1.0 - module.offset)
 
     def output_weight(self) -> torch.Tensor:
         """The output projection (vocab, hidden): ``lm_head``'s, or the embedding when tied."""

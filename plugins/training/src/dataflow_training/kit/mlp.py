@@ -1,4 +1,5 @@
-"""The SwiGLU feed-forward (Llama, Qwen): ``down(silu(gate(x)) * up(x))``, no biases.
+"""The SwiGLU feed-forward (Llama, Qwen): ``down(silu(gate(x)) * up(x))``, no biases: the op
+pair ``SwiGLU`` and the dense FFN part of a block, ``SwiGLUFFN``.
 
 Forward saves the two projections' outputs (``gate``, ``up``); backward rebuilds the
 product elementwise (``swiglu_fwd``) and differentiates through ``swiglu_bwd``, so no
@@ -13,7 +14,9 @@ from typing import Any
 
 import torch
 
+from dataflow_training.family import Env, TensorSpec, Work
 from dataflow_training.kit.linear import Linear
+from dataflow_training.kit.parts import FfnCost, as_is
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -51,3 +54,89 @@ class SwiGLU:
         dx_up, g = self.up.backward(ops, params, x, d_up)
         grads.update(g)
         return dx + dx_up, grads
+
+
+MLP = SwiGLU(
+    Linear("mlp.gate_proj.weight"), Linear("mlp.up_proj.weight"), Linear("mlp.down_proj.weight")
+)
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class SwiGLUFFN:
+    """The dense SwiGLU FFN, as a part of a block: ``down_proj(silu(gate_proj(h)) *
+    up_proj(h))`` of width ``config.intermediate_size``. Parameters (HF's names)
+    ``mlp.{gate,up,down}_proj.weight``; saved ``gate`` and ``up`` (intermediate values a
+    token each); no AuxTemp, no Aux. Its ``forward`` is its ``recompute`` plus the
+    product and ``down_proj``, so the two cannot drift apart."""
+
+    ops = ("swiglu_fwd", "swiglu_bwd")
+
+    def params(self, config: Any) -> tuple[TensorSpec, ...]:
+        n, inner = config.hidden_size, config.intermediate_size
+        shapes = {"gate_proj": (inner, n), "up_proj": (inner, n), "down_proj": (n, inner)}
+        return tuple(TensorSpec(f"mlp.{p}.weight", shapes[p]) for p in _PROJECTIONS)
+
+    def groups(self, config: Any) -> tuple:
+        return ()
+
+    def aux(self, config: Any) -> tuple[TensorSpec, ...]:
+        return ()
+
+    aux_scope = "layer"
+
+    def saved(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
+        inner = config.intermediate_size
+        return (
+            TensorSpec("gate", (batch, seq_len, inner)),
+            TensorSpec("up", (batch, seq_len, inner)),
+        )
+
+    def aux_temp(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
+        return ()
+
+    def hf_rules(self, config: Any, prefix: str) -> list[Any]:
+        return as_is(self.params(config), prefix)
+
+    def reference(self, config: Any) -> Any:
+        from dataflow_training.kit import decoder_reference
+
+        return decoder_reference.MLP(config)
+
+    def recompute(
+        self, config: Any, params: Tensors, h: torch.Tensor, aux_temp: Tensors, ops: Any
+    ) -> dict[str, torch.Tensor]:
+        """The two projections of ``h``, as forward saves them."""
+        return {"gate": MLP.gate.forward(ops, params, h), "up": MLP.up.forward(ops, params, h)}
+
+    def forward(
+        self, config: Any, params: Tensors, h: torch.Tensor, env: Env
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """-> (output, saved, AuxTemp (none))."""
+        saved = self.recompute(config, params, h, {}, env.ops)
+        act = env.ops["swiglu_fwd"](saved["gate"], saved["up"])
+        return MLP.down.forward(env.ops, params, act), saved, {}
+
+    def backward(
+        self,
+        config: Any,
+        params: Tensors,
+        h: torch.Tensor,
+        saved: Tensors,
+        aux_temp: Tensors,
+        dy: torch.Tensor,
+        env: Env,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """-> (dh, the projections' gradients)."""
+        return MLP.backward(env.ops, params, h, saved["gate"], saved["up"], dy)
+
+    def cost(self, config: Any, batch: int, seq_len: int, act_bytes: int) -> FfnCost:
+        tokens, n, inner = batch * seq_len, config.hidden_size, config.intermediate_size
+        return FfnCost(
+            matmul=2 * tokens * 3 * n * inner,
+            # rederive: n2 reads h_mid and writes h2, gate and up each read h2 and write
+            # their own
+            rederive=Work(2 * tokens * 2 * n * inner, tokens * act_bytes * (4 * n + 2 * inner)),
+            # recompute stops at the saved gate and up: no product, no down_proj
+            not_recomputed=2 * tokens * n * inner,
+        )

@@ -1,7 +1,7 @@
 """A mixture-of-experts decoder on the kit: what OLMoE and Qwen 3 MoE share.
 
-A block is the decoder's attention half (``decoder_math``) followed by a routed SwiGLU
-FFN instead of the dense one::
+``RoutedExperts`` is an FFN part (``parts.py``): a block (``block.Block``) of the decoder's
+attention and these routed SwiGLU experts instead of the dense FFN is::
 
     h = x + attention(n1(x));  u = n2(h);  p = softmax(u @ gate.T)          (float32)
     ids, top = topk(p, k);  w = top (OLMoE) or top / sum(top) (``norm_topk_prob``)
@@ -46,47 +46,37 @@ empty ``env.aux``, as ``dataflow verify``'s task level calls it) differentiates 
 block's output alone.
 
 Saved for backward (``A_<layer>``): the attention half's tensors and ``gate_up`` (tokens *
-k, 2 * inter), the experts' two projections in expert order. Its partial save ``mlp``
-keeps the attention half's and re-derives ``gate_up`` (``n2`` and one grouped matmul, with
-forward's routing). Backward recomputes the
-router logits (one (tokens, hidden) x (hidden, E) matmul) and the experts' outputs (one
-grouped matmul) rather than saving them.
+k, 2 * inter), the experts' two projections in expert order. The block's partial save
+``mlp`` keeps the attention half's and re-derives ``gate_up`` (``n2`` and one grouped
+matmul, with forward's routing). Backward recomputes the router logits (one (tokens,
+hidden) x (hidden, E) matmul) and the experts' outputs (one grouped matmul) rather than
+saving them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import attrs
 import torch
 
-from dataflow_training.family import Env, LayerCost, LayerSpec, ParamGroup, TensorSpec, Work
+from dataflow_training.family import Env, ParamGroup, TensorSpec, Work
+from dataflow_training.kit.attention import QKNorm, SelfAttention
+from dataflow_training.kit.block import Block
 from dataflow_training.kit.decoder import (
+    Decoder,
     DecoderConfig,
     _flag,
     _positive,
-    attention_params,
     expected_state,
-    layer_specs,
-)
-from dataflow_training.kit.decoder_math import (
-    OPS as DECODER_OPS,
-)
-from dataflow_training.kit.decoder_math import (
-    DecoderEmbed,
-    DecoderHead,
-    MlpPartialSave,
-    attention_backward_half,
-    attention_forward_half,
-    attention_matmul_flops,
-    attention_saved,
-    ffn_input,
+    parameter_count,
 )
 from dataflow_training.kit.linear import Linear
+from dataflow_training.kit.mlp import SwiGLU
+from dataflow_training.kit.parts import FfnCost, as_is
 
 Tensors = dict[str, torch.Tensor]
-
-OPS = (*DECODER_OPS, "grouped_mm", "grouped_mm_wgrad")
 
 ROUTER = Linear("mlp.gate.weight")
 GATE_UP = "mlp.experts.gate_up_proj"
@@ -99,65 +89,6 @@ def _coefficient(instance: Any, attribute: attrs.Attribute, value: object) -> No
         raise ValueError(
             f"{type(instance).__name__}.{attribute.name} must be a number >= 0, got {value!r}"
         )
-
-
-@attrs.frozen
-class MoEConfig(DecoderConfig):
-    """A decoder whose every FFN is ``num_experts`` SwiGLU experts of width
-    ``intermediate_size``, ``num_experts_per_tok`` of them per token."""
-
-    num_experts: int = attrs.field(default=64, kw_only=True, validator=_positive)
-    num_experts_per_tok: int = attrs.field(default=8, kw_only=True, validator=_positive)
-    norm_topk_prob: bool = attrs.field(default=False, kw_only=True, validator=_flag)
-    router_aux_loss_coef: float = attrs.field(default=0.01, kw_only=True, validator=_coefficient)
-    router_z_loss_coef: float = attrs.field(default=0.0, kw_only=True, validator=_coefficient)
-    qk_norm: ClassVar[bool] = True
-
-    def __attrs_post_init__(self) -> None:
-        super().__attrs_post_init__()
-        if self.num_experts_per_tok > self.num_experts:
-            name = type(self).__name__
-            raise ValueError(
-                f"{name}.num_experts_per_tok ({self.num_experts_per_tok}) must be at most "
-                f"{name}.num_experts ({self.num_experts})"
-            )
-
-
-# -- layers ----------------------------------------------------------------------------
-
-
-def moe_groups(config: MoEConfig) -> tuple[ParamGroup, ParamGroup]:
-    """(the main group: attention, norms, router; the experts' group)."""
-    n, inner, e = config.hidden_size, config.intermediate_size, config.num_experts
-    main = (*attention_params(config), TensorSpec(ROUTER.weight, (e, n)))
-    experts = (TensorSpec(GATE_UP, (e, 2 * inner, n)), TensorSpec(DOWN, (e, n, inner)))
-    return ParamGroup("", main), ParamGroup(EXPERTS_GROUP, experts)
-
-
-def moe_layer_specs(config: MoEConfig) -> list[LayerSpec]:
-    """``emb``, MoE blocks ``"0"`` .. ``str(L - 1)`` (kind ``moe``; Aux ``counts`` pooled
-    over the blocks: one object ``Aux_moe``), ``head``."""
-    groups = moe_groups(config)
-    counts = TensorSpec("counts", (config.num_experts,), dtype="float32")
-    return layer_specs(
-        config, lambda name: LayerSpec(name, "moe", groups, aux=(counts,), aux_scope="model")
-    )
-
-
-def moe_expected_state(config: MoEConfig) -> dict[str, tuple[int, ...]]:
-    """State key -> shape of every parameter, in chain order."""
-    return expected_state(config, moe_layer_specs(config))
-
-
-def moe_parameter_count(config: MoEConfig) -> int:
-    return sum(int(torch.Size(shape).numel()) for shape in moe_expected_state(config).values())
-
-
-def moe_active_parameter_count(config: MoEConfig) -> int:
-    """Parameters one token uses: all but the experts it is not routed to."""
-    n, inner = config.hidden_size, config.intermediate_size
-    idle = config.num_experts - config.num_experts_per_tok
-    return moe_parameter_count(config) - config.num_hidden_layers * idle * 3 * n * inner
 
 
 # -- routing ---------------------------------------------------------------------------
@@ -228,15 +159,144 @@ def _split(config: MoEConfig, gate_up: torch.Tensor) -> tuple[torch.Tensor, torc
     return gate_up[:, :inner], gate_up[:, inner:]
 
 
-class MoEBlock(MlpPartialSave):
-    """Pre-norm block: attention as the decoder's, then the routed experts."""
+SHARED = SwiGLU(
+    Linear("mlp.shared_expert.gate_proj.weight"),
+    Linear("mlp.shared_expert.up_proj.weight"),
+    Linear("mlp.shared_expert.down_proj.weight"),
+)
+SHARED_GATE = Linear("mlp.shared_expert_gate.weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedExpert:
+    """One more SwiGLU expert that every token goes through beside the routed ones, as a
+    part of ``RoutedExperts``, its output scaled by a sigmoid gate of the token (Qwen3-Next,
+    Qwen 2 MoE, Qwen 3.5 MoE)::
+
+        y += sigmoid(shared_expert_gate(h)) * down(silu(gate(h)) * up(h))
+
+    ``width`` names the config field of its width. Parameters (HF's names)
+    ``mlp.shared_expert.{gate,up,down}_proj.weight`` and ``mlp.shared_expert_gate.weight``
+    (1, hidden), in the layer's main group; saved ``shared_gate`` and ``shared_up`` (its
+    two projections); backward makes its output (one down projection) and the gate's
+    logit (a (tokens, hidden) x (hidden, 1) product) again rather than saving them."""
+
+    width: str = "shared_expert_intermediate_size"
+
+    def params(self, config: Any) -> tuple[TensorSpec, ...]:
+        n, inner = config.hidden_size, getattr(config, self.width)
+        return (
+            TensorSpec(SHARED.gate.weight, (inner, n)),
+            TensorSpec(SHARED.up.weight, (inner, n)),
+            TensorSpec(SHARED.down.weight, (n, inner)),
+            TensorSpec(SHARED_GATE.weight, (1, n)),
+        )
+
+    def saved(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
+        inner = getattr(config, self.width)
+        return (
+            TensorSpec("shared_gate", (batch * seq_len, inner)),
+            TensorSpec("shared_up", (batch * seq_len, inner)),
+        )
+
+    def recompute(self, config: Any, params: Tensors, h: torch.Tensor, ops: Any) -> Tensors:
+        """Its two projections of ``h`` (tokens, hidden), as forward saves them."""
+        return {
+            "shared_gate": SHARED.gate.forward(ops, params, h),
+            "shared_up": SHARED.up.forward(ops, params, h),
+        }
+
+    def forward(
+        self, config: Any, params: Tensors, h: torch.Tensor, ops: Any
+    ) -> tuple[torch.Tensor, Tensors]:
+        """(its gated output (tokens, hidden), what it saves) of ``h`` (tokens, hidden)."""
+        saved = self.recompute(config, params, h, ops)
+        act = ops["swiglu_fwd"](saved["shared_gate"], saved["shared_up"])
+        scale = torch.sigmoid(SHARED_GATE.forward(ops, params, h))
+        return SHARED.down.forward(ops, params, act) * scale, saved
+
+    def backward(
+        self,
+        config: Any,
+        params: Tensors,
+        h: torch.Tensor,
+        saved: Tensors,
+        dy: torch.Tensor,
+        ops: Any,
+    ) -> tuple[torch.Tensor, Tensors]:
+        """-> (dh, its gradients), ``h`` and ``dy`` (tokens, hidden)."""
+        gate, up = saved["shared_gate"], saved["shared_up"]
+        out = SHARED.down.forward(ops, params, ops["swiglu_fwd"](gate, up))
+        scale = torch.sigmoid(SHARED_GATE.forward(ops, params, h))
+        d_logit = (dy * out).sum(-1, keepdim=True) * scale * (1 - scale)
+        del out
+        d_h, grads = SHARED.backward(ops, params, h, gate, up, dy * scale)
+        d_h_gate, g = SHARED_GATE.backward(ops, params, h, d_logit)
+        grads.update(g)
+        return d_h.add_(d_h_gate), grads
+
+    def matmul_flops(self, config: Any, tokens: int) -> int:
+        """Its forward's matmul FLOPs: three projections and the gate."""
+        n = config.hidden_size
+        return 2 * tokens * 3 * n * getattr(config, self.width) + 2 * tokens * n
+
+    def reference_args(self, config: Any) -> dict[str, Any]:
+        return {"shared_width": getattr(config, self.width)}
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutedExperts:
+    """``num_experts`` SwiGLU experts of width ``intermediate_size`` behind a softmax
+    router, ``num_experts_per_tok`` of them per token, as the FFN part of a block (see the
+    module docstring). Parameters: the router ``mlp.gate.weight`` in the layer's main
+    group, the stacked experts their own group ``experts``; Aux ``counts`` pooled over
+    the layers (``aux_scope="model"``); AuxTemp the routing; saved ``gate_up``.
+    ``shared``: a ``SharedExpert`` beside the routed ones (None: none)."""
+
+    shared: SharedExpert | None = None
+
+    ops = ("swiglu_fwd", "swiglu_bwd", "grouped_mm", "grouped_mm_wgrad")
+    aux_scope = "model"
+
+    def params(self, config: MoEConfig) -> tuple[TensorSpec, ...]:
+        router = TensorSpec(ROUTER.weight, (config.num_experts, config.hidden_size))
+        return (router, *(self.shared.params(config) if self.shared is not None else ()))
+
+    def groups(self, config: MoEConfig) -> tuple[ParamGroup, ...]:
+        n, inner, e = config.hidden_size, config.intermediate_size, config.num_experts
+        experts = (TensorSpec(GATE_UP, (e, 2 * inner, n)), TensorSpec(DOWN, (e, n, inner)))
+        return (ParamGroup(EXPERTS_GROUP, experts),)
+
+    def aux(self, config: MoEConfig) -> tuple[TensorSpec, ...]:
+        return (TensorSpec("counts", (config.num_experts,), dtype="float32"),)
+
+    def hf_rules(self, config: MoEConfig, prefix: str) -> list[Any]:
+        """The router as it is; each expert's tensors (``{prefix}.mlp.experts.{expert}.
+        gate_proj.weight``, ...) stacked along the family tensor's dimension 0."""
+        from dataflow_training.kit.hf import KeyRule
+
+        expert = prefix + ".mlp.experts.{expert}"
+        return [
+            *as_is(self.params(config), prefix),
+            KeyRule(
+                f"{{layer}}.{GATE_UP}",
+                (f"{expert}.gate_proj.weight", f"{expert}.up_proj.weight"),
+                stack="expert",
+            ),
+            KeyRule(f"{{layer}}.{DOWN}", f"{expert}.down_proj.weight", stack="expert"),
+        ]
+
+    def reference(self, config: MoEConfig) -> Any:
+        from dataflow_training.kit import moe_reference
+
+        shared = self.shared.reference_args(config) if self.shared is not None else {}
+        return moe_reference.Experts(config, **shared)
 
     def saved(self, config: MoEConfig, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
         slots = batch * seq_len * config.num_experts_per_tok
-        return (
-            *attention_saved(config, batch, seq_len),
-            TensorSpec("gate_up", (slots, 2 * config.intermediate_size)),
-        )
+        routed = TensorSpec("gate_up", (slots, 2 * config.intermediate_size))
+        shared = self.shared.saved(config, batch, seq_len) if self.shared is not None else ()
+        return (routed, *shared)
 
     def aux_temp(self, config: MoEConfig, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
         tokens, k = batch * seq_len, config.num_experts_per_tok
@@ -248,11 +308,12 @@ class MoEBlock(MlpPartialSave):
         )
 
     def forward(
-        self, config: MoEConfig, params: Tensors, x: torch.Tensor, env: Env
+        self, config: MoEConfig, params: Tensors, h: torch.Tensor, env: Env
     ) -> tuple[torch.Tensor, Tensors, Tensors]:
+        """Route ``h`` (the block's ``n2(h_mid)``) once, add the loads into Aux, run the
+        routed rows: -> (output like ``h``, saved ``gate_up``, the routing as AuxTemp)."""
         ops = env.ops
-        saved, h2 = attention_forward_half(config, params, x, ops)
-        logits = ROUTER.forward(ops, params, h2).reshape(-1, config.num_experts)
+        logits = ROUTER.forward(ops, params, h).reshape(-1, config.num_experts)
         probs, (top, ids) = route(config, logits)
         del probs, logits
         if config.norm_topk_prob:
@@ -260,12 +321,14 @@ class MoEBlock(MlpPartialSave):
         order, offsets, loads = dispatch(config, ids)
         if "counts" in env.aux:
             env.aux["counts"].add_(loads.to(env.aux["counts"]))
-        aux_temp = {"ids": ids.to(torch.int32), "weights": top.to(x.dtype)}
+        aux_temp = {"ids": ids.to(torch.int32), "weights": top.to(h.dtype)}
         aux_temp |= {"order": order, "offsets": offsets}
-        gate_up = _gate_up(config, params, h2, aux_temp, ops)
-        del h2
+        gate_up = _gate_up(config, params, h, aux_temp, ops)
         out = self._experts_out(config, params, gate_up, aux_temp, ops)
-        return saved["h_mid"] + out.view_as(x), saved | {"gate_up": gate_up}, aux_temp
+        if self.shared is None:
+            return out.view_as(h), {"gate_up": gate_up}, aux_temp
+        shared, saved = self.shared.forward(config, params, h.reshape(out.shape), ops)
+        return (out + shared).view_as(h), {"gate_up": gate_up, **saved}, aux_temp
 
     def _expert_rows(self, config, params, gate_up, aux_temp, ops) -> torch.Tensor:
         """Every expert row's output, unweighted (tokens * k, hidden)."""
@@ -277,32 +340,30 @@ class MoEBlock(MlpPartialSave):
         return _combine(rows, _slot_rows(config, aux_temp), aux_temp["weights"])
 
     def recompute(
-        self, config: MoEConfig, params: Tensors, x: torch.Tensor, aux_temp: Tensors, env: Env
+        self, config: MoEConfig, params: Tensors, h: torch.Tensor, aux_temp: Tensors, ops: Any
     ) -> Tensors:
-        saved, h2 = attention_forward_half(config, params, x, env.ops)
-        return saved | self.ffn_saved(config, params, h2, aux_temp, env.ops)
-
-    def ffn_saved(
-        self, config: MoEConfig, params: Tensors, h2: torch.Tensor, aux_temp: Tensors, ops: Any
-    ) -> Tensors:
-        """The experts' ``gate_up`` of every routed row of ``h2``, by forward's routing."""
-        return {"gate_up": _gate_up(config, params, h2, aux_temp, ops)}
+        """The experts' ``gate_up`` of every routed row of ``h``, by forward's routing (and
+        the shared expert's projections)."""
+        saved = {"gate_up": _gate_up(config, params, h, aux_temp, ops)}
+        if self.shared is not None:
+            saved |= self.shared.recompute(config, params, h.reshape(-1, config.hidden_size), ops)
+        return saved
 
     def backward(
         self,
         config: MoEConfig,
         params: Tensors,
-        x: torch.Tensor,
+        h: torch.Tensor,
         saved: Tensors,
         aux_temp: Tensors,
         dy: torch.Tensor,
         env: Env,
     ) -> tuple[torch.Tensor, Tensors]:
+        """-> (dh, the router's and the experts' gradients)."""
         ops, n = env.ops, config.hidden_size
         offsets, gate_up = aux_temp["offsets"], saved["gate_up"]
         tokens, weights = _rows(config, aux_temp)
-        h2, stats_2 = ffn_input(config, params, saved["h_mid"], ops)
-        flat_h2, flat_dy = h2.reshape(-1, n), dy.reshape(-1, n)
+        flat_h2, flat_dy = h.reshape(-1, n), dy.reshape(-1, n)
         # experts: y = h_mid + sum over rows of weight * down(swiglu(gate_up))
         gate, up = _split(config, gate_up)
         act = ops["swiglu_fwd"](gate, up)
@@ -330,11 +391,12 @@ class MoEBlock(MlpPartialSave):
         d_router_in, g = ROUTER.backward(ops, params, flat_h2, d_logits)
         grads.update(g)
         d_h2 += d_router_in
-        del flat_h2, h2
-        dx = attention_backward_half(
-            config, params, x, saved, stats_2, d_h2.view_as(x), dy, grads, ops
-        )
-        return dx, grads
+        if self.shared is not None:
+            d_shared, g = self.shared.backward(config, params, flat_h2, saved, flat_dy, ops)
+            grads.update(g)
+            d_h2 += d_shared
+        del flat_h2
+        return d_h2.view_as(h), grads
 
     def _router_backward(self, config, params, flat_h2, aux_temp, d_weights, env) -> torch.Tensor:
         """d(router logits) (tokens, E) in the activations' dtype: the routing weights'
@@ -364,35 +426,75 @@ class MoEBlock(MlpPartialSave):
             d_logits += 2 * scale * lse * probs
         return d_logits.to(flat_h2.dtype)
 
-    def cost(self, config: MoEConfig, batch: int, seq_len: int, act_bytes: int) -> LayerCost:
+    def cost(self, config: MoEConfig, batch: int, seq_len: int, act_bytes: int) -> FfnCost:
         tokens, n, inner = batch * seq_len, config.hidden_size, config.intermediate_size
         k, e = config.num_experts_per_tok, config.num_experts
-        projections, attention = attention_matmul_flops(config, batch, seq_len)
         experts = 2 * tokens * k * 3 * n * inner
         router = 2 * tokens * n * e
-        matmul = projections + router + experts
-        q, kv = config.q_width, config.kv_width
-        saved = 2 * q + 2 * kv + n + 2 * k * inner
-        activations = tokens * act_bytes * (2 * n + 2 * saved + 2 * k * n)
-        # mlp: n2 of h_mid, then every routed row's gate and up projections
-        mlp_in = Work(2 * experts / 3, tokens * act_bytes * (2 * n + k * n + 2 * k * inner))
-        # recompute: forward up to the routed rows' gate and up (no expert down
-        # projections, no combine, no output)
-        rederived = tokens * act_bytes * (n + 2 * saved - 2 * k * inner)
-        return LayerCost(
-            forward=Work(matmul + attention, activations),
-            # backward: twice the matmuls, plus the router's logits made again
-            backward=Work(2 * matmul + router + 2.5 * attention, 2 * activations),
-            recompute=Work(matmul - experts / 3 + attention, rederived),
-            partial={"mlp": mlp_in},
+        if self.shared is not None:  # one more expert for every token, and its gate
+            shared = self.shared.matmul_flops(config, tokens)
+            width = getattr(config, self.shared.width)
+            return FfnCost(
+                matmul=router + experts + shared,
+                rederive=Work(
+                    2 * experts / 3 + 2 * tokens * 2 * n * width,
+                    tokens * act_bytes * (2 * n + k * n + 2 * k * inner + 2 * width),
+                ),
+                not_recomputed=experts / 3 + 2 * tokens * n * (width + 1),
+                moved=2 * k * n,
+                backward=router + 2 * tokens * n * (width + 1),
+            )
+        return FfnCost(
+            matmul=router + experts,
+            # rederive: n2 of h_mid, then every routed row's gate and up projections
+            rederive=Work(2 * experts / 3, tokens * act_bytes * (2 * n + k * n + 2 * k * inner)),
+            # recompute stops at the routed rows' gate and up: no expert down
+            # projections, no combine, no output
+            not_recomputed=experts / 3,
+            # the routed rows gathered and combined back per token
+            moved=2 * k * n,
+            # backward: the router's logits made again
+            backward=router,
         )
 
 
-_KINDS = {"embed": DecoderEmbed, "moe": MoEBlock, "head": DecoderHead}
+@attrs.frozen
+class MoEConfig(DecoderConfig):
+    """A decoder whose every FFN is ``num_experts`` SwiGLU experts of width
+    ``intermediate_size``, ``num_experts_per_tok`` of them per token."""
+
+    num_experts: int = attrs.field(default=64, kw_only=True, validator=_positive)
+    num_experts_per_tok: int = attrs.field(default=8, kw_only=True, validator=_positive)
+    norm_topk_prob: bool = attrs.field(default=False, kw_only=True, validator=_flag)
+    router_aux_loss_coef: float = attrs.field(default=0.01, kw_only=True, validator=_coefficient)
+    router_z_loss_coef: float = attrs.field(default=0.0, kw_only=True, validator=_coefficient)
+    #: attention with per-head q/k norms (Qwen 3 MoE), every layer the routed experts
+    architecture: ClassVar[Decoder] = Decoder(
+        {"moe": Block(SelfAttention(qk_norm=QKNorm("head")), RoutedExperts())}
+    )
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.num_experts_per_tok > self.num_experts:
+            name = type(self).__name__
+            raise ValueError(
+                f"{name}.num_experts_per_tok ({self.num_experts_per_tok}) must be at most "
+                f"{name}.num_experts ({self.num_experts})"
+            )
 
 
-def moe_math_of(family: str, kind: str) -> Any:
-    """The math object of a layer kind (``embed``, ``moe``, ``head``) of ``family``."""
-    if kind not in _KINDS:
-        raise KeyError(f"{family} has no layer kind {kind!r}; its kinds: {', '.join(_KINDS)}")
-    return _KINDS[kind]()
+def moe_expected_state(config: MoEConfig) -> dict[str, tuple[int, ...]]:
+    """State key -> shape of every parameter, in chain order (``decoder.expected_state``)."""
+    return expected_state(config)
+
+
+def moe_parameter_count(config: MoEConfig) -> int:
+    """``decoder.parameter_count``: every parameter, a tied output projection once."""
+    return parameter_count(config)
+
+
+def moe_active_parameter_count(config: MoEConfig) -> int:
+    """Parameters one token uses: all but the experts it is not routed to."""
+    n, inner = config.hidden_size, config.intermediate_size
+    idle = config.num_experts - config.num_experts_per_tok
+    return moe_parameter_count(config) - config.num_hidden_layers * idle * 3 * n * inner

@@ -1,77 +1,31 @@
 """``MoEFamily``: a whole ``Family`` (protocol v2) for the kit's MoE decoder (``moe.py``),
-and its HF checkpoints, so that OLMoE and Qwen 3 MoE write only their presets, their
-reference's name and their ``config.json`` mapping.
+so that OLMoE and Qwen 3 MoE write only their presets and their ``config.json`` mapping.
 
 HF stores each expert apart (``model.layers.{l}.mlp.experts.{e}.gate_proj.weight``,
 ``up_proj``, ``down_proj``) and the router as ``model.layers.{l}.mlp.gate.weight``; the
 family stacks the experts (``mlp.experts.gate_up_proj`` = every expert's gate rows then up
-rows, ``mlp.experts.down_proj``), through the kit's key map (``stack="expert"``). The rest
-of the key table is the dense decoder's. The expert count is read as ``num_experts`` (the
-published files) or ``num_local_experts`` (what transformers 5 writes for Qwen 3 MoE);
-export writes both.
+rows, ``mlp.experts.down_proj``), through the key rules of the ``RoutedExperts`` part
+(``stack="expert"``). The rest of the key table is the dense decoder's. The expert count
+is read as ``num_experts`` (the published files) or ``num_local_experts`` (what
+transformers 5 writes for Qwen 3 MoE); export writes both.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from dataflow_training.family import LayerSpec
-from dataflow_training.kit.decoder import EMBED, EMBED_WEIGHT, FINAL_NORM, HEAD, LM_HEAD
 from dataflow_training.kit.decoder_family import DecoderFamily
-from dataflow_training.kit.decoder_hf import fields_from_hf, fields_to_hf
-from dataflow_training.kit.hf import (
-    CONFIG,
-    CheckpointError,
-    KeyMap,
-    KeyRule,
-    checkpoint_folder,
-    read_config,
-    read_state,
-    write_config,
-    write_state,
-)
-from dataflow_training.kit.moe import (
-    DOWN,
-    GATE_UP,
-    OPS,
-    MoEConfig,
-    moe_active_parameter_count,
-    moe_expected_state,
-    moe_groups,
-    moe_layer_specs,
-    moe_math_of,
-    moe_parameter_count,
-)
+from dataflow_training.kit.decoder_hf import fields_from_hf, fields_to_hf, key_map
+from dataflow_training.kit.moe import MoEConfig, moe_active_parameter_count, moe_parameter_count
 from dataflow_training.kit.moe_reference import MoEReference
 
-_LAYER = "model.layers.{layer}"
-_EXPERT = _LAYER + ".mlp.experts.{expert}"
 
-
-def moe_key_map(family: str, config: MoEConfig) -> KeyMap:
-    """The family key <-> HF tensor name table of ``config`` (tied or not)."""
-    main, _ = moe_groups(config)
-    tied = "lm_head.weight" if config.tie_word_embeddings else ()
-    return KeyMap(
-        family,
-        rules=[
-            KeyRule(f"{EMBED}.{EMBED_WEIGHT}", "model.embed_tokens.weight", tied=tied),
-            *(KeyRule(f"{{layer}}.{p.name}", f"{_LAYER}.{p.name}") for p in main.params),
-            KeyRule(
-                f"{{layer}}.{GATE_UP}",
-                (f"{_EXPERT}.gate_proj.weight", f"{_EXPERT}.up_proj.weight"),
-                stack="expert",
-            ),
-            KeyRule(f"{{layer}}.{DOWN}", f"{_EXPERT}.down_proj.weight", stack="expert"),
-            KeyRule(f"{HEAD}.{FINAL_NORM}", "model.norm.weight"),
-            KeyRule(f"{HEAD}.{LM_HEAD}", "lm_head.weight"),
-        ],
-        skip=[r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"],
-    )
+def moe_key_map(family: str, config: MoEConfig) -> Any:
+    """The family key <-> HF tensor name table of ``config`` (``decoder_hf.key_map``)."""
+    return key_map(family, config)
 
 
 class MoEFamily(DecoderFamily):
@@ -81,17 +35,9 @@ class MoEFamily(DecoderFamily):
     reference: ClassVar[type[MoEReference]] = MoEReference
     #: the ``config.json`` field holding the experts' width
     hf_expert_width: ClassVar[str] = "intermediate_size"
-    ops = OPS
-
-    def layers(self, config: MoEConfig) -> list[LayerSpec]:
-        return moe_layer_specs(config)
-
-    def math(self, kind: str) -> Any:
-        return moe_math_of(self.name, kind)
 
     # -- HF checkpoints ----------------------------------------------------------------
-    def config_from_hf(self, hf: Mapping[str, Any], source: str) -> MoEConfig:
-        self.check_hf(hf, source)
+    def hf_fields(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         width = hf.get(self.hf_expert_width, self.hf_defaults[self.hf_expert_width])
         shared = fields_from_hf(
             {**hf, "intermediate_size": width},
@@ -107,10 +53,7 @@ class MoEFamily(DecoderFamily):
         experts = hf.get("num_experts", hf.get("num_local_experts"))
         moe["num_experts"] = self.hf_defaults["num_experts"] if experts is None else experts
         moe["router_z_loss_coef"] = hf.get("router_z_loss_coef", 0.0)
-        try:
-            return self.config_class(**shared, **moe)
-        except (TypeError, ValueError) as error:
-            raise CheckpointError(f"{source}: {error}") from error
+        return shared | moe
 
     def moe_fields_to_hf(self, config: MoEConfig, dtype: torch.dtype) -> dict[str, Any]:
         """The shared and the MoE fields of the ``config.json`` of ``config``."""
@@ -126,27 +69,13 @@ class MoEFamily(DecoderFamily):
             "output_router_logits": False,
         }
 
-    def import_hf(
-        self, path: str | Path, *, dtype: torch.dtype | None = None
-    ) -> tuple[MoEConfig, dict[str, torch.Tensor]]:
-        config = self.config_from_hf(read_config(path), str(checkpoint_folder(path) / CONFIG))
-        expected = moe_expected_state(config)
-        return config, read_state(path, moe_key_map(self.name, config), expected, dtype=dtype)
-
-    def export_hf(
-        self,
-        config: MoEConfig,
-        state: Mapping[str, torch.Tensor],
-        path: str | Path,
-        *,
-        max_shard_bytes: int | None = None,
-    ) -> None:
-        embedding = state.get(f"{EMBED}.{EMBED_WEIGHT}")
-        dtype = embedding.dtype if embedding is not None else torch.float32
-        hf_config = self.config_to_hf(config, dtype)
-        key_map, expected = moe_key_map(self.name, config), moe_expected_state(config)
-        write_state(path, key_map, state, expected, max_shard_bytes=max_shard_bytes)
-        write_config(path, hf_config)
+    def config_to_hf(self, config: MoEConfig, dtype: torch.dtype) -> dict[str, Any]:
+        """The class, the model type, the shared and the MoE fields (a family adds its own)."""
+        return {
+            "architectures": [self.hf_class],
+            "model_type": self.hf_model_type,
+            **self.moe_fields_to_hf(config, dtype),
+        }
 
     # -- docs --------------------------------------------------------------------------
     def preset_table(self) -> str:

@@ -3,7 +3,8 @@ the kit's MoE math is checked against (OLMoE, Qwen 3 MoE), itself held to transf
 ``OlmoeForCausalLM`` / ``Qwen3MoeForCausalLM`` by each family's HF tests.
 
 The attention, norms, embedding and head are the decoder reference's (plain torch, no
-``ops``); the FFN is written out here expert by expert, as a loop over the experts that
+``ops``; each block built by the config's architecture, whose MoE FFN part makes its
+``Experts`` here); the FFN is written out here expert by expert, as a loop over the experts that
 some token chose (no grouping, no sorting, no ``grouped_mm``). Its ``state_dict()`` keys
 are the layers' names (``0.mlp.gate.weight``, ``0.mlp.experts.gate_up_proj``, ...).
 
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dataflow_training.kit.decoder_reference import IGNORE_INDEX, Block, DecoderReference
+from dataflow_training.kit.decoder_reference import IGNORE_INDEX, MLP, DecoderReference
 
 
 def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
@@ -32,9 +33,11 @@ def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
 
 
 class Experts(nn.Module):
-    """Routed SwiGLU experts with their router; records what the router decided."""
+    """Routed SwiGLU experts with their router; records what the router decided. With
+    ``shared_width``, one more SwiGLU expert of that width every token goes through,
+    scaled by ``sigmoid(shared_expert_gate(x))`` (Qwen3-Next)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, shared_width: int | None = None) -> None:
         super().__init__()
         self.config = config
         e, n, inner = config.num_experts, config.hidden_size, config.intermediate_size
@@ -42,6 +45,10 @@ class Experts(nn.Module):
         self.experts = nn.Module()
         self.experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inner, n))
         self.experts.down_proj = nn.Parameter(torch.empty(e, n, inner))
+        if shared_width is not None:
+            self.shared_expert = MLP(config, shared_width)
+            self.shared_expert_gate = nn.Linear(n, 1, bias=False)
+        self.shared = shared_width is not None
         self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # (logits, ids)
         #: expert choices (tokens, k) the next forward takes instead of its own top-k
         self.follow: torch.Tensor | None = None
@@ -68,6 +75,8 @@ class Experts(nn.Module):
             gate, up = (flat[token] @ w_gate_up.t()).split(inner, dim=-1)
             hidden = (F.silu(gate) * up) @ self.experts.down_proj[expert].t()
             out = out.index_add(0, token, hidden * top[token, slot, None])
+        if self.shared:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view_as(x)
 
 
@@ -79,9 +88,6 @@ class MoEReference(DecoderReference):
     #: ``recorded`` holds per round every layer's (router logits, expert choices)
     follows_routing = True
     recorded: list[list[tuple[torch.Tensor, torch.Tensor]]]
-
-    def make_block(self, config: Any) -> Block:
-        return Block(config, Experts(config))
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:

@@ -62,3 +62,58 @@ class RMSNorm:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         dx, d_weight = ops["rms_norm_bwd"](dy, x, *stats, self._scale(params))
         return dx, {self.weight: d_weight}
+
+
+# -- the norm part -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Norm:
+    """A block's norm kind, as a part: what a norm named ``name`` (``input_layernorm``) of
+    a given width is, for the math (``op``), the layer's parameters (``params``), the
+    reference (``reference``) and the ops it calls. ``kind`` is ``"rms"`` (weight only) or
+    ``"layer"`` (weight and bias); ``eps`` names the config field holding epsilon;
+    ``offset`` scales by ``offset + w`` (RMSNorm only). HF keys: the parameters as named."""
+
+    kind: str = "rms"
+    eps: str = "rms_norm_eps"
+    offset: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("rms", "layer"):
+            raise ValueError(f"Norm.kind must be 'rms' or 'layer', got {self.kind!r}")
+        if self.kind == "layer" and self.offset:
+            raise ValueError("Norm.offset applies to RMSNorm only")
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return ("rms_norm_fwd", "rms_norm_bwd") if self.kind == "rms" else LAYER_NORM_OPS
+
+    def op(self, config: Any, name: str) -> RMSNorm | LayerNorm:
+        """The forward/backward pair of the norm ``name``."""
+        eps = getattr(config, self.eps)
+        if self.kind == "rms":
+            return RMSNorm(f"{name}.weight", eps, self.offset)
+        return LayerNorm(f"{name}.weight", f"{name}.bias", eps)
+
+    def params(self, name: str, width: int) -> tuple[Any, ...]:
+        """Its parameters (no weight decay), in HF's order."""
+        from dataflow_training.family import TensorSpec
+
+        names = ("weight",) if self.kind == "rms" else ("weight", "bias")
+        return tuple(TensorSpec(f"{name}.{p}", (width,), decay=False) for p in names)
+
+    def reference(self, config: Any, width: int) -> Any:
+        """The plain-torch module: ``decoder_reference.RMSNorm`` (scaled by ``offset + w``)
+        or torch's ``nn.LayerNorm``."""
+        from torch import nn
+
+        from dataflow_training.kit import decoder_reference
+
+        eps = getattr(config, self.eps)
+        if self.kind == "layer":
+            return nn.LayerNorm(width, eps)
+        return decoder_reference.RMSNorm(width, eps, self.offset)
+
+
+LAYER_NORM_OPS = ("layer_norm_fwd", "layer_norm_bwd")

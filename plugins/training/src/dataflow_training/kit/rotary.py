@@ -10,7 +10,9 @@ positions.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import attrs
 import torch
@@ -136,3 +138,41 @@ def backward(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     head, rest = dy[..., :rot], dy[..., rot:]
     out = head * cos + _rotate_half_t(head * sin)
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+# -- the positions part ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """Rotary positions, as a part of an attention: the config's ``rope_theta`` and
+    ``rope_scaling`` (None or ``Llama3Scaling``) over the first ``fraction`` of each head
+    (1: all of ``head_dim``; Qwen 3.5's full attention rotates a quarter). No parameters,
+    nothing saved (the tables depend only on positions), no HF keys; its cost is
+    elementwise and left to the attention's bytes."""
+
+    fraction: float = 1.0
+
+    def rotary_dim(self, config: Any) -> int:
+        dim = int(config.head_dim * self.fraction)
+        if dim % 2 or not 0 < dim <= config.head_dim:
+            raise ValueError(
+                f"{type(config).__name__}: rotating {self.fraction} of head_dim "
+                f"{config.head_dim} gives {dim} dims; it must be even and at least 2"
+            )
+        return dim
+
+    def tables(self, config: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) for ``like``'s sequence length (dim 1), device and dtype."""
+        return cached_tables(
+            like.shape[1],
+            self.rotary_dim(config),
+            float(config.rope_theta),
+            config.rope_scaling,
+            like.device,
+            like.dtype,
+        )
+
+    def reference_args(self, config: Any) -> dict[str, Any]:
+        """What the reference attention takes of it (``rotary_dim``)."""
+        return {"rotary_dim": self.rotary_dim(config)}

@@ -7,8 +7,8 @@ the tables of ``docs/models/<family>.md``, generated from the lowering so they c
 regenerates every such block and returns those that differ (a family's test asserts there
 are none), and ``--write PAGE`` rewrites them in place.
 
-One row per distinct task (the first of each kind for each layer kind: layer 0 stands for
-every block, step 0 round 0 for every round), then every object those tasks name, with
+One row per distinct task (the first of each kind for each layer kind: the first block of
+each block kind stands for every block of it, step 0 round 0 for every round), then every object those tasks name, with
 its bytes and what it holds (the named tensors of a packed object, or its dtype and shape).
 """
 
@@ -58,10 +58,13 @@ def task_doc(family_name: str, preset: str, *, batch: int, seq_len: int, dtype: 
     program, layout = lowered.program, StepLayout.of(lowered.program)
     kinds = {layer.name: layer.kind for layer in layout.layers}
     objects = {obj.id: obj for obj in program.objects}
+    firsts = {}  # the first layer of each layer kind stands for every layer of it
+    for layer in layout.layers:
+        firsts.setdefault(layer.kind, layer.name)
     shown: dict[tuple[str, str], Any] = {}
     for task in program.tasks:
         slot = layout.tasks[task.id]
-        if slot.round_ == 0 and slot.layer in ("emb", "0", "head"):
+        if slot.round_ == 0 and slot.layer in firsts.values():
             shown.setdefault((slot.kind, kinds[slot.layer]), task)
     policy = train.dtype
     lines = [

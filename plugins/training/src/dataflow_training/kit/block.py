@@ -1,0 +1,222 @@
+"""A pre-norm residual block composed of parts (``parts.py`` says what a part declares)::
+
+    h_mid = x + attention(norm(x))          input_layernorm, then the attention part
+    y     = h_mid + ffn(norm(h_mid))        post_attention_layernorm, then the FFN part
+
+``Block(attention, ffn, norm)`` is a whole ``BlockMath`` (protocol v2) and the layer's
+declaration: its parameters (the norms', the attention's, the FFN's, in HF's order; the
+FFN's own groups after the main one), its HF key rules, its reference module, and its
+``LayerCost`` summed from the parts' costs.
+
+What it saves for backward (the contents of ``A_<layer>``): the attention's tensors, then
+``h_mid`` (hidden), the residual stream between the halves, then the FFN's tensors. With
+them backward runs no projection and no attention forward again: it rebuilds only
+elementwise work (the two norms from ``x`` and ``h_mid``, the attention's q/k norms and
+rotations) and calls the fused backward kernels; every projection's gradients are
+``linear`` calls. ``forward`` and ``recompute`` share the attention half and the FFN's
+``recompute`` (the FFN's ``forward`` is its ``recompute`` plus its output), so they
+cannot drift apart.
+
+The block offers one partial save, ``mlp``: forward keeps the attention half's tensors
+and ``h_mid``; ``rederive`` makes the FFN's saved tensors again from ``h_mid`` (the second
+norm and the FFN's ``recompute``, with forward's AuxTemp: no attention), freeing what is
+usually most of what a block saves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from dataflow_training.family import (
+    Env,
+    LayerCost,
+    LayerSpec,
+    ParamGroup,
+    PartialSave,
+    TensorSpec,
+    Work,
+)
+from dataflow_training.kit.attention import SelfAttention
+from dataflow_training.kit.decoder_math import check_seq_len
+from dataflow_training.kit.mlp import SwiGLUFFN
+from dataflow_training.kit.norms import Norm
+from dataflow_training.kit.parts import as_is, ops_of, values_per_token
+
+Tensors = dict[str, torch.Tensor]
+
+#: the two norms' names (HF's)
+NORM_1, NORM_2 = "input_layernorm", "post_attention_layernorm"
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """Pre-norm block of an ``attention`` part, an ``ffn`` part and a ``norm`` kind (see
+    the module docstring); the default is Llama's: RMSNorm, causal grouped-query
+    attention with RoPE, the dense SwiGLU."""
+
+    attention: Any = SelfAttention()
+    ffn: Any = SwiGLUFFN()
+    norm: Norm = Norm()
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """Every op the block's math calls."""
+        return ("linear", *ops_of(self.norm, self.attention, self.ffn))
+
+    def _norms(self, config: Any) -> tuple[Any, Any]:
+        return self.norm.op(config, NORM_1), self.norm.op(config, NORM_2)
+
+    # -- the layer -----------------------------------------------------------------------
+    def layer(self, config: Any, name: str, kind: str) -> LayerSpec:
+        """Layer ``name`` of kind ``kind``: the main group (norms, attention, the FFN's
+        main parameters), the FFN's own groups and its Aux."""
+        n = config.hidden_size
+        main = (
+            *self.norm.params(NORM_1, n),
+            *self.attention.params(config),
+            *self.norm.params(NORM_2, n),
+            *self.ffn.params(config),
+        )
+        return LayerSpec(
+            name,
+            kind,
+            (ParamGroup("", main), *self.ffn.groups(config)),
+            aux=self.ffn.aux(config),
+            aux_scope=self.ffn.aux_scope,
+        )
+
+    def hf_rules(self, config: Any, prefix: str) -> list[Any]:
+        """The HF key rules of the layer's parameters under ``prefix``."""
+        n = config.hidden_size
+        return [
+            *as_is(self.norm.params(NORM_1, n), prefix),
+            *self.attention.hf_rules(config, prefix),
+            *as_is(self.norm.params(NORM_2, n), prefix),
+            *self.ffn.hf_rules(config, prefix),
+        ]
+
+    def reference(self, config: Any) -> Any:
+        """The plain-torch block (``decoder_reference.Block``) of the parts' references."""
+        from dataflow_training.kit import decoder_reference
+
+        n = config.hidden_size
+        return decoder_reference.Block(
+            self.norm.reference(config, n),
+            self.attention.reference(config),
+            self.norm.reference(config, n),
+            self.ffn.reference(config),
+        )
+
+    # -- BlockMath -----------------------------------------------------------------------
+    def saved(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
+        return (
+            *self.attention.saved(config, batch, seq_len),
+            TensorSpec("h_mid", (batch, seq_len, config.hidden_size)),
+            *self.ffn.saved(config, batch, seq_len),
+        )
+
+    def aux_temp(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
+        return self.ffn.aux_temp(config, batch, seq_len)
+
+    def _attention_half(
+        self, config: Any, params: Tensors, x: torch.Tensor, ops: Any
+    ) -> tuple[Tensors, torch.Tensor]:
+        """``h_mid = x + attention(n1(x))``: (what it saves, ``h_mid`` included, and
+        ``n2(h_mid)``, the FFN's input)."""
+        check_seq_len(config, x.shape[1])
+        norm_1, norm_2 = self._norms(config)
+        h1, _ = norm_1.forward(ops, params, x)
+        projected = self.attention.project(config, params, h1, ops)
+        del h1
+        out, attended = self.attention.attend(config, params, projected, ops)
+        h_mid = x + out
+        del out
+        h2, _ = norm_2.forward(ops, params, h_mid)
+        return {**projected, **attended, "h_mid": h_mid}, h2
+
+    def forward(
+        self, config: Any, params: Tensors, x: torch.Tensor, env: Env
+    ) -> tuple[torch.Tensor, Tensors, Tensors]:
+        saved, h2 = self._attention_half(config, params, x, env.ops)
+        out, ffn_saved, aux_temp = self.ffn.forward(config, params, h2, env)
+        del h2
+        return saved["h_mid"] + out, saved | ffn_saved, aux_temp
+
+    def recompute(
+        self, config: Any, params: Tensors, x: torch.Tensor, aux_temp: Tensors, env: Env
+    ) -> Tensors:
+        saved, h2 = self._attention_half(config, params, x, env.ops)
+        return saved | self.ffn.recompute(config, params, h2, aux_temp, env.ops)
+
+    def partial_saves(self, config: Any) -> tuple[PartialSave, ...]:
+        kept = (*(s.name for s in self.attention.saved(config, 1, 1)), "h_mid")
+        return (PartialSave("mlp", kept),)
+
+    def rederive(
+        self,
+        config: Any,
+        params: Tensors,
+        x: torch.Tensor,
+        kept: Tensors,
+        aux_temp: Tensors,
+        env: Env,
+        partial: str,
+    ) -> Tensors:
+        if partial != "mlp":
+            raise KeyError(f"the block has no partial save {partial!r}; it has: mlp")
+        h2, _ = self._norms(config)[1].forward(env.ops, params, kept["h_mid"])
+        return self.ffn.recompute(config, params, h2, aux_temp, env.ops)
+
+    def backward(
+        self,
+        config: Any,
+        params: Tensors,
+        x: torch.Tensor,
+        saved: Tensors,
+        aux_temp: Tensors,
+        dy: torch.Tensor,
+        env: Env,
+    ) -> tuple[torch.Tensor, Tensors]:
+        ops = env.ops
+        norm_1, norm_2 = self._norms(config)
+        # the FFN: y = h_mid + ffn(n2(h_mid))
+        h2, stats_2 = norm_2.forward(ops, params, saved["h_mid"])
+        d_h2, grads = self.ffn.backward(config, params, h2, saved, aux_temp, dy, env)
+        del h2
+        d_h_mid, g = norm_2.backward(ops, params, saved["h_mid"], stats_2, d_h2)
+        grads.update(g)
+        del d_h2
+        d_h_mid += dy  # the residual
+        # the attention: h_mid = x + attention(n1(x))
+        d_projected = self.attention.backward(config, params, x, saved, d_h_mid, grads, ops)
+        h1, stats_1 = norm_1.forward(ops, params, x)
+        d_h1 = self.attention.project_backward(config, params, h1, d_projected, grads, ops)
+        del d_projected, h1
+        d_x, g = norm_1.backward(ops, params, x, stats_1, d_h1)
+        grads.update(g)
+        return d_x.add_(d_h_mid), grads
+
+    def cost(self, config: Any, batch: int, seq_len: int, act_bytes: int) -> LayerCost:
+        """Forward: the parts' matmuls and the attention; activations ``x`` read and ``y``
+        written, every saved value written and read back, and what the FFN moves besides.
+        Backward: twice the matmuls and the FFN's extra, 2.5 times the attention, twice
+        the bytes. Recompute: forward up to the saved tensors (``x`` read, the saved ones
+        written, all but the FFN's read again). The ``mlp`` partial save: the FFN's
+        ``rederive``."""
+        tokens, n = batch * seq_len, config.hidden_size
+        projections, attention = self.attention.flops(config, batch, seq_len)
+        ffn = self.ffn.cost(config, batch, seq_len, act_bytes)
+        matmul = projections + ffn.matmul
+        ffn_saved = values_per_token(self.ffn.saved(config, 1, 1))
+        saved = values_per_token(self.attention.saved(config, 1, 1)) + n + ffn_saved
+        activations = tokens * act_bytes * (2 * n + 2 * saved + ffn.moved)
+        rederived = tokens * act_bytes * (n + 2 * saved - ffn_saved)
+        return LayerCost(
+            forward=Work(matmul + attention, activations),
+            backward=Work(2 * matmul + ffn.backward + 2.5 * attention, 2 * activations),
+            recompute=Work(matmul - ffn.not_recomputed + attention, rederived),
+            partial={"mlp": ffn.rederive},
+        )
