@@ -145,7 +145,6 @@ def test_task_inputs_are_filled_on_the_gpu_with_small_noise(step) -> None:
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from dataflow_training.step import StepLayout
 
     layout, device = step.layout, torch.device("cuda")
     task = step.program.tasks[0]

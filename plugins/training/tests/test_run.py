@@ -186,7 +186,9 @@ def test_the_engine_takes_start_values_one_object_at_a_time(monkeypatch):
     assert len(alive) > 4
     monkeypatch.undo()
     eager = TrainingRun.of("gpt2", "gpt2_tiny", train, seed=0)
-    eager_initial = values.start_values(eager.compiled.running, eager._weights, lambda _s, r: batches[r])
+    eager_initial = values.start_values(
+        eager.compiled.running, eager._weights, lambda _s, r: batches[r]
+    )
     assert set(eager_initial) == set(looked_up)
     assert eager.step(batches).losses == stats.losses
 

@@ -135,7 +135,10 @@ def test_a_pool_past_the_limit_is_planned_again_inside_a_slow_budget_that_fits()
     )
     assert free.compiled.pool_note is None
     assert fitted.compiled.pinned_bytes <= limit < free.compiled.pinned_bytes
-    assert fitted.compiled.backing_bytes is not None and fitted.compiled.predicted()["slow_peak_bytes"] <= limit
+    assert (
+        fitted.compiled.backing_bytes is not None
+        and fitted.compiled.predicted()["slow_peak_bytes"] <= limit
+    )
     assert "planned inside a slow budget" in fitted.compiled.pool_note
     g = torch.Generator().manual_seed(1)
     batches = [
@@ -166,6 +169,6 @@ def test_the_pool_limit_on_cuda_leaves_room_for_the_weights_still_to_be_made(mon
     assert compiled_module.pool_limits("cuda", None)[0][0] == 64 * 2**30 - reserve
     weights = sum(value.numel() * value.element_size() for value in run._weights.values())
     packed = sum(p.layout.size_bytes for p in run.compiled.layout.of_kind("W"))
-    (limit, _what), = compiled_module.pool_limits("cuda", None, packed)
+    ((limit, _what),) = compiled_module.pool_limits("cuda", None, packed)
     room = 64 * 2**30 - reserve - limit
     assert weights <= room < weights * 11 // 10  # their packed objects' bytes, padding and all

@@ -17,11 +17,11 @@ import pytest
 pytest.importorskip("dataflow_family_gpt2")
 pytest.importorskip("dataflow_feed_shards")
 
+from dataflow_training.compiled_step import UNBOUNDED_BYTES, compile_step  # noqa: E402
+from dataflow_training.components import TENSORBOARD_SCALARS  # noqa: E402
 from dataflow_training.config import TrainConfig  # noqa: E402
 from dataflow_training.family import load_family  # noqa: E402
 from dataflow_training.lowering import lower  # noqa: E402
-from dataflow_training.compiled_step import UNBOUNDED_BYTES, compile_step  # noqa: E402
-from dataflow_training.components import TENSORBOARD_SCALARS  # noqa: E402
 from dataflow_training.trainer import (  # noqa: E402
     TrainOptions,
     lr_at,

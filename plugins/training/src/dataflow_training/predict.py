@@ -39,7 +39,7 @@ from dataflow_training.config import (
     optimizer_states,
 )
 from dataflow_training.hardware import HardwareEntry
-from dataflow_training.step import StepLayout
+from dataflow_training.lowering import Lowered
 
 #: Config fields under which a family may declare the longest sequence its model takes.
 MAX_SEQ_LEN_FIELDS = ("max_seq_len", "n_positions", "max_position_embeddings")

@@ -235,9 +235,7 @@ class Rewriter:
             return self.step.with_program(program)
         found = self._candidate(full, partial)
         if {t.id for t in found.program.tasks} != {t.id for t in program.tasks}:
-            raise ValueError(
-                f"program {program.name!r} is not a recompute candidate of this step"
-            )
+            raise ValueError(f"program {program.name!r} is not a recompute candidate of this step")
         return self.step.with_program(program, found.layout)
 
     def rebased(self, step: Lowered) -> Rewriter:
@@ -552,9 +550,7 @@ def step_planner(rewriter: Rewriter, max_candidates: int | None = None) -> Plann
         return rewriter if step.program is rewriter.program else rewriter.rebased(step)
 
     def plan_step(program: Program, budget_bytes: int, **options: Any) -> Program:
-        found = search(
-            rewriter_of(program), budget_bytes, max_candidates=max_candidates, **options
-        )
+        found = search(rewriter_of(program), budget_bytes, max_candidates=max_candidates, **options)
         return found.plan.program
 
     def minimal(program: Program, **options: Any) -> int:
@@ -578,9 +574,7 @@ def recompute_planner(
     def plan_recompute(program: Program, budget_bytes: int, **options: Any) -> Program:
         if StepLayout.METADATA_KEY not in program.metadata:
             return PRESSUREFIT.plan(program, budget_bytes, **options)
-        found = search(
-            rewriter_of(program), budget_bytes, max_candidates=max_candidates, **options
-        )
+        found = search(rewriter_of(program), budget_bytes, max_candidates=max_candidates, **options)
         return found.plan.program
 
     def minimal(program: Program, **options: Any) -> int:
@@ -616,4 +610,6 @@ def measured_rewriter(
     profiles |= profile(rewriter.candidate(rewriter.all))
     if rewriter.partial_units:  # the partial saves' forward, rec and backward tasks
         profiles |= profile(rewriter.candidate((), rewriter.partial_units))
-    return Rewriter(step, lambda p: apply_profile(p, profiles), rewriter.relower, rewriter._lowerings)
+    return Rewriter(
+        step, lambda p: apply_profile(p, profiles), rewriter.relower, rewriter._lowerings
+    )

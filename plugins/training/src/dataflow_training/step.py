@@ -183,9 +183,7 @@ class StepLayout:
     def grad_norms(self) -> tuple[str, ...]:
         """The squared gradient norms the step's ``gnorm`` tasks write (none when the
         step neither clips nor measures its gradient norm)."""
-        return tuple(
-            slot.one("grad_norm") for slot in self.tasks.values() if slot.kind == "gnorm"
-        )
+        return tuple(slot.one("grad_norm") for slot in self.tasks.values() if slot.kind == "gnorm")
 
     def saved_by(self) -> dict[str, TaskSlot]:
         """Each saved-context object (``A`` and a partial save's rest) with the forward

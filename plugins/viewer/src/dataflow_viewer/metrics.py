@@ -31,10 +31,11 @@ class StepWork:
 def step_work(program: Program) -> StepWork | None:
     """Tokens and model FLOPs of a program ``dataflow-training`` lowered; None for any
     other program (a hand-written chain has neither)."""
-    from dataflow.registry import UnknownNameError
     from dataflow_training.lowering import Lowered
     from dataflow_training.predict import step_flops
     from dataflow_training.step import StepLayout
+
+    from dataflow.registry import UnknownNameError
 
     if StepLayout.METADATA_KEY not in program.metadata:
         return None
