@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dataflow_training.config import UPDATES, parse_order
+from dataflow_training.step.config import UPDATES, parse_order
 
 from benchmarks.harness import ROOT
 from benchmarks.harness.compare_doc import (

@@ -37,7 +37,7 @@ TIMEOUT_S = 1800
 
 def run_config(name: str, rounds: list[int], args: argparse.Namespace) -> dict[str, Any]:
     """Start the members of one configuration, wait for them, combine their reports."""
-    from dataflow_training.fleet import run_on_loopback
+    from dataflow_training.drive.fleet import run_on_loopback
 
     world = len(rounds)
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,10 +107,10 @@ def table(rows: list[dict[str, Any]]) -> str:
 # -- one member ------------------------------------------------------------------------
 def member(out: str, rounds: list[int], args: argparse.Namespace) -> None:
     import torch
-    from dataflow_training.config import DtypePolicy, TrainConfig
-    from dataflow_training.fleet import join
-    from dataflow_training.run import TrainingRun
-    from dataflow_training.trainer import fleet_links
+    from dataflow_training.drive.fleet import join
+    from dataflow_training.drive.run import TrainingRun
+    from dataflow_training.drive.trainer import fleet_links
+    from dataflow_training.step.config import DtypePolicy, TrainConfig
 
     from dataflow.sim.result import exposed_us
     from dataflow.units import parse_size

@@ -18,9 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-from dataflow_training.family import load_family
-from dataflow_training.hardware import hardware
-from dataflow_training.predict import grid, predict_fleet
+from dataflow_training.plan.hardware import hardware
+from dataflow_training.plan.predict import grid, predict_fleet
+from dataflow_training.step.family import load_family
 
 GiB = 2**30
 #: preset -> (family, seq_len, T_round, tokens per step and rank, fast budget per rank)

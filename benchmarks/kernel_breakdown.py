@@ -122,7 +122,7 @@ OPTIONS = ("cudnn", "eager-writes")
 def options(chosen: set[str]) -> Iterator[None]:
     """The setup's options, patched in for its run and undone after."""
     import dataflow_resolver_torch.compiled as compiled
-    import dataflow_training.tasks as tasks
+    import dataflow_training.drive.tasks as tasks
 
     from dataflow.plugins import kernels
 
@@ -148,7 +148,7 @@ def options(chosen: set[str]) -> Iterator[None]:
 def dataflow_setup(
     family: Any, args: argparse.Namespace, budget: int, batch: int, rounds: int
 ) -> tuple[Callable, int, Any]:
-    from dataflow_training.config import head_chunk_tokens
+    from dataflow_training.step.config import head_chunk_tokens
 
     chunk = head_chunk_tokens(budget, family.config(args.preset).vocab_size)
     train = train_config(args.dtype, batch, rounds, args.seq_len, chunk)

@@ -58,12 +58,12 @@ import time
 from pathlib import Path
 
 import attrs
-from dataflow_training.config import UPDATES, head_chunk_tokens
-from dataflow_training.family import load_family
-from dataflow_training.lowering import lower
-from dataflow_training.profile import TaskProfile, apply_profile, signature, without_workspace
-from dataflow_training.recompute import measured_rewriter, step_planner
-from dataflow_training.train_defaults import default_family
+from dataflow_training.cli.train_defaults import default_family
+from dataflow_training.plan.profile import TaskProfile, apply_profile, signature, without_workspace
+from dataflow_training.plan.recompute import measured_rewriter, step_planner
+from dataflow_training.step.config import UPDATES, head_chunk_tokens
+from dataflow_training.step.family import load_family
+from dataflow_training.step.lowering import lower
 
 from benchmarks.harness.compare_dataflow import train_config
 from dataflow.engine.backends.torch_storage import slow_pool_bytes

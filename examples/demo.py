@@ -109,9 +109,9 @@ def train_gpt2_tiny(console: Console) -> bool:
     from dataflow.registry import UnknownNameError
 
     try:
-        from dataflow_training.config import TrainConfig
-        from dataflow_training.lowering import lower
-        from dataflow_training.verify import TOLERANCES, step_checks
+        from dataflow_training.check.verify import TOLERANCES, step_checks
+        from dataflow_training.step.config import TrainConfig
+        from dataflow_training.step.lowering import lower
 
         family = families().get("gpt2").load()
     except (ImportError, UnknownNameError) as exc:

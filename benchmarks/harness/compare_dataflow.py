@@ -30,15 +30,15 @@ from typing import Any
 
 import cattrs
 import torch
-from dataflow_training.compiled_step import available_host_bytes
-from dataflow_training.config import (
+from dataflow_training.drive.run import TrainingRun
+from dataflow_training.plan.compiled_step import available_host_bytes
+from dataflow_training.step.config import (
     DtypePolicy,
     TrainConfig,
     head_chunk_tokens,
     optimizer_states,
 )
-from dataflow_training.lowering import lower
-from dataflow_training.run import TrainingRun
+from dataflow_training.step.lowering import lower
 
 from benchmarks.harness.compare_doc import make_row
 from benchmarks.harness.measure import RowTimeout, idle_pct, one_line, profile_step, time_limit

@@ -33,9 +33,9 @@ import json
 import statistics
 
 import torch
-from dataflow_training.family import embed_layer, load_family
-from dataflow_training.verify_checks import compare
-from dataflow_training.verify_step import Reference, start_weights, step_config, step_tokens
+from dataflow_training.check.verify_checks import compare
+from dataflow_training.check.verify_step import Reference, start_weights, step_config, step_tokens
+from dataflow_training.step.family import embed_layer, load_family
 
 #: verify's step shape and optimizer (``verify.verify`` defaults, ``step_config``)
 BATCH, SEQ_LEN, ROUNDS, SEED = 2, 16, 2, 0

@@ -38,12 +38,12 @@ import time
 from pathlib import Path
 
 import attrs
-from dataflow_training.config import head_chunk_tokens
-from dataflow_training.family import load_family
-from dataflow_training.hardware import hardware
-from dataflow_training.lowering import lower
-from dataflow_training.profile import apply_profile
-from dataflow_training.recompute import measured_rewriter, step_planner
+from dataflow_training.plan.hardware import hardware
+from dataflow_training.plan.profile import apply_profile
+from dataflow_training.plan.recompute import measured_rewriter, step_planner
+from dataflow_training.step.config import head_chunk_tokens
+from dataflow_training.step.family import load_family
+from dataflow_training.step.lowering import lower
 
 from benchmarks.harness.compare_dataflow import train_config
 from benchmarks.place_llama3_8b import PROFILES, RESERVE_BYTES, Lookup, measured_profiles

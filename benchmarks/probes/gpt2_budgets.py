@@ -33,10 +33,10 @@ from pathlib import Path
 
 import attrs
 import torch
-from dataflow_training.config import DtypePolicy, OptimizerPolicy, TrainConfig
-from dataflow_training.lowering import lower
-from dataflow_training.profile import apply_profile, profile_program
-from dataflow_training.values import start_values
+from dataflow_training.drive.values import start_values
+from dataflow_training.plan.profile import apply_profile, profile_program
+from dataflow_training.step.config import DtypePolicy, OptimizerPolicy, TrainConfig
+from dataflow_training.step.lowering import lower
 
 from benchmarks.harness.stock import time_stock
 from dataflow.engine import Engine

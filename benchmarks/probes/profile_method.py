@@ -31,9 +31,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from dataflow_training.config import head_chunk_tokens
-from dataflow_training.lowering import lower
-from dataflow_training.profile import profile_program, signature
+from dataflow_training.plan.profile import profile_program, signature
+from dataflow_training.step.config import head_chunk_tokens
+from dataflow_training.step.lowering import lower
 
 from benchmarks.harness.compare_dataflow import train_config
 from dataflow.plugins import families, resolvers

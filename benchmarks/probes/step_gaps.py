@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-from dataflow_training.config import head_chunk_tokens
+from dataflow_training.step.config import head_chunk_tokens
 
 from benchmarks.harness.compare_dataflow import random_batches, row_run, train_config
 from dataflow.plugins import families

@@ -28,10 +28,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from dataflow_training.config import DtypePolicy, TrainConfig
-from dataflow_training.lowering import lower
-from dataflow_training.profile import profile_program, signature
-from dataflow_training.tasks import TrainingTasks
+from dataflow_training.drive.tasks import TrainingTasks
+from dataflow_training.plan.profile import profile_program, signature
+from dataflow_training.step.config import DtypePolicy, TrainConfig
+from dataflow_training.step.lowering import lower
 
 from benchmarks.harness.stock import time_stock
 from dataflow.plugins import families, kernels, resolvers

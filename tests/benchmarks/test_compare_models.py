@@ -29,7 +29,7 @@ DECODERS = [
 
 
 def family(name):
-    from dataflow_training.family import load_family
+    from dataflow_training.step.family import load_family
 
     return load_family(name)
 

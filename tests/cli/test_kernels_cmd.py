@@ -198,7 +198,7 @@ def test_registered_as_a_builtin_command() -> None:
 
 @needs_torch_kernels
 def test_the_torch_kernels_cover_the_training_ops() -> None:
-    ops = pytest.importorskip("dataflow_training.ops")
+    ops = pytest.importorskip("dataflow_training.step.ops")
     variants = [v for v in _json() if v["distribution"] == TORCH_KERNELS]
     assert set(ops.STANDARD_OPS) <= {v["op"] for v in variants}
     by_key = {f"{v['op']}/{v['name']}": v for v in variants}

@@ -131,12 +131,12 @@ def test_the_rule_catches_a_planted_offender() -> None:
         "from dataflow.engine import Engine\n"
         "from dataflow.engine.dispatcher import Dispatcher\n"
         "from dataflow.engine import _internal\n"
-        "import dataflow_training.lowering\n"
+        "import dataflow_training.step.lowering\n"
         "from dataflow_family_gpt2 import model\n"
     )
     assert offenders(planted, surface, own=None) == [
         "2: dataflow.engine.dispatcher (not a public module)",
         "3: _internal from dataflow.engine (not public)",
-        "4: dataflow_training.lowering (not a public module)",
+        "4: dataflow_training.step.lowering (not a public module)",
     ]
     assert offenders(planted, surface, own="dataflow_training")[-1].startswith("3:")

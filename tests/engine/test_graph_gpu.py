@@ -146,8 +146,8 @@ def test_a_new_input_fed_every_step_is_what_the_step_computes_on(graph: bool) ->
 
 
 def _train(graph: bool, budget: int):
-    from dataflow_training.config import TrainConfig
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.run import TrainingRun
+    from dataflow_training.step.config import TrainConfig
 
     train = TrainConfig(seq_len=64, batch=4, rounds=2)
     gen = torch.Generator().manual_seed(0)

@@ -15,9 +15,9 @@ pytest.importorskip("dataflow_family_gpt2")
 pytest.importorskip("dataflow_resolver_torch")
 pytest.importorskip("dataflow_kernels_torch")
 
-from dataflow_training.config import TrainConfig  # noqa: E402
-from dataflow_training.lowering import lower  # noqa: E402
-from dataflow_training.verify import TOLERANCES, step_checks  # noqa: E402
+from dataflow_training.check.verify import TOLERANCES, step_checks  # noqa: E402
+from dataflow_training.step.config import TrainConfig  # noqa: E402
+from dataflow_training.step.lowering import lower  # noqa: E402
 
 from dataflow.planning import minimal_budget  # noqa: E402
 from dataflow.plugins import families  # noqa: E402
@@ -56,7 +56,7 @@ def test_gpt2_tiny_matches_reference(budget: str) -> None:
 
 
 def test_profiling_pass_prices_every_task_by_its_signature() -> None:
-    from dataflow_training.profile import apply_profile, profile_program, signature
+    from dataflow_training.plan.profile import apply_profile, profile_program, signature
 
     from dataflow.plugins import resolvers
 

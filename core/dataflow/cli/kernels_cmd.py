@@ -29,7 +29,7 @@ def list_command(as_json: bool, op: str | None, device: str | None) -> None:
     """List each kernel variant: op, name, distribution, devices, whether it is
     deterministic, its priority and what it is. Within an op, variants come in the order
     they are preferred (highest priority first): with --device, the first of each op is
-    the one `dataflow_training.ops.load_ops` picks for that device. DATAFLOW_KERNELS
+    the one `dataflow_training.step.ops.load_ops` picks for that device. DATAFLOW_KERNELS
     (OP=NAME,...) puts a variant first wherever it runs."""
     manager = get_plugin_manager()
     try:

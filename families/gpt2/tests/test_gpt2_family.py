@@ -10,8 +10,8 @@ from dataflow_family_gpt2.config import GPT2Config
 from dataflow_family_gpt2.family import GPT2Family
 from dataflow_family_gpt2.layers import parameter_count
 from dataflow_family_gpt2.presets import PRESETS, UnknownPresetError, preset, preset_table
-from dataflow_training.family import BlockMath, EmbedMath, Family, HeadMath
-from dataflow_training.testing import TrainingFamilyConformance
+from dataflow_training.step.family import BlockMath, EmbedMath, Family, HeadMath
+from dataflow_training.testing.conformance import TrainingFamilyConformance
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "builtin_models.md"
 

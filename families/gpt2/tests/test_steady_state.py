@@ -16,9 +16,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dataflow_family_gpt2.family import GPT2Family  # noqa: E402
-from dataflow_training.config import TrainConfig  # noqa: E402
-from dataflow_training.lowering import lower  # noqa: E402
-from dataflow_training.run import TrainingRun  # noqa: E402
+from dataflow_training.drive.run import TrainingRun  # noqa: E402
+from dataflow_training.step.config import TrainConfig  # noqa: E402
+from dataflow_training.step.lowering import lower  # noqa: E402
 
 from dataflow.planning import place, plan  # noqa: E402
 from dataflow.schema import Location  # noqa: E402

@@ -11,8 +11,8 @@ from dataflow_family_llama3.config import Llama3Config
 from dataflow_family_llama3.family import Llama3Family
 from dataflow_training.kit.block import Block
 from dataflow_training.kit.decoder import Decoder
-from dataflow_training.kit.decoder_testing import DecoderFamilyChecks
-from dataflow_training.testing import TrainingFamilyConformance
+from dataflow_training.testing.conformance import TrainingFamilyConformance
+from dataflow_training.testing.decoder import DecoderFamilyChecks
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 
@@ -50,8 +50,8 @@ def test_presets_are_llama3_configs_without_qk_norm() -> None:
 def test_verify_passes_in_bf16_on_cuda(preset: str) -> None:
     """`dataflow verify --family llama3 --preset PRESET --device cuda --dtype bf16`: the
     engine's step on the GPU (bf16 weights, gradients, activations) against the float64
-    reference, at the bf16 tolerances of `dataflow_training.verify.TOLERANCES`."""
-    from dataflow_training.verify import verify
+    reference, at the bf16 tolerances of `dataflow_training.check.verify.TOLERANCES`."""
+    from dataflow_training.check.verify import verify
 
     failed = [c for c in verify("llama3", preset, device="cuda", policy="bf16") if not c.ok]
     assert not failed, failed

@@ -1,4 +1,4 @@
-"""What the package registers, and what ``dataflow_training.ops.load_ops`` picks from it."""
+"""What the package registers, and what ``dataflow_training.step.ops.load_ops`` picks from it."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ AUTOGRAD_OPS = ("attention", "layer_norm", "rms_norm", "gelu", "silu", "linear")
 
 
 def test_every_training_op_has_a_variant_on_cpu_and_cuda(manager) -> None:
-    ops = pytest.importorskip("dataflow_training.ops")
+    ops = pytest.importorskip("dataflow_training.step.ops")
     registry = manager.kernels()
     for device in ("cpu", "cuda"):
         for op in ops.STANDARD_OPS:
@@ -108,7 +108,7 @@ def test_variants_have_descriptions_and_devices(manager) -> None:
 
 
 def test_signatures_match_the_documented_ops(manager) -> None:
-    """Parameter names and kinds as ``dataflow_training.ops`` documents them."""
+    """Parameter names and kinds as ``dataflow_training.step.ops`` documents them."""
     expected = {
         "attention": "(q, k, v, *, causal)",
         "layer_norm": "(x, weight, bias, eps)",
@@ -147,7 +147,7 @@ def test_signatures_match_the_documented_ops(manager) -> None:
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_load_ops_picks_the_torch_variants(isolated_plugin_manager, device) -> None:
-    training_ops = pytest.importorskip("dataflow_training.ops")
+    training_ops = pytest.importorskip("dataflow_training.step.ops")
     from dataflow_kernels_torch import adamw, cross_entropy, functional, plugin
 
     isolated_plugin_manager(plugin)
@@ -160,7 +160,7 @@ def test_load_ops_picks_the_torch_variants(isolated_plugin_manager, device) -> N
 
 
 def test_load_ops_deterministic_picks_the_reproducible_attention(isolated_plugin_manager):
-    training_ops = pytest.importorskip("dataflow_training.ops")
+    training_ops = pytest.importorskip("dataflow_training.step.ops")
     from dataflow_kernels_torch import adamw, functional, plugin
 
     isolated_plugin_manager(plugin)

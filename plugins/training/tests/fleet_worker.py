@@ -24,14 +24,14 @@ def global_batches(step: int, rounds: int) -> list[tuple[torch.Tensor, torch.Ten
 
 
 def train_config(rounds: int, clip: float | None):
-    from dataflow_training.config import TrainConfig
+    from dataflow_training.step.config import TrainConfig
 
     return TrainConfig(seq_len=SEQ_LEN, batch=BATCH, rounds=rounds, clip=clip, grad_norm=True)
 
 
 def main(out: str, rounds_text: str, steps: int, clip_text: str, device: str = "cpu") -> None:
-    from dataflow_training.fleet import join
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.fleet import join
+    from dataflow_training.drive.run import TrainingRun
 
     rounds = [int(r) for r in rounds_text.split(",")]
     clip = None if clip_text == "none" else float(clip_text)

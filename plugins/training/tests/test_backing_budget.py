@@ -22,8 +22,8 @@ GiB = 2**30
 
 
 def test_each_member_takes_its_own_backing_budget(monkeypatch):
-    from dataflow_training import fleet as fleet_module
-    from dataflow_training.train_cli import _join
+    from dataflow_training.cli.train_cli import _join
+    from dataflow_training.drive import fleet as fleet_module
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -72,7 +72,7 @@ def test_a_wrong_count_names_the_option(tmp_path):
 
 
 def test_the_run_plans_and_runs_inside_its_backing_budget():
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.run import TrainingRun
 
     from dataflow.planning import PlanningError
     from dataflow.schema import Location

@@ -6,16 +6,16 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
-from dataflow_training.config import TrainConfig
-from dataflow_training.family import FamilyContractError, LayerSpec, TensorSpec
-from dataflow_training.keys import ComputeKeyError, family_key, optimizer_key, parse
-from dataflow_training.lowering import lower
-from dataflow_training.step import StepLayout
-from dataflow_training.tasks import TrainingTasks
-from dataflow_training.toy import Block, ToyFamily, plain_ops
-from dataflow_training.toy_moe import ToyMoEFamily
-from dataflow_training.values import start_values
-from dataflow_training.verify import check_state_keys
+from dataflow_training.check.verify import check_state_keys
+from dataflow_training.drive.tasks import TrainingTasks
+from dataflow_training.drive.values import start_values
+from dataflow_training.step.config import TrainConfig
+from dataflow_training.step.family import FamilyContractError, LayerSpec, TensorSpec
+from dataflow_training.step.keys import ComputeKeyError, family_key, optimizer_key, parse
+from dataflow_training.step.layout import StepLayout
+from dataflow_training.step.lowering import lower
+from dataflow_training.testing.toy import Block, ToyFamily, plain_ops
+from dataflow_training.testing.toy_moe import ToyMoEFamily
 
 from dataflow.engine import Engine
 from dataflow.planning import plan
@@ -125,7 +125,7 @@ def test_a_head_tied_to_an_undeclared_parameter_is_named(monkeypatch) -> None:
 
 
 def test_a_family_registered_under_another_name_is_refused(isolated_plugin_manager) -> None:
-    from dataflow_training.family import load_family
+    from dataflow_training.step.family import load_family
 
     from dataflow import hookimpl
     from dataflow.registry import FamilySpec
@@ -166,7 +166,7 @@ def test_moe_recompute_reads_the_routing_verbatim() -> None:
     torch.manual_seed(0)
     state = family.reference_model(config).state_dict()
     params = {n: state[f"0.{n}"].detach() for n in ("router", "w_in", "w_out")}
-    from dataflow_training.family import Env
+    from dataflow_training.step.family import Env
 
     env = Env(plain_ops())
     x = torch.randn(2, 4, config.dim)
@@ -217,7 +217,7 @@ def test_toy_moe_verify_passes_at_a_tight_budget() -> None:
     and places: the step moves experts, AuxTemp and Aux through the links and still equals
     the reference."""
     pytest.importorskip("dataflow_kernels_torch")
-    from dataflow_training.verify import step_config, verify
+    from dataflow_training.check.verify import step_config, verify
 
     from dataflow.planning import minimal_budget
 

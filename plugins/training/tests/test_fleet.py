@@ -35,7 +35,7 @@ def free_port() -> int:
 def run_fleet(
     tmp_path: Path, rounds: list[int], steps: int, clip: str, device: str = "cpu"
 ) -> list[list]:
-    from dataflow_training.fleet import run_on_loopback
+    from dataflow_training.drive.fleet import run_on_loopback
 
     args = [str(tmp_path), ",".join(map(str, rounds)), str(steps), clip, device]
     env = dict(os.environ, DATAFLOW_FLEET_TIMEOUT_S="30")
@@ -48,7 +48,7 @@ def run_fleet(
 def single_process(rounds: int, steps: int, clip: float | None, device: str = "cpu") -> list:
     sys.path.insert(0, str(WORKER.parent))
     import fleet_worker as w
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.run import TrainingRun
 
     run = TrainingRun.of("gpt2", w.PRESET, w.train_config(rounds, clip), seed=0, device=device)
     record = []

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from dataflow_training.conductor import Topology, member_command, member_env
-from dataflow_training.fleet import FleetError, check_versions
+from dataflow_training.drive.conductor import Topology, member_command, member_env
+from dataflow_training.drive.fleet import FleetError, check_versions
 
 pytest.importorskip("dataflow_family_gpt2")
 
@@ -205,7 +205,7 @@ def test_torchrun_starts_a_fleet_on_one_host(tmp_path):
 
 
 def test_per_member_values_and_shares():
-    from dataflow_training.fleet import per_rank, token_shares
+    from dataflow_training.drive.fleet import per_rank, token_shares
 
     assert per_rank("6,2", 2, "--rounds", int) == [6, 2]
     assert per_rank("4", 3, "--rounds", int) == [4, 4, 4]

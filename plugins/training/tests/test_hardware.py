@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from dataflow_training.config import DtypePolicy, TrainConfig
-from dataflow_training.costs import RooflineCost
-from dataflow_training.hardware import (
+from dataflow_training.plan.hardware import (
     HARDWARE_ENV,
     HardwareEntry,
     HardwareError,
     hardware,
     load_table,
 )
-from dataflow_training.lowering import lower
-from dataflow_training.toy import ToyFamily
+from dataflow_training.step.config import DtypePolicy, TrainConfig
+from dataflow_training.step.costs import RooflineCost
+from dataflow_training.step.lowering import lower
+from dataflow_training.testing.toy import ToyFamily
 
 H200_FIELDS = (
     "flops_per_us.bfloat16",

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dataflow_training.config import DtypePolicy, TrainConfig
-from dataflow_training.lowering import lower
+from dataflow_training.step.config import DtypePolicy, TrainConfig
+from dataflow_training.step.lowering import lower
 
 pytest.importorskip("dataflow_family_llama3")
 
@@ -27,7 +27,7 @@ def _train(tiles: bool) -> TrainConfig:
 
 
 def _heads(tiles: bool) -> list:
-    from dataflow_training.family import load_family
+    from dataflow_training.step.family import load_family
 
     program = lower(load_family("llama3"), PRESET, _train(tiles)).program
     return [task for task in program.tasks if task.kind == "head"]
@@ -45,7 +45,7 @@ def test_a_tiled_head_trains_as_the_chunk_summed_one(monkeypatch) -> None:
     2e-2 (relative), every weight within bf16's step tolerance; and the tiled run's kernel
     was asked for tiles in every head task."""
     from dataflow_kernels_torch import cross_entropy
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.run import TrainingRun
 
     asked = []
     fast = cross_entropy.chunked_cross_entropy

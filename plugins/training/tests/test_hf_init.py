@@ -27,7 +27,7 @@ BATCH = 2
 
 def _hf_model(layers: int = 2):
     transformers = pytest.importorskip("transformers", reason="the --init tests need transformers")
-    from dataflow_training.family import load_family
+    from dataflow_training.step.family import load_family
 
     preset = load_family("llama3").config(PRESET)
     scaling = preset.rope_scaling
@@ -60,7 +60,7 @@ def _hf_model(layers: int = 2):
 
 
 def _options(folder: Path, out: Path, steps: int, **more):
-    from dataflow_training.trainer import TrainOptions
+    from dataflow_training.drive.trainer import TrainOptions
 
     return TrainOptions(
         family="llama3",
@@ -76,7 +76,7 @@ def _options(folder: Path, out: Path, steps: int, **more):
 
 def _hf_loss(model, options) -> float:
     """The HF model's loss on the run's first batch (the same feed, opened again)."""
-    from dataflow_training.trainer import open_feed
+    from dataflow_training.drive.trainer import open_feed
 
     tokens, targets = open_feed(options).next()
     with torch.no_grad():
@@ -86,7 +86,7 @@ def _hf_loss(model, options) -> float:
 
 @pytest.mark.parametrize("layers", [2, 3], ids=["the preset", "a layer more"])
 def test_the_first_loss_is_the_hf_models(tmp_path, layers):
-    from dataflow_training.trainer import train
+    from dataflow_training.drive.trainer import train
 
     model = _hf_model(layers)
     model.save_pretrained(tmp_path / "hf")
@@ -165,7 +165,7 @@ def test_init_failures_are_one_line(tmp_path):
 
 def test_without_a_preset_the_folders_config_names_it(tmp_path):
     pytest.importorskip("transformers")
-    from dataflow_training.hf_init import preset_of
+    from dataflow_training.drive.hf_init import preset_of
 
     _hf_model(3).save_pretrained(tmp_path / "hf")  # llama3_tiny with a layer more
     assert preset_of(tmp_path / "hf") == ("llama3", PRESET)
@@ -190,7 +190,7 @@ def test_without_a_preset_the_folders_config_names_it(tmp_path):
 
 
 def test_byte_tokens_for_a_model_with_its_own_tokenizer_are_warned_of(tmp_path):
-    from dataflow_training.trainer import train
+    from dataflow_training.drive.trainer import train
 
     _hf_model().save_pretrained(tmp_path / "hf")
     for with_tokenizer in (False, True):
@@ -206,8 +206,8 @@ def test_byte_tokens_for_a_model_with_its_own_tokenizer_are_warned_of(tmp_path):
 
 
 def test_a_family_without_an_hf_import_says_so(tmp_path):
-    from dataflow_training.hf_init import InitError, hf_overrides
-    from dataflow_training.toy import ToyFamily
+    from dataflow_training.drive.hf_init import InitError, hf_overrides
+    from dataflow_training.testing.toy import ToyFamily
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")

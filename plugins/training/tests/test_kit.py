@@ -11,14 +11,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from dataflow_training.family import Env
 from dataflow_training.kit import rotary
 from dataflow_training.kit.attention import attention_backward, attention_forward
 from dataflow_training.kit.head import IGNORE_INDEX, lm_head_loss
 from dataflow_training.kit.linear import Linear
 from dataflow_training.kit.mlp import SwiGLU
 from dataflow_training.kit.norms import LayerNorm, RMSNorm
-from dataflow_training.ops import load_ops
+from dataflow_training.step.family import Env
+from dataflow_training.step.ops import load_ops
 
 pytest.importorskip("dataflow_kernels_torch")
 

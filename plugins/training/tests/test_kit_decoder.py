@@ -148,7 +148,7 @@ def test_config_json_rope_spellings() -> None:
 
 
 def test_stale_blocks_find_a_planted_difference_and_rewrite_fixes_it() -> None:
-    from dataflow_training.kit.task_doc import rewrite, stale_blocks, task_doc
+    from dataflow_training.testing.task_doc import rewrite, stale_blocks, task_doc
 
     args = "toy_moe toy_moe_tiny --batch 2 --seq-len 8 --dtype fp32"
     body = task_doc("toy_moe", "toy_moe_tiny", batch=2, seq_len=8, dtype="fp32")

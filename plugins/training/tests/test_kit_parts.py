@@ -19,14 +19,14 @@ from dataflow_training.kit.attention import OutputGate, QKNorm, SelfAttention
 from dataflow_training.kit.block import Block
 from dataflow_training.kit.decoder import Decoder, DecoderConfig
 from dataflow_training.kit.decoder_family import DecoderFamily
-from dataflow_training.kit.decoder_testing import DecoderHFParity
 from dataflow_training.kit.mlp import SwiGLUFFN
 from dataflow_training.kit.moe import MoEConfig, RoutedExperts, SharedExpert
 from dataflow_training.kit.moe_family import MoEFamily
-from dataflow_training.kit.moe_testing import MoEHFParity
 from dataflow_training.kit.norms import Norm
 from dataflow_training.kit.plugin import family_plugin
 from dataflow_training.kit.rotary import Rope
+from dataflow_training.testing.decoder import DecoderHFParity
+from dataflow_training.testing.moe import MoEHFParity
 
 pytest.importorskip("dataflow_kernels_torch")
 
@@ -237,7 +237,7 @@ def test_verify_passes_with_the_parts(name: str, preset: str) -> None:
     """The gate, partial rotary, zero-centred norms (and the shared expert): every op
     against its float64 formula, each layer kind's backward against autograd, whole steps
     against the reference."""
-    from dataflow_training.verify import verify
+    from dataflow_training.check.verify import verify
 
     checks = verify(name, preset, device="cpu")
     assert {check.level for check in checks} == {"op", "task", "step"}

@@ -7,11 +7,11 @@ import math
 
 import attrs
 import pytest
-from dataflow_training.config import DtypePolicy, TrainConfig
-from dataflow_training.layout import ALIGN_BYTES
-from dataflow_training.lowering import lower
-from dataflow_training.step import StepLayout
-from dataflow_training.toy import ToyFamily
+from dataflow_training.step.config import DtypePolicy, TrainConfig
+from dataflow_training.step.layout import StepLayout
+from dataflow_training.step.lowering import lower
+from dataflow_training.step.packing import ALIGN_BYTES
+from dataflow_training.testing.toy import ToyFamily
 
 from dataflow.planning import minimal_budget, plan
 from dataflow.schema import Links, validate

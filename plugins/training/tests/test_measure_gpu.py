@@ -14,9 +14,9 @@ pytest.importorskip("dataflow_family_gpt2")
 
 @pytest.mark.gpu
 def test_a_second_cuda_run_takes_every_profile_from_disk(tmp_path, monkeypatch) -> None:
-    from dataflow_training import profile
-    from dataflow_training.config import DtypePolicy, TrainConfig
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.run import TrainingRun
+    from dataflow_training.plan import profile
+    from dataflow_training.step.config import DtypePolicy, TrainConfig
 
     monkeypatch.setenv(profile.CACHE_ENV, str(tmp_path))
     train = TrainConfig(seq_len=64, batch=4, rounds=2, dtype=DtypePolicy.named("bf16"))

@@ -9,18 +9,18 @@ import hashlib
 import attrs
 import pytest
 import torch
-from dataflow_training.config import TrainConfig
-from dataflow_training.costs import RooflineCost
-from dataflow_training.family import FamilyContractError, PartialSave, partial_saves
-from dataflow_training.lowering import Lowered, lower
-from dataflow_training.recompute import (
+from dataflow_training.plan.recompute import (
     MAX_CANDIDATES,
     PARTIAL_CANDIDATES,
     Rewriter,
     search,
 )
-from dataflow_training.step import StepLayout
-from dataflow_training.toy import ToyFamily
+from dataflow_training.step.config import TrainConfig
+from dataflow_training.step.costs import RooflineCost
+from dataflow_training.step.family import FamilyContractError, PartialSave, partial_saves
+from dataflow_training.step.layout import StepLayout
+from dataflow_training.step.lowering import Lowered, lower
+from dataflow_training.testing.toy import ToyFamily
 
 from dataflow.planning import PRESSUREFIT, InfeasibleBudget, plan
 from dataflow.registry import PlannerSpec
@@ -35,7 +35,7 @@ FULL, PARTIAL = [(1, 0)], [(0, 0), (0, 1), (1, 1), (2, 0)]
 
 @pytest.fixture(scope="module")
 def gpt2():
-    from dataflow_training.family import load_family
+    from dataflow_training.step.family import load_family
 
     return load_family("gpt2")
 
@@ -209,8 +209,8 @@ def test_a_step_with_partial_saves_matches_the_reference(family_name, order):
 def _partial_step_checks(family_name, device, resolver, order, *, steps):
     """verify's step checks of the family's tiny preset (three rounds) with
     ``_forced(FULL, PARTIAL)``, and the plan lines the run noted."""
-    from dataflow_training.family import load_family
-    from dataflow_training.verify import TOLERANCES, step_checks
+    from dataflow_training.check.verify import TOLERANCES, step_checks
+    from dataflow_training.step.family import load_family
 
     lines: list[str] = []
     checks = step_checks(
@@ -236,7 +236,7 @@ def _partial_step_checks(family_name, device, resolver, order, *, steps):
 @pytest.mark.parametrize("family_name", ["gpt2", "llama3", "olmoe"])
 def test_a_partially_saved_step_trains_bitwise_as_the_saving_one(family_name):
     """rederive is the tail of recompute, which forward is built on: the same bits."""
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.run import TrainingRun
 
     pytest.importorskip(f"dataflow_family_{family_name}")
     preset = f"{family_name}_tiny"
@@ -343,8 +343,8 @@ def test_a_step_with_partial_saves_matches_the_reference_on_cuda(resolver, order
 def test_the_measured_planner_has_every_partial_candidates_signature(gpt2):
     """``measured_rewriter`` prices candidates from profiles of a few steps; a candidate
     with partial saves must find its forward, rec and backward tasks there."""
-    from dataflow_training.profile import TaskProfile, signature
-    from dataflow_training.recompute import measured_rewriter, step_planner
+    from dataflow_training.plan.profile import TaskProfile, signature
+    from dataflow_training.plan.recompute import measured_rewriter, step_planner
 
     def profile(step):  # stands in for the device: the roofline's own figures
         return {signature(step, t): TaskProfile(t.cost_us, 0) for t in step.program.tasks}
@@ -377,7 +377,7 @@ def test_a_full_recompute_is_priced_as_forward_less_the_output_projection(
     projection (GPT-2's ``c_proj``, the decoder's ``down_proj``, the experts' down
     projections), so its declared work is forward's FLOPs less those, and the lowering
     prices the ``rec`` task from that declaration, below its forward."""
-    from dataflow_training.family import load_family
+    from dataflow_training.step.family import load_family
 
     pytest.importorskip(f"dataflow_family_{family_name}")
     family = load_family(family_name)

@@ -190,7 +190,7 @@ def test_measure_needs_a_measured_step(tmp_path) -> None:
 def test_a_cell_that_runs_over_its_budget_is_a_row_that_says_so(tmp_path, monkeypatch) -> None:
     """The engine refuses a step whose allocator peak left the budget (CUDA); ``measure``
     reports that cell as a row and goes on with the grid."""
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.run import TrainingRun
 
     from dataflow.engine import BudgetBreachError
 
@@ -213,7 +213,7 @@ def test_predict_ranks_prices_the_all_reduce_on_the_tables_link(tmp_path) -> Non
     the link's latency plus its bytes over the ring's algorithm bandwidth (busbw x n /
     (2 (n - 1)), summed here by hand over the step's gradients); exposed and hidden add
     up to it; efficiency is the plain step over the member's; fleet tok/s = n x a rank's."""
-    from dataflow_training.hardware import hardware
+    from dataflow_training.plan.hardware import hardware
 
     out = tmp_path / "f.json"
     args = ("--budget", "1", "--ranks", "1,2,8", "--scope", "network", "--json", out)
@@ -254,7 +254,7 @@ def test_predict_ranks_takes_whole_numbers() -> None:
 
 
 def test_head_chunk_fits_a_quarter_of_the_budget() -> None:
-    from dataflow_training.config import head_chunk_tokens
+    from dataflow_training.step.config import head_chunk_tokens
 
     vocab = 50257
     assert head_chunk_tokens(16 * 2**30, vocab) == 8192
@@ -267,7 +267,7 @@ def test_a_cells_head_chunk_follows_its_budget() -> None:
     """predict and measure size the head's chunk by the cell's budget: a 2 GiB cell of
     gpt2_124m at 16K tokens a round takes 1024-token chunks (8192 would be 2.5 GB of
     logits workspace beside a 2 GiB arena), a 16 GiB cell 8192."""
-    from dataflow_training.predict import Cell, train_config
+    from dataflow_training.plan.predict import Cell, train_config
 
     def chunk(budget_gib: int) -> int:
         cell = Cell("gpt2_124m", 16384, 1024, 65536, budget_gib * 2**30)
@@ -281,10 +281,10 @@ def test_optimizer_states_in_bf16_halve_their_bytes_in_the_plan(tmp_path) -> Non
     """``--optimizer-states bf16`` (predict and measure): the AdamW moments are bf16, so
     the step's optimizer state objects take half the bytes of fp32's, and every row says
     which it planned."""
-    from dataflow_training.config import STATE_DTYPES, optimizer_states
-    from dataflow_training.family import load_family
-    from dataflow_training.lowering import lower
-    from dataflow_training.predict import Cell, train_config
+    from dataflow_training.plan.predict import Cell, train_config
+    from dataflow_training.step.config import STATE_DTYPES, optimizer_states
+    from dataflow_training.step.family import load_family
+    from dataflow_training.step.lowering import lower
 
     rows = {}
     for states in STATE_DTYPES:

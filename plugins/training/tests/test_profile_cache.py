@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from dataflow_training import profile
-from dataflow_training.config import TrainConfig
-from dataflow_training.lowering import lower
-from dataflow_training.profile import (
+from dataflow_training.plan import profile
+from dataflow_training.plan.profile import (
     CACHE_ENV,
     ProfileCache,
     apply_profile,
@@ -17,7 +15,9 @@ from dataflow_training.profile import (
     profile_program,
     signature,
 )
-from dataflow_training.toy import ToyFamily
+from dataflow_training.step.config import TrainConfig
+from dataflow_training.step.lowering import lower
+from dataflow_training.testing.toy import ToyFamily
 
 
 class Counting:
@@ -181,7 +181,7 @@ def test_the_same_tokens_split_differently_is_another_signature() -> None:
 
 
 def test_without_workspace_drops_every_workspace_and_names_the_largest() -> None:
-    from dataflow_training.profile import TaskProfile, without_workspace
+    from dataflow_training.plan.profile import TaskProfile, without_workspace
 
     profiles = {("a",): TaskProfile(5.0, 512), ("b",): TaskProfile(7.0, 3 << 20)}
     stripped, largest = without_workspace(profiles)
@@ -254,7 +254,7 @@ def test_a_task_reading_aux_temp_is_timed_on_its_forward_decisions() -> None:
     pass gives them the decisions the block's forward task makes on filled inputs."""
     pytest.importorskip("dataflow_resolver_torch")
     import torch
-    from dataflow_training.toy_moe import ToyMoEFamily
+    from dataflow_training.testing.toy_moe import ToyMoEFamily
 
     family = ToyMoEFamily()
     step = lower(family, "toy_moe_tiny", TrainConfig(seq_len=8, batch=2, rounds=2))
@@ -349,7 +349,7 @@ def test_a_task_that_cannot_be_captured_is_timed_dispatched_after_settling(step)
 def test_the_busiest_task_is_the_signature_with_the_most_time_in_all() -> None:
     """Cost times count: a task that is cheap but repeated every round outweighs a dearer
     one that runs once; the launcher runs the task it is given on its own buffers."""
-    from dataflow_training.profile import TaskProfile, busiest_task, task_launcher
+    from dataflow_training.plan.profile import TaskProfile, busiest_task, task_launcher
 
     step = lower(ToyFamily(), "small", TrainConfig(seq_len=8, batch=2, rounds=4))
     keys = {signature(step, t) for t in step.program.tasks}

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from dataflow_training.profiling import ProfileWindow
+from dataflow_training.drive.profiling import ProfileWindow
 
 from dataflow.testing.cli import assert_one_line_error, invoke
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import attrs
 import pytest
-from dataflow_training.config import TrainConfig
-from dataflow_training.lowering import lower
-from dataflow_training.recompute import RECOMPUTE, Rewriter, recompute_planner, search
-from dataflow_training.step import StepLayout
-from dataflow_training.toy import ToyFamily
+from dataflow_training.plan.recompute import RECOMPUTE, Rewriter, recompute_planner, search
+from dataflow_training.step.config import TrainConfig
+from dataflow_training.step.layout import StepLayout
+from dataflow_training.step.lowering import lower
+from dataflow_training.testing.toy import ToyFamily
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -33,7 +33,7 @@ def _step(seq_len=32, batch=4, rounds=2, family=TOY, preset="small"):
     family=st.sampled_from(["toy", "toy_moe"]),
 )
 def test_it_never_makes_a_step_that_fits_slower(seq_len, batch, rounds, where, family) -> None:
-    from dataflow_training.family import load_family
+    from dataflow_training.step.family import load_family
 
     fam = TOY if family == "toy" else load_family(family)
     preset = "small" if family == "toy" else next(iter(fam.presets))
@@ -89,7 +89,7 @@ def test_steady_state_candidates_try_the_homes_of_the_first_plan(monkeypatch) ->
     """In a steady-state search the first plan that fits tries every set of fast homes;
     later candidates try only the set it chose, and a winner planned so is planned again
     with every set. The answer is never slower than the step planned alone."""
-    from dataflow_training import recompute
+    from dataflow_training.plan import recompute
 
     seen: list = []  # per candidate planned: the homes it tried, None for every set
     made: list = []  # (spec, homes) of each narrowed planner made
@@ -167,7 +167,7 @@ def test_a_recomputed_step_trains_exactly_as_the_saving_one() -> None:
     """On the engine (CPU): the planner's recomputed step gives the losses and weights of
     the step that keeps every A (forward is recompute plus one op, so bitwise equal)."""
     import torch
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.run import TrainingRun
 
     pytest.importorskip("dataflow_family_gpt2")
     pytest.importorskip("dataflow_resolver_torch")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from dataflow_training.family import Env, RowGradient
 from dataflow_training.kit.decoder import DecoderConfig
 from dataflow_training.kit.decoder_math import DecoderEmbed
+from dataflow_training.step.family import Env, RowGradient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

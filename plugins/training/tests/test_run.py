@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dataflow_training.config import OptimizerPolicy, TrainConfig
-from dataflow_training.verify import TOLERANCES, step_checks
+from dataflow_training.check.verify import TOLERANCES, step_checks
+from dataflow_training.step.config import OptimizerPolicy, TrainConfig
 
 pytest.importorskip("dataflow_family_gpt2")
 
@@ -14,7 +14,7 @@ FP32 = TOLERANCES["fp32"]["step"]
 
 
 def _family():
-    from dataflow_training.family import load_family
+    from dataflow_training.step.family import load_family
 
     return load_family("gpt2")
 
@@ -82,7 +82,7 @@ def test_a_wrong_later_update_fails_its_own_step(monkeypatch, wrong, value):
     """The engine's third update goes wrong (its lr, or the step count its bias correction
     reads): the weights after step 2 fail, those after steps 0 and 1 and every
     gradient pass."""
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.run import TrainingRun
 
     step = TrainingRun.step
 
@@ -105,7 +105,7 @@ def test_a_wrong_later_update_fails_its_own_step(monkeypatch, wrong, value):
 def test_binding_clip_changes_the_update():
     """Clipping at 0.05 must move the weights differently from no clipping (the check
     above could pass with clipping silently off only if this fails)."""
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.run import TrainingRun
 
     batches = [(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))]
     out = {}
@@ -122,7 +122,7 @@ def test_binding_clip_changes_the_update():
 
 def test_lr_per_step_reaches_the_update():
     """lr=0 leaves the weights as they were; the policy's default lr moves them."""
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.run import TrainingRun
 
     train = TrainConfig(seq_len=8, batch=2, optimizer=OptimizerPolicy(lr=1e-2))
     batches = [(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))]
@@ -137,7 +137,7 @@ def test_lr_per_step_reaches_the_update():
 
 
 def test_bad_batches_name_what_is_wrong():
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.run import TrainingRun
 
     train = TrainConfig(seq_len=8, batch=2, rounds=2)
     run = TrainingRun.of("gpt2", "gpt2_tiny", train, seed=0)
@@ -158,8 +158,8 @@ def test_the_engine_takes_start_values_one_object_at_a_time(monkeypatch):
     import gc
     import weakref
 
-    from dataflow_training import values
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive import values
+    from dataflow_training.drive.run import TrainingRun
 
     train = TrainConfig(seq_len=8, batch=2, rounds=2)
     batches = [tuple(torch.randint(0, 256, (2, 8)) for _ in range(2)) for _ in range(2)]
@@ -201,7 +201,7 @@ def test_layer_order_trains_as_round_order_does(tied):
     in the same order); tied, the head's rounds reach the embedding's gradient before the
     embedding backward's, a different order of the same float32 sums."""
     pytest.importorskip("dataflow_family_llama3")
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.run import TrainingRun
 
     torch.manual_seed(0)
     batches = [(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8))) for _ in range(3)]
@@ -231,7 +231,7 @@ def test_layer_order_trains_as_round_order_does(tied):
 def test_a_gradient_of_the_wrong_shape_fails_its_checks_without_stopping_verify(monkeypatch):
     """A gradient read back at the wrong shape fails its grad check and its weight check
     (no allowance can be made from it); the other checks still run."""
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.run import TrainingRun
 
     grads = TrainingRun.grads
 

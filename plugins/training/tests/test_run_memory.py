@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dataflow_training.config import TrainConfig
-from dataflow_training.values import StartValues, start_values
+from dataflow_training.drive.values import StartValues, start_values
+from dataflow_training.step.config import TrainConfig
 
 pytest.importorskip("dataflow_family_gpt2")
 
@@ -17,7 +17,7 @@ TRAIN = TrainConfig(seq_len=8, batch=2, rounds=2)
 
 
 def _run(**options):
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.run import TrainingRun
 
     return TrainingRun.of("gpt2", "gpt2_tiny", TRAIN, seed=0, **options)
 
@@ -74,7 +74,7 @@ def test_a_pool_past_the_pinned_limit_is_refused_before_anything_is_allocated() 
 
 
 def test_a_pool_past_the_hosts_memory_is_refused_on_cuda(monkeypatch) -> None:
-    from dataflow_training import run as run_module
+    from dataflow_training.drive import run as run_module
 
     from dataflow.planning import PlanningError
 
@@ -93,9 +93,9 @@ def test_a_pool_past_the_hosts_memory_is_refused_on_cuda(monkeypatch) -> None:
 
 
 def test_the_default_state_is_the_reference_models_in_the_param_dtype() -> None:
-    from dataflow_training.config import DtypePolicy
-    from dataflow_training.family import load_family
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.run import TrainingRun
+    from dataflow_training.step.config import DtypePolicy
+    from dataflow_training.step.family import load_family
 
     train = TrainConfig(seq_len=8, batch=2, rounds=2, dtype=DtypePolicy.named("bf16"))
     run = TrainingRun.of("gpt2", "gpt2_tiny", train, seed=3)
@@ -122,7 +122,7 @@ def test_a_pool_past_the_limit_is_planned_again_inside_a_slow_budget_that_fits()
     pass the limit (on CUDA: the host's memory) the run plans again inside a slow budget,
     trading offloads for recompute, and trains the same: what fits runs, and only what
     cannot fit is refused."""
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.run import TrainingRun
 
     from dataflow.planning import PlanningError
 
@@ -159,7 +159,7 @@ def test_a_pool_past_the_limit_is_planned_again_inside_a_slow_budget_that_fits()
 def test_the_pool_limit_on_cuda_leaves_room_for_the_weights_still_to_be_made(monkeypatch) -> None:
     """``compile_step`` plans before the run makes the starting weights' host copy, which
     will be in host memory beside the pool: the limit it plans to leaves room for them."""
-    from dataflow_training import compiled_step as compiled_module
+    from dataflow_training.plan import compiled_step as compiled_module
 
     run = _run()
     monkeypatch.setattr(compiled_module, "available_host_bytes", lambda: 64 * 2**30)

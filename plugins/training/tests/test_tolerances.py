@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from dataflow_training.tolerances import adam_update_gap, sign_flips, weight_error
+from dataflow_training.check.tolerances import adam_update_gap, sign_flips, weight_error
 
 LR, EPS, BETAS = 1e-3, 1e-8, (0.9, 0.95)
 

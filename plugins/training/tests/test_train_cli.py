@@ -261,7 +261,7 @@ def test_a_bad_kernel_pin_is_one_line_before_planning(site, corpus, tmp_path, mo
 
 def test_data_may_be_a_bare_path(tmp_path):
     import click
-    from dataflow_training.train_defaults import data_spec
+    from dataflow_training.cli.train_defaults import data_spec
 
     text = tmp_path / "notes.txt"
     text.write_text("hello")
@@ -279,7 +279,7 @@ def test_data_may_be_a_bare_path(tmp_path):
 
 
 def test_the_auto_resolver_compiles_on_cuda_only() -> None:
-    from dataflow_training.run import resolver_for
+    from dataflow_training.drive.run import resolver_for
 
     assert resolver_for("auto", "cpu") == "torch"
     assert resolver_for("auto", "cuda:0") == "torch-compiled"  # resolvers/torch installed
@@ -469,7 +469,7 @@ def test_bf16_optimizer_states_train_and_a_resume_keeps_them(site, corpus, tmp_p
     optimizer bytes of an fp32 run's; a resume without the option takes the run's (its
     ``resume:`` line says so) and continues, one that asks for fp32 is one line naming the
     differing field."""
-    from dataflow_training.checkpoint import read_checkpoint
+    from dataflow_training.drive.checkpoint import read_checkpoint
 
     out, fp32 = tmp_path / "run", tmp_path / "fp32"
     result = invoke(*_args(corpus, out, 2, "--optimizer-states", "bf16"))

@@ -1,4 +1,4 @@
-"""``dataflow_training.trainer.train`` in Python, on gpt2_tiny and the CPU: the plan line's
+"""``dataflow_training.drive.trainer.train`` in Python, on gpt2_tiny and the CPU: the plan line's
 recomputed layers, and TensorBoard events (with tensorboard installed) or none (without),
 a resumed run's events purged past its checkpoint."""
 
@@ -17,18 +17,18 @@ import pytest
 pytest.importorskip("dataflow_family_gpt2")
 pytest.importorskip("dataflow_feed_shards")
 
-from dataflow_training.compiled_step import UNBOUNDED_BYTES, compile_step  # noqa: E402
-from dataflow_training.components import TENSORBOARD_SCALARS  # noqa: E402
-from dataflow_training.config import TrainConfig  # noqa: E402
-from dataflow_training.family import load_family  # noqa: E402
-from dataflow_training.lowering import lower  # noqa: E402
-from dataflow_training.trainer import (  # noqa: E402
+from dataflow_training.drive.components import TENSORBOARD_SCALARS  # noqa: E402
+from dataflow_training.drive.trainer import (  # noqa: E402
     TrainOptions,
     lr_at,
     plan_line,
     recomputed_layers,
     train,
 )
+from dataflow_training.plan.compiled_step import UNBOUNDED_BYTES, compile_step  # noqa: E402
+from dataflow_training.step.config import TrainConfig  # noqa: E402
+from dataflow_training.step.family import load_family  # noqa: E402
+from dataflow_training.step.lowering import lower  # noqa: E402
 
 
 @pytest.mark.parametrize(

@@ -107,8 +107,8 @@ def test_levels_runs_only_those_named() -> None:
 
 
 def test_a_step_level_the_host_cannot_hold_is_refused_before_any_check(monkeypatch) -> None:
-    from dataflow_training import compiled_step as run
-    from dataflow_training.verify import step_host_bytes
+    from dataflow_training.check.verify import step_host_bytes
+    from dataflow_training.plan import compiled_step as run
 
     from dataflow.plugins import families
 
@@ -143,7 +143,7 @@ def test_an_unknown_level_is_a_usage_error(value) -> None:
 
 
 def test_verify_refuses_unknown_levels() -> None:
-    from dataflow_training.verify import verify
+    from dataflow_training.check.verify import verify
 
     with pytest.raises(ValueError, match="each is one of op, task, step"):
         verify("gpt2", "gpt2_tiny", levels=("steps",))

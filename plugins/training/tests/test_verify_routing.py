@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from dataflow_training.config import TrainConfig
-from dataflow_training.run import TrainingRun
-from dataflow_training.verify import routing_checks
+from dataflow_training.check.verify import routing_checks
+from dataflow_training.drive.run import TrainingRun
+from dataflow_training.step.config import TrainConfig
 
 
 def _case(logits: torch.Tensor, ids: torch.Tensor, *, norm: bool = False, weights=None):

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from dataflow_training.verify import TOLERANCES, YARDSTICK_FACTOR, Check, step_checks
+from dataflow_training.check.verify import TOLERANCES, YARDSTICK_FACTOR, Check, step_checks
 
 from dataflow.testing.cli import invoke
 
@@ -51,7 +51,7 @@ def test_the_absolute_tolerance_still_applies_beside_the_yardstick():
 
 
 def _gpt2_bf16(**options):
-    from dataflow_training.family import load_family
+    from dataflow_training.step.family import load_family
 
     return step_checks(
         load_family("gpt2"),
@@ -77,8 +77,8 @@ def test_every_gradient_check_carries_plain_bf16_autogradients_error_and_no_othe
     """Each gradient check's yardstick is the relative error of plain bf16 autograd against
     float64 on that gradient, from the run's start weights (the seeded reference rounded to
     bf16) on the same two rounds; loss and weight checks have none."""
-    from dataflow_training.family import embed_layer, load_family
-    from dataflow_training.verify_step import step_tokens
+    from dataflow_training.check.verify_step import step_tokens
+    from dataflow_training.step.family import embed_layer, load_family
 
     checks = _gpt2_bf16()
     grads = [c for c in checks if c.name.startswith("grad ")]
@@ -110,7 +110,7 @@ def test_every_gradient_check_carries_plain_bf16_autogradients_error_and_no_othe
 def test_a_wrong_engine_gradient_fails_with_the_yardstick_on(monkeypatch):
     """One engine gradient 30 % too large is far past twice plain bf16's error (about
     1 % here): its check fails though it carries a yardstick; every other passes."""
-    from dataflow_training.run import TrainingRun
+    from dataflow_training.drive.run import TrainingRun
 
     grads = TrainingRun.grads
     wrong = "0.attn.c_attn.weight"
@@ -136,7 +136,7 @@ def test_without_the_yardstick_and_in_fp32_no_check_carries_one():
 def test_the_command_passes_the_option_and_shows_a_raised_tolerance(monkeypatch):
     """``dataflow verify`` hands ``--yardstick`` (the default) or ``--no-yardstick`` to
     ``verify``; a check passing on its yardstick shows it in the tolerance cell."""
-    import dataflow_training.verify as verify_module
+    import dataflow_training.check.verify as verify_module
 
     monkeypatch.setenv("COLUMNS", "200")  # the table's cells unwrapped
     given = []
@@ -162,7 +162,7 @@ def test_the_command_passes_the_option_and_shows_a_raised_tolerance(monkeypatch)
 def test_a_mixture_of_experts_step_carries_yardsticks_too(family_name, preset):
     """The reference whose objective spans the rounds (toy_moe) and the one routed with
     the engine's recorded choices (olmoe) give every gradient check a yardstick."""
-    from dataflow_training.family import load_family
+    from dataflow_training.step.family import load_family
 
     if family_name == "olmoe":
         pytest.importorskip("dataflow_family_olmoe")

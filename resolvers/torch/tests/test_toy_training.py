@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from dataflow_resolver_torch.training import TrainingResolver
-from dataflow_training.config import OptimizerPolicy, TrainConfig
-from dataflow_training.lowering import lower
-from dataflow_training.toy import ToyFamily, plain_ops
-from dataflow_training.values import read_state, start_values
+from dataflow_training.drive.values import read_state, start_values
+from dataflow_training.step.config import OptimizerPolicy, TrainConfig
+from dataflow_training.step.lowering import lower
+from dataflow_training.testing.toy import ToyFamily, plain_ops
 
 from dataflow.engine import Engine
 from dataflow.planning import minimal_budget, place, plan
@@ -107,7 +107,7 @@ def test_verify_ladder_passes_on_the_toy_family(isolated_plugin_manager) -> None
     this resolver registered like plugins."""
     import dataflow_kernels_torch.plugin as kernels_plugin
     import dataflow_resolver_torch.plugin as resolver_plugin
-    from dataflow_training.verify import verify
+    from dataflow_training.check.verify import verify
 
     import dataflow.builtins as core_plugin
     from dataflow import hookimpl
@@ -130,7 +130,7 @@ def test_verify_ladder_passes_on_the_toy_family(isolated_plugin_manager) -> None
 def test_an_added_optimizer_runs_through_lowering_and_resolver(monkeypatch) -> None:
     """OPTIMIZERS is the place to add an update rule: SGD with momentum, added here, trains
     the toy family exactly like torch.optim.SGD."""
-    from dataflow_training import optimizers
+    from dataflow_training.step import optimizers
 
     def sgd(ops, params, grads, states, *, step, policy, weight_decay):
         for param, grad, momentum in zip(params, grads, states["momentum"], strict=True):

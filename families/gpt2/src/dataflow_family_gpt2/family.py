@@ -1,6 +1,6 @@
 """The gpt2 family object: what ``FamilySpec("gpt2").load()`` returns to the training plugin.
 
-It satisfies ``dataflow_training.family.Family`` (protocol v2): presets and configs, the
+It satisfies ``dataflow_training.step.family.Family`` (protocol v2): presets and configs, the
 chain's layers (the head tied to the embedding's ``wte``), the math of each layer kind and
 the ops it calls, the reference model, and HF checkpoint import/export.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dataflow_training.family import LayerSpec
+from dataflow_training.step.family import LayerSpec
 
 from dataflow_family_gpt2 import checkpoint
 from dataflow_family_gpt2.config import GPT2Config

@@ -33,7 +33,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from dataflow_training.family import Env, LayerCost, PartialSave, RowGradient, TensorSpec, Work
 from dataflow_training.kit.attention import (
     attention_backward,
     attention_forward,
@@ -43,6 +42,7 @@ from dataflow_training.kit.attention import (
 from dataflow_training.kit.head import lm_head_loss
 from dataflow_training.kit.linear import Linear, accumulation_dtype
 from dataflow_training.kit.norms import LayerNorm
+from dataflow_training.step.family import Env, LayerCost, PartialSave, RowGradient, TensorSpec, Work
 
 from dataflow_family_gpt2.config import GPT2Config
 

@@ -1,4 +1,4 @@
-"""dataflow-kernels-torch: reference PyTorch variants of every op ``dataflow_training.ops``
+"""dataflow-kernels-torch: reference PyTorch variants of every op ``dataflow_training.step.ops``
 names, registered through the ``dataflow_kernels`` hook (``plugin.py``).
 
 - ``functional``: attention (two variants), layer_norm, rms_norm, gelu, silu, linear.

@@ -1,6 +1,6 @@
 """The differentiable ops, as thin wrappers over ``torch.nn.functional``.
 
-Each function has the exact signature ``dataflow_training.ops`` documents, so a family's
+Each function has the exact signature ``dataflow_training.step.ops`` documents, so a family's
 math can call it through ``ops[NAME]``; gradients come from torch autograd.
 """
 

@@ -1,7 +1,7 @@
-"""dataflow's training plugin: the family protocol v2 (``dataflow_training.family``), the
+"""dataflow's training plugin: the family protocol v2 (``dataflow_training.step.family``), the
 lowering, the typed step layout, the executables, verify, and the shared family kit."""
 
-from dataflow_training.family import (
+from dataflow_training.step.family import (
     BlockMath,
     EmbedMath,
     Env,

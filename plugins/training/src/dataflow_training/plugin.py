@@ -9,11 +9,11 @@ from dataflow import hookimpl
 
 @hookimpl
 def dataflow_cli_commands() -> list:
-    from dataflow_training.cli import verify_command
-    from dataflow_training.export_cli import export_command
-    from dataflow_training.predict_cli import measure_command, predict_command
-    from dataflow_training.step_cli import lower_command
-    from dataflow_training.train_cli import train_command
+    from dataflow_training.cli.export_cli import export_command
+    from dataflow_training.cli.predict_cli import measure_command, predict_command
+    from dataflow_training.cli.step_cli import lower_command
+    from dataflow_training.cli.train_cli import train_command
+    from dataflow_training.cli.verify_cli import verify_command
 
     return [
         verify_command,
@@ -26,14 +26,14 @@ def dataflow_cli_commands() -> list:
 
 
 def _toy_moe():
-    from dataflow_training.toy_moe import ToyMoEFamily
+    from dataflow_training.testing.toy_moe import ToyMoEFamily
 
     return ToyMoEFamily()
 
 
 @hookimpl
 def dataflow_planners() -> list:
-    from dataflow_training.recompute import RECOMPUTE
+    from dataflow_training.plan.recompute import RECOMPUTE
 
     return [RECOMPUTE]
 

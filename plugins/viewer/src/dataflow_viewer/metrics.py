@@ -31,9 +31,9 @@ class StepWork:
 def step_work(program: Program) -> StepWork | None:
     """Tokens and model FLOPs of a program ``dataflow-training`` lowered; None for any
     other program (a hand-written chain has neither)."""
-    from dataflow_training.lowering import Lowered
-    from dataflow_training.predict import step_flops
-    from dataflow_training.step import StepLayout
+    from dataflow_training.plan.predict import step_flops
+    from dataflow_training.step.layout import StepLayout
+    from dataflow_training.step.lowering import Lowered
 
     from dataflow.registry import UnknownNameError
 

@@ -118,8 +118,8 @@ def lower_preset(
     preset: str, *, batch: int, seq_len: int, rounds: int = 1, dtype: str = "fp32"
 ) -> Program:
     """The bare Program of one training step of ``preset`` at this training shape."""
-    from dataflow_training.config import DtypePolicy, TrainConfig
-    from dataflow_training.lowering import lower
+    from dataflow_training.step.config import DtypePolicy, TrainConfig
+    from dataflow_training.step.lowering import lower
 
     for name, value in (("batch", batch), ("seq_len", seq_len), ("rounds", rounds)):
         if not isinstance(value, int) or value < 1:

@@ -1,6 +1,6 @@
 """The ``torch`` resolver: the training plugin's executables, run eagerly.
 
-Every executable lives in ``dataflow_training.tasks``; this package only chooses how they
+Every executable lives in ``dataflow_training.drive.tasks``; this package only chooses how they
 run (``Strategy``), so a new family never touches a resolver.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dataflow_training.tasks import Strategy, TrainingTasks
+from dataflow_training.drive.tasks import Strategy, TrainingTasks
 
 
 class TrainingResolver(TrainingTasks):

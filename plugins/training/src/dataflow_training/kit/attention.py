@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from dataflow_training.family import TensorSpec
 from dataflow_training.kit import rotary
 from dataflow_training.kit.linear import Linear
 from dataflow_training.kit.norms import Norm
 from dataflow_training.kit.parts import as_is
+from dataflow_training.step.family import TensorSpec
 
 Tensors = dict[str, torch.Tensor]
 

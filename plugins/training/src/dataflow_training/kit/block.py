@@ -30,7 +30,12 @@ from typing import Any
 
 import torch
 
-from dataflow_training.family import (
+from dataflow_training.kit.attention import SelfAttention
+from dataflow_training.kit.decoder_math import check_seq_len
+from dataflow_training.kit.mlp import SwiGLUFFN
+from dataflow_training.kit.norms import Norm
+from dataflow_training.kit.parts import as_is, ops_of, values_per_token
+from dataflow_training.step.family import (
     Env,
     LayerCost,
     LayerSpec,
@@ -39,11 +44,6 @@ from dataflow_training.family import (
     TensorSpec,
     Work,
 )
-from dataflow_training.kit.attention import SelfAttention
-from dataflow_training.kit.decoder_math import check_seq_len
-from dataflow_training.kit.mlp import SwiGLUFFN
-from dataflow_training.kit.norms import Norm
-from dataflow_training.kit.parts import as_is, ops_of, values_per_token
 
 Tensors = dict[str, torch.Tensor]
 

@@ -29,12 +29,12 @@ from typing import Any, ClassVar
 
 import attrs
 
-from dataflow_training.family import LayerSpec, TensorSpec
 from dataflow_training.kit.block import Block
 from dataflow_training.kit.decoder_math import EMBED_WEIGHT, FINAL_NORM, LM_HEAD
 from dataflow_training.kit.decoder_reference import Block as ReferenceBlock
 from dataflow_training.kit.norms import Norm
 from dataflow_training.kit.rotary import Llama3Scaling
+from dataflow_training.step.family import LayerSpec, TensorSpec
 
 EMBED = "emb"
 HEAD = "head"

@@ -22,7 +22,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from dataflow_training.family import LayerSpec
 from dataflow_training.kit import decoder_hf
 from dataflow_training.kit.decoder import (
     EMBED,
@@ -36,6 +35,7 @@ from dataflow_training.kit.decoder_math import OPS as CHAIN_OPS
 from dataflow_training.kit.decoder_math import DecoderEmbed, DecoderHead
 from dataflow_training.kit.decoder_reference import DecoderReference
 from dataflow_training.kit.hf import CheckpointError
+from dataflow_training.step.family import LayerSpec
 
 
 class UnknownPresetError(KeyError):

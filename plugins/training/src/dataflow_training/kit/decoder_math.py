@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from dataflow_training.family import Env, LayerCost, RowGradient, Work
 from dataflow_training.kit.head import lm_head_loss
 from dataflow_training.kit.linear import accumulation_dtype
+from dataflow_training.step.family import Env, LayerCost, RowGradient, Work
 
 Tensors = dict[str, torch.Tensor]
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from dataflow_training.family import Env, TensorSpec, Work
 from dataflow_training.kit.linear import Linear
 from dataflow_training.kit.parts import FfnCost, as_is
+from dataflow_training.step.family import Env, TensorSpec, Work
 
 Tensors = Mapping[str, torch.Tensor]
 

@@ -61,7 +61,6 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from dataflow_training.family import Env, ParamGroup, TensorSpec, Work
 from dataflow_training.kit.attention import QKNorm, SelfAttention
 from dataflow_training.kit.block import Block
 from dataflow_training.kit.decoder import (
@@ -75,6 +74,7 @@ from dataflow_training.kit.decoder import (
 from dataflow_training.kit.linear import Linear
 from dataflow_training.kit.mlp import SwiGLU
 from dataflow_training.kit.parts import FfnCost, as_is
+from dataflow_training.step.family import Env, ParamGroup, TensorSpec, Work
 
 Tensors = dict[str, torch.Tensor]
 

@@ -2,7 +2,7 @@
 
 ``LayerNorm`` (GPT-2) and ``RMSNorm`` (Llama, Qwen; ``offset=1`` for norms that scale by
 ``1 + w``, as Qwen 3.5's do). Forward returns ``(y, stats)``; backward takes the stats,
-so no forward runs again. Statistics are float32 (``dataflow_training.ops``).
+so no forward runs again. Statistics are float32 (``dataflow_training.step.ops``).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class Norm:
 
     def params(self, name: str, width: int) -> tuple[Any, ...]:
         """Its parameters (no weight decay), in HF's order."""
-        from dataflow_training.family import TensorSpec
+        from dataflow_training.step.family import TensorSpec
 
         names = ("weight",) if self.kind == "rms" else ("weight", "bias")
         return tuple(TensorSpec(f"{name}.{p}", (width,), decay=False) for p in names)

@@ -37,7 +37,7 @@ import dataclasses
 from math import prod
 from typing import Any
 
-from dataflow_training.family import TensorSpec, Work
+from dataflow_training.step.family import TensorSpec, Work
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""The commands the training plugin adds to `dataflow` (imports everything below)."""

@@ -1,0 +1,569 @@
+"""``dataflow train``: the main job as a command (added by the training plugin).
+
+A thin layer over ``dataflow_training.drive.trainer.train``: options are checked first (an
+installed family whose preset it is, a sequence length the model takes, a budget the
+step can be planned into), then the run prints its plan line and trains, with a rich
+progress bar on a terminal and plain lines otherwise, and ends with a line of the loss
+from first to last step and the fast-memory peak against the budget. Every failure is
+one line.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from dataflow.cli.errors import Failure, one_line
+from dataflow.cli.options import COUNT, Device
+from dataflow_training.cli.train_defaults import (
+    data_spec,
+    default_budget,
+    default_device,
+    default_family,
+    take_resumed,
+)
+from dataflow_training.cli.verify_cli import (
+    _check_seq_len,
+    _family,
+    _preset_config,
+    budget_option,
+    optimizer_states_option,
+    order_option,
+)
+from dataflow_training.drive.trainer import SCHEDULES
+from dataflow_training.step.config import UPDATES
+
+FLEET_HELP = {
+    "rounds": "in a fleet: each member's accumulation rounds per step (6,2: a 3:1 data split)",
+    "budgets": "in a fleet: each member's fast-memory budget (one value: every member's)",
+    "backing": "each member's backing (pinned host) budget, e.g. 60GiB,30GiB (one value: "
+    "every member's, or one process's); default: unbounded",
+    "topology": "start a fleet: its hosts and groups (see docs/distributed_training.md)",
+    "group": "with --topology: the group of members to start",
+    "timeout": "seconds a fleet member waits on the others before it fails (default 60)",
+}
+
+
+def fleet_options(command: Any) -> Any:
+    """``--rounds``, ``--fast-budget``, ``--backing-budget``, ``--topology``, ``--group``,
+    ``--fleet-timeout``."""
+    timeout = click.FloatRange(min=1)
+    topology = click.Path(dir_okay=False, exists=True)
+    for option in reversed(
+        (
+            click.option("--rounds", "fleet_rounds", metavar="N,N,...", help=FLEET_HELP["rounds"]),
+            click.option(
+                "--fast-budget", "fleet_budgets", metavar="SIZES", help=FLEET_HELP["budgets"]
+            ),
+            click.option(
+                "--backing-budget", "backing_budgets", metavar="SIZES", help=FLEET_HELP["backing"]
+            ),
+            click.option("--topology", type=topology, help=FLEET_HELP["topology"]),
+            click.option("--group", help=FLEET_HELP["group"]),
+            click.option("--fleet-timeout", default=60.0, type=timeout, help=FLEET_HELP["timeout"]),
+        )
+    ):
+        command = option(command)
+    return command
+
+
+@click.command("train")
+@click.option(
+    "--preset",
+    default=None,
+    help="a family preset, e.g. gpt2_tiny (with --init, default: the preset nearest the "
+    "folder's config.json, its other fields the run's)",
+)
+@click.option("--family", "family_name", default=None, help="default: the preset's family")
+@click.option(
+    "--steps",
+    default=None,
+    type=COUNT,
+    help="optimizer updates in the whole run (with --resume, default: the resumed run's)",
+)
+@click.option(
+    "--data",
+    default="embedded:python-stdlib",
+    show_default=True,
+    help="a feed spec SCHEME:LOCATION (shards:DIR, text:PATH, ...), or a path: a folder of "
+    "*.bin shards is shards:, another file or folder text:",
+)
+@click.option("--batch", default=8, show_default=True, type=COUNT)
+@click.option("--ga-rounds", "rounds", default=1, show_default=True, type=COUNT)
+@fleet_options
+@click.option("--seq-len", default=64, show_default=True, type=COUNT)
+@budget_option("fast-memory budget (default: the device's free memory; CPU: unbounded)")
+@click.option("--device", default=None, type=Device(), help="default: cuda when present")
+@click.option("--checkpoint-every", default=None, type=COUNT, help="steps between checkpoints")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="run folder")
+@click.option(
+    "--resume",
+    default=None,
+    help="auto (newest complete checkpoint) or a folder; every option not given is the "
+    "resumed run's (its manifest)",
+)
+@click.option(
+    "--init",
+    default=None,
+    metavar="FOLDER",
+    help="start from the weights of a Hugging Face model folder (config.json beside "
+    "model.safetensors or its shards), e.g. to fine-tune; its config.json's fields that "
+    "differ from the preset's become the run's (a checkpoint --resume finds comes first)",
+)
+@click.option("--keep", default=None, type=COUNT, help="keep only the newest N checkpoints")
+@click.option("--lr", default=3e-4, show_default=True, type=click.FloatRange(min=0))
+@click.option("--warmup", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--schedule", default="cosine", show_default=True, type=click.Choice(SCHEDULES))
+@click.option("--min-lr-ratio", default=0.1, show_default=True, type=click.FloatRange(0, 1))
+@click.option(
+    "--clip",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="max global grad norm (0: off)",
+)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"]))
+@optimizer_states_option()
+@click.option(
+    "--graph/--no-graph",
+    default=True,
+    show_default=True,
+    help="on CUDA, replay every step after the first from one captured CUDA graph "
+    "(--no-graph dispatches every task from the host: per-task NVTX ranges in --profile)",
+)
+@click.option(
+    "--recompute/--no-recompute",
+    default=True,
+    show_default=True,
+    help="let the recompute planner re-derive saved activations where that is faster or fits",
+)
+@order_option()
+@click.option(
+    "--updates",
+    default="auto",
+    show_default=True,
+    type=click.Choice(UPDATES),
+    help="where the optimizer's updates run: early (each right after its layer's last "
+    "backward, while its weights and gradient are still on the GPU; not with --clip), end "
+    "(after the whole backward), auto (early in layer orders without --clip, else end)",
+)
+@click.option(
+    "--resolver",
+    default="auto",
+    show_default=True,
+    help="the registered resolver that runs the tasks (`dataflow plugins`); auto: "
+    "torch-compiled on CUDA (each block kind's math compiled; the first steps take longer), "
+    "torch (eager) elsewhere",
+)
+@click.option(
+    "--head-vocab-tiles",
+    is_flag=True,
+    help="make the head's weight gradient one vocabulary tile at a time: no float32 "
+    "(vocab, dim) table in the head's workspace (2.1 GB for Llama 3 8B) for a third more "
+    "head compute; for a large vocabulary in a small budget",
+)
+@click.option(
+    "--trace-steps",
+    default=0,
+    type=click.IntRange(min=0),
+    help="run the last N steps task by task and write the run's bundle (plan, predicted "
+    "and measured timelines, summary) and perfetto.json into OUT",
+)
+@click.option(
+    "--profile",
+    is_flag=True,
+    help="trace a window of warmed steps: torch.profiler Chrome trace; on CUDA also NVTX "
+    "ranges and cudaProfilerStart/Stop (nsys --capture-range=cudaProfilerApi)",
+)
+@click.option(
+    "--profile-start-before-step",
+    "profile_start",
+    type=int,
+    default=None,
+    help="first profiled step (default: 5, or the last step of a shorter run)",
+)
+@click.option(
+    "--profile-stop-after-step",
+    "profile_stop",
+    type=int,
+    default=None,
+    help="last profiled step (default: three steps after the first, or the last step)",
+)
+@click.option(
+    "--prof-dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="where the trace goes (default: OUT/profile)",
+)
+def train_command(
+    family_name,
+    preset,
+    device,
+    budget_bytes,
+    clip,
+    profile,
+    profile_start,
+    profile_stop,
+    prof_dir,
+    fleet_rounds,
+    fleet_budgets,
+    backing_budgets,
+    topology,
+    group,
+    fleet_timeout,
+    **rest: Any,
+) -> None:
+    """Train a family preset on a feed: plan line, progress, metrics.jsonl, checkpoints.
+    With --topology and --group: start the group's members as a data-parallel fleet;
+    started as a member (torchrun, or by a conductor): train as one."""
+    from dataflow.planning import InfeasibleBudget
+    from dataflow.units import format_size
+    from dataflow_training.drive.checkpoint import CheckpointError
+    from dataflow_training.drive.fleet import FleetError, in_fleet
+    from dataflow_training.drive.trainer import Interrupted, TrainingStopped, TrainOptions, train
+
+    if topology is not None or group is not None:
+        _conduct(
+            topology,
+            group,
+            fleet_timeout,
+            rest["out"],
+            {"--rounds": fleet_rounds, "--fast-budget": fleet_budgets},
+            backing_budgets,
+        )
+        return
+    fleet = None
+    if in_fleet():
+        fleet, rest["rounds"], budget_bytes, backing_bytes = _join(
+            fleet_rounds, fleet_budgets, backing_budgets, budget_bytes, device, rest
+        )
+    elif fleet_rounds is not None or fleet_budgets is not None:
+        raise click.UsageError(
+            "--rounds and --fast-budget are for a fleet (--topology, or torchrun); one "
+            "process takes --ga-rounds and --budget"
+        )
+    else:
+        backing_bytes = _backing_budgets(backing_budgets, 1)
+        backing_bytes = None if backing_bytes is None else backing_bytes[0]
+        if rest["resume"] is not None:  # the options not given are the resumed run's
+            given = {"family_name": family_name, "preset": preset, "device": device}
+            given |= {"budget_bytes": budget_bytes, "clip": clip, "backing_bytes": backing_bytes}
+            take_resumed(rest, given)
+            family_name, preset, device = given["family_name"], given["preset"], given["device"]
+            budget_bytes, clip = given["budget_bytes"], given["clip"]
+            backing_bytes = given["backing_bytes"]
+    if rest["steps"] is None:
+        if rest["resume"] is None:
+            raise click.UsageError("Missing option '--steps' (or --resume, to take the run's)")
+        raise click.UsageError(
+            f"Missing option '--steps': --resume {rest['resume']} found no checkpoint in "
+            f"{rest['out']} to take the run's from"
+        )
+
+    if rest["updates"] == "early" and clip:
+        raise click.BadParameter(
+            "early updates cannot clip: every update needs the step's global gradient norm, "
+            "known only after the last backward (pass --clip 0, or --updates auto or end)",
+            param_hint="--updates",
+        )
+    if rest["trace_steps"] > rest["steps"]:
+        raise click.BadParameter(
+            f"{rest['trace_steps']} is more than the run's --steps {rest['steps']}",
+            param_hint="--trace-steps",
+        )
+    if preset is None:
+        if rest["init"] is None:
+            raise click.UsageError("Missing option '--preset' (or --init FOLDER to take it from)")
+        from dataflow_training.drive.hf_init import InitError, preset_of
+
+        try:
+            family_name, preset = preset_of(rest["init"], family_name)
+        except InitError as exc:
+            raise Failure(one_line(str(exc))) from None
+    window = _profile_window(profile, profile_start, profile_stop, prof_dir, rest)
+    family_name = family_name or default_family(preset)
+    family = _family(family_name)
+    config = _preset_config(family, family_name, preset)
+    if rest["init"] is not None:
+        from dataflow_training.drive.hf_init import InitError, hf_overrides
+
+        try:
+            config = hf_overrides(family, family_name, preset, rest["init"]).config
+        except InitError as exc:
+            raise Failure(one_line(str(exc))) from None
+    _check_seq_len(config, preset, rest["seq_len"])
+    device = device or default_device()
+    if budget_bytes is None:
+        budget_bytes = default_budget(device)
+    rest["data"] = data_spec(rest["data"])
+    options = TrainOptions(
+        family=family_name,
+        preset=preset,
+        device=device,
+        budget_bytes=budget_bytes,
+        backing_bytes=backing_bytes,
+        clip=clip or None,
+        profile=window,
+        **rest,
+    )
+    finished = False
+    try:
+        progress = _progress(options.steps) if fleet is None or fleet.writes else None
+        summary = train(options, progress=progress, fleet=fleet, family=family)
+        finished = True
+    except InfeasibleBudget as exc:
+        raise Failure(
+            f"--budget {format_size(budget_bytes)} is too small for this step: the smallest "
+            f"budget that works is {format_size(exc.minimal_budget_bytes)} "
+            f"({exc.minimal_budget_bytes} bytes)"
+        ) from None
+    except CheckpointError as exc:
+        raise Failure(f"--resume: {one_line(str(exc))}") from None
+    except TrainingStopped as exc:
+        raise Failure(str(exc)) from None
+    except Interrupted as exc:
+        click.echo(f"stopping after step {exc.step}; wrote {exc.path}", err=True)
+        raise KeyboardInterrupt from None  # the core's exit path: "interrupted", exit 130
+    except FleetError as exc:
+        raise Failure(one_line(str(exc))) from None
+    except (ValueError, LookupError) as exc:
+        raise Failure(one_line(str(exc))) from None
+    except RuntimeError as exc:  # a collective that failed: another member is gone
+        if fleet is None:
+            raise
+        raise Failure(f"fleet member stopped: {one_line(str(exc))}") from None
+    finally:
+        if fleet is not None:
+            fleet.close(finished=finished)
+    if summary["last"] and (fleet is None or fleet.writes):
+        click.echo(done_line(summary, options.out))
+    elif not summary["last"] and (fleet is None or fleet.writes):  # resumed at its end
+        click.echo(
+            f"done: the run is at its last step ({options.steps}); nothing trained (a larger "
+            "--steps goes on)"
+        )
+
+
+#: options the conductor does not hand on to the members it starts
+CONDUCTOR_ONLY = ("topology", "group")
+
+
+def _conduct(
+    topology: str | None,
+    group: str | None,
+    timeout_s: float,
+    out: str,
+    per_member: dict[str, str | None],
+    backing: str | None,
+) -> None:
+    """``--topology`` with ``--group``: start the members (with this command's other
+    options) and wait for them. ``per_member``: option -> its text, one value per
+    member (or one for all), checked against the group's size here."""
+    from pathlib import Path
+
+    from dataflow_training.drive.conductor import Topology, conduct
+    from dataflow_training.drive.fleet import FleetError, per_rank
+
+    if topology is None or group is None:
+        raise click.UsageError("--topology and --group go together")
+    try:
+        topo = Topology.load(topology)
+        topo.members(group)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--topology") from None
+    world = len(topo.members(group))
+    defaults = {"--fast-budget": "fast", "--backing-budget": "backing"}
+    given = {**per_member, "--backing-budget": backing}
+    added: list[str] = []
+    for option, field in defaults.items():
+        if given[option] is None:  # the hosts' own sizes, when the topology sets them
+            try:
+                sizes = topo.default_sizes(group, field)
+            except ValueError as exc:
+                raise click.BadParameter(f"{exc}", param_hint="--topology") from None
+            if sizes is not None:
+                added += [option, sizes]
+                if option == "--backing-budget":
+                    backing = sizes
+                else:
+                    per_member = {**per_member, option: sizes}
+    for option, text in per_member.items():
+        try:
+            per_rank(text, world, option, str)
+        except ValueError as exc:
+            raise click.BadParameter(f"{exc} (group {group})", param_hint=option) from None
+    _backing_budgets(backing, world, f" (group {group})")
+    args = member_args(click.get_current_context()) + added
+    try:
+        conduct(topo, group, args, out=Path(out), timeout_s=timeout_s)
+    except FleetError as exc:
+        raise Failure(str(exc)) from None
+    click.echo(f"fleet done: {len(topo.members(group))} member(s); checkpoints in {out}")
+
+
+def member_args(ctx: click.Context) -> list[str]:
+    """This command's options as given (not defaulted), minus the conductor's own: what
+    every member is started with."""
+    from click.core import ParameterSource
+
+    argv: list[str] = []
+    for param in ctx.command.params:
+        name = param.name
+        if name in CONDUCTOR_ONLY or not isinstance(param, click.Option):
+            continue
+        if ctx.get_parameter_source(name) in (ParameterSource.DEFAULT, None):
+            continue
+        value = ctx.params[name]
+        if param.is_flag:
+            if param.secondary_opts:
+                argv.append(param.opts[0] if value else param.secondary_opts[0])
+            elif value:
+                argv.append(param.opts[0])
+        elif value is not None:
+            argv += [param.opts[0], str(value)]
+    return argv
+
+
+def _backing_budgets(text: str | None, world: int, where: str = "") -> list[int] | None:
+    """``--backing-budget`` as one size per member (None: not given). A count that is
+    neither 1 nor ``world``, or a size that does not parse, names the option."""
+    from dataflow.cli.options import BUDGET
+    from dataflow_training.drive.fleet import per_rank
+
+    try:
+        return per_rank(text, world, "--backing-budget", lambda v: BUDGET.convert(v, None, None))
+    except (ValueError, click.BadParameter) as exc:
+        message = exc.message if isinstance(exc, click.BadParameter) else str(exc)
+        raise click.BadParameter(f"{message}{where}", param_hint="--backing-budget") from None
+
+
+def _join(
+    rounds_text: str | None,
+    budgets_text: str | None,
+    backing_text: str | None,
+    budget: int | None,
+    device,
+    rest,
+) -> tuple[Any, int, int | None, int | None]:
+    """Join the fleet this process was started in: ``(fleet, this member's rounds, its
+    budget, its backing budget)``."""
+    import os
+
+    from dataflow.cli.options import BUDGET
+    from dataflow_training.drive.conductor import ENV_BACKEND
+    from dataflow_training.drive.fleet import ENV_WORLD, FleetError, join, per_rank
+
+    world = int(os.environ.get(ENV_WORLD, "1"))
+    try:
+        rounds = per_rank(rounds_text or str(rest["rounds"]), world, "--rounds", int)
+        budgets = per_rank(
+            budgets_text, world, "--fast-budget", lambda v: BUDGET.convert(v, None, None)
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    backing = _backing_budgets(backing_text, world)
+    try:
+        fleet = join(
+            rounds,
+            rest["batch"],
+            rest["seq_len"],
+            device=device or default_device(),
+            backend=os.environ.get(ENV_BACKEND, "auto"),
+        )
+    except FleetError as exc:
+        raise Failure(one_line(str(exc))) from None
+    mine = budget if budgets is None else budgets[fleet.rank]
+    return fleet, rounds[fleet.rank], mine, None if backing is None else backing[fleet.rank]
+
+
+def done_line(summary: dict[str, Any], out: Any) -> str:
+    """``done: step 300, loss 5.5206 -> 2.3435; fast peak 1.99 MiB of the 2 MiB budget;
+    checkpoints in runs/main``: the first step's loss and the last's, the ledger's fast
+    peak over the run (on CUDA also the allocator's) against the budget."""
+    from dataflow.units import format_size
+    from dataflow_training.drive.trainer import budget_text
+
+    last, first = summary["last"], summary["first"]
+    loss = f"{first[1]:.4f} -> {last['loss']:.4f}" if first else f"{last['loss']:.4f}"
+    peak = f"fast peak {format_size(summary['fast_peak_bytes'])}"
+    if last["allocator_peak_bytes"] is not None:
+        peak += f" (allocator {format_size(last['allocator_peak_bytes'])})"
+    budget = summary["budget_bytes"]
+    peak += " with no budget" if budget is None else f" of the {budget_text(budget)} budget"
+    return f"done: step {last['step']}, loss {loss}; {peak}; checkpoints in {out}"
+
+
+def _profile_window(
+    profile: bool, start: int | None, stop: int | None, folder: str | None, rest: dict
+) -> Any:
+    """The ``--profile`` window, or None; a usage error naming the option when the
+    range options make no sense."""
+    from pathlib import Path
+
+    from dataflow_training.drive.profiling import ProfileWindow
+
+    if not profile:
+        given = [
+            name
+            for name, value in (
+                ("--profile-start-before-step", start),
+                ("--profile-stop-after-step", stop),
+                ("--prof-dir", folder),
+            )
+            if value is not None
+        ]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} needs --profile")
+        return None
+    folder = folder or Path(rest["out"]) / "profile"
+    try:
+        return ProfileWindow.checked(start, stop, rest["steps"], folder)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _progress(steps: int) -> Any:
+    """A rich progress bar on a terminal, else a plain line at step 1 and every ~5 % of
+    the run."""
+    import time
+
+    from dataflow_training.drive.trainer import elapsed_eta
+
+    started = time.perf_counter()
+    if sys.stdout.isatty():
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        bar = Progress(
+            TextColumn("step {task.completed}/{task.total}"),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tok_s]:,.0f} tok/s"),
+            TimeRemainingColumn(),
+        )
+        task = None
+
+        def update(step: int, total: int, metrics: dict[str, Any]) -> None:
+            nonlocal task
+            if task is None:
+                bar.start()
+                task = bar.add_task("train", total=total, completed=step - 1, loss=0, tok_s=0)
+            bar.update(task, completed=step, loss=metrics["loss"], tok_s=metrics["tok_s"] or 0)
+            if step == total:
+                bar.stop()
+
+        return update
+    every = max(1, steps // 20)
+
+    def line(step: int, total: int, metrics: dict[str, Any]) -> None:
+        if step % every and step not in (1, total):
+            return
+        eta = elapsed_eta(started, step, total)
+        norm = metrics["grad_norm"]
+        click.echo(
+            f"step {step}/{total} loss {metrics['loss']:.4f} lr {metrics['lr']:.3g} "
+            f"grad_norm {norm:.3g} tok/s {metrics['tok_s'] or 0:,.0f} eta {eta:.0f}s"
+        )
+
+    return line

@@ -1,0 +1,153 @@
+"""What ``dataflow train`` takes where its command line is silent.
+
+- the family of a preset (``default_family``), the device (``default_device``: CUDA where
+  present) and the budget (``default_budget``: the device's free memory);
+- with ``--resume``, every option not given, from the resumed run's manifest
+  (``take_resumed``, ``RESUMED``), said in a ``resume:`` line;
+- a bare ``--data`` path as a feed spec (``data_spec``: ``shards:`` or ``text:``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+
+def default_family(preset: str) -> str:
+    """The one installed family that has ``preset``."""
+    from dataflow.plugins import families
+
+    owners = []
+    for spec in families():
+        try:
+            presets = getattr(spec.load(), "presets", ())
+        except Exception:  # a broken family plugin cannot own the preset
+            continue
+        if preset in presets:
+            owners.append(spec.name)
+    if len(owners) == 1:
+        return owners[0]
+    if not owners:
+        raise click.BadParameter(
+            f"no installed family has a preset {preset!r}; name one with --family",
+            param_hint="--preset",
+        )
+    raise click.BadParameter(
+        f"preset {preset!r} is in families {', '.join(owners)}; pick one with --family",
+        param_hint="--preset",
+    )
+
+
+#: ``dataflow train`` parameters a resumed run takes from its manifest's options when not
+#: given (parameter name -> TrainOptions field); not the run's folder, the resume itself,
+#: the fleet's, or what one invocation does (--trace-steps, --profile and its window)
+RESUMED = {
+    "family_name": "family",
+    "preset": "preset",
+    "device": "device",
+    "budget_bytes": "budget_bytes",
+    "clip": "clip",
+    **{
+        name: name
+        for name in (
+            "steps data batch rounds seq_len checkpoint_every keep lr warmup schedule "
+            "min_lr_ratio seed dtype optimizer_states graph recompute order updates resolver "
+            "head_vocab_tiles"
+        ).split()
+    },
+}
+
+
+def take_resumed(rest: dict[str, Any], given: dict[str, Any]) -> None:
+    """Fill ``rest`` and ``given`` (the parameters ``train_command`` names) with the
+    resumed run's options wherever the command line left them at their defaults, and say
+    which in a ``resume:`` line (nothing where there is no checkpoint to resume). A run
+    started from ``--init`` keeps its overrides, its folder not needed again."""
+    from pathlib import Path
+
+    from click.core import ParameterSource
+
+    from dataflow.units import format_size
+    from dataflow_training.drive.checkpoint import resumed_options
+
+    if rest["resume"] != "auto" and not Path(rest["resume"]).is_dir():
+        raise click.BadParameter(
+            f"checkpoint {rest['resume']} is not a folder", param_hint="--resume"
+        )
+    found = resumed_options(rest["out"], rest["resume"])
+    if found is None:
+        return
+    folder, options = found
+    ctx = click.get_current_context()
+    taken = []
+    for name, field in RESUMED.items():
+        if field not in options or ctx.get_parameter_source(name) is not ParameterSource.DEFAULT:
+            continue
+        value = options[field]
+        if name == "device" and str(value).startswith("cuda") and not cuda_here():
+            continue  # resumed on a machine without one: the default device instead
+        if name == "clip":
+            value = value or 0.0  # the command line's 0 is the options' None (off)
+        target = given if name in given else rest
+        if target[name] != value:
+            shown = format_size(value) if field.endswith("_bytes") and value else value
+            taken.append(f"{field} {shown}")
+        target[name] = value
+    backing = options.get("backing_bytes")
+    if backing and ctx.get_parameter_source("backing_budgets") is ParameterSource.DEFAULT:
+        given["backing_bytes"] = backing
+        taken.append(f"backing_bytes {format_size(backing)}")
+    if rest["init"] is None and options.get("init") is not None:
+        rest["overrides"] = dict(options.get("overrides") or {})
+        taken.append(f"overrides {rest['overrides']} (from --init {options['init']})")
+    if taken:
+        click.echo(f"resume: {', '.join(taken)}: the options of {folder}")
+
+
+def cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def data_spec(data: str) -> str:
+    """``--data`` as a feed spec: ``SCHEME:LOCATION`` as given; a bare path that exists,
+    a folder of llm.c shards (``*.bin`` in it) as ``shards:``, any other file or folder as
+    ``text:``; a bare path that does not is a usage error, and an unknown scheme is the feed
+    registry's to refuse (listing the schemes)."""
+    from pathlib import Path
+
+    from dataflow.plugins import feeds
+
+    scheme, colon, _location = data.partition(":")
+    if colon and scheme in feeds().names():
+        return data
+    path = Path(data)
+    if not path.exists():
+        if colon:
+            return data
+        raise click.BadParameter(
+            f"{data!r} is no file or folder here, nor a feed spec SCHEME:LOCATION (SCHEME "
+            f"one of: {', '.join(feeds().names())})",
+            param_hint="--data",
+        )
+    if path.is_dir() and any(path.glob("*.bin")):
+        return f"shards:{data}"
+    return f"text:{data}"
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_budget(device: str) -> int | None:
+    """The device's free memory now (CPU: unbounded)."""
+    if device == "cpu":
+        return None
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)

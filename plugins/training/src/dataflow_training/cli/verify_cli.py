@@ -1,0 +1,372 @@
+"""``dataflow verify``: the correctness ladder as a command (added by the training plugin).
+
+Every option is checked before any check runs: counts >= 1, a budget > 0 that the step
+can be planned into, an installed family and one of its presets, a sequence length the
+preset's model takes, a device that exists. Progress goes to stderr level by level; the
+table of checks to stdout; exit 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from dataflow.cli.errors import Failure, one_line, plugin_failure
+from dataflow.cli.options import BUDGET, COUNT, Device, lookup
+from dataflow.units import format_size
+from dataflow_training.check.verify_checks import YARDSTICK_FACTOR
+from dataflow_training.step.config import STATE_DTYPES
+
+#: Config fields under which a family may declare the longest sequence its model takes.
+MAX_SEQ_LEN_FIELDS = ("max_seq_len", "n_positions", "max_position_embeddings")
+
+
+def budget_option(help_text: str):
+    """``--budget SIZE`` into ``budget_bytes`` (None when not given)."""
+    return click.option(
+        "--budget", "budget_bytes", type=BUDGET, default=None, metavar="SIZE", help=help_text
+    )
+
+
+class Order(click.ParamType):
+    """One ``TrainConfig.order``: round, layer or layer:K."""
+
+    name = "ORDER"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> str:
+        from dataflow_training.step.config import parse_order
+
+        try:
+            parse_order(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+        return str(value)
+
+
+def order_option() -> Any:
+    """``--order round|layer|layer:K``: ``TrainConfig.order``."""
+    return click.option(
+        "--order",
+        type=Order(),
+        default="round",
+        show_default=True,
+        help="the step's task order: each round through every layer (round), every round "
+        "through each layer (layer: weights read once a step; for models larger than the "
+        "budget), or that in groups of K rounds (layer:K: less host memory for activations)",
+    )
+
+
+def optimizer_states_option() -> Any:
+    """``--optimizer-states fp32|bf16``: the dtype of the optimizer's state
+    (``config.optimizer_states``)."""
+    return click.option(
+        "--optimizer-states",
+        "optimizer_states",
+        type=click.Choice(list(STATE_DTYPES)),
+        default="fp32",
+        show_default=True,
+        help="dtype of AdamW's two moments: bf16 halves their memory and their traffic over "
+        "the host link (the throughput rows of docs/throughput.md use it, as stock PyTorch "
+        "with bf16 parameters does); fp32 keeps them exact",
+    )
+
+
+@click.command("verify")
+@click.option("--family", "family_name", required=True, help="an installed model family")
+@click.option("--preset", required=True, help="one of the family's presets")
+@click.option("--device", default="cpu", show_default=True, type=Device(), help="cpu or cuda")
+@click.option(
+    "--dtype", "policy", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"])
+)
+@click.option(
+    "--steps",
+    default=3,
+    show_default=True,
+    type=COUNT,
+    help="consecutive training steps compared (on CUDA the second on are graph replays)",
+)
+@click.option(
+    "--rounds", default=2, show_default=True, type=COUNT, help="accumulation rounds per step"
+)
+@click.option("--batch", default=2, show_default=True, type=COUNT)
+@click.option("--seq-len", default=16, show_default=True, type=COUNT)
+@budget_option("fast-memory budget for the step runs (e.g. 2GiB; default: unbounded)")
+@click.option("--seed", default=0, show_default=True)
+@order_option()
+@click.option(
+    "--yardstick/--no-yardstick",
+    default=True,
+    show_default=True,
+    help="with --dtype bf16: also compute each step's gradients by plain bf16 autograd of "
+    "the family's reference model, and let a gradient check pass within "
+    f"{YARDSTICK_FACTOR:g} x that one's error against float64 where this is above the flat "
+    "tolerance (what bf16 itself loses on the tensor). Costs one more bf16 forward and "
+    "backward of the whole model per step on --device, with its memory there beside the "
+    "run's. --no-yardstick: the flat tolerance alone",
+)
+@click.option(
+    "--all",
+    "show_all",
+    is_flag=True,
+    help="list every check (default: the failed ones and, per level, the closest to its tolerance)",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="also write every check to this file as JSON (level, name, max_abs, rel, "
+    "tolerance, abs_tolerance, yardstick, effective_tolerance, ok), failed or not",
+)
+@click.option(
+    "--levels",
+    default="op,task,step",
+    show_default=True,
+    callback=lambda ctx, param, value: _levels(value),
+    help="which levels run, comma-separated (e.g. step: a full-size preset's step checks "
+    "alone, its op and task checks being the same kernels at any size)",
+)
+@click.option(
+    "--resolver",
+    default="torch",
+    show_default=True,
+    help="the registered resolver that runs the engine's tasks in the step level: torch "
+    "(eager), torch-compiled (each block kind's math compiled), or auto (what `dataflow "
+    "train` runs: torch-compiled on CUDA, torch elsewhere)",
+)
+def verify_command(
+    family_name,
+    preset,
+    device,
+    policy,
+    steps,
+    rounds,
+    batch,
+    seq_len,
+    budget_bytes,
+    seed,
+    order,
+    yardstick,
+    show_all,
+    json_path,
+    levels,
+    resolver,
+) -> None:
+    """Compare ops, tasks and whole training steps against the family's reference."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from dataflow_training.check.verify import verify
+    from dataflow_training.drive.progress import LevelPrinter
+
+    family = _family(family_name)
+    config = _preset_config(family, family_name, preset)
+    _check_seq_len(config, preset, seq_len)
+    if json_path is not None:
+        _check_writable(json_path)
+    if device == "cpu" and "step" in levels:
+        _check_host_memory(family, config, preset)
+    if budget_bytes is not None:
+        _check_budget(
+            family,
+            preset,
+            policy,
+            budget_bytes,
+            batch=batch,
+            seq_len=seq_len,
+            rounds=rounds,
+            order=order,
+        )
+    checks = verify(
+        family_name,
+        preset,
+        device=device,
+        policy=policy,
+        steps=steps,
+        rounds=rounds,
+        batch=batch,
+        seq_len=seq_len,
+        budget_bytes=budget_bytes,
+        seed=seed,
+        progress=LevelPrinter(),
+        order=order,
+        yardstick=yardstick,
+        levels=levels,
+        resolver=resolver,
+    )
+    if json_path is not None:
+        _write_checks(json_path, checks)
+    shown = checks if show_all else _verify_summary(checks)
+    title = (
+        "every check"
+        if show_all
+        else "failed checks and, per level, the closest to its tolerance (--all: every check)"
+    )
+    table = Table("level", "check", "max |diff|", "rel error", "tolerance", "", title=title)
+    for check in shown:
+        table.add_row(
+            check.level,
+            check.name,
+            f"{check.max_abs:.2e}",
+            f"{check.rel:.2e}",
+            _tolerance_cell(check),
+            "[green]ok" if check.ok else "[red]FAIL",
+        )
+    # a report written to a file keeps each check's name on one line (rich takes 80
+    # columns where there is no terminal, and the names are longer than its column)
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    console.print(table)
+    failed = [check for check in checks if not check.ok]
+    console.print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
+    if failed:
+        names = ", ".join(f"{check.level} {check.name}" for check in failed[:3])
+        more = f" and {len(failed) - 3} more" if len(failed) > 3 else ""
+        raise Failure(f"{len(failed)} of {len(checks)} checks failed: {names}{more}")
+
+
+def _levels(text: str) -> tuple[str, ...]:
+    """``--levels``: known level names, at least one."""
+    from dataflow_training.check.verify import check_levels
+
+    named = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    try:
+        check_levels(named)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--levels") from None
+    return named
+
+
+def _check_writable(path: str) -> None:
+    """``--json``'s folder exists and takes a file, checked before any check runs."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise click.BadParameter(
+            f"cannot write {path}: no such writable folder", param_hint="--json"
+        )
+
+
+def _write_checks(path: str, checks: list) -> None:
+    """Every check as one JSON record (``--json``), written before the table, so that a
+    failed run leaves it too."""
+    import json
+
+    import attrs
+
+    rows = [
+        attrs.asdict(c) | {"effective_tolerance": c.effective_tolerance, "ok": c.ok} for c in checks
+    ]
+    try:
+        with open(path, "w") as out:
+            json.dump(rows, out, indent=0)
+    except OSError as error:
+        raise Failure(f"--json: cannot write {path}: {error.strerror}") from None
+
+
+def _verify_summary(checks: list) -> list:
+    """The failed checks, and each level's passing check nearest its tolerance, in the
+    ladder's order."""
+    closest: dict[str, Any] = {}
+    for check in checks:
+        if check.ok:
+            best = closest.get(check.level)
+            if best is None or _closeness(check) > _closeness(best):
+                closest[check.level] = check
+    keep = {id(c) for c in closest.values()}
+    return [c for c in checks if not c.ok or id(c) in keep]
+
+
+def _closeness(check: Any) -> float:
+    tolerance = check.effective_tolerance
+    return check.rel / tolerance if tolerance else 0.0
+
+
+def _tolerance_cell(check: Any) -> str:
+    """``5e-02``; ``5e-02 or 2 x 4.1e-02`` where the yardstick raised it; with ``or
+    |diff| <= ...`` where an absolute tolerance also applies."""
+    cell = f"{check.tolerance:.0e}"
+    if check.effective_tolerance > check.tolerance:
+        cell += f" or {YARDSTICK_FACTOR:g} x {check.yardstick:.1e}"
+    if check.abs_tolerance:
+        cell += f" or |diff| <= {check.abs_tolerance:.0e}"
+    return cell
+
+
+def _family(name: str) -> Any:
+    from dataflow.plugins import families
+
+    spec = lookup(families(), name, "--family")
+    try:
+        return spec.load()
+    except Exception as exc:  # the family plugin's own failure: name it
+        raise plugin_failure(f"family {name!r} cannot be loaded", exc) from exc
+
+
+def _preset_config(family: Any, family_name: str, preset: str) -> Any:
+    presets = getattr(family, "presets", None)
+    if presets is not None and preset not in presets:
+        raise click.BadParameter(
+            f"{family_name} has no preset {preset!r}; known: {', '.join(presets)}",
+            param_hint="--preset",
+        )
+    try:
+        return family.config(preset)
+    except (KeyError, ValueError) as exc:
+        raise click.BadParameter(one_line(str(exc)), param_hint="--preset") from exc
+
+
+def _check_seq_len(config: Any, preset: str, seq_len: int) -> None:
+    for field in MAX_SEQ_LEN_FIELDS:
+        longest = getattr(config, field, None)
+        if isinstance(longest, int) and seq_len > longest:
+            raise click.BadParameter(
+                f"{seq_len} is longer than preset {preset!r} takes ({field} = {longest}); "
+                f"give at most {longest}",
+                param_hint="--seq-len",
+            )
+
+
+def _check_host_memory(family: Any, config: Any, preset: str) -> None:
+    """Fail before any check runs when the step level on the CPU would need more host
+    memory than is available (``verify.step_host_bytes``): it would be killed for memory
+    after minutes of work rather than fail."""
+    from dataflow_training.check.verify import (
+        CPU_STEP_BYTES_PER_PARAM,
+        model_params,
+        step_host_bytes,
+    )
+    from dataflow_training.plan.compiled_step import available_host_bytes
+
+    available = available_host_bytes()
+    need = step_host_bytes(family, config)
+    if available is None or need <= available:
+        return
+    raise Failure(
+        f"--preset {preset}: the step level on the CPU needs about {format_size(need)} of "
+        f"host memory ({model_params(family, config):,} parameters at about "
+        f"{CPU_STEP_BYTES_PER_PARAM} bytes each: a float64 reference with its AdamW state "
+        f"beside the engine's run); this host has {format_size(available)} available. "
+        "Run it with --device cuda on a larger host, or the op and task levels alone "
+        "(--levels op,task)"
+    )
+
+
+def _check_budget(family: Any, preset: str, policy: str, budget_bytes: int, **shape: Any) -> None:
+    """Fail before any check runs when the step cannot be planned into ``budget_bytes``."""
+    from dataflow.planning import minimal_budget
+    from dataflow_training.check.verify import follows_routing, step_config
+    from dataflow_training.step.lowering import lower
+
+    train = step_config(policy, **shape)
+    keep = follows_routing(family)  # as step_checks lowers it
+    program = lower(family, preset, train, keep_grads=True, keep_aux_temp=keep).program
+    smallest = minimal_budget(program)
+    if budget_bytes < smallest:
+        raise Failure(
+            f"--budget {format_size(budget_bytes)} is too small for this step "
+            f"({program.name}): the smallest budget that works is {format_size(smallest)} "
+            f"({smallest} bytes)"
+        )

@@ -1,0 +1,165 @@
+"""The parts ``train`` is made of, each with a small interface of its own: metrics sinks
+(``metrics.jsonl``, TensorBoard, the progress bar), the checkpointer and the stop request
+(Ctrl-C). ``train`` is a loop over them; new behaviour (validation, signals, phases) goes
+into a part, not into the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from dataflow_training.drive.checkpoint import prune, step_name
+
+Metrics = dict[str, Any]
+Say = Callable[[str], None]
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_FOLDER = "tensorboard"
+#: the metrics.jsonl fields also written as TensorBoard scalars (when not None)
+TENSORBOARD_SCALARS = ("loss", "lr", "grad_norm", "tok_s", "step_s")
+
+
+class MetricsSink(Protocol):
+    """Where each step's metrics go: ``write`` after every step, ``close`` at the end."""
+
+    def write(self, step: int, metrics: Metrics) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlMetrics:
+    """One JSON line a step in ``path``. A resumed run (``start`` > 0) first drops the
+    lines of steps after ``start`` that an interrupted run left."""
+
+    def __init__(self, path: Path, start: int) -> None:
+        self.path = path
+        _truncate(path, start)
+        self._file = path.open("a")
+
+    def write(self, step: int, metrics: Metrics) -> None:
+        self._file.write(json.dumps(metrics) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardMetrics:
+    """``TENSORBOARD_SCALARS`` as TensorBoard scalars; a resumed run purges the events
+    after ``start`` that an interrupted run left, as ``metrics.jsonl`` loses its lines."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+
+    @classmethod
+    def open(cls, folder: Path, start: int) -> TensorBoardMetrics | None:
+        """The sink into ``folder``, or None when ``tensorboard`` is not installed."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            return None
+        return cls(SummaryWriter(str(folder), purge_step=start + 1 if start else None))
+
+    @property
+    def log_dir(self) -> str:
+        return self.writer.log_dir
+
+    def write(self, step: int, metrics: Metrics) -> None:
+        for name in TENSORBOARD_SCALARS:
+            if metrics[name] is not None:
+                self.writer.add_scalar(name, metrics[name], step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class ProgressMetrics:
+    """``progress(step, steps, metrics)`` after every step (the CLI's progress bar)."""
+
+    def __init__(self, progress: Callable[[int, int, Metrics], None], steps: int) -> None:
+        self.progress, self.steps = progress, steps
+
+    def write(self, step: int, metrics: Metrics) -> None:
+        self.progress(step, self.steps, metrics)
+
+    def close(self) -> None:
+        pass
+
+
+def _truncate(path: Path, step: int) -> None:
+    """Keep the lines of steps up to ``step`` (a resumed run rewrites what came after)."""
+    if not path.exists():
+        return
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] <= step
+    ]
+    path.write_text("".join(f"{line}\n" for line in kept))
+
+
+class Checkpointer:
+    """Writes the run's checkpoints into ``out``: every ``every`` steps and at the last
+    (``due``), each with what ``extra()`` returns in its manifest, keeping the newest
+    ``keep``. A member of a fleet that does not write (``writes`` False) only records
+    where rank 0 writes."""
+
+    def __init__(
+        self,
+        run: Any,
+        out: Path,
+        *,
+        every: int | None,
+        steps: int,
+        keep: int | None,
+        writes: bool,
+        extra: Callable[[], dict[str, Any]],
+        say: Say,
+    ) -> None:
+        self.run, self.out, self.every, self.steps, self.keep = run, out, every, steps, keep
+        self.writes, self.extra, self.say = writes, extra, say
+        self.saved: list[Path] = []
+
+    def due(self, step: int) -> bool:
+        return bool(self.every and step % self.every == 0) or step == self.steps
+
+    def save(self, step: int) -> Path:
+        path = self.out / step_name(step)
+        extra = self.extra()
+        if not self.writes:
+            self.saved.append(path)
+            return path
+        if path.is_dir():  # resumed from an earlier step: this one is of the old history
+            self.say(f"replacing {path}, written by the run this one resumed before")
+            shutil.rmtree(path)
+        path = self.run.save(path, extra)
+        self.saved.append(path)
+        if self.keep is not None:
+            prune(self.out, self.keep)
+        return path
+
+    def at(self, step: int) -> Path:
+        """The checkpoint of ``step``: the one written there already, else a new one."""
+        if self.saved and self.saved[-1].name == step_name(step):
+            return self.saved[-1]
+        return self.save(step)
+
+
+class StopRequest:
+    """Ctrl-C (SIGINT) while it is installed asks the run to stop after the step under
+    way (``requested``); ``close`` puts the previous handler back."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def close(self) -> None:
+        signal.signal(signal.SIGINT, self._previous)

@@ -1,0 +1,460 @@
+"""``TrainingRun``: the driver that runs one compiled step on the engine, update by update.
+
+    step = compile_step("gpt2", "gpt2_tiny", TrainConfig(seq_len=64, batch=8), budget_bytes=...)
+    run = TrainingRun(step)
+    stats = run.step([(tokens, targets)], lr=3e-4)     # one optimizer update
+    run.save("ckpt/step_000001"); run.restore("ckpt/step_000001")
+
+The step was lowered, planned and placed once (``compile_step``); the run loads the
+engine with that placement once (lazily, at the first step, because the engine takes the
+first step's data with the start values). Every later step feeds only the rounds' tokens
+and targets; weights and optimizer state stay where the plan leaves them between steps.
+The learning rate and the optimizer's step count go in through ``Engine.run(values=...)``:
+``lr`` and ``update`` (the number of updates so far + 1, so a restored run's bias
+correction continues where the saved one stopped).
+
+The model state is ``{"<layer>.<param>": tensor}`` (the reference model's ``state_dict``
+keys); the optimizer state is kept raw, as the packed ``O_*`` objects' bytes, because
+only this program's layout reads it. ``dataflow verify``, ``dataflow train`` and the
+fleet share this class.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from dataflow.units import format_size
+from dataflow_training.drive.values import StartValues, data_values, read_state
+from dataflow_training.plan.compiled_step import (
+    HOST_RESERVE_BYTES,
+    CompiledStep,
+    available_host_bytes,
+)
+from dataflow_training.step.family import Family
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+#: ``resolver_for``'s choice for "auto" on CUDA: each block kind's math compiled, what the
+#: throughput rows of docs/throughput.md run (compare.py --resolver torch-compiled)
+CUDA_RESOLVER = "torch-compiled"
+
+
+def resolver_for(name: str, device: str) -> str:
+    """The registered resolver ``name`` names for ``device``: "auto" is ``CUDA_RESOLVER`` on
+    CUDA where it is installed, else ``torch`` (eager: the compiled resolver is made for
+    CUDA, and on a CPU compiling a small model's tasks takes longer than its steps). A
+    name that is not registered is a ValueError naming the known ones."""
+    from dataflow.plugins import resolvers
+
+    known = [spec.name for spec in resolvers()]
+    if name == "auto":
+        return CUDA_RESOLVER if device.startswith("cuda") and CUDA_RESOLVER in known else "torch"
+    if name not in known:
+        raise ValueError(
+            f"--resolver {name!r}: not a registered resolver; known: auto, {', '.join(known)}"
+        )
+    return name
+
+
+def _differences(theirs: Any, ours: Any, path: str) -> list[tuple[str, Any, Any]]:
+    """``(dotted path, theirs, ours)`` of every value that differs between two manifest
+    fields, nested mappings compared key by key (a missing key is None)."""
+    if isinstance(theirs, Mapping) and isinstance(ours, Mapping):
+        found = []
+        for key in sorted(set(theirs) | set(ours), key=str):
+            found += _differences(theirs.get(key), ours.get(key), f"{path}.{key}")
+        return found
+    return [] if theirs == ours else [(path, theirs, ours)]
+
+
+def _reference_state(
+    family: Family, config: Any, seed: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The family reference model's initial state under ``seed``, in ``dtype``. The
+    float32 model's tensors are dropped one by one as their copies are made, so the host
+    holds the float32 model and little more, not the float32 model beside its whole copy
+    (for an 8B model that is 32 GB, not 48)."""
+    import gc
+
+    torch.manual_seed(seed)
+    model = family.reference_model(config)
+    state = model.state_dict()
+    del model
+    gc.collect()  # a module in a reference cycle would keep its parameters otherwise
+    weights = {}
+    for key in list(state):
+        weights[key] = state.pop(key).detach().to(dtype, copy=True)
+    return weights
+
+
+@attrs.frozen
+class StepStats:
+    """What one ``TrainingRun.step`` did. ``step`` counts updates before this one (the
+    first step is 0); ``losses`` one per round; ``grad_norm`` the global gradient norm
+    before clipping (None when the step does not measure it); ``step_s`` the wall time of
+    the engine run and the read-back."""
+
+    step: int
+    losses: tuple[float, ...]
+    loss: float
+    lr: float
+    grad_norm: float | None
+    step_s: float
+    fast_peak_bytes: int
+    allocator_peak_bytes: int | None
+
+
+class TrainingRun:
+    """The driver of one ``CompiledStep`` (``compiled``): one optimizer update per
+    ``step``.
+
+    ``state`` is the initial model state (default: the family's reference model
+    initialised under ``seed``). The engine is loaded with the compiled placement at the
+    first step, after ``check_backing`` refused a slow pool the host cannot page-lock.
+    After a step, ``last_result`` is the engine's ``RunResult`` of it (task spans,
+    transfers, peaks: what benchmarks read); None before the first step.
+    """
+
+    def __init__(
+        self,
+        compiled: CompiledStep,
+        *,
+        seed: int = 0,
+        state: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.compiled, self.seed = compiled, seed
+        self.train, self.device = compiled.train, compiled.device
+        running = compiled.running
+        self._data_objects = running.layout.data_objects()
+        self._losses = running.layout.losses()
+        self.grad_norms = running.layout.grad_norms()
+        self.updates = 0  # optimizer updates done so far
+        dtype = getattr(torch, self.train.dtype.param)
+        self._weights: dict[str, torch.Tensor] | None = (
+            _reference_state(compiled.family, compiled.config, seed, dtype)
+            if state is None
+            else {k: v.detach().to(dtype, copy=True) for k, v in state.items()}
+        )
+        self._opt_state: dict[str, torch.Tensor] | None = None
+        self._engine: Any = None
+        self._lost: str | None = None  # why the state is gone (a failed engine load)
+        self.last_result: Any = None
+
+    @classmethod
+    def of(
+        cls,
+        family: str | Family,
+        preset: str,
+        train: Any,
+        *,
+        seed: int = 0,
+        state: Mapping[str, torch.Tensor] | None = None,
+        **options: Any,
+    ) -> TrainingRun:
+        """The run of ``compile_step(family, preset, train, **options)``."""
+        from dataflow_training.plan.compiled_step import compile_step
+
+        return cls(compile_step(family, preset, train, **options), seed=seed, state=state)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.compiled.vocab_size
+
+    def step(
+        self, batches: Sequence[Batch], lr: float | None = None, *, dispatch: bool = False
+    ) -> StepStats:
+        """One optimizer update over ``batches``, one ``(tokens, targets)`` per
+        accumulation round, each int64 of shape (batch, seq_len). ``lr`` defaults to the
+        optimizer policy's; ``dispatch`` runs the step task by task even where a CUDA
+        graph would replay it (``Engine.run``), so that ``last_result`` times every task."""
+        batches = self._checked(batches)
+        lr = self.train.optimizer.lr if lr is None else float(lr)
+        values = {"lr": lr, "update": self.updates + 1}
+        if self.compiled.fleet:
+            values["fleet"] = 1
+        started = time.perf_counter()
+        if self._engine is None:
+            self._load(batches)
+            result = self._engine.run(values=values)
+        else:
+            result = self._engine.run(
+                values=values, feed=lambda _step: self._data(batches), dispatch=dispatch
+            )
+        self.last_result = result
+        # the losses and gradient norms of the step, fetched from the device together
+        names = self._losses
+        read = self._engine.read_scalars([*names, *self.grad_norms])
+        losses = tuple(read[: len(names)])
+        grad_norm = None
+        if self.grad_norms:
+            grad_norm = sum(read[len(names) :]) ** 0.5
+        step_s = time.perf_counter() - started
+        self.updates += 1
+        return StepStats(
+            self.updates - 1,
+            losses,
+            sum(losses) / len(losses),
+            lr,
+            grad_norm,
+            step_s,
+            result.fast_peak_bytes,
+            result.allocator_peak_bytes,
+        )
+
+    def _checked(self, batches: Sequence[Batch]) -> list[Batch]:
+        if len(batches) != self.train.rounds:
+            raise ValueError(
+                f"step got {len(batches)} batch(es); the step has {self.train.rounds} "
+                "accumulation round(s), one (tokens, targets) each"
+            )
+        shape = (self.train.batch, self.train.seq_len)
+        out = []
+        for r, (tokens, targets) in enumerate(batches):
+            for name, t in (("tokens", tokens), ("targets", targets)):
+                if tuple(t.shape) != shape:
+                    raise ValueError(
+                        f"round {r} {name} have shape {tuple(t.shape)}; the step takes {shape} "
+                        "(batch, seq_len)"
+                    )
+            largest = int(tokens.max())
+            if largest >= self.vocab_size:
+                raise ValueError(
+                    f"round {r} tokens reach id {largest}; the model's vocabulary has "
+                    f"{self.vocab_size} ids"
+                )
+            out.append((tokens.to(torch.int64), targets.to(torch.int64)))
+        return out
+
+    def _data(self, batches: list[Batch]) -> dict[str, torch.Tensor]:
+        return data_values(self._data_objects, lambda _step, round_: batches[round_])
+
+    def _load(self, batches: list[Batch]) -> None:
+        from dataflow.engine import Engine
+
+        opt_state = self._opt_state or {}
+        for obj_id, raw in opt_state.items():
+            packed = self.compiled.layout.packed.get(obj_id)
+            if packed is None or packed.kind != "O" or (packed.layout.size_bytes,) != raw.shape:
+                raise ValueError(
+                    f"optimizer state {obj_id!r} does not fit this step's layout "
+                    f"({tuple(raw.shape)} bytes given)"
+                )
+        self.check_backing()
+        # built object by object as the engine copies them in: the host holds the pinned
+        # pool and one object's bytes at a time, not every start value at once, and the
+        # weights' host copy goes as each parameter object is put (consume)
+        initial = StartValues(
+            self.compiled.running,
+            self._weights,
+            lambda _step, r: batches[r],
+            given=opt_state,
+            consume=True,
+        )
+        engine = Engine(
+            "torch",
+            budget_bytes=self.compiled.budget_bytes,
+            slow_budget_bytes=self.compiled.backing_bytes,
+            device=self.device,
+            graph=self.compiled.graph,
+        )
+        try:
+            engine.load(self.compiled.placement, self.compiled.executables(), initial=initial)
+        except BaseException as exc:  # the weights were handed over: the state is gone
+            self._weights = self._opt_state = None
+            self._lost = f"its engine failed to load ({type(exc).__name__}: {exc})"
+            raise
+        self._engine = engine
+        self._weights = self._opt_state = None
+
+    def check_backing(self) -> None:
+        """Refuse, before anything is allocated, a plan whose slow pool exceeds
+        ``pinned_limit_bytes`` or, on CUDA, the host's available memory less
+        ``HOST_RESERVE_BYTES`` (class docstring)."""
+        from dataflow.planning import PlanningError
+
+        pool = self.compiled.pinned_bytes
+        limit = self.compiled.pinned_limit_bytes
+        if limit is not None and pool > limit:
+            what = f"pinned_limit_bytes: more than the {format_size(limit)} allowed"
+        else:
+            available = available_host_bytes() if self.device.startswith("cuda") else None
+            if available is None or pool <= available - HOST_RESERVE_BYTES:
+                return
+            what = (
+                f"host memory: more than the {format_size(available)} this host has "
+                f"available less {format_size(HOST_RESERVE_BYTES)} kept for the process"
+            )
+        peak = format_size(self.compiled.plan.sim.slow_peak_bytes)
+        raise PlanningError(
+            f"{what}: the engine's slow pool for this plan takes {format_size(pool)} (a "
+            f"slice for every object ever in slow memory; the plan's slow peak is {peak}); "
+            "a larger fast budget (fewer objects offloaded) or fewer tokens a round "
+            "(smaller activations) needs a smaller pool"
+        )
+
+    def step_activity(self, lr: float | None = None) -> dict[str, float]:
+        """One more optimizer update on the last step's batches, replayed from the CUDA
+        graph under torch.profiler: busy microseconds of the compute stream and of each
+        copy direction, and the step's span (``Engine.replay_activity``). For benchmarks:
+        compute idle is ``1 - compute_busy_us / span_us``."""
+        if self._engine is None:
+            raise RuntimeError("step_activity needs the steps before it run first")
+        lr = self.train.optimizer.lr if lr is None else float(lr)
+        activity = self._engine.replay_activity(values={"lr": lr, "update": self.updates + 1})
+        self.updates += 1
+        return activity
+
+    @property
+    def graph_note(self) -> str | None:
+        """Why steps are dispatched rather than replayed from a CUDA graph (None when they
+        are replayed, or before the engine has tried)."""
+        if not self.compiled.graph:
+            return "CUDA graphs are off (not on CUDA, or graph=False)"
+        return None if self._engine is None else self._engine.graph_note
+
+    @property
+    def load_seconds(self) -> dict[str, float]:
+        """Seconds the engine's load (in the first step) spent in each phase
+        (``Engine.load_seconds``); empty before the first step."""
+        return {} if self._engine is None else dict(self._engine.load_seconds)
+
+    # -- state -------------------------------------------------------------------------
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``(model state, optimizer state)``: ``{"<layer>.<param>": tensor}`` and the raw
+        bytes of every ``O_*`` object (zeros before the first update), on the CPU."""
+        if self._engine is None:
+            if self._weights is None:
+                raise RuntimeError(f"the run has no state: {self._lost}")
+            weights = {k: v.clone() for k, v in self._weights.items()}
+            if self._opt_state is not None:
+                return weights, {k: v.clone() for k, v in self._opt_state.items()}
+            opt = {
+                p.id: torch.zeros(p.layout.size_bytes, dtype=torch.uint8)
+                for p in self.compiled.layout.of_kind("O")
+            }
+            return weights, opt
+        fetch = self._engine.fetch
+        running = self.compiled.running
+        weights = {k: v.cpu() for k, v in read_state(running, fetch, "W").items()}
+        opt = {p.id: fetch(p.id).detach().cpu().clone() for p in running.layout.of_kind("O")}
+        return weights, opt
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """The last step's weight gradients (as the update saw them: clipped when the
+        step clips), ``{"<layer>.<param>": tensor}``; needs ``keep_grads``."""
+        running = self.compiled.running
+        grads = running.layout.of_kind("dW")
+        if self._engine is None or not grads:
+            raise RuntimeError("grads() needs a step run with keep_grads=True")
+        if not any(p.id in running.program.final_locations for p in grads):
+            raise RuntimeError("grads() needs a step compiled with keep_grads=True")
+        return {k: v.cpu() for k, v in read_state(running, self._engine.fetch, "dW").items()}
+
+    def aux_temps(self) -> list[dict[str, dict[str, torch.Tensor]]]:
+        """The last step's AuxTemp, per round ``{"<layer>": {name: tensor}}`` on the CPU
+        (every block that records decisions); needs ``keep_aux_temp``."""
+        running = self.compiled.running
+        temps = running.layout.of_kind("AuxTemp")
+        if self._engine is None or not temps:
+            raise RuntimeError("aux_temps() needs a step run of a program with AuxTemp")
+        if not all(p.id in running.program.final_locations for p in temps):
+            raise RuntimeError("aux_temps() needs a step compiled with keep_aux_temp=True")
+        per_layer = len({p.layer for p in temps})
+        rounds: list[dict[str, dict[str, torch.Tensor]]] = []
+        for i, packed in enumerate(temps):  # lowered round by round, block by block
+            if i % per_layer == 0:
+                rounds.append({})
+            views = packed.layout.views(self._engine.fetch(packed.id))
+            rounds[-1][packed.layer] = {name: view.cpu().clone() for name, view in views.items()}
+        return rounds
+
+    def set_state(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        opt_state: Mapping[str, torch.Tensor] | None,
+        updates: int,
+    ) -> None:
+        """Continue from a given state: the engine is loaded afresh at the next step."""
+        self.close()
+        dtype = getattr(torch, self.train.dtype.param)
+        self._weights = {k: v.to(dtype).clone() for k, v in weights.items()}
+        self._opt_state = None if opt_state is None else dict(opt_state)
+        self.updates = updates
+
+    def save(self, path: str | Path, extra: Mapping[str, Any] | None = None) -> Path:
+        """Write a complete checkpoint to ``path`` (atomically; see
+        ``dataflow_training.drive.checkpoint``); ``extra`` goes into its manifest."""
+        from dataflow_training.drive.checkpoint import write_checkpoint
+
+        weights, opt = self.state()
+        return write_checkpoint(path, weights, opt, self.manifest(extra))
+
+    def restore(self, path: str | Path, loose: Sequence[str] = ()) -> dict[str, Any]:
+        """Continue from the checkpoint at ``path``; returns its manifest. A checkpoint of
+        another family, preset, overrides or training step is an error naming the field;
+        ``loose`` names training-step fields not compared (a fleet member restores a
+        checkpoint rank 0 wrote with its own ``rounds``)."""
+        from dataflow_training.drive.checkpoint import read_checkpoint, set_rng_state
+
+        weights, opt, manifest, rng = read_checkpoint(path)
+        mine = self.manifest()
+        for field in ("family", "preset", "overrides", "train"):
+            theirs, ours = manifest.get(field), mine[field]
+            if field == "train" and loose and isinstance(theirs, dict):
+                theirs = {k: v for k, v in theirs.items() if k not in loose}
+                ours = {k: v for k, v in ours.items() if k not in loose}
+            differences = _differences(theirs, ours, field)
+            if differences:
+                where, was, now = differences[0]
+                more = [d[0] for d in differences[1:]]
+                also = f" (and {len(more)} more: {', '.join(more)})" if more else ""
+                raise ValueError(
+                    f"checkpoint {path}: {where} is {was!r}; this run's is {now!r}{also}"
+                )
+        self.set_state(weights, opt, int(manifest["step"]))
+        set_rng_state(rng)
+        return manifest
+
+    def manifest(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """What a checkpoint of this run records about it (``checkpoint.MANIFEST_FIELDS``)."""
+        from dataflow_training.drive.checkpoint import package_versions, plan_hash, train_dict
+
+        return {
+            "step": self.updates,
+            "family": self.compiled.family.name,
+            "preset": self.compiled.preset,
+            "overrides": self.compiled.overrides,
+            "train": train_dict(self.train),
+            "seed": self.seed,
+            "device": self.device,
+            "budget_bytes": self.compiled.planned_budget_bytes,
+            "plan_hash": plan_hash(self.compiled.program),
+            "versions": package_versions(),
+            **dict(extra or {}),
+        }
+
+    def close(self, keep_state: bool = True) -> None:
+        """Give the engine's memory back, keeping the state on the host for a later step
+        (``keep_state=False``: drop it; a large model's state need not be copied out when
+        the run ends)."""
+        if self._engine is not None:
+            if keep_state:
+                self._weights, self._opt_state = self.state()
+            else:
+                self._weights = self._opt_state = None
+                self._lost = "the run was closed with keep_state=False"
+            self._engine.close()
+            self._engine = None
+
+    def __enter__(self) -> TrainingRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,544 @@
+"""The executables of a lowered training step, for every family.
+
+``TrainingTasks(program)`` is a ``Resolver``: it dispatches on the task's compute key
+(``dataflow_training.step.keys``), finds the task's objects by role in the step layout
+(``dataflow_training.step.layout``), views packed objects as the family's named tensors, calls
+the family's math with ops from the kernel registry, checks what the math returned
+against what the family declared, and writes only into the task's outputs and mutates.
+
+Resolver packages (``resolvers/``) are execution *strategies* over these executables: a
+``Strategy`` may wrap each block kind's math (``torch.compile``, say) or launch the whole
+step differently; a new family never touches a resolver.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from dataflow.engine import LaunchContext
+from dataflow.schema import Program, Task
+from dataflow_training.step.family import Env, FamilyContractError, RowGradient
+from dataflow_training.step.keys import ComputeKeyError, parse
+from dataflow_training.step.layout import TaskSlot
+from dataflow_training.step.lowering import Lowered
+from dataflow_training.step.ops import load_ops
+from dataflow_training.step.optimizers import optimizer_spec
+from dataflow_training.step.packing import flat_view
+
+Tensors = dict[str, torch.Tensor]
+
+
+#: Where one value a block's math returns goes: the path to it in what the function
+#: returned (tuple indexes, dict keys), the view it is written into, whether it is added
+#: to what the view holds (a later round's gradients) and what it is, for errors.
+Put = tuple[tuple[int | str, ...], torch.Tensor, bool, str]
+
+
+def put_all(result: Any, puts: list[Put]) -> None:
+    """Write every value ``puts`` names from ``result`` into its view (copied, or added).
+    A value missing or of another shape than its view is a ``FamilyContractError`` (the
+    caller names the task)."""
+    for path, target, add, what in puts:
+        value = result
+        for step in path:
+            value = value.get(step) if isinstance(value, Mapping) else value[step]
+            if value is None:
+                raise FamilyContractError(f"returned no {what}")
+        _check_shape(None, what, value, target)
+        if add:
+            target.add_(value)
+        else:
+            target.copy_(value)
+
+
+class Strategy:
+    """How the executables run a family's math; the eager strategy changes nothing."""
+
+    name = "eager"
+
+    def block_math(self, kind: str, math: Any) -> Any:
+        """The math object executables call for block kind ``kind``."""
+        return math
+
+    def run_into(self, math: Any, function: str, puts: list[Put], *args: Any) -> None:
+        """Call ``math.<function>(*args)`` and write what it returns into ``puts``. A
+        compiling strategy compiles the writes with the math, so a value computed by a
+        fused kernel is stored by that kernel instead of being copied afterwards."""
+        put_all(getattr(math, function)(*args), puts)
+
+
+class TrainingTasks:
+    """``Resolver`` for programs lowered by dataflow-training."""
+
+    def __init__(
+        self,
+        step: Lowered | Program,
+        *,
+        ops: Mapping[str, Any] | None = None,
+        strategy: Strategy | None = None,
+    ) -> None:
+        """``step``: the lowered step whose tasks these run (a program read from a file
+        is read as its step, ``Lowered.read``); ``ops`` default to the kernel registry's
+        (tests pass their own)."""
+        if not isinstance(step, Lowered):
+            step = Lowered.read(step)
+        self.layout = step.layout
+        family = step.family
+        self.family = family
+        self.strategy = strategy or Strategy()
+        self.config = step.config
+        self.train = self.layout.train
+        self.optimizer = optimizer_spec(self.train.optimizer.name)
+        self._given_ops = ops
+        self._ops: dict[str, dict[str, Any]] = {}
+        self._math: dict[str, Any] = {}
+
+    def ops(self, device: str) -> Mapping[str, Any]:
+        if self._given_ops is not None:
+            return self._given_ops
+        if device not in self._ops:
+            names = (*self.family.ops, *self.optimizer.ops)
+            self._ops[device] = load_ops(device, names)
+        return self._ops[device]
+
+    def math(self, kind: str) -> Any:
+        if kind not in self._math:
+            math = self.family.math(kind)
+            self._math[kind] = (
+                math if kind in ("embed", "head") else self.strategy.block_math(kind, math)
+            )
+        return self._math[kind]
+
+    def __call__(self, task: Task) -> Any:
+        try:
+            key = parse(task.compute_key)
+        except ComputeKeyError as exc:
+            raise KeyError(str(exc)) from None
+        slot = self.layout.tasks.get(task.id)
+        if slot is None or slot.compute_key != task.compute_key:
+            raise KeyError(f"task {task.id} ({task.compute_key}) is not in the step layout")
+        if key.is_optimizer:
+            return OptimizerStep(self, task, slot)
+        if key.is_grad_norm:
+            return GradNorm(self, task, slot)
+        if key.is_grad_allreduce:
+            return GradAllReduce(self, task, slot)
+        if key.family != self.family.name:
+            raise KeyError(
+                f"compute key {task.compute_key!r} is not of family {self.family.name!r}"
+            )
+        cls = {
+            ("embed", "forward"): EmbedForward,
+            ("embed", "backward"): EmbedBackward,
+            ("head", "loss"): HeadLoss,
+        }.get((key.kind, key.phase))
+        if cls is None:
+            cls = {"forward": BlockForward, "recompute": BlockRecompute, "backward": BlockBackward}[
+                key.phase
+            ]
+        return cls(self, task, slot)
+
+
+class _Exec:
+    #: Every training executable only enqueues device work and reads per-step values as
+    #: they come (device tensors when the engine replays a CUDA graph): capturable.
+    capturable = True
+
+    def __init__(self, tasks: TrainingTasks, task: Task, slot: TaskSlot) -> None:
+        self.tasks, self.task, self.slot = tasks, task, slot
+        self.layout = tasks.layout
+        self.kind = self.layout.layer(slot.layer).kind
+        self._index = {
+            obj: (part, i)
+            for part in ("inputs", "mutates", "outputs")
+            for i, obj in enumerate(getattr(task, part))
+        }
+        self._views: dict[str, tuple[tuple[int, int], Tensors]] = {}
+
+    def buffer(self, ctx: LaunchContext, obj_id: str) -> torch.Tensor:
+        part, i = self._index[obj_id]
+        return getattr(ctx, part)[i]
+
+    def env(self, ctx: LaunchContext, **fields: Any) -> Env:
+        train = self.tasks.train
+        return Env(
+            self.tasks.ops(ctx.device),
+            round_=self.slot.round_,
+            rounds=train.rounds,
+            chunk_tokens=train.chunk_tokens,
+            head_vocab_tiles=train.head_vocab_tiles,
+            **fields,
+        )
+
+    def views(self, ctx: LaunchContext, obj: str) -> Tensors:
+        """A packed object's named views. On CUDA an object sits at the same arena offset
+        every step, so the views of its last address are kept and reused (building a
+        dozen views is host time every launch); elsewhere they are built each time."""
+        buffer = self.buffer(ctx, obj)
+        if ctx.device != "cuda":
+            return self.layout.views(obj, buffer)
+        key = (buffer.data_ptr(), buffer.numel())
+        cached = self._views.get(obj)
+        if cached is None or cached[0] != key:
+            cached = (key, self.layout.views(obj, buffer))
+            self._views[obj] = cached
+        return dict(cached[1])
+
+    def named(self, ctx: LaunchContext, role: str) -> Tensors:
+        """Every packed object of ``role`` viewed as named tensors, merged."""
+        out: Tensors = {}
+        for obj in self.slot.objects(role):
+            out.update(self.views(ctx, obj))
+        return out
+
+    def one(self, ctx: LaunchContext, role: str) -> torch.Tensor:
+        return self.buffer(ctx, self.slot.one(role))
+
+    def store_grads(
+        self, ctx: LaunchContext, role: str, grads: Mapping[str, Any], *, partial: bool = False
+    ) -> None:
+        """Write (round 0) or accumulate the gradients into the ``role`` objects; each
+        trainable tensor must have its gradient, of its shape. With ``partial`` (a tied
+        head's share of another layer's gradients) tensors without one are left alone,
+        or zeroed where the task creates the object (an output is fully written)."""
+        for obj in self.slot.objects(role):
+            add = obj in self.slot.mutates.get(role, ())
+            if not add:
+                self.zero_gaps(ctx, obj)
+            for name, target in self.views(ctx, obj).items():
+                value = grads.get(name)
+                if value is None and partial:
+                    if not add:
+                        target.zero_()
+                    continue
+                if value is None:
+                    raise FamilyContractError(
+                        f"task {self.task.id}: {self.task.compute_key} returned no gradient "
+                        f"for {obj}:{name}"
+                    )
+                _check_shape(self.task, f"gradient {name}", value, target)
+                if isinstance(value, RowGradient):
+                    (value.add_into if add else value.copy_into)(target)
+                elif add:
+                    target.add_(value)
+                else:
+                    target.copy_(value)
+
+    def puts(
+        self,
+        ctx: LaunchContext,
+        role: str,
+        path: tuple[int | str, ...],
+        what: str,
+        *,
+        obj: str | None = None,
+        grads: bool = False,
+    ) -> list[Put]:
+        """Where a block's returned dict at ``path`` goes: one ``Put`` per declared tensor
+        of every ``role`` object (or of ``obj``), gradients (``grads``) added in a round
+        that accumulates and copied, padding zeroed, in the one that creates them."""
+        objs = [obj] if obj is not None else self.slot.objects(role)
+        out: list[Put] = []
+        for each in objs:
+            add = grads and each in self.slot.mutates.get(role, ())
+            if grads and not add:
+                self.zero_gaps(ctx, each)
+            for name, target in self.views(ctx, each).items():
+                label = f"gradient for {each}:{name}" if grads else f"{what} {name!r}"
+                out.append(((*path, name), target, add, label))
+        return out
+
+    def run_into(self, function: str, puts: list[Put], *args: Any) -> None:
+        """The block's ``function`` with its values written into ``puts`` by the
+        strategy; a broken contract names the task."""
+        try:
+            self.tasks.strategy.run_into(self.tasks.math(self.kind), function, puts, *args)
+        except FamilyContractError as exc:
+            raise FamilyContractError(
+                f"task {self.task.id}: {self.task.compute_key} {exc}"
+            ) from None
+
+    def zero_gaps(self, ctx: LaunchContext, obj: str) -> None:
+        """Zeros in a created object's padding, so flat spans over it are clean."""
+        buffer = self.buffer(ctx, obj)
+        for start, end in self.layout.packed[obj].layout.gaps():
+            buffer[start:end].zero_()
+
+
+def _check_shape(task: Task | None, what: str, value: Any, target: torch.Tensor) -> None:
+    """``value`` has ``target``'s shape, or a ``FamilyContractError`` naming ``what`` (and
+    the task, where given; ``put_all``'s caller adds it)."""
+    if tuple(value.shape) != tuple(target.shape):
+        prefix = f"task {task.id}: {task.compute_key} " if task is not None else ""
+        raise FamilyContractError(
+            f"{prefix}gave {what} of shape {tuple(value.shape)}; declared {tuple(target.shape)}"
+        )
+
+
+class EmbedForward(_Exec):
+    def launch(self, ctx: LaunchContext) -> None:
+        y = self.tasks.math("embed").forward(
+            self.tasks.config, self.named(ctx, "w"), self.one(ctx, "tokens"), self.env(ctx)
+        )
+        _check_shape(self.task, "output", y, self.one(ctx, "y"))
+        self.one(ctx, "y").copy_(y)
+
+
+class EmbedBackward(_Exec):
+    def launch(self, ctx: LaunchContext) -> None:
+        grads = self.tasks.math("embed").backward(
+            self.tasks.config, self.one(ctx, "tokens"), self.one(ctx, "dy"), self.env(ctx)
+        )
+        self.store_grads(ctx, "grad", grads)
+
+
+class BlockForward(_Exec):
+    def launch(self, ctx: LaunchContext) -> None:
+        aux = self.named(ctx, "aux")
+        if self.task.params.get("zero_aux"):
+            for tensor in aux.values():
+                tensor.zero_()  # Aux over the step: zeroed by the first forward touching it
+        puts: list[Put] = [((0,), self.one(ctx, "y"), False, "output")]
+        if self.slot.save:
+            puts += self.puts(ctx, "saved", (1,), "saved tensor", obj=self.slot.one("saved"))
+        if self.slot.objects("aux_temp"):
+            puts += self.puts(
+                ctx, "aux_temp", (2,), "aux_temp tensor", obj=self.slot.one("aux_temp")
+            )
+        self.run_into(
+            "forward",
+            puts,
+            self.tasks.config,
+            self.named(ctx, "w"),
+            self.one(ctx, "x"),
+            self.env(ctx, aux=aux),
+        )
+
+
+class BlockRecompute(_Exec):
+    """The full recompute (``A`` from the block input), or with the task's ``partial``
+    param the rest of a partial save (``A_...<name>`` from ``A``, which forward kept)."""
+
+    def launch(self, ctx: LaunchContext) -> None:
+        partial = self.task.params.get("partial")
+        if partial is not None:
+            (kept,), (rest,) = self.slot.inputs["saved"], self.slot.outputs["saved"]
+            self.run_into(
+                "rederive",
+                self.puts(ctx, "saved", (), f"{partial!r} tensor", obj=rest),
+                self.tasks.config,
+                self.named(ctx, "w"),
+                self.one(ctx, "x"),
+                self.views(ctx, kept),
+                self.named(ctx, "aux_temp"),
+                self.env(ctx),
+                partial,
+            )
+            return
+        self.run_into(
+            "recompute",
+            self.puts(ctx, "saved", (), "saved tensor", obj=self.slot.one("saved")),
+            self.tasks.config,
+            self.named(ctx, "w"),
+            self.one(ctx, "x"),
+            self.named(ctx, "aux_temp"),
+            self.env(ctx),
+        )
+
+
+class BlockBackward(_Exec):
+    def launch(self, ctx: LaunchContext) -> None:
+        puts: list[Put] = [((0,), self.one(ctx, "dx"), False, "dx")]
+        puts += self.puts(ctx, "grad", (1,), "gradient", grads=True)
+        self.run_into(
+            "backward",
+            puts,
+            self.tasks.config,
+            self.named(ctx, "w"),
+            self.one(ctx, "x"),
+            self.named(ctx, "saved"),
+            self.named(ctx, "aux_temp"),
+            self.one(ctx, "dy"),
+            self.env(ctx, aux=self.named(ctx, "aux")),
+        )
+
+
+class HeadLoss(_Exec):
+    def __init__(self, tasks: TrainingTasks, task: Task, slot: TaskSlot) -> None:
+        super().__init__(tasks, task, slot)
+        self.tied = self.layout.layer(slot.layer).tied  # local name -> "layer.param"
+
+    def launch(self, ctx: LaunchContext) -> None:
+        params = self.named(ctx, "w")
+        tied_views = self.named(ctx, "tied")
+        for local, target in self.tied.items():
+            params[local] = tied_views[target.partition(".")[2]]
+        env = self.env(ctx, grad_scale=1.0 / self.tasks.train.rounds)
+        loss, dx, grads = self.tasks.math("head").forward_backward(
+            self.tasks.config, params, self.one(ctx, "x"), self.one(ctx, "targets"), env
+        )
+        self.one(ctx, "loss").copy_(loss)
+        _check_shape(self.task, "dx", dx, self.one(ctx, "dx"))
+        self.one(ctx, "dx").copy_(dx)
+        self.store_grads(ctx, "grad", {k: v for k, v in grads.items() if k not in self.tied})
+        if self.slot.objects("tied_grad"):
+            tied = {self.tied[k].partition(".")[2]: v for k, v in grads.items() if k in self.tied}
+            self.store_grads(ctx, "tied_grad", tied, partial=True)
+
+
+class OptimizerStep(_Exec):
+    """One update of a parameter group, every tensor at once: one flat tensor for the
+    entries with weight decay and one for those without, where the packed layouts line up
+    element for element (``dataflow_training.step.packing``), else lists of the entries.
+
+    From the run's values (``Engine.run(values=...)``): ``lr`` (default the policy's) and
+    ``update``, the optimizer's own 1-based step count (default the engine's step + 1; a
+    resumed run passes it so bias correction continues). With ``TrainConfig.clip`` the
+    group's gradient is first scaled in place by the global clip factor."""
+
+    def __init__(self, tasks: TrainingTasks, task: Task, slot: TaskSlot) -> None:
+        super().__init__(tasks, task, slot)
+        self.w_obj, self.o_obj, self.g_obj = slot.one("w"), slot.one("opt_state"), slot.one("grad")
+        packed = self.layout.packed
+        decay = set(packed[self.w_obj].decay)
+        names = [e.name for e in packed[self.g_obj].layout.entries]
+        fields = tasks.optimizer.state_fields
+        self.layouts = {o: packed[o].layout for o in (self.w_obj, self.g_obj, self.o_obj)}
+        self.policy = attrs.asdict(tasks.train.optimizer)  # lr replaced per launch
+        # (names, weight decay on?, byte ranges of the flat spans or None for lists)
+        self.classes: list[tuple[list[str], bool, dict[str, tuple] | None]] = []
+        for decayed in (True, False):
+            chosen = [n for n in names if (n in decay) == decayed]
+            if chosen:
+                self.classes.append((chosen, decayed, self._spans(chosen, fields)))
+
+    def _spans(self, names: list[str], fields: tuple[str, ...]) -> dict[str, tuple] | None:
+        """The byte ranges of one flat span over ``names`` in W and dW (by object) and in
+        each state field (by field), worked out once; None when they do not line up."""
+        if not self._aligned(names, fields):
+            return None
+        spans = {o: self.layouts[o].span_range(names) for o in (self.w_obj, self.g_obj)}
+        for f in fields:
+            spans[f] = self.layouts[self.o_obj].span_range([f"{n}/{f}" for n in names])
+        return None if None in spans.values() else spans
+
+    def _aligned(self, names: list[str], fields: tuple[str, ...]) -> bool:
+        """Whether the entries sit at the same element offsets in W, dW and each state."""
+        packed = self.layout.packed
+
+        def offsets(layout: Any, keys: list[str]) -> tuple[int, ...] | None:
+            entries = [layout.entry(k) for k in keys]
+            if len({e.dtype for e in entries}) != 1:
+                return None
+            itemsize = entries[0].size_bytes // max(1, math.prod(entries[0].shape))
+            base = entries[0].offset_bytes
+            ends = entries[-1].offset_bytes + entries[-1].size_bytes
+            return (
+                *((e.offset_bytes - base) // itemsize for e in entries),
+                (ends - base) // itemsize,
+            )
+
+        found = {
+            offsets(packed[self.w_obj].layout, names),
+            offsets(packed[self.g_obj].layout, names),
+            *(offsets(packed[self.o_obj].layout, [f"{n}/{f}" for n in names]) for f in fields),
+        }
+        return len(found) == 1 and None not in found
+
+    def launch(self, ctx: LaunchContext) -> None:
+        spec = self.tasks.optimizer
+        buffers = {o: self.buffer(ctx, o) for o in (self.w_obj, self.g_obj, self.o_obj)}
+        policy = dict(self.policy, lr=_number(ctx.values.get("lr", self.policy["lr"])))
+        step = ctx.values.get("update")
+        if step is None:
+            step = ctx.values.get("step", 0) + 1
+        step = _number(step, int)
+        scale = self.clip_factor(ctx)
+        for names, decayed, spans in self.classes:
+            if spans is not None:
+                w, g = ([flat_view(buffers[o], *spans[o])] for o in (self.w_obj, self.g_obj))
+                states = {f: [flat_view(buffers[self.o_obj], *spans[f])] for f in spec.state_fields}
+            else:
+                views = {o: self.layouts[o].views(buffers[o]) for o in self.layouts}
+                w = [views[self.w_obj][n] for n in names]
+                g = [views[self.g_obj][n] for n in names]
+                states = {
+                    f: [views[self.o_obj][f"{n}/{f}"] for n in names] for f in spec.state_fields
+                }
+            if scale is not None:
+                for grad in g:
+                    grad.mul_(scale.to(grad.dtype))
+            spec.update(
+                self.tasks.ops(ctx.device),
+                w,
+                g,
+                states,
+                step=step,
+                policy=policy,
+                weight_decay=policy["weight_decay"] if decayed else 0.0,
+            )
+
+    def clip_factor(self, ctx: LaunchContext) -> torch.Tensor | None:
+        """``min(1, clip / (norm + 1e-6))`` of the global norm (the ``gn`` objects summed in
+        layer order, the same in every optimizer task), as ``clip_grad_norm_`` computes
+        it; a device scalar, so nothing waits for the host. None without clipping."""
+        clip = self.tasks.train.clip
+        if clip is None:
+            return None
+        norms = [self.buffer(ctx, gn) for gn in self.slot.objects("grad_norm")]
+        total = torch.stack([n.reshape(()) for n in norms]).sum().sqrt()
+        return (clip / (total + 1e-6)).clamp(max=1.0)
+
+
+def _number(value: Any, kind: type = float) -> Any:
+    """A per-step value as the optimizer takes it: a Python number, or the device tensor
+    the engine hands a replayed CUDA graph, left on the device."""
+    return value if isinstance(value, torch.Tensor) else kind(value)
+
+
+class GradNorm(_Exec):
+    """A parameter group's squared gradient norm, in float32, into its ``gn`` object."""
+
+    def launch(self, ctx: LaunchContext) -> None:
+        views = self.named(ctx, "grad").values()
+        norms = [torch.linalg.vector_norm(v, dtype=torch.float32) for v in views]
+        self.one(ctx, "grad_norm").copy_(torch.stack(norms).square().sum())
+
+
+class GradAllReduce(_Exec):
+    """A fleet member's gradient of one parameter group, scaled by the member's token
+    share (the task's ``share`` param) and summed over the default ``torch.distributed``
+    process group, so every member ends with the token-weighted mean of the fleet's
+    gradients (``dataflow_training.drive.fleet``). One collective over the group's tensors: in
+    place over the packed gradient when its tensors share one dtype (the padding between
+    them is zeros and stays so), else over a flattened copy. The task runs on the
+    collective link (the engine's collective stream on CUDA, its own worker on CPU). The
+    collective runs only when the run's values carry ``fleet`` (what ``TrainingRun.step``
+    passes in a fleet): a launch outside a fleet step must not wait on members that are
+    not launching it. Not capturable: gloo cannot be captured and the collective is kept
+    out of CUDA graphs."""
+
+    capturable = False
+
+    def launch(self, ctx: LaunchContext) -> None:
+        dw = self.slot.one("grad")
+        layout = self.layout.packed[dw].layout
+        flat = layout.span(self.buffer(ctx, dw), [e.name for e in layout.entries])
+        views = None
+        if flat is None:  # tensors of several dtypes: reduce a flattened copy
+            views = list(self.named(ctx, "grad").values())
+            flat = torch.cat([v.reshape(-1) for v in views])
+        flat.mul_(float(self.task.params["share"]))
+        if ctx.values.get("fleet"):
+            import torch.distributed as dist
+
+            dist.all_reduce(flat)
+        offset = 0
+        for v in views or ():
+            v.copy_(flat[offset : offset + v.numel()].view_as(v))
+            offset += v.numel()

@@ -1,0 +1,1 @@
+"""What a training step is and its lowering into a Program (imports nothing above it)."""

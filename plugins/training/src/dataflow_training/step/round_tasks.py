@@ -1,0 +1,220 @@
+"""The objects and tasks of one accumulation round of a lowered step (``lower_round``).
+
+``lowering.lower`` builds the step's parameters (``Parameters``) and what each block kind
+saves and costs (``Kinds``) once, then lowers every round through ``lower_round``: the
+round's tokens, targets, loss, hidden states and their gradients, each block's saved
+activations (whole, or the kept part and the re-derived rest of a partial save) and
+AuxTemp, and its tasks: embed, the blocks' forwards, the head, then from the top each
+block's backward (after its ``rec`` task where the unit is re-derived), the embedding's
+backward. Round 0 creates the gradients, later rounds accumulate into them
+(``grad_roles``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from dataflow.schema import Obj, Role, TensorMeta
+from dataflow_training.step.family import LayerCost, LayerSpec
+from dataflow_training.step.keys import family_key
+from dataflow_training.step.layout import PackedObject
+from dataflow_training.step.packing import Layout
+from dataflow_training.step.step_chain import StepChain
+
+
+@attrs.frozen
+class Parameters:
+    """Every layer's parameter objects, by layer name, and the layers the head ties to."""
+
+    weights: dict[str, tuple[str, ...]]  # its W objects
+    grads: dict[str, tuple[str, ...]]  # its dW objects (the trainable groups')
+    param_bytes: dict[str, int]  # its W objects' bytes
+    tied: tuple[str, ...]
+
+
+@attrs.frozen
+class Kinds:
+    """What each block kind saves for its backward and costs, at the step's shape; and
+    the embed's and the head's costs."""
+
+    saved: dict[str, Layout]
+    #: kind -> partial save -> (what forward keeps, what its rec task re-derives)
+    partial: dict[str, dict[str, tuple[Layout, Layout]]]
+    temp: dict[str, Layout | None]
+    cost: dict[str, LayerCost]
+    embed: LayerCost
+    head: LayerCost
+
+
+@attrs.frozen
+class Rounds:
+    """What lowering each round reads: the layers, their objects and costs, the units
+    re-derived whole (``recompute``) or in part (``partial``: name by unit), the shapes."""
+
+    embed: LayerSpec
+    blocks: tuple[LayerSpec, ...]
+    head: LayerSpec
+    params: Parameters
+    kinds: Kinds
+    recompute: frozenset[tuple[int, int]]
+    partial: dict[tuple[int, int], str]
+    hidden: TensorMeta
+    tokens: TensorMeta
+
+
+def grad_roles(grads: tuple[str, ...], r: int, created: bool | None = None) -> dict[str, Any]:
+    """Round 0 creates a layer's gradients, later rounds accumulate into them."""
+    create = r == 0 if created is None else created
+    return {"outputs" if create else "mutates": {"grad": grads}}
+
+
+def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
+    """Round ``r``'s objects (tokens, targets, loss, hidden states and their gradients,
+    each block's saved activations and AuxTemp) and tasks: embed, the blocks' forwards,
+    the head, then each block's backward from the top (after its ``rec`` task where the
+    unit is re-derived), the embedding's backward. ``zeroed``: the Aux objects the
+    step's forwards have zeroed so far (the first forward to touch one zeroes it)."""
+    family, step = chain.family, chain.step
+    weights, grads, param_bytes = s.params.weights, s.params.grads, s.params.param_bytes
+    embed, head, blocks = s.embed, s.head, s.blocks
+    hidden, tokens_meta = s.hidden, s.tokens
+    x, t, loss = f"x_{step}_{r}", f"t_{step}_{r}", f"loss_{step}_{r}"
+    chain.objects += [
+        Obj(x, tokens_meta.nbytes, Role.DATA, "slow", tokens_meta),
+        Obj(t, tokens_meta.nbytes, Role.DATA, "slow", tokens_meta),
+        Obj(loss, 4, Role.OUTPUT, tensor=TensorMeta("float32", ())),
+    ]
+    n_blocks = len(blocks)
+    y = [f"y_{step}_{r}_{i}" for i in range(n_blocks + 1)]
+    dy = [f"dy_{step}_{r}_{i}" for i in range(n_blocks + 1)]
+    chain.objects += [Obj(name, hidden.nbytes, Role.ACTIVATION, tensor=hidden) for name in y]
+    chain.objects += [Obj(name, hidden.nbytes, Role.GRAD, tensor=hidden) for name in dy]
+    saved, rest, temps = {}, {}, {}
+    for i, block in enumerate(blocks):
+        saved[i] = f"A_{step}_{r}_{i}"
+        parts = [(saved[i], s.kinds.saved[block.kind])]
+        if (r, i) in s.partial:  # what forward keeps, and what its rec task makes
+            name = s.partial[r, i]
+            rest[i] = f"{saved[i]}.{name}"
+            parts = list(zip((saved[i], rest[i]), s.kinds.partial[block.kind][name], strict=True))
+        for obj_id, layout in parts:
+            chain.packed[obj_id] = PackedObject(obj_id, "A", block.name, layout)
+            chain.objects.append(Obj(obj_id, layout.size_bytes, Role.ACTIVATION))
+        if s.kinds.temp[block.kind] is not None:
+            temps[i] = f"AuxTemp_{step}_{r}_{i}"
+            layout = s.kinds.temp[block.kind]
+            chain.packed[temps[i]] = PackedObject(temps[i], "AuxTemp", block.name, layout)
+            chain.objects.append(Obj(temps[i], layout.size_bytes, Role.AUX_TEMP))
+
+    chain.task(
+        "embed",
+        r,
+        embed.name,
+        family_key(family, "embed", "forward"),
+        chain.priced(s.kinds.embed.forward, 0),
+        inputs={"tokens": (x,), "w": weights[embed.name]},
+        outputs={"y": (y[0],)},
+    )
+    for i, block in enumerate(blocks):
+        keep = (r, i) not in s.recompute
+        temp = (temps[i],) if i in temps else ()
+        aux = (block.aux_object,) if block.aux else ()
+        zero_aux = bool(aux) and aux[0] not in zeroed  # the step's first forward to touch it
+        if zero_aux:
+            zeroed.add(aux[0])
+        chain.task(
+            "fwd",
+            r,
+            block.name,
+            family_key(family, block.kind, "forward"),
+            chain.priced(s.kinds.cost[block.kind].forward, param_bytes[block.name]),
+            inputs={"x": (y[i],), "w": weights[block.name]},
+            mutates={"aux": aux},
+            outputs={"y": (y[i + 1],), "saved": (saved[i],) if keep else (), "aux_temp": temp},
+            save=keep,
+            zero_aux=zero_aux,
+        )
+    head_grad = grad_roles(grads[head.name], r)
+    tied_w = tuple(w for layer in s.params.tied for w in weights[layer])
+    tied_grad = tuple(g for layer in s.params.tied for g in grads[layer])
+    head_mut = dict(head_grad.get("mutates", {}))
+    head_out = {"loss": (loss,), "dx": (dy[n_blocks],), **head_grad.get("outputs", {})}
+    if tied_grad:
+        (head_out if r == 0 else head_mut)["tied_grad"] = tied_grad
+    chain.task(
+        "head",
+        r,
+        head.name,
+        family_key(family, "head", "loss"),
+        chain.priced(
+            s.kinds.head.forward,
+            param_bytes[head.name] + 2 * sum(chain.packed[w].layout.size_bytes for w in tied_w),
+        ),
+        inputs={"x": (y[n_blocks],), "targets": (t,), "w": weights[head.name], "tied": tied_w},
+        mutates=head_mut,
+        outputs=head_out,
+    )
+    for i in reversed(range(n_blocks)):
+        block = blocks[i]
+        block_cost = s.kinds.cost[block.kind]
+        temp = (temps[i],) if i in temps else ()
+        if (r, i) in s.recompute:
+            chain.task(
+                "rec",
+                r,
+                block.name,
+                family_key(family, block.kind, "recompute"),
+                chain.priced(block_cost.recompute or block_cost.forward, param_bytes[block.name]),
+                inputs={"x": (y[i],), "w": weights[block.name], "aux_temp": temp},
+                outputs={"saved": (saved[i],)},
+            )
+        elif (r, i) in s.partial:
+            chain.task(
+                "rec",
+                r,
+                block.name,
+                family_key(family, block.kind, "recompute"),
+                chain.priced(block_cost.partial[s.partial[r, i]], param_bytes[block.name]),
+                inputs={
+                    "x": (y[i],),
+                    "w": weights[block.name],
+                    "saved": (saved[i],),
+                    "aux_temp": temp,
+                },
+                outputs={"saved": (rest[i],)},
+                partial=s.partial[r, i],
+            )
+        aux = (block.aux_object,) if block.aux and r == chain.train.rounds - 1 else ()
+        roles = grad_roles(grads[block.name], r)
+        chain.task(
+            "bwd",
+            r,
+            block.name,
+            family_key(family, block.kind, "backward"),
+            chain.priced(block_cost.backward, 2 * param_bytes[block.name]),
+            inputs={
+                "dy": (dy[i + 1],),
+                "x": (y[i],),
+                "saved": (saved[i], *((rest[i],) if i in rest else ())),
+                "aux_temp": temp,
+                "aux": aux,
+                "w": weights[block.name],
+            },
+            outputs={"dx": (dy[i],), **roles.get("outputs", {})},
+            mutates=roles.get("mutates", {}),
+        )
+    # a tied head ran first and already created the embedding's gradient
+    created = r == 0 and embed.name not in s.params.tied
+    roles = grad_roles(grads[embed.name], r, created=created)
+    chain.task(
+        "embbwd",
+        r,
+        embed.name,
+        family_key(family, "embed", "backward"),
+        chain.priced(s.kinds.embed.backward, param_bytes[embed.name]),
+        inputs={"dy": (dy[0],), "tokens": (x,)},
+        outputs=roles.get("outputs", {}),
+        mutates=roles.get("mutates", {}),
+    )

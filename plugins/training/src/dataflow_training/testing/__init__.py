@@ -1,0 +1,1 @@
+"""For family and kit authors' tests: conformance bases, toy families, the docs generator."""

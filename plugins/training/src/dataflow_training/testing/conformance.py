@@ -1,0 +1,95 @@
+"""Conformance tests every model-family package subclasses (with dataflow.testing's
+plugin checks underneath)::
+
+    class TestGPT2(TrainingFamilyConformance):
+        distribution = "dataflow-family-gpt2"
+        family_name = "gpt2"
+        preset = "gpt2_tiny"
+
+Checks: the family satisfies the protocol; a lowered step validates, simulates, and plans
+into the smallest feasible budget; ``dataflow verify`` passes on the preset; and, for
+families with a public checkpoint format, an HF export reads back equal.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from dataflow.testing.conformance import FamilyConformance
+
+
+class TrainingFamilyConformance(FamilyConformance):
+    family_name: ClassVar[str] = ""
+    #: a preset small enough for CPU tests
+    preset: ClassVar[str] = ""
+    seq_len: ClassVar[int] = 16
+
+    @pytest.fixture
+    def family(self) -> Any:
+        from dataflow_training.step.family import load_family
+
+        return load_family(self.family_name)
+
+    @pytest.fixture
+    def program(self, family: Any) -> Any:
+        from dataflow_training.step.config import TrainConfig
+        from dataflow_training.step.lowering import lower
+
+        return lower(
+            family, self.preset, TrainConfig(seq_len=self.seq_len, batch=2, rounds=2)
+        ).program
+
+    def test_family_satisfies_the_protocol(self, family: Any) -> None:
+        from dataflow_training.step.family import BlockMath, EmbedMath, Family, HeadMath
+
+        assert isinstance(family, Family)
+        layers = family.layers(family.config(self.preset))
+        assert layers[0].kind == "embed" and layers[-1].kind == "head"
+        assert len({layer.name for layer in layers}) == len(layers), "layer names must be unique"
+        assert isinstance(family.math("embed"), EmbedMath)
+        assert isinstance(family.math("head"), HeadMath)
+        for kind in {layer.kind for layer in layers[1:-1]}:
+            assert isinstance(family.math(kind), BlockMath), kind
+        head = layers[-1]
+        declared = {f"{layer.name}.{p.name}" for layer in layers for p in layer.params}
+        assert set(head.tied.values()) <= declared, f"head ties to undeclared {head.tied}"
+        assert family.ops, "a family lists the ops its math calls"
+
+    def test_lowered_step_validates_and_simulates(self, program: Any) -> None:
+        from dataflow.planning import plan
+        from dataflow.schema import validate
+
+        assert validate(program) == []
+        assert plan(program, 2**62).sim.valid
+
+    def test_lowered_step_plans_into_the_smallest_budget(self, program: Any) -> None:
+        from dataflow.planning import minimal_budget, plan
+
+        budget = minimal_budget(program)
+        planned = plan(program, budget)
+        assert planned.sim.valid and planned.sim.fast_peak_bytes <= budget
+
+    def test_verify_passes(self) -> None:
+        from dataflow_training.check.verify import verify
+
+        failed = [
+            c for c in verify(self.family_name, self.preset, seq_len=self.seq_len) if not c.ok
+        ]
+        assert not failed, failed
+
+    def test_hf_round_trip(self, family: Any, tmp_path: Path) -> None:
+        if not hasattr(family, "export_hf"):
+            pytest.skip(f"family {self.family_name!r} has no public checkpoint format")
+        import torch
+
+        config = family.config(self.preset)
+        state = family.reference_model(config).state_dict()
+        family.export_hf(config, state, tmp_path)
+        config_back, state_back = family.import_hf(tmp_path)
+        assert config_back == config
+        assert state_back.keys() == state.keys()
+        for name, value in state.items():
+            assert torch.equal(state_back[name], value), name
