@@ -45,11 +45,12 @@ from typing import Any
 
 import attrs
 
-from dataflow.planning import PRESSUREFIT, Plan, PlanningError, fast_homes, plan
+from dataflow.planning import PRESSUREFIT, Plan, PlanningError, fast_homes, minimal_budget, plan
 from dataflow.registry import PlannerSpec
 from dataflow.schema import Program, Task
+from dataflow_training.step.family import partial_saves
 from dataflow_training.step.layout import StepLayout
-from dataflow_training.step.lowering import Lowered
+from dataflow_training.step.lowering import Lowered, lower
 
 #: The most candidate plans one search makes (each is a PressureFit plan and a simulation).
 MAX_CANDIDATES = 10
@@ -113,8 +114,6 @@ def relowering(step: Lowered) -> Relower:
     """``step``'s family object lowering the same step again with ``recompute`` units
     re-derived whole and ``partial`` units (each mapped to its partial save) saved in
     part: the recompute planner's candidates are made of these."""
-    from dataflow_training.step.lowering import lower
-
     layout = step.layout
 
     def relower(recompute: frozenset[Unit], partial: Mapping[Unit, str]) -> Lowered:
@@ -143,8 +142,6 @@ class Rewriter:
         relower: Relower | None = None,
         lowerings: dict[str, Lowered] | None = None,
     ) -> None:
-        from dataflow_training.step.family import partial_saves
-
         self.step, self.program, self.price = step, step.program, price
         self.relower = relower or relowering(step)
         #: the step lowered with every unit in one mode, by mode (shared by ``rebased``)
@@ -529,8 +526,6 @@ def _make_it_fit(
 def minimal_recompute_budget(rewriter: Rewriter, **options: Any) -> int:
     """The smaller of the minimal budgets of the rewriter's step as given and with every
     unit recomputed."""
-    from dataflow.planning import minimal_budget
-
     given = minimal_budget(rewriter.program, **options)
     return min(given, minimal_budget(rewriter.candidate(rewriter.all).program, **options))
 
@@ -578,8 +573,6 @@ def recompute_planner(
         return found.plan.program
 
     def minimal(program: Program, **options: Any) -> int:
-        from dataflow.planning import minimal_budget
-
         if StepLayout.METADATA_KEY not in program.metadata:
             return minimal_budget(program, **options)
         return minimal_recompute_budget(rewriter_of(program), **options)
@@ -603,7 +596,7 @@ def measured_rewriter(
     unit saved partially, which between them hold every signature any candidate has (a
     unit's tasks depend only on its own mode); ``known``: profiles of ``step`` measured
     already."""
-    from dataflow_training.plan.profile import apply_profile
+    from dataflow_training.plan.profile import apply_profile  # imports torch: only when measured
 
     rewriter = Rewriter(step)
     profiles = dict(known) if known is not None else profile(step)

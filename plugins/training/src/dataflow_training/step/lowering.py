@@ -120,10 +120,6 @@ class Lowered:
         this one), with ``layout`` where its tasks differ."""
         return attrs.evolve(self, program=program, layout=layout or self.layout)
 
-    @property
-    def data_objects(self) -> dict[str, tuple[int, str]]:
-        return self.layout.data_objects()
-
 
 def _dtype(spec: TensorSpec, policy_dtype: str) -> str:
     return policy_dtype if spec.dtype == "policy" else spec.dtype
