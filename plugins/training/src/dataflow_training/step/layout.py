@@ -1,8 +1,10 @@
 """The typed step layout: what every task and packed object of a lowered step is.
 
-The lowering returns it beside the Program; it rides in ``program.metadata["training"]``
-and is read back only through ``StepLayout.of(program)``. Executables, verify, the
-profiling pass and the driver find objects by *role*, never by position:
+The lowering returns it beside the Program (as one value, ``Lowered``), and it is passed
+down with it. It is also written into ``program.metadata["training"]``, so that a program
+written to a file keeps it, and read back from there in one place only:
+``Lowered.read(program)``, the reader of a step written out. Executables, verify, the
+profiling pass and the driver find objects by *role*, never by position or id:
 
 ========== ================================================================
 role       objects

@@ -22,7 +22,6 @@ from typing import Any
 
 from dataflow_training.step.config import DtypePolicy, TrainConfig
 from dataflow_training.step.family import load_family
-from dataflow_training.step.layout import StepLayout
 from dataflow_training.step.lowering import lower
 
 BLOCK = re.compile(r"<!-- task_doc (?P<args>[^>]*) -->\n(?P<body>.*?)<!-- /task_doc -->", re.S)
@@ -55,7 +54,7 @@ def task_doc(family_name: str, preset: str, *, batch: int, seq_len: int, dtype: 
     family = load_family(family_name)
     train = TrainConfig(seq_len=seq_len, batch=batch, dtype=DtypePolicy.named(dtype))
     lowered = lower(family, preset, train)
-    program, layout = lowered.program, StepLayout.of(lowered.program)
+    program, layout = lowered.program, lowered.layout
     kinds = {layer.name: layer.kind for layer in layout.layers}
     objects = {obj.id: obj for obj in program.objects}
     firsts = {}  # the first layer of each layer kind stands for every layer of it
