@@ -46,8 +46,17 @@ from dataflow_training.check.verify_step import (
     step_config,
 )
 from dataflow_training.drive.progress import ProgressCallback
+from dataflow_training.drive.run import resolver_for
 from dataflow_training.step.config import DtypePolicy
-from dataflow_training.step.ops import STANDARD_OPS, load_ops
+from dataflow_training.step.family import (
+    Env,
+    RowGradient,
+    embed_layer,
+    head_layer,
+    load_family,
+    partial_saves,
+)
+from dataflow_training.step.ops import STANDARD_OPS, autograd_ops, load_ops
 
 __all__ = [
     "LEVELS",
@@ -312,7 +321,6 @@ def task_checks(
 
 def _dense(grad: Any) -> torch.Tensor:
     """A gradient as one tensor (a ``RowGradient`` made whole)."""
-    from dataflow_training.step.family import RowGradient
 
     return grad.dense() if isinstance(grad, RowGradient) else grad
 
@@ -320,11 +328,9 @@ def _dense(grad: Any) -> torch.Tensor:
 def _layer_checks(
     family, config, layer, params, ops, device, dtype, tolerance, batch, seq_len, hidden_shape
 ):
-    from dataflow_training.step.family import Env, partial_saves
 
     env = Env(ops)
     math_ = family.math(layer.kind)
-    from dataflow_training.step.ops import autograd_ops
 
     trainable = [p.name for p in layer.params if p.trainable]
     leaves = {k: v.clone().requires_grad_(k in trainable) for k, v in params.items()}
@@ -390,7 +396,6 @@ def _layer_checks(
 
 
 def _head_checks(family, config, layers, state, ops, device, dtype, tolerance, hidden_shape):
-    from dataflow_training.step.family import Env, embed_layer, head_layer
 
     head, embed = head_layer(layers), embed_layer(layers)
     params = {p.name: state[f"{head.name}.{p.name}"] for p in head.params}
@@ -446,8 +451,6 @@ def verify(
     of ``LEVELS`` run (in the ladder's order whatever the order given). ``resolver``: the
     registered resolver that runs the step level's engine (``run.resolver_for``: ``auto``
     is what ``dataflow train`` runs on the device)."""
-    from dataflow_training.drive.run import resolver_for
-    from dataflow_training.step.family import load_family
 
     if policy not in TOLERANCES:
         raise ValueError(f"unknown dtype policy {policy!r}; known: {sorted(TOLERANCES)}")

@@ -20,6 +20,7 @@ import torch
 
 from dataflow_training.check.tolerances import adam_update_gap, sign_flips, weight_error
 from dataflow_training.check.verify_checks import Check, compare
+from dataflow_training.drive.run import TrainingRun
 from dataflow_training.step.config import DtypePolicy, OptimizerPolicy, TrainConfig
 from dataflow_training.step.family import embed_layer
 
@@ -122,7 +123,6 @@ def step_checks(
     float64 reference; each gradient check carries their relative error against the
     float64 gradients as its ``yardstick`` (``Check.effective_tolerance``). That is one
     more forward and backward of the whole model a step, on the device."""
-    from dataflow_training.drive.run import TrainingRun
 
     config = family.config(preset, **(overrides or {}))
     train = step_config(policy, batch=batch, seq_len=seq_len, rounds=rounds, clip=clip, order=order)

@@ -30,11 +30,20 @@ import attrs
 import torch
 
 from dataflow.units import format_size
+from dataflow_training.drive.checkpoint import (
+    package_versions,
+    plan_hash,
+    read_checkpoint,
+    set_rng_state,
+    train_dict,
+    write_checkpoint,
+)
 from dataflow_training.drive.values import StartValues, data_values, read_state
 from dataflow_training.plan.compiled_step import (
     HOST_RESERVE_BYTES,
     CompiledStep,
     available_host_bytes,
+    compile_step,
 )
 from dataflow_training.step.family import Family
 
@@ -159,7 +168,6 @@ class TrainingRun:
         **options: Any,
     ) -> TrainingRun:
         """The run of ``compile_step(family, preset, train, **options)``."""
-        from dataflow_training.plan.compiled_step import compile_step
 
         return cls(compile_step(family, preset, train, **options), seed=seed, state=state)
 
@@ -391,7 +399,6 @@ class TrainingRun:
     def save(self, path: str | Path, extra: Mapping[str, Any] | None = None) -> Path:
         """Write a complete checkpoint to ``path`` (atomically; see
         ``dataflow_training.drive.checkpoint``); ``extra`` goes into its manifest."""
-        from dataflow_training.drive.checkpoint import write_checkpoint
 
         weights, opt = self.state()
         return write_checkpoint(path, weights, opt, self.manifest(extra))
@@ -401,7 +408,6 @@ class TrainingRun:
         another family, preset, overrides or training step is an error naming the field;
         ``loose`` names training-step fields not compared (a fleet member restores a
         checkpoint rank 0 wrote with its own ``rounds``)."""
-        from dataflow_training.drive.checkpoint import read_checkpoint, set_rng_state
 
         weights, opt, manifest, rng = read_checkpoint(path)
         mine = self.manifest()
@@ -424,7 +430,6 @@ class TrainingRun:
 
     def manifest(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """What a checkpoint of this run records about it (``checkpoint.MANIFEST_FIELDS``)."""
-        from dataflow_training.drive.checkpoint import package_versions, plan_hash, train_dict
 
         return {
             "step": self.updates,

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from dataflow_training.kit import rotary
+from dataflow_training.kit import decoder_reference, rotary
 from dataflow_training.kit.linear import Linear
 from dataflow_training.kit.norms import Norm
 from dataflow_training.kit.parts import as_is
@@ -270,7 +270,6 @@ class SelfAttention:
 
     def reference(self, config: Any) -> Any:
         """``decoder_reference.Attention`` with this part's settings."""
-        from dataflow_training.kit import decoder_reference
 
         return decoder_reference.Attention(config, **self.reference_args(config))
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from dataflow_training.kit import decoder_reference
 from dataflow_training.kit.attention import SelfAttention
 from dataflow_training.kit.decoder_math import check_seq_len
 from dataflow_training.kit.mlp import SwiGLUFFN
@@ -100,7 +101,6 @@ class Block:
 
     def reference(self, config: Any) -> Any:
         """The plain-torch block (``decoder_reference.Block``) of the parts' references."""
-        from dataflow_training.kit import decoder_reference
 
         n = config.hidden_size
         return decoder_reference.Block(

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from dataflow_training.kit import decoder_reference
 from dataflow_training.kit.linear import Linear
 from dataflow_training.kit.parts import FfnCost, as_is
 from dataflow_training.step.family import Env, TensorSpec, Work
@@ -99,7 +100,6 @@ class SwiGLUFFN:
         return as_is(self.params(config), prefix)
 
     def reference(self, config: Any) -> Any:
-        from dataflow_training.kit import decoder_reference
 
         return decoder_reference.MLP(config)
 

@@ -61,6 +61,7 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
+from dataflow_training.kit import moe_reference
 from dataflow_training.kit.attention import QKNorm, SelfAttention
 from dataflow_training.kit.block import Block
 from dataflow_training.kit.decoder import (
@@ -71,6 +72,7 @@ from dataflow_training.kit.decoder import (
     expected_state,
     parameter_count,
 )
+from dataflow_training.kit.hf import KeyRule
 from dataflow_training.kit.linear import Linear
 from dataflow_training.kit.mlp import SwiGLU
 from dataflow_training.kit.parts import FfnCost, as_is
@@ -273,7 +275,6 @@ class RoutedExperts:
     def hf_rules(self, config: MoEConfig, prefix: str) -> list[Any]:
         """The router as it is; each expert's tensors (``{prefix}.mlp.experts.{expert}.
         gate_proj.weight``, ...) stacked along the family tensor's dimension 0."""
-        from dataflow_training.kit.hf import KeyRule
 
         expert = prefix + ".mlp.experts.{expert}"
         return [
@@ -287,7 +288,6 @@ class RoutedExperts:
         ]
 
     def reference(self, config: MoEConfig) -> Any:
-        from dataflow_training.kit import moe_reference
 
         shared = self.shared.reference_args(config) if self.shared is not None else {}
         return moe_reference.Experts(config, **shared)

@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from dataflow_training.kit import decoder_reference
+from dataflow_training.step.family import TensorSpec
+
 Tensors = Mapping[str, torch.Tensor]
 
 
@@ -98,7 +101,6 @@ class Norm:
 
     def params(self, name: str, width: int) -> tuple[Any, ...]:
         """Its parameters (no weight decay), in HF's order."""
-        from dataflow_training.step.family import TensorSpec
 
         names = ("weight",) if self.kind == "rms" else ("weight", "bias")
         return tuple(TensorSpec(f"{name}.{p}", (width,), decay=False) for p in names)
@@ -107,8 +109,6 @@ class Norm:
         """The plain-torch module: ``decoder_reference.RMSNorm`` (scaled by ``offset + w``)
         or torch's ``nn.LayerNorm``."""
         from torch import nn
-
-        from dataflow_training.kit import decoder_reference
 
         eps = getattr(config, self.eps)
         if self.kind == "layer":

@@ -44,7 +44,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dataflow_training.drive.run import TrainingRun
 from dataflow_training.kit.decoder import expected_state, parameter_count
+from dataflow_training.kit.decoder_hf import key_map
+from dataflow_training.kit.hf import CheckpointError
+from dataflow_training.step.config import OptimizerPolicy, TrainConfig
+from dataflow_training.step.family import load_family
+from dataflow_training.testing.task_doc import BLOCK, stale_blocks
 
 FLOAT32 = {"rtol": 1e-5, "atol": 1e-5}
 GRADS = {"rtol": 1e-4, "atol": 1e-6}
@@ -75,7 +81,6 @@ class DecoderHFParity:
     # -- fixtures ----------------------------------------------------------------------
     @pytest.fixture
     def family(self) -> Any:
-        from dataflow_training.step.family import load_family
 
         return load_family(self.family_name)
 
@@ -118,7 +123,6 @@ class DecoderHFParity:
 
     def _hf_names(self, family: Any, config: Any) -> dict[str, str]:
         """family state key -> the HF model's parameter of it."""
-        from dataflow_training.kit.decoder_hf import key_map
 
         entries = key_map(family.name, config).expand(expected_state(config))
         return {entry.key: entry.hf_names[0] for entry in entries}
@@ -142,8 +146,6 @@ class DecoderHFParity:
             )
 
     def test_one_training_step_agrees_with_transformers(self, family, hf_checkpoint):
-        from dataflow_training.drive.run import TrainingRun
-        from dataflow_training.step.config import OptimizerPolicy, TrainConfig
 
         model, folder = hf_checkpoint
         config, state = family.import_hf(folder)
@@ -275,7 +277,6 @@ class DecoderFamilyChecks:
 
     @pytest.fixture
     def family(self) -> Any:
-        from dataflow_training.step.family import load_family
 
         return load_family(self.family_name)
 
@@ -315,7 +316,6 @@ class DecoderFamilyChecks:
         )
 
     def test_the_models_page_matches_the_lowering(self):
-        from dataflow_training.testing.task_doc import BLOCK, stale_blocks
 
         page = self._doc(f"models/{self.family_name}.md")
         assert len(BLOCK.findall(page)) >= 1
@@ -339,7 +339,6 @@ class DecoderFamilyChecks:
         assert wider.head_dim == (2 * base.head_dim if follows else base.head_dim)
 
     def test_checkpoint_errors_name_the_field_or_tensor_and_the_file(self, family, tmp_path):
-        from dataflow_training.kit.hf import CheckpointError
 
         config = family.config(self.preset)
         state = family.reference_model(config).state_dict()

@@ -23,7 +23,13 @@ from typing import Any, ClassVar
 
 import torch
 
+from dataflow_training.check.verify import TOLERANCES, step_checks, verify
 from dataflow_training.kit.moe import EXPERTS_GROUP, moe_parameter_count
+from dataflow_training.plan.profile import profile_program, signature
+from dataflow_training.step.config import TrainConfig
+from dataflow_training.step.family import Env
+from dataflow_training.step.lowering import lower
+from dataflow_training.step.ops import load_ops
 from dataflow_training.testing.decoder import DecoderFamilyChecks, DecoderHFParity
 
 
@@ -61,8 +67,6 @@ class MoEFamilyChecks(DecoderFamilyChecks):
         forward of every round, read by every backward of the last round and by no
         other backward (earlier rounds' backwards run before the step's counts are
         complete)."""
-        from dataflow_training.step.config import TrainConfig
-        from dataflow_training.step.lowering import lower
 
         config = family.config(self.preset)
         assert config.num_hidden_layers >= 2
@@ -82,7 +86,6 @@ class MoEFamilyChecks(DecoderFamilyChecks):
         the fp32 step tolerance; and the term moves the router's gradient by far more
         than that tolerance, so a wrong term would fail (each layer's own counts, the
         old per-layer Aux, miss the router's gradient by over 80 %)."""
-        from dataflow_training.check.verify import TOLERANCES, step_checks
 
         tolerance = TOLERANCES["fp32"]["step"]
         shape = {"batch": 2, "seq_len": 8, "steps": 2, "rounds": 3}
@@ -125,7 +128,6 @@ class MoEFamilyChecks(DecoderFamilyChecks):
         ``routing`` check and within its tolerance) do not send tokens to other experts on
         the two sides; every check then passes. Routing independently, the layer-1
         experts' gradients missed by 10 to 15 %."""
-        from dataflow_training.check.verify import verify
 
         checks = verify(family.name, self.preset, device="cpu", policy="bf16")
         assert all(c.ok for c in checks), [c for c in checks if not c.ok]
@@ -137,8 +139,6 @@ class MoEFamilyChecks(DecoderFamilyChecks):
         """With the router changed after forward, recompute still uses forward's routing
         (AuxTemp): the experts' rows come out bit for bit as forward saved them, while
         routing afresh would choose other experts."""
-        from dataflow_training.step.family import Env
-        from dataflow_training.step.ops import load_ops
 
         config = family.config(self.preset)
         state = family.reference_model(config).state_dict()
@@ -160,9 +160,6 @@ class MoEFamilyChecks(DecoderFamilyChecks):
         zeros (which route every row nowhere: the grouped GEMM's loop refuses them, and
         the fused kernel would skip every expert's work)."""
         from dataflow.plugins import resolvers
-        from dataflow_training.plan.profile import profile_program, signature
-        from dataflow_training.step.config import TrainConfig
-        from dataflow_training.step.lowering import lower
 
         step = lower(family, self.preset, TrainConfig(seq_len=8, batch=2, rounds=2))
         build = resolvers().get("torch").build(step)
