@@ -20,9 +20,16 @@ from typing import Any
 
 import attrs
 
-from dataflow.planning import PRESSUREFIT, InfeasibleBudget, Placement, Plan, place, plan
-from dataflow.registry import PlannerSpec
-from dataflow.units import format_size
+from dataflow import (
+    PRESSUREFIT,
+    InfeasibleBudget,
+    Placement,
+    Plan,
+    PlannerSpec,
+    format_size,
+    place,
+    plan,
+)
 from dataflow_training.plan.recompute import MAX_CANDIDATES, Rewriter, step_planner
 from dataflow_training.step.config import TrainConfig
 from dataflow_training.step.family import Family, embed_layer, load_family
@@ -75,7 +82,7 @@ def pool_limits(
 def slow_pool_bytes(placement: Placement) -> int:
     """Bytes of the engine's slow pool for the placed plan (pinned host memory on CUDA):
     a slice for every object that starts slow or is ever offloaded."""
-    from dataflow.engine.backends.torch_storage import slow_pool_bytes as pool_of
+    from dataflow import slow_pool_bytes as pool_of
 
     return pool_of(placement.plan.program)
 
@@ -151,7 +158,7 @@ class CompiledStep:
 
     def executables(self) -> Any:
         """The registered resolver's executables of the step that runs."""
-        from dataflow.plugins import resolvers
+        from dataflow import resolvers
 
         return resolvers().get(self.resolver).build(self.running)
 
@@ -210,7 +217,7 @@ def compile_step(
     and give its links; ``graph`` (CUDA only) replays steps from one CUDA graph;
     ``grad_share`` makes the step one member of a data-parallel fleet (``lower``);
     ``keep_grads`` and ``keep_aux_temp`` keep the gradients and AuxTemp for checks."""
-    from dataflow.plugins import kernels
+    from dataflow import kernels
 
     kernels().check_pins()  # a bad DATAFLOW_KERNELS fails here, not in the first task
     family = load_family(family) if isinstance(family, str) else family
@@ -242,7 +249,7 @@ def compile_step(
         planner = step_planner(rewriter, MAX_CANDIDATES) if searched else PRESSUREFIT
     outside = reserve + beside
     if budget <= outside:
-        from dataflow.planning import PlanningError
+        from dataflow import PlanningError
 
         raise PlanningError(
             f"a budget of {budget} bytes leaves nothing for the arena: the CUDA libraries' "
@@ -304,7 +311,7 @@ def _fit_pool(
     times, so the run fits the host instead of being refused. Returns the placement, the
     slow budget it was made in (None: unbounded) and a note saying why. What still does
     not fit is refused when the engine loads (``TrainingRun.check_backing``)."""
-    from dataflow.planning import PlanningError
+    from dataflow import PlanningError
 
     if not limits:
         return placement, None, None

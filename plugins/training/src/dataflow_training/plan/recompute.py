@@ -45,9 +45,7 @@ from typing import Any
 
 import attrs
 
-from dataflow.planning import PRESSUREFIT, Plan, PlanningError, fast_homes, plan
-from dataflow.registry import PlannerSpec
-from dataflow.schema import Program, Task
+from dataflow import PRESSUREFIT, Plan, PlannerSpec, PlanningError, Program, Task, fast_homes, plan
 from dataflow_training.step.layout import StepLayout
 from dataflow_training.step.lowering import Lowered
 
@@ -529,7 +527,7 @@ def _make_it_fit(
 def minimal_recompute_budget(rewriter: Rewriter, **options: Any) -> int:
     """The smaller of the minimal budgets of the rewriter's step as given and with every
     unit recomputed."""
-    from dataflow.planning import minimal_budget
+    from dataflow import minimal_budget
 
     given = minimal_budget(rewriter.program, **options)
     return min(given, minimal_budget(rewriter.candidate(rewriter.all).program, **options))
@@ -578,7 +576,7 @@ def recompute_planner(
         return found.plan.program
 
     def minimal(program: Program, **options: Any) -> int:
-        from dataflow.planning import minimal_budget
+        from dataflow import minimal_budget
 
         if StepLayout.METADATA_KEY not in program.metadata:
             return minimal_budget(program, **options)

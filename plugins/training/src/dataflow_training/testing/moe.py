@@ -159,7 +159,7 @@ class MoEFamilyChecks(DecoderFamilyChecks):
         recompute and backward read come from the block's forward on those buffers, not
         zeros (which route every row nowhere: the grouped GEMM's loop refuses them, and
         the fused kernel would skip every expert's work)."""
-        from dataflow.plugins import resolvers
+        from dataflow import resolvers
         from dataflow_training.plan.profile import profile_program, signature
         from dataflow_training.step.config import TrainConfig
         from dataflow_training.step.lowering import lower
