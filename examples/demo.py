@@ -22,11 +22,17 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from dataflow.engine import Engine
-from dataflow.planning import PlanningError, minimal_budget, place, plan
-from dataflow.schema import Program, validate
-from dataflow.testing.chains import training_chain
-from dataflow.units import format_size
+from dataflow import (
+    Engine,
+    PlanningError,
+    Program,
+    format_size,
+    minimal_budget,
+    place,
+    plan,
+    validate,
+)
+from dataflow.testing import training_chain
 
 
 def main() -> int:
@@ -105,13 +111,10 @@ def smallest_placed_budget(program: Program, resolution: float = 1 / 256) -> int
 
 
 def train_gpt2_tiny(console: Console) -> bool:
-    from dataflow.plugins import families
-    from dataflow.registry import UnknownNameError
+    from dataflow import UnknownNameError, families
 
     try:
-        from dataflow_training.check.verify import TOLERANCES, step_checks
-        from dataflow_training.step.config import TrainConfig
-        from dataflow_training.step.lowering import lower
+        from dataflow_training import TOLERANCES, TrainConfig, lower, step_checks
 
         family = families().get("gpt2").load()
     except (ImportError, UnknownNameError) as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dataflow.testing.chains import training_chain
+from dataflow.testing import training_chain
 
 HERE = Path(__file__).parent
 

@@ -1,10 +1,12 @@
-"""Plugins use only the public surface that docs/api.md lists (ARCHITECTURE.md rule 3).
+"""Plugins use only the public facades that docs/api.md documents (ARCHITECTURE.md rule 3).
 
 Every ``import`` of a ``dataflow`` or ``dataflow_training`` module in the packages under
-families/, resolvers/, kernels/, plugins/ and examples/ (sources and tests) must name a
-module listed in docs/api.md, and every name imported from it must be listed under it. A
-package's imports of its own modules are exempt (the training plugin's own modules may
-use each other's internals). Every listed name must exist, so the page cannot rot.
+families/, resolvers/, kernels/, plugins/ and examples/ (sources and tests), and in the
+Python blocks of the docs and of those packages' pages, must name a facade (a module with
+a ``## `module` `` section on the page), and every name imported from it must be listed
+there. A package's imports of its own modules are exempt (the training plugin's own modules
+may use each other's internals). Each facade's ``__all__`` is exactly what its section
+lists, every name in it resolves, and importing a facade imports no torch.
 """
 
 from __future__ import annotations
@@ -16,21 +18,25 @@ from pathlib import Path
 
 import pytest
 
+from dataflow.testing import heavy_imports
+
 ROOT = Path(__file__).resolve().parents[2]
 API = ROOT / "docs" / "api.md"
 SCANNED = ("families", "resolvers", "kernels", "plugins", "examples")
 GUARDED = ("dataflow", "dataflow_training")
+FENCE = re.compile(r"^[ \t]*```python\n(?P<body>.*?)^[ \t]*```[ \t]*$", re.MULTILINE | re.DOTALL)
 
 
-def public_surface(text: str) -> dict[str, set[str]]:
-    """module -> public names, from the page's ``## `module` `` sections and their
-    bullets (every backticked name before the bullet's colon)."""
-    surface: dict[str, set[str]] = {}
+def public_surface(text: str) -> dict[str, list[str]]:
+    """facade -> its public names in page order, from the page's ``## `module` `` sections
+    and their bullets (every backticked name before the bullet's colon); ``###``
+    subsections group a facade's bullets."""
+    surface: dict[str, list[str]] = {}
     module, bullet = None, None
 
     def flush() -> None:
         if module and bullet is not None:
-            surface[module].update(re.findall(r"`(\w+)`", bullet.split(": ")[0]))
+            surface[module] += re.findall(r"`(\w+)`", bullet.split(": ")[0])
 
     for line in text.splitlines():
         heading = re.match(r"^## `([\w.]+)`", line)
@@ -41,7 +47,7 @@ def public_surface(text: str) -> dict[str, set[str]]:
             bullet += " " + line.strip()  # a bullet continued on the next line
         if heading:
             module = heading.group(1)
-            surface[module] = set()
+            surface[module] = []
         elif line.startswith("## "):
             module = None
     flush()
@@ -59,18 +65,20 @@ def imports(source: str) -> list[tuple[int, str, list[str]]]:
     return found
 
 
-def offenders(source: str, surface: dict[str, set[str]], own: str | None) -> list[str]:
+def offenders(source: str, surface: dict[str, list[str]], own: str | None) -> list[str]:
     bad = []
     for line, module, names in imports(source):
         top = module.split(".")[0]
         if top not in GUARDED or top == own:
             continue
         if module not in surface:
-            bad.append(f"{line}: {module} (not a public module)")
+            bad.append(f"{line}: {module} (not a facade)")
             continue
-        for name in names:
-            if name not in surface[module] and f"{module}.{name}" not in surface:
-                bad.append(f"{line}: {name} from {module} (not public)")
+        bad += [
+            f"{line}: {name} from {module} (not public)"
+            for name in names
+            if name not in surface[module]
+        ]
     return bad
 
 
@@ -84,59 +92,88 @@ def _own_package(path: Path) -> str | None:
     return None
 
 
-def test_plugins_import_only_the_public_surface() -> None:
-    surface = public_surface(API.read_text())
-    found = []
-    files = [
+def _scanned(suffix: str) -> list[Path]:
+    return [
         path
         for folder in SCANNED
-        for path in sorted((ROOT / folder).rglob("*.py"))
+        for path in sorted((ROOT / folder).rglob(f"*{suffix}"))
         if ".egg-info" not in str(path) and ".nox" not in path.parts
     ]
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """(line, source) of every ``python`` block of a Markdown page, dedented."""
+    blocks = []
+    for match in FENCE.finditer(text):
+        body = match["body"]
+        indent = min((len(s) - len(s.lstrip()) for s in body.splitlines() if s.strip()), default=0)
+        source = "\n".join(s[indent:] for s in body.splitlines())
+        blocks.append((text.count("\n", 0, match.start()) + 1, source))
+    return blocks
+
+
+def test_plugins_import_only_the_facades() -> None:
+    surface = public_surface(API.read_text())
+    files = _scanned(".py")
     assert len(files) > 20, "the scan found almost nothing: is the layout different?"
-    for path in files:
-        for problem in offenders(path.read_text(), surface, _own_package(path)):
-            found.append(f"{path.relative_to(ROOT)}:{problem}")
-    assert found == [], "imports outside docs/api.md:\n" + "\n".join(found)
+    found = [
+        f"{path.relative_to(ROOT)}:{problem}"
+        for path in files
+        for problem in offenders(path.read_text(), surface, _own_package(path))
+    ]
+    assert found == [], "imports past the facades of docs/api.md:\n" + "\n".join(found)
 
 
-def test_every_listed_name_exists() -> None:
-    missing = []
-    for module, names in public_surface(API.read_text()).items():
-        try:
-            imported = importlib.import_module(module)
-        except ImportError as error:
-            if module.split(".")[0] == "dataflow_training":
-                pytest.importorskip("dataflow_training")
-            missing.append(f"{module}: {error}")
-            continue
-        missing += [f"{module}.{name}" for name in names if not _exists(imported, name)]
-    assert missing == []
+def test_the_docs_show_only_facade_imports() -> None:
+    surface = public_surface(API.read_text())
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *_scanned(".md")]
+    found = []
+    for page in pages:
+        for line, source in python_blocks(page.read_text()):
+            for problem in offenders(source, surface, own=None):
+                number, _, rest = problem.partition(": ")
+                found.append(f"{page.relative_to(ROOT)}:{line + int(number)}: {rest}")
+    assert found == [], "docs importing past the facades:\n" + "\n".join(found)
 
 
-def _exists(module: object, name: str) -> bool:
-    if hasattr(module, name):
-        return True
-    try:  # a submodule (``from dataflow_training import optimizers``)
-        importlib.import_module(f"{module.__name__}.{name}")
-    except ImportError:
-        return False
-    return True
+@pytest.mark.parametrize("facade", list(public_surface(API.read_text())))
+def test_each_facade_exports_exactly_what_the_page_lists(facade: str) -> None:
+    if facade.split(".")[0] == "dataflow_training":
+        pytest.importorskip("dataflow_training")
+    module = importlib.import_module(facade)
+    listed = public_surface(API.read_text())[facade]
+    assert len(listed) == len(set(listed)), f"a name listed twice under {facade}"
+    assert len(module.__all__) == len(set(module.__all__)), f"{facade}.__all__ repeats a name"
+    assert sorted(module.__all__) == sorted(listed)
+    unresolved = [name for name in module.__all__ if getattr(module, name, None) is None]
+    assert unresolved == []
+    assert sorted(set(dir(module)) & set(listed)) == sorted(listed)
+
+
+@pytest.mark.parametrize("facade", list(public_surface(API.read_text())))
+def test_importing_a_facade_imports_no_torch(facade: str) -> None:
+    if facade.split(".")[0] == "dataflow_training":
+        pytest.importorskip("dataflow_training")
+    assert heavy_imports(facade) == []
 
 
 def test_the_rule_catches_a_planted_offender() -> None:
-    surface = public_surface("## `dataflow.engine`\n\n- `Engine`: runs programs\n")
-    assert surface == {"dataflow.engine": {"Engine"}}
+    surface = public_surface("## `dataflow`\n\n### Engine\n\n- `Engine`, `plan`: runs programs\n")
+    assert surface == {"dataflow": ["Engine", "plan"]}
     planted = (
+        "from dataflow import Engine\n"
         "from dataflow.engine import Engine\n"
-        "from dataflow.engine.dispatcher import Dispatcher\n"
-        "from dataflow.engine import _internal\n"
+        "from dataflow import _internal\n"
         "import dataflow_training.step.lowering\n"
         "from dataflow_family_gpt2 import model\n"
+        "import dataflow\n"
     )
     assert offenders(planted, surface, own=None) == [
-        "2: dataflow.engine.dispatcher (not a public module)",
-        "3: _internal from dataflow.engine (not public)",
-        "4: dataflow_training.step.lowering (not a public module)",
+        "2: dataflow.engine (not a facade)",
+        "3: _internal from dataflow (not public)",
+        "4: dataflow_training.step.lowering (not a facade)",
     ]
     assert offenders(planted, surface, own="dataflow_training")[-1].startswith("3:")
+    page = "Text.\n\n```python\nfrom dataflow import plan\nfrom dataflow.sim import simulate\n```\n"
+    [(line, source)] = python_blocks(page)
+    assert [line + int(p.split(":")[0]) for p in offenders(source, surface, None)] == [5]

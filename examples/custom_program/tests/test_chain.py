@@ -9,8 +9,7 @@ from dataflow_resolver_matmul_chain import build_program, initial_values
 from dataflow_resolver_matmul_chain.reference import reference_gradients
 from dataflow_resolver_matmul_chain.resolver import build
 
-from dataflow.engine import Engine
-from dataflow.planning import minimal_budget, place, plan
+from dataflow import Engine, minimal_budget, place, plan
 
 LAYERS = 5
 
@@ -23,7 +22,7 @@ def _run(program, budget_bytes: int, values, device: str = "cpu"):
     placement = place(planned)
     assert placement.arena_bytes <= budget_bytes
     if device == "cuda":  # the CUDA libraries' own workspace is part of the budget
-        from dataflow.engine.backends.torch_cuda import runtime_reserve_bytes
+        from dataflow import runtime_reserve_bytes
 
         budget_bytes += runtime_reserve_bytes("cuda")
     with Engine("torch", budget_bytes=budget_bytes, device=device) as engine:
@@ -53,7 +52,7 @@ def test_generous_and_tight_budgets_agree_bit_for_bit(device: str) -> None:
 
 
 def test_the_resolver_is_registered_through_the_entry_point() -> None:
-    from dataflow.plugins import resolvers
+    from dataflow import resolvers
 
     spec = resolvers().get("matmul-chain")
     program = build_program(2, 4, 4)

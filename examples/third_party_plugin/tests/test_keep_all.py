@@ -7,8 +7,7 @@ import pytest
 from dataflow_planner_example import plugin
 from dataflow_planner_example.keep_all import KeepAllError, Peak, no_offload_peak, plan_keep_all
 
-from dataflow.plugins import get_plugin_manager, planners
-from dataflow.schema import Obj, Program, Task
+from dataflow import Obj, Program, Task, get_plugin_manager, planners
 from dataflow.testing import tiny_chain
 
 # tiny_chain: x 64 + w0 256 + w1 256 start fast (576); layer_0 adds h0 128 (704), layer_1

@@ -15,8 +15,7 @@ from dataflow_family_gpt2.config import GPT2Config
 from dataflow_family_gpt2.layers import layer_specs
 from dataflow_family_gpt2.model import OPS
 from dataflow_family_gpt2.reference import GPT2Reference
-from dataflow_training.step.family import Env
-from dataflow_training.step.ops import load_ops
+from dataflow_training.kit import Env, load_ops
 
 # Tolerances. Embed and block math run in float64 and differ from the reference only by
 # summation order (SDPA vs written-out softmax): FLOAT64. The head's cross-entropy runs in

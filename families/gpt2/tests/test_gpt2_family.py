@@ -10,8 +10,8 @@ from dataflow_family_gpt2.config import GPT2Config
 from dataflow_family_gpt2.family import GPT2Family
 from dataflow_family_gpt2.layers import parameter_count
 from dataflow_family_gpt2.presets import PRESETS, UnknownPresetError, preset, preset_table
-from dataflow_training.step.family import BlockMath, EmbedMath, Family, HeadMath
-from dataflow_training.testing.conformance import TrainingFamilyConformance
+from dataflow_training.kit import BlockMath, EmbedMath, Family, HeadMath
+from dataflow_training.testing import TrainingFamilyConformance
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "builtin_models.md"
 
@@ -38,7 +38,7 @@ def test_the_family_satisfies_the_protocol() -> None:
 
 
 def test_loaded_through_the_registry() -> None:
-    from dataflow.plugins import get_plugin_manager
+    from dataflow import get_plugin_manager
 
     manager = get_plugin_manager(autoload=False, allow=["dataflow-family-gpt2"])
     family = manager.registry("families").get("gpt2").load()

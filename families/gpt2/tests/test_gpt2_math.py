@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dataflow_family_gpt2.model import OPS, GPT2Block, GPT2Embed, GPT2Head, math_of
-from dataflow_training.step.family import Env, RowGradient
+from dataflow_training.kit import Env, RowGradient
 
 
 def test_installed_kernels_provide_every_op(installed_ops) -> None:
@@ -97,7 +97,7 @@ def test_the_training_plugin_task_checks_pass(config, installed_ops) -> None:
     """``dataflow verify``'s task level: recompute, hand backward vs autograd through the
     family's own forward, head chunking; float32 at its fp32 tolerance."""
     from dataflow_family_gpt2.family import GPT2Family
-    from dataflow_training.check.verify import TOLERANCES, task_checks
+    from dataflow_training import TOLERANCES, task_checks
 
     checks = task_checks(
         GPT2Family(), config, "cpu", torch.float32, TOLERANCES["fp32"]["task"], seed=0

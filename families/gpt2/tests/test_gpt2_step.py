@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dataflow_family_gpt2.family import GPT2Family
-from dataflow_training.step.family import Env
+from dataflow_training.kit import Env
 
 
 def family_step(family, config, layer_params, tokens, targets, ops, *, recompute: bool):

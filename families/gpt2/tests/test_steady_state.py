@@ -16,12 +16,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dataflow_family_gpt2.family import GPT2Family  # noqa: E402
-from dataflow_training.drive.run import TrainingRun  # noqa: E402
-from dataflow_training.step.config import TrainConfig  # noqa: E402
-from dataflow_training.step.lowering import lower  # noqa: E402
+from dataflow_training import TrainConfig, TrainingRun, lower  # noqa: E402
 
-from dataflow.planning import place, plan  # noqa: E402
-from dataflow.schema import Location  # noqa: E402
+from dataflow import Location, place, plan  # noqa: E402
 
 TRAIN = TrainConfig(seq_len=32, batch=2, rounds=2)
 STEPS = 4
@@ -97,7 +94,7 @@ def test_consecutive_steps_agree_across_budgets_and_keep_fast_homes_in_place() -
 
 @pytest.mark.parametrize("share", [0.6, 1.5])
 def test_virtual_engine_repeats_the_simulated_steady_state_step(share: float) -> None:
-    from dataflow.engine import Engine
+    from dataflow import Engine
 
     program = _program()
     persistent = sum(program.obj(o).size_bytes for o in program.persistent)

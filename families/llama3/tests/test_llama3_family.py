@@ -9,10 +9,8 @@ from pathlib import Path
 import pytest
 from dataflow_family_llama3.config import Llama3Config
 from dataflow_family_llama3.family import Llama3Family
-from dataflow_training.kit.block import Block
-from dataflow_training.kit.decoder import Decoder
-from dataflow_training.testing.conformance import TrainingFamilyConformance
-from dataflow_training.testing.decoder import DecoderFamilyChecks
+from dataflow_training.kit import Block, Decoder
+from dataflow_training.testing import DecoderFamilyChecks, TrainingFamilyConformance
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 
@@ -51,7 +49,7 @@ def test_verify_passes_in_bf16_on_cuda(preset: str) -> None:
     """`dataflow verify --family llama3 --preset PRESET --device cuda --dtype bf16`: the
     engine's step on the GPU (bf16 weights, gradients, activations) against the float64
     reference, at the bf16 tolerances of `dataflow_training.check.verify.TOLERANCES`."""
-    from dataflow_training.check.verify import verify
+    from dataflow_training import verify
 
     failed = [c for c in verify("llama3", preset, device="cuda", policy="bf16") if not c.ok]
     assert not failed, failed

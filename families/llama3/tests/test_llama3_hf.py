@@ -7,7 +7,7 @@ bit (one file and sharded). The tests and their tolerances are the kit's
 
 from __future__ import annotations
 
-from dataflow_training.testing.decoder import DecoderHFParity
+from dataflow_training.testing import DecoderHFParity
 
 
 class TestLlamaParity(DecoderHFParity):

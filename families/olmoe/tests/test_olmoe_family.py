@@ -12,9 +12,8 @@ import pytest
 import torch
 from dataflow_family_olmoe.config import OlmoeConfig
 from dataflow_family_olmoe.family import OlmoeFamily
-from dataflow_training.kit.hf import CheckpointError
-from dataflow_training.testing.conformance import TrainingFamilyConformance
-from dataflow_training.testing.moe import MoEFamilyChecks
+from dataflow_training.kit import CheckpointError
+from dataflow_training.testing import MoEFamilyChecks, TrainingFamilyConformance
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 
@@ -47,8 +46,7 @@ def test_the_released_preset_is_olmoe_1b_7b() -> None:
 def test_top_k_weights_are_not_renormalised() -> None:
     """OLMoE's routing weights are the softmax probabilities of the chosen experts: they sum
     to less than one (the kit's forward writes them to AuxTemp as they are)."""
-    from dataflow_training.step.family import Env
-    from dataflow_training.step.ops import load_ops
+    from dataflow_training.kit import Env, load_ops
 
     family = OlmoeFamily()
     config = family.config("olmoe_tiny")
@@ -83,7 +81,7 @@ def test_verify_passes_in_bf16_on_cuda(preset: str) -> None:
     """`dataflow verify --family olmoe --preset PRESET --device cuda --dtype bf16`: the
     engine's step on the GPU (bf16, torch._grouped_mm experts) against the float64
     reference, at the bf16 tolerances of `dataflow_training.check.verify.TOLERANCES`."""
-    from dataflow_training.check.verify import verify
+    from dataflow_training import verify
 
     failed = [c for c in verify("olmoe", preset, device="cuda", policy="bf16") if not c.ok]
     assert not failed, failed

@@ -7,7 +7,7 @@ transformers (``pip install -e 'families/olmoe[test]'``)."""
 
 from __future__ import annotations
 
-from dataflow_training.testing.moe import MoEHFParity
+from dataflow_training.testing import MoEHFParity
 
 
 class TestOlmoeParity(MoEHFParity):

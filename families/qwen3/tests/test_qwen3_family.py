@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 from dataflow_family_qwen3.config import Qwen3Config
 from dataflow_family_qwen3.family import Qwen3Family
-from dataflow_training.kit.attention import QKNorm
-from dataflow_training.kit.hf import CheckpointError
-from dataflow_training.testing.conformance import TrainingFamilyConformance
-from dataflow_training.testing.decoder import DecoderFamilyChecks
+from dataflow_training.kit import CheckpointError, QKNorm
+from dataflow_training.testing import DecoderFamilyChecks, TrainingFamilyConformance
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 
@@ -101,8 +99,7 @@ def test_a_window_cuts_only_a_longer_sequence_and_is_priced_by_its_width() -> No
     """The sliding block equals the full one on a sequence no longer than its window and
     differs past it; its attention FLOPs are those of the band the window keeps."""
     import torch
-    from dataflow_training.step.family import Env
-    from dataflow_training.step.ops import load_ops
+    from dataflow_training.kit import Env, load_ops
 
     family = Qwen3Family()
     config = family.config("qwen3_tiny_swa")
@@ -127,7 +124,7 @@ def test_verify_passes_on_the_sliding_window_preset() -> None:
     """``dataflow verify --family qwen3 --preset qwen3_tiny_swa`` on the CPU: every level
     (ops, each layer kind's tasks at 8 tokens, whole steps at 16) runs sequences longer
     than the 4-token window, and passes."""
-    from dataflow_training.check.verify import verify
+    from dataflow_training import verify
 
     checks = verify("qwen3", "qwen3_tiny_swa", device="cpu")
     assert {c.level for c in checks} == {"op", "task", "step"}
@@ -144,7 +141,7 @@ def test_a_sliding_window_checkpoint_trains_from_init_and_exports(tmp_path) -> N
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    from dataflow.testing.cli import invoke
+    from dataflow.testing import invoke
 
     hf_config = transformers.Qwen3Config(
         vocab_size=256,
@@ -189,7 +186,7 @@ def test_verify_passes_in_bf16_on_cuda(preset: str) -> None:
     """`dataflow verify --family qwen3 --preset PRESET --device cuda --dtype bf16`: the
     engine's step on the GPU (bf16 weights, gradients, activations) against the float64
     reference, at the bf16 tolerances of `dataflow_training.check.verify.TOLERANCES`."""
-    from dataflow_training.check.verify import verify
+    from dataflow_training import verify
 
     failed = [c for c in verify("qwen3", preset, device="cuda", policy="bf16") if not c.ok]
     assert not failed, failed

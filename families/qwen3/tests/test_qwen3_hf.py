@@ -7,7 +7,7 @@ tolerances are the kit's ``DecoderHFParity``; skipped without transformers (``pi
 
 from __future__ import annotations
 
-from dataflow_training.testing.decoder import DecoderHFParity
+from dataflow_training.testing import DecoderHFParity
 
 
 class TestQwen3Parity(DecoderHFParity):

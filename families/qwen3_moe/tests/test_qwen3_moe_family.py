@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 from dataflow_family_qwen3_moe.config import Qwen3MoeConfig
 from dataflow_family_qwen3_moe.family import Qwen3MoeFamily
-from dataflow_training.kit.hf import CheckpointError
-from dataflow_training.testing.conformance import TrainingFamilyConformance
-from dataflow_training.testing.moe import MoEFamilyChecks
+from dataflow_training.kit import CheckpointError
+from dataflow_training.testing import MoEFamilyChecks, TrainingFamilyConformance
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 HOST_BYTES_PER_PARAMETER = 2 + 2 + 8  # bf16 weight and gradient, two float32 moments
@@ -28,7 +27,7 @@ class TestQwen3Moe(TrainingFamilyConformance, MoEFamilyChecks):
 
 
 def test_the_released_preset_and_its_cut() -> None:
-    from dataflow_training.kit.moe import moe_parameter_count
+    from dataflow_training.kit import moe_parameter_count
 
     family = Qwen3MoeFamily()
     full, cut = family.config("qwen3_30b_a3b"), family.config("qwen3_30b_a3b_l12")
@@ -65,7 +64,7 @@ def test_dense_layers_and_sliding_windows_are_refused(tmp_path) -> None:
 )
 def test_verify_passes_in_bf16_on_cuda(preset: str) -> None:
     """`dataflow verify --family qwen3_moe --preset PRESET --device cuda --dtype bf16`."""
-    from dataflow_training.check.verify import verify
+    from dataflow_training import verify
 
     failed = [c for c in verify("qwen3_moe", preset, device="cuda", policy="bf16") if not c.ok]
     assert not failed, failed

@@ -8,7 +8,7 @@ transformers (``pip install -e 'families/qwen3_moe[test]'``)."""
 
 from __future__ import annotations
 
-from dataflow_training.testing.moe import MoEHFParity
+from dataflow_training.testing import MoEHFParity
 
 
 class TestQwen3MoeParity(MoEHFParity):

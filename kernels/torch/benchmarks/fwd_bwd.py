@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from dataflow.plugins import get_plugin_manager
+from dataflow import get_plugin_manager
 
 BF16 = torch.bfloat16
 HYPER = {"lr": 6e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from dataflow.plugins import get_plugin_manager
+from dataflow import get_plugin_manager
 
 
 def median_ms(run: Callable[[], object], repeats: int = 20) -> float:

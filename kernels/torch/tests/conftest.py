@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from dataflow.plugins import DataflowPluginManager, get_plugin_manager
+from dataflow import DataflowPluginManager, get_plugin_manager
 
 DISTRIBUTION = "dataflow-kernels-torch"
 

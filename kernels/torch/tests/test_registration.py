@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from dataflow.registry import KernelVariant
+from dataflow import KernelVariant
 
 DETERMINISTIC = {
     "adamw/torch": True,

@@ -13,7 +13,7 @@ import torch
 from dataflow_feed_shards.errors import FeedError
 from dataflow_feed_shards.opening import open_embedded, open_shards, open_text
 
-from dataflow.plugins import get_plugin_manager
+from dataflow import get_plugin_manager
 
 
 def _batches(feed, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

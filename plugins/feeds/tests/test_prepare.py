@@ -12,7 +12,7 @@ from dataflow_feed_shards.opening import open_shards
 from dataflow_feed_shards.prepare import prepare
 from dataflow_feed_shards.shard_format import read_header, read_shard
 
-from dataflow.testing.cli import FAILURE_EXIT, USAGE_EXIT, assert_one_line_error, invoke
+from dataflow.testing import FAILURE_EXIT, USAGE_EXIT, assert_one_line_error, invoke
 
 
 def _text_bytes(folder: Path) -> np.ndarray:

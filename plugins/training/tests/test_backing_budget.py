@@ -74,8 +74,7 @@ def test_a_wrong_count_names_the_option(tmp_path):
 def test_the_run_plans_and_runs_inside_its_backing_budget():
     from dataflow_training.drive.run import TrainingRun
 
-    from dataflow.planning import PlanningError
-    from dataflow.schema import Location
+    from dataflow import Location, PlanningError
 
     train = train_config(1, None)
     backing = 16 * 2**20

@@ -17,8 +17,7 @@ from dataflow_training.step.lowering import lower
 from dataflow_training.testing.toy import Block, ToyFamily, plain_ops
 from dataflow_training.testing.toy_moe import ToyMoEFamily
 
-from dataflow.engine import Engine
-from dataflow.planning import plan
+from dataflow import Engine, plan
 
 TRAIN = TrainConfig(seq_len=4, batch=2, rounds=2)
 
@@ -127,8 +126,7 @@ def test_a_head_tied_to_an_undeclared_parameter_is_named(monkeypatch) -> None:
 def test_a_family_registered_under_another_name_is_refused(isolated_plugin_manager) -> None:
     from dataflow_training.step.family import load_family
 
-    from dataflow import hookimpl
-    from dataflow.registry import FamilySpec
+    from dataflow import FamilySpec, hookimpl
 
     class Plugin:
         @hookimpl
@@ -219,7 +217,7 @@ def test_toy_moe_verify_passes_at_a_tight_budget() -> None:
     pytest.importorskip("dataflow_kernels_torch")
     from dataflow_training.check.verify import step_config, verify
 
-    from dataflow.planning import minimal_budget
+    from dataflow import minimal_budget
 
     family = ToyMoEFamily()
     train = step_config("fp32", batch=2, seq_len=16, rounds=2)

@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from dataflow.bundle import read_bundle
-from dataflow.schema import Program
-from dataflow.sim import simulate
-from dataflow.testing.cli import FAILURE_EXIT, USAGE_EXIT, assert_one_line_error, invoke
-from dataflow.testing.trace_events import trace_event_problems
+from dataflow import Program, read_bundle, simulate
+from dataflow.testing import (
+    FAILURE_EXIT,
+    USAGE_EXIT,
+    assert_one_line_error,
+    invoke,
+    trace_event_problems,
+)
 
 pytest.importorskip("dataflow_family_gpt2")
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dataflow.testing.cli import assert_one_line_error, invoke
+from dataflow.testing import assert_one_line_error, invoke
 
 pytest.importorskip("dataflow_family_llama3")
 

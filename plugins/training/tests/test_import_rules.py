@@ -10,7 +10,7 @@ from pathlib import Path
 
 import dataflow_training
 
-from dataflow.testing.import_cycles import Import, import_cycles, imports_in
+from dataflow.testing import import_cycles
 
 ROOT = Path(dataflow_training.__file__).parent
 STAGES = ("step", "kit", "plan", "drive", "check", "cli")
@@ -21,7 +21,7 @@ def _stage(module: str) -> str | None:
     return parts[1] if len(parts) > 1 and parts[1] in STAGES else None
 
 
-def upward(imports: list[Import]) -> list[str]:
+def upward(imports: list[import_cycles.Import]) -> list[str]:
     """Each import of a later stage by an earlier one, as ``path:line: a -> b``."""
     found = []
     for item in imports:
@@ -32,18 +32,22 @@ def upward(imports: list[Import]) -> list[str]:
 
 
 def test_the_training_plugin_has_no_import_circles() -> None:
-    assert import_cycles(ROOT, "dataflow_training") == []
+    assert import_cycles.import_cycles(ROOT, "dataflow_training") == []
 
 
 def test_each_stage_imports_only_the_stages_before_it() -> None:
-    imports = imports_in(ROOT, "dataflow_training")
+    imports = import_cycles.imports_in(ROOT, "dataflow_training")
     assert len(imports) > 100, "the scan found almost nothing: is the layout different?"
     assert upward(imports) == []
 
 
 def test_the_stage_rule_sees_an_upward_import() -> None:
-    planted = Import("dataflow_training.step.lowering", "dataflow_training.drive.run", ROOT, 7)
-    allowed = Import("dataflow_training.drive.run", "dataflow_training.step.lowering", ROOT, 8)
+    planted = import_cycles.Import(
+        "dataflow_training.step.lowering", "dataflow_training.drive.run", ROOT, 7
+    )
+    allowed = import_cycles.Import(
+        "dataflow_training.drive.run", "dataflow_training.step.lowering", ROOT, 8
+    )
     assert upward([planted, allowed]) == [
         f"{ROOT.name}:7: dataflow_training.step.lowering -> dataflow_training.drive.run"
     ]

@@ -13,9 +13,7 @@ from dataflow_training.step.lowering import lower
 from dataflow_training.step.packing import ALIGN_BYTES
 from dataflow_training.testing.toy import ToyFamily
 
-from dataflow.planning import minimal_budget, plan
-from dataflow.schema import Links, validate
-from dataflow.sim import simulate
+from dataflow import Links, minimal_budget, plan, simulate, validate
 
 
 def test_task_order_and_names_for_two_rounds() -> None:
@@ -146,7 +144,7 @@ def test_a_fleet_members_all_reduce_overlaps_the_backward_below() -> None:
     """Simulated, the all-reduce of a block's gradient runs while compute runs the
     backward of the block below it: its span overlaps that task's, and the link's time
     under compute (hidden) is most of its busy time with a link as fast as compute."""
-    from dataflow.schema import Link
+    from dataflow import Link
 
     train = TrainConfig(seq_len=4, batch=2, rounds=1)
     links = Links(collective=Link(bw_bytes_per_us=1000.0, latency_us=1.0))

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dataflow.testing.cli import invoke
+from dataflow.testing import invoke
 
 pytest.importorskip("dataflow_family_gpt2")
 

@@ -22,9 +22,7 @@ from dataflow_training.step.layout import StepLayout
 from dataflow_training.step.lowering import Lowered, lower
 from dataflow_training.testing.toy import ToyFamily
 
-from dataflow.planning import PRESSUREFIT, InfeasibleBudget, plan
-from dataflow.registry import PlannerSpec
-from dataflow.schema import Link, Links
+from dataflow import PRESSUREFIT, InfeasibleBudget, Link, Links, PlannerSpec, plan
 
 pytest.importorskip("dataflow_family_gpt2")
 

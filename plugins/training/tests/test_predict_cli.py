@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from dataflow.testing.cli import assert_one_line_error, invoke
+from dataflow.testing import assert_one_line_error, invoke
 
 pytest.importorskip("dataflow_family_gpt2")
 
@@ -192,7 +192,7 @@ def test_a_cell_that_runs_over_its_budget_is_a_row_that_says_so(tmp_path, monkey
     reports that cell as a row and goes on with the grid."""
     from dataflow_training.drive.run import TrainingRun
 
-    from dataflow.engine import BudgetBreachError
+    from dataflow import BudgetBreachError
 
     def breach(self, batches, lr=None):
         raise BudgetBreachError("the CUDA allocator's peak during load and run was 3 bytes")

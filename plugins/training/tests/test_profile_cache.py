@@ -162,7 +162,7 @@ def test_task_inputs_are_filled_on_the_gpu_with_small_noise(step) -> None:
         torch.testing.assert_close(buffer, filled[1][obj_id], rtol=0, atol=0)
         obj = step.program.obj(obj_id)
         if obj.tensor is not None and obj.tensor.dtype.startswith(("float", "bfloat")):
-            from dataflow.engine.backends.torch_storage import typed_view
+            from dataflow import typed_view
 
             values = typed_view(buffer, obj).float()
             if values.numel() > 1000:
@@ -200,7 +200,7 @@ def test_a_task_whose_capture_fails_keeps_its_dispatched_timing(step) -> None:
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from dataflow.engine import LaunchContext
+    from dataflow import LaunchContext
 
     device = torch.device("cuda")
     counts = torch.arange(8, device=device)
@@ -228,7 +228,7 @@ class Recording:
     (by task id) before it runs."""
 
     def __init__(self, step) -> None:
-        from dataflow.plugins import resolvers
+        from dataflow import resolvers
 
         self.build = resolvers().get("torch").build(step)
         self.layout, self.read = step.layout, {}
@@ -282,7 +282,7 @@ def test_a_settled_measurement_runs_the_task_back_to_back_first(step) -> None:
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from dataflow.engine import LaunchContext
+    from dataflow import LaunchContext
 
     device = torch.device("cuda")
     work = torch.zeros(1 << 20, device=device)
@@ -321,7 +321,7 @@ def test_a_task_that_cannot_be_captured_is_timed_dispatched_after_settling(step)
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from dataflow.engine import LaunchContext
+    from dataflow import LaunchContext
 
     device = torch.device("cuda")
     work = torch.zeros(1 << 20, device=device)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from dataflow_training.drive.profiling import ProfileWindow
 
-from dataflow.testing.cli import assert_one_line_error, invoke
+from dataflow.testing import assert_one_line_error, invoke
 
 pytest.importorskip("dataflow_family_gpt2")
 pytest.importorskip("dataflow_feed_shards")
@@ -158,7 +158,7 @@ def test_cuda_profile_window_pushes_nvtx_ranges_and_starts_the_cuda_profiler_onc
 def test_cuda_profile_window_traces_kernels_and_names_tasks(tmp_path):
     """On CUDA: the trace has the window's kernels, and the runner is back to no NVTX
     ranges afterwards (run under nsys by hand to see the ranges themselves)."""
-    from dataflow.engine.backends.torch_cuda import CudaRunner
+    from dataflow import CudaRunner
 
     prof = tmp_path / "prof"
     result = invoke(

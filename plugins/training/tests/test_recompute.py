@@ -13,8 +13,7 @@ from dataflow_training.testing.toy import ToyFamily
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dataflow.planning import InfeasibleBudget, PlanningError, minimal_budget, plan
-from dataflow.schema import Link, Links, validate
+from dataflow import InfeasibleBudget, Link, Links, PlanningError, minimal_budget, plan, validate
 from dataflow.testing import PlannerConformance, tiny_chain
 
 TOY = ToyFamily()

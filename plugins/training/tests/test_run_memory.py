@@ -64,7 +64,7 @@ def test_the_slow_pool_is_known_before_load_and_is_what_the_engine_allocates() -
 
 
 def test_a_pool_past_the_pinned_limit_is_refused_before_anything_is_allocated() -> None:
-    from dataflow.planning import PlanningError
+    from dataflow import PlanningError
 
     run = _run(pinned_limit_bytes=1024)
     with pytest.raises(PlanningError, match=r"pinned_limit_bytes: more than the 1 KiB allowed"):
@@ -76,7 +76,7 @@ def test_a_pool_past_the_pinned_limit_is_refused_before_anything_is_allocated() 
 def test_a_pool_past_the_hosts_memory_is_refused_on_cuda(monkeypatch) -> None:
     from dataflow_training.drive import run as run_module
 
-    from dataflow.planning import PlanningError
+    from dataflow import PlanningError
 
     run = _run()
     pool = run.compiled.pinned_bytes
@@ -124,7 +124,7 @@ def test_a_pool_past_the_limit_is_planned_again_inside_a_slow_budget_that_fits()
     cannot fit is refused."""
     from dataflow_training.drive.run import TrainingRun
 
-    from dataflow.planning import PlanningError
+    from dataflow import PlanningError
 
     train = TrainConfig(seq_len=128, batch=8, rounds=2)
     budget = 5 * 2**20

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dataflow.testing.cli import assert_one_line_error, invoke
+from dataflow.testing import assert_one_line_error, invoke
 
 pytest.importorskip("dataflow_family_gpt2")
 
@@ -85,9 +85,9 @@ def site(fake_distribution) -> Path:
         entry_points={"testbytes": "dataflow_feed_testbytes"},
         modules={"dataflow_feed_testbytes": FEED},
     )
-    from dataflow import plugins
+    from dataflow import set_default_plugin_manager
 
-    plugins.set_default_plugin_manager(None)  # one built before this test never saw the feed
+    set_default_plugin_manager(None)  # one built before this test never saw the feed
     return dist_info.parent
 
 
@@ -315,7 +315,7 @@ def test_lower_writes_a_program_plan_reads(tmp_path):
     path = tmp_path / "step.json"
     result = invoke("lower", "--preset", "gpt2_tiny", "--batch", "2", "--seq-len", "16", "-o", path)
     assert result.exit_code == 0, result.output
-    from dataflow.schema import Program
+    from dataflow import Program
 
     program = Program.from_json(path)
     assert program.name == "gpt2-gpt2_tiny-train"

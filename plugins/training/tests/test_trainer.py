@@ -50,7 +50,7 @@ def test_lr_schedules(schedule, steps, expected, tmp_path):
 
 @pytest.mark.parametrize(("recompute", "listed"), [((), "none"), ((1,), "1"), ((0, 1), "0, 1")])
 def test_plan_line_lists_the_recomputed_layers(recompute, listed):
-    from dataflow.planning import PRESSUREFIT, plan
+    from dataflow import PRESSUREFIT, plan
 
     train_config = TrainConfig(seq_len=16, batch=2, rounds=2)
     lowered = lower(load_family("gpt2"), "gpt2_tiny", train_config, recompute=recompute)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from dataflow.testing.cli import FAILURE_EXIT, USAGE_EXIT, assert_one_line_error, invoke
+from dataflow.testing import FAILURE_EXIT, USAGE_EXIT, assert_one_line_error, invoke
 
 pytest.importorskip("dataflow_family_gpt2")
 
@@ -110,7 +110,7 @@ def test_a_step_level_the_host_cannot_hold_is_refused_before_any_check(monkeypat
     from dataflow_training.check.verify import step_host_bytes
     from dataflow_training.plan import compiled_step as run
 
-    from dataflow.plugins import families
+    from dataflow import families
 
     family = families().get("gpt2").load()
     need = step_host_bytes(family, family.config("gpt2_tiny"))

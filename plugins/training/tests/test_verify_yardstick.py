@@ -12,7 +12,7 @@ import pytest
 import torch
 from dataflow_training.check.verify import TOLERANCES, YARDSTICK_FACTOR, Check, step_checks
 
-from dataflow.testing.cli import invoke
+from dataflow.testing import invoke
 
 pytest.importorskip("dataflow_family_gpt2")
 

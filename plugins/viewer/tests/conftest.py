@@ -8,8 +8,7 @@ import attrs
 import pytest
 from dataflow_viewer.run import Run, lower_preset, predict
 
-from dataflow.bundle import link_counters, stalls
-from dataflow.timeline import Timeline
+from dataflow import Timeline, link_counters, stalls
 
 BUDGET_BYTES = 2 << 20
 #: task id -> how much slower the fake measurement runs it

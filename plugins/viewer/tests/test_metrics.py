@@ -17,8 +17,7 @@ from dataflow_viewer.run import planner_spec
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dataflow.planning import plan
-from dataflow.timeline import Timeline, TransferSpan
+from dataflow import Timeline, TransferSpan, plan
 
 
 @given(st.lists(st.tuples(st.integers(0, 200), st.integers(1, 50)), max_size=30))

@@ -12,10 +12,16 @@ from dataflow_viewer.panels import CARDS
 from dataflow_viewer.report import report_html
 from dataflow_viewer.run import planner_spec
 
-from dataflow.bundle import bundle_of, plan_summary, write_bundle, write_measured
-from dataflow.planning import place, plan
-from dataflow.testing.cli import FAILURE_EXIT, assert_one_line_error, invoke
-from dataflow.timeline.wire import timeline_to_dict
+from dataflow import (
+    bundle_of,
+    place,
+    plan,
+    plan_summary,
+    timeline_to_dict,
+    write_bundle,
+    write_measured,
+)
+from dataflow.testing import FAILURE_EXIT, assert_one_line_error, invoke
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ def test_a_replan_answers_the_simulated_makespan(server, tiny_program) -> None:
 
 
 def test_an_uploaded_program_and_measurement(server, tiny_program, measured_run) -> None:
-    from dataflow.timeline.wire import timeline_to_dict
+    from dataflow import timeline_to_dict
 
     status, reply = post(
         server,
@@ -119,9 +119,8 @@ def test_serve_prints_where_it_listens_and_serves_the_page() -> None:
     import subprocess
     import sys
 
-    code = "from dataflow.cli.main import main; main()"
     process = subprocess.Popen(
-        [sys.executable, "-c", code, "serve"],
+        [sys.executable, "-m", "dataflow", "serve"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -138,7 +137,7 @@ def test_serve_prints_where_it_listens_and_serves_the_page() -> None:
 
 
 def test_serve_on_an_interface_that_is_not_here_is_one_line() -> None:
-    from dataflow.testing.cli import FAILURE_EXIT, assert_one_line_error, invoke
+    from dataflow.testing import FAILURE_EXIT, assert_one_line_error, invoke
 
     result = invoke("serve", "--host", "203.0.113.7", "--port", "1")
     assert_one_line_error(result, FAILURE_EXIT, "--host 203.0.113.7", "cannot listen")

@@ -7,7 +7,7 @@ from dataflow_viewer.metrics import step_work
 from dataflow_viewer.run import planner_spec
 from dataflow_viewer.sweep import UNBOUNDED_BYTES, sweep
 
-from dataflow.planning import minimal_budget, plan
+from dataflow import minimal_budget, plan
 
 
 def test_sweep_spans_minimum_to_no_offload_peak(tiny_program) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataflow.plugins import resolvers
+from dataflow import resolvers
 
 
 def test_both_resolvers_are_registered() -> None:
@@ -38,9 +38,9 @@ def test_compiled_tiny_steps_match_the_reference_on_cuda(family_name: str, prese
 
 def _failed_step_checks(family_name: str, preset: str, policy: str, device: str = "cuda") -> list:
     """``dataflow verify``'s step checks of two compiled steps on ``device`` that failed."""
-    from dataflow_training.check.verify import TOLERANCES, step_checks
+    from dataflow_training import TOLERANCES, step_checks
 
-    from dataflow.plugins import families
+    from dataflow import families
 
     checks = step_checks(
         families().get(family_name).load(),
@@ -73,10 +73,9 @@ def test_compiled_moe_steps_in_bf16_are_captured_and_match_the_reference(
     pytest.importorskip(f"dataflow_family_{family_name}")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from dataflow_training.drive.run import TrainingRun
-    from dataflow_training.step.config import DtypePolicy, TrainConfig
+    from dataflow_training import DtypePolicy, TrainConfig, TrainingRun
 
-    from dataflow.plugins import families
+    from dataflow import families
 
     failed = _failed_step_checks(family_name, preset, "bf16")
     assert not failed, failed
@@ -137,7 +136,7 @@ def test_verify_runs_its_step_level_on_the_compiled_resolver(monkeypatch) -> Non
     the default eager resolver makes none."""
     pytest.importorskip("dataflow_family_llama3")
     from dataflow_resolver_torch import compiled
-    from dataflow_training.check.verify import verify
+    from dataflow_training import verify
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")

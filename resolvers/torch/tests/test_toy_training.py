@@ -6,13 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from dataflow_resolver_torch.training import TrainingResolver
-from dataflow_training.drive.values import read_state, start_values
-from dataflow_training.step.config import OptimizerPolicy, TrainConfig
-from dataflow_training.step.lowering import lower
-from dataflow_training.testing.toy import ToyFamily, plain_ops
+from dataflow_training import OptimizerPolicy, TrainConfig, lower, read_state, start_values
+from dataflow_training.testing import ToyFamily, plain_ops
 
-from dataflow.engine import Engine
-from dataflow.planning import minimal_budget, place, plan
+from dataflow import Engine, minimal_budget, place, plan
 
 STEPS, ROUNDS, BATCH, SEQ = 3, 2, 2, 5
 OPT = OptimizerPolicy(lr=1e-2, weight_decay=0.1)
@@ -107,11 +104,10 @@ def test_verify_ladder_passes_on_the_toy_family(isolated_plugin_manager) -> None
     this resolver registered like plugins."""
     import dataflow_kernels_torch.plugin as kernels_plugin
     import dataflow_resolver_torch.plugin as resolver_plugin
-    from dataflow_training.check.verify import verify
+    from dataflow_training import verify
 
-    import dataflow.builtins as core_plugin
-    from dataflow import hookimpl
-    from dataflow.registry import FamilySpec
+    from dataflow import FamilySpec, hookimpl
+    from dataflow.testing import core_plugin
 
     class ToyPlugin:
         @hookimpl
@@ -130,16 +126,14 @@ def test_verify_ladder_passes_on_the_toy_family(isolated_plugin_manager) -> None
 def test_an_added_optimizer_runs_through_lowering_and_resolver(monkeypatch) -> None:
     """OPTIMIZERS is the place to add an update rule: SGD with momentum, added here, trains
     the toy family exactly like torch.optim.SGD."""
-    from dataflow_training.step import optimizers
+    from dataflow_training import OPTIMIZERS, OptimizerSpec
 
     def sgd(ops, params, grads, states, *, step, policy, weight_decay):
         for param, grad, momentum in zip(params, grads, states["momentum"], strict=True):
             momentum.mul_(policy["beta1"]).add_(grad)
             param.add_(momentum, alpha=-policy["lr"])
 
-    monkeypatch.setitem(
-        optimizers.OPTIMIZERS, "sgd", optimizers.OptimizerSpec("sgd", ("momentum",), (), sgd)
-    )
+    monkeypatch.setitem(OPTIMIZERS, "sgd", OptimizerSpec("sgd", ("momentum",), (), sgd))
     family = ToyFamily()
     config = family.config("small")
     torch.manual_seed(1)

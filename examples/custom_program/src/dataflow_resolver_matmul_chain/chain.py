@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dataflow.schema import Link, Links, Obj, Program, Task, TensorMeta
+from dataflow import Link, Links, Obj, Program, Task, TensorMeta
 
 if TYPE_CHECKING:
     import torch

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dataflow.engine import DictResolver, LaunchContext
-from dataflow.schema import Program
+from dataflow import DictResolver, LaunchContext, Program
 
 
 class TanhMatmul:

@@ -14,9 +14,7 @@ import sys
 import click
 import torch
 
-from dataflow.engine import Engine
-from dataflow.planning import PlanningError, minimal_budget, place, plan
-from dataflow.units import format_size
+from dataflow import Engine, PlanningError, format_size, minimal_budget, place, plan
 from dataflow_resolver_matmul_chain.chain import build_program, initial_values
 from dataflow_resolver_matmul_chain.reference import reference_gradients
 from dataflow_resolver_matmul_chain.resolver import build

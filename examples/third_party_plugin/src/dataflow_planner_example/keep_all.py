@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import attrs
 
-from dataflow.schema import Budget, Location, Program, validate
-from dataflow.units import format_size
+from dataflow import Budget, Location, Program, format_size, validate
 
 
 class KeepAllError(ValueError):

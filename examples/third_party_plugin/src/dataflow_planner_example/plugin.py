@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dataflow import hookimpl
-from dataflow.registry import PlannerSpec
+from dataflow import PlannerSpec, hookimpl
 
 if TYPE_CHECKING:
-    from dataflow.schema import Program
+    from dataflow import Program
 
 
 def _plan_keep_all(program: Program, budget_bytes: int, **options: object) -> Program:

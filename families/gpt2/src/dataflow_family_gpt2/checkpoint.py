@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dataflow_training.kit.hf import (
+from dataflow_training.kit import (
     CONFIG,
     SAFETENSORS,
     SAFETENSORS_INDEX,

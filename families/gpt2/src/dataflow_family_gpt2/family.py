@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dataflow_training.step.family import LayerSpec
+from dataflow_training.kit import LayerSpec
 
 from dataflow_family_gpt2 import checkpoint
 from dataflow_family_gpt2.config import GPT2Config

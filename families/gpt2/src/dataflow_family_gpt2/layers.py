@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from math import prod
 
-from dataflow_training.step.family import LayerSpec, TensorSpec
+from dataflow_training.kit import LayerSpec, TensorSpec
 
 from dataflow_family_gpt2.config import GPT2Config
 

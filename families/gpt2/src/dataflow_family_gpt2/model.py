@@ -33,16 +33,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from dataflow_training.kit.attention import (
+from dataflow_training.kit import (
+    Env,
+    LayerCost,
+    LayerNorm,
+    Linear,
+    PartialSave,
+    RowGradient,
+    TensorSpec,
+    Work,
+    accumulation_dtype,
     attention_backward,
     attention_forward,
+    lm_head_loss,
     merge_heads,
     split_heads,
 )
-from dataflow_training.kit.head import lm_head_loss
-from dataflow_training.kit.linear import Linear, accumulation_dtype
-from dataflow_training.kit.norms import LayerNorm
-from dataflow_training.step.family import Env, LayerCost, PartialSave, RowGradient, TensorSpec, Work
 
 from dataflow_family_gpt2.config import GPT2Config
 

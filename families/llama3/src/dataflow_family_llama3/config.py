@@ -3,7 +3,7 @@ architecture, Llama's: RMSNorm, GQA with RoPE (Llama 3.1's scaling where a prese
 ``rope_scaling``), SwiGLU, tied or untied embeddings."""
 
 import attrs
-from dataflow_training.kit.decoder import DecoderConfig
+from dataflow_training.kit import DecoderConfig
 
 
 @attrs.frozen

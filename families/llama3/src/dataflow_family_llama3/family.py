@@ -7,8 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from dataflow_training.kit.decoder_family import DecoderFamily
-from dataflow_training.kit.hf import CheckpointError
+from dataflow_training.kit import CheckpointError, DecoderFamily
 
 from dataflow_family_llama3.config import Llama3Config
 from dataflow_family_llama3.presets import HF_NAMES, PRESETS

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from dataflow_training.kit.rotary import Llama3Scaling
+from dataflow_training.kit import Llama3Scaling
 
 from dataflow_family_llama3.config import Llama3Config
 

@@ -9,10 +9,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import attrs
-from dataflow_training.kit.attention import QKNorm, SelfAttention
-from dataflow_training.kit.block import Block
-from dataflow_training.kit.decoder import Decoder
-from dataflow_training.kit.moe import MoEConfig, RoutedExperts
+from dataflow_training.kit import Block, Decoder, MoEConfig, QKNorm, RoutedExperts, SelfAttention
 
 
 @attrs.frozen

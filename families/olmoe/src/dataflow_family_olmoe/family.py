@@ -7,8 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from dataflow_training.kit.hf import CheckpointError
-from dataflow_training.kit.moe_family import MoEFamily
+from dataflow_training.kit import CheckpointError, MoEFamily
 
 from dataflow_family_olmoe.config import OlmoeConfig
 from dataflow_family_olmoe.presets import HF_NAMES, PRESETS

@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import ClassVar
 
 import attrs
-from dataflow_training.kit.attention import QKNorm, SelfAttention
-from dataflow_training.kit.block import Block
-from dataflow_training.kit.decoder import (
+from dataflow_training.kit import (
+    Block,
     Decoder,
     DecoderConfig,
+    QKNorm,
+    SelfAttention,
     layer_types_field,
     sliding_window_field,
 )

@@ -7,8 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from dataflow_training.kit.decoder_family import DecoderFamily
-from dataflow_training.kit.decoder_hf import window_fields_from_hf, window_fields_to_hf
+from dataflow_training.kit import DecoderFamily, window_fields_from_hf, window_fields_to_hf
 
 from dataflow_family_qwen3.config import Qwen3Config
 from dataflow_family_qwen3.presets import HF_NAMES, PRESETS

@@ -9,7 +9,7 @@ family refuses). Fields are otherwise named as in HF's ``Qwen3MoeConfig``."""
 from __future__ import annotations
 
 import attrs
-from dataflow_training.kit.moe import MoEConfig
+from dataflow_training.kit import MoEConfig
 
 
 @attrs.frozen

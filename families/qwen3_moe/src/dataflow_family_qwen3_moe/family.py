@@ -7,9 +7,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from dataflow_training.kit.decoder_hf import check_full_attention, full_attention_fields
-from dataflow_training.kit.hf import CheckpointError
-from dataflow_training.kit.moe_family import MoEFamily
+from dataflow_training.kit import (
+    CheckpointError,
+    MoEFamily,
+    check_full_attention,
+    full_attention_fields,
+)
 
 from dataflow_family_qwen3_moe.config import Qwen3MoeConfig
 from dataflow_family_qwen3_moe.presets import HF_NAMES, PRESETS

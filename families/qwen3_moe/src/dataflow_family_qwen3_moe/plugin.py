@@ -1,7 +1,7 @@
 """The module the ``dataflow`` entry point names: it only registers the qwen3_moe family (the
 model code loads when the family is used)."""
 
-from dataflow_training.kit.plugin import family_plugin
+from dataflow_training.kit import family_plugin
 
 dataflow_families = family_plugin(
     "qwen3_moe",

@@ -56,8 +56,7 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-from dataflow import hookimpl
-from dataflow.registry import KernelVariant
+from dataflow import KernelVariant, hookimpl
 
 _PACKAGE = "dataflow_kernels_torch"
 

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import click
 
-from dataflow.cli.errors import Failure
-from dataflow.cli.options import COUNT
+from dataflow.cli import COUNT, Failure
 
 
 @click.group("data")

@@ -24,7 +24,7 @@ def _open(scheme: str):
 
 @hookimpl
 def dataflow_feeds() -> list:
-    from dataflow.registry import FeedSpec
+    from dataflow import FeedSpec
 
     return [
         FeedSpec(

@@ -1,32 +1,44 @@
-"""dataflow's training plugin: the family protocol v2 (``dataflow_training.step.family``), the
-lowering, the typed step layout, the executables, verify, and the shared family kit."""
+"""dataflow's training plugin, by stage: ``step`` (what a training step is, its lowering),
+``kit`` (the parts families are composed of), ``plan`` (pricing, the recompute search, the
+compiled step), ``drive`` (executables, the driver and its components), ``check`` (the
+correctness ladder), ``cli``; ``testing`` for tests.
 
-from dataflow_training.step.family import (
-    BlockMath,
-    EmbedMath,
-    Env,
-    Family,
-    HeadMath,
-    LayerCost,
-    LayerSpec,
-    ParamGroup,
-    PartialSave,
-    RowGradient,
-    TensorSpec,
-    Work,
-)
+This module is the facade for runtime users: compile a family preset's step, drive it,
+train, verify. Family and kit authors import ``dataflow_training.kit``; resolver authors
+``dataflow_training.drive``; tests ``dataflow_training.testing`` (docs/api.md). Nothing
+else is public. Light (the entry point ``dataflow_training.plugin`` imports it): each name
+is imported from its module when first used.
+"""
 
-__all__ = [
-    "BlockMath",
-    "EmbedMath",
-    "Env",
-    "Family",
-    "HeadMath",
-    "LayerCost",
-    "LayerSpec",
-    "ParamGroup",
-    "PartialSave",
-    "RowGradient",
-    "TensorSpec",
-    "Work",
-]
+from dataflow_training._lazy import exported, lazy_exports
+
+#: Each public name by its home module, imported when the name is first used.
+_HOMES = {
+    "dataflow_training.plan.compiled_step": ("compile_step", "CompiledStep"),
+    "dataflow_training.drive.run": ("TrainingRun", "StepStats"),
+    "dataflow_training.drive.trainer": ("train", "TrainOptions"),
+    "dataflow_training.step.config": (
+        "TrainConfig",
+        "DtypePolicy",
+        "OptimizerPolicy",
+        "optimizer_states",
+    ),
+    "dataflow_training.step.optimizers": ("OPTIMIZERS", "OptimizerSpec", "optimizer_spec"),
+    "dataflow_training.step.family": ("load_family",),
+    "dataflow_training.step.lowering": ("lower", "Lowered"),
+    "dataflow_training.step.layout": ("StepLayout",),
+    "dataflow_training.drive.values": ("start_values", "read_state"),
+    "dataflow_training.plan.predict": ("step_flops",),
+    "dataflow_training.check.verify": (
+        "verify",
+        "Check",
+        "TOLERANCES",
+        "op_checks",
+        "task_checks",
+        "step_checks",
+    ),
+}
+
+__all__ = exported(_HOMES)
+
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

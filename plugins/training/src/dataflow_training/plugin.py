@@ -40,7 +40,7 @@ def dataflow_planners() -> list:
 
 @hookimpl
 def dataflow_families() -> list:
-    from dataflow.registry import FamilySpec
+    from dataflow import FamilySpec
 
     return [
         FamilySpec(

@@ -7,9 +7,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dataflow.bundle import Bundle, BundleError, read_bundle
-from dataflow.timeline import Timeline
-from dataflow.timeline.wire import TimelineFormatError, timeline_from_dict
+from dataflow import (
+    Bundle,
+    BundleError,
+    Timeline,
+    TimelineFormatError,
+    read_bundle,
+    timeline_from_dict,
+)
 from dataflow_viewer.run import Run, ViewerError
 
 PROGRAM_FILE = "program.json"

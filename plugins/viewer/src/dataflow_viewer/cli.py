@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dataflow.cli.errors import Failure, one_line
-from dataflow.cli.options import OutputFile
+from dataflow.cli import Failure, OutputFile, one_line
 
 
 @click.command("report")

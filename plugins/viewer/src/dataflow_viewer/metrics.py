@@ -13,9 +13,7 @@ from typing import Any
 
 import attrs
 
-from dataflow.bundle import link_counters, stalls
-from dataflow.schema import Program
-from dataflow.timeline import Counter, Timeline
+from dataflow import Counter, Program, Timeline, link_counters, stalls
 
 FAST_MEMORY = "fast memory"
 
@@ -31,11 +29,9 @@ class StepWork:
 def step_work(program: Program) -> StepWork | None:
     """Tokens and model FLOPs of a program ``dataflow-training`` lowered; None for any
     other program (a hand-written chain has neither)."""
-    from dataflow_training.plan.predict import step_flops
-    from dataflow_training.step.layout import StepLayout
-    from dataflow_training.step.lowering import Lowered
+    from dataflow_training import Lowered, StepLayout, step_flops
 
-    from dataflow.registry import UnknownNameError
+    from dataflow import UnknownNameError
 
     if StepLayout.METADATA_KEY not in program.metadata:
         return None

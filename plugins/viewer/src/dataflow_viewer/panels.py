@@ -32,8 +32,7 @@ from bokeh.models import (
 from bokeh.palettes import Category10_10
 from bokeh.plotting import figure
 
-from dataflow.timeline import Timeline
-from dataflow.units import format_size
+from dataflow import Timeline, format_size
 from dataflow_viewer.metrics import (
     FAST_MEMORY,
     StepWork,

@@ -8,8 +8,7 @@ from pathlib import Path
 
 from bokeh.embed import components
 
-from dataflow.planning import PlanningError
-from dataflow.units import format_size
+from dataflow import PlanningError, format_size
 from dataflow_viewer.metrics import step_work
 from dataflow_viewer.page import page, sections
 from dataflow_viewer.panels import cards_html, panels

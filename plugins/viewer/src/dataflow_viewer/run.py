@@ -12,10 +12,7 @@ from typing import Any
 
 import attrs
 
-from dataflow.bundle import predicted_timeline
-from dataflow.planning import place, plan
-from dataflow.schema import Program
-from dataflow.timeline import Timeline
+from dataflow import Program, Timeline, place, plan, predicted_timeline
 
 PREDICTED, MEASURED = "predicted", "measured"
 
@@ -55,7 +52,7 @@ class Run:
 
 def planner_spec(name: str) -> Any:
     """The installed planner ``name``, or an error naming the installed ones."""
-    from dataflow.plugins import planners
+    from dataflow import planners
 
     registry = planners()
     names = sorted(spec.name for spec in registry)
@@ -84,7 +81,7 @@ def predict(
 
 def preset_family(preset: str) -> tuple[str, Any]:
     """``(name, family)`` of the one installed family that has ``preset``."""
-    from dataflow.plugins import families
+    from dataflow import families
 
     owners, known = [], []
     for spec in families():
@@ -103,7 +100,7 @@ def preset_family(preset: str) -> tuple[str, Any]:
 
 def presets() -> list[str]:
     """Every preset of every installed family, sorted."""
-    from dataflow.plugins import families
+    from dataflow import families
 
     found = []
     for spec in families():
@@ -118,8 +115,7 @@ def lower_preset(
     preset: str, *, batch: int, seq_len: int, rounds: int = 1, dtype: str = "fp32"
 ) -> Program:
     """The bare Program of one training step of ``preset`` at this training shape."""
-    from dataflow_training.step.config import DtypePolicy, TrainConfig
-    from dataflow_training.step.lowering import lower
+    from dataflow_training import DtypePolicy, TrainConfig, lower
 
     for name, value in (("batch", batch), ("seq_len", seq_len), ("rounds", rounds)):
         if not isinstance(value, int) or value < 1:

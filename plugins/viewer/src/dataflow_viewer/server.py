@@ -23,9 +23,7 @@ from typing import Any
 import attrs
 from bokeh.embed import json_item
 
-from dataflow.planning import PlanningError
-from dataflow.schema import Program
-from dataflow.units import format_size, parse_size
+from dataflow import PlanningError, Program, format_size, parse_size
 from dataflow_viewer.bundle import timeline_from_json
 from dataflow_viewer.metrics import step_work
 from dataflow_viewer.page import page, sections
@@ -131,7 +129,7 @@ def answer(run: Run) -> dict[str, Any]:
 
 def index_html() -> str:
     """The page: the form, empty sections, and the script that fills them."""
-    from dataflow.plugins import planners
+    from dataflow import planners
 
     def options(values: list[str], chosen: str) -> str:
         return "".join(

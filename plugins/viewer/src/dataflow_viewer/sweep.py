@@ -9,8 +9,7 @@ from typing import Any
 
 import attrs
 
-from dataflow.planning import PlanningError, minimal_budget, plan
-from dataflow.schema import Program
+from dataflow import PlanningError, Program, minimal_budget, plan
 from dataflow_viewer.metrics import StepWork
 from dataflow_viewer.run import planner_spec
 

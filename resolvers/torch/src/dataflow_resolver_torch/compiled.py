@@ -18,8 +18,8 @@ from typing import Any
 
 import attrs
 import torch
-from dataflow_training.drive.tasks import Put, Strategy, put_all
-from dataflow_training.step.family import Env
+from dataflow_training.drive import Put, Strategy, put_all
+from dataflow_training.kit import Env
 
 from dataflow_resolver_torch.training import TrainingResolver
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataflow import hookimpl
-from dataflow.registry import ResolverSpec
+from dataflow import ResolverSpec, hookimpl
 
 
 def _build(step):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dataflow_training.drive.tasks import Strategy, TrainingTasks
+from dataflow_training.drive import Strategy, TrainingTasks
 
 
 class TrainingResolver(TrainingTasks):

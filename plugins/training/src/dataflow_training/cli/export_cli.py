@@ -17,8 +17,7 @@ from typing import Any
 
 import click
 
-from dataflow.cli.errors import Failure, one_line
-from dataflow.cli.options import BUDGET, COUNT, Device, OutputFile
+from dataflow.cli import BUDGET, COUNT, Device, Failure, OutputFile, one_line
 from dataflow_training.cli.verify_cli import _check_seq_len, _family, _preset_config
 
 PRICINGS = ("auto", "profile", "roofline")
@@ -123,8 +122,7 @@ def export_bundle(
     perfetto_out: str | None,
 ) -> str:
     """Write the bundle; return the line that says what was written."""
-    from dataflow.bundle import write_bundle
-    from dataflow.units import format_size
+    from dataflow import format_size, write_bundle
     from dataflow_training.cli.train_defaults import default_family
     from dataflow_training.drive.export import ExportError, export_cell
     from dataflow_training.drive.trainer import TrainOptions
@@ -186,7 +184,7 @@ def export_bundle(
         f"{format_size(budget_bytes)} (priced by {summary.pricing})"
     )
     if perfetto_out is not None:
-        from dataflow.cli.perfetto import write_perfetto
+        from dataflow.cli import write_perfetto
 
         line += "\n" + write_perfetto(out_dir, perfetto_out)
     return line

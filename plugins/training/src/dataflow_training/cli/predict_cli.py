@@ -18,9 +18,8 @@ from typing import Any
 
 import click
 
-from dataflow.cli.errors import one_line
-from dataflow.cli.options import COUNT, Device, OutputFile
-from dataflow.units import format_size, parse_size
+from dataflow import format_size, parse_size
+from dataflow.cli import COUNT, Device, OutputFile, one_line
 from dataflow_training.cli.verify_cli import optimizer_states_option
 from dataflow_training.step.config import parse_order
 
@@ -271,7 +270,7 @@ def measured_pricing(
 ) -> tuple[dict[str, Any], Any]:
     """``plan_cell``'s options that price by the profiling pass through its disk cache on
     ``device`` (timed as graph replays with ``graph``), and that cache (None when off)."""
-    from dataflow.plugins import resolvers
+    from dataflow import resolvers
     from dataflow_training.cli.train_defaults import default_device
     from dataflow_training.plan.profile import ProfileCache, profile_program
 
@@ -285,7 +284,7 @@ def measured_pricing(
 
     options: dict[str, Any] = {"measure": measure}
     if device.startswith("cuda"):
-        from dataflow.engine.backends.torch_cuda import runtime_reserve_bytes
+        from dataflow import runtime_reserve_bytes
 
         options["reserve_bytes"] = runtime_reserve_bytes(device)
     return options, cache

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from dataflow.cli.options import COUNT, OutputFile
+from dataflow.cli import COUNT, OutputFile
 from dataflow_training.cli.verify_cli import _check_seq_len, _family, _preset_config
 
 

@@ -15,8 +15,7 @@ from typing import Any
 
 import click
 
-from dataflow.cli.errors import Failure, one_line
-from dataflow.cli.options import COUNT, Device
+from dataflow.cli import COUNT, Device, Failure, one_line
 from dataflow_training.cli.train_defaults import (
     data_spec,
     default_budget,
@@ -219,8 +218,7 @@ def train_command(
     """Train a family preset on a feed: plan line, progress, metrics.jsonl, checkpoints.
     With --topology and --group: start the group's members as a data-parallel fleet;
     started as a member (torchrun, or by a conductor): train as one."""
-    from dataflow.planning import InfeasibleBudget
-    from dataflow.units import format_size
+    from dataflow import InfeasibleBudget, format_size
     from dataflow_training.drive.checkpoint import CheckpointError
     from dataflow_training.drive.fleet import FleetError, in_fleet
     from dataflow_training.drive.trainer import Interrupted, TrainingStopped, TrainOptions, train
@@ -430,7 +428,7 @@ def member_args(ctx: click.Context) -> list[str]:
 def _backing_budgets(text: str | None, world: int, where: str = "") -> list[int] | None:
     """``--backing-budget`` as one size per member (None: not given). A count that is
     neither 1 nor ``world``, or a size that does not parse, names the option."""
-    from dataflow.cli.options import BUDGET
+    from dataflow.cli import BUDGET
     from dataflow_training.drive.fleet import per_rank
 
     try:
@@ -452,7 +450,7 @@ def _join(
     budget, its backing budget)``."""
     import os
 
-    from dataflow.cli.options import BUDGET
+    from dataflow.cli import BUDGET
     from dataflow_training.drive.conductor import ENV_BACKEND
     from dataflow_training.drive.fleet import ENV_WORLD, FleetError, join, per_rank
 
@@ -483,7 +481,7 @@ def done_line(summary: dict[str, Any], out: Any) -> str:
     """``done: step 300, loss 5.5206 -> 2.3435; fast peak 1.99 MiB of the 2 MiB budget;
     checkpoints in runs/main``: the first step's loss and the last's, the ledger's fast
     peak over the run (on CUDA also the allocator's) against the budget."""
-    from dataflow.units import format_size
+    from dataflow import format_size
     from dataflow_training.drive.trainer import budget_text
 
     last, first = summary["last"], summary["first"]

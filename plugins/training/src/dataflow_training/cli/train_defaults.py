@@ -16,7 +16,7 @@ import click
 
 def default_family(preset: str) -> str:
     """The one installed family that has ``preset``."""
-    from dataflow.plugins import families
+    from dataflow import families
 
     owners = []
     for spec in families():
@@ -68,7 +68,7 @@ def take_resumed(rest: dict[str, Any], given: dict[str, Any]) -> None:
 
     from click.core import ParameterSource
 
-    from dataflow.units import format_size
+    from dataflow import format_size
     from dataflow_training.drive.checkpoint import resumed_options
 
     if rest["resume"] != "auto" and not Path(rest["resume"]).is_dir():
@@ -118,7 +118,7 @@ def data_spec(data: str) -> str:
     registry's to refuse (listing the schemes)."""
     from pathlib import Path
 
-    from dataflow.plugins import feeds
+    from dataflow import feeds
 
     scheme, colon, _location = data.partition(":")
     if colon and scheme in feeds().names():

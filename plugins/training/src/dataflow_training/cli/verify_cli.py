@@ -13,9 +13,8 @@ from typing import Any
 
 import click
 
-from dataflow.cli.errors import Failure, one_line, plugin_failure
-from dataflow.cli.options import BUDGET, COUNT, Device, lookup
-from dataflow.units import format_size
+from dataflow import format_size
+from dataflow.cli import BUDGET, COUNT, Device, Failure, lookup, one_line, plugin_failure
 from dataflow_training.check.verify_checks import YARDSTICK_FACTOR
 from dataflow_training.step.config import STATE_DTYPES
 
@@ -296,7 +295,7 @@ def _tolerance_cell(check: Any) -> str:
 
 
 def _family(name: str) -> Any:
-    from dataflow.plugins import families
+    from dataflow import families
 
     spec = lookup(families(), name, "--family")
     try:
@@ -356,7 +355,7 @@ def _check_host_memory(family: Any, config: Any, preset: str) -> None:
 
 def _check_budget(family: Any, preset: str, policy: str, budget_bytes: int, **shape: Any) -> None:
     """Fail before any check runs when the step cannot be planned into ``budget_bytes``."""
-    from dataflow.planning import minimal_budget
+    from dataflow import minimal_budget
     from dataflow_training.check.verify import follows_routing, step_config
     from dataflow_training.step.lowering import lower
 

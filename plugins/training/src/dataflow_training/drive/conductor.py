@@ -225,7 +225,7 @@ def _stop(procs: list[tuple[Host, subprocess.Popen]]) -> None:
 
 def _size(value: object, error: ValueError) -> str:
     """A host's size as written (``"14GiB"``), checked to parse as a budget."""
-    from dataflow.cli.options import BUDGET
+    from dataflow.cli import BUDGET
 
     try:
         BUDGET.convert(str(value), None, None)

@@ -74,7 +74,7 @@ def preset_of(path: str | Path, family_name: str | None = None) -> tuple[str, st
     with the fewest fields apart (``hf_overrides`` then makes the rest the run's
     overrides). Families without ``config_from_hf`` are not tried: only their whole
     import reads a config."""
-    from dataflow.plugins import families
+    from dataflow import families
 
     if not Path(path).is_dir():
         raise InitError(f"--init {path}: no such folder")

@@ -49,8 +49,7 @@ def measure_cell(
     (CUDA)."""
     import torch
 
-    from dataflow.engine import BudgetBreachError
-    from dataflow.planning import PlanningError
+    from dataflow import BudgetBreachError, PlanningError
     from dataflow_training.drive.run import TrainingRun
     from dataflow_training.plan.compiled_step import compile_step
 

@@ -132,7 +132,7 @@ class StepProfiler:
 
         activities = [ProfilerActivity.CPU]
         if self.cuda:
-            from dataflow.engine.backends.torch_cuda import CudaRunner
+            from dataflow import CudaRunner
 
             activities.append(ProfilerActivity.CUDA)
             CudaRunner.nvtx_ranges = True
@@ -149,7 +149,7 @@ class StepProfiler:
         import torch
 
         if self.cuda:
-            from dataflow.engine.backends.torch_cuda import CudaRunner
+            from dataflow import CudaRunner
 
             torch.cuda.synchronize()
             torch.cuda.profiler.stop()

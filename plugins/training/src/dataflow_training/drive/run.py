@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 import torch
 
-from dataflow.units import format_size
+from dataflow import format_size
 from dataflow_training.drive.checkpoint import (
     package_versions,
     plan_hash,
@@ -60,7 +60,7 @@ def resolver_for(name: str, device: str) -> str:
     CUDA where it is installed, else ``torch`` (eager: the compiled resolver is made for
     CUDA, and on a CPU compiling a small model's tasks takes longer than its steps). A
     name that is not registered is a ValueError naming the known ones."""
-    from dataflow.plugins import resolvers
+    from dataflow import resolvers
 
     known = [spec.name for spec in resolvers()]
     if name == "auto":
@@ -244,7 +244,7 @@ class TrainingRun:
         return data_values(self._data_objects, lambda _step, round_: batches[round_])
 
     def _load(self, batches: list[Batch]) -> None:
-        from dataflow.engine import Engine
+        from dataflow import Engine
 
         opt_state = self._opt_state or {}
         for obj_id, raw in opt_state.items():
@@ -285,7 +285,7 @@ class TrainingRun:
         """Refuse, before anything is allocated, a plan whose slow pool exceeds
         ``pinned_limit_bytes`` or, on CUDA, the host's available memory less
         ``HOST_RESERVE_BYTES`` (class docstring)."""
-        from dataflow.planning import PlanningError
+        from dataflow import PlanningError
 
         pool = self.compiled.pinned_bytes
         limit = self.compiled.pinned_limit_bytes

@@ -20,8 +20,7 @@ from typing import Any
 import attrs
 import torch
 
-from dataflow.engine import LaunchContext
-from dataflow.schema import Program, Task
+from dataflow import LaunchContext, Program, Task
 from dataflow_training.step.family import Env, FamilyContractError, RowGradient
 from dataflow_training.step.keys import ComputeKeyError, parse
 from dataflow_training.step.layout import TaskSlot

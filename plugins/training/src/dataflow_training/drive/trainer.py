@@ -160,7 +160,7 @@ def lr_at(step: int, o: TrainOptions) -> float:
 
 
 def open_feed(o: TrainOptions, rank: int = 0, world: int = 1) -> Any:
-    from dataflow.plugins import feeds
+    from dataflow import feeds
 
     return feeds().open(
         o.data, batch=o.batch, seq_len=o.seq_len, seed=o.seed, rank=rank, world=world
@@ -168,7 +168,7 @@ def open_feed(o: TrainOptions, rank: int = 0, world: int = 1) -> Any:
 
 
 def budget_text(budget_bytes: int) -> str:
-    from dataflow.units import format_size
+    from dataflow import format_size
 
     return "unbounded" if budget_bytes >= 2**61 else format_size(budget_bytes)
 
@@ -193,7 +193,7 @@ def _is_partial(slot: Any) -> bool:
 def plan_line(compiled: Any) -> str:
     """The plan line of a compiled step (``CompiledStep``): the simulator's step of the
     plan that runs and the layers its ``rec`` tasks re-derive."""
-    from dataflow.units import format_size
+    from dataflow import format_size
 
     p = compiled.predicted()
     layout = compiled.layout  # the plan the engine runs: the recompute planner chose it
@@ -451,7 +451,7 @@ def _say_first_steps(compiled: Any, steps_left: bool, say: Say) -> None:
     """On CUDA, what makes the first steps slow (the load, compiling, the graph capture)."""
     if not compiled.device.startswith("cuda") or not steps_left:
         return
-    from dataflow.units import format_size
+    from dataflow import format_size
 
     pool = format_size(compiled.pinned_bytes)
     slow = [f"the engine loads (a slow pool of {pool} page-locked)"]
@@ -482,8 +482,8 @@ def write_run_bundle(
 ) -> str:
     """Write the run's bundle with the traced steps' measured timeline, and its Perfetto
     trace, into ``folder``; return the line that says so."""
-    from dataflow.bundle import write_bundle
-    from dataflow.cli.perfetto import write_perfetto
+    from dataflow import write_bundle
+    from dataflow.cli import write_perfetto
     from dataflow_training.drive.export import run_bundle
 
     write_bundle(folder, run_bundle(run, traced, makespans))
@@ -564,7 +564,7 @@ def fleet_links(fleet: Any, device: str) -> Any:
     its size and scope (one host or several); on CPUs the lowering's assumed link."""
     if fleet is None or not device.startswith("cuda"):
         return None
-    from dataflow.schema import Links
+    from dataflow import Links
     from dataflow_training.plan.hardware import hardware
 
     return Links(collective=hardware(FLEET_HARDWARE).collective_link(fleet.world, fleet.scope))

@@ -3,7 +3,7 @@ registers the family, loading its code lazily.
 
 A family's ``plugin.py`` is then two lines::
 
-    from dataflow_training.kit.plugin import family_plugin
+    from dataflow_training.kit import family_plugin
 
     dataflow_families = family_plugin(
         "llama3", "Llama 3 (...)", "dataflow_family_llama3.family:Llama3Family"
@@ -20,8 +20,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from dataflow import hookimpl
-from dataflow.registry import FamilySpec
+from dataflow import FamilySpec, hookimpl
 
 
 def lazy(target: str | Callable[[], Any]) -> Callable[[], Any]:

@@ -20,18 +20,19 @@ from typing import Any
 
 import attrs
 
-from dataflow.planning import (
+from dataflow import (
     PRESSUREFIT,
     InfeasibleBudget,
     Placement,
     Plan,
+    PlannerSpec,
     PlanningError,
+    format_size,
+    kernels,
     place,
     plan,
+    resolvers,
 )
-from dataflow.plugins import kernels, resolvers
-from dataflow.registry import PlannerSpec
-from dataflow.units import format_size
 from dataflow_training.plan.cuda_pricing import price_on_cuda
 from dataflow_training.plan.recompute import MAX_CANDIDATES, Rewriter, step_planner
 from dataflow_training.step.config import TrainConfig
@@ -85,7 +86,7 @@ def pool_limits(
 def slow_pool_bytes(placement: Placement) -> int:
     """Bytes of the engine's slow pool for the placed plan (pinned host memory on CUDA):
     a slice for every object that starts slow or is ever offloaded."""
-    from dataflow.engine.backends.torch_storage import slow_pool_bytes as pool_of  # torch
+    from dataflow import slow_pool_bytes as pool_of  # loads the torch backend
 
     return pool_of(placement.plan.program)
 

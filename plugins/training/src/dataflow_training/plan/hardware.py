@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from dataflow.schema import Link, Links
+from dataflow import Link, Links
 from dataflow_training.step.costs import RooflineCost
 
 #: Names the files of user entries (``os.pathsep``-separated paths).

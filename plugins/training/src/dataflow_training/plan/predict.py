@@ -31,7 +31,7 @@ from typing import Any
 
 import attrs
 
-from dataflow.schema import DTYPE_BYTES, Program
+from dataflow import DTYPE_BYTES, Program
 from dataflow_training.plan.hardware import HardwareEntry
 from dataflow_training.step.config import (
     DtypePolicy,
@@ -272,7 +272,7 @@ def plan_cell(
     the ``scope`` collective link. ``cyclic`` (default: when the program has persistent
     objects, as a run's does) plans the steady-state cycle; False plans one run of the
     step from slow memory to slow memory."""
-    from dataflow.planning import PRESSUREFIT, PlanningError, plan
+    from dataflow import PRESSUREFIT, PlanningError, plan
     from dataflow_training.plan.profile import apply_profile, without_workspace
     from dataflow_training.plan.recompute import (
         MAX_CANDIDATES,

@@ -49,10 +49,7 @@ from typing import Any
 import attrs
 import torch
 
-from dataflow.engine import LaunchContext
-from dataflow.engine.backends.graph_memsets import memsets_to_kernels
-from dataflow.engine.backends.torch_storage import typed_view
-from dataflow.schema import Program, Task
+from dataflow import LaunchContext, Program, Task, memsets_to_kernels, typed_view
 from dataflow_training.step.family import embed_layer
 from dataflow_training.step.layout import StepLayout
 from dataflow_training.step.lowering import Lowered
@@ -154,7 +151,7 @@ def device_identity(device: str) -> str:
 def _chosen_variants(device: str) -> list[Any]:
     """The variant every registered op resolves to on ``device`` (as ``load_ops`` picks:
     highest priority first)."""
-    from dataflow.plugins import kernels
+    from dataflow import kernels
 
     registry = kernels()
     chosen = []
@@ -170,7 +167,7 @@ def kernel_set(resolver: str, device: str) -> tuple[str, ...]:
     with its distribution's version."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from dataflow.plugins import kernels
+    from dataflow import kernels
 
     registry = kernels()
     chosen = [f"resolver {resolver}"]
@@ -197,7 +194,7 @@ def code_fingerprint(resolver: str, device: str, family: Any = None) -> str:
     training plugin (task executables, the shared kit), the package of ``resolver``, the
     package of every kernel variant the ops resolve to on ``device`` and, when given,
     ``family``'s package. Hashes every ``.py`` file under each, by path and content."""
-    from dataflow.plugins import resolvers
+    from dataflow import resolvers
 
     roots = {Path(__file__).parent}
     if resolver in resolvers().names():  # (one that is not installed runs nothing here)

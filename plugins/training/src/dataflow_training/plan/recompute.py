@@ -45,9 +45,17 @@ from typing import Any
 
 import attrs
 
-from dataflow.planning import PRESSUREFIT, Plan, PlanningError, fast_homes, minimal_budget, plan
-from dataflow.registry import PlannerSpec
-from dataflow.schema import Program, Task
+from dataflow import (
+    PRESSUREFIT,
+    Plan,
+    PlannerSpec,
+    PlanningError,
+    Program,
+    Task,
+    fast_homes,
+    minimal_budget,
+    plan,
+)
 from dataflow_training.step.family import partial_saves
 from dataflow_training.step.layout import StepLayout
 from dataflow_training.step.lowering import Lowered, lower

@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from dataflow.schema import DTYPE_BYTES
+from dataflow import DTYPE_BYTES
 
 
 def _dtype(instance: object, attribute: attrs.Attribute, value: str) -> None:

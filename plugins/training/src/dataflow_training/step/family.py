@@ -406,7 +406,7 @@ def _only(layers: Any, kind: str) -> LayerSpec:
 def load_family(name: str) -> Family:
     """The registered family ``name``, loaded; a family object whose own ``name`` differs
     from the name it was registered under is an error naming both."""
-    from dataflow.plugins import families
+    from dataflow import families
 
     family = families().get(name).load()
     if getattr(family, "name", None) != name:

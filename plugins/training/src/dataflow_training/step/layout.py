@@ -37,7 +37,7 @@ from typing import Any
 import attrs
 import cattrs
 
-from dataflow.schema import Program
+from dataflow import Program
 from dataflow_training.step.config import TrainConfig
 from dataflow_training.step.keys import ComputeKey, parse
 from dataflow_training.step.packing import Layout

@@ -51,7 +51,7 @@ from typing import Any
 
 import attrs
 
-from dataflow.schema import Link, Links, Program, Role, TensorMeta
+from dataflow import Link, Links, Program, Role, TensorMeta
 from dataflow_training.step.config import TrainConfig
 from dataflow_training.step.costs import RooflineCost
 from dataflow_training.step.family import (

@@ -81,8 +81,7 @@ def load_ops(
     """One implementation of every op in ``names`` for ``device``, from the kernel
     registry: the highest-priority variant supporting the device (only deterministic
     ones when asked). Raises ``MissingOpError`` naming each op nobody provides."""
-    from dataflow.plugins import kernels
-    from dataflow.registry import UnknownNameError
+    from dataflow import UnknownNameError, kernels
 
     registry = kernels()
     chosen: dict[str, Callable] = {}

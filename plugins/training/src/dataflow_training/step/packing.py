@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from dataflow.schema import DTYPE_BYTES
+from dataflow import DTYPE_BYTES
 
 ALIGN_BYTES = 256
 ALIGN_ELEMENTS = 128

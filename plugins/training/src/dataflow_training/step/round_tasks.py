@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from dataflow.schema import Obj, Role, TensorMeta
+from dataflow import Obj, Role, TensorMeta
 from dataflow_training.step.family import LayerCost, LayerSpec
 from dataflow_training.step.keys import family_key
 from dataflow_training.step.layout import PackedObject

@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from dataflow.schema import Obj, Resource, Role, Task, TensorMeta
+from dataflow import Obj, Resource, Role, Task, TensorMeta
 from dataflow_training.step.config import TrainConfig
 from dataflow_training.step.costs import RooflineCost
 from dataflow_training.step.family import Work

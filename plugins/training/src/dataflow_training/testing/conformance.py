@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from dataflow.testing.conformance import FamilyConformance
+from dataflow.testing import FamilyConformance
 
 
 class TrainingFamilyConformance(FamilyConformance):
@@ -59,14 +59,13 @@ class TrainingFamilyConformance(FamilyConformance):
         assert family.ops, "a family lists the ops its math calls"
 
     def test_lowered_step_validates_and_simulates(self, program: Any) -> None:
-        from dataflow.planning import plan
-        from dataflow.schema import validate
+        from dataflow import plan, validate
 
         assert validate(program) == []
         assert plan(program, 2**62).sim.valid
 
     def test_lowered_step_plans_into_the_smallest_budget(self, program: Any) -> None:
-        from dataflow.planning import minimal_budget, plan
+        from dataflow import minimal_budget, plan
 
         budget = minimal_budget(program)
         planned = plan(program, budget)

@@ -362,7 +362,7 @@ class DecoderFamilyChecks:
     def test_dataflow_train_then_export_hf(self, family, tmp_path):
         from safetensors.torch import load_file
 
-        from dataflow.testing.cli import invoke
+        from dataflow.testing import invoke
 
         out = tmp_path / "run"
         args = ["--batch", "2", "--seq-len", "32", "--device", "cpu", "--out", out]

@@ -159,7 +159,7 @@ class MoEFamilyChecks(DecoderFamilyChecks):
         recompute and backward read come from the block's forward on those buffers, not
         zeros (which route every row nowhere: the grouped GEMM's loop refuses them, and
         the fused kernel would skip every expert's work)."""
-        from dataflow.plugins import resolvers
+        from dataflow import resolvers
 
         step = lower(family, self.preset, TrainConfig(seq_len=8, batch=2, rounds=2))
         build = resolvers().get("torch").build(step)
