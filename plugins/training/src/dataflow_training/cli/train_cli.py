@@ -34,6 +34,9 @@ from dataflow_training.cli.verify_cli import (
 from dataflow_training.drive.trainer import SCHEDULES
 from dataflow_training.step.config import UPDATES
 
+#: the exit status of a run stopped by SIGTERM after writing its checkpoint (128 + 15)
+TERMINATED_EXIT = 143
+
 FLEET_HELP = {
     "rounds": "in a fleet: each member's accumulation rounds per step (6,2: a 3:1 data split)",
     "budgets": "in a fleet: each member's fast-memory budget (one value: every member's)",
@@ -96,6 +99,19 @@ def fleet_options(command: Any) -> Any:
 @budget_option("fast-memory budget (default: the device's free memory; CPU: unbounded)")
 @click.option("--device", default=None, type=Device(), help="default: cuda when present")
 @click.option("--checkpoint-every", default=None, type=COUNT, help="steps between checkpoints")
+@click.option(
+    "--checkpoint-minutes",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="also a checkpoint once this many minutes passed since the last (0: off)",
+)
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="a new run into an --out that holds another run moves that run aside "
+    "(OUT.replaced-TIME) instead of being refused",
+)
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="run folder")
 @click.option(
     "--resume",
@@ -221,6 +237,7 @@ def train_command(
     from dataflow import InfeasibleBudget, format_size
     from dataflow_training.drive.checkpoint import CheckpointError
     from dataflow_training.drive.fleet import FleetError, in_fleet
+    from dataflow_training.drive.run_folder import RunFolderError
     from dataflow_training.drive.trainer import Interrupted, TrainingStopped, TrainOptions, train
 
     if topology is not None or group is not None:
@@ -297,6 +314,7 @@ def train_command(
     if budget_bytes is None:
         budget_bytes = default_budget(device)
     rest["data"] = data_spec(rest["data"])
+    rest["checkpoint_minutes"] = rest["checkpoint_minutes"] or None  # 0: off
     options = TrainOptions(
         family=family_name,
         preset=preset,
@@ -324,7 +342,12 @@ def train_command(
         raise Failure(str(exc)) from None
     except Interrupted as exc:
         click.echo(f"stopping after step {exc.step}; wrote {exc.path}", err=True)
+        if exc.signal == "SIGTERM":  # a scheduler's stop: 128 + 15, as a shell reports it
+            click.echo("terminated (SIGTERM)", err=True)
+            raise SystemExit(TERMINATED_EXIT) from None
         raise KeyboardInterrupt from None  # the core's exit path: "interrupted", exit 130
+    except RunFolderError as exc:
+        raise Failure(str(exc)) from None
     except FleetError as exc:
         raise Failure(one_line(str(exc))) from None
     except (ValueError, LookupError) as exc:

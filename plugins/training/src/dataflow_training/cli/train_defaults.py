@@ -51,7 +51,8 @@ RESUMED = {
     **{
         name: name
         for name in (
-            "steps data batch rounds seq_len checkpoint_every keep lr warmup schedule "
+            "steps data batch rounds seq_len checkpoint_every checkpoint_minutes keep lr "
+            "warmup schedule "
             "min_lr_ratio seed dtype optimizer_states graph recompute order updates resolver "
             "head_vocab_tiles"
         ).split()
@@ -87,7 +88,7 @@ def take_resumed(rest: dict[str, Any], given: dict[str, Any]) -> None:
         value = options[field]
         if name == "device" and str(value).startswith("cuda") and not cuda_here():
             continue  # resumed on a machine without one: the default device instead
-        if name == "clip":
+        if name in ("clip", "checkpoint_minutes"):
             value = value or 0.0  # the command line's 0 is the options' None (off)
         target = given if name in given else rest
         if target[name] != value:

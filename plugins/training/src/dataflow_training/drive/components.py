@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -104,10 +105,11 @@ def _truncate(path: Path, step: int) -> None:
 
 
 class Checkpointer:
-    """Writes the run's checkpoints into ``out``: every ``every`` steps and at the last
-    (``due``), each with what ``extra()`` returns in its manifest, keeping the newest
-    ``keep``. A member of a fleet that does not write (``writes`` False) only records
-    where rank 0 writes."""
+    """Writes the run's checkpoints into ``out``: every ``every`` steps, every ``minutes``
+    minutes since the last one (a run without ``every`` still keeps its work), and at the
+    last step (``due``), each with what ``extra()`` returns in its manifest, keeping the
+    newest ``keep``. A member of a fleet that does not write (``writes`` False) only
+    records where rank 0 writes."""
 
     def __init__(
         self,
@@ -115,6 +117,7 @@ class Checkpointer:
         out: Path,
         *,
         every: int | None,
+        minutes: float | None = None,
         steps: int,
         keep: int | None,
         writes: bool,
@@ -122,15 +125,19 @@ class Checkpointer:
         say: Say,
     ) -> None:
         self.run, self.out, self.every, self.steps, self.keep = run, out, every, steps, keep
+        self.minutes = minutes
         self.writes, self.extra, self.say = writes, extra, say
         self.saved: list[Path] = []
+        self._last_s = time.monotonic()
 
     def due(self, step: int) -> bool:
-        return bool(self.every and step % self.every == 0) or step == self.steps
+        late = self.minutes is not None and time.monotonic() - self._last_s >= 60 * self.minutes
+        return bool(self.every and step % self.every == 0) or step == self.steps or late
 
     def save(self, step: int) -> Path:
         path = self.out / step_name(step)
         extra = self.extra()
+        self._last_s = time.monotonic()
         if not self.writes:
             self.saved.append(path)
             return path
@@ -151,15 +158,33 @@ class Checkpointer:
 
 
 class StopRequest:
-    """Ctrl-C (SIGINT) while it is installed asks the run to stop after the step under
-    way (``requested``); ``close`` puts the previous handler back."""
+    """The signals a run answers while it is installed (job schedulers send SIGTERM, then
+    kill after a grace period; Ctrl-C is SIGINT): SIGINT and SIGTERM ask the run to stop
+    after the step under way (``stop``: the signal's name), SIGUSR1 to write a checkpoint
+    after it and carry on (``save``). ``close`` puts the previous handlers back."""
+
+    SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
 
     def __init__(self) -> None:
-        self.requested = False
-        self._previous = signal.signal(signal.SIGINT, self._on_signal)
+        self.stop: str | None = None
+        self.save = False
+        self._previous = {}
+        for name in self.SIGNALS:
+            number = getattr(signal, name, None)
+            if number is not None:  # (SIGUSR1 is not on every platform)
+                self._previous[number] = signal.signal(number, self._on_signal)
+
+    @property
+    def requested(self) -> bool:
+        return self.stop is not None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.requested = True
+        name = signal.Signals(signum).name
+        if name == "SIGUSR1":
+            self.save = True
+        else:
+            self.stop = self.stop or name
 
     def close(self) -> None:
-        signal.signal(signal.SIGINT, self._previous)
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)

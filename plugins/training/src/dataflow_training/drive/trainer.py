@@ -40,6 +40,7 @@ from dataflow_training.drive.components import (
     TensorBoardMetrics,
 )
 from dataflow_training.drive.profiling import ProfileWindow, StepProfiler
+from dataflow_training.drive.run_folder import RunFolder
 from dataflow_training.step.config import (
     DtypePolicy,
     TrainConfig,
@@ -66,11 +67,12 @@ class TrainingStopped(RuntimeError):
 
 
 class Interrupted(Exception):
-    """Ctrl-C: the run wrote its final checkpoint (``path``) and stopped."""
+    """A signal (``signal``: SIGINT, Ctrl-C, or SIGTERM, a job scheduler's) stopped the run
+    after a step: it wrote its final checkpoint (``path``) and stopped."""
 
-    def __init__(self, step: int, path: Path | None) -> None:
-        super().__init__(f"interrupted after step {step}; checkpoint {path}")
-        self.step, self.path = step, path
+    def __init__(self, step: int, path: Path | None, signal: str = "SIGINT") -> None:
+        super().__init__(f"{signal}: stopped after step {step}; checkpoint {path}")
+        self.step, self.path, self.signal = step, path, signal
 
 
 @attrs.frozen
@@ -90,7 +92,12 @@ class TrainOptions:
     backing_bytes: int | None = None
     device: str = "cpu"
     checkpoint_every: int | None = None
+    #: a checkpoint after the first step that ends this many minutes after the last one
+    #: (None: off), so that a run without ``checkpoint_every`` keeps its work too
+    checkpoint_minutes: float | None = 30.0
     resume: str | None = None
+    #: a new run into a folder that holds another run moves that run aside (else refused)
+    overwrite: bool = False
     keep: int | None = None
     lr: float = 3e-4
     warmup: int = 0
@@ -237,13 +244,33 @@ def train(
     steps, metrics)`` is called after every step. Lines go to ``out`` (default: stdout as
     it is when each is printed, so that a progress bar that took stdout over shows them).
     ``family``: the family object ``o.family`` names, when the caller has it loaded."""
-    from dataflow_training.drive.checkpoint import latest_checkpoint
-
     writes = fleet is None or fleet.writes
 
     def say(line: str) -> None:
         if writes:
             print(line, file=out or sys.stdout, flush=True)
+
+    folder = None
+    if writes:  # rank 0 alone writes the run's folder
+        folder = RunFolder.claim(o.out, resume=o.resume is not None, overwrite=o.overwrite, say=say)
+    try:
+        return _train(o, say, writes, out, progress, fleet, family)
+    finally:
+        if folder is not None:
+            folder.release()
+
+
+def _train(
+    o: TrainOptions,
+    say: Say,
+    writes: bool,
+    out: TextIO | None,
+    progress: Callable[[int, int, dict[str, Any]], None] | None,
+    fleet: Fleet | None,
+    family: Any,
+) -> dict[str, Any]:
+    """``train`` in a folder it holds."""
+    from dataflow_training.drive.checkpoint import latest_checkpoint
 
     began = _start(o, fleet, family, say)
     o, feed, compiled, run, start, history = attrs.astuple(began, recurse=False)
@@ -264,6 +291,7 @@ def train(
         run,
         o.out,
         every=every,
+        minutes=o.checkpoint_minutes,
         steps=o.steps,
         keep=keep,
         writes=writes,
@@ -299,12 +327,16 @@ def train(
             for sink in sinks:
                 sink.write(step + 1, last)
             fast_peak = max(fast_peak, stats.fast_peak_bytes)
-            if saver.due(step + 1):
+            save, halt = saver.due(step + 1) or stop.save, stop.stop
+            if fleet is not None:  # every member decides alike: a checkpoint is a collective
+                asked = fleet.gather((save, halt))
+                save = any(s for s, _ in asked)
+                halt = next((h for _, h in asked if h is not None), None)
+            if save:
                 saver.save(step + 1)
-            if fleet is not None:  # one member's Ctrl-C stops every member
-                stop.requested = any(fleet.gather(stop.requested))
-            if stop.requested:
-                raise Interrupted(step + 1, saver.at(step + 1))
+                stop.save = False
+            if halt is not None:
+                raise Interrupted(step + 1, saver.at(step + 1), halt)
         if traced and writes:
             say(write_run_bundle(run, o.out, traced, makespans))
     finally:
