@@ -177,3 +177,22 @@ def test_checkpoints_come_on_a_time_interval_without_checkpoint_every(tmp_path):
     assert invoke(*_args(off, 3, "--checkpoint-minutes", "0")).exit_code == 0
     assert [p.name for p in off.glob("step_*")] == ["step_000003"]  # the last only
     assert os.path.exists(off / "metrics.jsonl")
+
+
+def test_a_torn_last_metrics_line_is_dropped_and_the_run_resumes(tmp_path):
+    """A kill while a metrics line is written leaves half a line: the resume drops it
+    (and the lines past the checkpoint); a damaged line before the last one is an error
+    naming the file and line."""
+    out = tmp_path / "run"
+    assert (
+        invoke(*_args(out, 4, "--checkpoint-every", "2", "--schedule", "constant")).exit_code == 0
+    )
+    metrics = out / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"step": 5, "loss": 4.1')  # torn
+    resumed = invoke(*_args(out, 5, "--resume", "auto", "--schedule", "constant"))
+    assert resumed.exit_code == 0, resumed.output
+    assert [step for step, _ in _losses(out)] == [1, 2, 3, 4, 5]
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], "{not json", *lines[1:]]) + "\n")
+    damaged = invoke(*_args(out, 6, "--resume", "auto", "--schedule", "constant"))
+    assert_one_line_error(damaged, 1, f"{metrics}: line 2 is not a step's metrics")

@@ -92,15 +92,30 @@ class ProgressMetrics:
         pass
 
 
+class MetricsFileError(ValueError):
+    """A ``metrics.jsonl`` line that is not a step's metrics, before its last line."""
+
+
 def _truncate(path: Path, step: int) -> None:
-    """Keep the lines of steps up to ``step`` (a resumed run rewrites what came after)."""
+    """Keep the lines of steps up to ``step`` (a resumed run rewrites what came after). A
+    last line cut short (the process was killed while writing it) is dropped; any other
+    line that is not a step's metrics is an error naming the file and line."""
     if not path.exists():
         return
-    kept = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line)["step"] <= step
-    ]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            line_step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            if number == len(lines):
+                break  # torn by a kill mid-write: that step's metrics are lost, not the run
+            raise MetricsFileError(
+                f"{path}: line {number} is not a step's metrics ({line[:60]!r}); move the "
+                "file aside to resume without its history"
+            ) from None
+        if line_step <= step:
+            kept.append(line)
     path.write_text("".join(f"{line}\n" for line in kept))
 
 
