@@ -220,7 +220,7 @@ def _export_hf(hf_out: str, checkpoint: str, max_shard_bytes: int | None = None)
             )
         checkpoint = str(latest)
     try:
-        weights, _opt, manifest, _rng = read_checkpoint(checkpoint)
+        weights, _opt, manifest, _rng = read_checkpoint(checkpoint, weights_only=True)
     except CheckpointError as exc:
         raise Failure(f"--from: {one_line(str(exc))}") from None
     family = _family(manifest["family"])

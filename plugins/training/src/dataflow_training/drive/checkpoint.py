@@ -5,17 +5,22 @@ A checkpoint is a folder ``step_NNNNNN`` holding
 - ``model.safetensors``: the model state, ``{"<layer>.<param>": tensor}``;
 - ``optimizer.safetensors``: each ``O_*`` object's raw bytes (uint8), plus the RNG
   states under ``rng/<name>``;
-- ``manifest.json``: step, TrainConfig, family/preset/overrides, plan hash, package
-  versions and whatever the driver adds (feed position, loss history tail, schedule).
+- ``manifest.json``, written last: its format (the schema version), step, TrainConfig,
+  family/preset/overrides, plan hash, package versions, the SHA-256 of each tensor file
+  (``files``) and whatever the driver adds (feed position, loss history tail, schedule).
 
 It is written into ``.tmp-<name>-<pid>`` beside its final place, every file fsynced, then
 renamed in one step and the parent folder fsynced: a folder named ``step_*`` is always
-complete. Nothing is ever unpickled (safetensors and JSON only). See
+complete. A checkpoint is *intact* when its manifest reads, names its own folder's step
+and every file's checksum matches (``problem_of``); reading one checks that, and
+``--resume auto`` takes the newest intact one (``intact_checkpoint``), saying which it
+skipped and why. Nothing is ever unpickled (safetensors and JSON only). See
 docs/checkpointing.md.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -122,7 +127,8 @@ def write_checkpoint(
     extra = {f"rng/{k}": v.contiguous() for k, v in rng_state().items()}
     opt = {k: v.detach().cpu().contiguous() for k, v in opt_state.items()}
     save_file({**opt, **extra}, tmp / OPTIMIZER_FILE)
-    body = {"format": FORMAT, **manifest, "written_unix_s": time.time()}
+    files = {name: file_sha256(tmp / name) for name in (MODEL_FILE, OPTIMIZER_FILE)}
+    body = {"format": FORMAT, **manifest, "files": files, "written_unix_s": time.time()}
     (tmp / MANIFEST_FILE).write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
     slow_step, _, pause = os.environ.get(SLOW_WRITE_ENV, "").partition(":")
     if slow_step and int(slow_step) == manifest.get("step"):
@@ -135,31 +141,79 @@ def write_checkpoint(
     return final
 
 
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file, read in 16 MiB pieces (about 1-2 GB/s: a minute for an 8B
+    model's 64 GB of weights and AdamW state)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while piece := file.read(16 * 2**20):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """A checkpoint's manifest; ``CheckpointError`` naming the file when it is missing,
+    not JSON, not a manifest of this format, or of another step than its folder's."""
+    path = folder / MANIFEST_FILE
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {folder}: no {MANIFEST_FILE}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"checkpoint file {path} is corrupt: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint file {path} is not a {FORMAT} manifest")
+    named = STEP_PATTERN.match(folder.name)
+    if named and manifest.get("step") != int(named.group(1)):
+        raise CheckpointError(
+            f"checkpoint file {path} says step {manifest.get('step')!r}; its folder is "
+            f"step {int(named.group(1))}"
+        )
+    return manifest
+
+
+def problem_of(
+    folder: str | Path, files: tuple[str, ...] = (MODEL_FILE, OPTIMIZER_FILE)
+) -> str | None:
+    """Why the checkpoint at ``folder`` is not intact (its manifest, or one of ``files``
+    missing or not matching the manifest's checksum), or None when it is. A manifest
+    written before checksums were kept is taken as it is."""
+    folder = Path(folder)
+    try:
+        manifest = read_manifest(folder)
+    except CheckpointError as exc:
+        return str(exc)
+    sums = manifest.get("files", {})
+    for name in files:
+        file = folder / name
+        if not file.is_file():
+            return f"checkpoint {folder}: no {name}"
+        if name in sums and file_sha256(file) != sums[name]:
+            return f"checkpoint file {file} is damaged: its checksum is not the manifest's"
+    return None
+
+
 def read_checkpoint(
-    path: str | Path,
+    path: str | Path, *, weights_only: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any], dict]:
-    """``(weights, optimizer state, manifest, rng states)`` of a complete checkpoint; a
-    missing, truncated or corrupt file is one ``CheckpointError`` naming it."""
+    """``(weights, optimizer state, manifest, rng states)`` of an intact checkpoint; a
+    missing, truncated, corrupt or damaged file (``problem_of``) is one ``CheckpointError``
+    naming it. ``weights_only`` reads and checks the model file alone (an export needs no
+    optimizer state): the optimizer state and rng states come back empty."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint {folder} is not a folder")
-    manifest_path = folder / MANIFEST_FILE
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {folder}: no {MANIFEST_FILE}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"checkpoint file {manifest_path} is corrupt: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint file {manifest_path} is not a {FORMAT} manifest")
-    loaded = {}
-    for name in (MODEL_FILE, OPTIMIZER_FILE):
+    names = (MODEL_FILE,) if weights_only else (MODEL_FILE, OPTIMIZER_FILE)
+    problem = problem_of(folder, names)
+    if problem is not None:
+        raise CheckpointError(problem)
+    manifest = read_manifest(folder)
+    loaded = {OPTIMIZER_FILE: {}}
+    for name in names:
         file = folder / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {folder}: no {name}")
         try:
             loaded[name] = load_file(file)
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
@@ -169,6 +223,18 @@ def read_checkpoint(
         k.removeprefix("rng/"): v for k, v in loaded[OPTIMIZER_FILE].items() if k.startswith("rng/")
     }
     return loaded[MODEL_FILE], opt, manifest, rng
+
+
+def intact_checkpoint(out: str | Path, say: Any = None) -> Path | None:
+    """The newest intact checkpoint under ``out`` (``problem_of``), saying of each newer
+    one that is not why it was skipped (``say``); None where none is intact."""
+    for folder in reversed(checkpoints(out)):
+        problem = problem_of(folder)
+        if problem is None:
+            return folder
+        if say is not None:
+            say(f"resume: skipped {folder.name}: {problem}")
+    return None
 
 
 def checkpoints(out: str | Path) -> list[Path]:
@@ -194,12 +260,14 @@ def resumed_options(out: str | Path, resume: str) -> tuple[Path, dict[str, Any]]
     """``(checkpoint, the options its run was started with)`` of the checkpoint ``--resume``
     names (``auto``: the newest in ``out``), from its manifest; None where there is none or
     its manifest cannot be read (the resume itself then says why, or starts afresh)."""
-    folder = latest_checkpoint(out) if resume == "auto" else Path(resume)
+    folder = intact_checkpoint(out) if resume == "auto" else Path(resume)
     if folder is None:
         return None
     try:
-        manifest = json.loads((folder / MANIFEST_FILE).read_text())
-    except (OSError, ValueError):
+        manifest = read_manifest(folder)
+    except CheckpointError:
+        if resume != "auto":  # the checkpoint asked for: say what is wrong with it
+            raise
         return None
     options = manifest.get("options") if isinstance(manifest, dict) else None
     return (folder, options) if isinstance(options, dict) else None

@@ -363,14 +363,14 @@ def _train(
 def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Started:
     """Open the feed, compile the step, build its driver and resume it when asked; say
     what the run is (data, init, the checkpoint it resumes, the plan)."""
-    from dataflow_training.drive.checkpoint import latest_checkpoint
+    from dataflow_training.drive.checkpoint import intact_checkpoint
     from dataflow_training.drive.run import TrainingRun, resolver_for
     from dataflow_training.plan.compiled_step import compile_step
     from dataflow_training.step.family import load_family
 
     resumed = None
     if o.resume is not None:
-        resumed = latest_checkpoint(o.out) if o.resume == "auto" else Path(o.resume)
+        resumed = intact_checkpoint(o.out, say) if o.resume == "auto" else Path(o.resume)
     if family is None:  # the one load of the run: passed down from here
         family = load_family(o.family)
     init = None
