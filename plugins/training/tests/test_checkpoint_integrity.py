@@ -48,10 +48,10 @@ def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_to_the_one_before(ru
     damaged = run / "step_000006" / "model.safetensors"
     _flip_a_byte(damaged)
     asked = invoke(*_args(run, 9, "--resume", str(run / "step_000006")))
-    assert_one_line_error(asked, 1, str(damaged), "damaged")
+    assert_one_line_error(asked, 1, str(damaged), "corrupt")
     resumed = invoke(*_args(run, 8, "--resume", "auto"))
     assert resumed.exit_code == 0, resumed.output
-    assert f"resume: skipped step_000006: checkpoint file {damaged} is damaged" in resumed.output
+    assert f"resume: skipped step_000006: checkpoint file {damaged} is corrupt" in resumed.output
     assert "step_000004 (step 4)" in resumed.output
     straight = tmp_path / "straight"
     assert invoke(*_args(straight, 8)).exit_code == 0

@@ -189,7 +189,7 @@ def problem_of(
         if not file.is_file():
             return f"checkpoint {folder}: no {name}"
         if name in sums and file_sha256(file) != sums[name]:
-            return f"checkpoint file {file} is damaged: its checksum is not the manifest's"
+            return f"checkpoint file {file} is corrupt: its checksum is not the manifest's"
     return None
 
 
@@ -227,13 +227,20 @@ def read_checkpoint(
 
 def intact_checkpoint(out: str | Path, say: Any = None) -> Path | None:
     """The newest intact checkpoint under ``out`` (``problem_of``), saying of each newer
-    one that is not why it was skipped (``say``); None where none is intact."""
-    for folder in reversed(checkpoints(out)):
+    one that is not why it was skipped (``say``); None where there is no checkpoint. When
+    there are checkpoints but none is intact, a ``CheckpointError`` with the newest one's
+    problem (a run never starts over in a folder whose checkpoints it cannot read)."""
+    found = checkpoints(out)
+    problems = []
+    for folder in reversed(found):
         problem = problem_of(folder)
         if problem is None:
             return folder
+        problems.append(problem)
         if say is not None:
             say(f"resume: skipped {folder.name}: {problem}")
+    if problems:
+        raise CheckpointError(f"no intact checkpoint in {out}: {problems[0]}")
     return None
 
 
