@@ -89,3 +89,46 @@ def test_an_export_needs_the_weights_alone(run, tmp_path):
     _flip_a_byte(run / "step_000006" / "model.safetensors")
     damaged = invoke("export", "--hf", str(tmp_path / "hf2"), "--from", str(run / "step_000006"))
     assert_one_line_error(damaged, 1, str(run / "step_000006" / "model.safetensors"))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs (two of gpt2_tiny's 1.5 MB checkpoints fit, a third does not), where
+    the machine lets this process mount one (root, as on CI); else the test skips."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(small_disk, tmp_path):
+    """A checkpoint write that runs out of space: one line naming the checkpoint and the
+    cause, exit 1, nothing of that write left behind, the earlier checkpoints intact; once
+    there is space again the run resumes from the newest and trains as one that never
+    ran out does."""
+    out = small_disk / "run"
+    result = invoke(*_args(out, 5, "--checkpoint-every", "1"))
+    line = assert_one_line_error(result, 1, f"cannot write checkpoint {out / 'step_000003'}")
+    assert "no space left on the device (ENOSPC)" in line
+    assert "the earlier checkpoints are intact" in line
+    assert sorted(p.name for p in out.iterdir()) == [
+        "metrics.jsonl",
+        "step_000001",
+        "step_000002",
+    ]  # no .tmp-* folder, no lock file
+    import shutil
+
+    shutil.rmtree(out / "step_000001")  # space again
+    resumed = invoke(*_args(out, 3, "--resume", "auto"))
+    assert resumed.exit_code == 0, resumed.output
+    assert "step_000002 (step 2)" in resumed.output
+    straight = tmp_path / "straight"
+    assert invoke(*_args(straight, 3)).exit_code == 0
+    assert _losses(out) == _losses(straight)

@@ -235,7 +235,7 @@ def train_command(
     With --topology and --group: start the group's members as a data-parallel fleet;
     started as a member (torchrun, or by a conductor): train as one."""
     from dataflow import InfeasibleBudget, format_size
-    from dataflow_training.drive.checkpoint import CheckpointError
+    from dataflow_training.drive.checkpoint import CheckpointError, CheckpointWriteError, os_cause
     from dataflow_training.drive.fleet import FleetError, in_fleet
     from dataflow_training.drive.run_folder import RunFolderError
     from dataflow_training.drive.trainer import Interrupted, TrainingStopped, TrainOptions, train
@@ -346,8 +346,10 @@ def train_command(
             click.echo("terminated (SIGTERM)", err=True)
             raise SystemExit(TERMINATED_EXIT) from None
         raise KeyboardInterrupt from None  # the core's exit path: "interrupted", exit 130
-    except RunFolderError as exc:
+    except (RunFolderError, CheckpointWriteError) as exc:
         raise Failure(str(exc)) from None
+    except OSError as exc:  # a full disk or a folder gone read-only while the run writes
+        raise Failure(f"cannot write {exc.filename}: {os_cause(exc)}") from None
     except FleetError as exc:
         raise Failure(one_line(str(exc))) from None
     except (ValueError, LookupError) as exc:

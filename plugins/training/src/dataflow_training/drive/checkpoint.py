@@ -20,6 +20,7 @@ docs/checkpointing.md.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -53,6 +54,11 @@ _CONVERTER = cattrs.Converter()
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read: names the folder or file and what is wrong."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint that could not be written: names it and the cause; nothing of it is
+    left behind."""
 
 
 def step_name(step: int) -> str:
@@ -121,24 +127,63 @@ def write_checkpoint(
     tmp = final.parent / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-    save_file(tensors, tmp / MODEL_FILE)
-    extra = {f"rng/{k}": v.contiguous() for k, v in rng_state().items()}
-    opt = {k: v.detach().cpu().contiguous() for k, v in opt_state.items()}
-    save_file({**opt, **extra}, tmp / OPTIMIZER_FILE)
-    files = {name: file_sha256(tmp / name) for name in (MODEL_FILE, OPTIMIZER_FILE)}
-    body = {"format": FORMAT, **manifest, "files": files, "written_unix_s": time.time()}
-    (tmp / MANIFEST_FILE).write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
-    slow_step, _, pause = os.environ.get(SLOW_WRITE_ENV, "").partition(":")
-    if slow_step and int(slow_step) == manifest.get("step"):
-        time.sleep(float(pause))
-    for name in (MODEL_FILE, OPTIMIZER_FILE, MANIFEST_FILE):
-        _fsync(tmp / name)
-    _fsync(tmp)
-    os.replace(tmp, final)
-    _fsync(final.parent)
+    try:
+        tmp.mkdir()
+        tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
+        save_file(tensors, tmp / MODEL_FILE)
+        extra = {f"rng/{k}": v.contiguous() for k, v in rng_state().items()}
+        opt = {k: v.detach().cpu().contiguous() for k, v in opt_state.items()}
+        save_file({**opt, **extra}, tmp / OPTIMIZER_FILE)
+        files = {name: file_sha256(tmp / name) for name in (MODEL_FILE, OPTIMIZER_FILE)}
+        body = {"format": FORMAT, **manifest, "files": files, "written_unix_s": time.time()}
+        (tmp / MANIFEST_FILE).write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+        slow_step, _, pause = os.environ.get(SLOW_WRITE_ENV, "").partition(":")
+        if slow_step and int(slow_step) == manifest.get("step"):
+            time.sleep(float(pause))
+        for name in (MODEL_FILE, OPTIMIZER_FILE, MANIFEST_FILE):
+            _fsync(tmp / name)
+        _fsync(tmp)
+        os.replace(tmp, final)
+        _fsync(final.parent)
+    except Exception as exc:  # a full disk, a read-only or vanished folder: keep nothing
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) or type(exc).__name__ == "SafetensorError":
+            raise CheckpointWriteError(
+                f"cannot write checkpoint {final}: {os_cause(exc)}; what this write had "
+                "written is removed and the earlier checkpoints are intact"
+            ) from exc
+        raise
     return final
+
+
+def os_cause(exc: BaseException) -> str:
+    """What an I/O error was, in words a user acts on: no space, read-only, permission."""
+    number = getattr(exc, "errno", None)
+    if number is None:  # safetensors reports the OS error inside its message
+        match = re.search(r"os error (\d+)", str(exc))
+        number = int(match.group(1)) if match else None
+    names = {
+        errno.ENOSPC: "no space left on the device",
+        errno.EDQUOT: "the disk quota is used up",
+        errno.EROFS: "the file system is read-only",
+        errno.EACCES: "permission denied",
+        errno.EPERM: "permission denied",
+    }
+    if number in names:
+        return f"{names[number]} ({errno.errorcode[number]})"
+    return getattr(exc, "strerror", None) or str(exc)
+
+
+def remove_leftovers(out: str | Path) -> list[Path]:
+    """Delete the partial ``.tmp-*`` checkpoint folders under ``out`` whose writing
+    process is gone (a kill mid-write); returns what was deleted."""
+    doomed = []
+    for partial in Path(out).glob(f"{TMP_PREFIX}*"):
+        pid = partial.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            doomed.append(partial)
+            shutil.rmtree(partial, ignore_errors=True)
+    return doomed
 
 
 def file_sha256(path: Path) -> str:
@@ -285,13 +330,9 @@ def prune(out: str | Path, keep: int) -> list[Path]:
     folders of processes that are gone; returns what was deleted."""
     found = checkpoints(out)
     doomed = found[:-keep] if keep > 0 else []
-    for partial in Path(out).glob(f"{TMP_PREFIX}*"):
-        pid = partial.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            doomed.append(partial)
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
-    return doomed
+    return doomed + remove_leftovers(out)
 
 
 def _alive(pid: int) -> bool:

@@ -43,8 +43,11 @@ class JsonlMetrics:
         self._file = path.open("a")
 
     def write(self, step: int, metrics: Metrics) -> None:
-        self._file.write(json.dumps(metrics) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(metrics) + "\n")
+            self._file.flush()
+        except OSError as exc:  # a full disk: name the file
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
 
     def close(self) -> None:
         self._file.close()

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dataflow_training.drive.checkpoint import checkpoints
+from dataflow_training.drive.checkpoint import checkpoints, remove_leftovers
 from dataflow_training.drive.components import METRICS_FILE, Say
 
 LOCK_FILE = "run.lock"
@@ -62,9 +62,14 @@ class RunFolder:
         out.mkdir(parents=True, exist_ok=True)
         handle = cls._lock(out, say)
         try:
+            left = remove_leftovers(out)
+            if left:
+                say(f"removed {len(left)} partial checkpoint folder(s) a killed write left")
             held = [] if resume else _holds_a_run(out)
             if held and not overwrite:
-                shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+                shown = ", ".join(held[:3]) + (
+                    f" and {len(held) - 3} more" if len(held) > 3 else ""
+                )
                 raise RunFolderError(
                     f"--out {out} holds a run ({shown}): carry it on with --resume auto, "
                     "start this one in another --out, or pass --overwrite to move that run "
@@ -125,4 +130,3 @@ def _holder(text: str) -> str:
         return f"pid {found['pid']} on {found['host']}, started {started}"
     except (ValueError, KeyError, TypeError):
         return "a process that left no readable record"
-
