@@ -6,6 +6,7 @@ where noted."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,10 +14,13 @@ import torch
 import torch.nn.functional as F
 from dataflow_training.kit import rotary
 from dataflow_training.kit.attention import attention_backward, attention_forward
+from dataflow_training.kit.block import Block
+from dataflow_training.kit.decoder_math import DecoderEmbed, LearnedPositions
+from dataflow_training.kit.fused_attention import FusedQKVAttention
 from dataflow_training.kit.head import IGNORE_INDEX, lm_head_loss
 from dataflow_training.kit.linear import Linear
-from dataflow_training.kit.mlp import SwiGLU
-from dataflow_training.kit.norms import LayerNorm, RMSNorm
+from dataflow_training.kit.mlp import GELUFFN, SwiGLU
+from dataflow_training.kit.norms import LayerNorm, Norm, RMSNorm
 from dataflow_training.step.family import Env
 from dataflow_training.step.ops import load_ops
 
@@ -159,3 +163,93 @@ def test_lm_head_loss_matches_autograd_with_ignored_targets_and_grad_scale(ops) 
     assert rel(dx, 0.5 * auto[0]) < 1e-6
     for name, expected in zip(params, auto[1:], strict=True):
         assert rel(grads[name], 0.5 * expected) < 1e-6, name
+
+
+# -- GPT-2's parts, composed without the gpt2 family -------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The config fields GPT-2's parts read, under HF's names."""
+
+    vocab_size: int = 19
+    hidden_size: int = 16
+    num_attention_heads: int = 4
+    intermediate_size: int = 40
+    max_position_embeddings: int = 12
+    layer_norm_epsilon: float = 1e-5
+
+
+GPT2_LIKE = Block(
+    FusedQKVAttention(), GELUFFN(), Norm("layer", eps="layer_norm_epsilon"), ("ln_1", "ln_2")
+)
+
+
+def test_a_block_of_gpt2_parts_matches_autograd_through_its_reference(ops) -> None:
+    config = Sizes()
+    torch.manual_seed(0)
+    reference = GPT2_LIKE.reference(config).double()
+    with torch.no_grad():  # no bias 0, no norm 1
+        for param in reference.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    layer = GPT2_LIKE.layer(config, "0", "block")
+    state = reference.state_dict()
+    assert [p.name for p in layer.params] == list(state)
+    assert all(tuple(state[p.name].shape) == p.shape for p in layer.params)
+    assert {p.name for p in layer.params if not p.decay} == {
+        name for name in state if name.endswith("bias") or name.startswith("ln_")
+    }
+    params = {name: tensor.detach().clone() for name, tensor in state.items()}
+    x = leaf(2, 7, config.hidden_size)
+    want = reference(x)
+    y, saved, aux_temp = GPT2_LIKE.forward(config, params, x.detach(), Env(ops))
+    assert rel(y, want) < 1e-12 and aux_temp == {}
+    specs = GPT2_LIKE.saved(config, 2, 7)
+    assert {s.name: s.shape for s in specs} == {name: t.shape for name, t in saved.items()}
+    dy = torch.randn_like(want)
+    dx, grads = GPT2_LIKE.backward(config, params, x.detach(), saved, {}, dy, Env(ops))
+    auto = torch.autograd.grad(want, (x, *reference.parameters()), dy)
+    assert rel(dx, auto[0]) < 1e-10
+    for name, expected in zip(state, auto[1:], strict=True):
+        assert rel(grads[name], expected) < 1e-9, name
+    n = config.hidden_size  # the key bias: the exact zero
+    assert torch.count_nonzero(grads["attn.c_attn.bias"][n : 2 * n]) == 0
+
+
+def test_gpt2_parts_store_conv1d_weights_transposed_in_hf_checkpoints() -> None:
+    rules = {rule.key: rule for rule in GPT2_LIKE.hf_rules(Sizes(), "transformer.h.{layer}")}
+    transposed = {key for key, rule in rules.items() if rule.convert.name == "transpose"}
+    assert transposed == {
+        "{layer}.attn.c_attn.weight",
+        "{layer}.attn.c_proj.weight",
+        "{layer}.mlp.c_fc.weight",
+        "{layer}.mlp.c_proj.weight",
+    }
+    assert rules["{layer}.ln_2.bias"].hf == ("transformer.h.{layer}.ln_2.bias",)
+
+
+def test_learned_positions_are_added_and_get_a_table_of_gradients(ops) -> None:
+    config = Sizes()
+    embed = DecoderEmbed("wte", LearnedPositions("wpe"))
+    assert [(p.name, p.shape) for p in embed.params(config)] == [
+        ("wte", (19, 16)),
+        ("wpe", (12, 16)),
+    ]
+    params = {"wte": leaf(19, 16), "wpe": leaf(12, 16)}
+    tokens = torch.tensor([[3, 3, 0, 7, 18], [1, 3, 2, 2, 5]])
+    want = params["wte"][tokens] + params["wpe"][:5]
+    plain = {k: v.detach() for k, v in params.items()}
+    hidden = embed.forward(config, plain, tokens, Env(ops))
+    assert torch.equal(hidden, want.detach())
+    d_hidden = torch.randn_like(want)
+    grads = embed.backward(config, tokens, d_hidden, Env(ops))
+    auto = torch.autograd.grad(want, tuple(params.values()), d_hidden)
+    assert rel(grads["wte"].dense(), auto[0]) < 1e-12 and rel(grads["wpe"], auto[1]) < 1e-12
+    too_long = torch.zeros(1, 13, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"sequence length 13 exceeds Sizes.max_position_embed"):
+        embed.forward(config, plain, too_long, Env(ops))
+    more = (
+        embed.cost(config, 2, 5, 8).backward.bytes
+        - DecoderEmbed().cost(config, 2, 5, 8).backward.bytes
+    )
+    assert more == 2 * 5 * 16 * 8 + 3 * 12 * 16 * 4  # d_hidden read again, the float32 table

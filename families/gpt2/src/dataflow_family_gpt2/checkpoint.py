@@ -2,17 +2,19 @@
 
 HF's ``GPT2LMHeadModel`` stores its projections as ``Conv1D`` weights of shape (in, out);
 the family stores them (out, in), the layout of the ``linear`` op, so import and export
-transpose ``attn.c_attn``, ``attn.c_proj``, ``mlp.c_fc`` and ``mlp.c_proj`` weights. The
-output projection ``lm_head.weight`` is the token embedding (tied): it is not written, and
-when a checkpoint holds it, it must equal ``wte``.
+transpose ``attn.c_attn``, ``attn.c_proj``, ``mlp.c_fc`` and ``mlp.c_proj`` weights (the
+block's parts say so: their key rules). The output projection ``lm_head.weight`` is the
+token embedding (tied): it is not written, and when a checkpoint holds it, it must equal
+``wte``.
 
 Import reads both layouts found in the wild: ``save_pretrained`` names
 (``transformer.h.0.ln_1.weight``) and the original hub files' (``h.0.ln_1.weight``, with
 the old ``attn.bias`` / ``attn.masked_bias`` mask buffers, which are skipped), in one file
 (``model.safetensors``) or sharded (``model.safetensors.index.json``).
 
-All of that is the key table ``KEY_MAP``; the file I/O and its checks are the training
-kit's (``dataflow_training.kit.hf``). This module adds ``config.json`` <-> ``GPT2Config``.
+All of that is the key table ``key_map(config)``; the file I/O and its checks are the
+training kit's (``dataflow_training.kit.hf``). This module adds ``config.json`` <->
+``GPT2Config``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from dataflow_training.kit import (
     CONFIG,
     SAFETENSORS,
     SAFETENSORS_INDEX,
-    TRANSPOSE,
     CheckpointError,
     KeyMap,
     KeyRule,
@@ -39,11 +40,10 @@ from dataflow_training.kit import (
 
 from dataflow_family_gpt2.config import GPT2Config
 from dataflow_family_gpt2.layers import EMBED, HEAD, layer_specs
+from dataflow_family_gpt2.model import GPT2Block
 
 __all__ = [
     "CONFIG",
-    "CONV1D_WEIGHTS",
-    "KEY_MAP",
     "SAFETENSORS",
     "SAFETENSORS_INDEX",
     "CheckpointError",
@@ -52,45 +52,28 @@ __all__ = [
     "expected_state",
     "export_hf",
     "import_hf",
+    "key_map",
 ]
 
-#: Block parameters HF stores as Conv1D weights, (in, out).
-CONV1D_WEIGHTS = (
-    "attn.c_attn.weight",
-    "attn.c_proj.weight",
-    "mlp.c_fc.weight",
-    "mlp.c_proj.weight",
-)
-_BLOCK_AS_IS = (
-    "ln_1.weight",
-    "ln_1.bias",
-    "attn.c_attn.bias",
-    "attn.c_proj.bias",
-    "ln_2.weight",
-    "ln_2.bias",
-    "mlp.c_fc.bias",
-    "mlp.c_proj.bias",
-)
 
-#: Family state key <-> ``GPT2LMHeadModel`` tensor name.
-KEY_MAP = KeyMap(
-    "gpt2",
-    rules=[
-        KeyRule(f"{EMBED}.wte", "transformer.wte.weight", tied="lm_head.weight"),
-        KeyRule(f"{EMBED}.wpe", "transformer.wpe.weight"),
-        *(
-            KeyRule(f"{{layer}}.{p}", f"transformer.h.{{layer}}.{p}", TRANSPOSE)
-            for p in CONV1D_WEIGHTS
-        ),
-        *(KeyRule(f"{{layer}}.{p}", f"transformer.h.{{layer}}.{p}") for p in _BLOCK_AS_IS),
-        KeyRule(f"{HEAD}.ln_f.weight", "transformer.ln_f.weight"),
-        KeyRule(f"{HEAD}.ln_f.bias", "transformer.ln_f.bias"),
-    ],
-    # The causal-mask buffers of old transformers versions, not parameters.
-    skip=[r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"],
-    # The original hub files name everything but lm_head without the "transformer." prefix.
-    aliases=[(r"((h\.\d+|wte|wpe|ln_f)\..+)", r"transformer.\1")],
-)
+def key_map(config: GPT2Config) -> KeyMap:
+    """Family state key <-> ``GPT2LMHeadModel`` tensor name: the embedding's, the blocks'
+    (their parts' rules under ``transformer.h.{layer}``) and the final norm's."""
+    return KeyMap(
+        "gpt2",
+        rules=[
+            KeyRule(f"{EMBED}.wte", "transformer.wte.weight", tied="lm_head.weight"),
+            KeyRule(f"{EMBED}.wpe", "transformer.wpe.weight"),
+            *GPT2Block().hf_rules(config, "transformer.h.{layer}"),
+            KeyRule(f"{HEAD}.ln_f.weight", "transformer.ln_f.weight"),
+            KeyRule(f"{HEAD}.ln_f.bias", "transformer.ln_f.bias"),
+        ],
+        # The causal-mask buffers of old transformers versions, not parameters.
+        skip=[r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"],
+        # The original hub files name everything but lm_head without the "transformer." prefix.
+        aliases=[(r"((h\.\d+|wte|wpe|ln_f)\..+)", r"transformer.\1")],
+    )
+
 
 #: HF GPT2Config defaults, used for sizes a config.json leaves out (as transformers does).
 _HF_DEFAULTS: Mapping[str, Any] = {
@@ -156,7 +139,7 @@ def import_hf(
     unexpected tensors are one error naming them all and their files."""
     config_path = checkpoint_folder(path) / CONFIG
     config = config_from_hf(read_config(path), str(config_path))
-    return config, read_state(path, KEY_MAP, expected_state(config), dtype=dtype)
+    return config, read_state(path, key_map(config), expected_state(config), dtype=dtype)
 
 
 # -- Export ----------------------------------------------------------------------------
@@ -202,6 +185,8 @@ def export_hf(
     ``max_shard_bytes`` and their index), loadable by
     ``transformers.GPT2LMHeadModel.from_pretrained``. Missing, extra or mis-shaped keys are
     one error naming them; nothing is written then."""
-    write_state(path, KEY_MAP, state, expected_state(config), max_shard_bytes=max_shard_bytes)
+    write_state(
+        path, key_map(config), state, expected_state(config), max_shard_bytes=max_shard_bytes
+    )
     dtype = state[f"{EMBED}.wte"].dtype
     write_config(path, config_to_hf(config, dtype))

@@ -46,6 +46,19 @@ class GPT2Config:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    # The names the kit's parts read, as HF's GPT2Config maps them (its ``attribute_map``).
+    @property
+    def hidden_size(self) -> int:
+        return self.n_embd
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.n_head
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.n_positions
+
     @property
     def n_inner(self) -> int:
         """Width of the MLP's hidden layer."""

@@ -1,10 +1,12 @@
 """GPT-2 as one plain-autograd ``nn.Module``: the truth the family's math is checked against.
 
-Isolated on purpose: no dataflow import and no ``ops``, only plain torch (attention written
-out as softmax of masked scores), so a bug in a kernel or in the family's hand-written
-backward cannot hide in it. Its ``state_dict()`` keys are the family's
-``f"{layer}.{param}"`` names (``emb.wte``, ``0.attn.c_attn.weight``, ``head.ln_f.bias``);
-the output projection is ``emb.wte`` itself (tied). No dropout.
+No ``ops``, only plain torch, so a bug in a kernel or in the parts' hand-written backward
+cannot hide in it: the embedding and the head are written here, each block is the one its
+parts declare (``GPT2Block().reference``: ``nn.LayerNorm`` and the kit's plain-torch
+modules of GPT-2's attention, written out as the softmax of masked scores, and of its
+MLP). Its ``state_dict()`` keys are the family's ``f"{layer}.{param}"`` names
+(``emb.wte``, ``0.attn.c_attn.weight``, ``head.ln_f.bias``); the output projection is
+``emb.wte`` itself (tied). No dropout.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dataflow_family_gpt2.model import GPT2Block
 
 if TYPE_CHECKING:
     from dataflow_family_gpt2.config import GPT2Config
@@ -32,50 +36,6 @@ class Embed(nn.Module):
         return self.wte[tokens] + self.wpe[: tokens.shape[1]]
 
 
-class Attention(nn.Module):
-    def __init__(self, config: GPT2Config) -> None:
-        super().__init__()
-        self.n_head = config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq_len, n_embd = x.shape
-        head_dim = n_embd // self.n_head
-        q, k, v = (
-            part.view(batch, seq_len, self.n_head, head_dim).transpose(1, 2)
-            for part in self.c_attn(x).split(n_embd, dim=-1)
-        )
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)
-        future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=x.device).triu(1)
-        weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
-        out = (weights @ v).transpose(1, 2).reshape(batch, seq_len, n_embd)
-        return self.c_proj(out)
-
-
-class MLP(nn.Module):
-    def __init__(self, config: GPT2Config) -> None:
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-
-
-class Block(nn.Module):
-    def __init__(self, config: GPT2Config) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.attn = Attention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.mlp = MLP(config)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
 class Head(nn.Module):
     def __init__(self, config: GPT2Config) -> None:
         super().__init__()
@@ -91,11 +51,11 @@ class GPT2Reference(nn.Module):
         self.config = config
         self.emb = Embed(config)
         for layer in range(config.n_layer):
-            self.add_module(str(layer), Block(config))
+            self.add_module(str(layer), GPT2Block().reference(config))
         self.head = Head(config)
         self.init_weights()
 
-    def blocks(self) -> list[Block]:
+    def blocks(self) -> list[nn.Module]:
         return [self.get_submodule(str(layer)) for layer in range(self.config.n_layer)]
 
     @torch.no_grad()

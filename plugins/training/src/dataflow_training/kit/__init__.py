@@ -43,9 +43,10 @@ _HOMES = {
         "merge_heads",
         "attention_flops",
     ),
+    "dataflow_training.kit.fused_attention": ("FusedQKVAttention",),
     "dataflow_training.kit.norms": ("Norm", "LayerNorm", "RMSNorm"),
     "dataflow_training.kit.rotary": ("Rope", "Llama3Scaling"),
-    "dataflow_training.kit.mlp": ("SwiGLUFFN", "SwiGLU"),
+    "dataflow_training.kit.mlp": ("SwiGLUFFN", "SwiGLU", "GELUFFN"),
     "dataflow_training.kit.moe": (
         "RoutedExperts",
         "SharedExpert",
@@ -57,7 +58,7 @@ _HOMES = {
     ),
     "dataflow_training.kit.linear": ("Linear", "linear_backward", "accumulation_dtype"),
     "dataflow_training.kit.head": ("lm_head_loss", "IGNORE_INDEX"),
-    "dataflow_training.kit.parts": ("FfnCost", "as_is", "values_per_token", "ops_of"),
+    "dataflow_training.kit.parts": ("FfnCost", "as_is", "conv1d", "values_per_token", "ops_of"),
     "dataflow_training.kit.block": ("Block",),
     # decoders
     "dataflow_training.kit.decoder": (
@@ -75,6 +76,7 @@ _HOMES = {
     ),
     "dataflow_training.kit.decoder_math": (
         "DecoderEmbed",
+        "LearnedPositions",
         "DecoderHead",
         "EMBED_WEIGHT",
         "LM_HEAD",

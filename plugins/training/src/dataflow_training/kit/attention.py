@@ -224,6 +224,8 @@ class SelfAttention:
     positions: rotary.Rope = rotary.Rope()
     window: str | None = None
     gate: OutputGate | None = None
+    #: the reference module's name in a block (HF's)
+    module = "self_attn"
 
     @property
     def ops(self) -> tuple[str, ...]:

@@ -3,10 +3,10 @@
     h_mid = x + attention(norm(x))          input_layernorm, then the attention part
     y     = h_mid + ffn(norm(h_mid))        post_attention_layernorm, then the FFN part
 
-``Block(attention, ffn, norm)`` is a whole ``BlockMath`` (protocol v2) and the layer's
-declaration: its parameters (the norms', the attention's, the FFN's, in HF's order; the
-FFN's own groups after the main one), its HF key rules, its reference module, and its
-``LayerCost`` summed from the parts' costs.
+``Block(attention, ffn, norm, norm_names)`` is a whole ``BlockMath`` (protocol v2) and
+the layer's declaration: its parameters (the norms', the attention's, the FFN's, in HF's
+order; the FFN's own groups after the main one), its HF key rules, its reference module,
+and its ``LayerCost`` summed from the parts' costs.
 
 What it saves for backward (the contents of ``A_<layer>``): the attention's tensors, then
 ``h_mid`` (hidden), the residual stream between the halves, then the FFN's tensors. With
@@ -48,19 +48,21 @@ from dataflow_training.step.family import (
 
 Tensors = dict[str, torch.Tensor]
 
-#: the two norms' names (HF's)
+#: the two norms' names (HF's Llama names)
 NORM_1, NORM_2 = "input_layernorm", "post_attention_layernorm"
 
 
 @dataclasses.dataclass(frozen=True)
 class Block:
     """Pre-norm block of an ``attention`` part, an ``ffn`` part and a ``norm`` kind (see
-    the module docstring); the default is Llama's: RMSNorm, causal grouped-query
+    the module docstring), its two norms named ``norm_names`` (HF's names: GPT-2's are
+    ``ln_1`` and ``ln_2``); the default is Llama's: RMSNorm, causal grouped-query
     attention with RoPE, the dense SwiGLU."""
 
     attention: Any = SelfAttention()
     ffn: Any = SwiGLUFFN()
     norm: Norm = Norm()
+    norm_names: tuple[str, str] = (NORM_1, NORM_2)
 
     @property
     def ops(self) -> tuple[str, ...]:
@@ -68,17 +70,18 @@ class Block:
         return ("linear", *ops_of(self.norm, self.attention, self.ffn))
 
     def _norms(self, config: Any) -> tuple[Any, Any]:
-        return self.norm.op(config, NORM_1), self.norm.op(config, NORM_2)
+        first, second = self.norm_names
+        return self.norm.op(config, first), self.norm.op(config, second)
 
     # -- the layer -----------------------------------------------------------------------
     def layer(self, config: Any, name: str, kind: str) -> LayerSpec:
         """Layer ``name`` of kind ``kind``: the main group (norms, attention, the FFN's
         main parameters), the FFN's own groups and its Aux."""
-        n = config.hidden_size
+        n, (first, second) = config.hidden_size, self.norm_names
         main = (
-            *self.norm.params(NORM_1, n),
+            *self.norm.params(first, n),
             *self.attention.params(config),
-            *self.norm.params(NORM_2, n),
+            *self.norm.params(second, n),
             *self.ffn.params(config),
         )
         return LayerSpec(
@@ -91,23 +94,24 @@ class Block:
 
     def hf_rules(self, config: Any, prefix: str) -> list[Any]:
         """The HF key rules of the layer's parameters under ``prefix``."""
-        n = config.hidden_size
+        n, (first, second) = config.hidden_size, self.norm_names
         return [
-            *as_is(self.norm.params(NORM_1, n), prefix),
+            *as_is(self.norm.params(first, n), prefix),
             *self.attention.hf_rules(config, prefix),
-            *as_is(self.norm.params(NORM_2, n), prefix),
+            *as_is(self.norm.params(second, n), prefix),
             *self.ffn.hf_rules(config, prefix),
         ]
 
     def reference(self, config: Any) -> Any:
-        """The plain-torch block (``decoder_reference.Block``) of the parts' references."""
-
-        n = config.hidden_size
+        """The plain-torch block (``decoder_reference.Block``) of the parts' references,
+        each under its name (the norms', the attention's and the FFN's ``module``)."""
+        n, (first, second) = config.hidden_size, self.norm_names
         return decoder_reference.Block(
             self.norm.reference(config, n),
             self.attention.reference(config),
             self.norm.reference(config, n),
             self.ffn.reference(config),
+            (first, self.attention.module, second, self.ffn.module),
         )
 
     # -- BlockMath -----------------------------------------------------------------------

@@ -14,7 +14,9 @@ tests. Its ``state_dict()`` keys are the layers' ``f"{layer}.{param}"`` names
 Each block is built by the part that declares it (``DecoderReference.make_block`` asks the
 config's architecture, ``config.architecture.reference_block(config, layer)``): a part
 passes its settings to these modules as plain values (``Attention(config, qk_norm="head",
-window=4)``), and never its code.
+window=4)``), and never its code. GPT-2's parts (fused attention with biases, the GELU
+MLP) have their modules here too (``FusedAttention``, ``GELUMLP``), checked against
+``GPT2LMHeadModel`` by the gpt2 family's tests.
 """
 
 from __future__ import annotations
@@ -178,22 +180,70 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Block(nn.Module):
-    """Pre-norm block: ``x + self_attn(input_layernorm(x))``, then ``h + mlp(
-    post_attention_layernorm(h))``, of the modules it is given."""
+class FusedAttention(nn.Module):
+    """Multi-head self-attention, causal, of one fused projection with biases (GPT-2's):
+    ``c_proj(attention(q, k, v))`` of ``q, k, v = c_attn(x).split(hidden_size)``, scaled by
+    ``1 / sqrt(head_dim)``, no positions. Attention written out as the softmax of masked
+    scores."""
 
-    def __init__(
-        self, norm_1: nn.Module, self_attn: nn.Module, norm_2: nn.Module, mlp: nn.Module
-    ) -> None:
+    def __init__(self, config: Any) -> None:
         super().__init__()
-        self.input_layernorm = norm_1
-        self.self_attn = self_attn
-        self.post_attention_layernorm = norm_2
-        self.mlp = mlp
+        self.n_head = config.num_attention_heads
+        self.c_attn = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.c_proj = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        batch, seq_len, n_embd = x.shape
+        head_dim = n_embd // self.n_head
+        q, k, v = (
+            part.view(batch, seq_len, self.n_head, head_dim).transpose(1, 2)
+            for part in self.c_attn(x).split(n_embd, dim=-1)
+        )
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)
+        future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=x.device).triu(1)
+        weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        out = (weights @ v).transpose(1, 2).reshape(batch, seq_len, n_embd)
+        return self.c_proj(out)
+
+
+class GELUMLP(nn.Module):
+    """``c_proj(gelu_tanh(c_fc(x)))`` of width ``width``, with biases (GPT-2's MLP)."""
+
+    def __init__(self, config: Any, width: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.hidden_size, width)
+        self.c_proj = nn.Linear(width, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+#: the submodule names of a block (HF's Llama names)
+BLOCK_NAMES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+class Block(nn.Module):
+    """Pre-norm block: ``x + self_attn(input_layernorm(x))``, then ``h + mlp(
+    post_attention_layernorm(h))``, of the modules it is given, registered under
+    ``names`` (GPT-2's are ``ln_1``, ``attn``, ``ln_2``, ``mlp``)."""
+
+    def __init__(
+        self,
+        norm_1: nn.Module,
+        self_attn: nn.Module,
+        norm_2: nn.Module,
+        mlp: nn.Module,
+        names: tuple[str, str, str, str] = BLOCK_NAMES,
+    ) -> None:
+        super().__init__()
+        self.names = names
+        for name, module in zip(names, (norm_1, self_attn, norm_2, mlp), strict=True):
+            self.add_module(name, module)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm_1, attention, norm_2, ffn = (self.get_submodule(name) for name in self.names)
+        x = x + attention(norm_1(x))
+        return x + ffn(norm_2(x))
 
 
 class Head(nn.Module):

@@ -1,9 +1,10 @@
-"""The SwiGLU feed-forward (Llama, Qwen): ``down(silu(gate(x)) * up(x))``, no biases: the op
-pair ``SwiGLU`` and the dense FFN part of a block, ``SwiGLUFFN``.
+"""The dense feed-forward parts of a block: the SwiGLU (Llama, Qwen), ``down(silu(gate(x)) *
+up(x))``, no biases (the op pair ``SwiGLU`` and the part ``SwiGLUFFN``), and GPT-2's MLP,
+``c_proj(gelu_tanh(c_fc(x)))`` with biases (the part ``GELUFFN``).
 
-Forward saves the two projections' outputs (``gate``, ``up``); backward rebuilds the
-product elementwise (``swiglu_fwd``) and differentiates through ``swiglu_bwd``, so no
-projection runs again.
+Forward saves the projections' outputs (``gate`` and ``up``; ``fc``); backward rebuilds the
+activation elementwise (``swiglu_fwd``; ``gelu``) and differentiates through its backward
+op (``swiglu_bwd``; ``gelu_bwd``), so no projection runs again.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from dataflow_training.kit import decoder_reference
 from dataflow_training.kit.linear import Linear
-from dataflow_training.kit.parts import FfnCost, as_is
+from dataflow_training.kit.parts import FfnCost, as_is, conv1d
 from dataflow_training.step.family import Env, TensorSpec, Work
 
 Tensors = Mapping[str, torch.Tensor]
@@ -72,6 +73,8 @@ class SwiGLUFFN:
     product and ``down_proj``, so the two cannot drift apart."""
 
     ops = ("swiglu_fwd", "swiglu_bwd")
+    #: the reference module's name in a block (HF's)
+    module = "mlp"
 
     def params(self, config: Any) -> tuple[TensorSpec, ...]:
         n, inner = config.hidden_size, config.intermediate_size
@@ -138,5 +141,98 @@ class SwiGLUFFN:
             # their own
             rederive=Work(2 * tokens * 2 * n * inner, tokens * act_bytes * (4 * n + 2 * inner)),
             # recompute stops at the saved gate and up: no product, no down_proj
+            not_recomputed=2 * tokens * n * inner,
+        )
+
+
+C_FC = Linear("mlp.c_fc.weight", "mlp.c_fc.bias")
+C_PROJ = Linear("mlp.c_proj.weight", "mlp.c_proj.bias")
+
+
+@dataclasses.dataclass(frozen=True)
+class GELUFFN:
+    """GPT-2's MLP, as the FFN part of a block: ``c_proj(gelu(c_fc(h)))`` with biases, the
+    tanh GELU (the ``gelu`` op), of the width the config field ``width`` holds.
+
+    Parameters (HF's names) ``mlp.c_fc.{weight,bias}`` and ``mlp.c_proj.{weight,bias}``,
+    weights stored ``(out, in)``, biases without weight decay; HF stores the weights as
+    ``Conv1D`` ``(in, out)``, so its key rules transpose them. Saved ``fc``, the
+    pre-activation (``width`` values a token); no AuxTemp, no Aux. Backward makes
+    ``gelu(fc)`` again elementwise for ``c_proj``'s gradient and calls ``gelu_bwd``. Its
+    ``forward`` is its ``recompute`` plus the GELU and ``c_proj``."""
+
+    width: str = "intermediate_size"
+
+    ops = ("gelu", "gelu_bwd")
+    aux_scope = "layer"
+    #: the reference module's name in a block (HF's)
+    module = "mlp"
+
+    def params(self, config: Any) -> tuple[TensorSpec, ...]:
+        n, inner = config.hidden_size, getattr(config, self.width)
+        return (
+            TensorSpec(C_FC.weight, (inner, n)),
+            TensorSpec(C_FC.bias, (inner,), decay=False),
+            TensorSpec(C_PROJ.weight, (n, inner)),
+            TensorSpec(C_PROJ.bias, (n,), decay=False),
+        )
+
+    def groups(self, config: Any) -> tuple:
+        return ()
+
+    def aux(self, config: Any) -> tuple[TensorSpec, ...]:
+        return ()
+
+    def saved(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
+        return (TensorSpec("fc", (batch, seq_len, getattr(config, self.width))),)
+
+    def aux_temp(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
+        return ()
+
+    def hf_rules(self, config: Any, prefix: str) -> list[Any]:
+        return conv1d(self.params(config), prefix)
+
+    def reference(self, config: Any) -> Any:
+        return decoder_reference.GELUMLP(config, getattr(config, self.width))
+
+    def recompute(
+        self, config: Any, params: Tensors, h: torch.Tensor, aux_temp: Tensors, ops: Any
+    ) -> dict[str, torch.Tensor]:
+        """The pre-activation ``c_fc(h)``, as forward saves it."""
+        return {"fc": C_FC.forward(ops, params, h)}
+
+    def forward(
+        self, config: Any, params: Tensors, h: torch.Tensor, env: Env
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """-> (output, saved, AuxTemp (none))."""
+        saved = self.recompute(config, params, h, {}, env.ops)
+        return C_PROJ.forward(env.ops, params, env.ops["gelu"](saved["fc"])), saved, {}
+
+    def backward(
+        self,
+        config: Any,
+        params: Tensors,
+        h: torch.Tensor,
+        saved: Tensors,
+        aux_temp: Tensors,
+        dy: torch.Tensor,
+        env: Env,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """-> (dh, the projections' gradients)."""
+        ops, fc = env.ops, saved["fc"]
+        d_act, grads = C_PROJ.backward(ops, params, ops["gelu"](fc), dy)
+        d_fc = ops["gelu_bwd"](d_act, fc)
+        del d_act
+        d_h, g = C_FC.backward(ops, params, h, d_fc)
+        grads.update(g)
+        return d_h, grads
+
+    def cost(self, config: Any, batch: int, seq_len: int, act_bytes: int) -> FfnCost:
+        tokens, n, inner = batch * seq_len, config.hidden_size, getattr(config, self.width)
+        return FfnCost(
+            matmul=2 * tokens * 2 * n * inner,
+            # rederive: n2 reads h_mid and writes h2, c_fc reads h2 and writes fc
+            rederive=Work(2 * tokens * n * inner, tokens * act_bytes * (3 * n + inner)),
+            # recompute stops at the saved fc: no GELU, no c_proj
             not_recomputed=2 * tokens * n * inner,
         )

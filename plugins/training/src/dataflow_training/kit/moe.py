@@ -259,6 +259,8 @@ class RoutedExperts:
 
     ops = ("swiglu_fwd", "swiglu_bwd", "grouped_mm", "grouped_mm_wgrad")
     aux_scope = "model"
+    #: the reference module's name in a block (HF's)
+    module = "mlp"
 
     def params(self, config: MoEConfig) -> tuple[TensorSpec, ...]:
         router = TensorSpec(ROUTER.weight, (config.num_experts, config.hidden_size))

@@ -4,11 +4,17 @@ A block (``block.py``) is composed of parts, each a stdlib frozen dataclass chos
 config's architecture (``decoder.Decoder``), never a flag threaded through the block:
 
 - a **norm** (``norms.Norm``: its kind, RMS or layer, and the config field of epsilon);
-  where the norms sit is the block's own layout (``Block``: pre-norm residual);
+  where the norms sit is the block's own layout (``Block``: pre-norm residual), and
+  their names too (``Block.norm_names``);
 - an **attention** (``attention.SelfAttention``: causal grouped-query attention, with its
   own parts ``positions``, ``rotary.Rope`` with partial rotation, ``qk_norm``,
-  ``attention.QKNorm``, and a sliding ``window``);
-- an **FFN** (``mlp.SwiGLUFFN``, dense; ``moe.RoutedExperts``, routed experts).
+  ``attention.QKNorm``, and a sliding ``window``; ``fused_attention.FusedQKVAttention``:
+  GPT-2's, one fused projection with biases);
+- an **FFN** (``mlp.SwiGLUFFN`` and ``mlp.GELUFFN``, dense; ``moe.RoutedExperts``, routed
+  experts).
+
+Learned positions are the embedding's part (``decoder_math.LearnedPositions``), not a
+block's.
 
 Each part brings, for the config it is given:
 
@@ -16,7 +22,8 @@ Each part brings, for the config it is given:
   layer (``self_attn.q_proj.weight``), with exact shapes; an FFN may add parameter groups
   of its own (``groups``: the experts) and persistent ``aux`` state;
 - its **HF keys**: ``hf_rules(config, prefix)``, the key rules of its parameters under a
-  layer's HF prefix (``model.layers.{layer}``: as they are, or stacked per expert);
+  layer's HF prefix (``model.layers.{layer}``: as they are, transposed from HF's
+  ``Conv1D`` (``conv1d``), or stacked per expert);
 - its **math** over ``env.ops`` (``ops``: the op names it calls), forward and backward,
   and what forward **saves** for backward (``saved(config, batch, seq_len)``: exact
   shapes, the ``A_`` object's contents) and decides once (an FFN's ``aux_temp``);
@@ -24,11 +31,14 @@ Each part brings, for the config it is given:
   the block's ``LayerCost`` is summed;
 - its **reference**: ``reference(config)``, the plain-torch module of
   ``decoder_reference`` (or ``moe_reference``) with this part's settings, so the truth
-  is composed the same way and shares no math with it.
+  is composed the same way and shares no math with it; ``module``, the name the block
+  gives that module (HF's: ``self_attn``, ``attn``, ``mlp``), the prefix of the part's
+  parameter names.
 
 The next parts (linear attention, MLA, sparse attention with an indexer, a shared expert)
 are new classes with these members; a block that lays its norms out otherwise (post-norm)
-is a new block class, not a flag.
+is a new block class, not a flag, and so is one that counts its bytes otherwise (GPT-2's
+``GPT2Block`` keeps its family's coarser count: a subclass with its own ``cost``).
 """
 
 from __future__ import annotations
@@ -64,6 +74,22 @@ def as_is(params: tuple[TensorSpec, ...], prefix: str) -> list[Any]:
     from dataflow_training.kit.hf import KeyRule
 
     return [KeyRule(f"{{layer}}.{p.name}", f"{prefix}.{p.name}") for p in params]
+
+
+def conv1d(params: tuple[TensorSpec, ...], prefix: str) -> list[Any]:
+    """HF key rules of parameters HF keeps in ``Conv1D`` modules (GPT-2's), each under its
+    own name after ``prefix``: the weights transposed (``Conv1D`` stores ``(in, out)``, a
+    part ``(out, in)``), the biases as they are."""
+    from dataflow_training.kit.hf import IDENTITY, TRANSPOSE, KeyRule
+
+    return [
+        KeyRule(
+            f"{{layer}}.{p.name}",
+            f"{prefix}.{p.name}",
+            TRANSPOSE if len(p.shape) == 2 else IDENTITY,
+        )
+        for p in params
+    ]
 
 
 def values_per_token(saved: tuple[TensorSpec, ...]) -> int:
