@@ -104,7 +104,10 @@ def demo(session: nox.Session) -> None:
     README's first command), then ``examples/demo.py``: plans at shrinking budgets and
     GPT-2 tiny checked against plain PyTorch."""
     install_project(session)
-    session.run(*MAIN_JOB.split())
+    job = MAIN_JOB.split()
+    if (ROOT / "runs" / "main" / "metrics.jsonl").exists():  # an earlier demo's run there:
+        job.append("--overwrite")  # moved aside (runs/main.replaced-TIME), not refused
+    session.run(*job)
     session.run("python", "examples/demo.py", *session.posargs)
 
 
