@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 import tomllib
 from functools import cache
 from pathlib import Path
@@ -104,10 +105,12 @@ def demo(session: nox.Session) -> None:
     README's first command), then ``examples/demo.py``: plans at shrinking budgets and
     GPT-2 tiny checked against plain PyTorch."""
     install_project(session)
-    job = MAIN_JOB.split()
-    if (ROOT / "runs" / "main" / "metrics.jsonl").exists():  # an earlier demo's run there:
-        job.append("--overwrite")  # moved aside (runs/main.replaced-TIME), not refused
-    session.run(*job)
+    earlier = ROOT / "runs" / "main"
+    if earlier.exists():  # an earlier demo's run: the command would refuse its folder
+        aside = earlier.with_name(f"main.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+        earlier.rename(aside)
+        session.log(f"moved the earlier demo's run aside to {aside}")
+    session.run(*MAIN_JOB.split())
     session.run("python", "examples/demo.py", *session.posargs)
 
 
