@@ -108,6 +108,13 @@ _HOMES = {
     "dataflow.units": ("format_size", "parse_size"),
 }
 
-__all__ = ["DISTRIBUTION", "__version__", "hookimpl", *exported(_HOMES)]
+__all__ = [
+    "DISTRIBUTION",
+    "__version__",
+    "hookimpl",
+    "lazy_exports",
+    "exported",
+    *exported(_HOMES),
+]
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

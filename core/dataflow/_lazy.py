@@ -1,4 +1,5 @@
-"""Lazy re-exports for the facades (PEP 562).
+"""Lazy re-exports for the facades (PEP 562); the plugins' facades use it too, through
+``dataflow.lazy_exports`` and ``dataflow.exported``.
 
 A facade names each public name's home module; the home is imported when the name is
 first used, so importing a facade costs no more than importing this module.

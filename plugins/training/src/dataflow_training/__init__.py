@@ -10,7 +10,7 @@ else is public. Light (the entry point ``dataflow_training.plugin`` imports it):
 is imported from its module when first used.
 """
 
-from dataflow_training._lazy import exported, lazy_exports
+from dataflow import exported, lazy_exports
 
 #: Each public name by its home module, imported when the name is first used.
 _HOMES = {

@@ -5,7 +5,7 @@ executables of a lowered step and the strategy hook a resolver overrides to run 
 family's math its own way. Light: each name is imported from its module when first used.
 """
 
-from dataflow_training._lazy import exported, lazy_exports
+from dataflow import exported, lazy_exports
 
 #: Each public name by its home module, imported when the name is first used.
 _HOMES = {

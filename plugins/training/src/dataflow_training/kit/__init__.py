@@ -8,7 +8,7 @@ submodule. Light (a family's entry point imports it for ``family_plugin``): each
 imported from its module when first used, so only a used part imports torch.
 """
 
-from dataflow_training._lazy import exported, lazy_exports
+from dataflow import exported, lazy_exports
 
 #: Each public name by its home module, imported when the name is first used.
 _HOMES = {

@@ -3,7 +3,7 @@ package's tests subclass, and toy families with real math. Import from here, nev
 submodule. Light: each name (they import torch and pytest) loads when first used.
 """
 
-from dataflow_training._lazy import exported, lazy_exports
+from dataflow import exported, lazy_exports
 
 #: Each public name by its home module, imported when the name is first used.
 _HOMES = {
