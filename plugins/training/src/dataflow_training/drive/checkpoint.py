@@ -186,14 +186,25 @@ def remove_leftovers(out: str | Path) -> list[Path]:
     return doomed
 
 
+#: digests this process computed, by (file, size, modification time): a resume checks the
+#: checkpoint it picks (``intact_checkpoint``), then reads it (``read_checkpoint``), and the
+#: command line read its options first; a file not changed since is not read again
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
 def file_sha256(path: Path) -> str:
     """The SHA-256 of a file, read in 16 MiB pieces (about 1-2 GB/s: a minute for an 8B
-    model's 64 GB of weights and AdamW state)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while piece := file.read(16 * 2**20):
-            digest.update(piece)
-    return digest.hexdigest()
+    model's 64 GB of weights and AdamW state), once per process while the file is
+    unchanged (same size and modification time)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _DIGESTS:
+        digest = hashlib.sha256()
+        with path.open("rb") as file:
+            while piece := file.read(16 * 2**20):
+                digest.update(piece)
+        _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
