@@ -22,13 +22,14 @@ GiB = 2**30
 
 
 def test_each_member_takes_its_own_backing_budget(monkeypatch):
+    from dataflow_training.cli import train_cli
     from dataflow_training.cli.train_cli import _join
     from dataflow_training.drive import fleet as fleet_module
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(
-        fleet_module, "join", lambda rounds, *a, **k: fleet_module.Fleet(1, 2, tuple(rounds), 0.25)
+        train_cli, "join", lambda rounds, *a, **k: fleet_module.Fleet(1, 2, tuple(rounds), 0.25)
     )
     rest = {"rounds": 1, "batch": BATCH, "seq_len": SEQ_LEN}
     fleet, rounds, fast, backing = _join("3,1", "4GiB,2GiB", "60GiB,30GiB", None, "cpu", rest)

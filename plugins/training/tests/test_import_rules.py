@@ -6,6 +6,9 @@ plugins/training/src/dataflow_training dataflow_training`` lists the circles."""
 
 from __future__ import annotations
 
+import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import dataflow_training
@@ -51,3 +54,50 @@ def test_the_stage_rule_sees_an_upward_import() -> None:
     assert upward([planted, allowed]) == [
         f"{ROOT.name}:7: dataflow_training.step.lowering -> dataflow_training.drive.run"
     ]
+
+
+def test_listing_the_commands_imports_no_torch() -> None:
+    """``dataflow --help`` (every command of every installed plugin listed) loads no torch:
+    the command modules import what needs torch inside the command."""
+    code = (
+        "import sys\n"
+        "sys.argv = ['dataflow', '--help']\n"
+        "from dataflow.cli.main import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "sys.exit(3 if 'torch' in sys.modules else 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "train" in result.stdout, result.stderr
+    assert result.returncode == 0, "dataflow --help imported torch"
+
+
+def local_imports_without_reason(root: Path) -> list[str]:
+    """Each import inside a function that has no comment above it or beside it, nor an
+    import just above it (one comment serves a run of imports), as ``path:line``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for inner in ast.walk(node):
+                if not isinstance(inner, ast.Import | ast.ImportFrom):
+                    continue
+                above = lines[inner.lineno - 2].strip()
+                if "#" in lines[inner.lineno - 1] or above.startswith(("#", "import ", "from ")):
+                    continue
+                found.append(f"{path.relative_to(root)}:{inner.lineno}")
+    return sorted(set(found))
+
+
+def test_each_function_local_import_says_why() -> None:
+    """An import inside a function only where it must be (torch or an optional package
+    kept out of a module that loads without it), with the reason beside it."""
+    assert local_imports_without_reason(ROOT) == []
+
+
+def test_the_reason_rule_sees_a_bare_local_import(tmp_path: Path) -> None:
+    (tmp_path / "m.py").write_text(
+        "def f():\n    import json\n\n\ndef g():\n    # why\n    import json\n"
+    )
+    assert local_imports_without_reason(tmp_path) == ["m.py:2"]

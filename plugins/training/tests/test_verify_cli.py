@@ -108,7 +108,7 @@ def test_levels_runs_only_those_named() -> None:
 
 def test_a_step_level_the_host_cannot_hold_is_refused_before_any_check(monkeypatch) -> None:
     from dataflow_training.check.verify import step_host_bytes
-    from dataflow_training.plan import compiled_step as run
+    from dataflow_training.cli import verify_cli as run  # where the command looks it up
 
     from dataflow import families
 

@@ -4,11 +4,12 @@ family (the protocol's worked MoE example); imports torch only when the family l
 
 from __future__ import annotations
 
-from dataflow import hookimpl
+from dataflow import FamilySpec, hookimpl
 
 
 @hookimpl
 def dataflow_cli_commands() -> list:
+    # the entry point loads at every start of `dataflow`: a hook imports what it names when called
     from dataflow_training.cli.export_cli import export_command
     from dataflow_training.cli.predict_cli import measure_command, predict_command
     from dataflow_training.cli.step_cli import lower_command
@@ -26,6 +27,7 @@ def dataflow_cli_commands() -> list:
 
 
 def _toy_moe():
+    # the entry point loads at every start of `dataflow`: a hook imports what it names when called
     from dataflow_training.testing.toy_moe import ToyMoEFamily
 
     return ToyMoEFamily()
@@ -33,6 +35,7 @@ def _toy_moe():
 
 @hookimpl
 def dataflow_planners() -> list:
+    # the entry point loads at every start of `dataflow`: a hook imports what it names when called
     from dataflow_training.plan.recompute import RECOMPUTE
 
     return [RECOMPUTE]
@@ -40,7 +43,6 @@ def dataflow_planners() -> list:
 
 @hookimpl
 def dataflow_families() -> list:
-    from dataflow import FamilySpec
 
     return [
         FamilySpec(

@@ -21,8 +21,9 @@ import torch
 from dataflow_training.check.tolerances import adam_update_gap, sign_flips, weight_error
 from dataflow_training.check.verify_checks import Check, compare
 from dataflow_training.drive.run import TrainingRun
+from dataflow_training.drive.trainer import plan_line
 from dataflow_training.step.config import DtypePolicy, OptimizerPolicy, TrainConfig
-from dataflow_training.step.family import embed_layer
+from dataflow_training.step.family import FamilyContractError, embed_layer
 
 
 def check_state_keys(family: Any, config: Any, state: Any) -> None:
@@ -30,8 +31,6 @@ def check_state_keys(family: Any, config: Any, state: Any) -> None:
     declared = {f"{layer.name}.{p.name}" for layer in family.layers(config) for p in layer.params}
     extra, missing = sorted(set(state) - declared), sorted(declared - set(state))
     if extra or missing:
-        from dataflow_training.step.family import FamilyContractError
-
         raise FamilyContractError(
             f"family {family.name!r}: the reference model's parameters differ from the "
             f"declared layers: not declared by any layer {extra}; declared but missing {missing}"
@@ -146,8 +145,6 @@ def step_checks(
         planner=planner,
     )
     if note is not None:
-        from dataflow_training.drive.trainer import plan_line
-
         note(f"{plan_line(run.compiled)}; tasks run by the {resolver} resolver")
     reference = Reference(family, config, train)
     plain = (

@@ -15,10 +15,17 @@ import inspect
 from pathlib import Path
 from typing import Any
 
+import attrs
 import click
 
-from dataflow.cli import BUDGET, COUNT, Device, Failure, OutputFile, one_line
+from dataflow import format_size, write_bundle
+from dataflow.cli import BUDGET, COUNT, Device, Failure, OutputFile, one_line, write_perfetto
+from dataflow_training.cli.predict_cli import measured_pricing
+from dataflow_training.cli.train_defaults import default_family
 from dataflow_training.cli.verify_cli import _check_seq_len, _family, _preset_config
+from dataflow_training.drive.export import ExportError, export_cell
+from dataflow_training.plan.hardware import HardwareError, hardware
+from dataflow_training.plan.predict import Cell
 
 PRICINGS = ("auto", "profile", "roofline")
 
@@ -122,12 +129,8 @@ def export_bundle(
     perfetto_out: str | None,
 ) -> str:
     """Write the bundle; return the line that says what was written."""
-    from dataflow import format_size, write_bundle
-    from dataflow_training.cli.train_defaults import default_family
-    from dataflow_training.drive.export import ExportError, export_cell
+    # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.drive.trainer import TrainOptions
-    from dataflow_training.plan.hardware import HardwareError, hardware
-    from dataflow_training.plan.predict import Cell
 
     if budget_bytes is None:
         raise click.UsageError("--budget SIZE is needed with --preset (the fast-memory budget)")
@@ -155,8 +158,6 @@ def export_bundle(
     priced: dict[str, Any] = {}
     cache = None
     if pricing == "profile" or (pricing == "auto" and _cuda_present()):
-        from dataflow_training.cli.predict_cli import measured_pricing
-
         priced, cache = measured_pricing(family, device, graph)
     try:
         bundle = export_cell(
@@ -172,8 +173,6 @@ def export_bundle(
     except ExportError as exc:
         raise Failure(f"--budget {format_size(budget_bytes)}: {exc}") from None
     if cache is not None and cache.misses:  # measured now: say so
-        import attrs
-
         summary = attrs.evolve(bundle.summary, pricing="profiled")
         bundle = attrs.evolve(bundle, summary=summary)
     write_bundle(out_dir, bundle)
@@ -184,13 +183,12 @@ def export_bundle(
         f"{format_size(budget_bytes)} (priced by {summary.pricing})"
     )
     if perfetto_out is not None:
-        from dataflow.cli import write_perfetto
-
         line += "\n" + write_perfetto(out_dir, perfetto_out)
     return line
 
 
 def _cuda_present() -> bool:
+    # torch loads when the command runs, not when `dataflow` lists its commands
     import torch
 
     return torch.cuda.is_available()
@@ -204,6 +202,7 @@ def _pricing_label(priced: dict[str, Any], cache: Any) -> str:
 
 def _export_hf(hf_out: str, checkpoint: str, max_shard_bytes: int | None = None) -> None:
     """``--hf OUT --from CHECKPOINT``."""
+    # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.drive.checkpoint import (
         MANIFEST_FILE,
         CheckpointError,

@@ -17,11 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.console import Console
+from rich.table import Table
 
-from dataflow import format_size, parse_size
+from dataflow import format_size, parse_size, resolvers
 from dataflow.cli import COUNT, Device, OutputFile, one_line
-from dataflow_training.cli.verify_cli import optimizer_states_option
-from dataflow_training.step.config import parse_order
+from dataflow_training.cli.train_defaults import default_device, default_family
+from dataflow_training.cli.verify_cli import _family, optimizer_states_option
+from dataflow_training.drive.measure import measure
+from dataflow_training.plan.hardware import HardwareError, hardware
+from dataflow_training.plan.predict import default_jobs, grid, predict, predict_fleet
+from dataflow_training.step.config import ORDER_FORMS, parse_order
 
 
 class IntList(click.ParamType):
@@ -68,7 +74,6 @@ class OrderList(click.ParamType):
     name = "ORDER,..."
 
     def convert(self, value: Any, param: Any, ctx: Any) -> tuple[str, ...]:
-        from dataflow_training.step.config import ORDER_FORMS, parse_order
 
         if isinstance(value, tuple):
             return value
@@ -132,9 +137,6 @@ def _grid_options(command: Any) -> Any:
 
 
 def _setup(preset: str, family_name: str | None, hw_name: str, hw_files: tuple, backing: Any):
-    from dataflow_training.cli.train_defaults import default_family
-    from dataflow_training.cli.verify_cli import _family
-    from dataflow_training.plan.hardware import HardwareError, hardware
 
     family_name = family_name or default_family(preset)
     family = _family(family_name)
@@ -154,7 +156,6 @@ def _setup(preset: str, family_name: str | None, hw_name: str, hw_files: tuple, 
 
 
 def _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders):
-    from dataflow_training.plan.predict import grid
 
     return grid(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders)
 
@@ -206,7 +207,6 @@ def predict_command(
 ) -> None:
     """Predict a grid of training steps from the simulator: one row per cell (with
     --ranks, one per cell and fleet size)."""
-    from dataflow_training.plan.predict import default_jobs, predict, predict_fleet
 
     family, entry, backing = _setup(preset, family_name, hw, hw_files, backing)
     options: dict[str, Any] = {"recompute": recompute, "dtype": dtype, "states": optimizer_states}
@@ -225,7 +225,6 @@ def predict_command(
 
 
 def _check_scope(entry: Any, scope: str) -> None:
-    from dataflow_training.plan.hardware import HardwareError
 
     try:
         entry.collective_link(2, scope)
@@ -234,9 +233,6 @@ def _check_scope(entry: Any, scope: str) -> None:
 
 
 def _print_fleet(rows: list[dict[str, Any]], hw: str, preset: str, scope: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(
         "seq", "T_round", "budget", "ranks", "s/step", "tok/s a rank", "fleet tok/s",
         "all-reduce ms", "exposed ms", "hidden ms", "scaling eff",
@@ -270,8 +266,7 @@ def measured_pricing(
 ) -> tuple[dict[str, Any], Any]:
     """``plan_cell``'s options that price by the profiling pass through its disk cache on
     ``device`` (timed as graph replays with ``graph``), and that cache (None when off)."""
-    from dataflow import resolvers
-    from dataflow_training.cli.train_defaults import default_device
+    # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.plan.profile import ProfileCache, profile_program
 
     device = device or default_device()
@@ -284,6 +279,7 @@ def measured_pricing(
 
     options: dict[str, Any] = {"measure": measure}
     if device.startswith("cuda"):
+        # torch loads when the command runs, not when `dataflow` lists its commands
         from dataflow import runtime_reserve_bytes
 
         options["reserve_bytes"] = runtime_reserve_bytes(device)
@@ -325,8 +321,7 @@ def measure_command(
     resolver,
 ) -> None:
     """Run a grid of training steps on the engine, each beside its prediction."""
-    from dataflow_training.cli.train_defaults import default_device
-    from dataflow_training.drive.measure import measure
+    # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.drive.run import resolver_for
 
     if warmup >= steps:
@@ -393,9 +388,6 @@ def _cell_columns(row: dict[str, Any]) -> list[str]:
 
 
 def _print_predicted(rows: list[dict[str, Any]], hw: str, preset: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(
         "seq", "T_round", "budget", "s/step", "tok/s", "eff TF/s", "hw TF/s", "fast peak",
         "backing peak", "h2d GB", "d2h GB", "link % h2d/d2h", "recompute %", "idle %",
@@ -433,9 +425,6 @@ def _recomputed(row: dict[str, Any]) -> str:
 
 
 def _print_measured(rows: list[dict[str, Any]], hw: str, preset: str, device: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(
         "seq", "T_round", "budget", "predicted s", "measured s", "ratio", "tok/s",
         "allocator peak", "recomputed", title=f"{preset} on {device} (predicted: {hw})",

@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from dataflow.cli import COUNT, OutputFile
+from dataflow_training.cli.train_defaults import default_family
 from dataflow_training.cli.verify_cli import _check_seq_len, _family, _preset_config
+from dataflow_training.step.config import DtypePolicy, TrainConfig
+from dataflow_training.step.lowering import lower
 
 
 @click.command("lower")
@@ -20,11 +25,6 @@ from dataflow_training.cli.verify_cli import _check_seq_len, _family, _preset_co
 @click.option("-o", "--output", required=True, type=OutputFile(), help="program JSON to write")
 def lower_command(preset, family_name, batch, seq_len, rounds, dtype, clip, output) -> None:
     """Write one training step of a family preset as a bare Program (JSON)."""
-    from pathlib import Path
-
-    from dataflow_training.cli.train_defaults import default_family
-    from dataflow_training.step.config import DtypePolicy, TrainConfig
-    from dataflow_training.step.lowering import lower
 
     family_name = family_name or default_family(preset)
     family = _family(family_name)

@@ -10,12 +10,18 @@ one line.
 
 from __future__ import annotations
 
+import os
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from dataflow.cli import COUNT, Device, Failure, one_line
+from dataflow import InfeasibleBudget, format_size
+from dataflow.cli import BUDGET, COUNT, Device, Failure, one_line
 from dataflow_training.cli.train_defaults import (
     data_spec,
     default_budget,
@@ -31,8 +37,11 @@ from dataflow_training.cli.verify_cli import (
     optimizer_states_option,
     order_option,
 )
-from dataflow_training.drive.trainer import SCHEDULES
-from dataflow_training.step.config import UPDATES
+from dataflow_training.drive.conductor import ENV_BACKEND, Topology, conduct
+from dataflow_training.drive.fleet import ENV_WORLD, FleetError, in_fleet, join, per_rank
+from dataflow_training.drive.hf_init import InitError, hf_overrides, preset_of
+from dataflow_training.drive.profiling import ProfileWindow
+from dataflow_training.step.config import SCHEDULES, UPDATES
 
 #: the exit status of a run stopped by SIGTERM after writing its checkpoint (128 + 15)
 TERMINATED_EXIT = 143
@@ -234,9 +243,8 @@ def train_command(
     """Train a family preset on a feed: plan line, progress, metrics.jsonl, checkpoints.
     With --topology and --group: start the group's members as a data-parallel fleet;
     started as a member (torchrun, or by a conductor): train as one."""
-    from dataflow import InfeasibleBudget, format_size
+    # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.drive.checkpoint import CheckpointError, CheckpointWriteError, os_cause
-    from dataflow_training.drive.fleet import FleetError, in_fleet
     from dataflow_training.drive.run_folder import RunFolderError
     from dataflow_training.drive.trainer import Interrupted, TrainingStopped, TrainOptions, train
 
@@ -292,7 +300,6 @@ def train_command(
     if preset is None:
         if rest["init"] is None:
             raise click.UsageError("Missing option '--preset' (or --init FOLDER to take it from)")
-        from dataflow_training.drive.hf_init import InitError, preset_of
 
         try:
             family_name, preset = preset_of(rest["init"], family_name)
@@ -303,8 +310,6 @@ def train_command(
     family = _family(family_name)
     config = _preset_config(family, family_name, preset)
     if rest["init"] is not None:
-        from dataflow_training.drive.hf_init import InitError, hf_overrides
-
         try:
             config = hf_overrides(family, family_name, preset, rest["init"]).config
         except InitError as exc:
@@ -385,10 +390,6 @@ def _conduct(
     """``--topology`` with ``--group``: start the members (with this command's other
     options) and wait for them. ``per_member``: option -> its text, one value per
     member (or one for all), checked against the group's size here."""
-    from pathlib import Path
-
-    from dataflow_training.drive.conductor import Topology, conduct
-    from dataflow_training.drive.fleet import FleetError, per_rank
 
     if topology is None or group is None:
         raise click.UsageError("--topology and --group go together")
@@ -430,7 +431,6 @@ def _conduct(
 def member_args(ctx: click.Context) -> list[str]:
     """This command's options as given (not defaulted), minus the conductor's own: what
     every member is started with."""
-    from click.core import ParameterSource
 
     argv: list[str] = []
     for param in ctx.command.params:
@@ -453,8 +453,6 @@ def member_args(ctx: click.Context) -> list[str]:
 def _backing_budgets(text: str | None, world: int, where: str = "") -> list[int] | None:
     """``--backing-budget`` as one size per member (None: not given). A count that is
     neither 1 nor ``world``, or a size that does not parse, names the option."""
-    from dataflow.cli import BUDGET
-    from dataflow_training.drive.fleet import per_rank
 
     try:
         return per_rank(text, world, "--backing-budget", lambda v: BUDGET.convert(v, None, None))
@@ -473,11 +471,6 @@ def _join(
 ) -> tuple[Any, int, int | None, int | None]:
     """Join the fleet this process was started in: ``(fleet, this member's rounds, its
     budget, its backing budget)``."""
-    import os
-
-    from dataflow.cli import BUDGET
-    from dataflow_training.drive.conductor import ENV_BACKEND
-    from dataflow_training.drive.fleet import ENV_WORLD, FleetError, join, per_rank
 
     world = int(os.environ.get(ENV_WORLD, "1"))
     try:
@@ -506,7 +499,7 @@ def done_line(summary: dict[str, Any], out: Any) -> str:
     """``done: step 300, loss 5.5206 -> 2.3435; fast peak 1.99 MiB of the 2 MiB budget;
     checkpoints in runs/main``: the first step's loss and the last's, the ledger's fast
     peak over the run (on CUDA also the allocator's) against the budget."""
-    from dataflow import format_size
+    # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.drive.trainer import budget_text
 
     last, first = summary["last"], summary["first"]
@@ -524,9 +517,6 @@ def _profile_window(
 ) -> Any:
     """The ``--profile`` window, or None; a usage error naming the option when the
     range options make no sense."""
-    from pathlib import Path
-
-    from dataflow_training.drive.profiling import ProfileWindow
 
     if not profile:
         given = [
@@ -551,14 +541,12 @@ def _profile_window(
 def _progress(steps: int) -> Any:
     """A rich progress bar on a terminal, else a plain line at step 1 and every ~5 % of
     the run."""
-    import time
 
+    # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.drive.trainer import elapsed_eta
 
     started = time.perf_counter()
     if sys.stdout.isatty():
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
         bar = Progress(
             TextColumn("step {task.completed}/{task.total}"),
             BarColumn(),

@@ -9,14 +9,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
+
+from dataflow import families, feeds, format_size
 
 
 def default_family(preset: str) -> str:
     """The one installed family that has ``preset``."""
-    from dataflow import families
 
     owners = []
     for spec in families():
@@ -65,11 +68,8 @@ def take_resumed(rest: dict[str, Any], given: dict[str, Any]) -> None:
     resumed run's options wherever the command line left them at their defaults, and say
     which in a ``resume:`` line (nothing where there is no checkpoint to resume). A run
     started from ``--init`` keeps its overrides, its folder not needed again."""
-    from pathlib import Path
 
-    from click.core import ParameterSource
-
-    from dataflow import format_size
+    # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.drive.checkpoint import resumed_options
 
     if rest["resume"] != "auto" and not Path(rest["resume"]).is_dir():
@@ -107,6 +107,7 @@ def take_resumed(rest: dict[str, Any], given: dict[str, Any]) -> None:
 
 
 def cuda_here() -> bool:
+    # torch loads when the command runs, not when `dataflow` lists its commands
     import torch
 
     return torch.cuda.is_available()
@@ -117,9 +118,6 @@ def data_spec(data: str) -> str:
     a folder of llm.c shards (``*.bin`` in it) as ``shards:``, any other file or folder as
     ``text:``; a bare path that does not is a usage error, and an unknown scheme is the feed
     registry's to refuse (listing the schemes)."""
-    from pathlib import Path
-
-    from dataflow import feeds
 
     scheme, colon, _location = data.partition(":")
     if colon and scheme in feeds().names():
@@ -139,6 +137,7 @@ def data_spec(data: str) -> str:
 
 
 def default_device() -> str:
+    # torch loads when the command runs, not when `dataflow` lists its commands
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,6 +147,7 @@ def default_budget(device: str) -> int | None:
     """The device's free memory now (CPU: unbounded)."""
     if device == "cpu":
         return None
+    # torch loads when the command runs, not when `dataflow` lists its commands
     import torch
 
     free, _total = torch.cuda.mem_get_info(torch.device(device))

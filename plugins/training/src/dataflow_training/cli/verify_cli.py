@@ -8,15 +8,23 @@ table of checks to stdout; exit 1 when a check fails.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from typing import Any
 
+import attrs
 import click
+from rich.console import Console
+from rich.table import Table
 
-from dataflow import format_size
+from dataflow import families, format_size, minimal_budget
 from dataflow.cli import BUDGET, COUNT, Device, Failure, lookup, one_line, plugin_failure
 from dataflow_training.check.verify_checks import YARDSTICK_FACTOR
-from dataflow_training.step.config import STATE_DTYPES
+from dataflow_training.drive.progress import LevelPrinter
+from dataflow_training.plan.compiled_step import available_host_bytes
+from dataflow_training.step.config import STATE_DTYPES, parse_order
+from dataflow_training.step.lowering import lower
 
 #: Config fields under which a family may declare the longest sequence its model takes.
 MAX_SEQ_LEN_FIELDS = ("max_seq_len", "n_positions", "max_position_embeddings")
@@ -35,7 +43,6 @@ class Order(click.ParamType):
     name = "ORDER"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> str:
-        from dataflow_training.step.config import parse_order
 
         try:
             parse_order(value)
@@ -154,11 +161,9 @@ def verify_command(
     resolver,
 ) -> None:
     """Compare ops, tasks and whole training steps against the family's reference."""
-    from rich.console import Console
-    from rich.table import Table
 
+    # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.check.verify import verify
-    from dataflow_training.drive.progress import LevelPrinter
 
     family = _family(family_name)
     config = _preset_config(family, family_name, preset)
@@ -227,6 +232,7 @@ def verify_command(
 
 def _levels(text: str) -> tuple[str, ...]:
     """``--levels``: known level names, at least one."""
+    # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.check.verify import check_levels
 
     named = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
@@ -239,7 +245,6 @@ def _levels(text: str) -> tuple[str, ...]:
 
 def _check_writable(path: str) -> None:
     """``--json``'s folder exists and takes a file, checked before any check runs."""
-    import os
 
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
@@ -251,9 +256,6 @@ def _check_writable(path: str) -> None:
 def _write_checks(path: str, checks: list) -> None:
     """Every check as one JSON record (``--json``), written before the table, so that a
     failed run leaves it too."""
-    import json
-
-    import attrs
 
     rows = [
         attrs.asdict(c) | {"effective_tolerance": c.effective_tolerance, "ok": c.ok} for c in checks
@@ -295,7 +297,6 @@ def _tolerance_cell(check: Any) -> str:
 
 
 def _family(name: str) -> Any:
-    from dataflow import families
 
     spec = lookup(families(), name, "--family")
     try:
@@ -332,12 +333,12 @@ def _check_host_memory(family: Any, config: Any, preset: str) -> None:
     """Fail before any check runs when the step level on the CPU would need more host
     memory than is available (``verify.step_host_bytes``): it would be killed for memory
     after minutes of work rather than fail."""
+    # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.check.verify import (
         CPU_STEP_BYTES_PER_PARAM,
         model_params,
         step_host_bytes,
     )
-    from dataflow_training.plan.compiled_step import available_host_bytes
 
     available = available_host_bytes()
     need = step_host_bytes(family, config)
@@ -355,9 +356,8 @@ def _check_host_memory(family: Any, config: Any, preset: str) -> None:
 
 def _check_budget(family: Any, preset: str, policy: str, budget_bytes: int, **shape: Any) -> None:
     """Fail before any check runs when the step cannot be planned into ``budget_bytes``."""
-    from dataflow import minimal_budget
+    # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.check.verify import follows_routing, step_config
-    from dataflow_training.step.lowering import lower
 
     train = step_config(policy, **shape)
     keep = follows_routing(family)  # as step_checks lowers it

@@ -34,6 +34,8 @@ from typing import Any
 
 import cattrs
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from dataflow_training.step.config import TrainConfig
 
@@ -74,7 +76,6 @@ def train_from_dict(data: Mapping[str, Any]) -> TrainConfig:
 
 
 def plan_hash(program: Any) -> str:
-    import hashlib
 
     return hashlib.sha256(program.to_json(indent=None).encode()).hexdigest()[:16]
 
@@ -118,7 +119,6 @@ def write_checkpoint(
     manifest: Mapping[str, Any],
 ) -> Path:
     """Write a complete checkpoint at ``path`` (which must not exist yet), atomically."""
-    from safetensors.torch import save_file
 
     final = Path(path)
     if final.exists():
@@ -256,8 +256,6 @@ def read_checkpoint(
     missing, truncated, corrupt or damaged file (``problem_of``) is one ``CheckpointError``
     naming it. ``weights_only`` reads and checks the model file alone (an export needs no
     optimizer state): the optimizer state and rng states come back empty."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     folder = Path(path)
     if not folder.is_dir():

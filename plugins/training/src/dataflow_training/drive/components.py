@@ -64,6 +64,7 @@ class TensorBoardMetrics:
     def open(cls, folder: Path, start: int) -> TensorBoardMetrics | None:
         """The sink into ``folder``, or None when ``tensorboard`` is not installed."""
         try:
+            # optional: TensorBoard's writer needs the tensorboard package
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             return None

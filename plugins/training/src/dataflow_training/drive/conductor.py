@@ -37,6 +37,7 @@ from pathlib import Path
 
 import attrs
 
+from dataflow.cli import BUDGET
 from dataflow_training.drive.fleet import ENV_HOST, ENV_TIMEOUT, FleetError
 
 BACKENDS = ("auto", "nccl", "gloo")
@@ -183,6 +184,7 @@ def conduct(
 ) -> None:
     """Start every member, wait for all of them; a member that fails stops the fleet with
     one ``FleetError`` naming it and the checkpoint to resume from."""
+    # torch loads when a fleet member stops: `dataflow train` reads this module without it
     from dataflow_training.drive.checkpoint import latest_checkpoint
 
     procs = []
@@ -225,7 +227,6 @@ def _stop(procs: list[tuple[Host, subprocess.Popen]]) -> None:
 
 def _size(value: object, error: ValueError) -> str:
     """A host's size as written (``"14GiB"``), checked to parse as a budget."""
-    from dataflow.cli import BUDGET
 
     try:
         BUDGET.convert(str(value), None, None)

@@ -20,7 +20,16 @@ from typing import Any
 
 import attrs
 
-from dataflow import Bundle, Measured, Summary, bundle_of, measured_timeline, plan_summary
+from dataflow import (
+    Bundle,
+    Measured,
+    PlanningError,
+    Summary,
+    bundle_of,
+    measured_timeline,
+    place,
+    plan_summary,
+)
 from dataflow_training.plan.hardware import HardwareEntry
 from dataflow_training.plan.predict import Cell, plan_cell, recomputed, row_of
 from dataflow_training.step.config import TrainConfig
@@ -90,7 +99,6 @@ def export_cell(
     """The bundle of one cell (module docstring); ``ExportError`` when it cannot run.
     With ``measure`` (priced by the profiling pass) task workspace stays beside the arena,
     as the engine runs it on CUDA."""
-    from dataflow import PlanningError, place
 
     planned = plan_cell(
         family,

@@ -19,6 +19,7 @@ them; so does the conductor (``dataflow_training.drive.conductor``) for ``--topo
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import subprocess
@@ -104,6 +105,7 @@ class Fleet:
 
     def gather(self, obj: Any) -> list[Any]:
         """Every member's ``obj`` (picklable), in rank order, on every member."""
+        # torch loads when a fleet joins: `dataflow train` reads this module's options without it
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.world
@@ -113,6 +115,7 @@ class Fleet:
     def mean_loss(self, losses: Sequence[float]) -> float:
         """The fleet's mean loss over all its rounds (what one process that ran them all
         reports): the sum of every member's round losses over the fleet's rounds."""
+        # torch loads when a fleet joins: `dataflow train` reads this module's options without it
         import torch
         import torch.distributed as dist
 
@@ -123,6 +126,7 @@ class Fleet:
         return float(total) / sum(self.rounds)
 
     def barrier(self) -> None:
+        # torch loads when a fleet joins: `dataflow train` reads this module's options without it
         import torch.distributed as dist
 
         dist.barrier()
@@ -134,8 +138,8 @@ class Fleet:
         the interpreter's teardown (where its destructor aborts the process: "terminate
         called without an active exception", exit -6, seen once in CI on a run that had
         finished). After a failure there is no barrier: the others may be gone."""
-        import gc
 
+        # torch loads when a fleet joins: `dataflow train` reads this module's options without it
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -152,6 +156,7 @@ def join(
     """Join the fleet this process was started in (the environment, as torchrun sets it):
     initialise the default process group, check that every member runs the same code
     (``check_versions``) and return this member's ``Fleet``."""
+    # torch loads when a fleet joins: `dataflow train` reads this module's options without it
     import torch
     import torch.distributed as dist
 
@@ -197,6 +202,7 @@ def git_commit(path: Path | None = None) -> str | None:
 
 def version_report() -> dict[str, Any]:
     """What a member reports before training: its host, git commit, package versions."""
+    # torch loads when a fleet joins: `dataflow train` reads this module's options without it
     from dataflow_training.drive.checkpoint import package_versions
 
     return {"host": host_name(), "commit": git_commit(), "versions": package_versions()}

@@ -22,6 +22,8 @@ from typing import Any
 
 import attrs
 
+from dataflow import families
+
 #: fields an ``init:`` line names before it says how many more there are
 SHOWN_FIELDS = 4
 
@@ -50,6 +52,7 @@ def _jsonable(value: Any) -> Any:
 def hf_config(family: Any, family_name: str, path: str | Path) -> Any:
     """The config of the HF model folder ``path``, as ``family`` reads it (its
     ``config_from_hf`` when it has one, else its whole ``import_hf``)."""
+    # kit.hf needs torch: `dataflow train` reads this module's options without it
     from dataflow_training.kit.hf import CONFIG, checkpoint_folder, read_config
 
     folder = Path(path)
@@ -74,7 +77,6 @@ def preset_of(path: str | Path, family_name: str | None = None) -> tuple[str, st
     with the fewest fields apart (``hf_overrides`` then makes the rest the run's
     overrides). Families without ``config_from_hf`` are not tried: only their whole
     import reads a config."""
-    from dataflow import families
 
     if not Path(path).is_dir():
         raise InitError(f"--init {path}: no such folder")
@@ -119,6 +121,7 @@ def _differing(config: Any, base: Any) -> list[str]:
 
 def _model_type(path: str | Path) -> str:
     """`` (model_type 'x')`` of the folder's config.json where it says one, else ""."""
+    # kit.hf needs torch: `dataflow train` reads this module's options without it
     from dataflow_training.kit.hf import read_config
 
     try:

@@ -15,6 +15,8 @@ import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from dataflow import BudgetBreachError, PlanningError
+from dataflow_training.plan.compiled_step import compile_step
 from dataflow_training.plan.hardware import HardwareEntry
 from dataflow_training.plan.predict import (
     Cell,
@@ -47,11 +49,11 @@ def measure_cell(
     ``measured_step_s``, ``ratio``, ``steps_s`` (every step's wall time), ``losses``
     (every step's mean loss, so a run that went wrong shows) and the allocator's peak
     (CUDA)."""
+    # torch loads when a cell is measured: `dataflow measure` reads this module without it
     import torch
 
-    from dataflow import BudgetBreachError, PlanningError
+    # torch loads when a cell is measured: `dataflow measure` reads this module without it
     from dataflow_training.drive.run import TrainingRun
-    from dataflow_training.plan.compiled_step import compile_step
 
     costs = "measured" if device.startswith("cuda") else "roofline"
     extra: dict[str, Any] = {"hw": hw.name, "costs": costs, "device": device, "resolver": resolver}

@@ -107,6 +107,7 @@ class StepProfiler:
         if not w.start <= step <= w.stop:
             yield
             return
+        # torch loads when a profile window opens: `dataflow train` reads this module without it
         import torch
 
         if self._torch is None:
@@ -127,11 +128,13 @@ class StepProfiler:
             self.close()
 
     def _open(self) -> None:
+        # torch loads when a profile window opens: `dataflow train` reads this module without it
         import torch
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU]
         if self.cuda:
+            # torch loads when a profile window opens: `dataflow train` reads this module without it
             from dataflow import CudaRunner
 
             activities.append(ProfilerActivity.CUDA)
@@ -146,9 +149,11 @@ class StepProfiler:
         write the trace of the steps it saw; the trace's path, or None when it saw none."""
         if self._torch is None:
             return None
+        # torch loads when a profile window opens: `dataflow train` reads this module without it
         import torch
 
         if self.cuda:
+            # torch loads when a profile window opens: `dataflow train` reads this module without it
             from dataflow import CudaRunner
 
             torch.cuda.synchronize()
@@ -170,6 +175,7 @@ def _all_threads() -> Any:
     the CPU runner launches tasks on worker threads. Experimental in torch; None (the
     starting thread only) where this torch does not have it."""
     try:
+        # torch loads when a profile window opens: `dataflow train` reads this module without it
         from torch._C._profiler import _ExperimentalConfig
 
         return _ExperimentalConfig(profile_all_threads=True)

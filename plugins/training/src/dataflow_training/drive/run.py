@@ -21,6 +21,7 @@ fleet share this class.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 import attrs
 import torch
 
-from dataflow import format_size
+from dataflow import Engine, PlanningError, format_size, resolvers
 from dataflow_training.drive.checkpoint import (
     package_versions,
     plan_hash,
@@ -60,7 +61,6 @@ def resolver_for(name: str, device: str) -> str:
     CUDA where it is installed, else ``torch`` (eager: the compiled resolver is made for
     CUDA, and on a CPU compiling a small model's tasks takes longer than its steps). A
     name that is not registered is a ValueError naming the known ones."""
-    from dataflow import resolvers
 
     known = [spec.name for spec in resolvers()]
     if name == "auto":
@@ -90,7 +90,6 @@ def _reference_state(
     float32 model's tensors are dropped one by one as their copies are made, so the host
     holds the float32 model and little more, not the float32 model beside its whole copy
     (for an 8B model that is 32 GB, not 48)."""
-    import gc
 
     torch.manual_seed(seed)
     model = family.reference_model(config)
@@ -244,7 +243,6 @@ class TrainingRun:
         return data_values(self._data_objects, lambda _step, round_: batches[round_])
 
     def _load(self, batches: list[Batch]) -> None:
-        from dataflow import Engine
 
         opt_state = self._opt_state or {}
         for obj_id, raw in opt_state.items():
@@ -285,7 +283,6 @@ class TrainingRun:
         """Refuse, before anything is allocated, a plan whose slow pool exceeds
         ``pinned_limit_bytes`` or, on CUDA, the host's available memory less
         ``HOST_RESERVE_BYTES`` (class docstring)."""
-        from dataflow import PlanningError
 
         pool = self.compiled.pinned_bytes
         limit = self.compiled.pinned_limit_bytes

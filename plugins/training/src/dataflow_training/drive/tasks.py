@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 import torch
+import torch.distributed as dist
 
 from dataflow import LaunchContext, Program, Task
 from dataflow_training.step.family import Env, FamilyContractError, RowGradient
@@ -534,8 +535,6 @@ class GradAllReduce(_Exec):
             flat = torch.cat([v.reshape(-1) for v in views])
         flat.mul_(float(self.task.params["share"]))
         if ctx.values.get("fleet"):
-            import torch.distributed as dist
-
             dist.all_reduce(flat)
         offset = 0
         for v in views or ():

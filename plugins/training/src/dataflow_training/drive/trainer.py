@@ -27,7 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
+import torch
 
+from dataflow import Links, feeds, format_size, write_bundle
+from dataflow.cli import write_perfetto
+from dataflow_training.drive.checkpoint import intact_checkpoint, latest_checkpoint, resumed_options
 from dataflow_training.drive.components import (
     METRICS_FILE,
     TENSORBOARD_FOLDER,
@@ -39,19 +43,25 @@ from dataflow_training.drive.components import (
     StopRequest,
     TensorBoardMetrics,
 )
+from dataflow_training.drive.export import run_bundle
+from dataflow_training.drive.hf_init import InitError, hf_overrides, hf_weights
 from dataflow_training.drive.profiling import ProfileWindow, StepProfiler
+from dataflow_training.drive.run import TrainingRun, resolver_for
 from dataflow_training.drive.run_folder import RunFolder
+from dataflow_training.plan.compiled_step import compile_step
+from dataflow_training.plan.hardware import hardware
 from dataflow_training.step.config import (
+    SCHEDULES,
     DtypePolicy,
     TrainConfig,
     head_chunk_tokens,
     optimizer_states,
 )
+from dataflow_training.step.family import load_family
 
 if TYPE_CHECKING:
     from dataflow_training.drive.fleet import Fleet
 
-SCHEDULES = ("cosine", "wsd", "constant")
 #: the share of the steps after warmup that WSD spends decaying (the rest is stable)
 WSD_DECAY_FRACTION = 0.2
 #: the Perfetto trace ``trace_steps`` writes beside the run's bundle
@@ -167,7 +177,6 @@ def lr_at(step: int, o: TrainOptions) -> float:
 
 
 def open_feed(o: TrainOptions, rank: int = 0, world: int = 1) -> Any:
-    from dataflow import feeds
 
     return feeds().open(
         o.data, batch=o.batch, seq_len=o.seq_len, seed=o.seed, rank=rank, world=world
@@ -175,7 +184,6 @@ def open_feed(o: TrainOptions, rank: int = 0, world: int = 1) -> Any:
 
 
 def budget_text(budget_bytes: int) -> str:
-    from dataflow import format_size
 
     return "unbounded" if budget_bytes >= 2**61 else format_size(budget_bytes)
 
@@ -200,7 +208,6 @@ def _is_partial(slot: Any) -> bool:
 def plan_line(compiled: Any) -> str:
     """The plan line of a compiled step (``CompiledStep``): the simulator's step of the
     plan that runs and the layers its ``rec`` tasks re-derive."""
-    from dataflow import format_size
 
     p = compiled.predicted()
     layout = compiled.layout  # the plan the engine runs: the recompute planner chose it
@@ -270,7 +277,6 @@ def _train(
     family: Any,
 ) -> dict[str, Any]:
     """``train`` in a folder it holds."""
-    from dataflow_training.drive.checkpoint import latest_checkpoint
 
     began = _start(o, fleet, family, say)
     o, feed, compiled, run, start, history = attrs.astuple(began, recurse=False)
@@ -363,10 +369,6 @@ def _train(
 def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Started:
     """Open the feed, compile the step, build its driver and resume it when asked; say
     what the run is (data, init, the checkpoint it resumes, the plan)."""
-    from dataflow_training.drive.checkpoint import intact_checkpoint
-    from dataflow_training.drive.run import TrainingRun, resolver_for
-    from dataflow_training.plan.compiled_step import compile_step
-    from dataflow_training.step.family import load_family
 
     resumed = None
     if o.resume is not None:
@@ -483,7 +485,6 @@ def _say_first_steps(compiled: Any, steps_left: bool, say: Say) -> None:
     """On CUDA, what makes the first steps slow (the load, compiling, the graph capture)."""
     if not compiled.device.startswith("cuda") or not steps_left:
         return
-    from dataflow import format_size
 
     pool = format_size(compiled.pinned_bytes)
     slow = [f"the engine loads (a slow pool of {pool} page-locked)"]
@@ -514,9 +515,6 @@ def write_run_bundle(
 ) -> str:
     """Write the run's bundle with the traced steps' measured timeline, and its Perfetto
     trace, into ``folder``; return the line that says so."""
-    from dataflow import write_bundle
-    from dataflow.cli import write_perfetto
-    from dataflow_training.drive.export import run_bundle
 
     write_bundle(folder, run_bundle(run, traced, makespans))
     return f"bundle: {folder} ({len(traced)} traced step(s)); " + write_perfetto(
@@ -541,7 +539,6 @@ def _fleet_feed_state(manifest: dict[str, Any], fleet: Any, path: Path) -> Any:
 def _with_init(o: TrainOptions, family: Any) -> tuple[TrainOptions, Any]:
     """``o`` with the overrides that make its preset the ``init`` folder's config, and the
     folder's ``HFStart`` (``hf_init``)."""
-    from dataflow_training.drive.hf_init import InitError, hf_overrides
 
     if o.overrides:
         raise InitError(
@@ -555,7 +552,6 @@ def _with_init(o: TrainOptions, family: Any) -> tuple[TrainOptions, Any]:
 def _init_hint(checkpoint: Path, o: TrainOptions) -> str:
     """``; that run started with --init X`` when the checkpoint's run had another ``--init``
     than ``o`` (its overrides came from that folder's config.json), else nothing."""
-    from dataflow_training.drive.checkpoint import resumed_options
 
     found = resumed_options(o.out, str(checkpoint))
     if found is None:
@@ -568,9 +564,6 @@ def _init_hint(checkpoint: Path, o: TrainOptions) -> str:
 
 def _init_weights(o: TrainOptions, init: Any, family: Any) -> Any:
     """The ``init`` folder's weights, in the run's parameter dtype."""
-    import torch
-
-    from dataflow_training.drive.hf_init import hf_weights
 
     dtype = getattr(torch, DtypePolicy.named(o.dtype).param)
     return hf_weights(family, init, dtype)
@@ -596,7 +589,5 @@ def fleet_links(fleet: Any, device: str) -> Any:
     its size and scope (one host or several); on CPUs the lowering's assumed link."""
     if fleet is None or not device.startswith("cuda"):
         return None
-    from dataflow import Links
-    from dataflow_training.plan.hardware import hardware
 
     return Links(collective=hardware(FLEET_HARDWARE).collective_link(fleet.world, fleet.scope))

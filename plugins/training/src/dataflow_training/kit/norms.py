@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from dataflow_training.kit import decoder_reference
 from dataflow_training.step.family import TensorSpec
@@ -108,7 +109,6 @@ class Norm:
     def reference(self, config: Any, width: int) -> Any:
         """The plain-torch module: ``decoder_reference.RMSNorm`` (scaled by ``offset + w``)
         or torch's ``nn.LayerNorm``."""
-        from torch import nn
 
         eps = getattr(config, self.eps)
         if self.kind == "layer":

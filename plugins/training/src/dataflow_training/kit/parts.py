@@ -71,6 +71,7 @@ class FfnCost:
 def as_is(params: tuple[TensorSpec, ...], prefix: str) -> list[Any]:
     """HF key rules storing each parameter under its own name after ``prefix``
     (``model.layers.{layer}``): ``{layer}.<name>`` <-> ``<prefix>.<name>``."""
+    # kit.hf needs torch: a part's key rules are built when a checkpoint is read or written
     from dataflow_training.kit.hf import KeyRule
 
     return [KeyRule(f"{{layer}}.{p.name}", f"{prefix}.{p.name}") for p in params]
@@ -80,6 +81,7 @@ def conv1d(params: tuple[TensorSpec, ...], prefix: str) -> list[Any]:
     """HF key rules of parameters HF keeps in ``Conv1D`` modules (GPT-2's), each under its
     own name after ``prefix``: the weights transposed (``Conv1D`` stores ``(in, out)``, a
     part ``(out, in)``), the biases as they are."""
+    # kit.hf needs torch: a part's key rules are built when a checkpoint is read or written
     from dataflow_training.kit.hf import IDENTITY, TRANSPOSE, KeyRule
 
     return [

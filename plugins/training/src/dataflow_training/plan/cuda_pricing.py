@@ -39,6 +39,7 @@ def price_on_cuda(
     too. The plan leaves the CUDA libraries' reserve and the largest task workspace free
     beside its arena (it is made at the budget less both, its tasks holding no
     workspace), and the engine checks the allocator's peak against the whole budget."""
+    # torch loads on CUDA alone: a CPU plan prices without it
     from dataflow import measure_links, resolvers, runtime_reserve_bytes
     from dataflow_training.plan.profile import (
         ProfileCache,

@@ -31,15 +31,22 @@ from typing import Any
 
 import attrs
 
-from dataflow import DTYPE_BYTES, Program
+from dataflow import DTYPE_BYTES, PRESSUREFIT, PlanningError, Program, plan
+from dataflow_training.plan.compiled_step import running_step
 from dataflow_training.plan.hardware import HardwareEntry
+from dataflow_training.plan.recompute import (
+    MAX_CANDIDATES,
+    Rewriter,
+    measured_rewriter,
+    step_planner,
+)
 from dataflow_training.step.config import (
     DtypePolicy,
     TrainConfig,
     head_chunk_tokens,
     optimizer_states,
 )
-from dataflow_training.step.lowering import Lowered
+from dataflow_training.step.lowering import Lowered, lower
 
 #: Config fields under which a family may declare the longest sequence its model takes.
 MAX_SEQ_LEN_FIELDS = ("max_seq_len", "n_positions", "max_position_embeddings")
@@ -245,7 +252,6 @@ class PlannedCell:
 
     def step_of(self, program: Program | None = None) -> Lowered:
         """The step whose program is ``program`` (default: the plan's)."""
-        from dataflow_training.plan.compiled_step import running_step
 
         chosen = self.planned.program if program is None else program
         return running_step(self.lowered, self.rewriter, chosen)
@@ -272,15 +278,8 @@ def plan_cell(
     the ``scope`` collective link. ``cyclic`` (default: when the program has persistent
     objects, as a run's does) plans the steady-state cycle; False plans one run of the
     step from slow memory to slow memory."""
-    from dataflow import PRESSUREFIT, PlanningError, plan
+    # torch loads when a profile is taken: `dataflow predict` reads this module without it
     from dataflow_training.plan.profile import apply_profile, without_workspace
-    from dataflow_training.plan.recompute import (
-        MAX_CANDIDATES,
-        Rewriter,
-        measured_rewriter,
-        step_planner,
-    )
-    from dataflow_training.step.lowering import lower
 
     extra: dict[str, Any] = {"hw": hw.name, "costs": "measured" if measure else "roofline"}
     extra["optimizer_states"] = states
@@ -453,6 +452,7 @@ _FORKED: tuple[Any, list[Cell], HardwareEntry, dict[str, Any]] | None = None
 
 
 def _worker_start() -> None:
+    # torch loads when a profile is taken: `dataflow predict` reads this module without it
     import torch
 
     torch.set_num_threads(1)  # one core a worker: the pool already fills the machine

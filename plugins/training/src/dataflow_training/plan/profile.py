@@ -43,13 +43,22 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
-from dataflow import LaunchContext, Program, Task, memsets_to_kernels, typed_view
+from dataflow import (
+    LaunchContext,
+    Program,
+    Task,
+    kernels,
+    memsets_to_kernels,
+    resolvers,
+    typed_view,
+)
 from dataflow_training.step.family import embed_layer
 from dataflow_training.step.layout import StepLayout
 from dataflow_training.step.lowering import Lowered
@@ -151,7 +160,6 @@ def device_identity(device: str) -> str:
 def _chosen_variants(device: str) -> list[Any]:
     """The variant every registered op resolves to on ``device`` (as ``load_ops`` picks:
     highest priority first)."""
-    from dataflow import kernels
 
     registry = kernels()
     chosen = []
@@ -165,9 +173,6 @@ def _chosen_variants(device: str) -> list[Any]:
 def kernel_set(resolver: str, device: str) -> tuple[str, ...]:
     """The resolver and the variant every registered op resolves to on ``device``, each
     with its distribution's version."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from dataflow import kernels
 
     registry = kernels()
     chosen = [f"resolver {resolver}"]
@@ -194,7 +199,6 @@ def code_fingerprint(resolver: str, device: str, family: Any = None) -> str:
     training plugin (task executables, the shared kit), the package of ``resolver``, the
     package of every kernel variant the ops resolve to on ``device`` and, when given,
     ``family``'s package. Hashes every ``.py`` file under each, by path and content."""
-    from dataflow import resolvers
 
     roots = {Path(__file__).parent}
     if resolver in resolvers().names():  # (one that is not installed runs nothing here)

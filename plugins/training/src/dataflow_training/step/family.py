@@ -35,6 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
+from dataflow import families
 from dataflow_training.step.ops import Ops
 
 Tensors = Mapping[str, Any]  # name -> torch.Tensor
@@ -406,7 +407,6 @@ def _only(layers: Any, kind: str) -> LayerSpec:
 def load_family(name: str) -> Family:
     """The registered family ``name``, loaded; a family object whose own ``name`` differs
     from the name it was registered under is an error naming both."""
-    from dataflow import families
 
     family = families().get(name).load()
     if getattr(family, "name", None) != name:

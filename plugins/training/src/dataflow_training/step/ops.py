@@ -50,7 +50,10 @@ autograd; the builtin families do not.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
+
+from dataflow import UnknownNameError, kernels
 
 STANDARD_OPS = (
     "linear",
@@ -81,7 +84,6 @@ def load_ops(
     """One implementation of every op in ``names`` for ``device``, from the kernel
     registry: the highest-priority variant supporting the device (only deterministic
     ones when asked). Raises ``MissingOpError`` naming each op nobody provides."""
-    from dataflow import UnknownNameError, kernels
 
     registry = kernels()
     chosen: dict[str, Callable] = {}
@@ -111,8 +113,8 @@ def autograd_ops(base: Mapping[str, Callable]) -> dict[str, Callable]:
     can be checked against (``dataflow verify``'s task level). Statistics the forwards
     return (logsumexp, mean, rstd) carry no gradient. Ops other than the standard
     forwards stay as ``base`` has them."""
-    import math
 
+    # the step stage lowers and plans without torch: torch loads when a task runs
     import torch
     import torch.nn.functional as F
 

@@ -109,6 +109,7 @@ class Layout:
 
     def views(self, buffer: Any) -> dict[str, Any]:
         """Typed torch views of each entry in the flat uint8 ``buffer``."""
+        # the step stage lowers and plans without torch: torch loads when a task runs
         import torch
 
         out = {}
@@ -120,6 +121,7 @@ class Layout:
 
 def flat_view(buffer: Any, start: int, end: int, dtype: str) -> Any:
     """Bytes ``[start, end)`` of a flat uint8 ``buffer`` as one 1-D tensor of ``dtype``."""
+    # the step stage lowers and plans without torch: torch loads when a task runs
     import torch
 
     return buffer[start:end].view(getattr(torch, dtype))

@@ -17,8 +17,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+import torch
 
+from dataflow import minimal_budget, plan, validate
 from dataflow.testing import FamilyConformance
+from dataflow_training.check.verify import verify
+from dataflow_training.step.config import TrainConfig
+from dataflow_training.step.family import BlockMath, EmbedMath, Family, HeadMath, load_family
+from dataflow_training.step.lowering import lower
 
 
 class TrainingFamilyConformance(FamilyConformance):
@@ -29,21 +35,17 @@ class TrainingFamilyConformance(FamilyConformance):
 
     @pytest.fixture
     def family(self) -> Any:
-        from dataflow_training.step.family import load_family
 
         return load_family(self.family_name)
 
     @pytest.fixture
     def program(self, family: Any) -> Any:
-        from dataflow_training.step.config import TrainConfig
-        from dataflow_training.step.lowering import lower
 
         return lower(
             family, self.preset, TrainConfig(seq_len=self.seq_len, batch=2, rounds=2)
         ).program
 
     def test_family_satisfies_the_protocol(self, family: Any) -> None:
-        from dataflow_training.step.family import BlockMath, EmbedMath, Family, HeadMath
 
         assert isinstance(family, Family)
         layers = family.layers(family.config(self.preset))
@@ -59,20 +61,17 @@ class TrainingFamilyConformance(FamilyConformance):
         assert family.ops, "a family lists the ops its math calls"
 
     def test_lowered_step_validates_and_simulates(self, program: Any) -> None:
-        from dataflow import plan, validate
 
         assert validate(program) == []
         assert plan(program, 2**62).sim.valid
 
     def test_lowered_step_plans_into_the_smallest_budget(self, program: Any) -> None:
-        from dataflow import minimal_budget, plan
 
         budget = minimal_budget(program)
         planned = plan(program, budget)
         assert planned.sim.valid and planned.sim.fast_peak_bytes <= budget
 
     def test_verify_passes(self) -> None:
-        from dataflow_training.check.verify import verify
 
         failed = [
             c for c in verify(self.family_name, self.preset, seq_len=self.seq_len) if not c.ok
@@ -82,7 +81,6 @@ class TrainingFamilyConformance(FamilyConformance):
     def test_hf_round_trip(self, family: Any, tmp_path: Path) -> None:
         if not hasattr(family, "export_hf"):
             pytest.skip(f"family {self.family_name!r} has no public checkpoint format")
-        import torch
 
         config = family.config(self.preset)
         state = family.reference_model(config).state_dict()

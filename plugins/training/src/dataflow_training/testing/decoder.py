@@ -43,7 +43,9 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
+from dataflow.testing import invoke
 from dataflow_training.drive.run import TrainingRun
 from dataflow_training.kit.decoder import expected_state, parameter_count
 from dataflow_training.kit.decoder_hf import key_map
@@ -360,9 +362,6 @@ class DecoderFamilyChecks:
         assert not (tmp_path / "partial" / "config.json").exists()
 
     def test_dataflow_train_then_export_hf(self, family, tmp_path):
-        from safetensors.torch import load_file
-
-        from dataflow.testing import invoke
 
         out = tmp_path / "run"
         args = ["--batch", "2", "--seq-len", "32", "--device", "cpu", "--out", out]

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from dataflow import resolvers
 from dataflow_training.check.verify import TOLERANCES, step_checks, verify
 from dataflow_training.kit.moe import EXPERTS_GROUP, moe_parameter_count
 from dataflow_training.plan.profile import profile_program, signature
@@ -159,7 +160,6 @@ class MoEFamilyChecks(DecoderFamilyChecks):
         recompute and backward read come from the block's forward on those buffers, not
         zeros (which route every row nowhere: the grouped GEMM's loop refuses them, and
         the fused kernel would skip every expert's work)."""
-        from dataflow import resolvers
 
         step = lower(family, self.preset, TrainConfig(seq_len=8, batch=2, rounds=2))
         build = resolvers().get("torch").build(step)
