@@ -66,6 +66,8 @@ def test_what_a_resume_does_with_the_schedule():
     # longer, from partway: the rest of the schedule, then that lr
     _, line = resumed(stored, _options(14), 6, reset=False)
     assert "follows it to step 10, then stays at 0.1" in line
+    # at the end of its --steps already: nothing to train, nothing to say
+    assert resumed(stored, _options(14), 14, reset=False) == (stored, None)
     # shorter: it stops partway along the schedule
     _, line = resumed(stored, _options(8), 6, reset=False)
     assert "--steps 8 stops before the end of the run's schedule (step 10)" in line
@@ -152,6 +154,16 @@ def test_a_changed_schedule_is_refused_without_the_flag(finished):
         assert_one_line_error(refused, 1, option, "pass --reset-schedule")
     alone = _train(finished, "--preset", "gpt2_tiny", "--steps", 8, "--reset-schedule")
     assert_one_line_error(alone, 2, "--reset-schedule", "--resume")
+
+
+def test_a_manifest_whose_schedule_does_not_read_is_named(finished, tmp_path):
+    out = _copy(finished, tmp_path / "run")
+    manifest = out / "step_000006" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["schedule"] = [{"start": 0, "lr": "fast"}]
+    manifest.write_text(json.dumps(data))
+    refused = _train(out, "--resume", "auto", "--steps", 8)
+    assert_one_line_error(refused, 1, str(manifest), "its schedule does not read")
 
 
 def test_reset_schedule_starts_a_new_one_that_a_resume_repeats(finished, tmp_path):

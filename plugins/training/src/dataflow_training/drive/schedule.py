@@ -95,7 +95,7 @@ class Phase:
 class LrSchedule:
     """A run's phases, in order of ``start``; the last one goes on past its end."""
 
-    phases: tuple[Phase, ...] = attrs.field(converter=tuple)
+    phases: tuple[Phase, ...] = attrs.field(converter=tuple, validator=attrs.validators.min_len(1))
 
     @classmethod
     def of(cls, options: Any) -> LrSchedule:
@@ -166,7 +166,7 @@ def resumed(
                 f"learning-rate schedule; pass {RESET_FLAG} to start a new one at step "
                 f"{start + 1}"
             )
-    if steps == stored.end:
+    if steps == stored.end or steps <= start:  # as it was, or nothing left to train
         return stored, None
     hold = stored.lr_at(stored.end - 1)
     if steps > stored.end:
@@ -176,8 +176,6 @@ def resumed(
             f"{stored.end}): the lr {follows}stays at {hold:.3g}, where the schedule ends, "
             f"without a jump ({RESET_FLAG} starts a new schedule to step {steps} instead)"
         )
-    if steps <= start:
-        return stored, None
     return stored, (
         f"resume: --steps {steps} stops before the end of the run's schedule (step "
         f"{stored.end}): the lr follows it and is {stored.lr_at(steps - 1):.3g} at step "

@@ -432,11 +432,17 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
 def _resumed_schedule(checkpoint: Path, o: TrainOptions) -> tuple[LrSchedule, str | None]:
     """The lr schedule a run resumed from ``checkpoint`` follows, and the line that says
     what it does (``schedule.resumed``); its manifest alone is read."""
-    from dataflow_training.drive.checkpoint import read_manifest
+    from dataflow_training.drive.checkpoint import MANIFEST_FILE, CheckpointError, read_manifest
     from dataflow_training.drive.schedule import resumed, stored_schedule
 
     manifest = read_manifest(checkpoint)
-    stored = stored_schedule(manifest, o)
+    try:
+        stored = stored_schedule(manifest, o)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CheckpointError(
+            f"checkpoint file {checkpoint / MANIFEST_FILE} is corrupt: its schedule does not "
+            f"read ({exc})"
+        ) from None
     return resumed(stored, o, int(manifest["step"]), o.reset_schedule)
 
 
