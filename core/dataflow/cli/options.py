@@ -1,6 +1,8 @@
 """Option types every command shares; each checks its value before any work is done.
 
 - ``BUDGET`` / ``Size``: ``4GiB``, ``300MB``, ``1024`` into bytes; a budget is > 0.
+- ``PROGRAM_BUDGET``: a budget, or ``none`` (``UNBOUNDED``), where the default is the
+  program's own; ``with_budgets`` hands a program and its budgets on.
 - ``COUNT``: a whole number >= 1 (steps, rounds, batch, ...).
 - ``OutputFile``: a file to write; its folder exists or can be made (``write_to`` makes it).
 - ``Device``: ``cpu``, ``cuda`` or ``cuda:N``, and the device must exist here.
@@ -9,13 +11,18 @@
 
 from __future__ import annotations
 
+import enum
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import attrs
 import click
 
 from dataflow.units import format_size, parse_size
+
+if TYPE_CHECKING:
+    from dataflow.schema import Program
 
 #: A count of steps, rounds, sequences, tokens...: at least 1.
 COUNT = click.IntRange(min=1)
@@ -49,6 +56,45 @@ class Size(click.ParamType):
 
 #: A memory budget: more than 0 bytes (0 would hold nothing, not mean "unbounded").
 BUDGET = Size(minimum_bytes=1)
+
+
+class Limit(enum.Enum):
+    #: ``--budget none``: no limit, not even the program's own
+    UNBOUNDED = "none"
+
+
+UNBOUNDED = Limit.UNBOUNDED
+
+
+class ProgramBudget(Size):
+    """A budget whose default is the program's own: a size, or ``none`` for no limit at
+    all (``UNBOUNDED``)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value is UNBOUNDED or (isinstance(value, str) and value.strip().lower() == "none"):
+            return UNBOUNDED
+        return super().convert(value, param, ctx)
+
+
+PROGRAM_BUDGET = ProgramBudget(minimum_bytes=1)
+
+
+def with_budgets(
+    program: Program, fast: int | Limit | None, slow: int | Limit | None
+) -> tuple[Program, int | None, int | None]:
+    """``(program, fast, slow)`` to hand the simulator or a planner for ``--budget`` and
+    ``--slow-budget``: a size overrides the program's budget, None keeps it, and
+    ``UNBOUNDED`` lifts its limit (the program goes on without its own budget, the other
+    limit as it was)."""
+    if UNBOUNDED not in (fast, slow):
+        return program, fast, slow
+    own = program.budget
+    if fast is None and own is not None:
+        fast = own.fast_bytes
+    if slow is None and own is not None:
+        slow = own.slow_bytes
+    unbounded = (None if fast is UNBOUNDED else fast, None if slow is UNBOUNDED else slow)
+    return attrs.evolve(program, budget=None), *unbounded
 
 
 def size_callback(ctx: click.Context, param: click.Parameter, value: Any) -> int | None:

@@ -18,7 +18,15 @@ from rich.console import Console
 from rich.table import Table
 
 from dataflow.cli.errors import Failure, one_line, plugin_failure
-from dataflow.cli.options import BUDGET, OutputFile, lookup, write_to
+from dataflow.cli.options import (
+    BUDGET,
+    PROGRAM_BUDGET,
+    Limit,
+    OutputFile,
+    lookup,
+    with_budgets,
+    write_to,
+)
 from dataflow.cli.validate import PROGRAM_FILE, load_program
 from dataflow.planning import DEFAULT_PLANNER, Plan, PlanningError, place, plan
 from dataflow.schema import Program
@@ -38,7 +46,7 @@ from dataflow.units import format_size
 @click.option(
     "--slow-budget",
     "slow_budget_bytes",
-    type=BUDGET,
+    type=PROGRAM_BUDGET,
     metavar="SIZE",
     help="slow-memory budget (default: the program's; none: unbounded)",
 )
@@ -78,7 +86,7 @@ from dataflow.units import format_size
 def plan_command(
     program_path: str,
     budget_bytes: int,
-    slow_budget_bytes: int | None,
+    slow_budget_bytes: int | Limit | None,
     planner: str,
     output_path: str | None,
     trace_path: str | None,
@@ -89,7 +97,9 @@ def plan_command(
     from dataflow.plugins import planners
 
     lookup(planners(), planner, "--planner")
-    program = load_program(program_path)
+    program, _, slow_budget_bytes = with_budgets(
+        load_program(program_path), budget_bytes, slow_budget_bytes
+    )
     if slow_budget_bytes is None and program.budget is not None:
         slow_budget_bytes = program.budget.slow_bytes
     if cyclic is None:

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dataflow.cli.errors import Failure
-from dataflow.cli.options import BUDGET, OutputFile, write_to
+from dataflow.cli.options import PROGRAM_BUDGET, Limit, OutputFile, with_budgets, write_to
 from dataflow.cli.validate import PROGRAM_FILE, load_program
 from dataflow.schema import Program
 from dataflow.sim import InvalidProgramError, SimResult, simulate
@@ -25,14 +25,14 @@ from dataflow.units import format_size
 @click.option(
     "--budget",
     "budget_bytes",
-    type=BUDGET,
+    type=PROGRAM_BUDGET,
     metavar="SIZE",
     help="fast-memory budget, e.g. 4GiB (default: the program's; none: unbounded)",
 )
 @click.option(
     "--slow-budget",
     "slow_budget_bytes",
-    type=BUDGET,
+    type=PROGRAM_BUDGET,
     metavar="SIZE",
     help="slow-memory budget (default: the program's; none: unbounded)",
 )
@@ -45,14 +45,15 @@ from dataflow.units import format_size
 )
 def simulate_command(
     program_path: str,
-    budget_bytes: int | None,
-    slow_budget_bytes: int | None,
+    budget_bytes: int | Limit | None,
+    slow_budget_bytes: int | Limit | None,
     trace_path: str | None,
 ) -> None:
     """Simulate PROGRAM.json under the execution model and summarize the run."""
     program = load_program(program_path)
+    run, fast, slow = with_budgets(program, budget_bytes, slow_budget_bytes)
     try:
-        result = simulate(program, budget_bytes=budget_bytes, slow_budget_bytes=slow_budget_bytes)
+        result = simulate(run, budget_bytes=fast, slow_budget_bytes=slow)
     except InvalidProgramError as exc:
         raise Failure(f"{program_path}: {exc}") from exc
     Console().print(summary_table(result, title=f"{program_path}: {program.name}"))

@@ -54,7 +54,12 @@ CORRUPT = {
     ),
     "half a token": (
         _shard_bytes(20240801, 7, 2, b"\x01\x00\x00\x00\x02\x00"),
-        "truncated: the header says 2 tokens but the file holds 1.5",
+        "truncated: the header says 2 tokens but the file holds 1 tokens and 2 stray byte(s)",
+    ),
+    # a count as an integer, never 1.49949e+06
+    "a large shard cut mid-token": (
+        _shard_bytes(20240520, 1, 1_500_000, b"\x01\x00" * 1_499_490 + b"\x01"),
+        "the header says 1500000 tokens but the file holds 1499490 tokens and 1 stray byte(s)",
     ),
     "trailing bytes": (
         _shard_bytes(20240520, 1, 1, b"\x01\x00\x02\x00"),

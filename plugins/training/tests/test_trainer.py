@@ -1,6 +1,7 @@
-"""``dataflow_training.drive.trainer.train`` in Python, on gpt2_tiny and the CPU: the plan line's
-recomputed layers, and TensorBoard events (with tensorboard installed) or none (without),
-a resumed run's events purged past its checkpoint."""
+"""``dataflow_training.drive.trainer.train`` in Python, on gpt2_tiny and the CPU: the plan
+line's recomputed layers, and TensorBoard events (with tensorboard installed) or none
+(without), a resumed run's events purged past its checkpoint. The lr schedule is
+test_schedule.py's."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ pytest.importorskip("dataflow_feed_shards")
 from dataflow_training.drive.components import TENSORBOARD_SCALARS  # noqa: E402
 from dataflow_training.drive.trainer import (  # noqa: E402
     TrainOptions,
-    lr_at,
     plan_line,
     recomputed_layers,
     train,
@@ -29,23 +29,6 @@ from dataflow_training.plan.compiled_step import UNBOUNDED_BYTES, compile_step  
 from dataflow_training.step.config import TrainConfig  # noqa: E402
 from dataflow_training.step.family import load_family  # noqa: E402
 from dataflow_training.step.lowering import lower  # noqa: E402
-
-
-@pytest.mark.parametrize(
-    ("schedule", "steps", "expected"),
-    [
-        # warmup 2 to lr 1, then over steps 2..5 (span 3) a cosine to 0.1:
-        # 0.1 + 0.9 * (1 + cos(pi * k / 3)) / 2 for k = 0..3
-        ("cosine", 6, [0.5, 1.0, 1.0, 0.775, 0.325, 0.1]),
-        # stable at 1 until 80 % of steps 2..11 (span 9) are done, then linear to 0.1:
-        # step 10 is 8/9 of the way, 4/9 into the decay: 1 - 0.9 * 4/9 = 0.6
-        ("wsd", 12, [0.5, 1.0, *[1.0] * 8, 0.6, 0.1]),
-        ("constant", 4, [0.5, 1.0, 1.0, 1.0]),
-    ],
-)
-def test_lr_schedules(schedule, steps, expected, tmp_path):
-    o = TrainOptions("gpt2", "gpt2_tiny", steps, tmp_path, lr=1.0, warmup=2, schedule=schedule)
-    assert [lr_at(step, o) for step in range(steps)] == pytest.approx(expected, abs=1e-12)
 
 
 @pytest.mark.parametrize(("recompute", "listed"), [((), "none"), ((1,), "1"), ((0, 1), "0, 1")])

@@ -58,11 +58,11 @@ def read_header(path: Path) -> tuple[int, int]:
     if tokens < 0:
         raise FeedError(f"{path}: corrupt header: token count {tokens} is negative")
     itemsize = VERSIONS[version][1].itemsize
-    held = (size_bytes - HEADER_BYTES) // itemsize
-    if held < tokens or (size_bytes - HEADER_BYTES) % itemsize:
+    held, stray = divmod(size_bytes - HEADER_BYTES, itemsize)
+    if held < tokens or stray:
+        piece = f" tokens and {stray} stray byte(s)" if stray else ""
         raise FeedError(
-            f"{path}: truncated: the header says {tokens} tokens but the file holds "
-            f"{(size_bytes - HEADER_BYTES) / itemsize:g}"
+            f"{path}: truncated: the header says {tokens} tokens but the file holds {held}{piece}"
         )
     if held > tokens:
         raise FeedError(

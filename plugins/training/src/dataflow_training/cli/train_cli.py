@@ -41,7 +41,8 @@ from dataflow_training.drive.conductor import ENV_BACKEND, Topology, conduct
 from dataflow_training.drive.fleet import ENV_WORLD, FleetError, in_fleet, join, per_rank
 from dataflow_training.drive.hf_init import InitError, hf_overrides, preset_of
 from dataflow_training.drive.profiling import ProfileWindow
-from dataflow_training.step.config import SCHEDULES, UPDATES
+from dataflow_training.drive.schedule import SCHEDULES
+from dataflow_training.step.config import UPDATES
 
 #: the exit status of a run stopped by SIGTERM after writing its checkpoint (128 + 15)
 TERMINATED_EXIT = 143
@@ -141,6 +142,13 @@ def fleet_options(command: Any) -> Any:
 @click.option("--warmup", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--schedule", default="cosine", show_default=True, type=click.Choice(SCHEDULES))
 @click.option("--min-lr-ratio", default=0.1, show_default=True, type=click.FloatRange(0, 1))
+@click.option(
+    "--reset-schedule",
+    is_flag=True,
+    help="with --resume: start a new lr schedule at the checkpoint's step, of --lr, "
+    "--warmup, --schedule and --min-lr-ratio (the run's where not given); without it the "
+    "run's schedule goes on (past its end at the lr it ended on) and a change is refused",
+)
 @click.option(
     "--clip",
     default=1.0,
@@ -286,6 +294,10 @@ def train_command(
             f"{rest['out']} to take the run's from"
         )
 
+    if rest["reset_schedule"] and rest["resume"] is None:
+        raise click.UsageError(
+            "--reset-schedule starts a new schedule in a resumed run: give --resume too"
+        )
     if rest["updates"] == "early" and clip:
         raise click.BadParameter(
             "early updates cannot clip: every update needs the step's global gradient norm, "

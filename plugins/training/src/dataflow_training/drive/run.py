@@ -72,6 +72,11 @@ def resolver_for(name: str, device: str) -> str:
     return name
 
 
+#: TrainConfig fields a step takes as a value (``step(lr=...)``: the run's lr schedule), not
+#: part of the step a checkpoint must match: a resume may start a new schedule
+PER_STEP = ("train.optimizer.lr",)
+
+
 def _differences(theirs: Any, ours: Any, path: str) -> list[tuple[str, Any, Any]]:
     """``(dotted path, theirs, ours)`` of every value that differs between two manifest
     fields, nested mappings compared key by key (a missing key is None)."""
@@ -402,9 +407,9 @@ class TrainingRun:
 
     def restore(self, path: str | Path, loose: Sequence[str] = ()) -> dict[str, Any]:
         """Continue from the checkpoint at ``path``; returns its manifest. A checkpoint of
-        another family, preset, overrides or training step is an error naming the field;
-        ``loose`` names training-step fields not compared (a fleet member restores a
-        checkpoint rank 0 wrote with its own ``rounds``)."""
+        another family, preset, overrides or training step (its lr aside: ``PER_STEP``) is
+        an error naming the field; ``loose`` names training-step fields not compared (a
+        fleet member restores a checkpoint rank 0 wrote with its own ``rounds``)."""
 
         weights, opt, manifest, rng = read_checkpoint(path)
         mine = self.manifest()
@@ -413,7 +418,7 @@ class TrainingRun:
             if field == "train" and loose and isinstance(theirs, dict):
                 theirs = {k: v for k, v in theirs.items() if k not in loose}
                 ours = {k: v for k, v in ours.items() if k not in loose}
-            differences = _differences(theirs, ours, field)
+            differences = [d for d in _differences(theirs, ours, field) if d[0] not in PER_STEP]
             if differences:
                 where, was, now = differences[0]
                 more = [d[0] for d in differences[1:]]

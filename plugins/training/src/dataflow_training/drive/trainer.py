@@ -31,7 +31,14 @@ import torch
 
 from dataflow import Links, feeds, format_size, write_bundle
 from dataflow.cli import write_perfetto
-from dataflow_training.drive.checkpoint import intact_checkpoint, latest_checkpoint, resumed_options
+from dataflow_training.drive.checkpoint import (
+    MANIFEST_FILE,
+    CheckpointError,
+    intact_checkpoint,
+    latest_checkpoint,
+    read_manifest,
+    resumed_options,
+)
 from dataflow_training.drive.components import (
     METRICS_FILE,
     TENSORBOARD_FOLDER,
@@ -48,10 +55,10 @@ from dataflow_training.drive.hf_init import InitError, hf_overrides, hf_weights
 from dataflow_training.drive.profiling import ProfileWindow, StepProfiler
 from dataflow_training.drive.run import TrainingRun, resolver_for
 from dataflow_training.drive.run_folder import RunFolder
+from dataflow_training.drive.schedule import LrSchedule, resumed, stored_schedule
 from dataflow_training.plan.compiled_step import compile_step
 from dataflow_training.plan.hardware import hardware
 from dataflow_training.step.config import (
-    SCHEDULES,
     DtypePolicy,
     TrainConfig,
     head_chunk_tokens,
@@ -62,8 +69,6 @@ from dataflow_training.step.family import load_family
 if TYPE_CHECKING:
     from dataflow_training.drive.fleet import Fleet
 
-#: the share of the steps after warmup that WSD spends decaying (the rest is stable)
-WSD_DECAY_FRACTION = 0.2
 #: the Perfetto trace ``trace_steps`` writes beside the run's bundle
 PERFETTO_FILE = "perfetto.json"
 #: losses kept in every checkpoint's manifest
@@ -113,6 +118,10 @@ class TrainOptions:
     warmup: int = 0
     schedule: str = "cosine"
     min_lr_ratio: float = 0.1
+    #: a resumed run starts a new lr schedule (``schedule.resumed``) at its checkpoint's
+    #: step, of ``lr``, ``warmup``, ``schedule`` and ``min_lr_ratio``; without it the run's
+    #: schedule goes on and a change of those is refused
+    reset_schedule: bool = False
     clip: float | None = 1.0
     seed: int = 0
     dtype: str = "fp32"
@@ -154,26 +163,6 @@ class TrainOptions:
             updates=self.updates,
             head_vocab_tiles=self.head_vocab_tiles,
         )
-
-
-def lr_at(step: int, o: TrainOptions) -> float:
-    """The learning rate of 0-based ``step``: linear warmup over ``warmup`` steps to
-    ``lr``, then ``cosine`` (down to ``min_lr_ratio * lr`` at the last step), ``wsd``
-    (stable, then a linear decay over the last ``WSD_DECAY_FRACTION`` of the steps) or
-    ``constant``."""
-    if step < o.warmup:
-        return o.lr * (step + 1) / o.warmup
-    floor = o.lr * o.min_lr_ratio
-    span = max(1, o.steps - o.warmup - 1)
-    done = min(1.0, (step - o.warmup) / span)
-    if o.schedule == "constant":
-        return o.lr
-    if o.schedule == "cosine":
-        return floor + (o.lr - floor) * 0.5 * (1 + math.cos(math.pi * done))
-    if o.schedule == "wsd":
-        start = 1 - WSD_DECAY_FRACTION
-        return o.lr if done <= start else o.lr - (o.lr - floor) * (done - start) / (1 - start)
-    raise ValueError(f"unknown schedule {o.schedule!r}; known: {', '.join(SCHEDULES)}")
 
 
 def open_feed(o: TrainOptions, rank: int = 0, world: int = 1) -> Any:
@@ -237,6 +226,7 @@ class Started:
     run: Any
     start: int
     history: list[tuple[int, float]]
+    schedule: LrSchedule
 
 
 def train(
@@ -279,7 +269,7 @@ def _train(
     """``train`` in a folder it holds."""
 
     began = _start(o, fleet, family, say)
-    o, feed, compiled, run, start, history = attrs.astuple(began, recurse=False)
+    o, feed, compiled, run, start, history, schedule = attrs.astuple(began, recurse=False)
     sinks = _metrics_sinks(o, start, writes, progress, say)
     profiler = _profiler(o, start, out, say)
     _say_first_steps(compiled, start < o.steps, say)
@@ -288,6 +278,7 @@ def _train(
 
     def manifest_extra() -> dict[str, Any]:
         extra = {"feed": feed.state(), "history": history[-HISTORY_TAIL:], "options": _jsonable(o)}
+        extra["schedule"] = schedule.to_json()
         if fleet is not None:  # every member's data position; rank 0 writes
             extra["fleet"] = {"rounds": list(fleet.rounds), "feeds": fleet.gather(feed.state())}
         return extra
@@ -311,7 +302,7 @@ def _train(
     makespans: list[tuple[float, bool]] = []  # every step's (makespan_us, replayed)
     try:
         for step in range(start, o.steps):
-            lr = lr_at(step, o)
+            lr = schedule.lr_at(step)
             batches = [feed.next() for _ in range(o.rounds)]
             tracing = step >= o.steps - o.trace_steps
             with profiler.step(step + 1) if profiler else contextlib.nullcontext():
@@ -373,6 +364,9 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
     resumed = None
     if o.resume is not None:
         resumed = intact_checkpoint(o.out, say) if o.resume == "auto" else Path(o.resume)
+    schedule, schedule_line = LrSchedule.of(o), None
+    if resumed is not None:  # before the compile: a refused change is said at once
+        schedule, schedule_line = _resumed_schedule(resumed, o)
     if family is None:  # the one load of the run: passed down from here
         family = load_family(o.family)
     init = None
@@ -436,10 +430,26 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
             )
     if resumed is not None:
         say(f"resumed from {resumed} (step {start})")
+    if schedule_line is not None:
+        say(schedule_line)
     say(plan_line(compiled))
     if compiled.pool_note is not None:
         say(compiled.pool_note)
-    return Started(o, feed, compiled, run, start, history)
+    return Started(o, feed, compiled, run, start, history, schedule)
+
+
+def _resumed_schedule(checkpoint: Path, o: TrainOptions) -> tuple[LrSchedule, str | None]:
+    """The lr schedule a run resumed from ``checkpoint`` follows, and the line that says
+    what it does (``schedule.resumed``); its manifest alone is read."""
+    manifest = read_manifest(checkpoint)
+    try:
+        stored = stored_schedule(manifest, o)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CheckpointError(
+            f"checkpoint file {checkpoint / MANIFEST_FILE} is corrupt: its schedule does not "
+            f"read ({exc})"
+        ) from None
+    return resumed(stored, o, int(manifest["step"]), o.reset_schedule)
 
 
 def _metrics_sinks(

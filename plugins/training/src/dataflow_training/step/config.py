@@ -122,8 +122,6 @@ def _order(instance: object, attribute: attrs.Attribute, value: str) -> None:
 
 #: ``TrainConfig.updates``' values
 UPDATES = ("auto", "early", "end")
-#: the learning-rate schedules the trainer knows
-SCHEDULES = ("cosine", "wsd", "constant")
 
 
 def _updates(instance: Any, attribute: attrs.Attribute, value: str) -> None:
