@@ -120,7 +120,7 @@ def test_a_resume_with_other_rounds_in_all_says_what_would_work():
     path = Path("run/step_000002")
     with pytest.raises(ValueError, match=r"step_000002: its steps ran 4 rounds \(--rounds 3,1\); "):
         _resumed_position(manifest(3, {"rounds": [3, 1]}), 2, path)
-    with pytest.raises(ValueError, match="ran 4 rounds; this run's run 6: resume with 4 rounds"):
+    with pytest.raises(ValueError, match="ran 4 rounds; this run's have 6: resume with 4 rounds"):
         _resumed_position(manifest(), 6, path)
 
 

@@ -555,7 +555,7 @@ def _resumed_position(manifest: dict[str, Any], rounds: int, path: Path) -> Any:
     if theirs != rounds:
         split = f" (--rounds {','.join(map(str, recorded['rounds']))})" if recorded else ""
         raise ValueError(
-            f"checkpoint {path}: its steps ran {theirs} rounds{split}; this run's run "
+            f"checkpoint {path}: its steps ran {theirs} rounds{split}; this run's have "
             f"{rounds}: resume with {theirs} rounds in all (--ga-rounds {theirs}, or a fleet's "
             "--rounds adding up to it)"
         )
