@@ -189,7 +189,8 @@ def test_version_skew_names_the_host():
 
 def test_torchrun_starts_a_fleet_on_one_host(tmp_path):
     """``torchrun --standalone --nproc-per-node 2 -m dataflow train`` with ``--rounds
-    3,1``: both members join, rank 0 alone writes the metrics and the checkpoint."""
+    3,1``: both members join, rank 0 alone writes the metrics and the checkpoint, whose
+    data position is the one-process stream's."""
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists():
         pytest.skip("torchrun is not installed next to this python")
@@ -201,7 +202,9 @@ def test_torchrun_starts_a_fleet_on_one_host(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("done: step 2") == 1, done.stdout
     manifest = json.loads((out / "step_000002" / "manifest.json").read_text())
-    assert manifest["fleet"]["rounds"] == [3, 1] and len(manifest["fleet"]["feeds"]) == 2
+    assert manifest["fleet"] == {"rounds": [3, 1]}
+    # the one-process stream's position: 2 steps of 4 rounds of 2 x 16 tokens
+    assert manifest["feed"]["position"] == 2 * 4 * 2 * 16
 
 
 def test_per_member_values_and_shares():

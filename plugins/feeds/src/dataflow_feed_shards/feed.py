@@ -4,8 +4,9 @@ An epoch is one stream: the corpus's pieces concatenated in an order drawn from
 ``(seed, epoch)`` (each piece ranked by a SHA-256 of seed, epoch and its name, so the
 order is the same on every machine and numpy version). A step reads ``world`` windows of
 ``batch * seq_len + 1`` tokens one after the other; rank r takes the r-th, so ranks read
-disjoint tokens. Row b of a batch is tokens ``b*S .. b*S+S`` of the window, its targets
-the same shifted by one. When the next step would run past the stream's end the epoch
+disjoint tokens (a training fleet does not use this: its members all read the world-1
+stream and deal its rounds, ``dataflow_training.drive.fleet``). Row b of a batch is
+tokens ``b*S .. b*S+S`` of the window, its targets the same shifted by one. When the next step would run past the stream's end the epoch
 goes up and the position starts at 0 of the next order (the short tail is skipped).
 
 The position is ``(epoch, position)``: the stream offset of the next step's first token.

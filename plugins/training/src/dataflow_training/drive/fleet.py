@@ -10,6 +10,14 @@ scales the group's gradient by that share and sums it over the fleet
 same gradient one process would have after running all the rounds, and applies the same
 update (clipping and the gradient norm are taken after the sum, so they are global too).
 
+The data is dealt, not sliced: every member reads the stream one process would read, with
+the same seed and order, and a step's ``sum(rounds)`` rounds are those one process
+running them all would read; round ``r`` of the step goes to the member that owns ``r``
+(``deal``: rank 0 the first ``rounds[0]``, rank 1 the next ``rounds[1]``, and so on;
+``DealtFeed``). So a fleet's step is one process's step, and every member's feed stands
+at the same position after it: the one-process position, which the checkpoint keeps, so
+a run resumes at another world size or split, or as one process, where it stopped.
+
 Members find each other as ``torchrun`` members do: ``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR`` and ``MASTER_PORT`` in the environment, the c10d TCP store at the master
 address (``init_method="env://"``). ``torchrun --nproc-per-node N -m dataflow train`` sets
@@ -76,6 +84,52 @@ def token_shares(rounds: Sequence[int], batch: int, seq_len: int) -> list[float]
     return [t / sum(tokens) for t in tokens]
 
 
+def deal(rounds: Sequence[int], rank: int) -> range:
+    """The rounds of every step that ``rank`` owns: of the step's ``sum(rounds)`` rounds
+    (in the order one process reads them), the ``rounds[rank]`` after the first
+    ``sum(rounds[:rank])``. ``deal((3, 1), 1)`` is ``range(3, 4)``."""
+    if not 0 <= rank < len(rounds):
+        raise ValueError(f"rank {rank} is not in 0..{len(rounds) - 1}")
+    first = sum(rounds[:rank])
+    return range(first, first + rounds[rank])
+
+
+class DealtFeed:
+    """A step's ``(tokens, targets)`` of the rounds this process owns (``owned``), dealt
+    from ``feed``'s one-process stream: ``next_step`` reads all ``total`` rounds of the
+    step in order, as one process running them all does, and keeps those in ``owned``.
+    Every member reads the whole step (a round it does not own is read and dropped: the
+    feed protocol has no skip, and a round of ``batch x seq_len`` tokens costs little
+    beside a step), so every member's feed, and its ``state()``, is the one process's.
+    One process is the fleet of one: ``DealtFeed(feed, rounds, range(rounds))``."""
+
+    def __init__(self, feed: Any, total: int, owned: range) -> None:
+        if not (0 <= owned.start < owned.stop <= total and owned.step == 1):
+            raise ValueError(f"rounds {owned.start}..{owned.stop - 1} are not of 0..{total - 1}")
+        self.feed, self.total, self.owned = feed, total, owned
+
+    def next_step(self) -> list[tuple[Any, Any]]:
+        """This process's rounds of the next step, in the stream's order."""
+        batches = []
+        for round_ in range(self.total):
+            batch = self.feed.next()
+            if round_ in self.owned:
+                batches.append(batch)
+        return batches
+
+
+def stream_difference(theirs: Any, ours: Any) -> str:
+    """What differs between two feed states, as ``position 512 (rank 0: 0)``; a nested
+    value (the dataset's fingerprint) by its name alone."""
+    if not (isinstance(theirs, dict) and isinstance(ours, dict)):
+        return f"state is {theirs!r} (rank 0: {ours!r})"
+    keys = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+    return ", ".join(
+        k if isinstance(ours.get(k), dict) else f"{k} {theirs.get(k)!r} (rank 0: {ours.get(k)!r})"
+        for k in keys
+    )
+
+
 def default_backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
@@ -99,6 +153,11 @@ class Fleet:
         return "nvlink" if self.hosts == 1 else "network"
 
     @property
+    def owned(self) -> range:
+        """The rounds of every step this member owns (``deal``)."""
+        return deal(self.rounds, self.rank)
+
+    @property
     def writes(self) -> bool:
         """Rank 0 writes checkpoints and metrics; every member reads checkpoints."""
         return self.rank == 0
@@ -111,6 +170,20 @@ class Fleet:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, obj)
         return out
+
+    def check_stream(self, state: Any) -> None:
+        """Every member's feed must stand where rank 0's does (``state``: this member's
+        ``feed.state()``): the same data, seed and position. The first that differs is one
+        ``FleetError`` naming its rank (another ``--data`` on its host, a folder of other
+        files under the same path)."""
+        states = self.gather(state)
+        for rank, theirs in enumerate(states[1:], start=1):
+            if theirs != states[0]:
+                raise FleetError(
+                    f"rank {rank} reads another stream than rank 0: its feed's "
+                    f"{stream_difference(theirs, states[0])}; every member needs the same "
+                    "--data, with the same files"
+                )
 
     def mean_loss(self, losses: Sequence[float]) -> float:
         """The fleet's mean loss over all its rounds (what one process that ran them all

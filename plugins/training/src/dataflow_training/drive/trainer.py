@@ -10,10 +10,11 @@ stops the run before anything is saved (the last checkpoint stays as it was); Ct
 finishes the step under way, writes a checkpoint and stops.
 
 In a fleet (``fleet``, a ``dataflow_training.drive.fleet.Fleet``) every member runs this loop
-with its own rounds and budget: its feed is its rank's slice, its steps all-reduce the
-gradients, the loss it logs is the fleet's, and rank 0 alone writes metrics and
-checkpoints (one for the fleet, with every member's data position); every member
-restores from it.
+with its own rounds and budget: it reads the one-process stream and keeps the rounds dealt
+to it (``fleet.DealtFeed``), its steps all-reduce the gradients, the loss it logs is the
+fleet's, and rank 0 alone writes metrics and checkpoints (one for the fleet); every member
+restores from it. The data position in a checkpoint is the one process's, so a run resumes
+with another world size or split, or as one process, reading on where it stopped.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from dataflow_training.drive.components import (
     TensorBoardMetrics,
 )
 from dataflow_training.drive.export import run_bundle
+from dataflow_training.drive.fleet import DealtFeed
 from dataflow_training.drive.hf_init import InitError, hf_overrides, hf_weights
 from dataflow_training.drive.profiling import ProfileWindow, StepProfiler
 from dataflow_training.drive.run import TrainingRun, resolver_for
@@ -165,11 +167,10 @@ class TrainOptions:
         )
 
 
-def open_feed(o: TrainOptions, rank: int = 0, world: int = 1) -> Any:
+def open_feed(o: TrainOptions) -> Any:
+    """``o``'s feed: the one-process stream (a fleet's members deal its rounds)."""
 
-    return feeds().open(
-        o.data, batch=o.batch, seq_len=o.seq_len, seed=o.seed, rank=rank, world=world
-    )
+    return feeds().open(o.data, batch=o.batch, seq_len=o.seq_len, seed=o.seed, rank=0, world=1)
 
 
 def budget_text(budget_bytes: int) -> str:
@@ -270,17 +271,22 @@ def _train(
 
     began = _start(o, fleet, family, say)
     o, feed, compiled, run, start, history, schedule = attrs.astuple(began, recurse=False)
+    rounds = _step_rounds(o, fleet)
+    dealt = DealtFeed(feed, rounds, range(o.rounds) if fleet is None else fleet.owned)
     sinks = _metrics_sinks(o, start, writes, progress, say)
     profiler = _profiler(o, start, out, say)
     _say_first_steps(compiled, start < o.steps, say)
     predicted = compiled.predicted()["step_s"]
-    tokens = o.batch * o.seq_len * (o.rounds if fleet is None else sum(fleet.rounds))
+    tokens = o.batch * o.seq_len * rounds
+    # the options of one process that runs the fleet's step: what a resume takes
+    options = _jsonable(attrs.evolve(o, rounds=rounds))
 
     def manifest_extra() -> dict[str, Any]:
-        extra = {"feed": feed.state(), "history": history[-HISTORY_TAIL:], "options": _jsonable(o)}
+        # the feed is the one-process stream's position, the same on every member
+        extra = {"feed": feed.state(), "history": history[-HISTORY_TAIL:], "options": options}
         extra["schedule"] = schedule.to_json()
-        if fleet is not None:  # every member's data position; rank 0 writes
-            extra["fleet"] = {"rounds": list(fleet.rounds), "feeds": fleet.gather(feed.state())}
+        if fleet is not None:
+            extra["fleet"] = {"rounds": list(fleet.rounds)}
         return extra
 
     every, keep = o.checkpoint_every, o.keep
@@ -303,7 +309,7 @@ def _train(
     try:
         for step in range(start, o.steps):
             lr = schedule.lr_at(step)
-            batches = [feed.next() for _ in range(o.rounds)]
+            batches = dealt.next_step()
             tracing = step >= o.steps - o.trace_steps
             with profiler.step(step + 1) if profiler else contextlib.nullcontext():
                 stats = run.step(batches, lr, dispatch=tracing)
@@ -372,7 +378,7 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
     init = None
     if o.init is not None:
         o, init = _with_init(o, family)
-    feed = open_feed(o) if fleet is None else open_feed(o, fleet.rank, fleet.world)
+    feed = open_feed(o)  # every member reads the one-process stream
     if o.device.startswith("cuda"):  # tens of seconds for a large model: say what is under way
         say(
             f"profiling: each task of the step timed on {o.device}, then planned (the "
@@ -409,15 +415,17 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
     start = 0
     if resumed is not None:
         try:
-            manifest = run.restore(resumed, loose=() if fleet is None else ("rounds",))
+            # a member's own rounds may differ from the writer's: the step's are checked
+            manifest = run.restore(resumed, loose=("rounds",))
         except ValueError as exc:  # another run's checkpoint: say how that run started
             raise type(exc)(f"{exc}{_init_hint(resumed, o)}") from None
-        if fleet is not None:
-            feed.restore(_fleet_feed_state(manifest, fleet, resumed))
-        elif "feed" in manifest:
-            feed.restore(manifest["feed"])
+        position = _resumed_position(manifest, _step_rounds(o, fleet), resumed)
+        if position is not None:
+            feed.restore(position)
         start = int(manifest["step"])
         history = [tuple(x) for x in manifest.get("history", [])]
+    if fleet is not None:
+        fleet.check_stream(feed.state())
     say(f"data: {feed.describe()}")
     if init is not None:
         say(init.line if resumed is None else f"init: {o.init} not read (the run resumes)")
@@ -532,18 +540,34 @@ def write_run_bundle(
     )
 
 
-def _fleet_feed_state(manifest: dict[str, Any], fleet: Any, path: Path) -> Any:
-    """This member's data position in a fleet checkpoint; a checkpoint of another fleet
-    shape (or of one process) is an error naming ``--rounds``."""
+def _step_rounds(o: TrainOptions, fleet: Fleet | None) -> int:
+    """The rounds of a step: this process's, or the fleet's in all."""
+    return o.rounds if fleet is None else sum(fleet.rounds)
+
+
+def _resumed_position(manifest: dict[str, Any], rounds: int, path: Path) -> Any:
+    """The feed position a checkpoint continues from (None: it kept none). Its step must
+    have had ``rounds`` rounds in all, in one process or over a fleet of any split; a
+    checkpoint of a fleet whose members read their own slices of the feed (``fleet.feeds``:
+    before the fleet dealt one stream) has no position in the stream. Either is an error
+    naming the checkpoint."""
     recorded = manifest.get("fleet")
-    world = len(recorded["rounds"]) if recorded else 1
-    if recorded is None or world != fleet.world:
+    if isinstance(recorded, dict) and "feeds" in recorded:
         raise ValueError(
-            f"checkpoint {path} was written by {world} member(s); this fleet has "
-            f"{fleet.world} (--rounds {','.join(map(str, fleet.rounds))}); resume it with "
-            "as many members"
+            f"checkpoint {path} was written by a fleet whose members read their own slices "
+            "of the data; its data position does not continue the one-process stream "
+            "the fleet reads now: start a new run (another --out), or resume it with the "
+            "dataflow that wrote it"
         )
-    return recorded["feeds"][fleet.rank]
+    theirs = sum(recorded["rounds"]) if recorded else int(manifest["train"]["rounds"])
+    if theirs != rounds:
+        split = f" (--rounds {','.join(map(str, recorded['rounds']))})" if recorded else ""
+        raise ValueError(
+            f"checkpoint {path}: its steps ran {theirs} rounds{split}; this run's have "
+            f"{rounds}: resume with {theirs} rounds in all (--ga-rounds {theirs}, or a fleet's "
+            "--rounds adding up to it)"
+        )
+    return manifest.get("feed")
 
 
 def _with_init(o: TrainOptions, family: Any) -> tuple[TrainOptions, Any]:
