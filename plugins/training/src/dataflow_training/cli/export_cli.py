@@ -66,18 +66,26 @@ PRICINGS = ("auto", "profile", "roofline")
     help="with --hf: shards of at most SIZE and their model.safetensors.index.json "
     "(default: one model.safetensors, as transformers writes up to 50GB)",
 )
-def export_command(preset, out_dir, hf_out, checkpoint, max_shard_bytes, **step: Any) -> None:
+@click.option(
+    "--no-tokenizer",
+    is_flag=True,
+    help="with --hf: write the weights and config only, not the run's tokenizer",
+)
+def export_command(
+    preset, out_dir, hf_out, checkpoint, max_shard_bytes, no_tokenizer, **step: Any
+) -> None:
     """Write a planned training step as a bundle (--preset ... -o DIR), or a training
-    checkpoint as a Hugging Face model folder (--hf OUT --from CHECKPOINT)."""
+    checkpoint as a Hugging Face model folder with its tokenizer (--hf OUT --from
+    CHECKPOINT)."""
     if hf_out is not None or checkpoint is not None:
         if preset is not None or out_dir is not None:
             raise click.UsageError("--hf/--from and --preset/-o are two modes; give one")
         if hf_out is None or checkpoint is None:
             raise click.UsageError("--hf and --from go together")
-        _export_hf(hf_out, checkpoint, max_shard_bytes)
+        _export_hf(hf_out, checkpoint, max_shard_bytes, tokenizer=not no_tokenizer)
         return
-    if max_shard_bytes is not None:
-        raise click.UsageError("--max-shard-size goes with --hf")
+    if max_shard_bytes is not None or no_tokenizer:
+        raise click.UsageError("--max-shard-size and --no-tokenizer go with --hf")
     if preset is None or out_dir is None:
         raise click.UsageError(
             "give --preset P ... -o DIR (a bundle) or --hf OUT --from CHECKPOINT"
@@ -202,8 +210,11 @@ def _pricing_label(priced: dict[str, Any], cache: Any) -> str:
     return "profiled" if cache is None else "profile cache"
 
 
-def _export_hf(hf_out: str, checkpoint: str, max_shard_bytes: int | None = None) -> None:
-    """``--hf OUT --from CHECKPOINT``."""
+def _export_hf(
+    hf_out: str, checkpoint: str, max_shard_bytes: int | None = None, *, tokenizer: bool = True
+) -> None:
+    """``--hf OUT --from CHECKPOINT``: the weights and config, then the run's tokenizer
+    (found and checked before anything is written)."""
     from dataflow_training.drive.checkpoint import (
         MANIFEST_FILE,
         CheckpointError,
@@ -226,6 +237,7 @@ def _export_hf(hf_out: str, checkpoint: str, max_shard_bytes: int | None = None)
     family = _family(manifest["family"])
     if not hasattr(family, "export_hf"):
         raise Failure(f"family {manifest['family']!r} has no Hugging Face export (export_hf)")
+    hf_tokenizer = _run_tokenizer(manifest, Path(checkpoint)) if tokenizer else None
     config = family.config(manifest["preset"], **manifest.get("overrides", {}))
     shards = {}
     if max_shard_bytes is not None:
@@ -240,4 +252,19 @@ def _export_hf(hf_out: str, checkpoint: str, max_shard_bytes: int | None = None)
     what = f" ({files[0]})" if len(files) == 1 else ""
     if len(files) > 1:
         what = f" ({len(files)} shards and their index)"
+    if hf_tokenizer is not None:
+        hf_tokenizer.write(Path(hf_out))
+        what += f" and the {hf_tokenizer.what}"
+    elif tokenizer:
+        what += " without a tokenizer (the run's data recorded none)"
     click.echo(f"wrote {hf_out}{what} from {checkpoint} (step {manifest['step']})")
+
+
+def _run_tokenizer(manifest: dict[str, Any], checkpoint: Path) -> Any:
+    """The checkpoint's run's tokenizer ready to write (None: the run recorded none)."""
+    from dataflow_training.drive.tokenizer import HFTokenizer, TokenizerError
+
+    try:
+        return HFTokenizer.of_checkpoint(manifest, checkpoint)
+    except TokenizerError as exc:
+        raise Failure(f"--hf: {exc}") from None

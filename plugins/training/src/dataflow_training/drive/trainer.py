@@ -121,6 +121,9 @@ class TrainOptions:
     #: a Hugging Face model folder whose weights start the run (``hf_init``); its config's
     #: fields that differ from the preset's become the run's overrides
     init: str | None = None
+    #: the model's vocabulary as given (``--vocab-size``); None: the data's tokenizer's or
+    #: the preset's (``vocabulary.choose_vocab``), which the run's overrides then carry
+    vocab_size: int | None = None
 
     def train_config(self, family: Any) -> TrainConfig:
         """The step of ``family`` (the family object ``self.family`` names); the head's
@@ -230,6 +233,8 @@ class Started:
     run: Any
     start: int
     history: list[tuple[int, float]]
+    #: what made the data's token ids, as each checkpoint records it (``drive.tokenizer``)
+    tokenizer: dict[str, Any] | None = None
 
 
 def train(
@@ -273,7 +278,7 @@ def _train(
     from dataflow_training.drive.checkpoint import latest_checkpoint
 
     began = _start(o, fleet, family, say)
-    o, feed, compiled, run, start, history = attrs.astuple(began, recurse=False)
+    o, feed, compiled, run, start, history, tokenizer = attrs.astuple(began, recurse=False)
     sinks = _metrics_sinks(o, start, writes, progress, say)
     profiler = _profiler(o, start, out, say)
     _say_first_steps(compiled, start < o.steps, say)
@@ -282,6 +287,7 @@ def _train(
 
     def manifest_extra() -> dict[str, Any]:
         extra = {"feed": feed.state(), "history": history[-HISTORY_TAIL:], "options": _jsonable(o)}
+        extra["tokenizer"] = tokenizer
         if fleet is not None:  # every member's data position; rank 0 writes
             extra["fleet"] = {"rounds": list(fleet.rounds), "feeds": fleet.gather(feed.state())}
         return extra
@@ -365,6 +371,7 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
     what the run is (data, init, the checkpoint it resumes, the plan)."""
     from dataflow_training.drive.checkpoint import intact_checkpoint
     from dataflow_training.drive.run import TrainingRun, resolver_for
+    from dataflow_training.drive.tokenizer import is_byte_level, keep_tokenizer
     from dataflow_training.plan.compiled_step import compile_step
     from dataflow_training.step.family import load_family
 
@@ -377,6 +384,7 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
     if o.init is not None:
         o, init = _with_init(o, family)
     feed = open_feed(o) if fleet is None else open_feed(o, fleet.rank, fleet.world)
+    o, vocab_note = _with_vocab(o, family, feed, init, resumed)
     if o.device.startswith("cuda"):  # tens of seconds for a large model: say what is under way
         say(
             f"profiling: each task of the step timed on {o.device}, then planned (the "
@@ -409,6 +417,8 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
             f"a vocabulary of {run.vocab_size}"
         )
     o.out.mkdir(parents=True, exist_ok=True)
+    writes = fleet is None or fleet.writes
+    record = keep_tokenizer(feed, o.out, resumed=resumed is not None, writes=writes)
     history: list[tuple[int, float]] = []
     start = 0
     if resumed is not None:
@@ -422,11 +432,12 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
             feed.restore(manifest["feed"])
         start = int(manifest["step"])
         history = [tuple(x) for x in manifest.get("history", [])]
-    say(f"data: {feed.describe()}")
+    say(f"data: {feed.describe()}" + (f"; {vocab_note}" if vocab_note else ""))
     if init is not None:
         say(init.line if resumed is None else f"init: {o.init} not read (the run resumes)")
         tokenizer = Path(o.init) / "tokenizer.json"
-        if vocab == BYTE_VOCAB and tokenizer.is_file():  # a real model fed bytes: say so
+        if vocab == BYTE_VOCAB and tokenizer.is_file() and not is_byte_level(tokenizer):
+            # a real model fed bytes: say so
             say(
                 f"warning: --data {o.data} gives byte tokens (ids 0-255), not those of "
                 f"{tokenizer}; for the model's own: dataflow data prepare --text PATH "
@@ -437,7 +448,7 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
     say(plan_line(compiled))
     if compiled.pool_note is not None:
         say(compiled.pool_note)
-    return Started(o, feed, compiled, run, start, history)
+    return Started(o, feed, compiled, run, start, history, record)
 
 
 def _metrics_sinks(
@@ -550,6 +561,33 @@ def _with_init(o: TrainOptions, family: Any) -> tuple[TrainOptions, Any]:
         )
     init = hf_overrides(family, o.family, o.preset, o.init)
     return attrs.evolve(o, overrides=init.overrides), init
+
+
+def _with_vocab(
+    o: TrainOptions, family: Any, feed: Any, init: Any, resumed: Path | None
+) -> tuple[TrainOptions, str]:
+    """``o`` with the model's vocabulary in its overrides where it is not the preset's
+    (``vocabulary.choose_vocab``; a resumed run keeps its checkpoint's), and what the
+    ``data:`` line says of it."""
+    from dataflow_training.drive.checkpoint import read_manifest
+    from dataflow_training.drive.vocabulary import VocabError, choose_vocab
+
+    preset_vocab = getattr(family.config(o.preset), "vocab_size", None)
+    if preset_vocab is None:  # a family without the field: its own vocabulary
+        if o.vocab_size is not None:
+            raise VocabError(f"--vocab-size: family {o.family!r} has no vocab_size to set")
+        return o, ""
+    init_vocab = None if init is None else init.config.vocab_size
+    kept = None
+    if resumed is not None:  # the checkpoint's config: its overrides on the preset's
+        overrides = read_manifest(resumed).get("overrides") or {}
+        kept = overrides.get("vocab_size", preset_vocab)
+    vocab = choose_vocab(
+        preset_vocab, feed, o.data, given=o.vocab_size, init_vocab=init_vocab, kept=kept
+    )
+    if init is None and vocab.size != preset_vocab:
+        o = attrs.evolve(o, overrides={**o.overrides, "vocab_size": vocab.size})
+    return o, vocab.note
 
 
 def _init_hint(checkpoint: Path, o: TrainOptions) -> str:
