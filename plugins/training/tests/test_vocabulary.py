@@ -215,3 +215,22 @@ def test_a_vocabulary_smaller_than_the_data_is_one_line(bpe_shards, tmp_path) ->
     shutil.copytree(bpe_shards, bare, ignore=shutil.ignore_patterns("tokenizer*"))
     result = _train(f"shards:{bare}", tmp_path / "run2", "gpt2_tiny", 1)
     assert_one_line_error(result, FAILED, "256", "--vocab-size")
+
+
+def test_predict_and_export_price_the_vocabulary_given(tmp_path) -> None:
+    """``--vocab-size`` on the planning commands: the step of a 4096-token vocabulary."""
+    grid = ("--t-round", "64", "--seq-len", "32", "--tokens-step", "128", "--budget", "1")
+    rows = {}
+    for vocab in (None, 4096):
+        out = tmp_path / f"{vocab}.json"
+        extra = () if vocab is None else ("--vocab-size", vocab)
+        result = invoke(
+            "predict", "--preset", "gpt2_tiny", *grid, "--jobs", 1, "--json", out, *extra
+        )
+        assert result.exit_code == 0, result.output
+        rows[vocab] = json.loads(out.read_text())["rows"][0]
+    assert rows[4096]["overrides"] == {"vocab_size": 4096} and rows[None]["overrides"] == {}
+    assert rows[4096]["fast_peak_bytes"] > rows[None]["fast_peak_bytes"]
+    bundle = ("--preset", "gpt2_tiny", "--budget", "64MiB", "--pricing", "roofline")
+    result = invoke("export", *bundle, "-o", tmp_path / "b", "--vocab-size", 4096)
+    assert result.exit_code == 0, result.output

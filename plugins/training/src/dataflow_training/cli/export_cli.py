@@ -28,6 +28,9 @@ PRICINGS = ("auto", "profile", "roofline")
 @click.option("--family", "family_name", default=None, help="default: the preset's family")
 @click.option("--batch", default=8, show_default=True, type=COUNT)
 @click.option("--seq-len", default=64, show_default=True, type=COUNT)
+@click.option(
+    "--vocab-size", default=None, type=COUNT, help="the model's vocabulary (default: the preset's)"
+)
 @click.option("--ga-rounds", "rounds", default=None, type=COUNT, help="accumulation rounds")
 @click.option(
     "--tokens-step", default=None, type=COUNT, help="tokens per step (instead of --ga-rounds)"
@@ -115,6 +118,7 @@ def export_bundle(
     family_name: str | None,
     batch: int,
     seq_len: int,
+    vocab_size: int | None,
     rounds: int | None,
     tokens_step: int | None,
     dtype: str,
@@ -141,8 +145,11 @@ def export_bundle(
         raise click.UsageError("--budget SIZE is needed with --preset (the fast-memory budget)")
     family_name = family_name or default_family(preset)
     family = _family(family_name)
-    _check_seq_len(_preset_config(family, family_name, preset), preset, seq_len)
+    config = _preset_config(family, family_name, preset)
+    _check_seq_len(config, preset, seq_len)
     rounds = _rounds(batch, seq_len, rounds, tokens_step)
+    if vocab_size == getattr(config, "vocab_size", None):
+        vocab_size = None  # the preset's own
     try:
         entry = hardware(hw, hw_files)
     except HardwareError as exc:
@@ -157,9 +164,18 @@ def export_bundle(
         seq_len=seq_len,
         dtype=dtype,
         clip=clip or None,
+        overrides={} if vocab_size is None else {"vocab_size": vocab_size},
     )
     t_round = batch * seq_len
-    cell = Cell(preset, t_round, seq_len, t_round * rounds, budget_bytes, backing_bytes)
+    cell = Cell(
+        preset,
+        t_round,
+        seq_len,
+        t_round * rounds,
+        budget_bytes,
+        backing_bytes,
+        vocab_size=vocab_size,
+    )
     priced: dict[str, Any] = {}
     cache = None
     if pricing == "profile" or (pricing == "auto" and _cuda_present()):
