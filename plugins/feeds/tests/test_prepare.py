@@ -43,6 +43,7 @@ def test_bytes_shards_hold_the_text(tmp_path: Path, data_dir: Path) -> None:
     assert json.loads((tmp_path / "out" / "tokenizer_meta.json").read_text()) == {"kind": "bytes"}
     assert "wrote " in result.output and "3 shard(s)" in result.output
     assert open_shards(str(tmp_path / "out")).vocab_size == 256
+    assert open_shards(str(tmp_path / "out")).tokenizer == "bytes"
 
 
 def test_the_shipped_shards_are_what_prepare_writes(tmp_path: Path, data_dir: Path) -> None:
@@ -76,6 +77,10 @@ def test_bpe_shards_decode_to_the_text(tmp_path: Path, data_dir: Path) -> None:
     assert decoded == [path.read_text() for path in text_files(text) if path.stat().st_size]
     feed = open_shards(str(tmp_path))
     assert feed.vocab_size == 300 and "bpe" in feed.describe()
+    assert feed.tokenizer == (tmp_path / "tokenizer.json").resolve()  # what training keeps
+    (tmp_path / "tokenizer_meta.json").unlink()
+    (tmp_path / "tokenizer.json").unlink()
+    assert open_shards(str(tmp_path)).tokenizer is None  # nothing says
 
 
 def test_a_saved_tokenizer_json_tokenizes_the_same(tmp_path: Path, data_dir: Path) -> None:

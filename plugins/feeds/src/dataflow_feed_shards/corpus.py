@@ -40,6 +40,8 @@ class Corpus:
     vocab_source: str  # where vocab_size came from, for describe()
     tokens: tuple[np.ndarray, ...] | None = None  # the shards' memory maps; None: files
     note: str = ""  # anything else describe() says (validation shards held out)
+    #: what made the ids: "bytes", the absolute path of a tokenizer.json, or None (unknown)
+    tokenizer: Path | str | None = "bytes"
 
     @property
     def total_tokens(self) -> int:
@@ -88,7 +90,7 @@ def shard_corpus(location: str, split: str = "train") -> Corpus:
     saved = saved_vocab(folder)
     if saved is None:
         vocab_size = max((int(shard.max()) for shard in tokens if shard.size), default=-1) + 1
-        saved = vocab_size, "max token id + 1 over the shards: no tokenizer saved beside them"
+        saved = vocab_size, "max token id + 1 over the shards: no tokenizer saved beside them", None
     return Corpus(
         "shards",
         folder,
@@ -98,6 +100,7 @@ def shard_corpus(location: str, split: str = "train") -> Corpus:
         saved[1],
         tokens,
         note,
+        saved[2],
     )
 
 

@@ -79,6 +79,12 @@ class TokenFeed:
         return self.corpus.vocab_size
 
     @property
+    def tokenizer(self) -> Any:
+        """What made the ids: ``"bytes"`` (id = byte), the absolute ``Path`` of the
+        ``tokenizer.json`` saved beside the shards, or None where nothing says."""
+        return self.corpus.tokenizer
+
+    @property
     def _step_tokens(self) -> int:
         return self.world * self.batch * self.seq_len
 

@@ -3,7 +3,8 @@
 Beside the shards lies ``tokenizer_meta.json`` (``{"kind": "bytes"}`` or
 ``{"kind": "bpe", "vocab_size": N}``) and, for a BPE, the ``tokenizer.json`` of the
 ``tokenizers`` library. ``saved_vocab`` reads the vocabulary size from either (the small
-meta file first, so opening a feed need not load the tokenizer).
+meta file first, so opening a feed need not load the tokenizer), and which tokenizer made
+the ids: ``"bytes"``, the ``tokenizer.json`` file, or None where the folder does not say.
 """
 
 from __future__ import annotations
@@ -29,23 +30,25 @@ def byte_tokens(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def saved_vocab(folder: Path) -> tuple[int, str] | None:
-    """(vocab_size, where it came from) of the tokenizer saved in ``folder``, or None."""
+def saved_vocab(folder: Path) -> tuple[int, str, Path | str | None] | None:
+    """(vocab_size, where it came from, the tokenizer: ``"bytes"``, the absolute path of
+    its ``tokenizer.json`` or None) of the tokenizer saved in ``folder``, or None."""
     meta_path, json_path = folder / META, folder / TOKENIZER_JSON
+    tokenizer = json_path.resolve() if json_path.is_file() else None
     if meta_path.is_file():
         meta = _read_json(meta_path)
         kind = meta.get("kind") if isinstance(meta, dict) else None
         if kind == "bytes":
-            return BYTE_VOCAB, f"{META}: bytes"
+            return BYTE_VOCAB, f"{META}: bytes", "bytes"
         vocab_size = meta.get("vocab_size") if isinstance(meta, dict) else None
         if kind == "bpe" and isinstance(vocab_size, int) and vocab_size > 0:
-            return vocab_size, f"{META}: bpe"
+            return vocab_size, f"{META}: bpe", tokenizer
         raise FeedError(
             f'{meta_path}: expected {{"kind": "bytes"}} or {{"kind": "bpe", "vocab_size": N}}, '
             f"got {json.dumps(meta)}"
         )
     if json_path.is_file():
-        return load_tokenizer(json_path).get_vocab_size(), TOKENIZER_JSON
+        return load_tokenizer(json_path).get_vocab_size(), TOKENIZER_JSON, tokenizer
     return None
 
 

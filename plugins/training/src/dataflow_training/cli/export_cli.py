@@ -35,6 +35,9 @@ PRICINGS = ("auto", "profile", "roofline")
 @click.option("--family", "family_name", default=None, help="default: the preset's family")
 @click.option("--batch", default=8, show_default=True, type=COUNT)
 @click.option("--seq-len", default=64, show_default=True, type=COUNT)
+@click.option(
+    "--vocab-size", default=None, type=COUNT, help="the model's vocabulary (default: the preset's)"
+)
 @click.option("--ga-rounds", "rounds", default=None, type=COUNT, help="accumulation rounds")
 @click.option(
     "--tokens-step", default=None, type=COUNT, help="tokens per step (instead of --ga-rounds)"
@@ -73,18 +76,26 @@ PRICINGS = ("auto", "profile", "roofline")
     help="with --hf: shards of at most SIZE and their model.safetensors.index.json "
     "(default: one model.safetensors, as transformers writes up to 50GB)",
 )
-def export_command(preset, out_dir, hf_out, checkpoint, max_shard_bytes, **step: Any) -> None:
+@click.option(
+    "--no-tokenizer",
+    is_flag=True,
+    help="with --hf: write the weights and config only, not the run's tokenizer",
+)
+def export_command(
+    preset, out_dir, hf_out, checkpoint, max_shard_bytes, no_tokenizer, **step: Any
+) -> None:
     """Write a planned training step as a bundle (--preset ... -o DIR), or a training
-    checkpoint as a Hugging Face model folder (--hf OUT --from CHECKPOINT)."""
+    checkpoint as a Hugging Face model folder with its tokenizer (--hf OUT --from
+    CHECKPOINT)."""
     if hf_out is not None or checkpoint is not None:
         if preset is not None or out_dir is not None:
             raise click.UsageError("--hf/--from and --preset/-o are two modes; give one")
         if hf_out is None or checkpoint is None:
             raise click.UsageError("--hf and --from go together")
-        _export_hf(hf_out, checkpoint, max_shard_bytes)
+        _export_hf(hf_out, checkpoint, max_shard_bytes, tokenizer=not no_tokenizer)
         return
-    if max_shard_bytes is not None:
-        raise click.UsageError("--max-shard-size goes with --hf")
+    if max_shard_bytes is not None or no_tokenizer:
+        raise click.UsageError("--max-shard-size and --no-tokenizer go with --hf")
     if preset is None or out_dir is None:
         raise click.UsageError(
             "give --preset P ... -o DIR (a bundle) or --hf OUT --from CHECKPOINT"
@@ -114,6 +125,7 @@ def export_bundle(
     family_name: str | None,
     batch: int,
     seq_len: int,
+    vocab_size: int | None,
     rounds: int | None,
     tokens_step: int | None,
     dtype: str,
@@ -136,8 +148,11 @@ def export_bundle(
         raise click.UsageError("--budget SIZE is needed with --preset (the fast-memory budget)")
     family_name = family_name or default_family(preset)
     family = _family(family_name)
-    _check_seq_len(_preset_config(family, family_name, preset), preset, seq_len)
+    config = _preset_config(family, family_name, preset)
+    _check_seq_len(config, preset, seq_len)
     rounds = _rounds(batch, seq_len, rounds, tokens_step)
+    if vocab_size == getattr(config, "vocab_size", None):
+        vocab_size = None  # the preset's own
     try:
         entry = hardware(hw, hw_files)
     except HardwareError as exc:
@@ -152,9 +167,18 @@ def export_bundle(
         seq_len=seq_len,
         dtype=dtype,
         clip=clip or None,
+        overrides={} if vocab_size is None else {"vocab_size": vocab_size},
     )
     t_round = batch * seq_len
-    cell = Cell(preset, t_round, seq_len, t_round * rounds, budget_bytes, backing_bytes)
+    cell = Cell(
+        preset,
+        t_round,
+        seq_len,
+        t_round * rounds,
+        budget_bytes,
+        backing_bytes,
+        vocab_size=vocab_size,
+    )
     priced: dict[str, Any] = {}
     cache = None
     if pricing == "profile" or (pricing == "auto" and _cuda_present()):
@@ -200,8 +224,11 @@ def _pricing_label(priced: dict[str, Any], cache: Any) -> str:
     return "profiled" if cache is None else "profile cache"
 
 
-def _export_hf(hf_out: str, checkpoint: str, max_shard_bytes: int | None = None) -> None:
-    """``--hf OUT --from CHECKPOINT``."""
+def _export_hf(
+    hf_out: str, checkpoint: str, max_shard_bytes: int | None = None, *, tokenizer: bool = True
+) -> None:
+    """``--hf OUT --from CHECKPOINT``: the weights and config, then the run's tokenizer
+    (found and checked before anything is written)."""
     # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.drive.checkpoint import (
         MANIFEST_FILE,
@@ -225,6 +252,7 @@ def _export_hf(hf_out: str, checkpoint: str, max_shard_bytes: int | None = None)
     family = _family(manifest["family"])
     if not hasattr(family, "export_hf"):
         raise Failure(f"family {manifest['family']!r} has no Hugging Face export (export_hf)")
+    hf_tokenizer = _run_tokenizer(manifest, Path(checkpoint)) if tokenizer else None
     config = family.config(manifest["preset"], **manifest.get("overrides", {}))
     shards = {}
     if max_shard_bytes is not None:
@@ -239,4 +267,20 @@ def _export_hf(hf_out: str, checkpoint: str, max_shard_bytes: int | None = None)
     what = f" ({files[0]})" if len(files) == 1 else ""
     if len(files) > 1:
         what = f" ({len(files)} shards and their index)"
+    if hf_tokenizer is not None:
+        hf_tokenizer.write(Path(hf_out))
+        what += f" and the {hf_tokenizer.what}"
+    elif tokenizer:
+        what += " without a tokenizer (the run's data recorded none)"
     click.echo(f"wrote {hf_out}{what} from {checkpoint} (step {manifest['step']})")
+
+
+def _run_tokenizer(manifest: dict[str, Any], checkpoint: Path) -> Any:
+    """The checkpoint's run's tokenizer ready to write (None: the run recorded none)."""
+    # torch loads when the command runs, not when `dataflow` lists its commands
+    from dataflow_training.drive.tokenizer import HFTokenizer, TokenizerError
+
+    try:
+        return HFTokenizer.of_checkpoint(manifest, checkpoint)
+    except TokenizerError as exc:
+        raise Failure(f"--hf: {exc}") from None

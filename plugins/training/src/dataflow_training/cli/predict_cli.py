@@ -110,6 +110,12 @@ def _grid_options(command: Any) -> Any:
         click.option("--tokens-step", required=True, type=COUNT, help="tokens per optimizer step"),
         click.option("--budget", "budgets", required=True, type=SizeList(), help="GiB each"),
         click.option("--seq-len", "seq_lens", required=True, type=IntList()),
+        click.option(
+            "--vocab-size",
+            default=None,
+            type=COUNT,
+            help="the model's vocabulary (default: the preset's), as dataflow train --vocab-size",
+        ),
         click.option("--backing", default=None, type=SizeList(), help="pinned host budget, GiB"),
         click.option(
             "--dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp32"])
@@ -155,9 +161,9 @@ def _setup(preset: str, family_name: str | None, hw_name: str, hw_files: tuple, 
     return family, hw, backing[0] if backing else None
 
 
-def _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders):
+def _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders, vocab_size):
 
-    return grid(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders)
+    return grid(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders, vocab_size)
 
 
 @click.command("predict")
@@ -193,6 +199,7 @@ def predict_command(
     tokens_step,
     budgets,
     seq_lens,
+    vocab_size,
     backing,
     orders,
     dtype,
@@ -214,7 +221,7 @@ def predict_command(
         _check_scope(entry, scope)
     if measured:
         options |= _measured_pricing(family, device)
-    cells = _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders)
+    cells = _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders, vocab_size)
     if ranks is None:
         rows = predict(family, cells, entry, jobs=jobs or default_jobs(), **options)
         _print_predicted(rows, entry.name, preset)
@@ -308,6 +315,7 @@ def measure_command(
     tokens_step,
     budgets,
     seq_lens,
+    vocab_size,
     backing,
     orders,
     dtype,
@@ -329,7 +337,7 @@ def measure_command(
             f"--warmup {warmup} leaves no measured step of --steps {steps}", param_hint="--warmup"
         )
     family, entry, backing = _setup(preset, family_name, hw, hw_files, backing)
-    cells = _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders)
+    cells = _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders, vocab_size)
     device = device or default_device()
     try:
         resolver = resolver_for(resolver, device)

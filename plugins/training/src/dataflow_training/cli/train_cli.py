@@ -106,6 +106,13 @@ def fleet_options(command: Any) -> Any:
 @click.option("--ga-rounds", "rounds", default=1, show_default=True, type=COUNT)
 @fleet_options
 @click.option("--seq-len", default=64, show_default=True, type=COUNT)
+@click.option(
+    "--vocab-size",
+    default=None,
+    type=COUNT,
+    help="the model's vocabulary (default: the data's tokenizer's where the shards carry "
+    "one, else the preset's); at least the data's",
+)
 @budget_option("fast-memory budget (default: the device's free memory; CPU: unbounded)")
 @click.option("--device", default=None, type=Device(), help="default: cuda when present")
 @click.option("--checkpoint-every", default=None, type=COUNT, help="steps between checkpoints")

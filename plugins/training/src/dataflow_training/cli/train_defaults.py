@@ -57,7 +57,7 @@ RESUMED = {
             "steps data batch rounds seq_len checkpoint_every checkpoint_minutes keep lr "
             "warmup schedule "
             "min_lr_ratio seed dtype optimizer_states graph recompute order updates resolver "
-            "head_vocab_tiles"
+            "head_vocab_tiles vocab_size"
         ).split()
     },
 }

@@ -21,9 +21,9 @@ from dataflow_training.plan.hardware import HardwareEntry
 from dataflow_training.plan.predict import (
     Cell,
     _one_line,
+    cell_overrides,
     each_cell,
     infeasible_row,
-    position_overrides,
     row_of,
     train_config,
     vocab_size,
@@ -61,9 +61,10 @@ def measure_cell(
     reason = cell.why_not()
     if reason is not None:
         return infeasible_row(cell, extra, reason)
-    overrides = position_overrides(family, cell.preset, cell.seq_len)
+    overrides = cell_overrides(family, cell)
     extra["overrides"] = overrides
-    train = train_config(cell, dtype, vocab=vocab_size(family, cell.preset), states=states)
+    vocab = cell.vocab_size or vocab_size(family, cell.preset)
+    train = train_config(cell, dtype, vocab=vocab, states=states)
     run = None
     try:
         compiled = compile_step(

@@ -438,6 +438,7 @@ class TrainingRun:
             "family": self.compiled.family.name,
             "preset": self.compiled.preset,
             "overrides": self.compiled.overrides,
+            "vocab_size": self.vocab_size,
             "train": train_dict(self.train),
             "seed": self.seed,
             "device": self.device,

@@ -57,7 +57,10 @@ from dataflow_training.drive.hf_init import InitError, hf_overrides, hf_weights
 from dataflow_training.drive.profiling import ProfileWindow, StepProfiler
 from dataflow_training.drive.run import TrainingRun, resolver_for
 from dataflow_training.drive.run_folder import RunFolder
-from dataflow_training.drive.schedule import LrSchedule, resumed, stored_schedule
+from dataflow_training.drive.schedule import LrSchedule, stored_schedule
+from dataflow_training.drive.schedule import resumed as schedule_on_resume
+from dataflow_training.drive.tokenizer import is_byte_level, keep_tokenizer
+from dataflow_training.drive.vocabulary import VocabError, choose_vocab
 from dataflow_training.plan.compiled_step import compile_step
 from dataflow_training.plan.hardware import hardware
 from dataflow_training.step.config import (
@@ -142,6 +145,9 @@ class TrainOptions:
     #: a Hugging Face model folder whose weights start the run (``hf_init``); its config's
     #: fields that differ from the preset's become the run's overrides
     init: str | None = None
+    #: the model's vocabulary as given (``--vocab-size``); None: the data's tokenizer's or
+    #: the preset's (``vocabulary.choose_vocab``), which the run's overrides then carry
+    vocab_size: int | None = None
 
     def train_config(self, family: Any) -> TrainConfig:
         """The step of ``family`` (the family object ``self.family`` names); the head's
@@ -228,6 +234,8 @@ class Started:
     start: int
     history: list[tuple[int, float]]
     schedule: LrSchedule
+    #: what made the data's token ids, as each checkpoint records it (``drive.tokenizer``)
+    tokenizer: dict[str, Any] | None = None
 
 
 def train(
@@ -270,7 +278,9 @@ def _train(
     """``train`` in a folder it holds."""
 
     began = _start(o, fleet, family, say)
-    o, feed, compiled, run, start, history, schedule = attrs.astuple(began, recurse=False)
+    o, feed, compiled, run, start, history, schedule, tokenizer = attrs.astuple(
+        began, recurse=False
+    )
     rounds = _step_rounds(o, fleet)
     dealt = DealtFeed(feed, rounds, range(o.rounds) if fleet is None else fleet.owned)
     sinks = _metrics_sinks(o, start, writes, progress, say)
@@ -287,6 +297,7 @@ def _train(
         extra["schedule"] = schedule.to_json()
         if fleet is not None:
             extra["fleet"] = {"rounds": list(fleet.rounds)}
+        extra["tokenizer"] = tokenizer
         return extra
 
     every, keep = o.checkpoint_every, o.keep
@@ -379,6 +390,7 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
     if o.init is not None:
         o, init = _with_init(o, family)
     feed = open_feed(o)  # every member reads the one-process stream
+    o, vocab_note = _with_vocab(o, family, feed, init, resumed)
     if o.device.startswith("cuda"):  # tens of seconds for a large model: say what is under way
         say(
             f"profiling: each task of the step timed on {o.device}, then planned (the "
@@ -411,6 +423,8 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
             f"a vocabulary of {run.vocab_size}"
         )
     o.out.mkdir(parents=True, exist_ok=True)
+    writes = fleet is None or fleet.writes
+    record = keep_tokenizer(feed, o.out, resumed=resumed is not None, writes=writes)
     history: list[tuple[int, float]] = []
     start = 0
     if resumed is not None:
@@ -426,11 +440,12 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
         history = [tuple(x) for x in manifest.get("history", [])]
     if fleet is not None:
         fleet.check_stream(feed.state())
-    say(f"data: {feed.describe()}")
+    say(f"data: {feed.describe()}" + (f"; {vocab_note}" if vocab_note else ""))
     if init is not None:
         say(init.line if resumed is None else f"init: {o.init} not read (the run resumes)")
         tokenizer = Path(o.init) / "tokenizer.json"
-        if vocab == BYTE_VOCAB and tokenizer.is_file():  # a real model fed bytes: say so
+        if vocab == BYTE_VOCAB and tokenizer.is_file() and not is_byte_level(tokenizer):
+            # a real model fed bytes: say so
             say(
                 f"warning: --data {o.data} gives byte tokens (ids 0-255), not those of "
                 f"{tokenizer}; for the model's own: dataflow data prepare --text PATH "
@@ -443,7 +458,7 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
     say(plan_line(compiled))
     if compiled.pool_note is not None:
         say(compiled.pool_note)
-    return Started(o, feed, compiled, run, start, history, schedule)
+    return Started(o, feed, compiled, run, start, history, schedule, record)
 
 
 def _resumed_schedule(checkpoint: Path, o: TrainOptions) -> tuple[LrSchedule, str | None]:
@@ -457,7 +472,7 @@ def _resumed_schedule(checkpoint: Path, o: TrainOptions) -> tuple[LrSchedule, st
             f"checkpoint file {checkpoint / MANIFEST_FILE} is corrupt: its schedule does not "
             f"read ({exc})"
         ) from None
-    return resumed(stored, o, int(manifest["step"]), o.reset_schedule)
+    return schedule_on_resume(stored, o, int(manifest["step"]), o.reset_schedule)
 
 
 def _metrics_sinks(
@@ -581,6 +596,30 @@ def _with_init(o: TrainOptions, family: Any) -> tuple[TrainOptions, Any]:
         )
     init = hf_overrides(family, o.family, o.preset, o.init)
     return attrs.evolve(o, overrides=init.overrides), init
+
+
+def _with_vocab(
+    o: TrainOptions, family: Any, feed: Any, init: Any, resumed: Path | None
+) -> tuple[TrainOptions, str]:
+    """``o`` with the model's vocabulary in its overrides where it is not the preset's
+    (``vocabulary.choose_vocab``; a resumed run keeps its checkpoint's), and what the
+    ``data:`` line says of it."""
+    preset_vocab = getattr(family.config(o.preset), "vocab_size", None)
+    if preset_vocab is None:  # a family without the field: its own vocabulary
+        if o.vocab_size is not None:
+            raise VocabError(f"--vocab-size: family {o.family!r} has no vocab_size to set")
+        return o, ""
+    init_vocab = None if init is None else init.config.vocab_size
+    kept = None
+    if resumed is not None:  # the checkpoint's config: its overrides on the preset's
+        overrides = read_manifest(resumed).get("overrides") or {}
+        kept = overrides.get("vocab_size", preset_vocab)
+    vocab = choose_vocab(
+        preset_vocab, feed, o.data, given=o.vocab_size, init_vocab=init_vocab, kept=kept
+    )
+    if init is None and vocab.size != preset_vocab:
+        o = attrs.evolve(o, overrides={**o.overrides, "vocab_size": vocab.size})
+    return o, vocab.note
 
 
 def _init_hint(checkpoint: Path, o: TrainOptions) -> str:

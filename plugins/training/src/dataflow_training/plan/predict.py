@@ -63,6 +63,8 @@ class Cell:
     budget_bytes: int
     backing_bytes: int | None = None
     order: str = "round"  # TrainConfig.order
+    #: the model's vocabulary where it is not the preset's (``--vocab-size``)
+    vocab_size: int | None = None
 
     @property
     def batch(self) -> int:
@@ -90,6 +92,7 @@ class Cell:
             "budget_bytes": self.budget_bytes,
             "backing_bytes": self.backing_bytes,
             "order": self.order,
+            **({"vocab_size": self.vocab_size} if self.vocab_size is not None else {}),
         }
 
 
@@ -101,11 +104,12 @@ def grid(
     tokens_step: int,
     backing_bytes: int | None = None,
     orders: Sequence[str] = ("round",),
+    vocab_size: int | None = None,
 ) -> list[Cell]:
     """Every cell, by sequence length, then T_round, then budget (largest first as given),
-    then task order."""
+    then task order; ``vocab_size``: every cell's model vocabulary (None: the preset's)."""
     return [
-        Cell(preset, t_round, seq_len, tokens_step, budget, backing_bytes, order)
+        Cell(preset, t_round, seq_len, tokens_step, budget, backing_bytes, order, vocab_size)
         for seq_len in seq_lens
         for t_round in t_rounds
         for budget in budgets
@@ -150,6 +154,15 @@ def position_overrides(family: Any, preset: str, seq_len: int) -> dict[str, int]
         if isinstance(longest, int) and seq_len > longest:
             return {field: seq_len}
     return {}
+
+
+def cell_overrides(family: Any, cell: Cell) -> dict[str, int]:
+    """The preset's fields a cell changes: the position table (``position_overrides``)
+    and the vocabulary, where the cell's is not the preset's."""
+    overrides = position_overrides(family, cell.preset, cell.seq_len)
+    if cell.vocab_size is not None and cell.vocab_size != vocab_size(family, cell.preset):
+        overrides["vocab_size"] = cell.vocab_size
+    return overrides
 
 
 def step_flops(step: Lowered) -> tuple[float, float]:
@@ -288,10 +301,11 @@ def plan_cell(
     reason = cell.why_not()
     if reason is not None:
         return PlannedCell(cell, extra, reason=reason)
-    overrides = position_overrides(family, cell.preset, cell.seq_len)
+    overrides = cell_overrides(family, cell)
     extra["overrides"] = overrides
     started = time.perf_counter()
-    train = train or train_config(cell, dtype, vocab=vocab_size(family, cell.preset), states=states)
+    vocab = cell.vocab_size or vocab_size(family, cell.preset)
+    train = train or train_config(cell, dtype, vocab=vocab, states=states)
     lowered = lower(
         family,
         cell.preset,
