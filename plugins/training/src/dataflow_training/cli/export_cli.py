@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from dataflow.cli import BUDGET, COUNT, Device, Failure, OutputFile, one_line
-from dataflow_training.cli.verify_cli import _check_seq_len, _family, _preset_config
+from dataflow_training.cli.verify_cli import _family, check_preset
 
 PRICINGS = ("auto", "profile", "roofline")
 
@@ -123,7 +123,6 @@ def export_bundle(
 ) -> str:
     """Write the bundle; return the line that says what was written."""
     from dataflow import format_size, write_bundle
-    from dataflow_training.cli.train_defaults import default_family
     from dataflow_training.drive.export import ExportError, export_cell
     from dataflow_training.drive.trainer import TrainOptions
     from dataflow_training.plan.hardware import HardwareError, hardware
@@ -131,9 +130,7 @@ def export_bundle(
 
     if budget_bytes is None:
         raise click.UsageError("--budget SIZE is needed with --preset (the fast-memory budget)")
-    family_name = family_name or default_family(preset)
-    family = _family(family_name)
-    _check_seq_len(_preset_config(family, family_name, preset), preset, seq_len)
+    family_name, family, _ = check_preset(preset, family_name, seq_len)
     rounds = _rounds(batch, seq_len, rounds, tokens_step)
     try:
         entry = hardware(hw, hw_files)

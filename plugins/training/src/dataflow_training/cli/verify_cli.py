@@ -328,6 +328,20 @@ def _check_seq_len(config: Any, preset: str, seq_len: int) -> None:
             )
 
 
+def check_preset(preset: str, family_name: str | None, seq_len: int) -> tuple[str, Any, Any]:
+    """The checks a command that lowers a preset runs on ``--preset``, ``--family`` and
+    ``--seq-len``: the family (default: the one installed family that has the preset)
+    loads and has the preset, whose model takes ``seq_len``. Returns ``(family name,
+    family, config)``; a bad option raises ``click.BadParameter`` naming it."""
+    from dataflow_training.cli.train_defaults import default_family
+
+    family_name = family_name or default_family(preset)
+    family = _family(family_name)
+    config = _preset_config(family, family_name, preset)
+    _check_seq_len(config, preset, seq_len)
+    return family_name, family, config
+
+
 def _check_host_memory(family: Any, config: Any, preset: str) -> None:
     """Fail before any check runs when the step level on the CPU would need more host
     memory than is available (``verify.step_host_bytes``): it would be killed for memory
