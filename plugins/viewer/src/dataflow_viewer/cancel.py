@@ -10,6 +10,11 @@ frees what it held; the request's thread answers (or not, for a client that left
 free at once. A call into C (a torch operation) is not interrupted: the work stops when
 that call returns. The planner and simulator carry no cancellation hook of their own, and
 a process per request would lose the caches that make re-planning fast.
+
+An exception raised inside a first-time import would leave that module half made for the
+whole process (``partially initialized module 'torch'``), so the cancel waits while the
+worker's stack is inside the import machinery, and the server imports what its work
+needs before it takes work (``dataflow_viewer.server.warm``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import select
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -81,16 +87,33 @@ class _Worker(threading.Thread):
             self._live.discard(self)
             self.done.set()
 
-    def cancel(self) -> None:
+    def cancel(self) -> bool:
+        """Raise ``Cancelled`` in the worker, unless it has finished or is importing (then
+        False: ask again later)."""
         with self._lock:
-            if self._running:
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                    ctypes.c_ulong(self.ident), ctypes.py_object(Cancelled)
-                )
+            if not self._running:
+                return True
+            if _importing(self.ident):
+                return False
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(self.ident), ctypes.py_object(Cancelled)
+            )
+            self._running = False  # one cancel only: a second would outlive the work
+            return True
 
 
 def _checkpoint() -> None:
     """A Python call: a pending asynchronous exception is raised at its start."""
+
+
+def _importing(thread_id: int) -> bool:
+    """Whether the thread's stack is inside the import machinery."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def run_cancellable(
@@ -107,11 +130,12 @@ def run_cancellable(
     worker = _Worker(work, live)
     live.add(worker)
     worker.start()
+    why = None
     while not worker.done.wait(POLL_S):
         elapsed = time.monotonic() - start
-        why = "time" if elapsed > time_limit_s else "gone" if gone() else None
-        if why is not None:
-            worker.cancel()
+        if why is None:
+            why = "time" if elapsed > time_limit_s else "gone" if gone() else None
+        if why is not None and worker.cancel():  # postponed while the worker imports
             worker.done.wait(UNWIND_S)
             raise Stopped(why, elapsed)
     if worker.error is not None:

@@ -273,6 +273,7 @@ class Handler(BaseHTTPRequestHandler):
         """Answer the run ``request`` asks for, computed on a worker that is stopped at the
         time limit (503) or when the client closes its connection (no answer)."""
         limit_s = self.server.limits.time_limit_s
+        self.server.warmed.wait()  # no first-time import on a worker that may be cancelled
         try:
             reply = run_cancellable(
                 lambda: answer(run_of(request)),
@@ -357,6 +358,26 @@ class Handler(BaseHTTPRequestHandler):
 LINGER_S = 1.0
 
 
+def warm() -> None:
+    """Load the plugins and import what planning and simulating a request imports on
+    first use (by answering the default form once), so that no import runs on a worker
+    that may be cancelled (``dataflow_viewer.cancel``). A failure here is the first
+    request's to report."""
+    import torch  # noqa: F401 (the lowering's, and the largest import)
+
+    from dataflow import families
+
+    for spec in families():
+        try:
+            spec.load()
+        except Exception:  # a broken family: `dataflow plugins list` says why
+            continue
+    try:
+        answer(run_of(dict(DEFAULTS)))
+    except Exception:
+        pass
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
@@ -376,7 +397,8 @@ def make_server(
     """A bound server (port 0: a free one; ``server.server_address`` says which). With a
     ``token`` every request must carry it (``dataflow_viewer.guard``), and any ``Host``
     is taken; without, only loopback ones. ``server.working`` holds the worker threads
-    computing at the moment. ``limits``: default ``Limits()``."""
+    computing at the moment; ``server.warmed`` is set once ``warm`` (started on a thread
+    now) is done, and requests wait for it. ``limits``: default ``Limits()``."""
     limits = limits or Limits()
     server = (_Server6 if ":" in host else _Server)((host, port), Handler)
     bound_host, bound_port = server.server_address[:2]
@@ -384,7 +406,16 @@ def make_server(
     server.limits = limits
     server.verbose = verbose
     server.working = set()
+    server.warmed = threading.Event()
+    threading.Thread(target=_warm_then_set, args=(server.warmed,), daemon=True).start()
     return server
+
+
+def _warm_then_set(warmed: threading.Event) -> None:
+    try:
+        warm()
+    finally:
+        warmed.set()
 
 
 def serve_in_thread(
