@@ -78,11 +78,11 @@ def test_the_work_stops_at_the_time_limit(server, http) -> None:
     assert TIME_LIMIT_S <= seconds < TIME_LIMIT_S + STOPS_WITHIN_S
     ended_within(worker, STOPS_WITHIN_S)
     assert worker.cancelled
-    # the server goes on answering: a quick request after the stopped ones
+    # the server goes on answering on its workers: a quick request after the stopped ones
     head = ["POST /api/run HTTP/1.1", f"Host: 127.0.0.1:{server.server_address[1]}"]
-    quick = json.dumps({"budget": "3MiB"}).encode()
+    quick = json.dumps({"batch": 0}).encode()
     reply = http(server.server_address, [*head, f"Content-Length: {len(quick)}"], quick)
-    assert reply.status == 200 and json.loads(reply.text)["budget_bytes"] == 3 << 20
+    assert reply.status == 400 and reply.error.startswith("batch: 0 is not in the range")
 
 
 def test_a_cancel_waits_for_an_import_to_finish(tmp_path, monkeypatch) -> None:

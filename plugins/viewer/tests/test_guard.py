@@ -23,7 +23,7 @@ NOWHERE = "/nowhere"
 
 def start(**options):
     limits = Limits(read_timeout_s=READ_TIMEOUT_S, max_body_bytes=MAX_BODY_BYTES)
-    server, thread = serve_in_thread(limits=limits, **options)
+    server, thread = serve_in_thread(limits=limits, warm_up=False, **options)
     return server, thread
 
 
@@ -42,7 +42,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def exposed():
-    server, thread = start(token=TOKEN)
+    server, thread = start(host="0.0.0.0", token=TOKEN)  # as --expose --host 0.0.0.0
     yield server
     stop(server, thread)
 
@@ -58,6 +58,13 @@ def get(server, http, *headers: str, path: str = NOWHERE):
 def post(server, http, *headers: str, body: bytes = ADMITTED):
     sized = [f"Content-Length: {len(body)}"]
     return http(server.server_address, ["POST /api/run HTTP/1.1", *headers, *sized], body)
+
+
+def read_to_end(connection: socket.socket) -> str:
+    data = b""
+    while chunk := connection.recv(1 << 16):
+        data += chunk
+    return data.decode()
 
 
 def admitted(reply) -> bool:
@@ -175,7 +182,7 @@ def test_a_body_that_stops_short_is_refused_after_the_read_timeout(server) -> No
         head = f"POST /api/run HTTP/1.1\r\nHost: 127.0.0.1:{port(server)}\r\n"
         connection.sendall(f"{head}Content-Length: 100\r\n\r\n{{}}".encode())
         start = time.monotonic()
-        answer = connection.recv(1 << 16).decode()  # the connection stays open meanwhile
+        answer = read_to_end(connection)  # the connection stays open meanwhile
         seconds = time.monotonic() - start
     assert answer.startswith("HTTP/1.0 400") and "stopped arriving" in answer
     assert READ_TIMEOUT_S * 0.8 < seconds < READ_TIMEOUT_S + 2
@@ -186,7 +193,7 @@ def test_a_body_that_ends_short_is_refused(server) -> None:
         head = f"POST /api/run HTTP/1.1\r\nHost: 127.0.0.1:{port(server)}\r\n"
         connection.sendall(f"{head}Content-Length: 100\r\n\r\n{{}}".encode())
         connection.shutdown(socket.SHUT_WR)
-        answer = connection.recv(1 << 16).decode()
+        answer = read_to_end(connection)
     assert answer.startswith("HTTP/1.0 400") and "ended after 2 bytes" in answer
 
 
@@ -218,6 +225,22 @@ def test_an_exposed_server_wants_its_token(exposed, http) -> None:
         assert post(exposed, http, host, wrong).status == 401
     assert get(exposed, http, host, path="/?token=wrong").status == 401
     assert exposed.working == set()
+
+
+def test_a_server_beyond_loopback_needs_a_token() -> None:
+    with pytest.raises(ValueError, match="needs a token"):
+        start(host="0.0.0.0")
+
+
+def test_a_loopback_server_with_a_token_wants_both(http) -> None:
+    server, thread = start(token=TOKEN)
+    try:
+        bearer = f"Authorization: Bearer {TOKEN}"
+        assert get(server, http, f"Host: evil.example:{port(server)}", bearer).status == 403
+        assert get(server, http, f"Host: localhost:{port(server)}").status == 401
+        assert admitted(get(server, http, f"Host: localhost:{port(server)}", bearer))
+    finally:
+        stop(server, thread)
 
 
 def test_an_exposed_server_answers_with_its_token(exposed, http) -> None:

@@ -17,7 +17,7 @@ from dataflow_viewer.server import DEFAULTS, run_of, serve_in_thread
 
 @pytest.fixture(scope="module")
 def server():
-    server, thread = serve_in_thread()
+    server, thread = serve_in_thread(warm_up=False)
     yield server
     server.shutdown()
     server.server_close()

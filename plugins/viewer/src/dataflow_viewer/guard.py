@@ -12,7 +12,8 @@ passes before anything is computed (``Guard``).
   another web page in the user's browser cannot make the server work (cross-site request
   forgery). Clients that are not browsers (curl, scripts) send neither and pass.
 - **Token.** A server that listens beyond loopback (``--expose``) cannot know the names
-  it is reached by, so it takes any ``Host`` and asks for a token instead:
+  it is reached by, so it takes any ``Host`` and asks for a token instead (a loopback
+  server given a token asks for both):
   ``Authorization: Bearer TOKEN`` on every request, or ``?token=TOKEN`` in the address of
   the page (whose script then sends the header). A browser never adds that header by
   itself, so a foreign page cannot borrow the user's access.
@@ -96,7 +97,8 @@ def host_and_port(text: str) -> tuple[str, int] | None:
 @attrs.frozen
 class Guard:
     """The checks of one bound server: ``bound_host`` and ``port`` are where it listens;
-    ``token`` (None: none asked) is the bearer token an exposed server requires."""
+    ``token`` (None: none asked) is the bearer token every request must carry (required
+    of a server bound beyond loopback)."""
 
     bound_host: str
     port: int
@@ -104,8 +106,10 @@ class Guard:
     max_body_bytes: int = MAX_BODY_BYTES
 
     @property
-    def exposed(self) -> bool:
-        return self.token is not None
+    def checks_host(self) -> bool:
+        """Whether ``Host`` must be a loopback name: when bound to loopback (a server
+        bound beyond it is reached by names it cannot know, and asks for its token)."""
+        return is_loopback(self.bound_host)
 
     def check_caller(self, method: str, path: str, headers: Any) -> None:
         """Raise ``Refused`` unless the request's Host, Origin and token may ask."""
@@ -126,12 +130,12 @@ class Guard:
                 f"a request from another web page (Sec-Fetch-Site {site}) is refused: "
                 f"only the page this server serves may ask it",
             )
-        if self.exposed:
+        if self.token is not None:
             self._check_token(path, headers)
 
     def _host(self, headers: Any) -> tuple[str, int] | None:
         text = headers.get("Host")
-        if self.exposed:  # the token stands in for the Host check
+        if not self.checks_host:  # the token stands in for the Host check
             return host_and_port(text or "")
         if text is None:
             raise Refused(HTTPStatus.FORBIDDEN, "a request without a Host header is refused")

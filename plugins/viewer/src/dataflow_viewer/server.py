@@ -33,7 +33,7 @@ from dataflow import PlanningError, Program, format_size
 from dataflow.cli import BUDGET, COUNT, one_line
 from dataflow_viewer.bundle import timeline_from_json
 from dataflow_viewer.cancel import Stopped, client_gone, run_cancellable
-from dataflow_viewer.guard import Guard, Limits, Refused
+from dataflow_viewer.guard import Guard, Limits, Refused, is_loopback
 from dataflow_viewer.metrics import step_work
 from dataflow_viewer.page import page, sections
 from dataflow_viewer.panels import cards_html, panels
@@ -393,13 +393,18 @@ def make_server(
     *,
     token: str | None = None,
     limits: Limits | None = None,
+    warm_up: bool = True,
 ) -> Any:
     """A bound server (port 0: a free one; ``server.server_address`` says which). With a
-    ``token`` every request must carry it (``dataflow_viewer.guard``), and any ``Host``
-    is taken; without, only loopback ones. ``server.working`` holds the worker threads
+    ``token`` every request must carry it (``dataflow_viewer.guard``); a server bound
+    beyond loopback needs one, and takes any ``Host``; one bound to loopback only
+    loopback ones. ``server.working`` holds the worker threads
     computing at the moment; ``server.warmed`` is set once ``warm`` (started on a thread
-    now) is done, and requests wait for it. ``limits``: default ``Limits()``."""
+    now; ``warm_up=False``: not at all, for tests that cancel nothing) is done, and
+    requests wait for it. ``limits``: default ``Limits()``."""
     limits = limits or Limits()
+    if token is None and not is_loopback(host):
+        raise ValueError(f"a server on {host}, beyond loopback, needs a token")
     server = (_Server6 if ":" in host else _Server)((host, port), Handler)
     bound_host, bound_port = server.server_address[:2]
     server.guard = Guard(bound_host, bound_port, token, limits.max_body_bytes)
@@ -407,7 +412,10 @@ def make_server(
     server.verbose = verbose
     server.working = set()
     server.warmed = threading.Event()
-    threading.Thread(target=_warm_then_set, args=(server.warmed,), daemon=True).start()
+    if warm_up:
+        threading.Thread(target=_warm_then_set, args=(server.warmed,), daemon=True).start()
+    else:
+        server.warmed.set()
     return server
 
 
