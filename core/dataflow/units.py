@@ -34,7 +34,10 @@ def parse_size(text: str | int) -> int:
             f"{text!r} is not a size; write a number with an optional unit "
             f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 4GiB"
         )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if size == float("inf"):
+        raise ValueError(f"{text!r} is too large a size; give at most a few TiB, e.g. 4GiB")
+    return int(size)
 
 
 def format_size(size_bytes: float) -> str:

@@ -50,3 +50,9 @@ def test_parse_size(text: str | int, size_bytes: int) -> None:
 def test_parse_size_names_the_bad_text(text: str) -> None:
     with pytest.raises(ValueError, match="is not a size"):
         parse_size(text)
+
+
+@pytest.mark.parametrize("text", ["1e400", "1e308TiB"])
+def test_parse_size_refuses_an_infinite_size(text: str) -> None:
+    with pytest.raises(ValueError, match="too large a size"):
+        parse_size(text)

@@ -1,8 +1,12 @@
 """Shared fixtures: GPT-2 tiny's training step planned into 2 MiB, and a measured timeline
 made from its prediction with known slowdowns (what a real run's deviations look like,
-with answers known in advance)."""
+with answers known in advance); ``http``, a raw HTTP request over a real socket."""
 
 from __future__ import annotations
+
+import json
+import socket
+import time
 
 import attrs
 import pytest
@@ -69,3 +73,41 @@ def slowdowns() -> dict[str, float]:
 @pytest.fixture(scope="session")
 def measured_run(tiny_run) -> Run:
     return tiny_run.with_measured(slowed(tiny_run))
+
+
+@attrs.frozen
+class Reply:
+    """An HTTP answer read off a raw socket: its status, head, body text, and how long it
+    took; ``error``: the one line of a refusal."""
+
+    status: int
+    head: str
+    text: str
+    seconds: float
+
+    @property
+    def error(self) -> str:
+        return json.loads(self.text)["error"]
+
+
+def exchange(
+    address: tuple, head: list[str], body: bytes = b"", *, timeout_s: float = 60.0
+) -> Reply:
+    """Send the request ``head`` (request line and header lines, sent exactly as given:
+    no Host or length added) and ``body`` over a new connection to ``address`` and read
+    the answer to the end (the server closes after each answer)."""
+    start = time.monotonic()
+    with socket.create_connection(address[:2], timeout=timeout_s) as connection:
+        connection.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+        data = b""
+        while chunk := connection.recv(1 << 16):
+            data += chunk
+    head_text, _, text = data.decode().partition("\r\n\r\n")
+    status = int(head_text.split()[1])
+    return Reply(status, head_text, text, time.monotonic() - start)
+
+
+@pytest.fixture(scope="session")
+def http():
+    """``exchange``: one raw HTTP request over a real socket."""
+    return exchange

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -44,10 +45,16 @@ CANVASES = """() => { let n = 0; const walk = (root) => root.querySelectorAll('*
   walk(document.getElementById('panel-timeline')); return n; }"""
 
 
+#: a name that resolves to this machine, as a rebinding attacker's own name would
+REBIND = "MAP rebind.example 127.0.0.1"
+
+
 @pytest.fixture(scope="module")
 def browser():
     with playwright.sync_playwright() as driver:
-        browser = driver.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        browser = driver.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", f"--host-resolver-rules={REBIND}"]
+        )
         yield browser
         browser.close()
 
@@ -88,7 +95,7 @@ def test_the_report_renders_offline(browser, measured_run, tmp_path) -> None:
 
 
 def test_the_served_page_replans_at_a_new_budget(browser, tiny_program, tmp_path) -> None:
-    server, thread = serve_in_thread()
+    server, thread = serve_in_thread(warm_up=False)
     host, port = server.server_address[:2]
     origin = f"http://{host}:{port}"
     try:
@@ -119,3 +126,57 @@ def test_the_served_page_replans_at_a_new_budget(browser, tiny_program, tmp_path
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+TOKEN = "a-token-of-thirty-two-characters"
+
+
+@pytest.fixture(params=[None, TOKEN], ids=["plain", "token"])
+def served(request):
+    """A served viewer on loopback, without a token or with one."""
+    server, thread = serve_in_thread(token=request.param, warm_up=False)
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+#: another site's page that asks the viewer to work (it cannot read the answer, but
+#: without the Origin check the server would compute)
+FOREIGN_PAGE = """<script>fetch("http://127.0.0.1:PORT/api/run",
+  {method: "POST", mode: "no-cors", body: JSON.stringify({rounds: 64})});</script>"""
+
+
+@pytest.mark.parametrize("served", [TOKEN], indirect=True, ids=["token"])
+def test_the_page_of_a_server_with_a_token_sends_it(browser, served) -> None:
+    token = served.guard.token
+    origin = f"http://127.0.0.1:{served.server_address[1]}"
+    page = Page(browser)
+    assert page.page.goto(origin + "/").status == 401
+    page.page.goto(f"{origin}/?token={token}")
+    page.page.wait_for_selector("body[data-state=ready]", timeout=60_000)
+    assert all("status of 401" in error for error in page.errors)  # the page, the icon
+
+
+def test_another_sites_page_cannot_make_it_work(browser, served, tmp_path) -> None:
+    """A page of another origin in the same browser posts to the viewer: refused (403)
+    by its Origin, before any work; and a page reached by a name that resolves to
+    127.0.0.1 (DNS rebinding) is refused by its Host, with the token or without."""
+    from functools import partial
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    port = served.server_address[1]
+    (tmp_path / "evil.html").write_text(FOREIGN_PAGE.replace("PORT", str(port)))
+    handler = partial(SimpleHTTPRequestHandler, directory=str(tmp_path))
+    foreign = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=foreign.serve_forever, daemon=True).start()
+    try:
+        page = Page(browser)
+        with page.page.expect_response(lambda r: r.url.endswith("/api/run")) as caught:
+            page.page.goto(f"http://localhost:{foreign.server_address[1]}/evil.html")
+        assert caught.value.status == 403
+        assert served.working == set()
+        assert page.page.goto(f"http://rebind.example:{port}/?token={TOKEN}").status == 403
+    finally:
+        foreign.shutdown()
+        foreign.server_close()

@@ -33,7 +33,5 @@ def test_a_planner_s_own_minimum_starts_it(tiny_program) -> None:
 def test_bad_sweeps_say_why(tiny_program) -> None:
     with pytest.raises(ValueError, match="at least 2 points"):
         sweep(tiny_program, None, points=1)
-    with pytest.raises(
-        ValueError, match="planner 'nope' is not installed; installed: .*pressurefit"
-    ):
+    with pytest.raises(ValueError, match="planner: no planner named 'nope'; known: .*pressurefit"):
         sweep(tiny_program, None, "nope")

@@ -37,6 +37,7 @@ _HOMES = {
         "task_checks",
         "step_checks",
     ),
+    "dataflow_training.cli.verify_cli": ("check_preset",),
 }
 
 __all__ = exported(_HOMES)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import secrets
+
 import click
 
-from dataflow.cli import Failure, OutputFile, one_line
+from dataflow.cli import BUDGET, Failure, OutputFile, one_line
+from dataflow_viewer.guard import READ_TIMEOUT_S, TIME_LIMIT_S
 
 
 @click.command("report")
@@ -49,26 +52,108 @@ def report_command(folder: str, output: str, measured_path: str | None, sweep_po
     click.echo(f"wrote {path} ({measured}, {path.stat().st_size / 1e6:.1f} MB)")
 
 
+#: the shortest token ``--token`` takes (a generated one has 43 characters)
+MIN_TOKEN_CHARS = 16
+
+
 @click.command("serve")
 @click.option(
     "--host",
     default="127.0.0.1",
     show_default=True,
-    help="interface to listen on (the default, loopback, is reachable from this machine only)",
+    help="interface to listen on; the default, loopback, is reachable from this machine "
+    "only, and any other needs --expose",
 )
 @click.option("--port", default=0, type=click.IntRange(0, 65535), help="default: a free port")
+@click.option(
+    "--expose",
+    is_flag=True,
+    help="allow a --host beyond loopback (0.0.0.0: every interface); every request then "
+    "needs the token (--token, else a random one, printed)",
+)
+@click.option(
+    "--token",
+    default=None,
+    envvar="DATAFLOW_SERVE_TOKEN",
+    help=f"the token requests must carry (Authorization: Bearer TOKEN, or ?token=TOKEN in "
+    f"the page's address); at least {MIN_TOKEN_CHARS} characters; asked for on loopback "
+    "too when given [env: DATAFLOW_SERVE_TOKEN]",
+)
+@click.option(
+    "--time-limit",
+    "time_limit_s",
+    default=TIME_LIMIT_S,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    help="a request that plans and simulates longer is stopped and answered 503; a "
+    "request's work also stops when its client disconnects",
+)
+@click.option(
+    "--max-body",
+    "max_body_bytes",
+    default="64MiB",
+    show_default=True,
+    type=BUDGET,
+    metavar="SIZE",
+    help="the largest request body read (an uploaded program and timeline); larger is 413",
+)
+@click.option(
+    "--read-timeout",
+    "read_timeout_s",
+    default=READ_TIMEOUT_S,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    help="a request that sends no byte of its head or body for this long is refused",
+)
 @click.option("--verbose", is_flag=True, help="log every request to stderr")
-def serve_command(host: str, port: int, verbose: bool) -> None:
+def serve_command(
+    host: str,
+    port: int,
+    expose: bool,
+    token: str | None,
+    time_limit_s: float,
+    max_body_bytes: int,
+    read_timeout_s: float,
+    verbose: bool,
+) -> None:
     """Serve a page that plans and simulates a preset or an uploaded program at any
-    budget, planner and training shape, with the report's panels (Ctrl-C stops it)."""
+    budget, planner and training shape, with the report's panels (Ctrl-C stops it).
+
+    It answers only requests to its loopback address from its own page or from programs
+    (not other web pages), reads bodies of a bounded size, and stops a request's work at
+    --time-limit or when its client goes. See docs/exporting_runs.md, "The viewer"."""
+    from dataflow_viewer.guard import Limits, is_loopback
     from dataflow_viewer.server import make_server
 
+    host = host.strip("[]")
+    if not expose and not is_loopback(host):
+        raise click.BadParameter(
+            f"{host} is not a loopback address; the page has no login, so serving beyond "
+            "this machine needs --expose (every request then needs a token)",
+            param_hint="--host",
+        )
+    if token is not None and len(token) < MIN_TOKEN_CHARS:
+        raise click.BadParameter(
+            f"a token of {len(token)} characters is too easy to guess; give at least "
+            f"{MIN_TOKEN_CHARS}, or leave --token out for a random one",
+            param_hint="--token",
+        )
+    if expose and token is None:
+        token = secrets.token_urlsafe(32)
+    limits = Limits(time_limit_s, read_timeout_s, max_body_bytes)
     try:
-        server = make_server(host, port, verbose=verbose)
+        server = make_server(host, port, verbose=verbose, token=token, limits=limits)
     except OSError as exc:
-        raise Failure(f"--host {host} --port {port}: cannot listen ({exc.strerror})") from None
+        why = exc.strerror or one_line(str(exc))
+        raise Failure(f"--host {host} --port {port}: cannot listen ({why})") from None
     bound_host, bound_port = server.server_address[:2]
-    click.echo(f"serving on http://{bound_host}:{bound_port}/ (Ctrl-C stops)")
+    address = f"[{bound_host}]" if ":" in bound_host else bound_host
+    query = "" if token is None else f"?token={token}"
+    click.echo(f"serving on http://{address}:{bound_port}/{query} (Ctrl-C stops)")
+    if token is not None:
+        click.echo("every request needs the token: Authorization: Bearer TOKEN, or ?token=TOKEN")
     try:
         server.serve_forever()
     except KeyboardInterrupt:

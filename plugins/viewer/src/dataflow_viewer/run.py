@@ -8,13 +8,20 @@ plans a bare program into a budget and simulates it.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any, TypeVar
 
 import attrs
+import click
 
 from dataflow import Program, Timeline, place, plan, predicted_timeline
+from dataflow.cli import COUNT, lookup, one_line
 
 PREDICTED, MEASURED = "predicted", "measured"
+#: ``dataflow lower --dtype``
+DTYPES = click.Choice(["fp32", "bf16"])
+T = TypeVar("T")
 
 
 class ViewerError(ValueError):
@@ -50,15 +57,25 @@ class Run:
         return attrs.evolve(self, measured=measured)
 
 
+def checked(field: str, check: Callable[..., T], *args: Any) -> T:
+    """``check(*args)``, one of the ``dataflow`` command line's own option checks; the usage
+    error it raises becomes a ``ViewerError`` naming the field: the option it names
+    (``--seq-len``: ``seq_len``), else ``field``. So the viewer checks what the command
+    line checks, with the same code."""
+    try:
+        return check(*args)
+    except click.ClickException as exc:
+        hint = exc.param_hint if isinstance(exc, click.BadParameter) else None
+        if isinstance(hint, str) and hint.startswith("--"):
+            field = hint.removeprefix("--").replace("-", "_")
+        raise ViewerError(f"{field}: {one_line(exc.message)}") from None
+
+
 def planner_spec(name: str) -> Any:
     """The installed planner ``name``, or an error naming the installed ones."""
     from dataflow import planners
 
-    registry = planners()
-    names = sorted(spec.name for spec in registry)
-    if name not in names:
-        raise ViewerError(f"planner {name!r} is not installed; installed: {', '.join(names)}")
-    return registry.get(name)
+    return checked("planner", lookup, planners(), name, "--planner")
 
 
 def predict(
@@ -79,25 +96,6 @@ def predict(
     )
 
 
-def preset_family(preset: str) -> tuple[str, Any]:
-    """``(name, family)`` of the one installed family that has ``preset``."""
-    from dataflow import families
-
-    owners, known = [], []
-    for spec in families():
-        try:
-            presets = getattr(spec.load(), "presets", None) or {}
-        except Exception:  # a broken family plugin owns nothing (`dataflow plugins list`)
-            continue
-        known += list(presets)
-        if preset in presets:
-            owners.append((spec.name, spec.load()))
-    if len(owners) != 1:
-        why = "no installed family has it" if not owners else "several families have it"
-        raise ViewerError(f"preset {preset!r}: {why}; known presets: {', '.join(sorted(known))}")
-    return owners[0]
-
-
 def presets() -> list[str]:
     """Every preset of every installed family, sorted."""
     from dataflow import families
@@ -112,19 +110,33 @@ def presets() -> list[str]:
 
 
 def lower_preset(
-    preset: str, *, batch: int, seq_len: int, rounds: int = 1, dtype: str = "fp32"
+    preset: str,
+    *,
+    batch: int,
+    seq_len: int,
+    rounds: int = 1,
+    dtype: str = "fp32",
+    family: str | None = None,
 ) -> Program:
-    """The bare Program of one training step of ``preset`` at this training shape."""
-    from dataflow_training import DtypePolicy, TrainConfig, lower
-
+    """The bare Program of one training step of ``preset`` (of ``family``; default: the
+    one installed family that has it) at this training shape, each value checked by the
+    checks ``dataflow lower`` runs on its option of that name (``--seq-len`` at most the
+    preset's longest sequence, ...); a bad one raises ``ViewerError`` naming it."""
     for name, value in (("batch", batch), ("seq_len", seq_len), ("rounds", rounds)):
-        if not isinstance(value, int) or value < 1:
-            raise ViewerError(f"{name} must be a whole number >= 1, not {value!r}")
-    if dtype not in ("fp32", "bf16"):
-        raise ViewerError(f"dtype must be fp32 or bf16, not {dtype!r}")
-    _, family = preset_family(preset)
+        checked(name, COUNT.convert, value, None, None)
+    checked("dtype", DTYPES.convert, dtype, None, None)
+    return _lowered(preset, family, batch, seq_len, rounds, dtype)
+
+
+@lru_cache(maxsize=16)
+def _lowered(
+    preset: str, family: str | None, batch: int, seq_len: int, rounds: int, dtype: str
+) -> Program:
+    from dataflow_training import DtypePolicy, TrainConfig, check_preset, lower
+
+    _, loaded, _ = checked("preset", check_preset, preset, family, seq_len)
     train = TrainConfig(seq_len=seq_len, batch=batch, rounds=rounds, dtype=DtypePolicy.named(dtype))
     try:
-        return lower(family, preset, train).program
+        return lower(loaded, preset, train).program
     except ValueError as exc:
         raise ViewerError(f"preset {preset!r}: {' '.join(str(exc).split())}") from None

@@ -6,6 +6,11 @@ program JSON; the budget; the planner; optionally a measured timeline to compare
 report's sections. The page posts the form to ``POST /api/run`` as JSON; the answer holds
 the summary cards as HTML and every panel as a bokeh JSON item, which the page embeds. No
 file leaves the machine and the page loads nothing from the network (BokehJS is inlined).
+
+Every request passes ``dataflow_viewer.guard`` first (a loopback ``Host``, the page's own
+``Origin``, the token of an exposed server, a bounded ``Content-Length``); every field is
+checked as the ``dataflow`` command line checks the option of that name; and the work runs
+under ``dataflow_viewer.cancel``: stopped at the time limit or when the client goes.
 """
 
 from __future__ import annotations
@@ -13,26 +18,36 @@ from __future__ import annotations
 import hashlib
 import html
 import json
+import socket
 import threading
 from collections import OrderedDict
-from functools import lru_cache
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import urlsplit
 
 import attrs
 from bokeh.embed import json_item
 
-from dataflow import PlanningError, Program, format_size, parse_size
+from dataflow import PlanningError, Program, format_size
+from dataflow.cli import BUDGET, COUNT, one_line
 from dataflow_viewer.bundle import timeline_from_json
+from dataflow_viewer.cancel import Stopped, client_gone, run_cancellable
+from dataflow_viewer.guard import Guard, Limits, Refused, is_loopback
 from dataflow_viewer.metrics import step_work
 from dataflow_viewer.page import page, sections
 from dataflow_viewer.panels import cards_html, panels
 from dataflow_viewer.report import heading, sweep_or_reason
-from dataflow_viewer.run import Run, ViewerError, lower_preset, predict, presets
+from dataflow_viewer.run import (
+    Run,
+    ViewerError,
+    checked,
+    lower_preset,
+    planner_spec,
+    predict,
+    presets,
+)
 
-#: the largest request body read (an uploaded program of a big model is a few MiB)
-MAX_BODY_BYTES = 256 << 20
 DEFAULTS = {
     "preset": "gpt2_tiny",
     "batch": 8,
@@ -44,32 +59,29 @@ DEFAULTS = {
 }
 
 
-@lru_cache(maxsize=16)
-def _lowered(preset: str, batch: int, seq_len: int, rounds: int, dtype: str) -> Program:
-    return lower_preset(preset, batch=batch, seq_len=seq_len, rounds=rounds, dtype=dtype)
+#: what a request may hold: the training shape and budget (``DEFAULTS``), the family of
+#: the preset (default: the one that has it), an uploaded program and a measured timeline
+FIELDS = (*DEFAULTS, "family", "program", "measured")
 
 
-def _whole(request: dict[str, Any], name: str) -> int:
-    value = request.get(name, DEFAULTS[name])
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ViewerError(f"{name}: {value!r} is not a whole number") from None
-    if number < 1:
-        raise ViewerError(f"{name}: must be >= 1, not {number}")
-    return number
+def _field(request: dict[str, Any], name: str) -> str:
+    """The field as the command line would have it: text (JSON numbers too, so that 8.5
+    is refused as ``--batch 8.5`` is, not rounded)."""
+    return str(request.get(name, DEFAULTS[name]))
 
 
 def run_of(request: dict[str, Any]) -> Run:
     """The run a form asks for (keys of ``DEFAULTS``, plus ``program``: the text of an
     uploaded program JSON that replaces the preset, and ``measured``: the text of a
-    measured timeline JSON). Bad input raises ``ViewerError`` naming the field."""
-    try:
-        budget = parse_size(str(request.get("budget", DEFAULTS["budget"])))
-    except ValueError as exc:
-        raise ViewerError(f"budget: {' '.join(str(exc).split())}") from None
-    if budget < 1:
-        raise ViewerError("budget: must be > 0")
+    measured timeline JSON). Each field is checked as ``dataflow lower`` and ``dataflow
+    plan`` check the option of that name, by their own checks; bad input raises
+    ``ViewerError`` naming the field."""
+    unknown = sorted(set(request) - set(FIELDS))
+    if unknown:
+        raise ViewerError(f"{unknown[0]}: no such field; the fields are {', '.join(FIELDS)}")
+    budget = checked("budget", BUDGET.convert, _field(request, "budget"), None, None)
+    planner = _field(request, "planner")
+    planner_spec(planner)
     program_text = request.get("program")
     if program_text:
         try:
@@ -78,12 +90,15 @@ def run_of(request: dict[str, Any]) -> Run:
             raise ViewerError(f"program: {' '.join(str(exc).split())}") from None
         source = f"uploaded program {program.name}"
     else:
-        shape = {name: _whole(request, name) for name in ("batch", "seq_len", "rounds")}
-        preset = str(request.get("preset", DEFAULTS["preset"]))
-        program = _lowered(preset, dtype=str(request.get("dtype", DEFAULTS["dtype"])), **shape)
+        shape = {
+            name: checked(name, COUNT.convert, _field(request, name), None, None)
+            for name in ("batch", "seq_len", "rounds")
+        }
+        preset, family = _field(request, "preset"), request.get("family")
+        family = None if family is None else str(family)
+        program = lower_preset(preset, family=family, dtype=_field(request, "dtype"), **shape)
         source = f"preset {preset}, batch {shape['batch']}, seq_len {shape['seq_len']}, "
         source += f"{shape['rounds']} round(s)"
-    planner = str(request.get("planner", DEFAULTS["planner"]))
     try:
         run = predict(program, budget, planner, source=source)
     except PlanningError as exc:
@@ -98,18 +113,24 @@ def run_of(request: dict[str, Any]) -> Run:
 #: finding the minimal budget of a big step takes seconds (GPT-2 124M: about 8 s)
 _SWEEPS: OrderedDict[tuple[str, str], tuple[list, str]] = OrderedDict()
 SWEEPS_KEPT = 32
+_SWEEPS_LOCK = threading.Lock()
 
 
 def cached_sweep(run: Run) -> tuple[list, str]:
-    """``sweep_or_reason(run)``, computed once per program and planner."""
+    """``sweep_or_reason(run)``, computed once per program and planner (requests on other
+    threads may compute the same one at once: the first to finish is kept)."""
     chain = attrs.evolve(run.program.bare(), budget=None)  # the plan's budget aside
     key = (hashlib.sha256(chain.to_json().encode()).hexdigest(), run.planner)
-    if key not in _SWEEPS:
-        _SWEEPS[key] = sweep_or_reason(run)
+    with _SWEEPS_LOCK:
+        found = _SWEEPS.get(key)
+    if found is None:
+        found = sweep_or_reason(run)
+    with _SWEEPS_LOCK:
+        found = _SWEEPS.setdefault(key, found)
+        _SWEEPS.move_to_end(key)
         while len(_SWEEPS) > SWEEPS_KEPT:
             _SWEEPS.popitem(last=False)
-    _SWEEPS.move_to_end(key)
-    return _SWEEPS[key]
+    return found
 
 
 def answer(run: Run) -> dict[str, Any]:
@@ -164,6 +185,10 @@ def index_html() -> str:
 
 SCRIPT = """
 const form = document.getElementById("controls");
+// an exposed server's page is opened as /?token=...: every request carries the token
+const token = new URLSearchParams(location.search).get("token");
+const headers = {"Content-Type": "application/json"};
+if (token) headers["Authorization"] = "Bearer " + token;
 async function fileText(input) {
   return input.files.length ? await input.files[0].text() : null;
 }
@@ -175,7 +200,8 @@ async function replan(event) {
     if (!el.name) continue;
     request[el.name] = el.type === "file" ? await fileText(el) : el.value;
   }
-  const response = await fetch("/api/run", {method: "POST", body: JSON.stringify(request)});
+  const body = JSON.stringify(request);
+  const response = await fetch("/api/run", {method: "POST", headers, body});
   const reply = await response.json();
   const error = document.getElementById("error");
   if (!response.ok) {
@@ -212,56 +238,200 @@ replan();
 class Handler(BaseHTTPRequestHandler):
     server_version = "dataflow-serve"
 
+    def setup(self) -> None:
+        self.timeout = self.server.limits.read_timeout_s  # reading the head and the body
+        super().setup()
+
     def do_GET(self) -> None:
-        if self.path.split("?")[0] != "/":
+        if not self._admitted("GET"):
+            return
+        if urlsplit(self.path).path != "/":
             self._send(HTTPStatus.NOT_FOUND, {"error": f"no page {self.path}"})
             return
         self._send_bytes(HTTPStatus.OK, "text/html; charset=utf-8", index_html().encode())
 
     def do_POST(self) -> None:
-        if self.path != "/api/run":
-            self._send(HTTPStatus.NOT_FOUND, {"error": f"no endpoint {self.path}"})
+        if not self._admitted("POST"):
             return
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY_BYTES:
-            self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": "request too large"})
+        if self.path != "/api/run":
+            self._refuse(Refused(HTTPStatus.NOT_FOUND, f"no endpoint {self.path}"))
             return
         try:
-            request = json.loads(self.rfile.read(length) or b"{}")
-            if not isinstance(request, dict):
-                raise ViewerError("the request must be a JSON object")
-            reply = answer(run_of(request))
-        except (ViewerError, json.JSONDecodeError) as exc:
+            request = json.loads(self.server.guard.read_body(self.headers, self.rfile) or b"{}")
+        except Refused as refused:
+            self._refuse(refused)
+            return
+        except ValueError as exc:  # not JSON, or not UTF-8
+            self._send(HTTPStatus.BAD_REQUEST, {"error": f"the body is not JSON: {exc}"})
+            return
+        if not isinstance(request, dict):
+            self._send(HTTPStatus.BAD_REQUEST, {"error": "the body must be a JSON object"})
+            return
+        self._run(request)
+
+    def _run(self, request: dict[str, Any]) -> None:
+        """Answer the run ``request`` asks for, computed on a worker that is stopped at the
+        time limit (503) or when the client closes its connection (no answer)."""
+        limit_s = self.server.limits.time_limit_s
+        self.server.warmed.wait()  # no first-time import on a worker that may be cancelled
+        try:
+            reply = run_cancellable(
+                lambda: answer(run_of(request)),
+                time_limit_s=limit_s,
+                gone=lambda: client_gone(self.connection),
+                live=self.server.working,
+            )
+        except Stopped as stop:
+            if stop.why == "gone":
+                self.log_message("the client left; its work stopped after %.1f s", stop.seconds)
+                self.close_connection = True
+                return
+            self._send(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                {
+                    "error": f"the work took longer than this server's time limit of "
+                    f"{limit_s:g} s (dataflow serve --time-limit) and was stopped; a smaller "
+                    "shape plans faster"
+                },
+            )
+            return
+        except ViewerError as exc:
             self._send(HTTPStatus.BAD_REQUEST, {"error": str(exc)})
+            return
+        except Exception as exc:  # a bug: one line, and the server goes on
+            self.log_error("internal error: %r", exc)
+            error = (
+                f"internal error ({type(exc).__name__}: {one_line(str(exc))}), a bug of dataflow"
+            )
+            self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": error})
             return
         self._send(HTTPStatus.OK, reply)
 
-    def _send(self, status: HTTPStatus, body: dict[str, Any]) -> None:
-        self._send_bytes(status, "application/json", json.dumps(body).encode())
+    def _admitted(self, method: str) -> bool:
+        """Whether the caller may ask (``Guard.check_caller``); else it has its refusal."""
+        try:
+            self.server.guard.check_caller(method, self.path, self.headers)
+        except Refused as refused:
+            self._refuse(refused)
+            return False
+        return True
 
-    def _send_bytes(self, status: HTTPStatus, kind: str, data: bytes) -> None:
+    def _refuse(self, refused: Refused) -> None:
+        """Send the refusal and close: half-close first and drop what the client still
+        sends for a moment, so a client writing a body it was refused reads the answer
+        rather than a reset connection."""
+        extra = {"WWW-Authenticate": "Bearer"} if refused.status == HTTPStatus.UNAUTHORIZED else {}
+        self._send(refused.status, {"error": refused.reason}, extra)
+        self.close_connection = True
+        if self.command != "POST":
+            return
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(LINGER_S)
+            while self.connection.recv(1 << 16):
+                pass
+        except OSError:  # the client went, or lingered too long: nothing more to do
+            pass
+
+    def _send(self, status: HTTPStatus, body: dict[str, Any], headers: dict | None = None) -> None:
+        self._send_bytes(status, "application/json", json.dumps(body).encode(), headers)
+
+    def _send_bytes(
+        self, status: HTTPStatus, kind: str, data: bytes, headers: dict | None = None
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(data)))
+        self.send_header("X-Content-Type-Options", "nosniff")
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
-        if getattr(self.server, "verbose", False):
+        if self.server.verbose:
             super().log_message(format, *args)
 
 
-def make_server(host: str = "127.0.0.1", port: int = 0, verbose: bool = False) -> Any:
-    """A bound server (port 0: a free one; ``server.server_address`` says which)."""
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+#: how long a refused POST's connection drains what its client still sends
+LINGER_S = 1.0
+
+
+def warm() -> None:
+    """Load the plugins and import what planning and simulating a request imports on
+    first use (by answering the default form once), so that no import runs on a worker
+    that may be cancelled (``dataflow_viewer.cancel``). A failure here is the first
+    request's to report."""
+    import torch  # noqa: F401 (the lowering's, and the largest import)
+
+    from dataflow import families
+
+    for spec in families():
+        try:
+            spec.load()
+        except Exception:  # a broken family: `dataflow plugins list` says why
+            continue
+    try:
+        answer(run_of(dict(DEFAULTS)))
+    except Exception:
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+def make_server(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    verbose: bool = False,
+    *,
+    token: str | None = None,
+    limits: Limits | None = None,
+    warm_up: bool = True,
+) -> Any:
+    """A bound server (port 0: a free one; ``server.server_address`` says which). With a
+    ``token`` every request must carry it (``dataflow_viewer.guard``); a server bound
+    beyond loopback needs one, and takes any ``Host``; one bound to loopback only
+    loopback ones. ``server.working`` holds the worker threads
+    computing at the moment; ``server.warmed`` is set once ``warm`` (started on a thread
+    now; ``warm_up=False``: not at all, for tests that cancel nothing) is done, and
+    requests wait for it. ``limits``: default ``Limits()``."""
+    limits = limits or Limits()
+    if token is None and not is_loopback(host):
+        raise ValueError(f"a server on {host}, beyond loopback, needs a token")
+    server = (_Server6 if ":" in host else _Server)((host, port), Handler)
+    bound_host, bound_port = server.server_address[:2]
+    server.guard = Guard(bound_host, bound_port, token, limits.max_body_bytes)
+    server.limits = limits
     server.verbose = verbose
+    server.working = set()
+    server.warmed = threading.Event()
+    if warm_up:
+        threading.Thread(target=_warm_then_set, args=(server.warmed,), daemon=True).start()
+    else:
+        server.warmed.set()
     return server
 
 
-def serve_in_thread(host: str = "127.0.0.1", port: int = 0) -> tuple[Any, threading.Thread]:
-    """Start a server on a background thread (tests); stop it with ``server.shutdown()``."""
-    server = make_server(host, port)
+def _warm_then_set(warmed: threading.Event) -> None:
+    try:
+        warm()
+    finally:
+        warmed.set()
+
+
+def serve_in_thread(
+    host: str = "127.0.0.1", port: int = 0, **options: Any
+) -> tuple[Any, threading.Thread]:
+    """Start a server on a background thread (tests); stop it with ``server.shutdown()``.
+    ``options``: ``make_server``'s."""
+    server = make_server(host, port, **options)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     return server, thread

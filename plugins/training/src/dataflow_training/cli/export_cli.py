@@ -21,8 +21,7 @@ import click
 from dataflow import format_size, write_bundle
 from dataflow.cli import BUDGET, COUNT, Device, Failure, OutputFile, one_line, write_perfetto
 from dataflow_training.cli.predict_cli import measured_pricing
-from dataflow_training.cli.train_defaults import default_family
-from dataflow_training.cli.verify_cli import _check_seq_len, _family, _preset_config
+from dataflow_training.cli.verify_cli import _family, check_preset
 from dataflow_training.drive.export import ExportError, export_cell
 from dataflow_training.plan.hardware import HardwareError, hardware
 from dataflow_training.plan.predict import Cell
@@ -146,10 +145,7 @@ def export_bundle(
 
     if budget_bytes is None:
         raise click.UsageError("--budget SIZE is needed with --preset (the fast-memory budget)")
-    family_name = family_name or default_family(preset)
-    family = _family(family_name)
-    config = _preset_config(family, family_name, preset)
-    _check_seq_len(config, preset, seq_len)
+    family_name, family, config = check_preset(preset, family_name, seq_len)
     rounds = _rounds(batch, seq_len, rounds, tokens_step)
     if vocab_size == getattr(config, "vocab_size", None):
         vocab_size = None  # the preset's own

@@ -8,8 +8,7 @@ from pathlib import Path
 import click
 
 from dataflow.cli import COUNT, OutputFile
-from dataflow_training.cli.train_defaults import default_family
-from dataflow_training.cli.verify_cli import _check_seq_len, _family, _preset_config
+from dataflow_training.cli.verify_cli import check_preset
 from dataflow_training.step.config import DtypePolicy, TrainConfig
 from dataflow_training.step.lowering import lower
 
@@ -26,9 +25,7 @@ from dataflow_training.step.lowering import lower
 def lower_command(preset, family_name, batch, seq_len, rounds, dtype, clip, output) -> None:
     """Write one training step of a family preset as a bare Program (JSON)."""
 
-    family_name = family_name or default_family(preset)
-    family = _family(family_name)
-    _check_seq_len(_preset_config(family, family_name, preset), preset, seq_len)
+    _, family, _ = check_preset(preset, family_name, seq_len)
     train = TrainConfig(
         seq_len=seq_len, batch=batch, rounds=rounds, dtype=DtypePolicy.named(dtype), clip=clip
     )

@@ -21,6 +21,7 @@ from rich.table import Table
 from dataflow import families, format_size, minimal_budget
 from dataflow.cli import BUDGET, COUNT, Device, Failure, lookup, one_line, plugin_failure
 from dataflow_training.check.verify_checks import YARDSTICK_FACTOR
+from dataflow_training.cli.train_defaults import default_family
 from dataflow_training.drive.progress import LevelPrinter
 from dataflow_training.plan.compiled_step import available_host_bytes
 from dataflow_training.step.config import STATE_DTYPES, parse_order
@@ -327,6 +328,18 @@ def _check_seq_len(config: Any, preset: str, seq_len: int) -> None:
                 f"give at most {longest}",
                 param_hint="--seq-len",
             )
+
+
+def check_preset(preset: str, family_name: str | None, seq_len: int) -> tuple[str, Any, Any]:
+    """The checks a command that lowers a preset runs on ``--preset``, ``--family`` and
+    ``--seq-len``: the family (default: the one installed family that has the preset)
+    loads and has the preset, whose model takes ``seq_len``. Returns ``(family name,
+    family, config)``; a bad option raises ``click.BadParameter`` naming it."""
+    family_name = family_name or default_family(preset)
+    family = _family(family_name)
+    config = _preset_config(family, family_name, preset)
+    _check_seq_len(config, preset, seq_len)
+    return family_name, family, config
 
 
 def _check_host_memory(family: Any, config: Any, preset: str) -> None:
