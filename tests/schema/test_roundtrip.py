@@ -78,7 +78,7 @@ programs = st.builds(
     Program,
     name=st.text(max_size=12),
     objects=st.lists(objs, max_size=5).map(tuple),
-    tasks=st.lists(tasks, max_size=5).map(tuple),
+    tasks=st.lists(tasks, min_size=1, max_size=5).map(tuple),  # a program has a task
     final_locations=st.dictionaries(ids, st.sampled_from(list(Location)), max_size=3),
     budget=st.none() | budgets,
     links=linkss,

@@ -33,6 +33,11 @@ def _chain(*tasks: Task, objects=None, **fields) -> Program:
     return Program(name="t", objects=objects, tasks=tasks, **fields)
 
 
+def test_a_program_without_tasks_is_a_problem() -> None:
+    """(Read from a file it is refused sooner, as a schema error: test_program_file.py.)"""
+    assert _codes(_chain()) == [("no-tasks", None, None)]
+
+
 def test_a_valid_chain_has_no_problem() -> None:
     program = _chain(
         Task("a", "k", "k", inputs=("x", "w"), outputs=("y",), releases=("x",)),

@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import cattrs
 
-from dataflow.schema import Program
+from dataflow.schema import Program, SchemaError
 from dataflow.timeline import Timeline
 from dataflow.timeline.wire import (
     CONVERTER,
@@ -199,10 +199,13 @@ def read_bundle(folder: str | Path) -> Bundle:
     if not folder.is_dir():
         raise BundleError(f"{folder}: not a folder (a bundle is a folder of JSON files)")
     program_path = folder / PROGRAM_FILE
-    try:
-        program = Program.from_json(_text(program_path))
-    except ValueError as exc:
-        raise BundleError(f"{program_path}: {' '.join(str(exc).split())}") from None
+    if not program_path.exists():
+        raise _missing(program_path)
+    try:  # read within the program file's bounds (dataflow.schema.program_file)
+        program = Program.from_json(program_path)
+    except SchemaError as exc:
+        problems = "; ".join(exc.problems)
+        raise BundleError(f"{program_path}: not a valid program: {problems}") from None
     measured_path = folder / MEASURED_FILE
     return Bundle(
         program=program,
@@ -213,11 +216,15 @@ def read_bundle(folder: str | Path) -> Bundle:
     )
 
 
+def _missing(path: Path) -> BundleError:
+    return BundleError(f"{path}: missing (write the bundle with `dataflow export`)")
+
+
 def _text(path: Path) -> str:
     try:
         return path.read_text()
     except FileNotFoundError:
-        raise BundleError(f"{path}: missing (write the bundle with `dataflow export`)") from None
+        raise _missing(path) from None
     except OSError as exc:
         raise BundleError(f"{path}: cannot be read ({exc.strerror})") from None
 

@@ -6,9 +6,30 @@ import click
 
 from dataflow.cli.errors import Failure, one_line
 from dataflow.schema import Program, SchemaError, validate
+from dataflow.schema.program_file import not_regular
+
+
+class ProgramFile(click.Path):
+    """A program file that exists and is a regular file: a directory, a device, a FIFO or
+    a socket is a usage error before anything opens it (a FIFO would block the reader, a
+    device feed it forever). Its size and content are the reader's to check."""
+
+    def __init__(self) -> None:
+        super().__init__(exists=True, dir_okay=False)
+
+    def convert(self, value, param, ctx):
+        path = super().convert(value, param, ctx)
+        try:
+            problem = not_regular(path)
+        except OSError as exc:
+            self.fail(f"{path}: {exc.strerror or exc}", param, ctx)
+        if problem is not None:
+            self.fail(f"{path}: {problem}", param, ctx)
+        return path
+
 
 #: The PROGRAM.json argument of every command that reads a program.
-PROGRAM_FILE = click.Path(exists=True, dir_okay=False)
+PROGRAM_FILE = ProgramFile()
 
 
 def load_program(path: str) -> Program:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import enum
 import json
+import reprlib
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,6 +28,13 @@ import attrs
 import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 from cattrs.gen import make_dict_unstructure_fn, override
+
+from dataflow.schema.program_file import (
+    ProgramFileError,
+    json_depth_problem,
+    json_loads,
+    read_program_bytes,
+)
 
 SCHEMA_KEY = "schema"
 PROGRAM_SCHEMA = "dataflow.program/v2"
@@ -62,12 +71,23 @@ class SchemaError(ValueError):
         super().__init__(f"{source} is not a valid program:\n{listing}")
 
 
+#: How a wrong value is shown in an error: a few items and levels of it, never all of a
+#: large or deeply nested value.
+def _short_repr() -> Callable[[Any], str]:
+    shown = reprlib.Repr()  # Python 3.11's takes no arguments
+    shown.maxlevel, shown.maxstring, shown.maxother = 2, 40, 40
+    return shown.repr
+
+
+_short = _short_repr()
+
+
 def _strict(kind: type, accepts: tuple[type, ...], convert: Callable[[Any], Any]):
     def structure(value: Any, _: type) -> Any:
         if isinstance(value, bool) and bool not in accepts:
             raise TypeError(f"expected {kind.__name__}, got bool {value!r}")
         if not isinstance(value, accepts):
-            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
+            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__} {_short(value)}")
         return convert(value)
 
     return structure
@@ -77,7 +97,8 @@ def _make_converter() -> cattrs.Converter:
     converter = cattrs.Converter(forbid_extra_keys=True)
     converter.register_structure_hook(int, _strict(int, (int,), int))
     converter.register_structure_hook(float, _strict(float, (int, float), float))
-    converter.register_structure_hook(str, _strict(str, (str,), str))
+    # Interned: an object id named by many tasks is then held once, not once per mention.
+    converter.register_structure_hook(str, _strict(str, (str,), sys.intern))
     converter.register_structure_hook(bool, _strict(bool, (bool,), bool))
     # A StrEnum is a str too: without its own hook the str hook above would take it.
     converter.register_structure_hook(enum.StrEnum, _structure_str_enum)
@@ -97,13 +118,16 @@ def _make_converter() -> cattrs.Converter:
 
 def _structure_str_enum(value: Any, kind: type[enum.StrEnum]) -> enum.StrEnum:
     if not isinstance(value, str):
-        raise TypeError(f"expected a string, got {type(value).__name__} {value!r}")
+        raise TypeError(f"expected a string, got {type(value).__name__} {_short(value)}")
     return kind(value)
 
 
 def _structure_json_object(value: Any, _: type) -> dict[str, Any]:
     if not isinstance(value, Mapping):
-        raise TypeError(f"expected an object, got {type(value).__name__} {value!r}")
+        raise TypeError(f"expected an object, got {type(value).__name__} {_short(value)}")
+    too_deep = json_depth_problem(value)
+    if too_deep is not None:
+        raise ValueError(too_deep)
     return dict(value)
 
 
@@ -146,11 +170,16 @@ def migrate(data: Mapping[str, Any], source: str = "program") -> dict[str, Any]:
 
 
 def program_from_dict(kind: type[P], data: Mapping[str, Any], source: str = "program") -> P:
+    """``data`` as a ``kind``; ``SchemaError`` naming ``source`` and every fault. A program
+    needs at least one task."""
     body = migrate(data, source)
     try:
-        return converter.structure(body, kind)
+        program = converter.structure(body, kind)
     except (ClassValidationError, ForbiddenExtraKeysError, ValueError, TypeError) as exc:
         raise SchemaError(source, _describe(exc)) from None
+    if not body["tasks"]:
+        raise SchemaError(source, ["$.tasks: empty; a program needs at least one task"])
+    return program
 
 
 def program_to_dict(program: Any) -> dict[str, Any]:
@@ -158,21 +187,26 @@ def program_to_dict(program: Any) -> dict[str, Any]:
 
 
 def program_from_json(kind: type[P], text_or_path: str | Path) -> P:
+    """A program from JSON text or from a path to a JSON file, read within the bounds of
+    ``dataflow.schema.program_file``; ``SchemaError`` naming the file (or ``program``)."""
+    text: str | bytes
     if isinstance(text_or_path, Path) or not str(text_or_path).lstrip().startswith(("{", "[")):
-        path = Path(text_or_path)
-        source = str(path)
+        source = str(text_or_path)
         try:
-            text = path.read_text()
-        except OSError as exc:
-            raise SchemaError(source, [f"cannot read the file: {exc.strerror or exc}"]) from None
+            text = read_program_bytes(text_or_path)
+        except ProgramFileError as exc:
+            raise SchemaError(source, [str(exc).removeprefix(f"{source}: ")]) from None
     else:
         text, source = str(text_or_path), "program"
     try:
-        data = json.loads(text)
+        data = json_loads(text)
     except json.JSONDecodeError as exc:
         raise SchemaError(
             source, [f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"]
         ) from None
+    except ValueError as exc:  # not UTF-8, or nested too deep for the parser
+        raise SchemaError(source, [f"not JSON: {exc}"]) from None
+    del text  # the file's bytes: not held while the program is built from them
     return program_from_dict(kind, data, source)
 
 

@@ -28,7 +28,7 @@ class Problem:
 def validate(program: Program) -> list[Problem]:
     """Return every structural problem of ``program`` (an empty list when there is none).
 
-        Checks: duplicate ids; sizes < 1; tensor metadata that disagrees with the size; negative
+        Checks: no tasks at all; duplicate ids; sizes < 1; tensor metadata that disagrees with the size; negative
         workspace or cost; links and budget that are not positive; objects a task names but
         the program lacks; an object named twice in one task; use before definition; an output
         that already exists; a directive on an object the task cannot see (unknown, or not yet
@@ -103,6 +103,8 @@ def _check_links_and_budget(program: Program) -> list[Problem]:
 
 
 def _check_tasks(program: Program, sane_budget: bool) -> list[Problem]:
+    if not program.tasks:
+        return [Problem("no-tasks", "the program has no tasks; a program needs at least one")]
     problems = [
         Problem("duplicate-task", f"task id {task!r} appears more than once", task=task)
         for task in _duplicates([task.id for task in program.tasks])
