@@ -31,7 +31,8 @@ def _stopped(text: Path, out: Path, after: int, tokenizer: str = "bytes", **opti
     shards = []
 
     def report(item) -> None:
-        shards.append(item) if item.path.suffix == ".bin" else None
+        if item.path.suffix == ".bin":
+            shards.append(item)
         if len(shards) == after:
             raise Stop
 

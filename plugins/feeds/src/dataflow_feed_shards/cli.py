@@ -9,11 +9,14 @@ as it is written, then what was read and what was passed over.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
 from dataflow.cli import COUNT, Failure
+
+if TYPE_CHECKING:
+    from dataflow_feed_shards.prepare import Prepared
 
 
 @click.group("data")
@@ -97,10 +100,10 @@ def prepare_command(
         )
     except FeedError as exc:
         raise Failure(str(exc)) from None
-    except OSError as exc:
+    except OSError as exc:  # a full disk, a folder gone read-only, a file not readable
         raise Failure(
-            f"cannot write {exc.filename or out}: {exc.strerror or exc}; the shards written "
-            "so far are kept beside it: rerun with --resume to continue"
+            f"{exc.filename or out}: {exc.strerror or exc}; the shards complete so far are "
+            f"kept beside {out}: once that is fixed, rerun with --resume to continue"
         ) from None
     click.echo(read_line(done))
     if done.already:
@@ -108,7 +111,7 @@ def prepare_command(
     click.echo(f"{done.shards} shard(s) in {out}; train on them with --data shards:{out}")
 
 
-def read_line(done: Any) -> str:
+def read_line(done: Prepared) -> str:
     """``read 12 text files (2 empty, passed over); skipped 4 other files: 3 .png, 1
     without extension; 2 hidden files or folders not looked into``."""
     line = f"read {done.read} text file(s)"

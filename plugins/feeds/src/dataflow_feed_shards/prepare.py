@@ -162,6 +162,8 @@ def prepare(
     ``report`` sees each file as it is written, ``say`` what was kept or removed."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    if out.name in ("", ".."):  # -o . or -o ..: the folder by its own name
+        out = out.resolve()
     scan = scan_text(text)
     files = [file for file in scan.files if file.stat().st_size > 0]
     if not files:

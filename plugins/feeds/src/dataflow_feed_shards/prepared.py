@@ -12,6 +12,7 @@ read as before.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shlex
@@ -114,7 +115,7 @@ def leftovers(target: Path) -> list[Leftover]:
         return []
     found = []
     for kind in (WRITING, REPLACED):
-        for path in target.parent.glob(f".{glob_escape(target.name)}.{kind}-*"):
+        for path in target.parent.glob(f".{glob.escape(target.name)}.{kind}-*"):
             pid = path.name.rpartition("-")[2]
             if path.is_dir() and pid.isdigit():
                 manifest = _readable_manifest(path)
@@ -127,10 +128,6 @@ def _readable_manifest(folder: Path) -> dict[str, Any] | None:
         return read_manifest(folder)
     except FeedError:  # a kill before the first manifest was whole: nothing to continue
         return None
-
-
-def glob_escape(name: str) -> str:
-    return "".join(f"[{char}]" if char in "*?[" else char for char in name)
 
 
 def missing_target_error(target: Path, spec: str) -> FeedError | None:
