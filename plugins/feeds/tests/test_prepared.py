@@ -160,6 +160,24 @@ def test_replace_swaps_a_dataset_and_touches_nothing_else(tmp_path, data_dir):
     assert (out / "notes.txt").read_text() == "mine"
 
 
+def test_a_stopped_replace_resumes_and_swaps(tmp_path, data_dir):
+    out = tmp_path / "out"
+    prepare(data_dir / "text", "bytes", out, shard_tokens=100)
+    _stopped(data_dir / "text", out, 1, mode="replace", shard_tokens=300)
+    assert open_shards(str(out)).corpus.lengths[0] == 100  # the old one, still whole
+    (out / MANIFEST).write_text("{")  # a garbled record does not block its replacing
+    again = invoke("data", "prepare", "--text", data_dir / "text", "-o", out)
+    assert_one_line_error(again, FAILURE_EXIT, "was killed", "--resume", "--replace")
+    result = invoke(
+        "data", "prepare", "--text", data_dir / "text", "-o", out, "--resume",
+        "--shard-tokens", 300,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "replaced the dataset that was in" in result.output
+    assert open_shards(str(out)).corpus.lengths == (300, 300, 238)
+    assert os.listdir(tmp_path) == ["out"]
+
+
 def test_the_feed_checks_the_folder_against_its_manifest(tmp_path, data_dir):
     out = tmp_path / "out"
     prepare(data_dir / "text", "bytes", out, shard_tokens=300)

@@ -118,12 +118,13 @@ def leftovers(target: Path) -> list[Leftover]:
         for path in target.parent.glob(f".{glob.escape(target.name)}.{kind}-*"):
             pid = path.name.rpartition("-")[2]
             if path.is_dir() and pid.isdigit():
-                manifest = _readable_manifest(path)
+                manifest = manifest_or_none(path)
                 found.append(Leftover(path, kind, int(pid), manifest))
     return sorted(found, key=lambda leftover: leftover.path.stat().st_mtime)
 
 
-def _readable_manifest(folder: Path) -> dict[str, Any] | None:
+def manifest_or_none(folder: Path) -> dict[str, Any] | None:
+    """The ``prepared.json`` of ``folder``, or None when it has none or none readable."""
     try:
         return read_manifest(folder)
     except FeedError:  # a kill before the first manifest was whole: nothing to continue

@@ -6,8 +6,8 @@ replacing, and renamed into place once complete.
 
 - ``new``: the target must be new or an empty folder, and nothing be left beside it;
 - ``resume``: continue the newest killed prepare's folder (its options and text must be
-  this run's), keeping its complete shards; with none, start afresh; a target already
-  complete with these options is left as it is;
+  this run's), keeping its complete shards; with none, a target already complete with
+  these options is left as it is, and an absent or empty one prepared afresh;
 - ``replace``: remove what killed prepares left and start afresh; the target, if it holds
   a dataset, stays readable until ``place`` swaps the new one in.
 
@@ -32,7 +32,7 @@ from dataflow_feed_shards.prepared import (
     Leftover,
     beside,
     leftovers,
-    read_manifest,
+    manifest_or_none,
     resume_command,
     write_manifest,
 )
@@ -100,7 +100,7 @@ def claim(out: Path, mode: str, fresh: dict[str, Any], say: Callable[[str], None
     if out.exists() and not out.is_dir():
         raise FeedError(f"{out}: is a file; -o takes a folder")
     holds = out.is_dir() and any(out.iterdir())
-    manifest = read_manifest(out) if holds else None
+    manifest = manifest_or_none(out) if holds else None
     folder = beside(out, WRITING, os.getpid())
     if mode == "new":
         if writing:
@@ -113,13 +113,13 @@ def claim(out: Path, mode: str, fresh: dict[str, Any], say: Callable[[str], None
             what = (
                 f"a prepared dataset ({len(manifest['shards'])} shard(s))"
                 if manifest and manifest.get("complete")
-                else f"files ({_prepared_only(out) or next(iter(sorted(out.iterdir()))).name}, ...)"
+                else f"files ({sorted(out.iterdir())[0].name}, ...)"
             )
             raise FeedError(
                 f"{out}: already holds {what}; pass --replace to prepare it again, or write "
                 "to a new or empty folder"
             )
-    if mode == "resume" and holds:
+    if mode == "resume" and holds and not writing:
         if manifest is None or not manifest.get("complete"):
             raise FeedError(
                 f"{out}: holds files but no complete {MANIFEST} saying what was written, so "
@@ -133,11 +133,11 @@ def claim(out: Path, mode: str, fresh: dict[str, Any], say: Callable[[str], None
             )
         _remove([leftover.path for leftover in found], say)
         return Claim(out, manifest, complete_already=True)
-    if holds:  # replace: only what a prepare writes may go
+    if holds:  # replaced once the new dataset is complete: only what a prepare writes
         foreign = _prepared_only(out)
         if foreign is not None:
             raise FeedError(
-                f"{out / foreign}: not a file dataflow data prepare writes; --replace removes "
+                f"{out / foreign}: not a file dataflow data prepare writes; a prepare replaces "
                 "only prepared datasets: move it away, or write to another folder"
             )
     out.parent.mkdir(parents=True, exist_ok=True)
