@@ -53,8 +53,9 @@ def test_the_shipped_shards_are_what_prepare_writes(tmp_path: Path, data_dir: Pa
 
 
 def test_a_validation_shard_comes_first(tmp_path: Path, data_dir: Path) -> None:
-    written = prepare(data_dir / "text", "bytes", tmp_path, val_tokens=100, shard_tokens=10**6)
-    assert [item.path.name for item in written][:2] == ["val_000000.bin", "train_000001.bin"]
+    done = prepare(data_dir / "text", "bytes", tmp_path, val_tokens=100, shard_tokens=10**6)
+    shards = [item.path.name for item in done.written if item.path.suffix == ".bin"]
+    assert shards == ["val_000000.bin", "train_000001.bin"]
     assert read_header(tmp_path / "val_000000.bin") == (1, 100)
     assert read_header(tmp_path / "train_000001.bin") == (1, 738)
     assert "1 validation shard(s) left out" in open_shards(str(tmp_path)).describe()
@@ -127,4 +128,6 @@ def test_bad_options_are_one_line(tmp_path: Path, data_dir: Path, arguments, cod
 def test_a_folder_with_shards_is_not_overwritten(tmp_path: Path, data_dir: Path) -> None:
     prepare(data_dir / "text", "bytes", tmp_path)
     result = invoke("data", "prepare", "--text", data_dir / "text", "-o", tmp_path)
-    assert_one_line_error(result, FAILURE_EXIT, str(tmp_path), "already holds *.bin shards")
+    assert_one_line_error(
+        result, FAILURE_EXIT, str(tmp_path), "already holds a prepared dataset", "--replace"
+    )

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from collections import Counter
 from pathlib import Path
 
 import attrs
 import numpy as np
 
 from dataflow_feed_shards.errors import FeedError
+from dataflow_feed_shards.prepared import MANIFEST, check_listing, missing_target_error
 from dataflow_feed_shards.shard_format import read_shard
 from dataflow_feed_shards.tokenizing import BYTE_VOCAB, byte_tokens, saved_vocab
 
@@ -58,7 +60,7 @@ class Corpus:
 
 def _existing(path: Path, spec: str) -> Path:
     if not path.exists():
-        raise FeedError(f"{spec}: {path} does not exist")
+        raise missing_target_error(path, spec) or FeedError(f"{spec}: {path} does not exist")
     return path
 
 
@@ -76,6 +78,7 @@ def shard_corpus(location: str, split: str = "train") -> Corpus:
     if not folder.is_dir():
         raise FeedError(f"{spec}: {folder} is a file; shards: takes a folder of *.bin shards")
     found = sorted(path.name for path in folder.glob("*.bin") if path.is_file())
+    listed = check_listing(folder, found, spec)
     if not found:
         raise FeedError(f"{spec}: {folder} holds no *.bin shards")
     if split not in ("train", "val"):
@@ -84,6 +87,12 @@ def shard_corpus(location: str, split: str = "train") -> Corpus:
     if not names:
         raise FeedError(f"{spec}: {folder} holds no {split} shards (only {', '.join(found)})")
     tokens = tuple(read_shard(folder / name) for name in names)
+    for name, shard in zip(names, tokens, strict=True):
+        if listed is not None and shard.size != listed[name]:
+            raise FeedError(
+                f"{spec}: {folder / name} holds {shard.size} tokens, {MANIFEST} says "
+                f"{listed[name]}: prepare the folder again (dataflow data prepare ... --replace)"
+            )
     others = len(found) - len(names)
     other = "validation" if split == "train" else "training"
     note = f"{others} {other} shard(s) left out" if others else ""
@@ -104,20 +113,39 @@ def shard_corpus(location: str, split: str = "train") -> Corpus:
     )
 
 
-def text_files(path: Path) -> list[Path]:
+@attrs.frozen
+class TextScan:
+    """What ``scan_text`` found: the text ``files`` (sorted), and what it passed over."""
+
+    files: tuple[Path, ...]
+    #: files of other kinds, by suffix (``""``: none), e.g. ``{".png": 3}``
+    skipped: dict[str, int] = attrs.field(factory=dict)
+    hidden: int = 0  # hidden files and folders, not looked into
+
+
+def scan_text(path: Path) -> TextScan:
     """``path`` itself, or the text files under folder ``path`` (by ``TEXT_SUFFIXES``,
     hidden folders and files skipped), sorted by their path relative to it."""
     if path.is_file():
-        return [path]
-    found = []
+        return TextScan((path,))
+    found, skipped, hidden = [], Counter(), 0
     for root, folders, files in os.walk(path):
+        hidden += sum(name.startswith(".") for name in folders + files)
         folders[:] = [name for name in folders if not name.startswith(".")]
-        found += [
-            Path(root, name)
-            for name in files
-            if not name.startswith(".") and name.endswith(TEXT_SUFFIXES)
-        ]
-    return sorted(found, key=lambda file: file.relative_to(path).as_posix())
+        for name in files:
+            if name.startswith("."):
+                continue
+            if name.endswith(TEXT_SUFFIXES):
+                found.append(Path(root, name))
+            else:
+                skipped[Path(name).suffix] += 1
+    found.sort(key=lambda file: file.relative_to(path).as_posix())
+    return TextScan(tuple(found), dict(sorted(skipped.items())), hidden)
+
+
+def text_files(path: Path) -> list[Path]:
+    """The text files ``scan_text`` finds at ``path``."""
+    return list(scan_text(path).files)
 
 
 def _file_corpus(folder: Path, files: list[Path], spec: str) -> Corpus:

@@ -113,14 +113,22 @@ def cuda_here() -> bool:
     return torch.cuda.is_available()
 
 
+#: The feed schemes whose location is a path: ``data_spec`` makes it absolute.
+PATH_SCHEMES = ("shards", "text")
+
+
 def data_spec(data: str) -> str:
     """``--data`` as a feed spec: ``SCHEME:LOCATION`` as given; a bare path that exists,
     a folder of llm.c shards (``*.bin`` in it) as ``shards:``, any other file or folder as
     ``text:``; a bare path that does not is a usage error, and an unknown scheme is the feed
-    registry's to refuse (listing the schemes)."""
+    registry's to refuse (listing the schemes). The path of a ``shards:`` or ``text:``
+    spec is made absolute, so the checkpoints' manifests keep a path that a resume from
+    any working directory finds."""
 
-    scheme, colon, _location = data.partition(":")
+    scheme, colon, location = data.partition(":")
     if colon and scheme in feeds().names():
+        if scheme in PATH_SCHEMES and location:
+            return f"{scheme}:{Path(location).resolve()}"
         return data
     path = Path(data)
     if not path.exists():
@@ -132,8 +140,8 @@ def data_spec(data: str) -> str:
             param_hint="--data",
         )
     if path.is_dir() and any(path.glob("*.bin")):
-        return f"shards:{data}"
-    return f"text:{data}"
+        return f"shards:{path.resolve()}"
+    return f"text:{path.resolve()}"
 
 
 def default_device() -> str:
