@@ -11,8 +11,10 @@ gives each distribution a fresh virtual environment that installs only that whee
 what it declares, from those two folders with no package index (torch, pinned, is the one
 exception: installed once from the normal pip config and shared by every environment that
 needs it, see ``_add_shared_torch``): it imports the package, finds it ``ok`` in
-``dataflow plugins list``, runs the smoke commands its pyproject lists under
-``[tool.dataflow.isolated]`` and its own tests. A distribution whose requirements
+``dataflow plugins list`` and runs the smoke commands its pyproject lists under
+``[tool.dataflow.isolated]`` (for a model family a real ``dataflow train`` on the
+embedded default data), all before its ``test`` extra is installed, and then its own
+tests. A distribution whose requirements
 (followed through the other distributions here) need no torch gets none, which is how the
 core is checked to plan and simulate without torch.
 """
