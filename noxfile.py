@@ -11,8 +11,10 @@ gives each distribution a fresh virtual environment that installs only that whee
 what it declares, from those two folders with no package index (torch, pinned, is the one
 exception: installed once from the normal pip config and shared by every environment that
 needs it, see ``_add_shared_torch``): it imports the package, finds it ``ok`` in
-``dataflow plugins list``, runs the smoke commands its pyproject lists under
-``[tool.dataflow.isolated]`` and its own tests. A distribution whose requirements
+``dataflow plugins list`` and runs the smoke commands its pyproject lists under
+``[tool.dataflow.isolated]`` (for a model family a real ``dataflow train`` on the
+embedded default data), all before its ``test`` extra is installed, and then its own
+tests. A distribution whose requirements
 (followed through the other distributions here) need no torch gets none, which is how the
 core is checked to plan and simulate without torch.
 """
@@ -81,14 +83,18 @@ def install_project(session: nox.Session, *, examples: bool = False) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run the whole CPU test suite (GPU tests skip themselves without CUDA)."""
+    """Run the whole CPU test suite (GPU tests skip themselves without CUDA).
+
+    Two worker processes (CI's two cores), each taking whole files (``--dist loadfile``: a
+    module's fixtures are built once); posargs replace all of it, e.g. ``nox -s tests --
+    -q tests/cli`` for one folder in one process."""
     install_project(session, examples=True)
     session.install("transformers>=4.40")  # the families' HF checkpoint and parity tests
     # the viewer's browser tests drive the system's chromium (.ci/run installs it); no
     # browser download: playwright is only the driver
-    session.install("playwright>=1.40")
+    session.install("playwright>=1.40", "pytest-xdist>=3.5")
     suites = ["tests", *plugin_packages(), *example_packages()]  # every package's own tests
-    session.run("pytest", *(session.posargs or ["-q", *suites]))
+    session.run("pytest", *(session.posargs or ["-q", "-n", "2", "--dist", "loadfile", *suites]))
 
 
 @nox.session
@@ -217,40 +223,71 @@ def _isolated_id(folder: str) -> str:
 @nox.session(reuse_venv=False)
 @nox.parametrize("folder", distribution_folders(), ids=map(_isolated_id, distribution_folders()))
 def isolated(session: nox.Session, folder: str) -> None:
-    """One distribution alone in a fresh environment, installed from dist/ with no index."""
+    """One distribution alone in a fresh environment, installed from dist/ with no index.
+
+    The wheel goes in with what it declares and nothing else: the import, ``plugins list``
+    and smoke checks run before the ``test`` extra and the test tools are added for its own
+    tests, so an extra cannot hide a missing runtime requirement."""
     if not any(DIST.glob("*.whl")):
         session.error("no wheels in dist/: run `nox -s wheels` first")
     table = project_table(folder)
     name = _canonical(table["name"])
     extras = ("test",) if "test" in table.get("optional-dependencies", {}) else ()
     tests = (ROOT / folder / "tests").is_dir() and folder != "."  # the core's: `nox -s tests`
-    with_torch = needs_torch(name, extras)
+    with_torch = needs_torch(name)
     if with_torch:
         _add_shared_torch(session)
-    if tests:
-        session.install(*TEST_TOOLS)
-    wanted = f"{table['name']}[{','.join(extras)}]" if extras and tests else table["name"]
-    session.install(
-        *("--no-index", "--only-binary", ":all:", "--find-links", str(DIST)),
-        *("--find-links", str(DEPS), wanted),
-    )
+    _install_from_dist(session, table["name"])  # alone: no extras
     installed = session.run("python", "-m", "pip", "list", "--format=freeze", silent=True)
     session.log("installed: " + ", ".join(installed.split()))
     _check_imports(session, folder)
     _check_listed(session, table["name"])
-    smoke = table["tool"].get("isolated", {}).get("smoke", [])
-    if folder.startswith("families/") and not smoke:
-        session.warn(f"{folder}: no [tool.dataflow.isolated] smoke command shows it trains alone")
     tmp = session.create_tmp()
-    for command in smoke:
+    for command in _smoke_commands(session, folder):
         session.run(*(part.replace("{tmp}", tmp) for part in command))
     if not with_torch:
         _check_torch_is_absent(session)
     if tests:
+        if not with_torch and needs_torch(name, extras):
+            _add_shared_torch(session)
+        session.install("--no-compile", *TEST_TOOLS)
+        if extras:
+            _install_from_dist(session, f"{table['name']}[{','.join(extras)}]")
         session.run("pytest", "-q", "-p", "no:cacheprovider", f"{folder}/tests")
     # Passed: its environment (a few hundred MB with transformers) is not kept, so a run of
     # every distribution never holds more than one at a time. A failed one stays to look at.
     shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+
+def _install_from_dist(session: nox.Session, requirement: str) -> None:
+    """Install ``requirement`` from dist/ and dist/deps/ only (no package index).
+
+    ``--no-compile``: pip byte-compiles every module it installs, which for transformers
+    (thousands of modules, a few dozen of them imported here) took most of a minute per
+    environment; Python compiles what is imported when it is imported."""
+    session.install(
+        *("--no-compile", "--no-index", "--only-binary", ":all:", "--find-links", str(DIST)),
+        *("--find-links", str(DEPS), requirement),
+    )
+
+
+def _smoke_commands(session: nox.Session, folder: str) -> list[list[str]]:
+    """The commands ``[tool.dataflow.isolated] smoke`` lists; ``{tmp}`` is a scratch folder.
+
+    A family must list a ``dataflow train`` there (on the embedded default data, no
+    ``--data``): that is the check that installing the family alone gives a working train."""
+    smoke = project_table(folder)["tool"].get("isolated", {}).get("smoke", [])
+    trains = any(
+        command[:2] == ["dataflow", "train"] and "--data" not in command for command in smoke
+    )
+    if folder.startswith("families/") and not trains:
+        session.error(
+            f"{folder}/pyproject.toml: [tool.dataflow.isolated] smoke lists no `dataflow train` "
+            "command, which is what shows the family trains when installed alone; add e.g. "
+            '["dataflow", "train", "--preset", "NAME_tiny", "--steps", "3", "--device", "cpu", '
+            '"--out", "{tmp}/run"]'
+        )
+    return smoke
 
 
 def _add_shared_torch(session: nox.Session) -> None:
