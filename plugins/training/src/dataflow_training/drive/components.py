@@ -7,6 +7,7 @@ into a part, not into the loop.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import time
@@ -103,10 +104,13 @@ class MetricsFileError(ValueError):
 def _truncate(path: Path, step: int) -> None:
     """Keep the lines of steps up to ``step`` (a resumed run rewrites what came after). A
     last line cut short (the process was killed while writing it) is dropped; any other
-    line that is not a step's metrics is an error naming the file and line."""
+    line that is not a step's metrics is an error naming the file and line. The file is
+    replaced whole (a long run's is tens of MB): a kill while it is rewritten leaves the
+    old file or the new one, never a part."""
     if not path.exists():
         return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    content = path.read_text()
+    lines = [line for line in content.splitlines() if line.strip()]
     kept = []
     for number, line in enumerate(lines, start=1):
         try:
@@ -120,7 +124,14 @@ def _truncate(path: Path, step: int) -> None:
             ) from None
         if line_step <= step:
             kept.append(line)
-    path.write_text("".join(f"{line}\n" for line in kept))
+    text = "".join(f"{line}\n" for line in kept)
+    if text != content:  # into a file beside, then renamed: a kill keeps the old or the new
+        partial = path.with_name(f".{path.name}.trimmed")
+        with partial.open("w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, path)
 
 
 class Checkpointer:

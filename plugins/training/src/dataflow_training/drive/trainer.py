@@ -349,6 +349,8 @@ def _train(
             if save:
                 saver.save(step + 1)
                 stop.save = False
+                if fleet is None:  # a signal that came while it wrote: stop here, not a step on
+                    halt = stop.stop
             if halt is not None:
                 raise Interrupted(step + 1, saver.at(step + 1), halt)
         if traced and writes:
