@@ -143,7 +143,6 @@ def _grid_options(command: Any) -> Any:
 
 
 def _setup(preset: str, family_name: str | None, hw_name: str, hw_files: tuple, backing: Any):
-
     family_name = family_name or default_family(preset)
     family = _family(family_name)
     presets = getattr(family, "presets", None)
@@ -162,7 +161,6 @@ def _setup(preset: str, family_name: str | None, hw_name: str, hw_files: tuple, 
 
 
 def _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders, vocab_size):
-
     return grid(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders, vocab_size)
 
 

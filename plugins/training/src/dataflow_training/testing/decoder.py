@@ -148,7 +148,6 @@ class DecoderHFParity:
             )
 
     def test_one_training_step_agrees_with_transformers(self, family, hf_checkpoint):
-
         model, folder = hf_checkpoint
         config, state = family.import_hf(folder)
         tokens, targets = self._batch(config.vocab_size, seed=5)
@@ -318,7 +317,6 @@ class DecoderFamilyChecks:
         )
 
     def test_the_models_page_matches_the_lowering(self):
-
         page = self._doc(f"models/{self.family_name}.md")
         assert len(BLOCK.findall(page)) >= 1
         assert stale_blocks(page) == [], (
@@ -341,7 +339,6 @@ class DecoderFamilyChecks:
         assert wider.head_dim == (2 * base.head_dim if follows else base.head_dim)
 
     def test_checkpoint_errors_name_the_field_or_tensor_and_the_file(self, family, tmp_path):
-
         config = family.config(self.preset)
         state = family.reference_model(config).state_dict()
         family.export_hf(config, state, tmp_path)
@@ -362,7 +359,6 @@ class DecoderFamilyChecks:
         assert not (tmp_path / "partial" / "config.json").exists()
 
     def test_dataflow_train_then_export_hf(self, family, tmp_path):
-
         out = tmp_path / "run"
         args = ["--batch", "2", "--seq-len", "32", "--device", "cpu", "--out", out]
         result = invoke("train", "--preset", self.preset, "--steps", "2", *args)
