@@ -94,7 +94,7 @@ def test_an_uploaded_program_and_measurement(server, tiny_program, measured_run)
         ({"seq_len": "x"}, "seq_len"),
         ({"seq_len": 4096}, "seq_len: 4096 is longer than preset 'gpt2_tiny' takes"),
         ({"preset": "gpt9"}, "preset: no installed family has a preset 'gpt9'"),
-        ({"family": "llama3"}, "preset: llama3 has no preset 'gpt2_tiny'"),
+        ({"family": "toy_moe"}, "preset: toy_moe has no preset 'gpt2_tiny'"),
         ({"family": "nope"}, "family: no family named 'nope'"),
         ({"planner": "nope"}, "planner: no planner named 'nope'"),
         ({"dtype": "fp8"}, "dtype: 'fp8' is not one of"),
