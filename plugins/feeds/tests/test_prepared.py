@@ -223,3 +223,15 @@ def test_it_counts_what_it_read_and_what_it_passed_over(tmp_path, data_dir):
     assert source["files"] == 3 and source["skipped"] == {"": 1, ".png": 2}
     one = invoke("data", "prepare", "--text", text / "a.txt", "-o", tmp_path / "one")
     assert "read 1 text file(s)\n" in one.output
+
+
+@pytest.mark.parametrize("out", [".", ".."])
+def test_the_working_directory_is_never_the_target(tmp_path, data_dir, monkeypatch, out):
+    work = tmp_path / "work" / "here"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    before = sorted(p.name for p in (tmp_path / "work").iterdir())
+    result = invoke("data", "prepare", "--text", data_dir / "text", "-o", out)
+    assert_one_line_error(result, FAILURE_EXIT, "is the working directory or holds it", "-o")
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == before
+    assert list(work.iterdir()) == []

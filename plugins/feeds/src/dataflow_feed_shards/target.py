@@ -89,6 +89,13 @@ def _intact(leftover: Leftover) -> None:
 
 def claim(out: Path, mode: str, fresh: dict[str, Any], say: Callable[[str], None]) -> Claim:
     """Decide where this prepare writes (see the module docstring)."""
+    here = Path.cwd().resolve()
+    if out.resolve() == here or out.resolve() in here.parents:
+        # the dataset is renamed into place: never onto the folder the user works in
+        raise FeedError(
+            f"{out}: is the working directory or holds it; -o takes a folder of the dataset's "
+            "own, e.g. -o data/shards"
+        )
     found = leftovers(out)
     for leftover in found:
         if leftover.live:
