@@ -380,19 +380,20 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
     """Open the feed, compile the step, build its driver and resume it when asked; say
     what the run is (data, init, the checkpoint it resumes, the plan)."""
 
-    resumed = None
+    resumed, manifest = None, None
     if o.resume is not None:
         resumed = intact_checkpoint(o.out, say) if o.resume == "auto" else Path(o.resume)
+        manifest = read_manifest(resumed)  # read once: the schedule and the vocabulary
     schedule, schedule_line = LrSchedule.of(o), None
     if resumed is not None:  # before the compile: a refused change is said at once
-        schedule, schedule_line = _resumed_schedule(resumed, o)
+        schedule, schedule_line = _resumed_schedule(resumed, manifest, o)
     if family is None:  # the one load of the run: passed down from here
         family = load_family(o.family)
     init = None
     if o.init is not None:
         o, init = _with_init(o, family)
     feed = open_feed(o)  # every member reads the one-process stream
-    o, vocab_note = _with_vocab(o, family, feed, init, resumed)
+    o, vocab_note = _with_vocab(o, family, feed, init, manifest)
     if o.device.startswith("cuda"):  # tens of seconds for a large model: say what is under way
         say(
             f"profiling: each task of the step timed on {o.device}, then planned (the "
@@ -463,10 +464,11 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
     return Started(o, feed, compiled, run, start, history, schedule, record)
 
 
-def _resumed_schedule(checkpoint: Path, o: TrainOptions) -> tuple[LrSchedule, str | None]:
-    """The lr schedule a run resumed from ``checkpoint`` follows, and the line that says
-    what it does (``schedule.resumed``); its manifest alone is read."""
-    manifest = read_manifest(checkpoint)
+def _resumed_schedule(
+    checkpoint: Path, manifest: dict[str, Any], o: TrainOptions
+) -> tuple[LrSchedule, str | None]:
+    """The lr schedule a run resumed from ``checkpoint`` (whose ``manifest`` is given)
+    follows, and the line that says what it does (``schedule.resumed``)."""
     try:
         stored = stored_schedule(manifest, o)
     except (TypeError, ValueError, KeyError) as exc:
@@ -601,7 +603,7 @@ def _with_init(o: TrainOptions, family: Any) -> tuple[TrainOptions, Any]:
 
 
 def _with_vocab(
-    o: TrainOptions, family: Any, feed: Any, init: Any, resumed: Path | None
+    o: TrainOptions, family: Any, feed: Any, init: Any, manifest: dict[str, Any] | None
 ) -> tuple[TrainOptions, str]:
     """``o`` with the model's vocabulary in its overrides where it is not the preset's
     (``vocabulary.choose_vocab``; a resumed run keeps its checkpoint's), and what the
@@ -613,8 +615,8 @@ def _with_vocab(
         return o, ""
     init_vocab = None if init is None else init.config.vocab_size
     kept = None
-    if resumed is not None:  # the checkpoint's config: its overrides on the preset's
-        overrides = read_manifest(resumed).get("overrides") or {}
+    if manifest is not None:  # the resumed checkpoint's: its overrides on the preset's
+        overrides = manifest.get("overrides") or {}
         kept = overrides.get("vocab_size", preset_vocab)
     vocab = choose_vocab(
         preset_vocab, feed, o.data, given=o.vocab_size, init_vocab=init_vocab, kept=kept
