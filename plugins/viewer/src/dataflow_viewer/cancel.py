@@ -11,6 +11,13 @@ free at once. A call into C (a torch operation) is not interrupted: the work sto
 that call returns. The planner and simulator carry no cancellation hook of their own, and
 a process per request would lose the caches that make re-planning fast.
 
+An asynchronous exception that lands inside a finalizer or a garbage-collector callback
+(``__del__``, ``gc.callbacks``) is printed as "Exception ignored" and lost, and the work
+would run on to its end. So the cancel is raised again every ``RECANCEL_S`` for as long as
+the worker is still inside the work: the worker marks its leaving the work (under the
+cancel's lock, in a ``finally`` around the work), after which no cancel is raised, and one
+raised just before lands at a checkpoint the worker still guards.
+
 An exception raised inside a first-time import would leave that module half made for the
 whole process (``partially initialized module 'torch'``), so the cancel waits while the
 worker's stack is inside the import machinery, and the server imports what its work
@@ -32,6 +39,9 @@ from typing import Any
 POLL_S = 0.05
 #: how long the watching thread waits for a cancelled worker to unwind before leaving it
 UNWIND_S = 5.0
+#: how often a cancel not yet taken (lost in a finalizer, or postponed by an import) is
+#: raised again while the worker is still inside the work
+RECANCEL_S = 0.25
 
 
 class Cancelled(BaseException):
@@ -75,21 +85,27 @@ class _Worker(threading.Thread):
     def run(self) -> None:
         try:
             try:
-                self.value = self._work()
+                self.value = self._in_work()
             except Exception as exc:  # handed to the waiting thread, which answers it
                 self.error = exc
-            with self._lock:
-                self._running = False
-            _checkpoint()  # a cancel raised just before the lock lands here, not later
+            _checkpoint()  # a cancel raised just before the work was left lands here
         except Cancelled:
             self.cancelled = True
         finally:
             self._live.discard(self)
             self.done.set()
 
+    def _in_work(self) -> Any:
+        """The work, marked as left (no more cancels) however it ends."""
+        try:
+            return self._work()
+        finally:
+            with self._lock:
+                self._running = False
+
     def cancel(self) -> bool:
-        """Raise ``Cancelled`` in the worker, unless it has finished or is importing (then
-        False: ask again later)."""
+        """Raise ``Cancelled`` in the worker (again, if an earlier one was lost), unless
+        it has left the work (True) or is importing (False: ask again later)."""
         with self._lock:
             if not self._running:
                 return True
@@ -98,7 +114,6 @@ class _Worker(threading.Thread):
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(self.ident), ctypes.py_object(Cancelled)
             )
-            self._running = False  # one cancel only: a second would outlive the work
             return True
 
 
@@ -136,7 +151,9 @@ def run_cancellable(
         if why is None:
             why = "time" if elapsed > time_limit_s else "gone" if gone() else None
         if why is not None and worker.cancel():  # postponed while the worker imports
-            worker.done.wait(UNWIND_S)
+            unwind = time.monotonic() + UNWIND_S
+            while not worker.done.wait(RECANCEL_S) and time.monotonic() < unwind:
+                worker.cancel()  # once more, in case the last one was lost
             raise Stopped(why, elapsed)
     if worker.error is not None:
         raise worker.error
