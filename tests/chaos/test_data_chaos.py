@@ -12,6 +12,7 @@ half-way, and a run resumed from another working directory than it started in.
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -55,7 +56,11 @@ def _kill_mid_way(text: Path, out: Path) -> Path:
     written a few shards; returns the folder it was writing."""
     command = [str(Path(sys.executable).parent / "dataflow"), "data", "prepare"]
     command += ["--text", str(text), "-o", str(out), "--shard-tokens", str(SHARD_TOKENS)]
+    # at the lowest priority: on a loaded machine the prepare (a second or two of work)
+    # could otherwise finish between two looks of this loop, which then has nothing to kill
+    # (set from here while it still starts up: no code between fork and exec)
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    os.setpriority(os.PRIO_PROCESS, proc.pid, 19)
     deadline = time.monotonic() + SHARDS_TIMEOUT_S
     try:
         while True:

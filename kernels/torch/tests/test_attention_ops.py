@@ -11,7 +11,9 @@ reference variant, by relative error ``||got - want|| / ||want||`` (conftest.PRE
 
 A sliding ``window`` (query ``i`` sees keys ``i - window < j <= i``) is held to the same
 truth with that mask: the CPU kernel with its additive mask, flash's own window on CUDA in
-16 bits (the ``gpu`` tests), the reference formulas elsewhere.
+16 bits (the ``gpu`` tests), the reference formulas elsewhere. So is a ``mask`` (any
+pattern of pairs): the CPU kernel's additive mask, the memory-efficient kernel's bias on
+CUDA (the ``gpu`` tests), the reference formulas elsewhere.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ ALL_VARIANTS = [*VARIANTS, "cudnn"]
 SHAPES = [(1, 1, 1, 8), (2, 3, 17, 24), (3, 2, 40, 64), (1, 4, 33, 16), (2, 2, 64, 64)]
 
 
-def autograd_truth(q, k, v, dout, *, causal, scale=None, window=None):
+def autograd_truth(q, k, v, dout, *, causal, scale=None, window=None, mask=None):
     """(out, lse, dq, dk, dv) in float64 from the formula, gradients by autograd. With
     fewer key/value heads than query heads, query head h reads key/value head
     h // (heads // kv_heads) (autograd sums each key/value head's gradient over them)."""
@@ -44,6 +46,8 @@ def autograd_truth(q, k, v, dout, *, causal, scale=None, window=None):
         if window is not None:  # and the keys window or more tokens back
             future |= torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril(-window)
         scores = scores.masked_fill(future, -math.inf)
+    if mask is not None:  # and the pairs the mask leaves out
+        scores = scores.masked_fill(~mask, -math.inf)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.softmax(scores, dim=-1) @ values
     grads = torch.autograd.grad(out, (q64, k64, v64), dout.double())
@@ -112,6 +116,61 @@ def test_a_sliding_window_matches_autograd(
     ):
         assert got.shape == like.shape and got.dtype == like.dtype, label
         assert_rel_close(got, expected, tol, label)
+
+
+def chunked(seq: int, chunk: int, device) -> torch.Tensor:
+    """Llama 4's chunked attention as a mask: query i sees the keys of its own chunk."""
+    position = torch.arange(seq, device=device)
+    return position[:, None] // chunk == position[None, :] // chunk
+
+
+def scattered(seq: int, device, generator) -> torch.Tensor:
+    """A random pattern of pairs, each query keeping its own position."""
+    keep = torch.rand(seq, seq, generator=generator) < 0.4
+    return (keep | torch.eye(seq, dtype=torch.bool)).to(device)
+
+
+@pytest.mark.parametrize("name", ALL_VARIANTS)
+@pytest.mark.parametrize(
+    ("pattern", "causal", "window"),
+    [("chunks of 8", True, None), ("chunks of 5", True, 3), ("scattered", True, None),
+     ("scattered", False, None), ("chunks of 16", False, None)],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    "shape", [(2, 3, 3, 40, 32), (1, 4, 2, 33, 64), (2, 2, 1, 17, 16)], ids=lambda s: str(s)
+)
+def test_a_mask_matches_autograd(
+    kernel, randn, assert_rel_close, device, dtype, tol, name, pattern, causal, window, shape
+) -> None:
+    """A mask alone (not causal), with causal attention, and with a window too: every
+    variant against the formula with the same pairs left out, grouped heads included."""
+    batch, heads, kv_heads, seq, head_dim = shape
+    q, dout = (randn(batch, heads, seq, head_dim, dtype=dtype, device=device) for _ in range(2))
+    k, v = (randn(batch, kv_heads, seq, head_dim, dtype=dtype, device=device) for _ in range(2))
+    if pattern == "scattered":
+        mask = scattered(seq, device, randn.generator)
+    else:
+        mask = chunked(seq, int(pattern.split()[-1]), device)
+    cut = {"window": window} if window is not None else {}
+    want = autograd_truth(q, k, v, dout, causal=causal, mask=mask, **cut)
+    out, lse = kernel("attention_fwd", name)(q, k, v, causal=causal, mask=mask, **cut)
+    assert out.shape == q.shape and out.dtype == dtype and lse.is_contiguous()
+    assert_rel_close(out, want[0], tol, "out")
+    assert_rel_close(lse, want[1], tol, "lse")
+    grads = kernel("attention_bwd", name)(dout, q, k, v, out, lse, causal=causal, mask=mask, **cut)
+    for label, got, expected, like in zip(
+        ("dq", "dk", "dv"), grads, want[2:], (q, k, v), strict=True
+    ):
+        assert got.shape == like.shape and got.dtype == like.dtype, label
+        assert_rel_close(got, expected, tol, label)
+
+
+@pytest.mark.parametrize("name", ALL_VARIANTS)
+def test_a_mask_is_a_bool_tensor_of_the_sequence(kernel, randn, name) -> None:
+    q = randn(1, 2, 9, 8)
+    for mask in (torch.ones(9, 9), torch.ones(8, 9, dtype=torch.bool), [[True] * 9] * 9):
+        with pytest.raises(ValueError, match=r"a mask is a \(9, 9\) bool tensor on cpu, got"):
+            kernel("attention_fwd", name)(q, q, q, causal=True, mask=mask)
 
 
 @pytest.mark.parametrize("name", ALL_VARIANTS)

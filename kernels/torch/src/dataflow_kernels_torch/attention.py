@@ -1,8 +1,8 @@
 """Softmax attention as an explicit forward/backward pair: the forward returns the
 logsumexp its backward takes, so backward never runs the forward again.
 
-``attention_fwd(q, k, v, *, causal, scale=None, window=None) -> (out, lse)`` with q (batch, heads, seq,
-head_dim) and k, v (batch, kv_heads, seq, head_dim), one sequence length for all three and
+``attention_fwd(q, k, v, *, causal, scale=None, window=None, mask=None) -> (out, lse)`` with q
+(batch, heads, seq, head_dim) and k, v (batch, kv_heads, seq, head_dim), one sequence length for all three and
 ``kv_heads`` dividing ``heads`` (grouped-query attention: query head ``h`` attends with
 key/value head ``h // (heads // kv_heads)``; ``kv_heads == heads`` is plain multi-head
 attention):
@@ -10,11 +10,12 @@ attention):
     scores = q @ k.T * scale               (scale defaults to 1 / sqrt(head_dim))
     scores[i, j] = -inf where j > i        (causal only)
     scores[i, j] = -inf where j <= i - window   (a sliding window: causal, ``window`` keys)
+    scores[i, j] = -inf where not mask[i, j]    (a mask: any (seq, seq) pattern of pairs)
     lse    = logsumexp(scores, -1)         (batch, heads, seq), float32 (float64 inputs: float64)
     out    = exp(scores - lse) @ v         like q
 
-``attention_bwd(dout, q, k, v, out, lse, *, causal, scale=None, window=None) -> (dq, dk,
-dv)``, with ``P = exp(scores - lse)``:
+``attention_bwd(dout, q, k, v, out, lse, *, causal, scale=None, window=None, mask=None) ->
+(dq, dk, dv)``, with ``P = exp(scores - lse)``:
 
     dv = P.T @ dout
     dS = P * (dout @ v.T - rowsum(dout * out))
@@ -50,6 +51,16 @@ views of the same tensors); the CPU kernel takes the window as an additive mask
 (``attn_mask``: 0 where a key is seen, -inf elsewhere), exact as it is without one; the
 memory-efficient kernel and everything else run the reference formulas, masked.
 
+With a ``mask`` (a (seq, seq) bool tensor on q's device, True where query ``i`` sees key
+``j``, the same for every sequence and head; with ``causal`` and ``window`` too, a key must
+pass all three): the CPU kernel takes it as an additive mask, and on CUDA the
+memory-efficient kernel takes it as its additive bias (a (seq, seq) tensor of q's dtype,
+its rows padded to the kernel's alignment, expanded over batch and heads without a copy;
+16 or 32 bits, head_dim a multiple of 8 and at most 128); everything else runs the
+reference formulas, masked. Every query must see at least one key (its own position, say):
+a row with none has no softmax (its lse is -inf), and nothing here checks it, which would
+wait for the device.
+
 The reference pair (``attention_fwd_reference``, ``attention_bwd_reference``) computes the
 formulas above with matmuls in the statistics dtype: (batch, heads, seq, seq) scores, any
 device. Nothing here builds an autograd graph or synchronizes with the device.
@@ -66,6 +77,9 @@ from dataflow_kernels_torch._support import HALF_DTYPES, stats_dtype
 _aten = torch.ops.aten
 #: The efficient kernel pads each (batch, head) row of its lse to a multiple of this.
 _EFFICIENT_LSE_ALIGN = 32
+#: The efficient kernel reads its additive bias in rows whose length is a multiple of this
+#: (as ``torch.nn.functional.scaled_dot_product_attention`` pads a mask before calling it).
+_EFFICIENT_BIAS_ALIGN = 16
 
 
 def attention_fwd(
@@ -76,12 +90,15 @@ def attention_fwd(
     causal: bool,
     scale: float | None = None,
     window: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out like q, lse (batch, heads, seq) in the statistics dtype); see the module doc."""
     group = _check(q, k, v)
     window = _cut(window, causal, q)
     k, v = repeat_kv(k, group), repeat_kv(v, group)
     kernel = backend(q)
+    if mask is not None:
+        return _masked_fwd(kernel, q, k, v, scale, keep_of(q, causal, window, mask))
     if window is not None:
         return _windowed_fwd(kernel, q, k, v, scale, window)
     with torch.no_grad():
@@ -118,12 +135,8 @@ def _windowed_fwd(
                 scale=scale, window_size_left=window - 1, window_size_right=0,
             )  # fmt: skip
             return out.transpose(1, 2), lse.contiguous()
-        if kernel == "cpu":
-            mask = window_bias(q.shape[2], window, q.dtype, q.device)
-            out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, False, attn_mask=mask, scale=scale
-            )
-            return out, lse.contiguous()
+        if kernel == "cpu":  # the window as a mask
+            return _masked_fwd(kernel, q, k, v, scale, window_keep(q.shape[2], window, q.device))
     return attention_fwd_reference(q, k, v, causal=True, scale=scale, window=window)
 
 
@@ -138,6 +151,7 @@ def attention_bwd(
     causal: bool,
     scale: float | None = None,
     window: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv) like q, k, v, from the forward's ``out`` and ``lse``."""
     group = _check(q, k, v)
@@ -146,10 +160,13 @@ def attention_bwd(
     if group > 1:
         dq, dk, dv = attention_bwd(
             dout, q, repeat_kv(k, group), repeat_kv(v, group), out, lse,
-            causal=causal, scale=scale, window=window,
+            causal=causal, scale=scale, window=window, mask=mask,
         )  # fmt: skip
         return dq, sum_groups(dk, group), sum_groups(dv, group)
     kernel = backend(q)
+    if mask is not None:
+        keep = keep_of(q, causal, window, mask)
+        return _masked_bwd(kernel, dout, q, k, v, out, lse, scale, keep)
     if window is not None:
         return _windowed_bwd(kernel, dout, q, k, v, out, lse, scale, window)
     with torch.no_grad():
@@ -207,13 +224,108 @@ def _windowed_bwd(
                 window_size_right=0,
             )  # fmt: skip
             return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        if kernel == "cpu":  # the window as a mask
+            keep = window_keep(q.shape[2], window, q.device)
+            return _masked_bwd(kernel, dout, q, k, v, out, lse, scale, keep)
+    return attention_bwd_reference(dout, q, k, v, out, lse, causal=True, scale=scale, window=window)
+
+
+def _masked_fwd(
+    kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, keep
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward with a mask (``keep``: the pairs kept, module doc), heads repeated."""
+    with torch.no_grad():
         if kernel == "cpu":
-            mask = window_bias(q.shape[2], window, q.dtype, q.device)
+            bias = keep_bias(keep, q.dtype)
+            out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, False, attn_mask=bias, scale=scale
+            )
+            return out, lse.contiguous()
+        if _efficient_takes_bias(kernel, q):
+            q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+            bias = _efficient_bias(keep, q)
+            out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
+                q, k, v, bias, True, 0.0, False, scale=scale
+            )
+            return out, lse[:, :, : q.shape[2]].contiguous()
+    return attention_fwd_reference(q, k, v, causal=False, scale=scale, mask=keep)
+
+
+def _masked_bwd(
+    kernel: str,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float | None,
+    keep: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward with a mask (``keep``, module doc), one head per query head."""
+    with torch.no_grad():
+        if kernel == "cpu":
             return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout, q, k, v, out, lse.to(stats_dtype(q.dtype)), 0.0, False,
-                attn_mask=mask, scale=scale,
+                attn_mask=keep_bias(keep, q.dtype), scale=scale,
             )  # fmt: skip
-    return attention_bwd_reference(dout, q, k, v, out, lse, causal=True, scale=scale, window=window)
+        if _efficient_takes_bias(kernel, q):
+            q, k, v, out = (_last_dim_contiguous(t) for t in (q, k, v, out))
+            seed = torch.empty((), dtype=torch.int64, device=q.device)  # unused: no dropout
+            offset = torch.empty((), dtype=torch.int64, device=q.device)
+            dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+                dout, q, k, v, _efficient_bias(keep, q), out, _padded_lse(lse.float()), seed,
+                offset, 0.0, [True, True, True, False], False, scale=scale,
+            )  # fmt: skip
+            return dq, dk, dv
+    return attention_bwd_reference(dout, q, k, v, out, lse, causal=False, scale=scale, mask=keep)
+
+
+def _efficient_takes_bias(kernel: str, q: torch.Tensor) -> bool:
+    """Whether the memory-efficient kernel runs a mask for q (module doc): the kernels
+    ``backend`` picks on CUDA, within its head sizes."""
+    return kernel in ("flash", "efficient") and q.shape[-1] <= 128
+
+
+def _efficient_bias(keep: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``keep`` as the efficient kernel's additive bias: (batch, heads, seq, seq) of q's
+    dtype, a view of one (seq, seq) tensor whose rows are padded to its alignment."""
+    seq = keep.shape[0]
+    row = -(-seq // _EFFICIENT_BIAS_ALIGN) * _EFFICIENT_BIAS_ALIGN
+    bias = torch.zeros(seq, row, dtype=q.dtype, device=q.device)
+    bias[:, :seq].masked_fill_(~keep, -math.inf)
+    return bias[:, :seq].expand(q.shape[0], q.shape[1], seq, seq)
+
+
+def keep_of(q: torch.Tensor, causal: bool, window: int | None, mask: torch.Tensor) -> torch.Tensor:
+    """The (seq, seq) pairs a query sees: ``mask``, and causal and inside ``window`` where
+    those are given (``window`` as ``_cut`` left it)."""
+    seq = q.shape[-2]
+    if (
+        not isinstance(mask, torch.Tensor)
+        or mask.dtype != torch.bool
+        or tuple(mask.shape) != (seq, seq)
+        or mask.device != q.device
+    ):
+        shown = (
+            f"{mask.dtype} {tuple(mask.shape)} on {mask.device}"
+            if isinstance(mask, torch.Tensor)
+            else type(mask).__name__
+        )
+        raise ValueError(
+            f"attention: a mask is a ({seq}, {seq}) bool tensor on {q.device}, got {shown}"
+        )
+    if window is not None:
+        return mask & window_keep(seq, window, q.device)
+    if causal:
+        return mask & torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril_()
+    return mask
+
+
+def keep_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``keep`` as an additive mask of ``dtype``: 0 where a key is seen, -inf elsewhere."""
+    bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
+    return bias.masked_fill_(~keep, -math.inf)
 
 
 def attention_fwd_reference(
@@ -224,14 +336,16 @@ def attention_fwd_reference(
     causal: bool,
     scale: float | None = None,
     window: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward formulas with explicit (seq, seq) scores in the statistics dtype."""
     group = _check(q, k, v)
     window = _cut(window, causal, q)
     k, v = repeat_kv(k, group), repeat_kv(v, group)
     compute = stats_dtype(q.dtype)
+    keep = None if mask is None else keep_of(q, causal, window, mask)
     with torch.no_grad():
-        scores = _scores(q, k, causal, scale, compute, window)
+        scores = _scores(q, k, causal, scale, compute, window, keep)
         lse = torch.logsumexp(scores, dim=-1)
         probs = scores.sub_(lse.unsqueeze(-1)).exp_()
         out = (probs @ v.to(compute)).to(q.dtype)
@@ -249,6 +363,7 @@ def attention_bwd_reference(
     causal: bool,
     scale: float | None = None,
     window: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward formulas: P from q, k and lse; dS = P * (dP - rowsum(dout * out))."""
     group = _check(q, k, v)
@@ -257,8 +372,9 @@ def attention_bwd_reference(
     k, v = repeat_kv(k, group), repeat_kv(v, group)
     compute = stats_dtype(q.dtype)
     factor = _scale(q, scale)
+    keep = None if mask is None else keep_of(q, causal, window, mask)
     with torch.no_grad():
-        scores = _scores(q, k, causal, scale, compute, window)
+        scores = _scores(q, k, causal, scale, compute, window, keep)
         probs = scores.sub_(lse.to(compute).unsqueeze(-1)).exp_()
         dout_c = dout.to(compute)
         dv = probs.transpose(-2, -1) @ dout_c
@@ -296,9 +412,12 @@ def _scores(
     scale: float | None,
     compute: torch.dtype,
     window: int | None = None,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     scores = (q.to(compute) @ k.to(compute).transpose(-2, -1)).mul_(_scale(q, scale))
-    if window is not None:
+    if keep is not None:  # causal and the window already in it
+        scores.masked_fill_(~keep, -math.inf)
+    elif window is not None:
         scores.masked_fill_(~window_keep(q.shape[-2], window, q.device), -math.inf)
     elif causal:
         seq = q.shape[-2]
@@ -311,12 +430,6 @@ def window_keep(seq: int, window: int, device: torch.device) -> torch.Tensor:
     """(seq, seq) bool: True where query ``i`` sees key ``j`` (``i - window < j <= i``)."""
     distance = torch.arange(seq, device=device)[:, None] - torch.arange(seq, device=device)
     return (distance >= 0) & (distance < window)
-
-
-def window_bias(seq: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``window_keep`` as an additive mask: 0 where a key is seen, -inf elsewhere."""
-    bias = torch.zeros(seq, seq, dtype=dtype, device=device)
-    return bias.masked_fill_(~window_keep(seq, window, device), -math.inf)
 
 
 def _cut(window: int | None, causal: bool, q: torch.Tensor) -> int | None:

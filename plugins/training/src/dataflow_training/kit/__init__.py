@@ -37,6 +37,7 @@ _HOMES = {
         "SelfAttention",
         "QKNorm",
         "OutputGate",
+        "ChunkedMask",
         "attention_forward",
         "attention_backward",
         "split_heads",

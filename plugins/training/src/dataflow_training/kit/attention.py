@@ -1,6 +1,7 @@
 """Softmax attention for families: heads split and merged, grouped-query attention, the
 fused forward that returns its logsumexp with the backward that takes it, and the
-attention parts a block is composed of (``SelfAttention``, ``QKNorm``).
+attention parts a block is composed of (``SelfAttention``, ``QKNorm``, ``OutputGate``,
+``ChunkedMask``).
 
 Backward never runs attention's forward again: it needs q, k, v, the output and the
 logsumexp, all saved by forward (``attention_fwd`` / ``attention_bwd`` ops). Grouped-query
@@ -14,6 +15,15 @@ The mask is causal, and a sliding ``window`` (HF's ``sliding_window``) keeps onl
 ``i - window < j <= i``). The ops take it as ``window=`` only when it cuts something
 (``window < seq``): at or past the sequence length a window is plain causal attention,
 and a kernel variant written before the keyword need not take it.
+
+A **mask** part (``SelfAttention.mask``) leaves out any further pairs, the same for every
+sequence: an object with ``keep(config, seq_len, device)`` (a (seq, seq) bool tensor, True
+where query ``i`` sees key ``j``, every query keeping at least its own position; None
+where it cuts nothing at this length) and ``pairs(config, seq_len)`` (how many (query,
+key) pairs stay, causal and window included, which prices the attention). The ops take it
+as ``mask=`` only where it cuts something. ``ChunkedMask`` is Llama 4's chunked attention;
+a family writes its own the same way (a prefix of bidirectional tokens, say, with
+``causal`` kept for the rest).
 """
 
 from __future__ import annotations
@@ -56,6 +66,11 @@ def _window(window: int | None, seq: int) -> dict[str, int]:
     return {"window": window} if window is not None and window < seq else {}
 
 
+def _cuts(window: int | None, mask: torch.Tensor | None, seq: int) -> dict[str, Any]:
+    """The ops' ``window`` and ``mask`` keywords, each only where it cuts something."""
+    return _window(window, seq) | ({} if mask is None else {"mask": mask})
+
+
 def attention_forward(
     ops: Any,
     q: torch.Tensor,
@@ -65,10 +80,13 @@ def attention_forward(
     causal: bool = True,
     scale: float | None = None,
     window: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (batch, heads, seq, dim); k, v (batch, kv_heads, seq, dim) -> (out like q, lse)."""
+    """q (batch, heads, seq, dim); k, v (batch, kv_heads, seq, dim) -> (out like q, lse).
+    ``mask``: (seq, seq) bool, the pairs kept (module doc)."""
     _check_groups(q, k)
-    return ops["attention_fwd"](q, k, v, causal=causal, scale=scale, **_window(window, q.shape[2]))
+    cuts = _cuts(window, mask, q.shape[2])
+    return ops["attention_fwd"](q, k, v, causal=causal, scale=scale, **cuts)
 
 
 def attention_backward(
@@ -83,21 +101,55 @@ def attention_backward(
     causal: bool = True,
     scale: float | None = None,
     window: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv), dk and dv with k's and v's head counts."""
     _check_groups(q, k)
-    return ops["attention_bwd"](
-        d_out, q, k, v, out, lse, causal=causal, scale=scale, **_window(window, q.shape[2])
-    )
+    cuts = _cuts(window, mask, q.shape[2])
+    return ops["attention_bwd"](d_out, q, k, v, out, lse, causal=causal, scale=scale, **cuts)
 
 
-def attention_flops(batch: int, seq_len: int, q_width: int, window: int | None) -> float:
+def attention_flops(
+    batch: int, seq_len: int, q_width: int, window: int | None, pairs: int | None = None
+) -> float:
     """FLOPs of ``q k^T`` and ``p v`` over the (query, key) pairs the mask keeps: causal,
     half of ``seq_len^2`` per sequence; with a window ``w < seq_len``, ``seq_len * w -
-    w^2 / 2`` (the band below the diagonal), so a window is priced by its width."""
+    w^2 / 2`` (the band below the diagonal), so a window is priced by its width; with
+    ``pairs`` (a mask part's count of the pairs kept, window included), those."""
+    if pairs is not None:
+        return 4 * batch * q_width * pairs
     if window is None or window >= seq_len:
         return 2 * batch * seq_len * seq_len * q_width  # causal: half
     return 4 * batch * q_width * (seq_len * window - window * window / 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedMask:
+    """Chunked attention, as a mask part of an attention (Llama 4's ``attention_chunk_size``
+    layers): the sequence is cut into chunks of the config field ``field``'s tokens and a
+    query sees the keys of its own chunk alone, causally. A field whose value is None, or a
+    chunk at or past the sequence length, cuts nothing: plain causal attention."""
+
+    field: str = "attention_chunk_size"
+
+    def chunk(self, config: Any, seq_len: int) -> int | None:
+        """The chunk's tokens where it cuts the sequence, else None."""
+        size = getattr(config, self.field)
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"{self.field} = {size!r}: a chunk is a whole number of tokens >= 1")
+        return size if size is not None and size < seq_len else None
+
+    def keep(self, config: Any, seq_len: int, device: Any) -> torch.Tensor | None:
+        size = self.chunk(config, seq_len)
+        if size is None:
+            return None
+        position = torch.arange(seq_len, device=device) // size
+        return position[:, None] == position[None, :]
+
+    def pairs(self, config: Any, seq_len: int) -> int:
+        size = self.chunk(config, seq_len) or seq_len
+        whole, rest = divmod(seq_len, size)
+        return whole * size * (size + 1) // 2 + rest * (rest + 1) // 2
 
 
 # -- the parts ---------------------------------------------------------------------------
@@ -217,13 +269,15 @@ class SelfAttention:
     input; ``lse`` (heads, float32), the logsumexp. Backward rebuilds the norms and
     rotations from ``q`` and ``k`` and calls ``attention_bwd``; no projection or attention
     forward runs again. Cost: the projections' matmuls and ``attention_flops`` of the
-    window. With a ``gate`` (``OutputGate``), ``q`` holds each head's query and gate and
-    ``o_proj`` takes the gated output."""
+    window (or of the mask's pairs). With a ``gate`` (``OutputGate``), ``q`` holds each
+    head's query and gate and ``o_proj`` takes the gated output. With a ``mask`` (a mask
+    part, e.g. ``ChunkedMask``; module doc), only the pairs it keeps are attended."""
 
     qk_norm: QKNorm | None = None
     positions: rotary.Rope = rotary.Rope()
     window: str | None = None
     gate: OutputGate | None = None
+    mask: Any = None
     #: the reference module's name in a block (HF's)
     module = "self_attn"
 
@@ -235,6 +289,10 @@ class SelfAttention:
     def window_size(self, config: Any) -> int | None:
         """The tokens each query sees counting itself, or None (causal, unbounded)."""
         return None if self.window is None else getattr(config, self.window)
+
+    def mask_of(self, config: Any, seq_len: int, device: Any) -> torch.Tensor | None:
+        """The mask part's (seq, seq) pairs kept, or None (no part, or it cuts nothing)."""
+        return None if self.mask is None else self.mask.keep(config, seq_len, device)
 
     def params(self, config: Any) -> tuple[TensorSpec, ...]:
         n, q, kv = config.hidden_size, config.q_width, config.kv_width
@@ -268,6 +326,8 @@ class SelfAttention:
         }
         if self.qk_norm is not None and self.qk_norm.norm.offset:
             args["qk_norm_offset"] = self.qk_norm.norm.offset
+        if self.mask is not None:  # the pairs kept, made on the CPU for any length
+            args["mask"] = lambda seq: self.mask_of(config, seq, "cpu")
         return args | ({"gated": True} if self.gate is not None else {})
 
     def reference(self, config: Any) -> Any:
@@ -308,8 +368,9 @@ class SelfAttention:
         ``attn`` and ``lse``)."""
         q_heads, k_heads, _ = self._heads(config, params, projected["q"], projected["k"], ops)
         v_heads = split_heads(projected["v"], config.num_key_value_heads)
-        window = self.window_size(config)
-        out, lse = attention_forward(ops, q_heads, k_heads, v_heads, window=window)
+        window, seq = self.window_size(config), q_heads.shape[2]
+        mask = self.mask_of(config, seq, q_heads.device)
+        out, lse = attention_forward(ops, q_heads, k_heads, v_heads, window=window, mask=mask)
         del q_heads, k_heads, v_heads
         attn = merge_heads(out)
         if self.gate is None:
@@ -349,6 +410,7 @@ class SelfAttention:
             split_heads(saved["attn"], heads),
             saved["lse"],
             window=self.window_size(config),
+            mask=self.mask_of(config, q_heads.shape[2], q_heads.device),
         )
         del d_attn, q_heads, k_heads
         cos, sin = self.positions.tables(config, x)
@@ -392,4 +454,5 @@ class SelfAttention:
         projections = 2 * tokens * n * (2 * q + 2 * kv)
         if self.gate is not None:  # q_proj's gate half
             projections += 2 * tokens * n * q
-        return projections, attention_flops(batch, seq_len, q, window)
+        pairs = None if self.mask is None else self.mask.pairs(config, seq_len)
+        return projections, attention_flops(batch, seq_len, q, window, pairs)

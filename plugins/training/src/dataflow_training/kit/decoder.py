@@ -39,7 +39,8 @@ from dataflow_training.step.family import LayerSpec, TensorSpec
 EMBED = "emb"
 HEAD = "head"
 #: HF's layer types (``layer_types`` of its configs) that a decoder's blocks may be
-LAYER_TYPES = ("full_attention", "sliding_attention")
+#: (``chunked_attention``: Llama 4's, a query seeing its own chunk of the sequence)
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 _CHAIN_KINDS = ("embed", "head")
 
 

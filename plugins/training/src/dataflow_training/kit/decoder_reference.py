@@ -100,7 +100,9 @@ class Attention(nn.Module):
     ``offset + w``. ``window``: None, or the tokens a query sees counting itself (a
     sliding window). ``rotary_dim``: the rotated dims of each head (default all).
     ``gated``: ``q_proj`` makes each head's query and then its gate (``head_dim`` each),
-    and ``o_proj`` takes the attention's output times ``sigmoid(gate)`` (Qwen3-Next)."""
+    and ``o_proj`` takes the attention's output times ``sigmoid(gate)`` (Qwen3-Next).
+    ``mask``: None, or a function of the sequence length giving the (seq, seq) bool pairs
+    a query may see beside causal and the window (None: no more cut)."""
 
     #: the q/k norms' module (a subclass with another forward may keep these parameters)
     norm_type = RMSNorm
@@ -114,9 +116,11 @@ class Attention(nn.Module):
         window: int | None = None,
         rotary_dim: int | None = None,
         gated: bool = False,
+        mask: Any = None,
     ) -> None:
         super().__init__()
         self.config, self.qk_norm, self.window, self.gated = config, qk_norm, window, gated
+        self.mask = mask
         self.rotary_dim = rotary_dim or config.head_dim
         n, q, kv = config.hidden_size, config.q_width, config.kv_width
         self.q_proj = nn.Linear(n, 2 * q if gated else q, bias=False)
@@ -157,10 +161,12 @@ class Attention(nn.Module):
         # stock PyTorch attention: in float64 (the truth of verify's checks) SDPA runs its
         # math kernel, softmax(q k^T / sqrt(d)) v as written; in bf16 on a GPU the fused
         # kernels a stock run uses, so the bf16 yardstick is stock training's rounding
-        if self.window is None or self.window >= seq:
+        cut = None if self.mask is None else self.mask(seq)
+        if cut is None and (self.window is None or self.window >= seq):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            mask = window_mask(seq, self.window).to(x.device)
+            mask = window_mask(seq, self.window if self.window is not None else seq)
+            mask = (mask if cut is None else mask & cut).to(x.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(batch, seq, c.q_width)
         return self.o_proj(out * torch.sigmoid(gate) if self.gated else out)

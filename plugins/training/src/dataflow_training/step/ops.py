@@ -121,16 +121,19 @@ def autograd_ops(base: Mapping[str, Callable]) -> dict[str, Callable]:
     def stats(t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(torch.promote_types(t.dtype, torch.float32))
 
-    def attention_fwd(q, k, v, *, causal, scale=None, window=None):
+    def attention_fwd(q, k, v, *, causal, scale=None, window=None, mask=None):
         scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
         group = q.shape[1] // k.shape[1]  # grouped key/value heads: each for its query heads
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         scores = (q @ k.transpose(-1, -2)) * scale
+        keep = mask  # the pairs a mask keeps, then causal and the window
         if causal:
-            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+            seen = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
             if window is not None:  # and at most ``window`` keys back, itself included
-                mask = mask & ~mask.tril(-window)
-            scores = scores.masked_fill(~mask, -math.inf)
+                seen = seen & ~seen.tril(-window)
+            keep = seen if keep is None else keep & seen
+        if keep is not None:
+            scores = scores.masked_fill(~keep, -math.inf)
         lse = torch.logsumexp(scores, -1)
         return torch.softmax(scores, -1) @ v, stats(lse)
 
