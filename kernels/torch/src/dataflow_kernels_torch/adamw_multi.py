@@ -16,6 +16,20 @@ and grads with float32 states is the common case).
   ``adamw_triton.py``, does a mixed group in one pass instead).
 - ``adamw_multi_reference``: ``adamw_reference`` (plain tensor ops) tensor by tensor.
 
+``adamw_compensated_multi(params, grads, exp_avgs, exp_avg_sqs, compensations, *, ...)``
+updates the weights ``params[i] + compensations[i]`` instead of ``params[i]``: each
+``master = param + compensation`` is summed in float32, stepped by ``adamw_multi`` (the
+formula above, fused), then rounded to nearest into ``param``, and what the rounding lost,
+``master - param`` (exact in float32: the two are within a unit of ``param`` of each
+other), goes into ``compensation`` in its own dtype. With bfloat16 compensations that is
+Kahan-style compensated summation: an update far below a unit in the last place of a
+bfloat16 weight accumulates in the compensation until it moves the weight, where a plain
+bfloat16 update rounds it away. With float32 compensations ``param + compensation`` *is*
+a float32 master weight, bit for bit (the low half of it, kept beside the bfloat16 high
+half): the same update as a float32 master copy rounded into a bfloat16 weight, with a
+zero start meaning "the master equals the weight". ``adamw_compensated_multi_reference``
+does the same with ``adamw_reference`` per tensor.
+
 Neither synchronizes with the device: the step count reaches the fused kernel as a float32
 tensor filled on the device, one fill for all tensors.
 
@@ -183,3 +197,97 @@ def check_lists(
                 )
             if not t.is_floating_point() or (name != "grads" and t.dtype not in _STATE_DTYPES):
                 raise ValueError(f"adamw_multi: {name}[{i}] has unsupported dtype {t.dtype}")
+
+
+def adamw_compensated_multi(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    compensations: Sequence[torch.Tensor],
+    *,
+    step: Scalar,
+    lr: Scalar,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW step of the weights ``params + compensations`` (module doc of
+    ``compensated_step``), fused where the dtypes allow: the float32 sums go through
+    ``adamw_multi`` as one list."""
+    check_compensations(params, compensations)
+    check_lists(params, grads, exp_avgs, exp_avg_sqs, step)
+    with torch.no_grad():
+        masters = [_sum32(p, c) for p, c in zip(params, compensations, strict=True)]
+        adamw_multi(
+            masters, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=beta1,
+            beta2=beta2, eps=eps, weight_decay=weight_decay,
+        )  # fmt: skip
+        _round_into(masters, params, compensations)
+
+
+def adamw_compensated_multi_reference(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    compensations: Sequence[torch.Tensor],
+    *,
+    step: Scalar,
+    lr: Scalar,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """``adamw_compensated_multi`` with ``adamw_reference`` (plain tensor ops), tensor by
+    tensor."""
+    check_compensations(params, compensations)
+    check_lists(params, grads, exp_avgs, exp_avg_sqs, step)
+    step, lr = int(host(step)), host(lr)
+    with torch.no_grad():
+        for p, g, m, v, c in zip(params, grads, exp_avgs, exp_avg_sqs, compensations, strict=True):
+            master = _sum32(p, c)
+            adamw_reference(
+                master, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                weight_decay=weight_decay,
+            )  # fmt: skip
+            _round_into([master], [p], [c])
+
+
+def _sum32(param: torch.Tensor, compensation: torch.Tensor) -> torch.Tensor:
+    """``param + compensation`` as a new contiguous float32 tensor (float64 for float64)."""
+    compute = torch.float64 if param.dtype == torch.float64 else torch.float32
+    master = param.to(compute, memory_format=torch.contiguous_format, copy=True)
+    return master.add_(compensation)
+
+
+def _round_into(
+    masters: list[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    compensations: Sequence[torch.Tensor],
+) -> None:
+    """Each param the master rounded to nearest in its dtype, each compensation what that
+    rounding lost (``master - param``, exact in float32) rounded into its own dtype."""
+    for master, param, compensation in zip(masters, params, compensations, strict=True):
+        param.copy_(master)
+        compensation.copy_(master.sub_(param))
+
+
+def check_compensations(
+    params: Sequence[torch.Tensor], compensations: Sequence[torch.Tensor]
+) -> None:
+    """One compensation per param, of its shape and device, in a state dtype."""
+    if len(compensations) != len(params):
+        raise ValueError(
+            f"adamw_compensated_multi: compensations has {len(compensations)} tensors, params "
+            f"{len(params)}: they must match"
+        )
+    for i, (p, c) in enumerate(zip(params, compensations, strict=True)):
+        if c.shape != p.shape or c.device != p.device or c.dtype not in _STATE_DTYPES:
+            raise ValueError(
+                f"adamw_compensated_multi: compensations[{i}] is {tuple(c.shape)} {c.dtype} on "
+                f"{c.device}, params[{i}] {tuple(p.shape)} on {p.device}: same shape and "
+                "device, a float32 or bfloat16 dtype"
+            )

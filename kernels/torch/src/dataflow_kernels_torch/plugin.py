@@ -29,7 +29,7 @@ the same bits):
 
 The explicit forward/backward ops (``attention_fwd``/``attention_bwd``,
 ``layer_norm_fwd``/``_bwd``, ``rms_norm_fwd``/``_bwd``, ``gelu_bwd``, ``swiglu_fwd``/``_bwd``,
-``adamw_multi``) each have a ``torch`` variant (priority 0: aten's fused kernels called
+``adamw_multi``, ``adamw_compensated_multi``) each have a ``torch`` variant (priority 0: aten's fused kernels called
 directly, no autograd) and a ``reference`` variant (priority -10: the formulas, the truth
 the tests compare against); where triton is installed, ``triton`` variants (priority 10,
 CUDA only) replace the torch ones for SwiGLU and for mixed-dtype AdamW.
@@ -181,6 +181,10 @@ _EXPLICIT = (
      "aten.silu_backward(dy * up, gate) and dy * silu(gate)"),
     ("adamw_multi", "adamw_multi", "adamw_multi", "adamw_multi_reference", True,
      "torch._fused_adamw_ per group of one dtype; mixed dtypes over float32 working copies"),
+    ("adamw_compensated_multi", "adamw_multi", "adamw_compensated_multi",
+     "adamw_compensated_multi_reference", True,
+     "float32 masters param + compensation, adamw_multi over them, rounded back into param "
+     "and compensation"),
 )  # fmt: skip
 
 

@@ -26,6 +26,7 @@ from dataflow_training.drive.progress import LevelPrinter
 from dataflow_training.plan.compiled_step import available_host_bytes
 from dataflow_training.step.config import STATE_DTYPES, parse_order
 from dataflow_training.step.lowering import lower
+from dataflow_training.step.precision import CHOICES as PRECISIONS
 
 #: Config fields under which a family may declare the longest sequence its model takes.
 MAX_SEQ_LEN_FIELDS = ("max_seq_len", "n_positions", "max_position_embeddings")
@@ -65,18 +66,34 @@ def order_option() -> Any:
     )
 
 
-def optimizer_states_option() -> Any:
+def optimizer_states_option(default: str | None = None) -> Any:
     """``--optimizer-states fp32|bf16``: the dtype of the optimizer's state
-    (``config.optimizer_states``)."""
+    (``config.optimizer_states``); with ``--precision`` an expert pin."""
     return click.option(
         "--optimizer-states",
         "optimizer_states",
         type=click.Choice(list(STATE_DTYPES)),
-        default="fp32",
-        show_default=True,
-        help="dtype of AdamW's two moments: bf16 halves their memory and their traffic over "
-        "the host link (the throughput rows of docs/throughput.md use it, as stock PyTorch "
-        "with bf16 parameters does); fp32 keeps them exact",
+        default=default,
+        show_default=default is not None,
+        help="expert pin: the dtype of AdamW's two moments, a plain update (bf16 halves "
+        "their memory and their traffic over the host link; fp32 keeps them exact); "
+        "--precision names the whole policy",
+    )
+
+
+def precision_option(default: str | None, help_text: str) -> Any:
+    """``--precision auto|bf16|bf16-plain|mixed|fp32``: the whole dtype policy
+    (``step.precision``)."""
+    choices = PRECISIONS if default == "auto" else PRECISIONS[1:]
+    return click.option(
+        "--precision",
+        type=click.Choice(choices),
+        default=default,
+        show_default=default is not None,
+        help="bf16: bf16 weights, grads, activations and AdamW moments, the update's "
+        "rounding compensated (10 B/param); bf16-plain: the same uncompensated (8); mixed: "
+        "bf16 compute with fp32 master weights and moments (16); fp32: everything float32 "
+        f"(16). {help_text}",
     )
 
 
