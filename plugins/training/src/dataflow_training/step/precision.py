@@ -133,8 +133,8 @@ def precision(
     ):
         if value is not None and value != own:
             raise ValueError(
-                f"{option} {value} conflicts with --precision {name} (its {option[2:]} are "
-                f"{own}): give --precision alone, or --dtype/--optimizer-states alone"
+                f"{option} {value} conflicts with --precision {name}, whose {option} is "
+                f"{own}: give --precision alone, or --dtype/--optimizer-states alone"
             )
     return _policy(name, *_TABLE[name])
 
