@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from dataflow_training.step.precision import NAMES, pinned, precision
 
 from dataflow.testing import assert_one_line_error, invoke
-from dataflow_training.step.precision import NAMES, pinned, precision
 
 pytest.importorskip("dataflow_family_gpt2")
 
