@@ -393,6 +393,7 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
         o = attrs.evolve(o, precision=o.policy.name)
     if o.resume is not None:
         resumed = intact_checkpoint(o.out, say) if o.resume == "auto" else Path(o.resume)
+    if resumed is not None:  # --resume auto in a folder of no checkpoint: a fresh start
         manifest = read_manifest(resumed)  # read once: the schedule and the vocabulary
     schedule, schedule_line = LrSchedule.of(o), None
     if resumed is not None:  # before the compile: a refused change is said at once
