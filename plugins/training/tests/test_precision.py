@@ -8,6 +8,7 @@ two, repeats the uninterrupted run's losses bit for bit), and a run of the older
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,33 @@ def test_precision_and_a_conflicting_pin_are_one_line(tmp_path) -> None:
     result = invoke(*_args(tmp_path / "run", 1, "--precision", "bf16", "--dtype", "fp32"))
     assert_one_line_error(result, 2, "--dtype fp32 conflicts with --precision bf16")
     assert not (tmp_path / "run").exists()
+
+
+def test_verify_runs_a_policy_s_update_against_the_float64_reference() -> None:
+    """``dataflow verify --precision mixed``: the step level runs the compensated update
+    with float32 state (bf16 weights) and every check passes; a ``--dtype`` that is not
+    the policy's is one line."""
+    args = ["verify", "--family", "gpt2", "--preset", "gpt2_tiny", "--levels", "step"]
+    result = invoke(*args, "--precision", "mixed", "--steps", "2")
+    assert result.exit_code == 0, result.output
+    assert re.search(r"^\d+ passed, 0 failed$", result.output, re.M)
+    refused = invoke(*args, "--precision", "mixed", "--dtype", "fp32")
+    assert_one_line_error(refused, 2, "--dtype fp32 conflicts with --precision mixed")
+
+
+def test_predict_prices_each_policy_s_state(tmp_path) -> None:
+    """``dataflow predict --precision``: the row names the policy, and the state it adds
+    moves more bytes in a budget that offloads it (gpt2_124m at 1 GiB)."""
+    moved = {}
+    for name in NAMES:
+        out = tmp_path / f"{name}.json"
+        result = invoke(
+            "predict", "--preset", "gpt2_124m", "--t-round", "4096", "--tokens-step", "8192",
+            "--budget", "1", "--seq-len", "1024", "--jobs", "1", "--precision", name,
+            "--json", str(out),
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        (row,) = json.loads(out.read_text())["rows"]
+        assert row["precision"] == name and row["feasible"]
+        moved[name] = row["h2d_gb"] + row["d2h_gb"]
+    assert moved["bf16-plain"] < moved["bf16"] < moved["mixed"]

@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 import click
+from click.core import ParameterSource
 from rich.console import Console
 from rich.table import Table
 
@@ -27,6 +28,7 @@ from dataflow_training.plan.compiled_step import available_host_bytes
 from dataflow_training.step.config import STATE_DTYPES, parse_order
 from dataflow_training.step.lowering import lower
 from dataflow_training.step.precision import CHOICES as PRECISIONS
+from dataflow_training.step.precision import precision as precision_of
 
 #: Config fields under which a family may declare the longest sequence its model takes.
 MAX_SEQ_LEN_FIELDS = ("max_seq_len", "n_positions", "max_position_embeddings")
@@ -104,6 +106,11 @@ def precision_option(default: str | None, help_text: str) -> Any:
 @click.option(
     "--dtype", "policy", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"])
 )
+@precision_option(
+    None,
+    "The step level runs the policy's update and state (its dtype is --dtype's). Default: "
+    "--dtype with a plain update and fp32 moments.",
+)
 @click.option(
     "--steps",
     default=3,
@@ -177,6 +184,7 @@ def verify_command(
     json_path,
     levels,
     resolver,
+    precision,
 ) -> None:
     """Compare ops, tasks and whole training steps against the family's reference."""
 
@@ -186,6 +194,7 @@ def verify_command(
     family = _family(family_name)
     config = _preset_config(family, family_name, preset)
     _check_seq_len(config, preset, seq_len)
+    policy = _policy_of(precision, policy)
     if json_path is not None:
         _check_writable(json_path)
     if device == "cpu" and "step" in levels:
@@ -200,6 +209,7 @@ def verify_command(
             seq_len=seq_len,
             rounds=rounds,
             order=order,
+            precision=precision,
         )
     checks = verify(
         family_name,
@@ -217,6 +227,7 @@ def verify_command(
         yardstick=yardstick,
         levels=levels,
         resolver=resolver,
+        precision=precision,
     )
     if json_path is not None:
         _write_checks(json_path, checks)
@@ -246,6 +257,20 @@ def verify_command(
         names = ", ".join(f"{check.level} {check.name}" for check in failed[:3])
         more = f" and {len(failed) - 3} more" if len(failed) > 3 else ""
         raise Failure(f"{len(failed)} of {len(checks)} checks failed: {names}{more}")
+
+
+def _policy_of(precision: str | None, dtype: str) -> str:
+    """The dtype policy (tolerances, weights) of ``--precision``'s weights where it is
+    given, ``--dtype`` otherwise; a ``--dtype`` given beside it must agree."""
+    if precision is None:
+        return dtype
+    ctx = click.get_current_context()
+    given = ctx.get_parameter_source("policy") is not ParameterSource.DEFAULT
+    try:
+        chosen = precision_of(precision, dtype=dtype if given else None)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--precision") from None
+    return "fp32" if chosen.dtype.param == "float32" else "bf16"
 
 
 def _levels(text: str) -> tuple[str, ...]:
@@ -389,7 +414,7 @@ def _check_budget(family: Any, preset: str, policy: str, budget_bytes: int, **sh
     # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.check.verify import follows_routing, step_config
 
-    train = step_config(policy, **shape)
+    train = step_config(policy, **shape)  # precision, if any, in shape
     keep = follows_routing(family)  # as step_checks lowers it
     program = lower(family, preset, train, keep_grads=True, keep_aux_temp=keep).program
     smallest = minimal_budget(program)
