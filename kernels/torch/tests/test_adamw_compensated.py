@@ -97,3 +97,32 @@ def test_a_missing_compensation_is_refused_by_name(kernel, randn):
         kernel(OP, "torch")(p, g, m, v, [torch.zeros_like(p[0])], step=1, **HYPER)
     with pytest.raises(ValueError, match=r"compensations\[1\] is \(4,\)"):
         kernel(OP, "torch")(p, g, m, v, [torch.zeros(4), torch.zeros(4)], step=1, **HYPER)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pieces_give_the_bits_of_one_piece(kernel, randn, device):
+    """The torch variant cuts its lists into pieces of ``chunk_elements`` (its working
+    copies bounded): cut at 1,000 elements, across tensors and inside the 3,000-element
+    one, with a non-contiguous tensor whole, the result is the uncut one's bit for bit."""
+    shapes = [(7, 13), (3000,), (1,), (40, 30)]
+
+    def lists():
+        params = [randn(*s, device=device).to(BF16) for s in shapes]
+        params[-1] = params[-1].t()  # non-contiguous: updated whole
+        grads = [randn(*p.shape, device=device).to(BF16) for p in params]
+        states = [[randn(*p.shape, device=device, scale=0.1).to(BF16) for p in params]]
+        states.append([(randn(*p.shape, device=device) ** 2).to(BF16) for p in params])
+        states.append([randn(*p.shape, device=device, scale=1e-3).to(BF16) for p in params])
+        return params, grads, *states
+
+    randn.generator.manual_seed(1)
+    whole = lists()
+    randn.generator.manual_seed(1)
+    cut = lists()
+    update = kernel(OP, "torch")
+    for step in (1, 2):
+        update(*whole, step=step, **HYPER)
+        update(*cut, step=step, **HYPER, chunk_elements=1000)
+    for a_list, b_list in zip(whole, cut, strict=True):
+        for a, b in zip(a_list, b_list, strict=True):
+            assert torch.equal(a, b)

@@ -40,7 +40,7 @@ values): the fused kernel reads them there; the reference reads them back to the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -199,6 +199,13 @@ def check_lists(
                 raise ValueError(f"adamw_multi: {name}[{i}] has unsupported dtype {t.dtype}")
 
 
+#: Elements ``adamw_compensated_multi`` updates at once: its float32 working copies
+#: (the masters, and ``adamw_multi``'s of bfloat16 grads and moments) take 16 bytes an
+#: element, 256 MiB at most, beside the step however large a parameter group is (a
+#: Llama 3 8B embedding is 525M elements: 8.4 GB of copies in one piece).
+CHUNK_ELEMENTS = 1 << 24
+
+
 def adamw_compensated_multi(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -212,19 +219,50 @@ def adamw_compensated_multi(
     beta2: float,
     eps: float,
     weight_decay: float,
+    chunk_elements: int = CHUNK_ELEMENTS,
 ) -> None:
-    """One AdamW step of the weights ``params + compensations`` (module doc of
-    ``compensated_step``), fused where the dtypes allow: the float32 sums go through
-    ``adamw_multi`` as one list."""
+    """One AdamW step of the weights ``params + compensations`` (module doc), fused where
+    the dtypes allow: the float32 sums go through ``adamw_multi`` as lists of at most
+    ``chunk_elements`` elements in all (contiguous tensors are cut into flat pieces), so
+    the float32 working copies never take more than ``CHUNK_ELEMENTS``' worth."""
     check_compensations(params, compensations)
     check_lists(params, grads, exp_avgs, exp_avg_sqs, step)
+    lists = (params, grads, exp_avgs, exp_avg_sqs, compensations)
     with torch.no_grad():
-        masters = [_sum32(p, c) for p, c in zip(params, compensations, strict=True)]
-        adamw_multi(
-            masters, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=beta1,
-            beta2=beta2, eps=eps, weight_decay=weight_decay,
-        )  # fmt: skip
-        _round_into(masters, params, compensations)
+        for p, g, m, v, c in _pieces(lists, chunk_elements):
+            masters = [_sum32(param, comp) for param, comp in zip(p, c, strict=True)]
+            adamw_multi(
+                masters, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                weight_decay=weight_decay,
+            )  # fmt: skip
+            _round_into(masters, p, c)
+
+
+def _pieces(
+    lists: Sequence[Sequence[torch.Tensor]], limit: int
+) -> Iterator[list[list[torch.Tensor]]]:
+    """The parallel ``lists`` as batches of parallel lists of at most ``limit`` elements
+    each (a non-contiguous tensor whole, in a batch of its own when larger): a contiguous
+    tensor larger than ``limit`` is cut into flat slices, views of it."""
+    batch: list[list[torch.Tensor]] = [[] for _ in lists]
+    count = 0
+    for tensors in zip(*lists, strict=True):
+        n = tensors[0].numel()
+        if all(t.is_contiguous() for t in tensors):
+            flats = [t.view(-1) for t in tensors]
+            slices = [[f[a : a + limit] for f in flats] for a in range(0, n, limit)]
+        else:
+            slices = [list(tensors)]
+        for piece in slices:
+            size = piece[0].numel()
+            if count and count + size > limit:
+                yield batch
+                batch, count = [[] for _ in lists], 0
+            for out, t in zip(batch, piece, strict=True):
+                out.append(t)
+            count += size
+    if count:
+        yield batch
 
 
 def adamw_compensated_multi_reference(
