@@ -19,6 +19,11 @@ compiling, the graph capture) and one resume::
     source benchmarks/device_setup.sh && python -m benchmarks.bf16_update   # call 1
     source benchmarks/device_setup.sh && python -m benchmarks.bf16_update   # call 2, 3...
 
+The checkpoints live in ``--runs`` on the device machine: the calls must come while it is
+still held (a fresh machine starts the runs over). Where ``$OUT`` is set (the device
+tool's folder that comes back), the results folder is copied into ``$OUT/bf16_update``
+after each call.
+
 (on the CPU, for a check of the script: ``--preset gpt2_tiny --steps 4 --device cpu
 --batch 2 --seq-len 16 --ga-rounds 1``).
 """
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import statistics
@@ -109,6 +115,17 @@ def main(argv: list[str] | None = None) -> None:
         "--minutes", type=float, default=8.5, help="stop (resumably) after this long"
     )
     args = parser.parse_args(argv)
+    try:
+        run_all(args)
+    finally:
+        if os.environ.get("OUT"):  # the device tool brings $OUT back
+            shutil.copytree(
+                args.results, Path(os.environ["OUT"]) / "bf16_update", dirs_exist_ok=True
+            )
+
+
+def run_all(args: argparse.Namespace) -> None:
+    """Each policy's run to ``args.steps`` within the call's deadline, then the plot."""
     deadline = time.monotonic() + args.minutes * 60 - GRACE_S
     args.results.mkdir(parents=True, exist_ok=True)
     for policy in POLICIES:
