@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dataflow_kernels_torch import adamw_multi as adamw_multi_module
 from dataflow_kernels_torch.adamw import adamw_reference
 from dataflow_kernels_torch.adamw_multi import adamw_multi
 
@@ -112,8 +113,8 @@ def test_a_missing_compensation_is_refused_by_name(kernel, randn):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_pieces_give_the_bits_of_one_piece(kernel, randn, device):
-    """The torch variant cuts its lists into pieces of ``chunk_elements`` (its working
+def test_pieces_give_the_bits_of_one_piece(kernel, randn, device, monkeypatch):
+    """The torch variant cuts its lists into pieces of ``CHUNK_ELEMENTS`` (its working
     copies bounded): cut at 1,000 elements, across tensors and inside the 3,000-element
     one, with a non-contiguous tensor whole, the result is the uncut one's bit for bit."""
     shapes = [(7, 13), (3000,), (1,), (40, 30)]
@@ -134,7 +135,9 @@ def test_pieces_give_the_bits_of_one_piece(kernel, randn, device):
     update = kernel(OP, "torch")
     for step in (1, 2):
         update(*whole, step=step, **HYPER)
-        update(*cut, step=step, **HYPER, chunk_elements=1000)
+        with monkeypatch.context() as patch:
+            patch.setattr(adamw_multi_module, "CHUNK_ELEMENTS", 1000)
+            update(*cut, step=step, **HYPER)
     for a_list, b_list in zip(whole, cut, strict=True):
         for a, b in zip(a_list, b_list, strict=True):
             assert torch.equal(a, b)

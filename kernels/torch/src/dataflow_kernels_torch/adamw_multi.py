@@ -219,17 +219,16 @@ def adamw_compensated_multi(
     beta2: float,
     eps: float,
     weight_decay: float,
-    chunk_elements: int = CHUNK_ELEMENTS,
 ) -> None:
     """One AdamW step of the weights ``params + compensations`` (module doc), fused where
     the dtypes allow: the float32 sums go through ``adamw_multi`` as lists of at most
-    ``chunk_elements`` elements in all (contiguous tensors are cut into flat pieces), so
-    the float32 working copies never take more than ``CHUNK_ELEMENTS``' worth."""
+    ``CHUNK_ELEMENTS`` elements in all (contiguous tensors are cut into flat pieces), so
+    the float32 working copies never take more than that many elements' worth."""
     check_compensations(params, compensations)
     check_lists(params, grads, exp_avgs, exp_avg_sqs, step)
     lists = (params, grads, exp_avgs, exp_avg_sqs, compensations)
     with torch.no_grad():
-        for p, g, m, v, c in _pieces(lists, chunk_elements):
+        for p, g, m, v, c in _pieces(lists, CHUNK_ELEMENTS):
             masters = [_sum32(param, comp) for param, comp in zip(p, c, strict=True)]
             adamw_multi(
                 masters, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
