@@ -42,10 +42,14 @@ EXPECTED_VARIANTS = (
         for op in ("grouped_mm", "grouped_mm_wgrad")
         for name in ("reference", "torch")
     ),
+    # test_adamw_compensated.py
+    "adamw_compensated_multi/reference",
+    "adamw_compensated_multi/torch",
     # test_attention_ops.py, test_norm_ops.py, test_elementwise_ops.py, test_adamw_multi.py
     *(
         (
             "adamw_multi/triton",
+            "adamw_compensated_multi/triton",
             "swiglu_bwd/triton",
             "swiglu_fwd/triton",
             "chunked_cross_entropy/triton",

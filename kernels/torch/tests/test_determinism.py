@@ -161,7 +161,10 @@ def pointwise_args(count):
     return lambda kernel, randn: (tuple(bf16(randn, 1 << 20) for _ in range(count)), {})
 
 
-def adamw_multi(name):
+def adamw_multi(name, op="adamw_multi"):
+    """A case of ``op``: adamw_multi, or adamw_compensated_multi (a compensation per
+    param, bf16 for bf16 params, float32 for float32 ones, as the two policies keep)."""
+
     def case(kernel, randn):
         sizes = (1 << 20, 4099)
         params = [bf16(randn, n) for n in sizes] + [randn(n, device="cuda") for n in sizes]
@@ -170,13 +173,16 @@ def adamw_multi(name):
             [randn(p.numel(), device="cuda", scale=0.1) for p in params],
             [randn(p.numel(), device="cuda") ** 2 for p in params],
         ]
+        if op == "adamw_compensated_multi":
+            states.append([randn(p.numel(), device="cuda", scale=1e-3).to(p.dtype) for p in params])
 
         def run() -> tuple[torch.Tensor, ...]:
-            p, m, v = ([t.clone() for t in lst] for lst in (params, *states))
-            kernel("adamw_multi", name)(
-                p, grads, m, v, step=7, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1
-            )
-            return (*p, *m, *v)
+            p, *rest = ([t.clone() for t in lst] for lst in (params, *states))
+            kernel(op, name)(
+                p, grads, *rest, step=7, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
+                weight_decay=0.1,
+            )  # fmt: skip
+            return (*p, *(t for lst in rest for t in lst))
 
         return run
 
@@ -208,6 +214,7 @@ EXPLICIT_CASES = {
     "swiglu_fwd": explicit("swiglu_fwd", pointwise_args(2)),
     "swiglu_bwd": explicit("swiglu_bwd", pointwise_args(3)),
     "adamw_multi": adamw_multi,
+    "adamw_compensated_multi": lambda name: adamw_multi(name, "adamw_compensated_multi"),
 }
 
 CASES = {

@@ -31,6 +31,7 @@ DETERMINISTIC = {
     "swiglu_fwd/torch": True,
     "swiglu_bwd/torch": True,
     "adamw_multi/torch": True,
+    "adamw_compensated_multi/torch": True,
 }
 #: The explicit forward/backward ops: each has a torch and a reference variant.
 EXPLICIT_OPS = (
@@ -44,6 +45,7 @@ EXPLICIT_OPS = (
     "swiglu_fwd",
     "swiglu_bwd",
     "adamw_multi",
+    "adamw_compensated_multi",
     "grouped_mm",
     "grouped_mm_wgrad",
 )
@@ -55,6 +57,7 @@ DETERMINISTIC |= CUDNN
 #: Registered only where triton is installed (CUDA only, preferred there).
 TRITON = (
     "adamw_multi/triton",
+    "adamw_compensated_multi/triton",
     "swiglu_fwd/triton",
     "swiglu_bwd/triton",
     "chunked_cross_entropy/triton",
@@ -133,6 +136,8 @@ def test_signatures_match_the_documented_ops(manager) -> None:
         "grouped_mm_wgrad": "(dy, x, offsets)",
         "adamw_multi": "(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, "
         "weight_decay)",
+        "adamw_compensated_multi": "(params, grads, exp_avgs, exp_avg_sqs, compensations, *, "
+        "step, lr, beta1, beta2, eps, weight_decay)",
     }
     for variant in manager.kernels():
         if variant.key in TRITON:  # loading imports triton; same functions, checked below

@@ -29,10 +29,11 @@ the same bits):
 
 The explicit forward/backward ops (``attention_fwd``/``attention_bwd``,
 ``layer_norm_fwd``/``_bwd``, ``rms_norm_fwd``/``_bwd``, ``gelu_bwd``, ``swiglu_fwd``/``_bwd``,
-``adamw_multi``) each have a ``torch`` variant (priority 0: aten's fused kernels called
+``adamw_multi``, ``adamw_compensated_multi``) each have a ``torch`` variant (priority 0: aten's fused kernels called
 directly, no autograd) and a ``reference`` variant (priority -10: the formulas, the truth
 the tests compare against); where triton is installed, ``triton`` variants (priority 10,
-CUDA only) replace the torch ones for SwiGLU and for mixed-dtype AdamW.
+CUDA only) replace the torch ones for SwiGLU, for mixed-dtype AdamW and for the
+compensated AdamW.
 
 - ``attention_bwd/torch`` is False for the reason ``attention/torch`` is: it calls the
   flash or memory-efficient backward directly, which accumulate dq with atomics.
@@ -181,6 +182,10 @@ _EXPLICIT = (
      "aten.silu_backward(dy * up, gate) and dy * silu(gate)"),
     ("adamw_multi", "adamw_multi", "adamw_multi", "adamw_multi_reference", True,
      "torch._fused_adamw_ per group of one dtype; mixed dtypes over float32 working copies"),
+    ("adamw_compensated_multi", "adamw_multi", "adamw_compensated_multi",
+     "adamw_compensated_multi_reference", True,
+     "float32 masters param + compensation, adamw_multi over them, rounded back into param "
+     "and compensation"),
 )  # fmt: skip
 
 
@@ -215,6 +220,9 @@ _TRITON = (
     ("adamw_multi", "adamw_multi_triton",
      "one Triton pass per mixed-dtype tensor (bf16 params and grads, float32 states): reads "
      "p, g, m, v once, writes p, m, v once; other tensors as adamw_multi/torch"),
+    ("adamw_compensated_multi", "adamw_compensated_multi_triton",
+     "one Triton pass per tensor: reads p, g, m, v, c once, writes p, m, v, c once (18 bytes "
+     "per bf16 parameter of --precision bf16); other tensors as adamw_compensated_multi/torch"),
     ("swiglu_fwd", "swiglu_fwd_triton", "silu(gate) * up in one Triton pass, float32 math"),
     ("swiglu_bwd", "swiglu_bwd_triton", "(dgate, dup) in one Triton pass, float32 math"),
     ("chunked_cross_entropy", "triton_ce.chunked_cross_entropy_triton",

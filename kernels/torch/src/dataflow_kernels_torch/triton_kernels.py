@@ -10,6 +10,14 @@ imports triton, so only a variant's ``load()`` imports it.
   bfloat16 parameter, where the torch variant first makes float32 copies. Tensors of one
   dtype throughout, float64 ones and non-contiguous ones go to the torch variant (its
   ``torch._fused_adamw_`` groups).
+- ``adamw_compensated_multi_triton``: ``adamw_compensated_multi`` in one pass per tensor
+  of 16-bit params: reads p, g, m, v and the compensation c once, updates ``p + c`` in
+  float32 and writes p (rounded to nearest even), m, v and c (what the rounding lost)
+  once: 18 bytes per parameter of ``--precision bf16`` where the torch variant's float32
+  copies move about 96. Float32 params (nothing to compensate in a policy), float64 and
+  non-contiguous tensors go to the torch variant. Untested on a GPU so far (its tests are
+  marked gpu); the CPU interpreter rounds 16-bit stores by truncation, so its results
+  there differ from CUDA's by a unit.
 - ``swiglu_fwd_triton`` / ``swiglu_bwd_triton``: ``silu(gate) * up`` and its two
   gradients, one pass each (the torch variant's backward takes four kernels), float32
   math, contiguous inputs; anything else goes to the torch variant.
@@ -25,20 +33,49 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from dataflow_kernels_torch import elementwise
-from dataflow_kernels_torch.adamw_multi import Scalar, adamw_multi, check_lists
+from dataflow_kernels_torch.adamw_multi import (
+    Scalar,
+    adamw_compensated_multi,
+    adamw_multi,
+    check_compensations,
+    check_lists,
+)
 
 _BLOCK = 1024
 _NUM_WARPS = 4
 _PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: TRITON_INTERPRET=1 runs the kernels on CPU tensors (how the CPU tests exercise them).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _adam_update(p, g, m, v, beta1, beta2, eps, decay, step_size, bias_correction2_sqrt):
+    # the adamw formula in float32 on loaded values: (param, exp_avg, exp_avg_sq) after
+    p = p * decay
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    p = p - step_size * tl.div_rn(m, denom)
+    return p, m, v
+
+
+@triton.jit
+def _device_hyper(lr_ptr, step_ptr, beta1, beta2, weight_decay):
+    # lr and the step count read on the device (a replayed CUDA graph's current values);
+    # (decay, step_size, sqrt of bias correction 2) worked out here, in float32, by every
+    # program alike.
+    lr = tl.load(lr_ptr).to(tl.float32)
+    step = tl.load(step_ptr).to(tl.float32)
+    bias_correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))
+    bias_correction2 = 1.0 - tl.exp2(step * tl.log2(beta2))
+    return 1.0 - lr * weight_decay, lr / bias_correction1, tl.sqrt_rn(bias_correction2)
 
 
 @triton.jit
@@ -52,12 +89,29 @@ def _adamw_math(
     g = tl.load(g_ptr + offsets, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + offsets, mask=mask).to(tl.float32)
     v = tl.load(v_ptr + offsets, mask=mask).to(tl.float32)
-    p = p * decay
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
-    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-    p = p - step_size * tl.div_rn(m, denom)
+    p, m, v = _adam_update(p, g, m, v, beta1, beta2, eps, decay, step_size, bias_correction2_sqrt)
     tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=mask)
+    tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _adamw_compensated_math(
+    p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, n, beta1, beta2, eps, decay, step_size,
+    bias_correction2_sqrt, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # the update of p + c in float32, rounded to nearest even into p, the loss into c
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    p = tl.load(p_ptr + offsets, mask=mask).to(tl.float32)
+    p = p + tl.load(c_ptr + offsets, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr + offsets, mask=mask).to(tl.float32)
+    m = tl.load(m_ptr + offsets, mask=mask).to(tl.float32)
+    v = tl.load(v_ptr + offsets, mask=mask).to(tl.float32)
+    p, m, v = _adam_update(p, g, m, v, beta1, beta2, eps, decay, step_size, bias_correction2_sqrt)
+    rounded = p.to(p_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # 16-bit params
+    tl.store(p_ptr + offsets, rounded, mask=mask)
+    tl.store(c_ptr + offsets, (p - rounded.to(tl.float32)).to(c_ptr.dtype.element_ty), mask=mask)
     tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=mask)
 
@@ -78,15 +132,32 @@ def _adamw_kernel_device_scalars(
     p_ptr, g_ptr, m_ptr, v_ptr, n, beta1, beta2, eps, weight_decay, lr_ptr, step_ptr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # lr and the step count read on the device (a replayed CUDA graph's current values);
-    # the bias corrections worked out here, in float32, by every program alike.
-    lr = tl.load(lr_ptr).to(tl.float32)
-    step = tl.load(step_ptr).to(tl.float32)
-    bias_correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))
-    bias_correction2 = 1.0 - tl.exp2(step * tl.log2(beta2))
+    decay, step_size, bc2_sqrt = _device_hyper(lr_ptr, step_ptr, beta1, beta2, weight_decay)
     _adamw_math(
-        p_ptr, g_ptr, m_ptr, v_ptr, n, beta1, beta2, eps, 1.0 - lr * weight_decay,
-        lr / bias_correction1, tl.sqrt_rn(bias_correction2), BLOCK,
+        p_ptr, g_ptr, m_ptr, v_ptr, n, beta1, beta2, eps, decay, step_size, bc2_sqrt, BLOCK
+    )  # fmt: skip
+
+
+@triton.jit
+def _adamw_compensated_kernel(
+    p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, n, beta1, beta2, eps, decay, step_size,
+    bias_correction2_sqrt, BLOCK: tl.constexpr,
+):  # fmt: skip
+    _adamw_compensated_math(
+        p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, n, beta1, beta2, eps, decay, step_size,
+        bias_correction2_sqrt, BLOCK,
+    )  # fmt: skip
+
+
+@triton.jit
+def _adamw_compensated_kernel_device_scalars(
+    p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, n, beta1, beta2, eps, weight_decay, lr_ptr, step_ptr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    decay, step_size, bc2_sqrt = _device_hyper(lr_ptr, step_ptr, beta1, beta2, weight_decay)
+    _adamw_compensated_math(
+        p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, n, beta1, beta2, eps, decay, step_size, bc2_sqrt,
+        BLOCK,
     )  # fmt: skip
 
 
@@ -129,41 +200,83 @@ def adamw_multi_triton(
 ) -> None:
     """One AdamW step: the Triton kernel for mixed-dtype tensors, fused groups for the rest."""
     check_lists(params, grads, exp_avgs, exp_avg_sqs, step)
+    _per_tensor(
+        (params, grads, exp_avgs, exp_avg_sqs), _adamw_kernel_applies,
+        (_adamw_kernel, _adamw_kernel_device_scalars), adamw_multi, step=step, lr=lr,
+        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+    )  # fmt: skip
+
+
+def adamw_compensated_multi_triton(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    compensations: Sequence[torch.Tensor],
+    *,
+    step: Scalar,
+    lr: Scalar,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """``adamw_compensated_multi`` (``adamw_multi.py``): one Triton pass per tensor, any
+    storage dtypes of ``_PARAM_DTYPES``; the rest (non-contiguous, float64) as the torch
+    variant."""
+    check_compensations(params, compensations)
+    check_lists(params, grads, exp_avgs, exp_avg_sqs, step)
+    _per_tensor(
+        (params, grads, exp_avgs, exp_avg_sqs, compensations), _compensated_kernel_applies,
+        (_adamw_compensated_kernel, _adamw_compensated_kernel_device_scalars),
+        adamw_compensated_multi, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay,
+    )  # fmt: skip
+
+
+def _per_tensor(
+    lists: tuple[Sequence[torch.Tensor], ...],
+    applies: Callable[..., bool],
+    kernels: tuple,
+    fallback: Callable[..., None],
+    *,
+    step: Scalar,
+    lr: Scalar,
+    **hyper: float,
+) -> None:
+    """One launch of a kernel of ``kernels`` (``_hyper``) per tensor (one from each of the
+    parallel ``lists``) that ``applies`` takes; the rest through ``fallback``, the torch
+    variant, with the same arguments."""
+    kernel, scalars = _hyper(kernels, lists[0], step, lr, **hyper)
     rest = []
-    on_device = isinstance(step, torch.Tensor) or isinstance(lr, torch.Tensor)
-    if on_device:
+    for i, tensors in enumerate(zip(*lists, strict=True)):
+        if not applies(*tensors):
+            rest.append(i)
+            continue
+        n = tensors[0].numel()
+        kernel[(triton.cdiv(n, _BLOCK),)](*tensors, n, *scalars, BLOCK=_BLOCK, num_warps=_NUM_WARPS)
+    if rest:
+        fallback(*([lst[i] for i in rest] for lst in lists), step=step, lr=lr, **hyper)
+
+
+def _hyper(
+    kernels: tuple, params: Sequence[torch.Tensor], step: Scalar, lr: Scalar, *, beta1: float,
+    beta2: float, eps: float, weight_decay: float,
+) -> tuple:  # fmt: skip
+    """``(kernel, its scalar arguments after n)``: of ``kernels`` (host scalars, device
+    scalars) the first with the bias corrections worked out here, or the second, which
+    reads ``lr`` and ``step`` on the device, when either is a device tensor."""
+    if isinstance(step, torch.Tensor) or isinstance(lr, torch.Tensor):
         device = params[0].device
         lr_t, step_t = (
             v if isinstance(v, torch.Tensor) else torch.full((), float(v), device=device)
             for v in (lr, step)
         )
-    else:
-        scalars = (
-            beta1,
-            beta2,
-            eps,
-            1.0 - lr * weight_decay,
-            lr / (1.0 - beta1**step),
-            math.sqrt(1.0 - beta2**step),
-        )
-    for i, tensors in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
-        if not _adamw_kernel_applies(*tensors):
-            rest.append(i)
-            continue
-        n = tensors[0].numel()
-        grid = (triton.cdiv(n, _BLOCK),)
-        if on_device:
-            _adamw_kernel_device_scalars[grid](
-                *tensors, n, beta1, beta2, eps, weight_decay, lr_t, step_t,
-                BLOCK=_BLOCK, num_warps=_NUM_WARPS,
-            )  # fmt: skip
-        else:
-            _adamw_kernel[grid](*tensors, n, *scalars, BLOCK=_BLOCK, num_warps=_NUM_WARPS)
-    if rest:
-        adamw_multi(
-            *([lst[i] for i in rest] for lst in (params, grads, exp_avgs, exp_avg_sqs)),
-            step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-        )  # fmt: skip
+        return kernels[1], (beta1, beta2, eps, weight_decay, lr_t, step_t)
+    return kernels[0], (
+        beta1, beta2, eps, 1.0 - lr * weight_decay, lr / (1.0 - beta1**step),
+        math.sqrt(1.0 - beta2**step),
+    )  # fmt: skip
 
 
 def swiglu_fwd_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -203,6 +316,15 @@ def _adamw_kernel_applies(
         and m.dtype in _PARAM_DTYPES
         and v.dtype in _PARAM_DTYPES
         and p.numel() > 0
+        and all(_on_kernel_device(t) and t.is_contiguous() for t in tensors)
+    )
+
+
+def _compensated_kernel_applies(*tensors: torch.Tensor) -> bool:
+    return (
+        tensors[0].numel() > 0
+        and tensors[0].dtype in (torch.bfloat16, torch.float16)  # rounded to nearest even
+        and all(t.dtype in _PARAM_DTYPES for t in tensors)
         and all(_on_kernel_device(t) and t.is_contiguous() for t in tensors)
     )
 

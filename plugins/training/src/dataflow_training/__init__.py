@@ -24,6 +24,7 @@ _HOMES = {
         "optimizer_states",
     ),
     "dataflow_training.step.optimizers": ("OPTIMIZERS", "OptimizerSpec", "optimizer_spec"),
+    "dataflow_training.step.precision": ("precision", "Precision"),
     "dataflow_training.step.family": ("load_family",),
     "dataflow_training.step.lowering": ("lower", "Lowered"),
     "dataflow_training.step.layout": ("StepLayout",),

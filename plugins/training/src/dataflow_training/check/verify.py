@@ -443,8 +443,12 @@ def verify(
     yardstick: bool = True,
     levels: Sequence[str] = LEVELS,
     resolver: str = "torch",
+    precision: str | None = None,
 ) -> list[Check]:
     """Every check of the ladder for one family preset; see the module docstring.
+    ``precision`` (``step.precision``; its weights' dtype must be ``policy``'s) runs the
+    step level with that policy's optimizer and state: the compensated update of ``bf16``
+    and ``mixed`` against the same float64 reference.
     ``progress(level, None)`` is called as each level starts, ``progress(level, checks)``
     as it ends (``dataflow_training.drive.progress``). ``yardstick``: in bf16, hold each step
     gradient also to plain bf16 autograd's error on it (``step_checks``). ``levels``: which
@@ -483,6 +487,7 @@ def verify(
             note=getattr(progress, "note", None),
             yardstick=yardstick,
             resolver=resolver,
+            precision=precision,
         ),
     }
     checks: list[Check] = []

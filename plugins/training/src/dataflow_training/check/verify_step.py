@@ -24,6 +24,7 @@ from dataflow_training.drive.run import TrainingRun
 from dataflow_training.drive.trainer import plan_line
 from dataflow_training.step.config import DtypePolicy, OptimizerPolicy, TrainConfig
 from dataflow_training.step.family import FamilyContractError, embed_layer
+from dataflow_training.step.precision import precision as precision_policy
 
 
 def check_state_keys(family: Any, config: Any, state: Any) -> None:
@@ -45,14 +46,21 @@ def step_config(
     rounds: int,
     clip: float | None = None,
     order: str = "round",
+    precision: str | None = None,
 ) -> TrainConfig:
-    """The training step the step level lowers (``dataflow verify`` checks its budget)."""
+    """The training step the step level lowers (``dataflow verify`` checks its budget):
+    ``policy``'s dtypes (fp32 or bf16) with a plain AdamW of float32 moments, or with
+    ``precision`` that policy's dtypes and optimizer (``step.precision``)."""
+    dtype, optimizer = DtypePolicy.named(policy), OptimizerPolicy(lr=1e-3)
+    if precision is not None:
+        chosen = precision_policy(precision)
+        dtype, optimizer = chosen.dtype, chosen.optimizer_policy(lr=1e-3)
     return TrainConfig(
         seq_len=seq_len,
         batch=batch,
         rounds=rounds,
-        dtype=DtypePolicy.named(policy),
-        optimizer=OptimizerPolicy(lr=1e-3),
+        dtype=dtype,
+        optimizer=optimizer,
         chunk_tokens=max(1, batch * seq_len // 3),
         clip=clip,
         order=order,
@@ -107,6 +115,7 @@ def step_checks(
     note: Callable[[str], None] | None = None,
     planner: Any = None,
     yardstick: bool = True,
+    precision: str | None = None,
 ) -> list[Check]:
     """The lowered step run by ``TrainingRun`` against the reference; with ``clip`` both
     clip the global gradient norm (the reference through ``clip_grad_norm_``), and each
@@ -124,7 +133,8 @@ def step_checks(
     more forward and backward of the whole model a step, on the device."""
 
     config = family.config(preset, **(overrides or {}))
-    train = step_config(policy, batch=batch, seq_len=seq_len, rounds=rounds, clip=clip, order=order)
+    shape = {"batch": batch, "seq_len": seq_len, "rounds": rounds}
+    train = step_config(policy, **shape, clip=clip, order=order, precision=precision)
     param_dtype = getattr(torch, train.dtype.param)
     state = start_weights(family, config, seed, param_dtype)
     check_state_keys(family, config, state)

@@ -17,17 +17,19 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 from rich.table import Table
 
 from dataflow import format_size, parse_size, resolvers
 from dataflow.cli import COUNT, Device, OutputFile, one_line
 from dataflow_training.cli.train_defaults import default_device, default_family
-from dataflow_training.cli.verify_cli import _family, optimizer_states_option
+from dataflow_training.cli.verify_cli import _family, optimizer_states_option, precision_option
 from dataflow_training.drive.measure import measure
 from dataflow_training.plan.hardware import HardwareError, hardware
 from dataflow_training.plan.predict import default_jobs, grid, predict, predict_fleet
 from dataflow_training.step.config import ORDER_FORMS, parse_order
+from dataflow_training.step.precision import precision
 
 
 class IntList(click.ParamType):
@@ -120,7 +122,8 @@ def _grid_options(command: Any) -> Any:
         click.option(
             "--dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp32"])
         ),
-        optimizer_states_option(),
+        optimizer_states_option("fp32"),
+        precision_option(None, "Default: the plain update of --dtype and --optimizer-states."),
         click.option(
             "--order",
             "orders",
@@ -202,6 +205,7 @@ def predict_command(
     orders,
     dtype,
     optimizer_states,
+    precision,
     recompute,
     json_out,
     measured,
@@ -215,6 +219,7 @@ def predict_command(
 
     family, entry, backing = _setup(preset, family_name, hw, hw_files, backing)
     options: dict[str, Any] = {"recompute": recompute, "dtype": dtype, "states": optimizer_states}
+    options["precision"] = _checked_precision(precision)
     if ranks is not None:
         _check_scope(entry, scope)
     if measured:
@@ -227,6 +232,24 @@ def predict_command(
         rows = predict_fleet(family, cells, entry, ranks, scope=scope, **options)
         _print_fleet(rows, entry.name, preset, scope)
     _write(json_out, rows, "predict")
+
+
+def _checked_precision(name: str | None) -> str | None:
+    """``--precision`` where given, refused in one line when a ``--dtype`` or
+    ``--optimizer-states`` given beside it differs from its own."""
+    if name is None:
+        return None
+    ctx = click.get_current_context()
+    pins = {
+        key: ctx.params[param]
+        for key, param in (("dtype", "dtype"), ("states", "optimizer_states"))
+        if ctx.get_parameter_source(param) is not ParameterSource.DEFAULT
+    }
+    try:
+        precision(name, **pins)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--precision") from None
+    return name
 
 
 def _check_scope(entry: Any, scope: str) -> None:
@@ -318,6 +341,7 @@ def measure_command(
     orders,
     dtype,
     optimizer_states,
+    precision,
     recompute,
     json_out,
     steps,
@@ -366,6 +390,7 @@ def measure_command(
         recompute=recompute,
         dtype=dtype,
         states=optimizer_states,
+        precision=_checked_precision(precision),
         seed=seed,
         resolver=resolver,
         progress=progress,

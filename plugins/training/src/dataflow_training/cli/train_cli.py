@@ -36,6 +36,7 @@ from dataflow_training.cli.verify_cli import (
     budget_option,
     optimizer_states_option,
     order_option,
+    precision_option,
 )
 from dataflow_training.drive.conductor import ENV_BACKEND, Topology, conduct
 from dataflow_training.drive.fleet import ENV_WORLD, FleetError, in_fleet, join, per_rank
@@ -164,7 +165,14 @@ def fleet_options(command: Any) -> Any:
     help="max global grad norm (0: off)",
 )
 @click.option("--seed", default=0, show_default=True)
-@click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"]))
+@precision_option("auto", "auto: bf16 on CUDA, fp32 elsewhere")
+@click.option(
+    "--dtype",
+    default=None,
+    type=click.Choice(["fp32", "bf16"]),
+    help="expert pin: the weights', grads' and activations' dtype, a plain update "
+    "(--precision names the whole policy)",
+)
 @optimizer_states_option()
 @click.option(
     "--graph/--no-graph",
@@ -335,6 +343,7 @@ def train_command(
             raise Failure(one_line(str(exc))) from None
     _check_seq_len(config, preset, rest["seq_len"])
     device = device or default_device()
+    _check_precision(rest, device)
     if budget_bytes is None:
         budget_bytes = default_budget(device)
     rest["data"] = data_spec(rest["data"])
@@ -392,6 +401,20 @@ def train_command(
             f"done: the run is at its last step ({options.steps}); nothing trained (a larger "
             "--steps goes on)"
         )
+
+
+def _check_precision(rest: dict[str, Any], device: str) -> None:
+    """``--precision`` with the pins ``--dtype``/``--optimizer-states``: one policy, or
+    one line naming the conflict."""
+    # torch loads when the command runs, not when `dataflow` lists its commands
+    from dataflow_training.step.precision import precision
+
+    try:
+        precision(
+            rest["precision"], device=device, dtype=rest["dtype"], states=rest["optimizer_states"]
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--precision") from None
 
 
 #: options the conductor does not hand on to the members it starts

@@ -56,11 +56,16 @@ RESUMED = {
         for name in (
             "steps data batch rounds seq_len checkpoint_every checkpoint_minutes keep lr "
             "warmup schedule "
-            "min_lr_ratio seed dtype optimizer_states graph recompute order updates resolver "
+            "min_lr_ratio seed precision dtype optimizer_states graph recompute order updates resolver "
             "head_vocab_tiles vocab_size"
         ).split()
     },
 }
+
+
+#: expert pins of the precision policy (``step.precision``): a run that recorded them
+#: (every run before ``--precision``) resumes with them, unless ``--precision`` is given
+PINS = ("dtype", "optimizer_states")
 
 
 def take_resumed(rest: dict[str, Any], given: dict[str, Any]) -> None:
@@ -85,6 +90,8 @@ def take_resumed(rest: dict[str, Any], given: dict[str, Any]) -> None:
     for name, field in RESUMED.items():
         if field not in options or ctx.get_parameter_source(name) is not ParameterSource.DEFAULT:
             continue
+        if field in PINS and ctx.get_parameter_source("precision") is not ParameterSource.DEFAULT:
+            continue  # a --precision given names the whole policy: the run's pins give way
         value = options[field]
         if name == "device" and str(value).startswith("cuda") and not cuda_here():
             continue  # resumed on a machine without one: the default device instead

@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 import click
+from click.core import ParameterSource
 from rich.console import Console
 from rich.table import Table
 
@@ -26,6 +27,8 @@ from dataflow_training.drive.progress import LevelPrinter
 from dataflow_training.plan.compiled_step import available_host_bytes
 from dataflow_training.step.config import STATE_DTYPES, parse_order
 from dataflow_training.step.lowering import lower
+from dataflow_training.step.precision import CHOICES as PRECISIONS
+from dataflow_training.step.precision import precision as precision_of
 
 #: Config fields under which a family may declare the longest sequence its model takes.
 MAX_SEQ_LEN_FIELDS = ("max_seq_len", "n_positions", "max_position_embeddings")
@@ -65,18 +68,34 @@ def order_option() -> Any:
     )
 
 
-def optimizer_states_option() -> Any:
+def optimizer_states_option(default: str | None = None) -> Any:
     """``--optimizer-states fp32|bf16``: the dtype of the optimizer's state
-    (``config.optimizer_states``)."""
+    (``config.optimizer_states``); with ``--precision`` an expert pin."""
     return click.option(
         "--optimizer-states",
         "optimizer_states",
         type=click.Choice(list(STATE_DTYPES)),
-        default="fp32",
-        show_default=True,
-        help="dtype of AdamW's two moments: bf16 halves their memory and their traffic over "
-        "the host link (the throughput rows of docs/throughput.md use it, as stock PyTorch "
-        "with bf16 parameters does); fp32 keeps them exact",
+        default=default,
+        show_default=default is not None,
+        help="expert pin: the dtype of AdamW's two moments, a plain update (bf16 halves "
+        "their memory and their traffic over the host link; fp32 keeps them exact); "
+        "--precision names the whole policy",
+    )
+
+
+def precision_option(default: str | None, help_text: str) -> Any:
+    """``--precision auto|bf16|bf16-plain|mixed|fp32``: the whole dtype policy
+    (``step.precision``)."""
+    choices = PRECISIONS if default == "auto" else PRECISIONS[1:]
+    return click.option(
+        "--precision",
+        type=click.Choice(choices),
+        default=default,
+        show_default=default is not None,
+        help="bf16: bf16 weights, grads, activations and AdamW moments, the update's "
+        "rounding compensated (10 B/param); bf16-plain: the same uncompensated (8); mixed: "
+        "bf16 compute with fp32 master weights and moments (16); fp32: everything float32 "
+        f"(16). {help_text}",
     )
 
 
@@ -86,6 +105,11 @@ def optimizer_states_option() -> Any:
 @click.option("--device", default="cpu", show_default=True, type=Device(), help="cpu or cuda")
 @click.option(
     "--dtype", "policy", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"])
+)
+@precision_option(
+    None,
+    "The step level runs the policy's update and state (its dtype is --dtype's). Default: "
+    "--dtype with a plain update and fp32 moments.",
 )
 @click.option(
     "--steps",
@@ -160,6 +184,7 @@ def verify_command(
     json_path,
     levels,
     resolver,
+    precision,
 ) -> None:
     """Compare ops, tasks and whole training steps against the family's reference."""
 
@@ -169,6 +194,7 @@ def verify_command(
     family = _family(family_name)
     config = _preset_config(family, family_name, preset)
     _check_seq_len(config, preset, seq_len)
+    policy = _policy_of(precision, policy)
     if json_path is not None:
         _check_writable(json_path)
     if device == "cpu" and "step" in levels:
@@ -183,6 +209,7 @@ def verify_command(
             seq_len=seq_len,
             rounds=rounds,
             order=order,
+            precision=precision,
         )
     checks = verify(
         family_name,
@@ -200,6 +227,7 @@ def verify_command(
         yardstick=yardstick,
         levels=levels,
         resolver=resolver,
+        precision=precision,
     )
     if json_path is not None:
         _write_checks(json_path, checks)
@@ -229,6 +257,20 @@ def verify_command(
         names = ", ".join(f"{check.level} {check.name}" for check in failed[:3])
         more = f" and {len(failed) - 3} more" if len(failed) > 3 else ""
         raise Failure(f"{len(failed)} of {len(checks)} checks failed: {names}{more}")
+
+
+def _policy_of(precision: str | None, dtype: str) -> str:
+    """The dtype policy (tolerances, weights) of ``--precision``'s weights where it is
+    given, ``--dtype`` otherwise; a ``--dtype`` given beside it must agree."""
+    if precision is None:
+        return dtype
+    ctx = click.get_current_context()
+    given = ctx.get_parameter_source("policy") is not ParameterSource.DEFAULT
+    try:
+        chosen = precision_of(precision, dtype=dtype if given else None)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--precision") from None
+    return "fp32" if chosen.dtype.param == "float32" else "bf16"
 
 
 def _levels(text: str) -> tuple[str, ...]:
@@ -372,7 +414,7 @@ def _check_budget(family: Any, preset: str, policy: str, budget_bytes: int, **sh
     # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.check.verify import follows_routing, step_config
 
-    train = step_config(policy, **shape)
+    train = step_config(policy, **shape)  # precision, if any, in shape
     keep = follows_routing(family)  # as step_checks lowers it
     program = lower(family, preset, train, keep_grads=True, keep_aux_temp=keep).program
     smallest = minimal_budget(program)

@@ -28,6 +28,7 @@ from dataflow_training.plan.predict import (
     train_config,
     vocab_size,
 )
+from dataflow_training.step.precision import pinned
 
 
 def measure_cell(
@@ -41,6 +42,7 @@ def measure_cell(
     recompute: bool = True,
     dtype: str = "bf16",
     states: str = "fp32",
+    precision: str | None = None,
     resolver: str = "torch",
     seed: int = 0,
     on_event: Callable[[Cell, str], None] | None = None,
@@ -58,13 +60,14 @@ def measure_cell(
     costs = "measured" if device.startswith("cuda") else "roofline"
     extra: dict[str, Any] = {"hw": hw.name, "costs": costs, "device": device, "resolver": resolver}
     extra["optimizer_states"] = states
+    extra["precision"] = precision or pinned(dtype, states).name
     reason = cell.why_not()
     if reason is not None:
         return infeasible_row(cell, extra, reason)
     overrides = cell_overrides(family, cell)
     extra["overrides"] = overrides
     vocab = cell.vocab_size or vocab_size(family, cell.preset)
-    train = train_config(cell, dtype, vocab=vocab, states=states)
+    train = train_config(cell, dtype, vocab=vocab, states=states, precision=precision)
     run = None
     try:
         compiled = compile_step(

@@ -63,13 +63,9 @@ from dataflow_training.drive.tokenizer import is_byte_level, keep_tokenizer
 from dataflow_training.drive.vocabulary import VocabError, choose_vocab
 from dataflow_training.plan.compiled_step import compile_step
 from dataflow_training.plan.hardware import hardware
-from dataflow_training.step.config import (
-    DtypePolicy,
-    TrainConfig,
-    head_chunk_tokens,
-    optimizer_states,
-)
+from dataflow_training.step.config import TrainConfig, head_chunk_tokens
 from dataflow_training.step.family import load_family
+from dataflow_training.step.precision import NAMES, Precision, precision
 
 if TYPE_CHECKING:
     from dataflow_training.drive.fleet import Fleet
@@ -129,9 +125,13 @@ class TrainOptions:
     reset_schedule: bool = False
     clip: float | None = 1.0
     seed: int = 0
-    dtype: str = "fp32"
-    #: the optimizer states' dtype (``config.STATE_DTYPES``: fp32 or bf16)
-    optimizer_states: str = "fp32"
+    #: the precision policy (``step.precision``: auto, bf16, bf16-plain, mixed, fp32);
+    #: ``train`` records the one ``auto`` chose, so a resume on another device keeps it
+    precision: str = "auto"
+    #: expert pins of the weights' and the AdamW moments' dtypes (fp32 or bf16; None: the
+    #: policy's); alone they name a plain update (``precision.pinned``)
+    dtype: str | None = None
+    optimizer_states: str | None = None
     overrides: dict[str, Any] = attrs.field(factory=dict)
     profile: ProfileWindow | None = None
     graph: bool = True
@@ -149,6 +149,13 @@ class TrainOptions:
     #: the preset's (``vocabulary.choose_vocab``), which the run's overrides then carry
     vocab_size: int | None = None
 
+    @property
+    def policy(self) -> Precision:
+        """The precision policy of ``precision`` and the pins on ``device``."""
+        return precision(
+            self.precision, device=self.device, dtype=self.dtype, states=self.optimizer_states
+        )
+
     def train_config(self, family: Any) -> TrainConfig:
         """The step of ``family`` (the family object ``self.family`` names); the head's
         token chunk follows the budget as ``predict``'s does (``head_chunk_tokens``), 1024
@@ -158,12 +165,13 @@ class TrainOptions:
             vocab = getattr(family.config(self.preset, **self.overrides), "vocab_size", None)
             if vocab:
                 chunk = head_chunk_tokens(self.budget_bytes, vocab)
+        policy = self.policy
         return TrainConfig(
             seq_len=self.seq_len,
             batch=self.batch,
             rounds=self.rounds,
-            dtype=DtypePolicy.named(self.dtype),
-            optimizer=optimizer_states(self.optimizer_states, lr=self.lr),
+            dtype=policy.dtype,
+            optimizer=policy.optimizer_policy(lr=self.lr),
             chunk_tokens=chunk,
             clip=self.clip,
             grad_norm=True,
@@ -381,8 +389,11 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
     what the run is (data, init, the checkpoint it resumes, the plan)."""
 
     resumed, manifest = None, None
+    if o.policy.name in NAMES:  # the policy auto chose, recorded: a resume keeps it
+        o = attrs.evolve(o, precision=o.policy.name)
     if o.resume is not None:
         resumed = intact_checkpoint(o.out, say) if o.resume == "auto" else Path(o.resume)
+    if resumed is not None:  # --resume auto in a folder of no checkpoint: a fresh start
         manifest = read_manifest(resumed)  # read once: the schedule and the vocabulary
     schedule, schedule_line = LrSchedule.of(o), None
     if resumed is not None:  # before the compile: a refused change is said at once
@@ -458,7 +469,7 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
         say(f"resumed from {resumed} (step {start})")
     if schedule_line is not None:
         say(schedule_line)
-    say(plan_line(compiled))
+    say(f"{plan_line(compiled)}; {o.policy.describe()}")
     if compiled.pool_note is not None:
         say(compiled.pool_note)
     return Started(o, feed, compiled, run, start, history, schedule, record)
@@ -642,7 +653,7 @@ def _init_hint(checkpoint: Path, o: TrainOptions) -> str:
 def _init_weights(o: TrainOptions, init: Any, family: Any) -> Any:
     """The ``init`` folder's weights, in the run's parameter dtype."""
 
-    dtype = getattr(torch, DtypePolicy.named(o.dtype).param)
+    dtype = getattr(torch, o.policy.dtype.param)
     return hf_weights(family, init, dtype)
 
 

@@ -40,13 +40,10 @@ from dataflow_training.plan.recompute import (
     measured_rewriter,
     step_planner,
 )
-from dataflow_training.step.config import (
-    DtypePolicy,
-    TrainConfig,
-    head_chunk_tokens,
-    optimizer_states,
-)
+from dataflow_training.step.config import TrainConfig, head_chunk_tokens
 from dataflow_training.step.lowering import Lowered, lower
+from dataflow_training.step.precision import pinned
+from dataflow_training.step.precision import precision as precision_policy
 
 #: Config fields under which a family may declare the longest sequence its model takes.
 MAX_SEQ_LEN_FIELDS = ("max_seq_len", "n_positions", "max_position_embeddings")
@@ -123,19 +120,22 @@ def train_config(
     chunk_tokens: int = 8192,
     vocab: int | None = None,
     states: str = "fp32",
+    precision: str | None = None,
 ) -> TrainConfig:
     """The training step of a cell: bf16 weights, gradients and activations with float32
-    optimizer states by default (``states``: ``config.STATE_DTYPES``), the head
-    ``chunk_tokens`` tokens at a time (with ``vocab``: at most the chunk
-    ``head_chunk_tokens`` gives the cell's budget)."""
+    optimizer states by default (``states``: ``config.STATE_DTYPES``; ``precision``, a
+    policy of ``step.precision``, replaces the pair), the head ``chunk_tokens`` tokens at
+    a time (with ``vocab``: at most the chunk ``head_chunk_tokens`` gives the cell's
+    budget)."""
     if vocab is not None:
         chunk_tokens = head_chunk_tokens(cell.budget_bytes, vocab, chunk_tokens)
+    policy = pinned(dtype, states) if precision is None else precision_policy(precision)
     return TrainConfig(
         seq_len=cell.seq_len,
         batch=cell.batch,
         rounds=cell.rounds,
-        dtype=DtypePolicy.named(dtype),
-        optimizer=optimizer_states(states),
+        dtype=policy.dtype,
+        optimizer=policy.optimizer_policy(),
         chunk_tokens=min(chunk_tokens, cell.t_round),
         order=cell.order,
     )
@@ -278,6 +278,7 @@ def plan_cell(
     recompute: bool = True,
     dtype: str = "bf16",
     states: str = "fp32",
+    precision: str | None = None,
     train: TrainConfig | None = None,
     measure: Callable[[Lowered], dict] | None = None,
     reserve_bytes: int = 0,
@@ -296,6 +297,7 @@ def plan_cell(
 
     extra: dict[str, Any] = {"hw": hw.name, "costs": "measured" if measure else "roofline"}
     extra["optimizer_states"] = states
+    extra["precision"] = precision or pinned(dtype, states).name
     if ranks is not None:
         extra |= {"ranks": ranks, "scope": scope}
     reason = cell.why_not()
@@ -305,7 +307,7 @@ def plan_cell(
     extra["overrides"] = overrides
     started = time.perf_counter()
     vocab = cell.vocab_size or vocab_size(family, cell.preset)
-    train = train or train_config(cell, dtype, vocab=vocab, states=states)
+    train = train or train_config(cell, dtype, vocab=vocab, states=states, precision=precision)
     lowered = lower(
         family,
         cell.preset,

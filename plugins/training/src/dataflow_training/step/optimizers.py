@@ -30,32 +30,49 @@ class OptimizerSpec:
     update: Callable[..., None]
 
 
-def _adamw(
-    ops: Mapping[str, Callable],
-    params: Sequence[Any],
-    grads: Sequence[Any],
-    states: Mapping[str, Sequence[Any]],
-    *,
-    step: int,
-    policy: Mapping[str, Any],
-    weight_decay: float,
-) -> None:
-    ops["adamw_multi"](
-        list(params),
-        list(grads),
-        list(states["exp_avg"]),
-        list(states["exp_avg_sq"]),
-        step=step,
-        lr=policy["lr"],
-        beta1=policy["beta1"],
-        beta2=policy["beta2"],
-        eps=policy["eps"],
-        weight_decay=weight_decay,
-    )
+def _list_update(op: str, fields: tuple[str, ...]) -> Callable[..., None]:
+    """An ``OptimizerSpec.update`` that calls the list op ``op`` once: ``(params, grads,
+    *state fields in the order of fields, step=..., lr, beta1, beta2, eps, weight_decay)``
+    from the policy."""
+
+    def update(
+        ops: Mapping[str, Callable],
+        params: Sequence[Any],
+        grads: Sequence[Any],
+        states: Mapping[str, Sequence[Any]],
+        *,
+        step: int,
+        policy: Mapping[str, Any],
+        weight_decay: float,
+    ) -> None:
+        ops[op](
+            list(params),
+            list(grads),
+            *(list(states[field]) for field in fields),
+            step=step,
+            lr=policy["lr"],
+            beta1=policy["beta1"],
+            beta2=policy["beta2"],
+            eps=policy["eps"],
+            weight_decay=weight_decay,
+        )
+
+    return update
 
 
+def _adam_spec(name: str, op: str, fields: tuple[str, ...]) -> OptimizerSpec:
+    return OptimizerSpec(name, fields, (op,), _list_update(op, fields))
+
+
+#: ``adamw_compensated`` updates ``weight + compensation`` and rounds the result back into
+#: the two (``adamw_compensated_multi``): with a bfloat16 compensation the update's
+#: rounding is compensated Kahan-style (``--precision bf16``), with a float32 one the pair
+#: is a float32 master weight bit for bit (``--precision mixed``; ``step.precision``).
 OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "adamw": OptimizerSpec("adamw", ("exp_avg", "exp_avg_sq"), ("adamw_multi",), _adamw),
+    "adamw": _adam_spec("adamw", "adamw_multi", ("exp_avg", "exp_avg_sq")),
+    "adamw_compensated": _adam_spec(
+        "adamw_compensated", "adamw_compensated_multi", ("exp_avg", "exp_avg_sq", "compensation")
+    ),
 }
 
 
