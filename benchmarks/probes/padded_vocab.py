@@ -1,7 +1,8 @@
 # ruff: noqa: B023  (each benchmark closure runs inside its own loop iteration)
-"""Probe, written 2026-12-05 for issue 44 item 5 (not run yet: that session had no device):
-what does storing the vocabulary padded (``vocab_multiple``: GPT-2's 50,257 as 50,304)
-give, op by op and step by step, stock and dataflow?
+"""Probe, 2026-12-05 (issue 44 item 5, written without a device, not run yet): what does a padded vocabulary give?
+
+Storing the vocabulary padded (``vocab_multiple``: GPT-2's 50,257 as 50,304), op by op and
+step by step, stock and dataflow.
 
 ``python -m benchmarks.probes.padded_vocab`` on the device (about 5 minutes on an H200)
 prints, for GPT-2 124M in bf16:
