@@ -11,7 +11,10 @@ entropy. Rows:
 
 - **stock**: PyTorch eager and ``torch.compile``, each with bf16 autocast over float32
   master weights (``autocast``) and all in bfloat16 (``bf16``: weights, gradients, AdamW
-  state), SDPA and ``AdamW(fused=True)`` (``benchmarks/harness/stock.py``), each at the fastest
+  state), SDPA and ``AdamW(fused=True)`` (``benchmarks/harness/stock.py``), with the
+  tricks a user applies (``StockTricks``: the vocabulary padded to a multiple of
+  ``--stock-vocab-multiple``, 64 as nanoGPT's, the logits sliced back; TF32 unless
+  ``--stock-no-tf32``; ``--stock-compile-mode``; ``--stock-ce``), each at the fastest
   batch of ``--batches`` that fits (largest first; an out-of-memory batch is skipped; the
   search stops once a smaller batch runs more than 3 % slower than the best, unless
   ``--full-search``); then the fastest of those four with every block under
@@ -69,7 +72,14 @@ from benchmarks.harness.measure import (
     peak_flops,
     time_limit,
 )
-from benchmarks.harness.stock import build_stock, is_gpt2
+from benchmarks.harness.stock import (
+    COMPILE_MODES,
+    FUSED_CE,
+    StockTricks,
+    build_stock,
+    is_gpt2,
+    stock_settings,
+)
 from dataflow.units import parse_size
 
 DTYPES = {
@@ -116,6 +126,7 @@ class Bench:
         self.mark = time.monotonic()  # when the last row was recorded
         self.doc = load_doc(args.out) if args.append else {"rows": [], "meta": {"models": {}}}
         self.details: dict[str, Any] = self.doc["meta"].setdefault("row_details", {})
+        self.tricks = stock_tricks(args)
         self.describe()
 
     # -- bookkeeping ---------------------------------------------------------------------
@@ -186,6 +197,7 @@ class Bench:
             ),
             "link": link_bandwidth(args.device),
             "dtypes": DTYPES,
+            "stock_tricks": self.tricks.described(),
         }
         meta.setdefault("models", {})[self.model] = run | {
             "family": args.family,
@@ -230,23 +242,27 @@ class Bench:
         except RowTimeout as exc:
             note = f"{exc} reached in the batch search (finished: {list(search.tried)})"
             self.free()
-        row = searched_row(self.model, name, dtype, search, args.seq_len, note, **self.row_kwargs())
-        self.record(*row)
+        row, details = searched_row(
+            self.model, name, dtype, search, args.seq_len, note, **self.row_kwargs()
+        )
+        self.record(row, details | {"stock_tricks": self.tricks.described()})
 
     def stock_trial(self, engine: str, dtype: str, checkpoint: bool, batch: int) -> dict:
         """One batch: build, warm up (compiles), measure, profile one more step."""
         args = self.args
-        step = build_stock(
-            self.config,
-            batch,
-            args.seq_len,
-            compile=engine == "compile",
-            dtype=dtype,
-            checkpoint=checkpoint,
-            device=args.device,
-            compile_backend=args.compile_backend,
-        )
-        return measure_trial(step, batch, args.seq_len, args.warmup, args.steps, args.device)
+        with stock_settings(self.tricks):
+            step = build_stock(
+                self.config,
+                batch,
+                args.seq_len,
+                compile=engine == "compile",
+                dtype=dtype,
+                checkpoint=checkpoint,
+                device=args.device,
+                compile_backend=args.compile_backend,
+                tricks=self.tricks,
+            )
+            return measure_trial(step, batch, args.seq_len, args.warmup, args.steps, args.device)
 
     # -- deepspeed -----------------------------------------------------------------------
     def deepspeed_rows(self) -> None:
@@ -317,6 +333,16 @@ class Bench:
                     dataflow_row(self, dtype, budget, order)
 
 
+def stock_tricks(args: argparse.Namespace) -> StockTricks:
+    """The stock rows' ``StockTricks`` from the ``--stock-*`` options."""
+    return StockTricks(
+        vocab_multiple=args.stock_vocab_multiple,
+        tf32=not args.stock_no_tf32,
+        compile_mode=args.stock_compile_mode,
+        fused_ce=args.stock_ce,
+    )
+
+
 def _ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
@@ -361,6 +387,29 @@ def parser() -> argparse.ArgumentParser:
         "--stock-dtypes", type=_words(("autocast", "bf16")), default=["autocast", "bf16"]
     )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
+    p.add_argument(
+        "--stock-vocab-multiple",
+        type=int,
+        default=64,
+        help="stock rows: the vocabulary's rows padded to a multiple of this (nanoGPT's 64; "
+        "1: as it is)",
+    )
+    p.add_argument(
+        "--stock-no-tf32", action="store_true", help="stock rows: leave TF32 matmuls off"
+    )
+    p.add_argument(
+        "--stock-compile-mode",
+        default=None,
+        choices=COMPILE_MODES[1:],
+        help="stock compile rows: torch.compile's mode (its compile takes many minutes)",
+    )
+    p.add_argument(
+        "--stock-ce",
+        default="auto",
+        choices=FUSED_CE,
+        help="stock rows' loss: cce (cut_cross_entropy's fused linear cross-entropy), torch "
+        "(matmul + F.cross_entropy), auto (cce where installed)",
+    )
     p.add_argument(
         "--dataflow-dtypes",
         type=_words(("auto", "mixed", "bf16")),
@@ -450,6 +499,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup < 1 or args.steps < 1:
         print("compare.py: --warmup and --steps must be >= 1", file=sys.stderr)
         return 2
+    if args.stock_vocab_multiple < 1:
+        print("compare.py: --stock-vocab-multiple must be >= 1 (1: no padding)", file=sys.stderr)
+        return 2
+    if args.stock_ce == "cce" and "stock" in args.rows:
+        try:
+            stock_tricks(args).described()
+        except ValueError:
+            print(
+                "compare.py: --stock-ce cce but cut_cross_entropy is not installed (pip install "
+                "cut-cross-entropy, or --stock-ce auto/torch)",
+                file=sys.stderr,
+            )
+            return 2
     bench = Bench(args)
     for rows in ROWS:  # stock first: the dataflow rows' dtype follows the fastest stock row
         if rows in args.rows:

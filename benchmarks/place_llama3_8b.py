@@ -251,6 +251,13 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--updates", default="auto", choices=UPDATES, help="TrainConfig.updates")
     parser.add_argument("--preset", default="llama3_8b")
+    parser.add_argument(
+        "--vocab-multiple",
+        type=int,
+        default=None,
+        help="the config's vocab_multiple (default the preset's, 64): 1 for an archive "
+        "profiled before the vocabulary was stored padded",
+    )
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument(
         "--cost", action="append", default=[], help="KEY=FACTOR, a what-if (module doc)"
@@ -298,7 +305,8 @@ def place_row(args: argparse.Namespace, say=print) -> dict:
         args.head_vocab_tiles,
         args.updates,
     )
-    step = lower(family, args.preset, train)
+    multiple = {} if args.vocab_multiple is None else {"vocab_multiple": args.vocab_multiple}
+    step = lower(family, args.preset, train, overrides=multiple)
     profiles = measured(step)
     program = attrs.evolve(
         apply_profile(step, profiles), links=scaled_links(LINKS, args.link_scale)

@@ -34,6 +34,8 @@ from dataflow_training.kit import moe_reference
 from dataflow_training.kit.decoder_reference import inverse_frequencies
 from torch import nn
 
+from benchmarks.harness.stock import padded, vocab_loss
+
 
 class RMSNorm(reference.RMSNorm):
     """The reference's norm (same parameter) through the fused ``F.rms_norm``."""
@@ -161,13 +163,23 @@ class StockDecoder(nn.Module):
     router terms for a mixture-of-experts config. ``checkpoint`` puts every block under
     ``torch.utils.checkpoint``."""
 
-    def __init__(self, config: Any, seq_len: int, *, checkpoint: bool = False) -> None:
+    def __init__(
+        self,
+        config: Any,
+        seq_len: int,
+        *,
+        checkpoint: bool = False,
+        vocab_multiple: int = 1,
+        cce: bool = False,
+    ) -> None:
         super().__init__()
-        self.config, self.checkpoint = config, checkpoint
-        self.emb = Embed(config)
+        self.config, self.checkpoint, self.cce = config, checkpoint, cce
+        # the token table and output projection padded (``stock.StockTricks``)
+        stored = config.with_overrides(vocab_size=padded(config.vocab_size, vocab_multiple))
+        self.emb = Embed(stored)
         for layer in range(config.num_hidden_layers):
             self.add_module(str(layer), Block(config, layer))
-        self.head = Head(config)
+        self.head = Head(stored)
         cos, sin = rotary_tables(config, seq_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -178,19 +190,23 @@ class StockDecoder(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
-        """Every matrix N(0, std), norms 1 (HF's initialization of these models)."""
+        """Every matrix N(0, std), norms 1 (HF's initialization of these models); the
+        vocabulary's padded rows zero."""
         for param in self.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, std)
             else:
                 param.fill_(1.0)
+        self.emb.embed_tokens.weight[self.config.vocab_size :].zero_()
+        self.output_weight()[self.config.vocab_size :].zero_()
 
     def output_weight(self) -> torch.Tensor:
         if self.config.tie_word_embeddings:
             return self.emb.embed_tokens.weight
         return self.head.lm_head.weight
 
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The final norm's output (batch, seq, hidden)."""
         seq = tokens.shape[1]
         cos, sin = self.cos[:seq], self.sin[:seq]
         x = self.emb.embed_tokens(tokens)
@@ -199,11 +215,16 @@ class StockDecoder(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cos, sin)
-        return self.head.norm(x) @ self.output_weight().t()
+        return self.head.norm(x)
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The real vocabulary's logits (the padded columns sliced off)."""
+        vocab = self.config.vocab_size
+        return (self.hidden(tokens) @ self.output_weight().t())[..., :vocab]
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.logits(tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        weight, vocab = self.output_weight(), self.config.vocab_size
+        loss = vocab_loss(self.hidden(tokens), weight, vocab, targets, self.cce)
         if is_moe(self.config):
             loss = loss + self.router_terms()
         return loss

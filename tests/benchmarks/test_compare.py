@@ -97,6 +97,10 @@ def test_every_row_kind_is_written_with_exactly_the_issues_fields(first_run) -> 
     model = meta["models"]["gpt2_tiny"]
     assert model["family"] == "gpt2" and model["seq_len"] == 32
     assert model["dataflow_matches"]["dataflow_dtype"] == "bf16"  # nearest the bf16 stock row
+    # the stock rows' tricks, resolved (no cut_cross_entropy here: torch's loss)
+    tricks = {"vocab_multiple": 64, "tf32": True, "compile_mode": None, "fused_ce": "torch"}
+    assert meta["stock_tricks"] == tricks
+    assert meta["row_details"]["gpt2_tiny|pytorch eager|bf16|None"]["stock_tricks"] == tricks
 
 
 def test_dataflow_rows_come_from_the_engine_and_say_why_a_budget_has_none(first_run) -> None:

@@ -11,9 +11,15 @@ from dataflow_training.kit import Env
 
 
 def family_step(family, config, layer_params, tokens, targets, ops, *, recompute: bool):
-    """Loss and gradients by layer, the way the training plugin chains the tasks."""
+    """Loss and gradients by layer, the way the training plugin chains the tasks: ``wte``
+    stored padded to the config's ``vocab_multiple`` (zero rows past the vocabulary), its
+    gradient checked zero there and returned with the real rows."""
     layers = family.layers(config)
     embed, blocks, head = layers[0], layers[1:-1], layers[-1]
+    real = layer_params[embed.name]["wte"]
+    stored = real.new_zeros(embed.params[0].shape)
+    stored[: real.shape[0]] = real
+    layer_params = {**layer_params, embed.name: {**layer_params[embed.name], "wte": stored}}
     hidden = family.math("embed").forward(config, layer_params[embed.name], tokens, ops)
     inputs, saved = [], []
     for layer in blocks:
@@ -36,7 +42,9 @@ def family_step(family, config, layer_params, tokens, targets, ops, *, recompute
         d_hidden, grads[layer.name] = math.backward(config, params, x, kept, {}, d_hidden, ops)
     grads[embed.name] = family.math("embed").backward(config, tokens, d_hidden, ops)
     assert head.tied == {"wte": "emb.wte"}
-    grads[embed.name]["wte"] = grads[embed.name]["wte"].dense() + tied_wte
+    wte = grads[embed.name]["wte"].dense() + tied_wte
+    assert wte.shape == stored.shape and wte[real.shape[0] :].count_nonzero() == 0
+    grads[embed.name]["wte"] = wte[: real.shape[0]]
     return loss, grads
 
 

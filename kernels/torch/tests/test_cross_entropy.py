@@ -430,3 +430,102 @@ def test_triton_vocab_tiles_match_float64_and_the_chunk_summed_path(
     assert_rel_close(tiled[2], 0.25 * truth[2], 1e-2, "d_weight vs float64")
     assert_rel_close(tiled[2], summed[2], 1e-2, "d_weight vs the chunk-summed path")
     assert tiled[1][targets == IGNORE].abs().sum() == 0
+
+
+# -- a vocabulary stored padded (``vocab=``) ------------------------------------------------
+
+
+def padded_weight(randn, real: int, stored: int, dim: int, **kw) -> torch.Tensor:
+    """A (stored, dim) weight whose rows past ``real`` are zero (a model's padding)."""
+    weight = randn(stored, dim, **kw)
+    weight[real:] = 0
+    return weight
+
+
+def check_padded(got, hidden, weight, targets, real, scale=1.0, tolerance=None) -> None:
+    """``got`` equals the float64 reference of the first ``real`` rows alone; d_weight's
+    padded rows are exactly zero."""
+    want_loss, want_d_hidden, want_d_real = reference(hidden, weight[:real], targets)
+    loss, d_hidden, d_weight = got
+    assert d_weight.shape == weight.shape and d_weight.dtype == weight.dtype
+    assert d_weight[real:].count_nonzero() == 0
+    tolerance = tolerance or GRAD_TOLERANCE[hidden.dtype]
+    torch.testing.assert_close(loss.double(), want_loss, rtol=LOSS_RTOL[hidden.dtype], atol=1e-4)
+    torch.testing.assert_close(d_hidden.double(), scale * want_d_hidden, **tolerance)
+    torch.testing.assert_close(d_weight[:real].double(), scale * want_d_real, **tolerance)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("real", "stored", "chunk_tokens"),
+    [(101, 128, 8), (101, 128, 37), (257, 320, 10), (64, 64, 10)],  # the last: no padding
+)
+@pytest.mark.parametrize("tiles", [False, True])
+@pytest.mark.parametrize("name", VARIANTS)
+def test_padded_rows_are_left_out_of_the_softmax(
+    kernel, randn, device, dtype, real, stored, chunk_tokens, tiles, name
+) -> None:
+    """``vocab=real`` over a weight of ``stored`` rows: the loss and gradients of the real
+    rows alone, by chunks or by vocabulary tiles, and no gradient in the padded rows."""
+    hidden = randn(37, 16, dtype=dtype, device=device)
+    weight = padded_weight(randn, real, stored, 16, dtype=dtype, device=device)
+    targets = make_targets(randn, 37, real, 0.2, device)
+    targets[0] = real - 1  # the last real row, beside the padding
+    got = kernel("chunked_cross_entropy", name)(
+        hidden, weight, targets, chunk_tokens, grad_scale=0.5, vocab_tiles=tiles, vocab=real
+    )
+    check_padded(got, hidden, weight, targets, real, scale=0.5)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_padded_rows_of_any_value_change_nothing(kernel, randn, name) -> None:
+    """Whatever the padded rows hold, the result is the real rows' (a row that is not
+    zero would otherwise have a logit in the softmax)."""
+    hidden, weight = randn(20, 8, dtype=torch.bfloat16), randn(64, 8, dtype=torch.bfloat16)
+    targets = make_targets(randn, 20, 50, 0.0, "cpu")
+    got = kernel("chunked_cross_entropy", name)(hidden, weight, targets, 6, vocab=50)
+    check_padded(got, hidden, weight, targets, 50)
+
+
+@pytest.mark.parametrize("vocab", [0, 65, 2.0, True])
+def test_a_vocab_outside_the_weight_is_named(kernel, randn, vocab) -> None:
+    with pytest.raises(ValueError, match=r"vocab must be an int from 1 to weight's 64 rows"):
+        kernel("chunked_cross_entropy", "torch")(
+            randn(4, 8), randn(64, 8), torch.zeros(4, dtype=torch.int64), 2, vocab=vocab
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("real", "stored"), [(5001, 5056), (50257, 50304), (5001, 5001)])
+@pytest.mark.parametrize("chunk_tokens", [300, 2000])  # several chunks; one chunk
+@pytest.mark.parametrize("tiles", [False, True])
+def test_triton_variant_takes_a_weight_stored_padded(
+    kernel, randn, monkeypatch, real, stored, chunk_tokens, tiles
+) -> None:
+    """A weight stored padded to a multiple of 64 (50,304: GPT-2's as nanoGPT pads it) is
+    used as it is, with no per-call copy, and ``vocab=`` masks the columns past the real
+    vocabulary: the real rows' loss and gradients (bf16 logits: the loss within 1e-3, the
+    gradients 1e-2 of float64 autograd), the padded rows' gradient exactly zero. A weight
+    of 5,001 rows (no multiple of 64) is still copied into a multiple of 128."""
+    pytest.importorskip("triton")
+    from dataflow_kernels_torch import triton_ce
+
+    copies = []
+    cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: copies.append(1) or cat(*a, **k))
+    hidden = randn(1000, 64, dtype=torch.bfloat16, device="cuda")
+    weight = padded_weight(randn, real, stored, 64, dtype=torch.bfloat16, device="cuda", scale=0.3)
+    targets = make_targets(randn, 1000, real, 0.1, "cuda")
+    targets[0] = real - 1
+    fast = triton_ce.chunked_cross_entropy_triton(
+        hidden, weight, targets, chunk_tokens, grad_scale=0.25, vocab_tiles=tiles, vocab=real
+    )
+    assert copies == ([] if stored % 64 == 0 else [1])
+    truth = reference(hidden, weight[:real], targets)
+    loss, d_hidden, d_weight = fast
+    assert d_weight.shape == weight.shape and d_weight[real:].count_nonzero() == 0
+    rel = lambda got, want: float((got.double() - want).norm() / want.norm())  # noqa: E731
+    assert rel(loss, truth[0]) < 1e-3
+    assert rel(d_hidden, 0.25 * truth[1]) < 1e-2
+    assert rel(d_weight[:real], 0.25 * truth[2]) < 1e-2

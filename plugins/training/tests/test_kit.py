@@ -173,6 +173,7 @@ class Sizes:
     """The config fields GPT-2's parts read, under HF's names."""
 
     vocab_size: int = 19
+    vocab_multiple: int = 64  # the token table stored as 64 rows
     hidden_size: int = 16
     num_attention_heads: int = 4
     intermediate_size: int = 40
@@ -231,9 +232,9 @@ def test_gpt2_parts_store_conv1d_weights_transposed_in_hf_checkpoints() -> None:
 def test_learned_positions_are_added_and_get_a_table_of_gradients(ops) -> None:
     config = Sizes()
     embed = DecoderEmbed("wte", LearnedPositions("wpe"))
-    assert [(p.name, p.shape) for p in embed.params(config)] == [
-        ("wte", (19, 16)),
-        ("wpe", (12, 16)),
+    assert [(p.name, p.shape, p.state_shape) for p in embed.params(config)] == [
+        ("wte", (64, 16), (19, 16)),  # stored padded to vocab_multiple, the state's 19 rows
+        ("wpe", (12, 16), (12, 16)),
     ]
     params = {"wte": leaf(19, 16), "wpe": leaf(12, 16)}
     tokens = torch.tensor([[3, 3, 0, 7, 18], [1, 3, 2, 2, 5]])
@@ -244,7 +245,9 @@ def test_learned_positions_are_added_and_get_a_table_of_gradients(ops) -> None:
     d_hidden = torch.randn_like(want)
     grads = embed.backward(config, tokens, d_hidden, Env(ops))
     auto = torch.autograd.grad(want, tuple(params.values()), d_hidden)
-    assert rel(grads["wte"].dense(), auto[0]) < 1e-12 and rel(grads["wpe"], auto[1]) < 1e-12
+    wte = grads["wte"].dense()  # the stored table's gradient: nothing in the padded rows
+    assert wte.shape == (64, 16) and wte[19:].count_nonzero() == 0
+    assert rel(wte[:19], auto[0]) < 1e-12 and rel(grads["wpe"], auto[1]) < 1e-12
     too_long = torch.zeros(1, 13, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"sequence length 13 exceeds Sizes.max_position_embed"):
         embed.forward(config, plain, too_long, Env(ops))

@@ -124,6 +124,15 @@ def _dataflow_logits(out: Path, family_name: str, ids: list[int]) -> torch.Tenso
         return reference.logits(torch.tensor([ids]))
 
 
+def _moment_bytes(family, preset: str, overrides: dict) -> dict[str, int]:
+    """Each ``O`` object's size, as the step of ``preset`` with ``overrides`` stores it."""
+    from dataflow_training.step.config import TrainConfig
+    from dataflow_training.step.lowering import lower
+
+    layout = lower(family, preset, TrainConfig(seq_len=8), overrides=overrides).layout
+    return {p.id: p.layout.size_bytes for p in layout.of_kind("O")}
+
+
 @pytest.mark.parametrize(("preset", "family"), [("gpt2_tiny", "gpt2"), ("llama3_tiny", "llama3")])
 def test_a_tiny_preset_trains_on_bpe_shards_and_exports_what_transformers_loads(
     bpe_shards, tmp_path, preset, family
@@ -140,6 +149,17 @@ def test_a_tiny_preset_trains_on_bpe_shards_and_exports_what_transformers_loads(
     assert manifest["vocab_size"] == 300 and manifest["overrides"] == {"vocab_size": 300}
     assert manifest["tokenizer"]["kind"] == "file"
     assert (out / "tokenizer.json").read_bytes() == (data / "tokenizer.json").read_bytes()
+    # the step stored the tables padded to 320 rows (vocab_multiple); the checkpoint has
+    # the real vocabulary's, weights and AdamW moments alike
+    weights, opt, _, _ = read_checkpoint(latest_checkpoint(out))
+    family_ = load_family(family)
+    config = family_.config(preset, vocab_size=300)
+    assert {k: tuple(v.shape) for k, v in weights.items()} == {
+        k: tuple(v.shape) for k, v in family_.reference_model(config).state_dict().items()
+    }
+    sizes = {k: v.shape[0] for k, v in opt.items()}
+    unpadded = _moment_bytes(family_, preset, {"vocab_size": 300, "vocab_multiple": 1})
+    assert sizes == unpadded != _moment_bytes(family_, preset, {"vocab_size": 300})
 
     shutil.rmtree(data)  # the run keeps its own copy of the tokenizer
     hf = tmp_path / "hf"

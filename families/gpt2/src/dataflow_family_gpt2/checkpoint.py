@@ -37,6 +37,7 @@ from dataflow_training.kit import (
     write_config,
     write_state,
 )
+from dataflow_training.kit import expected_state as decoder_state
 
 from dataflow_family_gpt2.config import GPT2Config
 from dataflow_family_gpt2.layers import EMBED, HEAD, layer_specs
@@ -88,12 +89,9 @@ _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 
 
 def expected_state(config: GPT2Config) -> dict[str, tuple[int, ...]]:
-    """State key -> shape of every tensor of ``config``, in chain order."""
-    return {
-        f"{layer.name}.{param.name}": param.shape
-        for layer in layer_specs(config)
-        for param in layer.params
-    }
+    """State key -> shape of every tensor of ``config`` in the model state (``wte`` its
+    real vocabulary's rows), in chain order."""
+    return decoder_state(config, layer_specs(config))
 
 
 # -- Import ----------------------------------------------------------------------------

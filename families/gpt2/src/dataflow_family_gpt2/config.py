@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+from dataflow_training.kit import vocab_multiple_field
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -34,6 +35,9 @@ class GPT2Config:
     n_layer: int = attrs.field(validator=_positive)
     n_head: int = attrs.field(validator=_positive)
     layer_norm_epsilon: float = attrs.field(default=1e-5, validator=_positive_float)
+    #: ``wte`` is stored with its rows rounded up to a multiple of it (50,257 -> 50,304;
+    #: the kit's ``padded_vocab``); 1 stores it as it is
+    vocab_multiple: int = vocab_multiple_field()
 
     def __attrs_post_init__(self) -> None:
         if self.n_embd % self.n_head:

@@ -40,5 +40,6 @@ def layer_specs(config: GPT2Config) -> list[LayerSpec]:
 
 
 def parameter_count(config: GPT2Config) -> int:
-    """Number of parameters, the tied output projection counted once (as ``emb.wte``)."""
-    return sum(prod(param.shape) for layer in layer_specs(config) for param in layer.params)
+    """Number of parameters (``wte``'s real vocabulary rows, not its padding), the tied
+    output projection counted once (as ``emb.wte``)."""
+    return sum(prod(param.state_shape) for layer in layer_specs(config) for param in layer.params)

@@ -7,6 +7,9 @@
   its MLP (``GELUFFN``: ``c_fc``, the tanh GELU and ``c_proj``, with biases);
 - the head: the final LayerNorm ``ln_f`` and the logits against the tied ``wte``.
 
+``wte`` is stored padded (``GPT2Config.vocab_multiple``: 50,257 rows as 50,304, zero past
+the vocabulary); the head leaves the padded logits out of its softmax.
+
 Every op with a kernel (linear, the norms, attention, GELU, the chunked cross-entropy) is
 called through ``env.ops``.
 
@@ -51,6 +54,7 @@ from dataflow_training.kit import (
     LearnedPositions,
     Norm,
     Work,
+    head_cost,
     lm_head_loss,
 )
 
@@ -106,13 +110,12 @@ class GPT2Head:
         self, config: GPT2Config, params: Tensors, x: torch.Tensor, targets: Any, env: Env
     ) -> tuple[torch.Tensor, torch.Tensor, Tensors]:
         norm = LAYER_NORM.op(config, "ln_f")
-        return lm_head_loss(env, params, x, targets, norm=norm, projection="wte")
+        return lm_head_loss(
+            env, params, x, targets, norm=norm, projection="wte", vocab=config.vocab_size
+        )
 
     def cost(self, config: GPT2Config, batch: int, seq_len: int, act_bytes: int) -> LayerCost:
-        tokens, n = batch * seq_len, config.n_embd
-        logits = 2 * tokens * config.vocab_size * n
-        work = Work(3 * logits, tokens * act_bytes * 4 * n + tokens * config.vocab_size * 8)
-        return LayerCost(forward=work, backward=Work())
+        return head_cost(config, batch, seq_len, act_bytes)
 
 
 #: every op the math calls through ``env.ops``

@@ -14,6 +14,12 @@ summed loss with ``grad_scale`` times d loss / d hidden and d loss / d weight, s
 the pass that forms d_logits); the loss is the plain sum. Nothing here synchronizes with
 the device (no ``.item()``), so on CUDA it only enqueues work.
 
+``vocab=V`` (fewer than weight's rows) says the vocabulary is the first V rows: the
+weight is stored padded for the tensor cores (a model's ``vocab_multiple``), the logits
+of the rows past V are left out of the softmax and the loss, and d_weight is zero in
+those rows (exactly: their d_logits are zero). The logits matmul still runs over every
+stored row, which is the point of the padding.
+
 ``vocab_tiles=True`` (with more than one chunk) trades compute for memory: d_weight is
 not summed over the chunks in a float32 (vocab, dim) accumulator (2.1 GB for Llama 3's
 128,256 x 4,096 head) but made one vocabulary tile at a time over every token. The first
@@ -63,14 +69,15 @@ def chunked_cross_entropy(
     *,
     grad_scale: float = 1.0,
     vocab_tiles: bool = False,
+    vocab: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (loss_sum, d_hidden like hidden, d_weight like weight); 16-bit matmuls with
     float32 softmax when hidden and weight share a 16-bit dtype (module doc)."""
     if not (hidden.dtype == weight.dtype and hidden.dtype in HALF_DTYPES):
         return chunked_cross_entropy_reference(
-            hidden, weight, targets, chunk_tokens, grad_scale=grad_scale
+            hidden, weight, targets, chunk_tokens, grad_scale=grad_scale, vocab=vocab
         )
-    _check(hidden, weight, targets, chunk_tokens, grad_scale)
+    vocab = _check(hidden, weight, targets, chunk_tokens, grad_scale, vocab)
     tokens = hidden.shape[0]
     starts = range(0, tokens, chunk_tokens)
     tiled = vocab_tiles and len(starts) > 1
@@ -84,6 +91,8 @@ def chunked_cross_entropy(
             chunk = hidden[start : start + chunk_tokens]
             valid, target = _valid_targets(targets[start : start + chunk_tokens])
             logits = _mm_float32(chunk, weight.T)  # (rows, vocab) float32: the one chunk
+            if vocab < weight.shape[0]:  # the padded rows: out of the softmax
+                logits[:, vocab:] = -torch.inf
             chunk_loss, row_sum, row_lse = _softmax_minus_onehot_(logits, valid, target)
             loss_sum += chunk_loss
             # d_logits = grad_scale * (softmax - onehot), scaled and cast in one pass.
@@ -105,7 +114,7 @@ def chunked_cross_entropy(
             del d_logits
         if tiled:
             tile = vocab_tile_rows(tokens, weight.shape[0], chunk_tokens)
-            d_weight = _d_weight_by_tiles(hidden, weight, targets, lse, grad_scale, tile)
+            d_weight = _d_weight_by_tiles(hidden, weight, targets, lse, grad_scale, vocab, tile)
         return loss_sum, d_hidden, d_weight
 
 
@@ -122,10 +131,12 @@ def _d_weight_by_tiles(
     targets: torch.Tensor,
     lse: torch.Tensor,
     grad_scale: float,
+    vocab: int,
     tile: int,
 ) -> torch.Tensor:
     """d_weight one vocabulary tile of ``tile`` rows at a time, over every token, from
-    each token's log-sum-exp ``lse`` (tokens, 1) (the module doc's ``vocab_tiles``)."""
+    each token's log-sum-exp ``lse`` (tokens, 1) (the module doc's ``vocab_tiles``); the
+    rows from ``vocab`` on (padding) zero."""
     valid, target = _valid_targets(targets)
     scale = torch.where(valid, grad_scale, 0.0)  # (tokens, 1): 0 on ignored rows
     d_weight = torch.empty_like(weight)
@@ -133,6 +144,8 @@ def _d_weight_by_tiles(
         rows = weight[start : start + tile]
         logits = _mm_float32(hidden, rows.T)  # (tokens, tile) float32, again
         logits.sub_(lse).exp_()  # softmax over the whole vocabulary, this tile's columns
+        if start + rows.shape[0] > vocab:  # padded rows: no probability, no gradient
+            logits[:, max(0, vocab - start) :] = 0.0
         local = target - start
         inside = (local >= 0) & (local < rows.shape[0])
         logits.scatter_add_(1, local.clamp(0, rows.shape[0] - 1), -inside.to(logits.dtype))
@@ -152,18 +165,23 @@ def chunked_cross_entropy_reference(
     *,
     grad_scale: float = 1.0,
     vocab_tiles: bool = False,
+    vocab: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (loss_sum, d_hidden like hidden, d_weight like weight), all math in float32
     (float64 when hidden or weight is float64); see the module doc. ``vocab_tiles`` is
-    taken and changes nothing: the truth sums d_weight in a whole compute-dtype table."""
-    _check(hidden, weight, targets, chunk_tokens, grad_scale)
+    taken and changes nothing: the truth sums d_weight in a whole compute-dtype table.
+    With ``vocab`` the truth is that of the first ``vocab`` rows alone (the rest of
+    d_weight zero)."""
+    vocab = _check(hidden, weight, targets, chunk_tokens, grad_scale, vocab)
     compute = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
     tokens = hidden.shape[0]
     with torch.no_grad():
-        weight_c = weight.to(compute)  # the same tensor when weight is in compute already
+        # the same tensor when weight is in compute already and has no padded rows
+        weight_c = weight[:vocab].to(compute)
         loss_sum = torch.zeros((), dtype=compute, device=hidden.device)
         d_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format)
         d_weight = torch.zeros(weight.shape, dtype=compute, device=weight.device)
+        d_real = d_weight[:vocab]
         for start in range(0, tokens, chunk_tokens):
             stop = min(start + chunk_tokens, tokens)
             chunk = hidden[start:stop].to(compute)
@@ -176,7 +194,7 @@ def chunked_cross_entropy_reference(
                 torch.mm(logits, weight_c, out=d_hidden[start:stop])
             else:
                 d_hidden[start:stop] = logits @ weight_c
-            d_weight.addmm_(logits.T, chunk)
+            d_real.addmm_(logits.T, chunk)
             del logits, chunk
         return loss_sum, d_hidden, d_weight.to(weight.dtype)
 
@@ -225,8 +243,10 @@ def _check(
     targets: torch.Tensor,
     chunk_tokens: int,
     grad_scale: float,
-) -> None:
-    """Shape, dtype and chunk checks on the host (no device synchronization)."""
+    vocab: int | None = None,
+) -> int:
+    """Shape, dtype and chunk checks on the host (no device synchronization); returns the
+    vocabulary, ``vocab`` or every row of weight."""
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
     if isinstance(grad_scale, bool) or not isinstance(grad_scale, int | float):
@@ -247,3 +267,10 @@ def _check(
         raise ValueError(
             f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}"
         )
+    if vocab is None:
+        return weight.shape[0]
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or not 0 < vocab <= weight.shape[0]:
+        raise ValueError(
+            f"vocab must be an int from 1 to weight's {weight.shape[0]} rows, got {vocab!r}"
+        )
+    return vocab

@@ -4,21 +4,26 @@ the softmax fused into one Triton kernel.
 ``chunked_cross_entropy_triton`` computes what ``cross_entropy.chunked_cross_entropy``
 documents, for 16-bit hidden and weight on CUDA (anything else goes to that function):
 
-- The weight is copied once per call into a buffer whose row count is a multiple of 128
-  (extra rows zero). A vocabulary like GPT-2's 50,257 gives matrices whose leading
-  dimension no 16-byte vector divides, and cuBLAS then falls back to old, slow kernels
-  (measured on an H200: the 8192 x 768 x 50257 logits product took 6.6 ms, an sm75
-  cutlass kernel; the padded backward product 1.4 ms instead of 4.3 ms).
+- The vocabulary is padded for the tensor cores. A vocabulary like GPT-2's 50,257 gives
+  matrices whose leading dimension no 16-byte vector divides, and cuBLAS then falls back
+  to old, slow kernels (measured on an H200: the 8192 x 768 x 50257 logits product took
+  6.6 ms, an sm75 cutlass kernel; the padded backward product 1.4 ms instead of 4.3 ms).
+  A model stores its head padded (``vocab_multiple``, 64 by default) and says its real
+  vocabulary with ``vocab=``: a weight whose rows are a multiple of 64 is used as it is.
+  Any other weight is copied once per call into a buffer whose row count is a multiple
+  of 128 (extra rows zero), as before the models padded.
 - Per chunk, one 16-bit matmul writes the logits (bf16 output, float32 accumulation, as
   under autocast); one kernel pass per row reads them twice (an online max and sum of
   exp in float32, then ``grad_scale * (softmax - onehot)``) and writes d_logits over them
-  in place, zero in the padding columns and on ignored rows, with the row's loss; the
-  two backward matmuls read that d_logits. d_weight accumulates across chunks in float32.
+  in place, zero in the padding columns (from ``vocab`` on: stored or copied padding
+  alike, so those rows of d_weight are exactly zero) and on ignored rows, with the row's
+  loss; the two backward matmuls read that d_logits. d_weight accumulates across chunks
+  in float32.
 
-Memory beyond the outputs: the padded weight copy, one chunk's (chunk, vocab) 16-bit
-logits, and with several chunks one float32 (vocab, dim) accumulator, which each chunk's
-product adds into in place (a product beside it measured 2 GiB more workspace for
-Llama 3's 128K x 4096 head).
+Memory beyond the outputs: the padded weight copy (none for a weight stored padded),
+one chunk's (chunk, vocab) 16-bit logits, and with several chunks one float32 (vocab,
+dim) accumulator, which each chunk's product adds into in place (a product beside it
+measured 2 GiB more workspace for Llama 3's 128K x 4096 head).
 
 With ``vocab_tiles`` (``cross_entropy``'s module doc) there is no accumulator: the first
 kernel also keeps each row's log-sum-exp, and per vocabulary tile (a multiple of 128
@@ -37,6 +42,9 @@ from dataflow_kernels_torch import cross_entropy
 from dataflow_kernels_torch._support import HALF_DTYPES
 
 _PAD_ROWS = 128
+#: a weight whose rows are a multiple of this is used as stored (a model's padded
+#: vocabulary: ``vocab_multiple``'s default; nanoGPT's and llm.c's 50,304 for GPT-2)
+_ALIGNED_ROWS = 64
 _BLOCK = 4096
 
 
@@ -104,6 +112,7 @@ def chunked_cross_entropy_triton(
     *,
     grad_scale: float = 1.0,
     vocab_tiles: bool = False,
+    vocab: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (loss_sum, d_hidden like hidden, d_weight like weight); see the module doc."""
     if not (
@@ -113,17 +122,23 @@ def chunked_cross_entropy_triton(
         and hidden.is_contiguous()
     ):
         return cross_entropy.chunked_cross_entropy(
-            hidden, weight, targets, chunk_tokens, grad_scale=grad_scale, vocab_tiles=vocab_tiles
+            hidden,
+            weight,
+            targets,
+            chunk_tokens,
+            grad_scale=grad_scale,
+            vocab_tiles=vocab_tiles,
+            vocab=vocab,
         )
-    cross_entropy._check(hidden, weight, targets, chunk_tokens, grad_scale)
-    vocab, dim = weight.shape
-    padded = -(-vocab // _PAD_ROWS) * _PAD_ROWS
+    vocab = cross_entropy._check(hidden, weight, targets, chunk_tokens, grad_scale, vocab)
+    stored, dim = weight.shape
+    padded = stored if stored % _ALIGNED_ROWS == 0 else -(-stored // _PAD_ROWS) * _PAD_ROWS
     tokens = hidden.shape[0]
     starts = range(0, tokens, chunk_tokens)
     with torch.no_grad():
         weight_p = weight
-        if padded != vocab:  # one copy kernel: zeroing the whole buffer first wrote it twice
-            weight_p = torch.cat((weight, weight.new_zeros(padded - vocab, dim)))
+        if padded != stored:  # one copy kernel: zeroing the whole buffer first wrote it twice
+            weight_p = torch.cat((weight, weight.new_zeros(padded - stored, dim)))
         targets = targets.reshape(-1).contiguous()
         losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
@@ -157,7 +172,7 @@ def chunked_cross_entropy_triton(
             )
         if d_weight_p is None:
             d_weight_p = accumulator
-        d_weight = d_weight_p[:vocab].to(weight.dtype)
+        d_weight = d_weight_p[:stored].to(weight.dtype)
         return losses.sum(), d_hidden, d_weight
 
 

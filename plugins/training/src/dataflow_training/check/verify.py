@@ -47,6 +47,7 @@ from dataflow_training.check.verify_step import (
 )
 from dataflow_training.drive.progress import ProgressCallback
 from dataflow_training.drive.run import resolver_for
+from dataflow_training.drive.values import stored_state
 from dataflow_training.step.config import DtypePolicy
 from dataflow_training.step.family import (
     Env,
@@ -218,6 +219,19 @@ def op_checks(
             ),
             (loss_ref, *(0.5 * t for t in _grads(loss_ref, (hidden, vocab_w), None))),
         )
+        # a vocabulary stored padded (``vocab_multiple``): the last 4 rows out of the
+        # softmax, their gradient zero
+        real, targets = vocab_w[:16], torch.where(targets < 0, targets, targets % 16)
+        loss_ref = F.cross_entropy(hidden @ real.T, targets, reduction="sum", ignore_index=-100)
+        d_hidden, d_real = _grads(loss_ref, (hidden, real), None)
+        padding = torch.zeros(4, 12, dtype=torch.float64)
+        check(
+            "chunked_cross_entropy vocab=16 of 20 rows",
+            ops["chunked_cross_entropy"](
+                on(hidden), on(vocab_w), targets.to(device), 4, grad_scale=0.5, vocab=16
+            ),
+            (loss_ref, 0.5 * d_hidden, torch.cat((0.5 * d_real, padding))),
+        )
     if "adamw_multi" in names:
         checks.append(_adamw_check(ops["adamw_multi"], device, dtype, tolerance, g))
     return checks
@@ -291,6 +305,7 @@ def task_checks(
     }
     check_state_keys(family, config, state)
     layers = family.layers(config)
+    state = stored_state(layers, state)  # the tasks see the tables padded, as in a step
     checks: list[Check] = []
     hidden_shape = family.hidden_shape(config, batch, seq_len)
     seen: set[str] = set()
@@ -335,7 +350,7 @@ def _layer_checks(
     trainable = [p.name for p in layer.params if p.trainable]
     leaves = {k: v.clone().requires_grad_(k in trainable) for k, v in params.items()}
     if layer.kind == "embed":
-        vocab = params[layer.params[0].name].shape[0]
+        vocab = layer.params[0].state_shape[0]
         tokens = torch.randint(0, vocab, (batch, seq_len), device=device)
         y = math_.forward(config, leaves, tokens, Env(autograd_ops(ops)))
         dy = torch.randn_like(y)
@@ -401,7 +416,7 @@ def _head_checks(family, config, layers, state, ops, device, dtype, tolerance, h
     params = {p.name: state[f"{head.name}.{p.name}"] for p in head.params}
     params |= {local: state[target] for local, target in head.tied.items()}
     x = torch.randn(hidden_shape, device=device, dtype=dtype)
-    vocab = embed.params[0].shape[0]
+    vocab = embed.params[0].state_shape[0]
     targets = torch.randint(0, vocab, hidden_shape[:-1], device=device)
     math_ = family.math("head")
     whole = math_.forward_backward(

@@ -22,6 +22,7 @@ from dataflow_training.check.tolerances import adam_update_gap, sign_flips, weig
 from dataflow_training.check.verify_checks import Check, compare
 from dataflow_training.drive.run import TrainingRun
 from dataflow_training.drive.trainer import plan_line
+from dataflow_training.drive.values import state_layouts
 from dataflow_training.step.config import DtypePolicy, OptimizerPolicy, TrainConfig
 from dataflow_training.step.family import FamilyContractError, embed_layer
 from dataflow_training.step.precision import precision as precision_policy
@@ -138,7 +139,7 @@ def step_checks(
     param_dtype = getattr(torch, train.dtype.param)
     state = start_weights(family, config, seed, param_dtype)
     check_state_keys(family, config, state)
-    vocab = embed_layer(family.layers(config)).params[0].shape[0]
+    vocab = embed_layer(family.layers(config)).params[0].state_shape[0]
 
     follows = follows_routing(family)
     run = TrainingRun.of(
@@ -173,7 +174,7 @@ def step_checks(
         weights, opt_state = run.state()
         for step in range(steps):
             began = time.perf_counter()
-            moments = adam_moments(run.compiled.layout, opt_state)
+            moments = adam_moments(run.compiled.running, opt_state)
             batches = [step_tokens(seed, vocab, batch, seq_len, step, r) for r in range(rounds)]
             stats = run.step(batches)
             grads, (after, after_opt) = run.grads(), run.state()
@@ -261,12 +262,14 @@ def step_checks(
     return checks
 
 
-def adam_moments(layout: Any, opt_state: dict[str, torch.Tensor]) -> dict[str, tuple]:
+def adam_moments(lowered: Any, opt_state: dict[str, torch.Tensor]) -> dict[str, tuple]:
     """``{"<layer>.<param>": (exp_avg, exp_avg_sq)}`` from a run's raw ``O`` objects
-    (``TrainingRun.state``)."""
+    (``TrainingRun.state``: laid out for the state's shapes, ``values.state_layouts``)
+    of the step ``lowered``."""
+    layouts = state_layouts(lowered)
     moments: dict[str, dict[str, torch.Tensor]] = {}
-    for packed in layout.of_kind("O"):
-        for name, view in packed.layout.views(opt_state[packed.id]).items():
+    for packed in lowered.layout.of_kind("O"):
+        for name, view in layouts[packed.id].views(opt_state[packed.id]).items():
             param, field = name.rsplit("/", 1)
             moments.setdefault(f"{packed.layer}.{param}", {})[field] = view
     return {k: (v["exp_avg"], v["exp_avg_sq"]) for k, v in moments.items()}

@@ -14,8 +14,9 @@ The learning rate and the optimizer's step count go in through ``Engine.run(valu
 correction continues where the saved one stopped).
 
 The model state is ``{"<layer>.<param>": tensor}`` (the reference model's ``state_dict``
-keys); the optimizer state is kept raw, as the packed ``O_*`` objects' bytes, because
-only this program's layout reads it. ``dataflow verify``, ``dataflow train`` and the
+keys); the optimizer state is kept raw, as the packed ``O_*`` objects' bytes (laid out
+for the state's shapes: a padded vocabulary table's real rows, ``values.state_layouts``),
+because only this program's layout reads it. ``dataflow verify``, ``dataflow train`` and the
 fleet share this class.
 """
 
@@ -39,7 +40,14 @@ from dataflow_training.drive.checkpoint import (
     train_dict,
     write_checkpoint,
 )
-from dataflow_training.drive.values import StartValues, data_values, read_state
+from dataflow_training.drive.values import (
+    StartValues,
+    data_values,
+    opt_for_state,
+    opt_for_step,
+    read_state,
+    state_layouts,
+)
 from dataflow_training.plan.compiled_step import (
     HOST_RESERVE_BYTES,
     CompiledStep,
@@ -250,13 +258,14 @@ class TrainingRun:
     def _load(self, batches: list[Batch]) -> None:
 
         opt_state = self._opt_state or {}
+        layouts = state_layouts(self.compiled.running)
         for obj_id, raw in opt_state.items():
-            packed = self.compiled.layout.packed.get(obj_id)
-            if packed is None or packed.kind != "O" or (packed.layout.size_bytes,) != raw.shape:
+            if obj_id not in layouts or (layouts[obj_id].size_bytes,) != raw.shape:
                 raise ValueError(
                     f"optimizer state {obj_id!r} does not fit this step's layout "
                     f"({tuple(raw.shape)} bytes given)"
                 )
+        opt_state = opt_for_step(self.compiled.running, opt_state)
         self.check_backing()
         # built object by object as the engine copies them in: the host holds the pinned
         # pool and one object's bytes at a time, not every start value at once, and the
@@ -338,23 +347,23 @@ class TrainingRun:
     # -- state -------------------------------------------------------------------------
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``(model state, optimizer state)``: ``{"<layer>.<param>": tensor}`` and the raw
-        bytes of every ``O_*`` object (zeros before the first update), on the CPU."""
+        bytes of every ``O_*`` object (zeros before the first update), on the CPU, laid
+        out for the state's shapes (``values.state_layouts``: a padded vocabulary table's
+        moments have its real rows, as the weights do)."""
         if self._engine is None:
             if self._weights is None:
                 raise RuntimeError(f"the run has no state: {self._lost}")
             weights = {k: v.clone() for k, v in self._weights.items()}
             if self._opt_state is not None:
                 return weights, {k: v.clone() for k, v in self._opt_state.items()}
-            opt = {
-                p.id: torch.zeros(p.layout.size_bytes, dtype=torch.uint8)
-                for p in self.compiled.layout.of_kind("O")
-            }
+            layouts = state_layouts(self.compiled.running)
+            opt = {k: torch.zeros(v.size_bytes, dtype=torch.uint8) for k, v in layouts.items()}
             return weights, opt
         fetch = self._engine.fetch
         running = self.compiled.running
         weights = {k: v.cpu() for k, v in read_state(running, fetch, "W").items()}
         opt = {p.id: fetch(p.id).detach().cpu().clone() for p in running.layout.of_kind("O")}
-        return weights, opt
+        return weights, opt_for_state(running, opt)
 
     def grads(self) -> dict[str, torch.Tensor]:
         """The last step's weight gradients (as the update saw them: clipped when the

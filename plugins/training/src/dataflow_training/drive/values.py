@@ -4,6 +4,12 @@ data, and the model state read back from the engine.
 A model state is ``{"<layer>.<param>": tensor}`` (the reference model's ``state_dict``
 keys). Parameter objects are filled from it, optimizer state and Aux start at zero, and
 each round's tokens and targets come from ``data(step, round_) -> (tokens, targets)``.
+
+This is where a vocabulary table stored padded (``TensorSpec.rows``) meets the state: the
+state holds the real rows, the object more; filling one copies the rows in over zeros,
+reading it back takes them out. The optimizer state leaves the step the same way: its raw
+bytes laid out for the state's shapes (``state_layouts``), so a checkpoint's is the same
+whatever the step pads (and one written before the padding resumes).
 """
 
 from __future__ import annotations
@@ -13,8 +19,10 @@ from typing import Any
 
 import torch
 
+from dataflow_training.step.family import state_rows
 from dataflow_training.step.layout import StepLayout
 from dataflow_training.step.lowering import Lowered
+from dataflow_training.step.packing import Layout
 
 Data = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -33,19 +41,37 @@ def data_values(
 
 
 def packed_buffer(
-    layout: StepLayout, obj_id: str, state: Mapping[str, torch.Tensor] | None = None
+    layout: StepLayout,
+    obj_id: str,
+    state: Mapping[str, torch.Tensor] | None = None,
+    rows: Mapping[str, int] | None = None,
 ) -> torch.Tensor:
     """A packed object's bytes: zeros, with each entry copied from ``state`` (a ``W``
-    object's parameters by ``<layer>.<name>``) when given."""
+    object's parameters by ``<layer>.<name>``) when given; an entry of ``rows``
+    (``state_rows``) takes the state's tensor into its first rows, the rest staying zero."""
     packed = layout.packed[obj_id]
     buffer = torch.zeros(packed.layout.size_bytes, dtype=torch.uint8)
     if state is not None:
+        rows = rows or {}
         for name, view in packed.layout.views(buffer).items():
             key = f"{packed.layer}.{name}"
             if key not in state:
                 raise KeyError(f"the model state has no {key!r} (needed by {obj_id})")
-            view.copy_(state[key])
+            view[: rows.get(key, view.shape[0])].copy_(state[key])
     return buffer
+
+
+def stored_state(layers: Any, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each padded table (``state_rows``) as the step stores it: its rows
+    over zeros up to ``TensorSpec.shape``; every other tensor as it is."""
+    shapes = {f"{layer.name}.{p.name}": p.shape for layer in layers for p in layer.params}
+    out = dict(state)
+    for key, rows in state_rows(layers).items():
+        if key in out:
+            tensor = out[key]
+            out[key] = tensor.new_zeros(shapes[key])
+            out[key][:rows] = tensor
+    return out
 
 
 class StartValues(Mapping[str, torch.Tensor]):
@@ -71,6 +97,7 @@ class StartValues(Mapping[str, torch.Tensor]):
         program = lowered.program
         self.program, self.state, self.data, self.step = program, state, data, step
         self.layout = lowered.layout
+        self._rows = state_rows(lowered.layers)
         self._data = self.layout.data_objects()
         self.given = dict(given or {})
         self._ids = [o.id for o in program.objects if program.exists_at_start(o.id)]
@@ -91,7 +118,7 @@ class StartValues(Mapping[str, torch.Tensor]):
         packed = self.layout.packed[obj_id]
         if packed.kind != "W":
             return packed_buffer(self.layout, obj_id)
-        value = packed_buffer(self.layout, obj_id, self.state)
+        value = packed_buffer(self.layout, obj_id, self.state, self._rows)
         if self.consume:  # the engine holds the bytes now: the host copy may go
             for name in packed.layout.views(value):
                 self.state.pop(f"{packed.layer}.{name}", None)
@@ -127,12 +154,66 @@ def read_state(
     lowered: Lowered, fetch: Callable[[str], Any], kind: str = "W"
 ) -> dict[str, torch.Tensor]:
     """``{"<layer>.<name>": tensor}`` of every ``kind`` object (``W``, ``dW``) that the
-    step's program leaves in slow memory, read through ``fetch(obj_id)``."""
+    step's program leaves in slow memory, read through ``fetch(obj_id)``; a padded table
+    its real rows (``state_rows``)."""
     program, layout = lowered.program, lowered.layout
+    rows = state_rows(lowered.layers)
     out = {}
     for packed in layout.of_kind(kind):
         if packed.id not in program.final_locations:
             continue
         for name, view in packed.layout.views(fetch(packed.id)).items():
-            out[f"{packed.layer}.{name}"] = view.clone()
+            key = f"{packed.layer}.{name}"
+            out[key] = view[: rows.get(key, view.shape[0])].clone()
+    return out
+
+
+def state_layouts(lowered: Lowered) -> dict[str, Layout]:
+    """Each ``O`` object's layout for the model state's shapes: an entry
+    (``<param>/<field>``) of a padded table (``state_rows``) holds its real rows only;
+    an object with none is laid out as the step lays it out."""
+    rows = state_rows(lowered.layers)
+    out = {}
+    for packed in lowered.layout.of_kind("O"):
+        entries = packed.layout.entries
+        real = [rows.get(f"{packed.layer}.{e.name.rsplit('/', 1)[0]}") for e in entries]
+        if not any(real):
+            out[packed.id] = packed.layout
+            continue
+        out[packed.id] = Layout.pack(
+            (e.name, e.shape if r is None else (r, *e.shape[1:]), e.dtype)
+            for e, r in zip(entries, real, strict=True)
+        )
+    return out
+
+
+def opt_for_state(lowered: Lowered, opt: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The ``O`` objects' raw bytes as the step stores them -> laid out for the state
+    (``state_layouts``: a padded table's real rows)."""
+    layouts = state_layouts(lowered)
+    return {
+        obj_id: _repack(raw, lowered.layout.packed[obj_id].layout, layouts[obj_id])
+        for obj_id, raw in opt.items()
+    }
+
+
+def opt_for_step(lowered: Lowered, opt: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``opt_for_state`` undone: the padded rows zero."""
+    layouts = state_layouts(lowered)
+    return {
+        obj_id: _repack(raw, layouts[obj_id], lowered.layout.packed[obj_id].layout)
+        for obj_id, raw in opt.items()
+    }
+
+
+def _repack(raw: torch.Tensor, source: Layout, target: Layout) -> torch.Tensor:
+    """``raw`` (laid out by ``source``) laid out by ``target``: each entry's leading rows
+    that both have, zeros elsewhere; ``raw`` itself when the layouts are one."""
+    if source == target:
+        return raw
+    out = torch.zeros(target.size_bytes, dtype=torch.uint8)
+    have = source.views(raw)
+    for name, view in target.views(out).items():
+        rows = min(view.shape[0], have[name].shape[0])
+        view[:rows].copy_(have[name][:rows])
     return out

@@ -14,8 +14,9 @@
   resumed run its checkpoint's (whichever way that run chose it, even before this rule):
   a ``--vocab-size`` that differs, or data whose ids do not fit, is refused.
 
-There is no padding rule: the CUDA cross-entropy pads the head for its tiles itself, so the
-model's vocabulary is exactly the tokenizer's (as the HF export needs). The vocabulary goes
+The model's vocabulary is exactly the tokenizer's (as the HF export needs); the step
+stores its tables padded to the config's ``vocab_multiple`` (``kit.decoder_math``), which
+nothing outside the step sees. The vocabulary goes
 into the run's overrides only where it differs from the preset's, so a run on byte data
 keeps the preset's config (and its older checkpoints resume unchanged).
 """

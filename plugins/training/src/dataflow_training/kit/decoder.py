@@ -30,7 +30,13 @@ from typing import Any, ClassVar
 import attrs
 
 from dataflow_training.kit.block import Block
-from dataflow_training.kit.decoder_math import EMBED_WEIGHT, FINAL_NORM, LM_HEAD
+from dataflow_training.kit.decoder_math import (
+    EMBED_WEIGHT,
+    FINAL_NORM,
+    LM_HEAD,
+    vocab_multiple_field,
+    vocab_table,
+)
 from dataflow_training.kit.decoder_reference import Block as ReferenceBlock
 from dataflow_training.kit.norms import Norm
 from dataflow_training.kit.rotary import Llama3Scaling
@@ -223,6 +229,9 @@ class DecoderConfig:
     rope_scaling: Llama3Scaling | None = attrs.field(
         default=None, converter=_as_scaling, validator=_scaling
     )
+    #: the step stores the token table and the output projection with their rows rounded
+    #: up to a multiple of it (``decoder_math.padded_vocab``; 1: as they are)
+    vocab_multiple: int = vocab_multiple_field()
     #: the parts of the model: a property of the architecture, named by a family's config
     #: class, not a field a preset or an override changes
     architecture: ClassVar[Decoder] = Decoder({"block": Block()})
@@ -278,7 +287,7 @@ def head_params(config: DecoderConfig) -> tuple[TensorSpec, ...]:
     norm = TensorSpec(FINAL_NORM, (config.hidden_size,), decay=False)
     if config.tie_word_embeddings:
         return (norm,)
-    return (norm, TensorSpec(LM_HEAD, (config.vocab_size, config.hidden_size)))
+    return (norm, vocab_table(config, LM_HEAD))
 
 
 def layer_specs(config: DecoderConfig) -> list[LayerSpec]:
@@ -286,7 +295,7 @@ def layer_specs(config: DecoderConfig) -> list[LayerSpec]:
     config's architecture), ``head``: the chain's order. A tied head reads the embedding's
     weight as its ``lm_head.weight``."""
     architecture = config.architecture
-    embed = TensorSpec(EMBED_WEIGHT, (config.vocab_size, config.hidden_size))
+    embed = vocab_table(config, EMBED_WEIGHT)
     tied = {LM_HEAD: f"{EMBED}.{EMBED_WEIGHT}"} if config.tie_word_embeddings else {}
     return [
         LayerSpec.single(EMBED, "embed", (embed,)),
@@ -301,15 +310,17 @@ def layer_specs(config: DecoderConfig) -> list[LayerSpec]:
 def expected_state(
     config: DecoderConfig, layers: list[LayerSpec] | None = None
 ) -> dict[str, tuple[int, ...]]:
-    """State key (``f"{layer}.{param}"``) -> shape of every parameter, in chain order
-    (of ``layers``; default the config's)."""
+    """State key (``f"{layer}.{param}"``) -> shape of every parameter in the model state
+    (the real vocabulary's rows, ``TensorSpec.state_shape``), in chain order (of
+    ``layers``; default the config's)."""
     return {
-        f"{layer.name}.{param.name}": param.shape
+        f"{layer.name}.{param.name}": param.state_shape
         for layer in (layer_specs(config) if layers is None else layers)
         for param in layer.params
     }
 
 
 def parameter_count(config: DecoderConfig) -> int:
-    """Number of parameters, a tied output projection counted once (as the embedding)."""
+    """Number of parameters (the real vocabulary's), a tied output projection counted
+    once (as the embedding)."""
     return sum(prod(shape) for shape in expected_state(config).values())

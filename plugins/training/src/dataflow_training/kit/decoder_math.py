@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import attrs
 import torch
 
 from dataflow_training.kit.head import lm_head_loss
@@ -29,6 +30,47 @@ FINAL_NORM = "norm.weight"
 
 #: the ops the embedding and the head call through ``env.ops``
 OPS = ("rms_norm_fwd", "rms_norm_bwd", "chunked_cross_entropy")
+
+#: the default ``vocab_multiple`` of a config: the token table and the output projection
+#: are stored with their rows rounded up to a multiple of it. 64 is nanoGPT's and llm.c's
+#: (GPT-2's 50,257 stored as 50,304): a (tokens, vocab) logits matmul whose vocabulary no
+#: 16-byte vector divides falls back to slow cuBLAS kernels, and stock torch.compile
+#: GPT-2 124M measured 571,000-573,000 tokens/s on the H200 with the vocabulary padded
+#: against 544,000 without (issue 44's table). 1 stores the vocabulary as it is.
+VOCAB_MULTIPLE = 64
+
+
+def padded_vocab(config: Any) -> int:
+    """The rows the step stores the vocabulary tables with: ``config.vocab_size`` rounded
+    up to a multiple of ``config.vocab_multiple``."""
+    multiple = config.vocab_multiple
+    return -(-config.vocab_size // multiple) * multiple
+
+
+def vocab_table(config: Any, name: str, **fields: Any) -> TensorSpec:
+    """A (vocabulary, hidden) parameter stored padded (``padded_vocab``); the model state
+    holds its ``config.vocab_size`` real rows (``TensorSpec.rows``). The math never lets
+    a padded row into a result: the embedding gathers only real ids, the head masks the
+    padded logits out of the softmax (``chunked_cross_entropy(..., vocab=)``), so those
+    rows get no gradient and AdamW, weight decay included, keeps them zero."""
+    stored = padded_vocab(config)
+    rows = None if stored == config.vocab_size else config.vocab_size
+    return TensorSpec(name, (stored, config.hidden_size), rows=rows, **fields)
+
+
+def vocab_multiple_field() -> Any:
+    """The config field ``vocab_multiple: int = VOCAB_MULTIPLE`` (``padded_vocab``): a
+    storage choice of the step, not part of the model, so no HF ``config.json`` field maps
+    to it and a checkpoint holds the real rows whatever it is (1: no padding)."""
+    return attrs.field(default=VOCAB_MULTIPLE, kw_only=True, validator=_positive_int)
+
+
+def _positive_int(instance: Any, attribute: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be a positive int (1: no "
+            f"padding), got {value!r}"
+        )
 
 
 def check_seq_len(config: Any, seq_len: int) -> None:
@@ -97,7 +139,7 @@ class DecoderEmbed:
 
     def params(self, config: Any) -> tuple[TensorSpec, ...]:
         """The token table, then the positions' (HF's order)."""
-        tokens = TensorSpec(self.weight, (config.vocab_size, config.hidden_size))
+        tokens = vocab_table(config, self.weight)
         return (tokens, *(self.positions.params(config) if self.positions is not None else ()))
 
     def _check(self, config: Any, seq_len: int) -> None:
@@ -126,7 +168,7 @@ class DecoderEmbed:
         grad = RowGradient.summed(
             tokens,
             d_hidden.reshape(-1, n),
-            (config.vocab_size, n),
+            (padded_vocab(config), n),
             accumulation_dtype(d_hidden.dtype),
         )
         if self.positions is None:
@@ -156,10 +198,19 @@ class DecoderHead:
         self, config: Any, params: Tensors, x: torch.Tensor, targets: Any, env: Env
     ) -> tuple[torch.Tensor, torch.Tensor, Tensors]:
         norm = config.architecture.norm.op(config, FINAL_NORM.removesuffix(".weight"))
-        return lm_head_loss(env, params, x, targets, norm=norm, projection=LM_HEAD)
+        return lm_head_loss(
+            env, params, x, targets, norm=norm, projection=LM_HEAD, vocab=config.vocab_size
+        )
 
     def cost(self, config: Any, batch: int, seq_len: int, act_bytes: int) -> LayerCost:
-        tokens, n = batch * seq_len, config.hidden_size
-        logits = 2 * tokens * config.vocab_size * n
-        work = Work(3 * logits, tokens * act_bytes * 4 * n + tokens * config.vocab_size * 8)
-        return LayerCost(forward=work, backward=Work())
+        return head_cost(config, batch, seq_len, act_bytes)
+
+
+def head_cost(config: Any, batch: int, seq_len: int, act_bytes: int) -> LayerCost:
+    """The fused head's work (``backward`` included in ``forward``'s figure): three logits
+    matmuls over the stored (padded) vocabulary, each token's hidden state read and
+    written four times and eight bytes a logit."""
+    tokens, n, vocab = batch * seq_len, config.hidden_size, padded_vocab(config)
+    logits = 2 * tokens * vocab * n
+    work = Work(3 * logits, tokens * act_bytes * 4 * n + tokens * vocab * 8)
+    return LayerCost(forward=work, backward=Work())

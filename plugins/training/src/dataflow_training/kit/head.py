@@ -27,21 +27,27 @@ def lm_head_loss(
     *,
     norm: Any,
     projection: str,
+    vocab: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """-> (loss, dx, gradients of the norm's parameters and of ``projection``)."""
+    """-> (loss, dx, gradients of the norm's parameters and of ``projection``).
+    ``vocab``: the real vocabulary where ``projection`` is stored with more rows (padded,
+    ``decoder_math.padded_vocab``): the logits past it are left out of the softmax and
+    their rows' gradient is zero."""
     ops = env.ops
     weight = params[projection]
     hidden, stats = norm.forward(ops, params, x)
     flat_targets = targets.reshape(-1)
-    # only when asked: a kernel variant written before the keyword need not take it
-    tiles = {"vocab_tiles": True} if env.head_vocab_tiles else {}
+    # only when asked: a kernel variant written before the keywords need not take them
+    keywords = {"vocab_tiles": True} if env.head_vocab_tiles else {}
+    if vocab is not None and vocab != weight.shape[0]:
+        keywords["vocab"] = vocab
     loss_sum, d_hidden, d_weight = ops["chunked_cross_entropy"](
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         flat_targets,
         env.chunk_tokens,
         grad_scale=env.grad_scale,
-        **tiles,
+        **keywords,
     )
     scored = (flat_targets != IGNORE_INDEX).sum().clamp(min=1)
     d_hidden = (d_hidden / scored).to(hidden.dtype).view_as(hidden)

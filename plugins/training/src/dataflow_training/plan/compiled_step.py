@@ -154,7 +154,8 @@ class CompiledStep:
 
     @property
     def vocab_size(self) -> int:
-        return embed_layer(self.lowered.layers).params[0].shape[0]
+        """The model's vocabulary (the token table's rows in the state, not as stored)."""
+        return embed_layer(self.lowered.layers).params[0].state_shape[0]
 
     @property
     def pinned_bytes(self) -> int:

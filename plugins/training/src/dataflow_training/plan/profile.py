@@ -602,7 +602,7 @@ def _replayed_us(
 def vocabulary_high(step: Lowered) -> Callable[[str], int]:
     """``int_high`` of the profiling pass: the step's tokens and targets drawn over its
     vocabulary, every other integer tensor zeros."""
-    vocab = embed_layer(step.layers).params[0].shape[0]
+    vocab = embed_layer(step.layers).params[0].state_shape[0]
     data = step.layout.data_objects()
     return lambda obj_id: vocab if obj_id in data else 1
 

@@ -55,6 +55,12 @@ class TensorSpec:
     ``decay`` (parameters): whether weight decay applies (off for norms and biases).
     ``trainable`` (parameters): False for a frozen tensor, which gets no gradient and no
     optimizer state.
+    ``rows`` (parameters): the rows the model's state holds where the step stores more,
+    ``shape[0]`` (None: all of them): a vocabulary table padded for the tensor cores
+    (``kit.decoder_math.padded_vocab``). The rows past ``rows`` start at zero, no math
+    reads them into a result and none gives them a gradient, so they stay zero; the model
+    state (checkpoints, HF files) has ``state_shape``, and ``drive.values`` pads and slices
+    at that boundary.
     """
 
     name: str
@@ -62,6 +68,22 @@ class TensorSpec:
     dtype: str = "policy"
     decay: bool = True
     trainable: bool = True
+    rows: int | None = attrs.field(default=None, kw_only=True)
+
+    @rows.validator
+    def _rows(self, attribute: attrs.Attribute, value: int | None) -> None:
+        if value is not None and not (self.shape and 0 < value <= self.shape[0]):
+            raise FamilyContractError(
+                f"tensor {self.name!r}: rows={value!r} must be between 1 and its first "
+                f"dimension, {self.shape[0] if self.shape else 'none'}"
+            )
+
+    @property
+    def state_shape(self) -> tuple[int, ...]:
+        """The shape the model state holds (``rows``)."""
+        if self.rows is None:
+            return self.shape
+        return (self.rows, *self.shape[1:])
 
 
 @attrs.frozen
@@ -387,6 +409,17 @@ def partial_saves(math: Any, config: Any, saved: tuple[TensorSpec, ...]) -> dict
             raise FamilyContractError(f"{where} is declared but the kind has no rederive")
         found[partial.name] = partial
     return found
+
+
+def state_rows(layers: Any) -> dict[str, int]:
+    """``{"<layer>.<param>": rows}`` of every parameter the state holds fewer rows of than
+    the step stores (``TensorSpec.rows``)."""
+    return {
+        f"{layer.name}.{param.name}": param.rows
+        for layer in layers
+        for param in layer.params
+        if param.rows is not None
+    }
 
 
 def embed_layer(layers: list[LayerSpec] | tuple[LayerSpec, ...]) -> LayerSpec:

@@ -34,7 +34,11 @@ float64 inputs). Backward ops never rebuild autograd graphs and never re-run a f
   int64 (tokens,); a target of -100 is ignored. ``vocab_tiles=True`` asks for d_weight
   one vocabulary tile at a time (the logits made again per tile) instead of summed over
   the chunks in a float32 (vocab, dim) table; the head passes it only when
-  ``TrainConfig.head_vocab_tiles`` is set, so a variant may leave it out.
+  ``TrainConfig.head_vocab_tiles`` is set, so a variant may leave it out. ``vocab=V``
+  (V below weight's rows) says the vocabulary is weight's first V rows, the rest padding
+  (a config's ``vocab_multiple``): the logits past V take no part in the softmax or the
+  loss and d_weight is zero in those rows. The kit's heads pass it whenever the stored
+  weight is padded, so a variant must take it.
 - ``grouped_mm(x, weight, offsets) -> y`` and ``grouped_mm_wgrad(dy, x, offsets) ->
   d_weight``: a matmul per expert over rows sorted by expert (MoE FFNs; ``offsets`` int32
   ``(E + 1,)``): x (N, in), weight (E, out, in), y (N, out); d_weight (E, out, in). Not in

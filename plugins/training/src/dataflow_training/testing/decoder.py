@@ -295,7 +295,9 @@ class DecoderFamilyChecks:
         for tied in (True, False):
             config = family.config(self.preset, tie_word_embeddings=tied)
             layers = family.layers(config)
-            declared = {f"{layer.name}.{p.name}": p.shape for layer in layers for p in layer.params}
+            declared = {
+                f"{layer.name}.{p.name}": p.state_shape for layer in layers for p in layer.params
+            }
             state = family.reference_model(config).state_dict()
             assert {k: tuple(v.shape) for k, v in state.items()} == declared
             assert ("head.lm_head.weight" in declared) is not tied
