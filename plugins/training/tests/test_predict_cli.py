@@ -239,7 +239,10 @@ def test_predict_ranks_prices_the_all_reduce_on_the_tables_link(tmp_path) -> Non
         assert row["fleet_tok_s"] == pytest.approx(n * 64 / row["step_s"])
     # gpt2_tiny's gradient groups: the embedding (tied head), each block, the final norm
     assert rows[0]["allreduce_groups"] >= 3 and rows[0]["allreduce_gb"] > 0
-    assert "fleets on h200 (network)" in result.stdout and "scaling eff" in result.stdout
+    assert (
+        "fleets predicted for hardware entry h200 (network)" in result.stdout
+        and "scaling eff" in result.stdout
+    )
 
 
 def _rows_of(tmp_path, *args) -> list[dict]:

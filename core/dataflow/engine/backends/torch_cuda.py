@@ -22,7 +22,7 @@ from dataflow.engine.dispatcher import Completion, OpFailed, OpKind
 _KIND = {"d2h": OpKind.D2H, "h2d": OpKind.H2D}
 #: The copy ``measure_links`` times on a CPU, at most: a host memcpy reaches its rate well
 #: below 64 MiB, and the CPU profile should be quick.
-CPU_COPY_BYTES = 16 * 2**20
+CPU_COPY_BYTES = 8 * 2**20
 
 
 class CudaRunner:

@@ -59,6 +59,7 @@ def price_step(
         apply_profile,
         busiest_task,
         profile_program,
+        signature,
         task_launcher,
         without_workspace,
     )
@@ -71,9 +72,16 @@ def price_step(
     profiles = profile_program(step, measure, device=device, cache=cache, graph=graph)
     # the links as the step's copies see them: beside its costliest task's kernels
     busiest = busiest_task(step, profiles)
-    load = task_launcher(step, measure, busiest, device=device)
-    measured_links = measure_links(device, beside=load)
-    del load  # its buffers
+    # a CPU's links are the host's memcpy, kept with the profiles (a GPU's are measured
+    # each run: their pinned copies depend on the host, which the cache key does not name)
+    kept = cache if cache is not None and not on_cuda else None
+    measured_links = kept.get_links(signature(step, busiest)) if kept is not None else None
+    if measured_links is None:
+        load = task_launcher(step, measure, busiest, device=device)
+        measured_links = measure_links(device, beside=load)
+        del load  # its buffers
+        if kept is not None:
+            kept.put_links(signature(step, busiest), measured_links)
     links = attrs.evolve(measured_links, collective=step.program.links.collective)
     profiles, beside = without_workspace(profiles)
     step = step.with_program(attrs.evolve(apply_profile(step, profiles), links=links))

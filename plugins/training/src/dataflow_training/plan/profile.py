@@ -53,6 +53,8 @@ import torch
 
 from dataflow import (
     LaunchContext,
+    Link,
+    Links,
     Program,
     Task,
     kernels,
@@ -65,9 +67,10 @@ from dataflow_training.step.layout import StepLayout
 from dataflow_training.step.lowering import Lowered
 
 #: The version of the measuring method (fills, warm-up, timing); part of every cache key.
-PROFILE_VERSION = 5  # 2: the token shape joined the signature; 3: AuxTemp as forward
+PROFILE_VERSION = 6  # 2: the token shape joined the signature; 3: AuxTemp as forward
 # decides; 4: the task settles (SETTLE_S) before it is timed; 5: small memsets of the
-# task's graph become fill kernels, as in the engine's captured step
+# task's graph become fill kernels, as in the engine's captured step; 6: a CPU task is
+# timed on a worker thread, for at least HOST_TIMED_S
 #: How long (seconds) a task runs back to back before its timed launches on CUDA (see
 #: ``profile_program``): benchmarks/profile_method.py measured what it changes.
 SETTLE_S = 0.2
@@ -82,6 +85,7 @@ CACHE_ENV = "DATAFLOW_PROFILE_CACHE"
 #: Workspace is rounded up to the allocator's block size (kMinBlockSize, 512 bytes).
 ROUND_BYTES = 512
 _POSITION = ("layer", "round", "step")
+_DIRS = ("h2d", "d2h")
 
 
 @attrs.frozen
@@ -130,9 +134,8 @@ def _filled(
     for view in views.values():
         if view.is_floating_point() and on_device:
             view.normal_(0.0, 0.02, generator=draw)
-        elif view.is_floating_point():
-            noise = 0.02 * torch.randn(view.shape, generator=generator)
-            view.copy_(noise.to(view.dtype))
+        elif view.is_floating_point():  # drawn in place: no float32 copy to convert
+            view.normal_(0.0, 0.02, generator=generator)
         elif int_high(obj_id) > 1:
             view.copy_(torch.randint(0, int_high(obj_id), view.shape, generator=generator))
     return buffer
@@ -150,16 +153,30 @@ def default_cache_dir() -> Path | None:
 
 def device_identity(device: str) -> str:
     """What makes one device's timings another's: its name, compute capability, torch and
-    CUDA versions (CPU: the machine, processor and thread count)."""
+    CUDA versions (CPU: the machine, the processor's model, how many CPUs, torch's version
+    and intra-op thread count)."""
     dev = torch.device(device)
     if dev.type == "cuda":
         major, minor = torch.cuda.get_device_capability(dev)
         name = torch.cuda.get_device_name(dev)
         return f"{name} sm{major}{minor} torch {torch.__version__} cuda {torch.version.cuda}"
     return (
-        f"{dev.type} {platform.machine()} {platform.processor()} torch {torch.__version__} "
-        f"threads {torch.get_num_threads()}"
+        f"{dev.type} {platform.machine()} {processor_model()} cpus {os.cpu_count()} torch "
+        f"{torch.__version__} threads {torch.get_num_threads()}"
     )
+
+
+def processor_model() -> str:
+    """The processor's model name (``/proc/cpuinfo``; ``platform.processor()``, often
+    empty on Linux, where there is none)."""
+    try:
+        with Path("/proc/cpuinfo").open() as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def _chosen_variants(device: str) -> list[Any]:
@@ -272,25 +289,54 @@ class ProfileCache:
         return self.directory / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.json", text
 
     def get(self, key: tuple) -> TaskProfile | None:
+        entry = self._read(key)
+        try:
+            found = TaskProfile(float(entry["cost_us"]), int(entry["workspace_bytes"]))
+        except (KeyError, TypeError, ValueError):
+            found = None
+        return self._counted(found)
+
+    def put(self, key: tuple, profile: TaskProfile) -> None:
+        self._write(key, attrs.asdict(profile))
+
+    def get_links(self, key: tuple) -> Links | None:
+        """The links measured beside the task of signature ``key`` (CPU: ``price_step``)."""
+        entry = self._read(("links", key))
+        try:
+            h2d, d2h = (Link(float(entry[d]["bw"]), float(entry[d]["latency_us"])) for d in _DIRS)
+            found = Links(h2d=h2d, d2h=d2h, duplex_bytes_per_us=float(entry["duplex"]))
+        except (KeyError, TypeError, ValueError):
+            found = None
+        return self._counted(found)
+
+    def put_links(self, key: tuple, links: Links) -> None:
+        entry: dict[str, Any] = {"duplex": links.duplex_bytes_per_us}
+        for d in _DIRS:
+            link = getattr(links, d)
+            entry[d] = {"bw": link.bw_bytes_per_us, "latency_us": link.latency_us}
+        self._write(("links", key), entry)
+
+    def _counted(self, found: Any) -> Any:
+        if found is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return found
+
+    def _read(self, key: tuple) -> dict[str, Any] | None:
+        """The entry stored for ``key`` (None: none, another key's, or unreadable)."""
         path, text = self._path(key)
         try:
             entry = json.loads(path.read_text())
-            found = TaskProfile(float(entry["cost_us"]), int(entry["workspace_bytes"]))
-            valid = entry["key"] == text
-        except (OSError, ValueError, KeyError, TypeError):
-            found, valid = None, False
-        if not valid:
-            self.misses += 1
+            return entry if isinstance(entry, dict) and entry.get("key") == text else None
+        except (OSError, ValueError):
             return None
-        self.hits += 1
-        return found
 
-    def put(self, key: tuple, profile: TaskProfile) -> None:
+    def _write(self, key: tuple, payload: dict[str, Any]) -> None:
         path, text = self._path(key)
         self.directory.mkdir(parents=True, exist_ok=True)
-        entry = {"key": text, **attrs.asdict(profile)}
         partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(entry))
+        partial.write_text(json.dumps({"key": text, **payload}))
         partial.replace(path)
 
 
