@@ -70,7 +70,7 @@ from dataflow_training.step.lowering import Lowered
 PROFILE_VERSION = 6  # 2: the token shape joined the signature; 3: AuxTemp as forward
 # decides; 4: the task settles (SETTLE_S) before it is timed; 5: small memsets of the
 # task's graph become fill kernels, as in the engine's captured step; 6: a CPU task is
-# timed on a worker thread, for at least HOST_TIMED_S
+# timed on a worker thread, once settled, for at least HOST_TIMED_S
 #: How long (seconds) a task runs back to back before its timed launches on CUDA (see
 #: ``profile_program``): benchmarks/profile_method.py measured what it changes.
 SETTLE_S = 0.2
@@ -78,6 +78,12 @@ SETTLE_S = 0.2
 #: and at most ``HOST_MAX_REPEATS`` launches (``_host_timed_us``).
 HOST_TIMED_S = 0.005
 HOST_MAX_REPEATS = 25
+#: Before its timed launches a CPU task runs until two launches in a row are within this
+#: factor of each other (give or take ``HOST_SETTLED_SLACK_US``, the host clock's and
+#: Python's jitter), at most ``HOST_SETTLE_LAUNCHES`` times after its warm-up.
+HOST_SETTLED = 1.25
+HOST_SETTLED_SLACK_US = 200.0
+HOST_SETTLE_LAUNCHES = 6
 #: Whether the L2 cache is overwritten before each timed launch on CUDA.
 FLUSH_L2 = False
 #: Names the cache directory (``off``: no disk cache).
@@ -542,7 +548,9 @@ class _Timing:
     @classmethod
     def on(cls, dev: torch.device, settle_s: float, flush_l2: bool) -> _Timing:
         if dev.type != "cuda":
-            return cls(worker=ThreadPoolExecutor(1, thread_name_prefix="dataflow-profile"))
+            worker = ThreadPoolExecutor(1, thread_name_prefix="dataflow-profile")
+            worker.submit(lambda: None).result()  # its thread started: not in a timing
+            return cls(worker=worker)
         scratch = None
         if flush_l2:
             l2 = torch.cuda.get_device_properties(dev).L2_cache_size
@@ -563,13 +571,17 @@ class _Timing:
         if self.scratch is not None:
             self.scratch.fill_(1)
 
-    def on_worker(self, work: Callable[[], list[float]]) -> list[float]:
+    def on_worker(self, work: Callable[[], object]) -> None:
         """``work()`` run on the worker thread (CPU), as the engine's compute worker runs
-        a step's tasks: torch's intra-op threads are per calling thread, and on a loaded
-        2-core machine a block's forward took 180 ms a launch from the main thread, whose
-        threads had just run other work, and 3.5 ms from a worker's (1.5 ms on one
-        thread)."""
-        return work() if self.worker is None else self.worker.submit(work).result()
+        a step's tasks, handed over and waited for as the engine's dispatcher hands it
+        a task and hears it end: torch's intra-op threads are per calling thread, and on
+        a loaded 2-core machine a block's forward took 180 ms a launch from the main
+        thread, whose threads had just run other work, and 3.5 ms from a worker's (1.5
+        ms on one thread)."""
+        if self.worker is None:
+            work()
+        else:
+            self.worker.submit(work).result()
 
     def close(self) -> None:
         if self.worker is not None:
@@ -585,7 +597,7 @@ def _measure(
     timing: _Timing = _Timing(),
 ) -> TaskProfile:
     if dev.type != "cuda":
-        times = timing.on_worker(lambda: _host_timed_us(executable, ctx, repeats))
+        times = _host_timed_us(lambda: timing.on_worker(lambda: executable.launch(ctx)), repeats)
         return TaskProfile(statistics.median(times), 0)
     executable.launch(ctx)  # warm-up: lazy initialisation, library handles, caches
     torch.cuda.synchronize(dev)
@@ -611,20 +623,37 @@ def _measure(
     return TaskProfile(statistics.median(times), workspace)
 
 
-def _host_timed_us(executable: Any, ctx: LaunchContext, repeats: int) -> list[float]:
-    """A CPU task launched once to warm up, then timed by the host clock ``repeats``
-    times, and more while those took less than ``HOST_TIMED_S`` (up to
-    ``HOST_MAX_REPEATS``): a short task's median then rests on enough launches to ride
-    out another process taking the cores for a moment."""
-    executable.launch(ctx)  # warm-up: lazy initialisation, library handles, caches
+def _host_timed_us(launch: Callable[[], None], repeats: int) -> list[float]:
+    """A CPU task launched until it has settled (two launches in a row within
+    ``HOST_SETTLED`` of each other, at most ``HOST_SETTLE_LAUNCHES``), then timed by the
+    host clock ``repeats`` times, and more while those took less than ``HOST_TIMED_S`` (up
+    to ``HOST_MAX_REPEATS``): a short task's median then rests on enough launches to
+    ride out another process taking the cores for a moment. ``launch`` hands the task to
+    the worker and waits for it (``_Timing.on_worker``), so each time holds the two
+    thread hand-overs the engine's dispatcher makes per task. One warm-up is not enough on
+    a CPU: gpt2_tiny's block forward at batch 32 took 9.5 s (torch's first use), then 71,
+    113, 17, 9 and 8 ms a launch (glibc's allocator raises its mmap threshold as large
+    temporaries are freed, so the first launches fault in fresh pages), where the
+    engine's steps ran it in 8-15 ms."""
+    last = _launch_us(launch)  # warm-up: lazy initialisation, caches
+    for _ in range(HOST_SETTLE_LAUNCHES):
+        now = _launch_us(launch)
+        settled = max(now, last) <= HOST_SETTLED * min(now, last) + HOST_SETTLED_SLACK_US
+        last = now
+        if settled:
+            break
     times: list[float] = []
     while len(times) < repeats or (
         sum(times) < HOST_TIMED_S * 1e6 and len(times) < HOST_MAX_REPEATS
     ):
-        start = time.perf_counter()
-        executable.launch(ctx)
-        times.append((time.perf_counter() - start) * 1e6)
+        times.append(_launch_us(launch))
     return times
+
+
+def _launch_us(launch: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    launch()
+    return (time.perf_counter() - start) * 1e6
 
 
 def _dispatched_us(
