@@ -127,6 +127,7 @@ def test_the_real_cache_key_names_the_device_and_kernels(tmp_path) -> None:
     assert cache.context["device"].startswith("cpu ")
     assert cache.context["kernels"][0] == "resolver torch"
     assert cache.context["version"] == profile.PROFILE_VERSION
+    assert cache.context["host_method"] == profile.HOST_METHOD_VERSION  # a CPU's alone
     assert cache.context["code"] == profile.code_fingerprint("torch", "cpu")
 
 

@@ -30,9 +30,9 @@ from dataflow import (
     place,
     plan_summary,
 )
-from dataflow_training.plan.compiled_step import DECLARED
 from dataflow_training.plan.hardware import HardwareEntry
 from dataflow_training.plan.predict import Cell, plan_cell, recomputed, row_of
+from dataflow_training.plan.pricing import declared_for
 from dataflow_training.step.config import TrainConfig
 
 
@@ -179,7 +179,8 @@ def run_bundle(
     step (``measured_step``)."""
     measured = measured_step(run, makespans, results) if makespans else None
     compiled = run.compiled
-    pricing = pricing or ("roofline" if compiled.priced_for == DECLARED else "profiled")
+    declared = compiled.priced_for == declared_for(compiled.device)
+    pricing = pricing or ("roofline" if declared else "profiled")
     summary = summary_of(
         compiled.placement,
         compiled.running,

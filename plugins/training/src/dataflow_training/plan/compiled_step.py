@@ -35,7 +35,7 @@ from dataflow import (
     plan,
     resolvers,
 )
-from dataflow_training.plan.pricing import price_step
+from dataflow_training.plan.pricing import declared_for, price_step
 from dataflow_training.plan.recompute import MAX_CANDIDATES, Rewriter, step_planner
 from dataflow_training.step.config import TrainConfig
 from dataflow_training.step.family import Family, embed_layer, load_family
@@ -50,9 +50,6 @@ UNBOUNDED_BYTES = 2**62
 #: 80 GiB pool and the 16 GB of starting weights (docs/throughput.md, session 5): the
 #: weights are already counted as used when the check reads the available memory.
 HOST_RESERVE_BYTES = 8 * 2**30
-
-#: What a step priced by a cost model the caller gave is predicted for (``priced_for``)
-DECLARED = "declared costs, not measured here"
 
 #: Plans ``compile_step`` makes, at most, to bring the slow pool inside the host (the
 #: pool's excess over the slow peak changes with each plan, so one re-plan may fall short)
@@ -110,8 +107,8 @@ class CompiledStep:
     ``resolver`` the registered resolver that runs the tasks; ``graph`` whether steps
     after the first replay one CUDA graph; ``fleet`` whether each step all-reduces its
     gradients (a member of a data-parallel fleet); ``priced_for`` what the simulator's
-    prediction is for (``cpu (measured)``: the profiling pass on this device; ``declared
-    costs``: a cost model the caller gave)."""
+    prediction is for (``cpu (measured)``: the profiling pass on this device; ``cpu
+    (declared costs, not measured)``: a cost model the caller gave)."""
 
     lowered: Lowered
     running: Lowered
@@ -252,7 +249,7 @@ def compile_step(
     else:
         reserve = beside = 0
         rewriter = Rewriter(lowered) if searched else None
-        priced_for = DECLARED
+        priced_for = declared_for(device)
     if planner is None:
         planner = step_planner(rewriter, MAX_CANDIDATES) if searched else PRESSUREFIT
     outside = reserve + beside

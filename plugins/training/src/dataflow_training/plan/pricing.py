@@ -41,6 +41,12 @@ def measured_for(device: str) -> str:
     return f"{device} (measured)"
 
 
+def declared_for(device: str) -> str:
+    """What a step on ``device`` priced by a cost model its caller gave is predicted for:
+    the hardware that model describes, not this device."""
+    return f"{device} (declared costs, not measured)"
+
+
 def price_step(
     step: Lowered, resolver: str, *, device: str, graph: bool = False, search: bool = False
 ) -> Pricing:

@@ -67,10 +67,13 @@ from dataflow_training.step.layout import StepLayout
 from dataflow_training.step.lowering import Lowered
 
 #: The version of the measuring method (fills, warm-up, timing); part of every cache key.
-PROFILE_VERSION = 6  # 2: the token shape joined the signature; 3: AuxTemp as forward
+PROFILE_VERSION = 5  # 2: the token shape joined the signature; 3: AuxTemp as forward
 # decides; 4: the task settles (SETTLE_S) before it is timed; 5: small memsets of the
-# task's graph become fill kernels, as in the engine's captured step; 6: a CPU task is
-# timed on a worker thread, once settled, for at least HOST_TIMED_S
+# task's graph become fill kernels, as in the engine's captured step
+#: The version of the CPU's measuring method, in the key of a CPU's entries only (the
+#: GPU profiles archived in benchmarks/results stay valid): 1: on a worker thread, once
+#: settled, for at least HOST_TIMED_S, with the links kept beside the profiles
+HOST_METHOD_VERSION = 1
 #: How long (seconds) a task runs back to back before its timed launches on CUDA (see
 #: ``profile_program``): benchmarks/profile_method.py measured what it changes.
 SETTLE_S = 0.2
@@ -257,9 +260,12 @@ class ProfileCache:
         kernels: tuple[str, ...],
         graph: bool = False,
         code: str | None = None,
+        host_method: int | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.context = {"device": device, "kernels": list(kernels), "version": PROFILE_VERSION}
+        if host_method is not None:  # a CPU's: HOST_METHOD_VERSION
+            self.context["host_method"] = host_method
         if code is not None:  # code_fingerprint of what runs the tasks
             self.context["code"] = code
         if graph:  # timed as graph replays: another measurement than a dispatched launch
@@ -282,12 +288,14 @@ class ProfileCache:
         directory = directory or default_cache_dir()
         if directory is None:
             return None
+        on_host = torch.device(device).type == "cpu"
         return cls(
             directory,
             device_identity(device),
             kernel_set(resolver, device),
             graph,
             code_fingerprint(resolver, device, family),
+            HOST_METHOD_VERSION if on_host else None,
         )
 
     def _path(self, key: tuple) -> tuple[Path, str]:
