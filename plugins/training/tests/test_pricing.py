@@ -50,3 +50,25 @@ def test_a_second_pricing_reads_tasks_and_links_from_the_cache(step, tmp_path, m
     monkeypatch.setattr(dataflow, "measure_links", not_again)
     second = price_step(step, "torch", device="cpu")
     assert second.step.program == first.step.program  # costs and links, as cached
+
+
+@pytest.mark.gpu
+def test_a_cuda_step_keeps_the_reserve_and_measures_its_links_every_time(
+    step, tmp_path, monkeypatch
+) -> None:
+    """On CUDA: the libraries' reserve is left beside the arena, and the links (pinned
+    copies, which depend on the host) are measured on every pricing, never cached."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    first = price_step(step, "torch", device="cuda", graph=True)
+    assert first.priced_for == "cuda (measured)" and first.reserve_bytes > 0
+    measured = []
+    real = dataflow.measure_links
+    monkeypatch.setattr(
+        dataflow, "measure_links", lambda *a, **k: measured.append(1) or real(*a, **k)
+    )
+    price_step(step, "torch", device="cuda", graph=True)
+    assert measured == [1]
