@@ -133,7 +133,7 @@ def test_train_trace_steps_writes_the_run_bundle(tmp_path: Path) -> None:
     assert len(measured.metadata["step_makespans_us"]) == 2
     assert bundle.summary.measured.steps == 2  # the dispatched steps after the first
     assert bundle.summary.measured.device == "cpu"
-    assert bundle.summary.pricing == "roofline"
+    assert bundle.summary.pricing == "profiled"  # as the run priced it, on the CPU too
     document = json.loads((tmp_path / "perfetto.json").read_text())
     assert trace_event_problems(document) == []
     assert {e["pid"] for e in document["traceEvents"] if e["ph"] == "X"} == {1, 2}

@@ -146,15 +146,15 @@ def test_measure_names_an_unknown_resolver_and_the_known_ones() -> None:
 
 def test_measure_plans_within_the_backing_and_tells_each_step(tmp_path) -> None:
     """``--backing`` is the slow budget the cell is planned under (as ``predict`` plans
-    it), and each step's end is printed as it happens."""
+    it), and each step's end is printed as it happens. The cell is priced by tasks
+    measured on the device (``predict`` prices by the hardware entry)."""
     out = tmp_path / "fidelity.json"
     args = ("measure", *ONE, "--budget", "0.004", "--steps", "2", "--warmup", "1")
     result = invoke(*args, "--device", "cpu", "--backing", "0.1", "--json", out)
     assert result.exit_code == 0, result.output
     (row,) = _rows(out)
     assert row["feasible"] and row["backing_peak_bytes"] <= 0.1 * 2**30
-    predicted = _rows_of(tmp_path, "predict", *ONE, "--budget", "0.004", "--backing", "0.1")
-    assert row["predicted_step_s"] == pytest.approx(predicted[0]["step_s"], rel=1e-9)
+    assert row["costs"] == "measured" and row["predicted_step_s"] > 0
     told = [line for line in result.stderr.splitlines() if "budget 4.1 MiB: " in line]
     assert "planned: " in told[0] and "step 1/2: " in told[1] and "step 2/2: " in told[2]
     # a backing too small even for the step's tokens (the weights and optimizer state may
@@ -239,7 +239,10 @@ def test_predict_ranks_prices_the_all_reduce_on_the_tables_link(tmp_path) -> Non
         assert row["fleet_tok_s"] == pytest.approx(n * 64 / row["step_s"])
     # gpt2_tiny's gradient groups: the embedding (tied head), each block, the final norm
     assert rows[0]["allreduce_groups"] >= 3 and rows[0]["allreduce_gb"] > 0
-    assert "fleets on h200 (network)" in result.stdout and "scaling eff" in result.stdout
+    assert (
+        "fleets predicted for hardware entry h200 (network)" in result.stdout
+        and "scaling eff" in result.stdout
+    )
 
 
 def _rows_of(tmp_path, *args) -> list[dict]:

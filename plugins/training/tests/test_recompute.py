@@ -7,6 +7,7 @@ import attrs
 import pytest
 from dataflow_training.plan.recompute import RECOMPUTE, Rewriter, recompute_planner, search
 from dataflow_training.step.config import TrainConfig
+from dataflow_training.step.costs import RooflineCost
 from dataflow_training.step.layout import StepLayout
 from dataflow_training.step.lowering import lower
 from dataflow_training.testing.toy import ToyFamily
@@ -171,11 +172,14 @@ def test_a_recomputed_step_trains_exactly_as_the_saving_one() -> None:
     pytest.importorskip("dataflow_family_gpt2")
     pytest.importorskip("dataflow_resolver_torch")
     train = TrainConfig(seq_len=16, batch=2, rounds=2)
-    saving = TrainingRun.of("gpt2", "gpt2_tiny", train, recompute=False)
+    saving = TrainingRun.of("gpt2", "gpt2_tiny", train, recompute=False, cost=RooflineCost())
     # half the saving step's peak: tight enough that re-deriving activations beats
-    # offloading them (at 0.7 PressureFit's plan of the saving step is the faster one)
+    # offloading them, priced by the declared costs (at 0.7 PressureFit's plan of the
+    # saving step is the faster one; a CPU's measured costs may offload instead)
     budget = int(0.5 * saving.compiled.plan.sim.fast_peak_bytes)
-    recomputing = TrainingRun.of("gpt2", "gpt2_tiny", train, budget_bytes=budget)
+    recomputing = TrainingRun.of(
+        "gpt2", "gpt2_tiny", train, budget_bytes=budget, cost=RooflineCost()
+    )
     assert any(t.kind == "rec" for t in recomputing.compiled.program.tasks)
     generator = torch.Generator().manual_seed(0)
     for _ in range(2):

@@ -132,7 +132,7 @@ def test_train_30_steps_loss_falls(site, corpus, tmp_path):
     out = tmp_path / "run"
     result = invoke(*_args(corpus, out, 30, "--checkpoint-every", "10", "--keep", "2"))
     assert result.exit_code == 0, result.output
-    assert "plan: gpt2-gpt2_tiny-train on cpu: predicted" in result.output
+    assert "plan: gpt2-gpt2_tiny-train on cpu (measured): predicted" in result.output
     assert "tok/s" in result.output
     # not a terminal: plain progress lines (every ~5 % of the run), no bar
     assert re.search(

@@ -27,6 +27,7 @@ from dataflow_training.drive.trainer import (  # noqa: E402
 )
 from dataflow_training.plan.compiled_step import UNBOUNDED_BYTES, compile_step  # noqa: E402
 from dataflow_training.step.config import TrainConfig  # noqa: E402
+from dataflow_training.step.costs import RooflineCost  # noqa: E402
 from dataflow_training.step.family import load_family  # noqa: E402
 from dataflow_training.step.lowering import lower  # noqa: E402
 
@@ -39,14 +40,16 @@ def test_plan_line_lists_the_recomputed_layers(recompute, listed):
     lowered = lower(load_family("gpt2"), "gpt2_tiny", train_config, recompute=recompute)
     assert recomputed_layers(lowered.layout) == [str(i) for i in recompute]
     planned = plan(lowered.program, UNBOUNDED_BYTES, planner=PRESSUREFIT)
-    compiled = compile_step(load_family("gpt2"), "gpt2_tiny", train_config, recompute=False)
+    compiled = compile_step(
+        load_family("gpt2"), "gpt2_tiny", train_config, recompute=False, cost=RooflineCost()
+    )
     compiled = attrs.evolve(
         compiled,
         running=lowered.with_program(planned.program),
         placement=SimpleNamespace(plan=planned),
     )
     line = plan_line(compiled)
-    assert line.startswith("plan: gpt2-gpt2_tiny-train on cpu: predicted ")
+    assert line.startswith("plan: gpt2-gpt2_tiny-train on cpu (declared costs, not measured): ")
     assert line.endswith(f"recomputed layers: {listed}"), line
     assert "of unbounded" in line
 

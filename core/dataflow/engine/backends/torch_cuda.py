@@ -20,6 +20,9 @@ from dataflow.engine.contract import Executable, LaunchContext
 from dataflow.engine.dispatcher import Completion, OpFailed, OpKind
 
 _KIND = {"d2h": OpKind.D2H, "h2d": OpKind.H2D}
+#: The copy ``measure_links`` times on a CPU, at most: a host memcpy reaches its rate well
+#: below 64 MiB, and the CPU profile should be quick.
+CPU_COPY_BYTES = 8 * 2**20
 
 
 class CudaRunner:
@@ -226,7 +229,8 @@ def measure_links(
     repeats: int = 5,
     beside: Callable[[torch.cuda.Stream], None] | None = None,
 ):
-    """The links between the device and pinned host memory, measured: each direction's
+    """The links between the device and pinned host memory, measured (on the CPU, copies
+    between two host buffers: ``torch_cpu.measure_host_links``): each direction's
     bandwidth copying alone, the two directions' total copying at once
     (``duplex_bytes_per_us``: the simulator shares it while both are busy, as in a
     streaming step where write-backs and prefetches overlap), and each direction's latency
@@ -247,6 +251,10 @@ def measure_links(
     from dataflow.schema import Link, Links
 
     device = torch.device(device)
+    if device.type == "cpu":  # fast and slow memory are both the host's
+        from dataflow.engine.backends.torch_cpu import measure_host_links
+
+        return measure_host_links(min(size_bytes, CPU_COPY_BYTES), repeats, beside)
     host_in = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=True)
     host_out = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=True)
     dev_in = torch.empty(size_bytes, dtype=torch.uint8, device=device)

@@ -227,7 +227,7 @@ def predict_command(
     cells = _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders, vocab_size)
     if ranks is None:
         rows = predict(family, cells, entry, jobs=jobs or default_jobs(), **options)
-        _print_predicted(rows, entry.name, preset)
+        _print_predicted(rows, _predicted_for(entry.name, measured, device), preset)
     else:
         rows = predict_fleet(family, cells, entry, ranks, scope=scope, **options)
         _print_fleet(rows, entry.name, preset, scope)
@@ -264,7 +264,7 @@ def _print_fleet(rows: list[dict[str, Any]], hw: str, preset: str, scope: str) -
     table = Table(
         "seq", "T_round", "budget", "ranks", "s/step", "tok/s a rank", "fleet tok/s",
         "all-reduce ms", "exposed ms", "hidden ms", "scaling eff",
-        title=f"{preset} fleets on {hw} ({scope})",
+        title=f"{preset} fleets predicted for hardware entry {hw} ({scope})",
     )  # fmt: skip
     for row in rows:
         if not row["feasible"]:
@@ -396,7 +396,7 @@ def measure_command(
         progress=progress,
         on_event=on_event,
     )
-    _print_measured(rows, entry.name, preset, device)
+    _print_measured(rows, preset, device)
     _write(json_out, rows, "measure")
 
 
@@ -418,11 +418,19 @@ def _cell_columns(row: dict[str, Any]) -> list[str]:
     return [str(row["seq_len"]), str(row["t_round"]), budget]
 
 
-def _print_predicted(rows: list[dict[str, Any]], hw: str, preset: str) -> None:
+def _predicted_for(hw: str, measured: bool, device: str | None) -> str:
+    """What ``dataflow predict``'s figures are for: the hardware entry, or (``--measured``)
+    tasks timed on the device with the entry's links."""
+    if measured:
+        return f"tasks measured on {device or default_device()}, links of hardware entry {hw}"
+    return f"predicted for hardware entry {hw}, not measured here"
+
+
+def _print_predicted(rows: list[dict[str, Any]], predicted_for: str, preset: str) -> None:
     table = Table(
         "seq", "T_round", "budget", "s/step", "tok/s", "eff TF/s", "hw TF/s", "fast peak",
         "backing peak", "h2d GB", "d2h GB", "link % h2d/d2h", "recompute %", "idle %",
-        "recomputed", title=f"{preset} on {hw}",
+        "recomputed", title=f"{preset} ({predicted_for})",
     )  # fmt: skip
     for row in rows:
         if not row["feasible"]:
@@ -455,10 +463,11 @@ def _recomputed(row: dict[str, Any]) -> str:
     return text + (f" ({partial} partial)" if partial else "")
 
 
-def _print_measured(rows: list[dict[str, Any]], hw: str, preset: str, device: str) -> None:
+def _print_measured(rows: list[dict[str, Any]], preset: str, device: str) -> None:
     table = Table(
         "seq", "T_round", "budget", "predicted s", "measured s", "ratio", "tok/s",
-        "allocator peak", "recomputed", title=f"{preset} on {device} (predicted: {hw})",
+        "allocator peak", "recomputed", title=f"{preset} on {device} (predicted from tasks "
+        "and links measured there)",
     )  # fmt: skip
     for row in rows:
         if not row["feasible"]:

@@ -32,6 +32,7 @@ from dataflow import (
 )
 from dataflow_training.plan.hardware import HardwareEntry
 from dataflow_training.plan.predict import Cell, plan_cell, recomputed, row_of
+from dataflow_training.plan.pricing import declared_for
 from dataflow_training.step.config import TrainConfig
 
 
@@ -172,13 +173,14 @@ def run_bundle(
     pricing: str = "",
 ) -> Bundle:
     """The bundle of a ``TrainingRun``: its placed plan, priced as the run priced it
-    (the profiling pass on CUDA, else the lowering's default roofline), and, when
+    (the profiling pass, or a cost model the run was compiled with), and, when
     ``results`` (the traced steps' ``RunResult``, dispatched) are given, their measured
     timeline; ``makespans`` every step's ``(makespan_us, replayed)`` for the measured
     step (``measured_step``)."""
     measured = measured_step(run, makespans, results) if makespans else None
-    pricing = pricing or ("profiled" if run.device.startswith("cuda") else "roofline")
     compiled = run.compiled
+    declared = compiled.priced_for == declared_for(compiled.device)
+    pricing = pricing or ("roofline" if declared else "profiled")
     summary = summary_of(
         compiled.placement,
         compiled.running,

@@ -1,7 +1,7 @@
 """``measure``: the cells of a ``predict`` grid run on the engine, beside their prediction.
 
-Each cell is planned once (``TrainingRun``: on CUDA, priced by the profiling pass through
-its disk cache; elsewhere by the hardware entry's roofline), then run for ``steps``
+Each cell is planned once (``compile_step``: priced by the profiling pass through its
+disk cache and by links measured on the device, CPU or CUDA), then run for ``steps``
 optimizer steps on random tokens; the first ``warmup`` are dropped and the median of the
 rest is the measured step, printed beside the plan's simulated step with their ratio
 (measured / predicted). A cell that cannot be planned or does not fit the device is a
@@ -57,8 +57,8 @@ def measure_cell(
     # torch loads when a cell is measured: `dataflow measure` reads this module without it
     from dataflow_training.drive.run import TrainingRun
 
-    costs = "measured" if device.startswith("cuda") else "roofline"
-    extra: dict[str, Any] = {"hw": hw.name, "costs": costs, "device": device, "resolver": resolver}
+    extra: dict[str, Any] = {"hw": hw.name, "costs": "measured", "device": device}
+    extra["resolver"] = resolver
     extra["optimizer_states"] = states
     extra["precision"] = precision or pinned(dtype, states).name
     reason = cell.why_not()
@@ -80,8 +80,6 @@ def measure_cell(
             device=device,
             resolver=resolver,
             recompute=recompute,
-            cost=hw.roofline(train.dtype.param),
-            links=hw.links(),
         )
         run = TrainingRun(compiled, seed=seed)
         row = row_of(compiled.plan, compiled.running, cell, extra)

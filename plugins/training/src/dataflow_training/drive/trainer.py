@@ -220,7 +220,7 @@ def plan_line(compiled: Any) -> str:
     if partial:
         recomputed += f" (saved partially: {', '.join(partial)})"
     return (
-        f"plan: {compiled.program.name} on {compiled.device}: predicted "
+        f"plan: {compiled.program.name} on {compiled.priced_for}: predicted "
         f"{p['step_s']:.4g} s/step, "
         f"{p['tok_s']:,.0f} tok/s; fast peak {format_size(p['fast_peak_bytes'])} of "
         f"{budget_text(compiled.planned_budget_bytes)}, slow peak "

@@ -3,9 +3,9 @@
     step = compile_step(family, "gpt2_tiny", TrainConfig(seq_len=64, batch=8), budget_bytes=...)
     run = TrainingRun(step)                      # the driver: engine, steps, state
 
-``compile_step`` lowers the step with the family object it is given, prices it (on CUDA
-from the profiling pass and measured links, ``cuda_pricing``; elsewhere from the
-family's declared costs), plans it (the recompute search over candidates the same family
+``compile_step`` lowers the step with the family object it is given, prices it (from the
+profiling pass and measured links on the device it runs on, ``pricing.price_step``; off
+CUDA from declared costs when a cost model is given), plans it (the recompute search over candidates the same family
 object re-lowers, then PressureFit), places it, and re-plans inside a slow budget where
 the engine's slow pool would not fit the host. The ``CompiledStep`` it returns holds the
 step as lowered, the one placement whose plan runs and that plan's step layout: every
@@ -15,6 +15,7 @@ takes it, and none looks the family up again or parses a layout back out of meta
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +28,14 @@ from dataflow import (
     Plan,
     PlannerSpec,
     PlanningError,
+    Program,
     format_size,
     kernels,
     place,
     plan,
     resolvers,
 )
-from dataflow_training.plan.cuda_pricing import price_on_cuda
+from dataflow_training.plan.pricing import declared_for, price_step
 from dataflow_training.plan.recompute import MAX_CANDIDATES, Rewriter, step_planner
 from dataflow_training.step.config import TrainConfig
 from dataflow_training.step.family import Family, embed_layer, load_family
@@ -104,7 +106,9 @@ class CompiledStep:
     host: ``pool_note`` says so) and ``pinned_limit_bytes`` the bound on the slow pool;
     ``resolver`` the registered resolver that runs the tasks; ``graph`` whether steps
     after the first replay one CUDA graph; ``fleet`` whether each step all-reduces its
-    gradients (a member of a data-parallel fleet)."""
+    gradients (a member of a data-parallel fleet); ``priced_for`` what the simulator's
+    prediction is for (``cpu (measured)``: the profiling pass on this device; ``cpu
+    (declared costs, not measured)``: a cost model the caller gave)."""
 
     lowered: Lowered
     running: Lowered
@@ -117,6 +121,7 @@ class CompiledStep:
     pinned_limit_bytes: int | None
     graph: bool
     fleet: bool
+    priced_for: str
     pool_note: str | None = None
 
     @property
@@ -216,8 +221,10 @@ def compile_step(
     memory less ``HOST_RESERVE_BYTES``; without ``backing_bytes``, a plan whose pool
     exceeds those is made again inside a slow budget that fits them (``pool_note``), and
     what still does not fit is refused when the engine loads (``TrainingRun``).
-    ``cost`` and ``links`` price the step where the profiling pass does not (off CUDA)
-    and give its links; ``graph`` (CUDA only) replays steps from one CUDA graph;
+    The step is priced by the profiling pass and measured links on ``device``
+    (``price_step``) unless ``cost`` is given off CUDA: then ``cost`` and ``links`` price
+    it (a prediction for the hardware they describe, not for this device). ``links``'
+    collective link is kept either way; ``graph`` (CUDA only) replays steps from one CUDA graph;
     ``grad_share`` makes the step one member of a data-parallel fleet (``lower``);
     ``keep_grads`` and ``keep_aux_temp`` keep the gradients and AuxTemp for checks."""
     kernels().check_pins()  # a bad DATAFLOW_KERNELS fails here, not in the first task
@@ -237,13 +244,13 @@ def compile_step(
     graph = graph and on_cuda
     budget = budget_bytes or UNBOUNDED_BYTES
     searched = planner is None and recompute
-    rewriter = None
-    if on_cuda:
-        priced = price_on_cuda(lowered, resolver, device=device, graph=graph, search=searched)
-        lowered, rewriter, reserve, beside = priced
+    if on_cuda or cost is None:
+        priced = price_step(lowered, resolver, device=device, graph=graph, search=searched)
+        lowered, rewriter, reserve, beside, priced_for = priced
     else:
         reserve = beside = 0
         rewriter = Rewriter(lowered) if searched else None
+        priced_for = declared_for(device)
     if planner is None:
         planner = step_planner(rewriter, MAX_CANDIDATES) if searched else PRESSUREFIT
     outside = reserve + beside
@@ -272,7 +279,7 @@ def compile_step(
                 f"{exc.reason} (budgets here include the CUDA libraries' reserve of "
                 f"{reserve} bytes and {beside} bytes of task workspace beside the arena)",
             ) from None
-        return place(planned, workspace_beside_bytes=beside) if beside else place(planned)
+        return _placed(planned, rewriter, beside, {**extra, "cyclic": options["cyclic"]})
 
     placement = plan_and_place(backing_bytes)
     pinned_limit = backing_bytes if pinned_limit_bytes is None else pinned_limit_bytes
@@ -295,8 +302,46 @@ def compile_step(
         pinned_limit_bytes=pinned_limit,
         graph=graph,
         fleet=grad_share is not None,
+        priced_for=priced_for,
         pool_note=pool_note,
     )
+
+
+def _placed(
+    planned: Plan, rewriter: Rewriter | None, beside: int, options: dict[str, Any]
+) -> Placement:
+    """``planned`` placed (``place``, with ``beside`` bytes of workspace beside the arena).
+    Where fragmentation keeps every packing above the budget and the plan came from the
+    recompute search, steps with more blocks recomputed (``_recomputing``) are planned
+    by PressureFit at the same budget, and the first that places is kept: ``place``
+    re-plans only the step the search chose, which the search took because its
+    simulated peak fits. With measured costs the plan's intervals, so its packing, vary
+    from run to run: gpt2_tiny at 2 MiB on a CPU packed in 3 of 5 fresh profiles
+    without this (the others took 2.15 MB; the search kept no block recomputed)."""
+    try:
+        return place(planned, workspace_beside_bytes=beside)
+    except InfeasibleBudget:
+        raise
+    except PlanningError as exc:
+        fragmented = exc
+    for program in _recomputing(rewriter):
+        try:
+            again = plan(program, planned.budget_bytes, planner=PRESSUREFIT, **options)
+            return place(again, workspace_beside_bytes=beside)
+        except PlanningError:
+            continue
+    raise fragmented
+
+
+def _recomputing(rewriter: Rewriter | None) -> Iterator[Program]:
+    """The rewriter's step with its first block, then the first half of its blocks, then
+    every block recomputed in every round (nothing without a rewriter)."""
+    if rewriter is None:
+        return
+    blocks = 1 + max((block for _, block in rewriter.all), default=-1)
+    for first in sorted({1, blocks // 2, blocks} - {0}):
+        units = frozenset(unit for unit in rewriter.all if unit[1] < first)
+        yield rewriter.candidate(units).program
 
 
 def _fit_pool(

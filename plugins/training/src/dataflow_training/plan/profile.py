@@ -43,6 +43,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,8 @@ import torch
 
 from dataflow import (
     LaunchContext,
+    Link,
+    Links,
     Program,
     Task,
     kernels,
@@ -67,9 +70,23 @@ from dataflow_training.step.lowering import Lowered
 PROFILE_VERSION = 5  # 2: the token shape joined the signature; 3: AuxTemp as forward
 # decides; 4: the task settles (SETTLE_S) before it is timed; 5: small memsets of the
 # task's graph become fill kernels, as in the engine's captured step
+#: The version of the CPU's measuring method, in the key of a CPU's entries only (the
+#: GPU profiles archived in benchmarks/results stay valid): 1: on a worker thread, once
+#: settled, for at least HOST_TIMED_S, with the links kept beside the profiles
+HOST_METHOD_VERSION = 1
 #: How long (seconds) a task runs back to back before its timed launches on CUDA (see
 #: ``profile_program``): benchmarks/profile_method.py measured what it changes.
 SETTLE_S = 0.2
+#: A CPU task is timed until its launches took this long (seconds), at least ``repeats``
+#: and at most ``HOST_MAX_REPEATS`` launches (``_host_timed_us``).
+HOST_TIMED_S = 0.005
+HOST_MAX_REPEATS = 25
+#: Before its timed launches a CPU task runs until two launches in a row are within this
+#: factor of each other (give or take ``HOST_SETTLED_SLACK_US``, the host clock's and
+#: Python's jitter), at most ``HOST_SETTLE_LAUNCHES`` times after its warm-up.
+HOST_SETTLED = 1.25
+HOST_SETTLED_SLACK_US = 200.0
+HOST_SETTLE_LAUNCHES = 6
 #: Whether the L2 cache is overwritten before each timed launch on CUDA.
 FLUSH_L2 = False
 #: Names the cache directory (``off``: no disk cache).
@@ -77,6 +94,7 @@ CACHE_ENV = "DATAFLOW_PROFILE_CACHE"
 #: Workspace is rounded up to the allocator's block size (kMinBlockSize, 512 bytes).
 ROUND_BYTES = 512
 _POSITION = ("layer", "round", "step")
+_DIRS = ("h2d", "d2h")
 
 
 @attrs.frozen
@@ -125,9 +143,8 @@ def _filled(
     for view in views.values():
         if view.is_floating_point() and on_device:
             view.normal_(0.0, 0.02, generator=draw)
-        elif view.is_floating_point():
-            noise = 0.02 * torch.randn(view.shape, generator=generator)
-            view.copy_(noise.to(view.dtype))
+        elif view.is_floating_point():  # drawn in place: no float32 copy to convert
+            view.normal_(0.0, 0.02, generator=generator)
         elif int_high(obj_id) > 1:
             view.copy_(torch.randint(0, int_high(obj_id), view.shape, generator=generator))
     return buffer
@@ -145,16 +162,30 @@ def default_cache_dir() -> Path | None:
 
 def device_identity(device: str) -> str:
     """What makes one device's timings another's: its name, compute capability, torch and
-    CUDA versions (CPU: the machine, processor and thread count)."""
+    CUDA versions (CPU: the machine, the processor's model, how many CPUs, torch's version
+    and intra-op thread count)."""
     dev = torch.device(device)
     if dev.type == "cuda":
         major, minor = torch.cuda.get_device_capability(dev)
         name = torch.cuda.get_device_name(dev)
         return f"{name} sm{major}{minor} torch {torch.__version__} cuda {torch.version.cuda}"
     return (
-        f"{dev.type} {platform.machine()} {platform.processor()} torch {torch.__version__} "
-        f"threads {torch.get_num_threads()}"
+        f"{dev.type} {platform.machine()} {processor_model()} cpus {os.cpu_count()} torch "
+        f"{torch.__version__} threads {torch.get_num_threads()}"
     )
+
+
+def processor_model() -> str:
+    """The processor's model name (``/proc/cpuinfo``; ``platform.processor()``, often
+    empty on Linux, where there is none)."""
+    try:
+        with Path("/proc/cpuinfo").open() as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def _chosen_variants(device: str) -> list[Any]:
@@ -229,9 +260,12 @@ class ProfileCache:
         kernels: tuple[str, ...],
         graph: bool = False,
         code: str | None = None,
+        host_method: int | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.context = {"device": device, "kernels": list(kernels), "version": PROFILE_VERSION}
+        if host_method is not None:  # a CPU's: HOST_METHOD_VERSION
+            self.context["host_method"] = host_method
         if code is not None:  # code_fingerprint of what runs the tasks
             self.context["code"] = code
         if graph:  # timed as graph replays: another measurement than a dispatched launch
@@ -254,12 +288,14 @@ class ProfileCache:
         directory = directory or default_cache_dir()
         if directory is None:
             return None
+        on_host = torch.device(device).type == "cpu"
         return cls(
             directory,
             device_identity(device),
             kernel_set(resolver, device),
             graph,
             code_fingerprint(resolver, device, family),
+            HOST_METHOD_VERSION if on_host else None,
         )
 
     def _path(self, key: tuple) -> tuple[Path, str]:
@@ -267,25 +303,54 @@ class ProfileCache:
         return self.directory / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.json", text
 
     def get(self, key: tuple) -> TaskProfile | None:
+        entry = self._read(key)
+        try:
+            found = TaskProfile(float(entry["cost_us"]), int(entry["workspace_bytes"]))
+        except (KeyError, TypeError, ValueError):
+            found = None
+        return self._counted(found)
+
+    def put(self, key: tuple, profile: TaskProfile) -> None:
+        self._write(key, attrs.asdict(profile))
+
+    def get_links(self, key: tuple) -> Links | None:
+        """The links measured beside the task of signature ``key`` (CPU: ``price_step``)."""
+        entry = self._read(("links", key))
+        try:
+            h2d, d2h = (Link(float(entry[d]["bw"]), float(entry[d]["latency_us"])) for d in _DIRS)
+            found = Links(h2d=h2d, d2h=d2h, duplex_bytes_per_us=float(entry["duplex"]))
+        except (KeyError, TypeError, ValueError):
+            found = None
+        return self._counted(found)
+
+    def put_links(self, key: tuple, links: Links) -> None:
+        entry: dict[str, Any] = {"duplex": links.duplex_bytes_per_us}
+        for d in _DIRS:
+            link = getattr(links, d)
+            entry[d] = {"bw": link.bw_bytes_per_us, "latency_us": link.latency_us}
+        self._write(("links", key), entry)
+
+    def _counted(self, found: Any) -> Any:
+        if found is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return found
+
+    def _read(self, key: tuple) -> dict[str, Any] | None:
+        """The entry stored for ``key`` (None: none, another key's, or unreadable)."""
         path, text = self._path(key)
         try:
             entry = json.loads(path.read_text())
-            found = TaskProfile(float(entry["cost_us"]), int(entry["workspace_bytes"]))
-            valid = entry["key"] == text
-        except (OSError, ValueError, KeyError, TypeError):
-            found, valid = None, False
-        if not valid:
-            self.misses += 1
+            return entry if isinstance(entry, dict) and entry.get("key") == text else None
+        except (OSError, ValueError):
             return None
-        self.hits += 1
-        return found
 
-    def put(self, key: tuple, profile: TaskProfile) -> None:
+    def _write(self, key: tuple, payload: dict[str, Any]) -> None:
         path, text = self._path(key)
         self.directory.mkdir(parents=True, exist_ok=True)
-        entry = {"key": text, **attrs.asdict(profile)}
         partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(entry))
+        partial.write_text(json.dumps({"key": text, **payload}))
         partial.replace(path)
 
 
@@ -323,23 +388,26 @@ def profile_program(
         return _decided(step, obj_id, resolver, dev, generator, int_high, made)
 
     made: dict[tuple, torch.Tensor] = {}
-    for task in program.tasks:
-        if task.collective:
-            continue  # the collective link prices it, not a measurement of compute
-        key = signature(step, task)
-        if key in profiles:
-            continue
-        cached = cache.get(key) if cache is not None else None
-        if cached is not None:
-            profiles[key] = cached
-            continue
-        executable, ctx = _prepared(
-            program, layout, task, resolver, dev, generator, int_high, decided
-        )
-        replay = graph and dev.type == "cuda" and getattr(executable, "capturable", False)
-        profiles[key] = _measure(executable, ctx, dev, repeats, replay, timing)
-        if cache is not None:
-            cache.put(key, profiles[key])
+    try:
+        for task in program.tasks:
+            if task.collective:
+                continue  # the collective link prices it, not a measurement of compute
+            key = signature(step, task)
+            if key in profiles:
+                continue
+            cached = cache.get(key) if cache is not None else None
+            if cached is not None:
+                profiles[key] = cached
+                continue
+            executable, ctx = _prepared(
+                program, layout, task, resolver, dev, generator, int_high, decided
+            )
+            replay = graph and dev.type == "cuda" and getattr(executable, "capturable", False)
+            profiles[key] = _measure(executable, ctx, dev, repeats, replay, timing)
+            if cache is not None:
+                cache.put(key, profiles[key])
+    finally:
+        timing.close()
     return profiles
 
 
@@ -478,16 +546,19 @@ def _decided(
 
 @attrs.frozen
 class _Timing:
-    """How timed launches are prepared on CUDA (``profile_program``'s ``settle_s`` and
-    ``flush_l2``)."""
+    """How timed launches are prepared: on CUDA ``profile_program``'s ``settle_s`` and
+    ``flush_l2``; on a CPU the worker thread that runs them (``on_worker``)."""
 
     settle_s: float = 0.0
     scratch: torch.Tensor | None = None
+    worker: ThreadPoolExecutor | None = None
 
     @classmethod
     def on(cls, dev: torch.device, settle_s: float, flush_l2: bool) -> _Timing:
         if dev.type != "cuda":
-            return cls()
+            worker = ThreadPoolExecutor(1, thread_name_prefix="dataflow-profile")
+            worker.submit(lambda: None).result()  # its thread started: not in a timing
+            return cls(worker=worker)
         scratch = None
         if flush_l2:
             l2 = torch.cuda.get_device_properties(dev).L2_cache_size
@@ -508,6 +579,22 @@ class _Timing:
         if self.scratch is not None:
             self.scratch.fill_(1)
 
+    def on_worker(self, work: Callable[[], object]) -> None:
+        """``work()`` run on the worker thread (CPU), as the engine's compute worker runs
+        a step's tasks, handed over and waited for as the engine's dispatcher hands it
+        a task and hears it end: torch's intra-op threads are per calling thread, and on
+        a loaded 2-core machine a block's forward took 180 ms a launch from the main
+        thread, whose threads had just run other work, and 3.5 ms from a worker's (1.5
+        ms on one thread)."""
+        if self.worker is None:
+            work()
+        else:
+            self.worker.submit(work).result()
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
 
 def _measure(
     executable: Any,
@@ -517,14 +604,10 @@ def _measure(
     replay: bool = False,
     timing: _Timing = _Timing(),
 ) -> TaskProfile:
-    executable.launch(ctx)  # warm-up: lazy initialisation, library handles, caches
     if dev.type != "cuda":
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            executable.launch(ctx)
-            times.append((time.perf_counter() - start) * 1e6)
+        times = _host_timed_us(lambda: timing.on_worker(lambda: executable.launch(ctx)), repeats)
         return TaskProfile(statistics.median(times), 0)
+    executable.launch(ctx)  # warm-up: lazy initialisation, library handles, caches
     torch.cuda.synchronize(dev)
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
@@ -546,6 +629,39 @@ def _measure(
             timing.settle(lambda: executable.launch(ctx), dev)
             times = _dispatched_us(executable, ctx, repeats, timing)
     return TaskProfile(statistics.median(times), workspace)
+
+
+def _host_timed_us(launch: Callable[[], None], repeats: int) -> list[float]:
+    """A CPU task launched until it has settled (two launches in a row within
+    ``HOST_SETTLED`` of each other, at most ``HOST_SETTLE_LAUNCHES``), then timed by the
+    host clock ``repeats`` times, and more while those took less than ``HOST_TIMED_S`` (up
+    to ``HOST_MAX_REPEATS``): a short task's median then rests on enough launches to
+    ride out another process taking the cores for a moment. ``launch`` hands the task to
+    the worker and waits for it (``_Timing.on_worker``), so each time holds the two
+    thread hand-overs the engine's dispatcher makes per task. One warm-up is not enough on
+    a CPU: gpt2_tiny's block forward at batch 32 took 9.5 s (torch's first use), then 71,
+    113, 17, 9 and 8 ms a launch (glibc's allocator raises its mmap threshold as large
+    temporaries are freed, so the first launches fault in fresh pages), where the
+    engine's steps ran it in 8-15 ms."""
+    last = _launch_us(launch)  # warm-up: lazy initialisation, caches
+    for _ in range(HOST_SETTLE_LAUNCHES):
+        now = _launch_us(launch)
+        settled = max(now, last) <= HOST_SETTLED * min(now, last) + HOST_SETTLED_SLACK_US
+        last = now
+        if settled:
+            break
+    times: list[float] = []
+    while len(times) < repeats or (
+        sum(times) < HOST_TIMED_S * 1e6 and len(times) < HOST_MAX_REPEATS
+    ):
+        times.append(_launch_us(launch))
+    return times
+
+
+def _launch_us(launch: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    launch()
+    return (time.perf_counter() - start) * 1e6
 
 
 def _dispatched_us(
