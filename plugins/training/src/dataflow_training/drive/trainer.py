@@ -59,6 +59,7 @@ from dataflow_training.drive.run import TrainingRun, resolver_for
 from dataflow_training.drive.run_folder import RunFolder
 from dataflow_training.drive.schedule import LrSchedule, stored_schedule
 from dataflow_training.drive.schedule import resumed as schedule_on_resume
+from dataflow_training.drive.step_search import search_for
 from dataflow_training.drive.tokenizer import is_byte_level, keep_tokenizer
 from dataflow_training.drive.vocabulary import VocabError, choose_vocab
 from dataflow_training.plan.compiled_step import compile_step
@@ -148,6 +149,13 @@ class TrainOptions:
     #: the model's vocabulary as given (``--vocab-size``); None: the data's tokenizer's or
     #: the preset's (``vocabulary.choose_vocab``), which the run's overrides then carry
     vocab_size: int | None = None
+    #: the optimizer's batch in tokens (``--tokens-per-step``); the search's choice
+    tokens_per_step: int | None = None
+    #: the fields the step search chooses before the run starts (``step_search.SEARCHED``;
+    #: their values here are placeholders); empty: every field is as given
+    search: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    #: the host memory the step may hold (None: the machine's available memory)
+    host_bytes: int | None = None
 
     def train_config(self, family: Any) -> TrainConfig:
         """The step of ``family`` (the family object ``self.family`` names); the head's
@@ -174,9 +182,11 @@ class TrainOptions:
 
 
 def open_feed(o: TrainOptions) -> Any:
-    """``o``'s feed: the one-process stream (a fleet's members deal its rounds)."""
+    """``o``'s feed: the one-process stream (a fleet's members deal its rounds); before
+    the step search chose the shape, a stream of single tokens (for its vocabulary)."""
 
-    return feeds().open(o.data, batch=o.batch, seq_len=o.seq_len, seed=o.seed, rank=0, world=1)
+    batch, seq_len = (o.batch, o.seq_len) if not o.search else (1, 1)
+    return feeds().open(o.data, batch=batch, seq_len=seq_len, seed=o.seed, rank=0, world=1)
 
 
 def budget_text(budget_bytes: int) -> str:
@@ -394,6 +404,10 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
         o, init = _with_init(o, family)
     feed = open_feed(o)  # every member reads the one-process stream
     o, vocab_note = _with_vocab(o, family, feed, init, manifest)
+    if o.search:  # the step's shape, chosen for the model the vocabulary makes
+        o, searched = search_for(o, family)
+        say(searched.line())
+        feed = open_feed(o)
     if o.device.startswith("cuda"):  # tens of seconds for a large model: say what is under way
         say(
             f"profiling: each task of the step timed on {o.device}, then planned (the "

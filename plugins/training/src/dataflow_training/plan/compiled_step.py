@@ -33,7 +33,7 @@ from dataflow import (
     plan,
     resolvers,
 )
-from dataflow_training.plan.cuda_pricing import price_on_cuda
+from dataflow_training.plan.cuda_pricing import CudaPricing, price_on_cuda
 from dataflow_training.plan.recompute import MAX_CANDIDATES, Rewriter, step_planner
 from dataflow_training.step.config import TrainConfig
 from dataflow_training.step.family import Family, embed_layer, load_family
@@ -237,12 +237,8 @@ def compile_step(
     budget = budget_bytes or UNBOUNDED_BYTES
     searched = planner is None and recompute
     rewriter = None
-    if on_cuda:
-        priced = price_on_cuda(lowered, resolver, device=device, graph=graph, search=searched)
-        lowered, rewriter, reserve, beside = priced
-    else:
-        reserve = beside = 0
-        rewriter = Rewriter(lowered) if searched else None
+    priced = price_step(lowered, resolver, device=device, graph=graph, search=searched)
+    lowered, rewriter, reserve, beside = priced
     if planner is None:
         planner = step_planner(rewriter, MAX_CANDIDATES) if searched else PRESSUREFIT
     outside = reserve + beside
@@ -296,6 +292,18 @@ def compile_step(
         fleet=grad_share is not None,
         pool_note=pool_note,
     )
+
+
+def price_step(
+    step: Lowered, resolver: str, *, device: str, graph: bool, search: bool
+) -> CudaPricing:
+    """``step`` priced as ``compile_step`` prices it on ``device``: on CUDA by the
+    profiling pass (``price_on_cuda``), elsewhere from the family's declared costs; with
+    ``search``, the recompute rewriter priced the same way. The step search
+    (``plan.search``) prices its candidates with it too."""
+    if device.startswith("cuda"):
+        return price_on_cuda(step, resolver, device=device, graph=graph, search=search)
+    return CudaPricing(step, Rewriter(step) if search else None, 0, 0)
 
 
 def _fit_pool(
