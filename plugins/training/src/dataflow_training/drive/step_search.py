@@ -42,11 +42,14 @@ class NothingFits(ValueError):
     one line that says what would."""
 
 
-def search_for(o: Any, family: Any, *, host_bytes: int | None = None) -> tuple[Any, Searched]:
+def search_for(
+    o: Any, family: Any, *, host_bytes: int | None = None, pricing: Pricing | None = None
+) -> tuple[Any, Searched]:
     """``o`` (``TrainOptions``) with the fields in ``o.search`` chosen, and the search.
     ``host_bytes``: the host memory the run may hold (default ``o.host_bytes``, else the
-    machine's available memory). A sequence length not given is the preset's context,
-    halved while no shape fits it. Raises ``NothingFits``."""
+    machine's available memory); ``pricing``: how candidates are priced (default: as
+    ``compile_step`` prices ``o``'s step). A sequence length not given is the preset's
+    context, halved while no shape fits it. Raises ``NothingFits``."""
     free = set(o.search)
     pins = Pins(
         batch=None if "batch" in free else o.batch,
@@ -65,7 +68,7 @@ def search_for(o: Any, family: Any, *, host_bytes: int | None = None) -> tuple[A
         seq_len, note = o.seq_len, "given"
     if host_bytes is None:
         host_bytes = o.host_bytes if o.host_bytes is not None else available_host_bytes()
-    pricing = Pricing(device=o.device, graph=o.graph, recompute=o.recompute)
+    pricing = pricing or Pricing(device=o.device, graph=o.graph, recompute=o.recompute)
     while True:
         shaped = attrs.evolve(o, seq_len=seq_len, batch=1, rounds=1, order="round", updates="end")
         searcher = Searcher(
