@@ -34,7 +34,7 @@ from typing import Any
 
 import attrs
 
-from dataflow import PRESSUREFIT, PlanningError, format_size, plan, resolvers
+from dataflow import PRESSUREFIT, InfeasibleBudget, PlanningError, format_size, plan, resolvers
 from dataflow_training.plan.compiled_step import (
     HOST_RESERVE_BYTES,
     UNBOUNDED_BYTES,
@@ -205,6 +205,8 @@ class Tried:
     reason: str | None = None
     #: the reason is the host's memory (the plan fits the fast budget)
     host_bound: bool = False
+    #: where the budget is too small: a budget that is not (or no smaller does)
+    least_budget_bytes: int | None = None
 
 
 @attrs.frozen
@@ -387,6 +389,15 @@ class Searcher:
         arena = self.budget - reserve - beside
         if arena < 1:
             return Tried(shape, bound, reason="the libraries' reserve and workspace take it all")
+        floor = task_floor_bytes(program)
+        if floor > arena:  # no plan at all: not worth the planner's search for the minimum
+            return Tried(
+                shape,
+                bound,
+                reason=f"one task alone holds {format_size(floor)}, more than the "
+                f"{format_size(arena)} the plan has",
+                least_budget_bytes=self.budget - arena + floor,
+            )
         planner = step_planner(rewriter, MAX_CANDIDATES) if rewriter is not None else PRESSUREFIT
 
         def planned_in(slow_budget: int | None) -> Any:
@@ -400,8 +411,11 @@ class Searcher:
 
         try:
             planned = planned_in(self.backing_bytes)
+        except InfeasibleBudget as exc:
+            least = self.budget - arena + exc.minimal_budget_bytes
+            return Tried(shape, bound, reason=one_line(str(exc)), least_budget_bytes=least)
         except PlanningError as exc:
-            return Tried(shape, bound, reason=" ".join(str(exc).split()))
+            return Tried(shape, bound, reason=one_line(str(exc)))
         need = self.host_need(step, planned)
         if self.host_bytes is not None and need > self.host_bytes and self.backing_bytes is None:
             # as compile_step's _fit_pool: a slow budget that leaves room for the pool
@@ -434,6 +448,24 @@ class Searcher:
         if self.pricing.device.startswith("cuda"):
             return need + HOST_RESERVE_BYTES
         return need + planned.sim.fast_peak_bytes
+
+
+def task_floor_bytes(program: Any) -> int:
+    """The most bytes one task holds at once (its inputs, outputs and workspace): no
+    fast budget below it can run the step."""
+    sizes = program.objects_by_id
+    return max(
+        (
+            sum(sizes[name].size_bytes for name in {*t.inputs, *t.mutates, *t.outputs})
+            + t.workspace_bytes
+            for t in program.tasks
+        ),
+        default=0,
+    )
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def same_tasks(shape: Shape, rounds: int) -> Shape:
@@ -558,12 +590,14 @@ def nothing_fits(searcher: Searcher, tried: list[Tried], seq_len: int, pins: Pin
         )
         would.append("a larger --budget (less offloaded to the host)")
     else:
-        reasons = sorted({t.reason for t in tried if t.reason})
-        why = f"no step fits the {budget} budget ({reasons[0] if reasons else 'none planned'})"
-        would.append("a larger --budget")
+        least = [t.least_budget_bytes for t in tried if t.least_budget_bytes is not None]
+        why = f"no step fits the {budget} budget"
+        would.append(
+            f"a --budget of at least {format_size(min(least))}" if least else "a larger --budget"
+        )
     if seq_len > 1:
         would.append(f"a shorter --seq-len (e.g. {max(1, seq_len // 2)})")
-    if pins.order in (None, "round"):
+    if pins.order == "round":  # else the search tried layer orders where weights stream
         would.append("--order layer")
     states = searcher.base.optimizer.state_dtypes
     if any(dtype == "float32" for dtype in states.values()):
