@@ -22,7 +22,7 @@ def test_a_plain_run_gives_its_row_fields(tmp_path) -> None:
     command = zero_config.plain_command("gpt2_tiny", "2MiB", 4, tmp_path / "run", "cpu")
     args = shlex.split(command)
     assert args[:2] == ["dataflow", "train"] and "--batch" not in args
-    result = invoke(args[1:])
+    result = invoke(*args[1:])
     assert result.exit_code == 0, result.output
     searched = zero_config.read_search(result.output)
     assert searched["chosen"].startswith("seq 128, batch ")

@@ -106,7 +106,7 @@ def test_nothing_fits_says_what_would(family, tmp_path) -> None:
 
 def test_nothing_fits_is_one_line_of_dataflow_train(tmp_path) -> None:
     result = invoke(
-        ["train", "--preset", "gpt2_tiny", "--steps", "1", "--budget", "64KiB", "--device", "cpu",
+        *["train", "--preset", "gpt2_tiny", "--steps", "1", "--budget", "64KiB", "--device", "cpu",
          "--seq-len", "128", "--out", str(tmp_path / "run")]
     )  # fmt: skip
     assert result.exit_code == 1
@@ -124,10 +124,10 @@ def _search_line(output: str) -> str:
 
 def test_predict_searches_as_train_does(tmp_path) -> None:
     common = ["--preset", "gpt2_tiny", "--budget", "2MiB", "--device", "cpu"]
-    trained = invoke(["train", *common, "--steps", "1", "--out", str(tmp_path / "run")])
+    trained = invoke("train", *common, "--steps", "1", "--out", tmp_path / "run")
     assert trained.exit_code == 0, trained.output
     # train's defaults: fp32 weights and optimizer states
-    predicted = invoke(["predict", *common, "--dtype", "fp32", "--json", str(tmp_path / "p.json")])
+    predicted = invoke("predict", *common, "--dtype", "fp32", "--json", tmp_path / "p.json")
     assert predicted.exit_code == 0, predicted.output
     assert _search_line(predicted.output) == _search_line(trained.output)
     rows = json.loads((tmp_path / "p.json").read_text())["rows"]
@@ -143,9 +143,9 @@ def test_predict_searches_as_train_does(tmp_path) -> None:
 def test_a_pinned_batch_on_the_command_line_is_the_run_s(tmp_path) -> None:
     out = tmp_path / "run"
     args = ["train", "--preset", "gpt2_tiny", "--budget", "2MiB", "--device", "cpu"]
-    result = invoke([*args, "--steps", "1", "--batch", "3", "--out", str(out)])
+    result = invoke(*args, "--steps", "1", "--batch", "3", "--out", out)
     assert result.exit_code == 0, result.output
     assert "search: seq 128 (the preset's context); batch 3 x " in result.output
-    resumed = invoke(["train", "--out", str(out), "--resume", "auto", "--steps", "2"])
+    resumed = invoke("train", "--out", out, "--resume", "auto", "--steps", "2")
     assert resumed.exit_code == 0, resumed.output
     assert "search:" not in resumed.output  # the manifest's shape

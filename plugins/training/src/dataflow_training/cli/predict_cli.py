@@ -240,7 +240,8 @@ def predict_command(
         search_command(
             preset, family_name, hw if source is not ParameterSource.DEFAULT else None,
             hw_files, tokens_step, budgets, seq_lens, vocab_size, backing, orders, dtype,
-            optimizer_states, recompute, json_out, measured, device,
+            optimizer_states, recompute, json_out, measured_pricing if measured else None,
+            device,
         )  # fmt: skip
         return
     missing = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -32,12 +33,13 @@ def search_command(
     optimizer_states: str,
     recompute: bool,
     json_out: str | None,
-    measured: bool,
+    measured: Any,
     device: str | None,
 ) -> None:
     """Search as ``dataflow train`` would on ``device`` (default: cuda when present),
     priced as its ``compile_step`` prices, or by the hardware entry ``hw_name``'s
-    roofline where one is named, or by the profiling pass with ``measured``."""
+    roofline where one is named, or by the profiling pass with ``measured`` (a family,
+    device -> (plan options, cache) function: ``predict_cli.measured_pricing``)."""
     # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.drive.step_search import SEARCHED, search_for
     from dataflow_training.drive.trainer import TrainOptions
@@ -77,10 +79,8 @@ def search_command(
         search=[name for name in SEARCHED if given.get(name) is None],
     )
     pricing = None
-    if measured:
-        from dataflow_training.cli.predict_cli import measured_pricing
-
-        options, _cache = measured_pricing(family, device)
+    if measured is not None:  # predict_cli.measured_pricing
+        options, _cache = measured(family, device)
         pricing = Pricing(device=device, recompute=recompute, **options)
     elif hw_name is not None:
         try:

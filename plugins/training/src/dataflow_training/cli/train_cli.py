@@ -318,7 +318,8 @@ def train_command(
     rest["search"] = () if resumed or fleet is not None else searched_fields(rest)
     if resumed:
         rest |= {name: value for name, value in FIXED_SHAPE.items() if rest[name] is None}
-    _check_pinned_tokens(rest)
+    if not resumed:  # a resumed run's shape is its checkpoint's, which checks it
+        _check_pinned_tokens(rest)
     if rest["steps"] is None:
         if rest["resume"] is None:
             raise click.UsageError("Missing option '--steps' (or --resume, to take the run's)")

@@ -54,8 +54,7 @@ RESUMED = {
     **{
         name: name
         for name in (
-            "steps data batch rounds seq_len tokens_per_step checkpoint_every "
-            "checkpoint_minutes keep lr "
+            "steps data batch rounds seq_len checkpoint_every checkpoint_minutes keep lr "
             "warmup schedule "
             "min_lr_ratio seed dtype optimizer_states graph recompute order updates resolver "
             "head_vocab_tiles vocab_size"

@@ -309,13 +309,15 @@ def _batches(sequences: int, pins: Pins) -> list[int]:
 
 def token_options(seq_len: int, pins: Pins, cap: int) -> list[int]:
     """Tokens per step to try: the pinned figure, the one the pinned batch and rounds
-    make, else every power-of-two number of sequences up to ``cap`` (at least one)."""
+    make, else a power of two times the sequences the pinned batch (or rounds) makes,
+    up to ``cap`` (at least once)."""
     if pins.tokens_step is not None:
         return [pins.tokens_step]
     if pins.batch is not None and pins.rounds is not None:
         return [pins.batch * pins.rounds * seq_len]
-    sequences = max(1, cap // seq_len)
-    return [seq_len * 2**k for k in range(sequences.bit_length())]
+    unit = seq_len * (pins.batch or pins.rounds or 1)
+    times = max(1, cap // unit)
+    return [unit * 2**k for k in range(times.bit_length())]
 
 
 class Searcher:
