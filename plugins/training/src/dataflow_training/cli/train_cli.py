@@ -217,9 +217,9 @@ def fleet_options(command: Any) -> Any:
     "steps take longer), torch (eager) elsewhere",
 )
 @click.option(
-    "--head-vocab-tiles",
-    is_flag=True,
-    help="make the head's weight gradient one vocabulary tile at a time: no float32 "
+    "--head-vocab-tiles/--no-head-vocab-tiles",
+    default=False,
+    help="(default: searched) make the head's weight gradient one vocabulary tile at a time: no float32 "
     "(vocab, dim) table in the head's workspace (2.1 GB for Llama 3 8B) for a third more "
     "head compute; for a large vocabulary in a small budget",
 )
