@@ -73,10 +73,11 @@ UNPUBLISHED_TOKENS = 2**19
 #: Orders ``layer:K`` tried, K below the step's rounds
 GROUPS = (2, 4, 8, 16)
 
-#: The most accumulation rounds a searched step has (a plan's time grows with its
-#: tasks: Llama 3 8B's 16-round step plans in about 7 s on a CPU core); compare.py's
-#: fastest rows use 16 (Llama 3 8B) and 32 (GPT-2 124M)
-MAX_ROUNDS = 32
+#: The most accumulation rounds a searched step has (a plan's time grows faster than its
+#: tasks: on a CPU core Llama 3 8B's 16-round step plans in about 7 s by round, its
+#: 32-round step in about 47 s by layer); compare.py's fastest rows use 16 (Llama 3 8B)
+#: and 32 (GPT-2 124M, whose rounds plan in well under a second)
+MAX_ROUNDS = 16
 
 #: The most plans one search makes, best bound first (a deterministic cut: the search
 #: ends in seconds for a small model and stays bounded for a large one)
@@ -382,12 +383,29 @@ class Searcher:
         the same batch (in round order: the order moves tasks, it adds none), so a
         bound costs two small lowerings per batch, not one per candidate."""
         one, two = (self.lowered(same_tasks(shape, rounds), rewrite=False) for rounds in (1, 2))
+        arena = self.budget - one.reserve_bytes - one.workspace_beside_bytes
+        if task_floor_bytes(one.step.program) > arena:
+            return 0.0  # one of its tasks alone does not fit: never planned
         compute = [sum(task.cost_us for task in s.step.program.tasks) for s in (one, two)]
         per_round = compute[1] - compute[0]
         compute_us = compute[0] + per_round * (shape.rounds - 1)
         link_us = max(0, self._excess(one)) / one.step.program.links.h2d.bw_bytes_per_us
         step_us = max(compute_us, link_us)
         return shape.tokens_step / (step_us / 1e6) if step_us > 0 else math.inf
+
+    def too_small(self, shape: Shape) -> Tried:
+        """``shape`` refused for a task that alone exceeds the budget (its 1-round step's:
+        every round's tasks are the same)."""
+        one = self.lowered(same_tasks(shape, 1), rewrite=False)
+        floor = task_floor_bytes(one.step.program)
+        arena = self.budget - one.reserve_bytes - one.workspace_beside_bytes
+        return Tried(
+            shape,
+            0.0,
+            reason=f"one task alone holds {format_size(floor)}, more than the "
+            f"{format_size(max(0, arena))} the plan has",
+            least_budget_bytes=self.budget - arena + floor,
+        )
 
     def try_shape(self, shape: Shape, bound: float) -> Tried:
         """Plan ``shape`` as ``compile_step`` would, and check the host's memory."""
@@ -517,6 +535,10 @@ def search(
         more than ``TIE``)."""
         best: Tried | None = None
         for shape in sorted(pool, key=lambda s: (-bounds[s], s)):
+            if bounds[shape] <= 0:  # a task alone exceeds the budget (``Searcher.bound``)
+                if not tried:  # what the nothing-fits line names
+                    tried[shape] = searcher.too_small(shape)
+                break
             target = max(floor, best.tok_s if best is not None else 0.0)
             if bounds[shape] <= target * (1 + TIE) and (best is not None or floor > 0):
                 break
