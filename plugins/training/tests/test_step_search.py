@@ -149,3 +149,21 @@ def test_a_pinned_batch_on_the_command_line_is_the_run_s(tmp_path) -> None:
     resumed = invoke("train", "--out", out, "--resume", "auto", "--steps", "2")
     assert resumed.exit_code == 0, resumed.output
     assert "search:" not in resumed.output  # the manifest's shape
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_search_prices_both_resolvers_by_their_profiles(tmp_path) -> None:
+    """On CUDA every candidate is priced by the profiling pass (price_on_cuda) for each
+    resolver, and the choice is what the run then compiles: its resolver and shape are
+    in the manifest, its plan line on cuda."""
+    out = tmp_path / "run"
+    result = invoke(
+        "train", "--preset", "gpt2_tiny", "--steps", "3", "--budget", "64MiB", "--out", out
+    )
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.output.splitlines() if x.startswith("search:"))
+    assert re.search(r"resolver torch(-compiled)?: predicted", line), line
+    assert "plan: gpt2-gpt2_tiny-train on cuda: predicted" in result.output
+    manifest = json.loads(next(out.glob("**/manifest.json")).read_text())
+    assert manifest["options"]["resolver"] in ("torch", "torch-compiled")
+    assert manifest["options"]["search"] == []

@@ -518,7 +518,9 @@ def search(
     config = searcher.family.config(searcher.preset, **searcher.overrides)
     vocab = getattr(config, "vocab_size", 0) or 0
     dim = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0) or 0
-    tiles = vocab * dim * 4 * 16 >= searcher.budget  # the float32 head table is sizable
+    # the head's float32 (vocab, dim) table, a quarter of the budget or more: tiles may pay
+    # (Llama 3 8B's 2.1 GB at 8 GiB, not at 16; docs/usage.md --head-vocab-tiles)
+    tiles = vocab * dim * 4 * 4 >= searcher.budget
     options = token_options(seq_len, pins, cap[0])
     streams = searcher.streams(Shape(seq_len, 1, 1, "round", "end", False, names[0]))
     candidates = shapes(
