@@ -183,10 +183,15 @@ class TrainOptions:
 
 def open_feed(o: TrainOptions) -> Any:
     """``o``'s feed: the one-process stream (a fleet's members deal its rounds); before
-    the step search chose the shape, a stream of single tokens (for its vocabulary)."""
+    the step search chose the shape, one of the shape given (for its vocabulary)."""
 
-    batch, seq_len = (o.batch, o.seq_len) if not o.search else (1, 1)
-    return feeds().open(o.data, batch=batch, seq_len=seq_len, seed=o.seed, rank=0, world=1)
+    return feeds().open(o.data, **feed_shape(o), seed=o.seed, rank=0, world=1)
+
+
+def feed_shape(o: TrainOptions) -> dict[str, int]:
+    """The batch and sequence length a feed of ``o`` is opened with: before the step
+    search, those given (1 where not)."""
+    return {"batch": o.batch or 1, "seq_len": o.seq_len or 1}
 
 
 def budget_text(budget_bytes: int) -> str:
@@ -405,9 +410,11 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
     feed = open_feed(o)  # every member reads the one-process stream
     o, vocab_note = _with_vocab(o, family, feed, init, manifest)
     if o.search:  # the step's shape, chosen for the model the vocabulary makes
+        opened = feed_shape(o)
         o, searched = search_for(o, family)
         say(searched.line())
-        feed = open_feed(o)
+        if feed_shape(o) != opened:
+            feed = open_feed(o)
     if o.device.startswith("cuda"):  # tens of seconds for a large model: say what is under way
         say(
             f"profiling: each task of the step timed on {o.device}, then planned (the "

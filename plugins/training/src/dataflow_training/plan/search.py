@@ -563,7 +563,9 @@ def search(
             "", line,
         )  # fmt: skip
     chosen = best
-    tokens_note = f"{best.shape.tokens_step:,} tokens/step (given)"
+    tokens_note = f"{best.shape.tokens_step:,} tokens/step" + (
+        " (given)" if pins.tokens_step is not None or pins.batch and pins.rounds else f" ({cap[1]})"
+    )
     if pins.tokens_step is None and len(options) > 1:
         good = GOOD_ENOUGH * best.tok_s
         for tokens in sorted(options):
