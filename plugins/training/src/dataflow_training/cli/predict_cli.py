@@ -11,6 +11,7 @@ prints the measured step beside the prediction.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from rich.table import Table
 
 from dataflow import format_size, parse_size, resolvers
 from dataflow.cli import COUNT, Device, OutputFile, one_line
+from dataflow_training.cli.predict_search import search_command
 from dataflow_training.cli.train_defaults import default_device, default_family
 from dataflow_training.cli.verify_cli import _family, optimizer_states_option, precision_option
 from dataflow_training.drive.measure import measure
@@ -96,7 +98,10 @@ def _bare_number(text: str) -> bool:
     return True
 
 
-def _grid_options(command: Any) -> Any:
+def _grid_options(command: Any, search: bool = False) -> Any:
+    """The grid's options; with ``search`` (``predict``) the shape options are optional:
+    without ``--t-round`` the step search chooses the shape."""
+    shape = "" if not search else " (without --t-round: searched)"
     options = [
         click.option("--preset", required=True, help="a family preset, e.g. gpt2_124m"),
         click.option("--family", "family_name", default=None, help="default: the preset's"),
@@ -108,10 +113,22 @@ def _grid_options(command: Any) -> Any:
             type=click.Path(exists=True, dir_okay=False),
             help="a TOML file of more hardware entries (repeatable)",
         ),
-        click.option("--t-round", "t_rounds", required=True, type=IntList(), help="tokens/round"),
-        click.option("--tokens-step", required=True, type=COUNT, help="tokens per optimizer step"),
+        click.option(
+            "--t-round",
+            "t_rounds",
+            required=not search,
+            type=IntList(),
+            help="tokens/round"
+            + (" (without it: the step search, as dataflow train's)" if search else ""),
+        ),
+        click.option(
+            "--tokens-step",
+            required=not search,
+            type=COUNT,
+            help="tokens per optimizer step" + shape,
+        ),
         click.option("--budget", "budgets", required=True, type=SizeList(), help="GiB each"),
-        click.option("--seq-len", "seq_lens", required=True, type=IntList()),
+        click.option("--seq-len", "seq_lens", required=not search, type=IntList(), help=shape),
         click.option(
             "--vocab-size",
             default=None,
@@ -127,10 +144,11 @@ def _grid_options(command: Any) -> Any:
         click.option(
             "--order",
             "orders",
-            default="round",
-            show_default=True,
+            default=None if search else "round",
+            show_default=not search,
             type=OrderList(),
-            help="the step's task order(s), e.g. round,layer,layer:4 (TrainConfig.order)",
+            help="the step's task order(s), e.g. round,layer,layer:4 (TrainConfig.order)"
+            + (" [default: round; searched without --t-round]" if search else ""),
         ),
         click.option(
             "--recompute/--no-recompute",
@@ -168,7 +186,7 @@ def _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders, vo
 
 
 @click.command("predict")
-@_grid_options
+@functools.partial(_grid_options, search=True)
 @click.option("--measured", is_flag=True, help="price tasks by the profiling pass (its cache)")
 @click.option("--device", default=None, type=Device(), help="for --measured; default cuda")
 @click.option(
@@ -215,8 +233,26 @@ def predict_command(
     jobs,
 ) -> None:
     """Predict a grid of training steps from the simulator: one row per cell (with
-    --ranks, one per cell and fleet size)."""
+    --ranks, one per cell and fleet size). Without --t-round: the step search of
+    dataflow train, its choice and runner-up."""
 
+    if t_rounds is None:
+        if ranks is not None:
+            raise click.UsageError("--ranks predicts a grid: give --t-round too")
+        source = click.get_current_context().get_parameter_source("hw")
+        search_command(
+            preset, family_name, hw if source is not ParameterSource.DEFAULT else None,
+            hw_files, tokens_step, budgets, seq_lens, vocab_size, backing, orders, dtype,
+            optimizer_states, recompute, json_out, measured_pricing if measured else None,
+            device,
+        )  # fmt: skip
+        return
+    missing = [
+        name for name, v in (("--tokens-step", tokens_step), ("--seq-len", seq_lens)) if v is None
+    ]
+    if missing:
+        raise click.UsageError(f"a grid (--t-round) needs {' and '.join(missing)} too")
+    orders = orders or ("round",)
     family, entry, backing = _setup(preset, family_name, hw, hw_files, backing)
     options: dict[str, Any] = {"recompute": recompute, "dtype": dtype, "states": optimizer_states}
     options["precision"] = _checked_precision(precision)

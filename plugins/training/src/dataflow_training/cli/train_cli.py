@@ -10,6 +10,7 @@ one line.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -103,10 +104,28 @@ def fleet_options(command: Any) -> Any:
     help="a feed spec SCHEME:LOCATION (shards:DIR, text:PATH, ...), or a path: a folder of "
     "*.bin shards is shards:, another file or folder text:",
 )
-@click.option("--batch", default=8, show_default=True, type=COUNT)
-@click.option("--ga-rounds", "rounds", default=1, show_default=True, type=COUNT)
+@click.option("--batch", default=None, type=COUNT, help="sequences a round (default: searched)")
+@click.option(
+    "--ga-rounds",
+    "rounds",
+    default=None,
+    type=COUNT,
+    help="accumulation rounds a step (default: searched)",
+)
+@click.option(
+    "--tokens-per-step",
+    default=None,
+    type=COUNT,
+    help="the optimizer's batch in tokens (default: the fewest within 97%% of the fastest "
+    "the search finds, up to the preset's published batch; see docs/usage.md)",
+)
 @fleet_options
-@click.option("--seq-len", default=64, show_default=True, type=COUNT)
+@click.option(
+    "--seq-len",
+    default=None,
+    type=COUNT,
+    help="default: the preset's context length, or the longest the budget allows",
+)
 @click.option(
     "--vocab-size",
     default=None,
@@ -187,28 +206,28 @@ def fleet_options(command: Any) -> Any:
     show_default=True,
     help="let the recompute planner re-derive saved activations where that is faster or fits",
 )
-@order_option()
+@order_option(default=None, more=" (default: searched)")
 @click.option(
     "--updates",
-    default="auto",
-    show_default=True,
+    default=None,
     type=click.Choice(UPDATES),
     help="where the optimizer's updates run: early (each right after its layer's last "
     "backward, while its weights and gradient are still on the GPU; not with --clip), end "
-    "(after the whole backward), auto (early in layer orders without --clip, else end)",
+    "(after the whole backward), auto (early in layer orders without --clip, else end); "
+    "default: searched",
 )
 @click.option(
     "--resolver",
     default="auto",
     show_default=True,
-    help="the registered resolver that runs the tasks (`dataflow plugins`); auto: "
-    "torch-compiled on CUDA (each block kind's math compiled; the first steps take longer), "
-    "torch (eager) elsewhere",
+    help="the registered resolver that runs the tasks (`dataflow plugins`); auto: the "
+    "search's, torch-compiled or torch on CUDA (each block kind's math compiled; the first "
+    "steps take longer), torch (eager) elsewhere",
 )
 @click.option(
-    "--head-vocab-tiles",
-    is_flag=True,
-    help="make the head's weight gradient one vocabulary tile at a time: no float32 "
+    "--head-vocab-tiles/--no-head-vocab-tiles",
+    default=False,
+    help="(default: searched) make the head's weight gradient one vocabulary tile at a time: no float32 "
     "(vocab, dim) table in the head's workspace (2.1 GB for Llama 3 8B) for a third more "
     "head compute; for a large vocabulary in a small budget",
 )
@@ -282,7 +301,9 @@ def train_command(
         )
         return
     fleet = None
-    if in_fleet():
+    resumed = False
+    if in_fleet():  # the members share one shape: as given, else the pre-search defaults
+        rest |= {name: value for name, value in FIXED_SHAPE.items() if rest[name] is None}
         fleet, rest["rounds"], budget_bytes, backing_bytes = _join(
             fleet_rounds, fleet_budgets, backing_budgets, budget_bytes, device, rest
         )
@@ -297,10 +318,16 @@ def train_command(
         if rest["resume"] is not None:  # the options not given are the resumed run's
             given = {"family_name": family_name, "preset": preset, "device": device}
             given |= {"budget_bytes": budget_bytes, "clip": clip, "backing_bytes": backing_bytes}
-            take_resumed(rest, given)
+            resumed = take_resumed(rest, given)
             family_name, preset, device = given["family_name"], given["preset"], given["device"]
             budget_bytes, clip = given["budget_bytes"], given["clip"]
             backing_bytes = given["backing_bytes"]
+    # a resumed run's shape is its manifest's; a fleet's as given: the search chooses none
+    rest["search"] = () if resumed or fleet is not None else searched_fields(rest)
+    if resumed:
+        rest |= {name: value for name, value in FIXED_SHAPE.items() if rest[name] is None}
+    if not resumed:  # a resumed run's shape is its checkpoint's, which checks it
+        _check_pinned_tokens(rest)
     if rest["steps"] is None:
         if rest["resume"] is None:
             raise click.UsageError("Missing option '--steps' (or --resume, to take the run's)")
@@ -341,7 +368,8 @@ def train_command(
             config = hf_overrides(family, family_name, preset, rest["init"]).config
         except InitError as exc:
             raise Failure(one_line(str(exc))) from None
-    _check_seq_len(config, preset, rest["seq_len"])
+    if rest["seq_len"] is not None:
+        _check_seq_len(config, preset, rest["seq_len"])
     device = device or default_device()
     _check_precision(rest, device)
     if budget_bytes is None:
@@ -415,6 +443,44 @@ def _check_precision(rest: dict[str, Any], device: str) -> None:
         )
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--precision") from None
+
+
+#: What a fleet member (whose shape every member shares), or a resumed run whose manifest
+#: lacks the field, takes for a shape option not given: the defaults from before the step
+#: search
+FIXED_SHAPE = {"batch": 8, "rounds": 1, "seq_len": 64, "order": "round", "updates": "auto"}
+
+
+def searched_fields(rest: dict[str, Any]) -> tuple[str, ...]:
+    """The step's fields the command line leaves to the search (``step_search.SEARCHED``):
+    those not given (a flag or a default left as it is counts as not given)."""
+    # torch loads when the command runs, not when `dataflow` lists its commands
+    from dataflow_training.drive.step_search import SEARCHED
+
+    ctx = click.get_current_context()
+    free = []
+    for name in SEARCHED:
+        if name in ("head_vocab_tiles", "resolver"):
+            if ctx.get_parameter_source(name) is ParameterSource.DEFAULT:
+                free.append(name)
+        elif rest[name] is None:
+            free.append(name)
+    return tuple(free)
+
+
+def _check_pinned_tokens(rest: dict[str, Any]) -> None:
+    """``--tokens-per-step`` a whole number of rounds of the given batch and sequence."""
+    tokens = rest["tokens_per_step"]
+    if tokens is None:
+        return
+    given = [rest[name] for name in ("batch", "rounds", "seq_len")]
+    per = math.prod(n for n in given if n is not None)
+    if tokens % per or (None not in given and tokens != per):
+        raise click.BadParameter(
+            f"{tokens} tokens is not a whole number of {per}-token parts "
+            "(--seq-len x --batch x --ga-rounds, those given)",
+            param_hint="--tokens-per-step",
+        )
 
 
 #: options the conductor does not hand on to the members it starts

@@ -68,11 +68,12 @@ RESUMED = {
 PINS = ("dtype", "optimizer_states")
 
 
-def take_resumed(rest: dict[str, Any], given: dict[str, Any]) -> None:
+def take_resumed(rest: dict[str, Any], given: dict[str, Any]) -> bool:
     """Fill ``rest`` and ``given`` (the parameters ``train_command`` names) with the
     resumed run's options wherever the command line left them at their defaults, and say
     which in a ``resume:`` line (nothing where there is no checkpoint to resume). A run
-    started from ``--init`` keeps its overrides, its folder not needed again."""
+    started from ``--init`` keeps its overrides, its folder not needed again. Returns
+    whether a checkpoint was found (its step shape is then the run's: no search)."""
 
     # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.drive.checkpoint import resumed_options
@@ -83,7 +84,7 @@ def take_resumed(rest: dict[str, Any], given: dict[str, Any]) -> None:
         )
     found = resumed_options(rest["out"], rest["resume"])
     if found is None:
-        return
+        return False
     folder, options = found
     ctx = click.get_current_context()
     taken = []
@@ -111,6 +112,7 @@ def take_resumed(rest: dict[str, Any], given: dict[str, Any]) -> None:
         taken.append(f"overrides {rest['overrides']} (from --init {options['init']})")
     if taken:
         click.echo(f"resume: {', '.join(taken)}: the options of {folder}")
+    return True
 
 
 def cuda_here() -> bool:

@@ -55,16 +55,17 @@ class Order(click.ParamType):
         return str(value)
 
 
-def order_option() -> Any:
-    """``--order round|layer|layer:K``: ``TrainConfig.order``."""
+def order_option(default: str | None = "round", more: str = "") -> Any:
+    """``--order round|layer|layer:K``: ``TrainConfig.order`` (``default`` None: the
+    step search's, ``more`` said in the help)."""
     return click.option(
         "--order",
         type=Order(),
-        default="round",
-        show_default=True,
+        default=default,
+        show_default=default is not None,
         help="the step's task order: each round through every layer (round), every round "
         "through each layer (layer: weights read once a step; for models larger than the "
-        "budget), or that in groups of K rounds (layer:K: less host memory for activations)",
+        "budget), or that in groups of K rounds (layer:K: less host memory for activations)" + more,
     )
 
 

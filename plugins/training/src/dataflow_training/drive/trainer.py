@@ -59,6 +59,7 @@ from dataflow_training.drive.run import TrainingRun, resolver_for
 from dataflow_training.drive.run_folder import RunFolder
 from dataflow_training.drive.schedule import LrSchedule, stored_schedule
 from dataflow_training.drive.schedule import resumed as schedule_on_resume
+from dataflow_training.drive.step_search import search_for
 from dataflow_training.drive.tokenizer import is_byte_level, keep_tokenizer
 from dataflow_training.drive.vocabulary import VocabError, choose_vocab
 from dataflow_training.plan.compiled_step import compile_step
@@ -148,6 +149,13 @@ class TrainOptions:
     #: the model's vocabulary as given (``--vocab-size``); None: the data's tokenizer's or
     #: the preset's (``vocabulary.choose_vocab``), which the run's overrides then carry
     vocab_size: int | None = None
+    #: the optimizer's batch in tokens (``--tokens-per-step``); the search's choice
+    tokens_per_step: int | None = None
+    #: the fields the step search chooses before the run starts (``step_search.SEARCHED``;
+    #: their values here are placeholders); empty: every field is as given
+    search: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    #: the host memory the step may hold (None: the machine's available memory)
+    host_bytes: int | None = None
 
     @property
     def policy(self) -> Precision:
@@ -182,9 +190,16 @@ class TrainOptions:
 
 
 def open_feed(o: TrainOptions) -> Any:
-    """``o``'s feed: the one-process stream (a fleet's members deal its rounds)."""
+    """``o``'s feed: the one-process stream (a fleet's members deal its rounds); before
+    the step search chose the shape, one of the shape given (for its vocabulary)."""
 
-    return feeds().open(o.data, batch=o.batch, seq_len=o.seq_len, seed=o.seed, rank=0, world=1)
+    return feeds().open(o.data, **feed_shape(o), seed=o.seed, rank=0, world=1)
+
+
+def feed_shape(o: TrainOptions) -> dict[str, int]:
+    """The batch and sequence length a feed of ``o`` is opened with: before the step
+    search, those given (1 where not)."""
+    return {"batch": o.batch or 1, "seq_len": o.seq_len or 1}
 
 
 def budget_text(budget_bytes: int) -> str:
@@ -405,6 +420,12 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
         o, init = _with_init(o, family)
     feed = open_feed(o)  # every member reads the one-process stream
     o, vocab_note = _with_vocab(o, family, feed, init, manifest)
+    if o.search:  # the step's shape, chosen for the model the vocabulary makes
+        opened = feed_shape(o)
+        o, searched = search_for(o, family)
+        say(searched.line())
+        if feed_shape(o) != opened:
+            feed = open_feed(o)
     if o.device.startswith("cuda"):  # tens of seconds for a large model: say what is under way
         say(
             f"profiling: each task of the step timed on {o.device}, then planned (the "

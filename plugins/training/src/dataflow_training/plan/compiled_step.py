@@ -35,7 +35,7 @@ from dataflow import (
     plan,
     resolvers,
 )
-from dataflow_training.plan.pricing import declared_for, price_step
+from dataflow_training.plan.pricing import price_as_compiled
 from dataflow_training.plan.recompute import MAX_CANDIDATES, Rewriter, step_planner
 from dataflow_training.step.config import TrainConfig
 from dataflow_training.step.family import Family, embed_layer, load_family
@@ -244,13 +244,10 @@ def compile_step(
     graph = graph and on_cuda
     budget = budget_bytes or UNBOUNDED_BYTES
     searched = planner is None and recompute
-    if on_cuda or cost is None:
-        priced = price_step(lowered, resolver, device=device, graph=graph, search=searched)
-        lowered, rewriter, reserve, beside, priced_for = priced
-    else:
-        reserve = beside = 0
-        rewriter = Rewriter(lowered) if searched else None
-        priced_for = declared_for(device)
+    priced = price_as_compiled(
+        lowered, resolver, device=device, graph=graph, search=searched, declared=cost is not None
+    )
+    lowered, rewriter, reserve, beside, priced_for = priced
     if planner is None:
         planner = step_planner(rewriter, MAX_CANDIDATES) if searched else PRESSUREFIT
     outside = reserve + beside

@@ -47,6 +47,17 @@ def declared_for(device: str) -> str:
     return f"{device} (declared costs, not measured)"
 
 
+def price_as_compiled(
+    step: Lowered, resolver: str, *, device: str, graph: bool, search: bool, declared: bool
+) -> Pricing:
+    """``step`` priced as ``compile_step`` prices it: by measurement (``price_step``) on
+    CUDA, and elsewhere unless ``declared`` (the step was lowered with a cost model its
+    caller gave, e.g. a hardware entry's roofline: those costs kept, and said)."""
+    if device.startswith("cuda") or not declared:
+        return price_step(step, resolver, device=device, graph=graph, search=search)
+    return Pricing(step, Rewriter(step) if search else None, 0, 0, declared_for(device))
+
+
 def price_step(
     step: Lowered, resolver: str, *, device: str, graph: bool = False, search: bool = False
 ) -> Pricing:

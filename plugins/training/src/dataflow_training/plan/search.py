@@ -1,0 +1,643 @@
+"""The step search: the fastest shape of a training step the simulator finds for a preset,
+a fast budget, a device and the host's memory.
+
+A **shape** is what ``dataflow train`` can choose without changing what is learnt per
+token: the tokens per optimizer step split into ``batch`` x ``rounds`` micro-batches,
+the task order (``round``, ``layer``, ``layer:K``), where the updates run (``early``,
+``end``), whether the head's weight gradient is made by vocabulary tiles, and the
+resolver that runs the tasks. The recompute assignment is searched inside each plan by
+the recompute planner, as ``compile_step`` plans any step.
+
+Each candidate is lowered and priced as ``compile_step`` prices a step
+(``pricing.price_as_compiled``: the profiling pass through its cache, or a cost model
+the caller gave off CUDA), then
+bounded: a steady-state iteration can be no shorter than its tasks' compute, nor than
+the time the link needs to bring in the persistent objects (weights, gradients,
+optimizer state) that do not fit the budget. Candidates are planned best bound first;
+one whose bound cannot beat the best plan so far by more than ``TIE`` is not planned
+(branch and bound: the search is exact up to ``TIE``, and deterministic). A planned
+candidate whose host memory (the engine's slow pool, the starting weights' host copy,
+on a CPU the fast arena, and ``HOST_RESERVE_BYTES`` on CUDA) exceeds the host's
+available memory is not chosen.
+
+Without a given number of tokens per step the search takes the smallest whose best
+shape reaches ``GOOD_ENOUGH`` of the best throughput found, up to the preset's
+published batch (``published_tokens``): larger steps amortize the weights' and
+optimizer state's streaming over more tokens, smaller ones train better per token.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+
+from dataflow import PRESSUREFIT, InfeasibleBudget, PlanningError, format_size, plan, resolvers
+from dataflow_training.plan.compiled_step import HOST_RESERVE_BYTES, UNBOUNDED_BYTES
+from dataflow_training.plan.predict import MAX_SEQ_LEN_FIELDS
+from dataflow_training.plan.pricing import Pricing as Priced
+from dataflow_training.plan.pricing import price_as_compiled
+from dataflow_training.plan.recompute import MAX_CANDIDATES, step_planner
+from dataflow_training.step.config import TrainConfig, parse_order
+from dataflow_training.step.lowering import Lowered, lower
+
+#: A candidate whose bound is within this fraction of the best plan found is not planned:
+#: it could be at most that much faster (a plan of everything in the budget is within a
+#: fraction of a percent of its compute bound, so ties would otherwise all be planned)
+TIE = 0.005
+
+#: The smallest tokens per step whose best shape reaches this fraction of the best
+#: throughput found is the default (issue 44: "97 % of the best")
+GOOD_ENOUGH = 0.97
+
+#: Tokens per optimizer step a paper states for a preset's model (family -> (tokens,
+#: source)); ``published_tokens`` says the rule for the others
+PUBLISHED_TOKENS = {
+    "gpt2": (512 * 1024, "GPT-2's 512 x 1,024 tokens (Radford et al. 2019)"),
+    "llama3": (4 * 2**20, "Llama 2's 4M tokens at every size (Touvron et al. 2023)"),
+}
+
+#: The rule for a ``*_tiny`` demo preset (no paper): this many sequences of its context,
+#: gpt2_tiny's 512 tokens (the 8 x 64 of ``dataflow train`` before the search), so the
+#: README's main job keeps its length on a CPU
+TINY_SEQUENCES = 4
+
+#: The rule for any other preset with no published batch: GPT-2's 0.5M tokens
+UNPUBLISHED_TOKENS = 2**19
+
+#: Orders ``layer:K`` tried, K below the step's rounds
+GROUPS = (2, 4, 8, 16)
+
+#: The most accumulation rounds a searched step has (a plan's time grows faster than its
+#: tasks: on a CPU core Llama 3 8B's 16-round step plans in about 7 s by round, its
+#: 32-round step in about 47 s by layer); compare.py's fastest rows use 16 (Llama 3 8B)
+#: and 32 (GPT-2 124M, whose rounds plan in well under a second)
+MAX_ROUNDS = 16
+
+#: The most plans one search makes, best bound first (a deterministic cut: the search
+#: ends in seconds for a small model and stays bounded for a large one)
+MAX_PLANS = 8
+
+#: Plans made for each smaller number of tokens per step (``GOOD_ENOUGH``)
+SMALLER_PLANS = 2
+
+
+def published_tokens(family_name: str, preset: str, seq_len: int) -> tuple[int, str]:
+    """The cap on the default tokens per step and where it comes from: the preset's
+    published batch (``PUBLISHED_TOKENS``), ``TINY_SEQUENCES`` sequences for a tiny demo
+    preset, else ``UNPUBLISHED_TOKENS`` (at least one sequence)."""
+    if preset.endswith("_tiny"):
+        return TINY_SEQUENCES * seq_len, f"a demo preset: {TINY_SEQUENCES} sequences"
+    if family_name in PUBLISHED_TOKENS:
+        return PUBLISHED_TOKENS[family_name]
+    tokens = max(seq_len, UNPUBLISHED_TOKENS // seq_len * seq_len)
+    return tokens, "no published batch: GPT-2's 0.5M tokens"
+
+
+def context_length(config: Any) -> int | None:
+    """The longest sequence the model was trained at: the rope scaling's original
+    context where the config has one (Llama 3.1 8B: 8,192; its 131,072 positions come
+    from a long-context extension), else the first of ``MAX_SEQ_LEN_FIELDS`` it sets."""
+    scaling = getattr(config, "rope_scaling", None)
+    original = getattr(scaling, "original_max_position", None)
+    longest = [getattr(config, field, None) for field in MAX_SEQ_LEN_FIELDS]
+    longest = [n for n in longest if isinstance(n, int)]
+    if isinstance(original, int) and (not longest or original <= longest[0]):
+        return original
+    return longest[0] if longest else None
+
+
+@attrs.frozen
+class Pins:
+    """The choices the user made (None: the search's): ``batch``, ``rounds``, ``order``,
+    ``updates``, ``tokens_step``, ``head_vocab_tiles``, ``resolver``."""
+
+    batch: int | None = None
+    rounds: int | None = None
+    order: str | None = None
+    updates: str | None = None
+    tokens_step: int | None = None
+    head_vocab_tiles: bool | None = None
+    resolver: str | None = None
+
+
+@attrs.frozen(order=True)
+class Shape:
+    """One candidate (module docstring); ordered by tokens per step, then the rest, so
+    that ties go the same way every time."""
+
+    tokens_step: int
+    batch: int
+    rounds: int
+    order: str
+    updates: str
+    head_vocab_tiles: bool
+    resolver: str
+
+    def train(self, base: TrainConfig) -> TrainConfig:
+        return attrs.evolve(
+            base,
+            batch=self.batch,
+            rounds=self.rounds,
+            order=self.order,
+            updates=self.updates,
+            head_vocab_tiles=self.head_vocab_tiles,
+        )
+
+    def text(self) -> str:
+        tiles = ", head by vocab tiles" if self.head_vocab_tiles else ""
+        return (
+            f"batch {self.batch} x {self.rounds} rounds ({self.tokens_step:,} tokens/step), "
+            f"order {self.order}, updates {self.updates}{tiles}, resolver {self.resolver}"
+        )
+
+    def fields(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class Pricing:
+    """How candidates are priced: as ``compile_step`` prices a step on ``device``
+    (``price_as_compiled``), or, with ``measure`` (a step -> task profiles function, e.g. a
+    profile archive's lookup), from those profiles with ``reserve_bytes`` left for the
+    device's libraries; ``cost`` and ``links`` as ``lower`` takes them (a hardware
+    entry's roofline, for ``dataflow predict --hw``)."""
+
+    device: str = "cpu"
+    graph: bool = True
+    recompute: bool = True
+    cost: Any = None
+    links: Any = None
+    measure: Callable[[Lowered], dict] | None = None
+    reserve_bytes: int = 0
+
+    def priced(self, step: Lowered, resolver: str, rewrite: bool = True) -> Priced:
+        """``step`` priced, with the recompute rewriter where ``rewrite`` (and
+        ``recompute``)."""
+        rewrite = rewrite and self.recompute
+        if self.measure is None:
+            return price_as_compiled(
+                step,
+                resolver,
+                device=self.device,
+                graph=self.graph,
+                search=rewrite,
+                declared=self.cost is not None,
+            )
+        # torch loads with a profile: the search module reads without it
+        from dataflow_training.plan.profile import apply_profile, without_workspace
+        from dataflow_training.plan.recompute import measured_rewriter
+
+        largest = [0]
+
+        def measured(candidate: Lowered) -> dict:
+            found, most = without_workspace(self.measure(candidate))
+            largest[0] = max(largest[0], most)
+            return found
+
+        profiles = measured(step)
+        step = step.with_program(apply_profile(step, profiles))
+        rewriter = measured_rewriter(step, measured, known=profiles) if rewrite else None
+        return Priced(step, rewriter, self.reserve_bytes, largest[0], "the profiles given")
+
+
+@attrs.frozen
+class Tried:
+    """A candidate as the search saw it: its bound (tokens/s no plan beats), and once
+    planned its predicted tokens/s and host memory, or why it cannot run."""
+
+    shape: Shape
+    bound_tok_s: float
+    tok_s: float | None = None
+    host_bytes: int | None = None
+    reason: str | None = None
+    #: the reason is the host's memory (the plan fits the fast budget)
+    host_bound: bool = False
+    #: where the budget is too small: a budget that is not (or no smaller does)
+    least_budget_bytes: int | None = None
+
+
+@attrs.frozen
+class Searched:
+    """What the search found: the chosen shape, the runner-up (None where no other
+    runs), every candidate tried, the seconds it took, the sequence length and why, and
+    where nothing runs, the one line that says what would."""
+
+    seq_len: int
+    seq_note: str
+    chosen: Tried | None
+    runner_up: Tried | None
+    tried: tuple[Tried, ...]
+    search_s: float
+    candidates: int
+    tokens_note: str
+    nothing_fits: str | None = None
+
+    def line(self) -> str:
+        """``search: batch 8 x 4 rounds (...), ... predicted 12,345 tok/s; runner-up ...``"""
+        if self.chosen is None:
+            return f"search: {self.nothing_fits}"
+        planned = sum(1 for t in self.tried if t.tok_s is not None or t.reason is not None)
+        text = (
+            f"search: seq {self.seq_len} ({self.seq_note}); {self.chosen.shape.text()}: "
+            f"predicted {self.chosen.tok_s:,.0f} tok/s"
+        )
+        if self.runner_up is not None:
+            text += f"; runner-up {self.runner_up.shape.text()}: {self.runner_up.tok_s:,.0f} tok/s"
+        return (
+            f"{text}; {self.tokens_note}; {planned} of {self.candidates} candidates planned "
+            f"in {self.search_s:.1f} s"
+        )
+
+
+def resolver_options(device: str) -> list[str]:
+    """The resolvers the search tries on ``device``: on CUDA the compiled one (where
+    installed) and eager torch; elsewhere eager torch (compiling a CPU step's tasks takes
+    longer than its steps)."""
+    known = {spec.name for spec in resolvers()}
+    if device.startswith("cuda") and "torch-compiled" in known:
+        return ["torch-compiled", "torch"]
+    return ["torch"]
+
+
+def shapes(
+    seq_len: int,
+    token_options: Iterable[int],
+    pins: Pins,
+    *,
+    clip: float | None,
+    tiles: bool,
+    resolver_names: list[str],
+    streams: bool = True,
+) -> list[Shape]:
+    """Every candidate for the tokens-per-step options, honouring ``pins``: batches of
+    powers of two (or the pinned batch or rounds), the orders ``round``, ``layer`` and
+    ``layer:K`` (K in ``GROUPS`` below the rounds) where the persistent objects do not fit
+    the budget (``streams``: else nothing streams, and layer order only holds more
+    activations), early and end updates (end alone with ``clip``), the head by vocabulary
+    tiles where ``tiles``; at most ``MAX_ROUNDS`` rounds unless pinned."""
+    found = []
+    for tokens in token_options:
+        sequences = tokens // seq_len
+        if sequences < 1 or sequences * seq_len != tokens:
+            continue
+        for batch in _batches(sequences, pins):
+            rounds = sequences // batch
+            if rounds > MAX_ROUNDS and pins.rounds is None:
+                continue
+            if pins.order is not None:
+                orders = [pins.order]
+            else:
+                orders = ["round"]
+                if rounds > 1 and streams:
+                    orders += ["layer", *(f"layer:{k}" for k in GROUPS if k < rounds)]
+            updates = [pins.updates] if pins.updates else (["end"] if clip else ["end", "early"])
+            tile = [pins.head_vocab_tiles] if pins.head_vocab_tiles is not None else [False]
+            if pins.head_vocab_tiles is None and tiles:
+                tile.append(True)
+            for order in orders:
+                for update in updates:
+                    if update == "auto":  # what auto means for this order
+                        grouped = parse_order(order)[0] == "layer" and rounds > 1
+                        update = "early" if grouped and not clip else "end"
+                    for tiled in tile:
+                        for name in resolver_names:
+                            shape = Shape(tokens, batch, rounds, order, update, tiled, name)
+                            found.append(shape)
+    return sorted(set(found))
+
+
+def _batches(sequences: int, pins: Pins) -> list[int]:
+    if pins.batch is not None:
+        return [pins.batch] if sequences % pins.batch == 0 else []
+    if pins.rounds is not None:
+        return [sequences // pins.rounds] if sequences % pins.rounds == 0 else []
+    return [b for b in (2**k for k in range(sequences.bit_length())) if sequences % b == 0]
+
+
+def token_options(seq_len: int, pins: Pins, cap: int) -> list[int]:
+    """Tokens per step to try: the pinned figure, the one the pinned batch and rounds
+    make, else a power of two times the sequences the pinned batch (or rounds) makes,
+    up to ``cap`` (at least once)."""
+    if pins.tokens_step is not None:
+        return [pins.tokens_step]
+    if pins.batch is not None and pins.rounds is not None:
+        return [pins.batch * pins.rounds * seq_len]
+    unit = seq_len * (pins.batch or pins.rounds or 1)
+    times = max(1, cap // unit)
+    return [unit * 2**k for k in range(times.bit_length())]
+
+
+class Searcher:
+    """The search over one preset, budget and device (module docstring); ``step`` and
+    ``plan_of`` keep what they made, so the chosen shape's step is not lowered again."""
+
+    def __init__(
+        self,
+        family: Any,
+        preset: str,
+        base: TrainConfig,
+        *,
+        budget_bytes: int | None,
+        overrides: dict[str, Any] | None = None,
+        pricing: Pricing = Pricing(),
+        host_bytes: int | None = None,
+        backing_bytes: int | None = None,
+    ) -> None:
+        self.family, self.preset, self.base = family, preset, base
+        self.budget = budget_bytes or UNBOUNDED_BYTES
+        self.overrides = dict(overrides or {})
+        self.pricing, self.host_bytes, self.backing_bytes = pricing, host_bytes, backing_bytes
+        self._priced: dict[tuple[Shape, bool], Priced] = {}
+
+    def lowered(self, shape: Shape, rewrite: bool = True) -> Priced:
+        """``shape``'s step lowered and priced (kept: each is made once)."""
+        key = (shape, rewrite)
+        if key not in self._priced:
+            lowered = lower(
+                self.family,
+                self.preset,
+                shape.train(self.base),
+                overrides=self.overrides,
+                cost=self.pricing.cost,
+                links=self.pricing.links,
+            )
+            self._priced[key] = self.pricing.priced(lowered, shape.resolver, rewrite)
+        return self._priced[key]
+
+    def streams(self, shape: Shape) -> bool:
+        """Whether ``shape``'s persistent objects (weights, optimizer state) exceed the
+        budget, so that some cross the link every step."""
+        priced = self.lowered(same_tasks(shape, 1), rewrite=False)
+        return self._excess(priced) > 0
+
+    def _excess(self, priced: Priced) -> int:
+        program = priced.step.program
+        sizes = program.objects_by_id
+        persistent = sum(sizes[name].size_bytes for name in program.persistent)
+        return persistent - (self.budget - priced.reserve_bytes - priced.workspace_beside_bytes)
+
+    def bound(self, shape: Shape) -> float:
+        """Tokens/s no plan of ``shape`` beats: the compute of its tasks (recompute only
+        adds to it) and the link time of the persistent bytes beyond the budget. The
+        compute of ``rounds`` rounds is that of one round times the rounds plus that of
+        the step's once-a-step tasks, both read from the steps of one and two rounds of
+        the same batch (in round order: the order moves tasks, it adds none), so a
+        bound costs two small lowerings per batch, not one per candidate."""
+        one, two = (self.lowered(same_tasks(shape, rounds), rewrite=False) for rounds in (1, 2))
+        arena = self.budget - one.reserve_bytes - one.workspace_beside_bytes
+        if task_floor_bytes(one.step.program) > arena:
+            return 0.0  # one of its tasks alone does not fit: never planned
+        compute = [sum(task.cost_us for task in s.step.program.tasks) for s in (one, two)]
+        per_round = compute[1] - compute[0]
+        compute_us = compute[0] + per_round * (shape.rounds - 1)
+        link_us = max(0, self._excess(one)) / one.step.program.links.h2d.bw_bytes_per_us
+        step_us = max(compute_us, link_us)
+        return shape.tokens_step / (step_us / 1e6) if step_us > 0 else math.inf
+
+    def too_small(self, shape: Shape) -> Tried:
+        """``shape`` refused for a task that alone exceeds the budget (its 1-round step's:
+        every round's tasks are the same)."""
+        one = self.lowered(same_tasks(shape, 1), rewrite=False)
+        floor = task_floor_bytes(one.step.program)
+        arena = self.budget - one.reserve_bytes - one.workspace_beside_bytes
+        return Tried(
+            shape,
+            0.0,
+            reason=f"one task alone holds {format_size(floor)}, more than the "
+            f"{format_size(max(0, arena))} the plan has",
+            least_budget_bytes=self.budget - arena + floor,
+        )
+
+    def try_shape(self, shape: Shape, bound: float) -> Tried:
+        """Plan ``shape`` as ``compile_step`` would, and check the host's memory."""
+        step, rewriter, reserve, beside = self.lowered(shape)
+        program = step.program
+        arena = self.budget - reserve - beside
+        if arena < 1:
+            return Tried(shape, bound, reason="the libraries' reserve and workspace take it all")
+        floor = task_floor_bytes(program)
+        if floor > arena:  # no plan at all: not worth the planner's search for the minimum
+            return Tried(
+                shape,
+                bound,
+                reason=f"one task alone holds {format_size(floor)}, more than the "
+                f"{format_size(arena)} the plan has",
+                least_budget_bytes=self.budget - arena + floor,
+            )
+        planner = step_planner(rewriter, MAX_CANDIDATES) if rewriter is not None else PRESSUREFIT
+
+        def planned_in(slow_budget: int | None) -> Any:
+            return plan(
+                program,
+                arena,
+                planner=planner,
+                slow_budget_bytes=slow_budget,
+                cyclic=bool(program.persistent),
+            )
+
+        try:
+            planned = planned_in(self.backing_bytes)
+        except InfeasibleBudget as exc:
+            least = self.budget - arena + exc.minimal_budget_bytes
+            return Tried(shape, bound, reason=one_line(str(exc)), least_budget_bytes=least)
+        except PlanningError as exc:
+            return Tried(shape, bound, reason=one_line(str(exc)))
+        need = self.host_need(step, planned)
+        if self.host_bytes is not None and need > self.host_bytes and self.backing_bytes is None:
+            # as compile_step's _fit_pool: a slow budget that leaves room for the pool
+            slow = planned.sim.slow_peak_bytes - (need - self.host_bytes)
+            try:
+                planned = planned_in(slow) if slow > 0 else planned
+            except PlanningError:
+                pass
+            need = self.host_need(step, planned)
+        step_us = (
+            planned.cycle.iteration_us if planned.cycle is not None else planned.sim.makespan_us
+        )
+        tok_s = shape.tokens_step / (step_us / 1e6)
+        if self.host_bytes is not None and need > self.host_bytes:
+            reason = (
+                f"needs {format_size(need)} of host memory, {format_size(self.host_bytes)} "
+                "available"
+            )
+            return Tried(shape, bound, tok_s, need, reason, host_bound=True)
+        return Tried(shape, bound, tok_s, need)
+
+    def host_need(self, step: Lowered, planned: Any) -> int:
+        """Host bytes the run holds: the engine's slow pool, the starting weights' host
+        copy, on a CPU the fast arena too (both are host memory there), and on CUDA
+        ``HOST_RESERVE_BYTES`` (graph capture, staging, Python)."""
+        from dataflow import slow_pool_bytes  # loads the torch backend
+
+        weights = sum(p.layout.size_bytes for p in step.layout.of_kind("W"))
+        need = slow_pool_bytes(planned.program) + weights
+        if self.pricing.device.startswith("cuda"):
+            return need + HOST_RESERVE_BYTES
+        return need + planned.sim.fast_peak_bytes
+
+
+def task_floor_bytes(program: Any) -> int:
+    """The most bytes one task holds at once (its inputs, outputs and workspace): no
+    fast budget below it can run the step."""
+    sizes = program.objects_by_id
+    return max(
+        (
+            sum(sizes[name].size_bytes for name in {*t.inputs, *t.mutates, *t.outputs})
+            + t.workspace_bytes
+            for t in program.tasks
+        ),
+        default=0,
+    )
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def same_tasks(shape: Shape, rounds: int) -> Shape:
+    """A shape with ``shape``'s tasks for ``rounds`` rounds (round order, end updates:
+    the order and the updates' place move tasks, they add none)."""
+    return attrs.evolve(shape, tokens_step=0, rounds=rounds, order="round", updates="end")
+
+
+def search(
+    searcher: Searcher,
+    seq_len: int,
+    seq_note: str,
+    pins: Pins,
+    *,
+    cap: tuple[int, str],
+    clip: float | None,
+    max_plans: int = MAX_PLANS,
+) -> Searched:
+    """The fastest shape (module docstring). ``cap``: the default tokens per step's cap
+    and its source; ``max_plans`` bounds the plans made (best bound first), so a search
+    ends in seconds whatever the space."""
+    started = time.perf_counter()
+    device = searcher.pricing.device
+    names = [pins.resolver] if pins.resolver else resolver_options(device)
+    config = searcher.family.config(searcher.preset, **searcher.overrides)
+    vocab = getattr(config, "vocab_size", 0) or 0
+    dim = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0) or 0
+    # the head's float32 (vocab, dim) table, a quarter of the budget or more: tiles may pay
+    # (Llama 3 8B's 2.1 GB at 8 GiB, not at 16; docs/usage.md --head-vocab-tiles)
+    tiles = vocab * dim * 4 * 4 >= searcher.budget
+    options = token_options(seq_len, pins, cap[0])
+    streams = searcher.streams(Shape(seq_len, 1, 1, "round", "end", False, names[0]))
+    candidates = shapes(
+        seq_len, options, pins, clip=clip, tiles=tiles, resolver_names=names, streams=streams
+    )
+    if not candidates:
+        raise ValueError(_no_shape(pins, seq_len))
+    bounds = {shape: searcher.bound(shape) for shape in candidates}
+    tried: dict[Shape, Tried] = {}
+
+    def best_of(pool: list[Shape], floor: float, limit: int) -> Tried | None:
+        """The fastest runnable shape of ``pool`` (best bound first, at most ``limit``
+        new plans; pruned where the bound cannot beat the best so far, or ``floor``, by
+        more than ``TIE``)."""
+        best: Tried | None = None
+        for shape in sorted(pool, key=lambda s: (-bounds[s], s)):
+            if bounds[shape] <= 0:  # a task alone exceeds the budget (``Searcher.bound``)
+                if not tried:  # what the nothing-fits line names
+                    tried[shape] = searcher.too_small(shape)
+                break
+            target = max(floor, best.tok_s if best is not None else 0.0)
+            if bounds[shape] <= target * (1 + TIE) and (best is not None or floor > 0):
+                break
+            if shape not in tried:
+                if limit <= 0:
+                    break
+                limit -= 1
+                tried[shape] = searcher.try_shape(shape, bounds[shape])
+            found = tried[shape]
+            if found.reason is None and (best is None or _faster(found, best)):
+                best = found
+        return best
+
+    best = best_of(candidates, 0.0, max_plans)
+    if best is None:
+        elapsed = time.perf_counter() - started
+        line = nothing_fits(searcher, list(tried.values()), seq_len, pins)
+        return Searched(
+            seq_len, seq_note, None, None, tuple(tried.values()), elapsed, len(candidates),
+            "", line,
+        )  # fmt: skip
+    chosen = best
+    tokens_note = f"{best.shape.tokens_step:,} tokens/step" + (
+        " (given)" if pins.tokens_step is not None or pins.batch and pins.rounds else f" ({cap[1]})"
+    )
+    if pins.tokens_step is None and len(options) > 1:
+        good = GOOD_ENOUGH * best.tok_s
+        for tokens in sorted(options):
+            if tokens >= best.shape.tokens_step:
+                break
+            pool = [s for s in candidates if s.tokens_step == tokens]
+            smaller = best_of(pool, good * (1 - TIE), SMALLER_PLANS)
+            if smaller is not None and smaller.tok_s >= good:
+                chosen = smaller
+                break
+        tokens_note = (
+            f"{chosen.shape.tokens_step:,} tokens/step: the fewest within "
+            f"{GOOD_ENOUGH:.0%} of the best found ({best.tok_s:,.0f} tok/s), up to "
+            f"{cap[0]:,} ({cap[1]})"
+        )
+    runnable = [t for t in tried.values() if t.reason is None and t.shape != chosen.shape]
+    runner_up = min(runnable, key=lambda t: (-t.tok_s, t.shape)) if runnable else None
+    return Searched(
+        seq_len,
+        seq_note,
+        chosen,
+        runner_up,
+        tuple(tried.values()),
+        time.perf_counter() - started,
+        len(candidates),
+        tokens_note,
+    )
+
+
+def _faster(one: Tried, other: Tried) -> bool:
+    return (-one.tok_s, one.shape) < (-other.tok_s, other.shape)
+
+
+def _no_shape(pins: Pins, seq_len: int) -> str:
+    given = {k: v for k, v in attrs.asdict(pins).items() if v is not None}
+    return (
+        f"no step shape has the pinned {given} at --seq-len {seq_len}: --tokens-per-step "
+        "must be a multiple of --seq-len x --batch (x --ga-rounds where given)"
+    )
+
+
+def nothing_fits(searcher: Searcher, tried: list[Tried], seq_len: int, pins: Pins) -> str:
+    """The one line where no candidate runs: why (the host's memory, or the budget) and
+    what would: a larger budget, a shorter sequence, layer order, 8-bit optimizer states
+    (bf16 ones, until 8-bit exist)."""
+    host = [t for t in tried if t.host_bound]
+    budget = format_size(searcher.budget) if searcher.budget < UNBOUNDED_BYTES else "unbounded"
+    would = []
+    if host:
+        least = min(host, key=lambda t: (t.host_bytes, t.shape))
+        why = (
+            f"every step that fits the {budget} budget needs more host memory than the "
+            f"{format_size(searcher.host_bytes)} available (least: {format_size(least.host_bytes)}, "
+            f"{least.shape.text()})"
+        )
+        would.append("a larger --budget (less offloaded to the host)")
+    else:
+        least = [t.least_budget_bytes for t in tried if t.least_budget_bytes is not None]
+        why = f"no step fits the {budget} budget"
+        would.append(
+            f"a --budget of at least {format_size(min(least))}" if least else "a larger --budget"
+        )
+    if seq_len > 1:
+        would.append(f"a shorter --seq-len (e.g. {max(1, seq_len // 2)})")
+    if pins.order == "round":  # else the search tried layer orders where weights stream
+        would.append("--order layer")
+    states = searcher.base.optimizer.state_dtypes
+    if any(dtype == "float32" for dtype in states.values()):
+        would.append("--optimizer-states bf16 (8-bit states do not exist yet)")
+    return f"nothing fits: {why}; what would: {', '.join(would)}"

@@ -1,0 +1,169 @@
+"""The step search (``plan.search``, ``drive.step_search``) on gpt2_tiny on the CPU: the
+same choice twice, every pinned option honoured, a host-memory limit (given, not the
+machine's) that excludes shapes and a nothing-fits line that says what would, and
+``dataflow predict``'s search the same as ``dataflow train``'s."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import attrs
+import pytest
+
+from dataflow.testing import invoke
+
+pytest.importorskip("dataflow_family_gpt2")
+
+from dataflow_training.drive.step_search import SEARCHED, NothingFits, search_for  # noqa: E402
+from dataflow_training.drive.trainer import TrainOptions  # noqa: E402
+from dataflow_training.plan.search import context_length, published_tokens  # noqa: E402
+from dataflow_training.step.family import load_family  # noqa: E402
+
+BUDGET = 2 * 2**20  # the README main job's
+
+
+@pytest.fixture(scope="module")
+def family():
+    return load_family("gpt2")
+
+
+def options(tmp_path, **given) -> TrainOptions:
+    """A gpt2_tiny run at the main job's budget with ``given`` pinned, the rest searched."""
+    free = [name for name in SEARCHED if name not in given]
+    return TrainOptions(
+        family="gpt2",
+        preset="gpt2_tiny",
+        steps=1,
+        out=tmp_path,
+        budget_bytes=BUDGET,
+        **given,
+        search=free,
+    )
+
+
+def test_the_search_chooses_the_same_shape_twice(family, tmp_path) -> None:
+    first, found = search_for(options(tmp_path), family, host_bytes=2**40)
+    again, found_again = search_for(options(tmp_path), family, host_bytes=2**40)
+    assert found.chosen == found_again.chosen and found.runner_up == found_again.runner_up
+    assert attrs.evolve(first) == again
+    assert not first.search  # every field chosen
+    assert first.seq_len == context_length(family.config("gpt2_tiny")) == 128
+    assert first.tokens_per_step == first.batch * first.rounds * first.seq_len
+    assert first.tokens_per_step <= published_tokens("gpt2", "gpt2_tiny", 128)[0]
+    line = found.line()
+    assert line.startswith("search: seq 128 (the preset's context); batch ")
+    assert "predicted" in line and "runner-up" in line
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"batch": 4},
+        {"rounds": 2},
+        {"order": "layer"},
+        {"order": "layer:2", "rounds": 4},
+        {"updates": "end"},
+        {"tokens_per_step": 512},
+        {"seq_len": 32, "batch": 2, "rounds": 3},
+        {"head_vocab_tiles": True},
+        {"resolver": "torch"},
+    ],
+    ids=lambda given: ",".join(f"{k}={v}" for k, v in given.items()),
+)
+def test_every_pinned_option_is_honoured(family, tmp_path, given) -> None:
+    chosen, found = search_for(options(tmp_path, **given), family, host_bytes=2**40)
+    for name, value in given.items():
+        assert getattr(chosen, name) == value, name
+    assert found.chosen is not None
+    assert chosen.tokens_per_step == chosen.batch * chosen.rounds * chosen.seq_len
+
+
+def test_a_host_memory_limit_excludes_shapes(family, tmp_path) -> None:
+    free, found = search_for(options(tmp_path), family, host_bytes=2**40)
+    need = found.chosen.host_bytes
+    limited, within = search_for(options(tmp_path), family, host_bytes=need - 1)
+    assert within.chosen is not None and within.chosen.host_bytes <= need - 1
+    assert within.chosen.shape != found.chosen.shape
+    excluded = [t for t in within.tried if t.host_bound]
+    assert excluded and all(t.host_bytes > need - 1 for t in excluded)
+
+
+def test_nothing_fits_says_what_would(family, tmp_path) -> None:
+    with pytest.raises(NothingFits) as caught:
+        search_for(options(tmp_path, order="round"), family, host_bytes=2**20)
+    line = str(caught.value)
+    assert "\n" not in line
+    assert line.startswith("nothing fits: every step that fits the 2 MiB budget needs more host")
+    for remedy in (
+        "a larger --budget",
+        "a shorter --seq-len",
+        "--order layer",
+        "--optimizer-states bf16",
+    ):
+        assert remedy in line
+
+
+def test_nothing_fits_is_one_line_of_dataflow_train(tmp_path) -> None:
+    result = invoke(
+        *["train", "--preset", "gpt2_tiny", "--steps", "1", "--budget", "64KiB", "--device", "cpu",
+         "--seq-len", "128", "--out", str(tmp_path / "run")]
+    )  # fmt: skip
+    assert result.exit_code == 1
+    assert (
+        "nothing fits: no step fits the 64 KiB budget; what would: a --budget of at "
+        in result.output
+    )
+    assert "Traceback" not in result.output
+
+
+def _search_line(output: str) -> str:
+    line = next(x for x in output.splitlines() if x.startswith("search:"))
+    return re.sub(r"; \d+ of \d+ candidates planned in [\d.]+ s$", "", line)
+
+
+def test_predict_searches_as_train_does(tmp_path) -> None:
+    common = ["--preset", "gpt2_tiny", "--budget", "2MiB", "--device", "cpu"]
+    trained = invoke("train", *common, "--steps", "1", "--out", tmp_path / "run")
+    assert trained.exit_code == 0, trained.output
+    # train's defaults: fp32 weights and optimizer states
+    predicted = invoke("predict", *common, "--dtype", "fp32", "--json", tmp_path / "p.json")
+    assert predicted.exit_code == 0, predicted.output
+    assert _search_line(predicted.output) == _search_line(trained.output)
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert [row["role"] for row in rows] == ["chosen", "runner-up"]
+    manifest = json.loads(next((tmp_path / "run").glob("**/manifest.json")).read_text())
+    options = manifest["options"]
+    chosen = rows[0]
+    assert (options["batch"], options["rounds"], options["order"]) == (
+        chosen["batch"], chosen["rounds"], chosen["order"]
+    )  # fmt: skip
+
+
+def test_a_pinned_batch_on_the_command_line_is_the_run_s(tmp_path) -> None:
+    out = tmp_path / "run"
+    args = ["train", "--preset", "gpt2_tiny", "--budget", "2MiB", "--device", "cpu"]
+    result = invoke(*args, "--steps", "1", "--batch", "3", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "search: seq 128 (the preset's context); batch 3 x " in result.output
+    resumed = invoke("train", "--out", out, "--resume", "auto", "--steps", "2")
+    assert resumed.exit_code == 0, resumed.output
+    assert "search:" not in resumed.output  # the manifest's shape
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_search_prices_both_resolvers_by_their_profiles(tmp_path) -> None:
+    """On CUDA every candidate is priced by the profiling pass (price_on_cuda) for each
+    resolver, and the choice is what the run then compiles: its resolver and shape are
+    in the manifest, its plan line on cuda."""
+    out = tmp_path / "run"
+    result = invoke(
+        "train", "--preset", "gpt2_tiny", "--steps", "3", "--budget", "64MiB", "--out", out
+    )
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.output.splitlines() if x.startswith("search:"))
+    assert re.search(r"resolver torch(-compiled)?: predicted", line), line
+    assert "plan: gpt2-gpt2_tiny-train on cuda: predicted" in result.output
+    manifest = json.loads(next(out.glob("**/manifest.json")).read_text())
+    assert manifest["options"]["resolver"] in ("torch", "torch-compiled")
+    assert manifest["options"]["search"] == []
