@@ -414,7 +414,7 @@ class Searcher:
 
     def try_shape(self, shape: Shape, bound: float) -> Tried:
         """Plan ``shape`` as ``compile_step`` would, and check the host's memory."""
-        step, rewriter, reserve, beside = self.lowered(shape)
+        step, rewriter, reserve, beside, _ = self.lowered(shape)
         program = step.program
         arena = self.budget - reserve - beside
         if arena < 1:
