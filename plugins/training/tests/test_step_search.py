@@ -17,10 +17,21 @@ pytest.importorskip("dataflow_family_gpt2")
 
 from dataflow_training.drive.step_search import SEARCHED, NothingFits, search_for  # noqa: E402
 from dataflow_training.drive.trainer import TrainOptions  # noqa: E402
+from dataflow_training.plan.profile import CACHE_ENV  # noqa: E402
 from dataflow_training.plan.search import context_length, published_tokens  # noqa: E402
 from dataflow_training.step.family import load_family  # noqa: E402
 
 BUDGET = 2 * 2**20  # the README main job's
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_profile_cache(tmp_path_factory):
+    """A profile cache of this module's own: CPU steps are priced by measurement, and
+    another test process writing the same shapes' timings into a shared cache between
+    two searches here would change what the second one reads."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("profiles")))
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +91,16 @@ def test_every_pinned_option_is_honoured(family, tmp_path, given) -> None:
 
 
 def test_a_host_memory_limit_excludes_shapes(family, tmp_path) -> None:
+    """A limit a fifth below what the free choice holds: a shape that cannot be planned
+    inside it (the search first plans it again inside a smaller slow budget, so a limit
+    just below the free choice's may still keep its shape) is passed over."""
     free, found = search_for(options(tmp_path), family, host_bytes=2**40)
-    need = found.chosen.host_bytes
-    limited, within = search_for(options(tmp_path), family, host_bytes=need - 1)
-    assert within.chosen is not None and within.chosen.host_bytes <= need - 1
+    limit = int(found.chosen.host_bytes * 0.8)
+    limited, within = search_for(options(tmp_path), family, host_bytes=limit)
+    assert within.chosen is not None and within.chosen.host_bytes <= limit
     assert within.chosen.shape != found.chosen.shape
     excluded = [t for t in within.tried if t.host_bound]
-    assert excluded and all(t.host_bytes > need - 1 for t in excluded)
+    assert excluded and all(t.host_bytes > limit for t in excluded)
 
 
 def test_nothing_fits_says_what_would(family, tmp_path) -> None:

@@ -116,7 +116,7 @@ def fleet_options(command: Any) -> Any:
     "--tokens-per-step",
     default=None,
     type=COUNT,
-    help="the optimizer's batch in tokens (default: the fewest within 97%% of the fastest "
+    help="the optimizer's batch in tokens (default: the fewest within 97% of the fastest "
     "the search finds, up to the preset's published batch; see docs/usage.md)",
 )
 @fleet_options

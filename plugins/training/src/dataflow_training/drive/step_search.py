@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 
 from dataflow import format_size
+from dataflow_training.drive.run import resolver_for
 from dataflow_training.plan.compiled_step import available_host_bytes
 from dataflow_training.plan.search import (
     Pins,
@@ -58,7 +59,8 @@ def search_for(
         updates=None if "updates" in free else o.updates,
         tokens_step=None if "tokens_per_step" in free else o.tokens_per_step,
         head_vocab_tiles=None if "head_vocab_tiles" in free else o.head_vocab_tiles,
-        resolver=None if "resolver" in free else o.resolver,
+        # a pinned name checked (and "auto" read) as the run reads it
+        resolver=None if "resolver" in free else resolver_for(o.resolver, o.device),
     )
     config = family.config(o.preset, **o.overrides)
     if "seq_len" in free:

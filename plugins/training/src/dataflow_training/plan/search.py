@@ -49,6 +49,10 @@ from dataflow_training.step.lowering import Lowered, lower
 #: fraction of a percent of its compute bound, so ties would otherwise all be planned)
 TIE = 0.005
 
+#: Plans made, at most, for a runner-up where the bounds pruned every other shape (the
+#: search line names one)
+RUNNER_UP_PLANS = 2
+
 #: The smallest tokens per step whose best shape reaches this fraction of the best
 #: throughput found is the default (issue 44: "97 % of the best")
 GOOD_ENOUGH = 0.97
@@ -587,6 +591,13 @@ def search(
             f"{cap[0]:,} ({cap[1]})"
         )
     runnable = [t for t in tried.values() if t.reason is None and t.shape != chosen.shape]
+    if not runnable:  # every other bound pruned: the best-bounded of them planned to show
+        for shape in sorted(candidates, key=lambda s: (-bounds[s], s))[: RUNNER_UP_PLANS + 1]:
+            if shape not in tried and bounds[shape] > 0:
+                tried[shape] = searcher.try_shape(shape, bounds[shape])
+                if tried[shape].reason is None:
+                    runnable = [tried[shape]]
+                    break
     runner_up = min(runnable, key=lambda t: (-t.tok_s, t.shape)) if runnable else None
     return Searched(
         seq_len,
