@@ -17,8 +17,13 @@ pytest.importorskip("dataflow_family_gpt2")
 
 from dataflow_training.drive.step_search import SEARCHED, NothingFits, search_for  # noqa: E402
 from dataflow_training.drive.trainer import TrainOptions  # noqa: E402
+from dataflow_training.plan.hardware import hardware  # noqa: E402
 from dataflow_training.plan.profile import CACHE_ENV  # noqa: E402
-from dataflow_training.plan.search import context_length, published_tokens  # noqa: E402
+from dataflow_training.plan.search import (  # noqa: E402
+    Pricing,
+    context_length,
+    published_tokens,
+)
 from dataflow_training.step.family import load_family  # noqa: E402
 
 BUDGET = 2 * 2**20  # the README main job's
@@ -92,11 +97,14 @@ def test_every_pinned_option_is_honoured(family, tmp_path, given) -> None:
 
 def test_a_host_memory_limit_excludes_shapes(family, tmp_path) -> None:
     """A limit a fifth below what the free choice holds: a shape that cannot be planned
-    inside it (the search first plans it again inside a smaller slow budget, so a limit
-    just below the free choice's may still keep its shape) is passed over."""
-    free, found = search_for(options(tmp_path), family, host_bytes=2**40)
+    inside it (the search first plans it again inside a smaller slow budget) is passed
+    over. Priced by a hardware entry's declared costs: measured ones move the plans, so
+    which shape refits under the limit, from run to run."""
+    entry = hardware("h200")
+    declared = Pricing(device="cpu", cost=entry.roofline("float32"), links=entry.links())
+    free, found = search_for(options(tmp_path), family, host_bytes=2**40, pricing=declared)
     limit = int(found.chosen.host_bytes * 0.8)
-    limited, within = search_for(options(tmp_path), family, host_bytes=limit)
+    limited, within = search_for(options(tmp_path), family, host_bytes=limit, pricing=declared)
     assert within.chosen is not None and within.chosen.host_bytes <= limit
     assert within.chosen.shape != found.chosen.shape
     excluded = [t for t in within.tried if t.host_bound]
