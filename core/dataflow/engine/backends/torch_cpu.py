@@ -13,7 +13,6 @@ step: its steps took 0.58 s with ``copy_``, 0.17 s copying on one thread, on a l
 from __future__ import annotations
 
 import queue
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from dataflow.engine.backends.link_fit import fit_links
 from dataflow.engine.backends.torch_storage import host_copy
 from dataflow.engine.contract import Executable, LaunchContext
 from dataflow.engine.dispatcher import Completion, OpFailed, OpKind
@@ -119,8 +119,6 @@ def measure_host_links(
     ``beside(None)`` runs some compute in place (a task of the program to be run): it is
     kept running on a thread of its own through every timed copy, as the compute worker
     runs a step's tasks while its copies go, on the same cores."""
-    from dataflow.schema import Link, Links
-
     source = torch.ones(size_bytes, dtype=torch.uint8)  # both directions read it
     buffers = {d: (torch.zeros(size_bytes, dtype=torch.uint8), source) for d in ("h2d", "d2h")}
     busy = _Busy(beside) if beside is not None else None
@@ -133,34 +131,15 @@ def measure_host_links(
             lanes[d].put(lambda dst=dst, src=src: host_copy(dst[:nbytes], src[:nbytes]))
         return {d: lanes[d].took_us() for d in directions}
 
-    def median_us(directions: tuple[str, ...], nbytes: int) -> dict[str, float]:
-        runs = [timed(directions, nbytes) for _ in range(repeats)]
-        return {d: statistics.median(run[d] for run in runs) for d in directions}
-
     try:
         if busy is not None:
             busy.start()
-        timed(("h2d", "d2h"), size_bytes)  # warm-up: the pages of the destinations
-        latency_us = median_us(("h2d", "d2h"), 4096)
-        links = {}
-        for d in ("h2d", "d2h"):
-            alone_us = median_us((d,), size_bytes)[d]
-            links[d] = Link(
-                bw_bytes_per_us=size_bytes / max(alone_us - latency_us[d], 1e-3),
-                latency_us=latency_us[d],
-            )
-        both_us = median_us(("h2d", "d2h"), size_bytes)
+        return fit_links(timed, size_bytes, repeats)
     finally:
         if busy is not None:
             busy.stop()
         for lane in lanes.values():
             lane.close()
-    moving_us = max(both_us[d] - latency_us[d] for d in ("h2d", "d2h"))
-    return Links(
-        h2d=links["h2d"],
-        d2h=links["d2h"],
-        duplex_bytes_per_us=2 * size_bytes / max(moving_us, 1e-3),
-    )
 
 
 class _Lane:

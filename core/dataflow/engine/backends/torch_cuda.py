@@ -10,12 +10,12 @@ Copies between the fast arena and the pinned slow pool run on the copy engines.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+from dataflow.engine.backends.link_fit import fit_links
 from dataflow.engine.contract import Executable, LaunchContext
 from dataflow.engine.dispatcher import Completion, OpFailed, OpKind
 
@@ -248,7 +248,6 @@ def measure_links(
     them, where a lone 64 MiB copy measures 55 GB/s
     (``benchmarks/results/trace_vs_sim_gpt2_1GiB_fills.json``, ``copy_rates``).
     """
-    from dataflow.schema import Link, Links
 
     device = torch.device(device)
     if device.type == "cpu":  # fast and slow memory are both the host's
@@ -280,24 +279,6 @@ def measure_links(
         torch.cuda.synchronize(device)
         return {d: s.elapsed_time(e) * 1e3 for d, (s, e) in events.items()}
 
-    def median_us(directions: tuple[str, ...], nbytes: int) -> dict[str, float]:
-        runs = [timed(directions, nbytes) for _ in range(repeats)]
-        return {d: statistics.median(run[d] for run in runs) for d in directions}
-
-    timed(("h2d", "d2h"), size_bytes)  # warm-up
-    latency_us = median_us(("h2d", "d2h"), 4096)
-    links = {}
-    for d in ("h2d", "d2h"):
-        alone_us = median_us((d,), size_bytes)[d]
-        links[d] = Link(
-            bw_bytes_per_us=size_bytes / max(alone_us - latency_us[d], 1e-3),
-            latency_us=latency_us[d],
-        )
-    both_us = median_us(("h2d", "d2h"), size_bytes)
-    moving_us = max(both_us[d] - latency_us[d] for d in ("h2d", "d2h"))
+    links = fit_links(timed, size_bytes, repeats)
     del host_in, host_out, dev_in, dev_out
-    return Links(
-        h2d=links["h2d"],
-        d2h=links["d2h"],
-        duplex_bytes_per_us=2 * size_bytes / max(moving_us, 1e-3),
-    )
+    return links
