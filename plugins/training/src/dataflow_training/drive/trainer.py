@@ -420,17 +420,18 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
         o, init = _with_init(o, family)
     feed = open_feed(o)  # every member reads the one-process stream
     o, vocab_note = _with_vocab(o, family, feed, init, manifest)
+    if o.device.startswith("cuda"):  # tens of seconds for a large model: said before the
+        # search, which profiles first
+        say(
+            f"profiling: each task of the step timed on {o.device}, then planned (the "
+            "profile cache keeps the timings: a later run of these shapes skips them)"
+        )
     if o.search:  # the step's shape, chosen for the model the vocabulary makes
         opened = feed_shape(o)
         o, searched = search_for(o, family)
         say(searched.line())
         if feed_shape(o) != opened:
             feed = open_feed(o)
-    if o.device.startswith("cuda"):  # tens of seconds for a large model: say what is under way
-        say(
-            f"profiling: each task of the step timed on {o.device}, then planned (the "
-            "profile cache keeps the timings: a later run of these shapes skips them)"
-        )
     compiled = compile_step(
         family,
         o.preset,
