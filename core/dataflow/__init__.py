@@ -106,6 +106,7 @@ _HOMES = {
         "planners",
     ),
     "dataflow.units": ("format_size", "parse_size"),
+    "dataflow.durable": ("fsync_path",),
 }
 
 __all__ = [

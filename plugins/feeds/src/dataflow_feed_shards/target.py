@@ -24,6 +24,7 @@ from typing import Any
 
 import attrs
 
+from dataflow import fsync_path
 from dataflow_feed_shards.errors import FeedError
 from dataflow_feed_shards.prepared import (
     MANIFEST,
@@ -183,21 +184,13 @@ def _remove(paths: list[Path], say: Callable[[str], None]) -> None:
 
 def place(claimed: Claim, out: Path, say: Callable[[str], None]) -> None:
     """Rename the complete ``claimed.folder`` to ``out``, swapping out a dataset there."""
-    _fsync(claimed.folder)
+    fsync_path(claimed.folder)
     old = None
     if out.is_dir() and any(out.iterdir()):
         old = beside(out, REPLACED, os.getpid())
         out.rename(old)
     os.replace(claimed.folder, out)  # onto an empty folder, or none
-    _fsync(out.parent)
+    fsync_path(out.parent)
     if old is not None:
         shutil.rmtree(old)
         say(f"replaced the dataset that was in {out}")
-
-
-def _fsync(folder: Path) -> None:
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)

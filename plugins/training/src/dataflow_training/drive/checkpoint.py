@@ -37,6 +37,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dataflow import fsync_path
 from dataflow_training.step.config import TrainConfig
 
 MODEL_FILE = "model.safetensors"
@@ -104,14 +105,6 @@ def set_rng_state(state: Mapping[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_checkpoint(
     path: str | Path,
     weights: Mapping[str, torch.Tensor],
@@ -141,10 +134,10 @@ def write_checkpoint(
         if slow_step and int(slow_step) == manifest.get("step"):
             time.sleep(float(pause))
         for name in (MODEL_FILE, OPTIMIZER_FILE, MANIFEST_FILE):
-            _fsync(tmp / name)
-        _fsync(tmp)
+            fsync_path(tmp / name)
+        fsync_path(tmp)
         os.replace(tmp, final)
-        _fsync(final.parent)
+        fsync_path(final.parent)
     except Exception as exc:  # a full disk, a read-only or vanished folder: keep nothing
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError) or type(exc).__name__ == "SafetensorError":
