@@ -11,10 +11,10 @@ other, in ``--runs`` (checkpoints stay there, outside git). The device's rules a
 minutes a call: the script stops itself before ``--minutes`` run out, sending the run
 under way SIGTERM (the trainer finishes its step, writes a checkpoint and exits), and the
 next call of the same command resumes it (``--resume auto``) and goes on with the rest; a
-complete run is skipped. On an H100 at roughly 500k tok/s the default shape (65,536
-tokens a step: batch 16 x seq 1024 x 4 rounds) takes about 131 ms a step, 2,000 steps
-about 4.4 minutes a run: the three fit in two calls with the start of each run (profiling,
-compiling, the graph capture) and one resume::
+complete run is skipped. On an H100 at roughly 500k tok/s the default shape (32,768
+tokens a step: batch 16 x seq 1024 x 2 rounds) takes about 66 ms a step, 2,000 steps
+about 2.2 minutes a run: the three fit in one or two calls with the start of each run
+(profiling, compiling, the graph capture)::
 
     source benchmarks/device_setup.sh && python -m benchmarks.bf16_update   # call 1
     source benchmarks/device_setup.sh && python -m benchmarks.bf16_update   # call 2, 3...
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--ga-rounds", type=int, default=4)
+    parser.add_argument("--ga-rounds", type=int, default=2)
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--checkpoint-every", type=int, default=250)

@@ -39,7 +39,7 @@ COMPARE_ARGS = {
     "--dataflow-batches 4,2,1 --dataflow-orders round,layer,layer:8",
     "gpt2_tiny": "--family gpt2 --preset gpt2_tiny --seq-len 32 --min-tokens 512",
 }
-COMMON = "--stock-dtypes bf16 --dataflow-dtypes bf16 --no-checkpoint-row --rows stock,dataflow"
+COMMON = "--stock-dtypes bf16 --dataflow-dtypes bf16 --no-checkpoint-row"
 
 #: the cells of issue 44 (model, budget); SMOKE runs one tiny cell on the CPU
 CELLS = {
@@ -97,8 +97,11 @@ def fastest(
     return max((row["tok_s"] for row in rows), default=None)
 
 
-def run_cell(model: str, budget: str, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
-    """One cell's row (module docstring)."""
+def run_cell(
+    model: str, budget: str, args: argparse.Namespace, scratch: Path, stock: dict[str, float]
+) -> dict[str, Any]:
+    """One cell's row (module docstring). The stock rows do not depend on the budget: they
+    run with the first cell of each model and ``stock`` keeps their fastest for the rest."""
     from dataflow.units import parse_size
 
     out = scratch / f"{model}_{budget}"
@@ -111,13 +114,20 @@ def run_cell(model: str, budget: str, args: argparse.Namespace, scratch: Path) -
     searched = read_search(done.stdout)
     compared = scratch / f"compare_{model}_{budget}.json"
     compare = [sys.executable, "-m", "benchmarks.compare", *shlex.split(COMPARE_ARGS[model])]
-    compare += [*shlex.split(COMMON), "--budgets", budget, "--out", str(compared)]
-    compare += ["--doc", str(scratch / "throughput.md")]
+    rows = "dataflow" if model in stock else "stock,dataflow"
+    compare += [*shlex.split(COMMON), "--rows", rows, "--budgets", budget]
+    compare += ["--out", str(compared)]
+    page = scratch / "throughput.md"  # compare.py rewrites its tables: a scratch copy
+    if not page.exists():
+        page.write_text((Path(__file__).parents[1] / "docs" / "throughput.md").read_text())
+    compare += ["--doc", str(page)]
     compare += args.compare_extra
     subprocess.run(compare, check=False)
     doc = json.loads(compared.read_text()) if compared.is_file() else {"rows": []}
     row["best_row_tok_s"] = fastest(doc, model, ("dataflow",), row["budget_bytes"])
-    row["stock_tok_s"] = fastest(doc, model, ("pytorch",), None)
+    if model not in stock:
+        stock[model] = fastest(doc, model, ("pytorch",), None)
+    row["stock_tok_s"] = stock[model]
     return row | searched
 
 
@@ -156,6 +166,9 @@ def merge(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", choices=sorted(CELLS), default="gpt2")
+    parser.add_argument(
+        "--budgets", default=None, help="only these of the group's budgets (e.g. 16GiB,4GiB)"
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--device", default=None, help="only for a smoke run: cpu")
@@ -167,12 +180,21 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("SMOKE") == "1":
         args.cells, args.device = "smoke", "cpu"
         args.compare_extra = [*args.compare_extra, "--device", "cpu", "--compile-backend", "eager"]
-    with tempfile.TemporaryDirectory() as scratch:
-        rows = [run_cell(model, budget, args, Path(scratch)) for model, budget in CELLS[args.cells]]
-    rows = merge(args.out, rows)
+        if args.out == OUT_JSON:  # a smoke run's rows are not results
+            args.out = Path(tempfile.gettempdir()) / "zero_config_smoke.json"
+    cells = CELLS[args.cells]
+    if args.budgets:
+        wanted = args.budgets.split(",")
+        cells = [(model, budget) for model, budget in cells if budget in wanted]
+        if not cells:
+            parser.error(f"--budgets {args.budgets}: none of {args.cells}'s cells")
+    stock: dict[str, float] = {}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(table(rows))
+    with tempfile.TemporaryDirectory() as scratch:
+        for model, budget in cells:  # each cell written as it ends: a cut call keeps them
+            rows = merge(args.out, [run_cell(model, budget, args, Path(scratch), stock)])
+            args.out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+            args.out.with_suffix(".md").write_text(table(rows))
     print(table(rows))
     return 0
 
