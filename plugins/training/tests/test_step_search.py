@@ -126,6 +126,29 @@ def test_nothing_fits_says_what_would(family, tmp_path) -> None:
         assert remedy in line
 
 
+def test_predict_checks_the_host_memory_of_its_hardware_entry(tmp_path) -> None:
+    """``dataflow predict --hw`` searches for that entry's host (its ``host_memory_bytes``),
+    never this machine's; where that host's memory is what nothing fits, the context is
+    not halved (``e.g. 64``: half the preset's 128, said once)."""
+    small = tmp_path / "hw.toml"
+    small.write_text(
+        "[tiny_host]\nflops_per_us = { float32 = 67e6 }\nhbm_bytes_per_us = 4.3e6\n"
+        "h2d_bytes_per_us = 55339.0\nd2h_bytes_per_us = 55231.0\nhost_memory_bytes = 65536\n"
+    )
+    common = ["predict", "--preset", "gpt2_tiny", "--budget", "2MiB", "--hw-file", small]
+    refused = invoke(*common, "--hw", "tiny_host", "--dtype", "fp32")
+    assert refused.exit_code == 1, refused.output
+    assert "needs more host memory than the 64 KiB available" in refused.output
+    assert "a shorter --seq-len (e.g. 64)" in refused.output
+    assert "Traceback" not in refused.output
+    unstated = tmp_path / "unstated.toml"  # no host_memory_bytes: not checked
+    unstated.write_text(small.read_text().replace("host_memory_bytes = 65536\n", ""))
+    common[-1] = unstated
+    searched = invoke(*common, "--hw", "tiny_host", "--dtype", "fp32")
+    assert searched.exit_code == 0, searched.output
+    assert searched.output.startswith("search: seq 128")
+
+
 def test_nothing_fits_is_one_line_of_dataflow_train(tmp_path) -> None:
     result = invoke(
         *["train", "--preset", "gpt2_tiny", "--steps", "1", "--budget", "64KiB", "--device", "cpu",

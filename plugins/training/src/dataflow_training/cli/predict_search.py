@@ -17,6 +17,9 @@ from dataflow_training.cli.train_defaults import default_device, default_family
 from dataflow_training.cli.verify_cli import _check_seq_len, _family, _preset_config
 from dataflow_training.plan.hardware import HardwareError, hardware
 
+#: the host memory of a hardware entry that states none: more than any plan holds
+UNCHECKED_HOST_BYTES = 2**62
+
 
 def search_command(
     preset: str,
@@ -78,7 +81,7 @@ def search_command(
         **{name: value for name, value in given.items() if value is not None},
         search=[name for name in SEARCHED if given.get(name) is None],
     )
-    pricing = None
+    pricing, host_bytes = None, None
     if measured is not None:  # predict_cli.measured_pricing
         options, _cache = measured(family, device)
         pricing = Pricing(device=device, recompute=recompute, **options)
@@ -92,8 +95,10 @@ def search_command(
         pricing = Pricing(
             device=device, recompute=recompute, cost=entry.roofline(param), links=entry.links()
         )
+        # the entry's host, not this machine's: unstated, the host's memory is not checked
+        host_bytes = entry.host_memory_bytes or UNCHECKED_HOST_BYTES
     try:
-        _chosen, found = search_for(o, family, pricing=pricing)
+        _chosen, found = search_for(o, family, pricing=pricing, host_bytes=host_bytes)
     except ValueError as exc:
         raise Failure(one_line(str(exc))) from None
     click.echo(found.line())

@@ -50,7 +50,8 @@ def search_for(
     ``host_bytes``: the host memory the run may hold (default ``o.host_bytes``, else the
     machine's available memory); ``pricing``: how candidates are priced (default: as
     ``compile_step`` prices ``o``'s step). A sequence length not given is the preset's
-    context, halved while no shape fits it. Raises ``NothingFits``."""
+    context, halved while no shape fits the budget (not where the host's memory is what
+    stops them: that holds the weights and optimizer state). Raises ``NothingFits``."""
     free = set(o.search)
     pins = Pins(
         batch=None if "batch" in free else o.batch,
@@ -87,6 +88,8 @@ def search_for(
         found = search(searcher, seq_len, note, pins, cap=cap, clip=o.clip)
         if found.chosen is not None or "seq_len" not in free or seq_len // 2 < SHORTEST_SEQ:
             break
+        if any(t.host_bound for t in found.tried):
+            break  # the host's memory holds the weights and states: a shorter one won't help
         longest = seq_len
         seq_len //= 2
         note = f"the longest that fits {_budget(o)}; the preset's {longest} does not"

@@ -45,6 +45,7 @@ _OPTIONAL = {
     "dispatch_us": 0.0,
     "allreduce_busbw_bytes_per_us": {},
     "allreduce_latency_us": {},
+    "host_memory_bytes": None,
     "sources": {},
 }
 
@@ -84,6 +85,9 @@ class HardwareEntry:
     allreduce_latency_us: Mapping[str, float] = attrs.field(
         factory=dict, converter=dict, hash=False
     )
+    #: the host memory beside the device (None: not stated): what a plan's pinned pool and
+    #: host copies may hold when a step is searched for this entry (``dataflow predict``)
+    host_memory_bytes: int | None = None
     sources: Mapping[str, str] = attrs.field(factory=dict, converter=dict, hash=False)
     origin: str = ""
 
@@ -147,8 +151,9 @@ def _entry(name: str, fields: Any, origin: str) -> HardwareEntry:
         _positive(where, key, values[key])
     for dtype, rate in rates.items():
         _positive(where, f"flops_per_us.{dtype}", rate)
-    if values["duplex_bytes_per_us"] is not None:
-        _positive(where, "duplex_bytes_per_us", values["duplex_bytes_per_us"])
+    for key in ("duplex_bytes_per_us", "host_memory_bytes"):
+        if values[key] is not None:
+            _positive(where, key, values[key])
     for key in ("h2d_latency_us", "d2h_latency_us", "launch_us", "dispatch_us"):
         if not isinstance(values[key], int | float) or values[key] < 0:
             raise HardwareError(f"{where}: {key} must be a number >= 0, got {values[key]!r}")
