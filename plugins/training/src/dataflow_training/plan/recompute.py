@@ -73,11 +73,13 @@ def _quick_pressurefit(program: Program, budget_bytes: int, **options: Any) -> P
     return PRESSUREFIT.plan(program, budget_bytes, explain=False, **options)
 
 
-_QUICK = PlannerSpec("pressurefit", _quick_pressurefit)
+#: PressureFit that fails at once where it finds no plan (the step search's, and the
+#: recompute search's for its candidates)
+QUICK = PlannerSpec("pressurefit", _quick_pressurefit)
 
 
 def _quick_within(homes: frozenset[str]) -> PlannerSpec:
-    """``_QUICK`` for a steady-state plan that tries only ``homes`` as its fast homes."""
+    """``QUICK`` for a steady-state plan that tries only ``homes`` as its fast homes."""
 
     def quick(program: Program, budget_bytes: int, **options: Any) -> Program:
         return _quick_pressurefit(program, budget_bytes, homes=[homes], **options)
@@ -351,13 +353,17 @@ def search(
     budget_bytes: int,
     *,
     max_candidates: int | None = None,
+    explain: bool = True,
     **options: Any,
 ) -> Choice:
     """The best recompute choice for the rewriter's step within ``budget_bytes`` (module
     docstring). ``options`` go to every PressureFit plan (``slow_budget_bytes``,
     ``cyclic``); ``max_candidates`` defaults to ``MAX_CANDIDATES``, plus
     ``PARTIAL_CANDIDATES`` where the step's blocks offer partial saves. Raises
-    ``InfeasibleBudget`` when no candidate fits."""
+    ``InfeasibleBudget`` when no candidate fits, or with ``explain=False`` a plain
+    ``PlanningError`` at once (the smallest budget that works not searched for: a step
+    search over many shapes needs only whether each fits, and that search took minutes
+    of Llama 3 8B's)."""
     if max_candidates is None:
         max_candidates = MAX_CANDIDATES + (PARTIAL_CANDIDATES if rewriter.partial_of else 0)
     planned = 0
@@ -366,7 +372,7 @@ def search(
     # The candidates differ only in their activations, which never cross the step
     # boundary, so after the first plan that fits they try the set it chose (``quick``);
     # the winner is planned again with every set (``narrowed``: the candidates planned so).
-    quick = _QUICK
+    quick = QUICK
     narrowed: set[tuple[frozenset[Unit], ...]] = set()
 
     def planned_with(candidate: Program, planner: PlannerSpec) -> Plan | None:
@@ -393,7 +399,7 @@ def search(
         found = planned_with(candidate, quick)
         if found is None:
             return None
-        if quick is not _QUICK:
+        if quick is not QUICK:
             narrowed.add((units, partial))
         elif found.cycle is not None:
             quick = _quick_within(fast_homes(found.program))
@@ -402,7 +408,7 @@ def search(
     units, partial = rewriter.given, frozenset()
     first = evaluate(units)
     if first is None:
-        units, first = _make_it_fit(rewriter, evaluate, budget_bytes, options)
+        units, first = _make_it_fit(rewriter, evaluate, budget_bytes, options, explain)
     best = first
     cheapest = min((t.cost_us for t in rewriter.rec_cost.values()), default=0.0)
     if _step_us(best) <= rewriter.compute_us(units) + cheapest:
@@ -447,7 +453,7 @@ def search(
         _partial_ladder(rewriter, accept, now)
     if (units, partial - units) in narrowed:  # the winner, with every set of fast homes
         planned += 1
-        again = planned_with(rewriter.candidate(units, partial).program, _QUICK)
+        again = planned_with(rewriter.candidate(units, partial).program, QUICK)
         if again is not None and _step_us(again) < _step_us(best):
             best = again
     return _choice(rewriter, units, best, planned, partial)
@@ -499,13 +505,23 @@ def _floor_bytes(program: Program) -> int:
 
 
 def _make_it_fit(
-    rewriter: Rewriter, evaluate: Callable, budget_bytes: int, options: dict[str, Any]
+    rewriter: Rewriter,
+    evaluate: Callable,
+    budget_bytes: int,
+    options: dict[str, Any],
+    explain: bool = True,
 ) -> tuple[frozenset[Unit], Plan]:
     """Every unit recomputed, then the fewest blocks (every round) that still fit, by
     bisection. When even every unit recomputed does not fit, PressureFit's own error for
-    that candidate (the smallest budget that works, and what forces it)."""
+    that candidate (the smallest budget that works, and what forces it), or with
+    ``explain=False`` a plain ``PlanningError``."""
     everything = rewriter.all | rewriter.given
     fitted = evaluate(everything)
+    if fitted is None and not explain:
+        raise PlanningError(
+            f"no plan of {rewriter.program.name!r} fits {budget_bytes} bytes, even with every "
+            "block recomputed (the smallest budget that works was not searched for)"
+        )
     if fitted is None:
         plan(rewriter.candidate(everything).program, budget_bytes, planner=PRESSUREFIT, **options)
         raise PlanningError(  # PressureFit's quick search missed a plan its full one finds
@@ -544,16 +560,25 @@ RECOMPUTE_DESCRIPTION = (
 )
 
 
-def step_planner(rewriter: Rewriter, max_candidates: int | None = None) -> PlannerSpec:
+def step_planner(
+    rewriter: Rewriter, max_candidates: int | None = None, *, explain: bool = True
+) -> PlannerSpec:
     """The ``recompute`` planner of one lowered step: it plans the rewriter's step, or a
-    candidate of it (a placement re-planning the chosen one), by ``search``."""
+    candidate of it (a placement re-planning the chosen one), by ``search`` (``explain``:
+    as ``search`` takes it)."""
 
     def rewriter_of(program: Program) -> Rewriter:
         step = rewriter.step_of(program)
         return rewriter if step.program is rewriter.program else rewriter.rebased(step)
 
     def plan_step(program: Program, budget_bytes: int, **options: Any) -> Program:
-        found = search(rewriter_of(program), budget_bytes, max_candidates=max_candidates, **options)
+        found = search(
+            rewriter_of(program),
+            budget_bytes,
+            max_candidates=max_candidates,
+            explain=explain,
+            **options,
+        )
         return found.plan.program
 
     def minimal(program: Program, **options: Any) -> int:

@@ -18,7 +18,8 @@ one whose bound cannot beat the best plan so far by more than ``TIE`` is not pla
 (branch and bound: the search is exact up to ``TIE``, and deterministic). A planned
 candidate whose host memory (the engine's slow pool, the starting weights' host copy,
 on a CPU the fast arena, and ``HOST_RESERVE_BYTES`` on CUDA) exceeds the host's
-available memory is not chosen.
+available memory is not chosen, and no shape holding as many sequences' saved context
+at once (``Shape.live_sequences``) is planned after it.
 
 Without a given number of tokens per step the search takes the smallest whose best
 shape reaches ``GOOD_ENOUGH`` of the best throughput found, up to the preset's
@@ -40,7 +41,7 @@ from dataflow_training.plan.compiled_step import HOST_RESERVE_BYTES, UNBOUNDED_B
 from dataflow_training.plan.predict import MAX_SEQ_LEN_FIELDS
 from dataflow_training.plan.pricing import Pricing as Priced
 from dataflow_training.plan.pricing import price_as_compiled
-from dataflow_training.plan.recompute import MAX_CANDIDATES, step_planner
+from dataflow_training.plan.recompute import MAX_CANDIDATES, QUICK, step_planner
 from dataflow_training.step.config import TrainConfig, parse_order
 from dataflow_training.step.lowering import Lowered, lower
 
@@ -160,6 +161,17 @@ class Shape:
 
     def fields(self) -> dict[str, Any]:
         return attrs.asdict(self)
+
+    @property
+    def live_sequences(self) -> int:
+        """Sequences whose saved context a step holds at once at most: a round's (round
+        order), a group's of ``K`` rounds (``layer:K``) or every round's (``layer``). The
+        host memory a plan needs grows with it: whatever the fast budget cannot hold,
+        offloaded or recomputed, leaves at least each block's input behind."""
+        kind, group = parse_order(self.order)
+        if kind == "round":
+            return self.batch
+        return self.batch * min(group or self.rounds, self.rounds)
 
 
 @attrs.frozen
@@ -417,7 +429,9 @@ class Searcher:
         )
 
     def try_shape(self, shape: Shape, bound: float) -> Tried:
-        """Plan ``shape`` as ``compile_step`` would, and check the host's memory."""
+        """Plan ``shape`` as ``compile_step`` would, and check the host's memory. Where it
+        does not fit, the smallest budget that would is not searched for
+        (``least_budget`` finds it, for the one line that says what would)."""
         step, rewriter, reserve, beside, _ = self.lowered(shape)
         program = step.program
         arena = self.budget - reserve - beside
@@ -432,7 +446,9 @@ class Searcher:
                 f"{format_size(arena)} the plan has",
                 least_budget_bytes=self.budget - arena + floor,
             )
-        planner = step_planner(rewriter, MAX_CANDIDATES) if rewriter is not None else PRESSUREFIT
+        planner = (
+            step_planner(rewriter, MAX_CANDIDATES, explain=False) if rewriter is not None else QUICK
+        )
 
         def planned_in(slow_budget: int | None) -> Any:
             return plan(
@@ -470,6 +486,23 @@ class Searcher:
             )
             return Tried(shape, bound, tok_s, need, reason, host_bound=True)
         return Tried(shape, bound, tok_s, need)
+
+    def least_budget(self, shape: Shape) -> int | None:
+        """The smallest budget (the whole, as ``--budget`` takes it) that plans ``shape``,
+        as the planner's own search for it finds (None where that fails otherwise): a
+        search that can take minutes for a large model, made once where nothing fits."""
+        step, rewriter, reserve, beside, _ = self.lowered(shape)
+        arena = self.budget - reserve - beside
+        planner = step_planner(rewriter, MAX_CANDIDATES) if rewriter is not None else PRESSUREFIT
+        try:
+            program = step.program
+            plan(program, arena, planner=planner, slow_budget_bytes=self.backing_bytes,
+                 cyclic=bool(program.persistent))  # fmt: skip
+        except InfeasibleBudget as exc:
+            return self.budget - arena + exc.minimal_budget_bytes
+        except PlanningError:
+            return None
+        return None  # it plans after all (the quick search missed it): no floor to name
 
     def host_need(self, step: Lowered, planned: Any) -> int:
         """Host bytes the run holds: the engine's slow pool, the starting weights' host
@@ -550,6 +583,9 @@ def search(
                 if not tried:  # what the nothing-fits line names
                     tried[shape] = searcher.too_small(shape)
                 break
+            host_bound = [t.shape.live_sequences for t in tried.values() if t.host_bound]
+            if host_bound and shape.live_sequences >= min(host_bound):
+                continue  # holds as much as one the host's memory could not: not planned
             target = max(floor, best.tok_s if best is not None else 0.0)
             if bounds[shape] <= target * (1 + TIE) and (best is not None or floor > 0):
                 break
@@ -565,6 +601,11 @@ def search(
 
     best = best_of(candidates, 0.0, max_plans)
     if best is None:
+        refused = [t for t in tried.values() if t.reason is not None]
+        if refused and not any(t.host_bound or t.least_budget_bytes for t in refused):
+            first = refused[0]  # the best bound: its floor is what the line names
+            least = searcher.least_budget(first.shape)
+            tried[first.shape] = attrs.evolve(first, least_budget_bytes=least)
         elapsed = time.perf_counter() - started
         line = nothing_fits(searcher, list(tried.values()), seq_len, pins)
         return Searched(
