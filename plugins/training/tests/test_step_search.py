@@ -11,6 +11,7 @@ import re
 import attrs
 import pytest
 
+from dataflow import plan
 from dataflow.testing import invoke
 
 pytest.importorskip("dataflow_family_gpt2")
@@ -109,6 +110,33 @@ def test_a_host_memory_limit_excludes_shapes(family, tmp_path) -> None:
     assert within.chosen.shape != found.chosen.shape
     excluded = [t for t in within.tried if t.host_bound]
     assert excluded and all(t.host_bytes > limit for t in excluded)
+
+
+def test_the_run_takes_the_search_s_plan_rather_than_plan_it_again(tmp_path, monkeypatch):
+    """``compile_step`` finds the chosen shape's plan the search made (``plan_memo``):
+    it plans nothing itself, and the run trains."""
+    import dataflow_training.plan.compiled_step as compiled_step
+
+    made = []
+
+    def counted(*args, **kwargs):
+        made.append(args[0].name)
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(compiled_step, "plan", counted)
+    out = tmp_path / "run"
+    args = ["--preset", "gpt2_tiny", "--budget", "2MiB", "--device", "cpu", "--steps", "2"]
+    result = invoke("train", *args, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "search: seq 128" in result.output
+    assert made == []
+    # a pinned shape is not searched: compile_step plans it
+    result = invoke("train", *args, "--batch", "2", "--ga-rounds", "1", "--seq-len", "64",
+                    "--order", "round", "--updates", "end", "--tokens-per-step", "128",
+                    "--no-head-vocab-tiles", "--resolver", "torch", "--out", tmp_path / "pinned")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "search:" not in result.output
+    assert len(made) == 1
 
 
 def test_nothing_fits_says_what_would(family, tmp_path) -> None:

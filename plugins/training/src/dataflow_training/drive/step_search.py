@@ -96,6 +96,7 @@ def search_for(
     if found.chosen is None:
         raise NothingFits(found.nothing_fits)
     shape = found.chosen.shape
+    searcher.keep_plan(shape)  # compile_step takes it rather than plan it again
     chosen = attrs.evolve(
         o,
         seq_len=seq_len,

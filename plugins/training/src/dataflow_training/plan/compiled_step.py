@@ -35,6 +35,7 @@ from dataflow import (
     plan,
     resolvers,
 )
+from dataflow_training.plan.plan_memo import plan_key, plan_options, recall
 from dataflow_training.plan.pricing import price_as_compiled
 from dataflow_training.plan.recompute import MAX_CANDIDATES, Rewriter, step_planner
 from dataflow_training.step.config import TrainConfig
@@ -248,6 +249,9 @@ def compile_step(
         lowered, resolver, device=device, graph=graph, search=searched, declared=cost is not None
     )
     lowered, rewriter, reserve, beside, priced_for = priced
+    # the step search's plan of this very step is taken (``plan_memo``) only where the
+    # planner is the one it plans with
+    searchable = planner is None
     if planner is None:
         planner = step_planner(rewriter, MAX_CANDIDATES) if searched else PRESSUREFIT
     outside = reserve + beside
@@ -258,12 +262,15 @@ def compile_step(
             "it all"
         )
     program = lowered.program
-    options: dict[str, Any] = {"planner": planner, "cyclic": bool(program.persistent)}
+    cyclic = bool(program.persistent)
 
     def plan_and_place(slow_budget: int | None) -> Placement:
-        extra = {} if slow_budget is None else {"slow_budget_bytes": slow_budget}
+        options = plan_options(slow_budget, cyclic=cyclic)
         try:
-            planned = plan(program, budget - outside, **options, **extra)
+            kept = None
+            if searchable:
+                kept = recall(plan_key(program, budget - outside, planner.name, options))
+            planned = kept or plan(program, budget - outside, planner=planner, **options)
         except InfeasibleBudget as exc:  # in the budget the caller gave
             if not outside:
                 raise
@@ -276,7 +283,7 @@ def compile_step(
                 f"{exc.reason} (budgets here include the CUDA libraries' reserve of "
                 f"{reserve} bytes and {beside} bytes of task workspace beside the arena)",
             ) from None
-        return _placed(planned, rewriter, beside, {**extra, "cyclic": options["cyclic"]})
+        return _placed(planned, rewriter, beside, options)
 
     placement = plan_and_place(backing_bytes)
     pinned_limit = backing_bytes if pinned_limit_bytes is None else pinned_limit_bytes

@@ -38,6 +38,7 @@ import attrs
 
 from dataflow import PRESSUREFIT, InfeasibleBudget, PlanningError, format_size, plan, resolvers
 from dataflow_training.plan.compiled_step import HOST_RESERVE_BYTES, UNBOUNDED_BYTES
+from dataflow_training.plan.plan_memo import plan_key, plan_options, remember
 from dataflow_training.plan.predict import MAX_SEQ_LEN_FIELDS
 from dataflow_training.plan.pricing import Pricing as Priced
 from dataflow_training.plan.pricing import price_as_compiled
@@ -368,6 +369,7 @@ class Searcher:
         self.overrides = dict(overrides or {})
         self.pricing, self.host_bytes, self.backing_bytes = pricing, host_bytes, backing_bytes
         self._priced: dict[tuple[Shape, bool], Priced] = {}
+        self._plans: dict[Shape, tuple[Any, int, str, dict[str, Any], Any]] = {}
 
     def lowered(self, shape: Shape, rewrite: bool = True) -> Priced:
         """``shape``'s step lowered and priced (kept: each is made once)."""
@@ -451,13 +453,10 @@ class Searcher:
         )
 
         def planned_in(slow_budget: int | None) -> Any:
-            return plan(
-                program,
-                arena,
-                planner=planner,
-                slow_budget_bytes=slow_budget,
-                cyclic=bool(program.persistent),
-            )
+            options = plan_options(slow_budget, cyclic=bool(program.persistent))
+            made = plan(program, arena, planner=planner, **options)
+            self._plans[shape] = (program, arena, planner.name, options, made)
+            return made
 
         try:
             planned = planned_in(self.backing_bytes)
@@ -486,6 +485,12 @@ class Searcher:
             )
             return Tried(shape, bound, tok_s, need, reason, host_bound=True)
         return Tried(shape, bound, tok_s, need)
+
+    def keep_plan(self, shape: Shape) -> None:
+        """Leave ``shape``'s last plan for ``compile_step`` (``plan_memo``)."""
+        if shape in self._plans:
+            program, arena, planner, options, made = self._plans[shape]
+            remember(plan_key(program, arena, planner, options), made)
 
     def least_budget(self, shape: Shape) -> int | None:
         """The smallest budget (the whole, as ``--budget`` takes it) that plans ``shape``,
