@@ -3,8 +3,9 @@
 A step is priced as it will run: each distinct task timed by the profiling pass (through
 its disk cache, keyed by the device: on a CPU its processor and torch's thread count),
 the links between fast and slow memory measured beside the costliest task (on CUDA the
-copy engines to pinned host memory; on a CPU a worker thread's host memcpy, which shares
-the cores with the compute worker), and, with a recompute search, every candidate's
+copy engines to pinned host memory, once a process for each such task; on a CPU a worker
+thread's host memcpy, which shares the cores with the compute worker, kept with the
+profiles), and, with a recompute search, every candidate's
 tasks timed the same way. On CUDA the budget is the allocator's, so the plan is made at
 the budget less the CUDA libraries' reserve and the largest task workspace, which
 ``place`` then leaves free beside the arena; a CPU has neither (both are 0), nor graphs.
@@ -15,7 +16,7 @@ that entry, not for the device it runs on: ``dataflow predict --hw`` prices that
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -34,6 +35,12 @@ class Pricing(NamedTuple):
     reserve_bytes: int
     workspace_beside_bytes: int
     priced_for: str
+
+
+#: Links measured in this process, by device, resolver and the task they were measured
+#: beside: the step search prices many steps and ``compile_step`` the chosen one again,
+#: each the same links (and so the same program: ``plan_memo`` finds the search's plan)
+_links_measured: dict[tuple, Any] = {}
 
 
 def measured_for(device: str) -> str:
@@ -92,13 +99,17 @@ def price_step(
     # a CPU's links are the host's memcpy, kept with the profiles (a GPU's are measured
     # each run: their pinned copies depend on the host, which the cache key does not name)
     kept = cache if cache is not None and not on_cuda else None
-    measured_links = kept.get_links(signature(step, busiest)) if kept is not None else None
+    beside_key = (device, resolver, signature(step, busiest))
+    measured_links = _links_measured.get(beside_key)
+    if measured_links is None and kept is not None:
+        measured_links = kept.get_links(signature(step, busiest))
     if measured_links is None:
         load = task_launcher(step, measure, busiest, device=device)
         measured_links = measure_links(device, beside=load)
         del load  # its buffers
         if kept is not None:
             kept.put_links(signature(step, busiest), measured_links)
+    _links_measured[beside_key] = measured_links
     links = attrs.evolve(measured_links, collective=step.program.links.collective)
     profiles, beside = without_workspace(profiles)
     step = step.with_program(attrs.evolve(apply_profile(step, profiles), links=links))
