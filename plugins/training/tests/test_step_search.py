@@ -236,7 +236,7 @@ def test_on_a_gpu_the_search_prices_both_resolvers_by_their_profiles(tmp_path) -
     assert result.exit_code == 0, result.output
     line = next(x for x in result.output.splitlines() if x.startswith("search:"))
     assert re.search(r"resolver torch(-compiled)?: predicted", line), line
-    assert "plan: gpt2-gpt2_tiny-train on cuda: predicted" in result.output
+    assert "plan: gpt2-gpt2_tiny-train on cuda (measured): predicted" in result.output
     manifest = json.loads(next(out.glob("**/manifest.json")).read_text())
     assert manifest["options"]["resolver"] in ("torch", "torch-compiled")
     assert manifest["options"]["search"] == []

@@ -385,7 +385,7 @@ def test_zero_config_on_a_gpu_takes_cuda_and_the_free_memory(tmp_path):
     out = tmp_path / "run"
     result = invoke("train", "--preset", "gpt2_tiny", "--steps", "2", "--out", str(out))
     assert result.exit_code == 0, result.output
-    assert "plan: gpt2-gpt2_tiny-train on cuda: predicted" in result.output
+    assert "plan: gpt2-gpt2_tiny-train on cuda (measured): predicted" in result.output
     lines = result.output.splitlines()
     profiling = next(i for i, line in enumerate(lines) if line.startswith("profiling: "))
     first = next(i for i, line in enumerate(lines) if line.startswith("first steps: "))
