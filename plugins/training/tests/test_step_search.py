@@ -20,11 +20,8 @@ from dataflow_training.drive.step_search import SEARCHED, NothingFits, search_fo
 from dataflow_training.drive.trainer import TrainOptions  # noqa: E402
 from dataflow_training.plan.hardware import hardware  # noqa: E402
 from dataflow_training.plan.profile import CACHE_ENV  # noqa: E402
-from dataflow_training.plan.search import (  # noqa: E402
-    Pricing,
-    context_length,
-    published_tokens,
-)
+from dataflow_training.plan.search import Pricing  # noqa: E402
+from dataflow_training.plan.shapes import context_length, published_tokens  # noqa: E402
 from dataflow_training.step.family import load_family  # noqa: E402
 
 BUDGET = 2 * 2**20  # the README main job's

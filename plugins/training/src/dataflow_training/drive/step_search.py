@@ -12,15 +12,8 @@ import attrs
 from dataflow import format_size
 from dataflow_training.drive.run import resolver_for
 from dataflow_training.plan.compiled_step import available_host_bytes
-from dataflow_training.plan.search import (
-    Pins,
-    Pricing,
-    Searched,
-    Searcher,
-    context_length,
-    published_tokens,
-    search,
-)
+from dataflow_training.plan.search import Pricing, Searched, Searcher, search
+from dataflow_training.plan.shapes import Pins, context_length, published_tokens
 
 #: ``TrainOptions`` fields the search may choose (``TrainOptions.search``)
 SEARCHED = (

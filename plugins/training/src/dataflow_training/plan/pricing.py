@@ -24,7 +24,7 @@ from dataflow_training.plan.recompute import Rewriter, measured_rewriter
 from dataflow_training.step.lowering import Lowered
 
 
-class Pricing(NamedTuple):
+class PricedStep(NamedTuple):
     """The step priced by measurements, the recompute rewriter whose candidates are
     priced the same way (None without a search), the CUDA libraries' reserve and the
     largest task workspace, both left free beside the arena (0 on a CPU), and what the
@@ -56,18 +56,18 @@ def declared_for(device: str) -> str:
 
 def price_as_compiled(
     step: Lowered, resolver: str, *, device: str, graph: bool, search: bool, declared: bool
-) -> Pricing:
+) -> PricedStep:
     """``step`` priced as ``compile_step`` prices it: by measurement (``price_step``) on
     CUDA, and elsewhere unless ``declared`` (the step was lowered with a cost model its
     caller gave, e.g. a hardware entry's roofline: those costs kept, and said)."""
     if device.startswith("cuda") or not declared:
         return price_step(step, resolver, device=device, graph=graph, search=search)
-    return Pricing(step, Rewriter(step) if search else None, 0, 0, declared_for(device))
+    return PricedStep(step, Rewriter(step) if search else None, 0, 0, declared_for(device))
 
 
 def price_step(
     step: Lowered, resolver: str, *, device: str, graph: bool = False, search: bool = False
-) -> Pricing:
+) -> PricedStep:
     """Every task of ``step`` priced by the profiling pass on ``device`` (its framework
     temporaries measured too on CUDA; through the disk cache; timed as graph replays with
     ``graph``, CUDA only), the links between fast and slow memory measured (both
@@ -129,4 +129,4 @@ def price_step(
         rewriter = measured_rewriter(step, measured, known=profiles)
         beside = largest[0]  # every candidate's tasks were measured by now
     reserve = runtime_reserve_bytes(device) if on_cuda else 0
-    return Pricing(step, rewriter, reserve, beside, measured_for(device))
+    return PricedStep(step, rewriter, reserve, beside, measured_for(device))
