@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # Install this checkout on the GPU device machine (no network): the packages the image
 # lacks come as wheels in .whl/ (carried), the project editable without dependencies.
-set -euo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site
-args=(-e .)
-for p in families/* resolvers/* kernels/* plugins/* examples/third_party_plugin examples/custom_program; do [ -f "$p/pyproject.toml" ] && args+=(-e "$p"); done
-python3 -m pip install -q --no-deps --no-build-isolation --no-index "${args[@]}"
-python3 -c "import dataflow, dataflow_training, torch; print('dataflow on', torch.cuda.get_device_name())"
+# Sourced (`source benchmarks/device_setup.sh && ...`) for its PYTHONPATH; the install
+# runs in a subshell with `set -euo pipefail`, so those options do not leak into the
+# caller's command (where a failing test piped into `tail` would end all that follows).
+_dataflow_device_setup() (
+    set -euo pipefail
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site
+    args=(-e .)
+    for p in families/* resolvers/* kernels/* plugins/* examples/third_party_plugin examples/custom_program; do [ -f "$p/pyproject.toml" ] && args+=(-e "$p"); done
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index "${args[@]}"
+    python3 -c "import dataflow, dataflow_training, torch; print('dataflow on', torch.cuda.get_device_name())"
+)
+_dataflow_device_setup && export PYTHONPATH=/tmp/site
