@@ -1,5 +1,5 @@
 """Entry-point module of dataflow-training: adds ``dataflow verify``, ``train``, ``lower``,
-``export``, ``predict`` and ``measure``, the ``recompute`` planner and the ``toy_moe``
+``eval``, ``export``, ``predict`` and ``measure``, the ``recompute`` planner and the ``toy_moe``
 family (the protocol's worked MoE example); imports torch only when the family loads."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataflow import FamilySpec, hookimpl
 @hookimpl
 def dataflow_cli_commands() -> list:
     # the entry point loads at every start of `dataflow`: a hook imports what it names when called
+    from dataflow_training.cli.eval_cli import eval_command
     from dataflow_training.cli.export_cli import export_command
     from dataflow_training.cli.predict_cli import measure_command, predict_command
     from dataflow_training.cli.step_cli import lower_command
@@ -19,6 +20,7 @@ def dataflow_cli_commands() -> list:
     return [
         verify_command,
         train_command,
+        eval_command,
         lower_command,
         export_command,
         predict_command,

@@ -232,6 +232,26 @@ def fleet_options(command: Any) -> Any:
     "head compute; for a large vocabulary in a small budget",
 )
 @click.option(
+    "--eval-every",
+    default=None,
+    type=COUNT,
+    help="every N steps, the loss of held-out tokens (val_loss, val_ppl): the validation "
+    "shards of a shards: --data, or --val-data (see docs/finetuning.md)",
+)
+@click.option(
+    "--eval-tokens",
+    default=8192,
+    show_default=True,
+    type=COUNT,
+    help="tokens each evaluation scores (rounded up to whole batches)",
+)
+@click.option(
+    "--val-data",
+    default=None,
+    help="the held-out data --eval-every scores: any data source --data takes "
+    "(default: the validation shards of --data)",
+)
+@click.option(
     "--trace-steps",
     default=0,
     type=click.IntRange(min=0),
@@ -375,6 +395,8 @@ def train_command(
     if budget_bytes is None:
         budget_bytes = default_budget(device)
     rest["data"] = data_spec(rest["data"])
+    if rest["val_data"] is not None:
+        rest["val_data"] = data_spec(rest["val_data"], "--val-data")
     rest["checkpoint_minutes"] = rest["checkpoint_minutes"] or None  # 0: off
     options = TrainOptions(
         family=family_name,
@@ -669,6 +691,8 @@ def _progress(steps: int) -> Any:
                 bar.start()
                 task = bar.add_task("train", total=total, completed=step - 1, loss=0, tok_s=0)
             bar.update(task, completed=step, loss=metrics["loss"], tok_s=metrics["tok_s"] or 0)
+            if "val_loss" in metrics:
+                bar.console.print(f"step {step}/{total}" + val_text(metrics))
             if step == total:
                 bar.stop()
 
@@ -676,13 +700,21 @@ def _progress(steps: int) -> Any:
     every = max(1, steps // 20)
 
     def line(step: int, total: int, metrics: dict[str, Any]) -> None:
-        if step % every and step not in (1, total):
+        if step % every and step not in (1, total) and "val_loss" not in metrics:
             return
         eta = elapsed_eta(started, step, total)
         norm = metrics["grad_norm"]
         click.echo(
             f"step {step}/{total} loss {metrics['loss']:.4f} lr {metrics['lr']:.3g} "
             f"grad_norm {norm:.3g} tok/s {metrics['tok_s'] or 0:,.0f} eta {eta:.0f}s"
+            + val_text(metrics)
         )
 
     return line
+
+
+def val_text(metrics: dict[str, Any]) -> str:
+    """`` val_loss 4.1234 val_ppl 61.8`` on a step that evaluated, else nothing."""
+    if "val_loss" not in metrics:
+        return ""
+    return f" val_loss {metrics['val_loss']:.4f} val_ppl {metrics['val_ppl']:.4g}"

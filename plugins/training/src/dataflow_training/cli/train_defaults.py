@@ -57,7 +57,7 @@ RESUMED = {
             "steps data batch rounds seq_len checkpoint_every checkpoint_minutes keep lr "
             "warmup schedule "
             "min_lr_ratio seed precision dtype optimizer_states graph recompute order updates resolver "
-            "head_vocab_tiles vocab_size"
+            "head_vocab_tiles vocab_size eval_every eval_tokens val_data"
         ).split()
     },
 }
@@ -126,8 +126,8 @@ def cuda_here() -> bool:
 PATH_SCHEMES = ("shards", "text")
 
 
-def data_spec(data: str) -> str:
-    """``--data`` as a feed spec: ``SCHEME:LOCATION`` as given; a bare path that exists,
+def data_spec(data: str, option: str = "--data") -> str:
+    """``--data`` (or ``option``, another data source) as a feed spec: ``SCHEME:LOCATION`` as given; a bare path that exists,
     a folder of llm.c shards (``*.bin`` in it) as ``shards:``, any other file or folder as
     ``text:``; a bare path that does not is a usage error, and an unknown scheme is the feed
     registry's to refuse (listing the schemes). The path of a ``shards:`` or ``text:``
@@ -146,7 +146,7 @@ def data_spec(data: str) -> str:
         raise click.BadParameter(
             f"{data!r} is no file or folder here, nor a feed spec SCHEME:LOCATION (SCHEME "
             f"one of: {', '.join(feeds().names())})",
-            param_hint="--data",
+            param_hint=option,
         )
     if path.is_dir() and any(path.glob("*.bin")):
         return f"shards:{path.resolve()}"

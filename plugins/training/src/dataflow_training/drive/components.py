@@ -23,7 +23,7 @@ Say = Callable[[str], None]
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_FOLDER = "tensorboard"
 #: the metrics.jsonl fields also written as TensorBoard scalars (when not None)
-TENSORBOARD_SCALARS = ("loss", "lr", "grad_norm", "tok_s", "step_s")
+TENSORBOARD_SCALARS = ("loss", "lr", "grad_norm", "tok_s", "step_s", "val_loss", "val_ppl")
 
 
 class MetricsSink(Protocol):
@@ -77,7 +77,7 @@ class TensorBoardMetrics:
 
     def write(self, step: int, metrics: Metrics) -> None:
         for name in TENSORBOARD_SCALARS:
-            if metrics[name] is not None:
+            if metrics.get(name) is not None:  # val_* only on the steps that evaluate
                 self.writer.add_scalar(name, metrics[name], step)
 
     def close(self) -> None:

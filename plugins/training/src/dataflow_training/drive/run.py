@@ -394,6 +394,16 @@ class TrainingRun:
             rounds[-1][packed.layer] = {name: view.cpu().clone() for name, view in views.items()}
         return rounds
 
+    def host_weights(self) -> Mapping[str, torch.Tensor]:
+        """The model state on the host, ``{"<layer>.<param>": tensor}`` (not to be
+        changed): the engine's memory is given back first, the whole state kept on the
+        host, and the next step loads the engine again. Another engine (an evaluation,
+        ``drive.evaluation``) may then run in the same budget."""
+        self.close(keep_state=True)
+        if self._weights is None:
+            raise RuntimeError(f"the run has no state: {self._lost}")
+        return self._weights
+
     def set_state(
         self,
         weights: Mapping[str, torch.Tensor],

@@ -383,6 +383,8 @@ class HeadLoss(_Exec):
             self.tasks.config, params, self.one(ctx, "x"), self.one(ctx, "targets"), env
         )
         self.one(ctx, "loss").copy_(loss)
+        if not self.slot.objects("dx"):  # a forward-only step's head: the loss alone
+            return
         _check_shape(self.task, "dx", dx, self.one(ctx, "dx"))
         self.one(ctx, "dx").copy_(dx)
         self.store_grads(ctx, "grad", {k: v for k, v in grads.items() if k not in self.tied})

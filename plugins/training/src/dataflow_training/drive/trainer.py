@@ -51,6 +51,7 @@ from dataflow_training.drive.components import (
     StopRequest,
     TensorBoardMetrics,
 )
+from dataflow_training.drive.evaluation import evaluator_of
 from dataflow_training.drive.export import run_bundle
 from dataflow_training.drive.fleet import DealtFeed
 from dataflow_training.drive.hf_init import InitError, hf_overrides, hf_weights
@@ -66,6 +67,7 @@ from dataflow_training.plan.compiled_step import compile_step
 from dataflow_training.plan.hardware import hardware
 from dataflow_training.step.config import TrainConfig, head_chunk_tokens
 from dataflow_training.step.family import load_family
+from dataflow_training.step.parameters import parameter_text
 from dataflow_training.step.precision import NAMES, Precision, precision
 
 if TYPE_CHECKING:
@@ -156,6 +158,12 @@ class TrainOptions:
     search: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     #: the host memory the step may hold (None: the machine's available memory)
     host_bytes: int | None = None
+    #: validation (``drive.evaluation``): every ``eval_every`` steps (None: off), the loss
+    #: of ``eval_tokens`` held-out tokens: the ``val`` shards of a ``shards:`` ``data``, or
+    #: the feed ``val_data`` names
+    eval_every: int | None = None
+    eval_tokens: int = 8192
+    val_data: str | None = None
 
     @property
     def policy(self) -> Precision:
@@ -186,6 +194,23 @@ class TrainOptions:
             order=self.order,
             updates=self.updates,
             head_vocab_tiles=self.head_vocab_tiles,
+        )
+
+    def compile(self, family: Any, **more: Any) -> Any:
+        """``compile_step`` of the step of ``family`` (the family object ``self.family``
+        names) in this run's budgets, on its device with its resolver; ``more``: the
+        other ``compile_step`` options (the fleet's, ``forward_only``)."""
+        return compile_step(
+            family,
+            self.preset,
+            self.train_config(family),
+            overrides=self.overrides,
+            budget_bytes=self.budget_bytes,
+            backing_bytes=self.backing_bytes,
+            device=self.device,
+            graph=self.graph,
+            resolver=resolver_for(self.resolver, self.device),
+            **more,
         )
 
 
@@ -235,7 +260,8 @@ def plan_line(compiled: Any) -> str:
     if partial:
         recomputed += f" (saved partially: {', '.join(partial)})"
     return (
-        f"plan: {compiled.program.name} on {compiled.priced_for}: predicted "
+        f"plan: {compiled.program.name} on {compiled.priced_for}, "
+        f"{parameter_text(compiled.lowered)}: predicted "
         f"{p['step_s']:.4g} s/step, "
         f"{p['tok_s']:,.0f} tok/s; fast peak {format_size(p['fast_peak_bytes'])} of "
         f"{budget_text(compiled.planned_budget_bytes)}, slow peak "
@@ -310,6 +336,9 @@ def _train(
     profiler = _profiler(o, start, out, say)
     _say_first_steps(compiled, start < o.steps, say)
     predicted = compiled.predicted()["step_s"]
+    evaluator = evaluator_of(o, compiled, fleet)
+    if evaluator is not None:
+        say(evaluator.line())
     tokens = o.batch * o.seq_len * rounds
     # the options of one process that runs the fleet's step: what a resume takes
     options = _jsonable(attrs.evolve(o, rounds=rounds))
@@ -361,6 +390,8 @@ def _train(
                 )
             history.append((step + 1, stats.loss))
             last = _metrics(step + 1, stats, lr, tokens, predicted)
+            if evaluator is not None and evaluator.due(step + 1):
+                last |= evaluator.evaluate(run.host_weights())
             for sink in sinks:
                 sink.write(step + 1, last)
             fast_peak = max(fast_peak, stats.fast_peak_bytes)
@@ -432,17 +463,9 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
         say(searched.line())
         if feed_shape(o) != opened:
             feed = open_feed(o)
-    compiled = compile_step(
+    compiled = o.compile(
         family,
-        o.preset,
-        o.train_config(family),
-        overrides=o.overrides,
-        budget_bytes=o.budget_bytes,
-        backing_bytes=o.backing_bytes,
-        device=o.device,
-        graph=o.graph,
         recompute=o.recompute,
-        resolver=resolver_for(o.resolver, o.device),
         grad_share=None if fleet is None else fleet.share,
         links=fleet_links(fleet, o.device),
     )

@@ -40,6 +40,7 @@ from dataflow_training.plan.pricing import price_as_compiled
 from dataflow_training.plan.recompute import MAX_CANDIDATES, Rewriter, step_planner
 from dataflow_training.step.config import TrainConfig
 from dataflow_training.step.family import Family, embed_layer, load_family
+from dataflow_training.step.forward_only import lower_forward
 from dataflow_training.step.lowering import Lowered, lower
 
 #: the budget used when none is given: large enough never to bind
@@ -209,6 +210,7 @@ def compile_step(
     grad_share: float | None = None,
     keep_grads: bool = False,
     keep_aux_temp: bool = False,
+    forward_only: bool = False,
 ) -> CompiledStep:
     """The step of ``family``'s ``preset`` (a registered name, loaded here once, or a
     family object) under ``train``, planned into ``budget_bytes`` (default: unbounded) on
@@ -227,24 +229,31 @@ def compile_step(
     it (a prediction for the hardware they describe, not for this device). ``links``'
     collective link is kept either way; ``graph`` (CUDA only) replays steps from one CUDA graph;
     ``grad_share`` makes the step one member of a data-parallel fleet (``lower``);
-    ``keep_grads`` and ``keep_aux_temp`` keep the gradients and AuxTemp for checks."""
+    ``keep_grads`` and ``keep_aux_temp`` keep the gradients and AuxTemp for checks;
+    ``forward_only`` compiles the step's forward-only variant (``forward_only.lower_forward``:
+    what an evaluation runs; nothing saved, so no recompute search)."""
     kernels().check_pins()  # a bad DATAFLOW_KERNELS fails here, not in the first task
     family = load_family(family) if isinstance(family, str) else family
-    lowered = lower(
-        family,
-        preset,
-        train,
-        overrides=dict(overrides or {}),
-        keep_grads=keep_grads,
-        keep_aux_temp=keep_aux_temp,
-        cost=cost,
-        links=links,
-        grad_share=grad_share,
-    )
+    if forward_only:
+        lowered = lower_forward(
+            family, preset, train, overrides=dict(overrides or {}), cost=cost, links=links
+        )
+    else:
+        lowered = lower(
+            family,
+            preset,
+            train,
+            overrides=dict(overrides or {}),
+            keep_grads=keep_grads,
+            keep_aux_temp=keep_aux_temp,
+            cost=cost,
+            links=links,
+            grad_share=grad_share,
+        )
     on_cuda = device.startswith("cuda")
     graph = graph and on_cuda
     budget = budget_bytes or UNBOUNDED_BYTES
-    searched = planner is None and recompute
+    searched = planner is None and recompute and not forward_only
     priced = price_as_compiled(
         lowered, resolver, device=device, graph=graph, search=searched, declared=cost is not None
     )
