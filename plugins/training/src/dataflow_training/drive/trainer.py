@@ -251,7 +251,8 @@ def _is_partial(slot: Any) -> bool:
 
 def plan_line(compiled: Any) -> str:
     """The plan line of a compiled step (``CompiledStep``): the simulator's step of the
-    plan that runs and the layers its ``rec`` tasks re-derive."""
+    plan that runs, the parameters (total and trainable: ``step.parameters``) and the
+    layers its ``rec`` tasks re-derive."""
 
     p = compiled.predicted()
     layout = compiled.layout  # the plan the engine runs: the recompute planner chose it
@@ -260,13 +261,12 @@ def plan_line(compiled: Any) -> str:
     if partial:
         recomputed += f" (saved partially: {', '.join(partial)})"
     return (
-        f"plan: {compiled.program.name} on {compiled.priced_for}, "
-        f"{parameter_text(compiled.lowered)}: predicted "
+        f"plan: {compiled.program.name} on {compiled.priced_for}: predicted "
         f"{p['step_s']:.4g} s/step, "
         f"{p['tok_s']:,.0f} tok/s; fast peak {format_size(p['fast_peak_bytes'])} of "
         f"{budget_text(compiled.planned_budget_bytes)}, slow peak "
         f"{format_size(p['slow_peak_bytes'])}; moved {format_size(p['moved_bytes'])}/step; "
-        f"recomputed layers: {recomputed}"
+        f"{parameter_text(compiled.lowered)}; recomputed layers: {recomputed}"
     )
 
 
