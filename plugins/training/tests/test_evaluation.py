@@ -214,3 +214,25 @@ def test_tensorboard_gets_val_loss_on_the_steps_that_evaluate():
     sink.write(2, base | {"val_loss": 4.5, "val_ppl": math.exp(4.5)})
     val = [(name, step) for name, _, step in writer.scalars if name.startswith("val_")]
     assert val == [("val_loss", 2), ("val_ppl", 2)]
+
+
+@pytest.mark.gpu
+def test_eval_on_cuda_stays_in_the_budget_and_equals_eval_of_the_checkpoint(shards, tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    budget = 1 << 30
+    out = tmp_path / "run"
+    result = invoke(
+        "train", "--preset", "gpt2_tiny", "--steps", 4, "--batch", 2, "--seq-len", 16,
+        "--ga-rounds", 1, "--data", shards, "--out", out, "--device", "cuda",
+        "--budget", "1GiB", "--eval-every", 2, "--eval-tokens", 96, "--checkpoint-every", 2,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    evaluated = [m for m in _metrics(out) if "val_loss" in m]
+    assert [m["step"] for m in evaluated] == [2, 4]
+    for m in evaluated:
+        assert 0 < m["eval_allocator_peak_bytes"] <= budget
+        assert m["eval_fast_peak_bytes"] <= budget
+    again = evaluate_checkpoint(out / "step_000004")
+    # bf16 on CUDA: the same program and weights, kernels that may reduce in another order
+    assert again["val_loss"] == pytest.approx(evaluated[-1]["val_loss"], rel=1e-3)

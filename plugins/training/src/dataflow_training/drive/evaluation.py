@@ -124,7 +124,8 @@ class Evaluator:
     def evaluate(self, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """``val_loss`` (the mean of the batches' mean losses: every batch is whole, so
         the mean over every scored token), ``val_ppl`` (its exp), ``val_tokens``,
-        ``eval_s`` and the engine's fast peak, of the model state ``weights`` (left as it
+        ``eval_s`` and the engine's peaks (the ledger's fast peak; on CUDA the allocator's,
+        which the engine holds to the budget), of the model state ``weights`` (left as it
         is)."""
         started = time.perf_counter()
         running = self.compiled.running
@@ -139,7 +140,7 @@ class Evaluator:
             graph=self.compiled.graph,
         )
         losses = []
-        peak = 0
+        peak, allocator = 0, None
         try:
             engine.load(self.compiled.placement, self.compiled.executables(), initial=initial)
             for i, batch in enumerate(self._data):
@@ -151,6 +152,8 @@ class Evaluator:
                     )
                 losses.append(engine.read_scalars([loss_id])[0])
                 peak = max(peak, result.fast_peak_bytes)
+                if result.allocator_peak_bytes is not None:  # CUDA: the engine checked it
+                    allocator = max(allocator or 0, result.allocator_peak_bytes)
         finally:
             engine.close()
         self.fast_peak_bytes = max(self.fast_peak_bytes, peak)
@@ -161,6 +164,7 @@ class Evaluator:
             "val_tokens": self.tokens,
             "eval_s": time.perf_counter() - started,
             "eval_fast_peak_bytes": peak,
+            "eval_allocator_peak_bytes": allocator,
         }
 
 
