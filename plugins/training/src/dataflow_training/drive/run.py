@@ -400,6 +400,7 @@ class TrainingRun:
         host, and the next step loads the engine again. Another engine (an evaluation,
         ``drive.evaluation``) may then run in the same budget."""
         self.close(keep_state=True)
+        gc.collect()  # the engine's arena goes now, not when a reference cycle is collected
         if self._weights is None:
             raise RuntimeError(f"the run has no state: {self._lost}")
         return self._weights
