@@ -70,7 +70,7 @@ def test_the_eval_loss_is_the_training_steps_loss_of_the_same_batch():
     )
     run = TrainingRun.of("gpt2", "gpt2_tiny", SHAPE, seed=3)
     val = evaluator.evaluate(run.host_weights())
-    stats = run.step([evaluator._data[0]])
+    stats = run.step([evaluator.data[0]])
     run.close()
     assert val["val_tokens"] == 32 and val["val_loss"] == pytest.approx(stats.loss, rel=1e-6)
     assert val["val_ppl"] == pytest.approx(math.exp(val["val_loss"]))

@@ -40,7 +40,9 @@ from dataflow_training.cli.verify_cli import budget_option
     "else the validation shards of its --data)",
 )
 @budget_option("fast-memory budget (default: the run's)")
-@click.option("--device", default=None, type=Device(), help="default: the run's")
+@click.option(
+    "--device", default=None, type=Device(), help="default: the run's (cpu where it has no GPU)"
+)
 @click.option("--json", "as_json", is_flag=True, help="print the metrics as one JSON line")
 def eval_command(location, eval_tokens, val_data, budget_bytes, device, as_json) -> None:
     """The validation loss (val_loss, val_ppl) of a run's checkpoint, from the run's step

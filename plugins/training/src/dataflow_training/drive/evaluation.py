@@ -1,6 +1,6 @@
 """Validation: the loss of held-out tokens, from the step's forward-only program.
 
-    evaluator = Evaluator.of(o, family)          # compiled once, inside the run's budget
+    evaluator = evaluator_of(o, compiled)       # compiled once, inside the run's budget
     metrics = evaluator.evaluate(run.host_weights())   # {"val_loss": ..., "val_ppl": ...}
 
 The program is the training step's forward half (``step.forward_only``), at the step's
@@ -9,8 +9,8 @@ run by its own engine. Only one engine holds the budget at a time: the training 
 its engine's memory back first (``TrainingRun.host_weights``, the state kept on the host;
 its next step loads it again), so the evaluation's peak is held to the budget as a
 training step's is. The tokens are the first ``tokens`` of the validation feed, rounded up
-to whole batches: every evaluation, and an ``--eval-only``-style ``dataflow eval`` of a
-checkpoint, reads the same ones. The training feed is never read here, so the training
+to whole batches: every evaluation, and ``dataflow eval --from`` of a checkpoint
+(``evaluate_checkpoint``), reads the same ones. The training feed is never read here, so the training
 batches after an evaluation are those without it.
 
 The held-out tokens are the ``val`` shards of a ``shards:`` training feed (those ``dataflow
@@ -33,6 +33,7 @@ from dataflow_training.drive.checkpoint import (
     MANIFEST_FILE,
     CheckpointError,
     intact_checkpoint,
+    read_checkpoint,
     read_manifest,
 )
 from dataflow_training.drive.values import StartValues, data_values
@@ -46,18 +47,18 @@ class EvalError(ValueError):
     """Validation asked of data that has none, or bad evaluation options."""
 
 
-def val_feed_spec(data: str, val_data: str | None) -> tuple[str, dict[str, Any]]:
-    """The spec the validation tokens come from and the options it opens with: ``val_data``
-    as given, else the ``val`` split of ``data`` (a ``shards:`` folder)."""
+def val_feed_spec(data: str, val_data: str | None) -> tuple[str, str | None]:
+    """The spec the validation tokens come from and the split it opens (None: the feed's
+    own): ``val_data`` as given, else the ``val`` split of ``data`` (a ``shards:`` folder)."""
     if val_data is not None:
-        return val_data, {}
+        return val_data, None
     if data.partition(":")[0] != SHARDS:
         raise EvalError(
             f"--eval-every: --data {data} has no held-out shards (only shards: folders "
             "that `dataflow data prepare --val-tokens N` wrote have them); give --val-data "
             "SPEC (any data source --data takes)"
         )
-    return data, {"split": "val"}
+    return data, "val"
 
 
 @attrs.frozen
@@ -85,10 +86,10 @@ class Evaluator:
         )
         self.describe = feed.describe()
         self.vocab_size = getattr(feed, "vocab_size", None)
-        # read once: every evaluation scores the same tokens
-        self._data = [feed.next() for _ in range(self.batches)]
+        #: the held-out batches, read once: every evaluation scores the same tokens
+        self.data = [feed.next() for _ in range(self.batches)]
         self.fast_peak_bytes = 0
-        for r, (tokens, _targets) in enumerate(self._data):
+        for r, (tokens, _targets) in enumerate(self.data):
             largest = int(tokens.max())
             if largest >= compiled.vocab_size:
                 raise EvalError(
@@ -131,7 +132,7 @@ class Evaluator:
         running = self.compiled.running
         data_objects = running.layout.data_objects()
         (loss_id,) = running.layout.losses()
-        initial = StartValues(running, weights, lambda _step, _r: self._data[0])
+        initial = StartValues(running, weights, lambda _step, _r: self.data[0])
         engine = Engine(
             "torch",
             budget_bytes=self.compiled.budget_bytes,
@@ -143,7 +144,7 @@ class Evaluator:
         peak, allocator = 0, None
         try:
             engine.load(self.compiled.placement, self.compiled.executables(), initial=initial)
-            for i, batch in enumerate(self._data):
+            for i, batch in enumerate(self.data):
                 if i == 0:
                     result = engine.run()
                 else:
@@ -183,8 +184,8 @@ def evaluator_of(o: Any, compiled: CompiledStep, fleet: Any = None) -> Evaluator
             "--eval-every: a fleet does not evaluate yet; run `dataflow eval --from "
             "RUN` on its checkpoints"
         )
-    spec, extra = val_feed_spec(o.data, o.val_data)
-    options = EvalOptions(spec, o.eval_tokens, o.eval_every, extra.get("split"))
+    spec, split = val_feed_spec(o.data, o.val_data)
+    options = EvalOptions(spec, o.eval_tokens, o.eval_every, split)
     return Evaluator.of(o, compiled.family, options)
 
 
@@ -216,10 +217,10 @@ def evaluate_checkpoint(
     run's step (``TrainOptions`` from its manifest) compiled forward-only, scoring the
     run's validation tokens (``tokens`` and ``val_data`` where given, else the run's
     ``eval_tokens`` and ``val_data``, else its data's ``val`` shards). ``budget_bytes``
-    and ``device`` default to the run's. Returns ``evaluate``'s metrics with ``step``
-    and ``checkpoint``; ``say`` gets the eval line."""
+    and ``device`` default to the run's (the CPU where the run's is CUDA and there is
+    none). Returns ``evaluate``'s metrics with ``step`` and ``checkpoint``; ``say`` gets
+    the eval line."""
     # the trainer imports this module: its options are imported when this runs
-    from dataflow_training.drive.checkpoint import read_checkpoint
     from dataflow_training.drive.trainer import TrainOptions
     from dataflow_training.step.family import load_family
 
@@ -235,12 +236,14 @@ def evaluate_checkpoint(
         changes["eval_tokens"] = tokens
     if budget_bytes is not None:
         changes["budget_bytes"] = budget_bytes
+    if device is None and o.device.startswith("cuda") and not torch.cuda.is_available():
+        device = "cpu"  # a run trained on a GPU, scored where there is none
     if device is not None:
         changes["device"] = device
     o = attrs.evolve(o, **changes)
-    spec, extra = val_feed_spec(o.data, o.val_data)
+    spec, split = val_feed_spec(o.data, o.val_data)
     family = load_family(o.family)
-    evaluator = Evaluator.of(o, family, EvalOptions(spec, o.eval_tokens, None, extra.get("split")))
+    evaluator = Evaluator.of(o, family, EvalOptions(spec, o.eval_tokens, None, split))
     if say is not None:
         say(evaluator.line())
     weights = read_checkpoint(checkpoint, weights_only=True)[0]
