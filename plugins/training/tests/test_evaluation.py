@@ -17,11 +17,8 @@ from dataflow.testing import assert_one_line_error, invoke
 pytest.importorskip("dataflow_family_gpt2")
 pytest.importorskip("dataflow_feed_shards")
 
-from dataflow_training.drive.evaluation import (  # noqa: E402
-    EvalOptions,
-    Evaluator,
-    evaluate_checkpoint,
-)
+from dataflow_training.drive.eval_checkpoint import evaluate_checkpoint  # noqa: E402
+from dataflow_training.drive.evaluation import EvalOptions, Evaluator  # noqa: E402
 from dataflow_training.drive.run import TrainingRun  # noqa: E402
 from dataflow_training.drive.trainer import TrainOptions, train  # noqa: E402
 from dataflow_training.plan.compiled_step import compile_step  # noqa: E402

@@ -49,7 +49,7 @@ def eval_command(location, eval_tokens, val_data, budget_bytes, device, as_json)
     planned forward-only inside the budget."""
     # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.drive.checkpoint import CheckpointError
-    from dataflow_training.drive.evaluation import evaluate_checkpoint
+    from dataflow_training.drive.eval_checkpoint import evaluate_checkpoint
 
     if val_data is not None:
         val_data = data_spec(val_data, "--val-data")

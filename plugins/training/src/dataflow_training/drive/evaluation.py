@@ -10,8 +10,8 @@ its engine's memory back first (``TrainingRun.host_weights``, the state kept on 
 its next step loads it again), so the evaluation's peak is held to the budget as a
 training step's is. The tokens are the first ``tokens`` of the validation feed, rounded up
 to whole batches: every evaluation, and ``dataflow eval --from`` of a checkpoint
-(``evaluate_checkpoint``), reads the same ones. The training feed is never read here, so the training
-batches after an evaluation are those without it.
+(``eval_checkpoint.evaluate_checkpoint``), reads the same ones. The training feed is never
+read here, so the training batches after an evaluation are those without it.
 
 The held-out tokens are the ``val`` shards of a ``shards:`` training feed (those ``dataflow
 data prepare --val-tokens`` writes), or any feed spec given as ``val_data``.
@@ -22,20 +22,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
 from dataflow import Engine, feeds, format_size
-from dataflow_training.drive.checkpoint import (
-    MANIFEST_FILE,
-    CheckpointError,
-    intact_checkpoint,
-    read_checkpoint,
-    read_manifest,
-)
 from dataflow_training.drive.values import StartValues, data_values
 from dataflow_training.plan.compiled_step import UNBOUNDED_BYTES, CompiledStep
 
@@ -187,65 +179,3 @@ def evaluator_of(o: Any, compiled: CompiledStep, fleet: Any = None) -> Evaluator
     spec, split = val_feed_spec(o.data, o.val_data)
     options = EvalOptions(spec, o.eval_tokens, o.eval_every, split)
     return Evaluator.of(o, compiled.family, options)
-
-
-def checkpoint_of(location: str | Path) -> Path:
-    """The checkpoint ``location`` names: itself where it holds a manifest, else the
-    newest intact checkpoint of the run folder it is; a ``CheckpointError`` naming it when
-    it is neither."""
-    folder = Path(location)
-    if (folder / MANIFEST_FILE).is_file():
-        return folder
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder} is not a folder (a run folder or a checkpoint)")
-    found = intact_checkpoint(folder)
-    if found is None:
-        raise CheckpointError(f"{folder} holds no checkpoint (no {MANIFEST_FILE}, no step_*)")
-    return found
-
-
-def evaluate_checkpoint(
-    location: str | Path,
-    *,
-    tokens: int | None = None,
-    val_data: str | None = None,
-    budget_bytes: int | None = None,
-    device: str | None = None,
-    say: Any = None,
-) -> dict[str, Any]:
-    """The validation loss of the checkpoint ``location`` names (``checkpoint_of``): its
-    run's step (``TrainOptions`` from its manifest) compiled forward-only, scoring the
-    run's validation tokens (``tokens`` and ``val_data`` where given, else the run's
-    ``eval_tokens`` and ``val_data``, else its data's ``val`` shards). ``budget_bytes``
-    and ``device`` default to the run's (the CPU where the run's is CUDA and there is
-    none). Returns ``evaluate``'s metrics with ``step`` and ``checkpoint``; ``say`` gets
-    the eval line."""
-    # the trainer imports this module: its options are imported when this runs
-    from dataflow_training.drive.trainer import TrainOptions
-    from dataflow_training.step.family import load_family
-
-    checkpoint = checkpoint_of(location)
-    manifest = read_manifest(checkpoint)
-    raw = manifest.get("options")
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{checkpoint / MANIFEST_FILE} records no run options")
-    fields = {f.name for f in attrs.fields(TrainOptions)} - {"profile"}
-    o = TrainOptions(**{k: v for k, v in raw.items() if k in fields})
-    changes: dict[str, Any] = {"val_data": val_data or o.val_data}
-    if tokens is not None:
-        changes["eval_tokens"] = tokens
-    if budget_bytes is not None:
-        changes["budget_bytes"] = budget_bytes
-    if device is None and o.device.startswith("cuda") and not torch.cuda.is_available():
-        device = "cpu"  # a run trained on a GPU, scored where there is none
-    if device is not None:
-        changes["device"] = device
-    o = attrs.evolve(o, **changes)
-    spec, split = val_feed_spec(o.data, o.val_data)
-    family = load_family(o.family)
-    evaluator = Evaluator.of(o, family, EvalOptions(spec, o.eval_tokens, None, split))
-    if say is not None:
-        say(evaluator.line())
-    weights = read_checkpoint(checkpoint, weights_only=True)[0]
-    metrics = evaluator.evaluate(weights)
-    return {"step": int(manifest["step"]), "checkpoint": str(checkpoint), **metrics}
