@@ -42,6 +42,14 @@ EXPECTED_VARIANTS = (
         for op in ("grouped_mm", "grouped_mm_wgrad")
         for name in ("reference", "torch")
     ),
+    # test_delta_rule_ops.py
+    "gated_delta_rule_fwd/reference",
+    "gated_delta_rule_bwd/reference",
+    *(
+        ("gated_delta_rule_fwd/fla", "gated_delta_rule_bwd/fla")
+        if importlib.util.find_spec("fla") is not None
+        else ()
+    ),
     # test_adamw_compensated.py
     "adamw_compensated_multi/reference",
     "adamw_compensated_multi/torch",

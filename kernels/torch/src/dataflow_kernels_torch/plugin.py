@@ -154,6 +154,7 @@ def dataflow_kernels() -> list[KernelVariant]:
         *(_triton_variants() if importlib.util.find_spec("triton") is not None else []),
         *_cudnn_variants(),
         *_grouped_variants(),
+        *_delta_rule_variants(),
     ]
 
 
@@ -283,6 +284,41 @@ def _grouped_variants() -> list[KernelVariant]:
             ),
         )
     ]
+
+
+def _delta_rule_variants() -> list[KernelVariant]:
+    """The gated delta rule (``delta_rule.py``; Gated DeltaNet's linear attention):
+    ``reference``, pure torch chunked, any device; ``fla``, flash-linear-attention's
+    Triton kernels, CUDA only and registered only where ``fla`` is installed (a device
+    without it keeps the reference)."""
+    variants = []
+    for op in ("gated_delta_rule_fwd", "gated_delta_rule_bwd"):
+        variants.append(
+            KernelVariant(
+                op,
+                "reference",
+                _loader("delta_rule", f"{op}_reference"),
+                priority=-10,
+                description="pure torch, 64-token chunks (a triangular solve per chunk), "
+                "float32 math (float64 for float64 inputs); the backward re-derives each "
+                "chunk's state and differentiates one chunk at a time",
+            )
+        )
+        if importlib.util.find_spec("fla") is not None:
+            variants.append(
+                KernelVariant(
+                    op,
+                    "fla",
+                    _loader("delta_rule", f"{op}_fla"),
+                    devices=("cuda",),
+                    deterministic=False,
+                    priority=10,
+                    description="flash-linear-attention's chunked Triton kernels "
+                    "(chunk_gated_delta_rule's forward; its backward from re-derived "
+                    "chunk sums and WY matrix)",
+                )
+            )
+    return variants
 
 
 def _triton_variants() -> list[KernelVariant]:
