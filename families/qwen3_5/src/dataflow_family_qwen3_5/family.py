@@ -26,6 +26,7 @@ from dataflow_training.kit import (
     checkpoint_folder,
     expected_state,
     key_map,
+    parameter_count,
     read_config,
     read_state,
 )
@@ -117,6 +118,26 @@ class Qwen3_5Family(DecoderFamily):
             "layer_types": list(config.layer_types),
             **{name: getattr(config, name) for name in LINEAR_FIELDS},
         }
+
+    def preset_table(self) -> str:
+        """The presets as a Markdown table, every number computed from the configs: the
+        kit's columns with the layer types and the Gated DeltaNet heads."""
+        lines = [
+            "| preset | layers (linear + full) | hidden | heads (kv) | head_dim "
+            "| DeltaNet heads k (v) x dim | MLP | vocab | context | tied | parameters |",
+            "|---|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|",
+        ]
+        for name, c in self.presets.items():
+            full = c.layer_types.count("full_attention")
+            lines.append(
+                f"| `{name}` | {c.num_hidden_layers} ({c.num_hidden_layers - full} + {full}) "
+                f"| {c.hidden_size:,} | {c.num_attention_heads} ({c.num_key_value_heads}) "
+                f"| {c.head_dim} | {c.linear_num_key_heads} ({c.linear_num_value_heads}) x "
+                f"{c.linear_key_head_dim} | {c.intermediate_size:,} | {c.vocab_size:,} "
+                f"| {c.max_position_embeddings:,} | {'yes' if c.tie_word_embeddings else 'no'} "
+                f"| {parameter_count(c):,} |"
+            )
+        return "\n".join(lines) + "\n"
 
     def import_hf(
         self, path: str | Path, *, dtype: torch.dtype | None = None
