@@ -286,11 +286,16 @@ def _grouped_variants() -> list[KernelVariant]:
     ]
 
 
+#: what ``fla``'s gated delta rule imports: its variant is registered only where all are
+#: installed (the device gets them as wheels in .whl/, installed without dependencies)
+_FLA_NEEDS = ("fla", "einops", "triton")
+
+
 def _delta_rule_variants() -> list[KernelVariant]:
     """The gated delta rule (``delta_rule.py``; Gated DeltaNet's linear attention):
     ``reference``, pure torch chunked, any device; ``fla``, flash-linear-attention's
-    Triton kernels, CUDA only and registered only where ``fla`` is installed (a device
-    without it keeps the reference)."""
+    Triton kernels, CUDA only and registered only where ``fla`` and what it imports are
+    installed (a device without them keeps the reference)."""
     variants = []
     for op in ("gated_delta_rule_fwd", "gated_delta_rule_bwd"):
         variants.append(
@@ -304,7 +309,7 @@ def _delta_rule_variants() -> list[KernelVariant]:
                 "chunk's state and differentiates one chunk at a time",
             )
         )
-        if importlib.util.find_spec("fla") is not None:
+        if all(importlib.util.find_spec(name) for name in _FLA_NEEDS):
             variants.append(
                 KernelVariant(
                     op,
