@@ -43,8 +43,11 @@ EXPECTED_VARIANTS = (
         for name in ("reference", "torch")
     ),
     # test_delta_rule_ops.py
-    "gated_delta_rule_fwd/reference",
-    "gated_delta_rule_bwd/reference",
+    *(
+        f"{op}/{name}"
+        for op in ("gated_delta_rule_fwd", "gated_delta_rule_bwd")
+        for name in ("torch", "reference")
+    ),
     *(
         ("gated_delta_rule_fwd/fla", "gated_delta_rule_bwd/fla")
         if all(importlib.util.find_spec(name) for name in ("fla", "einops", "triton"))

@@ -1,16 +1,24 @@
 """The gated delta rule ops against a plain per-token recurrence differentiated by
-autograd (float64, written here from the rule's definition): the chunked reference on
-any device, with grouped values, lengths that are not whole chunks and several chunks;
-``fla``'s variant against the reference on CUDA (``gpu``)."""
+autograd (float64, written here from the rule's definition): the chunked ``torch``
+variant and the ``reference`` (a reverse scan by hand), with grouped values, lengths that
+are not whole chunks and several chunks; ``fla``'s variant against the reference on CUDA
+(``gpu``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from dataflow_kernels_torch import delta_rule
 from dataflow_kernels_torch.delta_rule import (
     gated_delta_rule_bwd_reference,
     gated_delta_rule_fwd_reference,
 )
+
+#: (forward, backward) of each variant held to the recurrence here
+VARIANTS = {
+    "torch": (delta_rule.gated_delta_rule_fwd, delta_rule.gated_delta_rule_bwd),
+    "reference": (gated_delta_rule_fwd_reference, gated_delta_rule_bwd_reference),
+}
 
 
 def recurrence(q, k, v, g, beta, scale):
@@ -43,18 +51,20 @@ def inputs(seq, k_heads=2, v_heads=4, k_dim=8, v_dim=6, dtype=torch.float64, see
     return [t.to(dtype) for t in (q, k, v, g, beta)]
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("seq", [1, 7, 64, 150])
-def test_the_reference_is_the_recurrence_forward_and_backward(seq):
+def test_each_variant_is_the_recurrence_forward_and_backward(variant, seq):
+    forward, backward = VARIANTS[variant]
     q, k, v, g, beta = inputs(seq)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
     truth = recurrence(*leaves, scale=0.3)
-    out = gated_delta_rule_fwd_reference(q, k, v, g, beta, scale=0.3)
+    out = forward(q, k, v, g, beta, scale=0.3)
     torch.testing.assert_close(out, truth.detach(), rtol=1e-9, atol=1e-10)
     d_out = torch.randn(
         truth.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64
     )
     expected = torch.autograd.grad(truth, leaves, d_out)
-    got = gated_delta_rule_bwd_reference(d_out, q, k, v, g, beta, scale=0.3)
+    got = backward(d_out, q, k, v, g, beta, scale=0.3)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, expected, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9, msg=lambda m, n=name: f"{n}: {m}")
@@ -62,7 +72,7 @@ def test_the_reference_is_the_recurrence_forward_and_backward(seq):
 
 def test_float32_inputs_keep_their_dtype_and_the_default_scale():
     q, k, v, g, beta = inputs(20, dtype=torch.float32)
-    out = gated_delta_rule_fwd_reference(q, k, v, g, beta)
+    out = delta_rule.gated_delta_rule_fwd(q, k, v, g, beta)
     truth = recurrence(*(t.double() for t in (q, k, v, g, beta)), scale=8**-0.5)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), truth, rtol=1e-4, atol=1e-5)
@@ -71,7 +81,7 @@ def test_float32_inputs_keep_their_dtype_and_the_default_scale():
 def test_mismatched_heads_are_refused():
     q, k, v, g, beta = inputs(5, k_heads=3, v_heads=4)
     with pytest.raises(ValueError, match=r"gated_delta_rule: q .* must match and v"):
-        gated_delta_rule_fwd_reference(q, k, v, g, beta)
+        delta_rule.gated_delta_rule_fwd(q, k, v, g, beta)
 
 
 @pytest.mark.gpu

@@ -19,13 +19,17 @@ decayed, corrected towards the token's value and read by its query::
   the states chunk by chunk from them (fla's backward does the same), so a caller saves
   only what it already holds.
 
-``*_reference``: pure torch, chunked (64 tokens; the WY form: the chunk's delta rules as
-one triangular solve, then one state update per chunk), float32 math (float64 for
-float64 inputs), any device; its work is linear in the sequence length. The backward
-runs the forward once more without gradients to re-derive each chunk's starting state,
-then walks the chunks backwards differentiating one chunk's step at a time (``_chunk``,
-the same function the forward runs) with ``torch.autograd.grad``: a truth written once,
-held to a plain per-token recurrence by the tests.
+``gated_delta_rule_fwd`` / ``_bwd`` (the ``torch`` variants): pure torch, chunked (64
+tokens; the WY form: the chunk's delta rules as one triangular solve, then one state
+update per chunk), float32 math (float64 for float64 inputs), any device; its work is
+linear in the sequence length. The backward runs the forward once more without gradients
+to re-derive each chunk's starting state, then walks the chunks backwards differentiating
+one chunk's step at a time (``_chunk``, the same function the forward runs) with
+``torch.autograd.grad``.
+
+``*_reference``: the recurrence token by token as written above, and its backward by
+hand, a reverse scan over the tokens (from every token's state, kept by a forward pass):
+the truth the chunked and ``fla`` variants are held to. Memory: every token's state.
 
 ``*_fla``: flash-linear-attention's Triton kernels (``fla``, imported when called, CUDA
 only): its chunked forward, and its backward after recomputing the chunk-local decay sums
@@ -61,6 +65,24 @@ def _heads_first(t: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tenso
     return t.repeat_interleave(group, dim=1) if group > 1 else t
 
 
+def _heads_first_all(q, k, v, g, beta):
+    group, dtype = _check(q, k, v), stats_dtype(v.dtype)
+    q, k = _heads_first(q, group, dtype), _heads_first(k, group, dtype)
+    return (q, k, *(_heads_first(t, 1, dtype) for t in (v, g, beta))), group
+
+
+def _to_inputs(grads, inputs, group: int) -> tuple[torch.Tensor, ...]:
+    """Heads-first gradients of (q, k, v, g, beta) back in the inputs' layout and dtypes,
+    q's and k's summed over each key head's group."""
+    out = []
+    for index, (grad, like) in enumerate(zip(grads, inputs, strict=True)):
+        grad = grad.transpose(1, 2)
+        if index < 2 and group > 1:
+            grad = grad.unflatten(2, (like.shape[2], group)).sum(3)
+        out.append(grad.to(like.dtype).contiguous())
+    return tuple(out)
+
+
 def _chunk(q, k, v, g, beta, state):
     """One chunk of every (batch, head): q, k (B, H, C, K) (q already scaled), v (B, H, C,
     V), g, beta (B, H, C), state (B, H, K, V) at the chunk's start -> (out, next state)."""
@@ -86,9 +108,7 @@ def _chunk(q, k, v, g, beta, state):
 
 def _prepared(q, k, v, g, beta, scale):
     """Heads first in the math dtype, padded to whole chunks, q scaled."""
-    group, dtype = _check(q, k, v), stats_dtype(v.dtype)
-    q, k = _heads_first(q, group, dtype), _heads_first(k, group, dtype)
-    v, g, beta = (_heads_first(t, 1, dtype) for t in (v, g, beta))
+    (q, k, v, g, beta), _ = _heads_first_all(q, k, v, g, beta)
     pad = -q.shape[2] % CHUNK
     if pad:  # zero beta and zero decay: padded tokens change nothing before them
         q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -109,14 +129,14 @@ def _states(q, k, v, g, beta):
     return torch.cat(outs, dim=2), starts
 
 
-def gated_delta_rule_fwd_reference(q, k, v, g, beta, *, scale=None):
+def gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None):
     seq = q.shape[1]
     with torch.no_grad():
         out, _ = _states(*_prepared(q, k, v, g, beta, scale))
     return out[:, :, :seq].transpose(1, 2).to(v.dtype).contiguous()
 
 
-def gated_delta_rule_bwd_reference(d_out, q, k, v, g, beta, *, scale=None):
+def gated_delta_rule_bwd(d_out, q, k, v, g, beta, *, scale=None):
     seq, group = q.shape[1], _check(q, k, v)
     prepared = _prepared(q, k, v, g, beta, scale)
     with torch.no_grad():
@@ -139,19 +159,62 @@ def gated_delta_rule_bwd_reference(d_out, q, k, v, g, beta, *, scale=None):
     dq, dk, dv, dg, dbeta = (torch.cat(parts, dim=2)[:, :, :seq] for parts in grads)
     dq = dq * _scale(q, scale)
 
-    def back(grad: torch.Tensor, like: torch.Tensor, grouped: bool) -> torch.Tensor:
-        grad = grad.transpose(1, 2)
-        if grouped and group > 1:
-            grad = grad.unflatten(2, (like.shape[2], group)).sum(3)
-        return grad.to(like.dtype).contiguous()
+    return _to_inputs((dq, dk, dv, dg, dbeta), (q, k, v, g, beta), group)
 
-    return (
-        back(dq, q, True),
-        back(dk, k, True),
-        back(dv, v, False),
-        back(dg, g, False),
-        back(dbeta, beta, False),
-    )
+
+# -- the reference: the recurrence, token by token -----------------------------------------
+
+
+def _token_states(q, k, v, g, beta):
+    """Every token's state (batch, heads, seq + 1, k_dim, v_dim), the first all zeros,
+    of heads-first math-dtype inputs (q unscaled)."""
+    batch, heads, seq, k_dim = k.shape
+    states = [q.new_zeros(batch, heads, k_dim, v.shape[-1])]
+    for t in range(seq):
+        kept = states[-1] * g[:, :, t, None, None].exp()
+        error = v[:, :, t] - torch.einsum("bhkv,bhk->bhv", kept, k[:, :, t])
+        update = torch.einsum("bhk,bhv->bhkv", k[:, :, t], beta[:, :, t, None] * error)
+        states.append(kept + update)
+    return torch.stack(states, 2)
+
+
+def gated_delta_rule_fwd_reference(q, k, v, g, beta, *, scale=None):
+    (q, k, v, g, beta), _ = _heads_first_all(q, k, v, g, beta)
+    states = _token_states(q, k, v, g, beta)[:, :, 1:]
+    out = _scale(q, scale) * torch.einsum("bhtkv,bhtk->bhtv", states, q)
+    return out.transpose(1, 2).to(v.dtype).contiguous()
+
+
+def gated_delta_rule_bwd_reference(d_out, q, k, v, g, beta, *, scale=None):
+    inputs = (q, k, v, g, beta)
+    (q, k, v, g, beta), group = _heads_first_all(*inputs)
+    scale = _scale(q, scale)
+    d_o = _heads_first(d_out, 1, q.dtype)
+    states = _token_states(q, k, v, g, beta)
+    grads = [torch.zeros_like(t) for t in (q, k, v, g, beta)]
+    dq, dk, dv, dg, d_beta = grads
+    d_state = torch.zeros_like(states[:, :, 0])  # of S_t, from the tokens after t
+    for t in reversed(range(q.shape[2])):
+        # o_t = scale S_t^T q_t
+        d_state = d_state + scale * torch.einsum("bhk,bhv->bhkv", q[:, :, t], d_o[:, :, t])
+        dq[:, :, t] = scale * torch.einsum("bhkv,bhv->bhk", states[:, :, t + 1], d_o[:, :, t])
+        # S_t = P + k u^T, u = beta (v - P^T k), P = exp(g_t) S_{t-1}
+        decay = g[:, :, t, None, None].exp()
+        kept = decay * states[:, :, t]
+        error = v[:, :, t] - torch.einsum("bhkv,bhk->bhv", kept, k[:, :, t])
+        u = beta[:, :, t, None] * error
+        d_u = torch.einsum("bhkv,bhk->bhv", d_state, k[:, :, t])
+        d_read = -beta[:, :, t, None] * d_u  # of P^T k
+        d_beta[:, :, t] = (d_u * error).sum(-1)
+        dv[:, :, t] = beta[:, :, t, None] * d_u
+        dk[:, :, t] = torch.einsum("bhkv,bhv->bhk", d_state, u) + torch.einsum(
+            "bhkv,bhv->bhk", kept, d_read
+        )
+        d_kept = d_state + torch.einsum("bhk,bhv->bhkv", k[:, :, t], d_read)
+        dg[:, :, t] = (d_kept * kept).sum((-1, -2))
+        d_state = decay * d_kept
+
+    return _to_inputs(grads, inputs, group)
 
 
 # -- fla (CUDA) --------------------------------------------------------------------------

@@ -293,22 +293,31 @@ _FLA_NEEDS = ("fla", "einops", "triton")
 
 def _delta_rule_variants() -> list[KernelVariant]:
     """The gated delta rule (``delta_rule.py``; Gated DeltaNet's linear attention):
-    ``reference``, pure torch chunked, any device; ``fla``, flash-linear-attention's
-    Triton kernels, CUDA only and registered only where ``fla`` and what it imports are
-    installed (a device without them keeps the reference)."""
+    ``torch``, pure torch in 64-token chunks, any device; ``reference``, the recurrence
+    token by token with its backward by hand; ``fla``, flash-linear-attention's Triton
+    kernels, CUDA only and registered only where ``fla`` and what it imports are
+    installed (a device without them keeps the torch variant)."""
     variants = []
     for op in ("gated_delta_rule_fwd", "gated_delta_rule_bwd"):
-        variants.append(
+        variants += [
+            KernelVariant(
+                op,
+                "torch",
+                _loader("delta_rule", op),
+                priority=0,
+                description="pure torch, 64-token chunks (a triangular solve per chunk), "
+                "float32 math (float64 for float64 inputs); the backward re-derives each "
+                "chunk's state and differentiates one chunk at a time",
+            ),
             KernelVariant(
                 op,
                 "reference",
                 _loader("delta_rule", f"{op}_reference"),
                 priority=-10,
-                description="pure torch, 64-token chunks (a triangular solve per chunk), "
-                "float32 math (float64 for float64 inputs); the backward re-derives each "
-                "chunk's state and differentiates one chunk at a time",
-            )
-        )
+                description="the recurrence token by token, its backward a reverse scan "
+                "by hand (every token's state kept)",
+            ),
+        ]
         if all(importlib.util.find_spec(name) for name in _FLA_NEEDS):
             variants.append(
                 KernelVariant(
