@@ -68,18 +68,24 @@ class GatedDeltaNet(nn.Module):
         q = l2norm(q.reshape(batch, seq, k_heads, -1))
         k = l2norm(k.reshape(batch, seq, k_heads, -1))
         v = v.reshape(batch, seq, v_heads, -1)
-        group = v_heads // k_heads
-        q, k = q.repeat_interleave(group, 2), k.repeat_interleave(group, 2)
         beta = torch.sigmoid(self.in_proj_b(x))
         g = -self.A_log.exp() * F.softplus(self.in_proj_a(x) + self.dt_bias)
+        core = self.rule(q, k, v, g, beta)
+        z = self.in_proj_z(x).reshape(batch, seq, v_heads, -1)
+        return self.out_proj(self.norm(core, z).reshape(batch, seq, -1))
+
+    def rule(self, q, k, v, g, beta) -> torch.Tensor:
+        """The gated delta rule token by token: q, k (batch, seq, k_heads, k_dim), each key
+        head for its group of value heads; v (batch, seq, v_heads, v_dim); g, beta (batch,
+        seq, v_heads) -> (batch, seq, v_heads, v_dim)."""
+        group = v.shape[2] // k.shape[2]
+        q, k = q.repeat_interleave(group, 2), k.repeat_interleave(group, 2)
         scale = q.shape[-1] ** -0.5
-        state = x.new_zeros(batch, v_heads, q.shape[-1], v.shape[-1])
+        state = q.new_zeros(q.shape[0], v.shape[2], q.shape[-1], v.shape[-1])
         outs = []
-        for t in range(seq):  # S = a S; S += beta k (v - S^T k)^T; o = scale S^T q
+        for t in range(q.shape[1]):  # S = a S; S += beta k (v - S^T k)^T; o = scale S^T q
             state = state * g[:, t].exp()[..., None, None]
             error = v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t])
             state = state + torch.einsum("bhk,bhv->bhkv", k[:, t], beta[:, t, :, None] * error)
             outs.append(scale * torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
-        core = torch.stack(outs, 1)
-        z = self.in_proj_z(x).reshape(batch, seq, v_heads, -1)
-        return self.out_proj(self.norm(core, z).reshape(batch, seq, -1))
+        return torch.stack(outs, 1)
