@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from dataflow_training.kit import linear_attention_reference
-from dataflow_training.kit.decoder import DecoderConfig, layer_types_field
+from dataflow_training.kit.decoder import DecoderConfig, _positive, layer_types_field
 from dataflow_training.kit.linear import Linear, accumulation_dtype, projections_backward
 from dataflow_training.kit.parts import as_is
 from dataflow_training.step.family import TensorSpec
@@ -60,13 +60,6 @@ A = Linear("linear_attn.in_proj_a.weight")
 OUT = Linear("linear_attn.out_proj.weight")
 CONV = "linear_attn.conv1d.weight"
 DT_BIAS, A_LOG, NORM = "linear_attn.dt_bias", "linear_attn.A_log", "linear_attn.norm.weight"
-
-
-def _positive(instance: Any, attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must be a positive int, got {value!r}"
-        )
 
 
 def _field(default: int) -> Any:
