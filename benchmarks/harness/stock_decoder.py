@@ -1,6 +1,8 @@
-"""Stock PyTorch Llama-style decoders (Llama 3, Qwen 3) and their mixture-of-experts kin
-(OLMoE, Qwen 3 MoE): the models a user would write to train a family's preset without
-dataflow, for ``benchmarks/compare.py``'s stock rows.
+"""Stock PyTorch Llama-style decoders (Llama 3, Qwen 3), their mixture-of-experts kin
+(OLMoE, Qwen 3 MoE) and Qwen 3.5's hybrid (Gated DeltaNet layers through ``fla``'s
+chunked kernel on CUDA, gated full attention with partial rotary): the models a user would
+write to train a family's preset without dataflow, for ``benchmarks/compare.py``'s stock
+rows.
 
 The math is the family's (``dataflow_training.kit``: its reference model is the truth
 ``tests/benchmarks/test_compare_models.py`` holds these to), written the way stock
@@ -24,13 +26,15 @@ a reference state loads as is.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from dataflow_training.kit import GatedDeltaNet as LinearAttentionPart
 from dataflow_training.kit import decoder_reference as reference
-from dataflow_training.kit import moe_reference
+from dataflow_training.kit import linear_attention_reference, moe_reference
 from dataflow_training.kit.decoder_reference import inverse_frequencies
 from torch import nn
 
@@ -38,26 +42,32 @@ from benchmarks.harness.stock import padded, vocab_loss
 
 
 class RMSNorm(reference.RMSNorm):
-    """The reference's norm (same parameter) through the fused ``F.rms_norm``."""
+    """The reference's norm (same parameter, scaling by ``offset + w``) through the fused
+    ``F.rms_norm``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        weight = self.weight + self.offset if self.offset else self.weight
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
 
-def rotary_tables(config: Any, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``cos`` and ``sin`` of (seq_len, head_dim / 2): position x frequency."""
+def rotary_tables(
+    config: Any, seq_len: int, rotary_dim: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``cos`` and ``sin`` of (seq_len, rotary_dim / 2): position x frequency
+    (``rotary_dim`` default all of ``head_dim``)."""
     with torch.device("cpu"):  # the tables are made on the host, whatever device builds
         positions = torch.arange(seq_len, dtype=torch.float64)
-        angles = positions[:, None] * inverse_frequencies(config)
+        angles = positions[:, None] * inverse_frequencies(config, rotary_dim)
         return angles.cos().float(), angles.sin().float()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (batch, heads, seq, dim): pairs (i, i + dim/2) by position x frequency."""
-    half = x.shape[-1] // 2
-    first, second = x[..., :half], x[..., half:]
+    """Rotate (batch, heads, seq, dim): pairs (i, i + r/2) of the first ``r = 2 *
+    cos.shape[-1]`` dims by position x frequency, the rest as they are (partial rotation)."""
+    half = cos.shape[-1]
+    first, second, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin, rest), dim=-1)
 
 
 class Attention(reference.Attention):
@@ -70,6 +80,9 @@ class Attention(reference.Attention):
         c = self.config
         batch, seq, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.gated:  # per head: the query, then its gate (Qwen3-Next, Qwen 3.5)
+            q, gate = q.view(batch, seq, c.num_attention_heads, 2 * c.head_dim).chunk(2, -1)
+            q, gate = q.reshape(batch, seq, c.q_width), gate.reshape(batch, seq, c.q_width)
         if self.qk_norm == "projection":  # OLMoE: over the whole projection
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(batch, seq, c.num_attention_heads, c.head_dim)
@@ -83,7 +96,24 @@ class Attention(reference.Attention):
             raise NotImplementedError("the stock decoder runs causal attention without a window")
         grouped = c.num_key_value_heads != c.num_attention_heads
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, c.q_width))
+        out = out.transpose(1, 2).reshape(batch, seq, c.q_width)
+        return self.o_proj(out * torch.sigmoid(gate) if self.gated else out)
+
+
+class GatedDeltaNet(linear_attention_reference.GatedDeltaNet):
+    """The reference's Gated DeltaNet (its parameter names), its recurrence ``fla``'s
+    chunked kernel on CUDA where ``fla`` is installed (what HF's Qwen 3.5 calls there),
+    else the reference's loop."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+    def rule(self, q, k, v, g, beta) -> torch.Tensor:
+        if q.is_cuda and importlib.util.find_spec("fla") is not None:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+            return chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta)[0]
+        return super().rule(q, k, v, g, beta)
 
 
 MLP = reference.MLP  # the dense SwiGLU FFN, as stock code writes it
@@ -132,16 +162,25 @@ class Experts(moe_reference.Experts):
 
 
 class Block(nn.Module):
+    """The family's block kind of ``layer``: its norms (scaling by ``offset + w``), its
+    attention (softmax or Gated DeltaNet, under the part's module name) and FFN."""
+
     def __init__(self, config: Any, layer: int) -> None:
         super().__init__()
-        part = config.architecture.block_of(config, layer).attention  # the family's settings
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, **part.reference_args(config))
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        block = config.architecture.block_of(config, layer)  # the family's settings
+        part, offset = block.attention, block.norm.offset
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset)
+        linear = isinstance(part, LinearAttentionPart)
+        mixer = (
+            GatedDeltaNet(config) if linear else Attention(config, **part.reference_args(config))
+        )
+        self.mixer = part.module  # ``self_attn`` or ``linear_attn``, the reference's names
+        self.add_module(part.module, mixer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset)
         self.mlp = Experts(config) if is_moe(config) else MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        x = x + self.get_submodule(self.mixer)(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -179,8 +218,9 @@ class StockDecoder(nn.Module):
         self.emb = Embed(stored)
         for layer in range(config.num_hidden_layers):
             self.add_module(str(layer), Block(config, layer))
-        self.head = Head(stored)
-        cos, sin = rotary_tables(config, seq_len)
+        self.head = Head(stored, config.architecture.norm.offset)
+        rotated = {b.self_attn.rotary_dim for b in self.blocks() if b.mixer == "self_attn"}
+        cos, sin = rotary_tables(config, seq_len, *rotated)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.init_weights()
@@ -197,6 +237,9 @@ class StockDecoder(nn.Module):
                 param.normal_(0.0, std)
             else:
                 param.fill_(1.0)
+        for module in self.modules():  # norms scaling by 1 + w start at w = 0
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0 - module.offset)
         self.emb.embed_tokens.weight[self.config.vocab_size :].zero_()
         self.output_weight()[self.config.vocab_size :].zero_()
 

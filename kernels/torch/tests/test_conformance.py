@@ -42,6 +42,17 @@ EXPECTED_VARIANTS = (
         for op in ("grouped_mm", "grouped_mm_wgrad")
         for name in ("reference", "torch")
     ),
+    # test_delta_rule_ops.py
+    *(
+        f"{op}/{name}"
+        for op in ("gated_delta_rule_fwd", "gated_delta_rule_bwd")
+        for name in ("torch", "reference")
+    ),
+    *(
+        ("gated_delta_rule_fwd/fla", "gated_delta_rule_bwd/fla")
+        if all(importlib.util.find_spec(name) for name in ("fla", "einops", "triton"))
+        else ()
+    ),
     # test_adamw_compensated.py
     "adamw_compensated_multi/reference",
     "adamw_compensated_multi/torch",

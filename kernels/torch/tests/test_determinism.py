@@ -201,7 +201,25 @@ def grouped_args(wgrad):
     return args
 
 
+def delta_rule_args(kernel, randn):
+    """Two sequences of 256 tokens, 2 key heads for 4 value heads of 64."""
+    q, k = (
+        torch.nn.functional.normalize(randn(2, 256, 2, 64, device="cuda"), dim=-1) for _ in "qk"
+    )
+    v = randn(2, 256, 4, 64, device="cuda")
+    g = -torch.nn.functional.softplus(randn(2, 256, 4, device="cuda"))
+    beta = torch.sigmoid(randn(2, 256, 4, device="cuda"))
+    return (q, k, v, g, beta), {}
+
+
+def delta_rule_bwd_args(kernel, randn):
+    inputs, _ = delta_rule_args(kernel, randn)
+    return (randn(*inputs[2].shape, device="cuda"), *inputs), {}
+
+
 EXPLICIT_CASES = {
+    "gated_delta_rule_fwd": explicit("gated_delta_rule_fwd", delta_rule_args),
+    "gated_delta_rule_bwd": explicit("gated_delta_rule_bwd", delta_rule_bwd_args),
     "grouped_mm": explicit("grouped_mm", grouped_args(False)),
     "grouped_mm_wgrad": explicit("grouped_mm_wgrad", grouped_args(True)),
     "attention_fwd": explicit("attention_fwd", attention_args),

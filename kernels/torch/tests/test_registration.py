@@ -48,9 +48,16 @@ EXPLICIT_OPS = (
     "adamw_compensated_multi",
     "grouped_mm",
     "grouped_mm_wgrad",
+    "gated_delta_rule_fwd",
+    "gated_delta_rule_bwd",
 )
 DETERMINISTIC |= {f"{op}/reference": True for op in EXPLICIT_OPS}
 DETERMINISTIC |= {"grouped_mm/torch": True, "grouped_mm_wgrad/torch": True}
+DETERMINISTIC |= {"gated_delta_rule_fwd/torch": True, "gated_delta_rule_bwd/torch": True}
+#: fla's gated delta rule, CUDA only, registered where fla, einops and triton import
+FLA = {"gated_delta_rule_fwd/fla": False, "gated_delta_rule_bwd/fla": False}
+if all(importlib.util.find_spec(name) for name in ("fla", "einops", "triton")):
+    DETERMINISTIC |= FLA
 #: cuDNN's fused attention pair, CUDA only (its backward accumulates with atomics)
 CUDNN = {"attention_fwd/cudnn": True, "attention_bwd/cudnn": False}
 DETERMINISTIC |= CUDNN
@@ -96,6 +103,9 @@ def test_the_default_variant_is_named_torch_and_preferred(manager) -> None:
             if best.key in TRITON:
                 assert device == "cuda" and best.priority == 10
                 best, *others = others
+            if best.key in FLA:
+                assert device == "cuda" and best.priority == 10
+                best, *others = others
             if best.key in CUDNN:
                 assert device == "cuda" and best.priority == 5
                 best, *others = others
@@ -106,7 +116,7 @@ def test_the_default_variant_is_named_torch_and_preferred(manager) -> None:
 def test_variants_have_descriptions_and_devices(manager) -> None:
     for variant in manager.kernels():
         assert isinstance(variant, KernelVariant)
-        expected = ("cuda",) if variant.key in (*TRITON, *CUDNN) else ("cpu", "cuda")
+        expected = ("cuda",) if variant.key in (*TRITON, *CUDNN, *FLA) else ("cpu", "cuda")
         assert variant.description and variant.devices == expected
 
 
@@ -135,13 +145,15 @@ def test_signatures_match_the_documented_ops(manager) -> None:
         "swiglu_bwd": "(dy, gate, up)",
         "grouped_mm": "(x, weight, offsets)",
         "grouped_mm_wgrad": "(dy, x, offsets)",
+        "gated_delta_rule_fwd": "(q, k, v, g, beta, *, scale=None)",
+        "gated_delta_rule_bwd": "(d_out, q, k, v, g, beta, *, scale=None)",
         "adamw_multi": "(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, "
         "weight_decay)",
         "adamw_compensated_multi": "(params, grads, exp_avgs, exp_avg_sqs, compensations, *, "
         "step, lr, beta1, beta2, eps, weight_decay)",
     }
     for variant in manager.kernels():
-        if variant.key in TRITON:  # loading imports triton; same functions, checked below
+        if variant.key in (*TRITON, *FLA):  # same functions as the torch variants
             continue
         signature = inspect.signature(variant.load())
         bare = signature.replace(

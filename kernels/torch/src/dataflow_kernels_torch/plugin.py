@@ -154,6 +154,7 @@ def dataflow_kernels() -> list[KernelVariant]:
         *(_triton_variants() if importlib.util.find_spec("triton") is not None else []),
         *_cudnn_variants(),
         *_grouped_variants(),
+        *_delta_rule_variants(),
     ]
 
 
@@ -283,6 +284,55 @@ def _grouped_variants() -> list[KernelVariant]:
             ),
         )
     ]
+
+
+#: what ``fla``'s gated delta rule imports: its variant is registered only where all are
+#: installed (the device gets them as wheels in .whl/, installed without dependencies)
+_FLA_NEEDS = ("fla", "einops", "triton")
+
+
+def _delta_rule_variants() -> list[KernelVariant]:
+    """The gated delta rule (``delta_rule.py``; Gated DeltaNet's linear attention):
+    ``torch``, pure torch in 64-token chunks, any device; ``reference``, the recurrence
+    token by token with its backward by hand; ``fla``, flash-linear-attention's Triton
+    kernels, CUDA only and registered only where ``fla`` and what it imports are
+    installed (a device without them keeps the torch variant)."""
+    variants = []
+    for op in ("gated_delta_rule_fwd", "gated_delta_rule_bwd"):
+        variants += [
+            KernelVariant(
+                op,
+                "torch",
+                _loader("delta_rule", op),
+                priority=0,
+                description="pure torch, 64-token chunks (a triangular solve per chunk), "
+                "float32 math (float64 for float64 inputs); the backward re-derives each "
+                "chunk's state and differentiates one chunk at a time",
+            ),
+            KernelVariant(
+                op,
+                "reference",
+                _loader("delta_rule", f"{op}_reference"),
+                priority=-10,
+                description="the recurrence token by token, its backward a reverse scan "
+                "by hand (every token's state kept)",
+            ),
+        ]
+        if all(importlib.util.find_spec(name) for name in _FLA_NEEDS):
+            variants.append(
+                KernelVariant(
+                    op,
+                    "fla",
+                    _loader("delta_rule", f"{op}_fla"),
+                    devices=("cuda",),
+                    deterministic=False,
+                    priority=10,
+                    description="flash-linear-attention's chunked Triton kernels "
+                    "(chunk_gated_delta_rule's forward; its backward from re-derived "
+                    "chunk sums and WY matrix)",
+                )
+            )
+    return variants
 
 
 def _triton_variants() -> list[KernelVariant]:

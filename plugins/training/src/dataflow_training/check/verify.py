@@ -133,13 +133,17 @@ def _grads(out, inputs, d_out):
     return torch.autograd.grad(out, inputs, d_out)
 
 
+#: Gated DeltaNet's op pair: checked where a family's ops name them
+DELTA_RULE_OPS = ("gated_delta_rule_fwd", "gated_delta_rule_bwd")
+
+
 def op_checks(
     device: str, dtype: torch.dtype, tolerance: float, seed: int, names: Any = None
 ) -> list[Check]:
     """Each op in ``names`` (default: every standard op) that has a check here, forward
     and backward, against autograd through a float64 formula."""
     names = set(STANDARD_OPS if names is None else names)
-    ops = load_ops(device, sorted(names & set(STANDARD_OPS)))
+    ops = load_ops(device, sorted(names & {*STANDARD_OPS, *DELTA_RULE_OPS}))
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
@@ -232,6 +236,21 @@ def op_checks(
             ),
             (loss_ref, 0.5 * d_hidden, torch.cat((0.5 * d_real, padding))),
         )
+    if "gated_delta_rule_fwd" in names:  # against the recurrence under autograd
+        q, k = (F.normalize(rand(2, 70, 2, 8), dim=-1).detach().requires_grad_() for _ in "qk")
+        v, decay, beta = rand(2, 70, 4, 6), rand(2, 70, 4), rand(2, 70, 4)
+        log_decay, gate = -F.softplus(decay), torch.sigmoid(beta)
+        ref = autograd_ops({})["gated_delta_rule_fwd"](q, k, v, log_decay, gate)
+        # the log decay stays float32 at least (the rule's ops take it so)
+        inputs = [*(on(t) for t in (q, k, v)), log_decay.detach().to(device), on(gate)]
+        check("gated_delta_rule_fwd", (ops["gated_delta_rule_fwd"](*inputs),), (ref,))
+        if "gated_delta_rule_bwd" in names:
+            d_out = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+            check(
+                "gated_delta_rule_bwd",
+                ops["gated_delta_rule_bwd"](on(d_out), *inputs),
+                _grads(ref, (q, k, v, log_decay, gate), d_out),
+            )
     if "adamw_multi" in names:
         checks.append(_adamw_check(ops["adamw_multi"], device, dtype, tolerance, g))
     return checks

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from dataflow_training.kit import decoder_reference, rotary
-from dataflow_training.kit.linear import Linear
+from dataflow_training.kit.linear import Linear, projections_backward
 from dataflow_training.kit.norms import Norm
 from dataflow_training.kit.parts import as_is
 from dataflow_training.step.family import TensorSpec
@@ -439,12 +439,7 @@ class SelfAttention:
         ops: Any,
     ) -> torch.Tensor:
         """``dh`` from the projections' gradients; theirs go into ``grads``."""
-        d_h = None
-        for proj, d_out in zip((Q_PROJ, K_PROJ, V_PROJ), d_projected, strict=True):
-            d_in, g = proj.backward(ops, params, h, d_out)
-            grads.update(g)
-            d_h = d_in if d_h is None else d_h.add_(d_in)
-        return d_h
+        return projections_backward(ops, params, h, (Q_PROJ, K_PROJ, V_PROJ), d_projected, grads)
 
     def flops(self, config: Any, batch: int, seq_len: int) -> tuple[int, float]:
         """(the projections' FLOPs, the attention's) of one forward."""

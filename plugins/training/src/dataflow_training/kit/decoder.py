@@ -45,8 +45,9 @@ from dataflow_training.step.family import LayerSpec, TensorSpec
 EMBED = "emb"
 HEAD = "head"
 #: HF's layer types (``layer_types`` of its configs) that a decoder's blocks may be
-#: (``chunked_attention``: Llama 4's, a query seeing its own chunk of the sequence)
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+#: (``chunked_attention``: Llama 4's, a query seeing its own chunk of the sequence;
+#: ``linear_attention``: Gated DeltaNet's, Qwen 3.5's, ``linear_attention.py``)
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
 _CHAIN_KINDS = ("embed", "head")
 
 
@@ -192,12 +193,13 @@ def sliding_window_field() -> Any:
     return attrs.field(default=None, kw_only=True, validator=_optional_positive)
 
 
-def layer_types_field() -> Any:
+def layer_types_field(default: Any = None) -> Any:
     """The config field ``layer_types: tuple[str, ...] | None = None`` (HF's name): each
     layer's type (``LAYER_TYPES``), which the architecture maps to block kinds (None:
-    every layer the architecture's first kind)."""
+    every layer the architecture's first kind). ``default``: another default (an
+    ``attrs.Factory`` of the layer count, say)."""
     return attrs.field(
-        default=None, kw_only=True, converter=_as_layer_types, validator=_layer_types
+        default=default, kw_only=True, converter=_as_layer_types, validator=_layer_types
     )
 
 

@@ -63,6 +63,9 @@ HF_DEFAULTS: Mapping[str, Any] = {
 }
 
 
+#: the layer types of attention with or without a window (``window_fields_from_hf``)
+WINDOW_LAYER_TYPES = tuple(kind for kind in LAYER_TYPES if kind != "linear_attention")
+
 #: where HF keeps a layer's tensors
 LAYER_PREFIX = "model.layers.{layer}"
 
@@ -246,9 +249,9 @@ def window_fields_from_hf(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         ]
     elif not isinstance(types, list) or not all(isinstance(t, str) for t in types):
         raise refuse("layer_types", "expected a list of layer type names")
-    unknown = sorted(set(types) - set(LAYER_TYPES))
+    unknown = sorted(set(types) - set(WINDOW_LAYER_TYPES))
     if unknown:
-        why = f"{unknown} are not implemented (only {', '.join(LAYER_TYPES)})"
+        why = f"{unknown} are not implemented (only {', '.join(WINDOW_LAYER_TYPES)})"
         raise refuse("layer_types", why)
     if "sliding_attention" in types and window is None:
         why = "sliding_attention layers need use_sliding_window and a sliding_window"

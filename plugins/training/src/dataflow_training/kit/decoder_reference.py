@@ -286,10 +286,10 @@ class DecoderReference(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
-        """HF's initialization of these models: every matrix N(0, std), norms 1 (their
-        stored weight 0 where they scale by ``1 + w``)."""
+        """HF's initialization of these models: every matrix (and convolution kernel)
+        N(0, std), norms 1 (their stored weight 0 where they scale by ``1 + w``)."""
         for module in self.modules():
-            if isinstance(module, nn.Linear | nn.Embedding):
+            if isinstance(module, nn.Linear | nn.Embedding | nn.Conv1d):
                 module.weight.normal_(0.0, std, generator=generator)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0 - module.offset)

@@ -57,3 +57,21 @@ class Linear:
         if self.bias is not None:
             grads[self.bias] = d_bias
         return dx, grads
+
+
+def projections_backward(
+    ops: Any,
+    params: Tensors,
+    x: torch.Tensor,
+    projections: tuple[Linear, ...],
+    d_outs: tuple[torch.Tensor, ...],
+    grads: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """``dx`` of several projections of one input ``x`` (an attention's q, k and v), given
+    their outputs' gradients in the same order; their weights' gradients go into ``grads``."""
+    d_x = None
+    for proj, d_out in zip(projections, d_outs, strict=True):
+        d_in, g = proj.backward(ops, params, x, d_out)
+        grads.update(g)
+        d_x = d_in if d_x is None else d_x.add_(d_in)
+    return d_x

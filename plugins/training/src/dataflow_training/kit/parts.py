@@ -9,7 +9,8 @@ config's architecture (``decoder.Decoder``), never a flag threaded through the b
 - an **attention** (``attention.SelfAttention``: causal grouped-query attention, with its
   own parts ``positions``, ``rotary.Rope`` with partial rotation, ``qk_norm``,
   ``attention.QKNorm``, and a sliding ``window``; ``fused_attention.FusedQKVAttention``:
-  GPT-2's, one fused projection with biases);
+  GPT-2's, one fused projection with biases; ``linear_attention.GatedDeltaNet``: Qwen
+  3.5's linear attention, a recurrence instead of softmax);
 - an **FFN** (``mlp.SwiGLUFFN`` and ``mlp.GELUFFN``, dense; ``moe.RoutedExperts``, routed
   experts).
 
@@ -35,8 +36,7 @@ Each part brings, for the config it is given:
   gives that module (HF's: ``self_attn``, ``attn``, ``mlp``), the prefix of the part's
   parameter names.
 
-The next parts (linear attention, MLA, sparse attention with an indexer, a shared expert)
-are new classes with these members; a block that lays its norms out otherwise (post-norm)
+The next parts (MLA, sparse attention with an indexer) are new classes with these members; a block that lays its norms out otherwise (post-norm)
 is a new block class, not a flag, and so is one that counts its bytes otherwise (GPT-2's
 ``GPT2Block`` keeps its family's coarser count: a subclass with its own ``cost``).
 """

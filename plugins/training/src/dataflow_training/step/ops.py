@@ -43,6 +43,13 @@ float64 inputs). Backward ops never rebuild autograd graphs and never re-run a f
   d_weight``: a matmul per expert over rows sorted by expert (MoE FFNs; ``offsets`` int32
   ``(E + 1,)``): x (N, in), weight (E, out, in), y (N, out); d_weight (E, out, in). Not in
   ``STANDARD_OPS``: the MoE families list them in their ``ops``.
+- ``gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None) -> out`` and
+  ``gated_delta_rule_bwd(d_out, q, k, v, g, beta, *, scale=None) -> (dq, dk, dv, dg,
+  dbeta)``: Gated DeltaNet's recurrence (linear attention; ``dataflow_kernels_torch.
+  delta_rule`` says it in full): q, k (batch, seq, k_heads, k_dim), v (batch, seq,
+  v_heads, v_dim), g (log decay) and beta (batch, seq, v_heads); the backward takes the
+  forward's inputs and re-derives the chunk states itself. Not in ``STANDARD_OPS``: the
+  families with linear attention list them.
 - ``adamw_multi(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
   weight_decay) -> None``: one AdamW step over lists of tensors (one multi-tensor launch
   where the device has one), float32 math whatever the storage dtypes.
@@ -155,9 +162,24 @@ def autograd_ops(base: Mapping[str, Callable]) -> dict[str, Callable]:
         parts = [x[bounds[e] : bounds[e + 1]] @ weight[e].t() for e in range(weight.shape[0])]
         return torch.cat(parts) if parts else x.new_empty(0, weight.shape[1])
 
+    def gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None):
+        # the recurrence token by token: S = a S + beta k (v - (a S)^T k)^T, o = scale S^T q
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        group = v.shape[2] // k.shape[2]
+        q, k = q.repeat_interleave(group, 2), k.repeat_interleave(group, 2)
+        state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
+        outs = []
+        for t in range(q.shape[1]):
+            state = state * g[:, t].exp()[..., None, None].to(state)
+            delta = (v[:, t] - (state * k[:, t, ..., None]).sum(-2)) * beta[:, t, ..., None]
+            state = state + k[:, t, ..., None] * delta[..., None, :]
+            outs.append(scale * (state * q[:, t, ..., None]).sum(-2))
+        return torch.stack(outs, 1)
+
     return {
         **base,
         "linear": F.linear,
+        "gated_delta_rule_fwd": gated_delta_rule_fwd,
         "grouped_mm": grouped_mm,
         "attention_fwd": attention_fwd,
         "layer_norm_fwd": layer_norm_fwd,
