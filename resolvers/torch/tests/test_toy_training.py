@@ -123,17 +123,25 @@ def test_verify_ladder_passes_on_the_toy_family(isolated_plugin_manager) -> None
     assert sum(check.level == "step" for check in checks) == 2 * (2 + 2 * 8)
 
 
-def test_an_added_optimizer_runs_through_lowering_and_resolver(monkeypatch) -> None:
-    """OPTIMIZERS is the place to add an update rule: SGD with momentum, added here, trains
-    the toy family exactly like torch.optim.SGD."""
-    from dataflow_training import OPTIMIZERS, OptimizerSpec
+def test_an_added_optimizer_runs_through_lowering_and_resolver(isolated_plugin_manager) -> None:
+    """A plugin's ``dataflow_optimizers`` is the place to add an update rule: SGD with
+    momentum, registered here, trains the toy family exactly like torch.optim.SGD."""
+    import dataflow.builtins
+    from dataflow import OptimizerArg, OptimizerSpec, StateField, hookimpl
 
-    def sgd(ops, params, grads, states, *, step, policy, weight_decay):
+    def sgd(ops, params, grads, states, *, step, policy, weight_decay, roles):
         for param, grad, momentum in zip(params, grads, states["momentum"], strict=True):
             momentum.mul_(policy["beta1"]).add_(grad)
             param.add_(momentum, alpha=-policy["lr"])
 
-    monkeypatch.setitem(OPTIMIZERS, "sgd", OptimizerSpec("sgd", ("momentum",), (), sgd))
+    class SgdPlugin:
+        @hookimpl
+        def dataflow_optimizers(self):
+            momentum = OptimizerArg("beta1", "float", 0.9, "the momentum")
+            state = (StateField("momentum"),)
+            return [OptimizerSpec("sgd", "SGD with momentum", state, sgd, arguments=(momentum,))]
+
+    isolated_plugin_manager(dataflow.builtins, SgdPlugin())
     family = ToyFamily()
     config = family.config("small")
     torch.manual_seed(1)
@@ -171,8 +179,8 @@ def test_an_added_optimizer_runs_through_lowering_and_resolver(monkeypatch) -> N
 
 def test_optimizer_errors_name_the_field() -> None:
     family = ToyFamily()
-    with pytest.raises(ValueError, match=r"unknown optimizer 'lion'; known: \['adamw'"):
-        lower(family, "small", TrainConfig(seq_len=4, optimizer=OptimizerPolicy(name="lion")))
+    with pytest.raises(ValueError, match=r"unknown optimizer 'rmsprop'; known: adafactor, adamw"):
+        lower(family, "small", TrainConfig(seq_len=4, optimizer=OptimizerPolicy(name="rmsprop")))
     wrong = OptimizerPolicy(state_dtypes={"exp_avg": "float32"})
     with pytest.raises(
         ValueError,

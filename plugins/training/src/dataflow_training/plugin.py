@@ -52,3 +52,10 @@ def dataflow_families() -> list:
             _toy_moe,
         )
     ]
+
+
+@hookimpl
+def dataflow_optimizers() -> list:
+    from dataflow_training.optim.builtins import OPTIMIZERS
+
+    return list(OPTIMIZERS)
