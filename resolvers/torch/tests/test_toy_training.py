@@ -7,7 +7,7 @@ import pytest
 import torch
 from dataflow_resolver_torch.training import TrainingResolver
 from dataflow_training import OptimizerPolicy, TrainConfig, lower, read_state, start_values
-from dataflow_training.testing import ToyFamily, plain_ops
+from dataflow_training.testing import ToyFamily, plain_ops, toy_weights
 
 from dataflow import Engine, minimal_budget, place, plan
 
@@ -62,13 +62,7 @@ def _initial(lowered, config, state, step: int, data_only: bool = False):
 def test_toy_training_matches_autograd(budget: str) -> None:
     family = ToyFamily()
     config = family.config("small")
-    torch.manual_seed(0)
-    state = {
-        f"{layer.name}.{p.name}": 0.3 * torch.randn(p.shape)
-        for layer in family.layers(config)
-        for p in layer.params
-    }
-    state["head.g"] = 1 + 0.1 * torch.randn(config.dim)
+    state = toy_weights(family, config)
     train = TrainConfig(seq_len=SEQ, batch=BATCH, rounds=ROUNDS, optimizer=OPT, chunk_tokens=4)
     lowered = lower(family, "small", train)
     program = lowered.program

@@ -56,6 +56,7 @@ def dataflow_families() -> list:
 
 @hookimpl
 def dataflow_optimizers() -> list:
+    # the entry point loads at every start of `dataflow`: a hook imports what it names when called
     from dataflow_training.optim.builtins import OPTIMIZERS
 
     return list(OPTIMIZERS)

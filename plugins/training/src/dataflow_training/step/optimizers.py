@@ -19,6 +19,7 @@ import attrs
 
 from dataflow.plugins import optimizers
 from dataflow.registry import OptimizerSpec
+from dataflow_training.optim.builtins import OPTIMIZERS
 
 __all__ = ["OptimizerSpec", "hyperparameters", "optimizer_spec", "parse_optimizer_args"]
 
@@ -27,8 +28,6 @@ def optimizer_spec(name: str) -> OptimizerSpec:
     """The optimizer ``name``: the one a plugin registered, else the training plugin's
     builtin of that name (``optim.builtins``: found even where a plugin manager was built
     without this plugin, as tests build theirs); ValueError lists the known ones."""
-    from dataflow_training.optim.builtins import OPTIMIZERS
-
     registry = optimizers()
     if name in registry.names():
         return registry.get(name)
