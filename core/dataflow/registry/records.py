@@ -185,6 +185,12 @@ class StateField:
 
 #: ``OptimizerArg.kind``'s types, by name (what ``--optimizer-arg K=V`` parses V as)
 ARG_KINDS: dict[str, type] = {"float": float, "int": int, "bool": bool, "str": str}
+_KIND_WORDS = {
+    "float": "a number",
+    "int": "a whole number",
+    "bool": "true or false",
+    "str": "text",
+}
 
 
 @attrs.frozen
@@ -210,7 +216,7 @@ class OptimizerArg:
                 return ARG_KINDS[self.kind](text)
             except ValueError:
                 pass
-        raise ValueError(f"{self.name}={text!r}: {self.name} takes a {self.kind}")
+        raise ValueError(f"{self.name}={text!r}: {self.name} takes {_KIND_WORDS[self.kind]}")
 
 
 @attrs.frozen
