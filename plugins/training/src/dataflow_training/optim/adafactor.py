@@ -16,7 +16,8 @@ Step ``t`` (from 1), for a gradient ``g``:
 
 The conventions (``eps1`` as a floor on the second moment, ``lr`` capping the relative
 step) are those ``torch.optim.Adafactor`` documents, so the two agree; the state fields'
-shapes follow the parameter (``adafactor_shape``)."""
+shapes follow the parameter (``row_shape``, ``col_shape``, ``full_shape``). ``lr`` and
+``step`` may be device tensors (``scalars``)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+from dataflow_training.optim.scalars import as_float, minimum
 
 
 def factored(shape: tuple[int, ...]) -> bool:
@@ -56,25 +59,25 @@ def adafactor_update(
     weight_decay: float,
     roles: Sequence[str] = (),
 ) -> None:
-    lr, t = float(policy["lr"]), int(step)
-    beta2 = 1.0 - t ** policy["beta2_decay"]
+    lr, t = as_float(policy["lr"]), as_float(step)
+    fresh = t ** policy["beta2_decay"]  # 1 - beta2_t: how much of this step's g^2 enters
     eps1, eps2, clip = policy["eps1"], policy["eps2"], policy["clip_threshold"]
-    rho = min(lr, t**-0.5)
+    rho = minimum(lr, t**-0.5)
     rows, cols, fulls = states["row"], states["col"], states["variance"]
     for p, g, r, c, v in zip(params, grads, rows, cols, fulls, strict=True):
         w, g32 = p.float(), g.float()
         square = g32 * g32
         if factored(tuple(p.shape)):
             r32, c32 = r.float(), c.float()
-            r32.lerp_(square.mean(dim=-1), 1 - beta2)
-            c32.lerp_(square.mean(dim=-2), 1 - beta2)
+            r32.lerp_(square.mean(dim=-1), fresh)
+            c32.lerp_(square.mean(dim=-2), fresh)
             variance = r32.unsqueeze(-1) * c32.unsqueeze(-2)
             variance /= r32.mean(dim=-1, keepdim=True).clamp_min(eps1).unsqueeze(-1)
             r.copy_(r32)
             c.copy_(c32)
         else:
             v32 = v.float()
-            v32.lerp_(square, 1 - beta2)
+            v32.lerp_(square, fresh)
             variance = v32.clone()
             v.copy_(v32)
         update = g32 * variance.clamp_min(eps1 * eps1).rsqrt()

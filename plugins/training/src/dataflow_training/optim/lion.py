@@ -2,7 +2,8 @@
 with ``c = beta1 * m + (1 - beta1) * g`` the weight moves by ``lr * (sign(c) + wd * w)``
 and the one moment becomes ``beta2 * m + (1 - beta2) * g``. Every update entry is +-lr (or
 0), so Lion wants a learning rate 3-10x below AdamW's; its one moment is half of AdamW's
-state. Math in float32 over any storage dtype, written back rounded."""
+state. Math in float32 over any storage dtype, written back rounded; ``lr`` may be a
+device tensor (``scalars``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+from dataflow_training.optim.scalars import as_float
 
 
 def lion_update(
@@ -23,11 +26,11 @@ def lion_update(
     weight_decay: float,
     roles: Sequence[str] = (),
 ) -> None:
-    lr, beta1, beta2 = float(policy["lr"]), policy["beta1"], policy["beta2"]
+    lr, beta1, beta2 = as_float(policy["lr"]), policy["beta1"], policy["beta2"]
     for p, g, m in zip(params, grads, states["exp_avg"], strict=True):
         w, g32, m32 = p.float(), g.float(), m.float()
         direction = (m32 * beta1 + g32 * (1 - beta1)).sign_()
-        w.mul_(1 - lr * weight_decay).add_(direction, alpha=-lr)
+        w.mul_(1 - lr * weight_decay).sub_(direction * lr)
         m32.mul_(beta2).add_(g32, alpha=1 - beta2)
         p.copy_(w)
         m.copy_(m32)

@@ -20,7 +20,8 @@ Every other tensor (norms, biases, the embedding and the head, whose ``role`` is
 ``momentum`` and its second in ``exp_avg_sq`` (a hidden matrix keeps no ``exp_avg_sq``:
 its field is empty). The matrices of one optimizer task that share a shape are
 orthogonalized together as one batch (``torch.baddbmm``), so a block's projections take a
-few batched matmuls per iteration rather than one chain per matrix.
+few batched matmuls per iteration rather than one chain per matrix. ``lr`` and ``step``
+may be device tensors (``scalars``): nothing is read back to the host.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+from dataflow_training.optim.scalars import as_float
 
 #: the quintic's coefficients, from Jordan's post
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -73,7 +76,7 @@ def muon_update(
     weight_decay: float,
     roles: Sequence[str] = (),
 ) -> None:
-    lr, mu = float(policy["lr"]), policy["momentum"]
+    lr, mu = as_float(policy["lr"]), policy["momentum"]
     roles = list(roles) or ["block"] * len(params)
     by_shape: dict[tuple[int, ...], list[int]] = {}
     rest = []
@@ -94,7 +97,7 @@ def muon_update(
         scale = 0.2 * math.sqrt(max(shape))
         for i, o in zip(chosen, orthogonal, strict=True):
             w = params[i].float()
-            w.mul_(1 - lr * weight_decay).add_(o, alpha=-lr * scale)
+            w.mul_(1 - lr * weight_decay).sub_(o * (lr * scale))
             params[i].copy_(w)
     if rest:
         _adamw(params, grads, momenta, states["exp_avg_sq"], rest, step, policy, weight_decay)
@@ -111,13 +114,9 @@ def _adamw(
     weight_decay: float,
 ) -> None:
     """AdamW (decoupled decay, bias-corrected moments) in float32 on ``chosen``."""
-    lr, beta1, beta2, eps = (
-        float(policy["lr"]),
-        policy["adam_beta1"],
-        policy["adam_beta2"],
-        policy["eps"],
-    )
-    correction1, correction2 = 1 - beta1**step, 1 - beta2**step
+    lr, t = as_float(policy["lr"]), as_float(step)
+    beta1, beta2, eps = policy["adam_beta1"], policy["adam_beta2"], policy["eps"]
+    correction1, correction2 = 1 - beta1**t, 1 - beta2**t
     for i in chosen:
         w, g = params[i].float(), grads[i].float()
         m, v = exp_avgs[i].float(), exp_avg_sqs[i].float()
@@ -125,6 +124,6 @@ def _adamw(
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         w.mul_(1 - lr * weight_decay)
         denom = (v / correction2).sqrt_().add_(eps)
-        w.addcdiv_(m, denom, value=-lr / correction1)
+        w.sub_(m / denom * (lr / correction1))
         for stored, value in ((params[i], w), (exp_avgs[i], m), (exp_avg_sqs[i], v)):
             stored.copy_(value)
