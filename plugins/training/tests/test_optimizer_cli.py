@@ -49,6 +49,9 @@ def test_muon_resumes_with_its_arguments_and_state(tmp_path) -> None:
     assert "'ns_steps': 4" in said and "'nesterov': False" in said
     assert invoke(*_args(straight, 4, *chosen)).exit_code == 0
     assert _losses(out) == _losses(straight)
+    other = invoke(*_args(out, 5, "--resume", "auto", "--optimizer", "lion"))
+    assert_one_line_error(other, 1, "step_000004: train.optimizer.")  # the fields that differ
+    assert "train.optimizer.name" in other.output
     plain = invoke(*_args(tmp_path / "adamw", 4))  # another optimizer: other losses
     assert plain.exit_code == 0 and _losses(tmp_path / "adamw")[2:] != _losses(straight)[2:]
 

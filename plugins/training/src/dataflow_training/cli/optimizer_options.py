@@ -42,11 +42,14 @@ def check_optimizer(rest: dict[str, Any], device: str) -> None:
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--optimizer") from None
     given = rest["optimizer_args"]
-    if not isinstance(given, dict):
-        try:
+    try:
+        if isinstance(given, dict):  # a resumed run's, typed already: still its optimizer's?
+            for name in given:
+                spec.argument(name)
+        else:
             rest["optimizer_args"] = spec.parse_args(given)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--optimizer-arg") from None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--optimizer-arg") from None
     policy = for_optimizer(
         rest["precision"],
         spec.name,

@@ -93,6 +93,11 @@ def take_resumed(rest: dict[str, Any], given: dict[str, Any]) -> bool:
             continue
         if field in PINS and ctx.get_parameter_source("precision") is not ParameterSource.DEFAULT:
             continue  # a --precision given names the whole policy: the run's pins give way
+        if name == "optimizer_args" and ctx.get_parameter_source("optimizer") not in (
+            ParameterSource.DEFAULT,
+            None,
+        ):
+            continue  # the run's arguments are its optimizer's, not those of one named now
         value = options[field]
         if name == "device" and str(value).startswith("cuda") and not cuda_here():
             continue  # resumed on a machine without one: the default device instead
