@@ -9,11 +9,11 @@ import pytest
 import torch
 from dataflow_optimizer_sgd.plugin import SGD
 
-from dataflow import plugins
+from dataflow import optimizers
 
 
 def test_the_entry_point_registers_sgd() -> None:
-    assert plugins.optimizers().distribution_of("sgd") == "dataflow-optimizer-sgd"
+    assert optimizers().distribution_of("sgd") == "dataflow-optimizer-sgd"
 
 
 @pytest.mark.parametrize("nesterov", [False, True])

@@ -11,8 +11,7 @@ import math
 import pytest
 import torch
 from dataflow_resolver_torch.training import TrainingResolver
-from dataflow_training import TrainConfig, lower, read_state, start_values
-from dataflow_training.step.precision import precision
+from dataflow_training import TrainConfig, lower, precision, read_state, start_values
 from dataflow_training.testing import ToyFamily, plain_ops, toy_weights
 
 from dataflow import Engine, plan

@@ -120,8 +120,8 @@ def test_verify_ladder_passes_on_the_toy_family(isolated_plugin_manager) -> None
 def test_an_added_optimizer_runs_through_lowering_and_resolver(isolated_plugin_manager) -> None:
     """A plugin's ``dataflow_optimizers`` is the place to add an update rule: SGD with
     momentum, registered here, trains the toy family exactly like torch.optim.SGD."""
-    import dataflow.builtins
     from dataflow import OptimizerArg, OptimizerSpec, StateField, hookimpl
+    from dataflow.testing import core_plugin
 
     def sgd(ops, params, grads, states, *, step, policy, weight_decay, roles):
         for param, grad, momentum in zip(params, grads, states["momentum"], strict=True):
@@ -135,7 +135,7 @@ def test_an_added_optimizer_runs_through_lowering_and_resolver(isolated_plugin_m
             state = (StateField("momentum"),)
             return [OptimizerSpec("sgd", "SGD with momentum", state, sgd, arguments=(momentum,))]
 
-    isolated_plugin_manager(dataflow.builtins, SgdPlugin())
+    isolated_plugin_manager(core_plugin, SgdPlugin())
     family = ToyFamily()
     config = family.config("small")
     torch.manual_seed(1)

@@ -7,7 +7,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from dataflow.registry import OptimizerArg, OptimizerSpec, StateField
+from dataflow import OptimizerArg, OptimizerSpec, StateField
 
 
 def _lazy(module: str, name: str) -> Callable[..., None]:

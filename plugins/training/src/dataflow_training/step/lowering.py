@@ -51,8 +51,7 @@ from typing import Any
 
 import attrs
 
-from dataflow import Link, Links, Program, Role, TensorMeta
-from dataflow.registry import StateField
+from dataflow import Link, Links, Program, Role, StateField, TensorMeta
 from dataflow_training.step.config import TrainConfig
 from dataflow_training.step.costs import RooflineCost
 from dataflow_training.step.family import (

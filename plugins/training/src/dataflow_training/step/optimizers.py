@@ -17,8 +17,7 @@ from typing import Any
 
 import attrs
 
-from dataflow.plugins import optimizers
-from dataflow.registry import OptimizerSpec
+from dataflow import OptimizerSpec, optimizers
 from dataflow_training.optim.builtins import OPTIMIZERS
 
 __all__ = ["OptimizerSpec", "hyperparameters", "optimizer_spec", "parse_optimizer_args"]
