@@ -434,6 +434,7 @@ def test_hook_names_are_the_specs() -> None:
         "dataflow_families",
         "dataflow_feeds",
         "dataflow_kernels",
+        "dataflow_optimizers",
         "dataflow_planners",
         "dataflow_resolvers",
     ]

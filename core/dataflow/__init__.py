@@ -93,6 +93,9 @@ _HOMES = {
         "KernelVariant",
         "FeedSpec",
         "PlannerSpec",
+        "OptimizerSpec",
+        "OptimizerArg",
+        "StateField",
         "UnknownNameError",
     ),
     "dataflow.plugins": (
@@ -104,6 +107,7 @@ _HOMES = {
         "kernels",
         "feeds",
         "planners",
+        "optimizers",
     ),
     "dataflow.units": ("format_size", "parse_size"),
     "dataflow.durable": ("fsync_path",),

@@ -24,7 +24,14 @@ import pluggy
 if TYPE_CHECKING:
     import click
 
-    from dataflow.registry import FamilySpec, FeedSpec, KernelVariant, PlannerSpec, ResolverSpec
+    from dataflow.registry import (
+        FamilySpec,
+        FeedSpec,
+        KernelVariant,
+        OptimizerSpec,
+        PlannerSpec,
+        ResolverSpec,
+    )
 
 hookspec = pluggy.HookspecMarker("dataflow")
 
@@ -85,6 +92,17 @@ def dataflow_planners() -> list[PlannerSpec]:
     Called once per plugin manager, when the registries are collected. Returns a list of
     ``PlannerSpec`` whose ``plan(program, budget_bytes, **options)`` returns the planned
     Program. Every plugin's result is collected (not firstresult).
+    """
+
+
+@hookspec
+def dataflow_optimizers() -> list[OptimizerSpec]:
+    """Optimizers: the state each keeps per parameter, its arguments and its update.
+
+    Called once per plugin manager, when the registries are collected. Returns a list of
+    ``OptimizerSpec`` (``dataflow train --optimizer NAME`` picks one); its ``update`` runs
+    once per optimizer task over the lists of a parameter group's tensors. Every plugin's
+    result is collected (not firstresult).
     """
 
 

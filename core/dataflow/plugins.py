@@ -37,6 +37,7 @@ from dataflow.registry import (
     FamilySpec,
     FeedRegistry,
     KernelRegistry,
+    OptimizerSpec,
     PlannerSpec,
     Registry,
     RegistryKind,
@@ -71,6 +72,7 @@ __all__ = [
     "isolated_plugin_manager",
     "kernels",
     "normalize_distribution",
+    "optimizers",
     "planners",
     "resolvers",
     "set_default_plugin_manager",
@@ -274,6 +276,9 @@ class DataflowPluginManager(pluggy.PluginManager):
     def planners(self) -> Registry[PlannerSpec]:
         return self.registry("planners")
 
+    def optimizers(self) -> Registry[OptimizerSpec]:
+        return self.registry("optimizers")
+
     def cli_commands(self) -> Registry[click.Command]:
         """The subcommands plugins add (``dataflow.cli.main.plugin_commands`` checks them
         against the builtins)."""
@@ -419,3 +424,7 @@ def feeds() -> FeedRegistry:
 
 def planners() -> Registry[PlannerSpec]:
     return get_plugin_manager().planners()
+
+
+def optimizers() -> Registry[OptimizerSpec]:
+    return get_plugin_manager().optimizers()

@@ -32,6 +32,7 @@ def test_every_registry_kind_is_a_hook_spec() -> None:
         "kernels",
         "feeds",
         "planners",
+        "optimizers",
         "cli_commands",
     ]
     assert hookspec.project_name == "dataflow"

@@ -12,8 +12,11 @@ from dataflow.registry.records import (
     FamilySpec,
     FeedSpec,
     KernelVariant,
+    OptimizerArg,
+    OptimizerSpec,
     PlannerSpec,
     ResolverSpec,
+    StateField,
     check_name,
 )
 from dataflow.registry.registry import Entry, FeedRegistry, KernelRegistry, Registry
@@ -28,11 +31,14 @@ __all__ = [
     "FeedSpec",
     "KernelRegistry",
     "KernelVariant",
+    "OptimizerArg",
+    "OptimizerSpec",
     "PlannerSpec",
     "PluginError",
     "Registry",
     "RegistryKind",
     "ResolverSpec",
+    "StateField",
     "UnknownNameError",
     "check_name",
 ]

@@ -8,7 +8,14 @@ from typing import Any
 import attrs
 import click
 
-from dataflow.registry.records import FamilySpec, FeedSpec, KernelVariant, PlannerSpec, ResolverSpec
+from dataflow.registry.records import (
+    FamilySpec,
+    FeedSpec,
+    KernelVariant,
+    OptimizerSpec,
+    PlannerSpec,
+    ResolverSpec,
+)
 
 
 @attrs.frozen
@@ -43,6 +50,7 @@ REGISTRY_KINDS: tuple[RegistryKind, ...] = (
     ),
     RegistryKind("feeds", "dataflow_feeds", FeedSpec, "feed scheme", _record_key),
     RegistryKind("planners", "dataflow_planners", PlannerSpec, "planner", _record_key),
+    RegistryKind("optimizers", "dataflow_optimizers", OptimizerSpec, "optimizer", _record_key),
     RegistryKind("cli_commands", "dataflow_cli_commands", click.Command, "command", _command_key),
 )
 

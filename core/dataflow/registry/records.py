@@ -162,3 +162,111 @@ class PlannerSpec:
     @property
     def key(self) -> str:
         return self.name
+
+
+def same_shape(shape: tuple[int, ...], role: str) -> tuple[int, ...]:
+    """``StateField.shape`` of a state the size of its parameter (AdamW's moments)."""
+    return tuple(shape)
+
+
+@attrs.frozen
+class StateField:
+    """One tensor an optimizer keeps per parameter: ``shape(param_shape, role)`` is its
+    shape (``role``: ``"embed"``, ``"block"`` or ``"head"``, where the parameter's layer
+    sits; ``()`` or a zero-size shape keeps nothing for that parameter), ``dtype`` its
+    dtype, or None for the dtype the run's precision gives optimizer state."""
+
+    name: str = attrs.field(validator=_valid_name)
+    shape: Callable[[tuple[int, ...], str], tuple[int, ...]] = attrs.field(
+        default=same_shape, validator=_callable
+    )
+    dtype: str | None = attrs.field(default=None, validator=attrs.validators.optional(_text))
+
+
+#: ``OptimizerArg.kind``'s types, by name (what ``--optimizer-arg K=V`` parses V as)
+ARG_KINDS: dict[str, type] = {"float": float, "int": int, "bool": bool, "str": str}
+_KIND_WORDS = {
+    "float": "a number",
+    "int": "a whole number",
+    "bool": "true or false",
+    "str": "text",
+}
+
+
+@attrs.frozen
+class OptimizerArg:
+    """A hyperparameter an optimizer takes (``--optimizer-arg NAME=VALUE``): its ``kind``
+    (a key of ``ARG_KINDS``), its default and one line of help."""
+
+    name: str = attrs.field(validator=_valid_name)
+    kind: str = attrs.field(validator=attrs.validators.in_(tuple(ARG_KINDS)))
+    default: Any
+    help: str = attrs.field(default="", validator=_text)
+
+    def parse(self, text: str) -> Any:
+        """``text`` as this argument's kind; ValueError names the argument and its kind."""
+        if self.kind == "bool":
+            lowered = text.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+        else:
+            try:
+                return ARG_KINDS[self.kind](text)
+            except ValueError:
+                pass
+        raise ValueError(f"{self.name}={text!r}: {self.name} takes {_KIND_WORDS[self.kind]}")
+
+
+@attrs.frozen
+class OptimizerSpec:
+    """An optimizer: the state it keeps per parameter, the ops it calls and its update.
+
+    ``update(ops, params, grads, states, *, step, policy, weight_decay, roles)`` changes
+    ``params`` and ``states`` (state field name -> list parallel to ``params``) in place,
+    over every trainable tensor of one parameter group at once (a multi-tensor step per
+    optimizer task): ``ops`` maps each name of ``ops`` to its kernel, ``step`` counts from
+    1, ``policy`` holds ``lr``, ``weight_decay`` and every argument of ``arguments``
+    (defaults filled in), ``weight_decay`` is the decay of these tensors (0 for those a
+    family exempts) and ``roles`` each tensor's ``StateField`` role. ``elementwise``: the
+    update treats every element alike, so the task may hand it one flat tensor for a
+    whole group instead of one tensor per parameter.
+    """
+
+    name: str = attrs.field(validator=_valid_name)
+    description: str = attrs.field(validator=_text)
+    state: tuple[StateField, ...] = attrs.field(converter=tuple)
+    update: Callable[..., None] = attrs.field(validator=_callable)
+    ops: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    arguments: tuple[OptimizerArg, ...] = attrs.field(default=(), converter=tuple)
+    elementwise: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    @property
+    def key(self) -> str:
+        return self.name
+
+    @property
+    def state_fields(self) -> tuple[str, ...]:
+        return tuple(field.name for field in self.state)
+
+    def argument(self, name: str) -> OptimizerArg:
+        """The declared argument ``name``; ValueError lists the known ones."""
+        for arg in self.arguments:
+            if arg.name == name:
+                return arg
+        known = ", ".join(a.name for a in self.arguments) or "none"
+        raise ValueError(f"optimizer {self.name!r} has no argument {name!r}; known: {known}")
+
+    def parse_args(self, pairs: Iterable[str]) -> dict[str, Any]:
+        """``K=V`` texts as typed arguments (validated against ``arguments``)."""
+        parsed: dict[str, Any] = {}
+        for pair in pairs:
+            name, equals, value = pair.partition("=")
+            if not equals:
+                raise ValueError(f"{pair!r} is not NAME=VALUE")
+            parsed[name.strip()] = self.argument(name.strip()).parse(value.strip())
+        return parsed
+
+    def defaults(self) -> dict[str, Any]:
+        return {arg.name: arg.default for arg in self.arguments}

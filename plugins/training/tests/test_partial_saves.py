@@ -98,7 +98,8 @@ def test_a_family_without_partial_saves_lowers_as_it_did_before(gpt2):
     changed gpt2's digests to f70af1cd... and 42228bd5...; session 21 declared what the
     full recompute costs (forward less GELU and the MLP's c_proj, ``LayerCost.recompute``):
     the one ``rec`` task's ``cost_us``, 0.0831 -> 0.0660, is the only change, hence the
-    digests below."""
+    digests below. Issue 48 added the optimizer's ``"args": {}`` (its ``--optimizer-arg``
+    values), taken out here as ``updates`` is: no other byte changed."""
     golden = {
         ("toy", "round"): "61a21c12d8ae00e24f18c663261a989683e334c1d3428370cde000d7fda4d2b9",
         ("toy", "layer"): "892069df527378bd4a4337492f80c5df072109fc1442d4b9b992cdea9f31b5b4",
@@ -111,7 +112,7 @@ def test_a_family_without_partial_saves_lowers_as_it_did_before(gpt2):
         program = lower(family, preset, train, recompute=[(1, 0)]).program
         text = program.to_json()
         assert ',\n    "updates": "end"\n' in text
-        text = text.replace(',\n    "updates": "end"', "")
+        text = text.replace(',\n    "updates": "end"', "").replace(',\n     "args": {}', "")
         assert hashlib.sha256(text.encode()).hexdigest() == digest, (name, order)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from dataflow_resolver_torch.training import TrainingResolver
 from dataflow_training import OptimizerPolicy, TrainConfig, lower, read_state, start_values
-from dataflow_training.testing import ToyFamily, plain_ops
+from dataflow_training.testing import ToyFamily, plain_ops, toy_weights
 
 from dataflow import Engine, minimal_budget, place, plan
 
@@ -62,13 +62,7 @@ def _initial(lowered, config, state, step: int, data_only: bool = False):
 def test_toy_training_matches_autograd(budget: str) -> None:
     family = ToyFamily()
     config = family.config("small")
-    torch.manual_seed(0)
-    state = {
-        f"{layer.name}.{p.name}": 0.3 * torch.randn(p.shape)
-        for layer in family.layers(config)
-        for p in layer.params
-    }
-    state["head.g"] = 1 + 0.1 * torch.randn(config.dim)
+    state = toy_weights(family, config)
     train = TrainConfig(seq_len=SEQ, batch=BATCH, rounds=ROUNDS, optimizer=OPT, chunk_tokens=4)
     lowered = lower(family, "small", train)
     program = lowered.program
@@ -123,17 +117,25 @@ def test_verify_ladder_passes_on_the_toy_family(isolated_plugin_manager) -> None
     assert sum(check.level == "step" for check in checks) == 2 * (2 + 2 * 8)
 
 
-def test_an_added_optimizer_runs_through_lowering_and_resolver(monkeypatch) -> None:
-    """OPTIMIZERS is the place to add an update rule: SGD with momentum, added here, trains
-    the toy family exactly like torch.optim.SGD."""
-    from dataflow_training import OPTIMIZERS, OptimizerSpec
+def test_an_added_optimizer_runs_through_lowering_and_resolver(isolated_plugin_manager) -> None:
+    """A plugin's ``dataflow_optimizers`` is the place to add an update rule: SGD with
+    momentum, registered here, trains the toy family exactly like torch.optim.SGD."""
+    from dataflow import OptimizerArg, OptimizerSpec, StateField, hookimpl
+    from dataflow.testing import core_plugin
 
-    def sgd(ops, params, grads, states, *, step, policy, weight_decay):
+    def sgd(ops, params, grads, states, *, step, policy, weight_decay, roles):
         for param, grad, momentum in zip(params, grads, states["momentum"], strict=True):
             momentum.mul_(policy["beta1"]).add_(grad)
             param.add_(momentum, alpha=-policy["lr"])
 
-    monkeypatch.setitem(OPTIMIZERS, "sgd", OptimizerSpec("sgd", ("momentum",), (), sgd))
+    class SgdPlugin:
+        @hookimpl
+        def dataflow_optimizers(self):
+            momentum = OptimizerArg("beta1", "float", 0.9, "the momentum")
+            state = (StateField("momentum"),)
+            return [OptimizerSpec("sgd", "SGD with momentum", state, sgd, arguments=(momentum,))]
+
+    isolated_plugin_manager(core_plugin, SgdPlugin())
     family = ToyFamily()
     config = family.config("small")
     torch.manual_seed(1)
@@ -171,8 +173,8 @@ def test_an_added_optimizer_runs_through_lowering_and_resolver(monkeypatch) -> N
 
 def test_optimizer_errors_name_the_field() -> None:
     family = ToyFamily()
-    with pytest.raises(ValueError, match=r"unknown optimizer 'lion'; known: \['adamw'"):
-        lower(family, "small", TrainConfig(seq_len=4, optimizer=OptimizerPolicy(name="lion")))
+    with pytest.raises(ValueError, match=r"unknown optimizer 'rmsprop'; known: adafactor, adamw"):
+        lower(family, "small", TrainConfig(seq_len=4, optimizer=OptimizerPolicy(name="rmsprop")))
     wrong = OptimizerPolicy(state_dtypes={"exp_avg": "float32"})
     with pytest.raises(
         ValueError,

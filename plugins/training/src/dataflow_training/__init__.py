@@ -23,7 +23,7 @@ _HOMES = {
         "OptimizerPolicy",
         "optimizer_states",
     ),
-    "dataflow_training.step.optimizers": ("OPTIMIZERS", "OptimizerSpec", "optimizer_spec"),
+    "dataflow_training.step.optimizers": ("OptimizerSpec", "optimizer_spec"),
     "dataflow_training.step.precision": ("precision", "Precision"),
     "dataflow_training.step.family": ("load_family",),
     "dataflow_training.step.lowering": ("lower", "Lowered"),

@@ -54,3 +54,11 @@ def dataflow_families() -> list:
             _toy_moe,
         )
     ]
+
+
+@hookimpl
+def dataflow_optimizers() -> list:
+    # the entry point loads at every start of `dataflow`: a hook imports what it names when called
+    from dataflow_training.optim.builtins import OPTIMIZERS
+
+    return list(OPTIMIZERS)

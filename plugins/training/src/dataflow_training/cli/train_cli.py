@@ -23,6 +23,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from dataflow import InfeasibleBudget, format_size
 from dataflow.cli import BUDGET, COUNT, Device, Failure, one_line
+from dataflow_training.cli.optimizer_options import check_optimizer, optimizer_options
 from dataflow_training.cli.train_defaults import (
     data_spec,
     default_budget,
@@ -193,6 +194,7 @@ def fleet_options(command: Any) -> Any:
     "(--precision names the whole policy)",
 )
 @optimizer_states_option()
+@optimizer_options
 @click.option(
     "--graph/--no-graph",
     default=True,
@@ -392,6 +394,7 @@ def train_command(
         _check_seq_len(config, preset, rest["seq_len"])
     device = device or default_device()
     _check_precision(rest, device)
+    check_optimizer(rest, device)
     if budget_bytes is None:
         budget_bytes = default_budget(device)
     rest["data"] = data_spec(rest["data"])

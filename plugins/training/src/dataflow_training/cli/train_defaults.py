@@ -57,7 +57,7 @@ RESUMED = {
             "steps data batch rounds seq_len checkpoint_every checkpoint_minutes keep lr "
             "warmup schedule "
             "min_lr_ratio seed precision dtype optimizer_states graph recompute order updates resolver "
-            "head_vocab_tiles vocab_size eval_every eval_tokens val_data"
+            "head_vocab_tiles vocab_size eval_every eval_tokens val_data optimizer optimizer_args"
         ).split()
     },
 }
@@ -93,13 +93,18 @@ def take_resumed(rest: dict[str, Any], given: dict[str, Any]) -> bool:
             continue
         if field in PINS and ctx.get_parameter_source("precision") is not ParameterSource.DEFAULT:
             continue  # a --precision given names the whole policy: the run's pins give way
+        if name == "optimizer_args" and ctx.get_parameter_source("optimizer") not in (
+            ParameterSource.DEFAULT,
+            None,
+        ):
+            continue  # the run's arguments are its optimizer's, not those of one named now
         value = options[field]
         if name == "device" and str(value).startswith("cuda") and not cuda_here():
             continue  # resumed on a machine without one: the default device instead
         if name in ("clip", "checkpoint_minutes"):
             value = value or 0.0  # the command line's 0 is the options' None (off)
         target = given if name in given else rest
-        if target[name] != value:
+        if target[name] != value and (target[name] or value):  # () and {}: no arguments
             shown = format_size(value) if field.endswith("_bytes") and value else value
             taken.append(f"{field} {shown}")
         target[name] = value

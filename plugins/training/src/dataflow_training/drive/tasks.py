@@ -17,7 +17,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import attrs
 import torch
 import torch.distributed as dist
 
@@ -25,9 +24,9 @@ from dataflow import LaunchContext, Program, Task
 from dataflow_training.step.family import Env, FamilyContractError, RowGradient
 from dataflow_training.step.keys import ComputeKeyError, parse
 from dataflow_training.step.layout import TaskSlot
-from dataflow_training.step.lowering import Lowered
+from dataflow_training.step.lowering import Lowered, layer_role
 from dataflow_training.step.ops import load_ops
-from dataflow_training.step.optimizers import optimizer_spec
+from dataflow_training.step.optimizers import hyperparameters, optimizer_spec
 from dataflow_training.step.packing import flat_view
 
 Tensors = dict[str, torch.Tensor]
@@ -94,6 +93,8 @@ class TrainingTasks:
         self.config = step.config
         self.train = self.layout.train
         self.optimizer = optimizer_spec(self.train.optimizer.name)
+        #: each layer's role (``lowering.layer_role``), what the optimizer's update gets
+        self.roles = {layer.name: layer_role(layer, step.layers) for layer in step.layers}
         self._given_ops = ops
         self._ops: dict[str, dict[str, Any]] = {}
         self._math: dict[str, Any] = {}
@@ -411,13 +412,16 @@ class OptimizerStep(_Exec):
         names = [e.name for e in packed[self.g_obj].layout.entries]
         fields = tasks.optimizer.state_fields
         self.layouts = {o: packed[o].layout for o in (self.w_obj, self.g_obj, self.o_obj)}
-        self.policy = attrs.asdict(tasks.train.optimizer)  # lr replaced per launch
+        spec = tasks.optimizer
+        self.policy = hyperparameters(tasks.train.optimizer, spec)  # lr replaced per launch
+        self.roles = tasks.roles[slot.layer]
         # (names, weight decay on?, byte ranges of the flat spans or None for lists)
         self.classes: list[tuple[list[str], bool, dict[str, tuple] | None]] = []
         for decayed in (True, False):
             chosen = [n for n in names if (n in decay) == decayed]
             if chosen:
-                self.classes.append((chosen, decayed, self._spans(chosen, fields)))
+                spans = self._spans(chosen, fields) if spec.elementwise else None
+                self.classes.append((chosen, decayed, spans))
 
     def _spans(self, names: list[str], fields: tuple[str, ...]) -> dict[str, tuple] | None:
         """The byte ranges of one flat span over ``names`` in W and dW (by object) and in
@@ -483,6 +487,7 @@ class OptimizerStep(_Exec):
                 step=step,
                 policy=policy,
                 weight_decay=policy["weight_decay"] if decayed else 0.0,
+                roles=[self.roles] * len(w),
             )
 
     def clip_factor(self, ctx: LaunchContext) -> torch.Tensor | None:

@@ -68,7 +68,7 @@ from dataflow_training.plan.hardware import hardware
 from dataflow_training.step.config import TrainConfig, head_chunk_tokens
 from dataflow_training.step.family import load_family
 from dataflow_training.step.parameters import parameter_text
-from dataflow_training.step.precision import NAMES, Precision, precision
+from dataflow_training.step.precision import NAMES, Precision, for_optimizer
 
 if TYPE_CHECKING:
     from dataflow_training.drive.fleet import Fleet
@@ -135,6 +135,9 @@ class TrainOptions:
     #: policy's); alone they name a plain update (``precision.pinned``)
     dtype: str | None = None
     optimizer_states: str | None = None
+    #: the registered optimizer (``--optimizer``) and its typed arguments (``--optimizer-arg``)
+    optimizer: str = "adamw"
+    optimizer_args: dict[str, Any] = attrs.field(factory=dict)
     overrides: dict[str, Any] = attrs.field(factory=dict)
     profile: ProfileWindow | None = None
     graph: bool = True
@@ -168,8 +171,12 @@ class TrainOptions:
     @property
     def policy(self) -> Precision:
         """The precision policy of ``precision`` and the pins on ``device``."""
-        return precision(
-            self.precision, device=self.device, dtype=self.dtype, states=self.optimizer_states
+        return for_optimizer(
+            self.precision,
+            self.optimizer,
+            device=self.device,
+            dtype=self.dtype,
+            states=self.optimizer_states,
         )
 
     def train_config(self, family: Any) -> TrainConfig:
@@ -187,7 +194,7 @@ class TrainOptions:
             batch=self.batch,
             rounds=self.rounds,
             dtype=policy.dtype,
-            optimizer=policy.optimizer_policy(lr=self.lr),
+            optimizer=policy.optimizer_policy(self.optimizer, self.optimizer_args, lr=self.lr),
             chunk_tokens=chunk,
             clip=self.clip,
             grad_norm=True,
@@ -514,7 +521,7 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
         say(f"resumed from {resumed} (step {start})")
     if schedule_line is not None:
         say(schedule_line)
-    say(f"{plan_line(compiled)}; {o.policy.describe()}")
+    say(f"{plan_line(compiled)}; {o.policy.describe(o.optimizer)}")
     if compiled.pool_note is not None:
         say(compiled.pool_note)
     return Started(o, feed, compiled, run, start, history, schedule, record)

@@ -46,12 +46,14 @@ class DtypePolicy:
 
 @attrs.frozen
 class OptimizerPolicy:
-    """AdamW (decoupled weight decay; off for parameters a family marks ``decay=False``).
+    """The optimizer (default AdamW; decoupled weight decay, off for parameters a family
+    marks ``decay=False``).
 
-    ``state_dtypes`` sizes each state field (``exp_avg``, ``exp_avg_sq``) independently.
-    ``name`` selects the optimizer; others plug in through
-    ``dataflow_training.step.optimizers.OPTIMIZERS``, each with its own state fields (then give
-    ``state_dtypes`` for exactly those fields).
+    ``name`` selects a registered optimizer (the ``dataflow_optimizers`` hook;
+    ``step.optimizers``), each with its own state fields: ``state_dtypes`` gives the dtype
+    of exactly those fields (AdamW's ``exp_avg``, ``exp_avg_sq``). ``args`` holds the
+    arguments given for it (``--optimizer-arg``, typed by its spec); the rest take the
+    spec's defaults (``step.optimizers.hyperparameters``).
     """
 
     name: str = "adamw"
@@ -63,6 +65,7 @@ class OptimizerPolicy:
     state_dtypes: dict[str, str] = attrs.field(
         factory=lambda: {"exp_avg": "float32", "exp_avg_sq": "float32"}, hash=False
     )
+    args: dict[str, Any] = attrs.field(factory=dict, hash=False)
 
 
 #: ``--optimizer-states`` names -> the dtype of the optimizer's state fields

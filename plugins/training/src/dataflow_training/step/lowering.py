@@ -46,12 +46,12 @@ object's layout are in the returned ``StepLayout``. Each round's objects and tas
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from dataflow import Link, Links, Program, Role, TensorMeta
+from dataflow import Link, Links, Program, Role, StateField, TensorMeta
 from dataflow_training.step.config import TrainConfig
 from dataflow_training.step.costs import RooflineCost
 from dataflow_training.step.family import (
@@ -203,7 +203,7 @@ def lower(
 
     kinds_of = {layer.name: layer.kind for layer in layers}
     chain = StepChain(family.name, step, train, kinds_of, cost or RooflineCost())
-    params = _add_parameters(chain, layers, by_name, optimizer.state_fields)
+    params = _add_parameters(chain, layers, by_name, optimizer.state)
     policy = train.dtype
     hidden = TensorMeta(policy.activation, family.hidden_shape(config, train.batch, train.seq_len))
     act_bytes = hidden.nbytes // max(1, math.prod(hidden.shape))
@@ -245,15 +245,24 @@ def lower(
     return Lowered(program, layout, layers, family, config)
 
 
+def layer_role(layer: LayerSpec, layers: Sequence[LayerSpec]) -> str:
+    """``embed``, ``head`` or ``block``: where ``layer`` sits in the step's ``layers``
+    (what an optimizer's ``StateField.shape`` and update tell matrices apart by)."""
+    if layer is layers[0]:
+        return "embed"
+    return "head" if layer is layers[-1] else "block"
+
+
 def _add_parameters(
     chain: StepChain,
     layers: tuple[LayerSpec, ...],
     by_name: Mapping[str, LayerSpec],
-    state_fields: tuple[str, ...],
+    state_fields: tuple[StateField, ...],
 ) -> Parameters:
     """Each layer's parameter groups as objects: ``W`` (every parameter, in the param
     dtype), and for a group with trainable ones ``dW`` (grad dtype) and ``O`` (the
-    optimizer's ``state_fields`` of each, in their dtypes); then its ``Aux``."""
+    optimizer's state fields of each, shaped by the field's rule for the parameter and
+    its layer's role, in their dtypes); then its ``Aux``."""
     train, family = chain.train, chain.family
     policy = train.dtype
     weights: dict[str, tuple[str, ...]] = {}
@@ -285,9 +294,10 @@ def _add_parameters(
             chain.add_packed(
                 PackedObject(dw_id, "dW", layer.name, dw_layout, group.name), Role.GRAD
             )
+            role = layer_role(layer, layers)
             states = [
-                (f"{p.name}/{field}", p.shape, train.optimizer.state_dtypes[field])
-                for field in state_fields
+                (f"{p.name}/{f.name}", f.shape(p.shape, role), train.optimizer.state_dtypes[f.name])
+                for f in state_fields
                 for p in trainable
             ]
             o_id = group_object("O", layer.name, group.name)

@@ -1,83 +1,60 @@
-"""Optimizers: the family-independent place where an update rule is declared.
+"""Optimizers: where the step finds the update rule its ``OptimizerPolicy`` names.
 
-An ``OptimizerSpec`` names the state fields it keeps per parameter (sized by
-``OptimizerPolicy.state_dtypes``, one entry per field), the ops its update calls, and the
-update itself, over *lists* of tensors: the lowering emits one task per parameter group
-with compute key ``optim.<name>``, and its executable hands the update every tensor of
-the group at once (one list for the tensors with weight decay, one for those without),
-so a multi-tensor kernel updates a whole layer in one launch. Add an optimizer by adding
-a spec to ``OPTIMIZERS``.
+An optimizer is an ``OptimizerSpec`` (``dataflow.registry``) that a plugin registers
+through the ``dataflow_optimizers`` hook (the builtins: ``optim.builtins``): the state
+fields it keeps per parameter (each with its shape relative to the parameter, sized in the
+dtypes of ``OptimizerPolicy.state_dtypes``), its typed arguments (``--optimizer-arg``) and
+its update over *lists* of tensors: the lowering emits one task per parameter group with
+compute key ``optim.<name>``, and its executable hands the update every tensor of the
+group at once (one list for the tensors with weight decay, one for those without), so a
+multi-tensor kernel updates a whole layer in one launch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
 
+from dataflow import OptimizerSpec, optimizers
+from dataflow_training.optim.builtins import OPTIMIZERS
 
-@attrs.frozen
-class OptimizerSpec:
-    """``update(ops, params, grads, states, *, step, policy, weight_decay)`` changes the
-    tensors of ``params`` and of ``states`` (field -> list, parallel to ``params``) in
-    place; ``step`` counts from 1; ``policy`` is the OptimizerPolicy as a mapping;
-    ``weight_decay`` is the decay for these tensors (0 for those a family exempts)."""
-
-    name: str
-    state_fields: tuple[str, ...]
-    ops: tuple[str, ...]
-    update: Callable[..., None]
-
-
-def _list_update(op: str, fields: tuple[str, ...]) -> Callable[..., None]:
-    """An ``OptimizerSpec.update`` that calls the list op ``op`` once: ``(params, grads,
-    *state fields in the order of fields, step=..., lr, beta1, beta2, eps, weight_decay)``
-    from the policy."""
-
-    def update(
-        ops: Mapping[str, Callable],
-        params: Sequence[Any],
-        grads: Sequence[Any],
-        states: Mapping[str, Sequence[Any]],
-        *,
-        step: int,
-        policy: Mapping[str, Any],
-        weight_decay: float,
-    ) -> None:
-        ops[op](
-            list(params),
-            list(grads),
-            *(list(states[field]) for field in fields),
-            step=step,
-            lr=policy["lr"],
-            beta1=policy["beta1"],
-            beta2=policy["beta2"],
-            eps=policy["eps"],
-            weight_decay=weight_decay,
-        )
-
-    return update
-
-
-def _adam_spec(name: str, op: str, fields: tuple[str, ...]) -> OptimizerSpec:
-    return OptimizerSpec(name, fields, (op,), _list_update(op, fields))
-
-
-#: ``adamw_compensated`` updates ``weight + compensation`` and rounds the result back into
-#: the two (``adamw_compensated_multi``): with a bfloat16 compensation the update's
-#: rounding is compensated Kahan-style (``--precision bf16``), with a float32 one the pair
-#: is a float32 master weight bit for bit (``--precision mixed``; ``step.precision``).
-OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "adamw": _adam_spec("adamw", "adamw_multi", ("exp_avg", "exp_avg_sq")),
-    "adamw_compensated": _adam_spec(
-        "adamw_compensated", "adamw_compensated_multi", ("exp_avg", "exp_avg_sq", "compensation")
-    ),
-}
+__all__ = ["OptimizerSpec", "hyperparameters", "optimizer_spec", "parse_optimizer_args"]
 
 
 def optimizer_spec(name: str) -> OptimizerSpec:
-    try:
-        return OPTIMIZERS[name]
-    except KeyError:
-        raise ValueError(f"unknown optimizer {name!r}; known: {sorted(OPTIMIZERS)}") from None
+    """The optimizer ``name``: the one a plugin registered, else the training plugin's
+    builtin of that name (``optim.builtins``: found even where a plugin manager was built
+    without this plugin, as tests build theirs); ValueError lists the known ones."""
+    registry = optimizers()
+    if name in registry.names():
+        return registry.get(name)
+    builtins = {spec.name: spec for spec in OPTIMIZERS}
+    if name in builtins:
+        return builtins[name]
+    known = sorted({*registry.names(), *builtins})
+    raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(known)}")
+
+
+def parse_optimizer_args(name: str, pairs: Iterable[str]) -> dict[str, Any]:
+    """``--optimizer-arg K=V`` texts as optimizer ``name``'s typed arguments."""
+    return optimizer_spec(name).parse_args(pairs)
+
+
+#: OptimizerPolicy's own hyperparameters that a spec may also declare as arguments
+_POLICY_FIELDS = ("beta1", "beta2", "eps")
+
+
+def hyperparameters(policy: Any, spec: OptimizerSpec) -> dict[str, Any]:
+    """What ``spec.update`` gets as ``policy``: ``lr`` and ``weight_decay``, then every
+    argument the spec declares: the policy's ``args`` where given, else the policy's own
+    field of that name (``beta1``, ``beta2``, ``eps``) where set away from its default,
+    else the spec's default."""
+    values = {"lr": policy.lr, "weight_decay": policy.weight_decay, **spec.defaults()}
+    defaults = {f.name: f.default for f in attrs.fields(type(policy))}
+    for name in _POLICY_FIELDS:
+        if name in values and getattr(policy, name) != defaults[name]:
+            values[name] = getattr(policy, name)
+    values.update(policy.args)
+    return values

@@ -35,12 +35,14 @@ that used it resumes with); given beside a ``--precision`` they must agree with 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
 from dataflow import DTYPE_BYTES
 from dataflow_training.step.config import STATE_DTYPES, DtypePolicy, OptimizerPolicy
+from dataflow_training.step.optimizers import optimizer_spec
 
 #: ``--precision``'s named policies, ``auto`` aside
 NAMES = ("bf16", "bf16-plain", "mixed", "fp32")
@@ -58,9 +60,27 @@ class Precision:
     optimizer: str
     state_dtypes: dict[str, str] = attrs.field(hash=False)
 
-    def optimizer_policy(self, **fields: Any) -> OptimizerPolicy:
-        """The step's ``OptimizerPolicy`` (``fields``: lr and the other hyperparameters)."""
-        return OptimizerPolicy(name=self.optimizer, state_dtypes=dict(self.state_dtypes), **fields)
+    def optimizer_policy(
+        self, optimizer: str = "adamw", args: Mapping[str, Any] | None = None, **fields: Any
+    ) -> OptimizerPolicy:
+        """The step's ``OptimizerPolicy`` for the registered ``optimizer`` with its typed
+        ``args`` (``fields``: lr and the other hyperparameters). AdamW is this policy's own
+        update (compensated or not); another optimizer keeps each of its state fields in
+        the policy's state dtype (or the field's own), updated plainly: a policy with a
+        compensation (``bf16``, ``mixed``) is a ValueError saying which would work."""
+        args = dict(args or {})
+        if optimizer == "adamw":
+            return OptimizerPolicy(
+                name=self.optimizer, state_dtypes=dict(self.state_dtypes), args=args, **fields
+            )
+        if "compensation" in self.state_dtypes:
+            raise ValueError(
+                f"--optimizer {optimizer} has no compensated update, which --precision "
+                f"{self.name} needs: use --precision fp32 or bf16-plain with it"
+            )
+        dtype = self.state_dtypes["exp_avg"]
+        states = {f.name: f.dtype or dtype for f in optimizer_spec(optimizer).state}
+        return OptimizerPolicy(name=optimizer, state_dtypes=states, args=args, **fields)
 
     @property
     def bytes_per_param(self) -> int:
@@ -68,9 +88,10 @@ class Precision:
         states = sum(DTYPE_BYTES[d] for d in self.state_dtypes.values())
         return DTYPE_BYTES[self.dtype.param] + DTYPE_BYTES[self.dtype.grad] + states
 
-    def describe(self) -> str:
+    def describe(self, optimizer: str = "adamw") -> str:
         """``precision bf16 (bf16 weights/grads/activations, bf16 AdamW moments and
-        compensation; 10 B/param)``: what the plan line says."""
+        compensation; 10 B/param)``: what the plan line says; for another ``optimizer``,
+        ``... fp32 lion state)`` (its state's bytes vary with its fields)."""
         short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
         d = self.dtype
         kinds = {short.get(x, x) for x in (d.param, d.grad, d.activation)}
@@ -81,6 +102,8 @@ class Precision:
             "activations"
         )
         states = {f: short.get(x, x) for f, x in self.state_dtypes.items()}
+        if optimizer != "adamw":
+            return f"precision {self.name} ({compute}, {states['exp_avg']} {optimizer} state)"
         state = f"{states['exp_avg']} AdamW moments"
         if "compensation" in states:
             comp = states["compensation"]
@@ -137,6 +160,22 @@ def precision(
                 f"{own}: give --precision alone, or --dtype/--optimizer-states alone"
             )
     return _policy(name, *_TABLE[name])
+
+
+def for_optimizer(
+    name: str,
+    optimizer: str,
+    *,
+    device: str = "cpu",
+    dtype: str | None = None,
+    states: str | None = None,
+) -> Precision:
+    """``precision(name, ...)`` for a run of ``optimizer``: ``auto`` without pins is
+    ``bf16-plain`` on CUDA for any optimizer but AdamW (only AdamW has a compensated
+    update), ``fp32`` elsewhere."""
+    if name == "auto" and dtype is None and states is None and optimizer != "adamw":
+        name = "bf16-plain" if device.startswith("cuda") else "fp32"
+    return precision(name, device=device, dtype=dtype, states=states)
 
 
 def pinned(dtype: str, states: str) -> Precision:

@@ -10,7 +10,7 @@ _HOMES = {
     "dataflow_training.testing.conformance": ("TrainingFamilyConformance",),
     "dataflow_training.testing.decoder": ("DecoderFamilyChecks", "DecoderHFParity"),
     "dataflow_training.testing.moe": ("MoEFamilyChecks", "MoEHFParity"),
-    "dataflow_training.testing.toy": ("ToyFamily", "plain_ops"),
+    "dataflow_training.testing.toy": ("ToyFamily", "plain_ops", "toy_weights"),
     "dataflow_training.testing.toy_moe": ("ToyMoEFamily",),
 }
 

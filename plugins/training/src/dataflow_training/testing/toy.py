@@ -120,6 +120,18 @@ class ToyFamily:
         return ToyReference(config)
 
 
+def toy_weights(family: ToyFamily, config: ToyConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Start weights by ``layer.param``: 0.3 x normal, the head's gain 1 + 0.1 x normal."""
+    torch.manual_seed(seed)
+    state = {
+        f"{layer.name}.{p.name}": 0.3 * torch.randn(p.shape)
+        for layer in family.layers(config)
+        for p in layer.params
+    }
+    state["head.g"] = 1 + 0.1 * torch.randn(config.dim)
+    return state
+
+
 class ToyReference(torch.nn.Module):
     """Plain autograd; ``state_dict()`` keys are ``{layer}.{param}`` as the protocol asks."""
 

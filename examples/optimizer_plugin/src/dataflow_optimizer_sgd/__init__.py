@@ -1,0 +1,1 @@
+"""An example third-party optimizer for dataflow: SGD with momentum (``sgd``)."""
