@@ -232,6 +232,14 @@ def fleet_options(command: Any) -> Any:
     "head compute; for a large vocabulary in a small budget",
 )
 @click.option(
+    "--freeze",
+    multiple=True,
+    metavar="PATTERN",
+    help="parameters that do not train (repeatable): embed, head, layers.N, layers.A-B"
+    "[.GLOB], or a glob over LAYER.PARAM names such as '*.self_attn.*' "
+    "(docs/finetuning.md)",
+)
+@click.option(
     "--trace-steps",
     default=0,
     type=click.IntRange(min=0),

@@ -66,6 +66,7 @@ from dataflow_training.plan.compiled_step import compile_step
 from dataflow_training.plan.hardware import hardware
 from dataflow_training.step.config import TrainConfig, head_chunk_tokens
 from dataflow_training.step.family import load_family
+from dataflow_training.step.freezing import parameter_counts
 from dataflow_training.step.precision import NAMES, Precision, precision
 
 if TYPE_CHECKING:
@@ -156,6 +157,8 @@ class TrainOptions:
     search: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     #: the host memory the step may hold (None: the machine's available memory)
     host_bytes: int | None = None
+    #: the parameters that do not train (``TrainConfig.freeze``, ``step.freezing``)
+    freeze: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     @property
     def policy(self) -> Precision:
@@ -186,6 +189,7 @@ class TrainOptions:
             order=self.order,
             updates=self.updates,
             head_vocab_tiles=self.head_vocab_tiles,
+            freeze=self.freeze,
         )
 
 
@@ -240,8 +244,21 @@ def plan_line(compiled: Any) -> str:
         f"{p['tok_s']:,.0f} tok/s; fast peak {format_size(p['fast_peak_bytes'])} of "
         f"{budget_text(compiled.planned_budget_bytes)}, slow peak "
         f"{format_size(p['slow_peak_bytes'])}; moved {format_size(p['moved_bytes'])}/step; "
-        f"recomputed layers: {recomputed}"
+        f"recomputed layers: {recomputed}; {parameters_text(compiled.running.layers)}"
     )
+
+
+def parameters_text(layers: Any) -> str:
+    """``parameters 1.2M (trainable 0.3M)`` of a lowered step's layers (``freezing``)."""
+    total, trainable = parameter_counts(layers)
+    return f"parameters {_count(total)} (trainable {_count(trainable)})"
+
+
+def _count(n: int) -> str:
+    for size, unit in ((10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if n >= size:
+            return f"{n / size:.4g}{unit}"
+    return str(n)
 
 
 @attrs.frozen
