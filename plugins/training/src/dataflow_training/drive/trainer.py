@@ -54,6 +54,7 @@ from dataflow_training.drive.components import (
 from dataflow_training.drive.export import run_bundle
 from dataflow_training.drive.fleet import DealtFeed
 from dataflow_training.drive.hf_init import InitError, hf_overrides, hf_weights
+from dataflow_training.drive.phases import Phase, PhasedRun, phase_at, phases_of, run_phases
 from dataflow_training.drive.profiling import ProfileWindow, StepProfiler
 from dataflow_training.drive.run import TrainingRun, resolver_for
 from dataflow_training.drive.run_folder import RunFolder
@@ -157,8 +158,11 @@ class TrainOptions:
     search: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     #: the host memory the step may hold (None: the machine's available memory)
     host_bytes: int | None = None
-    #: the parameters that do not train (``TrainConfig.freeze``, ``step.freezing``)
+    #: the parameters that do not train (``TrainConfig.freeze``, ``step.freezing``), from
+    #: step 0 to the first of ``phases``
     freeze: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    #: the later phases of the run, each from its step on (``drive.phases``)
+    phases: tuple[Phase, ...] = attrs.field(default=(), converter=phases_of)
 
     @property
     def policy(self) -> Precision:
@@ -230,7 +234,8 @@ def _is_partial(slot: Any) -> bool:
 
 def plan_line(compiled: Any) -> str:
     """The plan line of a compiled step (``CompiledStep``): the simulator's step of the
-    plan that runs and the layers its ``rec`` tasks re-derive."""
+    plan that runs, the parameters (total and trainable) and the layers its ``rec`` tasks
+    re-derive."""
 
     p = compiled.predicted()
     layout = compiled.layout  # the plan the engine runs: the recompute planner chose it
@@ -244,7 +249,7 @@ def plan_line(compiled: Any) -> str:
         f"{p['tok_s']:,.0f} tok/s; fast peak {format_size(p['fast_peak_bytes'])} of "
         f"{budget_text(compiled.planned_budget_bytes)}, slow peak "
         f"{format_size(p['slow_peak_bytes'])}; moved {format_size(p['moved_bytes'])}/step; "
-        f"recomputed layers: {recomputed}; {parameters_text(compiled.running.layers)}"
+        f"{parameters_text(compiled.running.layers)}; recomputed layers: {recomputed}"
     )
 
 
@@ -394,7 +399,7 @@ def _train(
             if halt is not None:
                 raise Interrupted(step + 1, saver.at(step + 1), halt)
         if traced and writes:
-            say(write_run_bundle(run, o.out, traced, makespans))
+            say(write_run_bundle(run.current, o.out, traced, makespans))
     finally:
         stop.close()
         if profiler is not None:
@@ -449,20 +454,33 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
         say(searched.line())
         if feed_shape(o) != opened:
             feed = open_feed(o)
-    compiled = compile_step(
-        family,
-        o.preset,
-        o.train_config(family),
-        overrides=o.overrides,
-        budget_bytes=o.budget_bytes,
-        backing_bytes=o.backing_bytes,
-        device=o.device,
-        graph=o.graph,
-        recompute=o.recompute,
-        resolver=resolver_for(o.resolver, o.device),
-        grad_share=None if fleet is None else fleet.share,
-        links=fleet_links(fleet, o.device),
-    )
+    phases = run_phases(o.freeze, o.phases)
+
+    def compile_phase(freeze: tuple[str, ...]) -> Any:
+        """The step of the phase that freezes ``freeze``, of the run's shape."""
+        return compile_step(
+            family,
+            o.preset,
+            attrs.evolve(o, freeze=freeze).train_config(family),
+            overrides=o.overrides,
+            budget_bytes=o.budget_bytes,
+            backing_bytes=o.backing_bytes,
+            device=o.device,
+            graph=o.graph,
+            recompute=o.recompute,
+            resolver=resolver_for(o.resolver, o.device),
+            grad_share=None if fleet is None else fleet.share,
+            links=fleet_links(fleet, o.device),
+        )
+
+    phase = phase_at(phases, int(manifest["step"]) if manifest is not None else 0)
+    if manifest is not None and manifest.get("phase", 0) != phase:
+        raise CheckpointError(
+            f"checkpoint {resumed} is of phase {manifest.get('phase', 0) + 1}; this run's "
+            f"phases put its step {manifest['step']} in phase {phase + 1} (give the run's "
+            "--freeze and --phase)"
+        )
+    compiled = compile_phase(phases[phase].freeze)
     run = TrainingRun(
         compiled,
         seed=o.seed,
@@ -508,9 +526,12 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
         say(f"resumed from {resumed} (step {start})")
     if schedule_line is not None:
         say(schedule_line)
+    if len(phases) > 1:
+        say(f"phase {phase + 1} of {len(phases)}, {phases[phase].describe()}")
     say(f"{plan_line(compiled)}; {o.policy.describe()}")
     if compiled.pool_note is not None:
         say(compiled.pool_note)
+    run = PhasedRun(run, phases, compile_phase, say, plan_line)
     return Started(o, feed, compiled, run, start, history, schedule, record)
 
 

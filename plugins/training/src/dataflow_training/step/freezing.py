@@ -7,9 +7,10 @@ families (``self_attn.q_proj.weight``, ``mlp.down_proj.weight``, ``input_layerno
 A pattern is one of:
 
 - ``embed`` or ``head``: every parameter of that layer;
-- ``layers.N`` or ``layers.A-B`` (blocks A to B, both ends in), optionally followed by
-  ``.GLOB`` over the param names of those blocks (``layers.0-3.self_attn.*``); the
-  Hugging Face prefix ``model.layers.`` is taken for ``layers.``;
+- ``layers`` (every block), ``layers.N`` or ``layers.A-B`` (blocks A to B, both ends
+  in), optionally followed by ``.GLOB`` over the param names of those blocks
+  (``layers.0-3.self_attn.*``, ``layers.mlp.*``); the Hugging Face prefix
+  ``model.layers`` is taken for ``layers``;
 - anything else: a shell glob (``fnmatch``) over the full names ``<layer>.<param>``
   (``*.mlp.*``, ``head.*``, ``3.self_attn.q_proj.weight``).
 
@@ -31,9 +32,9 @@ import attrs
 from dataflow_training.step.family import LayerSpec
 
 #: The forms a freeze pattern takes, for help texts and errors.
-PATTERN_FORMS = "embed, head, layers.N, layers.A-B[.GLOB] or a glob over LAYER.PARAM names"
+PATTERN_FORMS = "embed, head, layers[.N|.A-B][.GLOB] or a glob over LAYER.PARAM names"
 
-_LAYERS = re.compile(r"^(?:model\.)?layers\.(\d+)(?:-(\d+))?(?:\.(.+))?$")
+_LAYERS = re.compile(r"^(?:model\.)?layers(?:\.(\d+)(?:-(\d+))?)?(?:\.(.+))?$")
 
 
 class FreezeError(ValueError):
@@ -48,6 +49,8 @@ def matches(pattern: str, layer: LayerSpec, block: int | None, param: str) -> bo
     ranged = _LAYERS.match(pattern)
     if ranged is not None:
         first, last, glob = ranged.groups()
+        if first is None:  # every block
+            return block is not None and fnmatch.fnmatchcase(param, glob or "*")
         low, high = int(first), int(last if last is not None else first)
         if high < low:
             raise FreezeError(f"--freeze {pattern}: the range {low}-{high} runs backwards")
