@@ -139,3 +139,31 @@ def test_the_state_of_what_trains_on_carries_over_and_what_starts_is_zero() -> N
             assert not view.any(), name
         else:
             assert torch.equal(view, had[name]), name
+
+
+@pytest.mark.gpu
+def test_a_phased_run_on_cuda_moves_to_its_next_step(tmp_path) -> None:
+    """On CUDA (bf16, graph replay): the first phase's engine is given back and the next
+    phase's loaded; what the first froze moved only in the second."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from dataflow_training import TrainOptions, train
+
+    options = TrainOptions(
+        family="llama3",
+        preset="llama3_tiny",
+        steps=6,
+        out=tmp_path / "run",
+        batch=2,
+        seq_len=16,
+        device="cuda",
+        checkpoint_every=3,
+        freeze=("embed", "layers"),
+        phases=[Phase(3, ())],
+    )
+    summary = train(options)
+    assert summary["last"]["step"] == 6
+    start, _, _, _ = read_checkpoint(options.out / "step_000003")
+    end, _, manifest, _ = read_checkpoint(options.out / "step_000006")
+    assert manifest["phase"] == 1
+    assert not torch.equal(start["0.mlp.up_proj.weight"], end["0.mlp.up_proj.weight"])
