@@ -18,8 +18,9 @@ from dataflow_training.step.config import OptimizerPolicy, TrainConfig
 from dataflow_training.step.costs import RooflineCost
 from dataflow_training.step.family import load_family
 from dataflow_training.step.freezing import FreezeError, frozen_names, parameter_counts
-from dataflow_training.step.lowering import lower
+from dataflow_training.step.lowering import Lowered, lower
 
+from dataflow import Program
 from dataflow.testing import assert_one_line_error, invoke
 
 pytest.importorskip("dataflow_family_llama3")
@@ -83,6 +84,16 @@ def test_frozen_fields_have_no_gradient_optimizer_or_backward_objects(llama3) ->
     assert tasks["bwd_0_0_1"].outputs == ("dW_1",)
     # a frozen weight is only ever read
     assert not any({"W_emb", "W_0"} & set(t.mutates) for t in frozen.tasks)
+    # a program written out keeps its freeze: read back, its layers freeze the same
+    read = Lowered.read(Program.from_json(frozen.to_json()))
+    assert read.layout.train.freeze == FROZEN
+    assert frozen_names(read.layers, ["*"]) - trainable_names(read.layers) == frozen_names(
+        read.layers, FROZEN
+    )
+
+
+def trainable_names(layers) -> set[str]:
+    return {f"{layer.name}.{p.name}" for layer in layers for p in layer.params if p.trainable}
 
 
 def _write_backs(compiled) -> set[str]:
