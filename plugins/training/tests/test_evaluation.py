@@ -25,7 +25,7 @@ from dataflow_training.plan.compiled_step import compile_step  # noqa: E402
 from dataflow_training.step.config import TrainConfig  # noqa: E402
 from dataflow_training.step.family import load_family  # noqa: E402
 from dataflow_training.step.forward_only import lower_forward  # noqa: E402
-from dataflow_training.step.parameters import parameter_counts  # noqa: E402
+from dataflow_training.step.freezing import parameter_counts  # noqa: E402
 
 SHAPE = TrainConfig(seq_len=16, batch=2)
 #: an evaluation and a separate ``dataflow eval`` of the same checkpoint run the same
@@ -94,7 +94,7 @@ def test_parameter_counts_are_the_reference_models():
     step = lower_forward(family, "gpt2_tiny", SHAPE)
     model = family.reference_model(step.config)
     total = sum(p.numel() for p in model.parameters())
-    assert parameter_counts(step) == (total, total)
+    assert parameter_counts(step.layers) == (total, total)
 
 
 def _options(shards: Path, out: Path, **extra) -> TrainOptions:

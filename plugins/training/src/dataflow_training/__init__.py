@@ -17,6 +17,8 @@ _HOMES = {
     "dataflow_training.plan.compiled_step": ("compile_step", "CompiledStep"),
     "dataflow_training.drive.run": ("TrainingRun", "StepStats"),
     "dataflow_training.drive.trainer": ("train", "TrainOptions"),
+    "dataflow_training.drive.phases": ("Phase",),
+    "dataflow_training.step.freezing": ("FreezeError",),
     "dataflow_training.step.config": (
         "TrainConfig",
         "DtypePolicy",

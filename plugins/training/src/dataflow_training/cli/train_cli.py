@@ -254,6 +254,24 @@ def fleet_options(command: Any) -> Any:
     "(default: the validation shards of --data)",
 )
 @click.option(
+    "--freeze",
+    multiple=True,
+    metavar="PATTERN",
+    help="parameters that do not train (repeatable): embed, head, layers.N, layers.A-B"
+    "[.GLOB], or a glob over LAYER.PARAM names such as '*.self_attn.*' "
+    "(docs/finetuning.md)",
+)
+@click.option(
+    "--phase",
+    "phases",
+    multiple=True,
+    metavar="START:PATTERNS",
+    callback=lambda _ctx, _param, value: _phases(value),
+    help="from START steps done on, freeze PATTERNS instead (comma-separated; none: "
+    "everything trains); repeatable. E.g. --freeze embed --freeze layers --phase 100: "
+    "trains the head for 100 steps, then everything",
+)
+@click.option(
     "--trace-steps",
     default=0,
     type=click.IntRange(min=0),
@@ -454,6 +472,18 @@ def train_command(
             f"done: the run is at its last step ({options.steps}); nothing trained (a larger "
             "--steps goes on)"
         )
+
+
+def _phases(values: tuple[str, ...]) -> tuple[str, ...]:
+    """``--phase`` values checked (``drive.phases.Phase.parse``), as given."""
+    # torch loads when the command runs, not when `dataflow` lists its commands
+    from dataflow_training.drive.phases import phases_of
+
+    try:
+        phases_of(values)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--phase") from None
+    return values
 
 
 def _check_precision(rest: dict[str, Any], device: str) -> None:

@@ -57,7 +57,8 @@ RESUMED = {
             "steps data batch rounds seq_len checkpoint_every checkpoint_minutes keep lr "
             "warmup schedule "
             "min_lr_ratio seed precision dtype optimizer_states graph recompute order updates resolver "
-            "head_vocab_tiles vocab_size eval_every eval_tokens val_data optimizer optimizer_args"
+            "head_vocab_tiles vocab_size eval_every eval_tokens val_data optimizer optimizer_args "
+            "freeze phases"
         ).split()
     },
 }
@@ -103,6 +104,10 @@ def take_resumed(rest: dict[str, Any], given: dict[str, Any]) -> bool:
             continue  # resumed on a machine without one: the default device instead
         if name in ("clip", "checkpoint_minutes"):
             value = value or 0.0  # the command line's 0 is the options' None (off)
+        if name == "freeze":
+            value = tuple(value)  # a JSON list in the manifest
+        if name == "phases":  # as the command line gives them
+            value = tuple(f"{p['start']}:{','.join(p['freeze'])}" for p in value)
         target = given if name in given else rest
         if target[name] != value and (target[name] or value):  # () and {}: no arguments
             shown = format_size(value) if field.endswith("_bytes") and value else value

@@ -38,7 +38,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dataflow import fsync_path
-from dataflow_training.step.config import TrainConfig
+from dataflow_training.step.config import TrainConfig, omit_empty_freeze
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -53,6 +53,7 @@ SLOW_WRITE_ENV = "DATAFLOW_CHECKPOINT_SLOW_WRITE"
 VERSIONED = ("dataflow-runtime", "dataflow-training", "torch", "safetensors")
 
 _CONVERTER = cattrs.Converter()
+omit_empty_freeze(_CONVERTER)
 
 
 class CheckpointError(ValueError):

@@ -354,7 +354,10 @@ class BlockRecompute(_Exec):
 
 class BlockBackward(_Exec):
     def launch(self, ctx: LaunchContext) -> None:
-        puts: list[Put] = [((0,), self.one(ctx, "dx"), False, "dx")]
+        # the lowest block of a frozen bottom makes no dx: its math's is dropped
+        puts: list[Put] = [
+            ((0,), self.buffer(ctx, dx), False, "dx") for dx in self.slot.objects("dx")
+        ]
         puts += self.puts(ctx, "grad", (1,), "gradient", grads=True)
         self.run_into(
             "backward",
@@ -384,10 +387,10 @@ class HeadLoss(_Exec):
             self.tasks.config, params, self.one(ctx, "x"), self.one(ctx, "targets"), env
         )
         self.one(ctx, "loss").copy_(loss)
-        if not self.slot.objects("dx"):  # a forward-only step's head: the loss alone
-            return
-        _check_shape(self.task, "dx", dx, self.one(ctx, "dx"))
-        self.one(ctx, "dx").copy_(dx)
+        if self.slot.objects("dx"):  # none where nothing below the head trains, nor in a
+            # forward-only step (its head makes the loss alone)
+            _check_shape(self.task, "dx", dx, self.one(ctx, "dx"))
+            self.one(ctx, "dx").copy_(dx)
         self.store_grads(ctx, "grad", {k: v for k, v in grads.items() if k not in self.tied})
         if self.slot.objects("tied_grad"):
             tied = {self.tied[k].partition(".")[2]: v for k, v in grads.items() if k in self.tied}

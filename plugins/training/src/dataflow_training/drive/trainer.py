@@ -55,6 +55,14 @@ from dataflow_training.drive.evaluation import evaluator_of
 from dataflow_training.drive.export import run_bundle
 from dataflow_training.drive.fleet import DealtFeed
 from dataflow_training.drive.hf_init import InitError, hf_overrides, hf_weights
+from dataflow_training.drive.phases import (
+    Phase,
+    PhasedRun,
+    check_phases,
+    phase_at,
+    phases_of,
+    run_phases,
+)
 from dataflow_training.drive.profiling import ProfileWindow, StepProfiler
 from dataflow_training.drive.run import TrainingRun, resolver_for
 from dataflow_training.drive.run_folder import RunFolder
@@ -67,7 +75,7 @@ from dataflow_training.plan.compiled_step import compile_step
 from dataflow_training.plan.hardware import hardware
 from dataflow_training.step.config import TrainConfig, head_chunk_tokens
 from dataflow_training.step.family import load_family
-from dataflow_training.step.parameters import parameter_text
+from dataflow_training.step.freezing import parameter_counts
 from dataflow_training.step.precision import NAMES, Precision, for_optimizer
 
 if TYPE_CHECKING:
@@ -167,6 +175,11 @@ class TrainOptions:
     eval_every: int | None = None
     eval_tokens: int = 8192
     val_data: str | None = None
+    #: the parameters that do not train (``TrainConfig.freeze``, ``step.freezing``), from
+    #: step 0 to the first of ``phases``
+    freeze: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    #: the later phases of the run, each from its step on (``drive.phases``)
+    phases: tuple[Phase, ...] = attrs.field(default=(), converter=phases_of)
 
     @property
     def policy(self) -> Precision:
@@ -201,6 +214,7 @@ class TrainOptions:
             order=self.order,
             updates=self.updates,
             head_vocab_tiles=self.head_vocab_tiles,
+            freeze=self.freeze,
         )
 
     def compile(self, family: Any, **more: Any) -> Any:
@@ -258,8 +272,8 @@ def _is_partial(slot: Any) -> bool:
 
 def plan_line(compiled: Any) -> str:
     """The plan line of a compiled step (``CompiledStep``): the simulator's step of the
-    plan that runs, the parameters (total and trainable: ``step.parameters``) and the
-    layers its ``rec`` tasks re-derive."""
+    plan that runs, the parameters (total and trainable) and the layers its ``rec`` tasks
+    re-derive."""
 
     p = compiled.predicted()
     layout = compiled.layout  # the plan the engine runs: the recompute planner chose it
@@ -273,8 +287,21 @@ def plan_line(compiled: Any) -> str:
         f"{p['tok_s']:,.0f} tok/s; fast peak {format_size(p['fast_peak_bytes'])} of "
         f"{budget_text(compiled.planned_budget_bytes)}, slow peak "
         f"{format_size(p['slow_peak_bytes'])}; moved {format_size(p['moved_bytes'])}/step; "
-        f"{parameter_text(compiled.lowered)}; recomputed layers: {recomputed}"
+        f"{parameters_text(compiled.running.layers)}; recomputed layers: {recomputed}"
     )
+
+
+def parameters_text(layers: Any) -> str:
+    """``parameters 1.2M (trainable 0.3M)`` of a lowered step's layers (``freezing``)."""
+    total, trainable = parameter_counts(layers)
+    return f"parameters {_count(total)} (trainable {_count(trainable)})"
+
+
+def _count(n: int) -> str:
+    for size, unit in ((10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if n >= size:
+            return f"{n / size:.4g}{unit}"
+    return str(n)
 
 
 @attrs.frozen
@@ -396,6 +423,7 @@ def _train(
                     f"without saving; the last checkpoint ({kept or 'none'}) is kept"
                 )
             history.append((step + 1, stats.loss))
+            predicted = run.compiled.predicted()["step_s"]  # the phase's own step
             last = _metrics(step + 1, stats, lr, tokens, predicted)
             if evaluator is not None and evaluator.due(step + 1):
                 last |= evaluator.evaluate(run.host_weights())
@@ -415,7 +443,7 @@ def _train(
             if halt is not None:
                 raise Interrupted(step + 1, saver.at(step + 1), halt)
         if traced and writes:
-            say(write_run_bundle(run, o.out, traced, makespans))
+            say(write_run_bundle(run.current, o.out, traced, makespans))
     finally:
         stop.close()
         if profiler is not None:
@@ -470,12 +498,26 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
         say(searched.line())
         if feed_shape(o) != opened:
             feed = open_feed(o)
-    compiled = o.compile(
-        family,
-        recompute=o.recompute,
-        grad_share=None if fleet is None else fleet.share,
-        links=fleet_links(fleet, o.device),
-    )
+    phases = run_phases(o.freeze, o.phases)
+    check_phases(phases, family.layers(family.config(o.preset, **o.overrides)))
+
+    def compile_phase(freeze: tuple[str, ...]) -> Any:
+        """The step of the phase that freezes ``freeze``, of the run's shape."""
+        return attrs.evolve(o, freeze=freeze).compile(
+            family,
+            recompute=o.recompute,
+            grad_share=None if fleet is None else fleet.share,
+            links=fleet_links(fleet, o.device),
+        )
+
+    phase = phase_at(phases, int(manifest["step"]) if manifest is not None else 0)
+    if manifest is not None and manifest.get("phase", 0) != phase:
+        raise CheckpointError(
+            f"checkpoint {resumed} is of phase {manifest.get('phase', 0) + 1}; this run's "
+            f"phases put its step {manifest['step']} in phase {phase + 1} (give the run's "
+            "--freeze and --phase)"
+        )
+    compiled = compile_phase(phases[phase].freeze)
     run = TrainingRun(
         compiled,
         seed=o.seed,
@@ -521,9 +563,12 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
         say(f"resumed from {resumed} (step {start})")
     if schedule_line is not None:
         say(schedule_line)
+    if len(phases) > 1:
+        say(f"phase {phase + 1} of {len(phases)}, {phases[phase].describe()}")
     say(f"{plan_line(compiled)}; {o.policy.describe(o.optimizer)}")
     if compiled.pool_note is not None:
         say(compiled.pool_note)
+    run = PhasedRun(run, phases, compile_phase, say, plan_line)
     return Started(o, feed, compiled, run, start, history, schedule, record)
 
 

@@ -160,7 +160,11 @@ class Rewriter:
         names = [layer.name for layer in self.layout.layers]
         self.blocks = {name: i for i, name in enumerate(names[1:-1])}
         rounds = self.layout.train.rounds
-        self.all = frozenset((r, i) for r in range(rounds) for i in self.blocks.values())
+        # a block with no backward (a frozen bottom: ``step.freezing``) saves nothing
+        backward = {slot.layer for slot in self.layout.tasks.values() if slot.kind == "bwd"}
+        self.all = frozenset(
+            (r, i) for r in range(rounds) for name, i in self.blocks.items() if name in backward
+        )
         self.given_mode = self._modes_of(self.program)
         self.given = frozenset(u for u, mode in self.given_mode.items() if mode == FULL)
         family, config, train = step.family, step.config, self.layout.train
@@ -175,7 +179,7 @@ class Rewriter:
             (r, i): offered[self.layout.layer(name).kind]
             for name, i in self.blocks.items()
             for r in range(rounds)
-            if offered[self.layout.layer(name).kind] is not None
+            if offered[self.layout.layer(name).kind] is not None and name in backward
         }
         self.partial_units = frozenset(self.partial_of)
         modes = {FULL, *self.partial_of.values(), *((KEEP,) if self.given_mode else ())}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+from cattrs.gen import make_dict_unstructure_fn, override
 
 from dataflow import DTYPE_BYTES
 
@@ -185,7 +186,12 @@ class TrainConfig:
     and at 16 GiB by round from 13.73 to 13.08 s, Llama 3.2 1B at 4 GiB by layer from
     2.64 to 2.49 s, while GPT-2 124M by round moved little (2 GiB 1.195 to 1.191 s, 1 GiB
     1.329 to 1.333 s: the updates' optimizer state in fast memory beside the last round's
-    activations costs recompute at small budgets)."""
+    activations costs recompute at small budgets).
+
+    ``freeze``: patterns naming the parameters that do not train (``step.freezing``:
+    ``embed``, ``head``, ``layers.0-11``, globs over ``<layer>.<param>``); the lowering
+    gives them no gradient or optimizer state and prunes the backward below the lowest
+    layer that trains."""
 
     seq_len: int = attrs.field(validator=_positive)
     batch: int = attrs.field(default=1, validator=_positive)
@@ -198,6 +204,7 @@ class TrainConfig:
     grad_norm: bool = False
     order: str = attrs.field(default="round", validator=_order)
     updates: str = attrs.field(default="auto", validator=_updates)
+    freeze: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     @property
     def order_group(self) -> int:
@@ -223,3 +230,13 @@ class TrainConfig:
     @property
     def tokens_per_round(self) -> int:
         return self.batch * self.seq_len
+
+
+def omit_empty_freeze(converter: Any) -> None:
+    """Have ``converter`` (a ``cattrs.Converter``) write a TrainConfig that freezes nothing
+    as before ``freeze`` existed: its programs hash the same and its checkpoints match
+    those of older runs."""
+    converter.register_unstructure_hook(
+        TrainConfig,
+        make_dict_unstructure_fn(TrainConfig, converter, freeze=override(omit_if_default=True)),
+    )

@@ -38,7 +38,7 @@ import attrs
 import cattrs
 
 from dataflow import Program
-from dataflow_training.step.config import TrainConfig
+from dataflow_training.step.config import TrainConfig, omit_empty_freeze
 from dataflow_training.step.keys import ComputeKey, parse
 from dataflow_training.step.packing import Layout
 
@@ -214,3 +214,4 @@ def _round(slot: TaskSlot) -> int:
 
 
 _CONVERTER = cattrs.Converter()
+omit_empty_freeze(_CONVERTER)

@@ -10,6 +10,12 @@ Tasks, in chain order, for step ``s`` (ids ``{kind}_{s}_{round}_{layer}``), with
     then:              one opt_s_{R-1}_<layer>[.<group>] per trainable parameter group,
                        head, blocks L-1 .. 0, emb
 
+With ``TrainConfig.freeze`` (``step.freezing``) the frozen parameters have no ``dW`` or
+``O`` and their groups no ``opt`` task; a block with nothing trainable at or below it has
+no ``bwd`` (nor ``rec``) task and no ``A``, the lowest block with a backward makes no
+``dx``, and a frozen embedding has no ``embbwd``. A frozen ``W`` is only ever read, so a
+plan releases it without writing it back.
+
 With ``order == "layer"`` the same tasks run layer by layer, each layer over every round
 (rounds ascending): embed_s_*_emb, fwd_s_*_0, .., fwd_s_*_{L-1}, head_s_*_head, then
 [rec_s_r_i,] bwd_s_r_i for every round of block L-1 down to block 0, embbwd_s_*_emb, then
@@ -67,6 +73,7 @@ from dataflow_training.step.family import (
     load_family,
     partial_saves,
 )
+from dataflow_training.step.freezing import freeze_layers
 from dataflow_training.step.keys import optimizer_key
 from dataflow_training.step.layout import LayerInfo, PackedObject, StepLayout
 from dataflow_training.step.optimizers import optimizer_spec
@@ -113,7 +120,8 @@ class Lowered:
                 f"{layout.family!r}"
             )
         config = family.config(layout.preset, **layout.overrides)
-        return cls(program, layout, tuple(family.layers(config)), family, config)
+        layers = freeze_layers(family.layers(config), layout.train.freeze)
+        return cls(program, layout, layers, family, config)
 
     def with_program(self, program: Program, layout: StepLayout | None = None) -> Lowered:
         """The same step as ``program`` (planned, re-priced or a recompute candidate of
@@ -180,7 +188,7 @@ def lower(
     """
     overrides = dict(overrides or {})
     config = family.config(preset, **overrides)
-    layers = tuple(family.layers(config))
+    layers = freeze_layers(family.layers(config), train.freeze)
     embed, head = embed_layer(layers), head_layer(layers)
     if layers[0] is not embed or layers[-1] is not head:
         raise FamilyContractError(

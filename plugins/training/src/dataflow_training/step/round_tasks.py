@@ -7,7 +7,10 @@ activations (whole, or the kept part and the re-derived rest of a partial save) 
 AuxTemp, and its tasks: embed, the blocks' forwards, the head, then from the top each
 block's backward (after its ``rec`` task where the unit is re-derived), the embedding's
 backward. Round 0 creates the gradients, later rounds accumulate into them
-(``grad_roles``).
+(``grad_roles``). Frozen parameters (``step.freezing``) prune the backward: a block with
+nothing trainable at or below it has no backward task and saves nothing for one, the
+lowest block that has one makes no input gradient, and a frozen embedding has no
+``embbwd``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import attrs
 
 from dataflow import Obj, Role, TensorMeta
 from dataflow_training.step.family import LayerCost, LayerSpec
+from dataflow_training.step.freezing import trains
 from dataflow_training.step.keys import family_key
 from dataflow_training.step.layout import PackedObject
 from dataflow_training.step.packing import Layout
@@ -70,6 +74,16 @@ def grad_roles(grads: tuple[str, ...], r: int, created: bool | None = None) -> d
     return {"outputs" if create else "mutates": {"grad": grads}}
 
 
+def backward_blocks(embed: LayerSpec, blocks: tuple[LayerSpec, ...]) -> list[bool]:
+    """For each block, whether it has a backward task: whether something at or below it
+    trains (a frozen bottom of the model needs no gradient past its top trainable layer)."""
+    out, below = [], trains(embed)
+    for block in blocks:
+        below = below or trains(block)
+        out.append(below)
+    return out
+
+
 def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
     """Round ``r``'s objects (tokens, targets, loss, hidden states and their gradients,
     each block's saved activations and AuxTemp) and tasks: embed, the blocks' forwards,
@@ -87,12 +101,21 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         Obj(loss, 4, Role.OUTPUT, tensor=TensorMeta("float32", ())),
     ]
     n_blocks = len(blocks)
+    backward = backward_blocks(embed, blocks)
     y = [f"y_{step}_{r}_{i}" for i in range(n_blocks + 1)]
+    # dy_i, the gradient of y_i: made where something at or below layer i trains
     dy = [f"dy_{step}_{r}_{i}" for i in range(n_blocks + 1)]
+    wanted_dy = [trains(embed), *backward]
     chain.objects += [Obj(name, hidden.nbytes, Role.ACTIVATION, tensor=hidden) for name in y]
-    chain.objects += [Obj(name, hidden.nbytes, Role.GRAD, tensor=hidden) for name in dy]
+    chain.objects += [
+        Obj(name, hidden.nbytes, Role.GRAD, tensor=hidden)
+        for name, wanted in zip(dy, wanted_dy, strict=True)
+        if wanted
+    ]
     saved, rest, temps = {}, {}, {}
     for i, block in enumerate(blocks):
+        if not backward[i]:
+            continue  # nothing at or below it trains: no backward, nothing saved for one
         saved[i] = f"A_{step}_{r}_{i}"
         parts = [(saved[i], s.kinds.saved[block.kind])]
         if (r, i) in s.partial:  # what forward keeps, and what its rec task makes
@@ -118,7 +141,7 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         outputs={"y": (y[0],)},
     )
     for i, block in enumerate(blocks):
-        keep = (r, i) not in s.recompute
+        keep = (r, i) not in s.recompute and backward[i]
         temp = (temps[i],) if i in temps else ()
         aux = (block.aux_object,) if block.aux else ()
         zero_aux = bool(aux) and aux[0] not in zeroed  # the step's first forward to touch it
@@ -140,7 +163,8 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
     tied_w = tuple(w for layer in s.params.tied for w in weights[layer])
     tied_grad = tuple(g for layer in s.params.tied for g in grads[layer])
     head_mut = dict(head_grad.get("mutates", {}))
-    head_out = {"loss": (loss,), "dx": (dy[n_blocks],), **head_grad.get("outputs", {})}
+    head_dx = (dy[n_blocks],) if wanted_dy[n_blocks] else ()
+    head_out = {"loss": (loss,), "dx": head_dx, **head_grad.get("outputs", {})}
     if tied_grad:
         (head_out if r == 0 else head_mut)["tied_grad"] = tied_grad
     chain.task(
@@ -157,6 +181,8 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         outputs=head_out,
     )
     for i in reversed(range(n_blocks)):
+        if not backward[i]:
+            break  # nor below it
         block = blocks[i]
         block_cost = s.kinds.cost[block.kind]
         temp = (temps[i],) if i in temps else ()
@@ -202,9 +228,11 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
                 "aux": aux,
                 "w": weights[block.name],
             },
-            outputs={"dx": (dy[i],), **roles.get("outputs", {})},
+            outputs={"dx": (dy[i],) if wanted_dy[i] else (), **roles.get("outputs", {})},
             mutates=roles.get("mutates", {}),
         )
+    if not wanted_dy[0]:
+        return  # the embedding does not train
     # a tied head ran first and already created the embedding's gradient
     created = r == 0 and embed.name not in s.params.tied
     roles = grad_roles(grads[embed.name], r, created=created)
