@@ -123,7 +123,7 @@ def test_eval_every_leaves_the_training_stream_and_equals_eval_of_the_checkpoint
     evaluated = _options(shards, tmp_path / "eval", eval_every=2, eval_tokens=96)
     train(evaluated, out=_Lines(lines))
     assert any(line.startswith("eval: every 2 steps, 96 tokens (3 batch(es))") for line in lines)
-    assert any("parameters 1" in line and "trainable)" in line for line in lines)
+    assert any("parameters 1" in line and "(trainable " in line for line in lines)
     without, with_eval = _metrics(plain.out), _metrics(evaluated.out)
     # the training batches after an evaluation are those without it: the same losses,
     # bit for bit, and the same feed position in every checkpoint
