@@ -258,3 +258,101 @@ def test_bad_lora_options_are_one_line(tmp_path, hf_folder) -> None:
     assert_one_line_error(result, 1, "--lora-targets nope", "no linear of the model")
     result = invoke(*_args(tmp_path / "b", hf_folder, 1, "--lora-dropout", "0.1"))
     assert_one_line_error(result, 2, "--lora-dropout 0.1", "not built yet")
+
+
+def _lora_losses(family: str, preset: str, resolver: str, device: str = "cpu", **train):
+    """(losses, weights before, weights after) of a 3-step LoRA run on one batch."""
+    from dataflow_training.drive.run import TrainingRun
+    from dataflow_training.step.costs import RooflineCost
+
+    config = TrainConfig(
+        seq_len=16, batch=2, optimizer=OptimizerPolicy(lr=1e-2), lora=LoraConfig(RANK), **train
+    )
+    options = {"cost": RooflineCost()} if device == "cpu" else {}
+    run = TrainingRun.of(family, preset, config, device=device, resolver=resolver, **options)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, run.vocab_size, (2, 17), generator=g).to(device)
+    batch = [(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())]
+    before, _ = run.state()
+    losses = [run.step(batch).loss for _ in range(3)]
+    after, _ = run.state()
+    run.close()
+    return losses, before, after
+
+
+def _only_adapters_moved(before, after) -> None:
+    for key in before:
+        assert torch.equal(before[key], after[key]) == (".lora_" not in key), key
+
+
+def test_a_bf16_base_stays_bit_identical() -> None:
+    from dataflow_training.step.config import DtypePolicy
+
+    losses, before, after = _lora_losses("llama3", PRESET, "torch", dtype=DtypePolicy.named("bf16"))
+    assert before["0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    _only_adapters_moved(before, after)
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.slow  # compiling the block functions: about 10 s of CPU
+def test_the_compiled_resolver_runs_the_adapters_as_eager_does(monkeypatch) -> None:
+    """``aot_eager`` traces what inductor compiles: the ops' ``lora`` entry and the
+    adapters' math trace into the block functions."""
+    pytest.importorskip("dataflow_resolver_torch")
+    from dataflow_resolver_torch import compiled
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    eager = _lora_losses("llama3", PRESET, "torch")[0]
+    assert _lora_losses("llama3", PRESET, "torch-compiled")[0] == eager
+    torch._dynamo.reset()
+
+
+def test_gpt2_s_fused_linears_take_adapters_and_export_to_peft(tmp_path) -> None:
+    """GPT-2's ``Conv1D`` linears (stored transposed in HF's files): the adapters train on
+    ``c_attn``, ``c_proj`` and ``c_fc`` with their biases frozen, and the PEFT export says
+    ``fan_in_fan_out``; PEFT's logits equal the merged model's."""
+    pytest.importorskip("dataflow_family_gpt2")
+    from dataflow_training.drive.checkpoint import latest_checkpoint
+    from dataflow_training.drive.peft_export import base_state
+
+    out = tmp_path / "run"
+    result = invoke(
+        "train", "--preset", "gpt2_tiny", "--lora", str(RANK), "--steps", "3", "--batch", "2",
+        "--seq-len", "16", "--device", "cpu", "--lr", "1e-2", "--out", str(out),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    for mode in (["--peft", str(tmp_path / "peft")], ["--hf", str(tmp_path / "merged"), "--merge"]):
+        result = invoke("export", *mode, "--from", str(out))
+        assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["fan_in_fan_out"] and config["target_modules"] == ["c_attn", "c_fc", "c_proj"]
+    gpt2 = load_family("gpt2")
+    weights, _, _, _ = read_checkpoint(latest_checkpoint(out))
+    gpt2.export_hf(gpt2.config("gpt2_tiny"), base_state(weights), tmp_path / "base")
+    tokens = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    merged_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    with torch.no_grad():
+        plain = base(tokens).logits
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "peft")(tokens).logits
+        merged = merged_model(tokens).logits
+    assert not torch.allclose(plain, merged, rtol=TOLERANCE, atol=TOLERANCE)
+    torch.testing.assert_close(adapted, merged, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("resolver", ["torch", "torch-compiled"])
+def test_a_lora_run_on_cuda_keeps_its_base_and_learns(resolver) -> None:
+    """On CUDA (bf16, the steps after the first replayed from a CUDA graph): the base comes
+    back bit-identical and the loss falls."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("dataflow_resolver_torch")
+    from dataflow_training.step.config import DtypePolicy
+
+    losses, before, after = _lora_losses(
+        "llama3", PRESET, resolver, device="cuda", dtype=DtypePolicy.named("bf16")
+    )
+    _only_adapters_moved(before, after)
+    assert losses[-1] < losses[0], losses

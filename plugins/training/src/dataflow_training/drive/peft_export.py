@@ -141,14 +141,12 @@ def write_peft(
 
 
 def _hf_entries(family: Any, config: Any, base: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """The family's HF key-map entries of the base's keys, by state key."""
-    from dataflow_training.kit.decoder_hf import key_map
-
-    name = getattr(family, "name", None)
-    if name is None or not hasattr(family, "export_hf"):
-        raise PeftExportError(f"--peft: family {name!r} has no Hugging Face names")
+    """The family's HF key-map entries of the base's keys, by state key (``key_map``)."""
+    if not hasattr(family, "key_map"):
+        name = getattr(family, "name", type(family).__name__)
+        raise PeftExportError(f"--peft: family {name!r} has no Hugging Face key map (key_map)")
     shapes = {key: tuple(t.shape) for key, t in base.items()}
-    return {entry.key: entry for entry in key_map(name, config).expand(shapes)}
+    return {entry.key: entry for entry in family.key_map(config).expand(shapes)}
 
 
 def _replace(path: Path, write: Any) -> None:
