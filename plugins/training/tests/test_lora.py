@@ -108,6 +108,18 @@ def test_the_adapters_are_objects_of_their_own_on_a_frozen_base(llama3) -> None:
     assert not any(t.id.startswith("embbwd") for t in program.tasks)
     # the base is only ever read
     assert not any({"W_emb", "W_0", "W_1", "W_head"} & set(t.mutates) for t in program.tasks)
+    # priced: the adapters' matmuls added, no dW of their targets (Llama 3.2 1B at
+    # 2 x 4096 tokens, compute-bound on the roofline)
+    full, adapted = (
+        lower(llama3, "l3_1b", TrainConfig(seq_len=4096, batch=2, lora=x)).program
+        for x in (None, LoraConfig(16))
+    )
+
+    def cost_us(program, kind):
+        return sum(t.cost_us for t in program.tasks if t.id.startswith(f"{kind}_"))
+
+    assert cost_us(full, "fwd") < cost_us(adapted, "fwd") < 1.02 * cost_us(full, "fwd")
+    assert cost_us(adapted, "bwd") < 0.7 * cost_us(full, "bwd")
     with pytest.raises(LoraError, match="--lora-targets c_attn: no linear"):
         lora_layers(layers, LoraConfig(RANK, targets=("c_attn",)))
     with pytest.raises(LoraError, match="experts"):

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from dataflow_training.step.family import LayerSpec, ParamGroup, TensorSpec
+from dataflow_training.step.family import LayerCost, LayerSpec, ParamGroup, TensorSpec
 
 #: the projections of the kit's dense families (module names' last part)
 DEFAULT_TARGETS = (
@@ -159,3 +159,29 @@ def lora_layers(layers: Sequence[LayerSpec], lora: LoraConfig | None) -> tuple[L
             f"blocks' modules are {', '.join(names)}"
         )
     return tuple(out)
+
+
+def lora_cost(cost: LayerCost, layer: LayerSpec, tokens: int) -> LayerCost:
+    """A block's ``cost`` (a family's, for full training) with ``layer``'s adapters: each
+    adapter's two small matmuls added to forward and recompute; to backward, its five
+    (``x A^T`` made again, ``dB``, the gradient through ``B``, ``dA`` and ``dx`` through
+    ``A``), less the ``dW`` matmul its frozen target no longer makes (``kit.lora``)."""
+    adapters = [g for g in layer.groups if g.name == GROUP]
+    if not adapters:
+        return cost
+    forward = backward = 0.0
+    params = adapters[0].params
+    for a, b in zip(params[::2], params[1::2], strict=True):
+        rank, in_features = a.shape
+        out_features = b.shape[0]
+        forward += 2 * tokens * rank * (in_features + out_features)
+        backward += 2 * tokens * rank * (3 * in_features + 2 * out_features)
+        backward -= 2 * tokens * in_features * out_features  # no dW
+    recompute = cost.recompute if cost.recompute is not None else cost.forward
+    return attrs.evolve(
+        cost,
+        forward=attrs.evolve(cost.forward, flops=cost.forward.flops + forward),
+        backward=attrs.evolve(cost.backward, flops=max(0.0, cost.backward.flops + backward)),
+        recompute=attrs.evolve(recompute, flops=recompute.flops + forward),
+    )
+

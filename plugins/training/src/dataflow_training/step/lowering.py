@@ -81,7 +81,7 @@ from dataflow_training.step.family import (
 from dataflow_training.step.freezing import freeze_layers
 from dataflow_training.step.keys import optimizer_key
 from dataflow_training.step.layout import LayerInfo, PackedObject, StepLayout
-from dataflow_training.step.lora import lora_layers
+from dataflow_training.step.lora import lora_cost, lora_layers
 from dataflow_training.step.optimizers import optimizer_spec
 from dataflow_training.step.packing import Layout
 from dataflow_training.step.round_tasks import Kinds, Parameters, Rounds, lower_round
@@ -359,6 +359,9 @@ def _kinds(
             else None
         )
         block_cost[kind] = kind_math.cost(config, train.batch, train.seq_len, act_bytes)
+        if train.lora is not None:  # the adapters' matmuls, and no dW of their targets
+            layer = next(block for block in layers[1:-1] if block.kind == kind)
+            block_cost[kind] = lora_cost(block_cost[kind], layer, train.tokens_per_round)
         missing = set(partial_layouts[kind]) - set(block_cost[kind].partial)
         if missing:
             raise FamilyContractError(
