@@ -68,6 +68,9 @@ def test_a_resume_across_a_phase_boundary_equals_a_run_never_stopped(tmp_path) -
     assert len(plans) == 3  # each phase compiled once
     trainable = [line.split("(trainable ")[1].split(")")[0] for line in plans]
     assert len(set(trainable)) == 3, plans
+    metrics = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
+    predicted = [m["predicted_step_s"] for m in metrics]  # each phase's own plan's
+    assert len({predicted[0], predicted[3], predicted[6]}) == 3, predicted
 
     # stopped at step 2 (phase 1), resumed to 4 (across the first boundary), then to 8
     assert invoke(*_args(out, 2, *PHASES)).exit_code == 0

@@ -346,7 +346,6 @@ def _train(
     sinks = _metrics_sinks(o, start, writes, progress, say)
     profiler = _profiler(o, start, out, say)
     _say_first_steps(compiled, start < o.steps, say)
-    predicted = compiled.predicted()["step_s"]
     tokens = o.batch * o.seq_len * rounds
     # the options of one process that runs the fleet's step: what a resume takes
     options = _jsonable(attrs.evolve(o, rounds=rounds))
@@ -397,6 +396,7 @@ def _train(
                     f"without saving; the last checkpoint ({kept or 'none'}) is kept"
                 )
             history.append((step + 1, stats.loss))
+            predicted = run.compiled.predicted()["step_s"]  # the phase's own step
             last = _metrics(step + 1, stats, lr, tokens, predicted)
             for sink in sinks:
                 sink.write(step + 1, last)
