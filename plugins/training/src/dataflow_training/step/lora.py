@@ -184,4 +184,3 @@ def lora_cost(cost: LayerCost, layer: LayerSpec, tokens: int) -> LayerCost:
         backward=attrs.evolve(cost.backward, flops=max(0.0, cost.backward.flops + backward)),
         recompute=attrs.evolve(recompute, flops=recompute.flops + forward),
     )
-
