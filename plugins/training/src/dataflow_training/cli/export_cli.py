@@ -281,6 +281,7 @@ def _read_from(checkpoint: str, option: str = "--from") -> tuple[str, Any, dict[
 
 def _export_peft(peft_out: str, checkpoint: str) -> None:
     """``--peft OUT --from CHECKPOINT``: a LoRA run's adapters as PEFT's folder."""
+    # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.drive.peft_export import PeftExportError, lora_of, write_peft
 
     checkpoint, weights, manifest = _read_from(checkpoint)
@@ -307,6 +308,7 @@ def _export_hf(
     """``--hf OUT --from CHECKPOINT``: the weights and config (a LoRA run's adapters
     folded in with ``merge``), then the run's tokenizer (found and checked before
     anything is written)."""
+    # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.drive.peft_export import PeftExportError, adapted, lora_of, merged
 
     checkpoint, weights, manifest = _read_from(checkpoint)

@@ -480,6 +480,7 @@ def train_command(
 
 def _check_lora(rest: dict[str, Any]) -> None:
     """The ``--lora*`` options as one ``LoraConfig`` (``step.lora``), or one line."""
+    # the step modules load when the command runs, not when `dataflow` lists its commands
     from dataflow_training.step.lora import LoraConfig
 
     if rest["lora"] is None:
