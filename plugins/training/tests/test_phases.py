@@ -109,6 +109,10 @@ def test_a_checkpoint_of_another_phase_and_a_bad_phase_are_one_line(tmp_path) ->
     assert_one_line_error(other, 1, "phase")
     bad = invoke(*_args(tmp_path / "bad", 2, "--phase", "3"))
     assert_one_line_error(bad, 2, "--phase", "START:PATTERNS")
+    # a typo in a later phase is said before the run starts
+    typo = invoke(*_args(tmp_path / "typo", 2, "--phase", "100:layrs"))
+    assert_one_line_error(typo, 1, "--phase 100:layrs", "names no parameter")
+    assert not (tmp_path / "typo" / "metrics.jsonl").exists()
 
 
 def test_the_state_of_what_trains_on_carries_over_and_what_starts_is_zero() -> None:

@@ -19,7 +19,7 @@ needs no file beside the run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -27,6 +27,8 @@ import torch
 
 from dataflow_training.drive.run import TrainingRun
 from dataflow_training.drive.values import state_layouts
+from dataflow_training.step.family import LayerSpec
+from dataflow_training.step.freezing import FreezeError, freeze_layers
 from dataflow_training.step.lowering import Lowered
 
 
@@ -80,6 +82,18 @@ def run_phases(freeze: tuple[str, ...], phases: Iterable[Phase]) -> tuple[Phase,
     return (Phase(0, freeze), *phases)
 
 
+def check_phases(phases: tuple[Phase, ...], layers: Sequence[LayerSpec]) -> None:
+    """Every phase's patterns checked against the model's ``layers`` before the run
+    starts, so a typo in a late phase is said at once (``FreezeError``)."""
+    for phase in phases:
+        try:
+            freeze_layers(layers, phase.freeze)
+        except FreezeError as exc:
+            if phase.start == 0:  # the run's --freeze
+                raise
+            raise FreezeError(f"--phase {phase.start}:{','.join(phase.freeze)}: {exc}") from None
+
+
 def phase_at(phases: tuple[Phase, ...], done: int) -> int:
     """The index of the phase of the step after ``done`` steps."""
     return max(i for i, phase in enumerate(phases) if phase.start <= done)
@@ -127,8 +141,9 @@ class PhasedRun:
 
     def _enter(self, index: int) -> None:
         old = self.current
+        old.close()  # its device memory given back, its state kept on the host: a compile
+        # that fails leaves the run as it was
         weights, opt = old.state()
-        old.close(keep_state=False)
         compiled = self.compile(self.phases[index].freeze)
         new = TrainingRun(compiled, seed=old.seed, state=weights)
         new.set_state(

@@ -54,7 +54,14 @@ from dataflow_training.drive.components import (
 from dataflow_training.drive.export import run_bundle
 from dataflow_training.drive.fleet import DealtFeed
 from dataflow_training.drive.hf_init import InitError, hf_overrides, hf_weights
-from dataflow_training.drive.phases import Phase, PhasedRun, phase_at, phases_of, run_phases
+from dataflow_training.drive.phases import (
+    Phase,
+    PhasedRun,
+    check_phases,
+    phase_at,
+    phases_of,
+    run_phases,
+)
 from dataflow_training.drive.profiling import ProfileWindow, StepProfiler
 from dataflow_training.drive.run import TrainingRun, resolver_for
 from dataflow_training.drive.run_folder import RunFolder
@@ -470,6 +477,7 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
         if feed_shape(o) != opened:
             feed = open_feed(o)
     phases = run_phases(o.freeze, o.phases)
+    check_phases(phases, family.layers(family.config(o.preset, **o.overrides)))
 
     def compile_phase(freeze: tuple[str, ...]) -> Any:
         """The step of the phase that freezes ``freeze``, of the run's shape."""
