@@ -90,6 +90,7 @@ def tests(session: nox.Session) -> None:
     -q tests/cli`` for one folder in one process."""
     install_project(session, examples=True)
     session.install("transformers>=4.40")  # the families' HF checkpoint and parity tests
+    session.install("peft>=0.21")  # LoRA's export is loaded by peft (plugins/training)
     # the viewer's browser tests drive the system's chromium (.ci/run installs it); no
     # browser download: playwright is only the driver
     session.install("playwright>=1.40", "pytest-xdist>=3.5")

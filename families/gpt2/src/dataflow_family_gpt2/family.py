@@ -54,6 +54,10 @@ class GPT2Family:
     ) -> tuple[GPT2Config, dict[str, torch.Tensor]]:
         return checkpoint.import_hf(path, dtype=dtype)
 
+    def key_map(self, config: GPT2Config) -> Any:
+        """The state key <-> HF tensor name table (``export --peft`` names adapters by it)."""
+        return checkpoint.key_map(config)
+
     def export_hf(
         self,
         config: GPT2Config,

@@ -19,6 +19,7 @@ _HOMES = {
     "dataflow_training.drive.trainer": ("train", "TrainOptions"),
     "dataflow_training.drive.phases": ("Phase",),
     "dataflow_training.step.freezing": ("FreezeError",),
+    "dataflow_training.step.lora": ("LoraConfig", "LoraError"),
     "dataflow_training.step.config": (
         "TrainConfig",
         "DtypePolicy",

@@ -1,4 +1,4 @@
-"""``dataflow export`` (added by the training plugin), in one of two modes:
+"""``dataflow export`` (added by the training plugin), in one of three modes:
 
 - ``--preset P [step options] --budget B -o DIR``: a planned training step as a bundle
   (docs/exporting_runs.md): the step ``dataflow train`` would run with the same options,
@@ -6,7 +6,9 @@
   takes it where a CUDA device is present) or by the ``--hw`` entry's roofline, planned
   as ``dataflow predict`` plans a cell, placed, simulated; ``--perfetto FILE`` also
   writes its Perfetto trace;
-- ``--hf OUT --from CHECKPOINT``: a training checkpoint as a Hugging Face model folder.
+- ``--hf OUT --from CHECKPOINT``: a training checkpoint as a Hugging Face model folder
+  (``--merge``: a LoRA run's adapters folded into its weights, ``drive.peft_export``);
+- ``--peft OUT --from CHECKPOINT``: a LoRA run's adapters as PEFT's folder.
 """
 
 from __future__ import annotations
@@ -76,24 +78,55 @@ PRICINGS = ("auto", "profile", "roofline")
     "(default: one model.safetensors, as transformers writes up to 50GB)",
 )
 @click.option(
+    "--peft",
+    "peft_out",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="a LoRA run's adapters as PEFT's folder (adapter_model.safetensors and "
+    "adapter_config.json); with --from",
+)
+@click.option(
+    "--merge",
+    is_flag=True,
+    help="with --hf: fold a LoRA run's adapters into the weights (W + alpha/rank * B A)",
+)
+@click.option(
     "--no-tokenizer",
     is_flag=True,
     help="with --hf: write the weights and config only, not the run's tokenizer",
 )
 def export_command(
-    preset, out_dir, hf_out, checkpoint, max_shard_bytes, no_tokenizer, **step: Any
+    preset,
+    out_dir,
+    hf_out,
+    checkpoint,
+    max_shard_bytes,
+    peft_out,
+    merge,
+    no_tokenizer,
+    **step: Any,
 ) -> None:
-    """Write a planned training step as a bundle (--preset ... -o DIR), or a training
+    """Write a planned training step as a bundle (--preset ... -o DIR), a training
     checkpoint as a Hugging Face model folder with its tokenizer (--hf OUT --from
-    CHECKPOINT)."""
+    CHECKPOINT, --merge for a LoRA run's), or a LoRA run's adapters as PEFT's (--peft OUT
+    --from CHECKPOINT)."""
+    if merge and hf_out is None:
+        raise click.UsageError("--merge goes with --hf OUT --from CHECKPOINT")
+    if peft_out is not None:
+        if hf_out is not None or preset is not None or out_dir is not None:
+            raise click.UsageError("--peft OUT --from CHECKPOINT is a mode of its own")
+        if checkpoint is None:
+            raise click.UsageError("--peft and --from go together")
+        _export_peft(peft_out, checkpoint)
+        return
     if hf_out is not None or checkpoint is not None:
         if preset is not None or out_dir is not None:
             raise click.UsageError("--hf/--from and --preset/-o are two modes; give one")
         if hf_out is None or checkpoint is None:
             raise click.UsageError("--hf and --from go together")
-        _export_hf(hf_out, checkpoint, max_shard_bytes, tokenizer=not no_tokenizer)
+        _export_hf(hf_out, checkpoint, max_shard_bytes, tokenizer=not no_tokenizer, merge=merge)
         return
-    if max_shard_bytes is not None or no_tokenizer:
+    if max_shard_bytes is not None or no_tokenizer or merge:
         raise click.UsageError("--max-shard-size and --no-tokenizer go with --hf")
     if preset is None or out_dir is None:
         raise click.UsageError(
@@ -220,11 +253,9 @@ def _pricing_label(priced: dict[str, Any], cache: Any) -> str:
     return "profiled" if cache is None else "profile cache"
 
 
-def _export_hf(
-    hf_out: str, checkpoint: str, max_shard_bytes: int | None = None, *, tokenizer: bool = True
-) -> None:
-    """``--hf OUT --from CHECKPOINT``: the weights and config, then the run's tokenizer
-    (found and checked before anything is written)."""
+def _read_from(checkpoint: str, option: str = "--from") -> tuple[str, Any, dict[str, Any]]:
+    """(the checkpoint folder, its weights, its manifest) of ``--from`` (a checkpoint, or
+    a run's folder: its latest)."""
     # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.drive.checkpoint import (
         MANIFEST_FILE,
@@ -245,6 +276,52 @@ def _export_hf(
         weights, _opt, manifest, _rng = read_checkpoint(checkpoint, weights_only=True)
     except CheckpointError as exc:
         raise Failure(f"--from: {one_line(str(exc))}") from None
+    return checkpoint, weights, manifest
+
+
+def _export_peft(peft_out: str, checkpoint: str) -> None:
+    """``--peft OUT --from CHECKPOINT``: a LoRA run's adapters as PEFT's folder."""
+    # torch loads when the command runs, not when `dataflow` lists its commands
+    from dataflow_training.drive.peft_export import PeftExportError, lora_of, write_peft
+
+    checkpoint, weights, manifest = _read_from(checkpoint)
+    family = _family(manifest["family"])
+    config = family.config(manifest["preset"], **manifest.get("overrides", {}))
+    try:
+        write_peft(peft_out, weights, lora_of(manifest, checkpoint), family, config)
+    except (PeftExportError, ValueError) as exc:
+        raise Failure(f"--peft {peft_out}: {one_line(str(exc))}") from None
+    click.echo(
+        f"wrote {peft_out} (adapter_model.safetensors, adapter_config.json) from "
+        f"{checkpoint} (step {manifest['step']})"
+    )
+
+
+def _export_hf(
+    hf_out: str,
+    checkpoint: str,
+    max_shard_bytes: int | None = None,
+    *,
+    tokenizer: bool = True,
+    merge: bool = False,
+) -> None:
+    """``--hf OUT --from CHECKPOINT``: the weights and config (a LoRA run's adapters
+    folded in with ``merge``), then the run's tokenizer (found and checked before
+    anything is written)."""
+    # torch loads when the command runs, not when `dataflow` lists its commands
+    from dataflow_training.drive.peft_export import PeftExportError, adapted, lora_of, merged
+
+    checkpoint, weights, manifest = _read_from(checkpoint)
+    if merge:
+        try:
+            weights = merged(weights, lora_of(manifest, checkpoint))
+        except PeftExportError as exc:
+            raise Failure(f"--merge: {one_line(str(exc))}") from None
+    elif adapted(weights):
+        raise Failure(
+            f"--hf {hf_out}: {checkpoint} holds LoRA adapters; give --merge to fold them "
+            "into the weights, or export them with --peft OUT --from CHECKPOINT"
+        )
     family = _family(manifest["family"])
     if not hasattr(family, "export_hf"):
         raise Failure(f"family {manifest['family']!r} has no Hugging Face export (export_hf)")

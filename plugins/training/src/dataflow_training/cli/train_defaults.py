@@ -58,7 +58,7 @@ RESUMED = {
             "warmup schedule "
             "min_lr_ratio seed precision dtype optimizer_states graph recompute order updates resolver "
             "head_vocab_tiles vocab_size eval_every eval_tokens val_data optimizer optimizer_args "
-            "freeze phases"
+            "freeze phases lora lora_alpha lora_dropout lora_targets"
         ).split()
     },
 }
@@ -104,7 +104,7 @@ def take_resumed(rest: dict[str, Any], given: dict[str, Any]) -> bool:
             continue  # resumed on a machine without one: the default device instead
         if name in ("clip", "checkpoint_minutes"):
             value = value or 0.0  # the command line's 0 is the options' None (off)
-        if name == "freeze":
+        if name in ("freeze", "lora_targets"):
             value = tuple(value)  # a JSON list in the manifest
         if name == "phases":  # as the command line gives them
             value = tuple(f"{p['start']}:{','.join(p['freeze'])}" for p in value)

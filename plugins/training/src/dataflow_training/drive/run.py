@@ -48,6 +48,7 @@ from dataflow_training.drive.values import (
     read_state,
     state_layouts,
 )
+from dataflow_training.kit.lora import init_adapters
 from dataflow_training.plan.compiled_step import (
     HOST_RESERVE_BYTES,
     CompiledStep,
@@ -163,6 +164,8 @@ class TrainingRun:
             if state is None
             else {k: v.detach().to(dtype, copy=True) for k, v in state.items()}
         )
+        if self.train.lora is not None:  # a base's state: its adapters start as PEFT's do
+            init_adapters(running.layers, self._weights, seed, dtype)
         self._opt_state: dict[str, torch.Tensor] | None = None
         self._engine: Any = None
         self._lost: str | None = None  # why the state is gone (a failed engine load)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dataflow import LaunchContext, Program, Task
+from dataflow_training.kit.lora import with_lora
 from dataflow_training.step.family import Env, FamilyContractError, RowGradient
 from dataflow_training.step.keys import ComputeKeyError, parse
 from dataflow_training.step.layout import TaskSlot
@@ -101,10 +102,10 @@ class TrainingTasks:
 
     def ops(self, device: str) -> Mapping[str, Any]:
         if self._given_ops is not None:
-            return self._given_ops
+            return with_lora(self._given_ops, self.train.lora)
         if device not in self._ops:
             names = (*self.family.ops, *self.optimizer.ops)
-            self._ops[device] = load_ops(device, names)
+            self._ops[device] = dict(with_lora(load_ops(device, names), self.train.lora))
         return self._ops[device]
 
     def math(self, kind: str) -> Any:

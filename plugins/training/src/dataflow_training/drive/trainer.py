@@ -76,6 +76,7 @@ from dataflow_training.plan.hardware import hardware
 from dataflow_training.step.config import TrainConfig, head_chunk_tokens
 from dataflow_training.step.family import load_family
 from dataflow_training.step.freezing import parameter_counts
+from dataflow_training.step.lora import LoraConfig
 from dataflow_training.step.precision import NAMES, Precision, for_optimizer
 
 if TYPE_CHECKING:
@@ -180,6 +181,12 @@ class TrainOptions:
     freeze: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     #: the later phases of the run, each from its step on (``drive.phases``)
     phases: tuple[Phase, ...] = attrs.field(default=(), converter=phases_of)
+    #: LoRA's rank (``--lora``; None: no adapters, everything not frozen trains) and its
+    #: alpha (None: 2 x rank), dropout and targets (empty: the default), ``step.lora``
+    lora: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     @property
     def policy(self) -> Precision:
@@ -215,7 +222,15 @@ class TrainOptions:
             updates=self.updates,
             head_vocab_tiles=self.head_vocab_tiles,
             freeze=self.freeze,
+            lora=self.lora_config,
         )
+
+    @property
+    def lora_config(self) -> LoraConfig | None:
+        """The run's ``LoraConfig``, or None without ``--lora``."""
+        if self.lora is None:
+            return None
+        return LoraConfig(self.lora, self.lora_alpha, self.lora_dropout, self.lora_targets)
 
     def compile(self, family: Any, **more: Any) -> Any:
         """``compile_step`` of the step of ``family`` (the family object ``self.family``

@@ -134,6 +134,10 @@ class DecoderFamily:
         checkpoint folder (one ``model.safetensors`` or shards with their index)."""
         return import_decoder(path, self.name, self.config_from_hf, dtype=dtype)
 
+    def key_map(self, config: DecoderConfig) -> Any:
+        """The state key <-> HF tensor name table (``export --peft`` names adapters by it)."""
+        return decoder_hf.key_map(self.name, config)
+
     def export_hf(
         self,
         config: DecoderConfig,

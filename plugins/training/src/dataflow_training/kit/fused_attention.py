@@ -139,7 +139,8 @@ class FusedQKVAttention:
         steps, so it is returned as the exact zero."""
         d_h, g = C_ATTN.backward(ops, params, h, d_projected[0])
         n = config.hidden_size
-        g[C_ATTN.bias][n : 2 * n] = 0
+        if C_ATTN.bias in g:  # none under LoRA: the bias is frozen with the base
+            g[C_ATTN.bias][n : 2 * n] = 0
         grads.update(g)
         return d_h
 

@@ -2,6 +2,7 @@
 
 ``y = x @ W.T + b`` with W (out, in). Backward needs only the layer's input:
 ``dx = dy @ W``, ``dW = dy.T @ x``, ``db = sum(dy)`` (summed in float32 at least).
+Where the parameters hold LoRA adapters of the projection (``kit.lora``), it adds them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from dataflow_training.kit.lora import adapter_backward, adapter_forward
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -43,13 +46,29 @@ class Linear:
     weight: str
     bias: str | None = None
 
+    @property
+    def adapters(self) -> tuple[str, str]:
+        """The names of LoRA's A and B of this projection (``step.lora``)."""
+        module = self.weight.removesuffix(".weight")
+        return f"{module}.lora_A.weight", f"{module}.lora_B.weight"
+
     def forward(self, ops: Any, params: Tensors, x: torch.Tensor) -> torch.Tensor:
-        return ops["linear"](x, params[self.weight], params[self.bias] if self.bias else None)
+        y = ops["linear"](x, params[self.weight], params[self.bias] if self.bias else None)
+        a, b = self.adapters
+        if a in params:  # a LoRA target: + scale * (x A^T) B^T (kit.lora)
+            y = y + adapter_forward(ops, x, params[a], params[b])
+        return y
 
     def backward(
         self, ops: Any, params: Tensors, x: torch.Tensor, dy: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """-> (dx, gradients by parameter name)."""
+        """-> (dx, gradients by parameter name). A LoRA target's are its adapters', and
+        no ``dW`` (its base is frozen)."""
+        a, b = self.adapters
+        if a in params:
+            dx = ops["linear"](dy, params[self.weight].t())
+            d_x, d_a, d_b = adapter_backward(ops, x, params[a], params[b], dy)
+            return dx.add_(d_x), {a: d_a, b: d_b}
         dx, d_weight, d_bias = linear_backward(
             ops, x, params[self.weight], dy, bias=self.bias is not None
         )

@@ -8,6 +8,7 @@ import attrs
 from cattrs.gen import make_dict_unstructure_fn, override
 
 from dataflow import DTYPE_BYTES
+from dataflow_training.step.lora import LoraConfig
 
 
 def _dtype(instance: object, attribute: attrs.Attribute, value: str) -> None:
@@ -191,7 +192,10 @@ class TrainConfig:
     ``freeze``: patterns naming the parameters that do not train (``step.freezing``:
     ``embed``, ``head``, ``layers.0-11``, globs over ``<layer>.<param>``); the lowering
     gives them no gradient or optimizer state and prunes the backward below the lowest
-    layer that trains."""
+    layer that trains.
+
+    ``lora`` (``step.lora.LoraConfig``, None: off): adapters on the target linears of
+    every block, the only parameters that train; the base is frozen."""
 
     seq_len: int = attrs.field(validator=_positive)
     batch: int = attrs.field(default=1, validator=_positive)
@@ -205,6 +209,7 @@ class TrainConfig:
     order: str = attrs.field(default="round", validator=_order)
     updates: str = attrs.field(default="auto", validator=_updates)
     freeze: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    lora: LoraConfig | None = None
 
     @property
     def order_group(self) -> int:
@@ -234,9 +239,14 @@ class TrainConfig:
 
 def omit_empty_freeze(converter: Any) -> None:
     """Have ``converter`` (a ``cattrs.Converter``) write a TrainConfig that freezes nothing
-    as before ``freeze`` existed: its programs hash the same and its checkpoints match
+    (and has no ``lora``) as before ``freeze`` existed: its programs hash the same and its checkpoints match
     those of older runs."""
     converter.register_unstructure_hook(
         TrainConfig,
-        make_dict_unstructure_fn(TrainConfig, converter, freeze=override(omit_if_default=True)),
+        make_dict_unstructure_fn(
+            TrainConfig,
+            converter,
+            freeze=override(omit_if_default=True),
+            lora=override(omit_if_default=True),
+        ),
     )

@@ -16,6 +16,11 @@ no ``bwd`` (nor ``rec``) task and no ``A``, the lowest block with a backward mak
 ``dx``, and a frozen embedding has no ``embbwd``. A frozen ``W`` is only ever read, so a
 plan releases it without writing it back.
 
+With ``TrainConfig.lora`` (``step.lora``) every block layer gains a trainable group
+``lora`` (``W_<layer>.lora``, its ``dW_`` and ``O_``, one ``opt`` task) holding the
+adapters of its target linears, and every other parameter is frozen as above: the
+embedding has no ``embbwd``, block 0 makes no ``dx``, the base weights no ``dW``.
+
 With ``order == "layer"`` the same tasks run layer by layer, each layer over every round
 (rounds ascending): embed_s_*_emb, fwd_s_*_0, .., fwd_s_*_{L-1}, head_s_*_head, then
 [rec_s_r_i,] bwd_s_r_i for every round of block L-1 down to block 0, embbwd_s_*_emb, then
@@ -76,6 +81,7 @@ from dataflow_training.step.family import (
 from dataflow_training.step.freezing import freeze_layers
 from dataflow_training.step.keys import optimizer_key
 from dataflow_training.step.layout import LayerInfo, PackedObject, StepLayout
+from dataflow_training.step.lora import lora_cost, lora_layers
 from dataflow_training.step.optimizers import optimizer_spec
 from dataflow_training.step.packing import Layout
 from dataflow_training.step.round_tasks import Kinds, Parameters, Rounds, lower_round
@@ -120,7 +126,7 @@ class Lowered:
                 f"{layout.family!r}"
             )
         config = family.config(layout.preset, **layout.overrides)
-        layers = freeze_layers(family.layers(config), layout.train.freeze)
+        layers = trained_layers(family.layers(config), layout.train)
         return cls(program, layout, layers, family, config)
 
     def with_program(self, program: Program, layout: StepLayout | None = None) -> Lowered:
@@ -148,6 +154,12 @@ def _ordered(params: Iterable[TensorSpec]) -> list[TensorSpec]:
 #: a CPU; a fleet on GPUs passes its link from the hardware table
 #: (``HardwareEntry.collective_link``).
 ASSUMED_COLLECTIVE = Link(bw_bytes_per_us=1000.0, latency_us=100.0)
+
+
+def trained_layers(layers: Any, train: TrainConfig) -> tuple[LayerSpec, ...]:
+    """A family's ``layers`` as ``train`` trains them: LoRA's adapters added and the base
+    frozen (``step.lora``), then the ``freeze`` patterns applied (``step.freezing``)."""
+    return freeze_layers(lora_layers(tuple(layers), train.lora), train.freeze)
 
 
 def lower(
@@ -188,7 +200,7 @@ def lower(
     """
     overrides = dict(overrides or {})
     config = family.config(preset, **overrides)
-    layers = freeze_layers(family.layers(config), train.freeze)
+    layers = trained_layers(family.layers(config), train)
     embed, head = embed_layer(layers), head_layer(layers)
     if layers[0] is not embed or layers[-1] is not head:
         raise FamilyContractError(
@@ -357,6 +369,9 @@ def _kinds(
             else None
         )
         block_cost[kind] = kind_math.cost(config, train.batch, train.seq_len, act_bytes)
+        if train.lora is not None:  # the adapters' matmuls, and no dW of their targets
+            layer = next(block for block in layers[1:-1] if block.kind == kind)
+            block_cost[kind] = lora_cost(block_cost[kind], layer, train.tokens_per_round)
         missing = set(partial_layouts[kind]) - set(block_cost[kind].partial)
         if missing:
             raise FamilyContractError(
