@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dataflow_kernels_torch.adamw_multi import adamw_multi
-from dataflow_training.optim.builtins import OPTIMIZERS
-from dataflow_training.optim.muon import newton_schulz
-from dataflow_training.step.precision import for_optimizer
+
+pytest.importorskip("dataflow_kernels_torch")  # the isolated training plugin has none
+
+from dataflow_kernels_torch.adamw_multi import adamw_multi  # noqa: E402
+from dataflow_training.optim.builtins import OPTIMIZERS  # noqa: E402
+from dataflow_training.optim.muon import newton_schulz  # noqa: E402
+from dataflow_training.step.precision import for_optimizer  # noqa: E402
 
 SPECS = {spec.name: spec for spec in OPTIMIZERS if spec.name != "adamw_compensated"}
 SHAPES = ((16, 8), (8, 16), (16, 8), (8,))  # two matrices of one shape: one batch
