@@ -11,6 +11,7 @@ transformers and peft."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -31,7 +32,18 @@ from dataflow.testing import assert_one_line_error, invoke
 
 pytest.importorskip("dataflow_family_llama3")
 transformers = pytest.importorskip("transformers", reason="the LoRA tests need transformers")
-peft = pytest.importorskip("peft", reason="the LoRA tests need peft")
+if importlib.util.find_spec("peft") is None:
+    pytest.skip("the LoRA tests need peft", allow_module_level=True)
+
+
+def _peft():
+    """peft, imported by a test, not while pytest collects: it imports transformers'
+    models, which import the installed ``kernels`` package, and during collection the
+    repository's ``kernels/`` folder holds that name (conftest.py)."""
+    import peft
+
+    return peft
+
 
 PRESET = "llama3_tiny"  # 2 blocks; the head ties the embedding's table
 RANK = 4
@@ -172,9 +184,9 @@ def test_the_adapters_gradients_equal_peft_s(llama3, hf_folder) -> None:
     )
     run.step([(tokens, targets)])
     grads = run.grads()
-    model = peft.get_peft_model(
+    model = _peft().get_peft_model(
         transformers.LlamaForCausalLM.from_pretrained(hf_folder, dtype=torch.float32),
-        peft.LoraConfig(r=RANK, lora_alpha=8, target_modules=list(_TARGETS)),
+        _peft().LoraConfig(r=RANK, lora_alpha=8, target_modules=list(_TARGETS)),
     )
     _load_adapters(model, start)
     logits = model(input_ids=tokens).logits
@@ -239,7 +251,7 @@ def test_the_peft_export_and_the_merged_model_give_dataflow_s_logits(
     base_model = transformers.LlamaForCausalLM.from_pretrained(hf_folder, dtype=torch.float32)
     with torch.no_grad():
         plain = base_model(input_ids=tokens).logits
-        adapted = peft.PeftModel.from_pretrained(base_model, peft_dir)(input_ids=tokens).logits
+        adapted = _peft().PeftModel.from_pretrained(base_model, peft_dir)(input_ids=tokens).logits
         merged_model = transformers.LlamaForCausalLM.from_pretrained(
             merged_dir, dtype=torch.float32
         )
@@ -350,7 +362,7 @@ def test_gpt2_s_fused_linears_take_adapters_and_export_to_peft(tmp_path) -> None
     merged_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     with torch.no_grad():
         plain = base(tokens).logits
-        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "peft")(tokens).logits
+        adapted = _peft().PeftModel.from_pretrained(base, tmp_path / "peft")(tokens).logits
         merged = merged_model(tokens).logits
     assert not torch.allclose(plain, merged, rtol=TOLERANCE, atol=TOLERANCE)
     torch.testing.assert_close(adapted, merged, rtol=TOLERANCE, atol=TOLERANCE)
