@@ -384,7 +384,6 @@ def _train(
     sinks = _metrics_sinks(o, start, writes, progress, say)
     profiler = _profiler(o, start, out, say)
     _say_first_steps(compiled, start < o.steps, say)
-    predicted = compiled.predicted()["step_s"]
     evaluator = evaluator_of(o, compiled, fleet)
     if evaluator is not None:
         say(evaluator.line())
