@@ -54,7 +54,10 @@ def annotated_programs(draw, collectives: bool = False, duplex: bool = False) ->
             }
         )
     prologue = {"releases": [], "offloads": [], "prefetches": []}
-    _annotate(draw, objects, tasks, prologue)
+    # persistent objects: those no task mutates and that start fast are backed once a
+    # directive drops them (their slow copy current from the start: Program.backed_ids)
+    persistent = [obj.id for obj in objects[:n_start] if draw(st.booleans())]
+    _annotate(draw, objects, tasks, prologue, persistent)
     links = Links(
         h2d=Link(float(draw(st.integers(1, 40))), float(draw(st.integers(0, 5)))),
         d2h=Link(float(draw(st.integers(1, 40))), float(draw(st.integers(0, 5)))),
@@ -70,6 +73,7 @@ def annotated_programs(draw, collectives: bool = False, duplex: bool = False) ->
         tasks=tuple(Task(**task) for task in tasks),
         links=links,
         prologue=Prologue(**prologue),
+        persistent=tuple(persistent),
     )
     if draw(st.booleans()):
         floor = max(
@@ -80,13 +84,19 @@ def annotated_programs(draw, collectives: bool = False, duplex: bool = False) ->
     return program
 
 
-def _annotate(draw, objects: list[Obj], tasks: list[dict], prologue: dict) -> None:
+def _annotate(
+    draw, objects: list[Obj], tasks: list[dict], prologue: dict, persistent: list[str]
+) -> None:
     """Give every use a resident object: prefetch what is away (at a random earlier task,
     or from the prologue), then randomly keep, release or offload what a task used; the
-    prologue may also write back (or drop) objects that start fast and are not used first."""
+    prologue may also write back (or drop) objects that start fast and are not used first.
+    A persistent object that no task mutates is clean wherever it starts (a drop of it
+    makes it backed), so it may be released."""
     created = {out for task in tasks for out in task["outputs"]}
+    mutated = {obj for task in tasks for obj in task["mutates"]}
+    read_only = set(persistent) - mutated
     where = {obj.id: obj.location for obj in objects if obj.id not in created}
-    clean = {obj.id: obj.location == "slow" for obj in objects}
+    clean = {obj.id: obj.location == "slow" or obj.id in read_only for obj in objects}
     since: dict[str, int] = {}  # away objects: the task after which they left
     first_uses = set(tasks[0]["inputs"] + tasks[0]["mutates"])
     for obj in objects:
@@ -108,7 +118,7 @@ def _annotate(draw, objects: list[Obj], tasks: list[dict], prologue: dict) -> No
             elif where[obj] == "slow" and obj not in since:  # nothing runs before: start fast
                 at = next(i for i, o in enumerate(objects) if o.id == obj)
                 objects[at] = attrs.evolve(objects[at], location="fast")
-                where[obj], clean[obj] = "fast", False
+                where[obj], clean[obj] = "fast", obj in read_only
         for obj in task["outputs"]:
             where[obj] = "fast"
         for obj in task["mutates"] + task["outputs"]:

@@ -358,13 +358,15 @@ class Engine:
         A fed value is written to its start location. Any other value stays where the last
         step left it when that is where it starts (a persistent object homed fast, still
         resident at the same address; one homed slow, its slow copy current): nothing
-        moves. Otherwise it is copied to its start location."""
+        moves. Otherwise it is copied to its start location (a backed object's fast copy
+        only, when its slow copy is current: ``Program.backed_ids``)."""
         if self.backend_name == "virtual":
             self._backend.clock_us = 0.0
             return
         backend, ledger = self._backend, self._ledger
         kept: list[str] = []
         moved: dict[str, Any] = {}
+        backed_current: set[str] = set()  # backed objects whose slow copy is current
         for obj in self._at_start:  # not every object: a step has thousands
             if obj.id in fed:
                 moved[obj.id] = fed[obj.id]
@@ -377,6 +379,8 @@ class Engine:
                 continue  # already in its slow slice
             elif resident or current:
                 moved[obj.id] = self._current_value(obj.id).clone()
+                if current and obj.id in self.program.backed_ids:
+                    backed_current.add(obj.id)
             else:
                 raise EngineRunError(
                     "error",
@@ -389,7 +393,7 @@ class Engine:
                 )
         backend.reset_fast(keep=kept)
         for obj_id, value in moved.items():
-            backend.put_initial(obj_id, value, per_step=True)
+            backend.put_initial(obj_id, value, per_step=True, fast_only=obj_id in backed_current)
 
     def close(self) -> None:
         """Release the backend's workers; the engine cannot run again after this."""

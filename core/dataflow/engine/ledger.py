@@ -39,13 +39,14 @@ class Ledger:
         self.offload_pending: set[str] = set()
         self.fast_used_bytes = 0
         self.slow_used_bytes = 0
+        backed = program.backed_ids
         for obj in program.objects:
             if not program.exists_at_start(obj.id):
                 continue
             if obj.location is Location.FAST:
                 self.fast[obj.id] = Fast.RESIDENT
                 self.fast_used_bytes += obj.size_bytes
-            else:
+            if obj.location is Location.SLOW or obj.id in backed:
                 self.slow[obj.id] = Slow.CURRENT
                 self.slow_space.add(obj.id)
                 self.slow_used_bytes += obj.size_bytes

@@ -225,7 +225,9 @@ def _pressurefit_at(
         planned = None
         if budget_bytes >= floor:
             planned = (
-                steady_state(bare, chain, budget_bytes, slow_budget_bytes)
+                steady_state(
+                    bare, chain, budget_bytes, slow_budget_bytes, packable=fit_below is not None
+                )
                 if cyclic
                 else best_plan(chain, budget_bytes, slow_budget_bytes, bounds)
             )

@@ -52,8 +52,9 @@ class CutSelection:
 
 
 def slow_room(chain: Chain, slow_capacity_bytes: int | None) -> tuple[float, list[bool]]:
-    """Slow bytes left for write-backs of objects that have no slow copy, and which
-    objects have (or are sure to get) one: those that start or end slow."""
+    """Slow bytes left for the slow copies of objects that have none (a write-back, or a
+    read-only object's first drop: ``Program.backed_ids``), and which objects have (or
+    are sure to get) one: those that start or end slow."""
     has_slow = [life.origin is Origin.SLOW or life.final is Location.SLOW for life in chain.objects]
     if slow_capacity_bytes is None:
         return math.inf, has_slow
@@ -86,15 +87,19 @@ class SweepSetup:
     head_from: tuple[tuple[int, ...], ...]
 
 
-#: The last chain and gaps swept, and their setup (a search sweeps one chain many times).
+#: The last chains and gaps swept, and their setups (a search sweeps one chain many times,
+#: and two views of it where it has read-only objects: ``pressurefit.written_view``).
 _LAST_SETUP: list[tuple[Chain, Gaps, SweepSetup]] = []
+#: How many ``_LAST_SETUP`` keeps.
+SETUPS_KEPT = 2
 
 
 def _sweep_setup(chain: Chain, gaps: Gaps) -> SweepSetup:
-    """``chain``'s ``SweepSetup``, made once for the last chain and gaps swept (checked by
-    identity: both are frozen)."""
-    if _LAST_SETUP and _LAST_SETUP[0][0] is chain and _LAST_SETUP[0][1] is gaps:
-        return _LAST_SETUP[0][2]
+    """``chain``'s ``SweepSetup``, made once for each of the last chains and gaps swept
+    (checked by identity: both are frozen)."""
+    for kept_chain, kept_gaps, kept in _LAST_SETUP:
+        if kept_chain is chain and kept_gaps is gaps:
+            return kept
     n = chain.n_tasks
     g_a, g_b = gaps.a, gaps.b
     entering: list[list[int]] = [[] for _ in range(n + 2)]
@@ -141,7 +146,7 @@ def _sweep_setup(chain: Chain, gaps: Gaps) -> SweepSetup:
         head_diff=tuple(head_diff),
         head_from=tuple(map(tuple, head_from)),
     )
-    _LAST_SETUP[:] = [(chain, gaps, setup)]
+    _LAST_SETUP[:] = [(chain, gaps, setup), *_LAST_SETUP[: SETUPS_KEPT - 1]]
     return setup
 
 
@@ -159,7 +164,7 @@ def select_cuts(
     ``queue`` models the ``d2h`` link as a FIFO when estimating when a write-back frees its
     bytes (else each write-back is timed alone, which is optimistic when many queue).
 
-    With ``slow_capacity_bytes``, a dirty gap of an object that has no slow copy yet is cut
+    With ``slow_capacity_bytes``, a gap of an object that has no slow copy yet is cut
     only while the slow budget has room for it (slow space is never given back; objects
     that start or end slow have theirs set aside first).
 
@@ -218,11 +223,11 @@ def select_cuts(
         nonlocal slow_free, d2h_free_us
         o, a, b, size = g_obj[g], g_a[g], g_b[g], g_size[g]
         cut[g] = True
+        if not has_slow[o]:  # its first write-back, or a read-only one's first drop
+            slow_free -= size
+            has_slow[o] = True
         if dirty[o]:
             d2h_free_us = write_back_end_us(a, o)
-            if not has_slow[o]:
-                slow_free -= size
-                has_slow[o] = True
         dirty[o] = False  # offloaded if it was dirty; the copy that comes back is clean
         # its prefetch window: issued at the latest task that hides its transfer
         # (``issue_task``, inlined), not before ``t``; it covers p+1 .. b-1
@@ -249,7 +254,7 @@ def select_cuts(
         if p + 1 <= use - 1:
             windows_from[p + 1].append(w)
 
-    dirty = [life.origin is Origin.FAST for life in objects]
+    dirty = [life.origin is Origin.FAST and life.dirties[0] for life in objects]
     candidates: list[tuple[tuple[float, ...], int]] = []  # (negated key, gap)
     reserve: list[tuple[tuple[float, ...], int]] = []  # the same, for pinned objects
     # Dirty gaps whose write-back would still be running: parked until it is done (they
@@ -306,8 +311,8 @@ def select_cuts(
                 g = entry[1]
                 if cut[g] or g_b[g] <= t:
                     continue
-                if dirty[g_obj[g]] and not has_slow[g_obj[g]] and g_size[g] > slow_free:
-                    continue  # no slow space left for its write-back (and there never will be)
+                if not has_slow[g_obj[g]] and g_size[g] > slow_free:
+                    continue  # no slow space left for its slow copy (and there never will be)
                 if dirty[g_obj[g]] and blocked:
                     heapq.heappush(parked, entry)
                     set_aside.append(entry)

@@ -81,15 +81,39 @@ def fast_homes(program: Program) -> frozenset[str]:
     return frozenset(o for o in program.persistent if objects[o].location is Location.FAST)
 
 
+def dropped_homes(program: Program) -> frozenset[str]:
+    """The fast-homed persistent objects of a planned ``program`` that leave fast memory
+    within the iteration (a directive drops them): placement must bring each back to its
+    home's offset (``placement.wrap_pairs``), which packing cannot always do."""
+    homes = fast_homes(program)
+    if not homes:
+        return frozenset()
+    dropped = {
+        obj
+        for issuer in (program.prologue, *program.tasks)
+        for obj in (*issuer.releases, *issuer.offloads)
+    }
+    return homes & dropped
+
+
 def steady_state(
     bare: Program,
     chain: Chain,
     budget_bytes: int,
     slow_budget_bytes: int | None = None,
     homes: Sequence[frozenset[str]] | None = None,
+    *,
+    packable: bool = False,
 ) -> Program | None:
     """The steady-state plan of ``bare`` (one iteration, its persistent objects homed) at
     ``budget_bytes``, or None when no home set's plan is found there that repeats.
+
+    ``packable`` (a re-plan after a packing failed on fragmentation) ranks first the plans
+    that drop no read-only fast home within the iteration (``dropped_homes``): each such
+    drop ties two residencies to one offset, and as a read-only home is dropped for free
+    (no write-back), the fastest plan drops them more often than placement can pack
+    (llama3_tiny with its embedding and block 0 frozen, at 700,000 bytes: no packing
+    without it). Plans of programs without read-only objects rank as before.
 
     ``chain`` is that of ``bare`` with every persistent object homed slow
     (``with_homes(bare, frozenset())``). ``homes``: the sets of fast homes to try instead
@@ -122,7 +146,11 @@ def steady_state(
         cycle = check_cycle(found.best.program, budget_bytes, slow_budget_bytes, one=found.best.sim)
         if not cycle.valid:
             continue
-        rank = (cycle.iteration_us, found.best.sim.h2d.bytes + found.best.sim.d2h.bytes)
+        rank = (
+            packable and bool(dropped_homes(found.best.program) & bare.read_only_ids),
+            cycle.iteration_us,
+            found.best.sim.h2d.bytes + found.best.sim.d2h.bytes,
+        )
         if best_rank is None or rank < best_rank:
             best, best_rank = found.best.program, rank
     return best

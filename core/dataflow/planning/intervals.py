@@ -2,9 +2,10 @@
 
 Every object has a sorted list of *uses* (task indices at which it must be resident). Two
 virtual uses make the chain's ends explicit: an object that starts in fast memory is used
-at task 0 (it is resident while task 0 runs, and dirty: it has no slow copy), and an object
-whose final location is ``fast`` is used at index ``n`` (the end of the run, a pseudo-task
-with no cost). Between two consecutive uses ``a < b`` lies a *gap*; a kept gap holds the
+at task 0 (it is resident while task 0 runs, and dirty: it has no slow copy, unless it is
+a persistent object no task changes, ``Program.read_only_ids``, whose slow copy holds its
+one value once it is dropped: ``Program.backed_ids``), and an object whose final location
+is ``fast`` is used at index ``n`` (the end of the run, a pseudo-task with no cost). Between two consecutive uses ``a < b`` lies a *gap*; a kept gap holds the
 object resident during tasks ``a+1 .. b-1``; a cut gap drops it after ``a`` (a release if
 clean, an offload if dirty) and prefetches it before ``b``. An object that starts in slow
 memory needs a *head* prefetch before its first use (issued by the prologue, "task -1",
@@ -42,7 +43,8 @@ class ObjectLife:
     """One object's uses, in task order (virtual uses included), and how it starts and ends.
 
     ``dirties[k]`` is True when use ``k`` leaves the object without a current slow copy
-    (it creates or mutates the object, or it is the virtual start use of a fast object).
+    (it creates or mutates the object, or it is the virtual start use of a fast object
+    that is not read-only).
     """
 
     index: int
@@ -122,10 +124,11 @@ def build_chain(program: Program) -> Chain:
             origins.append(Origin.CREATED)
         else:
             origins.append(Origin.FAST if obj.location is Location.FAST else Origin.SLOW)
+    read_only = program.read_only_ids
     for position, origin in enumerate(origins):
         if origin is Origin.FAST:
             uses[position].append(0)
-            dirties[position].append(True)
+            dirties[position].append(program.objects[position].id not in read_only)
     sizes = [obj.size_bytes for obj in program.objects]
     named_by = [-1] * len(sizes)  # the last task that named each object
     for t, task in enumerate(tasks):

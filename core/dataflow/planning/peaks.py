@@ -73,7 +73,7 @@ def select_cuts_peak(
             if k > 0 and cut[gaps.first_gap[o] + k - 1]:
                 return False  # prefetched back clean before this use
             k -= 1
-        return life.origin is not Origin.SLOW
+        return False  # it starts slow, or fast and read-only (created: dirty at use 0)
 
     slow_free, has_slow = slow_room(chain, slow_capacity_bytes)
 
@@ -81,7 +81,7 @@ def select_cuts_peak(
         nonlocal slow_free
         a, b, size = g_a[g], g_b[g], g_size[g]
         cut[g] = True
-        if dirty and not has_slow[g_obj[g]]:
+        if not has_slow[g_obj[g]]:  # a write-back, or a read-only object's first drop
             slow_free -= size
             has_slow[g_obj[g]] = True
         add(hard, a + 1, b, -size)
@@ -102,8 +102,8 @@ def select_cuts_peak(
             if cut[g] or not g_a[g] < t < g_b[g]:
                 continue
             dirty = dirty_after(g)
-            if dirty and not has_slow[g_obj[g]] and g_size[g] > slow_free:
-                continue  # no slow space left for its write-back
+            if not has_slow[g_obj[g]] and g_size[g] > slow_free:
+                continue  # no slow space left for its slow copy
             if dirty and offload_end(g_a[g], g_size[g]) >= t:
                 soft_only.append(g)
                 continue

@@ -160,14 +160,47 @@ class Program:
         """True when no task creates the object, so it is present (at its location) at start."""
         return obj_id not in self.producers
 
+    @functools.cached_property
+    def read_only_ids(self) -> frozenset[str]:
+        """The persistent objects that no task changes (none mutates them): weights a
+        step only reads (frozen ones, a LoRA base, an evaluation's). Each holds one value
+        for the whole run, so a slow copy of it is current from the moment it is made."""
+        changed = {obj for task in self.tasks for obj in task.mutates}
+        return frozenset(
+            obj
+            for obj in self.persistent
+            if obj not in changed and obj in self.objects_by_id and self.exists_at_start(obj)
+        )
+
+    @functools.cached_property
+    def backed_ids(self) -> frozenset[str]:
+        """The read-only persistent objects (``read_only_ids``) that start in fast memory
+        and that the run ever holds in slow memory: some directive drops them, or they
+        must end there. Their slow copy holds their start value from the start, so they
+        start clean: dropping them is free, and no transfer ever writes them back
+        (docs/execution_model.md, Object state)."""
+        objects = self.objects_by_id
+        fast = {o for o in self.read_only_ids if objects[o].location is Location.FAST}
+        if not fast:
+            return frozenset()
+        dropped = {
+            obj
+            for issuer in (self.prologue, *self.tasks)
+            for obj in (*issuer.releases, *issuer.offloads)
+        }
+        ending_slow = {o for o, where in self.final_locations.items() if where is Location.SLOW}
+        return frozenset(fast & (dropped | ending_slow))
+
     def ever_slow_ids(self) -> set[str]:
-        """The objects the run ever holds in slow memory: those that start there and those
-        some directive offloads (a run's slow pool holds one slice for each)."""
+        """The objects the run ever holds in slow memory: those that start there, the
+        ``backed_ids`` and those some directive offloads (a run's slow pool holds one
+        slice for each)."""
         slow = {
             obj.id
             for obj in self.objects
             if self.exists_at_start(obj.id) and obj.location is Location.SLOW
         }
+        slow.update(self.backed_ids)
         for issuer in (self.prologue, *self.tasks):
             slow.update(issuer.offloads)
         return slow

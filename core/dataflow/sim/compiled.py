@@ -34,6 +34,8 @@ class CompiledProgram:
     #: objects present at the start: no task creates them, and where they start
     initial_fast: tuple[int, ...]
     initial_slow: tuple[int, ...]
+    #: of ``initial_fast``, those whose slow copy is current too (``Program.backed_ids``)
+    initial_backed: tuple[int, ...]
     task_ids: tuple[str, ...]
     cost_us: tuple[float, ...]
     #: inputs + mutates: what must be resident (and not leaving) for the task to start
@@ -107,6 +109,7 @@ def compile_program(program: Program) -> CompiledProgram:
         size_bytes=size_bytes,
         initial_fast=tuple(initial_fast),
         initial_slow=tuple(initial_slow),
+        initial_backed=tuple(sorted(map(position_of, program.backed_ids))),
         task_ids=(*(task.id for task in tasks), PROLOGUE),
         cost_us=(*(float(task.cost_us) for task in tasks), 0.0),
         needs=needs,

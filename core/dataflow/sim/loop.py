@@ -114,7 +114,7 @@ def run(
     for o in c.initial_fast:
         fast[o] = RESIDENT
         used += size[o]
-    for o in c.initial_slow:
+    for o in (*c.initial_slow, *c.initial_backed):
         slow[o] = CURRENT
         slow_space[o] = True
         slow_used += size[o]

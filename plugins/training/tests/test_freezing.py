@@ -203,3 +203,33 @@ def test_a_frozen_run_on_cuda_keeps_its_frozen_weights_and_learns(llama3, resolv
     for name in before:
         assert torch.equal(before[name], after[name]) == (name in frozen), name
     assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "lion", "adafactor", "muon"])
+def test_the_step_holds_the_chosen_optimizers_state_and_none_for_frozen_fields(
+    llama3, optimizer
+) -> None:
+    """What ``compile_step`` and the step search price is the lowered step: its optimizer
+    objects are the chosen optimizer's state (fp32 here: AdamW two moments, Lion one,
+    Adafactor factored, Muon a momentum), of the trainable fields only."""
+    from dataflow_training.step.precision import pinned
+
+    policy = pinned("fp32", "fp32").optimizer_policy(optimizer)
+
+    def sizes(freeze) -> tuple[dict[str, int], dict[str, int]]:
+        program = lower(llama3, PRESET, _train(optimizer=policy, freeze=freeze)).program
+        of = {o.id: o.size_bytes for o in program.objects}
+        return {k: v for k, v in of.items() if k.startswith("O_")}, of
+
+    full, objects = sizes(())
+    frozen, _ = sizes(FROZEN)
+    assert set(frozen) == {"O_1", "O_head"} and all(frozen[k] == full[k] for k in frozen)
+    weights = {k: objects[f"W_{k[2:]}"] for k in full}  # fp32, as the states
+    if optimizer == "adamw":
+        assert full == {k: 2 * w for k, w in weights.items()}
+    elif optimizer == "lion":
+        assert full == weights
+    elif optimizer == "adafactor":
+        assert sum(full.values()) < sum(weights.values()) / 10  # row and column factors
+    else:  # Muon: a momentum per matrix (AdamW's moments for the embedding and norms)
+        assert weights["O_0"] <= full["O_0"] < 2 * weights["O_0"]

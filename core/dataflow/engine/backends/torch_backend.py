@@ -47,6 +47,7 @@ class TorchBackend:
         self.name = f"torch-{device.type}"
         self.objs = program.objects_by_id
         slow_ids = program.ever_slow_ids()
+        self.backed = program.backed_ids
         self.slow = SlowPool([obj for obj in program.objects if obj.id in slow_ids], device)
         sizes = {obj.id: obj.size_bytes for obj in program.objects}
         self.fast = FastStore(sizes, device, arena_bytes, offset_of)
@@ -59,8 +60,12 @@ class TorchBackend:
         self.staging = Staging()  # page-locked host copies of the values fed per step
 
     # -- data in and out ---------------------------------------------------------------
-    def put_initial(self, obj: str, tensor: torch.Tensor, *, per_step: bool = False) -> None:
-        """Place the start value of an object that exists at start, where it starts.
+    def put_initial(
+        self, obj: str, tensor: torch.Tensor, *, per_step: bool = False, fast_only: bool = False
+    ) -> None:
+        """Place the start value of an object that exists at start, where it starts: a
+        backed one (``Program.backed_ids``) in both memories, unless ``fast_only`` (its
+        slow copy holds the value already: a step left it current).
 
         ``per_step``: the value of a later step (``Engine.run``'s feed and carried values),
         written between steps while the device is idle. Host bytes are copied on this
@@ -75,12 +80,14 @@ class TorchBackend:
                 f"initial value of {obj!r} has {data.numel()} bytes, the program "
                 f"declares {self.objs[obj].size_bytes}"
             )
-        if self.objs[obj].location is not Location.FAST:
+        backed = obj in self.backed
+        if self.objs[obj].location is not Location.FAST or (backed and not fast_only):
             if per_step:
                 host_copy(self.slow.view(obj), data)
             else:
                 self.slow.view(obj).copy_(data)
-            return
+            if not backed:
+                return
         if obj not in self.fast.buffers:
             self.alloc_fast(obj)
         target = self.fast.buffers[obj]
