@@ -57,6 +57,7 @@ _HOMES = {
         "RoutedExperts",
         "SharedExpert",
         "MoEConfig",
+        "MoEFields",
         "moe_expected_state",
         "moe_parameter_count",
         "moe_active_parameter_count",
