@@ -14,8 +14,8 @@ checkpoint are not part of it).
 
 ``qwen3_5_moe_cut`` is 4 layers of ``qwen3_5_35b_a3b`` (three Gated DeltaNet, one full
 attention: every block kind once), for the speed row on one GPU: its host state (bf16
-weights and gradients, float32 AdamW moments: 12 bytes a parameter) is 47 GiB, where the
-whole model's (388 GiB) is more than the device machine's host holds.
+weights and gradients, float32 AdamW moments: 12 bytes a parameter) is 49 GiB, where the
+whole model's (387 GiB) is more than the device machine's 128 GiB host holds.
 
 ``qwen3_5_moe_tiny`` is byte-sized (256 tokens), 4 layers of width 64 (three Gated
 DeltaNet, then one full attention), 4 query and 2 key/value heads of ``head_dim`` 32,
