@@ -157,6 +157,40 @@ def test_twenty_steps_on_the_cpu_lower_the_loss_and_export_loads_in_transformers
         )
 
 
+def test_a_run_starts_from_a_folder_transformers_saved(tmp_path):
+    """``dataflow train --init FOLDER`` from a ``Qwen3_5MoeForCausalLM`` that
+    ``save_pretrained`` wrote (its experts per expert), one step at learning rate 0, then
+    ``dataflow export --hf``: transformers reads back every tensor it saved, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from dataflow.testing import invoke
+
+    family = Qwen3_5MoeFamily()
+    config = family.config("qwen3_5_moe_tiny")
+    torch.manual_seed(4)
+    reference = family.reference_model(config)
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    family.export_hf(config, reference.state_dict(), tmp_path / "exported")
+    model = transformers.Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "exported")
+    model.save_pretrained(tmp_path / "hf")
+    out = tmp_path / "run"
+    args = ["--steps", "1", "--lr", "0", "--batch", "2", "--seq-len", "16", "--device", "cpu"]
+    result = invoke(
+        "train", "--preset", "qwen3_5_moe_tiny", "--init", tmp_path / "hf", *args, "--out", out
+    )
+    assert result.exit_code == 0, result.output
+    assert f"init: weights from {tmp_path / 'hf'} (preset qwen3_5_moe_tiny)" in result.output
+    result = invoke("export", "--hf", tmp_path / "back", "--from", out / "step_000001")
+    assert result.exit_code == 0, result.output
+    again = transformers.Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "back").state_dict()
+    original = model.state_dict()
+    assert set(again) == set(original)
+    assert all(torch.equal(again[name], tensor) for name, tensor in original.items())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "preset", ["qwen3_5_moe_tiny", pytest.param("qwen3_5_moe_cut", marks=pytest.mark.slow)]
