@@ -1,6 +1,7 @@
 """Stock PyTorch Llama-style decoders (Llama 3, Qwen 3), their mixture-of-experts kin
 (OLMoE, Qwen 3 MoE) and Qwen 3.5's hybrid (Gated DeltaNet layers through ``fla``'s
-chunked kernel on CUDA, gated full attention with partial rotary): the models a user would
+chunked kernel on CUDA, gated full attention with partial rotary), dense or with routed
+and shared experts: the models a user would
 write to train a family's preset without dataflow, for ``benchmarks/compare.py``'s stock
 rows.
 
@@ -139,9 +140,9 @@ def expert_counts(ids: torch.Tensor, experts: int) -> torch.Tensor:
 
 
 class Experts(moe_reference.Experts):
-    """The reference's routed SwiGLU FFN and router parameters, the experts run as grouped
-    GEMMs; ``last`` keeps (router logits, expert ids) of the latest forward for the router
-    terms."""
+    """The reference's routed SwiGLU FFN and router parameters (and its shared expert,
+    Qwen 3.5 MoE's), the experts run as grouped GEMMs; ``last`` keeps (router logits,
+    expert ids) of the latest forward for the router terms."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -158,7 +159,10 @@ class Experts(moe_reference.Experts):
         gate, up = grouped_mm(flat[token], self.experts.gate_up_proj, ends).chunk(2, dim=-1)
         rows = grouped_mm(F.silu(gate) * up, self.experts.down_proj, ends)
         rows = rows * top.flatten()[order, None].to(rows.dtype)
-        return torch.zeros_like(flat).index_add(0, token, rows).view_as(x)
+        out = torch.zeros_like(flat).index_add(0, token, rows)
+        if self.shared:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.view_as(x)
 
 
 class Block(nn.Module):
@@ -177,7 +181,11 @@ class Block(nn.Module):
         self.mixer = part.module  # ``self_attn`` or ``linear_attn``, the reference's names
         self.add_module(part.module, mixer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset)
-        self.mlp = Experts(config) if is_moe(config) else MLP(config)
+        if is_moe(config):
+            shared = block.ffn.shared
+            self.mlp = Experts(config, **(shared.reference_args(config) if shared else {}))
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.get_submodule(self.mixer)(self.input_layernorm(x), cos, sin)

@@ -1,7 +1,7 @@
 """benchmarks/compare.py across models (issues 15 and 16): rows keyed by model, ratios
 against the same model's fastest stock row, one table per model, a file of the GPT-2-only
 format read as the GPT-2 run it was; the stock decoders (Llama 3, Qwen 3, OLMoE, Qwen 3
-MoE, Qwen 3.5) against each family's plain-autograd reference; and a llama3_tiny run on the CPU
+MoE, Qwen 3.5 and its MoE) against each family's plain-autograd reference; and a llama3_tiny run on the CPU
 appended beside GPT-2 rows."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ DECODERS = [
     ("olmoe", "olmoe_tiny"),
     ("qwen3_moe", "qwen3_moe_tiny"),
     ("qwen3_5", "qwen3_5_tiny"),
+    ("qwen3_5_moe", "qwen3_5_moe_tiny"),
 ]
 
 

@@ -11,9 +11,14 @@ import json
 from pathlib import Path
 
 import pytest
-from dataflow_family_qwen3_5.config import Qwen3_5Config, hybrid_layer_types
+from dataflow_family_qwen3_5.config import Qwen3_5Config
 from dataflow_family_qwen3_5.family import Qwen3_5Family
-from dataflow_training.kit import CheckpointError, GatedDeltaNet, parameter_count
+from dataflow_training.kit import (
+    CheckpointError,
+    GatedDeltaNet,
+    hybrid_layer_types,
+    parameter_count,
+)
 from dataflow_training.testing import DecoderFamilyChecks, TrainingFamilyConformance
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"

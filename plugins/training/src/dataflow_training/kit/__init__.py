@@ -57,6 +57,7 @@ _HOMES = {
         "RoutedExperts",
         "SharedExpert",
         "MoEConfig",
+        "MoEFields",
         "moe_expected_state",
         "moe_parameter_count",
         "moe_active_parameter_count",
@@ -113,6 +114,14 @@ _HOMES = {
         "export_decoder",
     ),
     "dataflow_training.kit.moe_family": ("MoEFamily", "moe_key_map"),
+    "dataflow_training.kit.hybrid": (
+        "HybridConfig",
+        "HybridFamily",
+        "hybrid_layer_types",
+        "GATED_ATTENTION",
+        "ZERO_CENTRED",
+        "FULL_ATTENTION_INTERVAL",
+    ),
     "dataflow_training.kit.moe_reference": ("MoEReference",),
     # HF checkpoints
     "dataflow_training.kit.hf": (

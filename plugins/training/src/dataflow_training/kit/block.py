@@ -90,6 +90,7 @@ class Block:
             (ParamGroup("", main), *self.ffn.groups(config)),
             aux=self.ffn.aux(config),
             aux_scope=self.ffn.aux_scope,
+            aux_key=self.ffn.aux_key if self.ffn.aux_scope == "model" else "",
         )
 
     def hf_rules(self, config: Any, prefix: str) -> list[Any]:

@@ -165,7 +165,8 @@ def fields_from_hf(
         "rms_norm_eps",
         "tie_word_embeddings",
     )
-    fields = {name: hf.get(name, defaults[name]) for name in names}
+    # a default only where the file has no value (an MoE family's defaults have no dense width)
+    fields = {name: hf[name] if name in hf else defaults[name] for name in names}
     heads = fields["num_attention_heads"]
     fields["num_key_value_heads"] = hf.get("num_key_value_heads") or heads
     head_dim = hf.get("head_dim")

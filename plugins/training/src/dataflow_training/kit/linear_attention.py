@@ -70,7 +70,7 @@ def _field(default: int) -> Any:
 class LinearAttentionConfig(DecoderConfig):
     """A decoder config with Gated DeltaNet's sizes (HF's ``Qwen3_5TextConfig`` names and
     defaults) and ``layer_types`` (which layers are ``linear_attention``). A family's config
-    subclasses it (an MoE config may take it beside ``MoEConfig``)."""
+    subclasses it (an MoE config takes it beside ``moe.MoEFields``)."""
 
     linear_conv_kernel_dim: int = _field(4)
     linear_key_head_dim: int = _field(128)

@@ -19,7 +19,7 @@ rows start). Each expert's rows run through ``grouped_mm`` (one matmul per exper
 ``torch._grouped_mm``), gradients of the stacked weights through ``grouped_mm_wgrad``.
 
 **Aux** ``counts`` (E,) float32, one object for the whole model (``Aux_moe``, the MoE
-layers' ``aux_scope="model"``): the expert loads summed over the ``L`` MoE layers and the
+layers' ``aux_scope="model"`` and ``aux_key="moe"``, whatever their block kinds): the expert loads summed over the ``L`` MoE layers and the
 step's rounds, zeroed by the step's first forward and added to by every layer's forward in
 every round. The step's objective is the mean over rounds of the cross-entropy, plus two
 router terms:
@@ -259,6 +259,8 @@ class RoutedExperts:
 
     ops = ("swiglu_fwd", "swiglu_bwd", "grouped_mm", "grouped_mm_wgrad")
     aux_scope = "model"
+    #: every block of these experts, whatever its kind, adds its loads to ``Aux_moe``
+    aux_key = "moe"
     #: the reference module's name in a block (HF's)
     module = "mlp"
 
@@ -460,29 +462,38 @@ class RoutedExperts:
         )
 
 
-@attrs.frozen
-class MoEConfig(DecoderConfig):
-    """A decoder whose every FFN is ``num_experts`` SwiGLU experts of width
-    ``intermediate_size``, ``num_experts_per_tok`` of them per token."""
+@attrs.frozen(slots=False)
+class MoEFields:
+    """The routed experts' config fields, for a config class to take beside its decoder
+    config base, before it (``class Config(MoEFields, LinearAttentionConfig)``: two
+    slotted attrs bases cannot be combined, and this one has no slots); ``MoEConfig`` is
+    ``DecoderConfig`` with them."""
 
     num_experts: int = attrs.field(default=64, kw_only=True, validator=_positive)
     num_experts_per_tok: int = attrs.field(default=8, kw_only=True, validator=_positive)
     norm_topk_prob: bool = attrs.field(default=False, kw_only=True, validator=_flag)
     router_aux_loss_coef: float = attrs.field(default=0.01, kw_only=True, validator=_coefficient)
     router_z_loss_coef: float = attrs.field(default=0.0, kw_only=True, validator=_coefficient)
-    #: attention with per-head q/k norms (Qwen 3 MoE), every layer the routed experts
-    architecture: ClassVar[Decoder] = Decoder(
-        {"moe": Block(SelfAttention(qk_norm=QKNorm("head")), RoutedExperts())}
-    )
 
     def __attrs_post_init__(self) -> None:
-        super().__attrs_post_init__()
+        super().__attrs_post_init__()  # the decoder config's, after this class in the MRO
         if self.num_experts_per_tok > self.num_experts:
             name = type(self).__name__
             raise ValueError(
                 f"{name}.num_experts_per_tok ({self.num_experts_per_tok}) must be at most "
                 f"{name}.num_experts ({self.num_experts})"
             )
+
+
+@attrs.frozen
+class MoEConfig(MoEFields, DecoderConfig):
+    """A decoder whose every FFN is ``num_experts`` SwiGLU experts of width
+    ``intermediate_size``, ``num_experts_per_tok`` of them per token."""
+
+    #: attention with per-head q/k norms (Qwen 3 MoE), every layer the routed experts
+    architecture: ClassVar[Decoder] = Decoder(
+        {"moe": Block(SelfAttention(qk_norm=QKNorm("head")), RoutedExperts())}
+    )
 
 
 def moe_expected_state(config: MoEConfig) -> dict[str, tuple[int, ...]]:

@@ -21,7 +21,9 @@ Each part brings, for the config it is given:
 
 - its **parameters**: ``params(config)``, ``TensorSpec`` s named as HF names them inside a
   layer (``self_attn.q_proj.weight``), with exact shapes; an FFN may add parameter groups
-  of its own (``groups``: the experts) and persistent ``aux`` state;
+  of its own (``groups``: the experts) and persistent ``aux`` state (``aux_scope``:
+  ``"layer"``, each layer's own, or ``"model"``, one object its blocks share, named by
+  the part's ``aux_key``);
 - its **HF keys**: ``hf_rules(config, prefix)``, the key rules of its parameters under a
   layer's HF prefix (``model.layers.{layer}``: as they are, transposed from HF's
   ``Conv1D`` (``conv1d``), or stacked per expert);

@@ -16,7 +16,8 @@ MoE, linear and full attention), one ``head`` layer. For each layer the lowering
 - ``Aux_<layer>`` when the layer declares ``aux`` tensors: persistent state, zeroed before
   round 0's forward, changed in place by every round's forward, read by the last round's
   backward (expert-load counts of a balance term over the whole step). With
-  ``aux_scope="model"`` the layers of one kind share one such object, ``Aux_<kind>``:
+  ``aux_scope="model"`` the layers of one kind share one such object, ``Aux_<kind>``
+  (or, where layers of several kinds pool one state, ``Aux_<aux_key>`` that they name):
   zeroed by the first of them in round 0, added to by every one of their forwards in
   every round, read by every one of their last-round backwards (counts pooled over the
   layers, as transformers' balance term pools them);
@@ -108,7 +109,9 @@ class LayerSpec:
     or ``"moe"``). ``groups`` hold its parameters. ``aux`` declares persistent state:
     the layer's own (``Aux_<layer>``, ``aux_scope="layer"``) or one object that every
     layer of its kind shares (``Aux_<kind>``, ``aux_scope="model"``; those layers must
-    declare the same tensors). ``tied`` (head only) maps a name the head's math uses to the
+    declare the same tensors); ``aux_key`` names that shared object instead of the kind,
+    so that layers of several kinds pool one state (``Aux_<aux_key>``: Qwen 3.5 MoE's
+    linear- and full-attention blocks count their experts' loads in one ``Aux_moe``). ``tied`` (head only) maps a name the head's math uses to the
     ``"<layer>.<param>"`` it is tied to (GPT-2: ``{"wte": "emb.wte"}``): the head reads
     that parameter and its gradient flows into that layer's ``dW``.
     """
@@ -118,6 +121,7 @@ class LayerSpec:
     groups: tuple[ParamGroup, ...] = attrs.field(converter=tuple)
     aux: tuple[TensorSpec, ...] = attrs.field(default=(), converter=tuple)
     aux_scope: str = attrs.field(default="layer", kw_only=True)
+    aux_key: str = attrs.field(default="", kw_only=True)
     tied: Mapping[str, str] = attrs.field(factory=dict, converter=dict, hash=False)
 
     @aux_scope.validator
@@ -133,7 +137,9 @@ class LayerSpec:
         """The id of the Aux object this layer's tasks see, or None without Aux."""
         if not self.aux:
             return None
-        return f"Aux_{self.kind if self.aux_scope == 'model' else self.name}"
+        if self.aux_scope == "model":
+            return f"Aux_{self.aux_key or self.kind}"
+        return f"Aux_{self.name}"
 
     @classmethod
     def single(cls, name: str, kind: str, params: Any, **fields: Any) -> LayerSpec:

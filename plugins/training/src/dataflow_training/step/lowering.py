@@ -42,7 +42,7 @@ Everything that exists at the start (parameters, optimizer state, Aux, every rou
 tokens and targets) starts in slow memory; the planner's prologue fetches what the first
 tasks need. Objects (see ``dataflow_training.step.family`` for what each holds): ``W``/``dW``/``O`` per
 parameter group (gradients: round 0 creates them, later rounds accumulate), ``Aux_i`` (or
-``Aux_<kind>``, shared by a kind's layers; the step's first forward to touch an Aux
+``Aux_<kind>`` or ``Aux_<aux_key>``, shared by a kind's or several kinds' layers; the step's first forward to touch an Aux
 object zeroes it: its task's ``zero_aux`` param),
 per round ``A_s_r_i`` (with a partial save ``p``: only the tensors it keeps, and
 ``A_s_r_i.p`` the others, which its ``rec`` task re-derives from them) and
@@ -499,8 +499,8 @@ def _add_aux(family: str, layer: LayerSpec, packed: dict[str, PackedObject], add
     elif packed[obj].layout != aux_layout:
         raise FamilyContractError(
             f"family {family!r}: layer {layer.name!r} declares aux tensors "
-            f"{[(a.name, a.shape) for a in layer.aux]} but {obj}, shared by the {layer.kind!r} "
-            f"layers, was declared by layer {packed[obj].layer!r} with others"
+            f"{[(a.name, a.shape) for a in layer.aux]} but {obj}, which it shares, was "
+            f"declared by layer {packed[obj].layer!r} with others"
         )
 
 

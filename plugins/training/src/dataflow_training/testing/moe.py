@@ -36,6 +36,8 @@ from dataflow_training.testing.decoder import DecoderFamilyChecks, DecoderHFPari
 
 class MoEFamilyChecks(DecoderFamilyChecks):
     block_tensor: ClassVar[str] = "0.mlp.experts.down_proj"
+    #: the block kind of the preset's layer 0 (a hybrid stack has more than one)
+    moe_kind: ClassVar[str] = "moe"
 
     @staticmethod
     def count(config: Any) -> int:
@@ -59,7 +61,9 @@ class MoEFamilyChecks(DecoderFamilyChecks):
         assert ("mlp.gate.weight", (e, n)) in {(p.name, p.shape) for p in main.params}
         assert [(a.name, a.shape, a.dtype) for a in block.aux] == [("counts", (e,), "float32")]
         assert block.aux_scope == "model" and block.aux_object == "Aux_moe"
-        temp = {t.name: (t.shape, t.dtype) for t in family.math("moe").aux_temp(config, 2, 5)}
+        temp = {
+            t.name: (t.shape, t.dtype) for t in family.math(self.moe_kind).aux_temp(config, 2, 5)
+        }
         assert temp["ids"] == ((10, k), "int32") and temp["order"] == ((10 * k,), "int32")
         assert temp["offsets"] == ((e + 1,), "int32") and temp["weights"][0] == (10, k)
 
@@ -146,7 +150,7 @@ class MoEFamilyChecks(DecoderFamilyChecks):
         params = {k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("0.")}
         for name in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"):
             params[name] = torch.randn_like(params[name])
-        env, math = Env(load_ops("cpu", family.ops)), family.math("moe")
+        env, math = Env(load_ops("cpu", family.ops)), family.math(self.moe_kind)
         x = torch.randn(2, 7, config.hidden_size)
         _, saved, temp = math.forward(config, params, x, env)
         rerouted = params | {"mlp.gate.weight": -params["mlp.gate.weight"]}
