@@ -210,6 +210,28 @@ def test_predict_searches_as_train_does(tmp_path) -> None:
     )  # fmt: skip
 
 
+def test_predict_without_a_gpu_or_device_prices_for_the_hw_entry(tmp_path) -> None:
+    """With no CUDA device and no --device, the search is priced by the --hw entry's
+    roofline (as --hw h200 names it), not by profiling this CPU, and says so."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: predict prices for it")
+    common = ["--preset", "gpt2_tiny", "--budget", "2MiB", "--dtype", "fp32"]
+    plain = invoke("predict", *common)
+    assert plain.exit_code == 0, plain.output
+    assert "no CUDA device here: the search is priced for the hardware entry 'h200'" in (
+        plain.output
+    )
+    named = invoke("predict", *common, "--hw", "h200")
+    assert named.exit_code == 0, named.output
+    assert "no CUDA device here" not in named.output
+    assert _search_line(plain.output) == _search_line(named.output)
+    on_cpu = invoke("predict", *common, "--device", "cpu")
+    assert on_cpu.exit_code == 0, on_cpu.output
+    assert "no CUDA device here" not in on_cpu.output
+
+
 def test_a_pinned_batch_on_the_command_line_is_the_run_s(tmp_path) -> None:
     out = tmp_path / "run"
     args = ["train", "--preset", "gpt2_tiny", "--budget", "2MiB", "--device", "cpu"]

@@ -240,8 +240,18 @@ def predict_command(
         if ranks is not None:
             raise click.UsageError("--ranks predicts a grid: give --t-round too")
         source = click.get_current_context().get_parameter_source("hw")
+        priced_by_hw = source is not ParameterSource.DEFAULT
+        if not priced_by_hw and device is None and not measured and default_device() == "cpu":
+            # profiling a large model's tasks on a CPU takes many minutes and its memory:
+            # with no GPU here and no --device, the prediction is for the --hw entry's
+            priced_by_hw = True
+            click.echo(
+                f"predict: no CUDA device here: the search is priced for the hardware entry "
+                f"'{hw}' (--hw); --device cpu prices it for this CPU by measurement",
+                err=True,
+            )
         search_command(
-            preset, family_name, hw if source is not ParameterSource.DEFAULT else None,
+            preset, family_name, hw if priced_by_hw else None,
             hw_files, tokens_step, budgets, seq_lens, vocab_size, backing, orders, dtype,
             optimizer_states, recompute, json_out, measured_pricing if measured else None,
             device,
