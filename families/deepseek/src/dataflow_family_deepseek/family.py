@@ -242,4 +242,6 @@ def active_parameter_count(config: DeepseekV3Config) -> int:
     selection biases counted, as the parameter count does)."""
     moe = config.num_hidden_layers - min(config.first_k_dense_replace, config.num_hidden_layers)
     idle = config.num_experts - config.num_experts_per_tok
-    return parameter_count(config) - moe * idle * 3 * config.hidden_size * config.moe_intermediate_size
+    return (
+        parameter_count(config) - moe * idle * 3 * config.hidden_size * config.moe_intermediate_size
+    )

@@ -77,8 +77,12 @@ _DEEPSEEK_V3 = DeepseekV3Config(
     v_head_dim=128,
     rope_interleave=True,
     rope_yarn=YarnScaling(
-        factor=40.0, original_max_position=4096, beta_fast=32.0, beta_slow=1.0,
-        mscale=1.0, mscale_all_dim=1.0,
+        factor=40.0,
+        original_max_position=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
     ),  # fmt: skip
 )
 
@@ -150,12 +154,18 @@ PRESETS: Mapping[str, DeepseekV3Config] = MappingProxyType(
             routed_scaling_factor=2.827,
             first_k_dense_replace=1,
             rope_yarn=YarnScaling(
-                factor=32.0, original_max_position=4096, beta_fast=1.0, beta_slow=1.0,
-                mscale=1.0, mscale_all_dim=1.0,
+                factor=32.0,
+                original_max_position=4096,
+                beta_fast=1.0,
+                beta_slow=1.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
             ),  # fmt: skip
         ),
         "deepseek_v3_cut": _DEEPSEEK_V3.with_overrides(
-            num_hidden_layers=2, first_k_dense_replace=1, max_position_embeddings=4096,
+            num_hidden_layers=2,
+            first_k_dense_replace=1,
+            max_position_embeddings=4096,
             rope_yarn=None,
         ),  # fmt: skip
     }

@@ -251,7 +251,13 @@ def step_checks(
                     )
                 )
             checks += [
-                compare("step", f"weight {name} (its rule, after step {step})", after[name], t, tolerance)
+                compare(
+                    "step",
+                    f"weight {name} (its rule, after step {step})",
+                    after[name],
+                    t,
+                    tolerance,
+                )
                 for name, t in sorted(ref.ruled.items())
             ]
             weights, opt_state = after, after_opt

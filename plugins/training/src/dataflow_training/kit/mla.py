@@ -120,8 +120,10 @@ def yarn_inverse_frequencies(
     kept = 1.0 / base ** (steps / dim)
 
     def turning_dim(turns: float) -> float:
-        return dim * math.log(yarn.original_max_position / (turns * 2 * math.pi)) / (
-            2 * math.log(base)
+        return (
+            dim
+            * math.log(yarn.original_max_position / (turns * 2 * math.pi))
+            / (2 * math.log(base))
         )
 
     low = max(math.floor(turning_dim(yarn.beta_fast)), 0)
@@ -136,9 +138,7 @@ def yarn_inverse_frequencies(
 def yarn_attention_factor(yarn: YarnScaling) -> float:
     """What the rope tables are multiplied by."""
     if yarn.mscale and yarn.mscale_all_dim:
-        return yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(
-            yarn.factor, yarn.mscale_all_dim
-        )
+        return yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim)
     return yarn_mscale(yarn.factor)
 
 
@@ -247,7 +247,9 @@ class LatentAttention:
         n, heads, r_kv = config.hidden_size, config.num_attention_heads, config.kv_lora_rank
         r_q, rope = config.q_lora_rank, config.qk_rope_head_dim
         if r_q is None:
-            queries: tuple[TensorSpec, ...] = (TensorSpec(Q_PROJ.weight, (heads * self._qk(config), n)),)
+            queries: tuple[TensorSpec, ...] = (
+                TensorSpec(Q_PROJ.weight, (heads * self._qk(config), n)),
+            )
         else:
             queries = (
                 TensorSpec(Q_A.weight, (r_q, n)),
@@ -305,7 +307,11 @@ class LatentAttention:
     def _heads(self, config: Any, params: Tensors, saved: Tensors, ops: Any) -> dict[str, Any]:
         """The attention's q, k, v heads (batch, heads, seq, width) from the latents, and
         what backward needs of the way there (the normed latents and their statistics)."""
-        heads, nope, rope = config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim
+        heads, nope, rope = (
+            config.num_attention_heads,
+            config.qk_nope_head_dim,
+            config.qk_rope_head_dim,
+        )
         r_kv = config.kv_lora_rank
         built: dict[str, Any] = {}
         if config.q_lora_rank is None:

@@ -156,9 +156,11 @@ class GroupLimitedRouter:
         chosen = best.topk(config.topk_group, dim=-1, sorted=False).indices
         keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, chosen, True)
         keep = keep.unsqueeze(-1).expand(tokens, groups, e // groups).reshape(tokens, e)
-        ids = biased.masked_fill(~keep, float("-inf")).topk(
-            config.num_experts_per_tok, dim=-1, sorted=False
-        ).indices
+        ids = (
+            biased.masked_fill(~keep, float("-inf"))
+            .topk(config.num_experts_per_tok, dim=-1, sorted=False)
+            .indices
+        )
         weights = scores.gather(1, ids)
         if config.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -198,7 +200,11 @@ class GroupLimitedRouter:
         tokens = scores.shape[0]
         seq = tokens // sequences
         slots = torch.zeros(sequences, e, dtype=scores.dtype, device=scores.device)
-        slots.scatter_add_(1, ids.view(sequences, seq * k), torch.ones_like(ids, dtype=scores.dtype).view(sequences, seq * k))
+        slots.scatter_add_(
+            1,
+            ids.view(sequences, seq * k),
+            torch.ones_like(ids, dtype=scores.dtype).view(sequences, seq * k),
+        )
         f = slots * (e / (k * seq))  # (sequences, E)
         d_share = config.seq_aux_loss_coef * f / (seq * sequences * rounds)
         d_share = d_share.repeat_interleave(seq, dim=0)  # (tokens, E): d/d(s_i / sum s)
