@@ -15,9 +15,16 @@ import dataclasses
 from typing import Any, ClassVar
 
 import attrs
-from dataflow_training.kit import Block, Decoder, DecoderConfig, SwiGLUFFN
-from dataflow_training.kit.mla import LatentAttention, MLAFields
-from dataflow_training.kit.sigmoid_moe import SigmoidExperts, SigmoidMoEFields
+from dataflow_training.kit import (
+    Block,
+    Decoder,
+    DecoderConfig,
+    LatentAttention,
+    MLAFields,
+    SigmoidExperts,
+    SigmoidMoEFields,
+    SwiGLUFFN,
+)
 
 
 @dataclasses.dataclass(frozen=True)

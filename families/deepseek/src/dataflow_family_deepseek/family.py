@@ -31,6 +31,8 @@ from dataflow_training.kit import (
     CheckpointError,
     DecoderFamily,
     KeyMap,
+    SigmoidMoEReference,
+    YarnScaling,
     checkpoint_folder,
     expected_state,
     key_map,
@@ -38,8 +40,6 @@ from dataflow_training.kit import (
     read_config,
     read_state,
 )
-from dataflow_training.kit.mla import YarnScaling
-from dataflow_training.kit.sigmoid_moe_reference import SigmoidMoEReference
 
 from dataflow_family_deepseek.config import DeepseekV3Config
 from dataflow_family_deepseek.presets import HF_NAMES, PRESETS

@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from dataflow_training.kit.mla import YarnScaling
+from dataflow_training.kit import YarnScaling
 
 from dataflow_family_deepseek.config import DeepseekV3Config
 
