@@ -250,6 +250,16 @@ def step_checks(
                         tolerance,
                     )
                 )
+            checks += [
+                compare(
+                    "step",
+                    f"weight {name} (its rule, after step {step})",
+                    after[name],
+                    t,
+                    tolerance,
+                )
+                for name, t in sorted(ref.ruled.items())
+            ]
             weights, opt_state = after, after_opt
             if note is not None:  # a full-size preset's step takes minutes on a CPU
                 failed = sum(not check.ok for check in checks[first:])
@@ -335,6 +345,8 @@ class _RefStep:
     weights: dict[str, torch.Tensor]
     norm: torch.Tensor | None
     decisions: list
+    #: tensors updated by a rule (``TensorSpec.rule``) after the step, by state key
+    ruled: dict[str, torch.Tensor] = attrs.field(factory=dict)
 
 
 class Reference:
@@ -361,6 +373,9 @@ class Reference:
         trainable = {name for name, p in params if p.trainable}
         self.decay = {name for name, p in params if p.decay}
         self.named = {n: p for n, p in self.model.named_parameters() if n in trainable}
+        #: state keys of the tensors a rule updates: the model's ``apply_rules()`` moves
+        #: them after the optimizer step, from what its last forward counted
+        self.ruled = tuple(name for name, p in params if p.rule is not None)
         self.multi_round = getattr(self.model, "steps_over_rounds", False)
 
     def grads(self, weights, batches, routing=None) -> _Grads:
@@ -426,10 +441,16 @@ class Reference:
             }
         found = self.grads(weights, batches, routing)
         optimizer.step()
+        ruled = {}
+        if self.ruled:
+            self.model.apply_rules()
+            state = self.model.state_dict()
+            ruled = {n: state[n].detach().clone() for n in self.ruled}
         return _RefStep(
             found.losses,
             found.grads,
             {n: p.detach().clone() for n, p in named.items()},
             found.norm,
             found.decisions,
+            ruled,
         )

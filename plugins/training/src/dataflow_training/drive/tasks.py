@@ -96,6 +96,12 @@ class TrainingTasks:
         self.optimizer = optimizer_spec(self.train.optimizer.name)
         #: each layer's role (``lowering.layer_role``), what the optimizer's update gets
         self.roles = {layer.name: layer_role(layer, step.layers) for layer in step.layers}
+        #: each layer's parameters updated by a rule (``TensorSpec.rule``), by group
+        self.ruled = {
+            (layer.name, group.name): tuple(p.name for p in group.params if p.rule is not None)
+            for layer in step.layers
+            for group in layer.groups
+        }
         self._given_ops = ops
         self._ops: dict[str, dict[str, Any]] = {}
         self._math: dict[str, Any] = {}
@@ -419,6 +425,7 @@ class OptimizerStep(_Exec):
         spec = tasks.optimizer
         self.policy = hyperparameters(tasks.train.optimizer, spec)  # lr replaced per launch
         self.roles = tasks.roles[slot.layer]
+        self.ruled = tasks.ruled.get((slot.layer, slot.group), ())
         # (names, weight decay on?, byte ranges of the flat spans or None for lists)
         self.classes: list[tuple[list[str], bool, dict[str, tuple] | None]] = []
         for decayed in (True, False):
@@ -493,6 +500,12 @@ class OptimizerStep(_Exec):
                 weight_decay=policy["weight_decay"] if decayed else 0.0,
                 roles=[self.roles] * len(w),
             )
+        if self.ruled:  # tensors moved by a rule from the layer's Aux, after the update
+            views = self.layouts[self.w_obj].views(buffers[self.w_obj])
+            aux = self.named(ctx, "aux")
+            math = self.tasks.math(self.kind)
+            env = self.env(ctx, aux=aux)
+            math.apply_rules(self.tasks.config, {n: views[n] for n in self.ruled}, aux, env)
 
     def clip_factor(self, ctx: LaunchContext) -> torch.Tensor | None:
         """``min(1, clip / (norm + 1e-6))`` of the global norm (the ``gn`` objects summed in

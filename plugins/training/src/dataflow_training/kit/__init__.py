@@ -114,6 +114,14 @@ _HOMES = {
         "export_decoder",
     ),
     "dataflow_training.kit.moe_family": ("MoEFamily", "moe_key_map"),
+    "dataflow_training.kit.mla": ("LatentAttention", "MLAFields", "YarnScaling"),
+    "dataflow_training.kit.sigmoid_moe": (
+        "SigmoidExperts",
+        "SigmoidMoEFields",
+        "GroupLimitedRouter",
+        "SharedExperts",
+    ),
+    "dataflow_training.kit.sigmoid_moe_reference": ("SigmoidMoEReference",),
     "dataflow_training.kit.hybrid": (
         "HybridConfig",
         "HybridFamily",

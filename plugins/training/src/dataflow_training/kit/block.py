@@ -175,6 +175,11 @@ class Block:
         h2, _ = self._norms(config)[1].forward(env.ops, params, kept["h_mid"])
         return self.ffn.recompute(config, params, h2, aux_temp, env.ops)
 
+    def apply_rules(self, config: Any, params: Tensors, aux: Tensors, env: Env) -> None:
+        """Move the tensors a rule updates (``TensorSpec.rule``: the FFN's, DeepSeek's
+        selection bias) from the layer's Aux; the layer's optimizer task calls it."""
+        self.ffn.apply_rules(config, params, aux, env)
+
     def backward(
         self,
         config: Any,

@@ -156,9 +156,9 @@ def _gate_up(config: MoEConfig, params: Tensors, h2: torch.Tensor, aux_temp: Ten
     return ops["grouped_mm"](rows, params[GATE_UP], aux_temp["offsets"])
 
 
-def _split(config: MoEConfig, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    inner = config.intermediate_size
-    return gate_up[:, :inner], gate_up[:, inner:]
+def _split(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate rows, up rows) of the experts' first projection (halves of its width)."""
+    return gate_up.chunk(2, dim=-1)
 
 
 SHARED = SwiGLU(
@@ -256,6 +256,8 @@ class RoutedExperts:
     ``shared``: a ``SharedExpert`` beside the routed ones (None: none)."""
 
     shared: SharedExpert | None = None
+    #: the config field of the experts' width (DeepSeek's ``moe_intermediate_size``)
+    width: str = "intermediate_size"
 
     ops = ("swiglu_fwd", "swiglu_bwd", "grouped_mm", "grouped_mm_wgrad")
     aux_scope = "model"
@@ -268,8 +270,12 @@ class RoutedExperts:
         router = TensorSpec(ROUTER.weight, (config.num_experts, config.hidden_size))
         return (router, *(self.shared.params(config) if self.shared is not None else ()))
 
+    def inner(self, config: MoEConfig) -> int:
+        """The experts' width."""
+        return getattr(config, self.width)
+
     def groups(self, config: MoEConfig) -> tuple[ParamGroup, ...]:
-        n, inner, e = config.hidden_size, config.intermediate_size, config.num_experts
+        n, inner, e = config.hidden_size, self.inner(config), config.num_experts
         experts = (TensorSpec(GATE_UP, (e, 2 * inner, n)), TensorSpec(DOWN, (e, n, inner)))
         return (ParamGroup(EXPERTS_GROUP, experts),)
 
@@ -298,7 +304,7 @@ class RoutedExperts:
 
     def saved(self, config: MoEConfig, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
         slots = batch * seq_len * config.num_experts_per_tok
-        routed = TensorSpec("gate_up", (slots, 2 * config.intermediate_size))
+        routed = TensorSpec("gate_up", (slots, 2 * self.inner(config)))
         shared = self.shared.saved(config, batch, seq_len) if self.shared is not None else ()
         return (routed, *shared)
 
@@ -317,11 +323,7 @@ class RoutedExperts:
         """Route ``h`` (the block's ``n2(h_mid)``) once, add the loads into Aux, run the
         routed rows: -> (output like ``h``, saved ``gate_up``, the routing as AuxTemp)."""
         ops = env.ops
-        logits = ROUTER.forward(ops, params, h).reshape(-1, config.num_experts)
-        probs, (top, ids) = route(config, logits)
-        del probs, logits
-        if config.norm_topk_prob:
-            top = top / top.sum(-1, keepdim=True)
+        top, ids = self.choose(config, params, h, env)
         order, offsets, loads = dispatch(config, ids)
         if "counts" in env.aux:
             env.aux["counts"].add_(loads.to(env.aux["counts"]))
@@ -334,9 +336,22 @@ class RoutedExperts:
         shared, saved = self.shared.forward(config, params, h.reshape(out.shape), ops)
         return (out + shared).view_as(h), {"gate_up": gate_up, **saved}, aux_temp
 
+    def choose(
+        self, config: MoEConfig, params: Tensors, h: torch.Tensor, env: Env
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing of the tokens of ``h``: (weights (tokens, k), expert ids (tokens, k));
+        the softmax router's top-k (renormalised with ``norm_topk_prob``). A router of
+        another kind is a subclass with its own ``choose`` and ``_router_backward``."""
+        logits = ROUTER.forward(env.ops, params, h).reshape(-1, config.num_experts)
+        probs, (top, ids) = route(config, logits)
+        del probs, logits
+        if config.norm_topk_prob:
+            top = top / top.sum(-1, keepdim=True)
+        return top, ids
+
     def _expert_rows(self, config, params, gate_up, aux_temp, ops) -> torch.Tensor:
         """Every expert row's output, unweighted (tokens * k, hidden)."""
-        act = ops["swiglu_fwd"](*_split(config, gate_up))
+        act = ops["swiglu_fwd"](*_split(gate_up))
         return ops["grouped_mm"](act, params[DOWN], aux_temp["offsets"])
 
     def _experts_out(self, config, params, gate_up, aux_temp, ops) -> torch.Tensor:
@@ -369,7 +384,7 @@ class RoutedExperts:
         tokens, weights = _rows(config, aux_temp)
         flat_h2, flat_dy = h.reshape(-1, n), dy.reshape(-1, n)
         # experts: y = h_mid + sum over rows of weight * down(swiglu(gate_up))
-        gate, up = _split(config, gate_up)
+        gate, up = _split(gate_up)
         act = ops["swiglu_fwd"](gate, up)
         rows_dy = flat_dy[tokens]
         # dy through the down projection, unweighted: a row's routing weight's gradient is
@@ -391,7 +406,10 @@ class RoutedExperts:
         del d_in
         # the router: weights = top (or top / sum(top)), top = probs[ids]
         d_weights = d_row_weights[slot_rows.reshape(-1)]
-        d_logits = self._router_backward(config, params, flat_h2, aux_temp, d_weights, env)
+        sequences = h.shape[0] if h.dim() == 3 else 1
+        d_logits = self._router_backward(
+            config, params, flat_h2, aux_temp, d_weights, env, sequences
+        )
         d_router_in, g = ROUTER.backward(ops, params, flat_h2, d_logits)
         grads.update(g)
         d_h2 += d_router_in
@@ -402,9 +420,12 @@ class RoutedExperts:
         del flat_h2
         return d_h2.view_as(h), grads
 
-    def _router_backward(self, config, params, flat_h2, aux_temp, d_weights, env) -> torch.Tensor:
+    def _router_backward(
+        self, config, params, flat_h2, aux_temp, d_weights, env, sequences
+    ) -> torch.Tensor:
         """d(router logits) (tokens, E) in the activations' dtype: the routing weights'
-        gradient, plus the balance term (last round) and the z-loss."""
+        gradient, plus the balance term (last round) and the z-loss. ``sequences``: how
+        many sequences the tokens are (a per-sequence term's)."""
         k, e = config.num_experts_per_tok, config.num_experts
         logits = ROUTER.forward(env.ops, params, flat_h2)
         probs, _ = route(config, logits)
@@ -431,7 +452,7 @@ class RoutedExperts:
         return d_logits.to(flat_h2.dtype)
 
     def cost(self, config: MoEConfig, batch: int, seq_len: int, act_bytes: int) -> FfnCost:
-        tokens, n, inner = batch * seq_len, config.hidden_size, config.intermediate_size
+        tokens, n, inner = batch * seq_len, config.hidden_size, self.inner(config)
         k, e = config.num_experts_per_tok, config.num_experts
         experts = 2 * tokens * k * 3 * n * inner
         router = 2 * tokens * n * e

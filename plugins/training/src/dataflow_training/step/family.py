@@ -56,6 +56,11 @@ class TensorSpec:
     ``decay`` (parameters): whether weight decay applies (off for norms and biases).
     ``trainable`` (parameters): False for a frozen tensor, which gets no gradient and no
     optimizer state.
+    ``rule`` (parameters): the name of an update rule that changes the tensor instead of a
+    gradient (DeepSeek V3's expert selection bias, moved by a sign rule from its layer's
+    expert loads): such a tensor is not trainable (no gradient, no optimizer state); the
+    optimizer task of its group reads the layer's ``Aux`` and calls the block math's
+    ``apply_rules(config, params, aux, env)`` after the group's update.
     ``rows`` (parameters): the rows the model's state holds where the step stores more,
     ``shape[0]`` (None: all of them): a vocabulary table padded for the tensor cores
     (``kit.decoder_math.padded_vocab``). The rows past ``rows`` start at zero, no math
@@ -70,6 +75,15 @@ class TensorSpec:
     decay: bool = True
     trainable: bool = True
     rows: int | None = attrs.field(default=None, kw_only=True)
+    rule: str | None = attrs.field(default=None, kw_only=True)
+
+    @rule.validator
+    def _rule(self, attribute: attrs.Attribute, value: str | None) -> None:
+        if value is not None and self.trainable:
+            raise FamilyContractError(
+                f"tensor {self.name!r}: rule={value!r} updates it instead of a gradient, so "
+                "it must be declared trainable=False"
+            )
 
     @rows.validator
     def _rows(self, attribute: attrs.Attribute, value: int | None) -> None:

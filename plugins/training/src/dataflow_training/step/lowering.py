@@ -407,7 +407,9 @@ def _head_cost(
 def _add_updates(chain: StepChain, layers: tuple[LayerSpec, ...], norms: tuple[str, ...]) -> None:
     """One optimizer task per trainable group, of ``layers`` in that order (head, blocks
     from the top, embed): it reads the gradient (or, with a clip, scales it in place by
-    the factor the ``norms`` give) and updates the weights and the optimizer state."""
+    the factor the ``norms`` give) and updates the weights and the optimizer state; a
+    group holding a tensor updated by a rule (``TensorSpec.rule``) also reads its layer's
+    Aux."""
     train, packed = chain.train, chain.packed
     key = optimizer_key(train.optimizer.name)
     clipped = train.clip is not None  # the update scales dW in place
@@ -416,6 +418,14 @@ def _add_updates(chain: StepChain, layers: tuple[LayerSpec, ...], norms: tuple[s
             dw_id = group_object("dW", layer.name, group.name)
             if dw_id not in packed:
                 continue  # nothing trainable in this group
+            # a tensor updated by a rule from the layer's Aux (TensorSpec.rule)
+            ruled = any(p.rule is not None for p in group.params)
+            if ruled and not layer.aux:
+                raise FamilyContractError(
+                    f"family {chain.family!r}: layer {layer.name!r} has a tensor updated by "
+                    "a rule (TensorSpec.rule) but declares no Aux for the rule to read"
+                )
+            aux = (layer.aux_object,) if ruled else ()
             w_id = group_object("W", layer.name, group.name)
             o_id = group_object("O", layer.name, group.name)
             moved = (
@@ -429,7 +439,11 @@ def _add_updates(chain: StepChain, layers: tuple[LayerSpec, ...], norms: tuple[s
                 layer.name,
                 key,
                 chain.cost.cost_us(0, moved),
-                inputs={"grad": () if clipped else (dw_id,), "grad_norm": norms if clipped else ()},
+                inputs={
+                    "grad": () if clipped else (dw_id,),
+                    "grad_norm": norms if clipped else (),
+                    "aux": aux,
+                },
                 mutates={
                     "w": (w_id,),
                     "opt_state": (o_id,),
