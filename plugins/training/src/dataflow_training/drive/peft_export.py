@@ -44,7 +44,11 @@ def lora_of(manifest: Mapping[str, Any], checkpoint: str | Path) -> LoraConfig:
             "writes its whole model)"
         )
     return LoraConfig(
-        lora["rank"], lora.get("alpha"), lora.get("dropout", 0.0), lora.get("targets", ())
+        lora["rank"],
+        lora.get("alpha"),
+        lora.get("dropout", 0.0),
+        lora.get("targets", ()),
+        lora.get("base"),
     )
 
 
