@@ -394,3 +394,18 @@ def test_lora_base_without_lora_is_one_line(tmp_path, hf_folder) -> None:
     args.remove("--lora")
     args.remove(str(RANK))
     assert_one_line_error(invoke(*args), 2, "--lora-base", "needs --lora RANK")
+
+
+def test_an_evaluation_sees_the_adapters_on_the_quantized_base(runs) -> None:
+    """``dataflow eval`` of the int8 run's checkpoints: the forward-only step holds the
+    adapters and the int8 base as training does, so two checkpoints that differ only in
+    their adapters score differently."""
+    scores = []
+    for step in ("step_000002", "step_000006"):
+        result = invoke(
+            "eval", "--from", str(runs["int8"] / step), "--json", "--eval-tokens", "64",
+            "--val-data", "embedded:python-stdlib",
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        scores.append(json.loads(result.stdout.splitlines()[-1])["val_loss"])
+    assert all(3 < s < 8 for s in scores) and scores[0] != scores[1], scores
