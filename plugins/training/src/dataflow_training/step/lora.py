@@ -228,14 +228,23 @@ def lora_layers(layers: Sequence[LayerSpec], lora: LoraConfig | None) -> tuple[L
     return tuple(out)
 
 
-def lora_cost(cost: LayerCost, layer: LayerSpec, tokens: int) -> LayerCost:
+def lora_cost(cost: LayerCost, layer: LayerSpec, tokens: int, act_bytes: int = 2) -> LayerCost:
     """A block's ``cost`` (a family's, for full training) with ``layer``'s adapters: each
     adapter's two small matmuls added to forward and recompute; to backward, its five
     (``x A^T`` made again, ``dB``, the gradient through ``B``, ``dA`` and ``dx`` through
-    ``A``), less the ``dW`` matmul its frozen target no longer makes (``kit.lora``)."""
+    ``A``), less the ``dW`` matmul its frozen target no longer makes (``kit.lora``). A
+    base stored apart (``base_specs``) adds, to each of the three, the dense weight each
+    projection dequantizes into (``act_bytes`` an element), written and read again."""
     adapters = [g for g in layer.groups if g.name == GROUP]
     if not adapters:
         return cost
+    dense = 0
+    for p in layer.params:
+        if p.dtype in ("int8", "bfloat16"):
+            dense += p.shape[0] * p.shape[1]
+        elif p.dtype == "uint8":
+            dense += 2 * p.shape[0] * p.shape[1]
+    moved = 2.0 * dense * act_bytes
     forward = backward = 0.0
     params = adapters[0].params
     for a, b in zip(params[::2], params[1::2], strict=True):
@@ -247,7 +256,15 @@ def lora_cost(cost: LayerCost, layer: LayerSpec, tokens: int) -> LayerCost:
     recompute = cost.recompute if cost.recompute is not None else cost.forward
     return attrs.evolve(
         cost,
-        forward=attrs.evolve(cost.forward, flops=cost.forward.flops + forward),
-        backward=attrs.evolve(cost.backward, flops=max(0.0, cost.backward.flops + backward)),
-        recompute=attrs.evolve(recompute, flops=recompute.flops + forward),
+        forward=attrs.evolve(
+            cost.forward, flops=cost.forward.flops + forward, bytes=cost.forward.bytes + moved
+        ),
+        backward=attrs.evolve(
+            cost.backward,
+            flops=max(0.0, cost.backward.flops + backward),
+            bytes=cost.backward.bytes + moved,
+        ),
+        recompute=attrs.evolve(
+            recompute, flops=recompute.flops + forward, bytes=recompute.bytes + moved
+        ),
     )
