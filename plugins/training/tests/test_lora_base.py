@@ -409,3 +409,41 @@ def test_an_evaluation_sees_the_adapters_on_the_quantized_base(runs) -> None:
         assert result.exit_code == 0, result.output
         scores.append(json.loads(result.stdout.splitlines()[-1])["val_loss"])
     assert all(3 < s < 8 for s in scores) and scores[0] != scores[1], scores
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("base", ["int8", "nf4"])
+def test_a_quantized_base_on_cuda_stays_bit_identical_and_learns(base) -> None:
+    """On CUDA (bf16, the steps after the first replayed from a CUDA graph, which reads
+    the update's number for the dropout masks from the device): the quantized base comes
+    back bit-identical, the adapters move, the loss falls; the masks equal the CPU's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from dataflow_training.drive.run import TrainingRun
+
+    train = TrainConfig(
+        seq_len=16,
+        batch=2,
+        dtype=DtypePolicy.named("bf16"),
+        optimizer=OptimizerPolicy(lr=1e-2),
+        lora=LoraConfig(RANK, dropout=0.1, base=base),
+    )
+    run = TrainingRun.of("llama3", PRESET, train, device="cuda")
+    tokens = torch.randint(0, run.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    batch = [(tokens[:, :-1].contiguous().cuda(), tokens[:, 1:].contiguous().cuda())]
+    before, _ = run.state()
+    losses = [run.step(batch).loss for _ in range(4)]
+    after, _ = run.state()
+    run.close()
+    for key in before:
+        assert torch.equal(before[key], after[key]) == (".lora_" not in key), key
+    assert before["0.self_attn.q_proj.weight"].dtype == getattr(
+        torch, {"int8": "int8"}.get(base, "uint8")
+    )
+    assert losses[-1] < losses[0], losses
+    seed = torch.tensor(task_seed(3, 0, 1), device="cuda")
+    on_cuda = dropout_keep((2, 16, 64), seed, name_salt("q.weight"), 0.1, "cuda")
+    assert torch.equal(
+        on_cuda.cpu(),
+        dropout_keep((2, 16, 64), task_seed(3, 0, 1), name_salt("q.weight"), 0.1, "cpu"),
+    )
