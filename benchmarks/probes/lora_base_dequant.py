@@ -1,5 +1,6 @@
-"""Probe, 2026-12-05 (session 29): what does the reference dequantize cost a LoRA base's
-projection on CUDA, beside the bf16 matmul it feeds?
+"""Probe, 2026-12-05 (session 29): what does a LoRA base's dequantize cost on CUDA?
+
+The reference dequantize of one projection, beside the bf16 matmul it feeds.
 
 Answer: in results/lora_base_dequant_<device>.json, written up in docs/finetuning.md
 ("A base in 8 or 4 bits").

@@ -32,6 +32,7 @@ from dataflow_training.kit.lora_base import (
 )
 from dataflow_training.step.config import DtypePolicy, OptimizerPolicy, TrainConfig
 from dataflow_training.step.family import TensorSpec, load_family
+from dataflow_training.step.freezing import parameter_counts
 from dataflow_training.step.lora import LoraConfig, LoraError, base_specs, lora_layers
 from dataflow_training.step.lowering import lower
 from dataflow_training.step.ops import load_ops
@@ -161,6 +162,8 @@ def test_quantized_specs_and_a_weight_nf4_cannot_block() -> None:
     assert specs["mlp.down_proj.weight_scale"].shape == (64 * 160 // 64,)
     assert specs["input_layernorm.weight"].dtype == "policy"  # norms stay
     assert not any(p.trainable for p in layers[1].groups[0].params)
+    dense = lora_layers(llama3.layers(llama3.config(PRESET)), LoraConfig(RANK))
+    assert parameter_counts(layers) == parameter_counts(dense)  # the weights stood for
     with pytest.raises(LoraError, match="--lora-base nf4: 0.odd.weight"):
         base_specs(TensorSpec("odd.weight", (3, 30)), "nf4", "0")
     with pytest.raises(LoraError, match="--lora-base 'fp8'"):
