@@ -340,8 +340,8 @@ def test_the_dropout_masks_differ_by_update_round_layer_and_weight() -> None:
         assert 0.45 < mask.float().mean() < 0.55
         for other in masks[i + 1 :]:
             assert 0.4 < (mask != other).float().mean() < 0.6
-    again = dropout_keep(shape, torch.tensor(task_seed(1, 0, 1)), name_salt("q.weight"), 0.5, "cpu")
-    assert torch.equal(again, masks[0])  # a device value draws the int's mask
+    again = dropout_keep(shape, 1 * 1_000_003 + 1, name_salt("q.weight"), 0.5, "cpu")
+    assert torch.equal(again, masks[0])  # an int seed draws its tensor's mask
 
 
 def test_export_peft_and_merge_of_a_quantized_run(llama3, runs, tmp_path) -> None:
@@ -444,9 +444,35 @@ def test_a_quantized_base_on_cuda_stays_bit_identical_and_learns(base) -> None:
         torch, {"int8": "int8"}.get(base, "uint8")
     )
     assert losses[-1] < losses[0], losses
-    seed = torch.tensor(task_seed(3, 0, 1), device="cuda")
+    seed = task_seed(torch.tensor(3.0, device="cuda"), 0, 1)  # as a replayed graph reads it
     on_cuda = dropout_keep((2, 16, 64), seed, name_salt("q.weight"), 0.1, "cuda")
+    assert on_cuda.device.type == "cuda"
     assert torch.equal(
         on_cuda.cpu(),
         dropout_keep((2, 16, 64), task_seed(3, 0, 1), name_salt("q.weight"), 0.1, "cpu"),
     )
+
+
+@pytest.mark.slow  # compiling the block functions: about 10 s of CPU
+def test_the_compiled_resolver_runs_dropout_on_an_int8_base_as_eager_does(monkeypatch) -> None:
+    """``aot_eager`` traces what inductor compiles: the dequantize ops and the dropout's
+    mask, its seed a tensor input (no recompiling as the update changes)."""
+    pytest.importorskip("dataflow_resolver_torch")
+    from dataflow_resolver_torch import compiled
+    from dataflow_training.drive.run import TrainingRun
+    from dataflow_training.step.costs import RooflineCost
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    lora = LoraConfig(RANK, dropout=0.2, base="int8")
+    train = TrainConfig(seq_len=16, batch=2, optimizer=OptimizerPolicy(lr=1e-2), lora=lora)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (2, 17), generator=g)
+    batch = [(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())]
+    losses = {}
+    for resolver in ("torch", "torch-compiled"):
+        torch._dynamo.reset()
+        run = TrainingRun.of("llama3", PRESET, train, resolver=resolver, cost=RooflineCost())
+        losses[resolver] = [run.step(batch).loss for _ in range(4)]
+        run.close()
+    torch._dynamo.reset()
+    assert losses["torch-compiled"] == losses["torch"]

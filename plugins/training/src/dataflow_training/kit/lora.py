@@ -83,10 +83,10 @@ def task_seed(update: Any, round_: int, layer: int) -> Any:
     """The seed of one task's masks: of the optimizer update's number (1-based; an int
     or the device tensor a CUDA graph reads), the accumulation round and the layer's
     index, so forward, recompute and backward of one block in one round draw the same
-    masks and every other draws its own. A device value (a float32 0-d tensor: exact
-    up to 2**24 updates) is taken to int64 there."""
-    if isinstance(update, torch.Tensor):
-        update = update.to(torch.int64)
+    masks and every other draws its own: a 0-d int64 tensor, on the host for an int
+    ``update``, on the device for a device value (a float32 0-d tensor, exact up to
+    2**24 updates)."""
+    update = update.to(torch.int64) if isinstance(update, torch.Tensor) else torch.tensor(update)
     return update * 1_000_003 + round_ * 4099 + layer
 
 
@@ -105,8 +105,10 @@ def dropout_keep(
     (row-major) is kept where ``hash(i ^ hash(seed, salt)) >= p * 2**32``, each with
     probability ``1 - p``. ``seed`` is an int or a 0-d int64 tensor (``task_seed``),
     ``salt`` tells apart the projections of one task (``name_salt``)."""
-    key = torch.as_tensor(seed, dtype=torch.int64, device=device)
-    key = _hash32(_hash32(key & _BITS) ^ salt)
+    # an int seed becomes a 0-d host tensor, which ops on a CUDA tensor take as a scalar
+    # (no copy), and which torch.compile takes as an input (no recompiling every step)
+    key = seed if isinstance(seed, torch.Tensor) else torch.tensor(seed)
+    key = _hash32(_hash32(key.to(torch.int64) & _BITS) ^ salt)
     count = 1
     for size in shape:
         count *= size
