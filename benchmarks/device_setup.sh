@@ -4,7 +4,8 @@
 # .whl/ holds flash-linear-attention and fla-core 0.6.0 and einops (the gated delta rule's
 # fla variant, registered only where all three and triton import: `pip download
 # flash-linear-attention==0.6.0 fla-core==0.6.0 einops --no-deps -d .whl`); --no-deps keeps a
-# wheel whose other dependencies the image lacks from failing the install.
+# wheel whose other dependencies the image lacks from failing the install. torchao is not
+# carried: --lora-base needs none of it (docs/finetuning.md says why its kernels do not fit).
 # Sourced (`source benchmarks/device_setup.sh && ...`) for its PYTHONPATH; the install
 # runs in a subshell with `set -euo pipefail`, so those options do not leak into the
 # caller's command (where a failing test piped into `tail` would end all that follows).

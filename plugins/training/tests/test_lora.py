@@ -283,8 +283,8 @@ def test_a_resumed_lora_run_equals_an_uninterrupted_one(hf_folder, lora_run, tmp
 def test_bad_lora_options_are_one_line(tmp_path, hf_folder) -> None:
     result = invoke(*_args(tmp_path / "a", hf_folder, 1, "--lora-targets", "q_proj,nope"))
     assert_one_line_error(result, 1, "--lora-targets nope", "no linear of the model")
-    result = invoke(*_args(tmp_path / "b", hf_folder, 1, "--lora-dropout", "0.1"))
-    assert_one_line_error(result, 2, "--lora-dropout 0.1", "not built yet")
+    result = invoke(*_args(tmp_path / "b", hf_folder, 1, "--lora-dropout", "1.5"))
+    assert_one_line_error(result, 2, "--lora-dropout 1.5", "[0, 1)")
 
 
 def _lora_losses(family: str, preset: str, resolver: str, device: str = "cpu", **train):

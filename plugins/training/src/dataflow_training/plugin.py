@@ -1,10 +1,11 @@
 """Entry-point module of dataflow-training: adds ``dataflow verify``, ``train``, ``lower``,
-``eval``, ``export``, ``predict`` and ``measure``, the ``recompute`` planner and the ``toy_moe``
-family (the protocol's worked MoE example); imports torch only when the family loads."""
+``eval``, ``export``, ``predict`` and ``measure``, the ``recompute`` planner, the ``toy_moe``
+family (the protocol's worked MoE example) and the reference variants of the ops a
+quantized LoRA base calls (``kit.lora_base``); imports torch only when one is used."""
 
 from __future__ import annotations
 
-from dataflow import FamilySpec, hookimpl
+from dataflow import FamilySpec, KernelVariant, hookimpl
 
 
 @hookimpl
@@ -62,3 +63,37 @@ def dataflow_optimizers() -> list:
     from dataflow_training.optim.builtins import OPTIMIZERS
 
     return list(OPTIMIZERS)
+
+
+def _dequantize(name: str):
+    def load():
+        # the entry point loads at every start of `dataflow`: torch loads when the op is used
+        from dataflow_training.kit import lora_base
+
+        return getattr(lora_base, name)
+
+    return load
+
+
+@hookimpl
+def dataflow_kernels() -> list:
+    """``dequantize_int8(codes, scale, dtype)`` and ``dequantize_nf4(codes, absmax,
+    dtype)``: a LoRA base's weight from its stored form (``kit.lora_base``), plain torch
+    on every device. torchao 0.18 has no kernel for these layouts: its int8 weight-only
+    linear casts the codes and multiplies as this does, and its NF4 needs its own tensor
+    subclass with double-quantized scales (docs/finetuning.md)."""
+    return [
+        KernelVariant(
+            op,
+            "reference",
+            _dequantize(op),
+            devices=("cpu", "cuda"),
+            deterministic=True,
+            priority=0,
+            description=what,
+        )
+        for op, what in (
+            ("dequantize_int8", "int8 codes times their row's float32 scale"),
+            ("dequantize_nf4", "NF4 values of the packed codes times their block's absmax"),
+        )
+    ]

@@ -271,7 +271,14 @@ def fleet_options(command: Any) -> Any:
     type=float,
     default=0.0,
     show_default=True,
-    help="dropout on the adapters' input (only 0 is built yet)",
+    help="dropout on the adapters' input (the base sees it whole), a probability in [0, 1)",
+)
+@click.option(
+    "--lora-base",
+    type=click.Choice(["bf16", "int8", "nf4"]),
+    default=None,
+    help="how the frozen base's projections are stored: bf16, int8 (per row) or nf4 "
+    "(4-bit NormalFloat, blocks of 64)  [default: the run's parameter dtype]",
 )
 @click.option(
     "--lora-targets",
@@ -509,12 +516,22 @@ def _check_lora(rest: dict[str, Any]) -> None:
     from dataflow_training.step.lora import LoraConfig
 
     if rest["lora"] is None:
-        given = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_targets") if rest[n]]
-        if given or rest["lora_dropout"]:
-            raise click.UsageError(f"{', '.join(given) or '--lora-dropout'} needs --lora RANK")
+        given = [
+            f"--{n.replace('_', '-')}"
+            for n in ("lora_alpha", "lora_targets", "lora_dropout", "lora_base")
+            if rest[n]
+        ]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} needs --lora RANK")
         return
     try:
-        LoraConfig(rest["lora"], rest["lora_alpha"], rest["lora_dropout"], rest["lora_targets"])
+        LoraConfig(
+            rest["lora"],
+            rest["lora_alpha"],
+            rest["lora_dropout"],
+            rest["lora_targets"],
+            rest["lora_base"],
+        )
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--lora") from None
 

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from dataflow import fsync_path
+from dataflow_training.kit.lora_base import dense_base
 from dataflow_training.step.lora import LoraConfig, adapter_names
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -44,7 +45,11 @@ def lora_of(manifest: Mapping[str, Any], checkpoint: str | Path) -> LoraConfig:
             "writes its whole model)"
         )
     return LoraConfig(
-        lora["rank"], lora.get("alpha"), lora.get("dropout", 0.0), lora.get("targets", ())
+        lora["rank"],
+        lora.get("alpha"),
+        lora.get("dropout", 0.0),
+        lora.get("targets", ()),
+        lora.get("base"),
     )
 
 
@@ -62,7 +67,10 @@ def adapted(weights: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, str]]:
 
 def merged(weights: Mapping[str, torch.Tensor], lora: LoraConfig) -> dict[str, torch.Tensor]:
     """``weights`` with each adapter folded into its weight (``W + scale * B A`` in float32,
-    stored back in ``W``'s dtype) and the adapters dropped."""
+    stored back in ``W``'s dtype) and the adapters dropped. A base stored quantized or in
+    bf16 (``--lora-base``) is first dequantized into the run's dtype (``dense_base``:
+    bf16 or float32), so the merged model is in that dtype."""
+    weights = dense_base(weights)
     pairs = adapted(weights)
     out = {}
     dropped = {key for pair in pairs.values() for key in pair}
@@ -77,9 +85,9 @@ def merged(weights: Mapping[str, torch.Tensor], lora: LoraConfig) -> dict[str, t
 
 
 def base_state(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``weights`` without the adapters: the frozen base."""
+    """``weights`` without the adapters: the frozen base, dequantized (``dense_base``)."""
     dropped = {key for pair in adapted(weights).values() for key in pair}
-    return {k: v for k, v in weights.items() if k not in dropped}
+    return dense_base({k: v for k, v in weights.items() if k not in dropped})
 
 
 def write_peft(

@@ -49,6 +49,7 @@ from dataflow_training.drive.values import (
     state_layouts,
 )
 from dataflow_training.kit.lora import init_adapters
+from dataflow_training.kit.lora_base import stored_base
 from dataflow_training.plan.compiled_step import (
     HOST_RESERVE_BYTES,
     CompiledStep,
@@ -159,10 +160,13 @@ class TrainingRun:
         self.grad_norms = running.layout.grad_norms()
         self.updates = 0  # optimizer updates done so far
         dtype = getattr(torch, self.train.dtype.param)
-        self._weights: dict[str, torch.Tensor] | None = (
+        # a copy in the step's dtypes: a LoRA base quantized here, at load (kit.lora_base)
+        self._weights: dict[str, torch.Tensor] | None = stored_base(
+            running.layers,
             _reference_state(compiled.family, compiled.config, seed, dtype)
             if state is None
-            else {k: v.detach().to(dtype, copy=True) for k, v in state.items()}
+            else state,
+            dtype,
         )
         if self.train.lora is not None:  # a base's state: its adapters start as PEFT's do
             init_adapters(running.layers, self._weights, seed, dtype)
@@ -417,7 +421,7 @@ class TrainingRun:
         """Continue from a given state: the engine is loaded afresh at the next step."""
         self.close()
         dtype = getattr(torch, self.train.dtype.param)
-        self._weights = {k: v.to(dtype).clone() for k, v in weights.items()}
+        self._weights = stored_base(self.compiled.running.layers, weights, dtype)
         self._opt_state = None if opt_state is None else dict(opt_state)
         self.updates = updates
 

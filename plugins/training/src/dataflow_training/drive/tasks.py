@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from dataflow import LaunchContext, Program, Task
-from dataflow_training.kit.lora import with_lora
+from dataflow_training.kit.lora import task_seed, with_lora, with_seed
+from dataflow_training.kit.lora_base import OPS as BASE_OPS
 from dataflow_training.step.family import Env, FamilyContractError, RowGradient
 from dataflow_training.step.keys import ComputeKeyError, parse
 from dataflow_training.step.layout import TaskSlot
@@ -110,7 +111,9 @@ class TrainingTasks:
         if self._given_ops is not None:
             return with_lora(self._given_ops, self.train.lora)
         if device not in self._ops:
-            names = (*self.family.ops, *self.optimizer.ops)
+            lora = self.train.lora
+            base_ops = BASE_OPS.get(lora.base, ()) if lora is not None else ()
+            names = (*self.family.ops, *self.optimizer.ops, *base_ops)
             self._ops[device] = dict(with_lora(load_ops(device, names), self.train.lora))
         return self._ops[device]
 
@@ -161,6 +164,7 @@ class _Exec:
         self.tasks, self.task, self.slot = tasks, task, slot
         self.layout = tasks.layout
         self.kind = self.layout.layer(slot.layer).kind
+        self.layer_index = [layer.name for layer in self.layout.layers].index(slot.layer)
         self._index = {
             obj: (part, i)
             for part in ("inputs", "mutates", "outputs")
@@ -174,8 +178,14 @@ class _Exec:
 
     def env(self, ctx: LaunchContext, **fields: Any) -> Env:
         train = self.tasks.train
+        ops = self.tasks.ops(ctx.device)
+        update = ctx.values.get("update")
+        if update is not None and self.slot.kind in ("fwd", "rec", "bwd"):
+            # LoRA's dropout masks (kit.lora): one seed per update, round and layer, only
+            # in a training step (an evaluation passes no update)
+            ops = with_seed(ops, task_seed(update, self.slot.round_, self.layer_index))
         return Env(
-            self.tasks.ops(ctx.device),
+            ops,
             round_=self.slot.round_,
             rounds=train.rounds,
             chunk_tokens=train.chunk_tokens,

@@ -182,11 +182,13 @@ class TrainOptions:
     #: the later phases of the run, each from its step on (``drive.phases``)
     phases: tuple[Phase, ...] = attrs.field(default=(), converter=phases_of)
     #: LoRA's rank (``--lora``; None: no adapters, everything not frozen trains) and its
-    #: alpha (None: 2 x rank), dropout and targets (empty: the default), ``step.lora``
+    #: alpha (None: 2 x rank), dropout, targets (empty: the default) and base storage
+    #: (None: the parameter dtype), ``step.lora``
     lora: int | None = None
     lora_alpha: float | None = None
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    lora_base: str | None = None
 
     @property
     def policy(self) -> Precision:
@@ -230,7 +232,9 @@ class TrainOptions:
         """The run's ``LoraConfig``, or None without ``--lora``."""
         if self.lora is None:
             return None
-        return LoraConfig(self.lora, self.lora_alpha, self.lora_dropout, self.lora_targets)
+        return LoraConfig(
+            self.lora, self.lora_alpha, self.lora_dropout, self.lora_targets, self.lora_base
+        )
 
     def compile(self, family: Any, **more: Any) -> Any:
         """``compile_step`` of the step of ``family`` (the family object ``self.family``

@@ -2,7 +2,9 @@
 
 ``y = x @ W.T + b`` with W (out, in). Backward needs only the layer's input:
 ``dx = dy @ W``, ``dW = dy.T @ x``, ``db = sum(dy)`` (summed in float32 at least).
-Where the parameters hold LoRA adapters of the projection (``kit.lora``), it adds them.
+Where the parameters hold LoRA adapters of the projection (``kit.lora``), it adds them;
+where the weight is a LoRA base stored quantized or in another dtype
+(``kit.lora_base``), it multiplies by it dequantized, and makes no ``dW``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 from dataflow_training.kit.lora import adapter_backward, adapter_forward
+from dataflow_training.kit.lora_base import base_weight, stored_apart
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -53,21 +56,24 @@ class Linear:
         return f"{module}.lora_A.weight", f"{module}.lora_B.weight"
 
     def forward(self, ops: Any, params: Tensors, x: torch.Tensor) -> torch.Tensor:
-        y = ops["linear"](x, params[self.weight], params[self.bias] if self.bias else None)
+        weight = base_weight(ops, params, self.weight, x.dtype)
+        y = ops["linear"](x, weight, params[self.bias] if self.bias else None)
         a, b = self.adapters
-        if a in params:  # a LoRA target: + scale * (x A^T) B^T (kit.lora)
-            y = y + adapter_forward(ops, x, params[a], params[b])
+        if a in params:  # a LoRA target: + scale * (dropout(x) A^T) B^T (kit.lora)
+            y = y + adapter_forward(ops, x, params[a], params[b], self.weight)
         return y
 
     def backward(
         self, ops: Any, params: Tensors, x: torch.Tensor, dy: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """-> (dx, gradients by parameter name). A LoRA target's are its adapters', and
-        no ``dW`` (its base is frozen)."""
+        no ``dW`` (its base is frozen); a base stored apart has none either."""
         a, b = self.adapters
-        if a in params:
-            dx = ops["linear"](dy, params[self.weight].t())
-            d_x, d_a, d_b = adapter_backward(ops, x, params[a], params[b], dy)
+        if a in params or stored_apart(params, self.weight, dy.dtype):
+            dx = ops["linear"](dy, base_weight(ops, params, self.weight, dy.dtype).t())
+            if a not in params:
+                return dx, {}
+            d_x, d_a, d_b = adapter_backward(ops, x, params[a], params[b], dy, self.weight)
             return dx.add_(d_x), {a: d_a, b: d_b}
         dx, d_weight, d_bias = linear_backward(
             ops, x, params[self.weight], dy, bias=self.bias is not None

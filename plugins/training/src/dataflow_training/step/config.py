@@ -250,3 +250,8 @@ def omit_empty_freeze(converter: Any) -> None:
             lora=override(omit_if_default=True),
         ),
     )
+    # a LoRA run with its base in the run's dtype is written as before --lora-base
+    converter.register_unstructure_hook(
+        LoraConfig,
+        make_dict_unstructure_fn(LoraConfig, converter, base=override(omit_if_default=True)),
+    )

@@ -28,6 +28,7 @@ from dataflow_training.step.costs import RooflineCost
 from dataflow_training.step.family import Family, FamilyContractError, embed_layer, head_layer
 from dataflow_training.step.keys import family_key
 from dataflow_training.step.layout import LayerInfo, PackedObject, StepLayout
+from dataflow_training.step.lora import lora_layers
 from dataflow_training.step.lowering import Lowered, _add_aux, _dtype, _ordered, _step_links
 from dataflow_training.step.packing import Layout
 from dataflow_training.step.step_chain import StepChain, group_object
@@ -47,7 +48,7 @@ def lower_forward(
     overrides = dict(overrides or {})
     train = attrs.evolve(train, rounds=1)
     config = family.config(preset, **overrides)
-    layers = tuple(family.layers(config))
+    layers = lora_layers(family.layers(config), train.lora)  # LoRA's adapters and base
     embed, head = embed_layer(layers), head_layer(layers)
     blocks = layers[1:-1]
     chain = StepChain(

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 
 from dataflow_training.step.family import LayerSpec
+from dataflow_training.step.lora import SCALE_SUFFIX
 
 #: The forms a freeze pattern takes, for help texts and errors.
 PATTERN_FORMS = "embed, head, layers[.N|.A-B][.GLOB] or a glob over LAYER.PARAM names"
@@ -115,11 +116,15 @@ def trains(layer: LayerSpec) -> bool:
 
 def parameter_counts(layers: Iterable[LayerSpec]) -> tuple[int, int]:
     """(every parameter, the trainable ones) of ``layers``, in elements; a padded table
-    counts the rows the model holds (``TensorSpec.rows``)."""
+    counts the rows the model holds (``TensorSpec.rows``), a quantized LoRA base weight
+    the weights it stands for (nf4: two a byte) and its scales none (``step.lora``)."""
     total = trainable = 0
     for layer in layers:
+        quantized = {p.name: p.dtype for p in layer.params if p.dtype in ("int8", "uint8")}
         for p in layer.params:
-            count = _elements(p.shape, p.rows)
+            if p.name.endswith(SCALE_SUFFIX) and p.name.removesuffix(SCALE_SUFFIX) in quantized:
+                continue
+            count = _elements(p.shape, p.rows) * (2 if quantized.get(p.name) == "uint8" else 1)
             total += count
             trainable += count if p.trainable else 0
     return total, trainable

@@ -18,7 +18,19 @@ default is every dense projection of the builtin families (``DEFAULT_TARGETS``: 
 and Qwen's ``q,k,v,o`` and ``gate,up,down``, GPT-2's fused ``c_attn``, ``c_proj``,
 ``c_fc``). A MoE's routed experts are stacked tensors that no ``Linear`` runs (their
 grouped matmuls): they are not targets in this version, and naming ``experts`` is an
-error that says so. Step-stage code: no torch here (``kit.lora`` holds the math).
+error that says so.
+
+The base (``LoraConfig.base``, ``--lora-base``) may be stored apart from the run's
+parameter dtype: ``bf16``, or quantized as ``int8`` (per output row, symmetric absmax:
+``weight`` int8 (out, in) and ``weight_scale`` float32 (out,), ``w = code * scale``) or
+``nf4`` (QLoRA's 4-bit NormalFloat: ``weight`` uint8 (out, in / 2), two codes a byte, the
+first element in the high nibble, and ``weight_scale`` float32 (out * in / 64,), the
+absmax of each block of 64 consecutive elements of the row-major weight, ``w = NF4[code]
+* absmax``). ``lora_layers`` gives every dense projection of a block (``DEFAULT_TARGETS``
+and the targets), adapted or not, that storage: the step's ``W`` objects hold those
+bytes, so the planner streams fewer of them. The math dequantizes one projection at a
+time (``kit.lora_base``). Step-stage code: no torch here (``kit.lora`` and
+``kit.lora_base`` hold the math).
 """
 
 from __future__ import annotations
@@ -59,24 +71,37 @@ def _rank(instance: object, attribute: attrs.Attribute, value: int) -> None:
 def _dropout(instance: object, attribute: attrs.Attribute, value: float) -> None:
     if not 0.0 <= value < 1.0:
         raise LoraError(f"--lora-dropout {value}: a probability in [0, 1)")
-    if value:  # the mask would have to be the same in forward and backward
-        raise LoraError(
-            f"--lora-dropout {value}: dropout on the adapters' input is not built yet; "
-            "give --lora-dropout 0 (the default)"
-        )
+
+
+#: ``--lora-base``: how the frozen base's projections are stored (None: the run's dtype)
+BASES = ("bf16", "int8", "nf4")
+#: the storage dtype of each base's weight entry
+BASE_DTYPES = {"bf16": "bfloat16", "int8": "int8", "nf4": "uint8"}
+#: NF4's block: the elements that share one absmax
+NF4_BLOCK = 64
+#: the suffix of a quantized weight's scales (``<module>.weight_scale``)
+SCALE_SUFFIX = "_scale"
+
+
+def _base(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is not None and value not in BASES:
+        raise LoraError(f"--lora-base {value!r}: one of {', '.join(BASES)}")
 
 
 @attrs.frozen
 class LoraConfig:
     """``rank``; ``alpha`` (None: ``2 * rank``, a scale ``alpha / rank`` of 2 whatever the
     rank, so changing the rank keeps the size of the first updates); ``dropout`` on the
-    adapters' input (only 0 for now); ``targets``, module names (empty: those of
-    ``DEFAULT_TARGETS`` the model has)."""
+    adapters' input (``kit.lora``: the base sees ``x``, the adapter ``dropout(x)``);
+    ``targets``, module names (empty: those of ``DEFAULT_TARGETS`` the model has);
+    ``base``, how the frozen projections are stored (``BASES``; None: in the run's
+    parameter dtype)."""
 
     rank: int = attrs.field(validator=_rank)
     alpha: float | None = None
     dropout: float = attrs.field(default=0.0, validator=_dropout)
     targets: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    base: str | None = attrs.field(default=None, validator=_base)
 
     @property
     def scale(self) -> float:
@@ -106,10 +131,42 @@ def is_target(param: TensorSpec, targets: Sequence[str]) -> bool:
     )
 
 
+def scale_name(weight: str) -> str:
+    """The name of a quantized weight's scales (``<module>.weight_scale``)."""
+    return weight + SCALE_SUFFIX
+
+
+def base_specs(param: TensorSpec, base: str | None, layer: str = "") -> tuple[TensorSpec, ...]:
+    """How the frozen projection weight ``param`` (out, in) is stored under ``base``
+    (module docstring): itself in ``bf16``, codes and scales quantized; ``param`` as it
+    is with no base. A weight nf4 cannot block is a ``LoraError`` naming it."""
+    if base is None:
+        return (param,)
+    out_features, in_features = param.shape
+    if base == "bf16":
+        return (attrs.evolve(param, dtype="bfloat16"),)
+    if base == "int8":
+        rows = (out_features,)
+        codes = attrs.evolve(param, dtype="int8")
+    else:
+        count = out_features * in_features
+        if in_features % 2 or count % NF4_BLOCK:
+            raise LoraError(
+                f"--lora-base nf4: {layer}.{param.name} ({out_features} x {in_features}) "
+                f"has an odd row or a size that is no multiple of the block, {NF4_BLOCK}; "
+                "give --lora-base int8"
+            )
+        rows = (count // NF4_BLOCK,)
+        codes = attrs.evolve(param, shape=(out_features, in_features // 2), dtype="uint8")
+    scales = TensorSpec(scale_name(param.name), rows, "float32", decay=False, trainable=False)
+    return codes, scales
+
+
 def lora_layers(layers: Sequence[LayerSpec], lora: LoraConfig | None) -> tuple[LayerSpec, ...]:
     """``layers`` with every parameter frozen and, in each block, the adapters of its
-    target linears as a trainable group ``lora`` (module docstring); ``layers`` as they
-    are without ``lora``. A target that names no linear of the model is a ``LoraError``."""
+    target linears as a trainable group ``lora`` (module docstring), every dense
+    projection stored as ``lora.base`` says; ``layers`` as they are without ``lora``. A
+    target that names no linear of the model is a ``LoraError``."""
     if lora is None:
         return tuple(layers)
     if "experts" in lora.targets:
@@ -120,15 +177,25 @@ def lora_layers(layers: Sequence[LayerSpec], lora: LoraConfig | None) -> tuple[L
         )
     found: set[str] = set()
     out = []
+    projections = DEFAULT_TARGETS + tuple(lora.targets)
     for index, layer in enumerate(layers):
+        block = 0 < index < len(layers) - 1
         frozen = tuple(
             attrs.evolve(
-                group, params=tuple(attrs.evolve(p, trainable=False) for p in group.params)
+                group,
+                params=tuple(
+                    spec
+                    for p in group.params
+                    for spec in (
+                        base_specs(attrs.evolve(p, trainable=False), lora.base, layer.name)
+                        if block and not group.name and is_target(p, projections)
+                        else (attrs.evolve(p, trainable=False),)
+                    )
+                ),
             )
             for group in layer.groups
         )
         adapters: list[TensorSpec] = []
-        block = 0 < index < len(layers) - 1
         for group in layer.groups if block else ():
             if group.name:  # a named group (experts) is not run by a Linear
                 continue
@@ -161,14 +228,23 @@ def lora_layers(layers: Sequence[LayerSpec], lora: LoraConfig | None) -> tuple[L
     return tuple(out)
 
 
-def lora_cost(cost: LayerCost, layer: LayerSpec, tokens: int) -> LayerCost:
+def lora_cost(cost: LayerCost, layer: LayerSpec, tokens: int, act_bytes: int = 2) -> LayerCost:
     """A block's ``cost`` (a family's, for full training) with ``layer``'s adapters: each
     adapter's two small matmuls added to forward and recompute; to backward, its five
     (``x A^T`` made again, ``dB``, the gradient through ``B``, ``dA`` and ``dx`` through
-    ``A``), less the ``dW`` matmul its frozen target no longer makes (``kit.lora``)."""
+    ``A``), less the ``dW`` matmul its frozen target no longer makes (``kit.lora``). A
+    base stored apart (``base_specs``) adds, to each of the three, the dense weight each
+    projection dequantizes into (``act_bytes`` an element), written and read again."""
     adapters = [g for g in layer.groups if g.name == GROUP]
     if not adapters:
         return cost
+    dense = 0
+    for p in layer.params:
+        if p.dtype in ("int8", "bfloat16"):
+            dense += p.shape[0] * p.shape[1]
+        elif p.dtype == "uint8":
+            dense += 2 * p.shape[0] * p.shape[1]
+    moved = 2.0 * dense * act_bytes
     forward = backward = 0.0
     params = adapters[0].params
     for a, b in zip(params[::2], params[1::2], strict=True):
@@ -180,7 +256,15 @@ def lora_cost(cost: LayerCost, layer: LayerSpec, tokens: int) -> LayerCost:
     recompute = cost.recompute if cost.recompute is not None else cost.forward
     return attrs.evolve(
         cost,
-        forward=attrs.evolve(cost.forward, flops=cost.forward.flops + forward),
-        backward=attrs.evolve(cost.backward, flops=max(0.0, cost.backward.flops + backward)),
-        recompute=attrs.evolve(recompute, flops=recompute.flops + forward),
+        forward=attrs.evolve(
+            cost.forward, flops=cost.forward.flops + forward, bytes=cost.forward.bytes + moved
+        ),
+        backward=attrs.evolve(
+            cost.backward,
+            flops=max(0.0, cost.backward.flops + backward),
+            bytes=cost.backward.bytes + moved,
+        ),
+        recompute=attrs.evolve(
+            recompute, flops=recompute.flops + forward, bytes=recompute.bytes + moved
+        ),
     )

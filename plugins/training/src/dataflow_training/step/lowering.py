@@ -371,7 +371,7 @@ def _kinds(
         block_cost[kind] = kind_math.cost(config, train.batch, train.seq_len, act_bytes)
         if train.lora is not None:  # the adapters' matmuls, and no dW of their targets
             layer = next(block for block in layers[1:-1] if block.kind == kind)
-            block_cost[kind] = lora_cost(block_cost[kind], layer, train.tokens_per_round)
+            block_cost[kind] = lora_cost(block_cost[kind], layer, train.tokens_per_round, act_bytes)
         missing = set(partial_layouts[kind]) - set(block_cost[kind].partial)
         if missing:
             raise FamilyContractError(

@@ -50,6 +50,11 @@ float64 inputs). Backward ops never rebuild autograd graphs and never re-run a f
   v_heads, v_dim), g (log decay) and beta (batch, seq, v_heads); the backward takes the
   forward's inputs and re-derives the chunk states itself. Not in ``STANDARD_OPS``: the
   families with linear attention list them.
+- ``dequantize_int8(codes, scale, dtype) -> weight`` and ``dequantize_nf4(codes, absmax,
+  dtype) -> weight``: a LoRA base stored in 8 or 4 bits as the dense (out, in) weight in
+  ``dtype`` (``dataflow_training.kit.lora_base`` has the formats; the training plugin
+  registers their reference variants). Not in ``STANDARD_OPS``: loaded for a LoRA run
+  with ``--lora-base int8`` or ``nf4``.
 - ``adamw_multi(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
   weight_decay) -> None``: one AdamW step over lists of tensors (one multi-tensor launch
   where the device has one), float32 math whatever the storage dtypes.
