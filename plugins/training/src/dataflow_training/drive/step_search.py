@@ -100,6 +100,7 @@ def search_for(
         head_vocab_tiles=shape.head_vocab_tiles,
         resolver=shape.resolver,
         tokens_per_step=shape.tokens_step,
+        search_slow_bytes=found.chosen.slow_budget_bytes,
         search=(),
     )
     return chosen, found
