@@ -16,7 +16,12 @@ from dataflow.testing import invoke
 
 pytest.importorskip("dataflow_family_gpt2")
 
-from dataflow_training.drive.step_search import SEARCHED, NothingFits, search_for  # noqa: E402
+from dataflow_training.drive.step_search import (  # noqa: E402
+    SEARCH_CACHE_ENV,
+    SEARCHED,
+    NothingFits,
+    search_for,
+)
 from dataflow_training.drive.trainer import TrainOptions  # noqa: E402
 from dataflow_training.plan.hardware import hardware  # noqa: E402
 from dataflow_training.plan.profile import CACHE_ENV  # noqa: E402
@@ -35,6 +40,12 @@ def _own_profile_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("profiles")))
         yield
+
+
+@pytest.fixture(autouse=True)
+def _no_search_cache(monkeypatch):
+    """Each search here searches (the cache's own tests below turn it back on)."""
+    monkeypatch.setenv(SEARCH_CACHE_ENV, "1")
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +203,9 @@ def test_nothing_fits_is_one_line_of_dataflow_train(tmp_path) -> None:
 
 def _search_line(output: str) -> str:
     line = next(x for x in output.splitlines() if x.startswith("search:"))
-    return re.sub(r"; \d+ of \d+ candidates planned in [\d.]+ s$", "", line)
+    return re.sub(
+        r"; \d+ of \d+ candidates planned in [\d.]+ s(; from the search cache)?$", "", line
+    )
 
 
 def test_predict_searches_as_train_does(tmp_path) -> None:
@@ -334,3 +347,66 @@ def test_compile_step_plans_nothing_the_search_planned_for_a_host_bound_shape(
         family, cost=declared.cost, links=declared.links
     )
     assert made == [None]
+
+
+def _declared() -> Pricing:
+    entry = hardware("h200")
+    return Pricing(device="cpu", cost=entry.roofline("float32"), links=entry.links())
+
+
+def test_a_second_search_of_the_same_inputs_comes_from_the_cache(
+    family, tmp_path, monkeypatch
+) -> None:
+    """The search cache (``search_cache``): the same inputs again give the same search at
+    once, said in its line, and the same options (the slow budget too); a change of any
+    input (budget, host, pricing, a pin) searches again."""
+    monkeypatch.delenv(SEARCH_CACHE_ENV)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "profiles"))
+    limited, declared = _limited_options(family, tmp_path)
+    first, found = search_for(limited, family, pricing=declared)
+    assert not found.from_cache
+    assert list((tmp_path / "profiles" / "searches").glob("*.json"))
+    again, kept = search_for(limited, family, pricing=declared)
+    assert kept.from_cache and kept.line() == found.line() + "; from the search cache"
+    assert attrs.evolve(kept, from_cache=False) == found
+    assert again == first and again.search_slow_bytes is not None
+    entry = attrs.evolve(hardware("h200"), h2d_bytes_per_us=hardware("h200").h2d_bytes_per_us / 2)
+    changed = [
+        (attrs.evolve(limited, budget_bytes=BUDGET * 2), declared),
+        (attrs.evolve(limited, host_bytes=limited.host_bytes + 1), declared),
+        (limited, Pricing(device="cpu", cost=entry.roofline("float32"), links=entry.links())),
+        (attrs.evolve(limited, batch=2, search=[f for f in limited.search if f != "batch"]), declared),
+    ]  # fmt: skip
+    for o, pricing in changed:
+        assert not search_for(o, family, pricing=pricing)[1].from_cache
+
+
+def test_a_corrupt_search_cache_file_is_said_and_written_again(
+    family, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.delenv(SEARCH_CACHE_ENV)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "profiles"))
+    o, declared = options(tmp_path), _declared()
+    _, found = search_for(o, family, host_bytes=2**40, pricing=declared)
+    [path] = (tmp_path / "profiles" / "searches").glob("*.json")
+    path.write_text(path.read_text()[:40])
+    with pytest.warns(RuntimeWarning, match=f"cache file {path} could not be read"):
+        _, again = search_for(o, family, host_bytes=2**40, pricing=declared)
+    assert not again.from_cache and again.chosen == found.chosen
+    _, kept = search_for(o, family, host_bytes=2**40, pricing=declared)
+    assert kept.from_cache and kept.chosen == found.chosen
+
+
+def test_predict_twice_says_the_second_came_from_the_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv(SEARCH_CACHE_ENV)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "profiles"))
+    args = ["predict", "--preset", "gpt2_tiny", "--budget", "2MiB", "--hw", "h200"]
+    lines = []
+    for _ in range(2):
+        result = invoke(*args)
+        assert result.exit_code == 0, result.output
+        lines.append(result.output.splitlines()[0])
+    assert lines[1] == lines[0] + "; from the search cache"
+    # the cache off (the profile cache's folder: off): searched each time
+    monkeypatch.setenv(CACHE_ENV, "off")
+    assert invoke(*args).output.splitlines()[0] == lines[0]

@@ -102,6 +102,36 @@ class Pricing:
     links: Any = None
     measure: Callable[[Lowered], dict] | None = None
     reserve_bytes: int = 0
+    #: what ``measure`` prices by (e.g. its profile cache's key), for the search cache
+    #: (``search_cache``); None: a search priced by it is not kept
+    measured_by: str | None = None
+
+    def identity(self, family: Any, resolver_names: list[str]) -> dict[str, Any] | None:
+        """What the prices of ``family``'s steps run by ``resolver_names`` depend on, for
+        the search cache's key: a cost model's and its links' values, or the profile
+        cache's key for each resolver (the device, the kernels and their code), or
+        ``measured_by``; None where that is unknown (the profile cache off)."""
+        on_cuda = self.device.startswith("cuda")
+        known: dict[str, Any] = {
+            "device": self.device,
+            "graph": self.graph and on_cuda,
+            "recompute": self.recompute,
+            "reserve_bytes": self.reserve_bytes,
+            "links": repr(self.links),
+        }
+        if self.measure is not None:
+            return None if self.measured_by is None else {**known, "measured": self.measured_by}
+        if self.cost is not None and not on_cuda:  # declared: price_as_compiled keeps it
+            return {**known, "cost": repr(self.cost)}
+        from dataflow_training.plan.profile import ProfileCache  # loads torch
+
+        caches = [
+            ProfileCache.for_device(self.device, name, graph=self.graph and on_cuda, family=family)
+            for name in resolver_names
+        ]
+        if any(cache is None for cache in caches):
+            return None
+        return {**known, "profiles": [cache.context for cache in caches]}
 
     def priced(self, step: Lowered, resolver: str, rewrite: bool = True) -> PricedStep:
         """``step`` priced, with the recompute rewriter where ``rewrite`` (and
@@ -167,11 +197,17 @@ class Searched:
     candidates: int
     tokens_note: str
     nothing_fits: str | None = None
+    #: read from the search cache (``search_cache``): ``search_s`` is the search's own
+    from_cache: bool = False
+
+    def from_the_cache(self) -> Searched:
+        return attrs.evolve(self, from_cache=True)
 
     def line(self) -> str:
         """``search: batch 8 x 4 rounds (...), ... predicted 12,345 tok/s; runner-up ...``"""
+        cached = "; from the search cache" if self.from_cache else ""
         if self.chosen is None:
-            return f"search: {self.nothing_fits}"
+            return f"search: {self.nothing_fits}{cached}"
         planned = sum(1 for t in self.tried if t.tok_s is not None or t.reason is not None)
         text = (
             f"search: seq {self.seq_len} ({self.seq_note}); {self.chosen.shape.text()}: "
@@ -181,7 +217,7 @@ class Searched:
             text += f"; runner-up {self.runner_up.shape.text()}: {self.runner_up.tok_s:,.0f} tok/s"
         return (
             f"{text}; {self.tokens_note}; {planned} of {self.candidates} candidates planned "
-            f"in {self.search_s:.1f} s"
+            f"in {self.search_s:.1f} s{cached}"
         )
 
 
