@@ -20,6 +20,7 @@ python -m benchmarks.zero_config --cells "$group" "${@:2}" 2>&1 | tee /tmp/zero_
 status=${PIPESTATUS[0]}
 if [ -n "${OUT:-}" ]; then
     cp benchmarks/results/zero_config.json benchmarks/results/zero_config.md /tmp/zero_config_$group.log "$OUT"/
-    [ -d "$cache" ] && tar czf "$OUT/profiles_zero_config_$group.tgz" -C "$cache" .
+    # the profiles alone (not the searches/ kept beside them)
+    [ -d "$cache" ] && tar czf "$OUT/profiles_zero_config_$group.tgz" -C "$cache" --exclude=./searches .
 fi
 exit "$status"

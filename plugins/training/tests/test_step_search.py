@@ -16,7 +16,12 @@ from dataflow.testing import invoke
 
 pytest.importorskip("dataflow_family_gpt2")
 
-from dataflow_training.drive.step_search import SEARCHED, NothingFits, search_for  # noqa: E402
+from dataflow_training.drive.step_search import (  # noqa: E402
+    SEARCH_CACHE_ENV,
+    SEARCHED,
+    NothingFits,
+    search_for,
+)
 from dataflow_training.drive.trainer import TrainOptions  # noqa: E402
 from dataflow_training.plan.hardware import hardware  # noqa: E402
 from dataflow_training.plan.profile import CACHE_ENV  # noqa: E402
@@ -35,6 +40,12 @@ def _own_profile_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("profiles")))
         yield
+
+
+@pytest.fixture(autouse=True)
+def _no_search_cache(monkeypatch):
+    """Each search here searches (the cache's own tests below turn it back on)."""
+    monkeypatch.setenv(SEARCH_CACHE_ENV, "1")
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +106,11 @@ def test_every_pinned_option_is_honoured(family, tmp_path, given) -> None:
 
 def test_a_host_memory_limit_excludes_shapes(family, tmp_path) -> None:
     """A limit a fifth below what the free choice holds: a shape that cannot be planned
-    inside it (the search first plans it again inside a smaller slow budget) is passed
-    over. Priced by a hardware entry's declared costs: measured ones move the plans, so
-    which shape refits under the limit, from run to run."""
+    inside it (the search first plans it again inside a smaller slow budget, and once one
+    did, plans the later ones straight inside the slow budget the host leaves: those
+    that do not plan there have no host figure) is passed over. Priced by a hardware
+    entry's declared costs: measured ones move the plans, so which shape refits under
+    the limit, from run to run."""
     entry = hardware("h200")
     declared = Pricing(device="cpu", cost=entry.roofline("float32"), links=entry.links())
     free, found = search_for(options(tmp_path), family, host_bytes=2**40, pricing=declared)
@@ -106,7 +119,8 @@ def test_a_host_memory_limit_excludes_shapes(family, tmp_path) -> None:
     assert within.chosen is not None and within.chosen.host_bytes <= limit
     assert within.chosen.shape != found.chosen.shape
     excluded = [t for t in within.tried if t.host_bound]
-    assert excluded and all(t.host_bytes > limit for t in excluded)
+    assert excluded and all(t.host_bytes is None or t.host_bytes > limit for t in excluded)
+    assert any(t.host_bytes is not None for t in excluded)  # the first is planned unbounded
 
 
 def test_the_run_takes_the_search_s_plan_rather_than_plan_it_again(tmp_path, monkeypatch):
@@ -189,7 +203,9 @@ def test_nothing_fits_is_one_line_of_dataflow_train(tmp_path) -> None:
 
 def _search_line(output: str) -> str:
     line = next(x for x in output.splitlines() if x.startswith("search:"))
-    return re.sub(r"; \d+ of \d+ candidates planned in [\d.]+ s$", "", line)
+    return re.sub(
+        r"; \d+ of \d+ candidates planned in [\d.]+ s(; from the search cache)?$", "", line
+    )
 
 
 def test_predict_searches_as_train_does(tmp_path) -> None:
@@ -259,3 +275,160 @@ def test_on_a_gpu_the_search_prices_both_resolvers_by_their_profiles(tmp_path) -
     manifest = json.loads(next(out.glob("**/manifest.json")).read_text())
     assert manifest["options"]["resolver"] in ("torch", "torch-compiled")
     assert manifest["options"]["search"] == []
+
+
+def _limited_options(family, tmp_path):
+    """gpt2_tiny's options at a host limit a fifth below what its free choice holds,
+    priced by a hardware entry (``test_a_host_memory_limit_excludes_shapes``), and that
+    pricing: a search that meets host-bound plans."""
+    entry = hardware("h200")
+    declared = Pricing(device="cpu", cost=entry.roofline("float32"), links=entry.links())
+    _, found = search_for(options(tmp_path), family, host_bytes=2**40, pricing=declared)
+    limited = attrs.evolve(options(tmp_path), host_bytes=int(found.chosen.host_bytes * 0.8))
+    return limited, declared
+
+
+@pytest.mark.parametrize("jobs", ["2", "3"])
+def test_plans_made_ahead_in_workers_choose_as_one_after_another(
+    family, tmp_path, monkeypatch, jobs
+):
+    """``DATAFLOW_SEARCH_JOBS``: candidates planned ahead in forked workers, the sequential
+    decision replayed over their results: every candidate tried, the choice and the
+    runner-up are those of the search that plans one after another, here where host-bound
+    plans change how later ones are planned (``straight``) and with measured pricing."""
+    limited, declared = _limited_options(family, tmp_path)
+    found = {}
+    for each in ("1", jobs):
+        monkeypatch.setenv("DATAFLOW_SEARCH_JOBS", each)
+        found[each] = [
+            search_for(limited, family, pricing=declared)[1],
+            search_for(options(tmp_path), family, host_bytes=2**40)[1],
+        ]
+    for one, many in zip(found["1"], found[jobs], strict=True):
+        assert many.tried == one.tried
+        assert (many.chosen, many.runner_up) == (one.chosen, one.runner_up)
+    assert any(t.slow_budget_bytes is not None for t in found["1"][0].tried)
+
+
+def test_a_bad_search_jobs_value_is_named(family, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("DATAFLOW_SEARCH_JOBS", "two")
+    with pytest.raises(ValueError, match="DATAFLOW_SEARCH_JOBS='two': give the number"):
+        search_for(options(tmp_path), family, host_bytes=2**40)
+
+
+def test_a_plan_made_in_a_worker_pickles_whole(family, tmp_path) -> None:
+    """What a worker sends back: the plan pickled without its planner (a closure), read
+    back equal to the plan (``Plan.spec`` takes no part in equality) and the planner the
+    search gives it back."""
+    import pickle
+
+    from dataflow_training.plan.search import Searcher
+    from dataflow_training.plan.shapes import Shape
+
+    o = options(tmp_path)
+    searcher = Searcher(
+        family, "gpt2_tiny", attrs.evolve(o, seq_len=128).train_config(family),
+        budget_bytes=BUDGET, host_bytes=2**40,
+    )  # fmt: skip
+    shape = Shape(256, 2, 1, "round", "end", False, "torch")
+    assert searcher.try_shape(shape, 1.0).reason is None
+    [(_, made)] = searcher.plans_of(shape)
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        pickle.dumps(made)  # its planner is a closure
+    back = pickle.loads(pickle.dumps(attrs.evolve(made, spec=None)))
+    assert back == made and back.sim == made.sim and back.program == made.program
+
+
+def test_compile_step_plans_nothing_the_search_planned_for_a_host_bound_shape(
+    family, tmp_path, monkeypatch
+) -> None:
+    """A CPU run whose search meets the host's memory (a limit a fifth below what the free
+    choice holds): the chosen shape's plan was made inside a slow budget
+    (``Tried.slow_budget_bytes``, carried as ``search_slow_bytes``), and ``compile_step``
+    plans there first and finds every plan the search made of it: it plans nothing."""
+    import dataflow_training.plan.compiled_step as compiled_step
+
+    limited, declared = _limited_options(family, tmp_path)
+    made = []
+
+    def counted(*args, **kwargs):
+        made.append(kwargs.get("slow_budget_bytes"))
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(compiled_step, "plan", counted)
+    for jobs in ("1", "2"):  # the plans made here, and those made in workers
+        monkeypatch.setenv("DATAFLOW_SEARCH_JOBS", jobs)
+        chosen, found = search_for(limited, family, pricing=declared)
+        assert chosen.search_slow_bytes == found.chosen.slow_budget_bytes is not None
+        compiled = chosen.compile(family, cost=declared.cost, links=declared.links)
+        assert made == []
+        assert compiled.backing_bytes == chosen.search_slow_bytes
+        assert compiled.plan.slow_budget_bytes == chosen.search_slow_bytes
+    # without the search's slow budget: planned, unbounded (a CPU has no host limit)
+    attrs.evolve(chosen, search_slow_bytes=None).compile(
+        family, cost=declared.cost, links=declared.links
+    )
+    assert made == [None]
+
+
+def _declared() -> Pricing:
+    entry = hardware("h200")
+    return Pricing(device="cpu", cost=entry.roofline("float32"), links=entry.links())
+
+
+def test_a_second_search_of_the_same_inputs_comes_from_the_cache(
+    family, tmp_path, monkeypatch
+) -> None:
+    """The search cache (``search_cache``): the same inputs again give the same search at
+    once, said in its line, and the same options (the slow budget too); a change of any
+    input (budget, host, pricing, a pin) searches again."""
+    monkeypatch.delenv(SEARCH_CACHE_ENV)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "profiles"))
+    limited, declared = _limited_options(family, tmp_path)
+    first, found = search_for(limited, family, pricing=declared)
+    assert not found.from_cache
+    assert list((tmp_path / "profiles" / "searches").glob("*.json"))
+    again, kept = search_for(limited, family, pricing=declared)
+    assert kept.from_cache and kept.line() == found.line() + "; from the search cache"
+    assert attrs.evolve(kept, from_cache=False) == found
+    assert again == first and again.search_slow_bytes is not None
+    entry = attrs.evolve(hardware("h200"), h2d_bytes_per_us=hardware("h200").h2d_bytes_per_us / 2)
+    changed = [
+        (attrs.evolve(limited, budget_bytes=BUDGET * 2), declared),
+        (attrs.evolve(limited, host_bytes=limited.host_bytes + 1), declared),
+        (limited, Pricing(device="cpu", cost=entry.roofline("float32"), links=entry.links())),
+        (attrs.evolve(limited, batch=2, search=[f for f in limited.search if f != "batch"]), declared),
+    ]  # fmt: skip
+    for o, pricing in changed:
+        assert not search_for(o, family, pricing=pricing)[1].from_cache
+
+
+def test_a_corrupt_search_cache_file_is_said_and_written_again(
+    family, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.delenv(SEARCH_CACHE_ENV)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "profiles"))
+    o, declared = options(tmp_path), _declared()
+    _, found = search_for(o, family, host_bytes=2**40, pricing=declared)
+    [path] = (tmp_path / "profiles" / "searches").glob("*.json")
+    path.write_text(path.read_text()[:40])
+    with pytest.warns(RuntimeWarning, match=f"cache file {path} could not be read"):
+        _, again = search_for(o, family, host_bytes=2**40, pricing=declared)
+    assert not again.from_cache and again.chosen == found.chosen
+    _, kept = search_for(o, family, host_bytes=2**40, pricing=declared)
+    assert kept.from_cache and kept.chosen == found.chosen
+
+
+def test_predict_twice_says_the_second_came_from_the_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv(SEARCH_CACHE_ENV)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "profiles"))
+    args = ["predict", "--preset", "gpt2_tiny", "--budget", "2MiB", "--hw", "h200"]
+    lines = []
+    for _ in range(2):
+        result = invoke(*args)
+        assert result.exit_code == 0, result.output
+        lines.append(result.output.splitlines()[0])
+    assert lines[1] == lines[0] + "; from the search cache"
+    # the cache off (the profile cache's folder: off): searched each time
+    monkeypatch.setenv(CACHE_ENV, "off")
+    assert invoke(*args).output.splitlines()[0] == lines[0]

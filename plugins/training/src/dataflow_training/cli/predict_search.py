@@ -83,8 +83,10 @@ def search_command(
     )
     pricing, host_bytes = None, None
     if measured is not None:  # predict_cli.measured_pricing
-        options, _cache = measured(family, device)
-        pricing = Pricing(device=device, recompute=recompute, **options)
+        options, cache = measured(family, device)
+        # what the search cache keys on: the profile cache's (None: off, not kept)
+        by = None if cache is None else json.dumps(cache.context, sort_keys=True)
+        pricing = Pricing(device=device, recompute=recompute, measured_by=by, **options)
     elif hw_name is not None:
         try:
             entry = hardware(hw_name, hw_files)

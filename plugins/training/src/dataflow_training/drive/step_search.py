@@ -5,15 +5,23 @@ the shape, so a resumed run takes it without searching again)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import attrs
 
 from dataflow import format_size
+from dataflow_training.drive.checkpoint import train_dict
 from dataflow_training.drive.run import resolver_for
 from dataflow_training.plan.compiled_step import available_host_bytes
 from dataflow_training.plan.search import Pricing, Searched, Searcher, search
-from dataflow_training.plan.shapes import Pins, context_length, published_tokens
+from dataflow_training.plan.search_cache import SearchCache, search_key
+from dataflow_training.plan.shapes import (
+    Pins,
+    context_length,
+    published_tokens,
+    resolver_options,
+)
 
 #: ``TrainOptions`` fields the search may choose (``TrainOptions.search``)
 SEARCHED = (
@@ -30,6 +38,12 @@ SEARCHED = (
 #: The shortest sequence the search halves the context down to when it does not fit
 SHORTEST_SEQ = 16
 
+#: Set (to anything), the search cache is neither read nor written (``search_cache``)
+SEARCH_CACHE_ENV = "DATAFLOW_NO_SEARCH_CACHE"
+
+#: The machine's available memory is read to this grain (``machine_host_bytes``)
+HOST_GRAIN_BYTES = 2**30
+
 
 class NothingFits(ValueError):
     """No step shape runs inside the budget and the host's memory; the message is the
@@ -44,7 +58,9 @@ def search_for(
     machine's available memory); ``pricing``: how candidates are priced (default: as
     ``compile_step`` prices ``o``'s step). A sequence length not given is the preset's
     context, halved while no shape fits the budget (not where the host's memory is what
-    stops them: that holds the weights and optimizer state). Raises ``NothingFits``."""
+    stops them: that holds the weights and optimizer state). The search cache
+    (``search_cache``; ``$DATAFLOW_NO_SEARCH_CACHE`` set: not used) gives a search made
+    before of the same inputs at once. Raises ``NothingFits``."""
     free = set(o.search)
     pins = Pins(
         batch=None if "batch" in free else o.batch,
@@ -63,8 +79,31 @@ def search_for(
     else:
         seq_len, note = o.seq_len, "given"
     if host_bytes is None:
-        host_bytes = o.host_bytes if o.host_bytes is not None else available_host_bytes()
+        host_bytes = o.host_bytes if o.host_bytes is not None else machine_host_bytes()
     pricing = pricing or Pricing(device=o.device, graph=o.graph, recompute=o.recompute)
+    cache = None if os.environ.get(SEARCH_CACHE_ENV) else SearchCache.default()
+    key = None
+    if cache is not None:
+        start = attrs.evolve(o, seq_len=seq_len, batch=1, rounds=1, order="round", updates="end")
+        names = [pins.resolver] if pins.resolver else resolver_options(o.device)
+        identity = pricing.identity(family, names)
+        if identity is not None:  # else priced by what the cache cannot name: not kept
+            parts = {
+                "family": o.family,
+                "preset": o.preset,
+                "config": repr(config),
+                "step": train_dict(start.train_config(family)),
+                "seq": [note, "seq_len" in free],
+                "budget": o.budget_bytes,
+                "backing": o.backing_bytes,
+                "host": host_bytes,
+                "pins": attrs.asdict(pins),
+                "pricing": identity,
+            }
+            key = search_key(parts, family)
+    kept = cache.get(key) if key is not None else None
+    if kept is not None:
+        return _chosen(o, kept), kept
     while True:
         shaped = attrs.evolve(o, seq_len=seq_len, batch=1, rounds=1, order="round", updates="end")
         searcher = Searcher(
@@ -86,13 +125,30 @@ def search_for(
         longest = seq_len
         seq_len //= 2
         note = f"the longest that fits {_budget(o)}; the preset's {longest} does not"
+    if key is not None:
+        cache.put(key, found)
+    if found.chosen is not None:
+        searcher.keep_plan(found.chosen.shape)  # compile_step takes it, not plans it again
+    return _chosen(o, found), found
+
+
+def machine_host_bytes() -> int | None:
+    """The machine's available memory (``available_host_bytes``) rounded down to a whole
+    GiB: it moves by megabytes from one run to the next, which the search cache's key
+    would otherwise take for another host."""
+    available = available_host_bytes()
+    if available is None or available < HOST_GRAIN_BYTES:
+        return available
+    return available // HOST_GRAIN_BYTES * HOST_GRAIN_BYTES
+
+
+def _chosen(o: Any, found: Searched) -> Any:
+    """``o`` with the shape ``found`` chose (``NothingFits`` where none)."""
     if found.chosen is None:
-        raise NothingFits(found.nothing_fits)
+        raise NothingFits(found.line().removeprefix("search: "))
     shape = found.chosen.shape
-    searcher.keep_plan(shape)  # compile_step takes it rather than plan it again
-    chosen = attrs.evolve(
+    return attrs.evolve(
         o,
-        seq_len=seq_len,
         batch=shape.batch,
         rounds=shape.rounds,
         order=shape.order,
@@ -100,9 +156,10 @@ def search_for(
         head_vocab_tiles=shape.head_vocab_tiles,
         resolver=shape.resolver,
         tokens_per_step=shape.tokens_step,
+        seq_len=found.seq_len,
+        search_slow_bytes=found.chosen.slow_budget_bytes,
         search=(),
     )
-    return chosen, found
 
 
 def _budget(o: Any) -> str:

@@ -170,6 +170,10 @@ class TrainOptions:
     search: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     #: the host memory the step may hold (None: the machine's available memory)
     host_bytes: int | None = None
+    #: the slow budget the step search planned the chosen shape in, where the host's
+    #: memory called for one (``Tried.slow_budget_bytes``): ``compile_step`` plans there
+    #: first, so it finds the search's plan (``first_slow_bytes``)
+    search_slow_bytes: int | None = None
     #: validation (``drive.evaluation``): every ``eval_every`` steps (None: off), the loss
     #: of ``eval_tokens`` held-out tokens: the ``val`` shards of a ``shards:`` ``data``, or
     #: the feed ``val_data`` names
@@ -247,6 +251,7 @@ class TrainOptions:
             overrides=self.overrides,
             budget_bytes=self.budget_bytes,
             backing_bytes=self.backing_bytes,
+            first_slow_bytes=self.search_slow_bytes,
             device=self.device,
             graph=self.graph,
             resolver=resolver_for(self.resolver, self.device),

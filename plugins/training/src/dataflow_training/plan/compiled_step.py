@@ -15,9 +15,9 @@ takes it, and none looks the family up again or parses a layout back out of meta
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
@@ -53,9 +53,12 @@ UNBOUNDED_BYTES = 2**62
 #: weights are already counted as used when the check reads the available memory.
 HOST_RESERVE_BYTES = 8 * 2**30
 
-#: Plans ``compile_step`` makes, at most, to bring the slow pool inside the host (the
-#: pool's excess over the slow peak changes with each plan, so one re-plan may fall short)
+#: Plans ``compile_step`` and the step search make, at most, to bring the slow pool inside
+#: the host (the pool's excess over the slow peak changes with each plan, so one re-plan
+#: may fall short): ``fit_slow_budget``
 FIT_POOL_TRIES = 3
+
+Made = TypeVar("Made")
 
 
 def available_host_bytes() -> int | None:
@@ -211,6 +214,7 @@ def compile_step(
     keep_grads: bool = False,
     keep_aux_temp: bool = False,
     forward_only: bool = False,
+    first_slow_bytes: int | None = None,
 ) -> CompiledStep:
     """The step of ``family``'s ``preset`` (a registered name, loaded here once, or a
     family object) under ``train``, planned into ``budget_bytes`` (default: unbounded) on
@@ -231,7 +235,10 @@ def compile_step(
     ``grad_share`` makes the step one member of a data-parallel fleet (``lower``);
     ``keep_grads`` and ``keep_aux_temp`` keep the gradients and AuxTemp for checks;
     ``forward_only`` compiles the step's forward-only variant (``forward_only.lower_forward``:
-    what an evaluation runs; nothing saved, so no recompute search)."""
+    what an evaluation runs; nothing saved, so no recompute search). ``first_slow_bytes``
+    (without ``backing_bytes``): the slow budget to plan in first, the step search's for
+    the chosen shape (``Tried.slow_budget_bytes``), whose plan ``plan_memo`` then holds;
+    the host's limits are checked against that plan as against an unbounded one."""
     kernels().check_pins()  # a bad DATAFLOW_KERNELS fails here, not in the first task
     family = load_family(family) if isinstance(family, str) else family
     if forward_only:
@@ -252,6 +259,8 @@ def compile_step(
         )
     on_cuda = device.startswith("cuda")
     graph = graph and on_cuda
+    if forward_only:  # another program than the one the search planned
+        first_slow_bytes = None
     budget = budget_bytes or UNBOUNDED_BYTES
     searched = planner is None and recompute and not forward_only
     priced = price_as_compiled(
@@ -294,13 +303,14 @@ def compile_step(
             ) from None
         return _placed(planned, rewriter, beside, options)
 
-    placement = plan_and_place(backing_bytes)
     pinned_limit = backing_bytes if pinned_limit_bytes is None else pinned_limit_bytes
     pool_note = None
-    if backing_bytes is None:
+    if backing_bytes is not None:
+        placement = plan_and_place(backing_bytes)
+    else:
         weights = sum(p.layout.size_bytes for p in lowered.layout.of_kind("W"))
         placement, backing_bytes, pool_note = _fit_pool(
-            placement, plan_and_place, pool_limits(device, pinned_limit, weights)
+            plan_and_place, pool_limits(device, pinned_limit, weights), first_slow_bytes
         )
     running = running_step(lowered, rewriter, placement.plan.program)
     return CompiledStep(
@@ -357,34 +367,70 @@ def _recomputing(rewriter: Rewriter | None) -> Iterator[Program]:
         yield rewriter.candidate(units).program
 
 
-def _fit_pool(
-    placement: Placement, plan_and_place: Any, limits: list[tuple[int, str]]
-) -> tuple[Placement, int | None, str | None]:
-    """With no slow budget the plan's slow memory is unbounded; where its pool would not
-    fit the tightest of ``limits`` (the host, on CUDA), plan again inside a slow budget
-    that leaves room for the pool's excess over the slow peak (a slice per object), a few
-    times, so the run fits the host instead of being refused. Returns the placement, the
-    slow budget it was made in (None: unbounded) and a note saying why. What still does
-    not fit is refused when the engine loads (``TrainingRun.check_backing``)."""
-    if not limits:
-        return placement, None, None
-    limit, what = min(limits)
-    backing, note = None, None
-    for _ in range(FIT_POOL_TRIES):
-        pool = slow_pool_bytes(placement)
-        if pool <= limit:
-            break
-        slow_budget = placement.plan.sim.slow_peak_bytes - (pool - limit)
-        if slow_budget <= 0:
+def fit_slow_budget(
+    plan_in: Callable[[int | None], Made],
+    excess: Callable[[Made], int],
+    slow_peak: Callable[[Made], int],
+    first: int | None = None,
+    tries: int = FIT_POOL_TRIES,
+) -> tuple[Made, int | None, int | None]:
+    """The plan ``plan_in(first)`` (a slow budget; None: unbounded) and, while its
+    ``excess`` over the host is positive, the plan made again inside a slow budget of its
+    ``slow_peak`` less that excess, at most ``tries`` times (a budget of nothing, or one
+    nothing plans in, ends it: the last plan is kept). The one rule by which
+    ``compile_step`` and the step search fit a plan to the host's memory. Returns the
+    plan, the slow budget it was made in and the excess that made it (None: the first).
+    ``plan_in(first)`` raising is the caller's to handle."""
+    made, slow, over = plan_in(first), first, None
+    for _ in range(tries):
+        bytes_over = excess(made)
+        smaller = slow_peak(made) - bytes_over
+        if bytes_over <= 0 or smaller <= 0:
             break
         try:
-            placement = plan_and_place(slow_budget)
-        except PlanningError:  # no plan inside it: keep the first for the message
+            made = plan_in(smaller)
+        except PlanningError:  # no plan inside it: keep the last that planned
             break
-        backing = slow_budget  # the engine holds the run to it
+        slow, over = smaller, bytes_over
+    return made, slow, over
+
+
+def _fit_pool(
+    plan_and_place: Callable[[int | None], Placement],
+    limits: list[tuple[int, str]],
+    first: int | None = None,
+) -> tuple[Placement, int | None, str | None]:
+    """Without a given slow budget the plan's slow memory is unbounded (or ``first``, the
+    step search's); where its pool would not fit the tightest of ``limits`` (the host, on
+    CUDA), plan again inside a slow budget that leaves room for the pool's excess over the
+    slow peak (a slice per object, ``fit_slow_budget``), so the run fits the host instead
+    of being refused. Returns the placement, the slow budget it was made in (None:
+    unbounded) and a note saying why. What still does not fit is refused when the engine
+    loads (``TrainingRun.check_backing``). A ``first`` nothing plans in is dropped."""
+    limit, what = min(limits) if limits else (None, "")
+
+    def excess(placement: Placement) -> int:
+        return 0 if limit is None else slow_pool_bytes(placement) - limit
+
+    def slow_peak(placement: Placement) -> int:
+        return placement.plan.sim.slow_peak_bytes
+
+    try:
+        placement, backing, over = fit_slow_budget(plan_and_place, excess, slow_peak, first)
+    except PlanningError:
+        if first is None:
+            raise
+        placement, backing, over = fit_slow_budget(plan_and_place, excess, slow_peak)
+    note = None
+    if over is not None:
         note = (
-            f"a slow pool of {format_size(pool)} would not fit the {format_size(limit)} "
-            f"allowed ({what}): planned inside a slow budget of {format_size(slow_budget)}"
+            f"a slow pool of {format_size(over + limit)} would not fit the {format_size(limit)} "
+            f"allowed ({what}): planned inside a slow budget of {format_size(backing)}"
+        )
+    elif backing is not None:
+        note = (
+            f"planned inside the step search's slow budget of {format_size(backing)}: the "
+            "host's memory holds no plan without one"
         )
     return placement, backing, note
 

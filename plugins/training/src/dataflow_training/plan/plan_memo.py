@@ -2,9 +2,11 @@
 
 The step search (``plan.search``) plans each candidate as ``compile_step`` would: the
 same lowering, the same pricing, the same planner at the same budget. ``compile_step``
-then plans the chosen shape again, which for a large model is seconds of a core
-(Llama 3 8B's 16-round step). The search leaves the chosen shape's plan here and
-``compile_step`` takes it where its program, budget and options are the same
+would then plan the chosen shape again, which for a large model is seconds of a core
+(Llama 3 8B's 16-round step). The search leaves the chosen shape's plans here (one for
+each slow budget it planned it in, ``Searcher.keep_plan``), and ``compile_step``, told
+the slow budget the search chose (``first_slow_bytes``), takes the one whose program,
+budget and options are its own
 (``plan_key``: a digest of the program's JSON and of them), so nothing is planned twice
 and nothing stale is taken: a program priced otherwise (other profiles, other links)
 has another key.
@@ -19,8 +21,10 @@ from typing import Any
 
 from dataflow import Plan, Program
 
-#: Plans kept at most (the chosen shape's of each search; a process searches once a run)
-KEPT = 4
+#: Plans kept at most (the chosen shape's of each search, one for each slow budget it was
+#: planned in, ``compile_step``'s ``FIT_POOL_TRIES`` + 1 at most; a process searches once
+#: a run)
+KEPT = 8
 
 _plans: OrderedDict[str, Plan] = OrderedDict()
 

@@ -18,8 +18,15 @@ one whose bound cannot beat the best plan so far by more than ``TIE`` is not pla
 (branch and bound: the search is exact up to ``TIE``, and deterministic). A planned
 candidate whose host memory (the engine's slow pool, the starting weights' host copy,
 on a CPU the fast arena, and ``HOST_RESERVE_BYTES`` on CUDA) exceeds the host's
-available memory is not chosen, and no shape holding as many sequences' saved context
-at once (``Shape.live_sequences``) is planned after it.
+available memory is planned again inside a slow budget that leaves the pool room
+(``compiled_step.fit_slow_budget``, as ``compile_step`` fits its plan); one that still
+exceeds it is not chosen, and no shape holding as many sequences' saved context at once
+(``Shape.live_sequences``) is planned after it. Once a plan has needed a slow budget,
+later candidates are planned straight inside the one the host leaves
+(``Searcher.host_slow_budget``), then fitted the same way: the unbounded plan, which
+the host would not hold either, is not made first. The chosen candidate carries the
+slow budget of its plan (``Tried.slow_budget_bytes``), so that ``compile_step`` plans
+there first and finds every plan the search made of it (``keep_plan``, ``plan_memo``).
 
 Without a given number of tokens per step the search takes the smallest whose best
 shape reaches ``GOOD_ENOUGH`` of the best throughput found, up to the preset's
@@ -30,6 +37,7 @@ optimizer state's streaming over more tokens, smaller ones train better per toke
 from __future__ import annotations
 
 import math
+import pickle
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,10 +45,16 @@ from typing import Any
 import attrs
 
 from dataflow import PRESSUREFIT, InfeasibleBudget, PlanningError, format_size, plan
-from dataflow_training.plan.compiled_step import HOST_RESERVE_BYTES, UNBOUNDED_BYTES
+from dataflow_training.plan.compiled_step import (
+    FIT_POOL_TRIES,
+    HOST_RESERVE_BYTES,
+    UNBOUNDED_BYTES,
+    fit_slow_budget,
+)
 from dataflow_training.plan.plan_memo import plan_key, plan_options, remember
 from dataflow_training.plan.pricing import PricedStep, price_as_compiled
 from dataflow_training.plan.recompute import MAX_CANDIDATES, QUICK, step_planner
+from dataflow_training.plan.search_jobs import Ahead, search_jobs
 from dataflow_training.plan.shapes import (
     Pins,
     Shape,
@@ -88,6 +102,36 @@ class Pricing:
     links: Any = None
     measure: Callable[[Lowered], dict] | None = None
     reserve_bytes: int = 0
+    #: what ``measure`` prices by (e.g. its profile cache's key), for the search cache
+    #: (``search_cache``); None: a search priced by it is not kept
+    measured_by: str | None = None
+
+    def identity(self, family: Any, resolver_names: list[str]) -> dict[str, Any] | None:
+        """What the prices of ``family``'s steps run by ``resolver_names`` depend on, for
+        the search cache's key: a cost model's and its links' values, or the profile
+        cache's key for each resolver (the device, the kernels and their code), or
+        ``measured_by``; None where that is unknown (the profile cache off)."""
+        on_cuda = self.device.startswith("cuda")
+        known: dict[str, Any] = {
+            "device": self.device,
+            "graph": self.graph and on_cuda,
+            "recompute": self.recompute,
+            "reserve_bytes": self.reserve_bytes,
+            "links": repr(self.links),
+        }
+        if self.measure is not None:
+            return None if self.measured_by is None else {**known, "measured": self.measured_by}
+        if self.cost is not None and not on_cuda:  # declared: price_as_compiled keeps it
+            return {**known, "cost": repr(self.cost)}
+        from dataflow_training.plan.profile import ProfileCache  # loads torch
+
+        caches = [
+            ProfileCache.for_device(self.device, name, graph=self.graph and on_cuda, family=family)
+            for name in resolver_names
+        ]
+        if any(cache is None for cache in caches):
+            return None
+        return {**known, "profiles": [cache.context for cache in caches]}
 
     def priced(self, step: Lowered, resolver: str, rewrite: bool = True) -> PricedStep:
         """``step`` priced, with the recompute rewriter where ``rewrite`` (and
@@ -133,6 +177,9 @@ class Tried:
     host_bound: bool = False
     #: where the budget is too small: a budget that is not (or no smaller does)
     least_budget_bytes: int | None = None
+    #: the slow budget its plan was made in, where the host's memory called for one
+    #: (None: unbounded, or the backing budget given): ``compile_step``'s first
+    slow_budget_bytes: int | None = None
 
 
 @attrs.frozen
@@ -150,11 +197,17 @@ class Searched:
     candidates: int
     tokens_note: str
     nothing_fits: str | None = None
+    #: read from the search cache (``search_cache``): ``search_s`` is the search's own
+    from_cache: bool = False
+
+    def from_the_cache(self) -> Searched:
+        return attrs.evolve(self, from_cache=True)
 
     def line(self) -> str:
         """``search: batch 8 x 4 rounds (...), ... predicted 12,345 tok/s; runner-up ...``"""
+        cached = "; from the search cache" if self.from_cache else ""
         if self.chosen is None:
-            return f"search: {self.nothing_fits}"
+            return f"search: {self.nothing_fits}{cached}"
         planned = sum(1 for t in self.tried if t.tok_s is not None or t.reason is not None)
         text = (
             f"search: seq {self.seq_len} ({self.seq_note}); {self.chosen.shape.text()}: "
@@ -164,7 +217,7 @@ class Searched:
             text += f"; runner-up {self.runner_up.shape.text()}: {self.runner_up.tok_s:,.0f} tok/s"
         return (
             f"{text}; {self.tokens_note}; {planned} of {self.candidates} candidates planned "
-            f"in {self.search_s:.1f} s"
+            f"in {self.search_s:.1f} s{cached}"
         )
 
 
@@ -189,7 +242,8 @@ class Searcher:
         self.overrides = dict(overrides or {})
         self.pricing, self.host_bytes, self.backing_bytes = pricing, host_bytes, backing_bytes
         self._priced: dict[tuple[Shape, bool], PricedStep] = {}
-        self._plans: dict[Shape, tuple[Any, int, str, dict[str, Any], Any]] = {}
+        #: every plan made of a shape's ``Tried``: (plan options, the plan)
+        self._plans: dict[Shape, list[tuple[dict[str, Any], Any]]] = {}
 
     def lowered(self, shape: Shape, rewrite: bool = True) -> PricedStep:
         """``shape``'s step lowered and priced (kept: each is made once)."""
@@ -250,10 +304,17 @@ class Searcher:
             least_budget_bytes=self.budget - arena + floor,
         )
 
-    def try_shape(self, shape: Shape, bound: float) -> Tried:
-        """Plan ``shape`` as ``compile_step`` would, and check the host's memory. Where it
-        does not fit, the smallest budget that would is not searched for
-        (``least_budget`` finds it, for the one line that says what would)."""
+    def try_shape(self, shape: Shape, bound: float, straight: bool = False) -> Tried:
+        """Plan ``shape`` as ``compile_step`` would, and check the host's memory
+        (``fit_slow_budget``: planned again inside a slow budget where it exceeds it);
+        with ``straight``, planned first inside the slow budget the host leaves
+        (``host_slow_budget``): where nothing plans there the host holds no plan of it
+        (a plan that fits the host has a slow pool, so a slow peak, inside that budget),
+        and its unbounded plan is not made. Where it does not fit the budget, the
+        smallest that would is not searched for (``least_budget`` finds it, for the one
+        line that says what would). Every plan made is kept (``keep_plan``)."""
+        plans: list[tuple[dict[str, Any], Any]] = []
+        self._plans[shape] = plans
         step, rewriter, reserve, beside, _ = self.lowered(shape)
         program = step.program
         arena = self.budget - reserve - beside
@@ -275,25 +336,36 @@ class Searcher:
         def planned_in(slow_budget: int | None) -> Any:
             options = plan_options(slow_budget, cyclic=bool(program.persistent))
             made = plan(program, arena, planner=planner, **options)
-            self._plans[shape] = (program, arena, planner.name, options, made)
+            plans.append((options, made))
             return made
 
+        def excess(planned: Any) -> int:
+            if self.host_bytes is None:
+                return 0
+            return self.host_need(step, planned) - self.host_bytes
+
+        def slow_peak(planned: Any) -> int:
+            return planned.sim.slow_peak_bytes
+
+        tries = FIT_POOL_TRIES if self.backing_bytes is None else 0
+        first = self.host_slow_budget(shape) if straight else None
         try:
-            planned = planned_in(self.backing_bytes)
-        except InfeasibleBudget as exc:
-            least = self.budget - arena + exc.minimal_budget_bytes
-            return Tried(shape, bound, reason=one_line(str(exc)), least_budget_bytes=least)
+            planned, slow, _ = fit_slow_budget(
+                planned_in, excess, slow_peak, first or self.backing_bytes, tries
+            )
         except PlanningError as exc:
+            if first is not None:  # the host holds no plan of it: its slow pool would not fit
+                reason = (
+                    f"no plan fits the {format_size(first)} of slow memory the host's "
+                    f"{format_size(self.host_bytes)} leave ({one_line(str(exc))})"
+                )
+                return Tried(shape, bound, reason=reason, host_bound=True)
+            if isinstance(exc, InfeasibleBudget):
+                least = self.budget - arena + exc.minimal_budget_bytes
+                return Tried(shape, bound, reason=one_line(str(exc)), least_budget_bytes=least)
             return Tried(shape, bound, reason=one_line(str(exc)))
         need = self.host_need(step, planned)
-        if self.host_bytes is not None and need > self.host_bytes and self.backing_bytes is None:
-            # as compile_step's _fit_pool: a slow budget that leaves room for the pool
-            slow = planned.sim.slow_peak_bytes - (need - self.host_bytes)
-            try:
-                planned = planned_in(slow) if slow > 0 else planned
-            except PlanningError:
-                pass
-            need = self.host_need(step, planned)
+        slow = None if slow == self.backing_bytes else slow
         step_us = (
             planned.cycle.iteration_us if planned.cycle is not None else planned.sim.makespan_us
         )
@@ -303,14 +375,43 @@ class Searcher:
                 f"needs {format_size(need)} of host memory, {format_size(self.host_bytes)} "
                 "available"
             )
-            return Tried(shape, bound, tok_s, need, reason, host_bound=True)
-        return Tried(shape, bound, tok_s, need)
+            return Tried(shape, bound, tok_s, need, reason, True, slow_budget_bytes=slow)
+        return Tried(shape, bound, tok_s, need, slow_budget_bytes=slow)
+
+    def host_slow_budget(self, shape: Shape) -> int | None:
+        """The slow budget the host leaves a plan of ``shape``: its memory less what
+        ``host_need`` counts beside the slow pool (the starting weights' copy, and on
+        CUDA ``HOST_RESERVE_BYTES``, on a CPU the whole fast arena). None without a host
+        limit, with a backing budget given, or where nothing is left."""
+        if self.host_bytes is None or self.backing_bytes is not None:
+            return None
+        step, _, reserve, beside, _ = self.lowered(shape)
+        left = self.host_bytes - self._beside_pool(step, self.budget - reserve - beside)
+        return left if left > 0 else None
+
+    def plans_of(self, shape: Shape) -> list[tuple[dict[str, Any], Any]]:
+        """Every plan made of ``shape``'s last ``Tried``: (plan options, the plan, or
+        from a worker the plan pickled without its planner: ``adopt``)."""
+        return self._plans.get(shape, [])
+
+    def adopt(self, shape: Shape, plans: list[tuple[dict[str, Any], Any]]) -> None:
+        """Take ``plans`` (``plans_of`` a worker's ``Tried`` of ``shape``: ``search_jobs``)
+        as this searcher's own."""
+        self._plans[shape] = list(plans)
 
     def keep_plan(self, shape: Shape) -> None:
-        """Leave ``shape``'s last plan for ``compile_step`` (``plan_memo``)."""
-        if shape in self._plans:
-            program, arena, planner, options, made = self._plans[shape]
-            remember(plan_key(program, arena, planner, options), made)
+        """Leave every plan made of ``shape``'s ``Tried`` for ``compile_step``
+        (``plan_memo``): the one its figures are of, and any it was fitted from (one a
+        worker made read back, with the planner ``try_shape`` gives it)."""
+        step, rewriter, reserve, beside, _ = self.lowered(shape)
+        arena = self.budget - reserve - beside
+        planner = (
+            step_planner(rewriter, MAX_CANDIDATES, explain=False) if rewriter is not None else QUICK
+        )
+        for options, made in self.plans_of(shape):
+            if isinstance(made, bytes):
+                made = attrs.evolve(pickle.loads(made), spec=planner)
+            remember(plan_key(step.program, arena, planner.name, options), made)
 
     def least_budget(self, shape: Shape) -> int | None:
         """The smallest budget (the whole, as ``--budget`` takes it) that plans ``shape``,
@@ -335,11 +436,17 @@ class Searcher:
         ``HOST_RESERVE_BYTES`` (graph capture, staging, Python)."""
         from dataflow import slow_pool_bytes  # loads the torch backend
 
+        return slow_pool_bytes(planned.program) + self._beside_pool(
+            step, planned.sim.fast_peak_bytes
+        )
+
+    def _beside_pool(self, step: Lowered, fast_peak_bytes: int) -> int:
+        """What ``host_need`` counts beside the slow pool (``fast_peak_bytes``: on a CPU
+        the fast arena's peak, host memory there too)."""
         weights = sum(p.layout.size_bytes for p in step.layout.of_kind("W"))
-        need = slow_pool_bytes(planned.program) + weights
         if self.pricing.device.startswith("cuda"):
-            return need + HOST_RESERVE_BYTES
-        return need + planned.sim.fast_peak_bytes
+            return weights + HOST_RESERVE_BYTES
+        return weights + fast_peak_bytes
 
 
 def task_floor_bytes(program: Any) -> int:
@@ -369,10 +476,34 @@ def search(
     cap: tuple[int, str],
     clip: float | None,
     max_plans: int = MAX_PLANS,
+    jobs: int | None = None,
 ) -> Searched:
     """The fastest shape (module docstring). ``cap``: the default tokens per step's cap
     and its source; ``max_plans`` bounds the plans made (best bound first), so a search
-    ends in seconds whatever the space."""
+    ends in seconds whatever the space; ``jobs``: processes planning candidates at once
+    (``search_jobs``; default ``$DATAFLOW_SEARCH_JOBS``, else the CPUs), the choice the
+    same whatever it is."""
+    ahead = Ahead(searcher, search_jobs() if jobs is None else jobs)
+    try:
+        return _search(
+            searcher, seq_len, seq_note, pins, cap=cap, clip=clip, max_plans=max_plans,
+            ahead=ahead,
+        )  # fmt: skip
+    finally:
+        ahead.close()
+
+
+def _search(
+    searcher: Searcher,
+    seq_len: int,
+    seq_note: str,
+    pins: Pins,
+    *,
+    cap: tuple[int, str],
+    clip: float | None,
+    max_plans: int,
+    ahead: Ahead,
+) -> Searched:
     started = time.perf_counter()
     device = searcher.pricing.device
     names = [pins.resolver] if pins.resolver else resolver_options(device)
@@ -397,7 +528,8 @@ def search(
         new plans; pruned where the bound cannot beat the best so far, or ``floor``, by
         more than ``TIE``)."""
         best: Tried | None = None
-        for shape in sorted(pool, key=lambda s: (-bounds[s], s)):
+        order = sorted(pool, key=lambda s: (-bounds[s], s))
+        for index, shape in enumerate(order):
             if bounds[shape] <= 0:  # a task alone exceeds the budget (``Searcher.bound``)
                 if not tried:  # what the nothing-fits line names
                     tried[shape] = searcher.too_small(shape)
@@ -412,11 +544,26 @@ def search(
                 if limit <= 0:
                     break
                 limit -= 1
-                tried[shape] = searcher.try_shape(shape, bounds[shape])
+                pruning = best is not None or floor > 0
+                later = next_plans(order[index + 1 :], target if pruning else 0.0, limit)
+                tried[shape] = ahead.tried(shape, bounds[shape], _host_binds(tried), later)
             found = tried[shape]
             if found.reason is None and (best is None or _faster(found, best)):
                 best = found
         return best
+
+    def next_plans(rest: list[Shape], target: float, limit: int) -> list[tuple[Shape, float]]:
+        """The shapes of ``rest`` (best bound first) ``best_of`` plans next, at most
+        ``limit``, where the plans under way change nothing: what ``ahead`` plans
+        meanwhile."""
+        host_bound = [t.shape.live_sequences for t in tried.values() if t.host_bound]
+        found: list[tuple[Shape, float]] = []
+        for shape in rest:
+            if len(found) >= limit or bounds[shape] <= max(0.0, target * (1 + TIE)):
+                break
+            if shape not in tried and not (host_bound and shape.live_sequences >= min(host_bound)):
+                found.append((shape, bounds[shape]))
+        return found
 
     best = best_of(candidates, 0.0, max_plans)
     if best is None:
@@ -454,7 +601,7 @@ def search(
     if not runnable:  # every other bound pruned: the best-bounded of them planned to show
         for shape in sorted(candidates, key=lambda s: (-bounds[s], s))[: RUNNER_UP_PLANS + 1]:
             if shape not in tried and bounds[shape] > 0:
-                tried[shape] = searcher.try_shape(shape, bounds[shape])
+                tried[shape] = ahead.tried(shape, bounds[shape], _host_binds(tried))
                 if tried[shape].reason is None:
                     runnable = [tried[shape]]
                     break
@@ -469,6 +616,12 @@ def search(
         len(candidates),
         tokens_note,
     )
+
+
+def _host_binds(tried: dict[Shape, Tried]) -> bool:
+    """Whether a plan made so far needed more host memory than the host has (the later
+    ones are planned straight inside the slow budget it leaves: ``Searcher.try_shape``)."""
+    return any(t.host_bound or t.slow_budget_bytes is not None for t in tried.values())
 
 
 def _faster(one: Tried, other: Tried) -> bool:
@@ -491,12 +644,14 @@ def nothing_fits(searcher: Searcher, tried: list[Tried], seq_len: int, pins: Pin
     budget = format_size(searcher.budget) if searcher.budget < UNBOUNDED_BYTES else "unbounded"
     would = []
     if host:
-        least = min(host, key=lambda t: (t.host_bytes, t.shape))
         why = (
             f"every step that fits the {budget} budget needs more host memory than the "
-            f"{format_size(searcher.host_bytes)} available (least: {format_size(least.host_bytes)}, "
-            f"{least.shape.text()})"
+            f"{format_size(searcher.host_bytes)} available"
         )
+        planned = [t for t in host if t.host_bytes is not None]  # else none plans in it
+        if planned:
+            least = min(planned, key=lambda t: (t.host_bytes, t.shape))
+            why += f" (least: {format_size(least.host_bytes)}, {least.shape.text()})"
         would.append("a larger --budget (less offloaded to the host)")
     else:
         least = [t.least_budget_bytes for t in tried if t.least_budget_bytes is not None]
