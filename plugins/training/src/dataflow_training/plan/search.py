@@ -483,7 +483,7 @@ def search(
     ends in seconds whatever the space; ``jobs``: processes planning candidates at once
     (``search_jobs``; default ``$DATAFLOW_SEARCH_JOBS``, else the CPUs), the choice the
     same whatever it is."""
-    ahead = Ahead(searcher, search_jobs() if jobs is None else jobs)
+    ahead = Ahead(searcher, search_jobs(searcher.pricing.device) if jobs is None else jobs)
     try:
         return _search(
             searcher, seq_len, seq_note, pins, cap=cap, clip=clip, max_plans=max_plans,

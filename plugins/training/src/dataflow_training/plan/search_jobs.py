@@ -49,10 +49,12 @@ MOST_JOBS = 8
 Planned = tuple[Any, list[tuple[dict[str, Any], bytes]]]
 
 
-def search_jobs() -> int:
+def search_jobs(device: str = "cpu") -> int:
     """Processes that plan the search's candidates at once: ``$DATAFLOW_SEARCH_JOBS``,
     else the CPUs this process may use (at most ``MOST_JOBS``); 1 where the platform
-    cannot fork."""
+    cannot fork, and by default 1 where the search prices for a CUDA ``device``: a fork
+    of a process holding a CUDA context and the profiling pass's threads has not been
+    run on a GPU yet (session 29), so there it is only by ``$DATAFLOW_SEARCH_JOBS``."""
     named = os.environ.get(JOBS_ENV, "").strip()
     if named:
         jobs = int(named) if named.isdigit() else 0
@@ -62,7 +64,7 @@ def search_jobs() -> int:
                 "search's candidates at once, 1 or more (1: one after another)"
             )
         return jobs
-    if "fork" not in multiprocessing.get_all_start_methods():
+    if "fork" not in multiprocessing.get_all_start_methods() or device.startswith("cuda"):
         return 1
     return min(default_jobs(), MOST_JOBS)
 
