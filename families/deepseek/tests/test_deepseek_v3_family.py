@@ -32,7 +32,7 @@ def hf_count(transformers, torch, hf_config) -> int:
 
 class TestDeepseekV3(TrainingFamilyConformance, DecoderFamilyChecks):
     distribution = "dataflow-family-deepseek"
-    expected_names = ("deepseek_v3",)
+    expected_names = ("deepseek_v3", "deepseek_v32")
     family_name = "deepseek_v3"
     preset = "deepseek_v3_tiny"
     docs = DOCS

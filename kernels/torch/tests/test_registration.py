@@ -50,10 +50,18 @@ EXPLICIT_OPS = (
     "grouped_mm_wgrad",
     "gated_delta_rule_fwd",
     "gated_delta_rule_bwd",
+    "sparse_attention_fwd",
+    "sparse_attention_bwd",
+    "sparse_attention_probs",
 )
 DETERMINISTIC |= {f"{op}/reference": True for op in EXPLICIT_OPS}
 DETERMINISTIC |= {"grouped_mm/torch": True, "grouped_mm_wgrad/torch": True}
 DETERMINISTIC |= {"gated_delta_rule_fwd/torch": True, "gated_delta_rule_bwd/torch": True}
+DETERMINISTIC |= {
+    "sparse_attention_fwd/torch": True,
+    "sparse_attention_bwd/torch": False,
+    "sparse_attention_probs/torch": True,
+}
 #: fla's gated delta rule, CUDA only, registered where fla, einops and triton import
 FLA = {"gated_delta_rule_fwd/fla": False, "gated_delta_rule_bwd/fla": False}
 if all(importlib.util.find_spec(name) for name in ("fla", "einops", "triton")):
@@ -147,6 +155,9 @@ def test_signatures_match_the_documented_ops(manager) -> None:
         "grouped_mm_wgrad": "(dy, x, offsets)",
         "gated_delta_rule_fwd": "(q, k, v, g, beta, *, scale=None)",
         "gated_delta_rule_bwd": "(d_out, q, k, v, g, beta, *, scale=None)",
+        "sparse_attention_fwd": "(q, k, v, indices, *, scale=None)",
+        "sparse_attention_bwd": "(dout, q, k, v, out, lse, indices, *, scale=None)",
+        "sparse_attention_probs": "(q, k, lse, indices, *, scale=None)",
         "adamw_multi": "(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, "
         "weight_decay)",
         "adamw_compensated_multi": "(params, grads, exp_avgs, exp_avg_sqs, compensations, *, "

@@ -1,4 +1,4 @@
-"""DeepSeek V3's config: the kit's decoder sizes, MLA's fields (``kit.mla.MLAFields``), the
+"""DeepSeek V3's and V3.2's configs. V3: the kit's decoder sizes, MLA's fields (``kit.mla.MLAFields``), the
 sigmoid-routed experts' (``kit.sigmoid_moe.SigmoidMoEFields``) and
 ``first_k_dense_replace``; its architecture two block kinds, ``dense`` (MLA and the dense
 SwiGLU of ``intermediate_size``) for the first ``first_k_dense_replace`` layers and
@@ -7,6 +7,10 @@ SwiGLU of ``intermediate_size``) for the first ``first_k_dense_replace`` layers 
 ``head_dim`` is HF's: ``qk_rope_head_dim`` (the rotated width), which the attention part
 does not read; its heads' widths are MLA's own fields. ``num_key_value_heads`` is kept
 as HF keeps it (every head has its key and value: MLA makes them from one latent).
+
+DeepSeek V3.2 (``DeepseekV32Config``) is V3 with DeepSeek Sparse Attention in every layer:
+the kit's ``IndexedBlock`` of ``IndexedAttention`` (MLA over a lightning indexer's top-K,
+``kit.dsa``) and V3's FFNs, and the indexer's fields (``DSAFields``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from dataflow_training.kit import (
     Block,
     Decoder,
     DecoderConfig,
+    DSAFields,
+    IndexedAttention,
+    IndexedBlock,
     LatentAttention,
     MLAFields,
     SigmoidExperts,
@@ -55,5 +62,19 @@ class DeepseekV3Config(SigmoidMoEFields, MLAFields, DecoderConfig):
         {
             "dense": Block(LatentAttention(), SwiGLUFFN()),
             "moe": Block(LatentAttention(), SigmoidExperts()),
+        }
+    )
+
+
+@attrs.frozen
+class DeepseekV32Config(DSAFields, DeepseekV3Config):
+    """Sizes of a DeepSeek V3.2-architecture model: DeepSeek V3's, and the lightning
+    indexer's (``kit.dsa.DSAFields``); every layer's attention is MLA over the indexer's
+    top-K (``IndexedAttention``), dense then MoE as V3."""
+
+    architecture: ClassVar[Decoder] = DenseThenMoE(
+        {
+            "dense": IndexedBlock(IndexedAttention(), SwiGLUFFN()),
+            "moe": IndexedBlock(IndexedAttention(), SigmoidExperts()),
         }
     )

@@ -155,6 +155,7 @@ def dataflow_kernels() -> list[KernelVariant]:
         *_cudnn_variants(),
         *_grouped_variants(),
         *_delta_rule_variants(),
+        *_sparse_attention_variants(),
     ]
 
 
@@ -281,6 +282,36 @@ def _grouped_variants() -> list[KernelVariant]:
                 _loader("grouped", f"{op}_reference"),
                 priority=-10,
                 description="one matmul per expert over its rows (offsets read on the host)",
+            ),
+        )
+    ]
+
+
+def _sparse_attention_variants() -> list[KernelVariant]:
+    """DeepSeek Sparse Attention over the indexer's selection (``sparse_attention.py``):
+    ``torch``, each query's selected keys gathered, (seq, K) scores, any device;
+    ``reference``, the whole (seq, seq) scores masked to the selection. The gather's
+    backward sums the keys' gradients with ``index_put_(accumulate=True)``, atomics on
+    CUDA: not deterministic there."""
+    return [
+        variant
+        for op in ("sparse_attention_fwd", "sparse_attention_bwd", "sparse_attention_probs")
+        for variant in (
+            KernelVariant(
+                op,
+                "torch",
+                _loader("sparse_attention", op),
+                deterministic=op != "sparse_attention_bwd",
+                priority=0,
+                description="each query's K selected keys and values gathered: (seq, K) "
+                "scores, float32 softmax",
+            ),
+            KernelVariant(
+                op,
+                "reference",
+                _loader("sparse_attention", f"{op}_reference"),
+                priority=-10,
+                description="the whole (seq, seq) scores, -inf outside the selection and causality",
             ),
         )
     ]

@@ -418,7 +418,11 @@ def _layer_checks(
     x_leaf = x.clone().requires_grad_()
     dy = torch.randn_like(y)
     y_auto, _, _ = math_.forward(config, leaves, x_leaf, Env(autograd_ops(ops)))
-    auto = torch.autograd.grad(y_auto, [x_leaf, *(leaves[n] for n in trainable)], dy)
+    target = (y_auto * dy).sum()
+    term = getattr(math_, "objective", None)  # a loss term of the block's own (an indexer's)
+    if term is not None:
+        target = target + term(config, leaves, x_leaf, aux_temp, Env(autograd_ops(ops)))
+    auto = torch.autograd.grad(target, [x_leaf, *(leaves[n] for n in trainable)])
     with torch.no_grad():
         dx, grads = math_.backward(config, params, x, saved, aux_temp, dy, env)
     checks.append(compare("task", f"{layer.kind} backward dx", dx, auto[0], tolerance))

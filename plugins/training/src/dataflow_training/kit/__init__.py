@@ -122,6 +122,13 @@ _HOMES = {
         "SharedExperts",
     ),
     "dataflow_training.kit.sigmoid_moe_reference": ("SigmoidMoEReference",),
+    "dataflow_training.kit.dsa": (
+        "DSAFields",
+        "IndexedAttention",
+        "SharedIndexAttention",
+        "IndexedBlock",
+    ),
+    "dataflow_training.kit.dsa_reference": ("DSAReference",),
     "dataflow_training.kit.hybrid": (
         "HybridConfig",
         "HybridFamily",

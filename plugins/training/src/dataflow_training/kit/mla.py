@@ -350,10 +350,22 @@ class LatentAttention:
         width = self._width(config)
         q, k, v = (_pad(built[name], width) for name in ("q", "k", "v"))
         del built
-        out, lse = attention_forward(ops, q, k, v, scale=softmax_scale(config))
+        out, lse = self.core_forward(config, ops, q, k, v)
         del q, k, v
         attn = merge_heads(out[..., : config.v_head_dim])
         return O_PROJ.forward(ops, params, attn), {"attn": attn, "lse": lse}
+
+    def core_forward(
+        self, config: Any, ops: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention of the (padded) heads: causal softmax attention."""
+        return attention_forward(ops, q, k, v, scale=softmax_scale(config))
+
+    def core_backward(
+        self, config: Any, ops: Any, d_out: torch.Tensor, q, k, v, out, lse
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``core_forward``'s backward from its output and logsumexp."""
+        return attention_backward(ops, d_out, q, k, v, out, lse, scale=softmax_scale(config))
 
     def backward(
         self,
@@ -367,24 +379,31 @@ class LatentAttention:
     ) -> tuple[torch.Tensor, ...]:
         """The gradients of the latents (``project``'s outputs, in its order) from that of
         the output; the other parameters' gradients go into ``grads``."""
-        heads, nope = config.num_attention_heads, config.qk_nope_head_dim
         d_attn, g = O_PROJ.backward(ops, params, saved["attn"], d_out)
         grads.update(g)
         built = self._heads(config, params, saved, ops)
-        width, v_dim = self._width(config), config.v_head_dim
+        width, heads = self._width(config), config.num_attention_heads
         q, k, v = (_pad(built[name], width) for name in ("q", "k", "v"))
         out = _pad(split_heads(saved["attn"], heads), width)
-        dq, dk, dv = attention_backward(
-            ops,
-            _pad(split_heads(d_attn, heads), width),
-            q,
-            k,
-            v,
-            out,
-            saved["lse"],
-            scale=softmax_scale(config),
-        )
-        del q, k, v, out, d_attn
+        d_core = _pad(split_heads(d_attn, heads), width)
+        dq, dk, dv = self.core_backward(config, ops, d_core, q, k, v, out, saved["lse"])
+        del q, k, v, out, d_attn, d_core
+        return self.latents_backward(config, params, saved, built, (dq, dk, dv), grads, ops)
+
+    def latents_backward(
+        self,
+        config: Any,
+        params: Tensors,
+        saved: Tensors,
+        built: dict[str, Any],
+        d_heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        grads: dict[str, torch.Tensor],
+        ops: Any,
+    ) -> tuple[torch.Tensor, ...]:
+        """The latents' gradients from the (padded) heads' ``(dq, dk, dv)``; the
+        projections' and latent norms' gradients go into ``grads``."""
+        nope, v_dim = config.qk_nope_head_dim, config.v_head_dim
+        dq, dk, dv = d_heads
         qk = self._qk(config)
         dq, dk, dv = dq[..., :qk], dk[..., :qk], dv[..., :v_dim]
         cos, sin = built["tables"]

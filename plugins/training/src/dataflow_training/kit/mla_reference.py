@@ -99,7 +99,8 @@ class LatentAttention(nn.Module):
             scale = scale * _mscale(c.rope_yarn.factor, c.rope_yarn.mscale_all_dim) ** 2
         return scale
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v (batch, heads, seq, width) of x, rotated."""
         c = self.config
         batch, seq, _ = x.shape
         heads, nope = c.num_attention_heads, c.qk_nope_head_dim
@@ -115,7 +116,11 @@ class LatentAttention(nn.Module):
         k_rope = rotate_pairs(k_rope, c)[:, None].expand(batch, heads, seq, c.qk_rope_head_dim)
         q = torch.cat((q[..., :nope], rotate_pairs(q[..., nope:], c)), dim=-1)
         k = torch.cat((kv[..., :nope], k_rope), dim=-1)
-        v = kv[..., nope:]
+        return q, k, kv[..., nope:]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = self.heads(x)
         scores = (q @ k.transpose(-2, -1)) * self.scale()
         causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))

@@ -226,7 +226,10 @@ class Env:
     float32 (vocab, dim) accumulator, one more logits matmul). ``aux``: the layer's
     ``Aux`` tensors (forward adds into them; the last round's backward reads them; shared
     by the layers of a kind with ``aux_scope="model"``); empty when the layer declares
-    none or the task does not see them.
+    none or the task does not see them. ``shared``: the tensors of objects of other
+    layers the task reads or writes (``LayerSpec.leader``: a shared-index layer's
+    leader's selection, and the KL target its group's backwards add into; an object
+    the task creates is zeroed before the math runs); empty for most layers.
     """
 
     ops: Ops
@@ -236,6 +239,7 @@ class Env:
     chunk_tokens: int = 1024
     head_vocab_tiles: bool = False
     aux: Tensors = attrs.field(factory=dict, hash=False)
+    shared: Tensors = attrs.field(factory=dict, hash=False)
 
     @property
     def last_round(self) -> bool:
@@ -317,6 +321,12 @@ class BlockMath(Protocol):
       tensors that partial save ``partial`` does not keep, from the block input, the
       ``kept`` ones, the parameters and AuxTemp (equal to what forward saves);
     and its ``cost`` then gives ``LayerCost.partial[name]`` for each.
+
+    A kind whose backward adds the gradients of a loss term of its own (the DSA indexer's
+    KL loss, which reaches only its own parameters) declares it (detected with hasattr):
+      ``objective(config, params, x, aux_temp, env) -> 0-d tensor``: that term, written
+      with ``env.ops`` so that autograd through it (``dataflow verify``'s task level, with
+      differentiable ops) gives the gradients backward adds beyond ``dy``'s.
     """
 
     def saved(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
