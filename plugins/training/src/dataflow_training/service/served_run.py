@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -58,6 +59,9 @@ LOAD_FIELDS: dict[str, tuple[type, Any]] = {
     "overrides": (dict, None),
     "resume": (str, None),
 }
+#: test hook, ``SECONDS``: hold every step that long after its batch is read, before it runs
+#: (so that a test's client dies while the server is inside the verb)
+SLOW_STEP_ENV = "DATAFLOW_SERVE_SLOW_STEP"
 #: the largest stop step of an open profile window (``profile_stop`` closes it)
 OPEN_WINDOW = 2**62
 
@@ -214,6 +218,8 @@ class ServedRun:
                     f"args.batch.path: round {r} has token ids outside 0..{run.vocab_size - 1}"
                 )
         number = run.updates + 1
+        if os.environ.get(SLOW_STEP_ENV):
+            time.sleep(float(os.environ[SLOW_STEP_ENV]))
         if self._profiler is not None:
             with self._profiler.step(number):
                 stats = run.step(batches, lr)
