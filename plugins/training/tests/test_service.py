@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -263,6 +264,10 @@ def _recv(sock: socket.socket, size: int) -> bytes:
         (b'{"verb": "load", "args": {"preset": "gpt2_tiny", "batch": 0}}', "args.batch: 0 < 1"),
         (b'{"verb": "load", "args": {"preset": "gpt2_tiny", "budget": "lots"}}', "args.budget"),
         (b'{"verb": "restore", "args": {}, "id": 7}', "restore: no run is loaded"),
+        (
+            b'{"verb": "load", "args": {"preset": "gpt2_tiny", "budget": "64KiB"}}',
+            "load: args.budget: 64 KiB is too small for this step: the smallest budget that",
+        ),
     ],
 )
 def test_a_malformed_request_gets_one_line_naming_the_field(served, raw, named):
@@ -287,19 +292,58 @@ def test_bytes_that_are_no_frame_close_only_their_connection(served):
         assert trainer.status()["loaded"] is False  # and it was not shut down
 
 
-def test_sigterm_saves_when_asked_and_removes_the_socket(home):
-    served = Served(home / "run", "--save-on-exit")
+def test_sigterm_finishes_the_verb_saves_when_asked_and_removes_the_socket(home):
+    """SIGTERM lands while a step runs (held 1.5 s by the test hook): the step completes
+    and is answered, then the server saves its checkpoint and goes."""
+    served = Served(home / "run", "--save-on-exit", env={"DATAFLOW_SERVE_SLOW_STEP": "1.5"})
+    answers = []
     try:
         with served.client() as trainer:
             trainer.load(preset="gpt2_tiny", **SHAPE)
-            trainer.step(served.batch(0))
-        served.proc.send_signal(signal.SIGTERM)
+            stepping = threading.Thread(
+                target=lambda: answers.append(trainer.step(served.batch(0)))
+            )
+            stepping.start()
+            time.sleep(0.5)
+            served.proc.send_signal(signal.SIGTERM)
+            stepping.join(timeout=60)
         code, output = served.wait()
     finally:
         served.stop()
     assert code == 0, output
-    assert (home / "run" / "step_000001" / "manifest.json").is_file()
+    assert [a["step"] for a in answers] == [1]
+    assert json.loads((home / "run" / "step_000001" / "manifest.json").read_text())["step"] == 1
     assert not served.socket.exists() and "stopped (SIGTERM)" in output
+
+
+def test_tcp_serves_only_requests_that_carry_the_token(home):
+    token = "a-token-of-some-length"
+    proc = subprocess.Popen(
+        [DATAFLOW, "serve-trainer", "--out", str(home / "run"), "--tcp", "127.0.0.1:0"],
+        env={**os.environ, "DATAFLOW_SERVE_TOKEN": token},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        address = line.split(" on tcp:")[1].split()[0]
+        host, port = address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as sock:
+            answer = _ask(sock, _frame(b'{"verb": "status"}'))
+            assert answer["error"] == "token: missing or wrong; closing the connection"
+            assert sock.recv(1) == b""
+        with TrainerClient(tcp=address, token="wrong" * 4) as trainer:
+            with pytest.raises(ServiceError, match="^token: missing or wrong"):
+                trainer.status()
+        with TrainerClient(tcp=address, token=token) as trainer:
+            assert trainer.status()["loaded"] is False
+            trainer.shutdown()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
 
 
 def test_tcp_is_refused_without_a_token(tmp_path, monkeypatch):

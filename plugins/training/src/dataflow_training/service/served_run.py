@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 import attrs
 
-from dataflow import families, parse_size
+from dataflow import InfeasibleBudget, families, format_size, parse_size
 from dataflow_training.drive.checkpoint import checkpoints, intact_checkpoint, step_name
 from dataflow_training.drive.components import METRICS_FILE, Checkpointer, JsonlMetrics
 from dataflow_training.drive.profiling import ProfileWindow, StepProfiler
@@ -142,7 +142,14 @@ class ServedRun:
         if o.init is not None:
             o, init = _with_init(o, family)
         resolver_for(o.resolver, o.device)  # a bad name: named before the compile
-        compiled = o.compile(family, recompute=o.recompute)
+        try:
+            compiled = o.compile(family, recompute=o.recompute)
+        except InfeasibleBudget as exc:
+            raise ProtocolError(
+                f"args.budget: {format_size(o.budget_bytes)} is too small for this step: the "
+                f"smallest budget that works is {format_size(exc.minimal_budget_bytes)} "
+                f"({exc.minimal_budget_bytes} bytes)"
+            ) from None
         state = _init_weights(o, init, family) if init is not None and resumed is None else None
         run = TrainingRun(compiled, seed=o.seed, state=state)
         if resumed is not None:
