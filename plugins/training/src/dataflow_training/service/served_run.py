@@ -282,7 +282,7 @@ class ServedRun:
         shard = _size(args, "max_shard_size")
         if not hasattr(self.family, "export_hf"):
             raise ProtocolError(f"export_weights: family {self.options.family!r} has no HF export")
-        weights, _opt = run.state()
+        weights = run.weights()
         config = self.family.config(self.options.preset, **self.options.overrides)
         record = export_weights(
             self.family,
