@@ -29,7 +29,7 @@ from dataflow_training import (
     load_family,
     write_token_batch,
 )
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from dataflow.testing import assert_one_line_error, invoke
 
@@ -354,3 +354,43 @@ def test_tcp_is_refused_without_a_token(tmp_path, monkeypatch):
         "serve-trainer", "--out", str(tmp_path / "r"), "--tcp", "127.0.0.1:0", "--token", "x"
     )
     assert_one_line_error(short, 1, "--token")
+
+
+def _read(tmp_path: Path, rounds: int = 1, kind: str | None = None, **tensors: torch.Tensor):
+    # the batch reader in-process: what a step request's batch file becomes
+    from dataflow_training.service.batches import read_batch
+    from dataflow_training.step.config import TrainConfig
+
+    path = tmp_path / "b.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    spec = {"path": str(path), **({} if kind is None else {"kind": kind})}
+    return read_batch(spec, TrainConfig(seq_len=4, batch=2, rounds=rounds))
+
+
+def test_a_tokens_batch_is_input_ids_or_inputs_and_targets_per_round(tmp_path):
+    ids = torch.arange(3 * 2 * 5).reshape(3, 2, 5)
+    rounds = _read(tmp_path, 3, input_ids=ids)
+    assert len(rounds) == 3
+    assert all(
+        torch.equal(x, ids[r, :, :-1]) and torch.equal(y, ids[r, :, 1:])
+        for r, (x, y) in enumerate(rounds)
+    )
+    ((x, y),) = _read(tmp_path, inputs=ids[0, :, :4].int(), targets=ids[0, :, 1:])
+    assert x.dtype == torch.int64 and torch.equal(y, ids[0, :, 1:])
+
+
+@pytest.mark.parametrize(
+    ("kind", "tensors", "named"),
+    [
+        (None, {"input_ids": torch.zeros(2, 4, dtype=torch.int64)}, "input_ids has shape (2, 4)"),
+        (None, {"input_ids": torch.zeros(2, 5)}, "input_ids is torch.float32"),
+        (None, {"ids": torch.zeros(2, 5, dtype=torch.int64)}, "holds ids; a tokens batch is"),
+        ("rollouts", {"input_ids": torch.zeros(2, 5, dtype=torch.int64)}, "kind: 'rollouts'"),
+    ],
+)
+def test_a_bad_batch_file_is_named(tmp_path, kind, tensors, named):
+    from dataflow_training.service.protocol import ProtocolError
+
+    with pytest.raises(ProtocolError, match=r"^args\.batch\.") as caught:
+        _read(tmp_path, kind=kind, **tensors)
+    assert named in str(caught.value)

@@ -62,13 +62,14 @@ def _rounds(t: torch.Tensor, name: str, train: TrainConfig, columns: int) -> lis
     """``t`` as one (batch, columns) int64 tensor per round."""
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise ProtocolError(f"{WHERE}.path: {name} is {t.dtype}; token ids are integers")
+    given = tuple(t.shape)
     if t.dim() == 2:
         t = t.unsqueeze(0)
     shape = (train.rounds, train.batch, columns)
     if tuple(t.shape) != shape:
         want = f"{shape[1:]} or {shape}" if train.rounds == 1 else f"{shape}"
         raise ProtocolError(
-            f"{WHERE}.path: {name} has shape {tuple(t.shape)}; this step takes {want} "
+            f"{WHERE}.path: {name} has shape {given}; this step takes {want} "
             "(rounds, batch, seq_len" + (" + 1)" if name == "input_ids" else ")")
         )
     return list(t.to(torch.int64).unbind(0))
