@@ -1,6 +1,6 @@
 """The training plugin's import rules (docs/architecture.md, Training): no import circles,
 and each stage imports only the stages before it, ``optim`` < ``step`` < ``kit`` < ``plan`` <
-``drive`` < ``check`` < ``cli`` (``testing`` and the entry point may import any). Found by
+``drive`` < ``check`` < ``service`` < ``cli`` (``testing`` and the entry point may import any). Found by
 reading the source: ``python -m dataflow.testing.import_cycles
 plugins/training/src/dataflow_training dataflow_training`` lists the circles."""
 
@@ -16,7 +16,7 @@ import dataflow_training
 from dataflow.testing import import_cycles
 
 ROOT = Path(dataflow_training.__file__).parent
-STAGES = ("optim", "step", "kit", "plan", "drive", "check", "cli")
+STAGES = ("optim", "step", "kit", "plan", "drive", "check", "service", "cli")
 
 
 def _stage(module: str) -> str | None:

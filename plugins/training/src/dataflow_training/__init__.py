@@ -42,6 +42,8 @@ _HOMES = {
         "step_checks",
     ),
     "dataflow_training.cli.verify_cli": ("check_preset",),
+    "dataflow_training.service.client": ("TrainerClient", "ServiceError"),
+    "dataflow_training.service.batches": ("write_token_batch",),
 }
 
 __all__ = exported(_HOMES)

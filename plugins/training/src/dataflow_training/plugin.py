@@ -1,5 +1,5 @@
 """Entry-point module of dataflow-training: adds ``dataflow verify``, ``train``, ``lower``,
-``eval``, ``export``, ``predict`` and ``measure``, the ``recompute`` planner, the ``toy_moe``
+``eval``, ``export``, ``predict``, ``measure`` and ``serve-trainer``, the ``recompute`` planner, the ``toy_moe``
 family (the protocol's worked MoE example) and the reference variants of the ops a
 quantized LoRA base calls (``kit.lora_base``); imports torch only when one is used."""
 
@@ -14,6 +14,7 @@ def dataflow_cli_commands() -> list:
     from dataflow_training.cli.eval_cli import eval_command
     from dataflow_training.cli.export_cli import export_command
     from dataflow_training.cli.predict_cli import measure_command, predict_command
+    from dataflow_training.cli.serve_cli import serve_trainer_command
     from dataflow_training.cli.step_cli import lower_command
     from dataflow_training.cli.train_cli import train_command
     from dataflow_training.cli.verify_cli import verify_command
@@ -26,6 +27,7 @@ def dataflow_cli_commands() -> list:
         export_command,
         predict_command,
         measure_command,
+        serve_trainer_command,
     ]
 
 

@@ -372,6 +372,16 @@ class TrainingRun:
         opt = {p.id: fetch(p.id).detach().cpu().clone() for p in running.layout.of_kind("O")}
         return weights, opt_for_state(running, opt)
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The model state alone, ``{"<layer>.<param>": tensor}`` on the CPU (``state()``
+        without copying the optimizer state out: what an export needs)."""
+        if self._engine is None:
+            if self._weights is None:
+                raise RuntimeError(f"the run has no state: {self._lost}")
+            return {k: v.clone() for k, v in self._weights.items()}
+        fetch = self._engine.fetch
+        return {k: v.cpu() for k, v in read_state(self.compiled.running, fetch, "W").items()}
+
     def grads(self) -> dict[str, torch.Tensor]:
         """The last step's weight gradients (as the update saw them: clipped when the
         step clips), ``{"<layer>.<param>": tensor}``; needs ``keep_grads``."""

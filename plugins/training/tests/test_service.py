@@ -1,0 +1,396 @@
+"""``dataflow serve-trainer`` with real processes, on gpt2_tiny on the CPU: the losses of
+steps through the service are a direct ``TrainingRun``'s; save, shutdown, a new server and
+its restore continue the run exactly; a client SIGKILLed mid-``step`` and malformed bytes
+leave the server serving and the state whole; SIGTERM saves and removes the socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from dataflow_training import (
+    ServiceError,
+    TrainerClient,
+    TrainingRun,
+    TrainOptions,
+    load_family,
+    write_token_batch,
+)
+from safetensors.torch import load_file, save_file
+
+from dataflow.testing import assert_one_line_error, invoke
+
+pytest.importorskip("dataflow_family_gpt2")
+
+DATAFLOW = str(Path(sys.executable).parent / "dataflow")
+SHAPE = {"batch": 2, "seq_len": 16, "lr": 1e-3, "seed": 0}
+#: the tolerance of service losses against the direct run's: the same CPU code on the same
+#: data and seed, in another process (bit-identical in practice)
+ABS = 1e-6
+
+
+def _ids(step: int) -> torch.Tensor:
+    """Step ``step``'s input ids (batch, seq_len + 1), the same in every test."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, 256, (SHAPE["batch"], SHAPE["seq_len"] + 1), generator=g)
+
+
+_DIRECT: list[float] = []
+
+
+def direct_losses(steps: int) -> list[float]:
+    """The losses of ``steps`` steps of a ``TrainingRun`` on ``_ids``, uninterrupted."""
+    if len(_DIRECT) < steps:
+        _DIRECT.clear()
+        options = TrainOptions(
+            family="gpt2", preset="gpt2_tiny", steps=0, out=tempfile.mkdtemp(), device="cpu",
+            batch=SHAPE["batch"], seq_len=SHAPE["seq_len"], lr=SHAPE["lr"],
+        )  # fmt: skip
+        compiled = options.compile(load_family("gpt2"), recompute=options.recompute)
+        run = TrainingRun(compiled, seed=SHAPE["seed"])
+        for step in range(steps):
+            ids = _ids(step)
+            _DIRECT.append(run.step([(ids[:, :-1], ids[:, 1:])]).loss)
+    return _DIRECT[:steps]
+
+
+class Served:
+    """A server process on a run folder; ``client()`` connects to it."""
+
+    def __init__(self, out: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+        self.out = out
+        self.socket = out / "trainer.sock"
+        self.proc = subprocess.Popen(
+            [DATAFLOW, "serve-trainer", "--out", str(out), *extra],
+            env={**os.environ, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        deadline = time.monotonic() + 120
+        while not self.socket.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"server did not start: {self.proc.communicate()[0]}")
+            time.sleep(0.05)
+
+    def client(self) -> TrainerClient:
+        return TrainerClient(self.socket, timeout=120)
+
+    def batch(self, step: int) -> Path:
+        return write_token_batch(self.out.parent / f"batch_{step}.safetensors", _ids(step))
+
+    def wait(self) -> tuple[int, str]:
+        output = self.proc.communicate(timeout=120)[0]
+        return self.proc.returncode, output
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+@pytest.fixture
+def home():
+    """A short folder (a UNIX socket path takes at most 107 bytes; pytest's are long)."""
+    path = Path(tempfile.mkdtemp(prefix="dfs-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def served(home):
+    server = Served(home / "run")
+    yield server
+    server.stop()
+
+
+def test_steps_through_the_service_are_a_direct_runs(served):
+    assert stat.S_IMODE(served.socket.stat().st_mode) == 0o600
+    with served.client() as trainer:
+        loaded = trainer.load(preset="gpt2_tiny", **SHAPE)
+        assert loaded["step"] == 0 and loaded["family"] == "gpt2"
+        losses = [trainer.step(served.batch(step))["loss"] for step in range(4)]
+        assert trainer.status()["step"] == 4
+        trainer.shutdown()
+    assert losses == pytest.approx(direct_losses(4), abs=ABS)
+    code, output = served.wait()
+    assert code == 0, output
+    assert not served.socket.exists()
+    metrics = [json.loads(line) for line in (served.out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+
+
+def test_save_shutdown_new_server_restore_continues_the_run(home):
+    first = Served(home / "run")
+    try:
+        with first.client() as trainer:
+            trainer.load(preset="gpt2_tiny", **SHAPE)
+            before = [trainer.step(first.batch(step))["loss"] for step in range(2)]
+            saved = trainer.save()
+            assert saved == {"step": 2, "checkpoint": str(home / "run" / "step_000002")}
+            exported = trainer.export_weights()
+            trainer.shutdown()
+        assert first.wait()[0] == 0
+    finally:
+        first.stop()
+    second = Served(home / "run")
+    try:
+        with second.client() as trainer:
+            with pytest.raises(ServiceError, match=r"^load: args\.resume: .*step_000002"):
+                trainer.load(preset="gpt2_tiny", **SHAPE)  # a new run over a saved one
+            assert trainer.load(preset="gpt2_tiny", resume="auto", **SHAPE)["step"] == 2
+            after = [trainer.step(second.batch(step))["loss"] for step in (2, 3)]
+            # and back: restore the checkpoint, the same two steps again
+            assert trainer.restore()["step"] == 2
+            again = [trainer.step(second.batch(step))["loss"] for step in (2, 3)]
+            trainer.shutdown()
+    finally:
+        second.stop()
+    assert before + after == pytest.approx(direct_losses(4), abs=ABS)
+    assert again == after
+    # the export holds the checkpoint's weights, as `dataflow export --hf` writes them
+    hf = home / "hf"
+    result = invoke("export", "--hf", str(hf), "--from", saved["checkpoint"], "--no-tokenizer")
+    assert result.exit_code == 0, result.output
+    ours = load_file(Path(exported["path"]) / "model.safetensors")
+    theirs = load_file(hf / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_export_weights_changed_only_writes_what_changed(served, home):
+    with served.client() as trainer:
+        trainer.load(preset="gpt2_tiny", **SHAPE)
+        whole = trainer.export_weights(home / "e0", changed_only=True)  # nothing to compare
+        assert not whole["changed_only"] and len(whole["written"]) == whole["tensors"]
+        same = trainer.export_weights(home / "e1", changed_only=True)
+        assert same["changed_only"] and same["written"] == []
+        trainer.step(served.batch(0))
+        moved = trainer.export_weights(home / "e2", changed_only=True)
+    before = load_file(home / "e0" / "model.safetensors")
+    after = load_file(home / "e2" / "model.safetensors")
+    changed = sorted(k for k in before if k in after and not torch.equal(before[k], after[k]))
+    assert moved["written"] == sorted(after) and changed == sorted(after) and changed
+    record = json.loads((home / "e2" / "dataflow_export.json").read_text())
+    assert record["step"] == 1 and sorted(record["tensors"]) == sorted(before)
+
+
+#: a client that sends one step request, says so, and waits for the answer it never reads
+_KILLED_CLIENT = """
+import json, socket, struct, sys
+sock = socket.socket(socket.AF_UNIX)
+sock.connect(sys.argv[1])
+body = json.dumps({"verb": "step", "args": {"batch": {"path": sys.argv[2]}}}).encode()
+sock.sendall(struct.pack(">I", len(body)) + body)
+print("sent", flush=True)
+sock.recv(1)
+"""
+
+
+def test_a_client_killed_mid_step_loses_nothing(home):
+    """The server holds each step 1.5 s before it runs it (a test hook), and the client is
+    SIGKILLed in that time: the step completes, the server serves the next client, whose
+    status says step 1 and whose next step continues the uninterrupted run."""
+    served = Served(home / "run", env={"DATAFLOW_SERVE_SLOW_STEP": "1.5"})
+    try:
+        with served.client() as trainer:
+            trainer.load(preset="gpt2_tiny", **SHAPE)
+        client = subprocess.Popen(
+            [sys.executable, "-c", _KILLED_CLIENT, str(served.socket), str(served.batch(0))],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert client.stdout.readline().strip() == "sent"
+        time.sleep(0.3)
+        client.send_signal(signal.SIGKILL)
+        client.wait()
+        with served.client() as trainer:
+            status = trainer.status()
+            assert status["step"] == 1, status
+            second = trainer.step(served.batch(1))["loss"]
+            trainer.shutdown()
+        code, output = served.wait()
+    finally:
+        served.stop()
+    assert code == 0 and "client gone before its answer" in output, output
+    assert [status["last_loss"], second] == pytest.approx(direct_losses(2), abs=ABS)
+
+
+def _frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+def _ask(sock: socket.socket, raw: bytes) -> dict:
+    sock.sendall(raw)
+    (length,) = struct.unpack(">I", _recv(sock, 4))
+    return json.loads(_recv(sock, length))
+
+
+def _recv(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        assert chunk, "the server closed the connection"
+        data += chunk
+    return data
+
+
+@pytest.mark.parametrize(
+    ("raw", "named"),
+    [
+        (b"{not json", "message: not UTF-8 JSON"),
+        (b"\xff\xfe", "message: not UTF-8 JSON"),
+        (b"[1, 2]", "message: a JSON list"),
+        (b'{"args": {}}', "verb: missing"),
+        (b'{"verb": "fly"}', "verb: 'fly' is not one of load, step"),
+        (b'{"verb": "status", "args": [1]}', "args: a JSON object"),
+        (b'{"verb": "status", "colour": 1}', "colour: not a field of a request"),
+        (b'{"verb": "status", "args": {"x": 1}}', "status: args.x: status takes no such field"),
+        (b'{"verb": "step", "args": {}}', "step: no run is loaded"),
+        (b'{"verb": "load", "args": {}}', "load: args.preset: missing"),
+        (b'{"verb": "load", "args": {"preset": "gpt2_tiny", "batch": 0}}', "args.batch: 0 < 1"),
+        (b'{"verb": "load", "args": {"preset": "gpt2_tiny", "budget": "lots"}}', "args.budget"),
+        (b'{"verb": "restore", "args": {}, "id": 7}', "restore: no run is loaded"),
+        (
+            b'{"verb": "load", "args": {"preset": "gpt2_tiny", "budget": "64KiB"}}',
+            "load: args.budget: 64 KiB is too small for this step: the smallest budget that",
+        ),
+    ],
+)
+def test_a_malformed_request_gets_one_line_naming_the_field(served, raw, named):
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(served.socket))
+        answer = _ask(sock, _frame(raw))
+        assert answer["ok"] is False and named in answer["error"], answer
+        assert "\n" not in answer["error"]
+        # the connection goes on
+        assert _ask(sock, _frame(b'{"verb": "status", "id": 2}'))["result"]["loaded"] is False
+
+
+def test_bytes_that_are_no_frame_close_only_their_connection(served):
+    with socket.socket(socket.AF_UNIX) as sock:  # a length past the limit: answered, closed
+        sock.connect(str(served.socket))
+        answer = _ask(sock, struct.pack(">I", 2**31))
+        assert "past the limit" in answer["error"] and sock.recv(1) == b""
+    with socket.socket(socket.AF_UNIX) as sock:  # half a frame, then gone
+        sock.connect(str(served.socket))
+        sock.sendall(_frame(b'{"verb": "shutdown"}')[:9])
+    with served.client() as trainer:
+        assert trainer.status()["loaded"] is False  # and it was not shut down
+
+
+def test_sigterm_finishes_the_verb_saves_when_asked_and_removes_the_socket(home):
+    """SIGTERM lands while a step runs (held 1.5 s by the test hook): the step completes
+    and is answered, then the server saves its checkpoint and goes."""
+    served = Served(home / "run", "--save-on-exit", env={"DATAFLOW_SERVE_SLOW_STEP": "1.5"})
+    answers = []
+    try:
+        with served.client() as trainer:
+            trainer.load(preset="gpt2_tiny", **SHAPE)
+            stepping = threading.Thread(
+                target=lambda: answers.append(trainer.step(served.batch(0)))
+            )
+            stepping.start()
+            time.sleep(0.5)
+            served.proc.send_signal(signal.SIGTERM)
+            stepping.join(timeout=60)
+        code, output = served.wait()
+    finally:
+        served.stop()
+    assert code == 0, output
+    assert [a["step"] for a in answers] == [1]
+    assert json.loads((home / "run" / "step_000001" / "manifest.json").read_text())["step"] == 1
+    assert not served.socket.exists() and "stopped (SIGTERM)" in output
+
+
+def test_tcp_serves_only_requests_that_carry_the_token(home):
+    token = "a-token-of-some-length"
+    proc = subprocess.Popen(
+        [DATAFLOW, "serve-trainer", "--out", str(home / "run"), "--tcp", "127.0.0.1:0"],
+        env={**os.environ, "DATAFLOW_SERVE_TOKEN": token},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        address = line.split(" on tcp:")[1].split()[0]
+        host, port = address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as sock:
+            answer = _ask(sock, _frame(b'{"verb": "status"}'))
+            assert answer["error"] == "token: missing or wrong; closing the connection"
+            assert sock.recv(1) == b""
+        with TrainerClient(tcp=address, token="wrong" * 4) as trainer:
+            with pytest.raises(ServiceError, match="^token: missing or wrong"):
+                trainer.status()
+        with TrainerClient(tcp=address, token=token) as trainer:
+            assert trainer.status()["loaded"] is False
+            trainer.shutdown()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def test_tcp_is_refused_without_a_token(tmp_path, monkeypatch):
+    monkeypatch.delenv("DATAFLOW_SERVE_TOKEN", raising=False)
+    result = invoke("serve-trainer", "--out", str(tmp_path / "r"), "--tcp", "127.0.0.1:0")
+    assert_one_line_error(result, 1, "--tcp needs --token")
+    short = invoke(
+        "serve-trainer", "--out", str(tmp_path / "r"), "--tcp", "127.0.0.1:0", "--token", "x"
+    )
+    assert_one_line_error(short, 1, "--token")
+
+
+def _read(tmp_path: Path, rounds: int = 1, kind: str | None = None, **tensors: torch.Tensor):
+    # the batch reader in-process: what a step request's batch file becomes
+    from dataflow_training.service.batches import read_batch
+    from dataflow_training.step.config import TrainConfig
+
+    path = tmp_path / "b.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    spec = {"path": str(path), **({} if kind is None else {"kind": kind})}
+    return read_batch(spec, TrainConfig(seq_len=4, batch=2, rounds=rounds))
+
+
+def test_a_tokens_batch_is_input_ids_or_inputs_and_targets_per_round(tmp_path):
+    ids = torch.arange(3 * 2 * 5).reshape(3, 2, 5)
+    rounds = _read(tmp_path, 3, input_ids=ids)
+    assert len(rounds) == 3
+    assert all(
+        torch.equal(x, ids[r, :, :-1]) and torch.equal(y, ids[r, :, 1:])
+        for r, (x, y) in enumerate(rounds)
+    )
+    ((x, y),) = _read(tmp_path, inputs=ids[0, :, :4].int(), targets=ids[0, :, 1:])
+    assert x.dtype == torch.int64 and torch.equal(y, ids[0, :, 1:])
+
+
+@pytest.mark.parametrize(
+    ("kind", "tensors", "named"),
+    [
+        (None, {"input_ids": torch.zeros(2, 4, dtype=torch.int64)}, "input_ids has shape (2, 4)"),
+        (None, {"input_ids": torch.zeros(2, 5)}, "input_ids is torch.float32"),
+        (None, {"ids": torch.zeros(2, 5, dtype=torch.int64)}, "holds ids; a tokens batch is"),
+        ("rollouts", {"input_ids": torch.zeros(2, 5, dtype=torch.int64)}, "kind: 'rollouts'"),
+    ],
+)
+def test_a_bad_batch_file_is_named(tmp_path, kind, tensors, named):
+    from dataflow_training.service.protocol import ProtocolError
+
+    with pytest.raises(ProtocolError, match=r"^args\.batch\.") as caught:
+        _read(tmp_path, kind=kind, **tensors)
+    assert named in str(caught.value)
