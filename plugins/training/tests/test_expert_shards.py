@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from dataflow import validate
 from dataflow_training import TrainingRun
 from dataflow_training.check.verify import TOLERANCES, step_checks
 from dataflow_training.drive.values import read_state, start_values
@@ -15,6 +13,8 @@ from dataflow_training.kit.moe import EXPERT_SHARD_BYTES, expert_shards
 from dataflow_training.step.config import DtypePolicy, TrainConfig
 from dataflow_training.step.family import load_family
 from dataflow_training.step.lowering import lower
+
+from dataflow import validate
 
 TINY = [
     ("olmoe", "olmoe_tiny"),
