@@ -174,3 +174,18 @@ def test_a_sharded_run_resumes_from_its_checkpoint(tmp_path) -> None:
         assert torch.equal(weights[key], value), key
     for key, value in want_opt.items():
         assert torch.equal(opt[key], value), key
+
+
+@pytest.mark.parametrize(("family", "preset"), TINY[:3])
+def test_a_sharded_run_exports_and_imports_hf_bit_for_bit(family, preset, tmp_path) -> None:
+    """The weights a run with its experts in two shards ends with, written as an HF
+    checkpoint and read back: the same tensors, bit for bit, under the same keys."""
+    run = _run(family, preset, 2)
+    run.step(_batches(run.vocab_size, 1, 2)[0])
+    state = run.state()[0]
+    loaded = load_family(family)
+    loaded.export_hf(run.compiled.lowered.config, state, tmp_path / "hf")
+    _config, back = loaded.import_hf(tmp_path / "hf")
+    assert back.keys() == state.keys()
+    for key, value in state.items():
+        assert torch.equal(back[key], value), key
