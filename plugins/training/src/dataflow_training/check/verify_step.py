@@ -277,12 +277,30 @@ def adam_moments(lowered: Any, opt_state: dict[str, torch.Tensor]) -> dict[str, 
     (``TrainingRun.state``: laid out for the state's shapes, ``values.state_layouts``)
     of the step ``lowered``."""
     layouts = state_layouts(lowered)
-    moments: dict[str, dict[str, torch.Tensor]] = {}
-    for packed in lowered.layout.of_kind("O"):
+    moments: dict[str, dict[str, list[torch.Tensor]]] = {}
+    # an expert shard's group holds a piece of each state tensor: joined in group order
+    ordered = sorted(lowered.layout.of_kind("O"), key=lambda p: _shard_index(lowered, p))
+    for packed in ordered:
         for name, view in layouts[packed.id].views(opt_state[packed.id]).items():
             param, field = name.rsplit("/", 1)
-            moments.setdefault(f"{packed.layer}.{param}", {})[field] = view
-    return {k: (v["exp_avg"], v["exp_avg_sq"]) for k, v in moments.items()}
+            moments.setdefault(f"{packed.layer}.{param}", {}).setdefault(field, []).append(view)
+    return {
+        k: tuple(
+            torch.cat(parts) if len(parts) > 1 else parts[0]
+            for parts in (v["exp_avg"], v["exp_avg_sq"])
+        )
+        for k, v in moments.items()
+    }
+
+
+def _shard_index(lowered: Any, packed: Any) -> int:
+    """The shard index of ``packed``'s parameter group (0 for a group that is no shard)."""
+    for layer in lowered.layers:
+        if layer.name == packed.layer:
+            for group in layer.groups:
+                if group.name == packed.group and group.shard is not None:
+                    return group.shard[0]
+    return 0
 
 
 def routing_checks(

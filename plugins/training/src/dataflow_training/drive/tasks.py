@@ -149,9 +149,15 @@ class TrainingTasks:
             ("head", "loss"): HeadLoss,
         }.get((key.kind, key.phase))
         if cls is None:
-            cls = {"forward": BlockForward, "recompute": BlockRecompute, "backward": BlockBackward}[
-                key.phase
-            ]
+            cls = {
+                "forward": BlockForward,
+                "recompute": BlockRecompute,
+                "backward": BlockBackward,
+                "route_forward": RouteForward,
+                "experts_forward": ExpertsForward,
+                "experts_backward": ExpertsBackward,
+                "route_backward": RouteBackward,
+            }[key.phase]
         return cls(self, task, slot)
 
 
@@ -387,6 +393,123 @@ class BlockBackward(_Exec):
             self.one(ctx, "dy"),
             self.env(ctx, aux=self.named(ctx, "aux")),
         )
+
+
+class _Apart(_Exec):
+    """A task of a block whose experts run apart (``kit.block.Block``'s ``route_*`` and
+    ``experts_*``): the block math called as it is (not through the strategy), its
+    results written here."""
+
+    def math_apart(self) -> Any:
+        return self.tasks.family.math(self.kind)
+
+    def call(self, function: str, *args: Any) -> Any:
+        try:
+            return getattr(self.math_apart(), function)(self.tasks.config, *args)
+        except FamilyContractError as exc:
+            raise FamilyContractError(
+                f"task {self.task.id}: {self.task.compute_key} {exc}"
+            ) from None
+
+    def shard(self) -> tuple[int, int]:
+        return self.task.params["shard"], self.task.params["shards"]
+
+    def put(self, what: str, value: Any, target: torch.Tensor, *, add: bool = False) -> None:
+        if value is None:
+            raise FamilyContractError(
+                f"task {self.task.id}: {self.task.compute_key} gave no {what}"
+            )
+        _check_shape(self.task, what, value, target)
+        (target.add_ if add else target.copy_)(value)
+
+
+class RouteForward(_Apart):
+    """The attention half, the router and the shared expert: the block's output without
+    its routed experts, ``A``, AuxTemp and the experts' input."""
+
+    def launch(self, ctx: LaunchContext) -> None:
+        aux = self.named(ctx, "aux")
+        if self.task.params.get("zero_aux"):
+            for tensor in aux.values():
+                tensor.zero_()
+        y, saved, aux_temp, experts = self.call(
+            "route_forward", self.named(ctx, "w"), self.one(ctx, "x"), self.env(ctx, aux=aux)
+        )
+        self.put("output", y, self.one(ctx, "y"))
+        *main, experts_obj = self.slot.outputs["saved"]  # A (with a backward), the experts'
+        for obj in main:
+            for name, target in self.views(ctx, obj).items():
+                self.put(f"saved tensor {name!r}", saved.get(name), target)
+        self.put("experts' input", experts.get("moe_in"), self.views(ctx, experts_obj)["moe_in"])
+        for name, target in self.views(ctx, self.slot.one("aux_temp")).items():
+            self.put(f"aux_temp tensor {name!r}", aux_temp.get(name), target)
+
+
+class ExpertsForward(_Apart):
+    """One shard's experts over the rows routed to them: their weighted outputs added
+    into the block's output, their ``gate_up`` rows written."""
+
+    def launch(self, ctx: LaunchContext) -> None:
+        (experts_obj,) = self.slot.mutates["saved"]
+        experts = self.views(ctx, experts_obj)
+        out, gate_up, (start, end) = self.call(
+            "experts_forward",
+            self.named(ctx, "w"),
+            experts,
+            self.named(ctx, "aux_temp"),
+            self.shard(),
+            self.env(ctx),
+        )
+        y = self.buffer(ctx, self.slot.one("y"))
+        self.put("output", out.to(y.dtype).view_as(y), y, add=True)
+        self.put("gate_up rows", gate_up, experts["gate_up"][start:end])
+
+
+class ExpertsBackward(_Apart):
+    """One shard's experts' backward: their gradients, and their part of the block's
+    ``dE`` (the gradient of the experts' input, added; their rows' routing weights')."""
+
+    def launch(self, ctx: LaunchContext) -> None:
+        (experts_obj,) = self.slot.inputs["saved"]
+        d_moe_in, d_weights, (start, end), grads = self.call(
+            "experts_backward",
+            self.named(ctx, "w"),
+            self.views(ctx, experts_obj),
+            self.named(ctx, "aux_temp"),
+            self.one(ctx, "dy"),
+            self.shard(),
+            self.env(ctx),
+        )
+        d_obj = self.slot.one("d_experts")
+        made = d_obj in self.slot.outputs.get("d_experts", ())
+        d = self.views(ctx, d_obj)
+        if made:
+            self.buffer(ctx, d_obj).zero_()
+        self.put("gradient of the experts' input", d_moe_in, d["d_moe_in"], add=True)
+        self.put("routing weights' gradient", d_weights, d["d_weights"][start:end])
+        if self.slot.objects("grad"):
+            self.store_grads(ctx, "grad", grads)
+
+
+class RouteBackward(_Apart):
+    """The router's, the shared expert's and the attention half's backward, given the
+    shards' ``dE``: the block's ``dx`` and its main group's gradient."""
+
+    def launch(self, ctx: LaunchContext) -> None:
+        dx, grads = self.call(
+            "route_backward",
+            self.named(ctx, "w"),
+            self.one(ctx, "x"),
+            self.named(ctx, "saved"),
+            self.named(ctx, "aux_temp"),
+            self.one(ctx, "dy"),
+            self.named(ctx, "d_experts"),
+            self.env(ctx, aux=self.named(ctx, "aux")),
+        )
+        for obj in self.slot.objects("dx"):
+            self.put("dx", dx, self.buffer(ctx, obj))
+        if self.slot.objects("grad"):
+            self.store_grads(ctx, "grad", grads)
 
 
 class HeadLoss(_Exec):

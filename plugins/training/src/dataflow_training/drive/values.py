@@ -45,10 +45,12 @@ def packed_buffer(
     obj_id: str,
     state: Mapping[str, torch.Tensor] | None = None,
     rows: Mapping[str, int] | None = None,
+    pieces: Mapping[tuple[str, str, str], slice] | None = None,
 ) -> torch.Tensor:
     """A packed object's bytes: zeros, with each entry copied from ``state`` (a ``W``
     object's parameters by ``<layer>.<name>``) when given; an entry of ``rows``
-    (``state_rows``) takes the state's tensor into its first rows, the rest staying zero."""
+    (``state_rows``) takes the state's tensor into its first rows, the rest staying zero;
+    an entry of ``pieces`` (``state_pieces``) its rows of the state's tensor."""
     packed = layout.packed[obj_id]
     buffer = torch.zeros(packed.layout.size_bytes, dtype=torch.uint8)
     if state is not None:
@@ -57,8 +59,28 @@ def packed_buffer(
             key = f"{packed.layer}.{name}"
             if key not in state:
                 raise KeyError(f"the model state has no {key!r} (needed by {obj_id})")
-            view[: rows.get(key, view.shape[0])].copy_(state[key])
+            view[: rows.get(key, view.shape[0])].copy_(
+                state[key][piece_rows(pieces or {}, packed, name)]
+            )
     return buffer
+
+
+def state_pieces(layers: Any) -> dict[tuple[str, str, str], slice]:
+    """``{(layer, group, param): rows}`` of every parameter the step stores a piece of
+    (``TensorSpec.piece``: an expert shard's share of the state's stacked experts)."""
+    return {
+        (layer.name, group.name, p.name): p.state_slice
+        for layer in layers
+        for group in layer.groups
+        for p in group.params
+        if p.piece is not None
+    }
+
+
+def piece_rows(pieces: Mapping[tuple[str, str, str], slice], packed: Any, name: str) -> slice:
+    """The rows of the state's tensor entry ``name`` of ``packed`` (a ``W`` or ``dW``
+    object) stores: all of them, or a piece's share (``state_pieces``)."""
+    return pieces.get((packed.layer, packed.group, name), slice(None))
 
 
 def stored_state(layers: Any, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -98,8 +120,10 @@ class StartValues(Mapping[str, torch.Tensor]):
         self.program, self.state, self.data, self.step = program, state, data, step
         self.layout = lowered.layout
         self._rows = state_rows(lowered.layers)
+        self._pieces = state_pieces(lowered.layers)
         self._data = self.layout.data_objects()
         self.given = dict(given or {})
+        self._taken: dict[str, int] = {}  # rows of each sharded state tensor taken
         self._ids = [o.id for o in program.objects if program.exists_at_start(o.id)]
         self._roles = {o.id: o.role for o in program.objects if o.id in set(self._ids)}
         unknown = sorted(set(self.given) - set(self._ids))
@@ -118,10 +142,17 @@ class StartValues(Mapping[str, torch.Tensor]):
         packed = self.layout.packed[obj_id]
         if packed.kind != "W":
             return packed_buffer(self.layout, obj_id)
-        value = packed_buffer(self.layout, obj_id, self.state, self._rows)
+        value = packed_buffer(self.layout, obj_id, self.state, self._rows, self._pieces)
         if self.consume:  # the engine holds the bytes now: the host copy may go
-            for name in packed.layout.views(value):
-                self.state.pop(f"{packed.layer}.{name}", None)
+            for name, view in packed.layout.views(value).items():
+                key = f"{packed.layer}.{name}"
+                if piece_rows(self._pieces, packed, name) != slice(
+                    None
+                ):  # a shard: once all are taken
+                    self._taken[key] = self._taken.get(key, 0) + view.shape[0]
+                    if self._taken[key] < self.state[key].shape[0]:
+                        continue
+                self.state.pop(key, None)
         return value
 
     def __contains__(self, obj_id: object) -> bool:  # without building the value
@@ -157,14 +188,21 @@ def read_state(
     step's program leaves in slow memory, read through ``fetch(obj_id)``; a padded table
     its real rows (``state_rows``)."""
     program, layout = lowered.program, lowered.layout
-    rows = state_rows(lowered.layers)
-    out = {}
+    rows, pieces_of = state_rows(lowered.layers), state_pieces(lowered.layers)
+    out: dict[str, torch.Tensor] = {}
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}  # expert shards' pieces, joined
     for packed in layout.of_kind(kind):
         if packed.id not in program.final_locations:
             continue
         for name, view in packed.layout.views(fetch(packed.id)).items():
             key = f"{packed.layer}.{name}"
+            where = piece_rows(pieces_of, packed, name)
+            if where != slice(None):
+                pieces.setdefault(key, []).append((where.start, view.clone()))
+                continue
             out[key] = view[: rows.get(key, view.shape[0])].clone()
+    for key, parts in pieces.items():
+        out[key] = torch.cat([part for _, part in sorted(parts, key=lambda p: p[0])])
     return out
 
 

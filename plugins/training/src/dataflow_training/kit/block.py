@@ -191,11 +191,27 @@ class Block:
         env: Env,
     ) -> tuple[torch.Tensor, Tensors]:
         ops = env.ops
-        norm_1, norm_2 = self._norms(config)
         # the FFN: y = h_mid + ffn(n2(h_mid))
-        h2, stats_2 = norm_2.forward(ops, params, saved["h_mid"])
+        h2, stats_2 = self._norms(config)[1].forward(ops, params, saved["h_mid"])
         d_h2, grads = self.ffn.backward(config, params, h2, saved, aux_temp, dy, env)
         del h2
+        return self._attention_backward(config, params, x, saved, stats_2, d_h2, grads, dy, ops)
+
+    def _attention_backward(
+        self,
+        config: Any,
+        params: Tensors,
+        x: torch.Tensor,
+        saved: Tensors,
+        stats_2: Any,
+        d_h2: torch.Tensor,
+        grads: Tensors,
+        dy: torch.Tensor,
+        ops: Any,
+    ) -> tuple[torch.Tensor, Tensors]:
+        """From the gradient of the FFN's input ``d_h2`` down: the second norm, the
+        residual, the attention half -> (dx, ``grads`` with theirs added)."""
+        norm_1, norm_2 = self._norms(config)
         d_h_mid, g = norm_2.backward(ops, params, saved["h_mid"], stats_2, d_h2)
         grads.update(g)
         del d_h2
@@ -208,6 +224,111 @@ class Block:
         d_x, g = norm_1.backward(ops, params, x, stats_1, d_h1)
         grads.update(g)
         return d_x.add_(d_h_mid), grads
+
+    # -- the experts routed apart ---------------------------------------------------------
+    # With its experts in several shards (``kit.moe.expert_shards``) a block runs as a
+    # routing task (``route_forward``: the attention half, the router, the shared expert),
+    # one task per shard (``experts_forward``: the rows routed to its experts, added into
+    # the block's output), and backward mirrors it (``experts_backward`` per shard, then
+    # ``route_backward``), so that no task holds more than one shard's weights.
+
+    def experts_apart(self, config: Any) -> int:
+        """How many shards the FFN's experts run in (1: the block runs whole)."""
+        shards = getattr(self.ffn, "shards", None)
+        return 1 if shards is None else shards(config)
+
+    def apart_saved(
+        self, config: Any, batch: int, seq_len: int
+    ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+        """(what the routing task saves (``A``), the experts' object (``A_<...>.experts``:
+        their input and ``gate_up``), the experts' gradient to the block (``dE``))."""
+        shared, experts, grad = self.ffn.apart_saved(config, batch, seq_len)
+        main = (
+            *self.attention.saved(config, batch, seq_len),
+            TensorSpec("h_mid", (batch, seq_len, config.hidden_size)),
+            *shared,
+        )
+        return main, experts, grad
+
+    def route_forward(
+        self, config: Any, params: Tensors, x: torch.Tensor, env: Env
+    ) -> tuple[torch.Tensor, Tensors, Tensors, Tensors]:
+        """``forward`` but the routed experts: -> (``h_mid`` plus the shared expert's
+        output, what it saves, AuxTemp, the experts' input ``moe_in``)."""
+        saved, h2 = self._attention_half(config, params, x, env.ops)
+        shared, shared_saved, aux_temp = self.ffn.route_forward(config, params, h2, env)
+        h_mid = saved["h_mid"]
+        y = h_mid.clone() if shared is None else h_mid + shared.view_as(h_mid)
+        moe_in = h2.reshape(-1, config.hidden_size)
+        return y, saved | shared_saved, aux_temp, {"moe_in": moe_in}
+
+    def experts_forward(
+        self,
+        config: Any,
+        params: Tensors,
+        experts: Tensors,
+        aux_temp: Tensors,
+        shard: tuple[int, int],
+        env: Env,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+        """Shard ``shard``'s experts over the rows routed to them (``RoutedExperts.
+        experts_forward``): -> (their share of the output, float32, their ``gate_up``
+        rows, the span of rows)."""
+        return self.ffn.experts_forward(config, params, experts["moe_in"], aux_temp, shard, env.ops)
+
+    def experts_backward(
+        self,
+        config: Any,
+        params: Tensors,
+        experts: Tensors,
+        aux_temp: Tensors,
+        dy: torch.Tensor,
+        shard: tuple[int, int],
+        env: Env,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], Tensors]:
+        """Shard ``shard``'s part of backward (``RoutedExperts.experts_backward``)."""
+        flat_dy = dy.reshape(-1, config.hidden_size)
+        return self.ffn.experts_backward(
+            config, params, experts["moe_in"], experts["gate_up"], aux_temp, flat_dy, shard,
+            env.ops,
+        )  # fmt: skip
+
+    def route_backward(
+        self,
+        config: Any,
+        params: Tensors,
+        x: torch.Tensor,
+        saved: Tensors,
+        aux_temp: Tensors,
+        dy: torch.Tensor,
+        d_experts: Tensors,
+        env: Env,
+    ) -> tuple[torch.Tensor, Tensors]:
+        """``backward`` given the shards' gradient to the block (``d_experts``)."""
+        ops = env.ops
+        h2, stats_2 = self._norms(config)[1].forward(ops, params, saved["h_mid"])
+        d_h2, grads = self.ffn.route_backward(
+            config, params, h2, saved, aux_temp, dy, d_experts, env
+        )
+        del h2
+        return self._attention_backward(config, params, x, saved, stats_2, d_h2, grads, dy, ops)
+
+    def apart_cost(
+        self, config: Any, batch: int, seq_len: int, act_bytes: int, shards: int
+    ) -> tuple[LayerCost, LayerCost]:
+        """(the routing tasks' work: the whole block's less every shard's; one shard's)."""
+        whole = self.cost(config, batch, seq_len, act_bytes)
+        one = self.ffn.experts_work(config, batch, seq_len, act_bytes, shards)
+
+        def less(work: Work, part: Work) -> Work:
+            return Work(
+                max(0.0, work.flops - shards * part.flops),
+                max(0.0, work.bytes - shards * part.bytes),
+                work.kernels,
+            )
+
+        main = LayerCost(less(whole.forward, one.forward), less(whole.backward, one.backward))
+        return main, one
 
     def cost(self, config: Any, batch: int, seq_len: int, act_bytes: int) -> LayerCost:
         """Forward: the parts' matmuls and the attention; activations ``x`` read and ``y``

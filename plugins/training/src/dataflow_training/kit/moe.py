@@ -76,7 +76,7 @@ from dataflow_training.kit.hf import KeyRule
 from dataflow_training.kit.linear import Linear
 from dataflow_training.kit.mlp import SwiGLU
 from dataflow_training.kit.parts import FfnCost, as_is
-from dataflow_training.step.family import Env, ParamGroup, TensorSpec, Work
+from dataflow_training.step.family import Env, LayerCost, ParamGroup, TensorSpec, Work
 
 Tensors = dict[str, torch.Tensor]
 
@@ -84,6 +84,44 @@ ROUTER = Linear("mlp.gate.weight")
 GATE_UP = "mlp.experts.gate_up_proj"
 DOWN = "mlp.experts.down_proj"
 EXPERTS_GROUP = "experts"
+
+#: The most bytes of bfloat16 weights one expert shard holds when the config leaves
+#: ``expert_shards`` to the sizes (0): a shard's optimizer task holds its weights, its
+#: gradient and AdamW's two float32 moments at once, 6 bytes for each byte of bfloat16
+#: weights, so 12 GiB at this size, which a 16 GiB budget still holds beside what a step
+#: keeps resident; every builtin MoE preset whose experts take less a layer keeps them in
+#: one object (OLMoE 1B-7B 0.8 GB, Qwen 3 MoE 30B-A3B 1.2 GB, Qwen 3.5 MoE 35B-A3B
+#: 1.6 GB), DeepSeek V3's 22.5 GB a layer become 16 shards of 1.4 GB and Kimi K2's
+#: 33.8 GB 16 of 2.1 GB.
+EXPERT_SHARD_BYTES = 2 << 30
+
+
+def expert_shards(config: Any, inner: int) -> int:
+    """How many shards a layer's ``num_experts`` routed experts (width ``inner``) are
+    stored and run in: ``config.expert_shards`` where it is set (>= 1, a divisor of the
+    expert count), else the fewest whose bfloat16 weights are at most
+    ``EXPERT_SHARD_BYTES`` a shard (a divisor of the expert count; one expert a shard
+    where even one is larger)."""
+    e = config.num_experts
+    given = config.expert_shards
+    if given:
+        if e % given:
+            name = type(config).__name__
+            raise ValueError(f"{name}.expert_shards ({given}) must divide {name}.num_experts ({e})")
+        return given
+    per_expert = 2 * 3 * config.hidden_size * inner  # bfloat16 gate, up and down
+    return next(
+        (s for s in range(1, e + 1) if e % s == 0 and e // s * per_expert <= EXPERT_SHARD_BYTES),
+        e,
+    )
+
+
+def _shard_count(instance: Any, attribute: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be an integer >= 1 (or 0: "
+            f"from the experts' sizes), got {value!r}"
+        )
 
 
 def _coefficient(instance: Any, attribute: attrs.Attribute, value: object) -> None:
@@ -275,9 +313,30 @@ class RoutedExperts:
         return getattr(config, self.width)
 
     def groups(self, config: MoEConfig) -> tuple[ParamGroup, ...]:
+        """The experts' group ``experts``, or with several shards (``expert_shards``) one
+        group ``experts.<j>`` per shard, holding experts ``j * E / S`` up to ``(j + 1) *
+        E / S`` (pieces of the state's stacked tensors)."""
         n, inner, e = config.hidden_size, self.inner(config), config.num_experts
-        experts = (TensorSpec(GATE_UP, (e, 2 * inner, n)), TensorSpec(DOWN, (e, n, inner)))
-        return (ParamGroup(EXPERTS_GROUP, experts),)
+        shards = self.shards(config)
+        if shards == 1:
+            experts = (TensorSpec(GATE_UP, (e, 2 * inner, n)), TensorSpec(DOWN, (e, n, inner)))
+            return (ParamGroup(EXPERTS_GROUP, experts),)
+        per = e // shards
+        return tuple(
+            ParamGroup(
+                f"{EXPERTS_GROUP}.{j}",
+                (
+                    TensorSpec(GATE_UP, (per, 2 * inner, n), piece=(j, shards)),
+                    TensorSpec(DOWN, (per, n, inner), piece=(j, shards)),
+                ),
+                shard=(j, shards),
+            )
+            for j in range(shards)
+        )
+
+    def shards(self, config: MoEConfig) -> int:
+        """How many shards the experts are stored and run in (``expert_shards``)."""
+        return expert_shards(config, self.inner(config))
 
     def aux(self, config: MoEConfig) -> tuple[TensorSpec, ...]:
         return (TensorSpec("counts", (config.num_experts,), dtype="float32"),)
@@ -451,6 +510,160 @@ class RoutedExperts:
             d_logits += 2 * scale * lse * probs
         return d_logits.to(flat_h2.dtype)
 
+    # -- the experts apart: a routing task, one task per shard (``block.Block``) -------
+
+    def apart_saved(
+        self, config: MoEConfig, batch: int, seq_len: int
+    ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+        """With the experts routed apart: (what the routing task saves beside the
+        attention half's: the shared expert's; the experts' object ``moe_in``, their
+        input, written by the routing task, and ``gate_up``, whose rows each shard's
+        forward writes; the experts' gradient to the block, ``d_moe_in`` (tokens, hidden)
+        float32 summed over the shards and ``d_weights``, each expert row's routing
+        weight's gradient, float32)."""
+        tokens, slots = batch * seq_len, batch * seq_len * config.num_experts_per_tok
+        shared = self.shared.saved(config, batch, seq_len) if self.shared is not None else ()
+        experts = (
+            TensorSpec("moe_in", (tokens, config.hidden_size)),
+            TensorSpec("gate_up", (slots, 2 * self.inner(config))),
+        )
+        grad = (
+            TensorSpec("d_moe_in", (tokens, config.hidden_size), dtype="float32"),
+            TensorSpec("d_weights", (slots,), dtype="float32"),
+        )
+        return shared, experts, grad
+
+    def route_forward(
+        self, config: MoEConfig, params: Tensors, h: torch.Tensor, env: Env
+    ) -> tuple[torch.Tensor | None, Tensors, Tensors]:
+        """``forward`` without the routed experts: route ``h`` once, add the loads into
+        Aux, run the shared expert: -> (its output (tokens, hidden) or None, what it saves,
+        the routing as AuxTemp)."""
+        top, ids = self.choose(config, params, h, env)
+        order, offsets, loads = dispatch(config, ids)
+        if "counts" in env.aux:
+            env.aux["counts"].add_(loads.to(env.aux["counts"]))
+        aux_temp = {"ids": ids.to(torch.int32), "weights": top.to(h.dtype)}
+        aux_temp |= {"order": order, "offsets": offsets}
+        if self.shared is None:
+            return None, {}, aux_temp
+        flat = h.reshape(-1, config.hidden_size)
+        shared, saved = self.shared.forward(config, params, flat, env.ops)
+        return shared, saved, aux_temp
+
+    def _shard_rows(
+        self, config: MoEConfig, aux_temp: Tensors, shard: tuple[int, int]
+    ) -> tuple[int, int, torch.Tensor]:
+        """(first expert row of ``shard``, one past its last, its experts' offsets from
+        its first row). The two bounds are read on the host: a shard's row count is the
+        tokens' choice."""
+        index, count = shard
+        per = config.num_experts // count
+        bounds = aux_temp["offsets"][index * per : (index + 1) * per + 1]
+        start, end = (int(b) for b in bounds[[0, -1]].tolist())
+        return start, end, bounds - bounds[0]
+
+    def experts_forward(
+        self,
+        config: MoEConfig,
+        params: Tensors,
+        moe_in: torch.Tensor,
+        aux_temp: Tensors,
+        shard: tuple[int, int],
+        ops: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+        """The rows routed to ``shard``'s experts (``params`` holds only theirs) ->
+        (their weighted outputs summed per token (tokens, hidden) float32, their
+        ``gate_up`` rows, the span of expert rows they are)."""
+        start, end, offsets = self._shard_rows(config, aux_temp, shard)
+        tokens, weights = _rows(config, aux_temp)
+        tokens, weights = tokens[start:end], weights[start:end]
+        gate_up = ops["grouped_mm"](moe_in[tokens], params[GATE_UP], offsets)
+        act = ops["swiglu_fwd"](*_split(gate_up))
+        rows = ops["grouped_mm"](act, params[DOWN], offsets)
+        del act
+        out = moe_in.new_zeros(moe_in.shape, dtype=torch.float32)
+        out.index_add_(0, tokens, rows.float() * weights[:, None])
+        return out, gate_up, (start, end)
+
+    def experts_backward(
+        self,
+        config: MoEConfig,
+        params: Tensors,
+        moe_in: torch.Tensor,
+        gate_up: torch.Tensor,
+        aux_temp: Tensors,
+        dy: torch.Tensor,
+        shard: tuple[int, int],
+        ops: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], Tensors]:
+        """``backward``'s expert part for the rows routed to ``shard`` (``gate_up``: every
+        row's, ``dy`` (tokens, hidden)) -> (their gradient to ``moe_in`` (tokens, hidden)
+        float32, their routing weights' gradients, the span of expert rows they are, the
+        shard's experts' gradients)."""
+        start, end, offsets = self._shard_rows(config, aux_temp, shard)
+        tokens, weights = _rows(config, aux_temp)
+        tokens, weights = tokens[start:end], weights[start:end]
+        gate, up = _split(gate_up[start:end])
+        act = ops["swiglu_fwd"](gate, up)
+        rows_dy = dy[tokens]
+        d_act = ops["grouped_mm"](rows_dy, params[DOWN].transpose(1, 2), offsets)
+        d_row_weights = (act * d_act).sum(-1)
+        row_weights = weights.unsqueeze(-1)
+        d_act.mul_(row_weights)
+        act.mul_(row_weights)
+        grads = {DOWN: ops["grouped_mm_wgrad"](rows_dy, act, offsets)}
+        del rows_dy, act
+        d_gate_up = torch.cat(ops["swiglu_bwd"](d_act, gate, up), dim=-1)
+        del d_act
+        grads[GATE_UP] = ops["grouped_mm_wgrad"](d_gate_up, moe_in[tokens], offsets)
+        d_in = ops["grouped_mm"](d_gate_up, params[GATE_UP].transpose(1, 2), offsets)
+        del d_gate_up
+        d_moe_in = moe_in.new_zeros(moe_in.shape, dtype=torch.float32)
+        d_moe_in.index_add_(0, tokens, d_in.float())
+        return d_moe_in, d_row_weights.float(), (start, end), grads
+
+    def route_backward(
+        self,
+        config: MoEConfig,
+        params: Tensors,
+        h: torch.Tensor,
+        saved: Tensors,
+        aux_temp: Tensors,
+        dy: torch.Tensor,
+        d_experts: Tensors,
+        env: Env,
+    ) -> tuple[torch.Tensor, Tensors]:
+        """``backward`` given the shards' part (``d_experts``: ``d_moe_in`` and
+        ``d_weights``): the router's and the shared expert's -> (dh, their gradients)."""
+        ops, n = env.ops, config.hidden_size
+        flat_h2, flat_dy = h.reshape(-1, n), dy.reshape(-1, n)
+        d_h2 = d_experts["d_moe_in"].to(h.dtype)
+        slot_rows = _slot_rows(config, aux_temp)
+        d_weights = d_experts["d_weights"][slot_rows.reshape(-1)]
+        sequences = h.shape[0] if h.dim() == 3 else 1
+        d_logits = self._router_backward(
+            config, params, flat_h2, aux_temp, d_weights, env, sequences
+        )
+        d_router_in, grads = ROUTER.backward(ops, params, flat_h2, d_logits)
+        d_h2 += d_router_in
+        if self.shared is not None:
+            d_shared, g = self.shared.backward(config, params, flat_h2, saved, flat_dy, ops)
+            grads.update(g)
+            d_h2 += d_shared
+        return d_h2.view_as(h), grads
+
+    def experts_work(
+        self, config: MoEConfig, batch: int, seq_len: int, act_bytes: int, shards: int
+    ) -> LayerCost:
+        """One shard's forward and backward work: its share of the routed rows' three
+        projections (backward twice them), the rows gathered and their outputs added."""
+        tokens, n, inner = batch * seq_len, config.hidden_size, self.inner(config)
+        k = config.num_experts_per_tok
+        flops = 2 * tokens * k * 3 * n * inner / shards
+        moved = tokens * k * act_bytes * (2 * n + 2 * inner) / shards + tokens * n * 4
+        return LayerCost(Work(flops, moved), Work(2 * flops, 2 * moved))
+
     def cost(self, config: MoEConfig, batch: int, seq_len: int, act_bytes: int) -> FfnCost:
         tokens, n, inner = batch * seq_len, config.hidden_size, self.inner(config)
         k, e = config.num_experts_per_tok, config.num_experts
@@ -495,6 +708,9 @@ class MoEFields:
     norm_topk_prob: bool = attrs.field(default=False, kw_only=True, validator=_flag)
     router_aux_loss_coef: float = attrs.field(default=0.01, kw_only=True, validator=_coefficient)
     router_z_loss_coef: float = attrs.field(default=0.0, kw_only=True, validator=_coefficient)
+    #: the shards a layer's experts are stored and run in (0: from their sizes,
+    #: ``expert_shards``); a training setting HF's config does not carry
+    expert_shards: int = attrs.field(default=0, kw_only=True, validator=_shard_count)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()  # the decoder config's, after this class in the MRO

@@ -51,7 +51,7 @@ import torch
 from dataflow_training.kit.decoder import _flag, _positive
 from dataflow_training.kit.linear import Linear
 from dataflow_training.kit.mlp import SwiGLU
-from dataflow_training.kit.moe import ROUTER, RoutedExperts, _coefficient
+from dataflow_training.kit.moe import ROUTER, RoutedExperts, _coefficient, _shard_count
 from dataflow_training.kit.parts import FfnCost
 from dataflow_training.step.family import Env, TensorSpec, Work
 
@@ -88,6 +88,9 @@ class SigmoidMoEFields:
     )
     seq_aux_loss_coef: float = attrs.field(default=0.0001, kw_only=True, validator=_coefficient)
     bias_update_speed: float = attrs.field(default=0.001, kw_only=True, validator=_coefficient)
+    #: the shards a layer's experts are stored and run in (0: from their sizes,
+    #: ``kit.moe.expert_shards``); a training setting HF's config does not carry
+    expert_shards: int = attrs.field(default=0, kw_only=True, validator=_shard_count)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()  # the decoder config's, after this class in the MRO

@@ -160,8 +160,14 @@ class Rewriter:
         names = [layer.name for layer in self.layout.layers]
         self.blocks = {name: i for i, name in enumerate(names[1:-1])}
         rounds = self.layout.train.rounds
-        # a block with no backward (a frozen bottom: ``step.freezing``) saves nothing
-        backward = {slot.layer for slot in self.layout.tasks.values() if slot.kind == "bwd"}
+        # a block with no backward (a frozen bottom: ``step.freezing``) saves nothing, and
+        # one whose experts run apart (``efwd`` tasks) is not re-derived
+        apart = {slot.layer for slot in self.layout.tasks.values() if slot.kind == "efwd"}
+        backward = {
+            slot.layer
+            for slot in self.layout.tasks.values()
+            if slot.kind == "bwd" and slot.layer not in apart
+        }
         self.all = frozenset(
             (r, i) for r in range(rounds) for name, i in self.blocks.items() if name in backward
         )

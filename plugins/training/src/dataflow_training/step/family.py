@@ -67,6 +67,12 @@ class TensorSpec:
     reads them into a result and none gives them a gradient, so they stay zero; the model
     state (checkpoints, HF files) has ``state_shape``, and ``drive.values`` pads and slices
     at that boundary.
+    ``piece`` (parameters): ``(index, count)`` where the step stores the model state's
+    tensor ``name`` in ``count`` equal pieces along its first dimension, each in a
+    parameter group of its own, and this is piece ``index`` (rows ``index * shape[0]`` up
+    to ``(index + 1) * shape[0]`` of the state's tensor): a layer's routed experts split
+    into shards (``kit.moe.expert_shards``). The model state, checkpoints' weights and HF
+    files hold the whole tensor (``state_shape``); ``drive.values`` cuts and joins.
     """
 
     name: str
@@ -76,6 +82,15 @@ class TensorSpec:
     trainable: bool = True
     rows: int | None = attrs.field(default=None, kw_only=True)
     rule: str | None = attrs.field(default=None, kw_only=True)
+    piece: tuple[int, int] | None = attrs.field(default=None, kw_only=True)
+
+    @piece.validator
+    def _piece(self, attribute: attrs.Attribute, value: tuple[int, int] | None) -> None:
+        if value is not None and not (self.shape and 0 <= value[0] < value[1]):
+            raise FamilyContractError(
+                f"tensor {self.name!r}: piece={value!r} must be (index, count) with "
+                "0 <= index < count, of a tensor with a first dimension"
+            )
 
     @rule.validator
     def _rule(self, attribute: attrs.Attribute, value: str | None) -> None:
@@ -95,19 +110,35 @@ class TensorSpec:
 
     @property
     def state_shape(self) -> tuple[int, ...]:
-        """The shape the model state holds (``rows``)."""
+        """The shape the model state holds (``rows``; a ``piece``'s whole tensor)."""
+        if self.piece is not None:
+            return (self.shape[0] * self.piece[1], *self.shape[1:])
         if self.rows is None:
             return self.shape
         return (self.rows, *self.shape[1:])
+
+    @property
+    def state_slice(self) -> slice:
+        """The rows of the state's tensor this one stores (all of them but for a piece)."""
+        if self.piece is None:
+            return slice(None)
+        start = self.piece[0] * self.shape[0]
+        return slice(start, start + self.shape[0])
 
 
 @attrs.frozen
 class ParamGroup:
     """Parameters of one layer that live in one object. ``name`` is ``""`` for a layer's
-    main group (object ``W_<layer>``) or a suffix (``"experts"`` -> ``W_<layer>.experts``)."""
+    main group (object ``W_<layer>``) or a suffix (``"experts"`` -> ``W_<layer>.experts``).
+
+    ``shard``: ``(index, count)`` for one of ``count`` expert shards of a layer whose
+    block kind routes its experts apart (``BlockMath`` below): its tensors are ``piece``s,
+    and its own forward and backward tasks (``efwd``, ``ebwd``) run the tokens routed to
+    it, so that no task needs more than one shard's weights."""
 
     name: str
     params: tuple[TensorSpec, ...] = attrs.field(converter=tuple)
+    shard: tuple[int, int] | None = attrs.field(default=None, kw_only=True)
 
 
 #: ``LayerSpec.aux_scope``: the layer's own Aux object, or one per layer kind

@@ -13,6 +13,9 @@ import attrs
 
 EMBED_PHASES = ("forward", "backward")
 BLOCK_PHASES = ("forward", "recompute", "backward")
+#: a block kind that routes its experts apart (``BlockMath.experts_apart``): the routing
+#: forward and backward of the block (all but the routed experts) and one expert shard's
+ROUTED_PHASES = ("route_forward", "route_backward", "experts_forward", "experts_backward")
 HEAD_PHASES = ("loss",)
 OPTIMIZER_PREFIX = "optim"
 #: the key of a ``gnorm`` task (a parameter group's squared gradient norm, for clipping)
@@ -79,11 +82,14 @@ def parse(key: str) -> ComputeKey:
         return ComputeKey(None, parts[1], "update")
     if len(parts) == 3 and all(parts):
         family, kind, phase = parts
-        allowed = {"embed": EMBED_PHASES, "head": HEAD_PHASES}.get(kind, BLOCK_PHASES)
+        allowed = {"embed": EMBED_PHASES, "head": HEAD_PHASES}.get(
+            kind, BLOCK_PHASES + ROUTED_PHASES
+        )
         if phase in allowed:
             return ComputeKey(family, kind, phase)
     raise ComputeKeyError(
         f"compute key {key!r} is not a training key; expected <family>.embed.forward|backward, "
-        "<family>.head.loss, <family>.<block kind>.forward|recompute|backward, "
+        "<family>.head.loss, <family>.<block kind>.forward|recompute|backward (or, routed "
+        "apart, route_forward|route_backward|experts_forward|experts_backward), "
         f"optim.<optimizer>, {GRAD_NORM_KEY} or {GRAD_ALLREDUCE_KEY}"
     )

@@ -26,6 +26,9 @@ opt_state  ``O`` objects an optimizer task updates
 loss       the round's loss
 grad_norm  ``gn_`` objects: a parameter group's squared gradient norm (float32), written
            by its ``gnorm`` task, read by every optimizer task when clipping
+d_experts  ``dE_s_r_i`` of a block routed apart: the gradient of its experts' input and
+           of its routing weights, made by the expert shards' ``ebwd`` tasks and read by
+           the block's ``bwd``
 ========== ================================================================
 """
 
@@ -59,14 +62,27 @@ ROLES = (
     "opt_state",
     "loss",
     "grad_norm",
+    "d_experts",
 )
 
 Roles = Mapping[str, tuple[str, ...]]
 
 #: task kinds in chain order within a round, then the step's optimizer tasks
-TASK_KINDS = ("embed", "fwd", "head", "rec", "bwd", "embbwd", "allreduce", "gnorm", "opt")
+TASK_KINDS = (
+    "embed",
+    "fwd",
+    "efwd",
+    "head",
+    "rec",
+    "ebwd",
+    "bwd",
+    "embbwd",
+    "allreduce",
+    "gnorm",
+    "opt",
+)
 #: what a packed object holds
-PACKED_KINDS = ("W", "dW", "O", "A", "AuxTemp", "Aux")
+PACKED_KINDS = ("W", "dW", "O", "A", "AuxTemp", "Aux", "dE")
 
 
 def _roles(value: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:

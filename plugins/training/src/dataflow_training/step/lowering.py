@@ -84,7 +84,7 @@ from dataflow_training.step.layout import LayerInfo, PackedObject, StepLayout
 from dataflow_training.step.lora import lora_cost, lora_layers
 from dataflow_training.step.optimizers import optimizer_spec
 from dataflow_training.step.packing import Layout
-from dataflow_training.step.round_tasks import Kinds, Parameters, Rounds, lower_round
+from dataflow_training.step.round_tasks import Apart, Kinds, Parameters, Rounds, lower_round
 from dataflow_training.step.step_chain import (
     StepChain,
     add_allreduces,
@@ -228,6 +228,13 @@ def lower(
     hidden = TensorMeta(policy.activation, family.hidden_shape(config, train.batch, train.seq_len))
     act_bytes = hidden.nbytes // max(1, math.prod(hidden.shape))
     kinds = _kinds(family, config, layers, train, act_bytes)
+    for r, i in sorted(recompute | set(partial_of)):
+        if blocks[i].kind in kinds.apart:
+            raise ValueError(
+                f"recompute names block {i} of round {r}, whose experts run in "
+                f"{kinds.apart[blocks[i].kind].shards} shards: it is not re-derived (its "
+                "shards' saves are written by their own tasks)"
+            )
     for (r, i), name in sorted(partial_of.items()):
         offered = kinds.partial[blocks[i].kind]
         if name not in offered:
@@ -354,8 +361,12 @@ def _kinds(
     policy = train.dtype
     saved_layout, temp_layout, block_cost = {}, {}, {}
     partial_layouts: dict[str, dict[str, tuple[Layout, Layout]]] = {}
-    for kind in {block.kind for block in layers[1:-1]}:
+    apart: dict[str, Apart] = {}
+    for kind in sorted({block.kind for block in layers[1:-1]}):
         kind_math = family.math(kind)
+        found = _apart(family, config, layers, kind, kind_math, train, act_bytes)
+        if found is not None:
+            apart[kind] = found
         saved_specs = kind_math.saved(config, train.batch, train.seq_len)
         saved_layout[kind] = _pack(saved_specs, policy.activation)
         partial_layouts[kind] = {
@@ -380,7 +391,50 @@ def _kinds(
             )
     embed_cost = family.math("embed").cost(config, train.batch, train.seq_len, act_bytes)
     head_cost = _head_cost(family, config, train, layers[0], act_bytes)
-    return Kinds(saved_layout, partial_layouts, temp_layout, block_cost, embed_cost, head_cost)
+    return Kinds(
+        saved_layout, partial_layouts, temp_layout, block_cost, embed_cost, head_cost, apart
+    )
+
+
+def _apart(
+    family: Family,
+    config: Any,
+    layers: tuple[LayerSpec, ...],
+    kind: str,
+    kind_math: Any,
+    train: TrainConfig,
+    act_bytes: int,
+) -> Apart | None:
+    """How block kind ``kind`` runs its experts apart (``BlockMath.experts_apart``: more
+    than one shard), or None where it runs whole; its layers' shard groups must be the
+    shards it says."""
+    shards = kind_math.experts_apart(config) if hasattr(kind_math, "experts_apart") else 1
+    for layer in layers[1:-1]:
+        found = sorted(g.shard for g in layer.groups if g.shard is not None)
+        wanted = [(j, shards) for j in range(shards)] if shards > 1 else []
+        if layer.kind == kind and found != wanted:
+            raise FamilyContractError(
+                f"family {family.name!r}: block kind {kind!r} runs its experts in {shards} "
+                f"shard(s) but layer {layer.name!r} declares shard groups {found}"
+            )
+    if shards == 1:
+        return None
+    if train.lora is not None:
+        raise ValueError(
+            f"LoRA is not offered for block kind {kind!r}, whose experts run in {shards} "
+            "shards; set the config's expert_shards to 1"
+        )
+    batch, seq_len, policy = train.batch, train.seq_len, train.dtype
+    main, experts, grad = kind_math.apart_saved(config, batch, seq_len)
+    route, one = kind_math.apart_cost(config, batch, seq_len, act_bytes, shards)
+    return Apart(
+        shards,
+        _pack(main, policy.activation),
+        _pack(experts, policy.activation),
+        _pack(grad, policy.activation),
+        route,
+        one,
+    )
 
 
 def _head_cost(

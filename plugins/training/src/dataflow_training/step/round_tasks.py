@@ -25,7 +25,7 @@ from dataflow_training.step.freezing import trains
 from dataflow_training.step.keys import family_key
 from dataflow_training.step.layout import PackedObject
 from dataflow_training.step.packing import Layout
-from dataflow_training.step.step_chain import StepChain
+from dataflow_training.step.step_chain import StepChain, group_object
 
 
 @attrs.frozen
@@ -39,9 +39,24 @@ class Parameters:
 
 
 @attrs.frozen
+class Apart:
+    """A block kind whose routed experts run apart, in ``shards`` shards: the layouts of
+    what its routing task saves (``A``), of the experts' object (``A_<...>.experts``: their
+    input and ``gate_up``) and of their gradient to the block (``dE``); the work of the
+    routing tasks (``fwd`` and ``bwd``) and of one shard's (``efwd`` and ``ebwd``)."""
+
+    shards: int
+    saved: Layout
+    experts: Layout
+    grad: Layout
+    route: LayerCost
+    shard: LayerCost
+
+
+@attrs.frozen
 class Kinds:
     """What each block kind saves for its backward and costs, at the step's shape; and
-    the embed's and the head's costs."""
+    the embed's and the head's costs; the kinds whose experts run apart."""
 
     saved: dict[str, Layout]
     #: kind -> partial save -> (what forward keeps, what its rec task re-derives)
@@ -50,6 +65,7 @@ class Kinds:
     cost: dict[str, LayerCost]
     embed: LayerCost
     head: LayerCost
+    apart: dict[str, Apart] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -113,7 +129,13 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         if wanted
     ]
     saved, rest, temps = {}, {}, {}
+    experts, d_experts = {}, {}  # the objects of the blocks whose experts run apart
     for i, block in enumerate(blocks):
+        apart = s.kinds.apart.get(block.kind)
+        if apart is not None:
+            _apart_objects(chain, s, r, i, block, apart, backward[i], saved, temps)
+            experts[i], d_experts[i] = f"A_{step}_{r}_{i}.experts", f"dE_{step}_{r}_{i}"
+            continue
         if not backward[i]:
             continue  # nothing at or below it trains: no backward, nothing saved for one
         saved[i] = f"A_{step}_{r}_{i}"
@@ -147,6 +169,9 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         zero_aux = bool(aux) and aux[0] not in zeroed  # the step's first forward to touch it
         if zero_aux:
             zeroed.add(aux[0])
+        if i in experts:
+            _apart_forward(chain, s, r, i, block, (y[i], y[i + 1]), saved, temps, experts, zero_aux)
+            continue
         chain.task(
             "fwd",
             r,
@@ -186,6 +211,10 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         block = blocks[i]
         block_cost = s.kinds.cost[block.kind]
         temp = (temps[i],) if i in temps else ()
+        if i in experts:
+            dys = (dy[i + 1], dy[i] if wanted_dy[i] else None)
+            _apart_backward(chain, s, r, i, block, (y[i], dys), saved, temps, experts, d_experts)
+            continue
         if (r, i) in s.recompute:
             chain.task(
                 "rec",
@@ -244,5 +273,159 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         chain.priced(s.kinds.embed.backward, param_bytes[embed.name]),
         inputs={"dy": (dy[0],), "tokens": (x,)},
         outputs=roles.get("outputs", {}),
+        mutates=roles.get("mutates", {}),
+    )
+
+
+# -- blocks whose experts run apart (``Apart``) --------------------------------------------
+
+
+def _groups_apart(chain: StepChain, block: LayerSpec) -> tuple[tuple[str, ...], list[Any]]:
+    """(the block's ``W`` objects but its expert shards', its shard groups in order)."""
+    main = tuple(group_object("W", block.name, g.name) for g in block.groups if g.shard is None)
+    return main, sorted((g for g in block.groups if g.shard is not None), key=lambda g: g.shard)
+
+
+def _bytes(chain: StepChain, ids: Any) -> int:
+    return sum(chain.packed[w].layout.size_bytes for w in ids)
+
+
+def _apart_objects(
+    chain: StepChain,
+    s: Rounds,
+    r: int,
+    i: int,
+    block: LayerSpec,
+    apart: Apart,
+    backward: bool,
+    saved: dict[int, str],
+    temps: dict[int, str],
+) -> None:
+    """Round ``r``'s objects of block ``i``: its AuxTemp, the experts' object (their input
+    and ``gate_up``), and where it has a backward its ``A`` and the experts' gradient to
+    it ``dE``."""
+    step = chain.step
+    base = f"A_{step}_{r}_{i}"
+    made = [(f"AuxTemp_{step}_{r}_{i}", "AuxTemp", s.kinds.temp[block.kind], Role.AUX_TEMP)]
+    made.append((f"{base}.experts", "A", apart.experts, Role.ACTIVATION))
+    if backward:
+        made.append((base, "A", apart.saved, Role.ACTIVATION))
+        made.append((f"dE_{step}_{r}_{i}", "dE", apart.grad, Role.GRAD))
+        saved[i] = base
+    temps[i] = made[0][0]
+    for obj_id, kind, layout, role in made:
+        chain.packed[obj_id] = PackedObject(obj_id, kind, block.name, layout)
+        chain.objects.append(Obj(obj_id, layout.size_bytes, role))
+
+
+def _apart_forward(
+    chain: StepChain,
+    s: Rounds,
+    r: int,
+    i: int,
+    block: LayerSpec,
+    x_y: tuple[str, str],
+    saved: dict[int, str],
+    temps: dict[int, str],
+    experts: dict[int, str],
+    zero_aux: bool,
+) -> None:
+    """The routing task ``fwd`` (the attention half, the router, the shared expert: it
+    makes the block's output, ``A``, AuxTemp and the experts' input), then one ``efwd``
+    per shard adding its experts' rows into the output and writing their ``gate_up``."""
+    family, apart = chain.family, s.kinds.apart[block.kind]
+    (x, y), main = x_y, _groups_apart(chain, block)[0]
+    aux = (block.aux_object,) if block.aux else ()
+    chain.task(
+        "fwd",
+        r,
+        block.name,
+        family_key(family, block.kind, "route_forward"),
+        chain.priced(apart.route.forward, _bytes(chain, main)),
+        inputs={"x": (x,), "w": main},
+        mutates={"aux": aux},
+        outputs={
+            "y": (y,),
+            "saved": (*((saved[i],) if i in saved else ()), experts[i]),
+            "aux_temp": (temps[i],),
+        },
+        zero_aux=zero_aux,
+    )
+    for group in _groups_apart(chain, block)[1]:
+        w = group_object("W", block.name, group.name)
+        chain.task(
+            "efwd",
+            r,
+            block.name,
+            family_key(family, block.kind, "experts_forward"),
+            chain.priced(apart.shard.forward, _bytes(chain, (w,))),
+            inputs={"w": (w,), "aux_temp": (temps[i],)},
+            mutates={"y": (y,), "saved": (experts[i],)},
+            group=group.name,
+            shard=group.shard,
+        )
+
+
+def _apart_backward(
+    chain: StepChain,
+    s: Rounds,
+    r: int,
+    i: int,
+    block: LayerSpec,
+    x_dys: tuple[str, tuple[str, str | None]],
+    saved: dict[int, str],
+    temps: dict[int, str],
+    experts: dict[int, str],
+    d_experts: dict[int, str],
+) -> None:
+    """One ``ebwd`` per shard (its experts' gradient; the first creates ``dE``, the others
+    add to it), then the routing task ``bwd`` (the router, the shared expert, the
+    attention half: ``dx`` and the main group's gradient)."""
+    family, apart = chain.family, s.kinds.apart[block.kind]
+    x, (dy, dx) = x_dys
+    main, shards = _groups_apart(chain, block)
+    for group in shards:
+        w = group_object("W", block.name, group.name)
+        dw = group_object("dW", block.name, group.name)
+        roles = grad_roles((dw,) if dw in chain.packed else (), r)
+        made = "outputs" if group is shards[0] else "mutates"
+        roles.setdefault(made, {})["d_experts"] = (d_experts[i],)
+        chain.task(
+            "ebwd",
+            r,
+            block.name,
+            family_key(family, block.kind, "experts_backward"),
+            chain.priced(apart.shard.backward, 2 * _bytes(chain, (w,))),
+            inputs={"dy": (dy,), "saved": (experts[i],), "aux_temp": (temps[i],), "w": (w,)},
+            outputs=roles.get("outputs", {}),
+            mutates=roles.get("mutates", {}),
+            group=group.name,
+            shard=group.shard,
+        )
+    grads = tuple(
+        g
+        for g in (
+            group_object("dW", block.name, gr.name) for gr in block.groups if gr.shard is None
+        )
+        if g in chain.packed
+    )
+    roles = grad_roles(grads, r)
+    aux = (block.aux_object,) if block.aux and r == chain.train.rounds - 1 else ()
+    chain.task(
+        "bwd",
+        r,
+        block.name,
+        family_key(family, block.kind, "route_backward"),
+        chain.priced(apart.route.backward, 2 * _bytes(chain, main)),
+        inputs={
+            "dy": (dy,),
+            "x": (x,),
+            "saved": (saved[i],),
+            "aux_temp": (temps[i],),
+            "aux": aux,
+            "w": main,
+            "d_experts": (d_experts[i],),
+        },
+        outputs={"dx": (dx,) if dx is not None else (), **roles.get("outputs", {})},
         mutates=roles.get("mutates", {}),
     )

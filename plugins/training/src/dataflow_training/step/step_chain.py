@@ -75,6 +75,7 @@ class StepChain:
         save = roles.pop("save", True)
         zero_aux = roles.pop("zero_aux", False)
         partial_name = roles.pop("partial", None)
+        shard = roles.pop("shard", None)
         slot = TaskSlot(
             f"{kind}_{self.step}_{r}_{group_name(layer, group)}",
             kind,
@@ -93,8 +94,10 @@ class StepChain:
             "round": r,
             "layer": layer,
         }
-        if kind in ("fwd", "rec", "bwd"):
+        if kind in ("fwd", "rec", "bwd", "efwd", "ebwd"):
             params["kind"] = self.kinds[layer]
+        if shard is not None:  # an expert shard's task: its index and the shard count
+            params["shard"], params["shards"] = shard
         if kind == "fwd":
             params["save"] = save
             if zero_aux:
@@ -231,11 +234,11 @@ def layer_major(tasks: list[Task], layer_names: list[str], group: int) -> list[T
     output for that round, a backward the layer above's input gradient, and a gradient is
     created by round 0's task of its layer and accumulated by the later rounds' in order."""
     position = {name: i for i, name in enumerate(layer_names)}
-    backward = {"rec": 0, "bwd": 1, "embbwd": 1}
+    backward = {"rec": 0, "ebwd": 1, "bwd": 1, "embbwd": 1}
 
     def key(t: Task) -> tuple[int, int, int, int, int]:
         place, r = position[t.params["layer"]], t.params["round"]
-        if t.kind in ("embed", "fwd", "head"):
+        if t.kind in ("embed", "fwd", "efwd", "head"):
             return (r // group, 0, place, r, 0)
         return (r // group, 1, len(layer_names) - place, r, backward[t.kind])
 

@@ -1,0 +1,191 @@
+"""A layer's routed experts in several shards (``kit.moe.expert_shards``): each shard a
+parameter group of its own with its own forward, backward and optimizer tasks, the model
+state, checkpoints and HF files holding the whole stacked tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dataflow_training import TrainingRun
+from dataflow_training.check.verify import TOLERANCES, step_checks
+from dataflow_training.drive.values import read_state, start_values
+from dataflow_training.kit.moe import EXPERT_SHARD_BYTES, expert_shards
+from dataflow_training.step.config import DtypePolicy, TrainConfig
+from dataflow_training.step.family import load_family
+from dataflow_training.step.lowering import lower
+
+from dataflow import validate
+
+TINY = [
+    ("olmoe", "olmoe_tiny"),
+    ("qwen3_moe", "qwen3_moe_tiny"),
+    ("deepseek_v3", "deepseek_v3_tiny"),
+    ("qwen3_5_moe", "qwen3_5_moe_tiny"),
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "preset", "shards"),
+    [
+        ("olmoe", "olmoe_1b_7b", 1),
+        ("qwen3_moe", "qwen3_30b_a3b", 1),
+        ("qwen3_5_moe", "qwen3_5_35b_a3b", 1),
+        ("deepseek_v3", "deepseek_v3", 16),
+        ("deepseek_v3", "kimi_k2", 16),
+    ],
+)
+def test_the_shard_count_follows_the_experts_sizes(family, preset, shards) -> None:
+    config = load_family(family).config(preset)
+    width = getattr(config, "moe_intermediate_size", config.intermediate_size)
+    assert expert_shards(config, width) == shards
+    per_shard = config.num_experts // shards * 6 * config.hidden_size * width
+    assert per_shard <= EXPERT_SHARD_BYTES
+    if shards > 1:  # the next fewer shards that divide the experts would be too large
+        fewer = max(s for s in range(1, shards) if config.num_experts % s == 0)
+        assert config.num_experts // fewer * 6 * config.hidden_size * width > EXPERT_SHARD_BYTES
+
+
+def test_a_shard_count_that_does_not_divide_the_experts_is_refused() -> None:
+    family = load_family("olmoe")
+    with pytest.raises(ValueError, match="expert_shards \\(3\\) must divide"):
+        lower(family, "olmoe_tiny", TrainConfig(seq_len=8), overrides={"expert_shards": 3})
+
+
+def test_each_task_holds_one_shard_of_the_experts() -> None:
+    family = load_family("olmoe")
+    train = TrainConfig(seq_len=8, batch=2, rounds=2)
+    step = lower(family, "olmoe_tiny", train, overrides={"expert_shards": 4})
+    program = step.program
+    assert validate(program) == []
+    shards = [o.id for o in program.objects if o.id.startswith("W_0.experts.")]
+    assert shards == [f"W_0.experts.{j}" for j in range(4)]
+    for task in program.tasks:
+        touched = {*task.inputs, *task.mutates, *task.outputs}
+        assert len({o for o in touched if ".experts." in o and o.startswith("W_")}) <= 1, task.id
+    kinds = [
+        t.kind for t in program.tasks if t.params.get("layer") == "0" and t.params["round"] == 0
+    ]
+    assert kinds == ["fwd", *["efwd"] * 4, *["ebwd"] * 4, "bwd"]
+    opt = [t.id for t in program.tasks if t.kind == "opt" and t.params["layer"] == "0"]
+    assert sorted(opt) == ["opt_0_1_0", *(f"opt_0_1_0.experts.{j}" for j in range(4))]
+    with pytest.raises(ValueError, match="not re-derived"):
+        lower(family, "olmoe_tiny", train, overrides={"expert_shards": 4}, recompute=[0])
+
+
+def test_one_shard_lowers_the_program_as_before() -> None:
+    family = load_family("olmoe")
+    train = TrainConfig(seq_len=8, batch=2, rounds=2)
+    auto = lower(family, "olmoe_tiny", train).program
+    one = lower(family, "olmoe_tiny", train, overrides={"expert_shards": 1}).program
+    assert [t.id for t in auto.tasks] == [t.id for t in one.tasks]
+    assert "W_0.experts" in {o.id for o in auto.objects}
+    assert not any(t.kind in ("efwd", "ebwd") for t in auto.tasks)
+
+
+@pytest.mark.parametrize(("family", "preset"), TINY)
+@pytest.mark.parametrize("shards", [2, 4])
+def test_a_sharded_step_matches_the_reference(family, preset, shards) -> None:
+    """Two steps of two rounds with the experts in ``shards`` shards against the float64
+    reference (unsplit): every loss, gradient and weight within the fp32 step tolerance."""
+    checks = step_checks(
+        load_family(family),
+        preset,
+        device="cpu",
+        policy="fp32",
+        budget_bytes=None,
+        seed=3,
+        tolerance=TOLERANCES["fp32"]["step"],
+        overrides={"expert_shards": shards},
+        batch=2,
+        seq_len=8,
+        steps=2,
+        rounds=2,
+    )
+    assert any(c.name.startswith("grad ") and "mlp.experts.gate_up_proj" in c.name for c in checks)
+    assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+
+
+def _batches(vocab: int, steps: int, rounds: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(5)
+    return [
+        [
+            tuple(torch.randint(0, vocab, (2, 8), generator=g) for _ in range(2))
+            for _ in range(rounds)
+        ]
+        for _ in range(steps)
+    ]
+
+
+def _run(family: str, preset: str, shards: int, **options) -> TrainingRun:
+    train = TrainConfig(seq_len=8, batch=2, rounds=2, dtype=DtypePolicy())
+    return TrainingRun.of(
+        family, preset, train, overrides={"expert_shards": shards}, budget_bytes=None,
+        device="cpu", seed=1, **options,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "preset"), TINY[:3])
+def test_shards_train_as_one_object_does(family, preset) -> None:
+    """The engine's losses and gradients of a step from the same weights: S = 2 and 4
+    against S = 1, to float32 rounding (the shards sum the routed rows in another order;
+    a later step starts from weights that AdamW moved apart by rounding, and a near tie
+    of the router may then choose otherwise)."""
+    runs = {s: _run(family, preset, s, keep_grads=True) for s in (1, 2, 4)}
+    batches = _batches(runs[1].vocab_size, 1, 2)
+    losses = {s: [run.step(b).losses for b in batches] for s, run in runs.items()}
+    grads = {s: run.grads() for s, run in runs.items()}
+    for s in (2, 4):
+        assert torch.tensor(losses[s]) == pytest.approx(torch.tensor(losses[1]), rel=1e-5)
+        assert grads[s].keys() == grads[1].keys()
+        for key, value in grads[1].items():
+            scale = value.abs().max().item()
+            torch.testing.assert_close(grads[s][key], value, rtol=1e-4, atol=1e-5 * scale, msg=key)
+
+
+def test_the_state_goes_in_and_comes_out_whole() -> None:
+    """The model state's stacked experts cut into the shards' objects and joined again,
+    bit for bit."""
+    family = load_family("olmoe")
+    step = lower(family, "olmoe_tiny", TrainConfig(seq_len=8), overrides={"expert_shards": 4})
+    torch.manual_seed(0)
+    state = family.reference_model(step.config).state_dict()
+    values = start_values(step, state, lambda s, r: (torch.zeros(1, 8), torch.zeros(1, 8)))
+    back = read_state(step, values.__getitem__)
+    assert back.keys() == state.keys()
+    for key, value in state.items():
+        assert torch.equal(back[key], value), key
+
+
+def test_a_sharded_run_resumes_from_its_checkpoint(tmp_path) -> None:
+    """Two steps straight against one step, a checkpoint, a new run restored from it and
+    one more step: the same losses and weights, bit for bit."""
+    straight = _run("olmoe", "olmoe_tiny", 2)
+    batches = _batches(straight.vocab_size, 2, 2)
+    expected = [straight.step(b).losses for b in batches]
+    first = _run("olmoe", "olmoe_tiny", 2)
+    assert first.step(batches[0]).losses == expected[0]
+    first.save(tmp_path / "ckpt")
+    first.close()
+    resumed = _run("olmoe", "olmoe_tiny", 2)
+    resumed.restore(tmp_path / "ckpt")
+    assert resumed.step(batches[1]).losses == expected[1]
+    (weights, opt), (want, want_opt) = resumed.state(), straight.state()
+    for key, value in want.items():
+        assert torch.equal(weights[key], value), key
+    for key, value in want_opt.items():
+        assert torch.equal(opt[key], value), key
+
+
+@pytest.mark.parametrize(("family", "preset"), TINY[:3])
+def test_a_sharded_run_exports_and_imports_hf_bit_for_bit(family, preset, tmp_path) -> None:
+    """The weights a run with its experts in two shards ends with, written as an HF
+    checkpoint and read back: the same tensors, bit for bit, under the same keys."""
+    run = _run(family, preset, 2)
+    run.step(_batches(run.vocab_size, 1, 2)[0])
+    state = run.state()[0]
+    loaded = load_family(family)
+    loaded.export_hf(run.compiled.lowered.config, state, tmp_path / "hf")
+    _config, back = loaded.import_hf(tmp_path / "hf")
+    assert back.keys() == state.keys()
+    for key, value in state.items():
+        assert torch.equal(back[key], value), key
