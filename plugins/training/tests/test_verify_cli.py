@@ -17,7 +17,7 @@ TINY = ("verify", "--family", "gpt2", "--preset", "gpt2_tiny")
 @pytest.mark.parametrize(
     ("args", "culprits"),
     [
-        (("verify", "--family", "nope", "--preset", "x"), ("--family", "known: gpt2")),
+        (("verify", "--family", "nope", "--preset", "x"), ("--family", "known: ", "gpt2")),
         (("verify", "--family", "gpt2", "--preset", "nope"), ("--preset", "gpt2_tiny")),
         ((*TINY, "--steps", "0"), ("--steps",)),
         ((*TINY, "--rounds", "0"), ("--rounds",)),
