@@ -189,3 +189,13 @@ def test_a_sharded_run_exports_and_imports_hf_bit_for_bit(family, preset, tmp_pa
     assert back.keys() == state.keys()
     for key, value in state.items():
         assert torch.equal(back[key], value), key
+
+
+def test_the_forward_only_step_refuses_sharded_experts_in_one_line() -> None:
+    from dataflow_training.step.forward_only import lower_forward
+
+    family = load_family("olmoe")
+    train = TrainConfig(seq_len=8, batch=2, rounds=1)
+    assert lower_forward(family, "olmoe_tiny", train).program.tasks  # one shard: lowers
+    with pytest.raises(ValueError, match=r"layer '0' runs its experts in several shards"):
+        lower_forward(family, "olmoe_tiny", train, overrides={"expert_shards": 2})

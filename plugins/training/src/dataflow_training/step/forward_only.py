@@ -51,6 +51,13 @@ def lower_forward(
     layers = lora_layers(family.layers(config), train.lora)  # LoRA's adapters and base
     embed, head = embed_layer(layers), head_layer(layers)
     blocks = layers[1:-1]
+    sharded = next((b.name for b in blocks if any(g.shard is not None for g in b.groups)), None)
+    if sharded is not None:
+        raise ValueError(
+            f"evaluation of {preset!r}: layer {sharded!r} runs its experts in several shards "
+            "(expert_shards > 1), which the forward-only step does not lower yet; evaluate "
+            "with expert_shards=1 (a model override), or train without --eval-every"
+        )
     chain = StepChain(
         family.name, 0, train, {layer.name: layer.kind for layer in layers}, cost or RooflineCost()
     )
