@@ -10,10 +10,20 @@ reference's KL loss (``kit.dsa_reference``), then AdamW over both against
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import attrs
-import test_deepseek_v3_hf as v3
 import torch
 from dataflow_training import OptimizerPolicy, TrainConfig, TrainingRun
+
+# the V3 tests' parity base and constants, by path: pytest imports test files in importlib
+# mode (pyproject.toml), where a test file is no module a sibling can import by name
+_V3 = importlib.util.spec_from_file_location(
+    "deepseek_v3_hf_parity", Path(__file__).with_name("test_deepseek_v3_hf.py")
+)
+v3 = importlib.util.module_from_spec(_V3)
+_V3.loader.exec_module(v3)
 
 INDEXER = ".self_attn.indexer."
 

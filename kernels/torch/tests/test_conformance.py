@@ -53,6 +53,12 @@ EXPECTED_VARIANTS = (
         if all(importlib.util.find_spec(name) for name in ("fla", "einops", "triton"))
         else ()
     ),
+    # test_sparse_attention.py
+    *(
+        f"{op}/{name}"
+        for op in ("sparse_attention_fwd", "sparse_attention_bwd", "sparse_attention_probs")
+        for name in ("torch", "reference")
+    ),
     # test_adamw_compensated.py
     "adamw_compensated_multi/reference",
     "adamw_compensated_multi/torch",

@@ -217,7 +217,34 @@ def delta_rule_bwd_args(kernel, randn):
     return (randn(*inputs[2].shape, device="cuda"), *inputs), {}
 
 
+def sparse_attention_args(kernel, randn):
+    """Two sequences of 256 tokens, 4 heads of 64, each query's 32 keys the top-k of random
+    scores with itself first and later keys last (as an indexer's top-k of an early query)."""
+    q, k, v = (bf16(randn, 2, 4, 256, 64) for _ in "qkv")
+    scores = randn(2, 256, 256, device="cuda")
+    later = torch.ones(256, 256, dtype=torch.bool, device="cuda").triu(1)
+    scores = scores.masked_fill(later, float("-inf"))
+    scores.diagonal(dim1=1, dim2=2).fill_(float("inf"))
+    indices = scores.topk(32, dim=-1).indices.to(torch.int32)
+    return (q, k, v, indices), {}
+
+
+def sparse_attention_bwd_args(kernel, randn):
+    (q, k, v, indices), _ = sparse_attention_args(kernel, randn)
+    out, lse = kernel("sparse_attention_fwd", "reference")(q, k, v, indices)
+    return (bf16(randn, *out.shape), q, k, v, out, lse, indices), {}
+
+
+def sparse_attention_probs_args(kernel, randn):
+    (q, k, v, indices), _ = sparse_attention_args(kernel, randn)
+    _, lse = kernel("sparse_attention_fwd", "reference")(q, k, v, indices)
+    return (q, k, lse, indices), {}
+
+
 EXPLICIT_CASES = {
+    "sparse_attention_fwd": explicit("sparse_attention_fwd", sparse_attention_args),
+    "sparse_attention_bwd": explicit("sparse_attention_bwd", sparse_attention_bwd_args),
+    "sparse_attention_probs": explicit("sparse_attention_probs", sparse_attention_probs_args),
     "gated_delta_rule_fwd": explicit("gated_delta_rule_fwd", delta_rule_args),
     "gated_delta_rule_bwd": explicit("gated_delta_rule_bwd", delta_rule_bwd_args),
     "grouped_mm": explicit("grouped_mm", grouped_args(False)),
@@ -248,12 +275,13 @@ CASES = {
     "attention_fwd/cudnn": explicit("attention_fwd", attention_args)("cudnn"),
     "adamw/torch": adamw("torch"),
     "adamw/torch-reference": adamw("torch-reference"),
-    # attention_bwd/torch is flagged False (atomics), like attention/torch
+    # attention_bwd/torch and sparse_attention_bwd/torch are flagged False (atomics), like
+    # attention/torch
     **{
         f"{op}/{name}": make(name)
         for op, make in EXPLICIT_CASES.items()
         for name in ("torch", "reference", "triton")
-        if f"{op}/{name}" != "attention_bwd/torch"
+        if f"{op}/{name}" not in {"attention_bwd/torch", "sparse_attention_bwd/torch"}
     },
 }
 

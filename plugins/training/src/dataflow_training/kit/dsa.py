@@ -370,6 +370,7 @@ class SharedIndexAttention(IndexedAttention):
         return ()
 
     def reference(self, config: Any) -> Any:
+        # the reference module imports only torch; loaded with the part's reference
         from dataflow_training.kit.dsa_reference import SharedIndexAttention as Reference
 
         return Reference(config)
