@@ -83,6 +83,7 @@ def test_plan_measured_prints_the_predicted_step(tmp_path: Path) -> None:
         (["--measured"], "--measured needs --resolver NAME"),
         (["--resolver", "matmul-chain"], "--resolver prices the tasks only with --measured"),
         (["--measured", "--resolver", "nope"], "no resolver named 'nope'"),
+        (["--value", "lr=1e-3"], "--value and --values are read only with --measured"),
     ],
 )
 def test_plan_measured_bad_options(tmp_path: Path, args, message) -> None:

@@ -135,6 +135,8 @@ def plan_command(
         )
     if not measured and resolver_name is not None:
         raise click.UsageError("--resolver prices the tasks only with --measured")
+    if not measured and values:
+        raise click.UsageError("--value and --values are read only with --measured")
     program, _, slow_budget_bytes = with_budgets(
         load_program(program_path), budget_bytes, slow_budget_bytes
     )
