@@ -62,7 +62,15 @@ _HOMES = {
         "PlanningError",
         "InfeasibleBudget",
     ),
-    "dataflow.engine": ("Engine", "LaunchContext", "DictResolver", "BudgetBreachError"),
+    "dataflow.engine": (
+        "Engine",
+        "LaunchContext",
+        "DictResolver",
+        "BudgetBreachError",
+        "EngineRunError",
+        "RunValues",
+        "MissingValueError",
+    ),
     "dataflow.engine.backends.torch_cuda": (
         "runtime_reserve_bytes",
         "measure_links",
@@ -70,6 +78,7 @@ _HOMES = {
     ),
     "dataflow.engine.backends.graph_memsets": ("memsets_to_kernels",),
     "dataflow.engine.backends.torch_storage": ("typed_view", "slow_pool_bytes"),
+    "dataflow.engine.measure": ("measure_tasks", "priced_by_measurement"),
     "dataflow.timeline": ("Timeline", "TaskSpan", "TransferSpan", "Counter", "write_chrome_trace"),
     "dataflow.timeline.wire": ("timeline_to_dict", "timeline_from_dict", "TimelineFormatError"),
     "dataflow.bundle": (

@@ -176,3 +176,91 @@ def lookup(registry: Any, name: str, option: str) -> Any:
         return registry.get(name)
     except UnknownNameError as exc:
         raise click.BadParameter(str(exc), param_hint=option) from None
+
+
+def parse_value(text: str) -> bool | int | float | str:
+    """A per-run value as typed on the command line: ``true``/``false`` (any case) a bool,
+    then an int, then a float, else the text itself."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+class RunValue(click.ParamType):
+    """``NAME=VALUE``: one per-run value (``parse_value`` types it)."""
+
+    name = "NAME=VALUE"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> tuple[str, Any]:
+        if isinstance(value, tuple):
+            return value
+        name, eq, text = str(value).partition("=")
+        if not eq or not name.strip():
+            self.fail(f"{value!r} is not NAME=VALUE (e.g. lr=1e-3)", param, ctx)
+        return name.strip(), parse_value(text.strip())
+
+
+def value_options(command: Any) -> Any:
+    """``--value NAME=VALUE`` (repeatable) and ``--values FILE.json`` on ``command``: the
+    per-run values ``run_values`` collects."""
+    command = click.option(
+        "--values",
+        "values_file",
+        default=None,
+        type=click.Path(dir_okay=False),
+        metavar="FILE.json",
+        help="per-run values from a JSON object of names to numbers, bools or strings "
+        "(--value wins where both name one)",
+    )(command)
+    return click.option(
+        "--value",
+        "value_pairs",
+        multiple=True,
+        type=RunValue(),
+        help="a per-run value the tasks read as ctx.values[NAME], e.g. lr=1e-3 (repeatable; "
+        "typed: int, float, true/false, else a string)",
+    )(command)
+
+
+def run_values(pairs: tuple[tuple[str, Any], ...], values_file: str | None) -> dict[str, Any]:
+    """The per-run values of ``--values FILE.json`` and then ``--value`` pairs; a file that
+    cannot be read or is not an object of scalars is a usage error naming it."""
+    import json
+
+    values: dict[str, Any] = {}
+    if values_file is not None:
+        try:
+            loaded = json.loads(Path(values_file).read_text())
+        except OSError as exc:
+            raise click.BadParameter(
+                f"cannot read {values_file}: {exc.strerror}", param_hint="--values"
+            ) from None
+        except ValueError as exc:
+            raise click.BadParameter(
+                f"{values_file} is not JSON: {exc}", param_hint="--values"
+            ) from None
+        if not isinstance(loaded, dict):
+            raise click.BadParameter(
+                f"{values_file} holds a {type(loaded).__name__}, not an object of names to values",
+                param_hint="--values",
+            )
+        for name, value in loaded.items():
+            if not isinstance(value, (bool, int, float, str)):
+                raise click.BadParameter(
+                    f"{values_file}: value {name!r} is a {type(value).__name__}, not a "
+                    "number, bool or string",
+                    param_hint="--values",
+                )
+            values[name] = value
+    values.update(dict(pairs))
+    if "step" in values:
+        raise click.BadParameter(
+            "'step' is set by the engine (the global step index); name the value otherwise",
+            param_hint="--value",
+        )
+    return values

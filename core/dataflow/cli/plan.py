@@ -5,7 +5,11 @@ files whose folder exists or can be made). Exits 1 when the program is malformed
 plan fits the budget (the line gives the smallest budget that works and the task that
 forces it), or when the planner fails (the line names it). ``-o PLANNED.json`` writes the
 annotated program; ``--trace OUT.json`` its predicted timeline as Chrome trace-event JSON;
-``--place`` also packs it into one arena. A program that declares persistent objects
+``--place`` also packs it into one arena. ``--measured --resolver NAME`` prices the
+program by measurement first (``dataflow.engine.measure``: every distinct task timed
+through the named resolver on ``--device``, the links timed as the engine copies), so the
+plan and its predicted step are this machine's; ``--value NAME=VALUE`` gives the per-run
+values its tasks read. A program that declares persistent objects
 (a lowered training step: weights, optimizer state) is planned as a steady-state cycle, as
 ``dataflow train`` plans it; ``--once`` plans one iteration alone, ``--cyclic`` forces the
 cycle.
@@ -21,9 +25,12 @@ from dataflow.cli.errors import Failure, one_line, plugin_failure
 from dataflow.cli.options import (
     BUDGET,
     PROGRAM_BUDGET,
+    Device,
     Limit,
     OutputFile,
     lookup,
+    run_values,
+    value_options,
     with_budgets,
     write_to,
 )
@@ -83,6 +90,25 @@ from dataflow.units import format_size
     help="plan the steady state of a loop (default: when the program declares persistent "
     "objects) or one iteration alone",
 )
+@click.option(
+    "--measured",
+    is_flag=True,
+    help="price every task (and the links) by measurement through --resolver before planning",
+)
+@click.option(
+    "--resolver",
+    "resolver_name",
+    default=None,
+    help="with --measured: the installed resolver that runs the tasks",
+)
+@click.option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    type=Device(),
+    help="with --measured: where the tasks are timed",
+)
+@value_options
 def plan_command(
     program_path: str,
     budget_bytes: int,
@@ -92,14 +118,30 @@ def plan_command(
     trace_path: str | None,
     do_place: bool,
     cyclic: bool | None,
+    measured: bool,
+    resolver_name: str | None,
+    device: str,
+    value_pairs: tuple[tuple[str, object], ...],
+    values_file: str | None,
 ) -> None:
     """Plan PROGRAM.json for a fast-memory budget and summarize the plan."""
     from dataflow.plugins import planners
 
     lookup(planners(), planner, "--planner")
+    values = run_values(value_pairs, values_file)
+    if measured and resolver_name is None:
+        raise click.UsageError(
+            "--measured needs --resolver NAME (the resolver that runs the tasks)"
+        )
+    if not measured and resolver_name is not None:
+        raise click.UsageError("--resolver prices the tasks only with --measured")
+    if not measured and values:
+        raise click.UsageError("--value and --values are read only with --measured")
     program, _, slow_budget_bytes = with_budgets(
         load_program(program_path), budget_bytes, slow_budget_bytes
     )
+    if measured:
+        program = measured_program(program, program_path, resolver_name, device, values)
     if slow_budget_bytes is None and program.budget is not None:
         slow_budget_bytes = program.budget.slow_bytes
     if cyclic is None:
@@ -122,12 +164,65 @@ def plan_command(
             budget_bytes=budget_bytes,
         )
     )
+    if measured:
+        step = planned.cycle.iteration_us if planned.cycle is not None else planned.sim.makespan_us
+        click.echo(
+            f"predicted step {_us(step)} on {device}, priced by measurement through "
+            f"{resolver_name!r} (dataflow trace PLANNED.json --resolver {resolver_name} "
+            "measures the step)"
+        )
     if output_path is not None:
         write_to(output_path).write_text(planned.program.to_json() + "\n")
         click.echo(f"wrote {output_path}")
     if trace_path is not None:
         planned.sim.to_chrome_trace(write_to(trace_path), name=f"{program.name} (planned)")
         click.echo(f"wrote {trace_path} (open it in https://ui.perfetto.dev or chrome://tracing)")
+
+
+def measured_program(
+    program: Program, program_path: str, resolver_name: str, device: str, values: dict
+) -> Program:
+    """``program`` priced by measurement through the installed resolver ``resolver_name``
+    (``priced_by_measurement``), its errors as one-line ``Failure``s."""
+    from dataflow.extras import MissingExtraError, require_torch
+    from dataflow.plugins import resolvers
+
+    try:
+        require_torch("dataflow plan --measured")
+    except MissingExtraError as exc:
+        raise Failure(str(exc)) from None
+    from dataflow.engine import ResolverError
+    from dataflow.engine.contract import MissingValueError
+    from dataflow.engine.measure import priced_by_measurement, signature
+
+    spec = lookup(resolvers(), resolver_name, "--resolver")
+    try:
+        resolver = spec.build(program)
+    except Exception as exc:  # the resolver plugin's own failure: name it
+        raise plugin_failure(
+            f"resolver {resolver_name!r} cannot be built for {program_path}", exc
+        ) from exc
+    try:
+        priced = priced_by_measurement(
+            program, resolver, resolver_name=resolver_name, device=device, values=values
+        )
+    except ResolverError as exc:
+        raise Failure(f"{program_path}: {exc}") from exc
+    except MissingValueError as exc:
+        raise Failure(f"{program_path}: {exc} (dataflow plan --value {exc.name}=...)") from exc
+    except Exception as exc:  # an executable's own failure: name the resolver
+        raise plugin_failure(
+            f"{program_path}: a task failed while measured through {resolver_name!r}", exc
+        ) from exc
+    distinct = len({signature(program, t) for t in program.tasks if not t.collective})
+    compute = sum(t.cost_us for t in priced.tasks if not t.collective)
+    click.echo(
+        f"measured {distinct} distinct task(s) of {len(program.tasks)} on {device} through "
+        f"{resolver_name!r}: compute {_us(compute)} a step; links h2d "
+        f"{priced.links.h2d.bw_bytes_per_us / 1e3:.1f} GB/s, d2h "
+        f"{priced.links.d2h.bw_bytes_per_us / 1e3:.1f} GB/s"
+    )
+    return priced
 
 
 def run_planner(

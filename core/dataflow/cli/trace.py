@@ -6,6 +6,9 @@ values, and writes one Chrome trace with two processes: the prediction above the
 measurement of the last step. Open it in Perfetto. With ``--bundle DIR`` (a bundle of
 this program, from ``dataflow export``) the measured timeline of the steps is written
 beside it (``measured_timeline.json``) and its summary gets the measured step.
+``--value NAME=VALUE`` (repeatable) and ``--values FILE.json`` give the run's per-run
+values (``ctx.values``; the engine adds ``step``); a task that reads one not given fails
+with one line naming the value and the task.
 
 Every step gets fresh inputs: each object that exists at start and has no final location
 (the step's data) is drawn anew from ``(seed, step)``; the others (weights, optimizer
@@ -17,7 +20,16 @@ from __future__ import annotations
 import click
 
 from dataflow.cli.errors import Failure, plugin_failure
-from dataflow.cli.options import BUDGET, COUNT, Device, OutputFile, lookup, write_to
+from dataflow.cli.options import (
+    BUDGET,
+    COUNT,
+    Device,
+    OutputFile,
+    lookup,
+    run_values,
+    value_options,
+    write_to,
+)
 from dataflow.cli.validate import PROGRAM_FILE, load_program
 from dataflow.extras import MissingExtraError, require_torch
 from dataflow.units import format_size
@@ -93,6 +105,7 @@ def step_inputs(program) -> set[str]:
     metavar="DIR",
     help="a bundle of PLANNED.json (dataflow export): write the measured timeline beside it",
 )
+@value_options
 def trace_command(
     program_path: str,
     resolver_name: str,
@@ -102,8 +115,11 @@ def trace_command(
     seed: int,
     output: str,
     bundle_dir: str | None,
+    value_pairs: tuple[tuple[str, object], ...],
+    values_file: str | None,
 ) -> None:
     """Write the predicted and the measured timeline of PLANNED.json into one trace."""
+    values = run_values(value_pairs, values_file)
     try:
         require_torch("dataflow trace")
     except MissingExtraError as exc:
@@ -142,7 +158,11 @@ def trace_command(
                 f"{program_path}: {exc}; `--resolver synthetic` runs any program by its task costs"
             ) from exc
         engine.predicted = predicted
-        result = engine.run(steps=steps, feed=lambda step: random_values(program, seed + step, fed))
+        result = engine.run(
+            steps=steps,
+            values=values,
+            feed=lambda step: random_values(program, seed + step, fed),
+        )
     result.to_chrome_trace(write_to(output))
     if bundle is not None:
         _write_measured(bundle_dir, bundle, result, device)

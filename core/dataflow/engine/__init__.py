@@ -7,8 +7,10 @@ from dataflow.engine.contract import (
     DictResolver,
     Executable,
     LaunchContext,
+    MissingValueError,
     Resolver,
     ResolverError,
+    RunValues,
 )
 from dataflow.engine.dispatcher import EngineRunError
 from dataflow.engine.engine import BudgetBreachError, Engine, EngineLoadError
@@ -22,7 +24,9 @@ __all__ = [
     "EngineRunError",
     "Executable",
     "LaunchContext",
+    "MissingValueError",
     "Resolver",
     "ResolverError",
     "RunResult",
+    "RunValues",
 ]

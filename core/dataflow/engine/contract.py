@@ -24,7 +24,8 @@ class LaunchContext:
     object's ``TensorMeta``; a uint8 view of its bytes when it has none), in the task's
     declaration order. Outputs hold garbage until written; mutates are changed in place.
     ``values`` are per-run values (step number, learning rate, ...) given to
-    ``Engine.run``. ``stream`` is the CUDA stream to enqueue on (None on CPU).
+    ``Engine.run`` (``RunValues``: a name the run was not given raises
+    ``MissingValueError``, naming the value and the task). ``stream`` is the CUDA stream to enqueue on (None on CPU).
     ``workspace`` is a flat uint8 tensor of exactly ``task.workspace_bytes`` (None when
     that is 0): the only scratch memory a task may use beyond its objects; on CUDA it lies
     in the planned arena, so a kernel that allocates elsewhere breaks the budget.
@@ -38,6 +39,48 @@ class LaunchContext:
     outputs: tuple[Any, ...]
     values: Mapping[str, Any] = attrs.field(factory=dict)
     workspace: Any = None
+
+
+class MissingValueError(KeyError):
+    """A task read a per-run value that the run was not given."""
+
+    def __init__(self, name: str, task_id: str, given: tuple[str, ...]) -> None:
+        self.name, self.task_id, self.given = name, task_id, given
+        super().__init__(name)
+
+    def __str__(self) -> str:
+        return (
+            f"task {self.task_id!r} reads the per-run value {self.name!r}, which this run was "
+            f"not given (given: {', '.join(self.given) or 'none'}); pass it with "
+            f"Engine.run(values={{{self.name!r}: ...}}) or dataflow trace --value "
+            f"{self.name}=..."
+        )
+
+
+class RunValues(Mapping[str, Any]):
+    """The per-run values as one task sees them (``LaunchContext.values``): a read-only
+    mapping whose missing name raises ``MissingValueError`` naming the value and the task
+    (``get`` and ``in`` work as on a dict)."""
+
+    __slots__ = ("_values", "_task_id")
+
+    def __init__(self, values: Mapping[str, Any], task_id: str) -> None:
+        self._values, self._task_id = values, task_id
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise MissingValueError(name, self._task_id, tuple(sorted(self._values))) from None
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"RunValues({dict(self._values)!r}, task={self._task_id!r})"
 
 
 @runtime_checkable

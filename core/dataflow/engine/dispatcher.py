@@ -13,6 +13,7 @@ from typing import Protocol
 
 import attrs
 
+from dataflow.engine.contract import MissingValueError
 from dataflow.engine.ledger import Fast, Ledger, Slow
 from dataflow.schema import Location, Program
 from dataflow.sim.failure import FailureKind
@@ -81,7 +82,10 @@ class OpFailed(Exception):
 
     def __init__(self, kind: OpKind, ref: int, what: str, cause: BaseException) -> None:
         self.kind, self.ref, self.what, self.cause = kind, ref, what, cause
-        super().__init__(f"{what} raised {type(cause).__name__}: {cause}")
+        if isinstance(cause, MissingValueError):  # its message names the task already
+            super().__init__(str(cause))
+        else:
+            super().__init__(f"{what} raised {type(cause).__name__}: {cause}")
 
 
 class EngineRunError(RuntimeError):

@@ -382,3 +382,10 @@ def test_the_busiest_task_is_the_signature_with_the_most_time_in_all() -> None:
     launch(None)
     launch(None)
     assert resolver.launches == 2
+
+
+def test_profile_program_points_a_bare_program_to_the_core_measure() -> None:
+    from dataflow.testing import tiny_chain
+
+    with pytest.raises(TypeError, match=r"not a Program: .*priced_by_measurement"):
+        profile_program(tiny_chain(), lambda task: None, device="cpu")

@@ -22,7 +22,7 @@ from dataflow.engine.backends.torch_storage import (
     host_copy,
     typed_view,
 )
-from dataflow.engine.contract import Executable, LaunchContext
+from dataflow.engine.contract import Executable, LaunchContext, RunValues
 from dataflow.engine.dispatcher import Completion, OpKind
 from dataflow.schema import Location, Program
 
@@ -185,7 +185,7 @@ class TorchBackend:
             inputs=tuple(view(obj) for obj in task.inputs),
             mutates=tuple(view(obj) for obj in task.mutates),
             outputs=tuple(view(obj) for obj in task.outputs),
-            values=self.values,
+            values=RunValues(self.values, task.id),
             workspace=self._workspace(task),
         )
         self.runner.submit_task(index, task.id, self.executables[index], ctx)

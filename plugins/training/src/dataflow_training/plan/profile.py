@@ -376,7 +376,17 @@ def profile_program(
     ``settle_s`` (CUDA): before its timed launches each task runs back to back for that
     long, so the clocks are those of a loaded device rather than of one that idled between
     short tasks. ``flush_l2`` (CUDA): a buffer twice the L2 cache is overwritten before
-    every timed launch, so no input is read from a cache the previous launch warmed."""
+    every timed launch, so no input is read from a cache the previous launch warmed.
+
+    Any other program (not lowered by this plugin) is priced by the core's
+    ``dataflow.engine.measure.priced_by_measurement``; handed one, this says so."""
+    if not isinstance(step, Lowered):
+        raise TypeError(
+            f"profile_program prices a lowered training step (Lowered), not a "
+            f"{type(step).__name__}: price any program whose tasks have a resolver with "
+            "dataflow.engine.measure.priced_by_measurement(program, resolver) or `dataflow "
+            "plan PROGRAM.json --measured --resolver NAME`"
+        )
     dev = torch.device(device)
     timing = _Timing.on(dev, settle_s, flush_l2)
     generator = torch.Generator().manual_seed(seed)
