@@ -409,6 +409,15 @@ class IndexedBlock(Block):
             *self.ffn.aux_temp(config, batch, seq_len),
         )
 
+    def shared_target(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
+        """The KL target of a group this block leads (module docstring): its followers'
+        distributions summed over the selection, and how many added to it."""
+        k = config.selected(seq_len)
+        return (
+            TensorSpec(TARGET, (batch, seq_len, k), "float32"),
+            TensorSpec(MEMBERS, (1,), "float32"),
+        )
+
     def _half(
         self, config: Any, params: Tensors, x: torch.Tensor, aux_temp, env: Env
     ) -> tuple[Tensors, torch.Tensor, Tensors]:

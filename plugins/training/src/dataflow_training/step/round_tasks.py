@@ -66,6 +66,8 @@ class Kinds:
     embed: LayerCost
     head: LayerCost
     apart: dict[str, Apart] = attrs.field(factory=dict)
+    #: kind -> the layout of the KL target of a group its layers lead (``LayerSpec.leader``)
+    shared: dict[str, Layout] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -100,6 +102,27 @@ def backward_blocks(embed: LayerSpec, blocks: tuple[LayerSpec, ...]) -> list[boo
     return out
 
 
+def leaders(blocks: tuple[LayerSpec, ...]) -> tuple[dict[int, int], dict[int, list[int]]]:
+    """(follower -> its leader, leader -> its followers in order) by block index, of the
+    blocks whose ``LayerSpec.leader`` names another (``lowering`` checked the names)."""
+    index = {block.name: i for i, block in enumerate(blocks)}
+    leads = {i: index[b.leader] for i, b in enumerate(blocks) if b.leader}
+    groups: dict[int, list[int]] = {}
+    for follower, leader in leads.items():
+        groups.setdefault(leader, []).append(follower)
+    return leads, groups
+
+
+def _aux_temp(chain: StepChain, s: Rounds, r: int, i: int, block: LayerSpec, temps: dict) -> None:
+    """Block ``i``'s AuxTemp object of round ``r``, where its kind has one."""
+    layout = s.kinds.temp[block.kind]
+    if layout is None:
+        return
+    temps[i] = f"AuxTemp_{chain.step}_{r}_{i}"
+    chain.packed[temps[i]] = PackedObject(temps[i], "AuxTemp", block.name, layout)
+    chain.objects.append(Obj(temps[i], layout.size_bytes, Role.AUX_TEMP))
+
+
 def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
     """Round ``r``'s objects (tokens, targets, loss, hidden states and their gradients,
     each block's saved activations and AuxTemp) and tasks: embed, the blocks' forwards,
@@ -129,6 +152,12 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         if wanted
     ]
     saved, rest, temps = {}, {}, {}
+    leads, groups = leaders(blocks)
+
+    def shared(i: int) -> tuple[str, ...]:
+        """The leader's AuxTemp a follower's tasks read."""
+        return (temps[leads[i]],) if i in leads else ()
+
     experts, d_experts = {}, {}  # the objects of the blocks whose experts run apart
     for i, block in enumerate(blocks):
         apart = s.kinds.apart.get(block.kind)
@@ -136,6 +165,13 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
             _apart_objects(chain, s, r, i, block, apart, backward[i], saved, temps)
             experts[i], d_experts[i] = f"A_{step}_{r}_{i}.experts", f"dE_{step}_{r}_{i}"
             continue
+        if i in groups or backward[i]:  # a leader's selection: its followers read it
+            _aux_temp(chain, s, r, i, block, temps)
+        if i in groups and backward[i]:  # the group's KL target, its backwards' object
+            target = f"Target_{step}_{r}_{i}"
+            layout = s.kinds.shared[block.kind]
+            chain.packed[target] = PackedObject(target, "Target", block.name, layout)
+            chain.objects.append(Obj(target, layout.size_bytes, Role.AUX_TEMP))
         if not backward[i]:
             continue  # nothing at or below it trains: no backward, nothing saved for one
         saved[i] = f"A_{step}_{r}_{i}"
@@ -147,11 +183,6 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         for obj_id, layout in parts:
             chain.packed[obj_id] = PackedObject(obj_id, "A", block.name, layout)
             chain.objects.append(Obj(obj_id, layout.size_bytes, Role.ACTIVATION))
-        if s.kinds.temp[block.kind] is not None:
-            temps[i] = f"AuxTemp_{step}_{r}_{i}"
-            layout = s.kinds.temp[block.kind]
-            chain.packed[temps[i]] = PackedObject(temps[i], "AuxTemp", block.name, layout)
-            chain.objects.append(Obj(temps[i], layout.size_bytes, Role.AUX_TEMP))
 
     chain.task(
         "embed",
@@ -178,7 +209,7 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
             block.name,
             family_key(family, block.kind, "forward"),
             chain.priced(s.kinds.cost[block.kind].forward, param_bytes[block.name]),
-            inputs={"x": (y[i],), "w": weights[block.name]},
+            inputs={"x": (y[i],), "w": weights[block.name], "shared": shared(i)},
             mutates={"aux": aux},
             outputs={"y": (y[i + 1],), "saved": (saved[i],) if keep else (), "aux_temp": temp},
             save=keep,
@@ -222,7 +253,12 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
                 block.name,
                 family_key(family, block.kind, "recompute"),
                 chain.priced(block_cost.recompute or block_cost.forward, param_bytes[block.name]),
-                inputs={"x": (y[i],), "w": weights[block.name], "aux_temp": temp},
+                inputs={
+                    "x": (y[i],),
+                    "w": weights[block.name],
+                    "aux_temp": temp,
+                    "shared": shared(i),
+                },
                 outputs={"saved": (saved[i],)},
             )
         elif (r, i) in s.partial:
@@ -237,12 +273,21 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
                     "w": weights[block.name],
                     "saved": (saved[i],),
                     "aux_temp": temp,
+                    "shared": shared(i),
                 },
                 outputs={"saved": (rest[i],)},
                 partial=s.partial[r, i],
             )
         aux = (block.aux_object,) if block.aux and r == chain.train.rounds - 1 else ()
         roles = grad_roles(grads[block.name], r)
+        # a group's KL target: its last member's backward makes it, the middle ones' add
+        # into it, the leader's reads it
+        makes, adds, reads = (), (), shared(i)
+        if i in leads:
+            target = (f"Target_{step}_{r}_{leads[i]}",)
+            makes, adds = (target, ()) if groups[leads[i]][-1] == i else ((), target)
+        elif i in groups:
+            reads = (f"Target_{step}_{r}_{i}",)
         chain.task(
             "bwd",
             r,
@@ -256,9 +301,14 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
                 "aux_temp": temp,
                 "aux": aux,
                 "w": weights[block.name],
+                "shared": reads,
             },
-            outputs={"dx": (dy[i],) if wanted_dy[i] else (), **roles.get("outputs", {})},
-            mutates=roles.get("mutates", {}),
+            outputs={
+                "dx": (dy[i],) if wanted_dy[i] else (),
+                "shared": makes,
+                **roles.get("outputs", {}),
+            },
+            mutates={"shared": adds, **roles.get("mutates", {})},
         )
     if not wanted_dy[0]:
         return  # the embedding does not train
