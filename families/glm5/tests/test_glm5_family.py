@@ -40,16 +40,23 @@ class TestGlm5(TrainingFamilyConformance, DecoderFamilyChecks):
         with pytest.raises(ValueError, match=r"indexer_types\[0\] is 'shared': a shared"):
             family.config(self.preset, indexer_types=("shared", "full", "full", "full"))
 
-    def test_checkpoint_errors_name_the_field_and_the_file(self, family, tmp_path):
+    def test_checkpoint_errors_name_the_field_or_tensor_and_the_file(self, family, tmp_path):
         config = family.config(self.preset)
         family.export_hf(config, family.reference_model(config).state_dict(), tmp_path)
         written = json.loads((tmp_path / "config.json").read_text())
-        for field, value in [
-            ("indexer_types", ["shared", "full", "full", "full"]),
-            ("indexer_types", ["full", "full"]),
+        for field, value, why in [
+            ("attention_bias", True, "no biases"),
+            ("model_type", "deepseek_v32", "not a"),
+            ("scoring_func", "softmax", "only sigmoid"),
+            ("indexer_types", ["shared", "full", "full", "full"], "the first 'full'"),
+            ("indexer_types", ["full", "full"], "4 entries"),
+            ("index_topk_pattern", "FXSF", "only 'F' and 'S'"),
         ]:
-            (tmp_path / "config.json").write_text(json.dumps({**written, field: value}))
-            with pytest.raises(CheckpointError, match=rf"config.json: {field} = .*the first"):
+            fields = {**written, field: value}
+            if field == "index_topk_pattern":
+                del fields["indexer_types"]
+            (tmp_path / "config.json").write_text(json.dumps(fields))
+            with pytest.raises(CheckpointError, match=rf"config.json: {field} = .*{why}"):
                 family.import_hf(tmp_path)
 
 

@@ -5,8 +5,9 @@ dense then MoE, width 6,144, 64 heads, 256 experts choosing 8, an indexer of 32 
 128 selecting 2,048 tokens, 202,752 positions, every layer's indexer ``"full"``, its
 default ``indexer_types``). For ``predict`` only.
 
-``glm5_cut`` is it cut to 3 layers (1 dense, 2 MoE) and 4,096 positions, the last layer
-``"shared"`` (it attends to layer 1's selection), for one H200 as ``deepseek_v32_cut``.
+``glm5_cut`` is it cut to 2 layers (1 dense, 1 MoE) and 4,096 positions, the MoE layer
+``"shared"`` (it attends to the dense layer's selection and has no indexer), for one
+H200 as ``deepseek_v32_cut``.
 
 ``glm5_tiny`` is ``deepseek_v32_tiny``'s shape at 4 layers (1 dense, 3 MoE) with
 ``indexer_types`` full, shared, shared, full: layer 0 leads layers 1 and 2 (a group of
@@ -76,10 +77,10 @@ PRESETS: Mapping[str, Glm5Config] = MappingProxyType(
         "glm5_tiny": _tiny(),
         "glm5": _GLM5,
         "glm5_cut": _GLM5.with_overrides(
-            num_hidden_layers=3,
+            num_hidden_layers=2,
             first_k_dense_replace=1,
             max_position_embeddings=4096,
-            indexer_types=("full", "full", "shared"),
+            indexer_types=("full", "shared"),
         ),
     }
 )
