@@ -440,7 +440,10 @@ class RouteForward(_Apart):
             for tensor in aux.values():
                 tensor.zero_()
         y, saved, aux_temp, experts = self.call(
-            "route_forward", self.named(ctx, "w"), self.one(ctx, "x"), self.env(ctx, aux=aux)
+            "route_forward",
+            self.named(ctx, "w"),
+            self.one(ctx, "x"),
+            self.env(ctx, aux=aux, shared=self.shared(ctx)),
         )
         self.put("output", y, self.one(ctx, "y"))
         *main, experts_obj = self.slot.outputs["saved"]  # A (with a backward), the experts'
@@ -511,7 +514,7 @@ class RouteBackward(_Apart):
             self.named(ctx, "aux_temp"),
             self.one(ctx, "dy"),
             self.named(ctx, "d_experts"),
-            self.env(ctx, aux=self.named(ctx, "aux")),
+            self.env(ctx, aux=self.named(ctx, "aux"), shared=self.shared(ctx)),
         )
         for obj in self.slot.objects("dx"):
             self.put("dx", dx, self.buffer(ctx, obj))

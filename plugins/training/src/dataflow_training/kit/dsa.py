@@ -394,6 +394,13 @@ class SharedIndexAttention(IndexedAttention):
 
 # -- the block ---------------------------------------------------------------------------
 
+#: what a sparse-attention block whose experts run apart says when run (``predict``
+#: prices it; its routing tasks' math is not written)
+_NOT_APART = (
+    "runs sparse attention with its experts routed apart (expert shards), which is not "
+    "built: price it with `dataflow predict`, or train a size whose experts fit one object"
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class IndexedBlock(Block):
@@ -434,6 +441,12 @@ class IndexedBlock(Block):
         del out
         h2, _ = norm_2.forward(ops, params, h_mid)
         return {**projected, **attended, "h_mid": h_mid}, h2, temp
+
+    def route_forward(self, config, params, x, env):
+        raise FamilyContractError(_NOT_APART)
+
+    def route_backward(self, config, params, x, saved, aux_temp, dy, d_experts, env):
+        raise FamilyContractError(_NOT_APART)
 
     def forward(self, config, params, x, env):
         saved, h2, temp = self._half(config, params, x, None, env)

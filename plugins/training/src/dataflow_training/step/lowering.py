@@ -391,7 +391,7 @@ def _kinds(
             )
     embed_cost = family.math("embed").cost(config, train.batch, train.seq_len, act_bytes)
     head_cost = _head_cost(family, config, train, layers[0], act_bytes)
-    shared = _shared_targets(family, config, layers, train, temp_layout, apart)
+    shared = _shared_targets(family, config, layers, train, temp_layout)
     return Kinds(
         saved_layout,
         partial_layouts,
@@ -410,7 +410,6 @@ def _shared_targets(
     layers: tuple[LayerSpec, ...],
     train: TrainConfig,
     temp_layout: dict[str, Layout | None],
-    apart: dict[str, Apart],
 ) -> dict[str, Layout]:
     """The layout of the KL target object of each block kind that leads followers
     (``LayerSpec.leader``, ``BlockMath.shared_target``); a leader that is no earlier
@@ -427,8 +426,6 @@ def _shared_targets(
         lead = blocks[index[block.leader]]
         if lead.leader or temp_layout[lead.kind] is None:
             raise FamilyContractError(f"{where}, which makes no selection of its own")
-        if block.kind in apart or lead.kind in apart:
-            raise FamilyContractError(f"{where}: a group's blocks cannot run experts apart")
         kind_math = family.math(lead.kind)
         if not hasattr(kind_math, "shared_target"):
             raise FamilyContractError(

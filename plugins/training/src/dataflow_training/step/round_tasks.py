@@ -158,8 +158,25 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         """The leader's AuxTemp a follower's tasks read."""
         return (temps[leads[i]],) if i in leads else ()
 
+    def bwd_shared(i: int) -> dict[str, tuple[str, ...]]:
+        """Block ``i``'s backward's ``shared`` objects by part: a group's KL target is
+        made by its last member's backward, changed by the middle ones' and read by the
+        leader's; a follower reads its leader's AuxTemp too."""
+        roles = {"inputs": shared(i), "outputs": (), "mutates": ()}
+        if i in leads:
+            target = (f"Target_{step}_{r}_{leads[i]}",)
+            roles["outputs" if groups[leads[i]][-1] == i else "mutates"] = target
+        elif i in groups:
+            roles["inputs"] = (f"Target_{step}_{r}_{i}",)
+        return roles
+
     experts, d_experts = {}, {}  # the objects of the blocks whose experts run apart
     for i, block in enumerate(blocks):
+        if i in groups and backward[i]:  # the group's KL target, its backwards' object
+            target = f"Target_{step}_{r}_{i}"
+            layout = s.kinds.shared[block.kind]
+            chain.packed[target] = PackedObject(target, "Target", block.name, layout)
+            chain.objects.append(Obj(target, layout.size_bytes, Role.AUX_TEMP))
         apart = s.kinds.apart.get(block.kind)
         if apart is not None:
             _apart_objects(chain, s, r, i, block, apart, backward[i], saved, temps)
@@ -167,11 +184,6 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
             continue
         if i in groups or backward[i]:  # a leader's selection: its followers read it
             _aux_temp(chain, s, r, i, block, temps)
-        if i in groups and backward[i]:  # the group's KL target, its backwards' object
-            target = f"Target_{step}_{r}_{i}"
-            layout = s.kinds.shared[block.kind]
-            chain.packed[target] = PackedObject(target, "Target", block.name, layout)
-            chain.objects.append(Obj(target, layout.size_bytes, Role.AUX_TEMP))
         if not backward[i]:
             continue  # nothing at or below it trains: no backward, nothing saved for one
         saved[i] = f"A_{step}_{r}_{i}"
@@ -201,7 +213,10 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         if zero_aux:
             zeroed.add(aux[0])
         if i in experts:
-            _apart_forward(chain, s, r, i, block, (y[i], y[i + 1]), saved, temps, experts, zero_aux)
+            _apart_forward(
+                chain, s, r, i, block, (y[i], y[i + 1]), saved, temps, experts, zero_aux,
+                shared(i),
+            )  # fmt: skip
             continue
         chain.task(
             "fwd",
@@ -244,7 +259,10 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         temp = (temps[i],) if i in temps else ()
         if i in experts:
             dys = (dy[i + 1], dy[i] if wanted_dy[i] else None)
-            _apart_backward(chain, s, r, i, block, (y[i], dys), saved, temps, experts, d_experts)
+            _apart_backward(
+                chain, s, r, i, block, (y[i], dys), saved, temps, experts, d_experts,
+                bwd_shared(i),
+            )  # fmt: skip
             continue
         if (r, i) in s.recompute:
             chain.task(
@@ -280,14 +298,7 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
             )
         aux = (block.aux_object,) if block.aux and r == chain.train.rounds - 1 else ()
         roles = grad_roles(grads[block.name], r)
-        # a group's KL target: its last member's backward makes it, the middle ones' add
-        # into it, the leader's reads it
-        makes, adds, reads = (), (), shared(i)
-        if i in leads:
-            target = (f"Target_{step}_{r}_{leads[i]}",)
-            makes, adds = (target, ()) if groups[leads[i]][-1] == i else ((), target)
-        elif i in groups:
-            reads = (f"Target_{step}_{r}_{i}",)
+        group = bwd_shared(i)
         chain.task(
             "bwd",
             r,
@@ -301,14 +312,14 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
                 "aux_temp": temp,
                 "aux": aux,
                 "w": weights[block.name],
-                "shared": reads,
+                "shared": group["inputs"],
             },
             outputs={
                 "dx": (dy[i],) if wanted_dy[i] else (),
-                "shared": makes,
+                "shared": group["outputs"],
                 **roles.get("outputs", {}),
             },
-            mutates={"shared": adds, **roles.get("mutates", {})},
+            mutates={"shared": group["mutates"], **roles.get("mutates", {})},
         )
     if not wanted_dy[0]:
         return  # the embedding does not train
@@ -379,6 +390,7 @@ def _apart_forward(
     temps: dict[int, str],
     experts: dict[int, str],
     zero_aux: bool,
+    shared: tuple[str, ...],
 ) -> None:
     """The routing task ``fwd`` (the attention half, the router, the shared expert: it
     makes the block's output, ``A``, AuxTemp and the experts' input), then one ``efwd``
@@ -392,7 +404,7 @@ def _apart_forward(
         block.name,
         family_key(family, block.kind, "route_forward"),
         chain.priced(apart.route.forward, _bytes(chain, main)),
-        inputs={"x": (x,), "w": main},
+        inputs={"x": (x,), "w": main, "shared": shared},
         mutates={"aux": aux},
         outputs={
             "y": (y,),
@@ -427,6 +439,7 @@ def _apart_backward(
     temps: dict[int, str],
     experts: dict[int, str],
     d_experts: dict[int, str],
+    shared: dict[str, tuple[str, ...]],
 ) -> None:
     """One ``ebwd`` per shard (its experts' gradient; the first creates ``dE``, the others
     add to it), then the routing task ``bwd`` (the router, the shared expert, the
@@ -475,7 +488,12 @@ def _apart_backward(
             "aux": aux,
             "w": main,
             "d_experts": (d_experts[i],),
+            "shared": shared["inputs"],
         },
-        outputs={"dx": (dx,) if dx is not None else (), **roles.get("outputs", {})},
-        mutates=roles.get("mutates", {}),
+        outputs={
+            "dx": (dx,) if dx is not None else (),
+            "shared": shared["outputs"],
+            **roles.get("outputs", {}),
+        },
+        mutates={"shared": shared["mutates"], **roles.get("mutates", {})},
     )
