@@ -328,6 +328,7 @@ def task_checks(
     checks: list[Check] = []
     hidden_shape = family.hidden_shape(config, batch, seq_len)
     seen: set[str] = set()
+    shared = _leader_selection(family, config, layers, state, ops, device, dtype, hidden_shape)
     with torch.enable_grad():
         for layer in layers:
             params = {p.name: state[f"{layer.name}.{p.name}"] for p in layer.params}
@@ -346,11 +347,29 @@ def task_checks(
                 batch,
                 seq_len,
                 hidden_shape,
+                shared.get(layer.leader, {}),
             )
     checks += _head_checks(
         family, config, layers, state, ops, device, dtype, tolerance, hidden_shape
     )
     return checks
+
+
+def _leader_selection(
+    family, config, layers, state, ops, device, dtype, hidden_shape
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Each leader's AuxTemp (its forward on a random input): what its followers' tasks
+    see as ``env.shared`` (``LayerSpec.leader``); empty without followers."""
+    leaders = {layer.leader for layer in layers if getattr(layer, "leader", "")}
+    out = {}
+    for layer in layers:
+        if layer.name not in leaders:
+            continue
+        params = {p.name: state[f"{layer.name}.{p.name}"] for p in layer.params}
+        x = torch.randn(hidden_shape, device=device, dtype=dtype)
+        with torch.no_grad():
+            _, _, out[layer.name] = family.math(layer.kind).forward(config, params, x, Env(ops))
+    return out
 
 
 def _dense(grad: Any) -> torch.Tensor:
@@ -360,10 +379,22 @@ def _dense(grad: Any) -> torch.Tensor:
 
 
 def _layer_checks(
-    family, config, layer, params, ops, device, dtype, tolerance, batch, seq_len, hidden_shape
+    family,
+    config,
+    layer,
+    params,
+    ops,
+    device,
+    dtype,
+    tolerance,
+    batch,
+    seq_len,
+    hidden_shape,
+    shared=None,
 ):
-
-    env = Env(ops)
+    """``shared``: a follower's leader's AuxTemp (``env.shared``)."""
+    shared = shared or {}
+    env = Env(ops, shared=shared)
     math_ = family.math(layer.kind)
 
     trainable = [p.name for p in layer.params if p.trainable]
@@ -417,11 +448,12 @@ def _layer_checks(
             )
     x_leaf = x.clone().requires_grad_()
     dy = torch.randn_like(y)
-    y_auto, _, _ = math_.forward(config, leaves, x_leaf, Env(autograd_ops(ops)))
+    auto_env = Env(autograd_ops(ops), shared=shared)
+    y_auto, _, _ = math_.forward(config, leaves, x_leaf, auto_env)
     target = (y_auto * dy).sum()
     term = getattr(math_, "objective", None)  # a loss term of the block's own (an indexer's)
     if term is not None:
-        target = target + term(config, leaves, x_leaf, aux_temp, Env(autograd_ops(ops)))
+        target = target + term(config, leaves, x_leaf, aux_temp, auto_env)
     auto = torch.autograd.grad(target, [x_leaf, *(leaves[n] for n in trainable)])
     with torch.no_grad():
         dx, grads = math_.backward(config, params, x, saved, aux_temp, dy, env)

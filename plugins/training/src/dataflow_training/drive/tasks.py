@@ -223,6 +223,13 @@ class _Exec:
     def one(self, ctx: LaunchContext, role: str) -> torch.Tensor:
         return self.buffer(ctx, self.slot.one(role))
 
+    def shared(self, ctx: LaunchContext) -> Tensors:
+        """``env.shared``: the objects of other layers the task reads or writes (role
+        ``shared``), an object it creates zeroed first (the math adds into it)."""
+        for obj in self.slot.outputs.get("shared", ()):
+            self.buffer(ctx, obj).zero_()
+        return self.named(ctx, "shared")
+
     def store_grads(
         self, ctx: LaunchContext, role: str, grads: Mapping[str, Any], *, partial: bool = False
     ) -> None:
@@ -340,7 +347,7 @@ class BlockForward(_Exec):
             self.tasks.config,
             self.named(ctx, "w"),
             self.one(ctx, "x"),
-            self.env(ctx, aux=aux),
+            self.env(ctx, aux=aux, shared=self.shared(ctx)),
         )
 
 
@@ -360,7 +367,7 @@ class BlockRecompute(_Exec):
                 self.one(ctx, "x"),
                 self.views(ctx, kept),
                 self.named(ctx, "aux_temp"),
-                self.env(ctx),
+                self.env(ctx, shared=self.shared(ctx)),
                 partial,
             )
             return
@@ -371,7 +378,7 @@ class BlockRecompute(_Exec):
             self.named(ctx, "w"),
             self.one(ctx, "x"),
             self.named(ctx, "aux_temp"),
-            self.env(ctx),
+            self.env(ctx, shared=self.shared(ctx)),
         )
 
 
@@ -391,7 +398,7 @@ class BlockBackward(_Exec):
             self.named(ctx, "saved"),
             self.named(ctx, "aux_temp"),
             self.one(ctx, "dy"),
-            self.env(ctx, aux=self.named(ctx, "aux")),
+            self.env(ctx, aux=self.named(ctx, "aux"), shared=self.shared(ctx)),
         )
 
 
@@ -433,7 +440,10 @@ class RouteForward(_Apart):
             for tensor in aux.values():
                 tensor.zero_()
         y, saved, aux_temp, experts = self.call(
-            "route_forward", self.named(ctx, "w"), self.one(ctx, "x"), self.env(ctx, aux=aux)
+            "route_forward",
+            self.named(ctx, "w"),
+            self.one(ctx, "x"),
+            self.env(ctx, aux=aux, shared=self.shared(ctx)),
         )
         self.put("output", y, self.one(ctx, "y"))
         *main, experts_obj = self.slot.outputs["saved"]  # A (with a backward), the experts'
@@ -504,7 +514,7 @@ class RouteBackward(_Apart):
             self.named(ctx, "aux_temp"),
             self.one(ctx, "dy"),
             self.named(ctx, "d_experts"),
-            self.env(ctx, aux=self.named(ctx, "aux")),
+            self.env(ctx, aux=self.named(ctx, "aux"), shared=self.shared(ctx)),
         )
         for obj in self.slot.objects("dx"):
             self.put("dx", dx, self.buffer(ctx, obj))

@@ -94,6 +94,11 @@ class Decoder:
             return [first] * config.num_hidden_layers
         return [self.layer_types[kind] for kind in types]
 
+    def leaders(self, config: Any) -> list[int | None]:
+        """For every layer, the earlier layer whose selection it reads (GLM 5's
+        shared-index layers, ``LayerSpec.leader``), or None: none here."""
+        return [None] * config.num_hidden_layers
+
     def block_of(self, config: Any, layer: int) -> Block:
         return self.blocks[self.kinds(config)[layer]]
 
@@ -299,12 +304,18 @@ def layer_specs(config: DecoderConfig) -> list[LayerSpec]:
     architecture = config.architecture
     embed = vocab_table(config, EMBED_WEIGHT)
     tied = {LM_HEAD: f"{EMBED}.{EMBED_WEIGHT}"} if config.tie_word_embeddings else {}
+    leaders = architecture.leaders(config)
+    blocks = [
+        architecture.blocks[kind].layer(config, str(layer), kind)
+        for layer, kind in enumerate(architecture.kinds(config))
+    ]
+    blocks = [
+        block if leader is None else attrs.evolve(block, leader=str(leader))
+        for block, leader in zip(blocks, leaders, strict=True)
+    ]
     return [
         LayerSpec.single(EMBED, "embed", (embed,)),
-        *(
-            architecture.blocks[kind].layer(config, str(layer), kind)
-            for layer, kind in enumerate(architecture.kinds(config))
-        ),
+        *blocks,
         LayerSpec.single(HEAD, "head", head_params(config), tied=tied),
     ]
 

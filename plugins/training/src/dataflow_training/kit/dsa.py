@@ -395,6 +395,13 @@ class SharedIndexAttention(IndexedAttention):
 
 # -- the block ---------------------------------------------------------------------------
 
+#: what a sparse-attention block whose experts run apart says when run (``predict``
+#: prices it; its routing tasks' math is not written)
+_NOT_APART = (
+    "runs sparse attention with its experts routed apart (expert shards), which is not "
+    "built: price it with `dataflow predict`, or train a size whose experts fit one object"
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class IndexedBlock(Block):
@@ -408,6 +415,15 @@ class IndexedBlock(Block):
         return (
             *self.attention.aux_temp(config, batch, seq_len),
             *self.ffn.aux_temp(config, batch, seq_len),
+        )
+
+    def shared_target(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
+        """The KL target of a group this block leads (module docstring): its followers'
+        distributions summed over the selection, and how many added to it."""
+        k = config.selected(seq_len)
+        return (
+            TensorSpec(TARGET, (batch, seq_len, k), "float32"),
+            TensorSpec(MEMBERS, (1,), "float32"),
         )
 
     def _half(
@@ -426,6 +442,12 @@ class IndexedBlock(Block):
         del out
         h2, _ = norm_2.forward(ops, params, h_mid)
         return {**projected, **attended, "h_mid": h_mid}, h2, temp
+
+    def route_forward(self, config, params, x, env):
+        raise FamilyContractError(_NOT_APART)
+
+    def route_backward(self, config, params, x, saved, aux_temp, dy, d_experts, env):
+        raise FamilyContractError(_NOT_APART)
 
     def forward(self, config, params, x, env):
         saved, h2, temp = self._half(config, params, x, None, env)

@@ -158,7 +158,10 @@ class LayerSpec:
     so that layers of several kinds pool one state (``Aux_<aux_key>``: Qwen 3.5 MoE's
     linear- and full-attention blocks count their experts' loads in one ``Aux_moe``). ``tied`` (head only) maps a name the head's math uses to the
     ``"<layer>.<param>"`` it is tied to (GPT-2: ``{"wte": "emb.wte"}``): the head reads
-    that parameter and its gradient flows into that layer's ``dW``.
+    that parameter and its gradient flows into that layer's ``dW``. ``leader`` (a block
+    that reads another layer's AuxTemp: GLM 5's shared-index layers) names the earlier
+    block whose selection its tasks read under the role ``shared``, and whose KL target
+    its backward adds into (``kit.dsa``); ``""`` for most layers.
     """
 
     name: str
@@ -168,6 +171,7 @@ class LayerSpec:
     aux_scope: str = attrs.field(default="layer", kw_only=True)
     aux_key: str = attrs.field(default="", kw_only=True)
     tied: Mapping[str, str] = attrs.field(factory=dict, converter=dict, hash=False)
+    leader: str = attrs.field(default="", kw_only=True)
 
     @aux_scope.validator
     def _scope(self, attribute: attrs.Attribute, value: str) -> None:
@@ -358,6 +362,13 @@ class BlockMath(Protocol):
       ``objective(config, params, x, aux_temp, env) -> 0-d tensor``: that term, written
       with ``env.ops`` so that autograd through it (``dataflow verify``'s task level, with
       differentiable ops) gives the gradients backward adds beyond ``dy``'s.
+
+    A kind whose layers lead followers (``LayerSpec.leader``) declares the group's shared
+    object (detected with hasattr):
+      ``shared_target(config, batch, seq_len) -> tuple[TensorSpec, ...]``: the tensors
+      of ``Target_s_r_<leader>``, which the followers' backwards add into (the
+      last one's task zeroes it first) and the leader's backward reads as
+      ``env.shared``; its followers' tasks see the leader's AuxTemp there too.
     """
 
     def saved(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:

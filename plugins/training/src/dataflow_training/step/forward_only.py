@@ -102,6 +102,11 @@ def lower_forward(
         outputs={"y": (y[0],)},
     )
     zeroed: set[str] = set()
+    index = {block.name: i for i, block in enumerate(blocks)}
+
+    def shared(block: Any) -> tuple[str, ...]:
+        return (f"AuxTemp_0_0_{index[block.leader]}",) if block.leader else ()
+
     for i, block in enumerate(blocks):
         kind_math = family.math(block.kind)
         temp: tuple[str, ...] = ()
@@ -123,7 +128,8 @@ def lower_forward(
             block.name,
             family_key(family.name, block.kind, "forward"),
             chain.priced(work, param_bytes[block.name]),
-            inputs={"x": (y[i],), "w": weights[block.name]},
+            # a shared-index layer reads its leader's selection
+            inputs={"x": (y[i],), "w": weights[block.name], "shared": shared(block)},
             mutates={"aux": aux},
             outputs={"y": (y[i + 1],), "aux_temp": temp},
             save=False,

@@ -29,6 +29,10 @@ grad_norm  ``gn_`` objects: a parameter group's squared gradient norm (float32),
 d_experts  ``dE_s_r_i`` of a block routed apart: the gradient of its experts' input and
            of its routing weights, made by the expert shards' ``ebwd`` tasks and read by
            the block's ``bwd``
+shared     objects of another layer a block's task reads or writes (``LayerSpec.leader``):
+           a shared-index layer's fwd, rec and bwd read its leader's ``AuxTemp_s_r_l``;
+           the group's KL target ``Target_s_r_l`` is made by the last member's
+           bwd, changed by the middle members' and read by the leader's
 ========== ================================================================
 """
 
@@ -63,6 +67,7 @@ ROLES = (
     "loss",
     "grad_norm",
     "d_experts",
+    "shared",
 )
 
 Roles = Mapping[str, tuple[str, ...]]
@@ -81,8 +86,8 @@ TASK_KINDS = (
     "gnorm",
     "opt",
 )
-#: what a packed object holds
-PACKED_KINDS = ("W", "dW", "O", "A", "AuxTemp", "Aux", "dE")
+#: what a packed object holds (``Target``: a group of shared-index layers' KL target)
+PACKED_KINDS = ("W", "dW", "O", "A", "AuxTemp", "Aux", "dE", "Target")
 
 
 def _roles(value: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:

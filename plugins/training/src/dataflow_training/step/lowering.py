@@ -391,9 +391,49 @@ def _kinds(
             )
     embed_cost = family.math("embed").cost(config, train.batch, train.seq_len, act_bytes)
     head_cost = _head_cost(family, config, train, layers[0], act_bytes)
+    shared = _shared_targets(family, config, layers, train, temp_layout)
     return Kinds(
-        saved_layout, partial_layouts, temp_layout, block_cost, embed_cost, head_cost, apart
+        saved_layout,
+        partial_layouts,
+        temp_layout,
+        block_cost,
+        embed_cost,
+        head_cost,
+        apart,
+        shared,
     )
+
+
+def _shared_targets(
+    family: Family,
+    config: Any,
+    layers: tuple[LayerSpec, ...],
+    train: TrainConfig,
+    temp_layout: dict[str, Layout | None],
+) -> dict[str, Layout]:
+    """The layout of the KL target object of each block kind that leads followers
+    (``LayerSpec.leader``, ``BlockMath.shared_target``); a leader that is no earlier
+    block, has no AuxTemp or declares no target is an error naming the layer."""
+    blocks = layers[1:-1]
+    index = {block.name: i for i, block in enumerate(blocks)}
+    out: dict[str, Layout] = {}
+    for i, block in enumerate(blocks):
+        if not block.leader:
+            continue
+        where = f"family {family.name!r}: layer {block.name!r} follows {block.leader!r}"
+        if index.get(block.leader, i) >= i:
+            raise FamilyContractError(f"{where}, which is no earlier block")
+        lead = blocks[index[block.leader]]
+        if lead.leader or temp_layout[lead.kind] is None:
+            raise FamilyContractError(f"{where}, which makes no selection of its own")
+        kind_math = family.math(lead.kind)
+        if not hasattr(kind_math, "shared_target"):
+            raise FamilyContractError(
+                f"{where}, whose kind {lead.kind!r} declares no shared_target"
+            )
+        specs = kind_math.shared_target(config, train.batch, train.seq_len)
+        out[lead.kind] = Layout.pack((s.name, s.shape, s.dtype) for s in specs)
+    return out
 
 
 def _apart(

@@ -66,6 +66,8 @@ class Kinds:
     embed: LayerCost
     head: LayerCost
     apart: dict[str, Apart] = attrs.field(factory=dict)
+    #: kind -> the layout of the KL target of a group its layers lead (``LayerSpec.leader``)
+    shared: dict[str, Layout] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -100,6 +102,27 @@ def backward_blocks(embed: LayerSpec, blocks: tuple[LayerSpec, ...]) -> list[boo
     return out
 
 
+def leaders(blocks: tuple[LayerSpec, ...]) -> tuple[dict[int, int], dict[int, list[int]]]:
+    """(follower -> its leader, leader -> its followers in order) by block index, of the
+    blocks whose ``LayerSpec.leader`` names another (``lowering`` checked the names)."""
+    index = {block.name: i for i, block in enumerate(blocks)}
+    leads = {i: index[b.leader] for i, b in enumerate(blocks) if b.leader}
+    groups: dict[int, list[int]] = {}
+    for follower, leader in leads.items():
+        groups.setdefault(leader, []).append(follower)
+    return leads, groups
+
+
+def _aux_temp(chain: StepChain, s: Rounds, r: int, i: int, block: LayerSpec, temps: dict) -> None:
+    """Block ``i``'s AuxTemp object of round ``r``, where its kind has one."""
+    layout = s.kinds.temp[block.kind]
+    if layout is None:
+        return
+    temps[i] = f"AuxTemp_{chain.step}_{r}_{i}"
+    chain.packed[temps[i]] = PackedObject(temps[i], "AuxTemp", block.name, layout)
+    chain.objects.append(Obj(temps[i], layout.size_bytes, Role.AUX_TEMP))
+
+
 def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
     """Round ``r``'s objects (tokens, targets, loss, hidden states and their gradients,
     each block's saved activations and AuxTemp) and tasks: embed, the blocks' forwards,
@@ -129,13 +152,38 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         if wanted
     ]
     saved, rest, temps = {}, {}, {}
+    leads, groups = leaders(blocks)
+
+    def shared(i: int) -> tuple[str, ...]:
+        """The leader's AuxTemp a follower's tasks read."""
+        return (temps[leads[i]],) if i in leads else ()
+
+    def bwd_shared(i: int) -> dict[str, tuple[str, ...]]:
+        """Block ``i``'s backward's ``shared`` objects by part: a group's KL target is
+        made by its last member's backward, changed by the middle ones' and read by the
+        leader's; a follower reads its leader's AuxTemp too."""
+        roles = {"inputs": shared(i), "outputs": (), "mutates": ()}
+        if i in leads:
+            target = (f"Target_{step}_{r}_{leads[i]}",)
+            roles["outputs" if groups[leads[i]][-1] == i else "mutates"] = target
+        elif i in groups:
+            roles["inputs"] = (f"Target_{step}_{r}_{i}",)
+        return roles
+
     experts, d_experts = {}, {}  # the objects of the blocks whose experts run apart
     for i, block in enumerate(blocks):
+        if i in groups and backward[i]:  # the group's KL target, its backwards' object
+            target = f"Target_{step}_{r}_{i}"
+            layout = s.kinds.shared[block.kind]
+            chain.packed[target] = PackedObject(target, "Target", block.name, layout)
+            chain.objects.append(Obj(target, layout.size_bytes, Role.AUX_TEMP))
         apart = s.kinds.apart.get(block.kind)
         if apart is not None:
             _apart_objects(chain, s, r, i, block, apart, backward[i], saved, temps)
             experts[i], d_experts[i] = f"A_{step}_{r}_{i}.experts", f"dE_{step}_{r}_{i}"
             continue
+        if i in groups or backward[i]:  # a leader's selection: its followers read it
+            _aux_temp(chain, s, r, i, block, temps)
         if not backward[i]:
             continue  # nothing at or below it trains: no backward, nothing saved for one
         saved[i] = f"A_{step}_{r}_{i}"
@@ -147,11 +195,6 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         for obj_id, layout in parts:
             chain.packed[obj_id] = PackedObject(obj_id, "A", block.name, layout)
             chain.objects.append(Obj(obj_id, layout.size_bytes, Role.ACTIVATION))
-        if s.kinds.temp[block.kind] is not None:
-            temps[i] = f"AuxTemp_{step}_{r}_{i}"
-            layout = s.kinds.temp[block.kind]
-            chain.packed[temps[i]] = PackedObject(temps[i], "AuxTemp", block.name, layout)
-            chain.objects.append(Obj(temps[i], layout.size_bytes, Role.AUX_TEMP))
 
     chain.task(
         "embed",
@@ -170,7 +213,10 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         if zero_aux:
             zeroed.add(aux[0])
         if i in experts:
-            _apart_forward(chain, s, r, i, block, (y[i], y[i + 1]), saved, temps, experts, zero_aux)
+            _apart_forward(
+                chain, s, r, i, block, (y[i], y[i + 1]), saved, temps, experts, zero_aux,
+                shared(i),
+            )  # fmt: skip
             continue
         chain.task(
             "fwd",
@@ -178,7 +224,7 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
             block.name,
             family_key(family, block.kind, "forward"),
             chain.priced(s.kinds.cost[block.kind].forward, param_bytes[block.name]),
-            inputs={"x": (y[i],), "w": weights[block.name]},
+            inputs={"x": (y[i],), "w": weights[block.name], "shared": shared(i)},
             mutates={"aux": aux},
             outputs={"y": (y[i + 1],), "saved": (saved[i],) if keep else (), "aux_temp": temp},
             save=keep,
@@ -213,7 +259,10 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         temp = (temps[i],) if i in temps else ()
         if i in experts:
             dys = (dy[i + 1], dy[i] if wanted_dy[i] else None)
-            _apart_backward(chain, s, r, i, block, (y[i], dys), saved, temps, experts, d_experts)
+            _apart_backward(
+                chain, s, r, i, block, (y[i], dys), saved, temps, experts, d_experts,
+                bwd_shared(i),
+            )  # fmt: skip
             continue
         if (r, i) in s.recompute:
             chain.task(
@@ -222,7 +271,12 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
                 block.name,
                 family_key(family, block.kind, "recompute"),
                 chain.priced(block_cost.recompute or block_cost.forward, param_bytes[block.name]),
-                inputs={"x": (y[i],), "w": weights[block.name], "aux_temp": temp},
+                inputs={
+                    "x": (y[i],),
+                    "w": weights[block.name],
+                    "aux_temp": temp,
+                    "shared": shared(i),
+                },
                 outputs={"saved": (saved[i],)},
             )
         elif (r, i) in s.partial:
@@ -237,12 +291,14 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
                     "w": weights[block.name],
                     "saved": (saved[i],),
                     "aux_temp": temp,
+                    "shared": shared(i),
                 },
                 outputs={"saved": (rest[i],)},
                 partial=s.partial[r, i],
             )
         aux = (block.aux_object,) if block.aux and r == chain.train.rounds - 1 else ()
         roles = grad_roles(grads[block.name], r)
+        group = bwd_shared(i)
         chain.task(
             "bwd",
             r,
@@ -256,9 +312,14 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
                 "aux_temp": temp,
                 "aux": aux,
                 "w": weights[block.name],
+                "shared": group["inputs"],
             },
-            outputs={"dx": (dy[i],) if wanted_dy[i] else (), **roles.get("outputs", {})},
-            mutates=roles.get("mutates", {}),
+            outputs={
+                "dx": (dy[i],) if wanted_dy[i] else (),
+                "shared": group["outputs"],
+                **roles.get("outputs", {}),
+            },
+            mutates={"shared": group["mutates"], **roles.get("mutates", {})},
         )
     if not wanted_dy[0]:
         return  # the embedding does not train
@@ -329,6 +390,7 @@ def _apart_forward(
     temps: dict[int, str],
     experts: dict[int, str],
     zero_aux: bool,
+    shared: tuple[str, ...],
 ) -> None:
     """The routing task ``fwd`` (the attention half, the router, the shared expert: it
     makes the block's output, ``A``, AuxTemp and the experts' input), then one ``efwd``
@@ -342,7 +404,7 @@ def _apart_forward(
         block.name,
         family_key(family, block.kind, "route_forward"),
         chain.priced(apart.route.forward, _bytes(chain, main)),
-        inputs={"x": (x,), "w": main},
+        inputs={"x": (x,), "w": main, "shared": shared},
         mutates={"aux": aux},
         outputs={
             "y": (y,),
@@ -377,6 +439,7 @@ def _apart_backward(
     temps: dict[int, str],
     experts: dict[int, str],
     d_experts: dict[int, str],
+    shared: dict[str, tuple[str, ...]],
 ) -> None:
     """One ``ebwd`` per shard (its experts' gradient; the first creates ``dE``, the others
     add to it), then the routing task ``bwd`` (the router, the shared expert, the
@@ -425,7 +488,12 @@ def _apart_backward(
             "aux": aux,
             "w": main,
             "d_experts": (d_experts[i],),
+            "shared": shared["inputs"],
         },
-        outputs={"dx": (dx,) if dx is not None else (), **roles.get("outputs", {})},
-        mutates=roles.get("mutates", {}),
+        outputs={
+            "dx": (dx,) if dx is not None else (),
+            "shared": shared["outputs"],
+            **roles.get("outputs", {}),
+        },
+        mutates={"shared": shared["mutates"], **roles.get("mutates", {})},
     )
