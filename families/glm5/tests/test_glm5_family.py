@@ -186,35 +186,12 @@ def test_twenty_steps_lower_the_loss_and_transformers_loads_the_export(tmp_path)
     assert model.config.indexer_types == ["full", "shared", "shared", "full"]
 
 
-def test_the_eval_loss_is_the_training_steps_loss_of_the_same_batch() -> None:
-    """The forward-only program (``dataflow eval``, ``--eval-every``): its followers read
-    their leader's selection too, so its loss of a batch is the training step's before
-    any update (24 tokens, K = 16: sparse)."""
-    from dataflow_training import TrainConfig, TrainingRun
-    from dataflow_training.drive.evaluation import EvalOptions, Evaluator
-    from dataflow_training.plan.compiled_step import compile_step
-    from dataflow_training.step.forward_only import lower_forward
-
-    shape = TrainConfig(seq_len=24, batch=2)
-    slots = lower_forward(Glm5Family(), "glm5_tiny", shape).layout.tasks
-    assert slots["fwd_0_0_2"].inputs["shared"] == ("AuxTemp_0_0_0",)
-    evaluator = Evaluator(
-        compile_step("glm5", "glm5_tiny", shape, forward_only=True),
-        EvalOptions("embedded:python-stdlib", shape.batch * shape.seq_len),
-    )
-    run = TrainingRun.of("glm5", "glm5_tiny", shape, seed=3)
-    val = evaluator.evaluate(run.host_weights())
-    stats = run.step([evaluator.data[0]])
-    run.close()
-    assert val["val_loss"] == pytest.approx(stats.loss, rel=1e-6)
-
-
 def test_the_cut_routes_its_experts_apart_and_its_group_still_passes_down() -> None:
     """glm5_cut (full, shared) at full width: the experts run in shards, and the routing
     tasks carry the group's objects (the step is priced by ``predict``; the routing math
     of sparse attention is not built and says so)."""
     from dataflow_training import TrainConfig, lower
-    from dataflow_training.step.family import FamilyContractError
+    from dataflow_training.kit import FamilyContractError
 
     family = Glm5Family()
     lowered = lower(family, "glm5_cut", TrainConfig(seq_len=64, batch=1))

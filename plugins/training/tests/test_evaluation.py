@@ -252,3 +252,23 @@ def test_host_weights_give_the_training_engines_device_memory_back():
     # at least the arena's planned peak is given back (libraries' workspaces may stay)
     assert during - torch.cuda.memory_allocated() >= run.compiled.predicted()["fast_peak_bytes"]
     run.close()
+
+
+def test_glm5s_followers_read_their_leaders_selection_in_the_eval_step_too() -> None:
+    """The forward-only program (``dataflow eval``, ``--eval-every``): its followers read
+    their leader's selection too, so its loss of a batch is the training step's before
+    any update (24 tokens, K = 16: sparse)."""
+    pytest.importorskip("dataflow_family_glm")
+
+    shape = TrainConfig(seq_len=24, batch=2)
+    slots = lower_forward(load_family("glm5"), "glm5_tiny", shape).layout.tasks
+    assert slots["fwd_0_0_2"].inputs["shared"] == ("AuxTemp_0_0_0",)
+    evaluator = Evaluator(
+        compile_step("glm5", "glm5_tiny", shape, forward_only=True),
+        EvalOptions("embedded:python-stdlib", shape.batch * shape.seq_len),
+    )
+    run = TrainingRun.of("glm5", "glm5_tiny", shape, seed=3)
+    val = evaluator.evaluate(run.host_weights())
+    stats = run.step([evaluator.data[0]])
+    run.close()
+    assert val["val_loss"] == pytest.approx(stats.loss, rel=1e-6)

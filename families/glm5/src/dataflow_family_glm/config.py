@@ -25,7 +25,14 @@ from dataflow_training.kit import (
     SigmoidExperts,
     SwiGLUFFN,
 )
-from dataflow_training.kit.decoder import _flag
+
+
+def _flag(instance: Any, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be True or False, got {value!r}"
+        )
+
 
 #: ``indexer_types`` values
 INDEXER_TYPES = ("full", "shared")
