@@ -32,12 +32,13 @@ def test_presets_have_qk_norm_and_head_dim_128() -> None:
     blocks = Qwen3Config.architecture.blocks.values()
     assert {block.attention.qk_norm for block in blocks} == {QKNorm("head")}
     released = [
-        family.config(name) for name in ("qwen3_0_6b", "qwen3_1_7b", "qwen3_4b", "qwen3_8b")
+        family.config(name)
+        for name in ("qwen3_0_6b", "qwen3_1_7b", "qwen3_4b", "qwen3_8b", "qwen3_14b")
     ]
     assert {
         (c.head_dim, c.num_key_value_heads, c.rope_theta, c.rope_scaling) for c in released
     } == {(128, 8, 1000000.0, None)}
-    assert [c.tie_word_embeddings for c in released] == [True, True, True, False]
+    assert [c.tie_word_embeddings for c in released] == [True, True, True, False, False]
     block = {p.name: p.shape for p in family.layers(released[0])[1].params}
     assert block["self_attn.q_norm.weight"] == block["self_attn.k_norm.weight"] == (128,)
     assert block["self_attn.q_proj.weight"] == (2048, 1024)  # wider than the residual

@@ -1,11 +1,12 @@
-"""Named Qwen 3 dense configs: the four released sizes up to 8B, and a tiny one for CPU
+"""Named Qwen 3 dense configs: the five released sizes up to 14B, and a tiny one for CPU
 tests and demos.
 
 The released shapes are copied from each model's published ``config.json`` on the HF hub
-(``Qwen/Qwen3-0.6B``, ``Qwen/Qwen3-1.7B``, ``Qwen/Qwen3-4B``, ``Qwen/Qwen3-8B``):
+(``Qwen/Qwen3-0.6B``, ``Qwen/Qwen3-1.7B``, ``Qwen/Qwen3-4B``, ``Qwen/Qwen3-8B``,
+``Qwen/Qwen3-14B``; the 14B's sizes as slime's ``scripts/models/qwen3-14B.sh`` gives them):
 vocabulary 151,936, context 40,960, ``head_dim`` 128, 8 key/value heads,
 ``rms_norm_eps`` 1e-6, ``rope_theta`` 1,000,000 with no scaling, no sliding window. The
-three small sizes tie the output projection to the embedding, the 8B does not.
+three small sizes tie the output projection to the embedding, the 8B and 14B do not.
 ``qwen3_tiny`` is byte-sized (256 tokens), 2 layers of width 64 with 4 query and 2
 key/value heads of ``head_dim`` 32, so, as in every Qwen 3, the attention is wider
 (4 x 32 = 128) than the residual stream. ``qwen3_tiny_swa`` is ``qwen3_tiny`` with a
@@ -90,6 +91,14 @@ PRESETS: Mapping[str, Qwen3Config] = MappingProxyType(
             num_attention_heads=32,
             tie_word_embeddings=False,
         ),
+        # Qwen/Qwen3-14B config.json: the 14B-class dense model of issue 50
+        "qwen3_14b": _released(
+            hidden_size=5120,
+            intermediate_size=17408,
+            num_hidden_layers=40,
+            num_attention_heads=40,
+            tie_word_embeddings=False,
+        ),
     }
 )
 
@@ -100,6 +109,7 @@ HF_NAMES: Mapping[str, str] = MappingProxyType(
         "qwen3_1_7b": "Qwen/Qwen3-1.7B",
         "qwen3_4b": "Qwen/Qwen3-4B",
         "qwen3_8b": "Qwen/Qwen3-8B",
+        "qwen3_14b": "Qwen/Qwen3-14B",
     }
 )
 
