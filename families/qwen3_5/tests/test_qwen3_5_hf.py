@@ -9,17 +9,13 @@ Skipped without transformers (``pip install -e 'families/qwen3_5[test]'``)."""
 
 from __future__ import annotations
 
-import json
-import logging
-
-import torch
-from dataflow_training.testing import DecoderHFParity
-from safetensors.torch import load_file, save_file
+from dataflow_training.testing import DecoderHFParity, HybridHFChecks
 
 
-class TestQwen3_5Parity(DecoderHFParity):
+class TestQwen3_5Parity(HybridHFChecks, DecoderHFParity):
     family_name = "qwen3_5"
     preset = "qwen3_5_tiny"
+    published_class = "Qwen3_5ForConditionalGeneration"
     hf_class = "Qwen3_5ForCausalLM"
 
     def hf_config(self, transformers, tied):
@@ -45,45 +41,6 @@ class TestQwen3_5Parity(DecoderHFParity):
             linear_num_value_heads=4,
             tie_word_embeddings=tied,
         )
-
-    def adjust(self, model):
-        """Decays of at most 1 a token (``A`` in 0.01 .. 1, HF draws it up to 16): HF's
-        chunked rule sums a chunk's log decays in float32, which over 20 tokens of decays
-        near 16 loses the digits its smallest ``in_proj_a`` gradients are made of (the
-        kernels here sum them in float64)."""
-        generator = torch.Generator().manual_seed(3)
-        for layer in model.model.layers[:3]:
-            a_log = layer.linear_attn.A_log
-            a_log.copy_(torch.empty(a_log.shape).uniform_(0.01, 1.0, generator=generator).log())
-
-    def test_a_published_layout_imports_its_text_model(self, family, hf_checkpoint, caplog):
-        """A ``Qwen3_5ForConditionalGeneration``-style folder: the text config nested, the
-        tensors under ``model.language_model``, an MTP layer and a vision tensor beside."""
-        model, folder = hf_checkpoint
-        config, state = family.import_hf(folder)
-        tensors = load_file(folder / "model.safetensors")
-        renamed = {
-            name.replace("model.", "model.language_model.", 1): t for name, t in tensors.items()
-        }
-        renamed["mtp.fc.weight"] = torch.zeros(4, 4)
-        renamed["mtp.layers.0.mlp.up_proj.weight"] = torch.zeros(4, 4)
-        renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(2, 2)
-        save_file(renamed, folder / "model.safetensors")
-        hf = json.loads((folder / "config.json").read_text())
-        published = {
-            "architectures": ["Qwen3_5ForConditionalGeneration"],
-            "model_type": "qwen3_5",
-            "tie_word_embeddings": hf["tie_word_embeddings"],
-            "text_config": hf,
-            "vision_config": {"depth": 2},
-        }
-        (folder / "config.json").write_text(json.dumps(published))
-        with caplog.at_level(logging.WARNING):
-            again, read = family.import_hf(folder)
-        assert again == config
-        assert all(torch.equal(read[key], state[key]) for key in state)
-        lines = [r.getMessage() for r in caplog.records]
-        assert len(lines) == 1 and "dropped 2 mtp tensors, 1 vision tensors" in lines[0]
 
     def test_the_parts_are_there(self, family, hf_checkpoint):
         model, folder = hf_checkpoint

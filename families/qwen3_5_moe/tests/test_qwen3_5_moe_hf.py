@@ -12,17 +12,15 @@ Skipped without transformers (``pip install -e 'families/qwen3_5_moe[test]'``)."
 
 from __future__ import annotations
 
-import json
-import logging
-
 import torch
-from dataflow_training.testing import MoEHFParity
-from safetensors.torch import load_file, save_file
+from dataflow_training.testing import HybridHFChecks, MoEHFParity
 
 
-class TestQwen3_5MoeParity(MoEHFParity):
+class TestQwen3_5MoeParity(HybridHFChecks, MoEHFParity):
     family_name = "qwen3_5_moe"
     preset = "qwen3_5_moe_tiny"
+    published_class = "Qwen3_5MoeForConditionalGeneration"
+    mtp_mlp_tensor = "mtp.layers.0.mlp.experts.0.up_proj.weight"
     hf_class = "Qwen3_5MoeForCausalLM"
 
     def hf_config(self, transformers, tied):
@@ -53,45 +51,6 @@ class TestQwen3_5MoeParity(MoEHFParity):
             output_router_logits=True,
             tie_word_embeddings=tied,
         )
-
-    def adjust(self, model):
-        """Decays of at most 1 a token, as the dense family's parity test sets them (HF's
-        chunked rule sums a chunk's log decays in float32)."""
-        generator = torch.Generator().manual_seed(3)
-        for layer in model.model.layers[:3]:
-            a_log = layer.linear_attn.A_log
-            a_log.copy_(torch.empty(a_log.shape).uniform_(0.01, 1.0, generator=generator).log())
-
-    def test_a_published_layout_imports_its_text_model(self, family, hf_checkpoint, caplog):
-        """A ``Qwen3_5MoeForConditionalGeneration``-style folder: the text config nested,
-        the tensors under ``model.language_model``, an MTP layer's expert and a vision
-        tensor beside."""
-        model, folder = hf_checkpoint
-        config, state = family.import_hf(folder)
-        tensors = load_file(folder / "model.safetensors")
-        renamed = {
-            name.replace("model.", "model.language_model.", 1): t for name, t in tensors.items()
-        }
-        renamed["mtp.fc.weight"] = torch.zeros(4, 4)
-        renamed["mtp.layers.0.mlp.experts.0.up_proj.weight"] = torch.zeros(4, 4)
-        renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(2, 2)
-        save_file(renamed, folder / "model.safetensors")
-        hf = json.loads((folder / "config.json").read_text())
-        published = {
-            "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-            "model_type": "qwen3_5_moe",
-            "tie_word_embeddings": hf["tie_word_embeddings"],
-            "text_config": hf,
-            "vision_config": {"depth": 2},
-        }
-        (folder / "config.json").write_text(json.dumps(published))
-        with caplog.at_level(logging.WARNING):
-            again, read = family.import_hf(folder)
-        assert again == config
-        assert all(torch.equal(read[key], state[key]) for key in state)
-        lines = [r.getMessage() for r in caplog.records]
-        assert len(lines) == 1 and "dropped 2 mtp tensors, 1 vision tensors" in lines[0]
-        assert "qwen3_5_moe family" in lines[0]
 
     def test_the_parts_are_there(self, family, hf_checkpoint):
         model, folder = hf_checkpoint

@@ -9,6 +9,7 @@ from dataflow import exported, lazy_exports
 _HOMES = {
     "dataflow_training.testing.conformance": ("TrainingFamilyConformance",),
     "dataflow_training.testing.decoder": ("DecoderFamilyChecks", "DecoderHFParity"),
+    "dataflow_training.testing.hybrid": ("HybridHFChecks",),
     "dataflow_training.testing.moe": ("MoEFamilyChecks", "MoEHFParity"),
     "dataflow_training.testing.toy": ("ToyFamily", "plain_ops", "toy_weights"),
     "dataflow_training.testing.toy_moe": ("ToyMoEFamily",),
