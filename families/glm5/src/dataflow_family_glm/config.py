@@ -24,15 +24,8 @@ from dataflow_training.kit import (
     SharedIndexAttention,
     SigmoidExperts,
     SwiGLUFFN,
+    flag,
 )
-
-
-def _flag(instance: Any, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must be True or False, got {value!r}"
-        )
-
 
 #: ``indexer_types`` values
 INDEXER_TYPES = ("full", "shared")
@@ -99,7 +92,7 @@ class Glm5Config(DeepseekV32Config):
     indexer_types: tuple[str, ...] | None = attrs.field(
         default=None, kw_only=True, converter=_types_converter
     )
-    index_rope_interleave: bool = attrs.field(default=True, kw_only=True, validator=_flag)
+    index_rope_interleave: bool = attrs.field(default=True, kw_only=True, validator=flag)
     architecture: ClassVar[Decoder] = SharedIndexDecoder(
         {
             "dense": IndexedBlock(IndexedAttention(), SwiGLUFFN()),

@@ -76,6 +76,7 @@ _HOMES = {
     "dataflow_training.kit.decoder": (
         "Decoder",
         "DecoderConfig",
+        "flag",
         "sliding_window_field",
         "layer_types_field",
         "layer_specs",

@@ -146,7 +146,8 @@ def _positive_float(instance: Any, attribute: attrs.Attribute, value: object) ->
         )
 
 
-def _flag(instance: Any, attribute: attrs.Attribute, value: object) -> None:
+def flag(instance: Any, attribute: attrs.Attribute, value: object) -> None:
+    """An attrs validator for a config's bool field: True or False, nothing truthy."""
     if not isinstance(value, bool):
         raise ValueError(
             f"{type(instance).__name__}.{attribute.name} must be True or False, got {value!r}"
@@ -229,7 +230,7 @@ class DecoderConfig:
     max_position_embeddings: int = attrs.field(validator=_positive)
     rope_theta: float = attrs.field(validator=_positive_float)
     rms_norm_eps: float = attrs.field(validator=_positive_float)
-    tie_word_embeddings: bool = attrs.field(validator=_flag)
+    tie_word_embeddings: bool = attrs.field(validator=flag)
     head_dim: int = attrs.field(
         default=attrs.Factory(_default_head_dim, takes_self=True), validator=_positive
     )

@@ -52,7 +52,7 @@ import torch
 
 from dataflow_training.kit import mla, rotary
 from dataflow_training.kit.block import Block
-from dataflow_training.kit.decoder import _flag, _positive
+from dataflow_training.kit.decoder import _positive, flag
 from dataflow_training.kit.decoder_math import check_seq_len
 from dataflow_training.kit.linear import Linear
 from dataflow_training.kit.mla import LatentAttention, softmax_scale
@@ -85,9 +85,9 @@ class DSAFields:
     index_n_heads: int = attrs.field(default=64, kw_only=True, validator=_positive)
     index_head_dim: int = attrs.field(default=128, kw_only=True, validator=_positive)
     index_topk: int = attrs.field(default=2048, kw_only=True, validator=_positive)
-    index_rope_interleave: bool = attrs.field(default=False, kw_only=True, validator=_flag)
+    index_rope_interleave: bool = attrs.field(default=False, kw_only=True, validator=flag)
     index_loss_coef: float = attrs.field(default=1.0, kw_only=True, validator=_coefficient)
-    index_dense: bool = attrs.field(default=False, kw_only=True, validator=_flag)
+    index_dense: bool = attrs.field(default=False, kw_only=True, validator=flag)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()  # the next field class's, then the decoder config's

@@ -175,7 +175,7 @@ def _even(instance: Any, attribute: attrs.Attribute, value: object) -> None:
         )
 
 
-def _flag(instance: Any, attribute: attrs.Attribute, value: object) -> None:
+def flag(instance: Any, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(
             f"{type(instance).__name__}.{attribute.name} must be True or False, got {value!r}"
@@ -194,7 +194,7 @@ class MLAFields:
     qk_nope_head_dim: int = attrs.field(default=128, kw_only=True, validator=_positive)
     qk_rope_head_dim: int = attrs.field(default=64, kw_only=True, validator=_even)
     v_head_dim: int = attrs.field(default=128, kw_only=True, validator=_positive)
-    rope_interleave: bool = attrs.field(default=True, kw_only=True, validator=_flag)
+    rope_interleave: bool = attrs.field(default=True, kw_only=True, validator=flag)
     rope_yarn: YarnScaling | None = attrs.field(
         default=None, kw_only=True, converter=_as_yarn, validator=_yarn
     )

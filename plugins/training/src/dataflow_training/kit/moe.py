@@ -67,9 +67,9 @@ from dataflow_training.kit.block import Block
 from dataflow_training.kit.decoder import (
     Decoder,
     DecoderConfig,
-    _flag,
     _positive,
     expected_state,
+    flag,
     parameter_count,
 )
 from dataflow_training.kit.hf import KeyRule
@@ -705,7 +705,7 @@ class MoEFields:
 
     num_experts: int = attrs.field(default=64, kw_only=True, validator=_positive)
     num_experts_per_tok: int = attrs.field(default=8, kw_only=True, validator=_positive)
-    norm_topk_prob: bool = attrs.field(default=False, kw_only=True, validator=_flag)
+    norm_topk_prob: bool = attrs.field(default=False, kw_only=True, validator=flag)
     router_aux_loss_coef: float = attrs.field(default=0.01, kw_only=True, validator=_coefficient)
     router_z_loss_coef: float = attrs.field(default=0.0, kw_only=True, validator=_coefficient)
     #: the shards a layer's experts are stored and run in (0: from their sizes,

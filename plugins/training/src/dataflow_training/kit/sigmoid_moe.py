@@ -48,7 +48,7 @@ from typing import Any
 import attrs
 import torch
 
-from dataflow_training.kit.decoder import _flag, _positive
+from dataflow_training.kit.decoder import _positive, flag
 from dataflow_training.kit.linear import Linear
 from dataflow_training.kit.mlp import SwiGLU
 from dataflow_training.kit.moe import ROUTER, RoutedExperts, _coefficient, _shard_count
@@ -82,7 +82,7 @@ class SigmoidMoEFields:
     n_shared_experts: int = attrs.field(default=1, kw_only=True, validator=_positive)
     n_group: int = attrs.field(default=8, kw_only=True, validator=_positive)
     topk_group: int = attrs.field(default=4, kw_only=True, validator=_positive)
-    norm_topk_prob: bool = attrs.field(default=True, kw_only=True, validator=_flag)
+    norm_topk_prob: bool = attrs.field(default=True, kw_only=True, validator=flag)
     routed_scaling_factor: float = attrs.field(
         default=2.5, kw_only=True, validator=_positive_number
     )
