@@ -1,5 +1,5 @@
 """HF parity against ``transformers.GlmMoeDsaForCausalLM``: DeepSeek V3.2's parity tests
-(``test_deepseek_v32_hf``: logits, the objective, export, one training step, the MTP
+(``DeepseekV32HFParity`` of ``dataflow_family_deepseek.testing``: logits, the objective, export, one training step, the MTP
 layers dropped, FP8 refused) on random small GLM 5 configs of 4 layers whose
 ``indexer_types`` are full, shared, shared, full (``index_topk_pattern`` ``"FSSF"``): the
 shared layers attend to layer 0's selection, and the indexer keeps 6 of the 20 tokens.
@@ -11,15 +11,15 @@ from __future__ import annotations
 import logging
 
 import pytest
-import test_deepseek_v32_hf as v32
 import torch
+from dataflow_family_deepseek.testing import DeepseekV32HFParity
 from dataflow_family_glm.config import Glm5Config  # noqa: F401 (the family's module loads)
 from safetensors.torch import load_file, save_file
 
 PATTERN = "FSSF"
 
 
-class TestGlm5Parity(v32.TestDeepseekV32Parity):
+class TestGlm5Parity(DeepseekV32HFParity):
     family_name = "glm5"
     preset = "glm5_tiny"
     hf_class = "GlmMoeDsaForCausalLM"
