@@ -11,16 +11,19 @@ is not part of it (import drops it). For ``predict`` only.
 ``DeepseekV3ForCausalLM`` architecture): 61 layers (1 dense), width 7,168, 64 heads,
 384 experts (8 per token, one group), one shared expert, routed scaling 2.827, vocabulary
 163,840, YaRN factor 32 over 4,096 positions (``beta_fast = beta_slow = 1``), rope base
-50,000. These fields are from memory of its published ``config.json``, not read from the
-file here: unchecked. For ``predict`` only.
+50,000. Cross-checked against the Megatron arguments in THUDM/slime's
+``scripts/models/kimi-k2.sh`` (layers, first dense, widths, heads, q and kv latents, head
+widths, experts and their width, shared expert, scaling, norm eps, vocabulary, rope base and
+YaRN factor); the YaRN betas and the 131,072-token context are from memory of its
+``config.json``, not read here. For ``predict`` only.
 
 ``moonlight_16b_a3b`` is moonshotai/Moonlight-16B-A3B (``model_type`` ``deepseek_v3``):
 27 layers (first 1 dense), width 2,048, dense MLP 11,264, 16 heads, no q latent, kv latent
 512, 64 experts of 1,408 (6 per token, ``n_group = topk_group = 1``), 2 shared experts,
 routed scaling 2.446, RMSNorm eps 1e-5, rope base 50,000, context 8,192. Cross-checked
 against the Megatron arguments in THUDM/slime's ``scripts/models/moonlight.sh`` (layers,
-widths, heads, experts, shared experts, scaling, norm eps, rope base); the vocabulary
-(163,840) and ``q_lora_rank`` null are from memory of its ``config.json``, not read here.
+widths, heads, experts, shared experts, scaling, norm eps, rope base, vocabulary 163,840;
+it passes no ``--q-lora-rank``, Megatron's "no q latent", so ``q_lora_rank`` is null).
 Its bf16 weights and AdamW state (12 bytes a parameter: bf16 weight and gradient, float32
 moments) are 178 GiB, which the host's 256 GiB of a two-GPU machine holds.
 
