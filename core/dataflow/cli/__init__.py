@@ -17,6 +17,7 @@ _HOMES = {
         "Device",
         "OutputFile",
         "lookup",
+        "parse_value",
     ),
     "dataflow.cli.errors": (
         "Failure",

@@ -158,6 +158,44 @@ def test_the_dense_warmup_trains_the_indexers_alone(tmp_path) -> None:
     assert len(moved) == 5 * 3
 
 
+def test_the_warmup_recipe_then_sparse_training_is_one_run(tmp_path) -> None:
+    """``--phase 0:@indexer-warmup --phase 2:``: in the first 2 steps only the indexers move
+    (from step 1's checkpoint to step 2's), then
+    everything trains sparse; the checkpoint records the recipe, and a resume at the
+    boundary goes on as the run never stopped."""
+    from safetensors.torch import load_file
+
+    def weights(folder):
+        return load_file(folder / "model.safetensors")  # the checkpoint's model state
+
+    def train(out, steps, *extra):
+        args = ["--batch", "2", "--seq-len", "32", "--device", "cpu", "--lr", "1e-2"]
+        return invoke(
+            "train", "--preset", "deepseek_v32_tiny", "--steps", str(steps), *args,
+            "--ga-rounds", "1", "--schedule", "constant", "--checkpoint-every", "1",
+            "--out", out, *extra,
+        )  # fmt: skip
+
+    phases = ("--phase", "0:@indexer-warmup", "--phase", "2:")
+    out = tmp_path / "run"
+    result = train(out, 4, *phases)
+    assert result.exit_code == 0, result.output
+    assert "phase 1 of 2, from step 1: indexer-warmup: frozen embed" in result.output
+    assert "index_dense = True" in result.output and "phase 2 of 2" in result.output
+    first, warm = weights(out / "step_000001"), weights(out / "step_000002")
+    moved = {k for k, v in first.items() if not torch.equal(v, warm[k])}
+    assert moved and all(".self_attn.indexer." in k for k in moved), sorted(moved)
+    end = weights(out / "step_000004")
+    assert any(".mlp." in k and not torch.equal(warm[k], end[k]) for k in end)
+    resumed = tmp_path / "resumed"
+    assert train(resumed, 2, *phases).exit_code == 0
+    assert train(resumed, 4, *phases, "--resume", "auto").exit_code == 0
+    again = weights(resumed / "step_000004")
+    assert all(torch.equal(again[k], end[k]) for k in end)
+    bad = train(tmp_path / "bad", 2, "--phase", "0:@warmup")
+    assert bad.exit_code != 0 and "its recipes: @indexer-warmup" in bad.output
+
+
 def test_twenty_steps_lower_the_loss_and_transformers_loads_the_export(tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "run"

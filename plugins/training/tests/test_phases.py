@@ -50,11 +50,41 @@ def test_phases_parse_and_order() -> None:
     phases = run_phases(("embed",), phases_of(["9:", {"start": 4, "freeze": ["head"]}]))
     assert [p.start for p in phases] == [0, 4, 9]
     assert [phase_at(phases, done) for done in (0, 3, 4, 8, 9, 50)] == [0, 0, 1, 1, 2, 2]
-    for bad in ("100", "0:", "x:embed"):
+    for bad in ("100", "x:embed"):
         with pytest.raises(ValueError, match="give START:PATTERNS"):
             Phase.parse(bad)
     with pytest.raises(ValueError, match="two phases start at step 4"):
         phases_of(["4:", "4:embed"])
+    # config fields, typed as --value's; a recipe; the first phase given itself
+    fields = Phase.parse("0:embed:rms_norm_eps=1e-3, tie_word_embeddings=false")
+    assert fields == Phase(0, ("embed",), {"rms_norm_eps": 1e-3, "tie_word_embeddings": False})
+    assert Phase.of(attrs.asdict(fields)) == fields  # as a checkpoint's options record it
+    assert Phase.parse("0:@warm") == Phase(0, recipe="warm")
+    assert [p.start for p in run_phases((), phases_of(["0:head", "5:"]))] == [0, 5]
+    with pytest.raises(ValueError, match="--phase 0:... and --freeze both"):
+        run_phases(("embed",), phases_of(["0:head"]))
+    with pytest.raises(ValueError, match="'lr' is not FIELD=VALUE"):
+        Phase.parse("3:embed:lr")
+    with pytest.raises(ValueError, match="llama3 has no phase recipe 'warm' .*none"):
+        run_phases((), phases_of(["0:@warm"]), load_family("llama3"))
+
+
+def test_a_phase_sets_config_fields_and_refuses_one_that_changes_a_shape(tmp_path) -> None:
+    """A phase's config fields make its step (here the norms' epsilon, which moves the
+    loss and nothing's shape); one that changes a parameter's shape, or a field the config
+    lacks, is one line before the run starts."""
+    out = tmp_path / "run"
+    result = invoke(*_args(out, 4, "--phase", "0::rms_norm_eps=0.5", "--phase", "2:"))
+    assert result.exit_code == 0, result.output
+    assert "phase 2 of 2, from step 3: frozen nothing" in result.output
+    plain = tmp_path / "plain"
+    assert invoke(*_args(plain, 4)).exit_code == 0
+    phased, same = _losses(out), _losses(plain)
+    assert phased[0] != same[0]  # eps 0.5 in the first phase
+    wide = invoke(*_args(tmp_path / "wide", 2, "--phase", "1::intermediate_size=96"))
+    assert_one_line_error(wide, 1, "--phase 1::intermediate_size=96", "change the model's")
+    typo = invoke(*_args(tmp_path / "typo", 2, "--phase", "1::rms_norm_epz=0.5"))
+    assert_one_line_error(typo, 1, "--phase 1::rms_norm_epz=0.5")
 
 
 def test_a_resume_across_a_phase_boundary_equals_a_run_never_stopped(tmp_path) -> None:

@@ -8,6 +8,10 @@ has no ``rope_interleave``); its indexer's rope pairs are half-split. A ``config
 whose ``mlp_layer_types`` is not ``first_k_dense_replace`` dense layers then MoE ones is
 refused naming the field. The indexer's training settings (``index_loss_coef``,
 ``index_dense``) are not written.
+
+Its phase recipe ``indexer-warmup`` (``dataflow train --phase 0:@indexer-warmup --phase
+N:``) is the report's dense warm-up: every earlier token selected (``index_dense``), every
+parameter but the indexers' frozen, the selection bias held (``bias_update_speed`` 0).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from dataflow_training import PhaseRecipe
 from dataflow_training.kit import CheckpointError, DSAReference
 
 from dataflow_family_deepseek.config import DeepseekV32Config
@@ -28,6 +33,14 @@ _INDEX_FIELDS: Mapping[str, tuple[str, Any]] = {
     "index_head_dim": ("index_head_dim", 128),
     "index_topk": ("index_topk", 2048),
 }
+
+#: the dense warm-up of the indexers (module docstring): everything but
+#: ``self_attn.indexer.*`` frozen
+INDEXER_WARMUP = PhaseRecipe(
+    freeze=("embed", "head", "*.mlp.*", "*_layernorm.*", "*.self_attn.[!i]*"),
+    config={"index_dense": True, "bias_update_speed": 0.0},
+    doc="the indexers alone train, against dense attention (the report's warm-up)",
+)
 
 
 class DeepseekV32Family(DeepseekV3Family):
@@ -45,6 +58,8 @@ class DeepseekV32Family(DeepseekV3Family):
     index_fields = _INDEX_FIELDS
     #: HF's default indexer pairs (V3.2: half-split)
     index_rope_interleave = False
+    #: named phases (``dataflow train --phase START:@NAME``, ``drive.phases``)
+    phase_recipes: Mapping[str, PhaseRecipe] = {"indexer-warmup": INDEXER_WARMUP}
 
     def check_hf(self, hf: Mapping[str, Any], source: str) -> None:
         super().check_hf(hf, source)

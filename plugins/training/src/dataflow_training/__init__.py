@@ -17,7 +17,7 @@ _HOMES = {
     "dataflow_training.plan.compiled_step": ("compile_step", "CompiledStep"),
     "dataflow_training.drive.run": ("TrainingRun", "StepStats"),
     "dataflow_training.drive.trainer": ("train", "TrainOptions"),
-    "dataflow_training.drive.phases": ("Phase",),
+    "dataflow_training.drive.phases": ("Phase", "PhaseRecipe"),
     "dataflow_training.step.freezing": ("FreezeError",),
     "dataflow_training.step.lora": ("LoraConfig", "LoraError"),
     "dataflow_training.step.config": (

@@ -300,11 +300,12 @@ def fleet_options(command: Any) -> Any:
     "--phase",
     "phases",
     multiple=True,
-    metavar="START:PATTERNS",
+    metavar="START:PATTERNS[:FIELD=VALUE,...]",
     callback=lambda _ctx, _param, value: _phases(value),
     help="from START steps done on, freeze PATTERNS instead (comma-separated; none: "
-    "everything trains); repeatable. E.g. --freeze embed --freeze layers --phase 100: "
-    "trains the head for 100 steps, then everything",
+    "everything trains) and set the config FIELDs; START:@NAME is the family's phase "
+    "recipe NAME; 0:... replaces --freeze; repeatable. E.g. --freeze embed --freeze layers "
+    "--phase 100: trains the head for 100 steps, then everything",
 )
 @click.option(
     "--trace-steps",

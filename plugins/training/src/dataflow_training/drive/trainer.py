@@ -515,18 +515,22 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
             f"profiling: each task of the step timed on {o.device}, then planned (the "
             "profile cache keeps the timings: a later run of these shapes skips them)"
         )
-    if o.search:  # the step's shape, chosen for the model the vocabulary makes
-        opened = feed_shape(o)
-        o, searched = search_for(o, family)
+    phases = run_phases(o.freeze, o.phases, family)
+    check_phases(phases, family, o.preset, o.overrides)
+    if o.search:  # the step's shape, chosen for the model the vocabulary makes, as the
+        # first phase trains it (its freeze and config fields)
+        opened, first = feed_shape(o), phases[0]
+        chosen, searched = search_for(
+            attrs.evolve(o, freeze=first.freeze, overrides=first.overrides(o.overrides)), family
+        )
+        o = attrs.evolve(chosen, freeze=o.freeze, overrides=o.overrides)
         say(searched.line())
         if feed_shape(o) != opened:
             feed = open_feed(o)
-    phases = run_phases(o.freeze, o.phases)
-    check_phases(phases, family.layers(family.config(o.preset, **o.overrides)))
 
-    def compile_phase(freeze: tuple[str, ...]) -> Any:
-        """The step of the phase that freezes ``freeze``, of the run's shape."""
-        return attrs.evolve(o, freeze=freeze).compile(
+    def compile_phase(phase: Phase) -> Any:
+        """The step of ``phase`` (its freeze and config fields), of the run's shape."""
+        return attrs.evolve(o, freeze=phase.freeze, overrides=phase.overrides(o.overrides)).compile(
             family,
             recompute=o.recompute,
             grad_share=None if fleet is None else fleet.share,
@@ -534,13 +538,16 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
         )
 
     phase = phase_at(phases, int(manifest["step"]) if manifest is not None else 0)
+    if manifest is not None and manifest.get("phase", 0) == phase - 1:
+        if phases[phase].start == int(manifest["step"]):  # saved at the boundary, by the
+            phase -= 1  # phase before it: resumed in it, the next step enters the next
     if manifest is not None and manifest.get("phase", 0) != phase:
         raise CheckpointError(
             f"checkpoint {resumed} is of phase {manifest.get('phase', 0) + 1}; this run's "
             f"phases put its step {manifest['step']} in phase {phase + 1} (give the run's "
             "--freeze and --phase)"
         )
-    compiled = compile_phase(phases[phase].freeze)
+    compiled = compile_phase(phases[phase])
     run = TrainingRun(
         compiled,
         seed=o.seed,
@@ -591,7 +598,7 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
     say(f"{plan_line(compiled)}; {o.policy.describe(o.optimizer)}")
     if compiled.pool_note is not None:
         say(compiled.pool_note)
-    run = PhasedRun(run, phases, compile_phase, say, plan_line)
+    run = PhasedRun(run, phases, compile_phase, say, plan_line, phase)
     return Started(o, feed, compiled, run, start, history, schedule, record)
 
 
