@@ -1,7 +1,8 @@
 """Softmax attention as an explicit forward/backward pair: the forward returns the
 logsumexp its backward takes, so backward never runs the forward again.
 
-``attention_fwd(q, k, v, *, causal, scale=None, window=None, mask=None) -> (out, lse)`` with q
+``attention_fwd(q, k, v, *, causal, scale=None, window=None, mask=None, segments=None) ->
+(out, lse)`` with q
 (batch, heads, seq, head_dim) and k, v (batch, kv_heads, seq, head_dim), one sequence length for all three and
 ``kv_heads`` dividing ``heads`` (grouped-query attention: query head ``h`` attends with
 key/value head ``h // (heads // kv_heads)``; ``kv_heads == heads`` is plain multi-head
@@ -14,8 +15,8 @@ attention):
     lse    = logsumexp(scores, -1)         (batch, heads, seq), float32 (float64 inputs: float64)
     out    = exp(scores - lse) @ v         like q
 
-``attention_bwd(dout, q, k, v, out, lse, *, causal, scale=None, window=None, mask=None) ->
-(dq, dk, dv)``, with ``P = exp(scores - lse)``:
+``attention_bwd(dout, q, k, v, out, lse, *, causal, scale=None, window=None, mask=None,
+segments=None) -> (dq, dk, dv)``, with ``P = exp(scores - lse)``:
 
     dv = P.T @ dout
     dS = P * (dout @ v.T - rowsum(dout * out))
@@ -60,6 +61,18 @@ its rows padded to the kernel's alignment, expanded over batch and heads without
 reference formulas, masked. Every query must see at least one key (its own position, say):
 a row with none has no softmax (its lse is -inf), and nothing here checks it, which would
 wait for the device.
+
+With ``segments`` (a (batch, seq) int32/int64 tensor on q's device, each token's sequence
+id, -1 at padding: padded or packed batches): query ``i`` of row ``b`` sees key ``j`` only
+where ``segments[b, i] == segments[b, j]``, besides causal, window and mask; a padded query
+sees nothing, and its out and lse are 0, its gradients zero, whatever the backward is given
+for it. ``segment_keep`` makes the pairs, (batch, 1, seq, seq), with each row's padding as
+one sequence of its own (so no kernel meets a query without keys); the CPU kernel takes
+them as its additive mask, the memory-efficient kernel on CUDA as its per-row bias (as
+with a mask), everything else runs the reference formulas; then the padded rows are
+zeroed (``zero_padded``), and a backward zeroes their ``dout`` and ``q`` before the kernel
+(no gradient from them, and finite probabilities whatever their lse). The mask costs
+(batch, seq, seq) bools, and the bias as much of q's dtype.
 
 The reference pair (``attention_fwd_reference``, ``attention_bwd_reference``) computes the
 formulas above with matmuls in the statistics dtype: (batch, heads, seq, seq) scores, any

@@ -24,6 +24,13 @@ key) pairs stay, causal and window included, which prices the attention). The op
 as ``mask=`` only where it cuts something. ``ChunkedMask`` is Llama 4's chunked attention;
 a family writes its own the same way (a prefix of bidirectional tokens, say, with
 ``causal`` kept for the rest).
+
+**Segments** (``kit.Segments``, per batch: ``Env.segments``) say which sequence each
+token belongs to and its position: a padded batch (padding belongs to none) or a packed
+one (several sequences a row, ``cu_seqlens``). ``SelfAttention`` rotates each token at
+its own position and passes the ids to the ops as ``segments=``: a query sees only keys
+of its own sequence (causal, window and mask as above), a padded query gives zero output
+and zero gradients. The ops take the keyword only where a batch has segments.
 """
 
 from __future__ import annotations
