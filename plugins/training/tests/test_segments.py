@@ -119,3 +119,13 @@ def test_rotary_tables_at_positions_are_the_tables_rows(scaling) -> None:
     assert cos.shape == (2, 1, 5, 8)
     torch.testing.assert_close(cos[:, 0], full_cos[positions], rtol=0, atol=0)
     torch.testing.assert_close(sin[:, 0], full_sin[positions], rtol=0, atol=0)
+
+
+def test_an_attention_part_that_takes_no_segments_refuses_them() -> None:
+    """A block whose attention is not ``SelfAttention`` (GPT-2's fused one here) says so
+    rather than attending across the batch's sequences."""
+    from dataflow_training.kit import Block, Env, FusedQKVAttention, load_ops
+
+    env = Env(load_ops("cpu"), segments=Segments.dense(1, 4))
+    with pytest.raises(ValueError, match="FusedQKVAttention does not take segments"):
+        Block(FusedQKVAttention())._segments(env)
