@@ -1,7 +1,8 @@
 """Softmax attention as an explicit forward/backward pair: the forward returns the
 logsumexp its backward takes, so backward never runs the forward again.
 
-``attention_fwd(q, k, v, *, causal, scale=None, window=None, mask=None) -> (out, lse)`` with q
+``attention_fwd(q, k, v, *, causal, scale=None, window=None, mask=None, segments=None) ->
+(out, lse)`` with q
 (batch, heads, seq, head_dim) and k, v (batch, kv_heads, seq, head_dim), one sequence length for all three and
 ``kv_heads`` dividing ``heads`` (grouped-query attention: query head ``h`` attends with
 key/value head ``h // (heads // kv_heads)``; ``kv_heads == heads`` is plain multi-head
@@ -14,8 +15,8 @@ attention):
     lse    = logsumexp(scores, -1)         (batch, heads, seq), float32 (float64 inputs: float64)
     out    = exp(scores - lse) @ v         like q
 
-``attention_bwd(dout, q, k, v, out, lse, *, causal, scale=None, window=None, mask=None) ->
-(dq, dk, dv)``, with ``P = exp(scores - lse)``:
+``attention_bwd(dout, q, k, v, out, lse, *, causal, scale=None, window=None, mask=None,
+segments=None) -> (dq, dk, dv)``, with ``P = exp(scores - lse)``:
 
     dv = P.T @ dout
     dS = P * (dout @ v.T - rowsum(dout * out))
@@ -61,6 +62,18 @@ reference formulas, masked. Every query must see at least one key (its own posit
 a row with none has no softmax (its lse is -inf), and nothing here checks it, which would
 wait for the device.
 
+With ``segments`` (a (batch, seq) int32/int64 tensor on q's device, each token's sequence
+id, -1 at padding: padded or packed batches): query ``i`` of row ``b`` sees key ``j`` only
+where ``segments[b, i] == segments[b, j]``, besides causal, window and mask; a padded query
+sees nothing, and its out and lse are 0, its gradients zero, whatever the backward is given
+for it. ``segment_keep`` makes the pairs, (batch, 1, seq, seq), with each row's padding as
+one sequence of its own (so no kernel meets a query without keys); the CPU kernel takes
+them as its additive mask, the memory-efficient kernel on CUDA as its per-row bias (as
+with a mask), everything else runs the reference formulas; then the padded rows are
+zeroed (``zero_padded``), and a backward zeroes their ``dout`` and ``q`` before the kernel
+(no gradient from them, and finite probabilities whatever their lse). The mask costs
+(batch, seq, seq) bools, and the bias as much of q's dtype.
+
 The reference pair (``attention_fwd_reference``, ``attention_bwd_reference``) computes the
 formulas above with matmuls in the statistics dtype: (batch, heads, seq, seq) scores, any
 device. Nothing here builds an autograd graph or synchronizes with the device.
@@ -91,12 +104,16 @@ def attention_fwd(
     scale: float | None = None,
     window: int | None = None,
     mask: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out like q, lse (batch, heads, seq) in the statistics dtype); see the module doc."""
     group = _check(q, k, v)
     window = _cut(window, causal, q)
     k, v = repeat_kv(k, group), repeat_kv(v, group)
     kernel = backend(q)
+    if segments is not None:
+        keep, padded = segment_keep(q, causal, window, mask, segments)
+        return zero_padded(*_masked_fwd(kernel, q, k, v, scale, keep), padded)
     if mask is not None:
         return _masked_fwd(kernel, q, k, v, scale, keep_of(q, causal, window, mask))
     if window is not None:
@@ -152,6 +169,7 @@ def attention_bwd(
     scale: float | None = None,
     window: int | None = None,
     mask: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv) like q, k, v, from the forward's ``out`` and ``lse``."""
     group = _check(q, k, v)
@@ -160,10 +178,14 @@ def attention_bwd(
     if group > 1:
         dq, dk, dv = attention_bwd(
             dout, q, repeat_kv(k, group), repeat_kv(v, group), out, lse,
-            causal=causal, scale=scale, window=window, mask=mask,
+            causal=causal, scale=scale, window=window, mask=mask, segments=segments,
         )  # fmt: skip
         return dq, sum_groups(dk, group), sum_groups(dv, group)
     kernel = backend(q)
+    if segments is not None:
+        keep, padded = segment_keep(q, causal, window, mask, segments)
+        dout, q = _unpadded_rows(dout, padded), _unpadded_rows(q, padded)
+        return _masked_bwd(kernel, dout, q, k, v, out, lse, scale, keep)
     if mask is not None:
         keep = keep_of(q, causal, window, mask)
         return _masked_bwd(kernel, dout, q, k, v, out, lse, scale, keep)
@@ -289,12 +311,13 @@ def _efficient_takes_bias(kernel: str, q: torch.Tensor) -> bool:
 
 def _efficient_bias(keep: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``keep`` as the efficient kernel's additive bias: (batch, heads, seq, seq) of q's
-    dtype, a view of one (seq, seq) tensor whose rows are padded to its alignment."""
-    seq = keep.shape[0]
+    dtype, a view of one (seq, seq) tensor (or (batch, 1, seq, seq), one per sequence of
+    the batch: segments) whose rows are padded to its alignment."""
+    seq = keep.shape[-1]
     row = -(-seq // _EFFICIENT_BIAS_ALIGN) * _EFFICIENT_BIAS_ALIGN
-    bias = torch.zeros(seq, row, dtype=q.dtype, device=q.device)
-    bias[:, :seq].masked_fill_(~keep, -math.inf)
-    return bias[:, :seq].expand(q.shape[0], q.shape[1], seq, seq)
+    bias = torch.zeros(*keep.shape[:-1], row, dtype=q.dtype, device=q.device)
+    bias[..., :seq].masked_fill_(~keep, -math.inf)
+    return bias[..., :seq].expand(q.shape[0], q.shape[1], seq, seq)
 
 
 def keep_of(q: torch.Tensor, causal: bool, window: int | None, mask: torch.Tensor) -> torch.Tensor:
@@ -322,6 +345,71 @@ def keep_of(q: torch.Tensor, causal: bool, window: int | None, mask: torch.Tenso
     return mask
 
 
+def segment_keep(
+    q: torch.Tensor,
+    causal: bool,
+    window: int | None,
+    mask: torch.Tensor | None,
+    segments: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the (batch, 1, seq, seq) pairs a query sees, the (batch, seq) padded queries) of a
+    segments tensor (module doc). The padding of a row is kept as one sequence of its own,
+    so that every query, padded or not, sees a key (itself) and no kernel meets a row
+    without one; the callers zero what the padded queries make."""
+    batch, seq = q.shape[0], q.shape[-2]
+    if (
+        not isinstance(segments, torch.Tensor)
+        or segments.dtype not in (torch.int32, torch.int64)
+        or tuple(segments.shape) != (batch, seq)
+        or segments.device != q.device
+    ):
+        shown = (
+            f"{segments.dtype} {tuple(segments.shape)} on {segments.device}"
+            if isinstance(segments, torch.Tensor)
+            else type(segments).__name__
+        )
+        raise ValueError(
+            f"attention: segments are a ({batch}, {seq}) int32/int64 tensor of sequence ids "
+            f"on {q.device}, got {shown}"
+        )
+    keep = segments[:, :, None] == segments[:, None, :]
+    if mask is not None:
+        keep &= keep_of(q, causal, window, mask)
+    elif window is not None:
+        keep &= window_keep(seq, window, q.device)
+    elif causal:
+        keep &= torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril_()
+    return keep.unsqueeze(1), segments < 0
+
+
+def zero_padded(
+    out: torch.Tensor, lse: torch.Tensor, padded: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` and ``lse`` with the padded queries' rows zero (module doc)."""
+    out = out.masked_fill(padded[:, None, :, None], 0.0)
+    return out, lse.masked_fill(padded[:, None, :], 0.0).contiguous()
+
+
+def _unpadded_rows(t: torch.Tensor, padded: torch.Tensor) -> torch.Tensor:
+    """``t`` (batch, heads, seq, dim) with the padded queries' rows zero: a backward given
+    zero ``dout`` and ``q`` there returns zero gradients from them, whatever their lse."""
+    return t.masked_fill(padded[:, None, :, None], 0.0)
+
+
+def _reference_keep(
+    q: torch.Tensor,
+    causal: bool,
+    window: int | None,
+    mask: torch.Tensor | None,
+    segments: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the pairs kept, or None where causal and the window say it all; the padded
+    queries, or None without segments)."""
+    if segments is not None:
+        return segment_keep(q, causal, window, mask, segments)
+    return (None if mask is None else keep_of(q, causal, window, mask)), None
+
+
 def keep_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``keep`` as an additive mask of ``dtype``: 0 where a key is seen, -inf elsewhere."""
     bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
@@ -337,19 +425,20 @@ def attention_fwd_reference(
     scale: float | None = None,
     window: int | None = None,
     mask: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward formulas with explicit (seq, seq) scores in the statistics dtype."""
     group = _check(q, k, v)
     window = _cut(window, causal, q)
     k, v = repeat_kv(k, group), repeat_kv(v, group)
     compute = stats_dtype(q.dtype)
-    keep = None if mask is None else keep_of(q, causal, window, mask)
+    keep, padded = _reference_keep(q, causal, window, mask, segments)
     with torch.no_grad():
         scores = _scores(q, k, causal, scale, compute, window, keep)
         lse = torch.logsumexp(scores, dim=-1)
         probs = scores.sub_(lse.unsqueeze(-1)).exp_()
         out = (probs @ v.to(compute)).to(q.dtype)
-    return out, lse
+    return (out, lse) if padded is None else zero_padded(out, lse, padded)
 
 
 def attention_bwd_reference(
@@ -364,6 +453,7 @@ def attention_bwd_reference(
     scale: float | None = None,
     window: int | None = None,
     mask: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward formulas: P from q, k and lse; dS = P * (dP - rowsum(dout * out))."""
     group = _check(q, k, v)
@@ -372,10 +462,12 @@ def attention_bwd_reference(
     k, v = repeat_kv(k, group), repeat_kv(v, group)
     compute = stats_dtype(q.dtype)
     factor = _scale(q, scale)
-    keep = None if mask is None else keep_of(q, causal, window, mask)
+    keep, padded = _reference_keep(q, causal, window, mask, segments)
     with torch.no_grad():
         scores = _scores(q, k, causal, scale, compute, window, keep)
         probs = scores.sub_(lse.to(compute).unsqueeze(-1)).exp_()
+        if padded is not None:  # a padded query attends nothing: no gradient in or out
+            probs.masked_fill_(padded[:, None, :, None], 0.0)
         dout_c = dout.to(compute)
         dv = probs.transpose(-2, -1) @ dout_c
         delta = (dout_c * out.to(compute)).sum(dim=-1, keepdim=True)

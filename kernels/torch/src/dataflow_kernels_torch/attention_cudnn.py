@@ -7,8 +7,8 @@ dividing them; PyTorch 2.8 and later, pytorch/pytorch#150337), so grouped-query 
 runs without the repeated copies of K and V the ``torch`` pair makes, and its backward
 returns dk and dv with the key/value heads' count, each group's sum. Where it does not
 apply (not CUDA, not 16-bit, head_dim not a multiple of 8 or above 128, a sequence of one
-token, a sliding window, a mask) both functions are the ``torch`` pair. The two must be chosen together: they are
-registered as one priority, so ``load_ops`` never mixes them with another pair.
+token, a sliding window, a mask, segments) both functions are the ``torch`` pair. The two
+must be chosen together: they are registered as one priority, so ``load_ops`` never mixes them with another pair.
 """
 
 from __future__ import annotations
@@ -41,10 +41,11 @@ def attention_fwd_cudnn(
     scale: float | None = None,
     window: int | None = None,
     mask: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if window is not None or mask is not None or not _applies(q):
+    if window is not None or mask is not None or segments is not None or not _applies(q):
         return attention.attention_fwd(
-            q, k, v, causal=causal, scale=scale, window=window, mask=mask
+            q, k, v, causal=causal, scale=scale, window=window, mask=mask, segments=segments
         )
     attention._check(q, k, v)
     with torch.no_grad():
@@ -66,11 +67,13 @@ def attention_bwd_cudnn(
     scale: float | None = None,
     window: int | None = None,
     mask: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if window is not None or mask is not None or not _applies(q):
+    if window is not None or mask is not None or segments is not None or not _applies(q):
         return attention.attention_bwd(
-            dout, q, k, v, out, lse, causal=causal, scale=scale, window=window, mask=mask
-        )
+            dout, q, k, v, out, lse, causal=causal, scale=scale, window=window, mask=mask,
+            segments=segments,
+        )  # fmt: skip
     attention._check(q, k, v)
     attention._check_saved(dout, q, out, lse)
     seq = q.shape[2]

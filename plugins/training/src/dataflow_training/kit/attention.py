@@ -24,6 +24,13 @@ key) pairs stay, causal and window included, which prices the attention). The op
 as ``mask=`` only where it cuts something. ``ChunkedMask`` is Llama 4's chunked attention;
 a family writes its own the same way (a prefix of bidirectional tokens, say, with
 ``causal`` kept for the rest).
+
+**Segments** (``kit.Segments``, per batch: ``Env.segments``) say which sequence each
+token belongs to and its position: a padded batch (padding belongs to none) or a packed
+one (several sequences a row, ``cu_seqlens``). ``SelfAttention`` rotates each token at
+its own position and passes the ids to the ops as ``segments=``: a query sees only keys
+of its own sequence (causal, window and mask as above), a padded query gives zero output
+and zero gradients. The ops take the keyword only where a batch has segments.
 """
 
 from __future__ import annotations
@@ -66,9 +73,15 @@ def _window(window: int | None, seq: int) -> dict[str, int]:
     return {"window": window} if window is not None and window < seq else {}
 
 
-def _cuts(window: int | None, mask: torch.Tensor | None, seq: int) -> dict[str, Any]:
-    """The ops' ``window`` and ``mask`` keywords, each only where it cuts something."""
-    return _window(window, seq) | ({} if mask is None else {"mask": mask})
+def _cuts(
+    window: int | None, mask: torch.Tensor | None, seq: int, segments: Any = None
+) -> dict[str, Any]:
+    """The ops' ``window``, ``mask`` and ``segments`` keywords, each only where given (the
+    window: where it cuts something); ``segments`` a ``Segments`` or its ids tensor."""
+    cuts = _window(window, seq) | ({} if mask is None else {"mask": mask})
+    if segments is not None:
+        cuts["segments"] = segments if isinstance(segments, torch.Tensor) else segments.ids
+    return cuts
 
 
 def attention_forward(
@@ -81,11 +94,12 @@ def attention_forward(
     scale: float | None = None,
     window: int | None = None,
     mask: torch.Tensor | None = None,
+    segments: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (batch, heads, seq, dim); k, v (batch, kv_heads, seq, dim) -> (out like q, lse).
-    ``mask``: (seq, seq) bool, the pairs kept (module doc)."""
+    ``mask``: (seq, seq) bool, the pairs kept; ``segments``: a ``Segments`` (module doc)."""
     _check_groups(q, k)
-    cuts = _cuts(window, mask, q.shape[2])
+    cuts = _cuts(window, mask, q.shape[2], segments)
     return ops["attention_fwd"](q, k, v, causal=causal, scale=scale, **cuts)
 
 
@@ -102,10 +116,11 @@ def attention_backward(
     scale: float | None = None,
     window: int | None = None,
     mask: torch.Tensor | None = None,
+    segments: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv), dk and dv with k's and v's head counts."""
     _check_groups(q, k)
-    cuts = _cuts(window, mask, q.shape[2])
+    cuts = _cuts(window, mask, q.shape[2], segments)
     return ops["attention_bwd"](d_out, q, k, v, out, lse, causal=causal, scale=scale, **cuts)
 
 
@@ -150,6 +165,11 @@ class ChunkedMask:
         size = self.chunk(config, seq_len) or seq_len
         whole, rest = divmod(seq_len, size)
         return whole * size * (size + 1) // 2 + rest * (rest + 1) // 2
+
+
+def _positions(segments: Any) -> torch.Tensor | None:
+    """The tokens' rotary positions of a ``Segments``, or None (0 .. seq - 1 per row)."""
+    return None if segments is None else segments.positions
 
 
 # -- the parts ---------------------------------------------------------------------------
@@ -337,17 +357,24 @@ class SelfAttention:
 
     # -- math ----------------------------------------------------------------------------
     def _heads(
-        self, config: Any, params: Tensors, q: torch.Tensor, k: torch.Tensor, ops: Any
+        self,
+        config: Any,
+        params: Tensors,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        ops: Any,
+        segments: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """Query and key heads (batch, heads, seq, head_dim) as attention takes them, from
-        the projections: normed, then rotated; and the norms' statistics."""
+        the projections: normed, then rotated (at the segments' positions where given);
+        and the norms' statistics."""
         stats: tuple = ()
         if self.gate is not None:
             q, _ = self.gate.split(config, q)
         if self.qk_norm is not None:
             q, k, stats = self.qk_norm.forward(config, params, q, k, ops)
         q_heads, k_heads = _per_head(config, q.flatten(2)), _per_head(config, k.flatten(2))
-        cos, sin = self.positions.tables(config, q_heads)
+        cos, sin = self.positions.tables(config, q_heads, _positions(segments))
         rotated = (rotary.apply(t.transpose(1, 2), cos, sin) for t in (q_heads, k_heads))
         return *rotated, stats
 
@@ -362,15 +389,19 @@ class SelfAttention:
         }
 
     def attend(
-        self, config: Any, params: Tensors, projected: Tensors, ops: Any
+        self, config: Any, params: Tensors, projected: Tensors, ops: Any, segments: Any = None
     ) -> tuple[torch.Tensor, Tensors]:
         """(the attention's output after ``o_proj``, what it saves beside the projections:
-        ``attn`` and ``lse``)."""
-        q_heads, k_heads, _ = self._heads(config, params, projected["q"], projected["k"], ops)
+        ``attn`` and ``lse``); ``segments``: the batch's ``Segments`` or None."""
+        q_heads, k_heads, _ = self._heads(
+            config, params, projected["q"], projected["k"], ops, segments
+        )
         v_heads = split_heads(projected["v"], config.num_key_value_heads)
         window, seq = self.window_size(config), q_heads.shape[2]
         mask = self.mask_of(config, seq, q_heads.device)
-        out, lse = attention_forward(ops, q_heads, k_heads, v_heads, window=window, mask=mask)
+        out, lse = attention_forward(
+            ops, q_heads, k_heads, v_heads, window=window, mask=mask, segments=segments
+        )
         del q_heads, k_heads, v_heads
         attn = merge_heads(out)
         if self.gate is None:
@@ -387,10 +418,12 @@ class SelfAttention:
         d_out: torch.Tensor,
         grads: dict[str, torch.Tensor],
         ops: Any,
+        segments: Any = None,
     ) -> tuple[torch.Tensor, ...]:
         """The gradients of the projections (``project``'s outputs, in its order) from that
         of the output; ``x`` (the block input) gives the rotary tables' length, device and
-        dtype. The parameters' gradients but the projections' go into ``grads``."""
+        dtype; ``segments`` as ``attend`` took them. The parameters' gradients but the
+        projections' go into ``grads``."""
         if self.gate is None:
             d_attn, g = O_PROJ.backward(ops, params, saved["attn"], d_out)
         else:  # o_proj's input made again from the saved output and gate
@@ -400,7 +433,9 @@ class SelfAttention:
             del d_gated, gate
         grads.update(g)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        q_heads, k_heads, qk_stats = self._heads(config, params, saved["q"], saved["k"], ops)
+        q_heads, k_heads, qk_stats = self._heads(
+            config, params, saved["q"], saved["k"], ops, segments
+        )
         dq, dk, dv = attention_backward(
             ops,
             split_heads(d_attn, heads),
@@ -411,9 +446,10 @@ class SelfAttention:
             saved["lse"],
             window=self.window_size(config),
             mask=self.mask_of(config, q_heads.shape[2], q_heads.device),
+            segments=segments,
         )
         del d_attn, q_heads, k_heads
-        cos, sin = self.positions.tables(config, x)
+        cos, sin = self.positions.tables(config, x, _positions(segments))
         dq, dk = (rotary.backward(d, cos, sin).transpose(1, 2).contiguous() for d in (dq, dk))
         if self.qk_norm is None:
             dq, dk = dq.flatten(2), dk.flatten(2)

@@ -126,17 +126,30 @@ class Block:
     def aux_temp(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
         return self.ffn.aux_temp(config, batch, seq_len)
 
+    def _segments(self, env: Env) -> dict[str, Any]:
+        """The attention's ``segments`` keyword where the step has them (``Env.segments``);
+        an attention part other than ``SelfAttention`` takes none."""
+        if env.segments is None:
+            return {}
+        if not isinstance(self.attention, SelfAttention):
+            raise ValueError(
+                f"{type(self.attention).__name__} does not take segments (padded or packed "
+                "batches): only SelfAttention does"
+            )
+        return {"segments": env.segments}
+
     def _attention_half(
-        self, config: Any, params: Tensors, x: torch.Tensor, ops: Any
+        self, config: Any, params: Tensors, x: torch.Tensor, env: Env
     ) -> tuple[Tensors, torch.Tensor]:
         """``h_mid = x + attention(n1(x))``: (what it saves, ``h_mid`` included, and
         ``n2(h_mid)``, the FFN's input)."""
         check_seq_len(config, x.shape[1])
+        ops = env.ops
         norm_1, norm_2 = self._norms(config)
         h1, _ = norm_1.forward(ops, params, x)
         projected = self.attention.project(config, params, h1, ops)
         del h1
-        out, attended = self.attention.attend(config, params, projected, ops)
+        out, attended = self.attention.attend(config, params, projected, ops, **self._segments(env))
         h_mid = x + out
         del out
         h2, _ = norm_2.forward(ops, params, h_mid)
@@ -145,7 +158,7 @@ class Block:
     def forward(
         self, config: Any, params: Tensors, x: torch.Tensor, env: Env
     ) -> tuple[torch.Tensor, Tensors, Tensors]:
-        saved, h2 = self._attention_half(config, params, x, env.ops)
+        saved, h2 = self._attention_half(config, params, x, env)
         out, ffn_saved, aux_temp = self.ffn.forward(config, params, h2, env)
         del h2
         return saved["h_mid"] + out, saved | ffn_saved, aux_temp
@@ -153,7 +166,7 @@ class Block:
     def recompute(
         self, config: Any, params: Tensors, x: torch.Tensor, aux_temp: Tensors, env: Env
     ) -> Tensors:
-        saved, h2 = self._attention_half(config, params, x, env.ops)
+        saved, h2 = self._attention_half(config, params, x, env)
         return saved | self.ffn.recompute(config, params, h2, aux_temp, env.ops)
 
     def partial_saves(self, config: Any) -> tuple[PartialSave, ...]:
@@ -195,7 +208,7 @@ class Block:
         h2, stats_2 = self._norms(config)[1].forward(ops, params, saved["h_mid"])
         d_h2, grads = self.ffn.backward(config, params, h2, saved, aux_temp, dy, env)
         del h2
-        return self._attention_backward(config, params, x, saved, stats_2, d_h2, grads, dy, ops)
+        return self._attention_backward(config, params, x, saved, stats_2, d_h2, grads, dy, env)
 
     def _attention_backward(
         self,
@@ -207,17 +220,20 @@ class Block:
         d_h2: torch.Tensor,
         grads: Tensors,
         dy: torch.Tensor,
-        ops: Any,
+        env: Env,
     ) -> tuple[torch.Tensor, Tensors]:
         """From the gradient of the FFN's input ``d_h2`` down: the second norm, the
         residual, the attention half -> (dx, ``grads`` with theirs added)."""
+        ops = env.ops
         norm_1, norm_2 = self._norms(config)
         d_h_mid, g = norm_2.backward(ops, params, saved["h_mid"], stats_2, d_h2)
         grads.update(g)
         del d_h2
         d_h_mid += dy  # the residual
         # the attention: h_mid = x + attention(n1(x))
-        d_projected = self.attention.backward(config, params, x, saved, d_h_mid, grads, ops)
+        d_projected = self.attention.backward(
+            config, params, x, saved, d_h_mid, grads, ops, **self._segments(env)
+        )
         h1, stats_1 = norm_1.forward(ops, params, x)
         d_h1 = self.attention.project_backward(config, params, h1, d_projected, grads, ops)
         del d_projected, h1
@@ -255,7 +271,7 @@ class Block:
     ) -> tuple[torch.Tensor, Tensors, Tensors, Tensors]:
         """``forward`` but the routed experts: -> (``h_mid`` plus the shared expert's
         output, what it saves, AuxTemp, the experts' input ``moe_in``)."""
-        saved, h2 = self._attention_half(config, params, x, env.ops)
+        saved, h2 = self._attention_half(config, params, x, env)
         shared, shared_saved, aux_temp = self.ffn.route_forward(config, params, h2, env)
         h_mid = saved["h_mid"]
         y = h_mid.clone() if shared is None else h_mid + shared.view_as(h_mid)
@@ -311,7 +327,7 @@ class Block:
             config, params, h2, saved, aux_temp, dy, d_experts, env
         )
         del h2
-        return self._attention_backward(config, params, x, saved, stats_2, d_h2, grads, dy, ops)
+        return self._attention_backward(config, params, x, saved, stats_2, d_h2, grads, dy, env)
 
     def apart_cost(
         self, config: Any, batch: int, seq_len: int, act_bytes: int, shards: int

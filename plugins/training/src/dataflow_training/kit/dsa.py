@@ -431,6 +431,7 @@ class IndexedBlock(Block):
     ) -> tuple[Tensors, torch.Tensor, Tensors]:
         """(saved, ``n2(h_mid)``, the attention's AuxTemp) of the attention half."""
         check_seq_len(config, x.shape[1])
+        self._segments(env)  # refuses a padded or packed batch: the selection takes none
         ops = env.ops
         norm_1, norm_2 = self._norms(config)
         h1, _ = norm_1.forward(ops, params, x)

@@ -6,6 +6,10 @@ The rotation of a head vector is linear, ``y = x * cos + rotate_half(x) * sin``,
 backward is the transposed rotation: ``dx = dy * cos + rotate_half_t(dy * sin)`` with
 ``rotate_half_t(u) = cat(u2, -u1)``. Nothing is saved: the tables depend only on
 positions.
+
+Positions are ``0 .. seq - 1`` for every row (``tables``, kept by ``cached_tables``), or
+each token's own (``position_tables`` of a ``Segments``' positions: packed sequences,
+sequences that continue from an offset), made on the device each time they are asked for.
 """
 
 from __future__ import annotations
@@ -68,6 +72,23 @@ def tables(
     positions = torch.arange(seq_len, dtype=torch.float64, device=device)
     angles = torch.outer(positions, inv)
     angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def position_tables(
+    positions: torch.Tensor,
+    rotary_dim: int,
+    base: float,
+    *,
+    scaling: Llama3Scaling | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (batch, 1, seq, rotary_dim), of per-token ``positions`` (batch,
+    seq): ``tables``' rows at those positions, computed in float64 on their device (so
+    they broadcast over the heads of a (batch, heads, seq, dim) tensor)."""
+    inv = inverse_frequencies(rotary_dim, base, scaling, positions.device)
+    angles = positions.to(torch.float64).unsqueeze(-1) * inv
+    angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -162,8 +183,19 @@ class Rope:
             )
         return dim
 
-    def tables(self, config: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) for ``like``'s sequence length (dim 1), device and dtype."""
+    def tables(
+        self, config: Any, like: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) for ``like``'s sequence length (dim 1), device and dtype; with
+        ``positions`` (batch, seq), each token's own (``position_tables``)."""
+        if positions is not None:
+            return position_tables(
+                positions,
+                self.rotary_dim(config),
+                float(config.rope_theta),
+                scaling=config.rope_scaling,
+                dtype=like.dtype,
+            )
         return cached_tables(
             like.shape[1],
             self.rotary_dim(config),

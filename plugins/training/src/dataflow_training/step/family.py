@@ -265,6 +265,9 @@ class Env:
     layers the task reads or writes (``LayerSpec.leader``: a shared-index layer's
     leader's selection, and the KL target its group's backwards add into; an object
     the task creates is zeroed before the math runs); empty for most layers.
+    ``segments``: the round's ``kit.Segments`` (which sequence each token belongs to, and
+    its position: padded or packed batches), or None (one sequence per row, positions
+    from 0); a block's attention takes it.
     """
 
     ops: Ops
@@ -275,6 +278,7 @@ class Env:
     head_vocab_tiles: bool = False
     aux: Tensors = attrs.field(factory=dict, hash=False)
     shared: Tensors = attrs.field(factory=dict, hash=False)
+    segments: Any = attrs.field(default=None, hash=False)
 
     @property
     def last_round(self) -> bool:
