@@ -31,7 +31,7 @@ def test_init_generate_update_twice(tmp_path):
         )
         result = run(
             "update", "--family", "llama3", "--model", policy, "--rollouts", rollouts,
-            "--out", tmp_path / f"p{update + 1}", "--budget", "1MiB",
+            "--out", tmp_path / f"p{update + 1}", "--budget", "2MiB",
         )  # fmt: skip
         assert result.exit_code == 0, result.output
         stats = json.loads(result.output)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dataflow_rl_example import PolicyTrainer, UpdateOptions, generate_rollouts, lower_update
+from dataflow_rl_example.policy import workspace_estimate
 from dataflow_rl_example.standin import load_model
 from dataflow_training import load_family
 
@@ -152,8 +153,8 @@ def test_a_tight_budget_changes_no_value(tmp_path):
         length=rollouts.length,
         hidden_layers=rollouts.hidden_layers,
     )
-    everything = sum(obj.size_bytes for obj in step.program.objects)
-    tight = minimal_budget(step.program)
+    everything = sum(obj.size_bytes for obj in step.program.objects) + workspace_estimate(step)
+    tight = minimal_budget(step.program) + workspace_estimate(step)  # beside the arena
     assert tight < everything / 2
     states = []
     for budget in (everything, tight):

@@ -162,8 +162,7 @@ def update(family, model, rollouts, out, lr, loss, kl_coef, clip, weight_decay, 
     """One policy update: plan it into the budget, run it, write the new weights."""
     from safetensors.torch import load_file, save_file
 
-    from dataflow import InfeasibleBudget
-    from dataflow_rl_example.policy import PolicyTrainer
+    from dataflow_rl_example.policy import BudgetError, PolicyTrainer
 
     found = _family(family)
     config, state = _checkpoint(found, model)
@@ -184,7 +183,7 @@ def update(family, model, rollouts, out, lr, loss, kl_coef, clip, weight_decay, 
     )
     try:
         stats = trainer.update(batch, lr=lr, kl_coef=kl_coef)
-    except InfeasibleBudget as error:
+    except BudgetError as error:
         raise click.BadParameter(one_line(str(error)), param_hint="'--budget'") from None
     except ValueError as error:
         raise Failure(one_line(str(error))) from None

@@ -28,7 +28,7 @@ def advantages(rewards: Any, groups: Any, loss: str) -> Any:
 
     rewards = rewards.to(torch.float32)
     _, group = torch.unique(groups, return_inverse=True)
-    count = torch.zeros(int(group.max()) + 1).index_add_(0, group, torch.ones_like(rewards))
+    count = rewards.new_zeros(int(group.max()) + 1).index_add_(0, group, torch.ones_like(rewards))
     mean = torch.zeros_like(count).index_add_(0, group, rewards) / count
     centred = rewards - mean[group]
     if loss == "ppo":

@@ -4,7 +4,8 @@
 ``update(rollouts, lr=...)`` lowers the update for the rollouts' shape (once per shape),
 plans it into the fast-memory budget with PressureFit, loads it into the engine and runs
 it; later updates of the same shape feed the next rollouts to the same engine.
-``state()`` reads the weights back (keyed as the family's reference model), and
+The planned arena leaves room beside it for the tasks' temporaries
+(``workspace_estimate``, or ``workspace_bytes``). ``state()`` reads the weights back (keyed as the family's reference model), and
 ``export(path)`` writes them as an HF checkpoint folder an inference engine loads.
 """
 
@@ -17,10 +18,28 @@ from typing import Any
 import torch
 from dataflow_training import load_family
 
-from dataflow import Engine, plan
+from dataflow import Engine, InfeasibleBudget, format_size, place, plan
 from dataflow_rl_example import tasks
 from dataflow_rl_example.program import STATS, UpdateOptions, UpdateStep, lower_update
 from dataflow_rl_example.rollouts import Rollouts
+
+
+class BudgetError(ValueError):
+    """A fast-memory budget no plan of the update fits (names the smallest that does)."""
+
+
+def workspace_estimate(step: UpdateStep) -> int:
+    """The task temporaries to leave beside the planned arena: the head's (a chunk's
+    log-probs, its hidden states and their gradient in float32) or a block's (taken as
+    twice its saved context plus four hidden states), whichever is more. An
+    estimate: on CUDA the engine checks the allocator's peak against the budget, and a
+    breach names it (then pass ``workspace_bytes``)."""
+    sizes = {obj.id: obj.size_bytes for obj in step.program.objects}
+    hidden = sizes["h_0"] if "h_0" in sizes else sizes[f"h_{len(step.blocks)}"]
+    chunk = min(step.options.chunk_tokens, step.rows * (step.length - 1))
+    head = chunk * step.config.vocab_size * 4 + 3 * hidden
+    block = max((2 * sizes[f"A_{i}"] for i in range(len(step.blocks))), default=0) + 4 * hidden
+    return max(head, block)
 
 
 class PolicyTrainer:
@@ -36,10 +55,12 @@ class PolicyTrainer:
         budget_bytes: int | None = None,
         device: str = "cpu",
         optimizer_state: Mapping[str, torch.Tensor] | None = None,
+        workspace_bytes: int | None = None,
     ) -> None:
         self.family = load_family(family) if isinstance(family, str) else family
         self.config, self.options = config, options or UpdateOptions()
         self.budget_bytes, self.device = budget_bytes, device
+        self.workspace_bytes = workspace_bytes
         self.updates = 0  # AdamW's step count so far
         self._state = {name: t.detach().to(torch.float32).clone() for name, t in state.items()}
         # the AdamW moments by object id (O_<layer>...), packed; none: zero
@@ -86,11 +107,23 @@ class PolicyTrainer:
             hidden_layers=rollouts.hidden_layers,
             options=self.options,
         )
-        budget = self.budget_bytes or sum(obj.size_bytes for obj in step.program.objects)
-        self.last_plan = plan(step.program, budget)
+        beside = self.workspace_bytes or workspace_estimate(step)
+        budget = self.budget_bytes or sum(obj.size_bytes for obj in step.program.objects) + beside
+        # the tasks' temporaries come from the device allocator, beside the planned arena
+        try:
+            self.last_plan = plan(step.program, max(budget - beside, 1))
+        except InfeasibleBudget as error:
+            raise BudgetError(
+                f"budget {format_size(budget)}: the update needs at least "
+                f"{format_size(error.minimal_budget_bytes + beside)} (a plan of "
+                f"{format_size(error.minimal_budget_bytes)} and {format_size(beside)} of task "
+                "workspace beside it)"
+            ) from None
+        placement = place(self.last_plan, workspace_in_arena=False, workspace_beside_bytes=beside)
         engine = Engine("torch", budget_bytes=budget, device=self.device)
         initial = self._weights(step) | self._batch(rollouts, step)
-        engine.load(self.last_plan, tasks.build(step, self.device), initial=initial)
+        resolver = tasks.build(step, self.device)
+        engine.load(placement, resolver, initial=initial)
         self._engine, self._step = engine, step
 
     def _weights(self, step: UpdateStep) -> dict[str, torch.Tensor]:

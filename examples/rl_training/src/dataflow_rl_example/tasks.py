@@ -119,15 +119,17 @@ class EmbedBackward(_Task):
 
 class Head(_Task):
     """Final norm, then chunk by chunk over the scored tokens: logits, log-probs, the
-    policy loss, and its gradient (autograd over one chunk's small graph; no (tokens,
-    vocab) tensor beyond one chunk). Writes ``dh_L``, the head's gradients and ``stats``."""
+    policy loss, and its gradient (no (tokens, vocab) tensor beyond one chunk). The loss is
+    a function of each token's log-prob alone, so autograd over a (chunk,) vector gives
+    ``d loss / d logp``; the logits' gradient is that times ``onehot - softmax``. Writes
+    ``dh_L``, the head's gradients and ``stats``."""
 
     def launch(self, ctx: LaunchContext) -> None:
         step, options = self.step, self.step.options
         tensors, head, count = self.tensors(ctx), step.layers[-1], len(step.blocks)
         params = self.params(tensors, head)
-        tied = {local: target.split(".", 1) for local, target in head.tied.items()}
-        for local, (layer_name, name) in tied.items():
+        for local, target in head.tied.items():  # e.g. lm_head.weight -> emb's table
+            layer_name, name = target.split(".", 1)
             owner = next(layer for layer in step.layers if layer.name == layer_name)
             params[local] = self.params(tensors, owner)[name]
         x = tensors[f"h_{count}"]
@@ -146,16 +148,15 @@ class Head(_Task):
         kl_coef = ctx.values["kl_coef"] if options.kl else 0.0
 
         d_hidden = torch.zeros_like(flat, dtype=torch.float32)
-        d_weight = torch.zeros_like(weight, dtype=torch.float32)
-        totals = torch.zeros(len(STATS), dtype=torch.float64)
+        d_weight = self.grad_view(tensors, LM_HEAD).zero_()  # the output itself: no copy
+        totals = torch.zeros(len(STATS), dtype=torch.float64, device=x.device)
         rows = scored.nonzero().reshape(-1)
         vocab = self.config.vocab_size
         for chunk in rows.split(options.chunk_tokens):
-            with torch.enable_grad():
-                h = flat[chunk].detach().float().requires_grad_()
-                w = weight.detach().float().requires_grad_()
-                logp = (h @ w.T)[:, :vocab].log_softmax(-1)
-                logp = logp.gather(1, targets[chunk, None]).squeeze(1)
+            h, target = flat[chunk], targets[chunk, None]
+            logp_all = torch.mm(h, weight[:vocab].T).float().log_softmax(-1)  # (chunk, vocab)
+            with torch.enable_grad():  # the loss's gradient by log-prob: a (chunk,) graph
+                logp = logp_all.gather(1, target).squeeze(1).requires_grad_()
                 loss, ratio, kl = token_loss(
                     logp,
                     behaviour[chunk],
@@ -165,36 +166,43 @@ class Head(_Task):
                     kl_coef=kl_coef,
                 )
                 total = (loss * weights[chunk]).sum()
-                dh, dw = torch.autograd.grad(total, (h, w))
-            d_hidden[chunk] = dh
-            d_weight += dw
+                (d_logp,) = torch.autograd.grad(total, logp)
+            # d logp / d logits = onehot - softmax, in place of the log-probs
+            d_logits = logp_all.exp_().mul_(-d_logp[:, None])
+            d_logits.scatter_add_(1, target, d_logp[:, None])
+            d_hidden[chunk] = torch.mm(d_logits, weight[:vocab].float())
+            d_weight[:vocab].addmm_(d_logits.T.to(d_weight.dtype), h.to(d_weight.dtype))
             clipped = (ratio - 1).abs() > options.clip_eps
+            kl_sum = kl.detach().double().sum() if kl is not None else totals.new_zeros(())
             totals += torch.stack(
                 [
                     total.detach().double(),
                     ratio.detach().double().sum(),
                     clipped.double().sum(),
-                    kl.detach().double().sum()
-                    if kl is not None
-                    else torch.zeros((), dtype=torch.float64),
+                    kl_sum,
                 ]
             )
         count_scored = max(len(rows), 1)
         tensors["stats"].copy_(
-            totals / torch.tensor([1.0, count_scored, count_scored, count_scored])
+            totals / totals.new_tensor([1.0, count_scored, count_scored, count_scored])
         )
         dx, grads = norm.backward(
             self.env.ops, params, x, norm_stats, d_hidden.view_as(hidden).to(x.dtype)
         )
         tensors[f"dh_{count}"].copy_(dx)
-        grads[LM_HEAD] = d_weight
-        head_grads = {name: grads[name] for name in grads if name not in head.tied}
-        self.write_grads(tensors, head, head_grads)
-        for local, (layer_name, name) in tied.items():
-            owner = next(layer for layer in step.layers if layer.name == layer_name)
-            for oid in step.param_objects(owner):
-                if name in tensors["d" + oid]:
-                    tensors["d" + oid][name].copy_(grads[local])
+        for name, grad in grads.items():
+            self.grad_view(tensors, name).copy_(grad)
+
+    def grad_view(self, tensors: dict[str, Any], name: str) -> Any:
+        """The view of the head's gradient of parameter ``name`` (its local name: a tied
+        one's is in the embedding's gradient object)."""
+        head = self.step.layers[-1]
+        layer_name, param = head.tied.get(name, f"{head.name}.{name}").split(".", 1)
+        owner = next(layer for layer in self.step.layers if layer.name == layer_name)
+        for oid in self.step.param_objects(owner):
+            if param in tensors["d" + oid]:
+                return tensors["d" + oid][param]
+        raise KeyError(f"the head's task has no gradient of {name!r}")
 
 
 class AdamW(_Task):
