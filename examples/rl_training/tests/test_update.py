@@ -20,7 +20,7 @@ from dataflow import minimal_budget
 pytest.importorskip("transformers")
 
 LR = 1e-3
-PRESETS = [("llama3", "llama3_tiny"), ("qwen3_moe", "qwen3_moe_tiny")]
+PRESETS = [("llama3", "llama3_tiny"), ("qwen3", "qwen3_tiny"), ("qwen3_moe", "qwen3_moe_tiny")]
 
 
 def plain_loss(model, rollouts, *, loss, clip_eps, kl_coef):
