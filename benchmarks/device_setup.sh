@@ -14,7 +14,7 @@ _dataflow_device_setup() (
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site
     args=(-e .)
-    for p in families/* resolvers/* kernels/* plugins/* examples/third_party_plugin examples/custom_program; do [ -f "$p/pyproject.toml" ] && args+=(-e "$p"); done
+    for p in families/* resolvers/* kernels/* plugins/* examples/third_party_plugin examples/custom_program examples/rl_training; do [ -f "$p/pyproject.toml" ] && args+=(-e "$p"); done
     python3 -m pip install -q --no-deps --no-build-isolation --no-index "${args[@]}"
     python3 -c "import dataflow, dataflow_training, torch; print('dataflow on', torch.cuda.get_device_name())"
 )

@@ -1,4 +1,5 @@
-"""Every code block of README.md and docs/*.md runs as written.
+"""Every code block of README.md, docs/*.md and examples/rl_training/README.md runs as
+written.
 
 Per page, in a scratch folder of its own (where ``examples``, ``tests`` and ``docs`` point
 at the repository's), the blocks run in page order, so a later block may use a file or a
@@ -31,7 +32,12 @@ import attrs
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# the RL example's README is a walk-through an outside author follows step by step
+PAGES = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "examples" / "rl_training" / "README.md",
+]
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)\n(?P<body>.*?)^```\s*$", re.MULTILINE | re.DOTALL)
 NOT_RUN = re.compile(r"<!-- not run: (?P<reason>[^>]*\S)\s*-->\s*$")
 LANGUAGES = {"python", "bash", "console", "json", "toml", "text"}

@@ -1,0 +1,215 @@
+"""The policy trainer: lower, plan and run one update per batch of rollouts.
+
+``PolicyTrainer(family, config, state)`` holds the model state and the AdamW moments.
+``update(rollouts, lr=...)`` lowers the update for the rollouts' shape (once per shape),
+plans it into the fast-memory budget with PressureFit, places it in one arena (leaving
+room beside it for the tasks' temporaries: ``workspace_estimate``, or
+``workspace_bytes``), loads it into the engine and runs it; later updates of the same
+shape feed the next rollouts to the same engine. ``state()`` reads the weights back
+(keyed as the family's reference model), and ``export(path)`` writes them as an HF
+checkpoint folder an inference engine loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from dataflow_training import load_family
+
+from dataflow import Engine, InfeasibleBudget, format_size, place, plan
+from dataflow_rl_example import tasks
+from dataflow_rl_example.program import STATS, UpdateOptions, UpdateStep, lower_update
+from dataflow_rl_example.rollouts import Rollouts
+
+
+class BudgetError(ValueError):
+    """A fast-memory budget no plan of the update fits (names the smallest that does)."""
+
+
+def workspace_estimate(step: UpdateStep) -> int:
+    """The task temporaries to leave beside the planned arena: the head's (a chunk's
+    log-probs, its hidden states and their gradient in float32) or a block's (taken as
+    twice its saved context plus four hidden states), whichever is more. An
+    estimate: on CUDA the engine checks the allocator's peak against the budget, and a
+    breach names it (then pass ``workspace_bytes``)."""
+    sizes = {obj.id: obj.size_bytes for obj in step.program.objects}
+    hidden = sizes["h_0"] if "h_0" in sizes else sizes[f"h_{len(step.blocks)}"]
+    chunk = min(step.options.chunk_tokens, step.rows * (step.length - 1))
+    head = chunk * step.config.vocab_size * 4 + 3 * hidden
+    block = max((2 * sizes[f"A_{i}"] for i in range(len(step.blocks))), default=0) + 4 * hidden
+    return max(head, block)
+
+
+class PolicyTrainer:
+    """Policy updates of one model, from rollouts an inference engine wrote."""
+
+    def __init__(
+        self,
+        family: str | Any,
+        config: Any,
+        state: Mapping[str, torch.Tensor],
+        options: UpdateOptions | None = None,
+        *,
+        budget_bytes: int | None = None,
+        device: str = "cpu",
+        optimizer_state: Mapping[str, torch.Tensor] | None = None,
+        workspace_bytes: int | None = None,
+    ) -> None:
+        self.family = load_family(family) if isinstance(family, str) else family
+        self.config, self.options = config, options or UpdateOptions()
+        self.budget_bytes, self.device = budget_bytes, device
+        self.workspace_bytes = workspace_bytes
+        self.updates = 0  # AdamW's step count so far
+        self._state = {name: t.detach().to(torch.float32).clone() for name, t in state.items()}
+        # the AdamW moments by object id (O_<layer>...), packed; none: zero
+        self._moments: dict[str, torch.Tensor] = {}
+        if optimizer_state is not None:
+            self.updates = int(optimizer_state["updates"])
+            self._moments = {k: v for k, v in optimizer_state.items() if k != "updates"}
+        self._engine: Engine | None = None
+        self._step: UpdateStep | None = None
+        self.last_plan: Any = None
+
+    # -- the update ----------------------------------------------------------------------
+    def update(self, rollouts: Rollouts, *, lr: float, kl_coef: float = 0.0) -> dict[str, float]:
+        """One policy update from ``rollouts``; returns its stats (``loss``, mean
+        ``ratio``, the fraction of ``clipped`` ratios, mean ``kl``)."""
+        rollouts.check()
+        if self.options.kl and rollouts.ref_logprobs is None:
+            raise ValueError("the update has the KL term, but the rollouts carry no ref_logprobs")
+        shape = (rollouts.rows, rollouts.length, rollouts.hidden_layers)
+        step = self._step
+        if step is None or (step.rows, step.length, step.hidden_layers) != shape:
+            self._load(rollouts)  # the engine starts with these rollouts
+            feed = None
+        else:
+            feed = lambda _: self._batch(rollouts)  # noqa: E731 - the next step's batch
+        self._engine.run(values=self._values(lr, kl_coef), feed=feed)
+        self.updates += 1
+        return self._stats()
+
+    def _values(self, lr: float, kl_coef: float) -> dict[str, Any]:
+        values = {"lr": float(lr), "adam_step": self.updates + 1}
+        return values | ({"kl_coef": float(kl_coef)} if self.options.kl else {})
+
+    def _load(self, rollouts: Rollouts) -> None:
+        """Lower and plan for the rollouts' shape; start an engine with the current state."""
+        if self._engine is not None:
+            self._sync()
+            self._engine.close()
+        step = lower_update(
+            self.family,
+            self.config,
+            rows=rollouts.rows,
+            length=rollouts.length,
+            hidden_layers=rollouts.hidden_layers,
+            options=self.options,
+        )
+        beside = self.workspace_bytes or workspace_estimate(step)
+        budget = self.budget_bytes or sum(obj.size_bytes for obj in step.program.objects) + beside
+        # the tasks' temporaries come from the device allocator, beside the planned arena
+        try:
+            self.last_plan = plan(step.program, max(budget - beside, 1))
+        except InfeasibleBudget as error:
+            raise BudgetError(
+                f"budget {format_size(budget)}: the update needs at least "
+                f"{format_size(error.minimal_budget_bytes + beside)} (a plan of "
+                f"{format_size(error.minimal_budget_bytes)} and {format_size(beside)} of task "
+                "workspace beside it)"
+            ) from None
+        placement = place(self.last_plan, workspace_in_arena=False, workspace_beside_bytes=beside)
+        engine = Engine("torch", budget_bytes=budget, device=self.device)
+        initial = self._weights(step) | self._batch(rollouts, step)
+        resolver = tasks.build(step, self.device)
+        engine.load(placement, resolver, initial=initial)
+        self._engine, self._step = engine, step
+
+    def _weights(self, step: UpdateStep) -> dict[str, torch.Tensor]:
+        """The parameter and moment objects of ``step``, packed from the state."""
+        found = {}
+        for layer in step.layers:
+            for oid, group in step.param_objects(layer).items():
+                found[oid] = step.packings[oid].pack(
+                    {
+                        p.name: _stored(self._state[f"{layer.name}.{p.name}"], p)
+                        for p in group.params
+                    }
+                )
+                moments = "O" + oid[1:]
+                found[moments] = self._moments.get(moments)
+                if found[moments] is None:
+                    found[moments] = torch.zeros(
+                        step.packings[moments].size_bytes, dtype=torch.uint8
+                    )
+        return found
+
+    def _batch(self, rollouts: Rollouts, step: UpdateStep | None = None) -> dict[str, torch.Tensor]:
+        """The rollout's objects: the model reads tokens 0..T-2 and scores tokens 1..T-1."""
+        step = step or self._step
+        batch = {
+            "tokens": rollouts.tokens[:, :-1],
+            "targets": rollouts.tokens[:, 1:],
+            "scored": rollouts.completion_mask[:, 1:].float(),
+            "behaviour": rollouts.behaviour_logprobs[:, 1:].float(),
+            "rewards": rollouts.rewards.float(),
+            "groups": rollouts.groups.long(),
+        }
+        if self.options.kl:
+            batch["ref"] = rollouts.ref_logprobs[:, 1:].float()
+        batch |= {f"h_{layer}": hidden.float() for layer, hidden in rollouts.hidden.items()}
+        return {name: t.contiguous() for name, t in batch.items() if name in _ids(step)}
+
+    def _stats(self) -> dict[str, float]:
+        values = self._engine.fetch("stats").tolist()
+        return dict(zip(STATS, values, strict=True))
+
+    # -- the state -------------------------------------------------------------------------
+    def _sync(self) -> None:
+        """Read the engine's weights and moments back into the trainer's state."""
+        step, engine = self._step, self._engine
+        if step is None or engine is None:
+            return
+        for layer in step.layers:
+            for oid, group in step.param_objects(layer).items():
+                views = step.packings[oid].views(engine.fetch(oid))
+                for p in group.params:
+                    self._state[f"{layer.name}.{p.name}"] = views[p.name][: p.rows].clone()
+                self._moments["O" + oid[1:]] = engine.fetch("O" + oid[1:])
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The model's weights now, keyed as the family's reference model."""
+        self._sync()
+        return dict(self._state)
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """The AdamW moments and step count (``optimizer_state=`` of a later trainer)."""
+        self._sync()
+        return {**self._moments, "updates": torch.tensor(self.updates)}
+
+    def export(self, path: str | Path) -> Path:
+        """Write the weights as an HF checkpoint folder (safetensors + config.json)."""
+        self.family.export_hf(self.config, self.state(), path)
+        return Path(path)
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._sync()
+            self._engine.close()
+            self._engine = None
+            self._step = None
+
+
+def _stored(tensor: torch.Tensor, spec: Any) -> torch.Tensor:
+    """A state tensor in the shape the step stores (a vocabulary table padded with zero rows)."""
+    if tuple(tensor.shape) == tuple(spec.shape):
+        return tensor
+    padded = tensor.new_zeros(spec.shape)
+    padded[: tensor.shape[0]] = tensor
+    return padded
+
+
+def _ids(step: UpdateStep) -> set[str]:
+    return {obj.id for obj in step.program.objects}

@@ -1,0 +1,268 @@
+"""The executables of a lowered update: the family's own block math, run on the views the
+engine hands each task (``ctx.inputs``, ``ctx.mutates``, ``ctx.outputs``).
+
+Per-run values (``ctx.values``): ``lr``, ``adam_step`` (1 for the first update), and
+``kl_coef`` when the update has the KL term.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from dataflow_training import load_family
+from dataflow_training.kit import FINAL_NORM, LM_HEAD, Env, RowGradient, load_ops
+
+from dataflow import DictResolver, LaunchContext
+from dataflow_rl_example.loss import advantages, token_loss, token_weights
+from dataflow_rl_example.program import STATS, UpdateOptions, UpdateStep, lower_update
+
+
+def _named(ids: tuple[str, ...], views: Any) -> dict[str, Any]:
+    return dict(zip(ids, views, strict=True))
+
+
+class _Task:
+    """What every executable shares: the step, its ops, the tensors of a task by name."""
+
+    def __init__(self, step: UpdateStep, ops: Any) -> None:
+        self.step, self.config = step, step.config
+        self.env = Env(ops, chunk_tokens=step.options.chunk_tokens)
+
+    def tensors(self, ctx: LaunchContext) -> dict[str, Any]:
+        """Every object of the task by id; packed objects as their named views."""
+        task = ctx.task
+        found = _named(task.inputs, ctx.inputs) | _named(task.mutates, ctx.mutates)
+        found |= _named(task.outputs, ctx.outputs)
+        packings = self.step.packings
+        return {oid: packings[oid].views(t) if oid in packings else t for oid, t in found.items()}
+
+    def params(self, tensors: dict[str, Any], layer: Any) -> dict[str, Any]:
+        """Every parameter of ``layer`` by name (from each of its groups' objects)."""
+        params: dict[str, Any] = {}
+        for oid in self.step.param_objects(layer):
+            params |= tensors[oid]
+        return params
+
+    def write_grads(self, tensors: dict[str, Any], layer: Any, grads: dict[str, Any]) -> None:
+        for oid in self.step.param_objects(layer):
+            for name, target in tensors["d" + oid].items():
+                grad = grads[name]
+                if isinstance(grad, RowGradient):
+                    grad.copy_into(target)
+                else:
+                    target.copy_(grad)
+
+
+class Recompute(_Task):
+    """A block's forward on its handed-over input: its saved context, router choices and
+    (where nothing handed it over) its output."""
+
+    def launch(self, ctx: LaunchContext) -> None:
+        index = ctx.task.params["layer"]
+        block = self.step.blocks[index]
+        tensors = self.tensors(ctx)
+        math = self.step.family.math(block.kind)
+        y, saved, aux_temp = math.forward(
+            self.config, self.params(tensors, block), tensors[f"h_{index}"], self.env
+        )
+        for name, view in tensors[f"A_{index}"].items():
+            view.copy_(saved[name])
+        for name, view in tensors.get(f"T_{index}", {}).items():
+            view.copy_(aux_temp[name])
+        if f"h_{index + 1}" in ctx.task.outputs:
+            tensors[f"h_{index + 1}"].copy_(y)
+
+
+class Backward(_Task):
+    def launch(self, ctx: LaunchContext) -> None:
+        index = ctx.task.params["layer"]
+        block = self.step.blocks[index]
+        tensors = self.tensors(ctx)
+        math = self.step.family.math(block.kind)
+        dx, grads = math.backward(
+            self.config,
+            self.params(tensors, block),
+            tensors[f"h_{index}"],
+            tensors[f"A_{index}"],
+            tensors.get(f"T_{index}", {}),
+            tensors[f"dh_{index + 1}"],
+            self.env,
+        )
+        tensors[f"dh_{index}"].copy_(dx)
+        self.write_grads(tensors, block, grads)
+
+
+class Embed(_Task):
+    def launch(self, ctx: LaunchContext) -> None:
+        tensors, embed = self.tensors(ctx), self.step.layers[0]
+        math = self.step.family.math(embed.kind)
+        h = math.forward(self.config, self.params(tensors, embed), tensors["tokens"], self.env)
+        tensors["h_0"].copy_(h)
+
+
+class EmbedBackward(_Task):
+    """The token table's gradient; added to the head's where the two share the table."""
+
+    def launch(self, ctx: LaunchContext) -> None:
+        tensors, embed = self.tensors(ctx), self.step.layers[0]
+        math = self.step.family.math(embed.kind)
+        grads = math.backward(self.config, tensors["tokens"], tensors["dh_0"], self.env)
+        if not ctx.task.mutates:
+            self.write_grads(tensors, embed, grads)
+            return
+        for oid in self.step.param_objects(embed):
+            for name, target in tensors["d" + oid].items():
+                grad = grads[name]
+                grad.add_into(target) if isinstance(grad, RowGradient) else target.add_(grad)
+
+
+class Head(_Task):
+    """Final norm, then chunk by chunk over the scored tokens: logits, log-probs, the
+    policy loss, and its gradient (no (tokens, vocab) tensor beyond one chunk). The loss is
+    a function of each token's log-prob alone, so autograd over a (chunk,) vector gives
+    ``d loss / d logp``; the logits' gradient is that times ``onehot - softmax``. Writes
+    ``dh_L``, the head's gradients and ``stats``."""
+
+    def launch(self, ctx: LaunchContext) -> None:
+        step, options = self.step, self.step.options
+        tensors, head, count = self.tensors(ctx), step.layers[-1], len(step.blocks)
+        params = self.params(tensors, head)
+        for local, target in head.tied.items():  # e.g. lm_head.weight -> emb's table
+            layer_name, name = target.split(".", 1)
+            owner = next(layer for layer in step.layers if layer.name == layer_name)
+            params[local] = self.params(tensors, owner)[name]
+        x = tensors[f"h_{count}"]
+        norm = type(self.config).architecture.norm.op(
+            self.config, FINAL_NORM.removesuffix(".weight")
+        )
+        hidden, norm_stats = norm.forward(self.env.ops, params, x)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        weight = params[LM_HEAD]
+        scored = tensors["scored"].reshape(-1)
+        weights = token_weights(tensors["scored"], options.loss).reshape(-1)
+        advantage = advantages(tensors["rewards"], tensors["groups"], options.loss)
+        advantage = advantage[:, None].expand_as(tensors["scored"]).reshape(-1)
+        behaviour, targets = tensors["behaviour"].reshape(-1), tensors["targets"].reshape(-1)
+        ref = tensors["ref"].reshape(-1) if options.kl else None
+        kl_coef = ctx.values["kl_coef"] if options.kl else 0.0
+
+        d_hidden = torch.zeros_like(flat, dtype=torch.float32)
+        d_weight = self.grad_view(tensors, LM_HEAD).zero_()  # the output itself: no copy
+        totals = torch.zeros(len(STATS), dtype=torch.float64, device=x.device)
+        rows = scored.nonzero().reshape(-1)
+        vocab = self.config.vocab_size
+        for chunk in rows.split(options.chunk_tokens):
+            h, target = flat[chunk], targets[chunk, None]
+            logp_all = torch.mm(h, weight[:vocab].T).float().log_softmax(-1)  # (chunk, vocab)
+            with torch.enable_grad():  # the loss's gradient by log-prob: a (chunk,) graph
+                logp = logp_all.gather(1, target).squeeze(1).requires_grad_()
+                loss, ratio, kl = token_loss(
+                    logp,
+                    behaviour[chunk],
+                    advantage[chunk],
+                    clip_eps=options.clip_eps,
+                    ref=None if ref is None else ref[chunk],
+                    kl_coef=kl_coef,
+                )
+                total = (loss * weights[chunk]).sum()
+                (d_logp,) = torch.autograd.grad(total, logp)
+            # d logp / d logits = onehot - softmax, in place of the log-probs
+            d_logits = logp_all.exp_().mul_(-d_logp[:, None])
+            d_logits.scatter_add_(1, target, d_logp[:, None])
+            d_hidden[chunk] = torch.mm(d_logits, weight[:vocab].float())
+            d_weight[:vocab].addmm_(d_logits.T.to(d_weight.dtype), h.to(d_weight.dtype))
+            clipped = (ratio - 1).abs() > options.clip_eps
+            kl_sum = kl.detach().double().sum() if kl is not None else totals.new_zeros(())
+            totals += torch.stack(
+                [
+                    total.detach().double(),
+                    ratio.detach().double().sum(),
+                    clipped.double().sum(),
+                    kl_sum,
+                ]
+            )
+        count_scored = max(len(rows), 1)
+        tensors["stats"].copy_(
+            totals / totals.new_tensor([1.0, count_scored, count_scored, count_scored])
+        )
+        dx, grads = norm.backward(
+            self.env.ops, params, x, norm_stats, d_hidden.view_as(hidden).to(x.dtype)
+        )
+        tensors[f"dh_{count}"].copy_(dx)
+        for name, grad in grads.items():
+            self.grad_view(tensors, name).copy_(grad)
+
+    def grad_view(self, tensors: dict[str, Any], name: str) -> Any:
+        """The view of the head's gradient of parameter ``name`` (its local name: a tied
+        one's is in the embedding's gradient object)."""
+        head = self.step.layers[-1]
+        layer_name, param = head.tied.get(name, f"{head.name}.{name}").split(".", 1)
+        owner = next(layer for layer in self.step.layers if layer.name == layer_name)
+        for oid in self.step.param_objects(owner):
+            if param in tensors["d" + oid]:
+                return tensors["d" + oid][param]
+        raise KeyError(f"the head's task has no gradient of {name!r}")
+
+
+class AdamW(_Task):
+    """AdamW on one parameter group (decoupled weight decay on tensors declared with
+    ``decay``): ``lr`` and ``adam_step`` from the run's values."""
+
+    def launch(self, ctx: LaunchContext) -> None:
+        oid = ctx.task.params["object"]
+        tensors = self.tensors(ctx)
+        params, grads, moments = tensors[oid], tensors["d" + oid], tensors["O" + oid[1:]]
+        layer = next(layer for layer in self.step.layers if oid in self.step.param_objects(layer))
+        decays = {p.name: p.decay for p in self.step.param_objects(layer)[oid].params}
+        options = self.step.options
+        (beta1, beta2), lr, t = options.betas, float(ctx.values["lr"]), int(ctx.values["adam_step"])
+        for name, grad in grads.items():
+            param, m, v = params[name], moments[f"m.{name}"], moments[f"v.{name}"]
+            if decays[name] and options.weight_decay:
+                param.mul_(1 - lr * options.weight_decay)
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (v / (1 - beta2**t)).sqrt_().add_(options.eps)
+            param.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+
+
+def build(step: UpdateStep, device: str = "cpu") -> DictResolver:
+    """The resolver of a lowered update's tasks."""
+    ops = load_ops(device, step.family.ops)
+    kinds = {
+        "rl.recompute": Recompute,
+        "rl.backward": Backward,
+        "rl.embed": Embed,
+        "rl.embed_backward": EmbedBackward,
+        "rl.head": Head,
+        "rl.adamw": AdamW,
+    }
+    return DictResolver("rl-update", {key: _factory(cls, step, ops) for key, cls in kinds.items()})
+
+
+def build_from_program(program: Any) -> DictResolver:
+    """The resolver of an update's program written out (``dataflow-rl lower``): the family,
+    config, shape and options are in its metadata, and lowering them again must give the
+    program's own tasks."""
+    meta = program.metadata
+    if meta.get("example") != "rl_training":
+        raise ValueError(f"program {program.name!r} is not an RL update (dataflow-rl lower)")
+    family = load_family(meta["family"])
+    config = family.config_from_hf(meta["config"], f"program {program.name!r} metadata")
+    options = meta["options"] | {"betas": tuple(meta["options"]["betas"])}
+    step = lower_update(
+        family,
+        config,
+        rows=meta["rows"],
+        length=meta["length"],
+        hidden_layers=tuple(meta["hidden_layers"]),
+        options=UpdateOptions(**options),
+    )
+    if [t.id for t in step.program.tasks] != [t.id for t in program.tasks]:
+        raise ValueError(f"program {program.name!r}: its tasks are not the update's")
+    return build(step)
+
+
+def _factory(cls: type, step: UpdateStep, ops: Any) -> Any:
+    return lambda task: cls(step, ops)

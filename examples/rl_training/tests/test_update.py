@@ -1,0 +1,165 @@
+"""The update equals a plain-autograd GRPO/PPO step on the transformers model, three
+on-policy updates in a row (each samples with the weights of that moment), and the
+engine's hidden states give the update that recomputing from the tokens gives.
+
+The truth is a GRPO/PPO step in plain autograd on the transformers model, with
+``torch.optim.AdamW``, written apart from the example's code (whole-tensor, no chunks, no
+dataflow): advantages, clipped ratio, k3 KL, aggregation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dataflow_rl_example import PolicyTrainer, UpdateOptions, generate_rollouts, lower_update
+from dataflow_rl_example.policy import workspace_estimate
+from dataflow_rl_example.standin import load_model
+from dataflow_training import load_family
+
+from dataflow import minimal_budget
+
+pytest.importorskip("transformers")
+
+LR = 1e-3
+PRESETS = [("llama3", "llama3_tiny"), ("qwen3", "qwen3_tiny"), ("qwen3_moe", "qwen3_moe_tiny")]
+
+
+def plain_loss(model, rollouts, *, loss, clip_eps, kl_coef):
+    tokens = rollouts.tokens
+    logits = model(tokens[:, :-1]).logits.float()
+    logp = logits.log_softmax(-1).gather(2, tokens[:, 1:, None]).squeeze(2)
+    mask = rollouts.completion_mask[:, 1:].float()
+    behaviour = rollouts.behaviour_logprobs[:, 1:]
+    rewards, groups = rollouts.rewards.float(), rollouts.groups
+    adv = torch.empty_like(rewards)
+    for group in groups.unique():
+        rows = groups == group
+        centred = rewards[rows] - rewards[rows].mean()
+        adv[rows] = centred if loss == "ppo" else centred / (rewards[rows].std() + 1e-4)
+    ratio = (logp - behaviour).exp()
+    per_token = -torch.min(
+        ratio * adv[:, None], ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv[:, None]
+    )
+    if kl_coef:
+        gap = rollouts.ref_logprobs[:, 1:] - logp
+        per_token = per_token + kl_coef * (gap.exp() - gap - 1)
+    if loss == "ppo":
+        return (per_token * mask).sum() / mask.sum()
+    per_row = (per_token * mask).sum(-1) / mask.sum(-1)
+    return per_row[mask.sum(-1) > 0].mean()
+
+
+def adamw(model, *, lr, weight_decay=0.0):
+    """AdamW with the family's decay rule: none on norm weights."""
+    named = list(model.named_parameters())
+    decay = [p for n, p in named if "norm" not in n]
+    no_decay = [p for n, p in named if "norm" in n]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, foreach=False)
+
+
+def plain_step(model, optimizer, rollouts, **loss_options):
+    optimizer.zero_grad()
+    value = plain_loss(model, rollouts, **loss_options)
+    value.backward()
+    optimizer.step()
+    return float(value.detach())
+
+
+def start(family_name, preset, seed=0):
+    family = load_family(family_name)
+    config = family.config(preset)
+    torch.manual_seed(seed)
+    return family, config, family.reference_model(config).state_dict()
+
+
+def sample(trainer, folder, *, seed, reference=None, hidden_layers=None):
+    trainer.export(folder)
+    prompts = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(seed))
+    return generate_rollouts(
+        load_model(folder),
+        prompts,
+        group_size=4,
+        max_new_tokens=7,
+        seed=seed,
+        reference=reference,
+        hidden_layers=hidden_layers,
+    )
+
+
+def assert_states_close(ours, truth, atol):
+    assert ours.keys() == truth.keys()
+    worst = max((ours[k] - truth[k]).abs().max().item() for k in ours)
+    print("worst", worst)
+    assert worst <= atol, f"largest difference {worst:.2e} > {atol:.0e}"
+
+
+@pytest.mark.parametrize(("family_name", "preset"), PRESETS)
+@pytest.mark.parametrize(("loss", "kl_coef"), [("grpo", 0.0), ("ppo", 0.0), ("grpo", 0.05)])
+def test_three_updates_equal_plain_autograd(tmp_path, family_name, preset, loss, kl_coef):
+    family, config, state = start(family_name, preset)
+    options = UpdateOptions(loss=loss, kl=bool(kl_coef), weight_decay=0.01)
+    trainer = PolicyTrainer(family, config, state, options)
+    trainer.export(tmp_path / "start")
+    truth = load_model(tmp_path / "start").train()
+    reference = load_model(tmp_path / "start") if kl_coef else None
+    optimizer = adamw(truth, lr=LR, weight_decay=0.01)
+    for update in range(3):
+        rollouts = sample(trainer, tmp_path / f"policy_{update}", seed=update, reference=reference)
+        stats = trainer.update(rollouts, lr=LR, kl_coef=kl_coef)
+        plain = plain_step(truth, optimizer, rollouts, loss=loss, clip_eps=0.2, kl_coef=kl_coef)
+        assert stats["loss"] == pytest.approx(plain, abs=1e-5)
+    truth.save_pretrained(tmp_path / "truth")
+    _, truth_state = family.import_hf(tmp_path / "truth")
+    # Adam moves every weight by about lr a step whatever its gradient's size, so fp32
+    # rounding of a gradient near zero can move a weight by up to ~lr; most move far less
+    assert_states_close(trainer.state(), truth_state, atol=5e-5)
+
+
+@pytest.mark.parametrize(("family_name", "preset"), PRESETS)
+def test_engine_hidden_states_give_the_update_from_tokens(tmp_path, family_name, preset):
+    family, config, state = start(family_name, preset)
+    rollouts = sample(PolicyTrainer(family, config, state), tmp_path / "policy", seed=0)
+    results = {}
+    for name, batch in {
+        "every layer": rollouts,
+        "every other": type(rollouts)(**{**vars_of(rollouts), "hidden": {0: rollouts.hidden[0]}}),
+        "from tokens": rollouts.without_hidden(),
+    }.items():
+        trainer = PolicyTrainer(family, config, state)
+        trainer.update(batch, lr=LR)
+        results[name] = trainer.state()
+    # the engine's hidden states differ from the update's own forward by fp32 rounding
+    # (its attention read a KV cache); Adam's first step turns that into at most ~1e-5
+    assert_states_close(results["every layer"], results["from tokens"], atol=2e-5)
+    assert_states_close(results["every other"], results["from tokens"], atol=2e-5)
+
+
+def vars_of(rollouts):
+    import attrs
+
+    return attrs.asdict(rollouts, recurse=False)
+
+
+def test_a_tight_budget_changes_no_value(tmp_path):
+    family, config, state = start("qwen3_moe", "qwen3_moe_tiny")
+    rollouts = sample(PolicyTrainer(family, config, state), tmp_path / "policy", seed=0)
+    step = lower_update(
+        family,
+        config,
+        rows=rollouts.rows,
+        length=rollouts.length,
+        hidden_layers=rollouts.hidden_layers,
+    )
+    everything = sum(obj.size_bytes for obj in step.program.objects) + workspace_estimate(step)
+    tight = minimal_budget(step.program) + workspace_estimate(step)  # beside the arena
+    assert tight < everything / 2
+    states = []
+    for budget in (everything, tight):
+        trainer = PolicyTrainer(family, config, state, budget_bytes=budget)
+        trainer.update(rollouts, lr=LR)
+        trainer.update(rollouts, lr=LR)
+        states.append(trainer.state())
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
