@@ -349,3 +349,47 @@ def test_predict_shows_the_host_bytes_int8_states_free(tmp_path) -> None:
     assert backing["int8"] < backing["bf16"] < backing["fp32"]
     assert moved["int8"] < moved["bf16"] < moved["fp32"]
     assert rows["int8"]["precision"] == "bf16 weights, int8 moments"
+
+
+def test_an_update_in_small_pieces_equals_one_in_a_single_piece(monkeypatch) -> None:
+    """Tensors cut into pieces (a block-aligned cut inside a tensor, small tensors
+    batched) update exactly as in one piece: blocks never straddle a cut."""
+    from dataflow_kernels_torch.adamw_multi import adamw_multi
+    from dataflow_training.optim import adamw_int8
+
+    shapes = ((40, 64), (300,), (7,), (3, 5, 64))
+    calls = {"pieces": 0}
+    cut_up = adamw_int8._pieces
+
+    def counted(*lists):
+        for piece in cut_up(*lists):
+            calls["pieces"] += 1
+            yield piece
+
+    monkeypatch.setattr(adamw_int8, "_pieces", counted)
+
+    def run() -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(7)
+        params = [torch.randn(s, generator=gen) for s in shapes]
+        states = {
+            "exp_avg": [torch.zeros(s, dtype=torch.int8) for s in shapes],
+            "exp_avg_sq": [torch.zeros(s, dtype=torch.uint8) for s in shapes],
+            "exp_avg_scale": [torch.zeros(blocks(math.prod(s))) for s in shapes],
+            "exp_avg_sq_scale": [torch.zeros(blocks(math.prod(s))) for s in shapes],
+        }
+        policy = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+        for step in (1, 2, 3):
+            grads = [torch.randn(s, generator=gen) for s in shapes]
+            adamw_int8.adamw_int8_update(
+                {"adamw_multi": adamw_multi}, params, grads, states, step=step,
+                policy=policy, weight_decay=0.1,
+            )  # fmt: skip
+        return [*params, *(t for field in states.values() for t in field)]
+
+    whole = run()
+    monkeypatch.setattr(adamw_int8, "PIECE_ELEMENTS", 2 * BLOCK)
+    calls["pieces"] = 0
+    cut = run()
+    assert calls["pieces"] == 3 * (5 + 1 + 1 + 2)  # 2560 and 960 elements cut at 512
+    for a, b in zip(cut, whole, strict=True):
+        assert torch.equal(a, b)
