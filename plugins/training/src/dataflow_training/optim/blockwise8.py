@@ -6,18 +6,19 @@ element a one-byte code for its value divided by that scale, a number in [-1, 1]
 codes follow a *geometric* map: code magnitude ``k`` (1 ..  ``top``) stands for
 ``ratio ** (top - k)``, so the block's largest element is exact and every other one is
 kept to the same relative precision however far below the largest it sits, down to the
-map's floor, ``ratio ** (top - 1)``; a value below half the floor is kept as 0. Rounding
+map's floor, ``ratio ** (top - 1)``; below it, see each moment. Rounding
 is to the nearest code in the logarithm (one ``log``, ``round``, ``exp`` per element: no
 table search), which bounds the relative error by ``sqrt(1 / ratio) - 1``.
 
 - ``exp_avg`` (signed): int8 codes -127 .. 127 (the sign is the code's), floor
   ``SIGNED_FLOOR`` = 1e-5 of the block's largest: 126 steps of 9.1 %, each value kept
-  within 4.7 %.
-- ``exp_avg_sq`` (non-negative): uint8 codes 0 .. 255, floor ``UNSIGNED_FLOOR`` = 1e-10,
-  254 steps of 9.1 %: within 4.7 % of the value, 2.3 % of its square root (what the
-  update divides by). The floor is the signed one squared, so an element whose first
-  moment survives quantization keeps a second moment too: the update never divides a
-  kept ``exp_avg`` by a zeroed ``exp_avg_sq``.
+  within 4.7 %; a value below half the floor is kept as 0 (a smaller update).
+- ``exp_avg_sq`` (non-negative): uint8 codes 0 .. 255, floor ``UNSIGNED_FLOOR`` = 1e-10
+  (the signed floor squared), 254 steps of 9.1 %: within 4.7 % of the value, 2.3 % of its
+  square root (what the update divides by). A value below the floor is kept as the floor,
+  never as 0 unless it is 0: the update divides by this moment's root, and AdamW's first
+  moment is at most 1.17 times the second's root (betas 0.9, 0.95), so a raised floor
+  keeps an update of a tiny entry below lr where a zero would make it ``m / eps``.
 
 The same design as bitsandbytes' and torchao's 8-bit optimizers (block-wise absmax scales,
 a non-linear map dense near zero), with a map of our own: theirs is a "dynamic tree" table
@@ -41,6 +42,8 @@ from dataflow_training.optim.int8_blocks import BLOCK
 SIGNED_FLOOR = 1e-5
 #: the unsigned map's: the signed floor squared (module doc)
 UNSIGNED_FLOOR = SIGNED_FLOOR**2
+#: the smallest normal float32: a second moment this far below its block's largest is 0
+_TINY = torch.finfo(torch.float32).tiny
 #: the largest code magnitude of each map
 SIGNED_TOP, UNSIGNED_TOP = 127, 255
 
@@ -63,12 +66,14 @@ def _padded(flat: torch.Tensor) -> torch.Tensor:
     return flat.view(-1, BLOCK)
 
 
-def _magnitude_codes(magnitude: torch.Tensor, top: int, floor: float) -> torch.Tensor:
+def _magnitude_codes(
+    magnitude: torch.Tensor, top: int, floor: float, zero_below: float
+) -> torch.Tensor:
     """Code magnitudes (0 .. ``top``, float32) of values in [0, 1]: nearest in the log,
-    0 below half the floor."""
+    the floor's code 1 for a value under it, 0 for one under ``zero_below``."""
     level = top - torch.log(magnitude.clamp_min(floor)) / log_ratio(top, floor)
     codes = level.round_().clamp_(1, top)
-    return codes.masked_fill_(magnitude < floor / 2, 0)
+    return codes.masked_fill_(magnitude < zero_below, 0)
 
 
 def _magnitudes(codes: torch.Tensor, top: int, floor: float) -> torch.Tensor:
@@ -84,11 +89,12 @@ def quantize_(value: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) ->
     flat = _padded(value.reshape(-1).float())
     absmax = flat.abs().amax(dim=1)
     scales.copy_(absmax)
-    unit = flat.abs() / absmax.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)
+    unit = flat.abs() / absmax.clamp_min(_TINY).unsqueeze(1)
     if codes.dtype == torch.uint8:
-        code = _magnitude_codes(unit, UNSIGNED_TOP, UNSIGNED_FLOOR)
+        code = _magnitude_codes(unit, UNSIGNED_TOP, UNSIGNED_FLOOR, _TINY)
     else:
-        code = _magnitude_codes(unit, SIGNED_TOP, SIGNED_FLOOR).mul_(flat.sign())
+        code = _magnitude_codes(unit, SIGNED_TOP, SIGNED_FLOOR, SIGNED_FLOOR / 2)
+        code.mul_(flat.sign())
     codes.view(-1).copy_(code.view(-1)[: codes.numel()])
 
 
