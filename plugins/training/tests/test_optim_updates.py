@@ -31,8 +31,9 @@ def _run(
     shapes = {
         f.name: [f.shape(s, r) for s, r in zip(SHAPES, ROLES, strict=True)] for f in spec.state
     }
+    kept = {f.name: dtype if f.dtype is None else getattr(torch, f.dtype) for f in spec.state}
     states = {
-        name: [torch.zeros(s, device=device, dtype=dtype) for s in field_shapes]
+        name: [torch.zeros(s, device=device, dtype=kept[name]) for s in field_shapes]
         for name, field_shapes in shapes.items()
     }
     lr = torch.tensor(1e-2, device=device) if tensors else 1e-2
@@ -95,7 +96,7 @@ def test_each_update_on_cuda_equals_its_cpu_run(name: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["lion", "muon", "adafactor"])
+@pytest.mark.parametrize("name", ["lion", "muon", "adafactor", "adamw_int8"])
 def test_each_update_replays_in_a_cuda_graph(name: str) -> None:
     """Captured once, replayed with a new lr and step written into their tensors: the
     same weights as eager updates with those values (nothing read back, nothing baked)."""
@@ -105,9 +106,15 @@ def test_each_update_replays_in_a_cuda_graph(name: str) -> None:
         f.name: [f.shape(s, r) for s, r in zip(SHAPES, ROLES, strict=True)] for f in spec.state
     }
 
+    kept = {f.name: getattr(torch, f.dtype or "float32") for f in spec.state}
+    ops = {"adamw_multi": adamw_multi}
+
     def tensors():
         params = [torch.randn(s, generator=g).cuda() for s in SHAPES]
-        states = {n: [torch.zeros(s, device="cuda") for s in ss] for n, ss in shapes.items()}
+        states = {
+            n: [torch.zeros(s, device="cuda", dtype=kept[n]) for s in ss]
+            for n, ss in shapes.items()
+        }
         return params, states
 
     params, states = tensors()
@@ -123,18 +130,18 @@ def test_each_update_replays_in_a_cuda_graph(name: str) -> None:
             [p.clone() for p in params],
             {n: [t.clone() for t in ts] for n, ts in states.items()},
         )
-        spec.update({}, warm[0], grads, warm[1], step=step, policy=policy, **kwargs)
+        spec.update(ops, warm[0], grads, warm[1], step=step, policy=policy, **kwargs)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        spec.update({}, params, grads, states, step=step, policy=policy, **kwargs)
+        spec.update(ops, params, grads, states, step=step, policy=policy, **kwargs)
     for count, rate in ((1, 1e-2), (2, 5e-3), (3, 2e-3)):
         if count > 1:
             lr.fill_(rate)
             step.fill_(count)
         graph.replay()
         spec.update(
-            {}, eager[0], grads, eager[1], step=count,
+            ops, eager[0], grads, eager[1], step=count,
             policy={**policy, "lr": rate}, **kwargs,
         )  # fmt: skip
     torch.cuda.synchronize()

@@ -60,7 +60,7 @@ def test_muon_resumes_with_its_arguments_and_state(tmp_path) -> None:
     ("extra", "message"),
     [
         (("--optimizer", "sgdx"), "--optimizer: unknown optimizer 'sgdx'; known: adafactor, "
-         "adamw, adamw_compensated, lion, muon"),
+         "adamw, adamw_compensated, adamw_int8, lion, muon"),
         (("--optimizer", "lion", "--optimizer-arg", "gamma=1"),
          "optimizer 'lion' has no argument 'gamma'; known: beta1, beta2"),
         (("--optimizer", "muon", "--optimizer-arg", "ns_steps=many"),

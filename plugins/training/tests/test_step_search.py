@@ -160,7 +160,7 @@ def test_nothing_fits_says_what_would(family, tmp_path) -> None:
         "a larger --budget",
         "a shorter --seq-len",
         "--order layer",
-        "--optimizer-states bf16",
+        "--optimizer-states bf16 or int8",
     ):
         assert remedy in line
 

@@ -25,7 +25,7 @@ from dataflow_training.check.verify_checks import YARDSTICK_FACTOR
 from dataflow_training.cli.train_defaults import default_family
 from dataflow_training.drive.progress import LevelPrinter
 from dataflow_training.plan.compiled_step import available_host_bytes
-from dataflow_training.step.config import STATE_DTYPES, parse_order
+from dataflow_training.step.config import STATE_CHOICES, parse_order
 from dataflow_training.step.lowering import lower
 from dataflow_training.step.precision import CHOICES as PRECISIONS
 from dataflow_training.step.precision import precision as precision_of
@@ -70,16 +70,17 @@ def order_option(default: str | None = "round", more: str = "") -> Any:
 
 
 def optimizer_states_option(default: str | None = None) -> Any:
-    """``--optimizer-states fp32|bf16``: the dtype of the optimizer's state
+    """``--optimizer-states fp32|bf16|int8``: the dtype of the optimizer's state
     (``config.optimizer_states``); with ``--precision`` an expert pin."""
     return click.option(
         "--optimizer-states",
         "optimizer_states",
-        type=click.Choice(list(STATE_DTYPES)),
+        type=click.Choice(list(STATE_CHOICES)),
         default=default,
         show_default=default is not None,
         help="expert pin: the dtype of AdamW's two moments, a plain update (bf16 halves "
-        "their memory and their traffic over the host link; fp32 keeps them exact); "
+        "their memory and their traffic over the host link; int8 keeps them block-wise "
+        "quantized, 2.03 B/param for both, AdamW only; fp32 keeps them exact); "
         "--precision names the whole policy",
     )
 

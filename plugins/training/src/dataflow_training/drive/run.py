@@ -85,6 +85,14 @@ def resolver_for(name: str, device: str) -> str:
 #: TrainConfig fields a step takes as a value (``step(lr=...)``: the run's lr schedule), not
 #: part of the step a checkpoint must match: a resume may start a new schedule
 PER_STEP = ("train.optimizer.lr",)
+#: A checkpoint's optimizer state is kept as its run kept it (fp32, bf16 or int8 moments;
+#: ``--optimizer-states``, ``--precision``): a resume in another form is refused, not
+#: converted, with this said after the differing field
+_STATE_FIELDS = ("train.optimizer.name", "train.optimizer.state_dtypes")
+_STATE_HINT = (
+    "; its optimizer state resumes only as it was kept: give the checkpoint's "
+    "--optimizer-states/--precision (or none: a resume takes the run's), or start a new run"
+)
 
 
 def _differences(theirs: Any, ours: Any, path: str) -> list[tuple[str, Any, Any]]:
@@ -462,6 +470,7 @@ class TrainingRun:
                 also = f" (and {len(more)} more: {', '.join(more)})" if more else ""
                 raise ValueError(
                     f"checkpoint {path}: {where} is {was!r}; this run's is {now!r}{also}"
+                    f"{_STATE_HINT if where.startswith(_STATE_FIELDS) else ''}"
                 )
         self.set_state(weights, opt, int(manifest["step"]))
         set_rng_state(rng)

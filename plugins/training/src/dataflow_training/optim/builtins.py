@@ -81,6 +81,23 @@ ADAMW_COMPENSATED = OptimizerSpec(
     arguments=_ADAM_ARGS,
     elementwise=True,
 )
+#: ``adamw_int8`` keeps AdamW's moments block-wise in 8 bits (``--optimizer-states int8``;
+#: ``optim.blockwise8``): int8 codes for the first, uint8 for the second, each with a float32
+#: scale per block of 256 elements; the update runs ``adamw_multi`` on float32 copies.
+#: Its state is a list per tensor (codes and scales of different lengths), not a flat span.
+ADAMW_INT8 = OptimizerSpec(
+    "adamw_int8",
+    "AdamW with block-wise 8-bit moments (--optimizer-states int8; 2.03 B/param of state)",
+    (
+        StateField("exp_avg", dtype="int8"),
+        StateField("exp_avg_sq", dtype="uint8"),
+        StateField("exp_avg_scale", _shape("int8_blocks", "scale_shape"), "float32"),
+        StateField("exp_avg_sq_scale", _shape("int8_blocks", "scale_shape"), "float32"),
+    ),
+    _lazy("adamw_int8", "adamw_int8_update"),
+    ops=("adamw_multi",),
+    arguments=_ADAM_ARGS,
+)
 LION = OptimizerSpec(
     "lion",
     "Lion (sign of interpolated momentum; one state, lr 3-10x below AdamW's)",
@@ -124,4 +141,4 @@ ADAFACTOR = OptimizerSpec(
 )
 
 #: every builtin, as the training plugin's ``dataflow_optimizers`` returns them
-OPTIMIZERS = (ADAMW, ADAMW_COMPENSATED, LION, MUON, ADAFACTOR)
+OPTIMIZERS = (ADAMW, ADAMW_COMPENSATED, ADAMW_INT8, LION, MUON, ADAFACTOR)

@@ -663,7 +663,10 @@ def nothing_fits(searcher: Searcher, tried: list[Tried], seq_len: int, pins: Pin
         would.append(f"a shorter --seq-len (e.g. {max(1, seq_len // 2)})")
     if pins.order == "round":  # else the search tried layer orders where weights stream
         would.append("--order layer")
-    states = searcher.base.optimizer.state_dtypes
-    if any(dtype == "float32" for dtype in states.values()):
-        would.append("--optimizer-states bf16 (8-bit states do not exist yet)")
+    optimizer = searcher.base.optimizer
+    wider = any(dtype == "float32" for dtype in optimizer.state_dtypes.values())
+    if optimizer.name == "adamw":  # its moments may be bf16 (if float32) or int8
+        would.append(f"--optimizer-states {'bf16 or int8' if wider else 'int8'}")
+    elif wider and optimizer.name != "adamw_int8":
+        would.append("--optimizer-states bf16")
     return f"nothing fits: {why}; what would: {', '.join(would)}"

@@ -72,16 +72,29 @@ class OptimizerPolicy:
 
 #: ``--optimizer-states`` names -> the dtype of the optimizer's state fields
 STATE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+#: ``--optimizer-states int8``: AdamW's moments block-wise in 8 bits (``optim.blockwise8``),
+#: the update ``adamw_int8``'s fields -> their dtypes (codes; float32 scales, one a block)
+INT8_STATES = {
+    "exp_avg": "int8",
+    "exp_avg_sq": "uint8",
+    "exp_avg_scale": "float32",
+    "exp_avg_sq_scale": "float32",
+}
+#: everything ``--optimizer-states`` takes
+STATE_CHOICES = (*STATE_DTYPES, "int8")
 
 
 def optimizer_states(name: str, **fields: Any) -> OptimizerPolicy:
     """AdamW (``OptimizerPolicy(**fields)``) with both moments kept in ``name``'s dtype
     (``STATE_DTYPES``): ``bf16`` halves their memory and their traffic over the host link
     (what the throughput rows of docs/throughput.md use, as stock PyTorch does with bf16
-    parameters), ``fp32`` keeps them exact. An unknown name is a ValueError naming the
-    known ones."""
+    parameters), ``fp32`` keeps them exact; ``int8`` keeps them block-wise quantized
+    (``INT8_STATES``, the update ``adamw_int8``), about a quarter of float32's bytes. An
+    unknown name is a ValueError naming the known ones."""
+    if name == "int8":
+        return OptimizerPolicy(name="adamw_int8", state_dtypes=dict(INT8_STATES), **fields)
     if name not in STATE_DTYPES:
-        raise ValueError(f"optimizer states {name!r}: one of {', '.join(STATE_DTYPES)}")
+        raise ValueError(f"optimizer states {name!r}: one of {', '.join(STATE_CHOICES)}")
     dtype = STATE_DTYPES[name]
     return OptimizerPolicy(**fields, state_dtypes={"exp_avg": dtype, "exp_avg_sq": dtype})
 

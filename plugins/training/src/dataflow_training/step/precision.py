@@ -18,6 +18,11 @@ stochastic rounding because it is deterministic (a resumed run repeats the losse
 bit, with no random stream to checkpoint or to replay inside a CUDA graph) and because the
 same update with a float32 compensation is exactly ``mixed``.
 
+``--optimizer-states int8`` (a pin, beside ``--dtype``) keeps AdamW's moments block-wise
+in 8 bits (``optim.blockwise8``; the update ``adamw_int8``, plain, uncompensated): a byte
+each plus a float32 scale per 256 elements, 2.03 bytes a parameter for both moments
+where float32 keeps 8. Only AdamW has an 8-bit update; another optimizer refuses it.
+
 ``mixed`` is the same update with a float32 compensation: ``weight + compensation`` is
 then a float32 master weight bit for bit (the compensation holds its low half; the
 kernel's doc says why the sum is exact), so the update reads the float32 master and
@@ -41,8 +46,18 @@ from typing import Any
 import attrs
 
 from dataflow import DTYPE_BYTES
-from dataflow_training.step.config import STATE_DTYPES, DtypePolicy, OptimizerPolicy
+from dataflow_training.optim.int8_blocks import BLOCK
+from dataflow_training.step.config import (
+    INT8_STATES,
+    STATE_CHOICES,
+    STATE_DTYPES,
+    DtypePolicy,
+    OptimizerPolicy,
+)
 from dataflow_training.step.optimizers import optimizer_spec
+
+#: the update that keeps ``--optimizer-states int8`` (``optim.adamw_int8``)
+INT8_UPDATE = "adamw_int8"
 
 #: ``--precision``'s named policies, ``auto`` aside
 NAMES = ("bf16", "bf16-plain", "mixed", "fp32")
@@ -69,6 +84,12 @@ class Precision:
         the policy's state dtype (or the field's own), updated plainly: a policy with a
         compensation (``bf16``, ``mixed``) is a ValueError saying which would work."""
         args = dict(args or {})
+        if self.optimizer == INT8_UPDATE and optimizer != "adamw":
+            raise ValueError(
+                f"--optimizer-states int8 keeps AdamW's two moments block-wise in 8 bits; "
+                f"--optimizer {optimizer} has no 8-bit update: use --optimizer-states fp32 "
+                "or bf16 with it"
+            )
         if optimizer == "adamw":
             return OptimizerPolicy(
                 name=self.optimizer, state_dtypes=dict(self.state_dtypes), args=args, **fields
@@ -83,10 +104,18 @@ class Precision:
         return OptimizerPolicy(name=optimizer, state_dtypes=states, args=args, **fields)
 
     @property
-    def bytes_per_param(self) -> int:
-        """Bytes per trainable parameter of weights + gradients + optimizer state."""
-        states = sum(DTYPE_BYTES[d] for d in self.state_dtypes.values())
-        return DTYPE_BYTES[self.dtype.param] + DTYPE_BYTES[self.dtype.grad] + states
+    def bytes_per_param(self) -> float:
+        """Bytes per trainable parameter of weights + gradients + optimizer state (int8
+        moments: a byte each plus a float32 scale per block, ``int8_blocks.BLOCK``; a
+        whole number for every other policy)."""
+        return DTYPE_BYTES[self.dtype.param] + DTYPE_BYTES[self.dtype.grad] + self.state_bytes
+
+    @property
+    def state_bytes(self) -> float:
+        """Bytes per trainable parameter of optimizer state."""
+        if self.optimizer == INT8_UPDATE:
+            return 2 + 2 * DTYPE_BYTES["float32"] / BLOCK
+        return sum(DTYPE_BYTES[d] for d in self.state_dtypes.values())
 
     def describe(self, optimizer: str = "adamw") -> str:
         """``precision bf16 (bf16 weights/grads/activations, bf16 AdamW moments and
@@ -108,10 +137,12 @@ class Precision:
         if "compensation" in states:
             comp = states["compensation"]
             state += " + fp32 master" if comp == "fp32" else f" + {comp} compensation"
-        return f"precision {self.name} ({compute}, {state}; {self.bytes_per_param} B/param)"
+        return f"precision {self.name} ({compute}, {state}; {round(self.bytes_per_param, 2):g} B/param)"
 
 
 def _policy(name: str, dtype: str, states: str, compensation: str | None) -> Precision:
+    if states == "int8":
+        return Precision(name, DtypePolicy.named(dtype), INT8_UPDATE, dict(INT8_STATES))
     fields = {"exp_avg": STATE_DTYPES[states], "exp_avg_sq": STATE_DTYPES[states]}
     if compensation is None:
         return Precision(name, DtypePolicy.named(dtype), "adamw", fields)
@@ -141,9 +172,12 @@ def precision(
     that differs from its own is a ValueError naming both options."""
     if name not in CHOICES:
         raise ValueError(f"--precision {name!r}: one of {', '.join(CHOICES)}")
-    for option, value in (("--dtype", dtype), ("--optimizer-states", states)):
-        if value is not None and value not in STATE_DTYPES:
-            raise ValueError(f"{option} {value!r}: one of {', '.join(STATE_DTYPES)}")
+    for option, value, known in (
+        ("--dtype", dtype, STATE_DTYPES),
+        ("--optimizer-states", states, STATE_CHOICES),
+    ):
+        if value is not None and value not in known:
+            raise ValueError(f"{option} {value!r}: one of {', '.join(known)}")
     if name == "auto":
         if dtype is None and states is None:
             name = "bf16" if device.startswith("cuda") else "fp32"
