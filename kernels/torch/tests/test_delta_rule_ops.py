@@ -88,6 +88,10 @@ def test_mismatched_heads_are_refused():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fla_agrees_with_the_reference_on_cuda(dtype):
     pytest.importorskip("fla")
+    from dataflow_kernels_torch.plugin import _fla_runs
+
+    if not _fla_runs():  # the variant is not registered with this Triton
+        pytest.skip("fla refuses this Triton on Hopper (its issue #640); no fla variant")
     from dataflow_kernels_torch.delta_rule import (
         gated_delta_rule_bwd_fla,
         gated_delta_rule_fwd_fla,
@@ -113,3 +117,23 @@ def test_fla_agrees_with_the_reference_on_cuda(dtype):
         torch.testing.assert_close(
             a.float(), b.float(), **tolerance, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+def test_the_fla_variant_is_left_out_with_a_triton_fla_refuses(monkeypatch):
+    """fla 0.6 raises at its first gated backward on Hopper with Triton 3.4.0 .. 3.7.0
+    (seen on the device): such a Triton registers no fla variant, others do."""
+    from dataflow_kernels_torch import plugin
+
+    assert plugin._release("3.5.1+git1234") == (3, 5, 1)
+    assert plugin._release("3.7") == (3, 7)
+    found = {"fla", "einops", "triton"}
+    monkeypatch.setattr(
+        plugin.importlib.util, "find_spec", lambda name: object() if name in found else None
+    )
+    for version, runs in (("3.3.1", True), ("3.4.0", False), ("3.6.0", False), ("3.7.1", True)):
+        monkeypatch.setattr(plugin.importlib.metadata, "version", lambda _name, v=version: v)
+        assert plugin._fla_runs() is runs, version
+        names = {v.name for v in plugin._delta_rule_variants()}
+        assert ("fla" in names) is runs
+    found.add("tilelang")  # fla then runs its backward on tilelang
+    assert plugin._fla_runs()

@@ -53,6 +53,7 @@ repeated runs).
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 from collections.abc import Callable
 from typing import Any
@@ -320,6 +321,31 @@ def _sparse_attention_variants() -> list[KernelVariant]:
 #: what ``fla``'s gated delta rule imports: its variant is registered only where all are
 #: installed (the device gets them as wheels in .whl/, installed without dependencies)
 _FLA_NEEDS = ("fla", "einops", "triton")
+#: the Tritons fla 0.6 refuses to run its gated backward with on Hopper (its issue #640:
+#: wrong results in ``chunk_bwd_dqkwg``) unless tilelang is installed: it raises
+#: RuntimeError at the first backward (seen on the device's H100, session 30)
+_FLA_BAD_TRITON = ((3, 4, 0), (3, 7, 1))
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``3.5.1+git...`` -> (3, 5, 1)."""
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _fla_runs() -> bool:
+    """fla and what it imports installed, and no Triton fla refuses (``_FLA_BAD_TRITON``;
+    judged without asking which GPU this is, so a non-Hopper GPU with such a Triton keeps
+    the torch variant too)."""
+    if not all(importlib.util.find_spec(name) for name in _FLA_NEEDS):
+        return False
+    if importlib.util.find_spec("tilelang"):
+        return True
+    low, high = _FLA_BAD_TRITON
+    return not low <= _release(importlib.metadata.version("triton")) < high
 
 
 def _delta_rule_variants() -> list[KernelVariant]:
@@ -327,7 +353,8 @@ def _delta_rule_variants() -> list[KernelVariant]:
     ``torch``, pure torch in 64-token chunks, any device; ``reference``, the recurrence
     token by token with its backward by hand; ``fla``, flash-linear-attention's Triton
     kernels, CUDA only and registered only where ``fla`` and what it imports are
-    installed (a device without them keeps the torch variant)."""
+    installed and it runs with the installed Triton (``_fla_runs``; a device without them
+    keeps the torch variant)."""
     variants = []
     for op in ("gated_delta_rule_fwd", "gated_delta_rule_bwd"):
         variants += [
@@ -349,7 +376,7 @@ def _delta_rule_variants() -> list[KernelVariant]:
                 "by hand (every token's state kept)",
             ),
         ]
-        if all(importlib.util.find_spec(name) for name in _FLA_NEEDS):
+        if _fla_runs():
             variants.append(
                 KernelVariant(
                     op,
