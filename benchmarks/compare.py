@@ -138,9 +138,7 @@ class Bench:
 
     def have(self, engine: str, dtype: str, budget: int | None) -> bool:
         """Whether the document already holds this row measured (``--append``)."""
-        key = row_key(
-            {"model": self.model, "engine": engine, "dtype": dtype, "budget_bytes": budget}
-        )
+        key = row_key(make_row(self.model, engine, dtype, budget, seq_len=self.args.seq_len))
         return not self.args.redo and any(
             row_key(r) == key and r["tok_s"] is not None for r in self.doc["rows"]
         )
@@ -150,6 +148,8 @@ class Bench:
         return min(seconds, self.deadline - time.monotonic())
 
     def record(self, row: dict[str, Any], details: dict[str, Any]) -> None:
+        if row["seq_len"] is None:  # every row of this command trains at --seq-len
+            row["seq_len"] = self.args.seq_len
         key = row_key(row)
         now = time.monotonic()
         spent, self.mark = now - self.mark, now
@@ -176,7 +176,11 @@ class Bench:
         rows = [
             r
             for r in self.doc["rows"]
-            if r["model"] == self.model and r["budget_bytes"] is None and r["tok_s"]
+            if r["model"] == self.model
+            and r["budget_bytes"] is None
+            and r["tok_s"]
+            and r["mode"] == "full"
+            and r["seq_len"] == self.args.seq_len
         ]
         rows = [r for r in rows if engines is None or r["engine"] in engines]
         return max(rows, key=lambda r: r["tok_s"], default=None)

@@ -2,9 +2,10 @@
 PyTorch? Issue 49's rows: the example `examples/rl_training` (`PolicyTrainer`: the update
 lowered from the engine's hidden states, planned by PressureFit into ``--budget``, run by
 the engine) against a stock update of the same model and batch (the transformers model,
-``torch.compile``, fused AdamW, the whole batch's logits at once), both float32. Writes
-``benchmarks/results/rl_update.json``: rows with compare.py's fields plus ``"mode": "rl"``
-(merge them into ``results/compare.json`` once its table takes a mode).
+``torch.compile``, fused AdamW, the whole batch's logits at once), both float32 (the
+example's update has no bf16 policy yet). Its rows go into ``benchmarks/results/compare.json``
+with ``"mode": "rl"`` and the rollouts' length as ``seq_len``, so each is rated against the
+stock RL row of its length; ``--doc docs/throughput.md`` rewrites the tables.
 
 The rollouts are synthetic but shaped as an engine writes them: random prompts and
 completions, the hidden states and behaviour log-probs of one forward of the policy (what
@@ -13,7 +14,7 @@ Each measured step is one update; the first ``--warmup`` are not timed (the stoc
 compiles there). On the device::
 
     source benchmarks/device_setup.sh && pip install -q -e examples/rl_training
-    python -m benchmarks.rl_update --preset l3_1b --budget 4GiB --budget 16GiB
+    python -m benchmarks.rl_update --preset l3_1b --budget 4GiB --budget 16GiB --doc docs/throughput.md
 
 (on the CPU, for a check of the script: ``--family llama3 --preset llama3_tiny --rows 8
 --prompt-len 8 --completion-len 8 --budget 4MiB --device cpu --no-compile``).
@@ -33,10 +34,18 @@ from dataflow_rl_example import PolicyTrainer, Rollouts, UpdateOptions
 from dataflow_rl_example.standin import load_model
 from dataflow_training import load_family
 
+from benchmarks.harness.compare_doc import (
+    finish,
+    load_doc,
+    make_row,
+    row_key,
+    save_doc,
+    write_table,
+)
 from benchmarks.harness.measure import device_name, one_line, wall_steps
 from dataflow import parse_size
 
-RESULTS = Path("benchmarks/results/rl_update.json")
+RESULTS = Path("benchmarks/results/compare.json")
 
 
 def synthetic_rollouts(model: Any, args: argparse.Namespace, device: str) -> Rollouts:
@@ -88,22 +97,23 @@ def row(
     peak: Any,
     note=None,
 ) -> dict:
+    """A compare.py row (``compare_doc.make_row``) of ``mode`` ``rl``: tokens are the
+    rollouts' scored positions (prompt and completion less one), the step one update."""
     step_s = statistics.median(times) if times else None
-    tokens = args.rows * (args.prompt_len + args.completion_len - 1)
-    return {
-        "mode": "rl",
-        "model": args.preset,
-        "engine": engine,
-        "dtype": "fp32",
-        "budget_bytes": budget,
-        "batch": args.rows,
-        "tokens_per_step": tokens,
-        "tok_s": tokens / step_s if step_s else None,
-        "allocator_peak_bytes": peak,
-        "measured_step_s": step_s,
-        "device": device_name(args.device),
-        "note": note,
-    }
+    seq = args.prompt_len + args.completion_len
+    return make_row(
+        args.preset,
+        engine,
+        "fp32",
+        budget,
+        seq_len=seq,
+        mode="rl",
+        batch=args.rows,
+        tokens_per_step=args.rows * (seq - 1),
+        measured_step_s=step_s,
+        allocator_peak_bytes=peak,
+        note=note,
+    )
 
 
 def main() -> None:
@@ -120,6 +130,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--no-compile", action="store_true", help="stock row without torch.compile")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--doc",
+        type=Path,
+        default=None,
+        help="rewrite the tables of this page (docs/throughput.md)",
+    )
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
 
@@ -174,13 +190,15 @@ def main() -> None:
         rows.append(row(args, engine, None, [], None, note=one_line(error)))
     print(json.dumps(rows[-1]))
 
-    found = json.loads(args.out.read_text()) if args.out.is_file() else {"rows": []}
-    keys = {(r["model"], r["engine"], r["budget_bytes"]) for r in rows}
-    found["rows"] = [
-        r for r in found["rows"] if (r["model"], r["engine"], r["budget_bytes"]) not in keys
-    ] + rows
-    args.out.write_text(json.dumps(found, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    doc = load_doc(args.out)
+    keys = {row_key(r) for r in rows}
+    doc["rows"] = [r for r in doc["rows"] if row_key(r) not in keys] + rows
+    entry = doc["meta"]["models"].setdefault(args.preset, {"family": args.family})
+    entry |= {"device": device_name(args.device), "torch": torch.__version__}
+    save_doc(args.out, finish(doc))
+    if args.doc is not None:
+        write_table(doc, args.doc)
+    print(f"wrote {args.out}" + (f" and the tables of {args.doc}" if args.doc else ""))
 
 
 if __name__ == "__main__":

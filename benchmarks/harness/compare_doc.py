@@ -3,13 +3,16 @@ the fastest stock row, and the Markdown table of docs/throughput.md.
 
 ``{"rows": [...], "meta": {...}}``. A row has exactly the fields of issue 13 plus ``model``
 (the preset it trains) and ``note`` (why a row is missing or what went wrong on the way);
-rows are keyed by ``model|engine|dtype|budget_bytes``, so the runs of several models merge
-into one file; ``meta.models`` keeps per model its family, sequence length, FLOPs per
+every row carries the ``seq_len`` it trained at and its ``mode`` (``full``: pretraining's
+step; ``lora``: adapters on a frozen base; ``rl``: a policy update from rollouts); rows are
+keyed by ``model|engine|dtype|budget_bytes|seq_len|mode``, so the runs of several models,
+sequence lengths and modes merge into one file; ``meta.models`` keeps per model its family, sequence length, FLOPs per
 token and the run that last measured it; ``meta.row_details`` keeps, per row key, what the
 table's "limited by" column and a reader need beyond the row: the link's busy share, the
 batch search, the rounds. Each row's ``ratio_to_fastest_stock`` is against the fastest
-stock row of the same model. A file written before rows had ``model`` is read as the
-GPT-2 run it was (``LEGACY_MODEL``).
+stock row of the same model, sequence length and mode. A file written before rows had
+``model`` is read as the GPT-2 run it was (``LEGACY_MODEL``); one written before rows had
+``seq_len`` and ``mode`` gets its model's sequence length (``meta.models``) and ``full``.
 
 **Limited by** (derived from the measurements): ``compute`` when compute idle is at most
 ``IDLE_COMPUTE_PCT`` of the step. Otherwise, for a step replayed from a CUDA graph, ``host``
@@ -35,6 +38,8 @@ FIELDS = (
     "engine",
     "dtype",
     "budget_bytes",
+    "seq_len",
+    "mode",
     "batch",
     "tokens_per_step",
     "tok_s",
@@ -63,11 +68,22 @@ MODEL_META = (
     "peak_source",
 )
 RUN_META = ("date", "device", "torch")
+#: what a row's step trains (``mode``): pretraining's full step, LoRA adapters on a frozen
+#: base, an RL policy update from rollouts
+MODES = ("full", "lora", "rl")
 ENGINE_ORDER = ("pytorch eager", "pytorch compile", "pytorch", "deepspeed", "dataflow")
 
 
 def row_key(row: dict[str, Any]) -> str:
-    return f"{row['model']}|{row['engine']}|{row['dtype']}|{row['budget_bytes']}"
+    return (
+        f"{row['model']}|{row['engine']}|{row['dtype']}|{row['budget_bytes']}"
+        f"|{row['seq_len']}|{row['mode']}"
+    )
+
+
+def group_of(row: dict[str, Any]) -> tuple[str, int | None, str]:
+    """The rows a row is rated against: same model, sequence length and mode."""
+    return (row["model"], row["seq_len"], row["mode"])
 
 
 def make_row(
@@ -76,6 +92,8 @@ def make_row(
     dtype: str,
     budget_bytes: int | None,
     *,
+    seq_len: int | None = None,
+    mode: str = "full",
     batch: int | None = None,
     tokens_per_step: int | None = None,
     measured_step_s: float | None = None,
@@ -90,6 +108,8 @@ def make_row(
     """A row with exactly the issue's fields plus ``note``: tok/s from the measured step,
     MFU from tok/s x model FLOPs per token / the device's peak (None when either is
     unknown). ``ratio_to_fastest_stock`` is filled by ``finish``."""
+    if mode not in MODES:
+        raise ValueError(f"a row's mode is one of {', '.join(MODES)}, not {mode!r}")
     tok_s = tokens_per_step / measured_step_s if tokens_per_step and measured_step_s else None
     mfu = tok_s * flops_token / peak if tok_s and flops_token and peak else None
     return {
@@ -97,6 +117,8 @@ def make_row(
         "engine": engine,
         "dtype": dtype,
         "budget_bytes": budget_bytes,
+        "seq_len": seq_len,
+        "mode": mode,
         "batch": batch,
         "tokens_per_step": tokens_per_step,
         "tok_s": tok_s,
@@ -128,7 +150,7 @@ def searched_row(
     if best is None:
         failures = "; ".join(f"batch {b}: {v}" for b, v in search.tried.items())
         note = note or f"no batch ran ({failures})"
-        return make_row(model, engine, dtype, None, note=note), details
+        return make_row(model, engine, dtype, None, seq_len=seq_len, note=note), details
     activity, step_s = best["activity"], best["step_s"]
     if activity is not None:
         details |= {"kernel_s": activity.kernel_s, "link_busy_pct": link_busy_pct(activity, step_s)}
@@ -137,6 +159,7 @@ def searched_row(
         engine,
         dtype,
         None,
+        seq_len=seq_len,
         batch=best["batch"],
         tokens_per_step=best["batch"] * seq_len,
         measured_step_s=step_s,
@@ -149,22 +172,32 @@ def searched_row(
     return row, details
 
 
-def fastest_stock(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Each model's fastest stock (budget-free) row's tokens/s."""
-    fastest: dict[str, float] = {}
+def fastest_by_group(rows: list[dict[str, Any]]) -> dict[tuple, float]:
+    """Each group's (``group_of``) fastest stock (budget-free) row's tokens/s."""
+    fastest: dict[tuple, float] = {}
     for row in rows:
         if row["budget_bytes"] is None and row["tok_s"]:
-            fastest[row["model"]] = max(fastest.get(row["model"], 0.0), row["tok_s"])
+            group = group_of(row)
+            fastest[group] = max(fastest.get(group, 0.0), row["tok_s"])
+    return fastest
+
+
+def fastest_stock(rows: list[dict[str, Any]], mode: str = "full") -> dict[str, float]:
+    """Each model's fastest stock (budget-free) row's tokens/s among its rows of ``mode``."""
+    fastest: dict[str, float] = {}
+    for (model, _, of_mode), tok_s in fastest_by_group(rows).items():
+        if of_mode == mode:
+            fastest[model] = max(fastest.get(model, 0.0), tok_s)
     return fastest
 
 
 def finish(doc: dict[str, Any]) -> dict[str, Any]:
-    """Sort the rows (by model, then engine) and set every row's ratio to the fastest stock
-    (budget-free) row of its model."""
+    """Sort the rows (by model, then mode, sequence length and engine) and set every row's
+    ratio to the fastest stock (budget-free) row of its group (``group_of``)."""
     rows = doc["rows"]
-    fastest = fastest_stock(rows)
+    fastest = fastest_by_group(rows)
     for row in rows:
-        best = fastest.get(row["model"])
+        best = fastest.get(group_of(row))
         row["ratio_to_fastest_stock"] = row["tok_s"] / best if best and row["tok_s"] else None
     models = list(doc["meta"].get("models", {}))
 
@@ -174,6 +207,8 @@ def finish(doc: dict[str, Any]) -> dict[str, Any]:
         return (
             model,
             row["model"],
+            MODES.index(row["mode"]),
+            row["seq_len"] or 0,
             family,
             row["engine"],
             row["dtype"],
@@ -202,12 +237,35 @@ def load_doc(path: Path) -> dict[str, Any]:
 def upgrade(doc: dict[str, Any]) -> None:
     """Rows without ``model`` are the GPT-2 run of ``meta.preset`` (``LEGACY_MODEL``): give
     them the field, key their details by model too, and move the model's meta fields
-    under ``meta.models``."""
+    under ``meta.models``; rows without ``seq_len`` and ``mode`` get them."""
     meta = doc["meta"]
-    models = meta.setdefault("models", {})
+    meta.setdefault("models", {})
     legacy = [row for row in doc["rows"] if "model" not in row]
-    if not legacy and not any(field in meta for field in MODEL_META):
-        return
+    if legacy or any(field in meta for field in MODEL_META):
+        _upgrade_models(doc)
+    _upgrade_modes(doc)
+
+
+def _upgrade_modes(doc: dict[str, Any]) -> None:
+    """Rows without ``seq_len`` and ``mode``: their model's sequence length and ``full``,
+    their details keyed anew."""
+    models, details = doc["meta"]["models"], doc["meta"].get("row_details", {})
+    for i, row in enumerate(doc["rows"]):
+        if "mode" in row:
+            continue
+        old_key = f"{row['model']}|{row['engine']}|{row['dtype']}|{row['budget_bytes']}"
+        seq_len = models.get(row["model"], {}).get("seq_len")
+        new = {k: row[k] for k in ("model", "engine", "dtype", "budget_bytes")}
+        new |= {"seq_len": seq_len, "mode": "full"}
+        doc["rows"][i] = row = new | {k: v for k, v in row.items() if k not in new}
+        if old_key in details:
+            details[row_key(row)] = details.pop(old_key)
+
+
+def _upgrade_models(doc: dict[str, Any]) -> None:
+    """Rows without ``model``: the GPT-2 run of ``meta.preset`` (``upgrade``)."""
+    meta = doc["meta"]
+    models = meta["models"]
     model = meta.get("preset", LEGACY_MODEL)
     entry = models.setdefault(model, {})
     for field in MODEL_META:
@@ -224,7 +282,7 @@ def upgrade(doc: dict[str, Any]) -> None:
         old_key = f"{row['engine']}|{row['dtype']}|{row['budget_bytes']}"
         doc["rows"][i] = row = {"model": model} | row
         if old_key in details:
-            details[row_key(row)] = details.pop(old_key)
+            details[f"{model}|{old_key}"] = details.pop(old_key)
 
 
 def save_doc(path: Path, doc: dict[str, Any]) -> None:
@@ -269,7 +327,7 @@ def render_table(doc: dict[str, Any], model: str) -> str:
     """The Markdown table of ``model``'s rows (the order of ``finish``)."""
     details = doc["meta"].get("row_details", {})
     head = (
-        "| engine | dtype | budget | batch | tokens/step | tok/s | MFU | vs fastest stock "
+        "| engine | mode | seq | dtype | budget | batch | tokens/step | tok/s | MFU | vs fastest stock "
         "| allocator peak | moved/step | compute idle | predicted s/step | measured s/step "
         "| measured/predicted | limited by | note |"
     )
@@ -287,6 +345,8 @@ def render_table(doc: dict[str, Any], model: str) -> str:
             ratio = row["measured_step_s"] / row["predicted_step_s"]
         cells = [
             row["engine"],
+            row["mode"],
+            _number(row["seq_len"], 0),
             row["dtype"],
             "none" if row["budget_bytes"] is None else _size(row["budget_bytes"]),
             batch,
@@ -314,7 +374,8 @@ def render_table(doc: dict[str, Any], model: str) -> str:
     lines.append("")
     lines.append(
         f"{meta.get('device', '?')}, torch {meta.get('torch', '?')}, {meta.get('date', '?')}; "
-        f"{model}, seq {meta.get('seq_len', '?')}; {against}."
+        f"{model}; {against}; each row rated against the fastest stock row of its mode and "
+        "sequence length."
     )
     return "\n".join(lines) + "\n"
 

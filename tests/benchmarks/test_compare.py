@@ -25,6 +25,8 @@ ISSUE_FIELDS = [
     "engine",
     "dtype",
     "budget_bytes",
+    "seq_len",
+    "mode",
     "batch",
     "tokens_per_step",
     "tok_s",
@@ -71,17 +73,20 @@ def test_every_row_kind_is_written_with_exactly_the_issues_fields(first_run) -> 
     out, _ = first_run
     doc = json.loads(out.read_text())
     rows = by_key(doc)
-    eager = rows["gpt2_tiny|pytorch eager|bf16|None"]
-    compiled = rows["gpt2_tiny|pytorch compile|bf16|None"]
+    eager = rows["gpt2_tiny|pytorch eager|bf16|None|32|full"]
+    compiled = rows["gpt2_tiny|pytorch compile|bf16|None|32|full"]
     fastest_engine = "eager" if eager["tok_s"] > compiled["tok_s"] else "compile"
-    assert set(rows) == {
-        "gpt2_tiny|pytorch eager|bf16|None",
-        "gpt2_tiny|pytorch compile|bf16|None",
-        f"gpt2_tiny|pytorch {fastest_engine} + checkpointing|bf16|None",  # follows the fastest
-        "gpt2_tiny|deepspeed zero-offload|bf16+fp32-master|None",
-        f"gpt2_tiny|dataflow|bf16|{4 * 2**20}",
-        "gpt2_tiny|dataflow|bf16|1024",
-    }
+    assert (
+        set(rows)
+        == {
+            "gpt2_tiny|pytorch eager|bf16|None|32|full",
+            "gpt2_tiny|pytorch compile|bf16|None|32|full",
+            f"gpt2_tiny|pytorch {fastest_engine} + checkpointing|bf16|None|32|full",  # follows the fastest
+            "gpt2_tiny|deepspeed zero-offload|bf16+fp32-master|None|32|full",
+            f"gpt2_tiny|dataflow|bf16|{4 * 2**20}|32|full",
+            "gpt2_tiny|dataflow|bf16|1024|32|full",
+        }
+    )
     for row in doc["rows"]:
         assert list(row) == ISSUE_FIELDS
     fastest = max(r["tok_s"] for r in doc["rows"] if r["budget_bytes"] is None and r["tok_s"])
@@ -100,24 +105,26 @@ def test_every_row_kind_is_written_with_exactly_the_issues_fields(first_run) -> 
     # the stock rows' tricks, resolved (no cut_cross_entropy here: torch's loss)
     tricks = {"vocab_multiple": 64, "tf32": True, "compile_mode": None, "fused_ce": "torch"}
     assert meta["stock_tricks"] == tricks
-    assert meta["row_details"]["gpt2_tiny|pytorch eager|bf16|None"]["stock_tricks"] == tricks
+    assert (
+        meta["row_details"]["gpt2_tiny|pytorch eager|bf16|None|32|full"]["stock_tricks"] == tricks
+    )
 
 
 def test_dataflow_rows_come_from_the_engine_and_say_why_a_budget_has_none(first_run) -> None:
     out, _ = first_run
     doc = json.loads(out.read_text())
     rows = by_key(doc)
-    fit = rows[f"gpt2_tiny|dataflow|bf16|{4 * 2**20}"]
+    fit = rows[f"gpt2_tiny|dataflow|bf16|{4 * 2**20}|32|full"]
     assert fit["tokens_per_step"] >= 128 and fit["note"] is None
     assert fit["predicted_step_s"] > 0 and 0 <= fit["compute_idle_pct"] < 100
     assert fit["moved_bytes_per_step"] > 0  # this lowering starts W and O in slow memory
-    details = doc["meta"]["row_details"][f"gpt2_tiny|dataflow|bf16|{4 * 2**20}"]
+    details = doc["meta"]["row_details"][f"gpt2_tiny|dataflow|bf16|{4 * 2**20}|32|full"]
     assert fit["batch"] * details["rounds"] * 32 == fit["tokens_per_step"]
     assert all(loss > 0 for loss in details["losses"])
-    none = rows["gpt2_tiny|dataflow|bf16|1024"]
+    none = rows["gpt2_tiny|dataflow|bf16|1024|32|full"]
     assert none["tok_s"] is None and none["note"].startswith("1 KiB: no batch plans here")
     assert "the smallest budget that works is" in none["note"]
-    deepspeed = rows["gpt2_tiny|deepspeed zero-offload|bf16+fp32-master|None"]
+    deepspeed = rows["gpt2_tiny|deepspeed zero-offload|bf16+fp32-master|None|32|full"]
     try:
         import deepspeed as _  # noqa: F401
     except ImportError:
@@ -136,15 +143,15 @@ def test_append_merges_new_rows_and_skips_rows_it_has(first_run, tmp_path) -> No
     assert compare.main([*args, "--out", str(copy), "--doc", str(page_copy)]) == 0
     after = json.loads(copy.read_text())
     old, new = by_key(before), by_key(after)
-    by_layer = f"gpt2_tiny|dataflow by layer|mixed|{4 * 2**20}"
-    assert set(new) == set(old) | {f"gpt2_tiny|dataflow|mixed|{4 * 2**20}", by_layer}
+    by_layer = f"gpt2_tiny|dataflow by layer|mixed|{4 * 2**20}|32|full"
+    assert set(new) == set(old) | {f"gpt2_tiny|dataflow|mixed|{4 * 2**20}|32|full", by_layer}
     assert new[by_layer]["tok_s"] > 0
     assert after["meta"]["row_details"][by_layer]["order"] == "layer"
     # the eager row was already measured: kept as it was, not run again
-    key = "gpt2_tiny|pytorch eager|bf16|None"
+    key = "gpt2_tiny|pytorch eager|bf16|None|32|full"
     assert new[key]["measured_step_s"] == old[key]["measured_step_s"]
     assert len(after["meta"]["runs"]) == len(before["meta"]["runs"]) + 1
-    assert "dataflow | mixed | 4 MiB" in page_copy.read_text()
+    assert "dataflow | full | 32 | mixed | 4 MiB" in page_copy.read_text()
 
 
 def test_table_only_renders_every_row_between_the_markers(first_run, tmp_path) -> None:
@@ -179,7 +186,9 @@ def test_a_row_with_other_fields_is_refused(tmp_path) -> None:
     path = tmp_path / "compare.json"
     row = compare_doc.make_row("m", "pytorch eager", "bf16", None) | {"extra": 1}
     path.write_text(json.dumps({"rows": [row], "meta": {}}))
-    with pytest.raises(ValueError, match=r"row m\|pytorch eager\|bf16\|None has fields"):
+    with pytest.raises(
+        ValueError, match=r"row m\|pytorch eager\|bf16\|None\|None\|full has fields"
+    ):
         compare_doc.load_doc(path)
 
 

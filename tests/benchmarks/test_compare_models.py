@@ -57,11 +57,38 @@ def test_ratios_are_against_the_fastest_stock_row_of_the_same_model() -> None:
     }
     compare_doc.finish(doc)
     ratios = {compare_doc.row_key(r): r["ratio_to_fastest_stock"] for r in doc["rows"]}
-    assert ratios["a|pytorch eager|bf16|None"] == pytest.approx(0.5)
-    assert ratios[f"a|dataflow|bf16|{2**30}"] == pytest.approx(0.75)
-    assert ratios[f"b|dataflow|bf16|{2**30}"] == pytest.approx(0.9)
-    assert ratios[f"c|dataflow|bf16|{2**30}"] is None
+    assert ratios["a|pytorch eager|bf16|None|None|full"] == pytest.approx(0.5)
+    assert ratios[f"a|dataflow|bf16|{2**30}|None|full"] == pytest.approx(0.75)
+    assert ratios[f"b|dataflow|bf16|{2**30}|None|full"] == pytest.approx(0.9)
+    assert ratios[f"c|dataflow|bf16|{2**30}|None|full"] is None
     assert [r["model"] for r in doc["rows"]] == ["b", "b", "a", "a", "a", "c"]  # meta order
+
+
+def test_a_row_is_rated_against_stock_of_its_own_mode_and_sequence_length() -> None:
+    """A LoRA or RL row against the stock row of that mode, a long-context row against
+    the stock row of its length: never against pretraining's stock at another length."""
+    doc = {
+        "rows": [
+            row("a", "pytorch compile", None, 200.0, seq_len=4096),
+            row("a", "dataflow", 2**30, 150.0, seq_len=4096),
+            row("a", "pytorch compile", None, 50.0, seq_len=32768),
+            row("a", "dataflow", 2**30, 45.0, seq_len=32768),
+            row("a", "pytorch compile", None, 100.0, seq_len=4096, mode="rl"),
+            row("a", "dataflow", 2**30, 95.0, seq_len=4096, mode="rl"),
+            row("a", "dataflow", 2**30, 80.0, seq_len=4096, mode="lora"),  # no stock: none
+        ],
+        "meta": {"models": {"a": {}}},
+    }
+    compare_doc.finish(doc)
+    ratios = {compare_doc.row_key(r): r["ratio_to_fastest_stock"] for r in doc["rows"]}
+    assert ratios[f"a|dataflow|bf16|{2**30}|4096|full"] == pytest.approx(0.75)
+    assert ratios[f"a|dataflow|bf16|{2**30}|32768|full"] == pytest.approx(0.9)
+    assert ratios[f"a|dataflow|bf16|{2**30}|4096|rl"] == pytest.approx(0.95)
+    assert ratios[f"a|dataflow|bf16|{2**30}|4096|lora"] is None
+    assert compare_doc.fastest_stock(doc["rows"]) == {"a": 200.0}
+    assert [r["mode"] for r in doc["rows"]] == ["full"] * 4 + ["lora", "rl", "rl"]
+    with pytest.raises(ValueError, match="mode is one of full, lora, rl"):
+        row("a", "dataflow", None, 1.0, mode="sft")
 
 
 def test_one_table_per_model_each_with_its_own_rows() -> None:
@@ -73,12 +100,13 @@ def test_one_table_per_model_each_with_its_own_rows() -> None:
     first, second = text.split("### b\n")
     assert first.startswith("### a\n") and "| pytorch compile |" in first
     assert "| dataflow |" not in first and "| dataflow |" in second
-    assert "a, seq 7" in first and "b, seq 9" in second
+    assert "| a |" not in first  # the model is the heading, not a column
 
 
 def test_a_file_from_before_models_is_the_gpt2_run_it_was(tmp_path) -> None:
     legacy = compare_doc.make_row("x", "pytorch compile", "bf16", None)
-    legacy.pop("model")
+    for field in ("model", "seq_len", "mode"):  # none of them then
+        legacy.pop(field)
     meta = {
         "preset": "gpt2_124m",
         "family": "gpt2",
@@ -93,7 +121,9 @@ def test_a_file_from_before_models_is_the_gpt2_run_it_was(tmp_path) -> None:
     doc = compare_doc.load_doc(path)
     (only,) = doc["rows"]
     assert list(only) == list(compare_doc.FIELDS) and only["model"] == "gpt2_124m"
-    assert doc["meta"]["row_details"] == {"gpt2_124m|pytorch compile|bf16|None": {"kernel_s": 0.5}}
+    assert only["seq_len"] == 1024 and only["mode"] == "full"
+    details = doc["meta"]["row_details"]
+    assert details == {"gpt2_124m|pytorch compile|bf16|None|1024|full": {"kernel_s": 0.5}}
     entry = doc["meta"]["models"]["gpt2_124m"]
     assert entry["seq_len"] == 1024 and entry["peak_flops"] == 2.0
     assert entry["device"] == "NVIDIA H200"
@@ -191,11 +221,11 @@ def test_llama3_rows_append_beside_gpt2_rows(tmp_path) -> None:
     rows = {compare_doc.row_key(r): r for r in doc["rows"]}
     gpt2 = {k for k in rows if k.startswith("gpt2_124m|")}
     assert gpt2 == {compare_doc.row_key(r) for r in before["rows"] if r["model"] == "gpt2_124m"}
-    stock_row = rows["llama3_tiny|pytorch eager|bf16|None"]
-    flow = rows[f"llama3_tiny|dataflow|bf16|{4 * 2**20}"]
+    stock_row = rows["llama3_tiny|pytorch eager|bf16|None|32|full"]
+    flow = rows[f"llama3_tiny|dataflow|bf16|{4 * 2**20}|32|full"]
     assert stock_row["ratio_to_fastest_stock"] == 1.0
     assert flow["ratio_to_fastest_stock"] == pytest.approx(flow["tok_s"] / stock_row["tok_s"])
-    details = doc["meta"]["row_details"][f"llama3_tiny|dataflow|bf16|{4 * 2**20}"]
+    details = doc["meta"]["row_details"][f"llama3_tiny|dataflow|bf16|{4 * 2**20}|32|full"]
     assert 0 < details["pinned_bytes"] <= 64 * 2**20
     assert doc["meta"]["models"]["llama3_tiny"]["family"] == "llama3"
     text = page.read_text()
