@@ -31,6 +31,7 @@ from dataflow.registry import (
     KernelVariant,
     PlannerSpec,
     ResolverSpec,
+    TrainerKindSpec,
     UnknownNameError,
 )
 from dataflow.testing import tiny_chain
@@ -437,6 +438,7 @@ def test_hook_names_are_the_specs() -> None:
         "dataflow_optimizers",
         "dataflow_planners",
         "dataflow_resolvers",
+        "dataflow_trainer_kinds",
     ]
 
 
@@ -564,6 +566,23 @@ def test_hook_dataflow_planners(isolated_plugin_manager) -> None:
     isolated_plugin_manager(Planners())
     program = tiny_chain()
     assert plugins.planners().get("identity").plan(program, 1 << 20) is program
+
+
+def test_hook_dataflow_trainer_kinds(isolated_plugin_manager) -> None:
+    def open_trainer(options, *, device):
+        return ("trainer", options, device)
+
+    class Kinds:
+        @hookimpl
+        def dataflow_trainer_kinds(self):
+            return [TrainerKindSpec("echo", "a test kind", open_trainer, ("a",), ("b",))]
+
+    isolated_plugin_manager(Kinds())
+    spec = plugins.trainer_kinds().get("echo")
+    assert (spec.load_args, spec.step_args) == (("a",), ("b",))
+    assert spec.open({"a": 1}, device="cpu") == ("trainer", {"a": 1}, "cpu")
+    with pytest.raises(UnknownNameError, match="echo"):
+        plugins.trainer_kinds().get("rl-typo")
 
 
 def test_hook_dataflow_cli_commands(isolated_plugin_manager) -> None:

@@ -105,6 +105,7 @@ _HOMES = {
         "OptimizerSpec",
         "OptimizerArg",
         "StateField",
+        "TrainerKindSpec",
         "UnknownNameError",
     ),
     "dataflow.plugins": (
@@ -117,6 +118,7 @@ _HOMES = {
         "feeds",
         "planners",
         "optimizers",
+        "trainer_kinds",
     ),
     "dataflow.units": ("format_size", "parse_size"),
     "dataflow.durable": ("fsync_path",),

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         OptimizerSpec,
         PlannerSpec,
         ResolverSpec,
+        TrainerKindSpec,
     )
 
 hookspec = pluggy.HookspecMarker("dataflow")
@@ -103,6 +104,17 @@ def dataflow_optimizers() -> list[OptimizerSpec]:
     ``OptimizerSpec`` (``dataflow train --optimizer NAME`` picks one); its ``update`` runs
     once per optimizer task over the lists of a parameter group's tensors. Every plugin's
     result is collected (not firstresult).
+    """
+
+
+@hookspec
+def dataflow_trainer_kinds() -> list[TrainerKindSpec]:
+    """Kinds of update ``dataflow serve-trainer`` can serve (``load`` with ``"kind"``).
+
+    Called once per plugin manager, when the registries are collected. Returns a list of
+    ``TrainerKindSpec`` whose ``open(options, *, device)`` makes a trainer the server
+    drives verb by verb (an RL policy update on rollouts, say). Every plugin's result is
+    collected (not firstresult).
     """
 
 

@@ -42,6 +42,7 @@ from dataflow.registry import (
     Registry,
     RegistryKind,
     ResolverSpec,
+    TrainerKindSpec,
     check_name,
 )
 from dataflow.registry.report import PluginReport, PluginSource, Status
@@ -76,6 +77,7 @@ __all__ = [
     "planners",
     "resolvers",
     "set_default_plugin_manager",
+    "trainer_kinds",
 ]
 
 ENTRY_POINT_GROUP = "dataflow"
@@ -279,6 +281,9 @@ class DataflowPluginManager(pluggy.PluginManager):
     def optimizers(self) -> Registry[OptimizerSpec]:
         return self.registry("optimizers")
 
+    def trainer_kinds(self) -> Registry[TrainerKindSpec]:
+        return self.registry("trainer_kinds")
+
     def cli_commands(self) -> Registry[click.Command]:
         """The subcommands plugins add (``dataflow.cli.main.plugin_commands`` checks them
         against the builtins)."""
@@ -428,3 +433,7 @@ def planners() -> Registry[PlannerSpec]:
 
 def optimizers() -> Registry[OptimizerSpec]:
     return get_plugin_manager().optimizers()
+
+
+def trainer_kinds() -> Registry[TrainerKindSpec]:
+    return get_plugin_manager().trainer_kinds()

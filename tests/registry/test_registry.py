@@ -33,6 +33,7 @@ def test_every_registry_kind_is_a_hook_spec() -> None:
         "feeds",
         "planners",
         "optimizers",
+        "trainer_kinds",
         "cli_commands",
     ]
     assert hookspec.project_name == "dataflow"

@@ -17,6 +17,7 @@ from dataflow.registry.records import (
     PlannerSpec,
     ResolverSpec,
     StateField,
+    TrainerKindSpec,
     check_name,
 )
 from dataflow.registry.registry import Entry, FeedRegistry, KernelRegistry, Registry
@@ -39,6 +40,7 @@ __all__ = [
     "RegistryKind",
     "ResolverSpec",
     "StateField",
+    "TrainerKindSpec",
     "UnknownNameError",
     "check_name",
 ]

@@ -15,6 +15,7 @@ from dataflow.registry.records import (
     OptimizerSpec,
     PlannerSpec,
     ResolverSpec,
+    TrainerKindSpec,
 )
 
 
@@ -51,6 +52,9 @@ REGISTRY_KINDS: tuple[RegistryKind, ...] = (
     RegistryKind("feeds", "dataflow_feeds", FeedSpec, "feed scheme", _record_key),
     RegistryKind("planners", "dataflow_planners", PlannerSpec, "planner", _record_key),
     RegistryKind("optimizers", "dataflow_optimizers", OptimizerSpec, "optimizer", _record_key),
+    RegistryKind(
+        "trainer_kinds", "dataflow_trainer_kinds", TrainerKindSpec, "trainer kind", _record_key
+    ),
     RegistryKind("cli_commands", "dataflow_cli_commands", click.Command, "command", _command_key),
 )
 

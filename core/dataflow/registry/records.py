@@ -270,3 +270,24 @@ class OptimizerSpec:
 
     def defaults(self) -> dict[str, Any]:
         return {arg.name: arg.default for arg in self.arguments}
+
+
+@attrs.frozen
+class TrainerKindSpec:
+    """A kind of update ``dataflow serve-trainer`` can serve besides its own token-batch
+    step (``load`` with ``"kind": NAME``). ``open(options, *, device)`` makes the trainer
+    from ``load``'s fields (less ``kind``, ``device`` and ``resume``), raising
+    ``ValueError`` naming the field at fault; the trainer's methods are the protocol
+    ``dataflow_training.service.kinds.ServedTrainer`` (docs/engine_service.md).
+    ``load_args`` and ``step_args`` name the fields ``load`` and ``step`` take (a name
+    outside them is refused before ``open`` or ``step`` is called)."""
+
+    name: str = attrs.field(validator=_valid_name)
+    description: str = attrs.field(validator=_text)
+    open: Callable[..., Any] = attrs.field(validator=_callable)
+    load_args: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    step_args: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    @property
+    def key(self) -> str:
+        return self.name
