@@ -58,15 +58,18 @@ class TrainerClient:
             raise ServiceError(answer.get("error", "the server gave no reason"))
         return answer.get("result")
 
-    def load(self, preset: str, **options: Any) -> dict[str, Any]:
+    def load(self, preset: str | None = None, **options: Any) -> dict[str, Any]:
         """Compile ``preset``'s step and start its run (``options``: the ``load`` fields of
-        docs/engine_service.md: budget, batch, seq_len, rounds, lr, seed, init, resume...)."""
-        return self.call("load", preset=preset, **options)
+        docs/engine_service.md: budget, batch, seq_len, rounds, lr, seed, init, resume...;
+        ``kind="rl"`` and that kind's fields for an update a plugin serves)."""
+        return self.call("load", **({} if preset is None else {"preset": preset}), **options)
 
-    def step(self, path: str | Path, lr: float | None = None) -> dict[str, Any]:
-        """One optimizer update on the ``tokens`` batch file at ``path``."""
-        batch = {"kind": "tokens", "path": str(Path(path).resolve())}
-        return self.call("step", batch=batch, **({} if lr is None else {"lr": lr}))
+    def step(self, path: str | Path, lr: float | None = None, **args: Any) -> dict[str, Any]:
+        """One optimizer update on the batch at ``path``: a ``tokens`` batch file, or what
+        the loaded kind reads (a rollouts folder for ``rl``); ``args``: the kind's other
+        step fields (``kl_coef``...)."""
+        batch = {"path": str(Path(path).resolve())}  # the kind is the loaded run's
+        return self.call("step", batch=batch, **({} if lr is None else {"lr": lr}), **args)
 
     def save(self) -> dict[str, Any]:
         return self.call("save")

@@ -1,6 +1,7 @@
 """``ServedRun``: what a ``dataflow serve-trainer`` keeps alive between calls, one method
 per verb (docs/engine_service.md). It holds one ``TrainingRun`` over one ``CompiledStep``
-made at ``load``, in the server's run folder; each method takes a request's ``args`` and
+made at ``load``, in the server's run folder, or, for a ``load`` of another ``kind``, the
+``KindRun`` of a trainer a plugin provides (``service.kinds``); each method takes a request's ``args`` and
 returns its result (JSON), or raises a ``ProtocolError`` (or a ``ValueError`` of the run)
 whose message names the field at fault. Nothing here knows the socket.
 
@@ -33,12 +34,14 @@ from dataflow_training.drive.trainer import (
     plan_line,
 )
 from dataflow_training.service.batches import read_batch
+from dataflow_training.service.kinds import TOKENS, KindRun
 from dataflow_training.service.protocol import ProtocolError, field, no_other_fields
 from dataflow_training.service.weights_export import export_weights
 from dataflow_training.step.family import load_family
 
 #: ``load``'s fields: each with its type and default (None: ``TrainOptions``' own)
 LOAD_FIELDS: dict[str, tuple[type, Any]] = {
+    "kind": (str, TOKENS),
     "preset": (str, None),
     "family": (str, None),
     "init": (str, None),
@@ -73,6 +76,7 @@ class ServedRun:
     def __init__(self, out: Path, log: TextIO | None = None) -> None:
         self.out, self.log = Path(out), log or sys.stderr
         self.run: TrainingRun | None = None
+        self.kind_run: KindRun | None = None  # a plugin's kind of update, when loaded
         self.options: TrainOptions | None = None
         self.load_args: dict[str, Any] = {}
         self.family: Any = None
@@ -88,11 +92,20 @@ class ServedRun:
     # -- load ------------------------------------------------------------------------
     def load(self, args: dict[str, Any]) -> dict[str, Any]:
         """Compile the step of a preset in a budget and start (or resume) its run."""
-        if self.run is not None:
+        if self.run is not None or self.kind_run is not None:
+            what = self.options.preset if self.run is not None else self.kind_run.spec.name
             raise ProtocolError(
-                f"load: a run is loaded already ({self.options.preset}, step "
-                f"{self.run.updates}); shut this server down and start another to load again"
+                f"load: a run is loaded already ({what}, step {self._updates()}); shut this "
+                "server down and start another to load again"
             )
+        kind = field(args, "kind", str, TOKENS)
+        if kind != TOKENS:
+            resumed = self._checkpoint_to_resume(field(args, "resume", str, None))
+            self.kind_run = KindRun.open(kind, args, self.out, resumed, self.say)
+            self.load_args = self.kind_run.load_args
+            self.history = self.kind_run.history
+            answer = self.kind_run.describe()
+            return answer | {"resumed": None if resumed is None else str(resumed)}
         no_other_fields(args, tuple(LOAD_FIELDS), "load")
         given = {
             name: args.get(name, default) if kind is object else field(args, name, kind, default)
@@ -205,15 +218,28 @@ class ServedRun:
             "service": {"load": self.load_args},
         }
 
-    def _loaded(self, verb: str) -> TrainingRun:
+    def _loaded(self, verb: str) -> TrainingRun | KindRun:
+        if self.kind_run is not None:
+            return self.kind_run
         if self.run is None:
             raise ProtocolError(f"{verb}: no run is loaded (send load first)")
         return self.run
 
+    def _updates(self) -> int:
+        return self.kind_run.updates if self.kind_run is not None else self.run.updates
+
     # -- step ------------------------------------------------------------------------
     def step(self, args: dict[str, Any]) -> dict[str, Any]:
-        """One optimizer update over one batch per accumulation round."""
+        """One optimizer update over one batch per accumulation round (a plugin kind's:
+        over the batch its ``path`` names, with the kind's step fields)."""
         run = self._loaded("step")
+        if run is self.kind_run:
+            if os.environ.get(SLOW_STEP_ENV):
+                time.sleep(float(os.environ[SLOW_STEP_ENV]))
+            if self._profiler is None:
+                return run.step(args)
+            with self._profiler.step(run.updates + 1):
+                return run.step(args)
         no_other_fields(args, ("batch", "lr"), "step")
         lr = field(args, "lr", float, None)
         if lr is not None and not (math.isfinite(lr) and lr >= 0):
@@ -250,7 +276,7 @@ class ServedRun:
         """A checkpoint of the state now, as ``dataflow train`` writes them."""
         run = self._loaded("save")
         no_other_fields(args, (), "save")
-        path = self._saver.at(run.updates)
+        path = run.save() if run is self.kind_run else self._saver.at(run.updates)
         return {"step": run.updates, "checkpoint": str(path)}
 
     def restore(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -265,6 +291,10 @@ class ServedRun:
             raise ProtocolError(f"args.checkpoint: {path} is not a checkpoint folder")
         if self._profiler is not None:
             raise ProtocolError("restore: a profile window is open (send profile_stop first)")
+        if run is self.kind_run:
+            run.take(path)
+            self.history = run.history
+            return {"step": run.updates, "checkpoint": str(path)}
         manifest = run.restore(path)
         self.history = [tuple(x) for x in manifest.get("history", [])]
         self._metrics.close()
@@ -280,12 +310,16 @@ class ServedRun:
         folder = Path(field(args, "path", str, str(default)))
         changed_only = field(args, "changed_only", bool, False)
         shard = _size(args, "max_shard_size")
-        if not hasattr(self.family, "export_hf"):
-            raise ProtocolError(f"export_weights: family {self.options.family!r} has no HF export")
-        weights = run.weights()
-        config = self.family.config(self.options.preset, **self.options.overrides)
+        if run is self.kind_run:
+            family, config, weights = run.trainer.family, run.trainer.config, run.trainer.state()
+        else:
+            family, weights = self.family, run.weights()
+            config = family.config(self.options.preset, **self.options.overrides)
+        if not hasattr(family, "export_hf"):
+            name = getattr(family, "name", type(family).__name__)
+            raise ProtocolError(f"export_weights: family {name!r} has no HF export")
         record = export_weights(
-            self.family,
+            family,
             config,
             weights,
             folder,
@@ -315,8 +349,10 @@ class ServedRun:
             raise ProtocolError("profile_start: a profile window is open already")
         folder = Path(field(args, "folder", str, str(self.out / "profile")))
         window = ProfileWindow(run.updates + 1, OPEN_WINDOW, folder)
-        self._profiler = StepProfiler(window, run.device, self.log, self.options.graph)
-        cuda = run.device.startswith("cuda")
+        device = self._device()
+        graph = self.options.graph if self.options is not None else False
+        self._profiler = StepProfiler(window, device, self.log, graph)
+        cuda = device.startswith("cuda")
         return {"from_step": run.updates + 1, "folder": str(folder), "nvtx": cuda}
 
     def profile_stop(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -333,17 +369,25 @@ class ServedRun:
         return {"steps": profiler.steps, "trace": str(path)}
 
     # -- status ----------------------------------------------------------------------
+    def _device(self) -> str:
+        if self.kind_run is not None:
+            return str(self.kind_run.load_args.get("device", "cpu"))
+        return self.run.device
+
     def status(self, args: dict[str, Any]) -> dict[str, Any]:
         no_other_fields(args, (), "status")
-        run = self.run
+        run, kinded = self.run, self.kind_run
+        loaded = run is not None or kinded is not None
+        described = kinded.trainer.describe() if kinded is not None else {}
         return {
             "pid": os.getpid(),
             "out": str(self.out),
-            "loaded": run is not None,
-            "step": None if run is None else run.updates,
-            "family": None if run is None else self.options.family,
-            "preset": None if run is None else self.options.preset,
-            "device": None if run is None else run.device,
+            "loaded": loaded,
+            "kind": None if not loaded else TOKENS if kinded is None else kinded.spec.name,
+            "step": self._updates() if loaded else None,
+            "family": described.get("family") if run is None else self.options.family,
+            "preset": described.get("preset") if run is None else self.options.preset,
+            "device": self._device() if loaded else None,
             "last_loss": self.history[-1][1] if self.history else None,
             "profiling": self._profiler is not None,
             "checkpoints": [p.name for p in checkpoints(self.out)],
@@ -355,6 +399,8 @@ class ServedRun:
         if self._profiler is not None:
             self._profiler.close()
             self._profiler = None
+        if self.kind_run is not None:
+            saved = self.kind_run.close(save)
         if self.run is not None:
             if save:
                 saved = str(self._saver.at(self.run.updates))
