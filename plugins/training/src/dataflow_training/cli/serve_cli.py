@@ -53,7 +53,8 @@ TOKEN_ENV = "DATAFLOW_SERVE_TOKEN"
 def serve_trainer_command(out, socket_path, tcp, token, save_on_exit) -> None:
     """Keep one compiled training step and its weights alive between calls, served on a
     local socket (one client at a time): load, step, save, restore, export_weights,
-    profile_start, profile_stop, status, shutdown."""
+    profile_start, profile_stop, status, shutdown. A token-batch step, or an update kind a
+    plugin registers (load's kind: rl, with the RL example installed)."""
     if tcp is not None:
         if socket_path is not None:
             raise click.UsageError("--socket and --tcp: one of them")

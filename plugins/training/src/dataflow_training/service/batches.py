@@ -10,8 +10,9 @@ seq_len), checked against the step before the run's state is touched. One kind n
   (rounds, batch, ...), for a step of several accumulation rounds. Targets equal to -100
   are ignored by the loss (``kit.IGNORE_INDEX``).
 
-RL rollouts (issue 49 item 1) add a kind here: a reader of their own fields that returns
-the rounds, and nothing else of the service changes.
+Another batch of this step (token ids some other way) adds a kind here: a reader of its
+own fields that returns the rounds. An update of another shape (an RL policy update on
+rollouts) is a trainer kind a plugin registers instead (``service.kinds``).
 """
 
 from __future__ import annotations
