@@ -31,6 +31,9 @@ from dataflow_training.service.protocol import ProtocolError, field, no_other_fi
 TOKENS = "tokens"
 #: the ``load`` fields of every kind that the server reads itself
 SERVER_LOAD_FIELDS = ("kind", "device", "resume")
+#: the ``load`` fields a checkpoint need not share with the run that takes it up: where the
+#: run computes, and where its first weights came from (the checkpoint's replace them)
+UNCOMPARED = ("budget", "device", "init", "seed")
 
 
 class ServedTrainer(Protocol):
@@ -181,7 +184,7 @@ class KindRun:
 
     def take(self, path: Path) -> dict[str, Any]:
         """Continue from the checkpoint at ``path``: checked (checksums, its kind and its
-        load fields) before the trainer takes it up."""
+        load fields but ``UNCOMPARED``) before the trainer takes it up."""
         weights, optimizer, manifest, rng = read_checkpoint(path)
         if manifest.get("kind") != self.spec.name:
             raise ProtocolError(
@@ -190,7 +193,7 @@ class KindRun:
             )
         theirs = (manifest.get("service") or {}).get("load", {})
         for name in sorted(set(theirs) | set(self.load_args)):
-            if name in ("budget", "device") or theirs.get(name) == self.load_args.get(name):
+            if name in UNCOMPARED or theirs.get(name) == self.load_args.get(name):
                 continue
             raise ProtocolError(
                 f"args.checkpoint: {path} was loaded with {name}={theirs.get(name)!r}, this "
