@@ -116,7 +116,11 @@ def test_a_kind_steps_saves_restores_and_resumes(kinds, tmp_path):
     assert served.restore({"checkpoint": "auto"})["step"] == 2
     assert torch.equal(served.kind_run.trainer.w, torch.full((3,), 4.0))
     assert torch.equal(served.kind_run.trainer.m, torch.full((3,), 5.0))
+    window = served.profile_start({"folder": str(tmp_path / "profile")})
+    assert window["from_step"] == 3
     served.step({"batch": two, "lr": 1.0})
+    traced = served.profile_stop({})
+    assert traced["steps"] == [3] and Path(traced["trace"]).is_file()
     status = served.status({})
     assert (status["kind"], status["step"], status["last_loss"]) == ("counter", 3, 18.0)
     assert status["checkpoints"] == ["step_000002"]
