@@ -83,6 +83,21 @@ class Segments:
     def to(self, device: Any) -> Segments:
         return Segments(self.ids.to(device), self.positions.to(device))
 
+    def stacked(self) -> torch.Tensor:
+        """(2, batch, seq) int64: the ids, then the positions; what a lowered step with
+        segments holds a round's in (its ``S_s_r`` object, ``TrainConfig.segments``)."""
+        return torch.stack((self.ids, self.positions))
+
+    @classmethod
+    def of_stacked(cls, stacked: torch.Tensor) -> Segments:
+        """The segments of a ``stacked`` tensor, viewed, not copied nor checked again:
+        what a step's task reads (checked when the batch was fed, ``TrainingRun.step``;
+        a check here would wait on the device, and could not be captured in a graph)."""
+        made = object.__new__(cls)
+        object.__setattr__(made, "ids", stacked[0])
+        object.__setattr__(made, "positions", stacked[1])
+        return made
+
     @classmethod
     def dense(cls, batch: int, seq_len: int, device: Any = "cpu") -> Segments:
         """One sequence per row from position 0: what a batch is without segments."""
