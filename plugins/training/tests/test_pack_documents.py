@@ -102,3 +102,42 @@ def test_a_feed_that_marks_no_documents_is_one_line(tmp_path) -> None:
     (data / META).write_text(json.dumps({"kind": "bytes"}))
     result = invoke(*_args(tmp_path / "run", 1, "--data", f"shards:{data}", "--pack-documents"))
     assert_one_line_error(result, 1, "--pack-documents", f"shards:{data}", "marks no documents")
+
+
+@pytest.mark.gpu
+def test_a_packed_bf16_run_on_cuda_learns_and_resumes_exactly(small_files, tmp_path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    data = ("--data", f"text:{small_files}", "--pack-documents", "--device", "cuda")
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    whole = invoke(*_args(straight, 10, *data, "--budget", "64MiB"))
+    assert whole.exit_code == 0, whole.output
+    losses = [m["loss"] for m in _metrics(straight)]
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert invoke(*_args(out, 6, *data, "--budget", "64MiB")).exit_code == 0
+    resumed = invoke(*_args(out, 10, "--resume", "auto"))
+    assert resumed.exit_code == 0, resumed.output
+    # bf16 on CUDA: the same program and data; kernels may reduce in another order
+    again = [m["loss"] for m in _metrics(out)]
+    assert again == pytest.approx(losses, rel=1e-2)
+
+
+def test_predict_prices_the_packed_step(tmp_path) -> None:
+    """``dataflow predict --pack-documents``: the step with each round's segments,
+    priced as the dense step's work (its segments moved like its tokens)."""
+    grid = (
+        "predict", "--preset", "llama3_tiny", "--t-round", "512", "--tokens-step", "1024",
+        "--seq-len", "128", "--budget", "0.01", "--jobs", "1",
+    )  # fmt: skip
+    rows = []
+    for extra in ((), ("--pack-documents",)):
+        out = tmp_path / f"rows{len(extra)}.json"
+        result = invoke(*grid, *extra, "--json", str(out))
+        assert result.exit_code == 0, result.output
+        (row,) = json.loads(out.read_text())["rows"]
+        assert row["feasible"], row
+        rows.append(row)
+    dense, packed = rows
+    assert packed["step_s"] == pytest.approx(dense["step_s"], rel=0.05)
+    result = invoke("predict", "--preset", "llama3_tiny", "--budget", "1", "--pack-documents")
+    assert_one_line_error(result, 2, "--pack-documents predicts a grid")
