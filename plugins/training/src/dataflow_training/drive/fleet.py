@@ -114,6 +114,7 @@ class DealtFeed:
 
     def next_step(self) -> list[tuple[Any, ...]]:
         """This process's rounds of the next step, in the stream's order."""
+        # torch loads when a step is dealt: `dataflow train` reads this module without it
         from dataflow_training.kit.segments import packed_documents
 
         batches = []
