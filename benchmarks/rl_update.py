@@ -2,8 +2,9 @@
 PyTorch? Issue 49's rows: the example `examples/rl_training` (`PolicyTrainer`: the update
 lowered from the engine's hidden states, planned by PressureFit into ``--budget``, run by
 the engine) against a stock update of the same model and batch (the transformers model,
-``torch.compile``, fused AdamW, the whole batch's logits at once), both float32 (the
-example's update has no bf16 policy yet). Its rows go into ``benchmarks/results/compare.json``
+``torch.compile``, fused AdamW, the whole batch's logits at once), both in ``--dtype``
+(default bfloat16, the stock setup's fastest: pure bf16 weights with fused AdamW; the
+example keeps its moments and loss in float32). Its rows go into ``benchmarks/results/compare.json``
 with ``"mode": "rl"`` and the rollouts' length as ``seq_len``, so each is rated against the
 stock RL row of its length; ``--doc docs/throughput.md`` rewrites the tables.
 
@@ -104,7 +105,7 @@ def row(
     return make_row(
         args.preset,
         engine,
-        "fp32",
+        {"bfloat16": "bf16", "float32": "fp32"}[args.dtype],
         budget,
         seq_len=seq,
         mode="rl",
@@ -128,6 +129,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--no-compile", action="store_true", help="stock row without torch.compile")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
@@ -145,13 +147,18 @@ def main() -> None:
     state = family.reference_model(config).state_dict()
     folder = Path(tempfile.mkdtemp())
     family.export_hf(config, state, folder)
-    model = load_model(folder).to(args.device)
+    model = load_model(folder).to(args.device, getattr(torch, args.dtype))
     rollouts = synthetic_rollouts(model, args, args.device)
     rows = []
 
     for budget in args.budget or [None]:
         trainer = PolicyTrainer(
-            family, config, state, UpdateOptions(), budget_bytes=budget, device=args.device
+            family,
+            config,
+            state,
+            UpdateOptions(dtype=args.dtype),
+            budget_bytes=budget,
+            device=args.device,
         )
         try:
             if cuda:

@@ -142,8 +142,11 @@ def test_signatures_match_the_documented_ops(manager) -> None:
             "vocab=None)"
         ),
         "adamw": "(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay)",
-        "attention_fwd": "(q, k, v, *, causal, scale=None, window=None, mask=None)",
-        "attention_bwd": "(dout, q, k, v, out, lse, *, causal, scale=None, window=None, mask=None)",
+        "attention_fwd": "(q, k, v, *, causal, scale=None, window=None, mask=None, segments=None)",
+        "attention_bwd": (
+            "(dout, q, k, v, out, lse, *, causal, scale=None, window=None, mask=None, "
+            "segments=None)"
+        ),
         "layer_norm_fwd": "(x, weight, bias, eps)",
         "layer_norm_bwd": "(dy, x, mean, rstd, weight, bias)",
         "rms_norm_fwd": "(x, weight, eps)",

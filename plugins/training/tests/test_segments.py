@@ -129,3 +129,32 @@ def test_an_attention_part_that_takes_no_segments_refuses_them() -> None:
     env = Env(load_ops("cpu"), segments=Segments.dense(1, 4))
     with pytest.raises(ValueError, match="FusedQKVAttention does not take segments"):
         Block(FusedQKVAttention())._segments(env)
+
+
+def test_rows_of_consecutive_documents_from_their_starts() -> None:
+    from dataflow_training.kit import packed_documents
+
+    starts = torch.tensor(
+        [
+            [False, False, True, False, False, True, True, False, False],
+            [True, False, False, False, False, False, False, False, True],
+        ]
+    )
+    tokens = torch.arange(16).view(2, 8)
+    targets = tokens + 1
+    tokens, kept, segments = packed_documents(tokens, targets, starts)
+    # the row's first tokens (a document the row cut) from 0; each document from its start
+    assert segments.ids.tolist() == [[0, 0, 1, 1, 1, 2, 3, 3], [1, 1, 1, 1, 1, 1, 1, 1]]
+    assert segments.positions.tolist() == [[0, 1, 0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7]]
+    # no target across a boundary: the token before each start predicts nothing (the
+    # last column's start is the token after the row's)
+    ignored = kept == IGNORE_INDEX
+    assert ignored.tolist() == [
+        [False, True, False, False, True, True, False, False],
+        [False, False, False, False, False, False, False, True],
+    ]
+    assert torch.equal(kept[~ignored], targets[~ignored])
+    with pytest.raises(ValueError, match=r"starts \(2, 8\) must be \(batch, seq_len \+ 1\)"):
+        packed_documents(tokens, targets, starts[:, :-1])
+    with pytest.raises(ValueError, match="starts must be a \\(batch, seq\\) bool tensor"):
+        Segments.from_starts(torch.zeros(2, 3, dtype=torch.int64))

@@ -135,16 +135,25 @@ def generate(
     click.echo(f"wrote {rollouts.rows} rollouts of {rollouts.length} tokens to {out}")
 
 
-def _options(loss: str, kl_coef: float, clip: float, weight_decay: float) -> Any:
+def _options(loss: str, kl_coef: float, clip: float, weight_decay: float, dtype: str) -> Any:
     from dataflow_rl_example.program import UpdateOptions
 
-    return UpdateOptions(loss=loss, clip_eps=clip, kl=kl_coef > 0, weight_decay=weight_decay)
+    return UpdateOptions(
+        loss=loss, clip_eps=clip, kl=kl_coef > 0, weight_decay=weight_decay, dtype=dtype
+    )
 
 
 LOSS = click.option("--loss", type=click.Choice(["grpo", "ppo"]), default="grpo", show_default=True)
 KL = click.option("--kl-coef", type=click.FloatRange(min=0), default=0.0, show_default=True)
 CLIP = click.option("--clip", type=click.FloatRange(min=0), default=0.2, show_default=True)
 DECAY = click.option("--weight-decay", type=click.FloatRange(min=0), default=0.0, show_default=True)
+DTYPE = click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help="parameters, gradients and activations (AdamW's moments stay float32)",
+)
 
 
 @main.command()
@@ -157,8 +166,9 @@ DECAY = click.option("--weight-decay", type=click.FloatRange(min=0), default=0.0
 @KL
 @CLIP
 @DECAY
+@DTYPE
 @click.option("--budget", type=BUDGET, help="fast-memory budget (default: keep everything)")
-def update(family, model, rollouts, out, lr, loss, kl_coef, clip, weight_decay, budget):
+def update(family, model, rollouts, out, lr, loss, kl_coef, clip, weight_decay, dtype, budget):
     """One policy update: plan it into the budget, run it, write the new weights."""
     from safetensors.torch import load_file, save_file
 
@@ -177,7 +187,7 @@ def update(family, model, rollouts, out, lr, loss, kl_coef, clip, weight_decay, 
         found,
         config,
         state,
-        _options(loss, kl_coef, clip, weight_decay),
+        _options(loss, kl_coef, clip, weight_decay, dtype),
         budget_bytes=budget,
         optimizer_state=load_file(saved) if saved.is_file() else None,
     )
@@ -201,7 +211,8 @@ def update(family, model, rollouts, out, lr, loss, kl_coef, clip, weight_decay, 
 @KL
 @CLIP
 @DECAY
-def lower(family, model, rollouts, output, loss, kl_coef, clip, weight_decay):
+@DTYPE
+def lower(family, model, rollouts, output, loss, kl_coef, clip, weight_decay, dtype):
     """Write the bare program of an update (for `dataflow plan --resolver rl-update`)."""
     from dataflow_training.kit import CheckpointError, read_config
 
@@ -219,7 +230,7 @@ def lower(family, model, rollouts, output, loss, kl_coef, clip, weight_decay):
         rows=batch.rows,
         length=batch.length,
         hidden_layers=batch.hidden_layers,
-        options=_options(loss, kl_coef, clip, weight_decay),
+        options=_options(loss, kl_coef, clip, weight_decay, dtype),
     )
     output.write_text(step.program.to_json())
     click.echo(f"wrote {output}: {len(step.program.tasks)} tasks")

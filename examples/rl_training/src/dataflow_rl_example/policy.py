@@ -159,7 +159,8 @@ class PolicyTrainer:
         }
         if self.options.kl:
             batch["ref"] = rollouts.ref_logprobs[:, 1:].float()
-        batch |= {f"h_{layer}": hidden.float() for layer, hidden in rollouts.hidden.items()}
+        dtype = getattr(torch, self.options.dtype)
+        batch |= {f"h_{layer}": hidden.to(dtype) for layer, hidden in rollouts.hidden.items()}
         return {name: t.contiguous() for name, t in batch.items() if name in _ids(step)}
 
     def _stats(self) -> dict[str, float]:
@@ -176,7 +177,8 @@ class PolicyTrainer:
             for oid, group in step.param_objects(layer).items():
                 views = step.packings[oid].views(engine.fetch(oid))
                 for p in group.params:
-                    self._state[f"{layer.name}.{p.name}"] = views[p.name][: p.rows].clone()
+                    view = views[p.name][: p.rows]
+                    self._state[f"{layer.name}.{p.name}"] = view.to(torch.float32, copy=True)
                 self._moments["O" + oid[1:]] = engine.fetch("O" + oid[1:])
 
     def state(self) -> dict[str, torch.Tensor]:

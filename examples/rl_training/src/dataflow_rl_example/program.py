@@ -37,7 +37,10 @@ from dataflow import Link, Links, Obj, Program, Task, TensorMeta
 from dataflow_rl_example.loss import LOSSES
 from dataflow_rl_example.packing import Packing
 
-DTYPE = "float32"  # this example keeps parameters, activations and moments in float32
+#: the dtypes parameters, their gradients and activations may have (``UpdateOptions.dtype``);
+#: the AdamW moments, the rollouts' log-probs and rewards and the stats are float32 always
+DTYPES = ("float32", "bfloat16")
+STATE = "float32"  # the moments' and the rollouts' scalars' dtype
 
 
 @attrs.frozen
@@ -50,6 +53,9 @@ class UpdateOptions:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    #: parameters, gradients and activations: float32, or bfloat16 (the update's own math
+    #: in float32 where it matters: log-probs and loss, AdamW's moments and step)
+    dtype: str = attrs.field(default="float32")
     chunk_tokens: int = 1024
     flops_per_us: float = 20_000.0
 
@@ -57,6 +63,11 @@ class UpdateOptions:
     def _loss(self, attribute: attrs.Attribute, value: str) -> None:
         if value not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {value!r}")
+
+    @dtype.validator
+    def _dtype(self, attribute: attrs.Attribute, value: str) -> None:
+        if value not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {value!r}")
 
     def as_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -89,12 +100,11 @@ def param_object(layer: Any, group: Any) -> str:
     return f"W_{layer.name}" + (f".{group.name}" if group.name else "")
 
 
-def _spec_dtype(spec: Any) -> str:
-    return DTYPE if spec.dtype == "policy" else spec.dtype
-
-
-def _named(specs: Any) -> Packing:
-    return Packing.of((spec.name, _spec_dtype(spec), spec.shape) for spec in specs)
+def _named(specs: Any, dtype: str) -> Packing:
+    """The packing of ``specs``, the family's ``"policy"`` dtype as ``dtype``."""
+    return Packing.of(
+        (spec.name, dtype if spec.dtype == "policy" else spec.dtype, spec.shape) for spec in specs
+    )
 
 
 def lower_update(
@@ -132,34 +142,35 @@ def lower_update(
         objects.append(Obj(oid, packing.size_bytes, role, location, packing.meta()))
 
     final: dict[str, str] = {"stats": "slow"}
+    dtype = options.dtype
     for layer in layers:
         for oid, group in ((param_object(layer, g), g) for g in layer.groups):
             trainable = [p for p in group.params if p.trainable]
-            add_packed(oid, "param", _named(group.params))
-            add_packed("d" + oid, "grad", _named(trainable))
-            moments = [(f"{m}.{p.name}", DTYPE, p.shape) for m in ("m", "v") for p in trainable]
+            add_packed(oid, "param", _named(group.params, dtype))
+            add_packed("d" + oid, "grad", _named(trainable, dtype))
+            moments = [(f"{m}.{p.name}", STATE, p.shape) for m in ("m", "v") for p in trainable]
             add_packed("O" + oid[1:], "opt_state", Packing.of(moments))
             final |= {oid: "slow", "O" + oid[1:]: "slow"}
 
     hidden = family.hidden_shape(config, rows, seq)
-    for name, dtype in (("tokens", "int64"), ("targets", "int64"), ("scored", DTYPE)):
-        add(name, "data", dtype, (rows, seq))
-    add("behaviour", "data", DTYPE, (rows, seq))
+    for name, kind in (("tokens", "int64"), ("targets", "int64"), ("scored", STATE)):
+        add(name, "data", kind, (rows, seq))
+    add("behaviour", "data", STATE, (rows, seq))
     if options.kl:
-        add("ref", "data", DTYPE, (rows, seq))
-    add("rewards", "data", DTYPE, (rows,))
+        add("ref", "data", STATE, (rows, seq))
+    add("rewards", "data", STATE, (rows,))
     add("groups", "data", "int64", (rows,))
     for index in range(count + 1):
         role = "data" if index in handed else "activation"
-        add(f"h_{index}", role, DTYPE, hidden)
-        add(f"dh_{index}", "grad", DTYPE, hidden)
+        add(f"h_{index}", role, dtype, hidden)
+        add(f"dh_{index}", "grad", dtype, hidden)
     for index, block in enumerate(blocks):
         math = family.math(block.kind)
-        add_packed(f"A_{index}", "activation", _named(math.saved(config, rows, seq)))
+        add_packed(f"A_{index}", "activation", _named(math.saved(config, rows, seq), dtype))
         aux_temp = math.aux_temp(config, rows, seq)
         if aux_temp:
-            add_packed(f"T_{index}", "aux_temp", _named(aux_temp))
-    add("stats", "output", DTYPE, (len(STATS),))
+            add_packed(f"T_{index}", "aux_temp", _named(aux_temp, dtype))
+    add("stats", "output", STATE, (len(STATS),))
 
     rate = options.flops_per_us
 

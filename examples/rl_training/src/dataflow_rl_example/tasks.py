@@ -170,7 +170,9 @@ class Head(_Task):
             # d logp / d logits = onehot - softmax, in place of the log-probs
             d_logits = logp_all.exp_().mul_(-d_logp[:, None])
             d_logits.scatter_add_(1, target, d_logp[:, None])
-            d_hidden[chunk] = torch.mm(d_logits, weight[:vocab].float())
+            # in the weight's dtype: a float32 copy of a bfloat16 table per chunk would be
+            # the largest temporary of the update
+            d_hidden[chunk] = torch.mm(d_logits.to(weight.dtype), weight[:vocab]).float()
             d_weight[:vocab].addmm_(d_logits.T.to(d_weight.dtype), h.to(d_weight.dtype))
             clipped = (ratio - 1).abs() > options.clip_eps
             kl_sum = kl.detach().double().sum() if kl is not None else totals.new_zeros(())
@@ -218,13 +220,17 @@ class AdamW(_Task):
         options = self.step.options
         (beta1, beta2), lr, t = options.betas, float(ctx.values["lr"]), int(ctx.values["adam_step"])
         for name, grad in grads.items():
-            param, m, v = params[name], moments[f"m.{name}"], moments[f"v.{name}"]
+            stored, m, v = params[name], moments[f"m.{name}"], moments[f"v.{name}"]
+            # float32 math; a bfloat16 parameter is rounded once, when written back
+            param, grad = stored.float(), grad.float()
             if decays[name] and options.weight_decay:
                 param.mul_(1 - lr * options.weight_decay)
             m.lerp_(grad, 1 - beta1)
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             denom = (v / (1 - beta2**t)).sqrt_().add_(options.eps)
             param.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+            if param is not stored:  # .float() of a float32 tensor is the tensor itself
+                stored.copy_(param)
 
 
 def build(step: UpdateStep, device: str = "cpu") -> DictResolver:

@@ -19,7 +19,13 @@ import numpy as np
 from dataflow_feed_shards.errors import FeedError
 from dataflow_feed_shards.prepared import MANIFEST, check_listing, missing_target_error
 from dataflow_feed_shards.shard_format import read_shard
-from dataflow_feed_shards.tokenizing import BYTE_VOCAB, byte_tokens, saved_vocab
+from dataflow_feed_shards.tokenizing import (
+    BYTE_VOCAB,
+    LLMC_GPT2_EOT,
+    byte_tokens,
+    document_token,
+    saved_vocab,
+)
 
 #: What the text feed and ``data prepare`` read of a folder (recursively).
 TEXT_SUFFIXES = (
@@ -44,6 +50,19 @@ class Corpus:
     note: str = ""  # anything else describe() says (validation shards held out)
     #: what made the ids: "bytes", the absolute path of a tokenizer.json, or None (unknown)
     tokenizer: Path | str | None = "bytes"
+    #: the id that starts each document of shards (their tokenizer's ``<|endoftext|>``,
+    #: or llm.c's GPT-2 one), None where nothing marks them; a file is a document
+    document_token: int | None = None
+
+    @property
+    def documents(self) -> str | None:
+        """What delimits the corpus's documents (``TokenFeed.next_documents``), or None
+        where nothing does."""
+        if self.kind == "files":
+            return "each file a document"
+        if self.document_token is None:
+            return None
+        return f"a document starts at each token {self.document_token} and at each shard"
 
     @property
     def total_tokens(self) -> int:
@@ -97,9 +116,12 @@ def shard_corpus(location: str, split: str = "train") -> Corpus:
     other = "validation" if split == "train" else "training"
     note = f"{others} {other} shard(s) left out" if others else ""
     saved = saved_vocab(folder)
+    eot = document_token(saved[2]) if saved is not None else None
     if saved is None:
         vocab_size = max((int(shard.max()) for shard in tokens if shard.size), default=-1) + 1
         saved = vocab_size, "max token id + 1 over the shards: no tokenizer saved beside them", None
+        llmc_gpt2 = all(shard.dtype == np.uint16 for shard in tokens)
+        eot = LLMC_GPT2_EOT if llmc_gpt2 and vocab_size == LLMC_GPT2_EOT + 1 else None
     return Corpus(
         "shards",
         folder,
@@ -110,6 +132,7 @@ def shard_corpus(location: str, split: str = "train") -> Corpus:
         tokens,
         note,
         saved[2],
+        eot,
     )
 
 

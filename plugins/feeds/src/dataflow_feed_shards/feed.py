@@ -10,6 +10,11 @@ tokens ``b*S .. b*S+S`` of the window, its targets the same shifted by one. When
 goes up and the position starts at 0 of the next order (the short tail is skipped).
 
 The position is ``(epoch, position)``: the stream offset of the next step's first token.
+
+``next_documents`` is ``next`` with where its documents start (``dataflow train
+--pack-documents``): a text or embedded corpus's files are its documents; a set of
+shards' documents start at their tokenizer's ``<|endoftext|>`` (and at each shard: the
+pieces of a stream are shuffled). It reads the same tokens and moves the position alike.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import numpy as np
 
 from dataflow_feed_shards.corpus import Corpus
 from dataflow_feed_shards.errors import FeedError
+from dataflow_feed_shards.tokenizing import END_OF_TEXT
 
 STATE_FORMAT = "dataflow-feed/1"
 #: A saved state lists every piece (name, tokens) up to this many; beyond, only a hash.
@@ -118,19 +124,57 @@ class TokenFeed:
 
     def next(self) -> tuple[Any, Any]:
         """(tokens, targets): int64 (batch, seq_len) CPU tensors, targets shifted by one."""
+        return self._next(documents=False)
+
+    @property
+    def documents(self) -> str | None:
+        """What delimits this feed's documents (``next_documents``), or None where
+        nothing does (bytes shards, shards of an unknown tokenizer)."""
+        return self.corpus.documents
+
+    def next_documents(self) -> tuple[Any, Any, Any]:
+        """(tokens, targets, starts): ``next()``'s batch, and ``starts`` bool (batch,
+        seq_len + 1), True at a token that begins a document; its last column is the
+        token after the row's last (its last target). A feed whose documents nothing
+        delimits (``documents`` None) refuses, naming the spec."""
+        if self.documents is None:
+            raise FeedError(
+                f"{self.spec}: nothing marks its documents (its tokenizer, "
+                f"{self.corpus.tokenizer or 'unknown'}, has no {END_OF_TEXT} token the "
+                "feed knows): it cannot give where documents start"
+            )
+        return self._next(documents=True)
+
+    def _next(self, documents: bool) -> tuple[Any, ...]:
         import torch
 
         if self._position + self._step_tokens + 1 > self.corpus.total_tokens:
             self._epoch, self._position = self._epoch + 1, 0
         self._arrange(self._epoch)
         rows = self.batch * self.seq_len
-        window = self._read(self._position + self.rank * rows, rows + 1)
+        start = self._position + self.rank * rows
+        window = self._read(start, rows + 1)
         self._position += self._step_tokens
         shape = (self.batch, self.seq_len)
-        return (
+        batch = (
             torch.from_numpy(window[:-1].reshape(shape)),
             torch.from_numpy(window[1:].reshape(shape).copy()),
         )
+        if not documents:
+            return batch
+        starts = self._starts(start, window)
+        rows_of = np.arange(self.batch)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+        return (*batch, torch.from_numpy(starts[rows_of]))
+
+    def _starts(self, start: int, window: np.ndarray) -> np.ndarray:
+        """Whether each token of ``window`` (from stream offset ``start``) begins a
+        document: a piece's first token, or the corpus's document token."""
+        offsets = start + np.arange(window.size)
+        piece_starts = np.concatenate(([0], self._ends[:-1]))
+        starts = np.isin(offsets, piece_starts)
+        if self.corpus.document_token is not None:
+            starts |= window == self.corpus.document_token
+        return starts
 
     # -- position ----------------------------------------------------------------------
 

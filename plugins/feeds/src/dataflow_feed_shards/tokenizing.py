@@ -23,6 +23,9 @@ TOKENIZER_JSON = "tokenizer.json"
 BYTE_VOCAB = 256
 #: The document separator a BPE learns as a special token (id 0 when trained here).
 END_OF_TEXT = "<|endoftext|>"
+#: llm.c's GPT-2 shards (version 1, no tokenizer saved beside them) start every document
+#: with GPT-2's ``<|endoftext|>``, the last of its 50,257 ids
+LLMC_GPT2_EOT = 50256
 
 
 def byte_tokens(data: bytes) -> np.ndarray:
@@ -50,6 +53,15 @@ def saved_vocab(folder: Path) -> tuple[int, str, Path | str | None] | None:
     if json_path.is_file():
         return load_tokenizer(json_path).get_vocab_size(), TOKENIZER_JSON, tokenizer
     return None
+
+
+def document_token(tokenizer: Path | str | None) -> int | None:
+    """The id that starts each document in shards made with ``tokenizer`` (a
+    ``tokenizer.json``: its ``<|endoftext|>``, which ``data prepare`` puts before every
+    file), or None: bytes mark no documents, and an unknown tokenizer says nothing."""
+    if not isinstance(tokenizer, Path):
+        return None
+    return load_tokenizer(tokenizer).token_to_id(END_OF_TEXT)
 
 
 def _read_json(path: Path) -> Any:

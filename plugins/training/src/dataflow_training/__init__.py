@@ -29,7 +29,7 @@ _HOMES = {
     "dataflow_training.step.optimizers": ("OptimizerSpec", "optimizer_spec"),
     "dataflow_training.step.precision": ("precision", "Precision"),
     "dataflow_training.step.family": ("load_family",),
-    "dataflow_training.kit.segments": ("Segments",),
+    "dataflow_training.kit.segments": ("Segments", "packed_documents"),
     "dataflow_training.step.lowering": ("lower", "Lowered"),
     "dataflow_training.step.layout": ("StepLayout",),
     "dataflow_training.drive.values": ("start_values", "read_state"),

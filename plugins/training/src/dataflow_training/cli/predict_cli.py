@@ -204,6 +204,12 @@ def _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders, vo
     help="with --ranks: the ranks share one host (nvlink) or are on several (network)",
 )
 @click.option(
+    "--pack-documents",
+    is_flag=True,
+    help="a grid (--t-round) of dataflow train --pack-documents' step: each round's "
+    "segments, priced as the dense step's work",
+)
+@click.option(
     "--jobs",
     default=None,
     type=click.IntRange(min=1),
@@ -230,6 +236,7 @@ def predict_command(
     device,
     ranks,
     scope,
+    pack_documents,
     jobs,
 ) -> None:
     """Predict a grid of training steps from the simulator: one row per cell (with
@@ -237,8 +244,9 @@ def predict_command(
     dataflow train, its choice and runner-up."""
 
     if t_rounds is None:
-        if ranks is not None:
-            raise click.UsageError("--ranks predicts a grid: give --t-round too")
+        if ranks is not None or pack_documents:
+            which = "--ranks" if ranks is not None else "--pack-documents"
+            raise click.UsageError(f"{which} predicts a grid: give --t-round too")
         source = click.get_current_context().get_parameter_source("hw")
         priced_by_hw = source is not ParameterSource.DEFAULT
         if not priced_by_hw and device is None and not measured and default_device() == "cpu":
@@ -265,6 +273,7 @@ def predict_command(
     orders = orders or ("round",)
     family, entry, backing = _setup(preset, family_name, hw, hw_files, backing)
     options: dict[str, Any] = {"recompute": recompute, "dtype": dtype, "states": optimizer_states}
+    options["segments"] = pack_documents
     options["precision"] = _checked_precision(precision)
     if ranks is not None:
         _check_scope(entry, scope)

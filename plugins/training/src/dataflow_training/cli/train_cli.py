@@ -227,6 +227,14 @@ def fleet_options(command: Any) -> Any:
     "steps take longer), torch (eager) elsewhere",
 )
 @click.option(
+    "--pack-documents/--no-pack-documents",
+    default=False,
+    help="rows hold several documents of the data, each apart: no attention across a "
+    "document's boundary, its positions from 0, no target across it (the data's "
+    "documents: a text or embedded feed's files, a shards feed's <|endoftext|>; the "
+    "family's attention must take segments); see docs/feeds.md",
+)
+@click.option(
     "--head-vocab-tiles/--no-head-vocab-tiles",
     default=False,
     help="(default: searched) make the head's weight gradient one vocabulary tile at a time: no float32 "

@@ -101,18 +101,28 @@ class DealtFeed:
     Every member reads the whole step (a round it does not own is read and dropped: the
     feed protocol has no skip, and a round of ``batch x seq_len`` tokens costs little
     beside a step), so every member's feed, and its ``state()``, is the one process's.
-    One process is the fleet of one: ``DealtFeed(feed, rounds, range(rounds))``."""
+    One process is the fleet of one: ``DealtFeed(feed, rounds, range(rounds))``.
 
-    def __init__(self, feed: Any, total: int, owned: range) -> None:
+    With ``documents`` (``dataflow train --pack-documents``) each round is read with
+    where its documents start (the feed's ``next_documents``: the same tokens, the same
+    position) and dealt as ``(tokens, targets, segments)`` (``kit.packed_documents``)."""
+
+    def __init__(self, feed: Any, total: int, owned: range, *, documents: bool = False) -> None:
         if not (0 <= owned.start < owned.stop <= total and owned.step == 1):
             raise ValueError(f"rounds {owned.start}..{owned.stop - 1} are not of 0..{total - 1}")
-        self.feed, self.total, self.owned = feed, total, owned
+        self.feed, self.total, self.owned, self.documents = feed, total, owned, documents
 
-    def next_step(self) -> list[tuple[Any, Any]]:
+    def next_step(self) -> list[tuple[Any, ...]]:
         """This process's rounds of the next step, in the stream's order."""
+        # torch loads when a step is dealt: `dataflow train` reads this module without it
+        from dataflow_training.kit.segments import packed_documents
+
         batches = []
         for round_ in range(self.total):
-            batch = self.feed.next()
+            if self.documents:
+                batch = packed_documents(*self.feed.next_documents())
+            else:
+                batch = self.feed.next()
             if round_ in self.owned:
                 batches.append(batch)
         return batches

@@ -50,6 +50,7 @@ from dataflow_training.drive.values import (
 )
 from dataflow_training.kit.lora import init_adapters
 from dataflow_training.kit.lora_base import stored_base
+from dataflow_training.kit.segments import Segments
 from dataflow_training.plan.compiled_step import (
     HOST_RESERVE_BYTES,
     CompiledStep,
@@ -58,7 +59,9 @@ from dataflow_training.plan.compiled_step import (
 )
 from dataflow_training.step.family import Family
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+#: one round's data: ``(tokens, targets)``, or ``(tokens, targets, segments)`` (a
+#: ``kit.Segments``, or None for one sequence per row) for a step with segments
+Batch = tuple[Any, ...]
 
 
 #: ``resolver_for``'s choice for "auto" on CUDA: each block kind's math compiled, what the
@@ -206,7 +209,10 @@ class TrainingRun:
         self, batches: Sequence[Batch], lr: float | None = None, *, dispatch: bool = False
     ) -> StepStats:
         """One optimizer update over ``batches``, one ``(tokens, targets)`` per
-        accumulation round, each int64 of shape (batch, seq_len). ``lr`` defaults to the
+        accumulation round, each int64 of shape (batch, seq_len); a step lowered with
+        segments (``TrainConfig.segments``) takes ``(tokens, targets, segments)``, the
+        segments a ``kit.Segments`` of that shape (None: one sequence per row, positions
+        from 0), checked here, once, before the step's tasks read them. ``lr`` defaults to the
         optimizer policy's; ``dispatch`` runs the step task by task even where a CUDA
         graph would replay it (``Engine.run``), so that ``last_result`` times every task."""
         batches = self._checked(batches)
@@ -244,14 +250,24 @@ class TrainingRun:
         )
 
     def _checked(self, batches: Sequence[Batch]) -> list[Batch]:
+        each = "(tokens, targets, segments)" if self.train.segments else "(tokens, targets)"
         if len(batches) != self.train.rounds:
             raise ValueError(
                 f"step got {len(batches)} batch(es); the step has {self.train.rounds} "
-                "accumulation round(s), one (tokens, targets) each"
+                f"accumulation round(s), one {each} each"
             )
         shape = (self.train.batch, self.train.seq_len)
         out = []
-        for r, (tokens, targets) in enumerate(batches):
+        for r, batch in enumerate(batches):
+            batch = tuple(batch)
+            if len(batch) == 3 and batch[2] is not None and not self.train.segments:
+                raise ValueError(
+                    f"round {r} has segments; this step was lowered without them "
+                    "(TrainConfig(segments=True) takes them)"
+                )
+            if len(batch) not in (2, 3):
+                raise ValueError(f"round {r} is {len(batch)} value(s); the step takes {each}")
+            tokens, targets = batch[:2]
             for name, t in (("tokens", tokens), ("targets", targets)):
                 if tuple(t.shape) != shape:
                     raise ValueError(
@@ -264,8 +280,29 @@ class TrainingRun:
                     f"round {r} tokens reach id {largest}; the model's vocabulary has "
                     f"{self.vocab_size} ids"
                 )
-            out.append((tokens.to(torch.int64), targets.to(torch.int64)))
+            checked = (tokens.to(torch.int64), targets.to(torch.int64))
+            if self.train.segments:
+                checked += (self._segments(r, batch[2] if len(batch) == 3 else None),)
+            out.append(checked)
         return out
+
+    def _segments(self, r: int, segments: Any) -> torch.Tensor:
+        """Round ``r``'s segments as the step's ``S`` object holds them (stacked), checked
+        against the step's shape; None is one sequence per row."""
+        shape = (self.train.batch, self.train.seq_len)
+        if segments is None:
+            segments = Segments.dense(*shape)
+        if not isinstance(segments, Segments):
+            raise ValueError(
+                f"round {r} segments are a {type(segments).__name__}; the step takes a "
+                "dataflow_training.Segments (or None)"
+            )
+        if segments.shape != shape:
+            raise ValueError(
+                f"round {r} segments have shape {segments.shape}; the step takes {shape} "
+                "(batch, seq_len)"
+            )
+        return segments.stacked().cpu()
 
     def _data(self, batches: list[Batch]) -> dict[str, torch.Tensor]:
         return data_values(self._data_objects, lambda _step, round_: batches[round_])

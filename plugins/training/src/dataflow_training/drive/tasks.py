@@ -23,6 +23,7 @@ import torch.distributed as dist
 from dataflow import LaunchContext, Program, Task
 from dataflow_training.kit.lora import task_seed, with_lora, with_seed
 from dataflow_training.kit.lora_base import OPS as BASE_OPS
+from dataflow_training.kit.segments import Segments
 from dataflow_training.step.family import Env, FamilyContractError, RowGradient
 from dataflow_training.step.keys import ComputeKeyError, parse
 from dataflow_training.step.layout import TaskSlot
@@ -190,6 +191,9 @@ class _Exec:
             # LoRA's dropout masks (kit.lora): one seed per update, round and layer, only
             # in a training step (an evaluation passes no update)
             ops = with_seed(ops, task_seed(update, self.slot.round_, self.layer_index))
+        segments = self.slot.inputs.get("segments")
+        if segments:  # the round's S object: ids, then positions (TrainConfig.segments)
+            fields["segments"] = Segments.of_stacked(self.buffer(ctx, segments[0]))
         return Env(
             ops,
             round_=self.slot.round_,

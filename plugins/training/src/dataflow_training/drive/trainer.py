@@ -193,6 +193,9 @@ class TrainOptions:
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     lora_base: str | None = None
+    #: rows hold several documents, each apart (``--pack-documents``: the step lowered
+    #: with ``TrainConfig.segments``, the feed read with ``next_documents``)
+    pack_documents: bool = False
 
     @property
     def policy(self) -> Precision:
@@ -229,6 +232,7 @@ class TrainOptions:
             head_vocab_tiles=self.head_vocab_tiles,
             freeze=self.freeze,
             lora=self.lora_config,
+            segments=self.pack_documents,
         )
 
     @property
@@ -389,7 +393,8 @@ def _train(
         began, recurse=False
     )
     rounds = _step_rounds(o, fleet)
-    dealt = DealtFeed(feed, rounds, range(o.rounds) if fleet is None else fleet.owned)
+    owned = range(o.rounds) if fleet is None else fleet.owned
+    dealt = DealtFeed(feed, rounds, owned, documents=o.pack_documents)
     sinks = _metrics_sinks(o, start, writes, progress, say)
     profiler = _profiler(o, start, out, say)
     _say_first_steps(compiled, start < o.steps, say)
@@ -508,6 +513,12 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
     if o.init is not None:
         o, init = _with_init(o, family)
     feed = open_feed(o)  # every member reads the one-process stream
+    if o.pack_documents and getattr(feed, "documents", None) is None:
+        raise ValueError(
+            f"--pack-documents: {o.data} marks no documents (its feed gives no "
+            "next_documents: bytes shards, or shards of a tokenizer without "
+            "<|endoftext|>); see docs/feeds.md"
+        )
     o, vocab_note = _with_vocab(o, family, feed, init, manifest)
     if o.device.startswith("cuda"):  # tens of seconds for a large model: said before the
         # search, which profiles first
@@ -578,7 +589,8 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
         history = [tuple(x) for x in manifest.get("history", [])]
     if fleet is not None:
         fleet.check_stream(feed.state())
-    say(f"data: {feed.describe()}" + (f"; {vocab_note}" if vocab_note else ""))
+    packed = f"; documents packed apart ({feed.documents})" if o.pack_documents else ""
+    say(f"data: {feed.describe()}" + (f"; {vocab_note}" if vocab_note else "") + packed)
     if init is not None:
         say(init.line if resumed is None else f"init: {o.init} not read (the run resumes)")
         tokenizer = Path(o.init) / "tokenizer.json"

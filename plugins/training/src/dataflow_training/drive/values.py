@@ -3,7 +3,9 @@ data, and the model state read back from the engine.
 
 A model state is ``{"<layer>.<param>": tensor}`` (the reference model's ``state_dict``
 keys). Parameter objects are filled from it, optimizer state and Aux start at zero, and
-each round's tokens and targets come from ``data(step, round_) -> (tokens, targets)``.
+each round's tokens and targets come from ``data(step, round_) -> (tokens, targets)``;
+a step with segments (``TrainConfig.segments``) takes ``(tokens, targets, segments)``,
+the segments stacked (``Segments.stacked``).
 
 This is where a vocabulary table stored padded (``TensorSpec.rows``) meets the state: the
 state holds the real rows, the object more; filling one copies the rows in over zeros,
@@ -24,19 +26,23 @@ from dataflow_training.step.layout import StepLayout
 from dataflow_training.step.lowering import Lowered
 from dataflow_training.step.packing import Layout
 
-Data = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+Data = Callable[[int, int], tuple[torch.Tensor, ...]]
+
+#: where each data role sits in what ``Data`` returns
+DATA_INDEX = {"tokens": 0, "targets": 1, "segments": 2}
 
 
 def data_values(
     data_objects: Mapping[str, tuple[int, str]], data: Data, step: int = 0
 ) -> dict[str, torch.Tensor]:
-    """``step``'s tokens and targets from ``data``, by object (``StepLayout.data_objects``)."""
-    rounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    """``step``'s tokens and targets (and segments) from ``data``, by object
+    (``StepLayout.data_objects``)."""
+    rounds: dict[int, tuple[torch.Tensor, ...]] = {}
     values = {}
     for obj_id, (round_, role) in data_objects.items():
         if round_ not in rounds:
             rounds[round_] = data(step, round_)
-        values[obj_id] = rounds[round_][0 if role == "tokens" else 1]
+        values[obj_id] = rounds[round_][DATA_INDEX[role]]
     return values
 
 
@@ -137,8 +143,7 @@ class StartValues(Mapping[str, torch.Tensor]):
             return self.given[obj_id]
         if self._roles[obj_id] == "data":
             round_, role = self._data[obj_id]
-            tokens, targets = self.data(self.step, round_)
-            return tokens if role == "tokens" else targets
+            return self.data(self.step, round_)[DATA_INDEX[role]]
         packed = self.layout.packed[obj_id]
         if packed.kind != "W":
             return packed_buffer(self.layout, obj_id)

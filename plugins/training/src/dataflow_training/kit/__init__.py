@@ -52,7 +52,7 @@ _HOMES = {
     ),
     "dataflow_training.kit.norms": ("Norm", "LayerNorm", "RMSNorm"),
     "dataflow_training.kit.rotary": ("Rope", "Llama3Scaling"),
-    "dataflow_training.kit.segments": ("Segments",),
+    "dataflow_training.kit.segments": ("Segments", "packed_documents"),
     "dataflow_training.kit.mlp": ("SwiGLUFFN", "SwiGLU", "GELUFFN"),
     "dataflow_training.kit.moe": (
         "RoutedExperts",

@@ -126,6 +126,14 @@ class Block:
     def aux_temp(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:
         return self.ffn.aux_temp(config, batch, seq_len)
 
+    def refuses_segments(self, config: Any) -> str | None:
+        """The part that takes no segments (``TrainConfig.segments``): the attention
+        where it is not ``SelfAttention``, else None (the lowering refuses a segmented
+        step of a kind that names one)."""
+        if isinstance(self.attention, SelfAttention):
+            return None
+        return f"attention {type(self.attention).__name__}"
+
     def _segments(self, env: Env) -> dict[str, Any]:
         """The attention's ``segments`` keyword where the step has them (``Env.segments``);
         an attention part other than ``SelfAttention`` takes none."""

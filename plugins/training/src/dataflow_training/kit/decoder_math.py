@@ -137,6 +137,11 @@ class DecoderEmbed:
     weight: str = EMBED_WEIGHT
     positions: LearnedPositions | None = None
 
+    def refuses_segments(self, config: Any) -> str | None:
+        """Learned absolute positions take no per-token positions: a step with segments
+        (``TrainConfig.segments``) is refused for them; the token table alone reads none."""
+        return None if self.positions is None else type(self.positions).__name__
+
     def params(self, config: Any) -> tuple[TensorSpec, ...]:
         """The token table, then the positions' (HF's order)."""
         tokens = vocab_table(config, self.weight)

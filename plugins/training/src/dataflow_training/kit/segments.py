@@ -83,6 +83,21 @@ class Segments:
     def to(self, device: Any) -> Segments:
         return Segments(self.ids.to(device), self.positions.to(device))
 
+    def stacked(self) -> torch.Tensor:
+        """(2, batch, seq) int64: the ids, then the positions; what a lowered step with
+        segments holds a round's in (its ``S_s_r`` object, ``TrainConfig.segments``)."""
+        return torch.stack((self.ids, self.positions))
+
+    @classmethod
+    def of_stacked(cls, stacked: torch.Tensor) -> Segments:
+        """The segments of a ``stacked`` tensor, viewed, not copied nor checked again:
+        what a step's task reads (checked when the batch was fed, ``TrainingRun.step``;
+        a check here would wait on the device, and could not be captured in a graph)."""
+        made = object.__new__(cls)
+        object.__setattr__(made, "ids", stacked[0])
+        object.__setattr__(made, "positions", stacked[1])
+        return made
+
     @classmethod
     def dense(cls, batch: int, seq_len: int, device: Any = "cpu") -> Segments:
         """One sequence per row from position 0: what a batch is without segments."""
@@ -188,6 +203,24 @@ class Segments:
             ids = start.cumsum(1)
         return cls(torch.where(kept, ids, PADDING), torch.where(kept, positions, 0).contiguous())
 
+    @classmethod
+    def from_starts(cls, starts: Any) -> Segments:
+        """Rows of consecutive documents (a feed's stream, packed): ``starts`` (batch,
+        seq) bool, True at a token that begins a document. A document runs to the next
+        start or the row's end; its positions count from 0 at its start, and a row's
+        first tokens, before its first start (a document the row cut), from 0 at the
+        row's start, as an unpacked row's do."""
+        begins = torch.as_tensor(starts)
+        if begins.dtype != torch.bool or begins.dim() != 2:
+            raise ValueError(
+                f"Segments: starts must be a (batch, seq) bool tensor, got {begins.dtype} "
+                f"{tuple(begins.shape)}"
+            )
+        ids = begins.to(torch.int64).cumsum(1)
+        index = torch.arange(begins.shape[1]).expand_as(ids)
+        first = torch.where(begins, index, 0).cummax(1).values  # the document's first token
+        return cls(ids, (index - first).contiguous())
+
     def targets(self, tokens: torch.Tensor) -> torch.Tensor:
         """Next-token targets of ``tokens`` (batch, seq): each token's successor in its own
         sequence, ``IGNORE_INDEX`` at padding and at each sequence's last token."""
@@ -201,3 +234,21 @@ class Segments:
         same = torch.zeros_like(self.ids, dtype=torch.bool)
         same[:, :-1] = (self.ids[:, 1:] == self.ids[:, :-1]) & ~self.padded[:, :-1]
         return torch.where(same, following, IGNORE_INDEX)
+
+
+def packed_documents(
+    tokens: torch.Tensor, targets: torch.Tensor, starts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, Segments]:
+    """A feed's batch as a step with segments takes it (``dataflow train
+    --pack-documents``): ``tokens`` and ``targets`` (batch, seq), ``starts`` (batch, seq
+    + 1) bool, True at a token that begins a document, its last column the token after
+    the row (``TokenFeed.next_documents``). -> (tokens, the targets with
+    ``IGNORE_INDEX`` where the next token begins a document: nothing predicts across a
+    boundary, the segments of ``Segments.from_starts``: no attention across one)."""
+    if tuple(starts.shape) != (tokens.shape[0], tokens.shape[1] + 1):
+        raise ValueError(
+            f"packed_documents: starts {tuple(starts.shape)} must be (batch, seq_len + 1) "
+            f"for tokens {tuple(tokens.shape)}"
+        )
+    kept = torch.where(starts[:, 1:], IGNORE_INDEX, targets)
+    return tokens, kept, Segments.from_starts(starts[:, :-1])

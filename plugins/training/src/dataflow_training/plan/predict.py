@@ -121,12 +121,15 @@ def train_config(
     vocab: int | None = None,
     states: str = "fp32",
     precision: str | None = None,
+    segments: bool = False,
 ) -> TrainConfig:
     """The training step of a cell: bf16 weights, gradients and activations with float32
     optimizer states by default (``states``: ``config.STATE_DTYPES``; ``precision``, a
     policy of ``step.precision``, replaces the pair), the head ``chunk_tokens`` tokens at
     a time (with ``vocab``: at most the chunk ``head_chunk_tokens`` gives the cell's
-    budget)."""
+    budget); with ``segments`` each round carries its segments (``dataflow train
+    --pack-documents``: priced as the dense step's work, its tasks' attention the same
+    FLOPs, plus each round's segments object moved like its tokens)."""
     if vocab is not None:
         chunk_tokens = head_chunk_tokens(cell.budget_bytes, vocab, chunk_tokens)
     policy = pinned(dtype, states) if precision is None else precision_policy(precision)
@@ -138,6 +141,7 @@ def train_config(
         optimizer=policy.optimizer_policy(),
         chunk_tokens=min(chunk_tokens, cell.t_round),
         order=cell.order,
+        segments=segments,
     )
 
 
@@ -279,6 +283,7 @@ def plan_cell(
     dtype: str = "bf16",
     states: str = "fp32",
     precision: str | None = None,
+    segments: bool = False,
     train: TrainConfig | None = None,
     measure: Callable[[Lowered], dict] | None = None,
     reserve_bytes: int = 0,
@@ -307,7 +312,9 @@ def plan_cell(
     extra["overrides"] = overrides
     started = time.perf_counter()
     vocab = cell.vocab_size or vocab_size(family, cell.preset)
-    train = train or train_config(cell, dtype, vocab=vocab, states=states, precision=precision)
+    train = train or train_config(
+        cell, dtype, vocab=vocab, states=states, precision=precision, segments=segments
+    )
     lowered = lower(
         family,
         cell.preset,

@@ -727,10 +727,11 @@ def _replayed_us(
 
 def vocabulary_high(step: Lowered) -> Callable[[str], int]:
     """``int_high`` of the profiling pass: the step's tokens and targets drawn over its
-    vocabulary, every other integer tensor zeros."""
+    vocabulary, every other integer tensor zeros (a step's segments too: one sequence a
+    row, every position 0, priced through the segmented attention as the step runs it)."""
     vocab = embed_layer(step.layers).params[0].state_shape[0]
-    data = step.layout.data_objects()
-    return lambda obj_id: vocab if obj_id in data else 1
+    drawn = {o for o, (_, role) in step.layout.data_objects().items() if role != "segments"}
+    return lambda obj_id: vocab if obj_id in drawn else 1
 
 
 def without_workspace(profiles: dict[tuple, TaskProfile]) -> tuple[dict[tuple, TaskProfile], int]:

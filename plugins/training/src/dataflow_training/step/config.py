@@ -208,7 +208,14 @@ class TrainConfig:
     layer that trains.
 
     ``lora`` (``step.lora.LoraConfig``, None: off): adapters on the target linears of
-    every block, the only parameters that train; the base is frozen."""
+    every block, the only parameters that train; the base is frozen.
+
+    ``segments``: every round carries a ``kit.Segments`` beside its tokens (object
+    ``S_s_r``: which sequence each token belongs to, -1 for padding, and its rotary
+    position), read by every block task whose attention takes it: padded batches and
+    rows packed with several documents (``dataflow train --pack-documents``). A family
+    whose attention (or embedding) takes no segments refuses it at lowering. Off, the
+    step is what it was before the field existed, byte for byte."""
 
     seq_len: int = attrs.field(validator=_positive)
     batch: int = attrs.field(default=1, validator=_positive)
@@ -223,6 +230,7 @@ class TrainConfig:
     updates: str = attrs.field(default="auto", validator=_updates)
     freeze: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     lora: LoraConfig | None = None
+    segments: bool = False
 
     @property
     def order_group(self) -> int:
@@ -252,7 +260,7 @@ class TrainConfig:
 
 def omit_empty_freeze(converter: Any) -> None:
     """Have ``converter`` (a ``cattrs.Converter``) write a TrainConfig that freezes nothing
-    (and has no ``lora``) as before ``freeze`` existed: its programs hash the same and its checkpoints match
+    (and has no ``lora``, no ``segments``) as before ``freeze`` existed: its programs hash the same and its checkpoints match
     those of older runs."""
     converter.register_unstructure_hook(
         TrainConfig,
@@ -261,6 +269,7 @@ def omit_empty_freeze(converter: Any) -> None:
             converter,
             freeze=override(omit_if_default=True),
             lora=override(omit_if_default=True),
+            segments=override(omit_if_default=True),
         ),
     )
     # a LoRA run with its base in the run's dtype is written as before --lora-base

@@ -373,6 +373,15 @@ class BlockMath(Protocol):
       of ``Target_s_r_<leader>``, which the followers' backwards add into (the
       last one's task zeroes it first) and the leader's backward reads as
       ``env.shared``; its followers' tasks see the leader's AuxTemp there too.
+
+    A kind whose math takes a round's segments (``Env.segments``: padded or packed
+    batches, ``TrainConfig.segments``) says so (detected with hasattr; an embedding
+    too):
+      ``refuses_segments(config) -> str | None``: None where its forward, recompute and
+      backward honour ``env.segments`` (the kit's ``Block`` of a ``SelfAttention``; the
+      kit's embedding without learned positions, which reads none), else the part that
+      does not; the lowering refuses a segmented step naming it. A kind without the
+      method is refused whole.
     """
 
     def saved(self, config: Any, batch: int, seq_len: int) -> tuple[TensorSpec, ...]:

@@ -11,6 +11,9 @@ role       objects
 ========== ================================================================
 tokens     the round's input tokens ``x_s_r`` (embed forward and backward)
 targets    the round's targets ``t_s_r`` (head)
+segments   the round's segments ``S_s_r`` (``TrainConfig.segments`` only): int64 (2,
+           batch, seq_len), a ``kit.Segments``' ids then positions; read by every task
+           whose math reads ``Env.segments`` (a block's fwd, full rec and bwd)
 x          a layer's input hidden state ``y_s_r_i``
 y          a layer's output hidden state
 w          parameter objects the task reads or updates (every group of a layer)
@@ -52,6 +55,7 @@ from dataflow_training.step.packing import Layout
 ROLES = (
     "tokens",
     "targets",
+    "segments",
     "x",
     "y",
     "w",
@@ -188,14 +192,17 @@ class StepLayout:
         return [p for p in self.packed.values() if p.kind == kind]
 
     def data_objects(self) -> dict[str, tuple[int, str]]:
-        """Each round's token and target objects: ``{id: (round, "tokens" | "targets")}``
-        (the embed task reads the tokens, the head task the targets)."""
+        """Each round's token and target objects, and its segments where the step has
+        them: ``{id: (round, "tokens" | "targets" | "segments")}`` (the embed task reads
+        the tokens, the head task the targets, block tasks the segments)."""
         found = {}
         for slot in self.tasks.values():
             for role in ("tokens", "targets"):
                 if slot.kind in ("embed", "head"):
                     for obj_id in slot.inputs.get(role, ()):
                         found[obj_id] = (slot.round_, role)
+            for obj_id in slot.inputs.get("segments", ()):
+                found[obj_id] = (slot.round_, "segments")
         return found
 
     def losses(self) -> tuple[str, ...]:

@@ -228,6 +228,8 @@ def lower(
     hidden = TensorMeta(policy.activation, family.hidden_shape(config, train.batch, train.seq_len))
     act_bytes = hidden.nbytes // max(1, math.prod(hidden.shape))
     kinds = _kinds(family, config, layers, train, act_bytes)
+    if train.segments:
+        _check_segments(family, config, layers)
     for r, i in sorted(recompute | set(partial_of)):
         if blocks[i].kind in kinds.apart:
             raise ValueError(
@@ -252,6 +254,7 @@ def lower(
         partial_of,
         hidden,
         TensorMeta("int64", (train.batch, train.seq_len)),
+        TensorMeta("int64", (2, train.batch, train.seq_len)) if train.segments else None,
     )
     zeroed: set[str] = set()  # Aux objects the step's forwards have zeroed
     for r in range(train.rounds):
@@ -347,6 +350,21 @@ def _add_parameters(
             )
     tied = tuple(sorted({target.partition(".")[0] for target in head.tied.values()}))
     return Parameters(weights, grads, param_bytes, tied)
+
+
+def _check_segments(family: Family, config: Any, layers: tuple[LayerSpec, ...]) -> None:
+    """A segmented step (``TrainConfig.segments``) of ``family``: every block kind, and
+    the embedding, must take segments (``BlockMath``'s ``refuses_segments``); one that
+    does not is a one-line ValueError naming the family, the kind and the part."""
+    for kind in (*sorted({block.kind for block in layers[1:-1]}), "embed"):
+        math_ = family.math(kind)
+        refuses = getattr(math_, "refuses_segments", None)
+        part = type(math_).__name__ if refuses is None else refuses(config)
+        if part:
+            raise ValueError(
+                f"family {family.name!r}: {kind!r} takes no segments (padded or packed "
+                f"batches: TrainConfig.segments, --pack-documents): its {part} does not"
+            )
 
 
 def _kinds(

@@ -16,9 +16,11 @@ float64 inputs). Backward ops never rebuild autograd graphs and never re-run a f
   seq, head_dim), equal head counts; lse stats (batch, heads, seq). A family with a
   sliding window passes ``window=W`` too (causal, query ``i`` sees keys ``i - W < j <=
   i``), only where ``W`` is below the sequence length, so a variant that never meets a
-  windowed family need not take it.
+  windowed family need not take it; likewise ``mask=`` (a (seq, seq) bool keep-mask) and
+  ``segments=`` (per-token sequence ids of a padded or packed batch), each only where it
+  cuts something (docs/kernel_registry.md has the contract).
 - ``attention_bwd(dout, q, k, v, out, lse, *, causal, scale=None) -> (dq, dk, dv)``, and
-  ``window=W`` as the forward.
+  ``window``, ``mask``, ``segments`` as the forward.
 - ``layer_norm_fwd(x, weight, bias, eps) -> (y, mean, rstd)`` over the last dimension;
   mean and rstd stats of shape ``x.shape[:-1]``.
 - ``layer_norm_bwd(dy, x, mean, rstd, weight, bias) -> (dx, dweight, dbias)``.

@@ -10,7 +10,10 @@ backward. Round 0 creates the gradients, later rounds accumulate into them
 (``grad_roles``). Frozen parameters (``step.freezing``) prune the backward: a block with
 nothing trainable at or below it has no backward task and saves nothing for one, the
 lowest block that has one makes no input gradient, and a frozen embedding has no
-``embbwd``.
+``embbwd``. With ``TrainConfig.segments`` each round has a segments object ``S_s_r`` (data,
+like its tokens), an input of every task whose math reads ``Env.segments``: each block's
+forward, full recompute and backward (a routed block's ``fwd`` and ``bwd``; not the
+expert shards' tasks, nor a partial save's ``rec``, which re-derives the FFN only).
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ class Kinds:
 @attrs.frozen
 class Rounds:
     """What lowering each round reads: the layers, their objects and costs, the units
-    re-derived whole (``recompute``) or in part (``partial``: name by unit), the shapes."""
+    re-derived whole (``recompute``) or in part (``partial``: name by unit), the shapes;
+    ``segments`` the shape of a round's segments object, None in a step without them."""
 
     embed: LayerSpec
     blocks: tuple[LayerSpec, ...]
@@ -84,6 +88,7 @@ class Rounds:
     partial: dict[tuple[int, int], str]
     hidden: TensorMeta
     tokens: TensorMeta
+    segments: TensorMeta | None = None
 
 
 def grad_roles(grads: tuple[str, ...], r: int, created: bool | None = None) -> dict[str, Any]:
@@ -139,6 +144,11 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         Obj(t, tokens_meta.nbytes, Role.DATA, "slow", tokens_meta),
         Obj(loss, 4, Role.OUTPUT, tensor=TensorMeta("float32", ())),
     ]
+    # the round's segments, read by the block tasks whose attention takes them
+    seg: tuple[str, ...] = ()
+    if s.segments is not None:
+        seg = (f"S_{step}_{r}",)
+        chain.objects.append(Obj(seg[0], s.segments.nbytes, Role.DATA, "slow", s.segments))
     n_blocks = len(blocks)
     backward = backward_blocks(embed, blocks)
     y = [f"y_{step}_{r}_{i}" for i in range(n_blocks + 1)]
@@ -215,7 +225,7 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         if i in experts:
             _apart_forward(
                 chain, s, r, i, block, (y[i], y[i + 1]), saved, temps, experts, zero_aux,
-                shared(i),
+                shared(i), seg,
             )  # fmt: skip
             continue
         chain.task(
@@ -224,7 +234,7 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
             block.name,
             family_key(family, block.kind, "forward"),
             chain.priced(s.kinds.cost[block.kind].forward, param_bytes[block.name]),
-            inputs={"x": (y[i],), "w": weights[block.name], "shared": shared(i)},
+            inputs={"x": (y[i],), "w": weights[block.name], "shared": shared(i), "segments": seg},
             mutates={"aux": aux},
             outputs={"y": (y[i + 1],), "saved": (saved[i],) if keep else (), "aux_temp": temp},
             save=keep,
@@ -261,7 +271,7 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
             dys = (dy[i + 1], dy[i] if wanted_dy[i] else None)
             _apart_backward(
                 chain, s, r, i, block, (y[i], dys), saved, temps, experts, d_experts,
-                bwd_shared(i),
+                bwd_shared(i), seg,
             )  # fmt: skip
             continue
         if (r, i) in s.recompute:
@@ -276,6 +286,7 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
                     "w": weights[block.name],
                     "aux_temp": temp,
                     "shared": shared(i),
+                    "segments": seg,
                 },
                 outputs={"saved": (saved[i],)},
             )
@@ -313,6 +324,7 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
                 "aux": aux,
                 "w": weights[block.name],
                 "shared": group["inputs"],
+                "segments": seg,
             },
             outputs={
                 "dx": (dy[i],) if wanted_dy[i] else (),
@@ -391,10 +403,12 @@ def _apart_forward(
     experts: dict[int, str],
     zero_aux: bool,
     shared: tuple[str, ...],
+    seg: tuple[str, ...] = (),
 ) -> None:
     """The routing task ``fwd`` (the attention half, the router, the shared expert: it
-    makes the block's output, ``A``, AuxTemp and the experts' input), then one ``efwd``
-    per shard adding its experts' rows into the output and writing their ``gate_up``."""
+    makes the block's output, ``A``, AuxTemp and the experts' input; it reads the
+    round's segments ``seg`` where the step has them), then one ``efwd`` per shard adding
+    its experts' rows into the output and writing their ``gate_up``."""
     family, apart = chain.family, s.kinds.apart[block.kind]
     (x, y), main = x_y, _groups_apart(chain, block)[0]
     aux = (block.aux_object,) if block.aux else ()
@@ -404,7 +418,7 @@ def _apart_forward(
         block.name,
         family_key(family, block.kind, "route_forward"),
         chain.priced(apart.route.forward, _bytes(chain, main)),
-        inputs={"x": (x,), "w": main, "shared": shared},
+        inputs={"x": (x,), "w": main, "shared": shared, "segments": seg},
         mutates={"aux": aux},
         outputs={
             "y": (y,),
@@ -440,6 +454,7 @@ def _apart_backward(
     experts: dict[int, str],
     d_experts: dict[int, str],
     shared: dict[str, tuple[str, ...]],
+    seg: tuple[str, ...] = (),
 ) -> None:
     """One ``ebwd`` per shard (its experts' gradient; the first creates ``dE``, the others
     add to it), then the routing task ``bwd`` (the router, the shared expert, the
@@ -489,6 +504,7 @@ def _apart_backward(
             "w": main,
             "d_experts": (d_experts[i],),
             "shared": shared["inputs"],
+            "segments": seg,
         },
         outputs={
             "dx": (dx,) if dx is not None else (),
