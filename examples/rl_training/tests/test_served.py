@@ -93,6 +93,8 @@ def test_served_rl_updates_are_the_policy_trainers(home):
             assert "'nope' is not one of tokens, rl" in str(unknown.value)
             with pytest.raises(ServiceError, match=r"args\.lossy: load \(kind rl\) takes no"):
                 trainer.load(kind="rl", init=str(home / "policy_0"), lossy=1)
+            with pytest.raises(ServiceError, match=r"args\.dtype: 'float16' is not one of"):
+                trainer.load(kind="rl", preset="llama3_tiny", dtype="float16")
             with pytest.raises(ServiceError, match=r"^load: args\.family: missing"):
                 trainer.load(kind="rl", init=str(home / "policy_0"))
 

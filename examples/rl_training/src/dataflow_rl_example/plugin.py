@@ -11,7 +11,18 @@ from typing import Any
 from dataflow import ResolverSpec, TrainerKindSpec, hookimpl
 
 #: the ``rl`` kind's ``load`` and ``step`` fields (``dataflow_rl_example.served`` reads them)
-LOAD_ARGS = ("family", "preset", "init", "seed", "budget", "loss", "clip", "weight_decay", "kl")
+LOAD_ARGS = (
+    "family",
+    "preset",
+    "init",
+    "seed",
+    "budget",
+    "loss",
+    "clip",
+    "weight_decay",
+    "kl",
+    "dtype",
+)
 STEP_ARGS = ("lr", "kl_coef")
 
 

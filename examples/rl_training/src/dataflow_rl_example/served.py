@@ -9,8 +9,9 @@ the weights (docs/engine_service.md of dataflow). ``load``'s fields:
 - ``init`` (an HF checkpoint folder to start from) or ``preset`` (a random model of that
   preset, drawn with ``seed``), one of them at least,
 - ``budget`` (the fast-memory budget, bytes or ``"8MiB"``; default: everything fits),
-- ``loss`` (``grpo`` or ``ppo``), ``clip``, ``weight_decay``, and ``kl`` (true: the update
-  has the KL term to the reference, whose log-probs the rollouts then carry).
+- ``loss`` (``grpo`` or ``ppo``), ``clip``, ``weight_decay``, ``kl`` (true: the update
+  has the KL term to the reference, whose log-probs the rollouts then carry) and ``dtype``
+  (``float32`` or ``bfloat16``: the parameters', gradients' and activations').
 
 ``step``'s fields: ``lr`` (default 1e-3) and ``kl_coef`` (default 0; above 0 needs ``kl``).
 Every error is a ``ValueError`` whose message names the field at fault.
@@ -29,7 +30,7 @@ from dataflow_training import load_family
 from dataflow import families, parse_size
 from dataflow_rl_example.loss import LOSSES
 from dataflow_rl_example.policy import PolicyTrainer
-from dataflow_rl_example.program import UpdateOptions
+from dataflow_rl_example.program import DTYPES, UpdateOptions
 from dataflow_rl_example.rollouts import RolloutError, read_rollouts
 
 
@@ -64,6 +65,7 @@ class ServedPolicy:
             "preset": self.preset,
             "loss": self.options.loss,
             "kl": self.options.kl,
+            "dtype": self.options.dtype,
             "budget": self.budget_bytes,
         }
 
@@ -160,11 +162,15 @@ def open_policy(options: Mapping[str, Any], *, device: str) -> ServedPolicy:
     kl = options.get("kl", False)
     if not isinstance(kl, bool):
         raise ValueError(f"args.kl: true or false, not {kl!r}")
+    dtype = options.get("dtype", "float32")
+    if dtype not in DTYPES:
+        raise ValueError(f"args.dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     update = UpdateOptions(
         loss=loss,
         clip_eps=_rate("clip", options.get("clip", 0.2)),
         kl=kl,
         weight_decay=_rate("weight_decay", options.get("weight_decay", 0.0)),
+        dtype=dtype,
     )
     return ServedPolicy(
         family,
