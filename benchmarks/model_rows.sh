@@ -119,29 +119,32 @@ llama3_8b_lora)
     # at 4096 tokens a sequence. Stock: the transformers LlamaForCausalLM under PEFT LoRA,
     # torch.compile, bf16 base and adapters, SDPA, fused AdamW over the adapters, at the
     # faster of batch 4 and 2 (LORA_BATCHES; harness/stock_lora.py), no memory limit.
-    # dataflow: batch 2 x 16 rounds (131,072 tokens, as the full rows it is set beside) at
-    # 16 and 8 GiB in round order (LORA_ORDER; by the roofline on the CPU, session 30,
-    # round order plans ahead of layer:2 and layer:4 for LoRA: the base is read, not
-    # updated, so a round streams it one way only), inside a 90 GiB slow budget
-    # (LORA_BACKING; the host has 128 GiB). Targets: the 16 GiB row >= 0.95x the stock
-    # LoRA row, each budget's row >= 1.3x dataflow's full-training row of that budget.
+    # dataflow: batch 2 x 16 rounds (131,072 tokens, as the full rows it is set beside),
+    # inside a 90 GiB slow budget (LORA_BACKING; the host has 128 GiB), 16 GiB in round
+    # order (LORA_ORDER16) and 8 GiB by layer:2 (LORA_ORDER8). Session 30 planned them on
+    # the CPU with the roofline's H200 costs (compile_step, recompute on, that backing):
+    # 16 GiB round 7.45 s a step (slow pool 13.8 GiB, 115 GB over the link), layer:2 the
+    # same 7.45 s with a 31.4 GiB pool; 8 GiB round 12.32 s (312 GB moved), layer:2
+    # 8.02 s (193 GB, a 34.8 GiB pool). Targets: the 16 GiB row >= 0.95x the stock LoRA
+    # row, each budget's row >= 1.3x dataflow's full-training row of that budget.
     # The whole group is one call of under nine minutes; LORA_PART=16 runs stock and
     # 16 GiB, LORA_PART=8 the 8 GiB row alone (its ratio is to the stock row already in
     # the results), each with the call to itself, should the first call run out of time
     {
         lora=(--mode lora --lora-rank 16 --dataflow-batches 2 --min-tokens "$big_tokens"
-            --dataflow-orders "${LORA_ORDER:-round}" "${lora_backing[@]}" --steps 3 --warmup 1)
+            "${lora_backing[@]}" --steps 3 --warmup 1)
         part=${LORA_PART:-both}
         if [ "$part" = 16 ]; then row16=(--row-seconds 300 --total-seconds 540)
         else row16=(--row-seconds 200 --total-seconds 330); fi
         [ "$part" = 8 ] || compare --family llama3 "${big[@]}" "${lora[@]}" \
             --rows stock,dataflow --stock-engines compile --batches "$lora_batches" \
-            --compile-row-seconds 150 --budgets "${big_budgets%,*}" "${row16[@]}"
+            --compile-row-seconds 150 --budgets "${big_budgets%,*}" \
+            --dataflow-orders "${LORA_ORDER16:-round}" "${row16[@]}"
         [ "$part" = 16 ] && exit 0
         if [ "$part" = 8 ]; then row8=(--row-seconds 540 --total-seconds 540)
         else row8=(--row-seconds 200 --total-seconds 200); fi
         compare --family llama3 "${big[@]}" "${lora[@]}" --rows dataflow \
-            --budgets "${big_budgets#*,}" "${row8[@]}"
+            --budgets "${big_budgets#*,}" --dataflow-orders "${LORA_ORDER8:-layer:2}" "${row8[@]}"
     } 2>&1 | tee "$log"
     ;;
 l3_1b | olmoe | small)
