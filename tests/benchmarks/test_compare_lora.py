@@ -167,3 +167,31 @@ def test_a_bad_rank_names_the_option(tmp_path, capsys) -> None:
     args = ["--mode", "lora", "--lora-rank", "0", "--device", "cpu", "--out", str(tmp_path / "c")]
     assert compare.main(args) == 2
     assert "--lora-rank 0" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_lora_rows_run_on_cuda_at_a_tiny_preset(tmp_path) -> None:
+    """llama3_tiny's LoRA rows on the GPU: the stock row compiled with inductor and
+    measured with the profiler, the dataflow row inside its budget, MFU counted."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    page, out = tmp_path / "page.md", tmp_path / "compare.json"
+    shutil.copy(ROOT / "docs" / "throughput.md", page)
+    args = [
+        *("--mode", "lora", "--lora-rank", str(RANK), "--peak-tflops", "990"),
+        *("--family", "llama3", "--preset", "llama3_tiny", "--seq-len", "64"),
+        *("--device", "cuda", "--stock-engines", "compile", "--stock-dtypes", "bf16"),
+        *("--batches", "4", "--dataflow-batches", "4", "--min-tokens", "512"),
+        *("--budgets", "64MiB", "--steps", "2", "--warmup", "1"),
+        *("--out", str(out), "--doc", str(page)),
+    ]
+    assert compare.main(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["engine"], r["mode"]) for r in rows} == {
+        ("pytorch compile", "lora"),
+        ("dataflow", "lora"),
+    }
+    for r in rows:
+        assert r["tok_s"] and r["mfu"], r
+        if r["engine"] == "dataflow":
+            assert r["allocator_peak_bytes"] <= r["budget_bytes"]
