@@ -251,8 +251,9 @@ class Bench:
         }
         shape = {"seq_len": args.seq_len, "flops_per_token": self.flops_token}
         models = meta.setdefault("models", {})
-        if self.lora is None:
-            models[self.model] = model | shape
+        if self.lora is None:  # written anew, keeping the other modes' entries
+            other = {k: v for k, v in models.get(self.model, {}).items() if k in MODES}
+            models[self.model] = other | model | shape
         else:  # the model's full-training entry stays; this mode's goes under its name
             mode = shape | {
                 "flop_formula": FLOP_FORMULAS[args.mode],

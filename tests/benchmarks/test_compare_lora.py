@@ -112,7 +112,7 @@ def test_lora_rows_are_rated_against_the_stock_lora_row(tmp_path) -> None:
     doc = compare_doc.load_doc(out)
     # a full-training stock row of the same model and length, far faster: not the yardstick
     full = compare_doc.make_row(
-        "llama3_tiny", "pytorch eager", "bf16", None, seq_len=32, tokens_per_step=64
+        "llama3_tiny", "pytorch eager", "bf16", None, seq_len=32, batch=2, tokens_per_step=64
     )
     full |= {"tok_s": 1e9, "measured_step_s": 64 / 1e9}
     doc["rows"].append(full)
@@ -150,6 +150,12 @@ def test_lora_rows_are_rated_against_the_stock_lora_row(tmp_path) -> None:
     per_layer += sum(RANK * (i + o) for i, o in [(64, 160), (64, 160), (160, 64)])
     expected = 4 * measure.matmul_params(config) + 6 * 2 * per_layer + 12 * 2 * 64 * 32
     assert entry["flops_per_token"] == pytest.approx(expected)
+    # a full-training run of the model afterwards keeps the LoRA entry
+    full_args = [a for a in args if a not in ("--mode", "lora", "--lora-rank", str(RANK))]
+    assert compare.main([*full_args, "--rows", "stock", "--no-checkpoint-row"]) == 0
+    models = json.loads(out.read_text())["meta"]["models"]["llama3_tiny"]
+    assert models["lora"] == entry
+    assert models["flops_per_token"] == pytest.approx(measure.flops_per_token(config, 32))
     table = page.read_text()
     assert "| pytorch eager | lora | 32 | bf16 | none |" in table
     assert f"| dataflow | lora | 32 | bf16 | {compare_doc.format_size(budget)} |" in table
