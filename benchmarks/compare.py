@@ -29,6 +29,20 @@ entropy. Rows:
   speed (larger batch first among those within 2 %) until one runs
   (``--dataflow-batch-order given``: in the order given, not planned first).
 
+**LoRA** (``--mode lora --lora-rank 16``, issue 48): the same command fine-tunes instead
+(every row ``"mode": "lora"``, rated against the stock LoRA row of its model and length).
+The stock row is the family's ``transformers`` model under PEFT LoRA (rank, alpha
+``--lora-alpha``, default twice the rank, on the projections dataflow adapts), compiled,
+``AdamW(fused=True)`` over the adapters (``benchmarks/harness/stock_lora.py``), at the
+fastest batch of ``--batches``; the dataflow rows train ``TrainConfig(lora=LoraConfig(rank,
+alpha))`` at each budget, their details holding the host memory they took (the pinned slow
+pool, the process's resident peak). No checkpointing or DeepSpeed row in this mode. MFU
+counts a LoRA step's FLOPs: ``4 N + 6 N_A + 12 L a T`` (no weight gradient of the frozen
+base; ``N_A`` the adapters' parameters).
+
+    python -m benchmarks.compare --mode lora --lora-rank 16 --family llama3 --preset llama3_8b \
+        --seq-len 4096 --budgets 16GiB,8GiB --append    # benchmarks/model_rows.sh llama3_8b_lora
+
 Each row has a time limit (``--row-seconds``, compile rows ``--compile-row-seconds``) and
 the whole command one (``--total-seconds``); a row that meets it keeps what it measured,
 with a note. The JSON is written after every row, so a killed run keeps its rows;
@@ -50,9 +64,11 @@ from typing import Any
 
 import torch
 from dataflow_training.step.config import UPDATES, parse_order
+from dataflow_training.step.lora import LoraConfig, LoraError
 
 from benchmarks.harness import ROOT
 from benchmarks.harness.compare_doc import (
+    MODES,
     finish,
     load_doc,
     make_row,
@@ -68,6 +84,7 @@ from benchmarks.harness.measure import (
     device_name,
     flops_per_token,
     link_bandwidth,
+    matmul_params,
     measure_trial,
     peak_flops,
     time_limit,
@@ -97,6 +114,21 @@ DTYPES = {
 #: the dataflow dtype policy nearest each stock one
 MATCHING_DATAFLOW = {"autocast": "mixed", "bf16": "bf16"}
 ROWS = ("stock", "dataflow", "deepspeed")
+#: the rows each ``--mode`` can run (its default ``--rows``)
+MODE_ROWS = {"full": ROWS, "lora": ("stock", "dataflow")}
+FLOP_FORMULAS = {
+    "full": (
+        "6 * N + 12 * L * a * T per token (N: parameters in matrix products: all but "
+        "a position embedding and an untied token embedding, routed experts at their "
+        "active share k / E; L layers; a the attention width; T seq_len); "
+        "MFU = tok/s x this / peak"
+    ),
+    "lora": (
+        "4 * N + 6 * N_A + 12 * L * a * T per token (N as for full training, whose weights "
+        "get no gradient: forward and the input's gradient; N_A the adapters' parameters, "
+        "rank x (in + out) of each adapted projection)"
+    ),
+}
 DEEPSPEED = ("deepspeed zero-offload", "bf16+fp32-master")
 STOCK_ENGINES = ("eager", "compile")
 
@@ -120,6 +152,14 @@ class Bench:
         self.model = args.preset
         self.config = self.family.config(args.preset)
         self.flops_token = flops_per_token(self.config, args.seq_len)
+        #: the adapters of ``--mode lora`` (None: full training)
+        self.lora = LoraConfig(args.lora_rank, args.lora_alpha) if args.mode == "lora" else None
+        if self.lora is not None:
+            from benchmarks.harness.stock_lora import adapter_params
+
+            adapters = adapter_params(self.family, self.config, self.lora.rank)
+            full = self.flops_token
+            self.flops_token = full - 2.0 * matmul_params(self.config) + 6.0 * adapters
         self.device_name = device_name(args.device)
         self.peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(self.device_name)
         self.deadline = time.monotonic() + args.total_seconds
@@ -138,7 +178,11 @@ class Bench:
 
     def have(self, engine: str, dtype: str, budget: int | None) -> bool:
         """Whether the document already holds this row measured (``--append``)."""
-        key = row_key(make_row(self.model, engine, dtype, budget, seq_len=self.args.seq_len))
+        key = row_key(
+            make_row(
+                self.model, engine, dtype, budget, seq_len=self.args.seq_len, mode=self.args.mode
+            )
+        )
         return not self.args.redo and any(
             row_key(r) == key and r["tok_s"] is not None for r in self.doc["rows"]
         )
@@ -150,6 +194,7 @@ class Bench:
     def record(self, row: dict[str, Any], details: dict[str, Any]) -> None:
         if row["seq_len"] is None:  # every row of this command trains at --seq-len
             row["seq_len"] = self.args.seq_len
+        row["mode"] = self.args.mode  # and in --mode
         key = row_key(row)
         now = time.monotonic()
         spent, self.mark = now - self.mark, now
@@ -179,7 +224,7 @@ class Bench:
             if r["model"] == self.model
             and r["budget_bytes"] is None
             and r["tok_s"]
-            and r["mode"] == "full"
+            and r["mode"] == self.args.mode
             and r["seq_len"] == self.args.seq_len
         ]
         rows = [r for r in rows if engines is None or r["engine"] in engines]
@@ -193,34 +238,47 @@ class Bench:
         run = {"date": date, "device": self.device_name, "torch": torch.__version__}
         meta.setdefault("runs", []).append(run | {"argv": sys.argv[1:]})
         meta |= run | {
-            "flop_formula": (
-                "6 * N + 12 * L * a * T per token (N: parameters in matrix products: all but "
-                "a position embedding and an untied token embedding, routed experts at their "
-                "active share k / E; L layers; a the attention width; T seq_len); "
-                "MFU = tok/s x this / peak"
-            ),
+            "flop_formula": FLOP_FORMULAS["full"],
             "link": link_bandwidth(args.device),
             "dtypes": DTYPES,
             "stock_tricks": self.tricks.described(),
         }
-        meta.setdefault("models", {})[self.model] = run | {
+        model = run | {
             "family": args.family,
             "preset": args.preset,
-            "seq_len": args.seq_len,
-            "flops_per_token": self.flops_token,
             "peak_flops": self.peak,
             "peak_source": "--peak-tflops" if args.peak_tflops else self.peak and PEAK_SOURCE,
         }
+        shape = {"seq_len": args.seq_len, "flops_per_token": self.flops_token}
+        models = meta.setdefault("models", {})
+        if self.lora is None:  # written anew, keeping the other modes' entries
+            other = {k: v for k, v in models.get(self.model, {}).items() if k in MODES}
+            models[self.model] = other | model | shape
+        else:  # the model's full-training entry stays; this mode's goes under its name
+            mode = shape | {
+                "flop_formula": FLOP_FORMULAS[args.mode],
+                "adapters": {"rank": self.lora.rank, "alpha": self.lora.lora_alpha},
+            }
+            models[self.model] = models.get(self.model, {}) | model | {args.mode: mode}
         if len({r["device"] for r in meta["runs"]}) > 1:
             meta["warning"] = "rows come from runs on different devices: compare with care"
 
+    def model_meta(self) -> dict[str, Any]:
+        """This model's entry of ``meta.models`` for this command's mode (a LoRA run's is
+        the ``lora`` entry inside it)."""
+        entry = self.doc["meta"]["models"][self.model]
+        return entry if self.lora is None else entry[self.args.mode]
+
     # -- stock ---------------------------------------------------------------------------
     def stock_rows(self) -> None:
-        """Eager and compile x autocast and bf16, then the fastest with checkpointing."""
+        """Eager and compile x autocast and bf16, then the fastest with checkpointing (not
+        under ``--mode lora``)."""
         args = self.args
         for engine in args.stock_engines:
             for dtype in args.stock_dtypes:
                 self.stock_row(engine, dtype, checkpoint=False)
+        if self.lora is not None:
+            return
         plain = [f"pytorch {engine}" for engine in STOCK_ENGINES]
         fastest = self.fastest_stock(plain)
         if fastest is not None and not args.no_checkpoint_row:
@@ -249,11 +307,35 @@ class Bench:
         row, details = searched_row(
             self.model, name, dtype, search, args.seq_len, note, **self.row_kwargs()
         )
-        self.record(row, details | {"stock_tricks": self.tricks.described()})
+        if self.lora is None:
+            details["stock_tricks"] = self.tricks.described()
+        else:  # the transformers model: no padded vocabulary or fused loss of its own
+            details["stock_tricks"] = {
+                "tf32": self.tricks.tf32,
+                "compile_mode": self.tricks.compile_mode,
+            }
+            details["peft"] = self.peft_details()
+        self.record(row, details)
+
+    def peft_details(self) -> dict[str, Any]:
+        """What the stock LoRA rows train: PEFT's version and adapters."""
+        import peft
+
+        return {
+            "peft": peft.__version__,
+            "rank": self.lora.rank,
+            "alpha": self.lora.lora_alpha,
+            "dropout": 0.0,
+            "adapters_dtype": "the base's (autocast_adapter_dtype=False)",
+            "model": self.family.hf_class,
+            "attention": "sdpa",
+        }
 
     def stock_trial(self, engine: str, dtype: str, checkpoint: bool, batch: int) -> dict:
         """One batch: build, warm up (compiles), measure, profile one more step."""
         args = self.args
+        if self.lora is not None:
+            return self.stock_lora_trial(engine, dtype, batch)
         with stock_settings(self.tricks):
             step = build_stock(
                 self.config,
@@ -265,6 +347,27 @@ class Bench:
                 device=args.device,
                 compile_backend=args.compile_backend,
                 tricks=self.tricks,
+            )
+            return measure_trial(step, batch, args.seq_len, args.warmup, args.steps, args.device)
+
+    def stock_lora_trial(self, engine: str, dtype: str, batch: int) -> dict:
+        """One batch of the stock LoRA row (``harness/stock_lora.py``)."""
+        from benchmarks.harness.stock_lora import build_stock_lora
+
+        args = self.args
+        with stock_settings(self.tricks):
+            step, _ = build_stock_lora(
+                self.family,
+                self.config,
+                batch,
+                args.seq_len,
+                rank=self.lora.rank,
+                alpha=self.lora.lora_alpha,
+                compile=engine == "compile",
+                dtype=dtype,
+                device=args.device,
+                compile_backend=args.compile_backend,
+                compile_mode=self.tricks.compile_mode,
             )
             return measure_trial(step, batch, args.seq_len, args.warmup, args.steps, args.device)
 
@@ -321,7 +424,7 @@ class Bench:
             return self.args.dataflow_dtypes
         fastest = self.fastest_stock()
         matching = MATCHING_DATAFLOW.get(fastest["dtype"]) if fastest else None
-        self.doc["meta"]["models"][self.model]["dataflow_matches"] = (
+        self.model_meta()["dataflow_matches"] = (
             {"fastest_stock": row_key(fastest), "dataflow_dtype": matching} if matching else None
         )
         if matching is None:
@@ -374,7 +477,26 @@ def _orders(text: str) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=_words(ROWS), default=list(ROWS), help="stock,dataflow,deepspeed")
+    p.add_argument(
+        "--rows",
+        type=_words(ROWS),
+        default=None,
+        help="stock,dataflow,deepspeed (--mode lora: stock,dataflow; the default: all of the mode's)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=MODES[:2],
+        default="full",
+        help="full: pretraining's step; lora: LoRA adapters on a frozen base (--lora-rank)",
+    )
+    p.add_argument("--lora-rank", type=int, default=16, help="--mode lora: the adapters' rank")
+    p.add_argument(
+        "--lora-alpha",
+        type=float,
+        default=None,
+        help="--mode lora: the adapters' alpha (default twice the rank: scale 2, as dataflow "
+        "train --lora)",
+    )
     p.add_argument("--budgets", default="16GiB,8GiB,4GiB,2GiB,1GiB", help="dataflow budgets")
     p.add_argument("--family", default="gpt2")
     p.add_argument("--preset", default="gpt2_124m")
@@ -498,6 +620,23 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     args.budgets = [parse_size(text) for text in args.budgets.split(",") if text]
+    allowed = MODE_ROWS[args.mode]
+    if args.rows is None:
+        args.rows = list(allowed)
+    if not set(args.rows) <= set(allowed):
+        others = ", ".join(r for r in args.rows if r not in allowed)
+        print(
+            f"compare.py: --rows {others}: not run under --mode {args.mode} (its rows: "
+            f"{', '.join(allowed)})",
+            file=sys.stderr,
+        )
+        return 2
+    if args.mode == "lora":
+        try:
+            LoraConfig(args.lora_rank, args.lora_alpha)
+        except LoraError as exc:
+            print(f"compare.py: {exc}".replace("--lora ", "--lora-rank "), file=sys.stderr)
+            return 2
     args.backing = None if args.backing is None else parse_size(args.backing)
     args.host_reserve = parse_size(args.host_reserve)
     if args.warmup < 1 or args.steps < 1:

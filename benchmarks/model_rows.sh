@@ -4,6 +4,8 @@
 #
 #   bash benchmarks/model_rows.sh llama3_8b     # stock torch.compile + dataflow 16, 8 GiB by layer
 #                                               # (LLAMA_PART=16: stock, 16 GiB; 8: 8 GiB alone)
+#   bash benchmarks/model_rows.sh llama3_8b_lora  # issue 48: LoRA rank 16, stock PEFT compile + dataflow 16, 8 GiB
+#                                               # (LORA_PART=16: stock, 16 GiB; 8: 8 GiB alone)
 #   bash benchmarks/model_rows.sh l3_1b         # stock + dataflow 4 GiB by layer (L3_ORDERS)
 #   bash benchmarks/model_rows.sh olmoe         # stock + dataflow 16, 8 GiB, layer order first
 #   bash benchmarks/model_rows.sh small         # l3_1b then olmoe (two commands' worth)
@@ -17,7 +19,7 @@
 # run) are copied there. SMOKE=1 runs the same commands on the CPU at tiny presets
 # (llama3_tiny, olmoe_tiny) into /tmp, so nothing fails on the device for a typo.
 set -u
-group=${1:?usage: model_rows.sh llama3_8b|l3_1b|olmoe|olmoe16|olmoe8|small|gpt2}
+group=${1:?usage: model_rows.sh llama3_8b|llama3_8b_lora|l3_1b|olmoe|olmoe16|olmoe8|small|gpt2}
 out_json=benchmarks/results/compare.json
 page=docs/throughput.md
 cache=/tmp/dataflow_profiles_$group
@@ -34,6 +36,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
     moe=(--preset olmoe_tiny --seq-len 32)
     big_budgets=4MiB,2MiB dense_budget=2MiB moe_budgets=4MiB,2MiB
     big_tokens=256 tokens=256 olmoe16_tokens=1024 backing=${BACKING:-64MiB}
+    lora_batches=2 lora_backing=()
     gpt2=(--preset gpt2_tiny --seq-len 32) gpt2_tokens=512 gpt2_big=4MiB,2MiB gpt2_two=1MiB
     gpt2_small=512KiB
 else
@@ -43,6 +46,7 @@ else
     moe=(--preset olmoe_1b_7b --seq-len 4096)
     big_budgets=16GiB,8GiB dense_budget=4GiB moe_budgets=16GiB,8GiB
     big_tokens=131072 tokens=131072 olmoe16_tokens=262144 backing=${BACKING:-}
+    lora_batches=${LORA_BATCHES:-4,2} lora_backing=(--backing "${LORA_BACKING:-90GiB}")
     gpt2=(--preset gpt2_124m --seq-len 1024) gpt2_tokens=524288
     gpt2_big=16GiB,8GiB,4GiB gpt2_two=2GiB gpt2_small=1GiB
 fi
@@ -56,6 +60,9 @@ export DATAFLOW_PROFILE_CACHE=$cache PYTHONUNBUFFERED=1
 saved=benchmarks/results/profiles_$group.tgz
 # olmoe16 and olmoe8 run the olmoe group's tasks: their saved profiles serve them
 case $group in olmoe?*) [ -f "$saved" ] || saved=benchmarks/results/profiles_olmoe16.tgz ;; esac
+# the LoRA rows share the full step's attention, norms and head: llama3_8b's profiles
+# serve what they can (a task the archive lacks, or one of older code, is profiled again)
+case $group in llama3_8b_lora) [ -f "$saved" ] || saved=benchmarks/results/profiles_llama3_8b.tgz ;; esac
 [ -f "$saved" ] && mkdir -p "$cache" && tar xzf "$saved" -C "$cache"
 # BACKING=SIZE gives every row a slow budget; llama3_8b's rows set their own (below: an
 # 8B plan's pool without one outgrows the host's 128 GiB)
@@ -105,6 +112,40 @@ llama3_8b)
         compare --family llama3 "${big[@]}" --rows dataflow --dataflow-batches 2 \
             --min-tokens "$big_tokens" "${big8[@]}" \
             "${tiles[@]}" --steps 3 --warmup 1 "${row8[@]}"
+    } 2>&1 | tee "$log"
+    ;;
+llama3_8b_lora)
+    # issue 48: LoRA rank 16 (alpha 32, q,k,v,o,gate,up,down: dataflow's default targets)
+    # at 4096 tokens a sequence. Stock: the transformers LlamaForCausalLM under PEFT LoRA,
+    # torch.compile, bf16 base and adapters, SDPA, fused AdamW over the adapters, at the
+    # faster of batch 4 and 2 (LORA_BATCHES; harness/stock_lora.py), no memory limit.
+    # dataflow: batch 2 x 16 rounds (131,072 tokens, as the full rows it is set beside),
+    # inside a 90 GiB slow budget (LORA_BACKING; the host has 128 GiB), 16 GiB in round
+    # order (LORA_ORDER16) and 8 GiB by layer:4 (LORA_ORDER8). Session 30 planned them on
+    # the CPU with the roofline's H200 costs (compile_step, recompute on, that backing):
+    # 16 GiB round 7.45 s a step (slow pool 13.8 GiB, 115 GB over the link), layer:2 the
+    # same 7.45 s with a 31.4 GiB pool; 8 GiB round 12.32 s (312 GB moved), layer:2
+    # 8.02 s (193 GB, a 34.8 GiB pool), layer:4 7.77 s (178 GB, a 56.2 GiB pool).
+    # Targets: the 16 GiB row >= 0.95x the stock LoRA row, each budget's row >= 1.3x
+    # dataflow's full-training row of that budget.
+    # The whole group is one call of under nine minutes; LORA_PART=16 runs stock and
+    # 16 GiB, LORA_PART=8 the 8 GiB row alone (its ratio is to the stock row already in
+    # the results), each with the call to itself, should the first call run out of time
+    {
+        lora=(--mode lora --lora-rank 16 --dataflow-batches 2 --min-tokens "$big_tokens"
+            "${lora_backing[@]}" --steps 3 --warmup 1)
+        part=${LORA_PART:-both}
+        if [ "$part" = 16 ]; then row16=(--row-seconds 300 --total-seconds 540)
+        else row16=(--row-seconds 200 --total-seconds 330); fi
+        [ "$part" = 8 ] || compare --family llama3 "${big[@]}" "${lora[@]}" \
+            --rows stock,dataflow --stock-engines compile --batches "$lora_batches" \
+            --compile-row-seconds 150 --budgets "${big_budgets%,*}" \
+            --dataflow-orders "${LORA_ORDER16:-round}" "${row16[@]}"
+        [ "$part" = 16 ] && exit 0
+        if [ "$part" = 8 ]; then row8=(--row-seconds 540 --total-seconds 540)
+        else row8=(--row-seconds 200 --total-seconds 200); fi
+        compare --family llama3 "${big[@]}" "${lora[@]}" --rows dataflow \
+            --budgets "${big_budgets#*,}" --dataflow-orders "${LORA_ORDER8:-layer:4}" "${row8[@]}"
     } 2>&1 | tee "$log"
     ;;
 l3_1b | olmoe | small)
@@ -211,7 +252,7 @@ gpt2)
     } 2>&1 | tee "$log"
     ;;
 *)
-    echo "model_rows.sh: unknown group '$group' (llama3_8b, l3_1b, olmoe, olmoe16, olmoe8, small or gpt2)" >&2
+    echo "model_rows.sh: unknown group '$group' (llama3_8b, llama3_8b_lora, l3_1b, olmoe, olmoe16, olmoe8, small or gpt2)" >&2
     exit 2
     ;;
 esac

@@ -84,12 +84,14 @@ def median_tok_s(metrics: Path, warmup: int) -> float:
 def fastest(
     doc: dict[str, Any], model: str, engines: tuple[str, ...], budget: int | None
 ) -> float | None:
-    """The fastest tokens/s among compare.json rows of ``model`` by ``engines`` (a
-    dataflow row at ``budget``; a stock row at any)."""
+    """The fastest tokens/s among compare.json's full-training rows of ``model`` by
+    ``engines`` (a dataflow row at ``budget``; a stock row at any): a LoRA or RL row
+    trains another step."""
     rows = [
         row
         for row in doc["rows"]
         if row["model"] == model
+        and row.get("mode", "full") == "full"
         and row["tok_s"]
         and any(row["engine"].startswith(engine) for engine in engines)
         and (budget is None or row.get("budget_bytes") == budget)

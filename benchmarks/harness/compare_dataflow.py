@@ -7,14 +7,17 @@ roofline costs, on the host, largest first until a plan reaches its lower bound
 larger batch first among those within 2 % of the best (fewer, larger launches); the first
 that plans and runs on the device, with its tasks profiled there, is the row. Shapes the
 roofline plan already finds infeasible are not tried. What each shape did is kept in the
-row's details.
+row's details. Under ``--mode lora`` every shape trains the bench's ``LoraConfig``
+(``TrainConfig.lora``: adapters on a frozen base) and its rows are of that mode.
 
 What a row reports comes from the engine: the measured step is the wall time of
 ``TrainingRun.step`` (feeding, the engine run, the loss read-back); moved bytes and link
 busy time are the transfers in the step's ``RunResult`` trace; compute idle is the part of
 the measured step not covered by the trace's task spans; predicted is
 ``TrainingRun.predicted()``; the allocator peak is the engine's (checked against the
-budget by the engine itself).
+budget by the engine itself). The host memory a row took is in its details: the
+slow pool page-locked for it (``pinned_bytes``, the plan's ``predicted_slow_peak_bytes``)
+and the process's resident peak so far (``host_peak_rss_bytes``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import resource
 import statistics
 import time
 import traceback
@@ -38,6 +42,7 @@ from dataflow_training.step.config import (
     head_chunk_tokens,
     optimizer_states,
 )
+from dataflow_training.step.lora import LoraConfig
 from dataflow_training.step.lowering import lower
 
 from benchmarks.harness.compare_doc import make_row
@@ -62,7 +67,10 @@ def train_config(
     order: str = "round",
     tiles: bool = False,
     updates: str = "auto",
+    lora: LoraConfig | None = None,
 ) -> TrainConfig:
+    """A row's step: ``dtype`` (``POLICIES``), the shape, the head's chunk, the order and
+    the updates; ``lora``: adapters on a frozen base (None: full training)."""
     policy, state = POLICIES[dtype]
     return TrainConfig(
         seq_len=seq_len,
@@ -74,6 +82,7 @@ def train_config(
         order=order,
         updates=updates,
         head_vocab_tiles=tiles,
+        lora=lora,
     )
 
 
@@ -101,6 +110,7 @@ def ranked_shapes(
     order: str = "round",
     tiles: bool = False,
     updates: str = "auto",
+    lora: LoraConfig | None = None,
 ) -> tuple[list[tuple[int, int]], dict[str, Any]]:
     """``(batch, rounds)`` in the order to try, and what the roofline plan said of each.
 
@@ -121,7 +131,7 @@ def ranked_shapes(
         if any(v.get("at_bound") for v in said.values() if isinstance(v, dict)):
             unplanned.append((batch, rounds))
             continue
-        train = train_config(dtype, batch, rounds, seq_len, chunk, order, tiles, updates)
+        train = train_config(dtype, batch, rounds, seq_len, chunk, order, tiles, updates, lora)
         program = lower(family, preset, train).program
         try:
             planned = plan(program, budget_bytes)
@@ -152,6 +162,12 @@ def random_batches(vocab: int, batch: int, rounds: int, seq_len: int, seed: int)
         )
         for _ in range(rounds)
     ]
+
+
+def host_peak_rss_bytes() -> int:
+    """The process's peak resident host memory so far (Linux reports kilobytes): the
+    pinned pool, the starting weights' host copy and everything the command held before."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def close_quietly(run: TrainingRun) -> None:
@@ -247,7 +263,15 @@ def trial(
     args = bench.args
     began = time.perf_counter()
     train = train_config(
-        dtype, batch, rounds, args.seq_len, chunk, order, args.head_vocab_tiles, args.updates
+        dtype,
+        batch,
+        rounds,
+        args.seq_len,
+        chunk,
+        order,
+        args.head_vocab_tiles,
+        args.updates,
+        bench.lora,
     )
     run = row_run(
         bench.family,
@@ -313,6 +337,7 @@ def trial(
         "predicted_moved_bytes": predicted["moved_bytes"],
         "losses": [stats.loss for stats, _ in measured],
         "pinned_bytes": pinned,
+        "host_peak_rss_bytes": host_peak_rss_bytes(),
         "predicted_slow_peak_bytes": predicted["slow_peak_bytes"],
         "setup_s": setup_s,
         "load_s": load,
@@ -394,6 +419,7 @@ def dataflow_row(bench: Any, dtype: str, budget: int, order: str = "round") -> N
                     order,
                     args.head_vocab_tiles,
                     args.updates,
+                    bench.lora,
                 )
             for batch, rounds in shapes:
                 current = f"while trying batch {batch} x {rounds}"

@@ -45,6 +45,11 @@ def test_the_fastest_rows_of_a_compare_run() -> None:
     stock = zero_config.fastest(doc, "gpt2_124m", ("pytorch",), None)
     assert stock == max(r["tok_s"] for r in rows if r["engine"].startswith("pytorch"))
     assert zero_config.fastest(doc, "no_such_model", ("pytorch",), None) is None
+    # a faster row of another mode (a LoRA step) is not the full step's
+    lora = [dict(r, mode="lora", tok_s=10 * r["tok_s"]) for r in rows]
+    doc["rows"] += lora
+    assert zero_config.fastest(doc, "gpt2_124m", ("dataflow",), gib4) == best
+    assert zero_config.fastest(doc, "gpt2_124m", ("pytorch",), None) == stock
 
 
 def test_rows_merge_by_cell_and_tabulate(tmp_path) -> None:
