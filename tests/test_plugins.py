@@ -583,6 +583,8 @@ def test_hook_dataflow_trainer_kinds(isolated_plugin_manager) -> None:
     assert spec.open({"a": 1}, device="cpu") == ("trainer", {"a": 1}, "cpu")
     with pytest.raises(UnknownNameError, match="echo"):
         plugins.trainer_kinds().get("rl-typo")
+    with pytest.raises(ValueError, match="'tokens' is dataflow serve-trainer's own kind"):
+        TrainerKindSpec("tokens", "shadows the server's own", open_trainer)
 
 
 def test_hook_dataflow_cli_commands(isolated_plugin_manager) -> None:

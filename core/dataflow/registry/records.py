@@ -272,6 +272,14 @@ class OptimizerSpec:
         return {arg.name: arg.default for arg in self.arguments}
 
 
+def _not_tokens(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+    if value == "tokens":
+        raise ValueError(
+            "TrainerKindSpec.name: 'tokens' is dataflow serve-trainer's own kind (its "
+            "token-batch step); name the plugin's kind otherwise"
+        )
+
+
 @attrs.frozen
 class TrainerKindSpec:
     """A kind of update ``dataflow serve-trainer`` can serve besides its own token-batch
@@ -280,9 +288,10 @@ class TrainerKindSpec:
     ``ValueError`` naming the field at fault; the trainer's methods are the protocol
     ``dataflow_training.service.kinds.ServedTrainer`` (docs/engine_service.md).
     ``load_args`` and ``step_args`` name the fields ``load`` and ``step`` take (a name
-    outside them is refused before ``open`` or ``step`` is called)."""
+    outside them is refused before ``open`` or ``step`` is called). ``tokens`` is the
+    server's own kind: a record of that name is refused."""
 
-    name: str = attrs.field(validator=_valid_name)
+    name: str = attrs.field(validator=[_valid_name, _not_tokens])
     description: str = attrs.field(validator=_text)
     open: Callable[..., Any] = attrs.field(validator=_callable)
     load_args: tuple[str, ...] = attrs.field(default=(), converter=tuple)
