@@ -124,9 +124,12 @@ def test_rotary_tables_at_positions_are_the_tables_rows(scaling) -> None:
 def test_an_attention_part_that_takes_no_segments_refuses_them() -> None:
     """A block whose attention is not ``SelfAttention`` (GPT-2's fused one here) says so
     rather than attending across the batch's sequences."""
-    from dataflow_training.kit import Block, Env, FusedQKVAttention, load_ops
+    from dataflow_training.kit import Block, Env, FusedQKVAttention
+    from dataflow_training.testing import plain_ops
 
-    env = Env(load_ops("cpu"), segments=Segments.dense(1, 4))
+    # plain ops: the refusal runs no op, and the training plugin's isolated session has no
+    # kernel package to load the registered ones from
+    env = Env(plain_ops(), segments=Segments.dense(1, 4))
     with pytest.raises(ValueError, match="FusedQKVAttention does not take segments"):
         Block(FusedQKVAttention())._segments(env)
 
