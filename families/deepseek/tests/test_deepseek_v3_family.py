@@ -13,21 +13,13 @@ from pathlib import Path
 
 import pytest
 from dataflow_family_deepseek.family import DeepseekV3Family
+from dataflow_family_deepseek.testing import hf_parameter_count
 from dataflow_training.kit import parameter_count
 from dataflow_training.testing import DecoderFamilyChecks, TrainingFamilyConformance
 
 from dataflow.testing import invoke
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
-
-
-def hf_count(transformers, torch, hf_config) -> int:
-    """``DeepseekV3ForCausalLM``'s parameters on the meta device, plus its selection biases
-    (buffers there, parameters without gradient here)."""
-    with torch.device("meta"):
-        model = transformers.DeepseekV3ForCausalLM(hf_config)
-    biases = sum(b.numel() for n, b in model.named_buffers() if "e_score_correction_bias" in n)
-    return sum(p.numel() for p in model.parameters()) + biases
 
 
 class TestDeepseekV3(TrainingFamilyConformance, DecoderFamilyChecks):
@@ -79,7 +71,7 @@ def test_parameter_counts_equal_transformers(preset) -> None:
     family = DeepseekV3Family()
     config = family.config(preset)
     hf = transformers.DeepseekV3Config(**family.config_to_hf(config, torch.bfloat16))
-    assert parameter_count(config) == hf_count(transformers, torch, hf)
+    assert parameter_count(config) == hf_parameter_count(transformers.DeepseekV3ForCausalLM, hf)
 
 
 def test_the_671b_is_transformers_default_config() -> None:

@@ -28,6 +28,16 @@ NOISE, LR, SEQ = 1e-4, 1e-3, 20
 ALPHA, GAMMA = 0.05, 0.01
 
 
+def hf_parameter_count(model_class: type, hf_config: object) -> int:
+    """``model_class``'s (a transformers DeepSeek V3-architecture class) parameters of
+    ``hf_config`` on the meta device, plus its selection biases (buffers there, parameters
+    without gradient here)."""
+    with torch.device("meta"):
+        model = model_class(hf_config)
+    biases = sum(b.numel() for n, b in model.named_buffers() if "e_score_correction_bias" in n)
+    return sum(p.numel() for p in model.parameters()) + biases
+
+
 def sequence_balance(gates: list, experts: int, k: int, batch: int) -> torch.Tensor:
     """The DeepSeek V3 report's sequence-wise balance loss (eq. 17-20) of transformers'
     recorded router outputs, summed over the MoE layers: per sequence ``sum_i f_i P_i``,
