@@ -6,60 +6,25 @@ server serves on."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from dataflow_rl_example import PolicyTrainer, generate_rollouts, read_rollouts, write_rollouts
 from dataflow_rl_example.standin import load_model
-from dataflow_training import ServiceError, TrainerClient, load_family
+from dataflow_training import ServiceError, load_family
+from dataflow_training.testing import ServerProcess, short_folder
 from safetensors.torch import load_file
 
 pytest.importorskip("transformers")
 
-DATAFLOW = str(Path(sys.executable).parent / "dataflow")
 LR = (1e-2, 5e-3, 1e-2)
-
-
-class Served:
-    """A server process on a run folder."""
-
-    def __init__(self, out: Path) -> None:
-        self.out, self.socket = out, out / "trainer.sock"
-        self.proc = subprocess.Popen(
-            [DATAFLOW, "serve-trainer", "--out", str(out)],
-            env=dict(os.environ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        deadline = time.monotonic() + 120
-        while not self.socket.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"server did not start: {self.proc.communicate()[0]}")
-            time.sleep(0.05)
-
-    def client(self) -> TrainerClient:
-        return TrainerClient(self.socket, timeout=300)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.communicate()
 
 
 @pytest.fixture
 def home():
-    """A short folder (a UNIX socket path takes at most 107 bytes; pytest's are long)."""
-    path = Path(tempfile.mkdtemp(prefix="dfrl-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with short_folder("dfrl-") as path:
+        yield path
 
 
 def _same(served: Path, direct: Path) -> None:
@@ -84,9 +49,9 @@ def test_served_rl_updates_are_the_policy_trainers(home):
         write_rollouts(written, home / f"rollouts_{seed}")
         return home / f"rollouts_{seed}"
 
-    server = Served(home / "run")
+    server = ServerProcess(home / "run")
     try:
-        with server.client() as trainer:
+        with server.client(timeout=300) as trainer:
             with pytest.raises(ServiceError) as unknown:
                 trainer.load(kind="nope", init=str(home / "policy_0"))
             assert "\n" not in str(unknown.value)
@@ -149,9 +114,9 @@ def test_served_rl_updates_are_the_policy_trainers(home):
         server.stop()
 
     # a new server on the run folder resumes from its checkpoint and goes on alike
-    server = Served(home / "run")
+    server = ServerProcess(home / "run")
     try:
-        with server.client() as trainer:
+        with server.client(timeout=300) as trainer:
             with pytest.raises(ServiceError, match=r"args\.resume: .* holds checkpoints"):
                 trainer.load(kind="rl", family="llama3", init=str(home / "policy_0"))
             resumed = trainer.load(

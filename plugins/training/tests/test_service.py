@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import stat
@@ -29,13 +28,15 @@ from dataflow_training import (
     load_family,
     write_token_batch,
 )
+from dataflow_training.testing import ServerProcess, short_folder
 from safetensors.torch import load_file, save_file
 
 from dataflow.testing import assert_one_line_error, invoke
 
 pytest.importorskip("dataflow_family_gpt2")
 
-DATAFLOW = str(Path(sys.executable).parent / "dataflow")
+DATAFLOW = str(Path(sys.executable).parent / "dataflow")  # a server started by hand
+
 SHAPE = {"batch": 2, "seq_len": 16, "lr": 1e-3, "seed": 0}
 #: the tolerance of service losses against the direct run's: the same CPU code on the same
 #: data and seed, in another process (bit-identical in practice)
@@ -67,47 +68,17 @@ def direct_losses(steps: int) -> list[float]:
     return _DIRECT[:steps]
 
 
-class Served:
-    """A server process on a run folder; ``client()`` connects to it."""
-
-    def __init__(self, out: Path, *extra: str, env: dict[str, str] | None = None) -> None:
-        self.out = out
-        self.socket = out / "trainer.sock"
-        self.proc = subprocess.Popen(
-            [DATAFLOW, "serve-trainer", "--out", str(out), *extra],
-            env={**os.environ, **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        deadline = time.monotonic() + 120
-        while not self.socket.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"server did not start: {self.proc.communicate()[0]}")
-            time.sleep(0.05)
-
-    def client(self) -> TrainerClient:
-        return TrainerClient(self.socket, timeout=120)
+class Served(ServerProcess):
+    """A server process on a run folder, and the token batches its steps read."""
 
     def batch(self, step: int) -> Path:
         return write_token_batch(self.out.parent / f"batch_{step}.safetensors", _ids(step))
 
-    def wait(self) -> tuple[int, str]:
-        output = self.proc.communicate(timeout=120)[0]
-        return self.proc.returncode, output
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.communicate()
-
 
 @pytest.fixture
 def home():
-    """A short folder (a UNIX socket path takes at most 107 bytes; pytest's are long)."""
-    path = Path(tempfile.mkdtemp(prefix="dfs-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with short_folder() as path:
+        yield path
 
 
 @pytest.fixture

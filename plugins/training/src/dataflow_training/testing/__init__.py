@@ -11,6 +11,7 @@ _HOMES = {
     "dataflow_training.testing.decoder": ("DecoderFamilyChecks", "DecoderHFParity"),
     "dataflow_training.testing.hybrid": ("HybridHFChecks",),
     "dataflow_training.testing.moe": ("MoEFamilyChecks", "MoEHFParity"),
+    "dataflow_training.testing.served": ("ServerProcess", "short_folder"),
     "dataflow_training.testing.toy": ("ToyFamily", "plain_ops", "toy_weights"),
     "dataflow_training.testing.toy_moe": ("ToyMoEFamily",),
 }
