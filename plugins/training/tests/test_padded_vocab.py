@@ -17,6 +17,7 @@ from dataflow_training.drive.checkpoint import MODEL_FILE
 from dataflow_training.drive.run import TrainingRun
 from dataflow_training.step.config import TrainConfig
 from dataflow_training.step.family import embed_layer, load_family, state_rows
+from dataflow_training.testing import float64_reference
 from safetensors.torch import load_file
 
 pytest.importorskip("dataflow_family_gpt2")
@@ -59,21 +60,7 @@ def _reference(family: str, preset: str, overrides: dict, state: dict):
     (weight decay off where the family says, as the engine's)."""
     fam = load_family(family)
     config = fam.config(preset, vocab_size=VOCAB, **overrides)
-    model = fam.reference_model(config).double()
-    model.load_state_dict({k: v.double() for k, v in state.items()})
-    no_decay = {
-        f"{layer.name}.{p.name}"
-        for layer in fam.layers(config)
-        for p in layer.params
-        if not p.decay
-    }
-    named = dict(model.named_parameters())
-    groups = [
-        {"params": [p for n, p in named.items() if n not in no_decay], "weight_decay": 0.1},
-        {"params": [p for n, p in named.items() if n in no_decay], "weight_decay": 0.0},
-    ]
-    optim = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8)
-    return model, optim, named
+    return float64_reference(fam, config, state, lr=LR)
 
 
 def _stored(run: TrainingRun, kind: str) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ from dataflow_training.step.config import TrainConfig
 from dataflow_training.step.costs import RooflineCost
 from dataflow_training.step.family import load_family
 from dataflow_training.step.lowering import Lowered, lower
+from dataflow_training.testing import float64_reference
 
 from dataflow import Program
 
@@ -211,20 +212,7 @@ def _reference_loss(model, rounds) -> torch.Tensor:
 
 def _reference(state):
     family = load_family("llama3")
-    model = family.reference_model(family.config(PRESET)).double()
-    model.load_state_dict({k: v.double() for k, v in state.items()})
-    no_decay = {
-        f"{layer.name}.{p.name}"
-        for layer in family.layers(family.config(PRESET))
-        for p in layer.params
-        if not p.decay
-    }
-    named = dict(model.named_parameters())
-    groups = [
-        {"params": [p for n, p in named.items() if n not in no_decay], "weight_decay": 0.1},
-        {"params": [p for n, p in named.items() if n in no_decay], "weight_decay": 0.0},
-    ]
-    return model, torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8), named
+    return float64_reference(family, family.config(PRESET), state, lr=LR)
 
 
 @pytest.mark.parametrize("make", [_packed, _padded], ids=["packed", "padded"])

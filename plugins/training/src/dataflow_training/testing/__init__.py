@@ -12,6 +12,7 @@ _HOMES = {
     "dataflow_training.testing.hybrid": ("HybridHFChecks",),
     "dataflow_training.testing.moe": ("MoEFamilyChecks", "MoEHFParity"),
     "dataflow_training.testing.served": ("ServerProcess", "short_folder"),
+    "dataflow_training.testing.reference": ("float64_reference",),
     "dataflow_training.testing.toy": ("ToyFamily", "plain_ops", "toy_weights"),
     "dataflow_training.testing.toy_moe": ("ToyMoEFamily",),
 }
