@@ -197,3 +197,31 @@ def test_a_tight_budget_changes_no_value(tmp_path):
         trainer.update(rollouts, lr=LR)
         states.append(trainer.state())
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_bfloat16_moments_round_only_the_stored_moments(tmp_path):
+    """``moments="bfloat16"``: AdamW's math stays float32 and only the stored moments are
+    rounded. The first update reads zero moments either way, so its weights equal the
+    float32-moment run's bit for bit; later ones read moments rounded to bfloat16 (relative
+    error under 2^-8), which moves a weight by under a hundredth of lr more or less."""
+    family, config, state = start("llama3", "llama3_tiny")
+    runs = {}
+    for moments in ("float32", "bfloat16"):
+        trainer = PolicyTrainer(family, config, state, UpdateOptions(moments=moments))
+        states = []
+        for update in range(3):
+            rollouts = runs.get(("rollouts", update)) or sample(
+                trainer, tmp_path / f"{moments}_{update}", seed=update
+            )
+            runs[("rollouts", update)] = rollouts
+            trainer.update(rollouts, lr=LR)
+            states.append(trainer.state())
+        runs[moments] = states
+        kept = trainer.optimizer_state()
+        runs[moments, "bytes"] = sum(t.nbytes for k, t in kept.items() if k != "updates")
+    assert runs["bfloat16", "bytes"] * 2 == runs["float32", "bytes"]
+    full, half = runs["float32"], runs["bfloat16"]
+    assert all(torch.equal(half[0][k], full[0][k]) for k in state)
+    assert_states_close(half[2], full[2], atol=LR / 100)
+    with pytest.raises(ValueError, match="moments must be one of float32, bfloat16, got 'fp8'"):
+        UpdateOptions(moments="fp8")

@@ -23,7 +23,8 @@ hidden states handed over) an ``embed`` task makes it from the tokens.
 Objects: parameters ``W_<layer>[.<group>]``, moments ``O_...`` and the loss's ``stats`` end
 in slow memory; the rollout's tensors start there (``tokens``, ``targets``, ``scored``,
 ``behaviour``, ``ref``, ``rewards``, ``groups``, ``h_<l>``). Task costs come from the
-family's declared work over an assumed rate (``UpdateOptions.flops_per_us``); ``dataflow
+family's declared work over an assumed rate (``UpdateOptions.flops_per_us``), transfers
+from ``UpdateOptions.link_bytes_per_us``; ``dataflow
 plan --measured`` prices them by measurement instead.
 """
 
@@ -37,10 +38,11 @@ from dataflow import Link, Links, Obj, Program, Task, TensorMeta
 from dataflow_rl_example.loss import LOSSES
 from dataflow_rl_example.packing import Packing
 
-#: the dtypes parameters, their gradients and activations may have (``UpdateOptions.dtype``);
-#: the AdamW moments, the rollouts' log-probs and rewards and the stats are float32 always
+#: the dtypes parameters, their gradients and activations may have (``UpdateOptions.dtype``),
+#: and AdamW's moments (``UpdateOptions.moments``); the rollouts' log-probs and rewards and
+#: the stats are float32 always
 DTYPES = ("float32", "bfloat16")
-STATE = "float32"  # the moments' and the rollouts' scalars' dtype
+STATE = "float32"  # the rollouts' scalars' dtype
 
 
 @attrs.frozen
@@ -56,8 +58,14 @@ class UpdateOptions:
     #: parameters, gradients and activations: float32, or bfloat16 (the update's own math
     #: in float32 where it matters: log-probs and loss, AdamW's moments and step)
     dtype: str = attrs.field(default="float32")
+    #: AdamW's moments as stored (the step's math is float32 either way): bfloat16 halves
+    #: them, as stock ``AdamW(fused=True)`` over bfloat16 parameters keeps its state
+    moments: str = attrs.field(default="float32")
     chunk_tokens: int = 1024
+    #: the rates the plan assumes: compute in FLOP/us, each direction of the host link in
+    #: bytes/us (benchmarks/rl_update.py takes them from the hardware table)
     flops_per_us: float = 20_000.0
+    link_bytes_per_us: float = 10_000.0
 
     @loss.validator
     def _loss(self, attribute: attrs.Attribute, value: str) -> None:
@@ -65,9 +73,10 @@ class UpdateOptions:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {value!r}")
 
     @dtype.validator
+    @moments.validator
     def _dtype(self, attribute: attrs.Attribute, value: str) -> None:
         if value not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {value!r}")
+            raise ValueError(f"{attribute.name} must be one of {', '.join(DTYPES)}, got {value!r}")
 
     def as_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -148,7 +157,9 @@ def lower_update(
             trainable = [p for p in group.params if p.trainable]
             add_packed(oid, "param", _named(group.params, dtype))
             add_packed("d" + oid, "grad", _named(trainable, dtype))
-            moments = [(f"{m}.{p.name}", STATE, p.shape) for m in ("m", "v") for p in trainable]
+            moments = [
+                (f"{m}.{p.name}", options.moments, p.shape) for m in ("m", "v") for p in trainable
+            ]
             add_packed("O" + oid[1:], "opt_state", Packing.of(moments))
             final |= {oid: "slow", "O" + oid[1:]: "slow"}
 
@@ -280,7 +291,9 @@ def lower_update(
         objects=tuple(obj for obj in objects if obj.id in used),
         tasks=tuple(tasks),
         final_locations={oid: where for oid, where in final.items() if oid in used},
-        links=Links(h2d=Link(10_000.0, 5.0), d2h=Link(10_000.0, 5.0)),
+        links=Links(
+            h2d=Link(options.link_bytes_per_us, 5.0), d2h=Link(options.link_bytes_per_us, 5.0)
+        ),
         metadata={
             "example": "rl_training",
             "family": family.name,

@@ -220,17 +220,20 @@ class AdamW(_Task):
         options = self.step.options
         (beta1, beta2), lr, t = options.betas, float(ctx.values["lr"]), int(ctx.values["adam_step"])
         for name, grad in grads.items():
-            stored, m, v = params[name], moments[f"m.{name}"], moments[f"v.{name}"]
-            # float32 math; a bfloat16 parameter is rounded once, when written back
-            param, grad = stored.float(), grad.float()
+            stored = params[name], moments[f"m.{name}"], moments[f"v.{name}"]
+            # float32 math; a bfloat16 parameter or moment is rounded once, when written back
+            # (.float() of a float32 tensor is the tensor itself: updated in place)
+            param, m, v = (t.float() for t in stored)
+            grad = grad.float()
             if decays[name] and options.weight_decay:
                 param.mul_(1 - lr * options.weight_decay)
             m.lerp_(grad, 1 - beta1)
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             denom = (v / (1 - beta2**t)).sqrt_().add_(options.eps)
             param.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
-            if param is not stored:  # .float() of a float32 tensor is the tensor itself
-                stored.copy_(param)
+            for target, value in zip(stored, (param, m, v), strict=True):
+                if value is not target:
+                    target.copy_(value)
 
 
 def build(step: UpdateStep, device: str = "cpu") -> DictResolver:
