@@ -71,23 +71,24 @@ FORWARD_ROWS = 8
 
 
 def synthetic_rollouts(model: Any, args: argparse.Namespace, device: str) -> Rollouts:
-    """Rollouts of the policy's own forward (on-policy): hidden states of every block (in
-    the model's dtype); as many rows as the larger of the two updates takes."""
+    """Rollouts of the policy's own forward (on-policy): the inputs of every
+    ``--hidden-every``-th block (in the model's dtype); as many rows as the larger of the
+    two updates takes."""
     generator = torch.Generator().manual_seed(0)
     rows, length = max(args.rows, args.stock_rows), args.prompt_len + args.completion_len
     tokens = torch.randint(0, model.config.vocab_size, (rows, length), generator=generator)
     prompt = torch.zeros(rows, length, dtype=torch.bool)
     prompt[:, : args.prompt_len] = True
     behaviour = torch.zeros(rows, length)
-    layers = model.config.num_hidden_layers
-    hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in range(layers)}
+    kept = range(0, model.config.num_hidden_layers, args.hidden_every)
+    hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in kept}
     with torch.no_grad():
         for start in range(0, rows, FORWARD_ROWS):
             part = tokens[start : start + FORWARD_ROWS].to(device)
             out = model(part[:, :-1], output_hidden_states=True)
             logp = out.logits.float().log_softmax(-1).gather(2, part[:, 1:, None])
             behaviour[start : start + FORWARD_ROWS, 1:] = logp.squeeze(2).cpu()
-            for layer in range(layers):
+            for layer in kept:
                 # in the model's dtype, as a bf16 engine hands them over: the update
                 # then feeds them as they are, with no conversion of its own per update
                 hidden[layer].append(out.hidden_states[layer].cpu())
@@ -114,22 +115,23 @@ def first_rows(rollouts: Rollouts, rows: int) -> Rollouts:
 
 
 def options(args: argparse.Namespace) -> UpdateOptions:
-    """The update's options: ``--dtype``, ``--moments``, ``--rounds``, and ``--hw``'s rates."""
+    """The update's options: ``--dtype``, ``--moments``, ``--rounds``, and ``--hw``'s rates
+    (its matmul rate unless ``--flops-per-us``)."""
     entry = hardware(args.hw)
     return UpdateOptions(
         dtype=args.dtype,
         moments=args.moments or args.dtype,
         rounds=args.rounds,
-        flops_per_us=entry.flops_per_us[args.dtype],
+        flops_per_us=args.flops_per_us or entry.flops_per_us[args.dtype],
         link_bytes_per_us=entry.h2d_bytes_per_us,
     )
 
 
 def predict(args: argparse.Namespace, family: Any, config: Any) -> None:
-    """Print the plan's prediction of the update at each budget (every block's input
-    handed over, as ``synthetic_rollouts`` does)."""
+    """Print the plan's prediction of the update at each budget (the blocks' inputs handed
+    over as ``synthetic_rollouts`` hands them)."""
     seq = args.prompt_len + args.completion_len
-    blocks = tuple(range(len(family.layers(config)) - 2))
+    blocks = tuple(range(0, len(family.layers(config)) - 2, args.hidden_every))
     step = lower_update(
         family, config, rows=args.rows, length=seq, hidden_layers=blocks, options=options(args)
     )
@@ -137,6 +139,11 @@ def predict(args: argparse.Namespace, family: Any, config: Any) -> None:
     for budget in args.budget or [None]:
         whole = sum(obj.size_bytes for obj in step.program.objects) + beside
         found = {"rows": args.rows, "rounds": args.rounds, "budget": format_size(budget or whole)}
+        if (budget or whole) <= beside:
+            print(
+                json.dumps(found | {"note": f"the tasks' workspace alone is {format_size(beside)}"})
+            )
+            continue
         try:
             planned = plan(step.program, (budget or whole) - beside)
         except InfeasibleBudget as error:
@@ -231,6 +238,15 @@ def main() -> None:
         "--hw", default="h200", help="the hardware entry whose rates the plan assumes"
     )
     parser.add_argument(
+        "--flops-per-us", type=float, default=None, help="the plan's compute rate (default: --hw's)"
+    )
+    parser.add_argument(
+        "--hidden-every",
+        type=int,
+        default=1,
+        help="hand over the input of every K-th block (the rest rebuilt by the update)",
+    )
+    parser.add_argument(
         "--predict", action="store_true", help="print the plan's prediction per budget, run nothing"
     )
     parser.add_argument("--no-compile", action="store_true", help="stock row without torch.compile")
@@ -243,6 +259,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
+    if args.hidden_every < 1:
+        parser.error(f"--hidden-every {args.hidden_every}: a whole number >= 1")
     if args.rounds < 1 or args.rows % args.rounds:
         parser.error(f"--rounds {args.rounds}: it must divide --rows {args.rows}")
     try:

@@ -20,6 +20,23 @@ contexts live only while it runs. ``embed_backward`` ends the chain (the token t
 gradient needs only the tokens and ``dh_0``), then ``adamw_emb``. Without ``h_0`` (no
 hidden states handed over) an ``embed`` task makes it from the tokens.
 
+Rounds (``UpdateOptions.rounds``, ``R``): the rows split into ``R`` equal micro-batches,
+so an update may take more rows than one block's saved context for all of them would
+leave room for. Every object that scales with the rows is one per round, its id
+suffixed ``_r<round>`` (``h_l_r0``, ``dh_l_r0``, ``A_l_r0``, ``T_l_r0``, ``tokens_r0``,
+``targets_r0``, ``scored_r0``, ``behaviour_r0``, ``ref_r0``), as is every task that reads
+them (``recompute_l_r0``, ``head_r0``, ``backward_l_r0``, ``embed_r0``,
+``embed_backward_r0``); ``rewards`` and ``groups`` stay whole. Within a span the tasks run
+round by round (the round's recomputes, at the last span its head, its backwards), so
+one round's saved contexts of the span live at a time; round 0's backward writes
+``dW_l`` and later rounds' add to it (they mutate it), and ``adamw_l`` follows the last
+round's backward: a block's weights and moments are fetched once an update whatever the
+rows. Each round's head weighs its tokens and takes its advantages from every round's
+``scored`` and the whole ``rewards`` and ``groups`` (a group may straddle rounds), so the
+rounds' gradients and ``stats`` sum to the one-round update's; the head's gradients (a
+tied table's included, which every round's ``embed_backward`` then adds to) accumulate
+alike. With ``R = 1`` the program is the one without rounds, ids unsuffixed.
+
 Objects: parameters ``W_<layer>[.<group>]``, moments ``O_...`` and the loss's ``stats`` end
 in slow memory; the rollout's tensors start there (``tokens``, ``targets``, ``scored``,
 ``behaviour``, ``ref``, ``rewards``, ``groups``, ``h_<l>``). Task costs come from the
