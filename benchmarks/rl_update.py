@@ -13,12 +13,12 @@ float32). The plan assumes the rates of the training plugin's hardware entry ``-
 docs/throughput.md`` rewrites the tables.
 
 Every update moves the model's weights and AdamW moments to the device and back (l3_1b in
-bf16: some 15 GiB, 0.3 s of the host link), whatever its rows; rounds let an update take
-enough rows to hide that behind compute while only one round's saved contexts live in the
-budget. ``--predict`` prints the plan's prediction for each budget without running it;
-for l3_1b at 4 GiB (h200 rates) 16 rows in one round are predicted at 73k tok/s, 64 rows in
-8 rounds at 103k, 128 rows in 16 rounds at 107k (docs/throughput.md, "An RL policy update
-in rounds").
+bf16: some 7 GiB each way), whatever its rows; rounds let an update take enough rows to
+hide that behind compute while only one round's saved contexts live in the budget.
+``--predict`` prints the plan's prediction for each budget without running anything: for
+l3_1b at 4 GiB (h200 rates) 16 rows in one round are predicted at 73k tok/s, 64 rows in 8
+rounds at 103k, 128 rows in 16 rounds at 107k (docs/throughput.md, "An RL policy update in
+rounds").
 
 The rollouts are synthetic but shaped as an engine writes them: random prompts and
 completions, the hidden states and behaviour log-probs of one forward of the policy (what
