@@ -386,3 +386,22 @@ def test_rounds_move_each_weight_once():
     )
     weights = sum(obj.size_bytes for obj in step.program.objects if obj.id in state)
     assert planned.moved_bytes < 2 * weights + hidden + weights // 10  # ~no other traffic
+
+
+def test_a_bfloat16_update_in_rounds_follows_the_one_in_one(tmp_path):
+    """In bfloat16 a later round adds its gradient to a bfloat16 one (as stock gradient
+    accumulation over bf16 parameters does): one rounding more per round, so the weights
+    move as the one-round update's to bfloat16's precision, not bit for bit."""
+    family, config, state = start("llama3", "llama3_tiny")
+    rollouts = straddling(sample(PolicyTrainer(family, config, state), tmp_path / "p", seed=0))
+    moved, losses = {}, {}
+    for rounds in (1, 4):
+        trainer = PolicyTrainer(
+            family, config, state, UpdateOptions(dtype="bfloat16", rounds=rounds)
+        )
+        losses[rounds] = trainer.update(rollouts, lr=1e-2)["loss"]
+        after = trainer.state()
+        moved[rounds] = torch.cat([(after[k] - state[k].float()).flatten() for k in state])
+    assert losses[4] == pytest.approx(losses[1], abs=1e-3)
+    cosine = torch.nn.functional.cosine_similarity(moved[4], moved[1], dim=0)
+    assert cosine > 0.99, cosine  # seen 0.9995, the median weight's moves equal

@@ -1,13 +1,13 @@
 """The policy trainer: lower, plan and run one update per batch of rollouts.
 
 ``PolicyTrainer(family, config, state)`` holds the model state and the AdamW moments.
-``update(rollouts, lr=...)`` lowers the update for the rollouts' shape (once per shape),
-plans it into the fast-memory budget with PressureFit, places it in one arena (leaving
-room beside it for the tasks' temporaries: ``workspace_estimate``, or
-``workspace_bytes``), loads it into the engine and runs it; later updates of the same
-shape feed the next rollouts to the same engine. ``state()`` reads the weights back
-(keyed as the family's reference model), and ``export(path)`` writes them as an HF
-checkpoint folder an inference engine loads.
+``update(rollouts, lr=...)`` lowers the update for the rollouts' shape (once per shape;
+its rows in ``options.rounds`` micro-batches), plans it into the fast-memory budget with
+PressureFit, places it in one arena (leaving room beside it for the tasks' temporaries:
+``workspace_estimate``, or ``workspace_bytes``), loads it into the engine and runs it;
+later updates of the same shape feed the next rollouts to the same engine. ``state()``
+reads the weights back (keyed as the family's reference model), and ``export(path)``
+writes them as an HF checkpoint folder an inference engine loads.
 """
 
 from __future__ import annotations
