@@ -282,12 +282,11 @@ def lower_update(
             for oid in weights(layer)
         ]
 
-    def grads(oids: tuple[str, ...], round_: int) -> dict[str, tuple[str, ...]]:
-        """A task's gradients of ``oids``: round 0 writes them, later rounds add to them."""
+    def grads(oids: tuple[str, ...], add: bool) -> dict[str, tuple[str, ...]]:
+        """A task's gradients of ``oids``: written (outputs; round 0), or added to (mutated;
+        a later round, or the embedding's table after the tied head's)."""
         named = tuple("d" + oid for oid in oids)
-        return (
-            {"outputs": named, "mutates": ()} if round_ == 0 else {"outputs": (), "mutates": named}
-        )
+        return {"outputs": (), "mutates": named} if add else {"outputs": named, "mutates": ()}
 
     def where(round_: int, **params: Any) -> dict[str, Any]:
         return params | ({"round": round_} if rounds > 1 else {})
@@ -299,7 +298,7 @@ def lower_update(
         scored = tuple(each("scored", other) for other in range(rounds))
         rollout = (each("targets", round_), *scored, each("behaviour", round_))
         rollout += (each("ref", round_),) if options.kl else ()
-        written = grads((*weights(head), *tied), round_)
+        written = grads((*weights(head), *tied), add=round_ > 0)
         first = round_ == 0
         return Task(
             each("head", round_),
@@ -320,7 +319,7 @@ def lower_update(
 
     def embed_backward(round_: int) -> Task:
         # tied: the head's tasks wrote the table's gradient; every round adds to it
-        written = grads(embed_grads, 1 if tied else round_)
+        written = grads(embed_grads, add=bool(tied) or round_ > 0)
         return Task(
             each("embed_backward", round_),
             "embed_backward",
@@ -376,7 +375,7 @@ def lower_update(
                 block = blocks[index]
                 temp = (each(f"T_{index}", round_),) if index in temps else ()
                 context = (each(f"h_{index}", round_), each(f"A_{index}", round_), *temp)
-                written = grads(weights(block), round_)
+                written = grads(weights(block), add=round_ > 0)
                 tasks.append(
                     Task(
                         each(f"backward_{index}", round_),
