@@ -1,12 +1,24 @@
 """How fast is one RL policy update (GRPO) inside a fast-memory budget, beside stock
 PyTorch? Issue 49's rows: the example `examples/rl_training` (`PolicyTrainer`: the update
-lowered from the engine's hidden states, planned by PressureFit into ``--budget``, run by
-the engine) against a stock update of the same model and batch (the transformers model,
-``torch.compile``, fused AdamW, the whole batch's logits at once), both in ``--dtype``
-(default bfloat16, the stock setup's fastest: pure bf16 weights with fused AdamW; the
-example keeps its moments and loss in float32). Its rows go into ``benchmarks/results/compare.json``
-with ``"mode": "rl"`` and the rollouts' length as ``seq_len``, so each is rated against the
-stock RL row of its length; ``--doc docs/throughput.md`` rewrites the tables.
+of ``--rows`` rollouts in ``--rounds`` micro-batches, lowered from the engine's hidden
+states, planned by PressureFit into ``--budget``, run by the engine) against a stock update
+of ``--stock-rows`` of them (the transformers model, ``torch.compile``, fused AdamW, the
+whole batch's logits at once), both in ``--dtype`` (default bfloat16, the stock setup's
+fastest: pure bf16 weights with fused AdamW, whose state is then bf16 too; the example
+keeps its moments in ``--moments``, by default bf16 as well, and its loss and AdamW math in
+float32). The plan assumes the rates of the training plugin's hardware entry ``--hw``
+(its bf16 or fp32 matmul rate, its host-to-device link). Its rows go into
+``benchmarks/results/compare.json`` with ``"mode": "rl"`` and the rollouts' length as
+``seq_len``, so each is rated (in tokens/s) against the stock RL row of its length; ``--doc
+docs/throughput.md`` rewrites the tables.
+
+Every update moves the model's weights and AdamW moments to the device and back (l3_1b in
+bf16: some 7 GiB each way), whatever its rows; rounds let an update take enough rows to
+hide that behind compute while only one round's saved contexts live in the budget.
+``--predict`` prints the plan's prediction for each budget without running anything: for
+l3_1b at 4 GiB (h200 rates) 16 rows in one round are predicted at 73k tok/s, 64 rows in 8
+rounds at 103k, 128 rows in 16 rounds at 107k (docs/throughput.md, "An RL policy update in
+rounds").
 
 The rollouts are synthetic but shaped as an engine writes them: random prompts and
 completions, the hidden states and behaviour log-probs of one forward of the policy (what
@@ -15,10 +27,11 @@ Each measured step is one update; the first ``--warmup`` are not timed (the stoc
 compiles there). On the device::
 
     source benchmarks/device_setup.sh && pip install -q -e examples/rl_training
-    python -m benchmarks.rl_update --preset l3_1b --budget 4GiB --budget 16GiB --doc docs/throughput.md
+    python -m benchmarks.rl_update --preset l3_1b --rows 128 --rounds 16 --budget 4GiB --doc docs/throughput.md
 
 (on the CPU, for a check of the script: ``--family llama3 --preset llama3_tiny --rows 8
---prompt-len 8 --completion-len 8 --budget 4MiB --device cpu --no-compile``).
+--rounds 2 --stock-rows 4 --prompt-len 8 --completion-len 8 --budget 4MiB --device cpu
+--no-compile``).
 """
 
 from __future__ import annotations
@@ -30,10 +43,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
-from dataflow_rl_example import PolicyTrainer, Rollouts, UpdateOptions
+from dataflow_rl_example import PolicyTrainer, Rollouts, UpdateOptions, lower_update
+from dataflow_rl_example.policy import workspace_estimate
 from dataflow_rl_example.standin import load_model
 from dataflow_training import load_family
+from dataflow_training.plan.hardware import hardware
 
 from benchmarks.harness.compare_doc import (
     finish,
@@ -44,24 +60,39 @@ from benchmarks.harness.compare_doc import (
     write_table,
 )
 from benchmarks.harness.measure import device_name, one_line, wall_steps
-from dataflow import parse_size
+from dataflow import InfeasibleBudget, format_size, parse_size, plan
 
 RESULTS = Path("benchmarks/results/compare.json")
 
 
+#: the rows of one forward of ``synthetic_rollouts`` (a vocabulary's logits per row: l3_1b's
+#: are 1 GiB in float32)
+FORWARD_ROWS = 8
+
+
 def synthetic_rollouts(model: Any, args: argparse.Namespace, device: str) -> Rollouts:
-    """Rollouts of the policy's own forward (on-policy): hidden states of every block."""
+    """Rollouts of the policy's own forward (on-policy): the inputs of every
+    ``--hidden-every``-th block (in the model's dtype); as many rows as the larger of the
+    two updates takes."""
     generator = torch.Generator().manual_seed(0)
-    rows, length = args.rows, args.prompt_len + args.completion_len
+    rows, length = max(args.rows, args.stock_rows), args.prompt_len + args.completion_len
     tokens = torch.randint(0, model.config.vocab_size, (rows, length), generator=generator)
     prompt = torch.zeros(rows, length, dtype=torch.bool)
     prompt[:, : args.prompt_len] = True
-    with torch.no_grad():
-        out = model(tokens[:, :-1].to(device), output_hidden_states=True)
-        logp = out.logits.float().log_softmax(-1).gather(2, tokens[:, 1:, None].to(device))
     behaviour = torch.zeros(rows, length)
-    behaviour[:, 1:] = logp.squeeze(2).cpu()
-    layers = model.config.num_hidden_layers
+    kept = range(0, model.config.num_hidden_layers, args.hidden_every)
+    hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in kept}
+    with torch.no_grad():
+        for start in range(0, rows, FORWARD_ROWS):
+            part = tokens[start : start + FORWARD_ROWS].to(device)
+            out = model(part[:, :-1], output_hidden_states=True)
+            logp = out.logits.float().log_softmax(-1).gather(2, part[:, 1:, None])
+            behaviour[start : start + FORWARD_ROWS, 1:] = logp.squeeze(2).cpu()
+            for layer in kept:
+                # in the model's dtype, as a bf16 engine hands them over: the update
+                # then feeds them as they are, with no conversion of its own per update
+                hidden[layer].append(out.hidden_states[layer].cpu())
+            del out, logp
     return Rollouts(
         tokens=tokens,
         prompt_mask=prompt,
@@ -69,8 +100,67 @@ def synthetic_rollouts(model: Any, args: argparse.Namespace, device: str) -> Rol
         behaviour_logprobs=behaviour * ~prompt,
         rewards=torch.rand(rows, generator=generator),
         groups=torch.arange(rows) // args.group_size,
-        hidden={layer: out.hidden_states[layer].float().cpu() for layer in range(layers)},
+        hidden={layer: torch.cat(parts) for layer, parts in hidden.items()},
     )
+
+
+def first_rows(rollouts: Rollouts, rows: int) -> Rollouts:
+    """The first ``rows`` rows of ``rollouts``."""
+    fields = attrs.asdict(rollouts, recurse=False)
+    return attrs.evolve(
+        rollouts,
+        **{name: value[:rows] for name, value in fields.items() if isinstance(value, torch.Tensor)},
+        hidden={layer: h[:rows] for layer, h in rollouts.hidden.items()},
+    )
+
+
+def options(args: argparse.Namespace) -> UpdateOptions:
+    """The update's options: ``--dtype``, ``--moments``, ``--rounds``, and ``--hw``'s rates
+    (its matmul rate unless ``--flops-per-us``)."""
+    entry = hardware(args.hw)
+    return UpdateOptions(
+        dtype=args.dtype,
+        moments=args.moments or args.dtype,
+        rounds=args.rounds,
+        flops_per_us=args.flops_per_us or entry.flops_per_us[args.dtype],
+        link_bytes_per_us=entry.h2d_bytes_per_us,
+    )
+
+
+def predict(args: argparse.Namespace, family: Any, config: Any) -> None:
+    """Print the plan's prediction of the update at each budget (the blocks' inputs handed
+    over as ``synthetic_rollouts`` hands them)."""
+    seq = args.prompt_len + args.completion_len
+    blocks = tuple(range(0, len(family.layers(config)) - 2, args.hidden_every))
+    step = lower_update(
+        family, config, rows=args.rows, length=seq, hidden_layers=blocks, options=options(args)
+    )
+    beside = workspace_estimate(step)
+    for budget in args.budget or [None]:
+        whole = sum(obj.size_bytes for obj in step.program.objects) + beside
+        found = {"rows": args.rows, "rounds": args.rounds, "budget": format_size(budget or whole)}
+        if (budget or whole) <= beside:
+            print(
+                json.dumps(found | {"note": f"the tasks' workspace alone is {format_size(beside)}"})
+            )
+            continue
+        try:
+            planned = plan(step.program, (budget or whole) - beside)
+        except InfeasibleBudget as error:
+            needs = format_size(error.minimal_budget_bytes + beside)
+            print(json.dumps(found | {"note": f"infeasible: needs {needs}"}))
+            continue
+        seconds = planned.makespan_us / 1e6
+        print(
+            json.dumps(
+                found
+                | {
+                    "makespan_s": round(seconds, 4),
+                    "moved_GiB": round(planned.moved_bytes / 2**30, 2),
+                    "tok_s": round(args.rows * (seq - 1) / seconds),
+                }
+            )
+        )
 
 
 def stock_loss(model: Any, rollouts: Rollouts) -> torch.Tensor:
@@ -97,11 +187,15 @@ def row(
     times: list[float],
     peak: Any,
     note=None,
+    planned: Any = None,
 ) -> dict:
     """A compare.py row (``compare_doc.make_row``) of ``mode`` ``rl``: tokens are the
-    rollouts' scored positions (prompt and completion less one), the step one update."""
+    rollouts' scored positions (prompt and completion less one), the step one update (of
+    ``--rows``, or ``--stock-rows`` for the stock row); a dataflow row carries its plan's
+    predicted step and moved bytes."""
     step_s = statistics.median(times) if times else None
     seq = args.prompt_len + args.completion_len
+    rows = args.rows if engine == "dataflow" else args.stock_rows
     return make_row(
         args.preset,
         engine,
@@ -109,10 +203,12 @@ def row(
         budget,
         seq_len=seq,
         mode="rl",
-        batch=args.rows,
-        tokens_per_step=args.rows * (seq - 1),
+        batch=rows,
+        tokens_per_step=rows * (seq - 1),
         measured_step_s=step_s,
         allocator_peak_bytes=peak,
+        moved_bytes_per_step=planned.moved_bytes if planned is not None else None,
+        predicted_step_s=planned.makespan_us / 1e6 if planned is not None else None,
         note=note,
     )
 
@@ -122,7 +218,9 @@ def main() -> None:
     parser.add_argument("--family", default="llama3")
     parser.add_argument("--preset", default="l3_1b")
     parser.add_argument("--budget", action="append", type=parse_size, help="repeatable")
-    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--rows", type=int, default=16, help="the dataflow update's rollouts")
+    parser.add_argument("--rounds", type=int, default=1, help="micro-batches of --rows")
+    parser.add_argument("--stock-rows", type=int, default=16, help="the stock update's rollouts")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--completion-len", type=int, default=768)
@@ -130,6 +228,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument(
+        "--moments",
+        choices=("bfloat16", "float32"),
+        default=None,
+        help="AdamW's stored moments (default: --dtype, as stock fused AdamW keeps them)",
+    )
+    parser.add_argument(
+        "--hw", default="h200", help="the hardware entry whose rates the plan assumes"
+    )
+    parser.add_argument(
+        "--flops-per-us", type=float, default=None, help="the plan's compute rate (default: --hw's)"
+    )
+    parser.add_argument(
+        "--hidden-every",
+        type=int,
+        default=1,
+        help="hand over the input of every K-th block (the rest rebuilt by the update)",
+    )
+    parser.add_argument(
+        "--predict", action="store_true", help="print the plan's prediction per budget, run nothing"
+    )
     parser.add_argument("--no-compile", action="store_true", help="stock row without torch.compile")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
@@ -140,15 +259,27 @@ def main() -> None:
     )
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
+    if args.hidden_every < 1:
+        parser.error(f"--hidden-every {args.hidden_every}: a whole number >= 1")
+    if args.rounds < 1 or args.rows % args.rounds:
+        parser.error(f"--rounds {args.rounds}: it must divide --rows {args.rows}")
+    try:
+        options(args)
+    except (LookupError, ValueError) as error:
+        parser.error(f"--hw {args.hw}: {one_line(error)}")
 
     family = load_family(args.family)
     config = family.config(args.preset)
+    if args.predict:
+        predict(args, family, config)
+        return
     torch.manual_seed(0)
     state = family.reference_model(config).state_dict()
     folder = Path(tempfile.mkdtemp())
     family.export_hf(config, state, folder)
     model = load_model(folder).to(args.device, getattr(torch, args.dtype))
     rollouts = synthetic_rollouts(model, args, args.device)
+    mine, stocks = first_rows(rollouts, args.rows), first_rows(rollouts, args.stock_rows)
     rows = []
 
     for budget in args.budget or [None]:
@@ -156,7 +287,7 @@ def main() -> None:
             family,
             config,
             state,
-            UpdateOptions(dtype=args.dtype),
+            options(args),
             budget_bytes=budget,
             device=args.device,
         )
@@ -164,13 +295,13 @@ def main() -> None:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             times, _ = wall_steps(
-                lambda i, trainer=trainer: trainer.update(rollouts, lr=1e-6),
+                lambda i, trainer=trainer: trainer.update(mine, lr=1e-6),
                 args.warmup,
                 args.steps,
                 args.device,
             )
             peak = torch.cuda.max_memory_allocated() if cuda else None
-            rows.append(row(args, "dataflow", budget, times, peak))
+            rows.append(row(args, "dataflow", budget, times, peak, planned=trainer.last_plan))
         except Exception as error:  # a row that fails is a row with its reason
             rows.append(row(args, "dataflow", budget, [], None, note=one_line(error)))
         trainer.close()
@@ -182,7 +313,7 @@ def main() -> None:
 
     def step(_: int) -> None:
         optimizer.zero_grad(set_to_none=True)
-        loss(stock, rollouts).backward()
+        loss(stock, stocks).backward()
         optimizer.step()
 
     engine = "pytorch eager" if args.no_compile else "pytorch compile"

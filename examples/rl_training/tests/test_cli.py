@@ -8,6 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 from dataflow_rl_example.cli import main
+from safetensors.torch import load_file
 
 pytest.importorskip("transformers")
 
@@ -50,6 +51,9 @@ def test_init_generate_update_twice(tmp_path):
         (["update", "--family", "llama3", "--model", "{rollouts}", "--rollouts", "{rollouts}", "--out", "o"], "'--model'"),
         (["update", "--family", "llama3", "--model", "{model}", "--rollouts", "{rollouts}", "--out", "o", "--budget", "1KiB"], "'--budget'"),
         (["update", "--family", "llama3", "--model", "{model}", "--rollouts", "{rollouts}", "--out", "o", "--kl-coef", "0.1"], "ref_logprobs"),
+        (["update", "--family", "llama3", "--model", "{model}", "--rollouts", "{rollouts}", "--out", "o", "--rounds", "3"], "'--rounds'"),
+        (["update", "--family", "llama3", "--model", "{model}", "--rollouts", "{rollouts}", "--out", "o", "--rounds", "0"], "'--rounds'"),
+        (["lower", "--family", "llama3", "--model", "{model}", "--rollouts", "{rollouts}", "-o", "u.json", "--rounds", "3"], "'--rounds'"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_naming_the_culprit(tmp_path, args, culprit):
@@ -65,3 +69,28 @@ def test_bad_input_is_one_line_naming_the_culprit(tmp_path, args, culprit):
     )
     lines = [line for line in result.output.splitlines() if line.startswith("Error")]
     assert len(lines) == 1 and culprit in lines[0], result.output
+
+
+def test_update_in_rounds_is_the_update_in_one(tmp_path):
+    """``--rounds 4``: the update of the rollouts' 8 rows in micro-batches of 2 writes the
+    weights and stats of the update in one (to fp32 rounding)."""
+    model, rollouts = tmp_path / "model", tmp_path / "rollouts"
+    run("init", "--family", "llama3", "--preset", "llama3_tiny", "--out", model)
+    run("generate", "--model", model, "--out", rollouts)
+    stats = {}
+    for rounds in (1, 4):
+        result = run(
+            "update", "--family", "llama3", "--model", model, "--rollouts", rollouts,
+            "--out", tmp_path / f"r{rounds}", "--rounds", rounds, "--budget", "2MiB",
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        stats[rounds] = json.loads(result.output)
+    assert stats[4] == pytest.approx(stats[1], abs=1e-6)
+    ours = load_file(tmp_path / "r4" / "model.safetensors")
+    one = load_file(tmp_path / "r1" / "model.safetensors")
+    assert max((ours[k] - one[k]).abs().max().item() for k in one) < 2e-5
+    lowered = run(
+        "lower", "--family", "llama3", "--model", model, "--rollouts", rollouts,
+        "-o", tmp_path / "update.json", "--rounds", 4,
+    )  # fmt: skip
+    assert lowered.exit_code == 0 and "head_r3" in (tmp_path / "update.json").read_text()

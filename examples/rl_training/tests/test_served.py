@@ -60,6 +60,8 @@ def test_served_rl_updates_are_the_policy_trainers(home):
                 trainer.load(kind="rl", init=str(home / "policy_0"), lossy=1)
             with pytest.raises(ServiceError, match=r"args\.dtype: 'float16' is not one of"):
                 trainer.load(kind="rl", preset="llama3_tiny", dtype="float16")
+            with pytest.raises(ServiceError, match=r"args\.rounds: a whole number >= 1, not 0"):
+                trainer.load(kind="rl", preset="llama3_tiny", rounds=0)
             with pytest.raises(ServiceError, match=r"^load: args\.family: missing"):
                 trainer.load(kind="rl", init=str(home / "policy_0"))
 
@@ -150,3 +152,34 @@ def test_served_rl_updates_are_the_policy_trainers(home):
     assert changed and set(changed) <= set(whole)
     for name, t in changed.items():
         assert torch.equal(t, whole[name]), name
+
+
+def test_loaded_rounds_reach_the_update(tmp_path):
+    """``load``'s ``rounds`` is the update's: its steps equal the one-round update's, and
+    rollouts whose rows it does not divide are refused naming ``args.rounds``."""
+    from dataflow_rl_example.served import open_policy
+
+    policies = {
+        rounds: open_policy({"preset": "llama3_tiny", "rounds": rounds}, device="cpu")
+        for rounds in (1, 4)
+    }
+    assert policies[4].describe()["rounds"] == 4
+    family = load_family("llama3")
+    family.export_hf(family.config("llama3_tiny"), policies[1].state(), tmp_path / "policy")
+    prompts = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+    written = generate_rollouts(
+        load_model(tmp_path / "policy"), prompts, group_size=4, max_new_tokens=8, seed=0
+    )
+    write_rollouts(written, tmp_path / "rollouts")
+    stats = {r: policy.step(tmp_path / "rollouts", lr=1e-3) for r, policy in policies.items()}
+    assert stats[4] == pytest.approx(stats[1], abs=1e-6)
+    ours, one = policies[4].state(), policies[1].state()
+    assert max((ours[k] - one[k]).abs().max().item() for k in one) < 2e-5
+    six = generate_rollouts(
+        load_model(tmp_path / "policy"), prompts, group_size=3, max_new_tokens=8, seed=0
+    )
+    write_rollouts(six, tmp_path / "six")
+    with pytest.raises(ValueError, match=r"^args\.rounds: 4 \(loaded\) does not divide the 6"):
+        policies[4].step(tmp_path / "six")
+    for policy in policies.values():
+        policy.close()

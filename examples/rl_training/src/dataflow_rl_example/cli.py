@@ -135,12 +135,27 @@ def generate(
     click.echo(f"wrote {rollouts.rows} rollouts of {rollouts.length} tokens to {out}")
 
 
-def _options(loss: str, kl_coef: float, clip: float, weight_decay: float, dtype: str) -> Any:
+def _options(
+    loss: str, kl_coef: float, clip: float, weight_decay: float, dtype: str, rounds: int = 1
+) -> Any:
     from dataflow_rl_example.program import UpdateOptions
 
     return UpdateOptions(
-        loss=loss, clip_eps=clip, kl=kl_coef > 0, weight_decay=weight_decay, dtype=dtype
+        loss=loss,
+        clip_eps=clip,
+        kl=kl_coef > 0,
+        weight_decay=weight_decay,
+        dtype=dtype,
+        rounds=rounds,
     )
+
+
+def _check_rounds(rounds: int, batch: Any, folder: Path) -> None:
+    if batch.rows % rounds:
+        raise click.BadParameter(
+            f"{rounds} does not divide the {batch.rows} rows of {folder}",
+            param_hint="'--rounds'",
+        )
 
 
 LOSS = click.option("--loss", type=click.Choice(["grpo", "ppo"]), default="grpo", show_default=True)
@@ -153,6 +168,13 @@ DTYPE = click.option(
     default="float32",
     show_default=True,
     help="parameters, gradients and activations (AdamW's moments stay float32)",
+)
+ROUNDS = click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="micro-batches of the rollouts' rows (each block's gradient accumulated over them)",
 )
 
 
@@ -167,8 +189,11 @@ DTYPE = click.option(
 @CLIP
 @DECAY
 @DTYPE
+@ROUNDS
 @click.option("--budget", type=BUDGET, help="fast-memory budget (default: keep everything)")
-def update(family, model, rollouts, out, lr, loss, kl_coef, clip, weight_decay, dtype, budget):
+def update(
+    family, model, rollouts, out, lr, loss, kl_coef, clip, weight_decay, dtype, rounds, budget
+):
     """One policy update: plan it into the budget, run it, write the new weights."""
     from safetensors.torch import load_file, save_file
 
@@ -182,12 +207,13 @@ def update(family, model, rollouts, out, lr, loss, kl_coef, clip, weight_decay, 
             f"{rollouts}: no ref_logprobs (generate them with --reference)",
             param_hint="'--kl-coef'",
         )
+    _check_rounds(rounds, batch, rollouts)
     saved = model / OPTIMIZER_FILE
     trainer = PolicyTrainer(
         found,
         config,
         state,
-        _options(loss, kl_coef, clip, weight_decay, dtype),
+        _options(loss, kl_coef, clip, weight_decay, dtype, rounds),
         budget_bytes=budget,
         optimizer_state=load_file(saved) if saved.is_file() else None,
     )
@@ -212,7 +238,8 @@ def update(family, model, rollouts, out, lr, loss, kl_coef, clip, weight_decay, 
 @CLIP
 @DECAY
 @DTYPE
-def lower(family, model, rollouts, output, loss, kl_coef, clip, weight_decay, dtype):
+@ROUNDS
+def lower(family, model, rollouts, output, loss, kl_coef, clip, weight_decay, dtype, rounds):
     """Write the bare program of an update (for `dataflow plan --resolver rl-update`)."""
     from dataflow_training.kit import CheckpointError, read_config
 
@@ -224,13 +251,14 @@ def lower(family, model, rollouts, output, loss, kl_coef, clip, weight_decay, dt
     except CheckpointError as error:
         raise click.BadParameter(one_line(str(error)), param_hint="'--model'") from None
     batch = _rollouts(rollouts)
+    _check_rounds(rounds, batch, rollouts)
     step = lower_update(
         found,
         config,
         rows=batch.rows,
         length=batch.length,
         hidden_layers=batch.hidden_layers,
-        options=_options(loss, kl_coef, clip, weight_decay, dtype),
+        options=_options(loss, kl_coef, clip, weight_decay, dtype, rounds),
     )
     output.write_text(step.program.to_json())
     click.echo(f"wrote {output}: {len(step.program.tasks)} tasks")

@@ -22,6 +22,7 @@ LOAD_ARGS = (
     "weight_decay",
     "kl",
     "dtype",
+    "rounds",
 )
 STEP_ARGS = ("lr", "kl_coef")
 

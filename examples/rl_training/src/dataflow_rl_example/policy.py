@@ -1,13 +1,13 @@
 """The policy trainer: lower, plan and run one update per batch of rollouts.
 
 ``PolicyTrainer(family, config, state)`` holds the model state and the AdamW moments.
-``update(rollouts, lr=...)`` lowers the update for the rollouts' shape (once per shape),
-plans it into the fast-memory budget with PressureFit, places it in one arena (leaving
-room beside it for the tasks' temporaries: ``workspace_estimate``, or
-``workspace_bytes``), loads it into the engine and runs it; later updates of the same
-shape feed the next rollouts to the same engine. ``state()`` reads the weights back
-(keyed as the family's reference model), and ``export(path)`` writes them as an HF
-checkpoint folder an inference engine loads.
+``update(rollouts, lr=...)`` lowers the update for the rollouts' shape (once per shape;
+its rows in ``options.rounds`` micro-batches), plans it into the fast-memory budget with
+PressureFit, places it in one arena (leaving room beside it for the tasks' temporaries:
+``workspace_estimate``, or ``workspace_bytes``), loads it into the engine and runs it;
+later updates of the same shape feed the next rollouts to the same engine. ``state()``
+reads the weights back (keyed as the family's reference model), and ``export(path)``
+writes them as an HF checkpoint folder an inference engine loads.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataflow_training import load_family
 
 from dataflow import Engine, InfeasibleBudget, format_size, place, plan
 from dataflow_rl_example import tasks
-from dataflow_rl_example.program import STATS, UpdateOptions, UpdateStep, lower_update
+from dataflow_rl_example.program import STATS, WHOLE, UpdateOptions, UpdateStep, lower_update
 from dataflow_rl_example.rollouts import Rollouts
 
 
@@ -32,14 +32,17 @@ class BudgetError(ValueError):
 def workspace_estimate(step: UpdateStep) -> int:
     """The task temporaries to leave beside the planned arena: the head's (a chunk's
     log-probs, its hidden states and their gradient in float32) or a block's (taken as
-    twice its saved context plus four hidden states), whichever is more. An
+    twice its saved context plus four hidden states), whichever is more, for one round's
+    rows. An
     estimate: on CUDA the engine checks the allocator's peak against the budget, and a
     breach names it (then pass ``workspace_bytes``)."""
     sizes = {obj.id: obj.size_bytes for obj in step.program.objects}
-    hidden = sizes["h_0"] if "h_0" in sizes else sizes[f"h_{len(step.blocks)}"]
-    chunk = min(step.options.chunk_tokens, step.rows * (step.length - 1))
+    first, last = step.each("h_0", 0), step.each(f"h_{len(step.blocks)}", 0)
+    hidden = sizes[first] if first in sizes else sizes[last]
+    chunk = min(step.options.chunk_tokens, step.round_rows * (step.length - 1))
     head = chunk * step.config.vocab_size * 4 + 3 * hidden
-    block = max((2 * sizes[f"A_{i}"] for i in range(len(step.blocks))), default=0) + 4 * hidden
+    saved = (2 * sizes[step.each(f"A_{i}", 0)] for i in range(len(step.blocks)))
+    block = max(saved, default=0) + 4 * hidden
     return max(head, block)
 
 
@@ -161,7 +164,10 @@ class PolicyTrainer:
             batch["ref"] = rollouts.ref_logprobs[:, 1:].float()
         dtype = getattr(torch, self.options.dtype)
         batch |= {f"h_{layer}": hidden.to(dtype) for layer, hidden in rollouts.hidden.items()}
-        return {name: t.contiguous() for name, t in batch.items() if name in _ids(step)}
+        rounds = {}  # each round's slice of what scales with the rows
+        for name, t in batch.items():
+            rounds |= {name: t} if name in WHOLE else step.split(name, t)
+        return {name: t.contiguous() for name, t in rounds.items() if name in _ids(step)}
 
     def _stats(self) -> dict[str, float]:
         values = self._engine.fetch("stats").tolist()

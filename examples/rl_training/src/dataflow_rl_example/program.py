@@ -20,6 +20,23 @@ contexts live only while it runs. ``embed_backward`` ends the chain (the token t
 gradient needs only the tokens and ``dh_0``), then ``adamw_emb``. Without ``h_0`` (no
 hidden states handed over) an ``embed`` task makes it from the tokens.
 
+Rounds (``UpdateOptions.rounds``, ``R``): the rows split into ``R`` equal micro-batches,
+so an update may take more rows than one block's saved context for all of them would
+leave room for. Every object that scales with the rows is one per round, its id
+suffixed ``_r<round>`` (``h_l_r0``, ``dh_l_r0``, ``A_l_r0``, ``T_l_r0``, ``tokens_r0``,
+``targets_r0``, ``scored_r0``, ``behaviour_r0``, ``ref_r0``), as is every task that reads
+them (``recompute_l_r0``, ``head_r0``, ``backward_l_r0``, ``embed_r0``,
+``embed_backward_r0``); ``rewards`` and ``groups`` stay whole. Within a span the tasks run
+round by round (the round's recomputes, at the last span its head, its backwards), so
+one round's saved contexts of the span live at a time; round 0's backward writes
+``dW_l`` and later rounds' add to it (they mutate it), and ``adamw_l`` follows the last
+round's backward: a block's weights and moments are fetched once an update whatever the
+rows. Each round's head weighs its tokens and takes its advantages from every round's
+``scored`` and the whole ``rewards`` and ``groups`` (a group may straddle rounds), so the
+rounds' gradients and ``stats`` sum to the one-round update's; the head's gradients (a
+tied table's included, which every round's ``embed_backward`` then adds to) accumulate
+alike. With ``R = 1`` the program is the one without rounds, ids unsuffixed.
+
 Objects: parameters ``W_<layer>[.<group>]``, moments ``O_...`` and the loss's ``stats`` end
 in slow memory; the rollout's tensors start there (``tokens``, ``targets``, ``scored``,
 ``behaviour``, ``ref``, ``rewards``, ``groups``, ``h_<l>``). Task costs come from the
@@ -66,6 +83,10 @@ class UpdateOptions:
     #: bytes/us (benchmarks/rl_update.py takes them from the hardware table)
     flops_per_us: float = 20_000.0
     link_bytes_per_us: float = 10_000.0
+    #: micro-batches of the update: its rows split into ``rounds`` equal slices, each
+    #: block's saved context made for one slice at a time and its gradient accumulated over
+    #: them, so the rows an update takes are not bounded by what one block keeps for them
+    rounds: int = attrs.field(default=1)
 
     @loss.validator
     def _loss(self, attribute: attrs.Attribute, value: str) -> None:
@@ -77,6 +98,11 @@ class UpdateOptions:
     def _dtype(self, attribute: attrs.Attribute, value: str) -> None:
         if value not in DTYPES:
             raise ValueError(f"{attribute.name} must be one of {', '.join(DTYPES)}, got {value!r}")
+
+    @rounds.validator
+    def _rounds(self, attribute: attrs.Attribute, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"rounds must be a whole number >= 1, got {value!r}")
 
     def as_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -100,9 +126,40 @@ class UpdateStep:
     def blocks(self) -> tuple[Any, ...]:
         return self.layers[1:-1]
 
+    @property
+    def rounds(self) -> int:
+        return self.options.rounds
+
+    @property
+    def round_rows(self) -> int:
+        """The rows of one round."""
+        return self.rows // self.options.rounds
+
+    def each(self, oid: str, round_: int) -> str:
+        """The id of round ``round_``'s object ``oid`` (of something that scales with the
+        rows: ``h_l``, ``A_l``, ``tokens``, ...); with one round, ``oid`` itself."""
+        return _each(oid, round_, self.options.rounds)
+
+    def split(self, oid: str, tensor: Any) -> dict[str, Any]:
+        """A whole-batch tensor of object ``oid`` (rows first) as every round's slice."""
+        size = self.round_rows
+        return {
+            self.each(oid, round_): tensor[round_ * size : (round_ + 1) * size]
+            for round_ in range(self.rounds)
+        }
+
     def param_objects(self, layer: Any) -> dict[str, Any]:
         """``{object id: ParamGroup}`` of a layer's parameter groups."""
         return {param_object(layer, group): group for group in layer.groups}
+
+
+def _each(oid: str, round_: int, rounds: int) -> str:
+    return oid if rounds == 1 else f"{oid}_r{round_}"
+
+
+#: the objects that stay whole however many rounds: the GRPO/PPO advantage normalises each
+#: reward over its whole group
+WHOLE = ("rewards", "groups")
 
 
 def param_object(layer: Any, group: Any) -> str:
@@ -138,6 +195,11 @@ def lower_update(
             raise ValueError(f"layer {layer.name}: experts stored in shards are not supported")
     if seq < 1:
         raise ValueError(f"rollouts of {length} token(s): the update needs at least 2")
+    if rows % options.rounds:
+        raise ValueError(
+            f"rounds: {options.rounds} does not divide the {rows} rows (each round takes an "
+            "equal slice of them)"
+        )
 
     packings: dict[str, Packing] = {}
     objects: list[Obj] = []
@@ -163,30 +225,41 @@ def lower_update(
             add_packed("O" + oid[1:], "opt_state", Packing.of(moments))
             final |= {oid: "slow", "O" + oid[1:]: "slow"}
 
-    hidden = family.hidden_shape(config, rows, seq)
-    for name, kind in (("tokens", "int64"), ("targets", "int64"), ("scored", STATE)):
-        add(name, "data", kind, (rows, seq))
-    add("behaviour", "data", STATE, (rows, seq))
-    if options.kl:
-        add("ref", "data", STATE, (rows, seq))
+    rounds = options.rounds
+    per = rows // rounds  # the rows of one round
+
+    def each(oid: str, round_: int) -> str:
+        return _each(oid, round_, rounds)
+
+    hidden = family.hidden_shape(config, per, seq)
+    temps: set[int] = set()  # the blocks that keep router choices (T_l)
+    for round_ in range(rounds):
+        for name, kind in (("tokens", "int64"), ("targets", "int64"), ("scored", STATE)):
+            add(each(name, round_), "data", kind, (per, seq))
+        add(each("behaviour", round_), "data", STATE, (per, seq))
+        if options.kl:
+            add(each("ref", round_), "data", STATE, (per, seq))
     add("rewards", "data", STATE, (rows,))
     add("groups", "data", "int64", (rows,))
-    for index in range(count + 1):
-        role = "data" if index in handed else "activation"
-        add(f"h_{index}", role, dtype, hidden)
-        add(f"dh_{index}", "grad", dtype, hidden)
-    for index, block in enumerate(blocks):
-        math = family.math(block.kind)
-        add_packed(f"A_{index}", "activation", _named(math.saved(config, rows, seq), dtype))
-        aux_temp = math.aux_temp(config, rows, seq)
-        if aux_temp:
-            add_packed(f"T_{index}", "aux_temp", _named(aux_temp, dtype))
+    for round_ in range(rounds):
+        for index in range(count + 1):
+            role = "data" if index in handed else "activation"
+            add(each(f"h_{index}", round_), role, dtype, hidden)
+            add(each(f"dh_{index}", round_), "grad", dtype, hidden)
+        for index, block in enumerate(blocks):
+            math = family.math(block.kind)
+            saved = _named(math.saved(config, per, seq), dtype)
+            add_packed(each(f"A_{index}", round_), "activation", saved)
+            aux_temp = math.aux_temp(config, per, seq)
+            if aux_temp:
+                add_packed(each(f"T_{index}", round_), "aux_temp", _named(aux_temp, dtype))
+                temps.add(index)
     add("stats", "output", STATE, (len(STATS),))
 
     rate = options.flops_per_us
 
     def cost(layer: Any, part: str) -> float:
-        work = family.math(layer.kind).cost(config, rows, seq, 4)
+        work = family.math(layer.kind).cost(config, per, seq, 4)
         chosen = {"forward": work.forward, "backward": work.backward}[part]
         if part == "forward" and work.recompute is not None:
             chosen = work.recompute
@@ -209,81 +282,115 @@ def lower_update(
             for oid in weights(layer)
         ]
 
+    def grads(oids: tuple[str, ...], add: bool) -> dict[str, tuple[str, ...]]:
+        """A task's gradients of ``oids``: written (outputs; round 0), or added to (mutated;
+        a later round, or the embedding's table after the tied head's)."""
+        named = tuple("d" + oid for oid in oids)
+        return {"outputs": (), "mutates": named} if add else {"outputs": named, "mutates": ()}
+
+    def where(round_: int, **params: Any) -> dict[str, Any]:
+        return params | ({"round": round_} if rounds > 1 else {})
+
     tied = tuple(weights(embed)) if head.tied else ()
-    head_inputs = (*weights(head), *tied, f"h_{count}", "targets", "scored", "behaviour")
-    head_inputs += ("ref",) if options.kl else ()
-    head_task = Task(
-        "head",
-        "head",
-        "rl.head",
-        inputs=(*head_inputs, "rewards", "groups"),
-        outputs=(
-            f"dh_{count}",
-            *("d" + oid for oid in weights(head)),
-            *("d" + o for o in tied),
-            "stats",
-        ),
-        cost_us=cost(head, "forward"),
-    )
+
+    def head_task(round_: int) -> Task:
+        # every round's scored mask: the loss weighs a token by counts over all rows
+        scored = tuple(each("scored", other) for other in range(rounds))
+        rollout = (each("targets", round_), *scored, each("behaviour", round_))
+        rollout += (each("ref", round_),) if options.kl else ()
+        written = grads((*weights(head), *tied), add=round_ > 0)
+        first = round_ == 0
+        return Task(
+            each("head", round_),
+            "head",
+            "rl.head",
+            params=where(round_),
+            inputs=(*weights(head), *tied, each(f"h_{count}", round_), *rollout, *WHOLE),
+            mutates=(*written["mutates"], *(() if first else ("stats",))),
+            outputs=(
+                each(f"dh_{count}", round_),
+                *written["outputs"],
+                *(("stats",) if first else ()),
+            ),
+            cost_us=cost(head, "forward"),
+        )
+
+    embed_grads = weights(embed)
+
+    def embed_backward(round_: int) -> Task:
+        # tied: the head's tasks wrote the table's gradient; every round adds to it
+        written = grads(embed_grads, add=bool(tied) or round_ > 0)
+        return Task(
+            each("embed_backward", round_),
+            "embed_backward",
+            "rl.embed_backward",
+            params=where(round_),
+            inputs=(each("tokens", round_), each("dh_0", round_)),
+            mutates=written["mutates"],
+            outputs=written["outputs"],
+            cost_us=1.0,
+        )
+
+    # Span by span from the last; within a span, round by round: the round's recomputes,
+    # (at the last span) its head, its backwards. A block's adamw follows its last round's
+    # backward, so its weights, gradient and moments are fetched once whatever the rounds,
+    # and only one round's saved contexts of the span live at a time.
     tasks: list[Task] = []
     starts = sorted({0, *handed})
     spans = list(zip(starts, [*starts[1:], count], strict=True))
     for first, end in reversed(spans):
-        if first == 0 and 0 not in handed:
-            tasks.append(
-                Task(
-                    "embed",
-                    "embed",
-                    "rl.embed",
-                    inputs=(*weights(embed), "tokens"),
-                    outputs=("h_0",),
-                    cost_us=1.0,
+        for round_ in range(rounds):
+            last = round_ == rounds - 1
+            if first == 0 and 0 not in handed:
+                tasks.append(
+                    Task(
+                        each("embed", round_),
+                        "embed",
+                        "rl.embed",
+                        params=where(round_),
+                        inputs=(*weights(embed), each("tokens", round_)),
+                        outputs=(each("h_0", round_),),
+                        cost_us=1.0,
+                    )
                 )
-            )
-        for index in range(first, end):
-            block = blocks[index]
-            made = (f"T_{index}",) if f"T_{index}" in packings else ()
-            following = (f"h_{index + 1}",) if index + 1 not in handed else ()
-            tasks.append(
-                Task(
-                    f"recompute_{index}",
-                    "recompute",
-                    "rl.recompute",
-                    params={"layer": index},
-                    inputs=(*weights(block), f"h_{index}"),
-                    outputs=(f"A_{index}", *made, *following),
-                    cost_us=cost(block, "forward"),
+            for index in range(first, end):
+                block = blocks[index]
+                made = (each(f"T_{index}", round_),) if index in temps else ()
+                following = (each(f"h_{index + 1}", round_),) if index + 1 not in handed else ()
+                tasks.append(
+                    Task(
+                        each(f"recompute_{index}", round_),
+                        "recompute",
+                        "rl.recompute",
+                        params=where(round_, layer=index),
+                        inputs=(*weights(block), each(f"h_{index}", round_)),
+                        outputs=(each(f"A_{index}", round_), *made, *following),
+                        cost_us=cost(block, "forward"),
+                    )
                 )
-            )
-        if end == count:
-            tasks += [head_task, *([] if head.tied else adamw(head))]
-        for index in reversed(range(first, end)):
-            block = blocks[index]
-            temp = (f"T_{index}",) if f"T_{index}" in packings else ()
-            tasks.append(
-                Task(
-                    f"backward_{index}",
-                    "backward",
-                    "rl.backward",
-                    params={"layer": index},
-                    inputs=(*weights(block), f"h_{index}", f"A_{index}", *temp, f"dh_{index + 1}"),
-                    outputs=(f"dh_{index}", *("d" + oid for oid in weights(block))),
-                    cost_us=cost(block, "backward"),
+            if end == count:
+                tasks.append(head_task(round_))
+                tasks += adamw(head) if last and not head.tied else []
+            for index in reversed(range(first, end)):
+                block = blocks[index]
+                temp = (each(f"T_{index}", round_),) if index in temps else ()
+                context = (each(f"h_{index}", round_), each(f"A_{index}", round_), *temp)
+                written = grads(weights(block), add=round_ > 0)
+                tasks.append(
+                    Task(
+                        each(f"backward_{index}", round_),
+                        "backward",
+                        "rl.backward",
+                        params=where(round_, layer=index),
+                        inputs=(*weights(block), *context, each(f"dh_{index + 1}", round_)),
+                        mutates=written["mutates"],
+                        outputs=(each(f"dh_{index}", round_), *written["outputs"]),
+                        cost_us=cost(block, "backward"),
+                    )
                 )
-            )
-            tasks += adamw(block)
-    embed_grads = tuple("d" + oid for oid in weights(embed))
-    tasks.append(
-        Task(
-            "embed_backward",
-            "embed_backward",
-            "rl.embed_backward",
-            inputs=("tokens", "dh_0"),
-            mutates=embed_grads if tied else (),
-            outputs=() if tied else embed_grads,
-            cost_us=1.0,
-        )
-    )
+                tasks += adamw(block) if last else []
+            if first == 0:
+                tasks.append(embed_backward(round_))
     tasks += adamw(embed) + (adamw(head) if head.tied else [])
     used = {oid for task in tasks for oid in task.uses}
     program = Program(

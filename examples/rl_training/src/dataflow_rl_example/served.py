@@ -10,8 +10,10 @@ the weights (docs/engine_service.md of dataflow). ``load``'s fields:
   preset, drawn with ``seed``), one of them at least,
 - ``budget`` (the fast-memory budget, bytes or ``"8MiB"``; default: everything fits),
 - ``loss`` (``grpo`` or ``ppo``), ``clip``, ``weight_decay``, ``kl`` (true: the update
-  has the KL term to the reference, whose log-probs the rollouts then carry) and ``dtype``
-  (``float32`` or ``bfloat16``: the parameters', gradients' and activations').
+  has the KL term to the reference, whose log-probs the rollouts then carry), ``dtype``
+  (``float32`` or ``bfloat16``: the parameters', gradients' and activations') and
+  ``rounds`` (micro-batches of each update's rows, a whole number that divides them;
+  default 1).
 
 ``step``'s fields: ``lr`` (default 1e-3) and ``kl_coef`` (default 0; above 0 needs ``kl``).
 Every error is a ``ValueError`` whose message names the field at fault.
@@ -66,6 +68,7 @@ class ServedPolicy:
             "loss": self.options.loss,
             "kl": self.options.kl,
             "dtype": self.options.dtype,
+            "rounds": self.options.rounds,
             "budget": self.budget_bytes,
         }
 
@@ -85,6 +88,11 @@ class ServedPolicy:
         if self.options.kl and rollouts.ref_logprobs is None:
             raise ValueError(
                 f"args.batch.path: {path} carries no ref_logprobs; the update has the KL term"
+            )
+        if rollouts.rows % self.options.rounds:
+            raise ValueError(
+                f"args.rounds: {self.options.rounds} (loaded) does not divide the "
+                f"{rollouts.rows} rows of {path}"
             )
         return self.trainer.update(rollouts, lr=lr, kl_coef=kl_coef)
 
@@ -165,12 +173,16 @@ def open_policy(options: Mapping[str, Any], *, device: str) -> ServedPolicy:
     dtype = options.get("dtype", "float32")
     if dtype not in DTYPES:
         raise ValueError(f"args.dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    rounds = options.get("rounds", 1)
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"args.rounds: a whole number >= 1, not {rounds!r}")
     update = UpdateOptions(
         loss=loss,
         clip_eps=_rate("clip", options.get("clip", 0.2)),
         kl=kl,
         weight_decay=_rate("weight_decay", options.get("weight_decay", 0.0)),
         dtype=dtype,
+        rounds=rounds,
     )
     return ServedPolicy(
         family,

@@ -44,14 +44,23 @@ class _Task:
             params |= tensors[oid]
         return params
 
-    def write_grads(self, tensors: dict[str, Any], layer: Any, grads: dict[str, Any]) -> None:
+    def name(self, ctx: LaunchContext, oid: str) -> str:
+        """The id of the task's round's object ``oid`` (``UpdateStep.each``)."""
+        return self.step.each(oid, ctx.task.params.get("round", 0))
+
+    def write_grads(
+        self, ctx: LaunchContext, tensors: dict[str, Any], layer: Any, grads: dict[str, Any]
+    ) -> None:
+        """Write ``layer``'s gradients, or add them where the task accumulates them (a
+        later round, or the token table's gradient that the tied head wrote)."""
         for oid in self.step.param_objects(layer):
+            add = "d" + oid in ctx.task.mutates
             for name, target in tensors["d" + oid].items():
                 grad = grads[name]
                 if isinstance(grad, RowGradient):
-                    grad.copy_into(target)
+                    (grad.add_into if add else grad.copy_into)(target)
                 else:
-                    target.copy_(grad)
+                    target.add_(grad) if add else target.copy_(grad)
 
 
 class Recompute(_Task):
@@ -64,14 +73,18 @@ class Recompute(_Task):
         tensors = self.tensors(ctx)
         math = self.step.family.math(block.kind)
         y, saved, aux_temp = math.forward(
-            self.config, self.params(tensors, block), tensors[f"h_{index}"], self.env
+            self.config,
+            self.params(tensors, block),
+            tensors[self.name(ctx, f"h_{index}")],
+            self.env,
         )
-        for name, view in tensors[f"A_{index}"].items():
+        for name, view in tensors[self.name(ctx, f"A_{index}")].items():
             view.copy_(saved[name])
-        for name, view in tensors.get(f"T_{index}", {}).items():
+        for name, view in tensors.get(self.name(ctx, f"T_{index}"), {}).items():
             view.copy_(aux_temp[name])
-        if f"h_{index + 1}" in ctx.task.outputs:
-            tensors[f"h_{index + 1}"].copy_(y)
+        following = self.name(ctx, f"h_{index + 1}")
+        if following in ctx.task.outputs:
+            tensors[following].copy_(y)
 
 
 class Backward(_Task):
@@ -83,38 +96,35 @@ class Backward(_Task):
         dx, grads = math.backward(
             self.config,
             self.params(tensors, block),
-            tensors[f"h_{index}"],
-            tensors[f"A_{index}"],
-            tensors.get(f"T_{index}", {}),
-            tensors[f"dh_{index + 1}"],
+            tensors[self.name(ctx, f"h_{index}")],
+            tensors[self.name(ctx, f"A_{index}")],
+            tensors.get(self.name(ctx, f"T_{index}"), {}),
+            tensors[self.name(ctx, f"dh_{index + 1}")],
             self.env,
         )
-        tensors[f"dh_{index}"].copy_(dx)
-        self.write_grads(tensors, block, grads)
+        tensors[self.name(ctx, f"dh_{index}")].copy_(dx)
+        self.write_grads(ctx, tensors, block, grads)
 
 
 class Embed(_Task):
     def launch(self, ctx: LaunchContext) -> None:
         tensors, embed = self.tensors(ctx), self.step.layers[0]
         math = self.step.family.math(embed.kind)
-        h = math.forward(self.config, self.params(tensors, embed), tensors["tokens"], self.env)
-        tensors["h_0"].copy_(h)
+        tokens = tensors[self.name(ctx, "tokens")]
+        h = math.forward(self.config, self.params(tensors, embed), tokens, self.env)
+        tensors[self.name(ctx, "h_0")].copy_(h)
 
 
 class EmbedBackward(_Task):
-    """The token table's gradient; added to the head's where the two share the table."""
+    """The token table's gradient; added to the head's where the two share the table, and
+    to the earlier rounds'."""
 
     def launch(self, ctx: LaunchContext) -> None:
         tensors, embed = self.tensors(ctx), self.step.layers[0]
         math = self.step.family.math(embed.kind)
-        grads = math.backward(self.config, tensors["tokens"], tensors["dh_0"], self.env)
-        if not ctx.task.mutates:
-            self.write_grads(tensors, embed, grads)
-            return
-        for oid in self.step.param_objects(embed):
-            for name, target in tensors["d" + oid].items():
-                grad = grads[name]
-                grad.add_into(target) if isinstance(grad, RowGradient) else target.add_(grad)
+        tokens, dh = tensors[self.name(ctx, "tokens")], tensors[self.name(ctx, "dh_0")]
+        grads = math.backward(self.config, tokens, dh, self.env)
+        self.write_grads(ctx, tensors, embed, grads)
 
 
 class Head(_Task):
@@ -122,7 +132,9 @@ class Head(_Task):
     policy loss, and its gradient (no (tokens, vocab) tensor beyond one chunk). The loss is
     a function of each token's log-prob alone, so autograd over a (chunk,) vector gives
     ``d loss / d logp``; the logits' gradient is that times ``onehot - softmax``. Writes
-    ``dh_L``, the head's gradients and ``stats``."""
+    ``dh_L``, the head's gradients and ``stats`` (a later round adds its share to the
+    gradients and ``stats``: each token's weight and the advantages come from every
+    round's rows, so the rounds' shares sum to the whole batch's)."""
 
     def launch(self, ctx: LaunchContext) -> None:
         step, options = self.step, self.step.options
@@ -132,23 +144,32 @@ class Head(_Task):
             layer_name, name = target.split(".", 1)
             owner = next(layer for layer in step.layers if layer.name == layer_name)
             params[local] = self.params(tensors, owner)[name]
-        x = tensors[f"h_{count}"]
+        x = tensors[self.name(ctx, f"h_{count}")]
+        first = "stats" in ctx.task.outputs  # round 0 writes; later rounds add
         norm = type(self.config).architecture.norm.op(
             self.config, FINAL_NORM.removesuffix(".weight")
         )
         hidden, norm_stats = norm.forward(self.env.ops, params, x)
         flat = hidden.reshape(-1, hidden.shape[-1])
         weight = params[LM_HEAD]
-        scored = tensors["scored"].reshape(-1)
-        weights = token_weights(tensors["scored"], options.loss).reshape(-1)
-        advantage = advantages(tensors["rewards"], tensors["groups"], options.loss)
-        advantage = advantage[:, None].expand_as(tensors["scored"]).reshape(-1)
-        behaviour, targets = tensors["behaviour"].reshape(-1), tensors["targets"].reshape(-1)
-        ref = tensors["ref"].reshape(-1) if options.kl else None
+        # the whole batch's weights and advantages, then this round's rows of them
+        start = ctx.task.params.get("round", 0) * step.round_rows
+        mine = slice(start, start + step.round_rows)
+        every = torch.cat([tensors[step.each("scored", r)] for r in range(step.rounds)])
+        weights = token_weights(every, options.loss)[mine].reshape(-1)
+        advantage = advantages(tensors["rewards"], tensors["groups"], options.loss)[mine]
+        own = tensors[self.name(ctx, "scored")]
+        scored = own.reshape(-1)
+        advantage = advantage[:, None].expand_as(own).reshape(-1)
+        behaviour = tensors[self.name(ctx, "behaviour")].reshape(-1)
+        targets = tensors[self.name(ctx, "targets")].reshape(-1)
+        ref = tensors[self.name(ctx, "ref")].reshape(-1) if options.kl else None
         kl_coef = ctx.values["kl_coef"] if options.kl else 0.0
 
         d_hidden = torch.zeros_like(flat, dtype=torch.float32)
-        d_weight = self.grad_view(tensors, LM_HEAD).zero_()  # the output itself: no copy
+        d_weight = self.grad_view(tensors, LM_HEAD)  # the output itself: no copy
+        if first:
+            d_weight.zero_()
         totals = torch.zeros(len(STATS), dtype=torch.float64, device=x.device)
         rows = scored.nonzero().reshape(-1)
         vocab = self.config.vocab_size
@@ -184,16 +205,16 @@ class Head(_Task):
                     kl_sum,
                 ]
             )
-        count_scored = max(len(rows), 1)
-        tensors["stats"].copy_(
-            totals / totals.new_tensor([1.0, count_scored, count_scored, count_scored])
-        )
+        count_scored = max(int(every.count_nonzero()), 1)
+        share = totals / totals.new_tensor([1.0, count_scored, count_scored, count_scored])
+        tensors["stats"].copy_(share) if first else tensors["stats"].add_(share)
         dx, grads = norm.backward(
             self.env.ops, params, x, norm_stats, d_hidden.view_as(hidden).to(x.dtype)
         )
-        tensors[f"dh_{count}"].copy_(dx)
+        tensors[self.name(ctx, f"dh_{count}")].copy_(dx)
         for name, grad in grads.items():
-            self.grad_view(tensors, name).copy_(grad)
+            view = self.grad_view(tensors, name)
+            view.copy_(grad) if first else view.add_(grad)
 
     def grad_view(self, tensors: dict[str, Any], name: str) -> Any:
         """The view of the head's gradient of parameter ``name`` (its local name: a tied
