@@ -72,7 +72,8 @@ them as its additive mask, the memory-efficient kernel on CUDA as its per-row bi
 with a mask), everything else runs the reference formulas; then the padded rows are
 zeroed (``zero_padded``), and a backward zeroes their ``dout`` and ``q`` before the kernel
 (no gradient from them, and finite probabilities whatever their lse). The mask costs
-(batch, seq, seq) bools, and the bias as much of q's dtype.
+(batch, seq, seq) bools, and the bias as much of q's dtype. On CUDA a masked backward of
+16-bit inputs runs in float32 (``MASKED_BWD_DTYPE`` says why).
 
 The reference pair (``attention_fwd_reference``, ``attention_bwd_reference``) computes the
 formulas above with matmuls in the statistics dtype: (batch, heads, seq, seq) scores, any
@@ -93,6 +94,14 @@ _EFFICIENT_LSE_ALIGN = 32
 #: The efficient kernel reads its additive bias in rows whose length is a multiple of this
 #: (as ``torch.nn.functional.scaled_dot_product_attention`` pads a mask before calling it).
 _EFFICIENT_BIAS_ALIGN = 16
+#: A masked backward (a mask or segments) of 16-bit inputs on CUDA runs the memory-efficient
+#: kernel in float32 and casts the gradients back. Session 31 on an H100 (torch 2.11): its
+#: bfloat16 and float16 backward with a per-row bias returned NaN in dq and dk for some
+#: inputs (kernels/torch/tests/test_attention_segments.py, and 19 of 36 16-bit trials of a
+#: script built like it), not reproduced in isolation from fresh memory; the float32 kernel
+#: never did (all trials, every test). It costs the float32 copies of q, k, v, out and
+#: dout; the unmasked and windowed paths keep their 16-bit kernels.
+MASKED_BWD_DTYPE = torch.float32
 
 
 def attention_fwd(
@@ -285,6 +294,7 @@ def _masked_bwd(
     keep: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward with a mask (``keep``, module doc), one head per query head."""
+    dtype = q.dtype
     with torch.no_grad():
         if kernel == "cpu":
             return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -292,14 +302,16 @@ def _masked_bwd(
                 attn_mask=keep_bias(keep, q.dtype), scale=scale,
             )  # fmt: skip
         if _efficient_takes_bias(kernel, q):
-            q, k, v, out = (_last_dim_contiguous(t) for t in (q, k, v, out))
-            seed = torch.empty((), dtype=torch.int64, device=q.device)  # unused: no dropout
-            offset = torch.empty((), dtype=torch.int64, device=q.device)
+            # 16-bit inputs run the float32 kernel (MASKED_BWD_DTYPE), cast back after
+            wide = MASKED_BWD_DTYPE if q.dtype in HALF_DTYPES else q.dtype
+            dout, q, k, v, out = (_last_dim_contiguous(t.to(wide)) for t in (dout, q, k, v, out))
+            seed = torch.zeros((), dtype=torch.int64, device=q.device)  # unused: no dropout
+            offset = torch.zeros((), dtype=torch.int64, device=q.device)
             dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
                 dout, q, k, v, _efficient_bias(keep, q), out, _padded_lse(lse.float()), seed,
                 offset, 0.0, [True, True, True, False], False, scale=scale,
             )  # fmt: skip
-            return dq, dk, dv
+            return dq.to(dtype), dk.to(dtype), dv.to(dtype)
     return attention_bwd_reference(dout, q, k, v, out, lse, causal=False, scale=scale, mask=keep)
 
 
@@ -542,12 +554,14 @@ def _scale(q: torch.Tensor, scale: float | None) -> float:
 
 
 def _padded_lse(lse: torch.Tensor) -> torch.Tensor:
-    """lse with its rows padded to the efficient kernel's alignment, as its forward left it."""
+    """lse with its rows padded to the efficient kernel's alignment, as its forward left it:
+    +inf past the last query (what the forward writes there, seen on the H100 in session
+    31), so a query past the end has no probabilities."""
     seq = lse.shape[-1]
     padded_seq = -(-seq // _EFFICIENT_LSE_ALIGN) * _EFFICIENT_LSE_ALIGN
     if padded_seq == seq:
         return lse.contiguous()
-    padded = lse.new_zeros((*lse.shape[:-1], padded_seq))
+    padded = lse.new_full((*lse.shape[:-1], padded_seq), math.inf)
     padded[..., :seq] = lse
     return padded
 
