@@ -405,3 +405,24 @@ def test_a_bfloat16_update_in_rounds_follows_the_one_in_one(tmp_path):
     assert losses[4] == pytest.approx(losses[1], abs=1e-3)
     cosine = torch.nn.functional.cosine_similarity(moved[4], moved[1], dim=0)
     assert cosine > 0.99, cosine  # seen 0.9995, the median weight's moves equal
+
+
+def test_adamw_in_slices_changes_no_bit(tmp_path, monkeypatch):
+    """AdamW runs ADAMW_SLICE elements of a tensor at a time (bounding its float32
+    temporaries); its math is elementwise, so slices of 7 (every tensor cut, a short last
+    slice) give the whole-tensor update's bits, bf16 moments and weight decay included."""
+    from dataflow_rl_example import tasks
+
+    family, config, state = start("llama3", "llama3_tiny")
+    options = UpdateOptions(dtype="bfloat16", moments="bfloat16", weight_decay=0.1)
+    rollouts = sample(PolicyTrainer(family, config, state), tmp_path / "policy", seed=0)
+    states = {}
+    for size in (tasks.ADAMW_SLICE, 7):
+        monkeypatch.setattr(tasks, "ADAMW_SLICE", size)
+        trainer = PolicyTrainer(family, config, state, options)
+        for _ in range(2):
+            trainer.update(rollouts, lr=1e-2)
+        states[size] = trainer.state()
+    whole, sliced = states.values()
+    assert all(torch.equal(whole[k], sliced[k]) for k in whole)
+    assert any(not torch.equal(whole[k], state[k].float()) for k in whole)  # it moved

@@ -228,9 +228,17 @@ class Head(_Task):
         raise KeyError(f"the head's task has no gradient of {name!r}")
 
 
+#: elements of a parameter AdamW updates at once: its float32 temporaries (the slice's
+#: parameter, moments, gradient and denominator) stay near 100 MB whatever the tensor. Whole
+#: tensors made them 4-6 copies of the largest one: 5-6 GB for l3_1b's bfloat16 token table
+#: (263M entries), which broke a 4 GiB budget on the H100 in session 31.
+ADAMW_SLICE = 1 << 22
+
+
 class AdamW(_Task):
     """AdamW on one parameter group (decoupled weight decay on tensors declared with
-    ``decay``): ``lr`` and ``adam_step`` from the run's values."""
+    ``decay``): ``lr`` and ``adam_step`` from the run's values, a slice of each tensor at a
+    time (``ADAMW_SLICE``)."""
 
     def launch(self, ctx: LaunchContext) -> None:
         oid = ctx.task.params["object"]
@@ -241,20 +249,23 @@ class AdamW(_Task):
         options = self.step.options
         (beta1, beta2), lr, t = options.betas, float(ctx.values["lr"]), int(ctx.values["adam_step"])
         for name, grad in grads.items():
-            stored = params[name], moments[f"m.{name}"], moments[f"v.{name}"]
-            # float32 math; a bfloat16 parameter or moment is rounded once, when written back
-            # (.float() of a float32 tensor is the tensor itself: updated in place)
-            param, m, v = (t.float() for t in stored)
-            grad = grad.float()
-            if decays[name] and options.weight_decay:
-                param.mul_(1 - lr * options.weight_decay)
-            m.lerp_(grad, 1 - beta1)
-            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (v / (1 - beta2**t)).sqrt_().add_(options.eps)
-            param.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
-            for target, value in zip(stored, (param, m, v), strict=True):
-                if value is not target:
-                    target.copy_(value)
+            stored = (params[name], moments[f"m.{name}"], moments[f"v.{name}"])
+            flat = [x.view(-1) for x in (*stored, grad)]
+            # float32 math on ADAMW_SLICE elements at a time: a bfloat16 parameter or moment
+            # is rounded once, when written back (.float() of a float32 slice is the slice
+            # itself: updated in place)
+            for start in range(0, flat[0].numel(), ADAMW_SLICE):
+                part = slice(start, start + ADAMW_SLICE)
+                param, m, v, g = (x[part].float() for x in flat)
+                if decays[name] and options.weight_decay:
+                    param.mul_(1 - lr * options.weight_decay)
+                m.lerp_(g, 1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                denom = (v / (1 - beta2**t)).sqrt_().add_(options.eps)
+                param.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+                for target, value in zip(flat[:3], (param, m, v), strict=True):
+                    if value.data_ptr() != target[part].data_ptr():
+                        target[part].copy_(value)
 
 
 def build(step: UpdateStep, device: str = "cpu") -> DictResolver:
