@@ -177,3 +177,33 @@ def test_replayed_training_matches_dispatch() -> None:
     assert losses == plain_losses
     for name, w in plain_weights.items():
         assert torch.equal(w, weights[name]), name
+
+
+def test_a_capture_a_task_breaks_leaves_random_draws_working() -> None:
+    """A task that syncs with the host (``.item()``) while the step is captured invalidates
+    the capture: the engine dispatches instead, and torch's CUDA generators are left out of
+    capture mode (a random draw afterwards raised "Offset increment outside graph capture
+    encountered unexpectedly" before the engine mended them; H100, session 31)."""
+    program = chain.build_program(3, 256, 512)
+    values = chain.initial_values(program)
+    planned = plan(program, 2**40)
+    resolver = build(planned.program)
+
+    class Syncs:  # declares itself capturable, then reads a value back to the host
+        capturable = True
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def launch(self, ctx):
+            self.inner.launch(ctx)
+            if ctx.outputs:
+                ctx.outputs[0].sum().item()
+
+    with Engine("torch", device="cuda", graph=True) as engine:
+        engine.load(place(planned), lambda task: Syncs(resolver(task)), initial=values)
+        with pytest.warns(RuntimeWarning, match="capture failed"):
+            result = engine.run(steps=3, feed=lambda _step: values)
+    assert not any(t.replayed for t in result.steps)
+    draw = torch.randint(0, 1000, (64,), device="cuda")  # raised before the mend
+    assert draw.shape == (64,)

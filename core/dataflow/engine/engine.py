@@ -294,6 +294,7 @@ class Engine:
                 torch.cuda.synchronize(self.device)
             except Exception:  # noqa: BLE001 - a broken capture may have left an error
                 pass
+            _end_generator_capture(self.device)
             backend.restore(backup)
             what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             self._graph_off(f"capture failed: {what}")
@@ -578,3 +579,22 @@ def _placement_layout(placement: Any) -> dict[str, Any]:
         if getattr(placement, "workspace_outside_bytes", 0)
         else {b.task_id: b.offset_bytes for b in placement.blocks if b.task_id is not None},
     }
+
+
+def _end_generator_capture(device: Any) -> None:
+    """Leave torch's CUDA random generators out of capture mode after a failed capture.
+
+    A capture that an operation invalidated (a host sync, say) fails in its own end, before
+    torch ends its generators' capture: they stay in capture mode, and the process's next
+    random draw on the device outside a capture raises "Offset increment outside graph
+    capture encountered unexpectedly" (H100, session 31: ``dataflow verify`` drew its next
+    level's batch after a step whose capture failed). An empty capture begins and ends the
+    generators' capture again. Nothing here raises: it may find nothing to mend."""
+    import torch
+
+    try:
+        with torch.cuda.device(device):
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=torch.cuda.Stream()):
+                pass
+    except Exception:  # noqa: BLE001 - best effort: the engine dispatches either way
+        pass
