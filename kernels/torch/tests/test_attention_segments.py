@@ -388,18 +388,21 @@ def test_segments_under_graph_capture_take_the_mask_path(kernel, randn) -> None:
     segments = ids([[(0, 30), (1, 34)], [(2, 50), (-1, 14)]], 64, "cuda")
     fwd, bwd = kernel("attention_fwd", "torch"), kernel("attention_bwd", "torch")
 
-    def step():
+    split = ids([[(0, 30), (1, 4), (0, 30)]] * 2, 64, "cuda")  # the mask path, eager
+
+    def step(segments):
         out, lse = fwd(q, k, v, causal=True, segments=segments)
         return out, lse, *bwd(dout, q, k, v, out, lse, causal=True, segments=segments)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm up off the default stream, as torch.cuda.graph asks
+    with torch.cuda.stream(stream):  # warm up off the default stream, as graphs ask
+        step(segments)
+        step(split)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = step()
+        captured = step(segments)
     graph.replay()
     torch.cuda.synchronize()
     want = truth(q, k, v, dout, segments, causal=True)

@@ -75,9 +75,21 @@ zeroed (``zero_padded``), and a backward zeroes their ``dout`` and ``q`` before 
 (batch, seq, seq) bools, and the bias as much of q's dtype. On CUDA a masked backward of
 16-bit inputs runs in float32 (``MASKED_BWD_DTYPE`` says why).
 
+Where flash runs (``backend`` says ``flash``) and no ``mask`` is given, segments run on
+flash's variable-length kernels instead (``attention_varlen``; causal or not, with a
+window or without): each run of one id in a row is a sequence of the flattened tokens
+(``cu_seqlens``), padding runs too, grouped key/value heads as they are, no (seq, seq)
+tensor and a 16-bit backward; padded rows are zeroed as above (the backward zeroes their
+lse too). Making the layout reads the segments on the host, one wait for the device per
+call, so this path is not taken while a CUDA graph is captured (the engine's step graph)
+or torch.compile traces, nor where an id has two separated runs in one row (the mask
+joins them, the varlen kernels cannot), nor where every sequence is one token: those take
+the mask path.
+
 The reference pair (``attention_fwd_reference``, ``attention_bwd_reference``) computes the
 formulas above with matmuls in the statistics dtype: (batch, heads, seq, seq) scores, any
-device. Nothing here builds an autograd graph or synchronizes with the device.
+device. Nothing here builds an autograd graph, and nothing but the varlen layout waits for
+the device.
 """
 
 from __future__ import annotations
