@@ -75,9 +75,21 @@ zeroed (``zero_padded``), and a backward zeroes their ``dout`` and ``q`` before 
 (batch, seq, seq) bools, and the bias as much of q's dtype. On CUDA a masked backward of
 16-bit inputs runs in float32 (``MASKED_BWD_DTYPE`` says why).
 
+Where flash runs (``backend`` says ``flash``) and no ``mask`` is given, segments run on
+flash's variable-length kernels instead (``attention_varlen``; causal or not, with a
+window or without): each run of one id in a row is a sequence of the flattened tokens
+(``cu_seqlens``), padding runs too, grouped key/value heads as they are, no (seq, seq)
+tensor and a 16-bit backward; padded rows are zeroed as above (the backward zeroes their
+lse too). Making the layout reads the segments on the host, one wait for the device per
+call, so this path is not taken while a CUDA graph is captured (the engine's step graph)
+or torch.compile traces, nor where an id has two separated runs in one row (the mask
+joins them, the varlen kernels cannot), nor where every sequence is one token: those take
+the mask path.
+
 The reference pair (``attention_fwd_reference``, ``attention_bwd_reference``) computes the
 formulas above with matmuls in the statistics dtype: (batch, heads, seq, seq) scores, any
-device. Nothing here builds an autograd graph or synchronizes with the device.
+device. Nothing here builds an autograd graph, and nothing but the varlen layout waits for
+the device.
 """
 
 from __future__ import annotations
@@ -86,6 +98,7 @@ import math
 
 import torch
 
+from dataflow_kernels_torch import attention_varlen
 from dataflow_kernels_torch._support import HALF_DTYPES, stats_dtype
 
 _aten = torch.ops.aten
@@ -118,8 +131,12 @@ def attention_fwd(
     """-> (out like q, lse (batch, heads, seq) in the statistics dtype); see the module doc."""
     group = _check(q, k, v)
     window = _cut(window, causal, q)
-    k, v = repeat_kv(k, group), repeat_kv(v, group)
     kernel = backend(q)
+    if segments is not None:
+        layout = _flash_varlen(kernel, q, mask, segments)
+        if layout is not None:  # grouped heads as they are: flash takes them
+            return _varlen_fwd(q, k, v, causal, scale, window, segments < 0, layout)
+    k, v = repeat_kv(k, group), repeat_kv(v, group)
     if segments is not None:
         keep, padded = segment_keep(q, causal, window, mask, segments)
         return zero_padded(*_masked_fwd(kernel, q, k, v, scale, keep), padded)
@@ -146,6 +163,58 @@ def attention_fwd(
             )
             return out, lse.contiguous()
     return attention_fwd_reference(q, k, v, causal=causal, scale=scale)
+
+
+def _flash_varlen(
+    kernel: str, q: torch.Tensor, mask: torch.Tensor | None, segments: torch.Tensor
+) -> attention_varlen.VarlenLayout | None:
+    """The varlen layout of ``segments`` where flash's varlen kernels run them (module
+    doc), else None: checks the segments, and waits for the device where it reads them."""
+    _check_segments(q, segments)
+    if kernel != "flash" or mask is not None or torch.compiler.is_compiling():
+        return None
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():  # no wait in a graph
+        return None
+    layout = attention_varlen.varlen_layout(segments)
+    # sequences of one token each would take flash's swap of grouped query heads into
+    # the query length, whose lse has another layout: the mask path runs them
+    return layout if layout is not None and layout.max_len > 1 else None
+
+
+def _varlen_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    window: int | None,
+    padded: torch.Tensor,
+    layout: attention_varlen.VarlenLayout,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward with segments on flash's varlen kernel, padded queries zeroed."""
+    out, lse = attention_varlen.varlen_fwd(q, k, v, causal, scale, window, layout)
+    return zero_padded(out, lse, padded)
+
+
+def _varlen_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    window: int | None,
+    padded: torch.Tensor,
+    layout: attention_varlen.VarlenLayout,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward with segments on flash's varlen kernel: the padded queries' dout and
+    q zero (no gradient from them) and their lse too (finite probabilities whatever the
+    forward gave them)."""
+    dout, q = _unpadded_rows(dout, padded), _unpadded_rows(q, padded)
+    lse = lse.masked_fill(padded[:, None, :], 0.0)
+    return attention_varlen.varlen_bwd(dout, q, k, v, out, lse, causal, scale, window, layout)
 
 
 def _windowed_fwd(
@@ -184,13 +253,35 @@ def attention_bwd(
     group = _check(q, k, v)
     _check_saved(dout, q, out, lse)
     window = _cut(window, causal, q)
-    if group > 1:
-        dq, dk, dv = attention_bwd(
-            dout, q, repeat_kv(k, group), repeat_kv(v, group), out, lse,
-            causal=causal, scale=scale, window=window, mask=mask, segments=segments,
-        )  # fmt: skip
-        return dq, sum_groups(dk, group), sum_groups(dv, group)
     kernel = backend(q)
+    if segments is not None:
+        layout = _flash_varlen(kernel, q, mask, segments)
+        if layout is not None:  # grouped heads as they are: dk, dv come summed per group
+            padded = segments < 0
+            return _varlen_bwd(dout, q, k, v, out, lse, causal, scale, window, padded, layout)
+    dq, dk, dv = _bwd_repeated(
+        kernel, dout, q, repeat_kv(k, group), repeat_kv(v, group), out, lse,
+        causal, scale, window, mask, segments,
+    )  # fmt: skip
+    return dq, sum_groups(dk, group), sum_groups(dv, group)
+
+
+def _bwd_repeated(
+    kernel: str,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    window: int | None,
+    mask: torch.Tensor | None,
+    segments: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``attention_bwd`` with one key/value head per query head (``repeat_kv``), the
+    window already cut."""
     if segments is not None:
         keep, padded = segment_keep(q, causal, window, mask, segments)
         dout, q = _unpadded_rows(dout, padded), _unpadded_rows(q, padded)
@@ -368,6 +459,19 @@ def segment_keep(
     segments tensor (module doc). The padding of a row is kept as one sequence of its own,
     so that every query, padded or not, sees a key (itself) and no kernel meets a row
     without one; the callers zero what the padded queries make."""
+    _check_segments(q, segments)
+    seq = q.shape[-2]
+    keep = segments[:, :, None] == segments[:, None, :]
+    if mask is not None:
+        keep &= keep_of(q, causal, window, mask)
+    elif window is not None:
+        keep &= window_keep(seq, window, q.device)
+    elif causal:
+        keep &= torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril_()
+    return keep.unsqueeze(1), segments < 0
+
+
+def _check_segments(q: torch.Tensor, segments: torch.Tensor) -> None:
     batch, seq = q.shape[0], q.shape[-2]
     if (
         not isinstance(segments, torch.Tensor)
@@ -384,14 +488,6 @@ def segment_keep(
             f"attention: segments are a ({batch}, {seq}) int32/int64 tensor of sequence ids "
             f"on {q.device}, got {shown}"
         )
-    keep = segments[:, :, None] == segments[:, None, :]
-    if mask is not None:
-        keep &= keep_of(q, causal, window, mask)
-    elif window is not None:
-        keep &= window_keep(seq, window, q.device)
-    elif causal:
-        keep &= torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril_()
-    return keep.unsqueeze(1), segments < 0
 
 
 def zero_padded(

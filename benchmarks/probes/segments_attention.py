@@ -1,0 +1,91 @@
+# ruff: noqa: B023  (each benchmark closure runs inside its own loop iteration)
+"""Probe, 2026-12-06 (issue 49), not run yet: do varlen kernels beat the bias on segments?
+
+How much flash's varlen kernels save over the memory-efficient kernel's per-row bias for
+attention with segments, in time and memory.
+
+The torch pair's forward and backward with packed segments (documents of random lengths,
+each row's tail padded), bfloat16, 32 query heads on 8 key/value heads, head_dim 128:
+once as it runs eagerly (the varlen path, ``attention_varlen``) and once with the varlen
+layout refused (the mask path, what a captured step graph runs), each checked against
+the other, timed (median ms, CUDA events) and with its peak memory above the inputs.
+Not yet run: ``python -m benchmarks.probes.segments_attention`` on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+from dataflow_kernels_torch import attention
+
+
+def _segments(batch: int, seq: int, generator: torch.Generator) -> torch.Tensor:
+    """Documents of 64 to seq / 2 tokens packed into each row, the rest padding."""
+    ids = torch.full((batch, seq), -1, dtype=torch.int64)
+    for row in range(batch):
+        at, doc = 0, 0
+        while True:
+            length = int(torch.randint(64, seq // 2, (), generator=generator))
+            if at + length > seq - 16:
+                break
+            ids[row, at : at + length] = doc
+            at, doc = at + length, doc + 1
+    return ids.cuda()
+
+
+def _timed(run, repeats: int = 20) -> tuple[float, int]:
+    run()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2], torch.cuda.max_memory_allocated() - base
+
+
+def main() -> None:
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim = 32, 8, 128
+    varlen = attention._flash_varlen
+    for batch, seq in ((4, 1024), (2, 4096), (1, 8192)):
+        q, dout = (
+            torch.randn(batch, heads, seq, head_dim, generator=generator).bfloat16().cuda()
+            for _ in range(2)
+        )
+        k, v = (
+            torch.randn(batch, kv_heads, seq, head_dim, generator=generator).bfloat16().cuda()
+            for _ in range(2)
+        )
+        segments = _segments(batch, seq, generator)
+
+        def run():
+            out, lse = attention.attention_fwd(q, k, v, causal=True, segments=segments)
+            grads = attention.attention_bwd(dout, q, k, v, out, lse, causal=True, segments=segments)
+            return out, lse, *grads
+
+        results = {}
+        for path in ("varlen", "mask"):
+            attention._flash_varlen = varlen if path == "varlen" else lambda *args: None
+            try:
+                results[path] = run()
+                ms, peak = _timed(run)
+            finally:
+                attention._flash_varlen = varlen
+            print(
+                f"batch {batch} seq {seq} {path}: {ms:.3f} ms fwd+bwd, "
+                f"peak {peak / 2**20:.0f} MiB above the inputs"
+            )
+        for label, a, b in zip(
+            ("out", "lse", "dq", "dk", "dv"), results["varlen"], results["mask"], strict=True
+        ):
+            error = float((a.double() - b.double()).norm() / b.double().norm())
+            print(f"  {label}: relative difference {error:.2e}")
+
+
+if __name__ == "__main__":
+    main()
