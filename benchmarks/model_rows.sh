@@ -68,6 +68,13 @@ case $group in llama3_8b_lora) [ -f "$saved" ] || saved=benchmarks/results/profi
 # 8B plan's pool without one outgrows the host's 128 GiB)
 [ -n "$backing" ] && common+=(--backing "$backing")
 compare() { python -m benchmarks.compare "${common[@]}" --out "$out_json" --doc "$page" "$@"; }
+# with $OUT set, the results as they grow are copied there every 15 s too (compare.py saves
+# after each row): a call cut at the device's time limit still returns its finished rows
+if [ -n "${OUT:-}" ]; then
+    ( while sleep 15; do cp "$out_json" "$OUT/" 2>/dev/null; done ) &
+    copier=$!
+    trap 'kill "$copier" 2>/dev/null' EXIT
+fi
 log=${OUT:-/tmp}/model_rows_$group.log
 case $group in
 llama3_8b)
