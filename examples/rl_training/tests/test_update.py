@@ -92,6 +92,22 @@ def sample(trainer, folder, *, seed, reference=None, hidden_layers=None):
     )
 
 
+def on_shared_rollouts(tmp_path, family, config, state, options, *, lr, updates=3):
+    """For each of ``options`` ({name: UpdateOptions}), a trainer from ``state`` updated
+    ``updates`` times, every run on the same rollouts (sampled with the first run's policy
+    of that moment): {name: (trainer, [(stats, weights) after each update])}."""
+    rollouts, runs = [], {}
+    for name, chosen in options.items():
+        trainer, after = PolicyTrainer(family, config, state, chosen), []
+        for update in range(updates):
+            if len(rollouts) == update:
+                rollouts.append(sample(trainer, tmp_path / f"{name}_{update}", seed=update))
+            stats = trainer.update(rollouts[update], lr=lr)
+            after.append((stats, trainer.state()))
+        runs[name] = (trainer, after)
+    return runs
+
+
 def assert_states_close(ours, truth, atol):
     assert ours.keys() == truth.keys()
     worst = max((ours[k] - truth[k]).abs().max().item() for k in ours)
@@ -128,19 +144,12 @@ def test_a_bfloat16_update_follows_the_float32_one(tmp_path, family_name, preset
     run's moves point the float32 run's way (cosine over all weights above 0.9), its losses
     within 2e-2 of them, and all but the odd weight move as the float32 run's do."""
     family, config, state = start(family_name, preset)
-    runs = {}
-    for dtype in ("float32", "bfloat16"):
-        trainer = PolicyTrainer(family, config, state, UpdateOptions(dtype=dtype))
-        losses = []
-        for update in range(3):
-            # both runs sample with the float32 run's policy: the same rollouts
-            rollouts = runs.get(("rollouts", update)) or sample(
-                trainer, tmp_path / f"{dtype}_{update}", seed=update
-            )
-            runs[("rollouts", update)] = rollouts
-            losses.append(trainer.update(rollouts, lr=1e-2)["loss"])
-        runs[dtype] = (trainer.state(), losses)
-    (full, full_losses), (half, half_losses) = runs["float32"], runs["bfloat16"]
+    # both runs sample with the float32 run's policy: the same rollouts
+    options = {dtype: UpdateOptions(dtype=dtype) for dtype in ("float32", "bfloat16")}
+    runs = on_shared_rollouts(tmp_path, family, config, state, options, lr=1e-2)
+    (full, full_losses), (half, half_losses) = (
+        (after[-1][1], [stats["loss"] for stats, _ in after]) for _, after in runs.values()
+    )
     assert half_losses == pytest.approx(full_losses, abs=2e-2)
     moved_full = torch.cat([(full[k] - state[k]).flatten() for k in state])
     moved_half = torch.cat([(half[k] - state[k].float()).flatten() for k in state])
@@ -208,22 +217,14 @@ def test_bfloat16_moments_round_only_the_stored_moments(tmp_path):
     float32-moment run's bit for bit; later ones read moments rounded to bfloat16 (relative
     error under 2^-8), which moves a weight by under a hundredth of lr more or less."""
     family, config, state = start("llama3", "llama3_tiny")
-    runs = {}
-    for moments in ("float32", "bfloat16"):
-        trainer = PolicyTrainer(family, config, state, UpdateOptions(moments=moments))
-        states = []
-        for update in range(3):
-            rollouts = runs.get(("rollouts", update)) or sample(
-                trainer, tmp_path / f"{moments}_{update}", seed=update
-            )
-            runs[("rollouts", update)] = rollouts
-            trainer.update(rollouts, lr=LR)
-            states.append(trainer.state())
-        runs[moments] = states
-        kept = trainer.optimizer_state()
-        runs[moments, "bytes"] = sum(t.nbytes for k, t in kept.items() if k != "updates")
-    assert runs["bfloat16", "bytes"] * 2 == runs["float32", "bytes"]
-    full, half = runs["float32"], runs["bfloat16"]
+    options = {moments: UpdateOptions(moments=moments) for moments in ("float32", "bfloat16")}
+    runs = on_shared_rollouts(tmp_path, family, config, state, options, lr=LR)
+    stored = {
+        name: sum(t.nbytes for k, t in trainer.optimizer_state().items() if k != "updates")
+        for name, (trainer, _) in runs.items()
+    }
+    assert stored["bfloat16"] * 2 == stored["float32"]
+    full, half = ([weights for _, weights in after] for _, after in runs.values())
     assert all(torch.equal(half[0][k], full[0][k]) for k in state)
     assert_states_close(half[2], full[2], atol=LR / 100)
     with pytest.raises(ValueError, match="moments must be one of float32, bfloat16, got 'fp8'"):
