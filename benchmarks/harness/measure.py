@@ -152,6 +152,22 @@ def idle_pct(busy_s: float, step_s: float) -> float:
     return max(0.0, 100.0 * (1.0 - busy_s / step_s)) if step_s > 0 else 0.0
 
 
+def cuda_median_ms(run: Callable[[], object], *, warmup: int = 3, repeats: int = 20) -> float:
+    """Median over ``repeats`` calls of ``run`` of its CUDA-event time (ms), each call timed
+    and synchronized on its own, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def link_bandwidth(device: str, size_bytes: int = 256 * 2**20, repeats: int = 5) -> dict:
     """Measured pinned host<->device copy rates (bytes/s, median of ``repeats``); empty off
     CUDA."""

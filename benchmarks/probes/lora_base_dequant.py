@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 from pathlib import Path
 
 import torch
@@ -30,21 +29,9 @@ from dataflow_training.kit.lora_base import (
     quantize_nf4,
 )
 
+from benchmarks.harness.measure import cuda_median_ms
+
 OUT_FEATURES, IN_FEATURES, TOKENS = 14336, 4096, 4096
-
-
-def _time_ms(fn, runs: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -57,20 +44,20 @@ def main() -> None:
     codes4, absmax4 = quantize_nf4(weight)
     bf16 = torch.bfloat16
     rows = {
-        "matmul_bf16_ms": _time_ms(lambda: x @ dense.t()),
-        "dequantize_int8_ms": _time_ms(lambda: dequantize_int8(codes8, scale8, bf16)),
-        "int8_dequantize_and_matmul_ms": _time_ms(
+        "matmul_bf16_ms": cuda_median_ms(lambda: x @ dense.t()),
+        "dequantize_int8_ms": cuda_median_ms(lambda: dequantize_int8(codes8, scale8, bf16)),
+        "int8_dequantize_and_matmul_ms": cuda_median_ms(
             lambda: x @ dequantize_int8(codes8, scale8, bf16).t()
         ),
-        "dequantize_nf4_ms": _time_ms(lambda: dequantize_nf4(codes4, absmax4, bf16)),
-        "nf4_dequantize_and_matmul_ms": _time_ms(
+        "dequantize_nf4_ms": cuda_median_ms(lambda: dequantize_nf4(codes4, absmax4, bf16)),
+        "nf4_dequantize_and_matmul_ms": cuda_median_ms(
             lambda: x @ dequantize_nf4(codes4, absmax4, bf16).t()
         ),
     }
     try:
         scales = scale8.to(bf16)
         torch._weight_int8pack_mm(x, codes8, scales)
-        rows["weight_int8pack_mm_ms"] = _time_ms(
+        rows["weight_int8pack_mm_ms"] = cuda_median_ms(
             lambda: torch._weight_int8pack_mm(x, codes8, scales)
         )
     except (RuntimeError, NotImplementedError) as exc:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from dataflow_kernels_torch import attention
 
+from benchmarks.harness.measure import cuda_median_ms
+
 
 def _segments(batch: int, seq: int, generator: torch.Generator) -> torch.Tensor:
     """Documents of 64 to seq / 2 tokens packed into each row, the rest padding."""
@@ -33,19 +35,13 @@ def _segments(batch: int, seq: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def _timed(run, repeats: int = 20) -> tuple[float, int]:
+    """(median ms, the allocator's peak above what was allocated before) of ``run``."""
     run()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2], torch.cuda.max_memory_allocated() - base
+    ms = cuda_median_ms(run, warmup=0, repeats=repeats)
+    return ms, torch.cuda.max_memory_allocated() - base
 
 
 def main() -> None:
