@@ -9,6 +9,7 @@ import attrs
 import pytest
 import torch
 from dataflow_rl_example import RolloutError, Rollouts, read_rollouts, write_rollouts
+from dataflow_rl_example.rollouts import ROW_TENSORS
 
 
 def rollouts(hidden_layers=(0, 1), ref=True):
@@ -40,14 +41,7 @@ def test_round_trip(tmp_path, hidden_layers, ref):
     assert index["format"] == "dataflow-rl.rollouts/v1"
     assert index["hidden_layers"] == list(hidden_layers)
     back = read_rollouts(tmp_path)
-    for field in (
-        "tokens",
-        "prompt_mask",
-        "completion_mask",
-        "behaviour_logprobs",
-        "rewards",
-        "groups",
-    ):
+    for field in (*ROW_TENSORS, "rewards", "groups"):
         assert torch.equal(getattr(back, field), getattr(written, field)), field
     assert back.hidden.keys() == written.hidden.keys()
     assert all(torch.equal(back.hidden[k], written.hidden[k]) for k in written.hidden)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from dataflow_rl_example import PolicyTrainer, UpdateOptions, generate_rollouts, lower_update
 from dataflow_rl_example.policy import workspace_estimate
+from dataflow_rl_example.rollouts import ROW_TENSORS
 from dataflow_rl_example.standin import load_model
 from dataflow_training import load_family
 
@@ -268,14 +269,7 @@ def test_rounds_give_the_one_round_update(tmp_path, family_name, preset, loss, h
             prompts,
             **{
                 name: torch.cat([getattr(prompts, name), getattr(more, name)[:4]])
-                for name in (
-                    "tokens",
-                    "prompt_mask",
-                    "completion_mask",
-                    "behaviour_logprobs",
-                    "rewards",
-                    "groups",
-                )
+                for name in (*ROW_TENSORS, "rewards", "groups")
             },
             hidden={k: torch.cat([h, more.hidden[k][:4]]) for k, h in prompts.hidden.items()},
         )

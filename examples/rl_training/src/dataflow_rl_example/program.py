@@ -397,7 +397,7 @@ def lower_update(
         name=f"rl-update-{family.name}",
         objects=tuple(obj for obj in objects if obj.id in used),
         tasks=tuple(tasks),
-        final_locations={oid: where for oid, where in final.items() if oid in used},
+        final_locations={oid: home for oid, home in final.items() if oid in used},
         links=Links(
             h2d=Link(options.link_bytes_per_us, 5.0), d2h=Link(options.link_bytes_per_us, 5.0)
         ),
