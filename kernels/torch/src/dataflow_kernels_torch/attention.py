@@ -135,7 +135,8 @@ def attention_fwd(
     if segments is not None:
         layout = _flash_varlen(kernel, q, mask, segments)
         if layout is not None:  # grouped heads as they are: flash takes them
-            return _varlen_fwd(q, k, v, causal, scale, window, segments < 0, layout)
+            out, lse = attention_varlen.varlen_fwd(q, k, v, causal, scale, window, layout)
+            return zero_padded(out, lse, segments < 0)
     k, v = repeat_kv(k, group), repeat_kv(v, group)
     if segments is not None:
         keep, padded = segment_keep(q, causal, window, mask, segments)
@@ -181,42 +182,6 @@ def _flash_varlen(
     return layout if layout is not None and layout.max_len > 1 else None
 
 
-def _varlen_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    scale: float | None,
-    window: int | None,
-    padded: torch.Tensor,
-    layout: attention_varlen.VarlenLayout,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward with segments on flash's varlen kernel, padded queries zeroed."""
-    out, lse = attention_varlen.varlen_fwd(q, k, v, causal, scale, window, layout)
-    return zero_padded(out, lse, padded)
-
-
-def _varlen_bwd(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    scale: float | None,
-    window: int | None,
-    padded: torch.Tensor,
-    layout: attention_varlen.VarlenLayout,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward with segments on flash's varlen kernel: the padded queries' dout and
-    q zero (no gradient from them) and their lse too (finite probabilities whatever the
-    forward gave them)."""
-    dout, q = _unpadded_rows(dout, padded), _unpadded_rows(q, padded)
-    lse = lse.masked_fill(padded[:, None, :], 0.0)
-    return attention_varlen.varlen_bwd(dout, q, k, v, out, lse, causal, scale, window, layout)
-
-
 def _windowed_fwd(
     kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, window: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,8 +222,14 @@ def attention_bwd(
     if segments is not None:
         layout = _flash_varlen(kernel, q, mask, segments)
         if layout is not None:  # grouped heads as they are: dk, dv come summed per group
+            # the padded queries' dout and q zero (no gradient from them) and their lse
+            # too (finite probabilities whatever the forward gave them)
             padded = segments < 0
-            return _varlen_bwd(dout, q, k, v, out, lse, causal, scale, window, padded, layout)
+            dout, q = _unpadded_rows(dout, padded), _unpadded_rows(q, padded)
+            lse = lse.masked_fill(padded[:, None, :], 0.0)
+            return attention_varlen.varlen_bwd(
+                dout, q, k, v, out, lse, causal, scale, window, layout
+            )
     dq, dk, dv = _bwd_repeated(
         kernel, dout, q, repeat_kv(k, group), repeat_kv(v, group), out, lse,
         causal, scale, window, mask, segments,
