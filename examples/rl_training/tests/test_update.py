@@ -15,8 +15,9 @@ import pytest
 import torch
 from dataflow_rl_example import PolicyTrainer, UpdateOptions, generate_rollouts, lower_update
 from dataflow_rl_example.policy import workspace_estimate
-from dataflow_rl_example.rollouts import ROW_TENSORS
+from dataflow_rl_example.rollouts import ROW_TENSORS, Rollouts
 from dataflow_rl_example.standin import load_model
+from dataflow_rl_example.tasks import task_temporaries
 from dataflow_training import load_family
 
 from dataflow import minimal_budget
@@ -421,3 +422,37 @@ def test_adamw_in_slices_changes_no_bit(tmp_path, monkeypatch):
     whole, sliced = states.values()
     assert all(torch.equal(whole[k], sliced[k]) for k in whole)
     assert any(not torch.equal(whole[k], state[k].float()) for k in whole)  # it moved
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_task_takes_more_device_memory_than_the_estimate_beside_the_arena():
+    """On CUDA each task's temporaries stay within ``workspace_estimate``: the engine holds
+    the allocator's whole peak to the budget, and the estimate is what the plan leaves
+    beside its arena. The head runs in four chunks of a 32,000-entry vocabulary (33 MB of
+    float32 logits each), so a chunk's (chunk, vocab) tensors living on into the next, as
+    session 31's l3_1b head did (1.69 GB against 1.15), breaks it by a chunk's worth."""
+    family = load_family("llama3")
+    config = family.config("llama3_tiny", vocab_size=32000)
+    torch.manual_seed(0)
+    state = family.reference_model(config).state_dict()
+    rows, length, prompt = 8, 161, 33
+    generator = torch.Generator().manual_seed(0)
+    prompt_mask = torch.zeros(rows, length, dtype=torch.bool)
+    prompt_mask[:, :prompt] = True
+    rollouts = Rollouts(
+        tokens=torch.randint(0, config.vocab_size, (rows, length), generator=generator),
+        prompt_mask=prompt_mask,
+        completion_mask=~prompt_mask,
+        behaviour_logprobs=-torch.rand(rows, length, generator=generator) * ~prompt_mask,
+        rewards=torch.rand(rows, generator=generator),
+        groups=torch.arange(rows) // 4,
+    )
+    options = UpdateOptions(dtype="bfloat16", chunk_tokens=256)  # 1,024 scored: 4 chunks
+    step = lower_update(family, config, rows=rows, length=length, options=options)
+    trainer = PolicyTrainer(family, config, state, options, device="cuda")
+    with task_temporaries() as found:
+        trainer.update(rollouts, lr=1e-6)
+    worst = max(found, key=found.get)
+    assert len(found) == len(step.program.tasks)
+    assert found[worst] <= workspace_estimate(step), (worst, found[worst])

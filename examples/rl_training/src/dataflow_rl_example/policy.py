@@ -32,16 +32,18 @@ class BudgetError(ValueError):
 def workspace_estimate(step: UpdateStep) -> int:
     """The task temporaries to leave beside the planned arena, for one round's rows: the
     head's (a chunk's logits in float32 and their log-probs, 8 bytes an entry at the peak,
-    as later the log-probs and the gradient's two bfloat16 casts; its hidden states and
-    their gradient in float32) or a block's (taken as twice its saved context plus four
+    as later the log-probs and the gradient's two bfloat16 casts; its hidden states, their
+    gradient in float32 and the chunk's rows of them) or a block's (taken as twice its saved context plus four
     hidden states), whichever is more (AdamW's are a slice's: ``tasks.ADAMW_SLICE``). An
     estimate: on CUDA the engine checks the allocator's peak against the budget, and a
     breach names it (then pass ``workspace_bytes``)."""
     sizes = {obj.id: obj.size_bytes for obj in step.program.objects}
     first, last = step.each("h_0", 0), step.each(f"h_{len(step.blocks)}", 0)
     hidden = sizes[first] if first in sizes else sizes[last]
-    chunk = min(step.options.chunk_tokens, step.round_rows * (step.length - 1))
-    head = chunk * step.config.vocab_size * 8 + 3 * hidden
+    tokens = step.round_rows * (step.length - 1)
+    chunk = min(step.options.chunk_tokens, tokens)
+    # and the chunk's own rows of the hidden states (gathered by index: a copy)
+    head = chunk * step.config.vocab_size * 8 + 3 * hidden + -(-hidden * chunk // tokens)
     saved = (2 * sizes[step.each(f"A_{i}", 0)] for i in range(len(step.blocks)))
     block = max(saved, default=0) + 4 * hidden
     return max(head, block)
