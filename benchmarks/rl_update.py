@@ -135,7 +135,7 @@ def predict(args: argparse.Namespace, family: Any, config: Any) -> None:
     step = lower_update(
         family, config, rows=args.rows, length=seq, hidden_layers=blocks, options=options(args)
     )
-    beside = workspace_estimate(step)
+    beside = workspace_estimate(step, args.device)
     for budget in args.budget or [None]:
         whole = sum(obj.size_bytes for obj in step.program.objects) + beside
         found = {"rows": args.rows, "rounds": args.rounds, "budget": format_size(budget or whole)}

@@ -7,7 +7,11 @@ H100 (allocator peak 4.84 GB, ledger 2.81 GB). One update at the budget under
 
 Answer (H100): the head, 1,685 MB against an estimate of 1,151 MB (every other kind under
 650 MB): each chunk's (chunk, vocab) float32 log-probs lived on into the next chunk's
-log_softmax. Deleted at the chunk's end since.
+log_softmax. Deleted at the chunk's end since: 1,158.8 MB, 3.4 MB past the estimate's
+terms, which the estimate now covers with the allocator's rounding of the head's large
+blocks (``policy.LARGE_BLOCK_SLACK``). The update still broke 4 GiB by 16 MB then: the
+trainer left no ``runtime_reserve_bytes`` (cuBLAS workspaces, the values buffer) beside
+the arena, which it now does on CUDA.
 
     python -m benchmarks.probes.rl_workspace --preset l3_1b --rows 128 --rounds 16 \
         --hidden-every 2 --budget 4GiB
@@ -74,7 +78,7 @@ def main() -> None:
         hidden_layers=rollouts.hidden_layers,
         options=options(args),
     )
-    print(json.dumps({"workspace_estimate": workspace_estimate(step), "tasks": len(found)}))
+    print(json.dumps({"workspace_estimate": workspace_estimate(step, "cuda"), "tasks": len(found)}))
     kinds = {task.id: task.kind for task in step.program.tasks}
     by_kind: dict[str, list[str]] = defaultdict(list)
     for task in found:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from dataflow_training import load_family
 
-from dataflow import Engine, InfeasibleBudget, format_size, place, plan
+from dataflow import Engine, InfeasibleBudget, format_size, place, plan, runtime_reserve_bytes
 from dataflow_rl_example import tasks
 from dataflow_rl_example.program import STATS, WHOLE, UpdateOptions, UpdateStep, lower_update
 from dataflow_rl_example.rollouts import Rollouts
@@ -29,21 +29,37 @@ class BudgetError(ValueError):
     """A fast-memory budget no plan of the update fits (names the smallest that does)."""
 
 
-def workspace_estimate(step: UpdateStep) -> int:
+#: bytes a large tensor's block may exceed its size by: torch's caching allocator hands out
+#: a whole cached block (over 1 MiB) unless more than 1 MiB would be left over, and
+#: ``memory_allocated`` counts the whole block
+LARGE_BLOCK_SLACK = 1 << 20
+#: the head's large temporaries at its peak: the chunk's float32 logits and log-probs, the
+#: hidden states' float32 gradient, the normed hidden states (measured on the H100, session
+#: 32: the head took 1.6 MB past the other terms with llama3_tiny at a 32,000 vocabulary
+#: and 3.4 MB with l3_1b, both under four blocks' slack)
+HEAD_LARGE_TEMPORARIES = 4
+
+
+def workspace_estimate(step: UpdateStep, device: str = "cpu") -> int:
     """The task temporaries to leave beside the planned arena, for one round's rows: the
     head's (a chunk's logits in float32 and their log-probs, 8 bytes an entry at the peak,
     as later the log-probs and the gradient's two bfloat16 casts; its hidden states, their
-    gradient in float32 and the chunk's rows of them) or a block's (taken as twice its saved context plus four
-    hidden states), whichever is more (AdamW's are a slice's: ``tasks.ADAMW_SLICE``). An
-    estimate: on CUDA the engine checks the allocator's peak against the budget, and a
-    breach names it (then pass ``workspace_bytes``)."""
+    gradient in float32 and the chunk's rows of them; on CUDA the allocator's rounding of
+    its large blocks) or a block's (taken as twice its saved context plus four hidden states),
+    whichever is more (AdamW's are a slice's: ``tasks.ADAMW_SLICE``). On CUDA the trainer
+    also leaves ``runtime_reserve_bytes`` (the libraries' and the engine's own). An
+    estimate: the engine checks the allocator's peak against the budget and a breach names
+    it; ``tasks.task_temporaries`` measures each task's (then pass ``workspace_bytes``)."""
     sizes = {obj.id: obj.size_bytes for obj in step.program.objects}
     first, last = step.each("h_0", 0), step.each(f"h_{len(step.blocks)}", 0)
     hidden = sizes[first] if first in sizes else sizes[last]
     tokens = step.round_rows * (step.length - 1)
     chunk = min(step.options.chunk_tokens, tokens)
-    # and the chunk's own rows of the hidden states (gathered by index: a copy)
+    # and the chunk's own rows of the hidden states (gathered by index: a copy), and the
+    # CUDA allocator's rounding of the large temporaries alive at once
     head = chunk * step.config.vocab_size * 8 + 3 * hidden + -(-hidden * chunk // tokens)
+    if torch.device(device).type == "cuda":
+        head += HEAD_LARGE_TEMPORARIES * LARGE_BLOCK_SLACK
     saved = (2 * sizes[step.each(f"A_{i}", 0)] for i in range(len(step.blocks)))
     block = max(saved, default=0) + 4 * hidden
     return max(head, block)
@@ -114,7 +130,12 @@ class PolicyTrainer:
             hidden_layers=rollouts.hidden_layers,
             options=self.options,
         )
-        beside = self.workspace_bytes or workspace_estimate(step)
+        beside = self.workspace_bytes or workspace_estimate(step, self.device)
+        if torch.device(self.device).type == "cuda":
+            # and what the CUDA libraries and the engine keep beside the arena (the cuBLAS
+            # workspace of each stream, the values buffer): l3_1b's 4 GiB update on the
+            # H100 went 16 MB over its budget without it, its head 3.4 MB of that
+            beside += runtime_reserve_bytes(self.device)
         budget = self.budget_bytes or sum(obj.size_bytes for obj in step.program.objects) + beside
         # the tasks' temporaries come from the device allocator, beside the planned arena
         try:
