@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from dataflow_training.check.verify import TOLERANCES, YARDSTICK_FACTOR, Check, step_checks
+from dataflow_training.check.verify_checks import YARDSTICK_LOSS_SCALES
 
 from dataflow.testing import invoke
 
@@ -63,20 +64,22 @@ def _gpt2_bf16(**options):
     )
 
 
-def _plain_grads(family, config, state, dtype, batches):
-    """The step's gradients by plain autograd in ``dtype``, written out apart from
-    ``step_checks`` (as benchmarks/bf16_yardstick.py does)."""
+def _plain_grads(family, config, state, dtype, batches, scale=1.0):
+    """The step's gradients by plain autograd in ``dtype`` of the loss times ``scale``
+    (divided by it in float64), written out apart from ``step_checks`` (as
+    benchmarks/bf16_yardstick.py does)."""
     model = family.reference_model(config).to(dtype)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()})
     for x, t in batches:
-        (model(x, t) / len(batches)).backward()
-    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        (model(x, t) / len(batches) * scale).backward()
+    return {n: p.grad.double() / scale for n, p in model.named_parameters() if p.grad is not None}
 
 
 def test_every_gradient_check_carries_plain_bf16_autogradients_error_and_no_other():
-    """Each gradient check's yardstick is the relative error of plain bf16 autograd against
-    float64 on that gradient, from the run's start weights (the seeded reference rounded to
-    bf16) on the same two rounds; loss and weight checks have none."""
+    """Each gradient check's yardstick is the largest relative error against float64 of
+    plain bf16 autograd on that gradient, its loss scaled by each of
+    ``YARDSTICK_LOSS_SCALES``, from the run's start weights (the seeded reference rounded
+    to bf16) on the same two rounds; loss and weight checks have none."""
     from dataflow_training.check.verify_step import step_tokens
     from dataflow_training.step.family import embed_layer, load_family
 
@@ -99,12 +102,19 @@ def test_every_gradient_check_carries_plain_bf16_autogradients_error_and_no_othe
     vocab = embed_layer(family.layers(config)).params[0].shape[0]
     batches = [step_tokens(0, vocab, 1, 8, 0, r) for r in range(2)]
     exact = _plain_grads(family, config, state, torch.float64, batches)
-    rounded = _plain_grads(family, config, state, torch.bfloat16, batches)
+    samples = [
+        _plain_grads(family, config, state, torch.bfloat16, batches, scale)
+        for scale in YARDSTICK_LOSS_SCALES
+    ]
+    assert len(set(YARDSTICK_LOSS_SCALES)) == 3 and 1.0 in YARDSTICK_LOSS_SCALES
+    moved = 0
     for check in grads:
         name = check.name.removeprefix("grad ").removesuffix(" (step 0)")
         g = exact[name]
-        expected = ((rounded[name].double() - g).norm() / g.norm()).item()
-        assert check.yardstick == pytest.approx(expected, rel=1e-6), name
+        errors = [((sample[name] - g).norm() / g.norm()).item() for sample in samples]
+        assert check.yardstick == pytest.approx(max(errors), rel=1e-6), name
+        moved += len(set(errors)) > 1  # another scale, another rounding
+    assert moved > len(grads) / 2
 
 
 def test_a_wrong_engine_gradient_fails_with_the_yardstick_on(monkeypatch):

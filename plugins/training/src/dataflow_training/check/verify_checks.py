@@ -24,6 +24,18 @@ TOLERANCES = {
 #: be of the order of plain autograd's; a defect is an O(1) error, far beyond twice that.
 YARDSTICK_FACTOR = 2.0
 
+#: the objective's scales of plain autograd's samples; the yardstick is their largest error.
+#: One sample is no yardstick for a gradient that is a heavily cancelling sum over every
+#: token (Gated DeltaNet's per-head ``A_log`` and ``dt_bias``): its bf16 error ranges over
+#: two orders of magnitude from run to run. Over 200 draws of one such layer the engine's
+#: and plain bf16's errors had the same distribution (A_log p99 0.29 and 0.39, both at most
+#: 0.43), yet the engine's exceeded twice plain's in 7 of 400 checks (ratios up to 57);
+#: against the largest of these three samples in 1 (session 32). A scale that is not a power
+#: of two leaves the gradient as it is and rounds its backward along another path (the
+#: forward's rounding is the same in every sample); the samples moved the other gradients'
+#: yardsticks by a median 1.03-1.12x.
+YARDSTICK_LOSS_SCALES = (1.0, 3.0, 0.7)
+
 
 @attrs.frozen
 class Check:

@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from dataflow_training.check.tolerances import adam_update_gap, sign_flips, weight_error
-from dataflow_training.check.verify_checks import Check, compare
+from dataflow_training.check.verify_checks import YARDSTICK_LOSS_SCALES, Check, compare
 from dataflow_training.drive.run import TrainingRun
 from dataflow_training.drive.trainer import plan_line
 from dataflow_training.drive.values import state_layouts
@@ -185,9 +185,10 @@ def step_checks(
             ref = reference.step(weights, moments, step, batches, step_routing)
             if follows:
                 ref_routing.append(ref.decisions)
-            plain_grads = (
-                plain.grads(weights, batches, step_routing).grads if plain is not None else None
-            )
+            plain_samples = [
+                plain.grads(weights, batches, step_routing, loss_scale=scale).grads
+                for scale in (YARDSTICK_LOSS_SCALES if plain is not None else ())
+            ]
             reference_s, first = time.perf_counter() - began, len(checks)
             checks += [
                 compare(
@@ -209,9 +210,12 @@ def step_checks(
                 check = compare(
                     "step", f"grad {name} (step {step})", grads[name], ref.grads[name], tolerance
                 )
-                if plain_grads is not None:  # plain autograd's error on the same gradient
-                    bf16 = compare("step", name, plain_grads[name], ref.grads[name], tolerance)
-                    check = attrs.evolve(check, yardstick=bf16.rel)
+                if plain_samples:  # plain autograd's largest error on the same gradient
+                    bf16 = max(
+                        compare("step", name, sample[name], ref.grads[name], tolerance).rel
+                        for sample in plain_samples
+                    )
+                    check = attrs.evolve(check, yardstick=bf16)
                 checks.append(check)
             for name in sorted(ref.weights):
                 if grads[name].shape != ref.grads[name].shape:  # its grad check says so
@@ -396,14 +400,18 @@ class Reference:
         self.ruled = tuple(name for name, p in params if p.rule is not None)
         self.multi_round = getattr(self.model, "steps_over_rounds", False)
 
-    def grads(self, weights, batches, routing=None) -> _Grads:
+    def grads(self, weights, batches, routing=None, *, loss_scale: float = 1.0) -> _Grads:
         """The gradients of one step from ``weights`` (``{"<layer>.<param>": tensor}``,
         taken in this model's dtype) over ``batches`` (the rounds' ``(tokens, targets)``):
         each round's ``loss / rounds`` accumulated by autograd, or the step's objective at
         once for a model whose objective spans the rounds (``steps_over_rounds``), routed
         with ``routing``'s ``ids`` (the engine's AuxTemp per round and layer) for one that
-        ``follows_routing``; then clipped where the step clips."""
+        ``follows_routing``; then clipped where the step clips. ``loss_scale``: the
+        objective times that, the gradients divided by it again in float64 (then clipped
+        there): the same gradients, their backward rounded along another path (the
+        yardstick's samples, ``YARDSTICK_LOSS_SCALES``)."""
         model, rounds = self.model, len(batches)
+        scale = loss_scale
         model.load_state_dict({k: v.to(self.dtype) for k, v in weights.items()})
         model.zero_grad(set_to_none=True)
         batches = [(x.to(self.device), t.to(self.device)) for x, t in batches]
@@ -411,19 +419,28 @@ class Reference:
         if routing is not None:
             ids = [[temp["ids"] for temp in r.values()] for r in routing]
             round_losses, extra = model(batches, routing=ids)
-            (sum(loss / rounds for loss in round_losses) + extra).backward()
+            ((sum(loss / rounds for loss in round_losses) + extra) * scale).backward()
             losses = [loss.detach() for loss in round_losses]
             decisions = [[(lg.detach(), i) for lg, i in r] for r in model.recorded]
         elif self.multi_round:  # a model whose objective spans the rounds (Aux over the step)
             round_losses, extra = model(batches)
-            (sum(loss / rounds for loss in round_losses) + extra).backward()
+            ((sum(loss / rounds for loss in round_losses) + extra) * scale).backward()
             losses = [loss.detach() for loss in round_losses]
         else:
             for x, t in batches:
                 loss = model(x, t)
-                (loss / rounds).backward()
+                (loss / rounds * scale).backward()
                 losses.append(loss.detach())
         norm = None
+        if scale != 1.0:
+            grads = {n: p.grad.detach().double() / scale for n, p in self.named.items()}
+            if self.train.clip is not None:
+                norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()]))
+                grads = {
+                    n: g * (self.train.clip / (norm + 1e-6)).clamp(max=1.0)
+                    for n, g in grads.items()
+                }
+            return _Grads(losses, grads, norm, decisions)
         if self.train.clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(list(self.named.values()), self.train.clip)
         # the tensors themselves, not copies: the next step's zero_grad(set_to_none) leaves

@@ -21,7 +21,7 @@ from rich.table import Table
 
 from dataflow import families, format_size, minimal_budget
 from dataflow.cli import BUDGET, COUNT, Device, Failure, lookup, one_line, plugin_failure
-from dataflow_training.check.verify_checks import YARDSTICK_FACTOR
+from dataflow_training.check.verify_checks import YARDSTICK_FACTOR, YARDSTICK_LOSS_SCALES
 from dataflow_training.cli.train_defaults import default_family
 from dataflow_training.drive.progress import LevelPrinter
 from dataflow_training.plan.compiled_step import available_host_bytes
@@ -133,11 +133,13 @@ def precision_option(default: str | None, help_text: str) -> Any:
     default=True,
     show_default=True,
     help="with --dtype bf16: also compute each step's gradients by plain bf16 autograd of "
-    "the family's reference model, and let a gradient check pass within "
-    f"{YARDSTICK_FACTOR:g} x that one's error against float64 where this is above the flat "
-    "tolerance (what bf16 itself loses on the tensor). Costs one more bf16 forward and "
-    "backward of the whole model per step on --device, with its memory there beside the "
-    "run's. --no-yardstick: the flat tolerance alone",
+    f"the family's reference model ({len(YARDSTICK_LOSS_SCALES)} times, the loss scaled "
+    "differently), and let a gradient check pass within "
+    f"{YARDSTICK_FACTOR:g} x their largest error against float64 where this is above the "
+    "flat tolerance (what bf16 itself loses on the tensor). Costs "
+    f"{len(YARDSTICK_LOSS_SCALES)} more bf16 forwards and backwards of the whole model per "
+    "step on --device, with its memory there beside the run's. --no-yardstick: the flat "
+    "tolerance alone",
 )
 @click.option(
     "--all",
