@@ -389,3 +389,35 @@ def test_profile_program_points_a_bare_program_to_the_core_measure() -> None:
 
     with pytest.raises(TypeError, match=r"not a Program: .*priced_by_measurement"):
         profile_program(tiny_chain(), lambda task: None, device="cpu")
+
+
+@pytest.mark.gpu
+def test_a_replayed_task_s_workspace_is_its_capture_s_where_that_takes_more(step) -> None:
+    """A task that allocates more while captured than dispatched (the segmented attention:
+    its varlen layout is read on the host, so a graph runs the masked kernel) is priced
+    with the capture's workspace: the step replays the captured launch."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from dataflow import LaunchContext
+
+    device = torch.device("cuda")
+    work = torch.zeros(1 << 10, device=device)
+    captured_bytes, dispatched_bytes = 64 << 20, 4 << 20
+
+    class CapturedTakesMore:
+        def launch(self, ctx) -> None:
+            capturing = torch.cuda.is_current_stream_capturing()
+            scratch = torch.ones(
+                (captured_bytes if capturing else dispatched_bytes) // 4, device=device
+            )
+            work.add_(scratch[: work.numel()])
+
+    ctx = LaunchContext(
+        task=step.program.tasks[0], device="cuda", stream=None, inputs=(), mutates=(), outputs=()
+    )
+    dispatched = profile._measure(CapturedTakesMore(), ctx, device, 3)
+    replayed = profile._measure(CapturedTakesMore(), ctx, device, 3, replay=True)
+    assert dispatched_bytes <= dispatched.workspace_bytes < captured_bytes
+    assert captured_bytes <= replayed.workspace_bytes < captured_bytes + (8 << 20)

@@ -67,9 +67,10 @@ from dataflow_training.step.layout import StepLayout
 from dataflow_training.step.lowering import Lowered
 
 #: The version of the measuring method (fills, warm-up, timing); part of every cache key.
-PROFILE_VERSION = 5  # 2: the token shape joined the signature; 3: AuxTemp as forward
+PROFILE_VERSION = 6  # 2: the token shape joined the signature; 3: AuxTemp as forward
 # decides; 4: the task settles (SETTLE_S) before it is timed; 5: small memsets of the
-# task's graph become fill kernels, as in the engine's captured step
+# task's graph become fill kernels, as in the engine's captured step; 6: a replayed
+# task's workspace is the larger of its dispatched launches' and its capture's
 #: The version of the CPU's measuring method, in the key of a CPU's entries only (the
 #: GPU profiles archived in benchmarks/results stay valid): 1: on a worker thread, once
 #: settled, for at least HOST_TIMED_S, with the links kept beside the profiles
@@ -628,7 +629,12 @@ def _measure(
     workspace = -(-workspace // ROUND_BYTES) * ROUND_BYTES
     if replay:
         try:
-            times = _replayed_us(executable, ctx, dev, repeats, timing)
+            times, captured = _replayed_us(executable, ctx, dev, repeats, timing)
+            # the captured launch may take another path than the dispatched ones (the
+            # segmented attention's varlen layout is read on the host, so a graph runs the
+            # masked kernel: about 1 GB more at 2 x 4096 tokens on the H100, session 32);
+            # the step replays the captured one
+            workspace = max(workspace, -(-captured // ROUND_BYTES) * ROUND_BYTES)
         except Exception:  # noqa: BLE001 - whatever the capture refuses
             # An op that reads the device on the host (e.g. grouped_mm's reference loop
             # reading its offsets) cannot be captured. The engine's own capture then fails
@@ -701,13 +707,19 @@ def _after_failed_capture(dev: torch.device) -> None:
 
 def _replayed_us(
     executable: Any, ctx: LaunchContext, dev: torch.device, repeats: int, timing: _Timing
-) -> list[float]:
-    """The task captured into a CUDA graph of its own, each replay timed by events."""
+) -> tuple[list[float], int]:
+    """The task captured into a CUDA graph of its own, each replay timed by events; and
+    the allocator's peak during the capture above the bytes in use before it (what the
+    captured launch allocates: its workspace in a replayed step)."""
     stream = torch.cuda.Stream(device=dev)
     stream.wait_stream(torch.cuda.current_stream(dev))
     graph = torch.cuda.CUDAGraph(keep_graph=True)
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
     with torch.cuda.graph(graph, stream=stream):
         executable.launch(attrs.evolve(ctx, stream=stream))
+    captured = max(0, torch.cuda.max_memory_allocated(dev) - base)
     memsets_to_kernels(graph.raw_cuda_graph())  # as the engine's step graph has them
     graph.instantiate()
     graph.replay()  # warm: the first replay uploads the graph
@@ -722,7 +734,7 @@ def _replayed_us(
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     del graph
-    return times
+    return times, captured
 
 
 def vocabulary_high(step: Lowered) -> Callable[[str], int]:
