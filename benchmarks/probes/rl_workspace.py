@@ -1,5 +1,7 @@
-"""Probe, 2026-12-06 (session 32): which task of an RL policy update takes more device
-memory than ``policy.workspace_estimate`` leaves beside the plan's arena?
+"""Probe, 2026-12-06 (session 32): which RL update task outgrows its workspace estimate?
+
+Which task of an RL policy update takes more device memory than
+``policy.workspace_estimate`` leaves beside the plan's arena?
 
 Asked because l3_1b's update of 128 rows in 16 rounds at 4 GiB broke its budget on the
 H100 (allocator peak 4.84 GB, ledger 2.81 GB). One update at the budget under
