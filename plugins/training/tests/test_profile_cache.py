@@ -421,3 +421,15 @@ def test_a_replayed_task_s_workspace_is_its_capture_s_where_that_takes_more(step
     replayed = profile._measure(CapturedTakesMore(), ctx, device, 3, replay=True)
     assert dispatched_bytes <= dispatched.workspace_bytes < captured_bytes
     assert captured_bytes <= replayed.workspace_bytes < captured_bytes + (8 << 20)
+
+    # a product allocates nothing of its own; the capture's fresh stream gets cuBLAS's
+    # workspace before the capture, not inside its peak (runtime_reserve_bytes has it)
+    a = torch.ones(256, 256, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+
+    class Product:
+        def launch(self, ctx) -> None:
+            torch.matmul(a, a, out=out)
+
+    product = profile._measure(Product(), ctx, device, 3, replay=True)
+    assert product.workspace_bytes <= profile.ROUND_BYTES
