@@ -45,7 +45,7 @@ from typing import Any
 
 import attrs
 import torch
-from dataflow_rl_example import PolicyTrainer, Rollouts, UpdateOptions, lower_update
+from dataflow_rl_example import PolicyTrainer, Rollouts, UpdateOptions, lower_update, tasks
 from dataflow_rl_example.policy import workspace_estimate
 from dataflow_rl_example.standin import load_model
 from dataflow_training import load_family
@@ -60,7 +60,7 @@ from benchmarks.harness.compare_doc import (
     write_table,
 )
 from benchmarks.harness.measure import device_name, one_line, wall_steps
-from dataflow import InfeasibleBudget, format_size, parse_size, plan
+from dataflow import BudgetBreachError, InfeasibleBudget, format_size, parse_size, plan
 
 RESULTS = Path("benchmarks/results/compare.json")
 
@@ -161,6 +161,22 @@ def predict(args: argparse.Namespace, family: Any, config: Any) -> None:
                 }
             )
         )
+
+
+def largest_temporaries(trainer: PolicyTrainer, rollouts: Rollouts) -> str:
+    """After a budget breach: one more update under ``tasks.task_temporaries``, and the
+    three tasks whose temporaries were largest beside the estimate the plan left room for
+    (``policy.workspace_estimate``)."""
+    try:
+        with tasks.task_temporaries() as found:
+            trainer.update(rollouts, lr=1e-6)
+    except Exception as error:  # noqa: BLE001 - the figures so far are what is wanted
+        if not found:
+            return f"the tasks' temporaries were not measured ({one_line(error)})"
+    worst = sorted(found, key=found.get, reverse=True)[:3]
+    estimate = workspace_estimate(trainer.lowered(rollouts), trainer.device)
+    listed = ", ".join(f"{task} {format_size(found[task])}" for task in worst)
+    return f"largest task temporaries {listed} (estimate {format_size(estimate)})"
 
 
 def stock_loss(model: Any, rollouts: Rollouts) -> torch.Tensor:
@@ -308,6 +324,9 @@ def main() -> None:
             )
             peak = torch.cuda.max_memory_allocated() if cuda else None
             rows.append(row(args, "dataflow", budget, times, peak, planned=trainer.last_plan))
+        except BudgetBreachError as error:  # and which task took the room, measured
+            note = f"{one_line(error)}; {largest_temporaries(trainer, mine)}"
+            rows.append(row(args, "dataflow", budget, [], None, note=note))
         except Exception as error:  # a row that fails is a row with its reason
             rows.append(row(args, "dataflow", budget, [], None, note=one_line(error)))
         trainer.close()

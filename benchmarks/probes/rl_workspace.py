@@ -28,7 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from dataflow_rl_example import PolicyTrainer, lower_update, tasks
+from dataflow_rl_example import PolicyTrainer, tasks
 from dataflow_rl_example.policy import workspace_estimate
 from dataflow_rl_example.standin import load_model
 from dataflow_training import load_family
@@ -72,14 +72,7 @@ def main() -> None:
     with tasks.task_temporaries() as found:
         trainer.update(rollouts, lr=1e-6)
         torch.cuda.synchronize()
-    step = lower_update(
-        family,
-        config,
-        rows=rollouts.rows,
-        length=rollouts.length,
-        hidden_layers=rollouts.hidden_layers,
-        options=options(args),
-    )
+    step = trainer.lowered(rollouts)
     print(json.dumps({"workspace_estimate": workspace_estimate(step, "cuda"), "tasks": len(found)}))
     kinds = {task.id: task.kind for task in step.program.tasks}
     by_kind: dict[str, list[str]] = defaultdict(list)

@@ -117,12 +117,10 @@ class PolicyTrainer:
         values = {"lr": float(lr), "adam_step": self.updates + 1}
         return values | ({"kl_coef": float(kl_coef)} if self.options.kl else {})
 
-    def _load(self, rollouts: Rollouts) -> None:
-        """Lower and plan for the rollouts' shape; start an engine with the current state."""
-        if self._engine is not None:
-            self._sync()
-            self._engine.close()
-        step = lower_update(
+    def lowered(self, rollouts: Rollouts) -> UpdateStep:
+        """The update this trainer lowers for the rollouts' shape (rows, length, the layers
+        whose inputs they hand over)."""
+        return lower_update(
             self.family,
             self.config,
             rows=rollouts.rows,
@@ -130,6 +128,13 @@ class PolicyTrainer:
             hidden_layers=rollouts.hidden_layers,
             options=self.options,
         )
+
+    def _load(self, rollouts: Rollouts) -> None:
+        """Lower and plan for the rollouts' shape; start an engine with the current state."""
+        if self._engine is not None:
+            self._sync()
+            self._engine.close()
+        step = self.lowered(rollouts)
         beside = self.workspace_bytes or workspace_estimate(step, self.device)
         if torch.device(self.device).type == "cuda":
             # and what the CUDA libraries and the engine keep beside the arena (the cuBLAS
