@@ -122,6 +122,23 @@ def test_a_packed_bf16_run_on_cuda_learns_and_resumes_exactly(small_files, tmp_p
     assert again == pytest.approx(losses, rel=1e-2)
 
 
+def test_a_packed_run_replayed_on_cuda_is_told_its_attention_runs_the_masked_kernel(
+    tmp_path,
+) -> None:
+    """Only a packed run on CUDA replayed from a graph gets the line (its attention cannot
+    read the documents' layout on the host there); it names the way out, --no-graph."""
+    from dataflow_training.drive.trainer import TrainOptions, packed_attention_warning
+
+    def options(**fields):
+        base = {"device": "cuda", "graph": True, "pack_documents": True}
+        return TrainOptions("llama3", "llama3_tiny", 1, tmp_path, **(base | fields))
+
+    line = packed_attention_warning(options())
+    assert line is not None and "--no-graph" in line and "--pack-documents" in line
+    for other in ({"device": "cpu"}, {"graph": False}, {"pack_documents": False}):
+        assert packed_attention_warning(options(**other)) is None, other
+
+
 def test_predict_prices_the_packed_step(tmp_path) -> None:
     """``dataflow predict --pack-documents``: the step with each round's segments,
     priced as the dense step's work (its segments moved like its tokens)."""

@@ -332,6 +332,20 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def packed_attention_warning(o: TrainOptions) -> str | None:
+    """The line a packed run on CUDA replayed from a CUDA graph gets: its attention runs
+    the memory-efficient kernel with a per-row bias there (flash's varlen kernels read the
+    documents' layout on the host, which a graph cannot), far slower than the dense step's
+    (``benchmarks/probes/segments_attention.py``); None for any other run."""
+    if not (o.pack_documents and o.graph and o.device.startswith("cuda")):
+        return None
+    return (
+        "warning: --pack-documents with --graph on CUDA: the replayed step's attention runs "
+        "the masked memory-efficient kernel (14-23x slower than flash's varlen kernels at "
+        "2 x 4096 tokens on an H100); --no-graph takes the varlen kernels"
+    )
+
+
 @attrs.frozen
 class Started:
     """A run ready for its loop: the options (an ``--init`` run's with its overrides),
@@ -591,6 +605,8 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
         fleet.check_stream(feed.state())
     packed = f"; documents packed apart ({feed.documents})" if o.pack_documents else ""
     say(f"data: {feed.describe()}" + (f"; {vocab_note}" if vocab_note else "") + packed)
+    if (warning := packed_attention_warning(o)) is not None:
+        say(warning)
     if init is not None:
         say(init.line if resumed is None else f"init: {o.init} not read (the run resumes)")
         tokenizer = Path(o.init) / "tokenizer.json"
