@@ -5,8 +5,8 @@ from the engine's own weights and moments: every round's loss, every weight grad
 weight after the step (with AdamW's allowance for the two gradients,
 ``dataflow_training.check.tolerances``); for a mixture of experts, the routing decisions
 (``routing_checks``). In bf16 each gradient check also carries its yardstick: how far the
-same step's gradients by plain bf16 autograd of the reference model are from float64
-(``Check.yardstick``)."""
+same step's gradients by plain bf16 autograd of the reference model are from float64, at
+most, over three samples (``Check.yardstick``)."""
 
 from __future__ import annotations
 
@@ -129,9 +129,11 @@ def step_checks(
     ``yardstick`` (ignored where the policy's weights are float32): each step's gradients
     are also computed by plain autograd of the family's reference model in the weights'
     dtype on ``device``, from the same start-of-step weights, batches and routing as the
-    float64 reference; each gradient check carries their relative error against the
-    float64 gradients as its ``yardstick`` (``Check.effective_tolerance``). That is one
-    more forward and backward of the whole model a step, on the device."""
+    float64 reference, once for each of ``YARDSTICK_LOSS_SCALES`` (the loss scaled: the
+    backward rounded along another path); each gradient check carries the largest of
+    their relative errors against the float64 gradients as its ``yardstick``
+    (``Check.effective_tolerance``). That is three forwards and backwards of the
+    whole model a step, on the device."""
 
     config = family.config(preset, **(overrides or {}))
     shape = {"batch": batch, "seq_len": seq_len, "rounds": rounds}
