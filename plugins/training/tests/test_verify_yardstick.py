@@ -189,3 +189,34 @@ def test_a_mixture_of_experts_step_carries_yardsticks_too(family_name, preset):
     grads = [c for c in checks if c.name.startswith("grad ")]
     assert grads and all(math.isfinite(c.yardstick) and c.yardstick > 0 for c in grads)
     assert all(c.ok for c in checks), [c for c in checks if not c.ok][:3]
+
+
+@pytest.mark.parametrize("clip", [None, 1e-3])
+def test_a_scaled_sample_is_the_same_gradient_clipped_the_same_way(clip):
+    """``Reference.grads(loss_scale=s)``: the loss times s and the gradients divided by s
+    in float64, then clipped there where the step clips; in float64 (no rounding to
+    re-draw) that is the unscaled sample's gradient to 1e-12, clipped or not (1e-3 clips
+    every step of gpt2_tiny here)."""
+    from dataflow_training.check.verify_step import (
+        Reference,
+        start_weights,
+        step_config,
+        step_tokens,
+    )
+    from dataflow_training.step.family import embed_layer, load_family
+
+    family = load_family("gpt2")
+    config = family.config("gpt2_tiny")
+    train = step_config("fp32", batch=1, seq_len=8, rounds=2, clip=clip)
+    weights = start_weights(family, config, 0, torch.float64)
+    vocab = embed_layer(family.layers(config)).params[0].shape[0]
+    batches = [step_tokens(0, vocab, 1, 8, 0, r) for r in range(2)]
+    reference = Reference(family, config, train)
+    found = reference.grads(weights, batches)
+    plain = {n: g.clone() for n, g in found.grads.items()}
+    scaled = reference.grads(weights, batches, loss_scale=3.0)
+    if clip is not None:  # both norms are the gradient's before clipping
+        assert found.norm > clip
+        assert float(scaled.norm) == pytest.approx(float(found.norm), rel=1e-9)
+    for name, g in plain.items():
+        torch.testing.assert_close(scaled.grads[name], g, rtol=1e-12, atol=1e-15)
