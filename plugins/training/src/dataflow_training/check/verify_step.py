@@ -409,8 +409,8 @@ class Reference:
         once for a model whose objective spans the rounds (``steps_over_rounds``), routed
         with ``routing``'s ``ids`` (the engine's AuxTemp per round and layer) for one that
         ``follows_routing``; then clipped where the step clips. ``loss_scale``: the
-        objective times that, the gradients divided by it again in float64 (then clipped
-        there): the same gradients, their backward rounded along another path (the
+        objective times that, the gradients divided by it again in float64 on the host (then
+        clipped there): the same gradients, their backward rounded along another path (the
         yardstick's samples, ``YARDSTICK_LOSS_SCALES``)."""
         model, rounds = self.model, len(batches)
         scale = loss_scale
@@ -434,8 +434,10 @@ class Reference:
                 (loss / rounds * scale).backward()
                 losses.append(loss.detach())
         norm = None
-        if scale != 1.0:
-            grads = {n: p.grad.detach().double() / scale for n, p in self.named.items()}
+        if scale != 1.0:  # on the host, where compare() reads them: none held on the device
+            grads = {
+                n: p.grad.detach().to("cpu", torch.float64) / scale for n, p in self.named.items()
+            }
             if self.train.clip is not None:
                 norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()]))
                 grads = {
