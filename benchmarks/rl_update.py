@@ -229,8 +229,9 @@ def row(
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(description: str) -> argparse.ArgumentParser:
+    """The options of an update row (``main``'s; the workspace probe takes them too)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--family", default="llama3")
     parser.add_argument("--preset", default="l3_1b")
     parser.add_argument("--budget", action="append", type=parse_size, help="repeatable")
@@ -273,6 +274,24 @@ def main() -> None:
         default=None,
         help="rewrite the tables of this page (docs/throughput.md)",
     )
+    return parser
+
+
+def policy_rollouts(
+    args: argparse.Namespace, family: Any, config: Any
+) -> tuple[dict, Any, Rollouts]:
+    """The seeded policy's state, its transformers model on ``--device`` in ``--dtype``,
+    and ``synthetic_rollouts`` of it."""
+    torch.manual_seed(0)
+    state = family.reference_model(config).state_dict()
+    folder = Path(tempfile.mkdtemp())
+    family.export_hf(config, state, folder)
+    model = load_model(folder).to(args.device, getattr(torch, args.dtype))
+    return state, model, synthetic_rollouts(model, args, args.device)
+
+
+def main() -> None:
+    parser = arguments(__doc__.split("\n\n")[0])
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
     if args.hidden_every < 1:
@@ -289,12 +308,7 @@ def main() -> None:
     if args.predict:
         predict(args, family, config)
         return
-    torch.manual_seed(0)
-    state = family.reference_model(config).state_dict()
-    folder = Path(tempfile.mkdtemp())
-    family.export_hf(config, state, folder)
-    model = load_model(folder).to(args.device, getattr(torch, args.dtype))
-    rollouts = synthetic_rollouts(model, args, args.device)
+    state, model, rollouts = policy_rollouts(args, family, config)
     mine, stocks = first_rows(rollouts, args.rows), first_rows(rollouts, args.stock_rows)
     rows = []
     # the stock model waits on the host while dataflow runs: the budget check reads the

@@ -17,63 +17,49 @@ the arena, which it now does on CUDA.
 
     python -m benchmarks.probes.rl_workspace --preset l3_1b --rows 128 --rounds 16 \
         --hidden-every 2 --budget 4GiB
+
+It takes ``benchmarks/rl_update.py``'s options (one ``--budget``; the row's own, such as
+``--steps`` or ``--doc``, mean nothing here).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import tempfile
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from dataflow_rl_example import PolicyTrainer, tasks
 from dataflow_rl_example.policy import workspace_estimate
-from dataflow_rl_example.standin import load_model
 from dataflow_training import load_family
 
-from benchmarks.rl_update import options, synthetic_rollouts
-from dataflow import parse_size
+from benchmarks.rl_update import arguments, options, policy_rollouts
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", default="llama3")
-    parser.add_argument("--preset", default="l3_1b")
-    parser.add_argument("--budget", type=parse_size, default=None)
-    parser.add_argument("--rows", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=16)
-    parser.add_argument("--stock-rows", type=int, default=0)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--completion-len", type=int, default=768)
-    parser.add_argument("--hidden-every", type=int, default=2)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--moments", default=None)
-    parser.add_argument("--hw", default="h200")
-    parser.add_argument("--flops-per-us", type=float, default=None)
+    parser = arguments(__doc__.split("\n\n")[0])
+    parser.set_defaults(rows=128, rounds=16, hidden_every=2)
     args = parser.parse_args()
-
+    if args.budget is not None and len(args.budget) > 1:
+        parser.error("--budget: one budget a run")
+    budget = args.budget[0] if args.budget else None
     family = load_family(args.family)
     config = family.config(args.preset)
-    torch.manual_seed(0)
-    state = family.reference_model(config).state_dict()
-    folder = Path(tempfile.mkdtemp())
-    family.export_hf(config, state, folder)
-    model = load_model(folder).to("cuda", torch.bfloat16)
-    rollouts = synthetic_rollouts(model, args, "cuda")
+    state, model, rollouts = policy_rollouts(args, family, config)
     del model
     torch.cuda.empty_cache()
 
     trainer = PolicyTrainer(
-        family, config, state, options(args), budget_bytes=args.budget, device="cuda"
+        family, config, state, options(args), budget_bytes=budget, device=args.device
     )
     with tasks.task_temporaries() as found:
         trainer.update(rollouts, lr=1e-6)
         torch.cuda.synchronize()
     step = trainer.lowered(rollouts)
-    print(json.dumps({"workspace_estimate": workspace_estimate(step, "cuda"), "tasks": len(found)}))
+    print(
+        json.dumps(
+            {"workspace_estimate": workspace_estimate(step, args.device), "tasks": len(found)}
+        )
+    )
     kinds = {task.id: task.kind for task in step.program.tasks}
     by_kind: dict[str, list[str]] = defaultdict(list)
     for task in found:
