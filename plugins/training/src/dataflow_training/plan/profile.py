@@ -626,7 +626,6 @@ def _measure(
         timing.settle(lambda: executable.launch(ctx), dev)
     times = _dispatched_us(executable, ctx, repeats, timing)
     workspace = max(0, torch.cuda.max_memory_allocated(dev) - base)
-    workspace = -(-workspace // ROUND_BYTES) * ROUND_BYTES
     if replay:
         try:
             times, captured = _replayed_us(executable, ctx, dev, repeats, timing)
@@ -634,7 +633,7 @@ def _measure(
             # segmented attention's varlen layout is read on the host, so a graph runs the
             # masked kernel: about 1 GB more at 2 x 4096 tokens on the H100, session 32);
             # the step replays the captured one
-            workspace = max(workspace, -(-captured // ROUND_BYTES) * ROUND_BYTES)
+            workspace = max(workspace, captured)
         except Exception:  # noqa: BLE001 - whatever the capture refuses
             # An op that reads the device on the host (e.g. grouped_mm's reference loop
             # reading its offsets) cannot be captured. The engine's own capture then fails
@@ -644,7 +643,7 @@ def _measure(
             _after_failed_capture(dev)
             timing.settle(lambda: executable.launch(ctx), dev)
             times = _dispatched_us(executable, ctx, repeats, timing)
-    return TaskProfile(statistics.median(times), workspace)
+    return TaskProfile(statistics.median(times), -(-workspace // ROUND_BYTES) * ROUND_BYTES)
 
 
 def _host_timed_us(launch: Callable[[], None], repeats: int) -> list[float]:
