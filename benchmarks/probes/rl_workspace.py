@@ -32,7 +32,7 @@ from dataflow_rl_example import PolicyTrainer, tasks
 from dataflow_rl_example.policy import workspace_estimate
 from dataflow_training import load_family
 
-from benchmarks.rl_update import arguments, options, policy_rollouts
+from benchmarks.rl_update import arguments, blocks, options, policy_rollouts
 
 
 def main() -> None:
@@ -49,7 +49,13 @@ def main() -> None:
     torch.cuda.empty_cache()
 
     trainer = PolicyTrainer(
-        family, config, state, options(args), budget_bytes=budget, device=args.device
+        family,
+        config,
+        state,
+        options(args),
+        budget_bytes=budget,
+        device=args.device,
+        compiled=blocks(args),
     )
     with tasks.task_temporaries() as found:
         trainer.update(rollouts, lr=1e-6)

@@ -185,6 +185,22 @@ def test_engine_hidden_states_give_the_update_from_tokens(tmp_path, family_name,
     assert_states_close(results["every other"], results["from tokens"], atol=2e-5)
 
 
+@pytest.mark.parametrize(("family_name", "preset"), [PRESETS[0], PRESETS[2]])
+def test_compiled_blocks_give_the_eager_update(tmp_path, family_name, preset):
+    """The blocks' math and its writes compiled (``tasks.strategy``; aot_eager traces the
+    graphs inductor would compile, the writes into the arena's views included) give the
+    eager update: two updates in two rounds, float32, to 1e-6."""
+    family, config, state = start(family_name, preset)
+    rollouts = sample(PolicyTrainer(family, config, state), tmp_path / "policy", seed=0)
+    states = {}
+    for compiled in (None, "aot_eager"):
+        trainer = PolicyTrainer(family, config, state, UpdateOptions(rounds=2), compiled=compiled)
+        trainer.update(rollouts, lr=LR)
+        trainer.update(rollouts, lr=LR)
+        states[compiled] = trainer.state()
+    assert_states_close(states["aot_eager"], states[None], atol=1e-6)
+
+
 def vars_of(rollouts):
     import attrs
 

@@ -432,4 +432,6 @@ def test_a_replayed_task_s_workspace_is_its_capture_s_where_that_takes_more(step
             torch.matmul(a, a, out=out)
 
     product = profile._measure(Product(), ctx, device, 3, replay=True)
-    assert product.workspace_bytes <= profile.ROUND_BYTES
+    # the H100 (torch 2.11) measured 1 KiB, two rounding units: something of the capture's
+    # own; cuBLAS's workspace (32 MiB on Hopper) would be thousands of times that
+    assert product.workspace_bytes < 1 << 20

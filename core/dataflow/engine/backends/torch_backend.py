@@ -20,6 +20,7 @@ from dataflow.engine.backends.torch_storage import (
     Staging,
     as_bytes,
     host_copy,
+    host_copy_split,
     typed_view,
 )
 from dataflow.engine.contract import Executable, LaunchContext, RunValues
@@ -68,9 +69,10 @@ class TorchBackend:
         slow copy holds the value already: a step left it current).
 
         ``per_step``: the value of a later step (``Engine.run``'s feed and carried values),
-        written between steps while the device is idle. Host bytes are copied on this
-        thread alone (``host_copy``: torch's intra-op threads, asleep through a step, took
-        up to 87 ms a step to wake for them). On CUDA a fast-starting object is written
+        written between steps while the device is idle. Host bytes are copied by numpy,
+        on this thread (``host_copy``: torch's intra-op threads, asleep through a step, took
+        up to 87 ms a step to wake for them), a large value split over the engine's own
+        copy threads (``host_copy_split``). On CUDA a fast-starting object is written
         asynchronously on the compute stream, which orders the step after it: a host value
         through a page-locked staging copy of its own, a device value once the current
         stream's work on it is done."""
@@ -83,7 +85,7 @@ class TorchBackend:
         backed = obj in self.backed
         if self.objs[obj].location is not Location.FAST or (backed and not fast_only):
             if per_step:
-                host_copy(self.slow.view(obj), data)
+                host_copy_split(self.slow.view(obj), data)
             else:
                 self.slow.view(obj).copy_(data)
             if not backed:

@@ -66,7 +66,11 @@ def workspace_estimate(step: UpdateStep, device: str = "cpu") -> int:
 
 
 class PolicyTrainer:
-    """Policy updates of one model, from rollouts an inference engine wrote."""
+    """Policy updates of one model, from rollouts an inference engine wrote.
+
+    ``compiled``: how the blocks' recompute and backward run (``tasks.strategy``): by
+    default compiled with inductor on CUDA (the first update compiles each block kind's
+    math once for all blocks) and eagerly elsewhere; None runs them eagerly everywhere."""
 
     def __init__(
         self,
@@ -79,11 +83,13 @@ class PolicyTrainer:
         device: str = "cpu",
         optimizer_state: Mapping[str, torch.Tensor] | None = None,
         workspace_bytes: int | None = None,
+        compiled: str | None = "auto",
     ) -> None:
         self.family = load_family(family) if isinstance(family, str) else family
         self.config, self.options = config, options or UpdateOptions()
         self.budget_bytes, self.device = budget_bytes, device
         self.workspace_bytes = workspace_bytes
+        self.compiled = compiled  # how the blocks' math runs: tasks.strategy's argument
         self.updates = 0  # AdamW's step count so far
         self._state = {name: t.detach().to(torch.float32).clone() for name, t in state.items()}
         # the AdamW moments by object id (O_<layer>...), packed; none: zero
@@ -94,6 +100,8 @@ class PolicyTrainer:
         self._engine: Engine | None = None
         self._step: UpdateStep | None = None
         self.last_plan: Any = None
+        #: the engine's ``RunResult`` of the last update (its tasks' measured spans)
+        self.last_run: Any = None
 
     # -- the update ----------------------------------------------------------------------
     def update(self, rollouts: Rollouts, *, lr: float, kl_coef: float = 0.0) -> dict[str, float]:
@@ -109,7 +117,7 @@ class PolicyTrainer:
             feed = None
         else:
             feed = lambda _: self._batch(rollouts)  # noqa: E731 - the next step's batch
-        self._engine.run(values=self._values(lr, kl_coef), feed=feed)
+        self.last_run = self._engine.run(values=self._values(lr, kl_coef), feed=feed)
         self.updates += 1
         return self._stats()
 
@@ -155,7 +163,7 @@ class PolicyTrainer:
         placement = place(self.last_plan, workspace_in_arena=False, workspace_beside_bytes=beside)
         engine = Engine("torch", budget_bytes=budget, device=self.device)
         initial = self._weights(step) | self._batch(rollouts, step)
-        resolver = tasks.build(step, self.device)
+        resolver = tasks.build(step, self.device, self.compiled)
         engine.load(placement, resolver, initial=initial)
         self._engine, self._step = engine, step
 

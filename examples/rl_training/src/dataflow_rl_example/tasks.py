@@ -1,6 +1,12 @@
 """The executables of a lowered update: the family's own block math, run on the views the
 engine hands each task (``ctx.inputs``, ``ctx.mutates``, ``ctx.outputs``).
 
+A block's recompute and backward run its math through a ``dataflow_training.drive.Strategy``
+with the writes of what it returns into the task's views: on CUDA by default the torch
+resolver's ``CompiledStrategy`` (each block kind's math and its writes compiled by
+``torch.compile``, so a fused kernel stores a value where eager math would store it and a
+copy would read and write it again); the embedding, head and AdamW stay eager.
+
 Per-run values (``ctx.values``): ``lr``, ``adam_step`` (1 for the first update), and
 ``kl_coef`` when the update has the KL term.
 """
@@ -13,6 +19,7 @@ from typing import Any
 
 import torch
 from dataflow_training import load_family
+from dataflow_training.drive import Put, Strategy
 from dataflow_training.kit import FINAL_NORM, LM_HEAD, Env, RowGradient, load_ops
 
 from dataflow import DictResolver, LaunchContext
@@ -24,11 +31,25 @@ def _named(ids: tuple[str, ...], views: Any) -> dict[str, Any]:
     return dict(zip(ids, views, strict=True))
 
 
+class BlockMaths:
+    """Each block kind's math as ``strategy`` runs it, made once per kind and shared by
+    every task of the update (a compiled kind compiles once for all its blocks)."""
+
+    def __init__(self, family: Any, strategy: Strategy) -> None:
+        self.family, self.strategy = family, strategy
+        self._maths: dict[str, Any] = {}
+
+    def __getitem__(self, kind: str) -> Any:
+        if kind not in self._maths:
+            self._maths[kind] = self.strategy.block_math(kind, self.family.math(kind))
+        return self._maths[kind]
+
+
 class _Task:
     """What every executable shares: the step, its ops, the tensors of a task by name."""
 
-    def __init__(self, step: UpdateStep, ops: Any) -> None:
-        self.step, self.config = step, step.config
+    def __init__(self, step: UpdateStep, ops: Any, maths: BlockMaths) -> None:
+        self.step, self.config, self.maths = step, step.config, maths
         self.env = Env(ops, chunk_tokens=step.options.chunk_tokens)
 
     def tensors(self, ctx: LaunchContext) -> dict[str, Any]:
@@ -73,20 +94,27 @@ class Recompute(_Task):
         index = ctx.task.params["layer"]
         block = self.step.blocks[index]
         tensors = self.tensors(ctx)
-        math = self.step.family.math(block.kind)
-        y, saved, aux_temp = math.forward(
+        # forward returns (y, saved, aux_temp): each saved and aux_temp tensor into its view
+        puts: list[Put] = [
+            ((1, name), view, False, f"saved tensor {name}")
+            for name, view in tensors[self.name(ctx, f"A_{index}")].items()
+        ]
+        puts += [
+            ((2, name), view, False, f"aux_temp tensor {name}")
+            for name, view in tensors.get(self.name(ctx, f"T_{index}"), {}).items()
+        ]
+        following = self.name(ctx, f"h_{index + 1}")
+        if following in ctx.task.outputs:
+            puts.append(((0,), tensors[following], False, "output"))
+        self.maths.strategy.run_into(
+            self.maths[block.kind],
+            "forward",
+            puts,
             self.config,
             self.params(tensors, block),
             tensors[self.name(ctx, f"h_{index}")],
             self.env,
         )
-        for name, view in tensors[self.name(ctx, f"A_{index}")].items():
-            view.copy_(saved[name])
-        for name, view in tensors.get(self.name(ctx, f"T_{index}"), {}).items():
-            view.copy_(aux_temp[name])
-        following = self.name(ctx, f"h_{index + 1}")
-        if following in ctx.task.outputs:
-            tensors[following].copy_(y)
 
 
 class Backward(_Task):
@@ -94,8 +122,18 @@ class Backward(_Task):
         index = ctx.task.params["layer"]
         block = self.step.blocks[index]
         tensors = self.tensors(ctx)
-        math = self.step.family.math(block.kind)
-        dx, grads = math.backward(
+        # backward returns (dx, grads): the gradients written, or added to in a later round
+        puts: list[Put] = [((0,), tensors[self.name(ctx, f"dh_{index}")], False, "dx")]
+        for oid in self.step.param_objects(block):
+            add = "d" + oid in ctx.task.mutates
+            puts += [
+                ((1, name), view, add, f"gradient {name}")
+                for name, view in tensors["d" + oid].items()
+            ]
+        self.maths.strategy.run_into(
+            self.maths[block.kind],
+            "backward",
+            puts,
             self.config,
             self.params(tensors, block),
             tensors[self.name(ctx, f"h_{index}")],
@@ -104,8 +142,6 @@ class Backward(_Task):
             tensors[self.name(ctx, f"dh_{index + 1}")],
             self.env,
         )
-        tensors[self.name(ctx, f"dh_{index}")].copy_(dx)
-        self.write_grads(ctx, tensors, block, grads)
 
 
 class Embed(_Task):
@@ -274,9 +310,23 @@ class AdamW(_Task):
                         target[part].copy_(value)
 
 
-def build(step: UpdateStep, device: str = "cpu") -> DictResolver:
-    """The resolver of a lowered update's tasks."""
+def strategy(device: str = "cpu", compiled: str | None = "auto") -> Strategy:
+    """How the blocks' math runs: ``compiled`` ``"auto"`` compiles it (inductor) on CUDA
+    and runs it eagerly elsewhere, None always eagerly, any other value is the
+    ``torch.compile`` backend to compile it with (the CPU tests take ``aot_eager``)."""
+    if compiled == "auto":
+        compiled = "inductor" if torch.device(device).type == "cuda" else None
+    if compiled is None:
+        return Strategy()
+    from dataflow_resolver_torch import CompiledStrategy
+
+    return CompiledStrategy(compiled)
+
+
+def build(step: UpdateStep, device: str = "cpu", compiled: str | None = "auto") -> DictResolver:
+    """The resolver of a lowered update's tasks (``compiled``: ``strategy``'s)."""
     ops = load_ops(device, step.family.ops)
+    maths = BlockMaths(step.family, strategy(device, compiled))
     kinds = {
         "rl.recompute": Recompute,
         "rl.backward": Backward,
@@ -285,7 +335,9 @@ def build(step: UpdateStep, device: str = "cpu") -> DictResolver:
         "rl.head": Head,
         "rl.adamw": AdamW,
     }
-    return DictResolver("rl-update", {key: _factory(cls, step, ops) for key, cls in kinds.items()})
+    return DictResolver(
+        "rl-update", {key: _factory(cls, step, ops, maths) for key, cls in kinds.items()}
+    )
 
 
 @contextmanager
@@ -340,5 +392,5 @@ def build_from_program(program: Any) -> DictResolver:
     return build(step)
 
 
-def _factory(cls: type, step: UpdateStep, ops: Any) -> Any:
-    return lambda task: cls(step, ops)
+def _factory(cls: type, step: UpdateStep, ops: Any, maths: BlockMaths) -> Any:
+    return lambda task: cls(step, ops, maths)

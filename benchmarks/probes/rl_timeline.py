@@ -1,0 +1,161 @@
+"""Probe, 2026-12-06 (session 33): where does an RL update's wall time go?
+
+Asked because l3_1b's update of 128 rows in 16 rounds at 4 GiB took 3.32 s on the H100
+(39.5k tok/s, 0.64x of stock's 61.7k) against its plan's 1.25 s (at the h200 entry's
+rates), while stock took 0.265 s for 16 rows (2.12 s for 128 at its rate).
+
+Splits measured updates (after ``--warmup``) into the trainer's host work on the batch
+(``PolicyTrainer._batch``: the rounds' slices of the rollouts), the engine's carry-over of
+it (the copies onto the device included), and the engine's step; the step's tasks by kind
+(measured device time beside the plan's ``cost_us``), the idle time between them, and its
+transfers by direction (bytes, busy time, rate). Then one update for each of
+``COPY_THREADS`` (the threads of the engine's split host copy: its carry-over), and one more
+under ``torch.profiler``: the kernels that took the most device time (``--trace`` also writes its
+chrome trace).
+
+    python -m benchmarks.probes.rl_timeline --preset l3_1b --rows 128 --rounds 16 \
+        --hidden-every 2 --budget 4GiB --trace $OUT/rl_trace.json
+
+It takes ``benchmarks/rl_update.py``'s options (one ``--budget``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from dataflow_rl_example import PolicyTrainer
+from dataflow_training import load_family
+
+from benchmarks.harness.measure import synchronize
+from benchmarks.probes.step_gaps import Timed
+from benchmarks.rl_update import arguments, blocks, options, policy_rollouts
+from dataflow.engine.backends import torch_storage
+
+#: the kernels listed from the profiled update
+TOP_KERNELS = 15
+#: the split host copy's threads tried, one update each
+COPY_THREADS = (1, 2, 4, 8)
+
+
+def step_breakdown(trainer: PolicyTrainer) -> dict:
+    """The last update's tasks by kind (count, measured and planned ms), the device's idle
+    time between tasks, and its transfers by direction."""
+    run = trainer.last_run
+    trace = run.steps[-1]
+    kinds = {task.id: task for task in run.program.tasks}
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for record in trace.tasks:
+        entry = by_kind[kinds[record.task].kind]
+        entry[0] += 1
+        entry[1] += (record.end_us - record.start_us) / 1e3
+        entry[2] += kinds[record.task].cost_us / 1e3
+    moved: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for transfer in trace.transfers:
+        if transfer.start_us is not None and transfer.end_us is not None:
+            moved[transfer.direction][0] += transfer.size_bytes
+            moved[transfer.direction][1] += (transfer.end_us - transfer.start_us) / 1e3
+    return {
+        "makespan_ms": round(trace.makespan_us / 1e3, 1),
+        "task_gaps_ms": round(sum(run.task_gaps_us()) / 1e3, 1),
+        "kinds": {
+            kind: {"tasks": n, "measured_ms": round(ms, 1), "planned_ms": round(planned, 1)}
+            for kind, (n, ms, planned) in sorted(by_kind.items())
+        },
+        "transfers": {
+            way: {
+                "GB": round(size / 1e9, 2),
+                "busy_ms": round(ms, 1),
+                "GB_s": round(size / 1e6 / ms, 1) if ms else None,
+            }
+            for way, (size, ms) in sorted(moved.items())
+        },
+    }
+
+
+def main() -> None:
+    parser = arguments(__doc__.split("\n\n")[0])
+    parser.set_defaults(rows=128, rounds=16, hidden_every=2)
+    parser.add_argument("--trace", type=Path, default=None, help="write the chrome trace here")
+    args = parser.parse_args()
+    if args.budget is not None and len(args.budget) > 1:
+        parser.error("--budget: one budget a run")
+    budget = args.budget[0] if args.budget else None
+    family = load_family(args.family)
+    config = family.config(args.preset)
+    state, model, rollouts = policy_rollouts(args, family, config)
+    del model
+    if torch.cuda.is_available():
+        torch._C._cuda_clearCublasWorkspaces()
+        torch.cuda.empty_cache()
+    trainer = PolicyTrainer(
+        family,
+        config,
+        state,
+        options(args),
+        budget_bytes=budget,
+        device=args.device,
+        compiled=blocks(args),
+    )
+    trainer.update(rollouts, lr=1e-6)  # lowers, plans and loads
+    default_threads = torch_storage.HOST_COPY_THREADS
+    batch = trainer._batch = Timed(trainer._batch)
+    carry = trainer._engine._carry_over = Timed(trainer._engine._carry_over)
+    run = trainer._engine.run = Timed(trainer._engine.run)
+    for _ in range(args.warmup):
+        trainer.update(rollouts, lr=1e-6)
+    synchronize(args.device)
+    for timed in (batch, carry, run):
+        timed.take()
+    for i in range(args.steps):
+        began = time.perf_counter()
+        trainer.update(rollouts, lr=1e-6)
+        synchronize(args.device)
+        wall = time.perf_counter() - began
+        found = {
+            "update": i,
+            "wall_ms": round(wall * 1e3, 1),
+            "batch_host_ms": round(batch.take() * 1e3, 1),
+            "carry_over_ms": round(carry.take() * 1e3, 1),
+            "engine_run_ms": round(run.take() * 1e3, 1),
+            "planned_ms": round(trainer.last_plan.makespan_us / 1e3, 1),
+        }
+        print(json.dumps(found | step_breakdown(trainer)))
+
+    # the carry-over by the threads of a split host copy (the fed hidden states)
+    for threads in COPY_THREADS:
+        torch_storage.HOST_COPY_THREADS = threads
+        carry.take()
+        trainer.update(rollouts, lr=1e-6)
+        synchronize(args.device)
+        print(json.dumps({"copy_threads": threads, "carry_over_ms": round(carry.take() * 1e3, 1)}))
+    torch_storage.HOST_COPY_THREADS = default_threads
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(
+        activities=[ProfilerActivity.CPU]
+        + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    ) as prof:
+        trainer.update(rollouts, lr=1e-6)
+        synchronize(args.device)
+    print(
+        prof.key_averages().table(
+            sort_by="self_device_time_total"
+            if args.device.startswith("cuda")
+            else "self_cpu_time_total",
+            row_limit=TOP_KERNELS,
+            max_name_column_width=60,
+        )
+    )
+    if args.trace is not None:
+        prof.export_chrome_trace(str(args.trace))
+        print(f"wrote {args.trace}")
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main()
