@@ -100,6 +100,10 @@ def main() -> None:
         device=args.device,
         compiled=blocks(args),
     )
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if cuda else 0
     trainer.update(rollouts, lr=1e-6)  # lowers, plans and loads
     default_threads = torch_storage.HOST_COPY_THREADS
     batch = trainer._batch = Timed(trainer._batch)
@@ -123,6 +127,13 @@ def main() -> None:
             "engine_run_ms": round(run.take() * 1e3, 1),
             "planned_ms": round(trainer.last_plan.makespan_us / 1e3, 1),
         }
+        if cuda:  # the allocator's peak: as the engine checks it (from its load) and whole
+            found |= {
+                "engine_peak_MB": trainer.last_run.allocator_peak_bytes / 1e6,
+                "engine_base_MB": trainer._engine._allocator_base / 1e6,
+                "peak_above_start_MB": (torch.cuda.max_memory_allocated() - before) / 1e6,
+                "budget_MB": budget / 1e6 if budget else None,
+            }
         print(json.dumps(found | step_breakdown(trainer)))
 
     # the carry-over by the threads of a split host copy (the fed hidden states)

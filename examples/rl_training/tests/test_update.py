@@ -188,8 +188,11 @@ def test_engine_hidden_states_give_the_update_from_tokens(tmp_path, family_name,
 @pytest.mark.parametrize(("family_name", "preset"), [PRESETS[0], PRESETS[2]])
 def test_compiled_blocks_give_the_eager_update(tmp_path, family_name, preset):
     """The blocks' math and its writes compiled (``tasks.strategy``; aot_eager traces the
-    graphs inductor would compile, the writes into the arena's views included) give the
-    eager update: two updates in two rounds, float32, to 1e-6."""
+    graphs inductor would compile, the writes into the arena's views included) and the
+    head's fused logit passes give the eager update: two updates in two rounds, float32.
+    The fused head takes each log-prob as logit less logsumexp where eager takes the
+    log-softmax's: rounding apart, which AdamW's early steps (a near-sign update) turn
+    into up to ~1e-5 (as the engine's hidden states do, below)."""
     family, config, state = start(family_name, preset)
     rollouts = sample(PolicyTrainer(family, config, state), tmp_path / "policy", seed=0)
     states = {}
@@ -198,7 +201,7 @@ def test_compiled_blocks_give_the_eager_update(tmp_path, family_name, preset):
         trainer.update(rollouts, lr=LR)
         trainer.update(rollouts, lr=LR)
         states[compiled] = trainer.state()
-    assert_states_close(states["aot_eager"], states[None], atol=1e-6)
+    assert_states_close(states["aot_eager"], states[None], atol=2e-5)
 
 
 def vars_of(rollouts):

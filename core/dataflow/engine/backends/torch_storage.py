@@ -78,11 +78,13 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 #: A per-step host copy of at least this many bytes is split over ``HOST_COPY_THREADS``
 #: threads (``host_copy_split``); a smaller one stays on the caller's thread, where one
-#: thread copies at several GB/s and a split's hand-offs would cost more than they save.
-SPLIT_COPY_BYTES = 64 << 20
+#: thread copies at several GB/s and a split's hand-offs (tens of microseconds) would
+#: cost more than they save. l3_1b's RL update feeds its hidden states as 128 objects of
+#: 33.5 MB: a threshold of 64 MiB split none of them (session 33).
+SPLIT_COPY_BYTES = 8 << 20
 #: Threads of a split host copy (the caller's and its helpers'): one memcpy thread moved
-#: 7-10 GB/s on the device machine, a feed of l3_1b's RL update (4.3 GB of hidden
-#: states) took 0.44-0.6 s of a 3.2 s step that way (session 33, ``rl_timeline`` probe).
+#: 9.5 GB/s on the device machine, a feed of l3_1b's RL update (4.3 GB of hidden
+#: states) took 0.45 s of a 2.9 s step that way (session 33, ``rl_timeline`` probe).
 HOST_COPY_THREADS = 4
 _copy_pool: ThreadPoolExecutor | None = None
 

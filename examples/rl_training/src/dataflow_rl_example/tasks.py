@@ -38,11 +38,60 @@ class BlockMaths:
     def __init__(self, family: Any, strategy: Strategy) -> None:
         self.family, self.strategy = family, strategy
         self._maths: dict[str, Any] = {}
+        # the head's passes over a chunk's logits, compiled with the blocks' backend
+        self.logits = LogitPasses(getattr(strategy, "backend", None))
 
     def __getitem__(self, kind: str) -> Any:
         if kind not in self._maths:
             self._maths[kind] = self.strategy.block_math(kind, self.family.math(kind))
         return self._maths[kind]
+
+
+class LogitPasses:
+    """The head's passes over a chunk's logits (chunk, vocab) in the weight's dtype: each
+    row's float32 log-prob of its target, then the logits' gradient from the log-probs',
+    ``d_logp * (onehot - softmax)``, in the logits' dtype.
+
+    Eager: the float32 log-softmax is kept and turned into the gradient in place (8 bytes
+    an entry at the peak, ``policy.workspace_estimate``). Compiled (``backend``): the
+    logsumexp alone is kept, and each pass is one fused kernel over the logits (the
+    one-hot from an index comparison, no scatter); eager's float32 passes took the head
+    to 475 ms of l3_1b's 2.4 s update on the H100, against 262 ms planned (session 33)."""
+
+    def __init__(self, backend: str | None = None) -> None:
+        self.compiled = backend is not None
+        if self.compiled:
+            self.forward = torch.compile(_fused_logp, backend=backend)
+            self.backward = torch.compile(_fused_grad, backend=backend)
+        else:
+            self.forward, self.backward = _eager_logp, _eager_grad
+
+
+def _eager_logp(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logp_all = logits.float().log_softmax(-1)
+    return logp_all.gather(1, target).squeeze(1), logp_all
+
+
+def _eager_grad(
+    logits: torch.Tensor, logp_all: torch.Tensor, target: torch.Tensor, d_logp: torch.Tensor
+) -> torch.Tensor:
+    grad = logp_all.exp_().mul_(-d_logp[:, None])
+    return grad.scatter_add_(1, target, d_logp[:, None]).to(logits.dtype)
+
+
+def _fused_logp(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    wide = logits.float()
+    lse = torch.logsumexp(wide, -1)
+    return wide.gather(1, target).squeeze(1) - lse, lse
+
+
+def _fused_grad(
+    logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, d_logp: torch.Tensor
+) -> torch.Tensor:
+    vocab = torch.arange(logits.shape[1], device=logits.device)
+    onehot = (vocab[None, :] == target).float()
+    softmax = (logits.float() - lse[:, None]).exp()
+    return ((onehot - softmax) * d_logp[:, None]).to(logits.dtype)
 
 
 class _Task:
@@ -213,9 +262,10 @@ class Head(_Task):
         vocab = self.config.vocab_size
         for chunk in rows.split(options.chunk_tokens):
             h, target = flat[chunk], targets[chunk, None]
-            logp_all = torch.mm(h, weight[:vocab].T).float().log_softmax(-1)  # (chunk, vocab)
+            logits = torch.mm(h, weight[:vocab].T)  # (chunk, vocab), in the weight's dtype
+            token, kept = self.maths.logits.forward(logits, target)
             with torch.enable_grad():  # the loss's gradient by log-prob: a (chunk,) graph
-                logp = logp_all.gather(1, target).squeeze(1).requires_grad_()
+                logp = token.requires_grad_()
                 loss, ratio, kl = token_loss(
                     logp,
                     behaviour[chunk],
@@ -226,12 +276,11 @@ class Head(_Task):
                 )
                 total = (loss * weights[chunk]).sum()
                 (d_logp,) = torch.autograd.grad(total, logp)
-            # d logp / d logits = onehot - softmax, in place of the log-probs
-            d_logits = logp_all.exp_().mul_(-d_logp[:, None])
-            d_logits.scatter_add_(1, target, d_logp[:, None])
-            # in the weight's dtype: a float32 copy of a bfloat16 table per chunk would be
-            # the largest temporary of the update
-            d_hidden[chunk] = torch.mm(d_logits.to(weight.dtype), weight[:vocab]).float()
+            # d logp / d logits = onehot - softmax; in the weight's dtype: a float32 copy
+            # of a bfloat16 table per chunk would be the largest temporary of the update
+            d_logits = self.maths.logits.backward(logits, kept, target, d_logp)
+            del logits, kept
+            d_hidden[chunk] = torch.mm(d_logits, weight[:vocab]).float()
             d_weight[:vocab].addmm_(d_logits.T.to(d_weight.dtype), h.to(d_weight.dtype))
             clipped = (ratio - 1).abs() > options.clip_eps
             kl_sum = kl.detach().double().sum() if kl is not None else totals.new_zeros(())
@@ -243,10 +292,10 @@ class Head(_Task):
                     kl_sum,
                 ]
             )
-            # the chunk's log-probs go before the next chunk's logits come: kept to the
-            # loop's next turn, they were a third (chunk, vocab) float32 tensor at its
-            # log_softmax (l3_1b's head: 1.69 GB against an estimate of 1.15, session 32)
-            del logp_all, d_logits
+            # the chunk's logits' gradient goes before the next chunk's logits come: kept to
+            # the loop's next turn, such a tensor was a third (chunk, vocab) one at the peak
+            # (l3_1b's head: 1.69 GB against an estimate of 1.15, session 32)
+            del d_logits
         count_scored = max(int(every.count_nonzero()), 1)
         share = totals / totals.new_tensor([1.0, count_scored, count_scored, count_scored])
         tensors["stats"].copy_(share) if first else tensors["stats"].add_(share)
