@@ -12,6 +12,7 @@ built from the object's ``TensorMeta`` (a flat uint8 view when it has none).
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -82,10 +83,11 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 #: cost more than they save. l3_1b's RL update feeds its hidden states as 128 objects of
 #: 33.5 MB: a threshold of 64 MiB split none of them (session 33).
 SPLIT_COPY_BYTES = 8 << 20
-#: Threads of a split host copy (the caller's and its helpers'): one memcpy thread moved
-#: 9.5 GB/s on the device machine, a feed of l3_1b's RL update (4.3 GB of hidden
-#: states) took 0.45 s of a 2.9 s step that way (session 33, ``rl_timeline`` probe).
-HOST_COPY_THREADS = 4
+#: Threads of a split host copy (the caller's and its helpers'), at most one a core: the
+#: feed of l3_1b's RL update (4.3 GB of hidden states into the page-locked slow pool) took
+#: 766 / 377 / 235 / 187 ms with 1 / 2 / 4 / 8 threads on the H100 machine (16 cores;
+#: session 33, ``benchmarks/probes/rl_timeline.py``), of a 2.9 s update.
+HOST_COPY_THREADS = min(8, os.cpu_count() or 1)
 _copy_pool: ThreadPoolExecutor | None = None
 
 
