@@ -37,6 +37,7 @@ compiles there). On the device::
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 import tempfile
@@ -388,8 +389,19 @@ def main() -> None:
     doc = load_doc(args.out)
     keys = {row_key(r) for r in rows}
     doc["rows"] = [r for r in doc["rows"] if row_key(r) not in keys] + rows
+    # this run's device, torch and date by row: the model's entry names the run of its
+    # other rows (the full-step rows of another device and day, say)
+    run = {
+        "device": device_name(args.device),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
     entry = doc["meta"]["models"].setdefault(args.preset, {"family": args.family})
-    entry |= {"device": device_name(args.device), "torch": torch.__version__}
+    for field, value in run.items():
+        entry.setdefault(field, value)
+    details = doc["meta"].setdefault("row_details", {})
+    for r in rows:
+        details.setdefault(row_key(r), {})["run"] = run
     save_doc(args.out, finish(doc))
     if args.doc is not None:
         write_table(doc, args.doc)

@@ -373,11 +373,31 @@ def render_table(doc: dict[str, Any], model: str) -> str:
     )
     lines.append("")
     lines.append(
-        f"{meta.get('device', '?')}, torch {meta.get('torch', '?')}, {meta.get('date', '?')}; "
-        f"{model}; {against}; each row rated against the fastest stock row of its mode and "
-        "sequence length."
+        f"{_runs(doc, model)}; {model}; {against}; each row rated against the fastest stock "
+        "row of its mode and sequence length."
     )
     return "\n".join(lines) + "\n"
+
+
+def _runs(doc: dict[str, Any], model: str) -> str:
+    """The runs that measured ``model``'s rows: its entry's (device, torch, date), or where a
+    script recorded a row's own run (``row_details[key]["run"]``: the RL rows of
+    ``rl_update.py``), each run with the modes of its rows."""
+    meta = doc["meta"].get("models", {}).get(model, {})
+    details = doc["meta"].get("row_details", {})
+    runs: dict[str, list[str]] = {}
+    for row in doc["rows"]:
+        if row["model"] == model:
+            run = details.get(row_key(row), {}).get("run", meta)
+            said = (
+                f"{run.get('device', '?')}, torch {run.get('torch', '?')}, {run.get('date', '?')}"
+            )
+            runs.setdefault(said, []).append(row["mode"])
+    if len(runs) <= 1:
+        return next(iter(runs), "?, torch ?, ?")
+    return "; ".join(
+        f"{said} ({', '.join(dict.fromkeys(modes))} rows)" for said, modes in runs.items()
+    )
 
 
 def write_table(doc: dict[str, Any], page: Path) -> None:

@@ -1,8 +1,26 @@
-"""Probe, 2026-12-06 (session 33): where does an RL update's wall time go?
+"""Probe, 2026-12-06 (session 33): where does an RL policy update's wall time go?
 
 Asked because l3_1b's update of 128 rows in 16 rounds at 4 GiB took 3.32 s on the H100
 (39.5k tok/s, 0.64x of stock's 61.7k) against its plan's 1.25 s (at the h200 entry's
 rates), while stock took 0.265 s for 16 rows (2.12 s for 128 at its rate).
+
+Answer (H100, each figure one update after warm-up, ms):
+
+| | wall | carry-over | makespan | recompute | backward | head | AdamW | task gaps |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| eager blocks and head | 3,161-3,315 | 442-596 | 2,695-2,710 | 679-689 | 1,283-1,302 | 479-483 | 72-77 | 123 |
+| blocks compiled | 2,881-2,887 | 454 | 2,418-2,423 | 572-573 | 1,155-1,158 | 475 | 69 | 102 |
+| and head fused, copy split in 4 | 2,863-2,991 | 236-274 | 2,578-2,660 | 701-725 | 1,295-1,316 | 299-301 | 88-94 | 147-172 |
+
+(the last row ran on another H100 machine; its blocks were slower than the second row's
+on the same code). The carry-over is the engine's host copy of the fed hidden states
+(4.3 GB in 128 objects of 33.5 MB) into its page-locked pool: 766 / 377 / 235 / 187 ms
+with 1 / 2 / 4 / 8 copy threads. The profiled update's device kernels sum to 2.10 s
+(0.39 s of it copies on the transfer streams) against a 2.6 s makespan: the compute
+stream waits on the host between kernels (1.06M ``cudaEventQuery`` calls an update from
+the engine's polling), which CUDA graphs would remove once the head stops reading counts
+on the host (``nonzero``, ``count_nonzero``). Transfers run at 51-53 GB/s and hide
+behind compute.
 
 Splits measured updates (after ``--warmup``) into the trainer's host work on the batch
 (``PolicyTrainer._batch``: the rounds' slices of the rollouts), the engine's carry-over of

@@ -103,6 +103,25 @@ def test_one_table_per_model_each_with_its_own_rows() -> None:
     assert "| a |" not in first  # the model is the heading, not a column
 
 
+def test_a_caption_names_each_run_of_its_rows() -> None:
+    """A model's rows measured on two devices (its entry's run, and RL rows that recorded
+    their own): the caption names both, each with the modes of its rows."""
+    rl = row("a", "dataflow", 2**30, 9.0, mode="rl")
+    doc = {
+        "rows": [row("a", "pytorch compile", None, 200.0), rl],
+        "meta": {
+            "models": {"a": {"device": "H200", "torch": "2.11", "date": "d1"}},
+            "row_details": {
+                compare_doc.row_key(rl): {"run": {"device": "H100", "torch": "2.11", "date": "d2"}}
+            },
+        },
+    }
+    text = compare_doc.render_tables(compare_doc.finish(doc))
+    assert "H200, torch 2.11, d1 (full rows); H100, torch 2.11, d2 (rl rows); a;" in text
+    doc["rows"].pop()
+    assert "\nH200, torch 2.11, d1; a;" in compare_doc.render_tables(doc)
+
+
 def test_a_file_from_before_models_is_the_gpt2_run_it_was(tmp_path) -> None:
     legacy = compare_doc.make_row("x", "pytorch compile", "bf16", None)
     for field in ("model", "seq_len", "mode"):  # none of them then
