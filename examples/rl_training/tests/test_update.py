@@ -204,6 +204,33 @@ def test_compiled_blocks_give_the_eager_update(tmp_path, family_name, preset):
     assert_states_close(states["aot_eager"], states[None], atol=2e-5)
 
 
+@pytest.mark.parametrize(("loss", "kl_coef"), [("grpo", 0.05), ("ppo", 0.0)])
+def test_the_capture_form_gives_the_dispatched_update(tmp_path, monkeypatch, loss, kl_coef):
+    """``graph=True``'s tasks (what a CUDA graph would capture, run here on the CPU): the
+    head over every position, the prompt's weighing nothing, and AdamW on 0-d tensor
+    values (as the engine's device values come) give the dispatched update: two updates
+    in two rounds, their stats and weights, to float32 rounding."""
+    family, config, state = start("llama3", "llama3_tiny")
+    options = UpdateOptions(loss=loss, kl=bool(kl_coef), rounds=2, weight_decay=0.01)
+    trainer = PolicyTrainer(family, config, state, options)
+    trainer.export(tmp_path / "start")
+    reference = load_model(tmp_path / "start") if kl_coef else None
+    rollouts = sample(trainer, tmp_path / "policy", seed=0, reference=reference)
+    assert not rollouts.completion_mask[:, :5].any()  # the prompt's tokens are not scored
+    runs = {}
+    for graph in (False, True):
+        trainer = PolicyTrainer(family, config, state, options, graph=graph)
+        if graph:
+            numbers = trainer._values
+            tensors = lambda lr, kl: {k: torch.tensor(float(v)) for k, v in numbers(lr, kl).items()}  # noqa: E731
+            monkeypatch.setattr(trainer, "_values", tensors)
+        stats = [trainer.update(rollouts, lr=LR, kl_coef=kl_coef) for _ in range(2)]
+        runs[graph] = (stats, trainer.state())
+    for ours, theirs in zip(runs[True][0], runs[False][0], strict=True):
+        assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6)
+    assert_states_close(runs[True][1], runs[False][1], atol=2e-5)
+
+
 def vars_of(rollouts):
     import attrs
 

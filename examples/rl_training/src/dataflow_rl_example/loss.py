@@ -23,19 +23,21 @@ STD_EPS = 1e-4
 
 
 def advantages(rewards: Any, groups: Any, loss: str) -> Any:
-    """One advantage per row (float32), normalized within each row's group."""
+    """One advantage per row (float32), normalized within each row's group.
+
+    From a (rows, rows) same-group matrix rather than ``unique`` and an index: no value is
+    read on the host and no shape depends on the data, so a CUDA graph can capture it."""
     import torch
 
     rewards = rewards.to(torch.float32)
-    _, group = torch.unique(groups, return_inverse=True)
-    count = rewards.new_zeros(int(group.max()) + 1).index_add_(0, group, torch.ones_like(rewards))
-    mean = torch.zeros_like(count).index_add_(0, group, rewards) / count
-    centred = rewards - mean[group]
+    same = (groups[:, None] == groups[None, :]).to(torch.float32)
+    count = same.sum(-1)
+    mean = same @ rewards / count
+    centred = rewards - mean
     if loss == "ppo":
         return centred
-    squares = torch.zeros_like(count).index_add_(0, group, centred**2)
-    std = (squares / (count - 1).clamp(min=1)).sqrt()
-    return centred / (std[group] + STD_EPS)
+    std = (same @ centred**2 / (count - 1).clamp(min=1)).sqrt()
+    return centred / (std + STD_EPS)
 
 
 def token_weights(scored: Any, loss: str) -> Any:

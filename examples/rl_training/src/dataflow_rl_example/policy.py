@@ -70,7 +70,12 @@ class PolicyTrainer:
 
     ``compiled``: how the blocks' recompute and backward run (``tasks.strategy``): by
     default compiled with inductor on CUDA (the first update compiles each block kind's
-    math once for all blocks) and eagerly elsewhere; None runs them eagerly everywhere."""
+    math once for all blocks) and eagerly elsewhere; None runs them eagerly everywhere.
+    ``graph``: on CUDA the engine captures the update into a CUDA graph at the second update
+    and replays it from the third (``Engine(graph=True)``; its per-step values as device
+    tensors), the head then scoring every position (``tasks.Head``). Not yet measured on the
+    device: off by default until it is (``engine.graph_note`` says why a step was not
+    captured)."""
 
     def __init__(
         self,
@@ -84,12 +89,14 @@ class PolicyTrainer:
         optimizer_state: Mapping[str, torch.Tensor] | None = None,
         workspace_bytes: int | None = None,
         compiled: str | None = "auto",
+        graph: bool = False,
     ) -> None:
         self.family = load_family(family) if isinstance(family, str) else family
         self.config, self.options = config, options or UpdateOptions()
         self.budget_bytes, self.device = budget_bytes, device
         self.workspace_bytes = workspace_bytes
         self.compiled = compiled  # how the blocks' math runs: tasks.strategy's argument
+        self.graph = graph
         self.updates = 0  # AdamW's step count so far
         self._state = {name: t.detach().to(torch.float32).clone() for name, t in state.items()}
         # the AdamW moments by object id (O_<layer>...), packed; none: zero
@@ -161,9 +168,9 @@ class PolicyTrainer:
                 "workspace beside it)"
             ) from None
         placement = place(self.last_plan, workspace_in_arena=False, workspace_beside_bytes=beside)
-        engine = Engine("torch", budget_bytes=budget, device=self.device)
+        engine = Engine("torch", budget_bytes=budget, device=self.device, graph=self.graph)
         initial = self._weights(step) | self._batch(rollouts, step)
-        resolver = tasks.build(step, self.device, self.compiled)
+        resolver = tasks.build(step, self.device, self.compiled, graph=self.graph)
         engine.load(placement, resolver, initial=initial)
         self._engine, self._step = engine, step
 

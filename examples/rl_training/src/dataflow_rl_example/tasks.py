@@ -33,10 +33,12 @@ def _named(ids: tuple[str, ...], views: Any) -> dict[str, Any]:
 
 class BlockMaths:
     """Each block kind's math as ``strategy`` runs it, made once per kind and shared by
-    every task of the update (a compiled kind compiles once for all its blocks)."""
+    every task of the update (a compiled kind compiles once for all its blocks), and the
+    head's logit passes. ``capture``: the engine captures the step into a CUDA graph, so
+    no task may read a value on the host (``Head`` then takes every position)."""
 
-    def __init__(self, family: Any, strategy: Strategy) -> None:
-        self.family, self.strategy = family, strategy
+    def __init__(self, family: Any, strategy: Strategy, capture: bool = False) -> None:
+        self.family, self.strategy, self.capture = family, strategy, capture
         self._maths: dict[str, Any] = {}
         # the head's passes over a chunk's logits, compiled with the blocks' backend
         self.logits = LogitPasses(getattr(strategy, "backend", None))
@@ -95,7 +97,11 @@ def _fused_grad(
 
 
 class _Task:
-    """What every executable shares: the step, its ops, the tensors of a task by name."""
+    """What every executable shares: the step, its ops, the tensors of a task by name.
+    Each reads nothing on the host, so a CUDA graph can capture it (``Head`` only in its
+    capture form)."""
+
+    capturable = True
 
     def __init__(self, step: UpdateStep, ops: Any, maths: BlockMaths) -> None:
         self.step, self.config, self.maths = step, step.config, maths
@@ -221,7 +227,16 @@ class Head(_Task):
     ``d loss / d logp``; the logits' gradient is that times ``onehot - softmax``. Writes
     ``dh_L``, the head's gradients and ``stats`` (a later round adds its share to the
     gradients and ``stats``: each token's weight and the advantages come from every
-    round's rows, so the rounds' shares sum to the whole batch's)."""
+    round's rows, so the rounds' shares sum to the whole batch's).
+
+    For a captured step (``BlockMaths.capture``) the chunks are every position's, in
+    order: which tokens are scored is then read on the device alone (an unscored token
+    weighs nothing), where gathering the scored ones first reads their count on the host.
+    It costs the unscored positions' logits (a prompt's)."""
+
+    @property
+    def capturable(self) -> bool:
+        return self.maths.capture
 
     def launch(self, ctx: LaunchContext) -> None:
         step, options = self.step, self.step.options
@@ -258,20 +273,29 @@ class Head(_Task):
         if first:
             d_weight.zero_()
         totals = torch.zeros(len(STATS), dtype=torch.float64, device=x.device)
-        rows = scored.nonzero().reshape(-1)
+        size, positions = options.chunk_tokens, flat.shape[0]
+        if self.maths.capture:  # every position, in slices: nothing read on the host
+            chunks: Any = [slice(at, min(at + size, positions)) for at in range(0, positions, size)]
+        else:  # the scored positions alone
+            chunks = scored.nonzero().reshape(-1).split(size)
         vocab = self.config.vocab_size
-        for chunk in rows.split(options.chunk_tokens):
+        for chunk in chunks:
             h, target = flat[chunk], targets[chunk, None]
             logits = torch.mm(h, weight[:vocab].T)  # (chunk, vocab), in the weight's dtype
             token, kept = self.maths.logits.forward(logits, target)
+            keep = scored[chunk] > 0
             with torch.enable_grad():  # the loss's gradient by log-prob: a (chunk,) graph
                 logp = token.requires_grad_()
+                # an unscored token's ratio is 1 and its KL gap 0 (it weighs nothing: a
+                # finite loss there keeps a zero weight's product zero, not NaN)
+                logp_in = torch.where(keep, logp, behaviour[chunk])
+                ref_in = None if ref is None else torch.where(keep, ref[chunk], logp_in)
                 loss, ratio, kl = token_loss(
-                    logp,
+                    logp_in,
                     behaviour[chunk],
                     advantage[chunk],
                     clip_eps=options.clip_eps,
-                    ref=None if ref is None else ref[chunk],
+                    ref=ref_in,
                     kl_coef=kl_coef,
                 )
                 total = (loss * weights[chunk]).sum()
@@ -282,12 +306,12 @@ class Head(_Task):
             del logits, kept
             d_hidden[chunk] = torch.mm(d_logits, weight[:vocab]).float()
             d_weight[:vocab].addmm_(d_logits.T.to(d_weight.dtype), h.to(d_weight.dtype))
-            clipped = (ratio - 1).abs() > options.clip_eps
-            kl_sum = kl.detach().double().sum() if kl is not None else totals.new_zeros(())
+            clipped = ((ratio - 1).abs() > options.clip_eps) & keep
+            kl_sum = (kl.detach() * keep).double().sum() if kl is not None else totals.new_zeros(())
             totals += torch.stack(
                 [
                     total.detach().double(),
-                    ratio.detach().double().sum(),
+                    (ratio.detach() * keep).double().sum(),
                     clipped.double().sum(),
                     kl_sum,
                 ]
@@ -296,8 +320,8 @@ class Head(_Task):
             # the loop's next turn, such a tensor was a third (chunk, vocab) one at the peak
             # (l3_1b's head: 1.69 GB against an estimate of 1.15, session 32)
             del d_logits
-        count_scored = max(int(every.count_nonzero()), 1)
-        share = totals / totals.new_tensor([1.0, count_scored, count_scored, count_scored])
+        count_scored = every.count_nonzero().clamp(min=1).double()  # on the device
+        share = totals / torch.stack([count_scored.new_ones(()), *[count_scored] * 3])
         tensors["stats"].copy_(share) if first else tensors["stats"].add_(share)
         dx, grads = norm.backward(
             self.env.ops, params, x, norm_stats, d_hidden.view_as(hidden).to(x.dtype)
@@ -329,7 +353,9 @@ ADAMW_SLICE = 1 << 22
 class AdamW(_Task):
     """AdamW on one parameter group (decoupled weight decay on tensors declared with
     ``decay``): ``lr`` and ``adam_step`` from the run's values, a slice of each tensor at a
-    time (``ADAMW_SLICE``)."""
+    time (``ADAMW_SLICE``). The values are numbers, or 0-d device tensors where the engine
+    captures the step (``Engine(graph=True)``): the bias corrections are then device math,
+    none of it read on the host."""
 
     def launch(self, ctx: LaunchContext) -> None:
         oid = ctx.task.params["object"]
@@ -338,7 +364,12 @@ class AdamW(_Task):
         layer = next(layer for layer in self.step.layers if oid in self.step.param_objects(layer))
         decays = {p.name: p.decay for p in self.step.param_objects(layer)[oid].params}
         options = self.step.options
-        (beta1, beta2), lr, t = options.betas, float(ctx.values["lr"]), int(ctx.values["adam_step"])
+        (beta1, beta2), lr, t = options.betas, ctx.values["lr"], ctx.values["adam_step"]
+        on_device = isinstance(lr, torch.Tensor) or isinstance(t, torch.Tensor)
+        if not on_device:
+            lr, t = float(lr), int(t)
+        decay = 1 - lr * options.weight_decay
+        step_size, correction = lr / (1 - beta1**t), 1 - beta2**t
         for name, grad in grads.items():
             stored = (params[name], moments[f"m.{name}"], moments[f"v.{name}"])
             flat = [x.view(-1) for x in (*stored, grad)]
@@ -349,11 +380,14 @@ class AdamW(_Task):
                 part = slice(start, start + ADAMW_SLICE)
                 param, m, v, g = (x[part].float() for x in flat)
                 if decays[name] and options.weight_decay:
-                    param.mul_(1 - lr * options.weight_decay)
+                    param.mul_(decay)
                 m.lerp_(g, 1 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                denom = (v / (1 - beta2**t)).sqrt_().add_(options.eps)
-                param.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+                denom = (v / correction).sqrt_().add_(options.eps)
+                if on_device:  # addcdiv's value must be a number
+                    param.sub_(denom.reciprocal_().mul_(m).mul_(step_size))
+                else:
+                    param.addcdiv_(m, denom, value=-step_size)
                 for target, value in zip(flat[:3], (param, m, v), strict=True):
                     if value.data_ptr() != target[part].data_ptr():
                         target[part].copy_(value)
@@ -372,10 +406,13 @@ def strategy(device: str = "cpu", compiled: str | None = "auto") -> Strategy:
     return CompiledStrategy(compiled)
 
 
-def build(step: UpdateStep, device: str = "cpu", compiled: str | None = "auto") -> DictResolver:
-    """The resolver of a lowered update's tasks (``compiled``: ``strategy``'s)."""
+def build(
+    step: UpdateStep, device: str = "cpu", compiled: str | None = "auto", *, graph: bool = False
+) -> DictResolver:
+    """The resolver of a lowered update's tasks (``compiled``: ``strategy``'s; ``graph``:
+    for an engine that captures the step, ``BlockMaths.capture``)."""
     ops = load_ops(device, step.family.ops)
-    maths = BlockMaths(step.family, strategy(device, compiled))
+    maths = BlockMaths(step.family, strategy(device, compiled), capture=graph)
     kinds = {
         "rl.recompute": Recompute,
         "rl.backward": Backward,
