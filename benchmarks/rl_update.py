@@ -274,6 +274,11 @@ def arguments(description: str) -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-compile", action="store_true", help="stock row without torch.compile")
     parser.add_argument(
+        "--graph",
+        action="store_true",
+        help="the dataflow update captured into a CUDA graph (PolicyTrainer(graph=True))",
+    )
+    parser.add_argument(
         "--blocks",
         default="auto",
         help="how the dataflow update runs its blocks' math: auto (compiled on CUDA), eager, "
@@ -344,6 +349,7 @@ def main() -> None:
             budget_bytes=budget,
             device=args.device,
             compiled=blocks(args),
+            graph=args.graph,
         )
         try:
             if cuda:
@@ -356,7 +362,15 @@ def main() -> None:
             )
             # less what was on the device before the trainer (none but the rollouts' forward)
             peak = torch.cuda.max_memory_allocated() - before if cuda else None
-            rows.append(row(args, "dataflow", budget, times, peak, planned=trainer.last_plan))
+            # a row asked to replay a graph says so, or why it did not
+            note = (
+                ("replayed from a CUDA graph" if trainer.replaying else trainer.graph_note)
+                if args.graph
+                else None
+            )
+            rows.append(
+                row(args, "dataflow", budget, times, peak, note=note, planned=trainer.last_plan)
+            )
         except BudgetBreachError as error:  # and which task took the room, measured
             note = f"{one_line(error)}; {largest_temporaries(trainer, mine)}"
             rows.append(row(args, "dataflow", budget, [], None, note=note))

@@ -25,7 +25,8 @@ behind compute.
 Splits measured updates (after ``--warmup``) into the trainer's host work on the batch
 (``PolicyTrainer._batch``: the rounds' slices of the rollouts), the engine's carry-over of
 it (the copies onto the device included), and the engine's step; the step's tasks by kind
-(measured device time beside the plan's ``cost_us``), the idle time between them, and its
+(measured device time beside the plan's ``cost_us`` and the host's time launching them),
+the idle time between them, and its
 transfers by direction (bytes, busy time, rate). Then one update for each of
 ``COPY_THREADS`` (the threads of the engine's split host copy: its carry-over), and one more
 under ``torch.profiler``: the kernels that took the most device time (``--trace`` also writes its
@@ -64,13 +65,18 @@ def step_breakdown(trainer: PolicyTrainer) -> dict:
     time between tasks, and its transfers by direction."""
     run = trainer.last_run
     trace = run.steps[-1]
+    if trace.replayed:  # a CUDA graph's replay: its makespan, nothing timed inside it
+        return {"makespan_ms": round(trace.makespan_us / 1e3, 1), "replayed": True}
     kinds = {task.id: task for task in run.program.tasks}
-    by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    # the host's time launching each task (the tasks launch in the program's order)
+    host = dict(zip((t.id for t in run.program.tasks), run.launch_host_us[-1], strict=False))
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     for record in trace.tasks:
         entry = by_kind[kinds[record.task].kind]
         entry[0] += 1
         entry[1] += (record.end_us - record.start_us) / 1e3
         entry[2] += kinds[record.task].cost_us / 1e3
+        entry[3] += host.get(record.task, 0.0) / 1e3
     moved: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for transfer in trace.transfers:
         if transfer.start_us is not None and transfer.end_us is not None:
@@ -80,8 +86,13 @@ def step_breakdown(trainer: PolicyTrainer) -> dict:
         "makespan_ms": round(trace.makespan_us / 1e3, 1),
         "task_gaps_ms": round(sum(run.task_gaps_us()) / 1e3, 1),
         "kinds": {
-            kind: {"tasks": n, "measured_ms": round(ms, 1), "planned_ms": round(planned, 1)}
-            for kind, (n, ms, planned) in sorted(by_kind.items())
+            kind: {
+                "tasks": n,
+                "measured_ms": round(ms, 1),
+                "planned_ms": round(planned, 1),
+                "launch_host_ms": round(launching, 1),
+            }
+            for kind, (n, ms, planned, launching) in sorted(by_kind.items())
         },
         "transfers": {
             way: {
@@ -117,6 +128,7 @@ def main() -> None:
         budget_bytes=budget,
         device=args.device,
         compiled=blocks(args),
+        graph=args.graph,
     )
     cuda = args.device.startswith("cuda")
     if cuda:

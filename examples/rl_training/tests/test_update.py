@@ -204,6 +204,12 @@ def test_compiled_blocks_give_the_eager_update(tmp_path, family_name, preset):
     assert_states_close(states["aot_eager"], states[None], atol=2e-5)
 
 
+def as_tensors(values):
+    """``PolicyTrainer._values`` giving 0-d tensors, as the engine's device values come."""
+    return lambda lr, kl: {k: torch.tensor(float(v)) for k, v in values(lr, kl).items()}
+
+
+@pytest.mark.filterwarnings("ignore:dataflow engine. steps are dispatched")
 @pytest.mark.parametrize(("loss", "kl_coef"), [("grpo", 0.05), ("ppo", 0.0)])
 def test_the_capture_form_gives_the_dispatched_update(tmp_path, monkeypatch, loss, kl_coef):
     """``graph=True``'s tasks (what a CUDA graph would capture, run here on the CPU): the
@@ -221,9 +227,7 @@ def test_the_capture_form_gives_the_dispatched_update(tmp_path, monkeypatch, los
     for graph in (False, True):
         trainer = PolicyTrainer(family, config, state, options, graph=graph)
         if graph:
-            numbers = trainer._values
-            tensors = lambda lr, kl: {k: torch.tensor(float(v)) for k, v in numbers(lr, kl).items()}  # noqa: E731
-            monkeypatch.setattr(trainer, "_values", tensors)
+            monkeypatch.setattr(trainer, "_values", as_tensors(trainer._values))
         stats = [trainer.update(rollouts, lr=LR, kl_coef=kl_coef) for _ in range(2)]
         runs[graph] = (stats, trainer.state())
     for ours, theirs in zip(runs[True][0], runs[False][0], strict=True):
@@ -505,3 +509,26 @@ def test_no_task_takes_more_device_memory_than_the_estimate_beside_the_arena():
     worst = max(found, key=found.get)
     assert len(found) == len(step.program.tasks)
     assert found[worst] <= workspace_estimate(step, "cuda"), (worst, found[worst])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_captured_update_replays_the_dispatched_one(tmp_path):
+    """On CUDA ``graph=True`` captures the second update and replays it from the third
+    (``engine.graph_note`` stays None), and four updates in two rounds, the blocks
+    compiled, end where the dispatched trainer's do (float32, to 1e-4: the compiled
+    kernels' rounding, which AdamW's near-sign early steps carry into the weights)."""
+    family, config, state = start("llama3", "llama3_tiny")
+    options = UpdateOptions(rounds=2, kl=True)
+    rollouts = sample(PolicyTrainer(family, config, state), tmp_path / "policy", seed=0)
+    rollouts = attrs.evolve(rollouts, ref_logprobs=rollouts.behaviour_logprobs.clone())
+    states = {}
+    for graph in (False, True):
+        trainer = PolicyTrainer(family, config, state, options, device="cuda", graph=graph)
+        for _ in range(4):
+            trainer.update(rollouts, lr=LR, kl_coef=0.05)
+        if graph:
+            assert trainer.graph_note is None and trainer.replaying
+        states[graph] = {k: v.cpu() for k, v in trainer.state().items()}
+        trainer.close()
+    assert_states_close(states[True], states[False], atol=1e-4)

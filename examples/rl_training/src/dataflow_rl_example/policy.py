@@ -246,6 +246,17 @@ class PolicyTrainer:
         self.family.export_hf(self.config, self.state(), path)
         return Path(path)
 
+    @property
+    def graph_note(self) -> str | None:
+        """Why the updates are dispatched rather than replayed from a CUDA graph (None while
+        they are replayed, or may be; ``graph=True`` only)."""
+        return None if self._engine is None else self._engine.graph_note
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the engine holds a captured update (``graph=True``, from the second)."""
+        return self._engine is not None and self._engine._graph is not None
+
     def close(self) -> None:
         if self._engine is not None:
             self._sync()
