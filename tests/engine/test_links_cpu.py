@@ -42,3 +42,18 @@ def test_cpu_links_are_measured_while_the_task_beside_them_runs() -> None:
     done = len(launches)
     assert done >= 1 and threads == {"dataflow-beside"}
     assert len(launches) == done  # stopped
+
+
+def test_a_latency_longer_than_the_copy_does_not_make_the_link_infinite() -> None:
+    """A busy machine can time the small latency copy longer than the large one; the
+    bandwidth then comes from at least half the large copy's time, never from what is
+    left after a latency larger than it."""
+    from dataflow.engine.backends.link_fit import fit_links
+
+    def timed(directions, nbytes):  # 4 KiB takes 300 us, 1 MiB 100 us (a noisy machine)
+        return {d: 300.0 if nbytes <= 4096 else 100.0 for d in directions}
+
+    links = fit_links(timed, 2**20, repeats=3)
+    assert links.h2d.bw_bytes_per_us == links.d2h.bw_bytes_per_us == 2**20 / 50
+    assert links.duplex_bytes_per_us == 2 * 2**20 / 50
+    assert links.h2d.latency_us == 300.0
