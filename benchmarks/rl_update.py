@@ -333,10 +333,11 @@ def main() -> None:
     # first 4 GiB row: a peak of 8.63 GB against a plan of 3.19 GB)
     model.to("cpu")
     if cuda:
-        # and the cuBLAS workspaces its forward left in the allocator (those of the default
-        # stream, which the engine does not run on): session 33's H100 row read a peak
-        # 53 MiB past its 4 GiB budget that the engine, counting from its load, did not
-        torch._C._cuda_clearCublasWorkspaces()
+        # and the cuBLAS workspaces its forward left in the allocator: the engine counts
+        # from its load, so they were in this row's peak but not in the engine's check
+        # (session 33's H100 row read a peak 53 MiB past its 4 GiB budget, the engine's
+        # check passing). No CUDA graph exists yet whose workspace this could pull away
+        getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
         torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated() if cuda else 0
 

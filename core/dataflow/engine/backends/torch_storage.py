@@ -88,7 +88,8 @@ SPLIT_COPY_BYTES = 8 << 20
 #: 766 / 377 / 235 / 187 ms with 1 / 2 / 4 / 8 threads on the H100 machine (16 cores;
 #: session 33, ``benchmarks/probes/rl_timeline.py``), of a 2.9 s update.
 HOST_COPY_THREADS = min(8, os.cpu_count() or 1)
-_copy_pool: ThreadPoolExecutor | None = None
+#: the helper threads of split copies, and how many it has (remade when the count changes)
+_copy_pool: tuple[ThreadPoolExecutor, int] | None = None
 
 
 def host_copy_split(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -103,12 +104,16 @@ def host_copy_split(dst: torch.Tensor, src: torch.Tensor) -> None:
         return
     if dst.numel() != src.numel():
         raise ValueError(f"host copy of {src.numel()} bytes into {dst.numel()}")
-    if _copy_pool is None or _copy_pool._max_workers != threads - 1:
-        _copy_pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="dataflow-copy")
+    if _copy_pool is None or _copy_pool[1] != threads - 1:
+        if _copy_pool is not None:
+            _copy_pool[0].shutdown(wait=False)  # its threads end once idle
+        pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="dataflow-copy")
+        _copy_pool = (pool, threads - 1)
+    pool = _copy_pool[0]
     target, source = dst.numpy(), src.numpy()
     part = -(-source.size // threads)
     helped = [
-        _copy_pool.submit(numpy.copyto, target[at : at + part], source[at : at + part])
+        pool.submit(numpy.copyto, target[at : at + part], source[at : at + part])
         for at in range(part, source.size, part)
     ]
     numpy.copyto(target[:part], source[:part])

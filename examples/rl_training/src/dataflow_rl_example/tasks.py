@@ -5,7 +5,10 @@ A block's recompute and backward run its math through a ``dataflow_training.driv
 with the writes of what it returns into the task's views: on CUDA by default the torch
 resolver's ``CompiledStrategy`` (each block kind's math and its writes compiled by
 ``torch.compile``, so a fused kernel stores a value where eager math would store it and a
-copy would read and write it again); the embedding, head and AdamW stay eager.
+copy would read and write it again). The head's two passes over each chunk's logits are
+compiled with the same backend (``LogitPasses``); the embedding, the rest of the head and
+AdamW run eagerly. Every executable reads nothing on the host where the update is built
+for a captured step (``build(..., graph=True)``).
 
 Per-run values (``ctx.values``): ``lr``, ``adam_step`` (1 for the first update), and
 ``kl_coef`` when the update has the KL term.
