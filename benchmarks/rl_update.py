@@ -20,6 +20,10 @@ l3_1b at 4 GiB (h200 rates) 16 rows in one round are predicted at 73k tok/s, 64 
 rounds at 103k, 128 rows in 16 rounds at 107k (docs/throughput.md, "An RL policy update in
 rounds").
 
+On CUDA the dataflow update runs its blocks compiled (``--blocks``: auto, eager or a
+``torch.compile`` backend); ``--graph`` has the engine capture it into a CUDA graph and
+replay it (``PolicyTrainer(graph=True)``), the row's note saying whether it replayed.
+
 The rollouts are synthetic but shaped as an engine writes them: random prompts and
 completions, the hidden states and behaviour log-probs of one forward of the policy (what
 the engine computed while sampling), rewards at random in groups of ``--group-size``.
