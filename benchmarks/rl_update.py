@@ -137,6 +137,40 @@ def blocks(args: argparse.Namespace) -> str | None:
     return None if args.blocks == "eager" else args.blocks
 
 
+def policy_trainer(
+    args: argparse.Namespace, family: Any, config: Any, state: dict, budget: int | None
+) -> PolicyTrainer:
+    """The dataflow update's trainer inside ``budget``: the update's ``options``, its blocks
+    run as ``--blocks`` says, captured where ``--graph``."""
+    return PolicyTrainer(
+        family,
+        config,
+        state,
+        options(args),
+        budget_bytes=budget,
+        device=args.device,
+        compiled=blocks(args),
+        graph=args.graph,
+    )
+
+
+def one_budget(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int | None:
+    """A probe's one ``--budget`` (None: none given)."""
+    if args.budget is not None and len(args.budget) > 1:
+        parser.error("--budget: one budget a run")
+    return args.budget[0] if args.budget else None
+
+
+def clear_device(args: argparse.Namespace) -> None:
+    """On CUDA, free what the policy's forward left in the allocator, its cuBLAS workspaces
+    too: the engine counts from its load, so they were in a row's peak but not in the
+    engine's check (session 33's H100 row read a peak 53 MiB past its 4 GiB budget, the
+    engine's check passing). No CUDA graph exists yet whose workspace this could pull away."""
+    if args.device.startswith("cuda"):
+        getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
+        torch.cuda.empty_cache()
+
+
 def predict(args: argparse.Namespace, family: Any, config: Any) -> None:
     """Print the plan's prediction of the update at each budget (the blocks' inputs handed
     over as ``synthetic_rollouts`` hands them)."""
@@ -336,26 +370,11 @@ def main() -> None:
     # allocator's whole peak, which its weights on the device would fill (session 31's
     # first 4 GiB row: a peak of 8.63 GB against a plan of 3.19 GB)
     model.to("cpu")
-    if cuda:
-        # and the cuBLAS workspaces its forward left in the allocator: the engine counts
-        # from its load, so they were in this row's peak but not in the engine's check
-        # (session 33's H100 row read a peak 53 MiB past its 4 GiB budget, the engine's
-        # check passing). No CUDA graph exists yet whose workspace this could pull away
-        getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
-        torch.cuda.empty_cache()
+    clear_device(args)
     before = torch.cuda.memory_allocated() if cuda else 0
 
     for budget in args.budget or [None]:
-        trainer = PolicyTrainer(
-            family,
-            config,
-            state,
-            options(args),
-            budget_bytes=budget,
-            device=args.device,
-            compiled=blocks(args),
-            graph=args.graph,
-        )
+        trainer = policy_trainer(args, family, config, state, budget)
         try:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()

@@ -51,7 +51,13 @@ from dataflow_training import load_family
 
 from benchmarks.harness.measure import synchronize
 from benchmarks.probes.step_gaps import Timed
-from benchmarks.rl_update import arguments, blocks, options, policy_rollouts
+from benchmarks.rl_update import (
+    arguments,
+    clear_device,
+    one_budget,
+    policy_rollouts,
+    policy_trainer,
+)
 from dataflow.engine.backends import torch_storage
 
 #: the kernels listed from the profiled update
@@ -110,26 +116,13 @@ def main() -> None:
     parser.set_defaults(rows=128, rounds=16, hidden_every=2)
     parser.add_argument("--trace", type=Path, default=None, help="write the chrome trace here")
     args = parser.parse_args()
-    if args.budget is not None and len(args.budget) > 1:
-        parser.error("--budget: one budget a run")
-    budget = args.budget[0] if args.budget else None
+    budget = one_budget(parser, args)
     family = load_family(args.family)
     config = family.config(args.preset)
     state, model, rollouts = policy_rollouts(args, family, config)
     del model
-    if torch.cuda.is_available():
-        torch._C._cuda_clearCublasWorkspaces()
-        torch.cuda.empty_cache()
-    trainer = PolicyTrainer(
-        family,
-        config,
-        state,
-        options(args),
-        budget_bytes=budget,
-        device=args.device,
-        compiled=blocks(args),
-        graph=args.graph,
-    )
+    clear_device(args)
+    trainer = policy_trainer(args, family, config, state, budget)
     cuda = args.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()

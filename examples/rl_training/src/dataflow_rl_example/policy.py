@@ -254,8 +254,9 @@ class PolicyTrainer:
 
     @property
     def replaying(self) -> bool:
-        """Whether the engine holds a captured update (``graph=True``, from the second)."""
-        return self._engine is not None and self._engine._graph is not None
+        """Whether the last update was replayed from a captured CUDA graph (``graph=True``,
+        from the second update on)."""
+        return self.last_run is not None and self.last_run.steps[-1].replayed
 
     def close(self) -> None:
         if self._engine is not None:
