@@ -365,3 +365,32 @@ def test_a_bad_batch_file_is_named(tmp_path, kind, tensors, named):
     with pytest.raises(ProtocolError, match=r"^args\.batch\.") as caught:
         _read(tmp_path, kind=kind, **tensors)
     assert named in str(caught.value)
+
+
+def test_the_socket_file_appears_only_once_it_accepts(home):
+    # a client waiting for the file (as docs/extending_programs.md's loop does) connects at
+    # once: a file bound but not yet listening refuses, which CI once caught
+    from dataflow_training.service.server import unix_listener
+
+    path = home / "t.sock"
+    refused = []
+
+    def connect() -> None:
+        while not path.exists():
+            pass
+        with socket.socket(socket.AF_UNIX) as sock:
+            try:
+                sock.connect(str(path))
+            except ConnectionRefusedError:
+                refused.append(path)
+
+    for _ in range(200):
+        watcher = threading.Thread(target=connect)
+        watcher.start()
+        listener = unix_listener(path)
+        watcher.join(10)
+        assert sorted(p.name for p in home.iterdir()) == ["t.sock"]  # no staging name left
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        listener.close()
+        path.unlink()
+    assert refused == []

@@ -68,16 +68,27 @@ def unix_listener(path: Path) -> socket.socket:
             raise ServeError(f"--socket: a server is listening on {path} already")
         finally:
             probe.close()
+    # bound at a sibling name and renamed once it listens, so that a client which waits for
+    # the file to appear never finds it before it accepts (a connect between bind and listen
+    # is refused); a sibling name past the length limit binds in place
+    staging = path.with_name(f".{path.name[:8]}.{os.getpid()}")
+    if len(os.fsencode(str(staging))) > MAX_SOCKET_PATH:
+        staging = path
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     previous = os.umask(0o177)
     try:
-        listener.bind(str(path))
+        staging.unlink(missing_ok=True)
+        listener.bind(str(staging))
+        listener.listen(1)
+        if staging != path:
+            os.rename(staging, path)
     except OSError as exc:
         listener.close()
+        if staging != path:
+            staging.unlink(missing_ok=True)
         raise ServeError(f"--socket: cannot listen on {path}: {exc.strerror}") from None
     finally:
         os.umask(previous)
-    listener.listen(1)
     return listener
 
 
