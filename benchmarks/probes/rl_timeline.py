@@ -28,8 +28,9 @@ it (the copies onto the device included), and the engine's step; the step's task
 (measured device time beside the plan's ``cost_us`` and the host's time launching them),
 the idle time between them, and its
 transfers by direction (bytes, busy time, rate). Then one update for each of
-``COPY_THREADS`` (the threads of the engine's split host copy: its carry-over), and one more
-under ``torch.profiler``: the kernels that took the most device time (``--trace`` also writes its
+``COPY_THREADS`` (the threads of the engine's split host copy: its carry-over), one with the
+engine's ``run_ahead`` off (each task launched after the host saw the one before end), and
+one more under ``torch.profiler``: the kernels that took the most device time (``--trace`` also writes its
 chrome trace).
 
     python -m benchmarks.probes.rl_timeline --preset l3_1b --rows 128 --rounds 16 \
@@ -91,6 +92,7 @@ def step_breakdown(trainer: PolicyTrainer) -> dict:
     return {
         "makespan_ms": round(trace.makespan_us / 1e3, 1),
         "task_gaps_ms": round(sum(run.task_gaps_us()) / 1e3, 1),
+        "launched_ahead": f"{trace.launched_ahead} of {len(trace.tasks)} tasks",
         "kinds": {
             kind: {
                 "tasks": n,
@@ -167,6 +169,13 @@ def main() -> None:
         synchronize(args.device)
         print(json.dumps({"copy_threads": threads, "carry_over_ms": round(carry.take() * 1e3, 1)}))
     torch_storage.HOST_COPY_THREADS = default_threads
+
+    # one update launching each task only after the host saw the one before end
+    trainer._engine.run_ahead = False
+    trainer.update(rollouts, lr=1e-6)
+    synchronize(args.device)
+    print(json.dumps({"run_ahead": False} | step_breakdown(trainer)))
+    trainer._engine.run_ahead = True
 
     from torch.profiler import ProfilerActivity, profile
 

@@ -75,6 +75,10 @@ class Backend(Protocol):
     def launch_transfer(self, serial: int, obj: str, direction: str) -> None: ...
     def wait(self) -> list[Completion]: ...
 
+    # A backend may also say ``runs_in_order = True``: each of its lanes runs operations in
+    # launch order (a CUDA stream, the CPU backend's worker queues), so a task launched
+    # behind the running one starts when that one ends (``Dispatcher``'s ``run_ahead``).
+
 
 class OpFailed(Exception):
     """Raised by a backend's ``wait`` when an operation raised; the dispatcher reports it
@@ -133,10 +137,22 @@ class DispatchTrace:
     slow_peak_bytes: int
     makespan_us: float
     replayed: bool = False
+    #: tasks launched behind a running task rather than at its end (``run_ahead``)
+    launched_ahead: int = 0
 
 
 class Dispatcher:
-    """One run of ``program`` on ``backend`` within the given budgets."""
+    """One run of ``program`` on ``backend`` within the given budgets.
+
+    ``run_ahead`` (on a backend whose lanes run in launch order, ``runs_in_order``): the
+    next compute task is launched while the one before it still runs, when nothing that
+    task's end does can change what the next one reads or where it writes (its inputs are
+    resident or that task's outputs; no release or offload at that end touches them; room
+    for its outputs and workspace is there now, beside the head of the h2d queue). The
+    device then starts it the moment the running task ends, as the execution model says,
+    instead of once the host has noticed that end and launched it: the host's launch time
+    hides behind the device's work. Anything else waits for the end as before; the
+    decisions and their order are the model's either way."""
 
     def __init__(
         self,
@@ -144,12 +160,18 @@ class Dispatcher:
         backend: Backend,
         fast_budget_bytes: int | None,
         slow_budget_bytes: int | None = None,
+        *,
+        run_ahead: bool = False,
     ) -> None:
         self.program, self.backend = program, backend
         self.tasks = program.tasks
         self.ledger = Ledger(program, fast_budget_bytes, slow_budget_bytes)
         self.next_task = 0
         self.running_task: int | None = None  # the compute task running
+        self.run_ahead = run_ahead and bool(getattr(backend, "runs_in_order", False))
+        self.queued_task: int | None = None  # launched behind the running task
+        self.early: Completion | None = None  # the queued task's end, seen before the running's
+        self.launched_ahead = 0
         self.running_collective: int | None = None  # the collective task running
         self.held: frozenset[str] = frozenset()  # the objects the running collective uses
         self.queues: dict[str, deque[TransferRecord]] = {"d2h": deque(), "h2d": deque()}
@@ -195,6 +217,7 @@ class Dispatcher:
             fast_peak_bytes=self.ledger.fast_peak_bytes,
             slow_peak_bytes=self.ledger.slow_peak_bytes,
             makespan_us=self.end_us,
+            launched_ahead=self.launched_ahead,
         )
 
     def _loop(self) -> None:
@@ -230,8 +253,10 @@ class Dispatcher:
         return dispatched
 
     def _dispatch_next(self) -> bool:
-        if self.running_task is not None or self.next_task == len(self.tasks):
+        if self.next_task == len(self.tasks):
             return False
+        if self.running_task is not None:
+            return self._launch_ahead()
         task = self.tasks[self.next_task]
         ledger = self.ledger
         busy_link = self.running_collective is not None
@@ -262,6 +287,47 @@ class Dispatcher:
             self.held = frozenset(task.uses)
         else:
             self.running_task = index
+        self.backend.launch_task(index)
+        return True
+
+    def _launch_ahead(self) -> bool:
+        """Launch the next task behind the running one, when ``run_ahead`` allows (class
+        doc); its dispatch checks hold already (its uses are resident, or come from the
+        running task, and its reserve fits now)."""
+        if (
+            not self.run_ahead
+            or self.queued_task is not None
+            or self.running_collective is not None
+        ):
+            return False
+        index, ledger = self.next_task, self.ledger
+        task, running = self.tasks[index], self.tasks[self.running_task]
+        if task.collective:
+            return False
+        leaving = set(running.releases) | set(running.offloads)
+        for obj in task.inputs + task.mutates:
+            if obj in leaving:
+                return False
+            if obj in running.outputs:
+                continue
+            if ledger.fast[obj] is not Fast.RESIDENT or obj in ledger.offload_pending:
+                return False
+        reserve = task.workspace_bytes + sum(ledger.size[obj] for obj in task.outputs)
+        head = self.queues["h2d"]
+        waiting = ledger.size[head[0].obj] if head and self.running["h2d"] is None else 0
+        if not ledger.fits_fast(reserve + waiting):
+            return False
+        if not self.backend.can_start_task(index):
+            return False
+        if not all(self.backend.can_alloc_fast(obj) for obj in task.outputs):
+            return False
+        ledger.reserve_fast(reserve)
+        for obj in task.outputs:
+            self.backend.alloc_fast(obj)
+        self._count_fast()
+        self.checked_task, self.next_task = index, index + 1
+        self.queued_task = index
+        self.launched_ahead += 1
         self.backend.launch_task(index)
         return True
 
@@ -337,12 +403,15 @@ class Dispatcher:
 
     def _complete_task(self, completion: Completion) -> None:
         index = completion.ref
+        if index == self.queued_task:  # reported with or before the running task's end
+            self.early = completion
+            return
         task, ledger = self.tasks[index], self.ledger
         self.task_records.append(TaskRecord(index, task.id, completion.start_us, completion.end_us))
         if completion.kind is OpKind.COLLECTIVE:
             self.running_collective, self.held = None, frozenset()
         else:
-            self.running_task = None
+            self.running_task, self.queued_task = self.queued_task, None
         ledger.free_fast(task.workspace_bytes)
         for obj in task.outputs:
             ledger.fast[obj] = Fast.RESIDENT
@@ -352,6 +421,9 @@ class Dispatcher:
             ledger.make_dirty(obj)
         self._fire(task)
         self._count_fast()
+        if self.early is not None and self.early.ref == self.running_task:
+            early, self.early = self.early, None
+            self._complete_task(early)
 
     def _fire(self, task) -> None:
         """A task's (or the prologue's) directives: releases, offloads, then prefetches."""

@@ -47,6 +47,10 @@ class Engine:
     to executables as 0-d float32 device tensors; by default that is so on CUDA when every
     executable declares ``capturable = True`` (such executables take values either way),
     so a dispatched step and a replayed one compute with the same values, bit for bit.
+
+    ``run_ahead`` (default on): a dispatched step launches a task behind the running one
+    when that cannot change what it reads or writes (``Dispatcher``), so the host's launch
+    hides behind the device's work; off, every task waits on the host for the one before.
     """
 
     def __init__(
@@ -58,6 +62,7 @@ class Engine:
         device: str = "cpu",
         graph: bool = False,
         device_values: bool | None = None,
+        run_ahead: bool = True,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown engine backend {backend!r}; known: {', '.join(BACKENDS)}")
@@ -74,6 +79,7 @@ class Engine:
         self.steps_done = 0
         self.graph_wanted = graph
         self.device_values = device_values
+        self.run_ahead = run_ahead
         #: why steps are not replayed from a CUDA graph (None while they are, or may be)
         self.graph_note: str | None = None
         self._graph: Any = None
@@ -349,7 +355,13 @@ class Engine:
         backend = self._backend
         if hasattr(backend, "start_run"):
             backend.start_run(values)
-        dispatcher = Dispatcher(self.program, backend, self.budget_bytes, self.slow_budget_bytes)
+        dispatcher = Dispatcher(
+            self.program,
+            backend,
+            self.budget_bytes,
+            self.slow_budget_bytes,
+            run_ahead=self.run_ahead,
+        )
         self._ledger = dispatcher.ledger
         return dispatcher.run()
 

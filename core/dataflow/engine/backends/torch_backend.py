@@ -155,6 +155,13 @@ class TorchBackend:
         self.origin = time.perf_counter()
         self.runner.start_run()
 
+    @property
+    def runs_in_order(self) -> bool:
+        """Whether the runner's lanes run operations in launch order (the dispatcher may
+        then launch a task behind the running one); a graph capture's runner does not say
+        so: it decides on the virtual clock, as the simulator does."""
+        return bool(getattr(self.runner, "runs_in_order", False))
+
     def now_us(self) -> float:
         clock = getattr(self.runner, "now_us", None)  # a capture runs on a virtual clock
         if clock is not None:

@@ -31,6 +31,8 @@ _KIND = {"d2h": OpKind.D2H, "h2d": OpKind.H2D}
 class CpuRunner:
     compute_stream = None
     collective_stream = None
+    #: each worker runs its queue in order, as a stream does (``Dispatcher``'s run_ahead)
+    runs_in_order = True
 
     def __init__(self) -> None:
         self.done: queue.Queue = queue.Queue()

@@ -29,6 +29,8 @@ class CudaRunner:
     #: push an NVTX range named by the task id around each task's launch (for Nsight
     #: Systems); off by default, switched on by profiling (``dataflow train --profile``)
     nvtx_ranges = False
+    #: a stream runs its operations in launch order (``Dispatcher``'s run_ahead)
+    runs_in_order = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

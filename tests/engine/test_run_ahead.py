@@ -1,0 +1,203 @@
+"""Launching a task behind the running one (``Dispatcher``'s ``run_ahead``) on the CPU
+backend, whose compute worker runs its queue in order as a CUDA stream does.
+
+Random chains, planned into tight budgets and placed into one arena, run with slow tasks
+(so the dispatcher decides while the worker is busy and transfers move beside it): every
+object's final value is the plain in-order evaluation's, byte for byte, with and without
+launching ahead; the budget holds; and tasks do get launched ahead."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dataflow.engine import DictResolver, Engine, EngineRunError  # noqa: E402
+from dataflow.planning import place, plan  # noqa: E402
+from dataflow.schema import Link, Links, Location, Obj, Program, Role, Task  # noqa: E402
+from dataflow.testing.programs import keep_all_bytes, largest_footprint_bytes  # noqa: E402
+
+KiB = 2**10
+#: a task's sleep: long beside a dispatcher pass, so decisions happen mid-task
+TASK_SLEEP_S = (0.0, 0.002)
+#: a copy's sleep, before and after it moves the bytes: transfers then overlap tasks,
+#: shorter than most of them or longer than any
+COPY_SLEEP_S = (0.0005, 0.003)
+
+
+def chain(rng: random.Random, count: int) -> Program:
+    """A chain whose objects are used again after random gaps, some mutated, some made by
+    tasks, some starting in slow memory (so the plan moves them)."""
+    objects: list[Obj] = []
+    alive: list[str] = []
+    tasks: list[Task] = []
+    for index in range(count):
+        while len(alive) < 3 or rng.random() < 0.2:
+            where = Location.FAST if index == 0 else Location.SLOW
+            objects.append(Obj(f"o{len(objects)}", rng.randint(1, 16) * KiB, Role.DATA, where))
+            alive.append(objects[-1].id)
+        uses = list(dict.fromkeys(rng.sample(alive[-6:], rng.randint(1, min(3, len(alive))))))
+        mutated = rng.randint(0, len(uses)) if rng.random() < 0.4 else 0
+        outputs = [f"t{index}_out{k}" for k in range(rng.choice([0, 1, 1, 2]))]
+        objects += [Obj(out, rng.randint(1, 16) * KiB, Role.ACTIVATION) for out in outputs]
+        alive += outputs
+        tasks.append(
+            Task(
+                f"t{index}",
+                "k",
+                "k",
+                inputs=uses[mutated:],
+                mutates=uses[:mutated],
+                outputs=outputs,
+                workspace_bytes=rng.choice([0, 0, rng.randint(1, 8) * KiB]),
+                cost_us=rng.uniform(50, 400),
+            )
+        )
+    first = {obj for obj in tasks[0].uses}
+    objects = [
+        Obj(o.id, o.size_bytes, o.role, Location.FAST) if o.id in first else o for o in objects
+    ]
+    return Program(name=f"ahead-{count}", objects=objects, tasks=tasks, links=chain_links())
+
+
+def chain_links() -> Links:
+    """100 MB/s: a 16 KiB object takes about 170 us, the order of a task here."""
+    return Links(h2d=Link(100.0, 5.0), d2h=Link(100.0, 5.0))
+
+
+def apply(task: Task, index: int, inputs, mutates, outputs) -> None:
+    """The task's math on uint8 bytes: exact, so any stale or clobbered byte shows."""
+    acc = (sum(int(x.sum(dtype=torch.int64)) for x in (*inputs, *mutates)) + index) % 251
+    for m in mutates:
+        m.copy_((m.to(torch.int64) * 3 + acc) % 256)
+    for n, out in enumerate(outputs):
+        ramp = torch.arange(out.numel(), dtype=torch.int64)
+        out.copy_((ramp * (acc + n + 1) + acc) % 256)
+
+
+class Slow:
+    """An executable that sleeps (a seeded length), then applies the task's math."""
+
+    def __init__(self, task: Task, index: int, sleep_s: float) -> None:
+        self.task, self.index, self.sleep_s = task, index, sleep_s
+
+    def launch(self, ctx) -> None:
+        time.sleep(self.sleep_s)
+        apply(self.task, self.index, ctx.inputs, ctx.mutates, ctx.outputs)
+
+
+def initial(program: Program, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        obj.id: torch.randint(0, 256, (obj.size_bytes,), dtype=torch.uint8, generator=g)
+        for obj in program.objects
+        if program.exists_at_start(obj.id)
+    }
+
+
+def in_order(program: Program, start: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The reference: every task applied in chain order to plain tensors."""
+    values = {k: v.clone() for k, v in start.items()}
+    sizes = {obj.id: obj.size_bytes for obj in program.objects}
+    for index, task in enumerate(program.tasks):
+        for out in task.outputs:
+            values[out] = torch.zeros(sizes[out], dtype=torch.uint8)
+        apply(
+            task,
+            index,
+            [values[o] for o in task.inputs],
+            [values[o] for o in task.mutates],
+            [values[o] for o in task.outputs],
+        )
+    return values
+
+
+@pytest.fixture(params=COPY_SLEEP_S, ids=lambda s: f"copy{s * 1e3:g}ms")
+def slow_copies(request, monkeypatch):
+    """The CPU runner's copies take milliseconds, as a device's link does beside its
+    tasks: a task that ran early into bytes still being copied out would show."""
+    from dataflow.engine.backends import torch_cpu
+
+    copy = torch_cpu.host_copy
+
+    def slow(dst, src):
+        time.sleep(request.param)
+        copy(dst, src)
+        time.sleep(request.param)
+
+    monkeypatch.setattr(torch_cpu, "host_copy", slow)
+
+
+def run(source, program, start, sleeps, *, run_ahead: bool):
+    resolver = DictResolver("slow", {"k": lambda task: Slow(task, *sleeps[task.id])})
+    with Engine("torch", device="cpu", run_ahead=run_ahead) as engine:
+        engine.load(source, resolver, initial={k: v.clone() for k, v in start.items()})
+        result = engine.run()
+        found = {}
+        for obj in program.objects:
+            try:
+                found[obj.id] = engine.fetch(obj.id)
+            except KeyError:  # released after its last use
+                pass
+    return result, found
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("placed", [True, False], ids=["placed", "plan"])
+def test_launching_ahead_computes_the_in_order_values_within_the_budget(
+    seed, placed, slow_copies
+) -> None:
+    rng = random.Random(seed)
+    program = chain(rng, 24)
+    low, high = largest_footprint_bytes(program), keep_all_bytes(program)
+    budget = low + (high - low) // 3
+    planned = plan(program, budget)
+    source = place(planned) if placed else planned
+    sleeps = {
+        task.id: (index, rng.uniform(*TASK_SLEEP_S)) for index, task in enumerate(program.tasks)
+    }
+    start = initial(program, seed)
+    want = in_order(program, start)
+    ahead = 0
+    for run_ahead in (False, True):
+        result, found = run(source, program, start, sleeps, run_ahead=run_ahead)
+        assert found, "nothing to compare"
+        for obj, value in found.items():
+            assert torch.equal(value, want[obj]), (obj, run_ahead)
+        assert result.fast_peak_bytes <= budget
+        if run_ahead:
+            ahead = result.steps[-1].launched_ahead
+        else:
+            assert result.steps[-1].launched_ahead == 0
+    assert 0 < ahead < len(program.tasks)
+
+
+@pytest.mark.parametrize("directive", ["releases", "offloads"])
+def test_a_task_whose_input_the_running_task_sends_away_fails_as_the_model_says(
+    directive,
+) -> None:
+    # t0 lets x go at its end and nothing brings it back: t1 cannot run (not-resident),
+    # launched ahead or not; launched behind t0 it would have read x before it went
+    objects = [
+        Obj("x", 4 * KiB, Role.DATA, Location.FAST),
+        Obj("z", 4 * KiB, Role.ACTIVATION),
+    ]
+    tasks = [
+        Task("t0", "k", "k", inputs=["x"], cost_us=100, **{directive: ["x"]}),
+        Task("t1", "k", "k", inputs=["x"], outputs=["z"], cost_us=100),
+    ]
+    program = Program(name="sent-away", objects=objects, tasks=tasks, links=chain_links())
+    sleeps = {"t0": (0, 0.01), "t1": (1, 0.0)}
+    for run_ahead in (False, True):
+        with pytest.raises(EngineRunError, match="'t1' needs 'x'"):
+            run(program, program, initial(program, 0), sleeps, run_ahead=run_ahead)
+
+
+def test_without_in_order_lanes_nothing_runs_ahead() -> None:
+    program = chain(random.Random(0), 12)
+    with Engine("virtual", run_ahead=True) as engine:
+        engine.load(plan(program, keep_all_bytes(program)))
+        assert engine.run().steps[-1].launched_ahead == 0
