@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import time
 
+import attrs
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -19,6 +20,7 @@ from dataflow.engine import DictResolver, Engine, EngineRunError  # noqa: E402
 from dataflow.planning import place, plan  # noqa: E402
 from dataflow.schema import Link, Links, Location, Obj, Program, Role, Task  # noqa: E402
 from dataflow.testing.programs import keep_all_bytes, largest_footprint_bytes  # noqa: E402
+from dataflow.testing.shapes import random_chain  # noqa: E402
 
 KiB = 2**10
 #: a task's sleep: long beside a dispatcher pass, so decisions happen mid-task
@@ -29,38 +31,20 @@ COPY_SLEEP_S = (0.0005, 0.003)
 
 
 def chain(rng: random.Random, count: int) -> Program:
-    """A chain whose objects are used again after random gaps, some mutated, some made by
-    tasks, some starting in slow memory (so the plan moves them)."""
-    objects: list[Obj] = []
-    alive: list[str] = []
-    tasks: list[Task] = []
-    for index in range(count):
-        while len(alive) < 3 or rng.random() < 0.2:
-            where = Location.FAST if index == 0 else Location.SLOW
-            objects.append(Obj(f"o{len(objects)}", rng.randint(1, 16) * KiB, Role.DATA, where))
-            alive.append(objects[-1].id)
-        uses = list(dict.fromkeys(rng.sample(alive[-6:], rng.randint(1, min(3, len(alive))))))
-        mutated = rng.randint(0, len(uses)) if rng.random() < 0.4 else 0
-        outputs = [f"t{index}_out{k}" for k in range(rng.choice([0, 1, 1, 2]))]
-        objects += [Obj(out, rng.randint(1, 16) * KiB, Role.ACTIVATION) for out in outputs]
-        alive += outputs
-        tasks.append(
-            Task(
-                f"t{index}",
-                "k",
-                "k",
-                inputs=uses[mutated:],
-                mutates=uses[:mutated],
-                outputs=outputs,
-                workspace_bytes=rng.choice([0, 0, rng.randint(1, 8) * KiB]),
-                cost_us=rng.uniform(50, 400),
-            )
-        )
-    first = {obj for obj in tasks[0].uses}
+    """``random_chain``'s chain (objects used again after random gaps, some mutated, some
+    made by tasks, some starting in slow memory) at a thousandth of its sizes and on
+    ``chain_links``, so the plan moves objects of a few KiB."""
+    program = random_chain(rng, tasks=count)
     objects = [
-        Obj(o.id, o.size_bytes, o.role, Location.FAST) if o.id in first else o for o in objects
+        attrs.evolve(obj, size_bytes=max(1, obj.size_bytes // 1024)) for obj in program.objects
     ]
-    return Program(name=f"ahead-{count}", objects=objects, tasks=tasks, links=chain_links())
+    tasks = [
+        attrs.evolve(
+            task, workspace_bytes=task.workspace_bytes // 1024, cost_us=rng.uniform(50, 400)
+        )
+        for task in program.tasks
+    ]
+    return attrs.evolve(program, objects=objects, tasks=tasks, links=chain_links())
 
 
 def chain_links() -> Links:

@@ -269,17 +269,8 @@ class Dispatcher:
         for obj in task.inputs + task.mutates:
             if ledger.fast[obj] is not Fast.RESIDENT or obj in ledger.offload_pending:
                 return False
-        reserve = task.workspace_bytes + sum(ledger.size[obj] for obj in task.outputs)
-        if not ledger.fits_fast(reserve):
+        if not self._take_room(self.next_task, 0):
             return False
-        if not self.backend.can_start_task(self.next_task):
-            return False
-        if not all(self.backend.can_alloc_fast(obj) for obj in task.outputs):
-            return False
-        ledger.reserve_fast(reserve)
-        for obj in task.outputs:
-            self.backend.alloc_fast(obj)
-        self._count_fast()
         index = self.next_task
         self.next_task += 1
         if task.collective:
@@ -312,10 +303,22 @@ class Dispatcher:
                 continue
             if ledger.fast[obj] is not Fast.RESIDENT or obj in ledger.offload_pending:
                 return False
-        reserve = task.workspace_bytes + sum(ledger.size[obj] for obj in task.outputs)
         head = self.queues["h2d"]
         waiting = ledger.size[head[0].obj] if head and self.running["h2d"] is None else 0
-        if not ledger.fits_fast(reserve + waiting):
+        if not self._take_room(index, waiting):
+            return False
+        self.checked_task, self.next_task = index, index + 1
+        self.queued_task = index
+        self.launched_ahead += 1
+        self.backend.launch_task(index)
+        return True
+
+    def _take_room(self, index: int, beside: int) -> bool:
+        """Reserve task ``index``'s outputs and workspace and allocate its outputs, when
+        they fit with ``beside`` bytes more still free and the backend has their regions."""
+        task, ledger = self.tasks[index], self.ledger
+        reserve = task.workspace_bytes + sum(ledger.size[obj] for obj in task.outputs)
+        if not ledger.fits_fast(reserve + beside):
             return False
         if not self.backend.can_start_task(index):
             return False
@@ -325,10 +328,6 @@ class Dispatcher:
         for obj in task.outputs:
             self.backend.alloc_fast(obj)
         self._count_fast()
-        self.checked_task, self.next_task = index, index + 1
-        self.queued_task = index
-        self.launched_ahead += 1
-        self.backend.launch_task(index)
         return True
 
     def _check_next(self, task) -> None:
