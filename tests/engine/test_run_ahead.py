@@ -1,5 +1,6 @@
 """Launching a task behind the running one (``Dispatcher``'s ``run_ahead``) on the CPU
-backend, whose compute worker runs its queue in order as a CUDA stream does.
+backend, whose compute worker runs its queue in order as a CUDA stream does (and on CUDA,
+marked ``gpu``: sleep kernels on the compute stream).
 
 Random chains, planned into tight budgets and placed into one arena, run with slow tasks
 (so the dispatcher decides while the worker is busy and transfers move beside it): every
@@ -25,6 +26,11 @@ from dataflow.testing.shapes import random_chain  # noqa: E402
 KiB = 2**10
 #: a task's sleep: long beside a dispatcher pass, so decisions happen mid-task
 TASK_SLEEP_S = (0.0, 0.002)
+#: ``torch.cuda._sleep``'s cycles a second, roughly (an H100's SM clock is 1.6-2 GHz): the
+#: sleeps need only be long beside a launch, not exact
+CUDA_SLEEP_CYCLES_PER_S = 1.8e9
+#: what the CUDA allocator may take beyond the plan's budget here (``check_chain``)
+CUDA_SLACK_BYTES = 2**20
 #: a copy's sleep, before and after it moves the bytes: transfers then overlap tasks,
 #: shorter than most of them or longer than any
 COPY_SLEEP_S = (0.0005, 0.003)
@@ -53,23 +59,33 @@ def chain_links() -> Links:
 
 
 def apply(task: Task, index: int, inputs, mutates, outputs) -> None:
-    """The task's math on uint8 bytes: exact, so any stale or clobbered byte shows."""
-    acc = (sum(int(x.sum(dtype=torch.int64)) for x in (*inputs, *mutates)) + index) % 251
+    """The task's math on uint8 bytes, wrapping at 256: exact, so a stale or clobbered
+    input shows in every byte it writes. All of it device work in place or on 0-d tensors
+    (nothing read on the host, which would wait for the stream; no temporaries the budget
+    would have to hold)."""
+    device = (*inputs, *mutates, *outputs)[0].device
+    acc = torch.full((), index, dtype=torch.int64, device=device)
+    for x in (*inputs, *mutates):
+        acc = acc + x.sum(dtype=torch.int64)
+    acc = (acc % 251).to(torch.uint8)
     for m in mutates:
-        m.copy_((m.to(torch.int64) * 3 + acc) % 256)
+        m.mul_(3).add_(acc)
     for n, out in enumerate(outputs):
-        ramp = torch.arange(out.numel(), dtype=torch.int64)
-        out.copy_((ramp * (acc + n + 1) + acc) % 256)
+        out.copy_((acc + n + 1).expand_as(out))
 
 
 class Slow:
-    """An executable that sleeps (a seeded length), then applies the task's math."""
+    """An executable that sleeps (a seeded length: on CUDA a sleep kernel on its stream),
+    then applies the task's math."""
 
     def __init__(self, task: Task, index: int, sleep_s: float) -> None:
         self.task, self.index, self.sleep_s = task, index, sleep_s
 
     def launch(self, ctx) -> None:
-        time.sleep(self.sleep_s)
+        if ctx.device == "cuda":
+            torch.cuda._sleep(int(self.sleep_s * CUDA_SLEEP_CYCLES_PER_S))
+        else:
+            time.sleep(self.sleep_s)
         apply(self.task, self.index, ctx.inputs, ctx.mutates, ctx.outputs)
 
 
@@ -115,9 +131,9 @@ def slow_copies(request, monkeypatch):
     monkeypatch.setattr(torch_cpu, "host_copy", slow)
 
 
-def run(source, program, start, sleeps, *, run_ahead: bool):
+def run(source, program, start, sleeps, *, run_ahead: bool, device: str = "cpu", budget=None):
     resolver = DictResolver("slow", {"k": lambda task: Slow(task, *sleeps[task.id])})
-    with Engine("torch", device="cpu", run_ahead=run_ahead) as engine:
+    with Engine("torch", budget, device=device, run_ahead=run_ahead) as engine:
         engine.load(source, resolver, initial={k: v.clone() for k, v in start.items()})
         result = engine.run()
         found = {}
@@ -134,6 +150,21 @@ def run(source, program, start, sleeps, *, run_ahead: bool):
 def test_launching_ahead_computes_the_in_order_values_within_the_budget(
     seed, placed, slow_copies
 ) -> None:
+    check_chain(seed, placed, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("placed", [True, False], ids=["placed", "plan"])
+def test_launching_ahead_on_cuda_computes_the_in_order_values(seed, placed) -> None:
+    check_chain(seed, placed, "cuda")
+
+
+def check_chain(seed: int, placed: bool, device: str) -> None:
+    """A random chain planned at a third of the way from its largest task to keeping all,
+    run with and without launching ahead: the in-order evaluation's bytes, the budget held
+    by the ledger (and on CUDA by the allocator, which the engine checks), tasks launched
+    ahead."""
     rng = random.Random(seed)
     program = chain(rng, 24)
     low, high = largest_footprint_bytes(program), keep_all_bytes(program)
@@ -143,11 +174,16 @@ def test_launching_ahead_computes_the_in_order_values_within_the_budget(
     sleeps = {
         task.id: (index, rng.uniform(*TASK_SLEEP_S)) for index, task in enumerate(program.tasks)
     }
+    # on CUDA the allocator's peak is held to the engine's budget: its rounding of each
+    # object (plan: one allocation each) and the math's 0-d values sit on top of the plan
+    allowed = budget + CUDA_SLACK_BYTES if device == "cuda" else budget
     start = initial(program, seed)
     want = in_order(program, start)
     ahead = 0
     for run_ahead in (False, True):
-        result, found = run(source, program, start, sleeps, run_ahead=run_ahead)
+        result, found = run(
+            source, program, start, sleeps, run_ahead=run_ahead, device=device, budget=allowed
+        )
         assert found, "nothing to compare"
         for obj, value in found.items():
             assert torch.equal(value, want[obj]), (obj, run_ahead)
