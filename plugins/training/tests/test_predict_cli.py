@@ -316,3 +316,52 @@ def test_optimizer_states_in_bf16_halve_their_bytes_in_the_plan(tmp_path) -> Non
     assert row["optimizer_states"] == "bf16" and math.isfinite(row["measured_step_s"])
     bad = invoke("predict", *ONE, "--budget", "1", "--optimizer-states", "fp8")
     assert_one_line_error(bad, 2, "--optimizer-states")
+
+
+def test_predict_plans_only_what_trains(tmp_path) -> None:
+    """``--lora`` and ``--freeze`` lower the step as ``dataflow train`` does: the rows say
+    what trained, and the frozen step moves fewer bytes than full training (no gradient or
+    optimizer state of a frozen field); ``--optimizer lion`` keeps one moment, not two."""
+    from dataflow_training.plan.predict import Cell, Tuning, train_config
+    from dataflow_training.step.family import load_family
+    from dataflow_training.step.lora import LoraConfig
+    from dataflow_training.step.lowering import lower
+
+    tunings = {
+        "full": ((), Tuning()),
+        "lora": (("--lora", "4"), Tuning(lora=LoraConfig(4))),
+        "frozen": (("--freeze", "embed", "--freeze", "layers.0"), Tuning(("embed", "layers.0"))),
+        "lion": (("--optimizer", "lion"), Tuning(optimizer="lion")),
+    }
+    cell = Cell("gpt2_tiny", 32, 16, 64, 2**30)
+    state = {}
+    for name, (args, tuning) in tunings.items():
+        out = tmp_path / f"{name}.json"
+        result = invoke("predict", *ONE, "--budget", "1", *args, "--json", out)
+        assert result.exit_code == 0, result.output
+        (row,) = _rows(out)
+        assert row["feasible"]
+        assert (row.get("lora"), row.get("freeze"), row.get("optimizer")) == (
+            tuning.lora and tuning.lora.rank,
+            list(tuning.freeze) or None,
+            None if tuning.optimizer == "adamw" else tuning.optimizer,
+        )
+        train = train_config(cell, "bf16", tuning=tuning)
+        program = lower(load_family("gpt2"), "gpt2_tiny", train).program
+        state[name] = sum(o.size_bytes for o in program.objects if o.id.startswith(("O_", "dW")))
+    assert state["lora"] < state["frozen"] < state["full"]
+    assert state["lion"] < state["full"]
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "culprits"),
+    [
+        (("--lora-alpha", "8"), 2, ("--lora-alpha", "--lora")),
+        (("--freeze", "nothing.here"), 1, ("--freeze nothing.here",)),
+        (("--optimizer", "adam9"), 2, ("--optimizer", "adam9")),
+        (("--lora", "4", "--lora-targets", "q_proj"), 1, ("--lora-targets q_proj",)),
+    ],
+)
+def test_what_trains_is_checked_in_one_line(args, code, culprits) -> None:
+    result = invoke("predict", *ONE, "--budget", "1", *args)
+    assert_one_line_error(result, code, *culprits)

@@ -433,3 +433,25 @@ def test_predict_twice_says_the_second_came_from_the_cache(tmp_path, monkeypatch
     monkeypatch.setenv(CACHE_ENV, "off")
     # (the search's own seconds at the line's end differ from run to run)
     assert _search_line(invoke(*args).output.splitlines()[0]) == _search_line(lines[0])
+
+
+@pytest.mark.parametrize(
+    "trains",
+    [
+        ("--lora", "4"),
+        ("--freeze", "embed", "--freeze", "layers.0"),
+        ("--optimizer", "lion"),
+        ("--precision", "mixed"),
+    ],
+    ids=["lora", "freeze", "lion", "mixed"],
+)
+def test_predict_searches_what_trains_as_train_does(tmp_path, trains) -> None:
+    """What trains (``--lora``, ``--freeze``), by which optimizer and at which precision:
+    ``predict``'s search takes them as ``train``'s does, to the same choice."""
+    common = ["--preset", "gpt2_tiny", "--budget", "2MiB", "--device", "cpu", *trains]
+    trained = invoke("train", *common, "--steps", "1", "--out", tmp_path / "run")
+    assert trained.exit_code == 0, trained.output
+    pins = () if "--precision" in trains else ("--dtype", "fp32")  # train's cpu default
+    predicted = invoke("predict", *common, *pins)
+    assert predicted.exit_code == 0, predicted.output
+    assert _search_line(predicted.output) == _search_line(trained.output)

@@ -23,7 +23,9 @@ from rich.console import Console
 from rich.table import Table
 
 from dataflow import format_size, parse_size, resolvers
-from dataflow.cli import COUNT, Device, OutputFile, one_line
+from dataflow.cli import COUNT, Device, Failure, OutputFile, one_line
+from dataflow_training.cli.finetune_options import LORA_FIELDS, check_lora, finetune_options
+from dataflow_training.cli.optimizer_options import check_optimizer, optimizer_options
 from dataflow_training.cli.predict_search import search_command
 from dataflow_training.cli.train_defaults import default_device, default_family
 from dataflow_training.cli.verify_cli import _family, optimizer_states_option, precision_option
@@ -31,6 +33,8 @@ from dataflow_training.drive.measure import measure
 from dataflow_training.plan.hardware import HardwareError, hardware
 from dataflow_training.plan.predict import default_jobs, grid, predict, predict_fleet
 from dataflow_training.step.config import ORDER_FORMS, parse_order
+from dataflow_training.step.freezing import FreezeError
+from dataflow_training.step.lora import LoraError
 from dataflow_training.step.precision import precision
 
 
@@ -215,6 +219,8 @@ def _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders, vo
     type=click.IntRange(min=1),
     help="cells planned at once, each in its own process [default: the CPUs this may use]",
 )
+@finetune_options
+@optimizer_options
 def predict_command(
     preset,
     family_name,
@@ -238,10 +244,14 @@ def predict_command(
     scope,
     pack_documents,
     jobs,
+    **trains,
 ) -> None:
     """Predict a grid of training steps from the simulator: one row per cell (with
     --ranks, one per cell and fleet size). Without --t-round: the step search of
-    dataflow train, its choice and runner-up."""
+    dataflow train, its choice and runner-up. What trains (--freeze, --lora) and by which
+    optimizer (--optimizer) as dataflow train takes them."""
+    policy = _policy_fields(precision, dtype, optimizer_states)
+    tuning = _tuning(trains, policy, device or default_device())
 
     if t_rounds is None:
         if ranks is not None or pack_documents:
@@ -260,9 +270,8 @@ def predict_command(
             )
         search_command(
             preset, family_name, hw if priced_by_hw else None,
-            hw_files, tokens_step, budgets, seq_lens, vocab_size, backing, orders, dtype,
-            optimizer_states, recompute, json_out, measured_pricing if measured else None,
-            device,
+            hw_files, tokens_step, budgets, seq_lens, vocab_size, backing, orders, policy,
+            recompute, json_out, measured_pricing if measured else None, device, tuning,
         )  # fmt: skip
         return
     missing = [
@@ -274,19 +283,61 @@ def predict_command(
     family, entry, backing = _setup(preset, family_name, hw, hw_files, backing)
     options: dict[str, Any] = {"recompute": recompute, "dtype": dtype, "states": optimizer_states}
     options["segments"] = pack_documents
-    options["precision"] = _checked_precision(precision)
+    options["precision"] = precision
+    options["tuning"] = tuning
     if ranks is not None:
         _check_scope(entry, scope)
     if measured:
         options |= _measured_pricing(family, device)
     cells = _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders, vocab_size)
+    try:
+        if ranks is None:
+            rows = predict(family, cells, entry, jobs=jobs or default_jobs(), **options)
+        else:
+            rows = predict_fleet(family, cells, entry, ranks, scope=scope, **options)
+    except (FreezeError, LoraError) as exc:  # a pattern or a target the model lacks
+        raise Failure(one_line(str(exc))) from None
     if ranks is None:
-        rows = predict(family, cells, entry, jobs=jobs or default_jobs(), **options)
         _print_predicted(rows, _predicted_for(entry.name, measured, device), preset)
     else:
-        rows = predict_fleet(family, cells, entry, ranks, scope=scope, **options)
         _print_fleet(rows, entry.name, preset, scope)
     _write(json_out, rows, "predict")
+
+
+def _policy_fields(name: str | None, dtype: str, states: str) -> dict[str, Any]:
+    """``TrainOptions``' precision fields: ``--precision`` with the pins given beside it
+    (refused in one line where they differ from its own), or without it the plain update
+    of ``--dtype`` and ``--optimizer-states``."""
+    if _checked_precision(name) is None:
+        return {"dtype": dtype, "optimizer_states": states}
+    ctx = click.get_current_context()
+    given = {
+        key: ctx.params[key]
+        for key in ("dtype", "optimizer_states")
+        if ctx.get_parameter_source(key) is not ParameterSource.DEFAULT
+    }
+    return {"precision": name, **given}
+
+
+def _tuning(trains: dict[str, Any], policy: dict[str, Any], device: str) -> Any:
+    """What trains and by which optimizer (``plan.predict.Tuning``), from ``--freeze``,
+    the ``--lora*`` options and ``--optimizer``/``--optimizer-arg``, checked as ``dataflow
+    train`` checks them (one line naming the option at fault)."""
+    # torch loads when the command runs, not when `dataflow` lists its commands
+    from dataflow_training.plan.predict import Tuning
+    from dataflow_training.step.lora import LoraConfig
+
+    check_lora(trains)
+    rest = {"precision": "auto", "dtype": None, "optimizer_states": None} | policy
+    rest |= {"optimizer": trains["optimizer"], "optimizer_args": trains["optimizer_args"]}
+    check_optimizer(rest, device)
+    lora = trains["lora"]
+    return Tuning(
+        freeze=trains["freeze"],
+        lora=None if lora is None else LoraConfig(lora, *(trains[n] for n in LORA_FIELDS)),
+        optimizer=rest["optimizer"],
+        optimizer_args=rest["optimizer_args"],
+    )
 
 
 def _checked_precision(name: str | None) -> str | None:

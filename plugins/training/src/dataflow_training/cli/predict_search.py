@@ -21,6 +21,27 @@ from dataflow_training.plan.hardware import HardwareError, hardware
 UNCHECKED_HOST_BYTES = 2**62
 
 
+def _tuning_fields(tuning: Any) -> dict[str, Any]:
+    """``TrainOptions``' fields of what trains (``plan.predict.Tuning``; None: all)."""
+    if tuning is None:
+        return {}
+    fields = {
+        "freeze": tuning.freeze,
+        "optimizer": tuning.optimizer,
+        "optimizer_args": tuning.optimizer_args,
+    }
+    lora = tuning.lora
+    if lora is not None:
+        fields |= {
+            "lora": lora.rank,
+            "lora_alpha": lora.alpha,
+            "lora_dropout": lora.dropout,
+            "lora_targets": lora.targets,
+            "lora_base": lora.base,
+        }
+    return fields
+
+
 def search_command(
     preset: str,
     family_name: str | None,
@@ -32,17 +53,20 @@ def search_command(
     vocab_size: int | None,
     backing: tuple[int, ...] | None,
     orders: tuple[str, ...] | None,
-    dtype: str,
-    optimizer_states: str,
+    policy: dict[str, Any],
     recompute: bool,
     json_out: str | None,
     measured: Any,
     device: str | None,
+    tuning: Any = None,
 ) -> None:
     """Search as ``dataflow train`` would on ``device`` (default: cuda when present),
     priced as its ``compile_step`` prices, or by the hardware entry ``hw_name``'s
     roofline where one is named, or by the profiling pass with ``measured`` (a family,
-    device -> (plan options, cache) function: ``predict_cli.measured_pricing``)."""
+    device -> (plan options, cache) function: ``predict_cli.measured_pricing``).
+    ``policy``: ``TrainOptions``' precision fields (``precision``, ``dtype``,
+    ``optimizer_states``); ``tuning`` (``plan.predict.Tuning``): what trains, by which
+    optimizer, as ``dataflow train`` takes them."""
     # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.drive.step_search import SEARCHED, search_for
     from dataflow_training.drive.trainer import TrainOptions
@@ -74,8 +98,8 @@ def search_command(
         device=device,
         budget_bytes=budgets[0],
         backing_bytes=backing[0] if backing else None,
-        dtype=dtype,
-        optimizer_states=optimizer_states,
+        **policy,
+        **_tuning_fields(tuning),
         recompute=recompute,
         overrides=overrides,
         **{name: value for name, value in given.items() if value is not None},
@@ -92,8 +116,7 @@ def search_command(
             entry = hardware(hw_name, hw_files)
         except HardwareError as exc:
             raise click.BadParameter(one_line(str(exc)), param_hint="--hw") from None
-        train = o.train_config(family) if o.seq_len else None
-        param = train.dtype.param if train else ("bfloat16" if dtype == "bf16" else "float32")
+        param = o.policy.dtype.param
         pricing = Pricing(
             device=device, recompute=recompute, cost=entry.roofline(param), links=entry.links()
         )

@@ -23,6 +23,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from dataflow import InfeasibleBudget, format_size
 from dataflow.cli import BUDGET, COUNT, Device, Failure, one_line
+from dataflow_training.cli.finetune_options import check_lora, finetune_options
 from dataflow_training.cli.optimizer_options import check_optimizer, optimizer_options
 from dataflow_training.cli.train_defaults import (
     data_spec,
@@ -261,49 +262,7 @@ def fleet_options(command: Any) -> Any:
     help="the held-out data --eval-every scores: any data source --data takes "
     "(default: the validation shards of --data)",
 )
-@click.option(
-    "--lora",
-    type=click.IntRange(min=1),
-    default=None,
-    metavar="RANK",
-    help="train LoRA adapters of this rank on a frozen base (docs/finetuning.md)",
-)
-@click.option(
-    "--lora-alpha",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help="LoRA's alpha: the adapters are scaled by alpha / rank  [default: 2 x rank]",
-)
-@click.option(
-    "--lora-dropout",
-    type=float,
-    default=0.0,
-    show_default=True,
-    help="dropout on the adapters' input (the base sees it whole), a probability in [0, 1)",
-)
-@click.option(
-    "--lora-base",
-    type=click.Choice(["bf16", "int8", "nf4"]),
-    default=None,
-    help="how the frozen base's projections are stored: bf16, int8 (per row) or nf4 "
-    "(4-bit NormalFloat, blocks of 64)  [default: the run's parameter dtype]",
-)
-@click.option(
-    "--lora-targets",
-    default=None,
-    metavar="NAMES",
-    callback=lambda ctx, param, value: tuple(value.split(",")) if value else (),
-    help="comma-separated linears that get adapters, e.g. q_proj,v_proj  [default: every "
-    "attention and MLP projection: q,k,v,o,gate,up,down_proj; GPT-2's c_attn,c_proj,c_fc]",
-)
-@click.option(
-    "--freeze",
-    multiple=True,
-    metavar="PATTERN",
-    help="parameters that do not train (repeatable): embed, head, layers.N, layers.A-B"
-    "[.GLOB], or a glob over LAYER.PARAM names such as '*.self_attn.*' "
-    "(docs/finetuning.md)",
-)
+@finetune_options
 @click.option(
     "--phase",
     "phases",
@@ -435,7 +394,7 @@ def train_command(
             f"{rest['trace_steps']} is more than the run's --steps {rest['steps']}",
             param_hint="--trace-steps",
         )
-    _check_lora(rest)
+    check_lora(rest)
     if preset is None:
         if rest["init"] is None:
             raise click.UsageError("Missing option '--preset' (or --init FOLDER to take it from)")
@@ -517,32 +476,6 @@ def train_command(
             f"done: the run is at its last step ({options.steps}); nothing trained (a larger "
             "--steps goes on)"
         )
-
-
-def _check_lora(rest: dict[str, Any]) -> None:
-    """The ``--lora*`` options as one ``LoraConfig`` (``step.lora``), or one line."""
-    # the step modules load when the command runs, not when `dataflow` lists its commands
-    from dataflow_training.step.lora import LoraConfig
-
-    if rest["lora"] is None:
-        given = [
-            f"--{n.replace('_', '-')}"
-            for n in ("lora_alpha", "lora_targets", "lora_dropout", "lora_base")
-            if rest[n]
-        ]
-        if given:
-            raise click.UsageError(f"{', '.join(given)} needs --lora RANK")
-        return
-    try:
-        LoraConfig(
-            rest["lora"],
-            rest["lora_alpha"],
-            rest["lora_dropout"],
-            rest["lora_targets"],
-            rest["lora_base"],
-        )
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--lora") from None
 
 
 def _phases(values: tuple[str, ...]) -> tuple[str, ...]:

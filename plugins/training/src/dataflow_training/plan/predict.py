@@ -41,6 +41,7 @@ from dataflow_training.plan.recompute import (
     step_planner,
 )
 from dataflow_training.step.config import TrainConfig, head_chunk_tokens
+from dataflow_training.step.lora import LoraConfig
 from dataflow_training.step.lowering import Lowered, lower
 from dataflow_training.step.precision import pinned
 from dataflow_training.step.precision import precision as precision_policy
@@ -114,6 +115,28 @@ def grid(
     ]
 
 
+@attrs.frozen
+class Tuning:
+    """What a predicted step trains and with what (``dataflow predict``'s ``--freeze``,
+    ``--lora``, ``--optimizer``; ``TrainConfig``'s fields of those names)."""
+
+    freeze: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    lora: LoraConfig | None = None
+    optimizer: str = "adamw"
+    optimizer_args: dict[str, Any] = attrs.field(factory=dict)
+
+    def fields(self) -> dict[str, Any]:
+        """What a row says of it: only what differs from full training by AdamW."""
+        found: dict[str, Any] = {}
+        if self.freeze:
+            found["freeze"] = list(self.freeze)
+        if self.lora is not None:
+            found["lora"] = self.lora.rank
+        if self.optimizer != "adamw" or self.optimizer_args:
+            found["optimizer"] = self.optimizer
+        return found
+
+
 def train_config(
     cell: Cell,
     dtype: str = "bf16",
@@ -122,6 +145,7 @@ def train_config(
     states: str = "fp32",
     precision: str | None = None,
     segments: bool = False,
+    tuning: Tuning | None = None,
 ) -> TrainConfig:
     """The training step of a cell: bf16 weights, gradients and activations with float32
     optimizer states by default (``states``: ``config.STATE_DTYPES``; ``precision``, a
@@ -129,19 +153,23 @@ def train_config(
     a time (with ``vocab``: at most the chunk ``head_chunk_tokens`` gives the cell's
     budget); with ``segments`` each round carries its segments (``dataflow train
     --pack-documents``: priced as the dense step's work, its tasks' attention the same
-    FLOPs, plus each round's segments object moved like its tokens)."""
+    FLOPs, plus each round's segments object moved like its tokens). ``tuning``: what
+    trains and how (default: every parameter, by AdamW)."""
     if vocab is not None:
         chunk_tokens = head_chunk_tokens(cell.budget_bytes, vocab, chunk_tokens)
     policy = pinned(dtype, states) if precision is None else precision_policy(precision)
+    tuning = tuning or Tuning()
     return TrainConfig(
         seq_len=cell.seq_len,
         batch=cell.batch,
         rounds=cell.rounds,
         dtype=policy.dtype,
-        optimizer=policy.optimizer_policy(),
+        optimizer=policy.optimizer_policy(tuning.optimizer, tuning.optimizer_args),
         chunk_tokens=min(chunk_tokens, cell.t_round),
         order=cell.order,
         segments=segments,
+        freeze=tuning.freeze,
+        lora=tuning.lora,
     )
 
 
@@ -284,6 +312,7 @@ def plan_cell(
     states: str = "fp32",
     precision: str | None = None,
     segments: bool = False,
+    tuning: Tuning | None = None,
     train: TrainConfig | None = None,
     measure: Callable[[Lowered], dict] | None = None,
     reserve_bytes: int = 0,
@@ -303,6 +332,8 @@ def plan_cell(
     extra: dict[str, Any] = {"hw": hw.name, "costs": "measured" if measure else "roofline"}
     extra["optimizer_states"] = states
     extra["precision"] = precision or pinned(dtype, states).name
+    if tuning is not None:
+        extra |= tuning.fields()
     if ranks is not None:
         extra |= {"ranks": ranks, "scope": scope}
     reason = cell.why_not()
@@ -313,7 +344,13 @@ def plan_cell(
     started = time.perf_counter()
     vocab = cell.vocab_size or vocab_size(family, cell.preset)
     train = train or train_config(
-        cell, dtype, vocab=vocab, states=states, precision=precision, segments=segments
+        cell,
+        dtype,
+        vocab=vocab,
+        states=states,
+        precision=precision,
+        segments=segments,
+        tuning=tuning,
     )
     lowered = lower(
         family,
