@@ -394,3 +394,71 @@ def test_the_socket_file_appears_only_once_it_accepts(home):
         listener.close()
         path.unlink()
     assert refused == []
+
+
+def _served(out: Path):
+    """A ``ServedRun`` in this process (the verbs without the socket)."""
+    import io
+
+    from dataflow_training.service.served_run import ServedRun
+
+    out.mkdir(parents=True)  # the server's run folder (it makes and claims it)
+    return ServedRun(out, log=io.StringIO())
+
+
+def test_a_served_lora_run_trains_as_train_does_and_exports_the_adapters_merged(tmp_path) -> None:
+    """``load`` with ``lora`` and ``freeze`` runs ``dataflow train``'s LoRA step (the same
+    losses as a direct run of those options); ``export_weights`` writes what an inference
+    engine reloads: HF tensors with the adapters merged, no adapter tensors."""
+    from dataflow_training.drive.peft_export import base_state, merged
+    from dataflow_training.service.weights_export import EXPORT_FILE, export_weights
+    from dataflow_training.step.lora import LoraConfig
+
+    served = _served(tmp_path / "run")
+    trains = {"lora": 4, "lora_alpha": 8.0, "freeze": ["embed"]}
+    served.load({"preset": "gpt2_tiny", **SHAPE, **trains})
+    options = TrainOptions(
+        family="gpt2", preset="gpt2_tiny", steps=0, out=tmp_path / "direct", device="cpu",
+        batch=SHAPE["batch"], seq_len=SHAPE["seq_len"], lr=SHAPE["lr"], lora=4, lora_alpha=8.0,
+        freeze=("embed",),
+    )  # fmt: skip
+    direct = TrainingRun(options.compile(load_family("gpt2")), seed=SHAPE["seed"])
+    for step in range(2):
+        path = write_token_batch(tmp_path / f"b{step}.safetensors", _ids(step))
+        loss = served.step({"batch": {"kind": "tokens", "path": str(path)}})["loss"]
+        ids = _ids(step)
+        assert loss == pytest.approx(direct.step([(ids[:, :-1], ids[:, 1:])]).loss, abs=ABS)
+    exported = served.export_weights({"path": str(tmp_path / "export")})
+    want = merged(direct.weights(), LoraConfig(4, 8.0))
+    family = load_family("gpt2")
+    config = family.config("gpt2_tiny")
+    export_weights(
+        family, config, want, tmp_path / "want", step=2, previous=None, changed_only=False
+    )
+    record = json.loads((tmp_path / "export" / EXPORT_FILE).read_text())
+    assert record["tensors"] == json.loads((tmp_path / "want" / EXPORT_FILE).read_text())["tensors"]
+    assert not any("lora" in name for name in exported["written"])
+    base = base_state(direct.weights())
+    assert any(not torch.equal(want[k], base[k]) for k in want)  # the adapters trained
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"lora_alpha": 8.0}, "args.lora_alpha: needs args.lora"),
+        ({"lora": 0}, "args.lora"),
+        ({"freeze": ["nothing.here"]}, "args.freeze: --freeze nothing.here"),
+        ({"freeze": "embed"}, "args.freeze"),
+        ({"lora": 4, "lora_targets": ["q_proj"]}, "args.lora_targets"),
+        ({"optimizer": "lion", "optimizer_args": {"zz": 1}}, "args.optimizer_args.zz"),
+        ({"optimizer": "adam9"}, "args.optimizer: unknown optimizer 'adam9'"),
+    ],
+)
+def test_what_a_load_trains_is_checked_naming_the_field(tmp_path, fields, named) -> None:
+    from dataflow_training.service.protocol import ProtocolError
+
+    served = _served(tmp_path / "run")
+    with pytest.raises(ProtocolError) as caught:
+        served.load({"preset": "gpt2_tiny", **SHAPE, **fields})
+    assert named in str(caught.value) and "\n" not in str(caught.value)
+    assert served.run is None  # a load that fails leaves nothing loaded

@@ -24,6 +24,7 @@ import attrs
 from dataflow import InfeasibleBudget, families, format_size, parse_size
 from dataflow_training.drive.checkpoint import checkpoints, intact_checkpoint, step_name
 from dataflow_training.drive.components import METRICS_FILE, Checkpointer, JsonlMetrics
+from dataflow_training.drive.peft_export import merged
 from dataflow_training.drive.profiling import ProfileWindow, StepProfiler
 from dataflow_training.drive.run import TrainingRun, resolver_for
 from dataflow_training.drive.trainer import (
@@ -38,6 +39,9 @@ from dataflow_training.service.kinds import TOKENS, KindRun
 from dataflow_training.service.protocol import ProtocolError, field, no_other_fields
 from dataflow_training.service.weights_export import export_weights
 from dataflow_training.step.family import load_family
+from dataflow_training.step.freezing import FreezeError
+from dataflow_training.step.lora import LoraConfig, LoraError
+from dataflow_training.step.optimizers import optimizer_spec
 
 #: ``load``'s fields: each with its type and default (None: ``TrainOptions``' own)
 LOAD_FIELDS: dict[str, tuple[type, Any]] = {
@@ -56,6 +60,13 @@ LOAD_FIELDS: dict[str, tuple[type, Any]] = {
     "device": (str, "cpu"),
     "precision": (str, "auto"),
     "optimizer": (str, "adamw"),
+    "optimizer_args": (dict, None),
+    "freeze": (list, None),
+    "lora": (int, None),
+    "lora_alpha": (float, None),
+    "lora_dropout": (float, 0.0),
+    "lora_targets": (list, None),
+    "lora_base": (str, None),
     "resolver": (str, "auto"),
     "recompute": (bool, True),
     "graph": (bool, True),
@@ -145,6 +156,8 @@ class ServedRun:
             seed=given["seed"],
             precision=given["precision"],
             optimizer=given["optimizer"],
+            optimizer_args=_optimizer_args(given),
+            **_what_trains(given),
             overrides=given["overrides"] or {},
             graph=given["graph"],
             recompute=given["recompute"],
@@ -155,8 +168,13 @@ class ServedRun:
         if o.init is not None:
             o, init = _with_init(o, family)
         resolver_for(o.resolver, o.device)  # a bad name: named before the compile
+        _check_optimizer(o)
         try:
             compiled = o.compile(family, recompute=o.recompute)
+        except FreezeError as exc:
+            raise ProtocolError(f"args.freeze: {exc}") from None
+        except LoraError as exc:
+            raise ProtocolError(f"args.lora_targets: {exc}") from None
         except InfeasibleBudget as exc:
             raise ProtocolError(
                 f"args.budget: {format_size(o.budget_bytes)} is too small for this step: the "
@@ -315,6 +333,9 @@ class ServedRun:
         else:
             family, weights = self.family, run.weights()
             config = family.config(self.options.preset, **self.options.overrides)
+            lora = self.options.lora_config
+            if lora is not None:  # what an engine reloads: the adapters folded in
+                weights = merged(weights, lora)
         if not hasattr(family, "export_hf"):
             name = getattr(family, "name", type(family).__name__)
             raise ProtocolError(f"export_weights: family {name!r} has no HF export")
@@ -408,6 +429,62 @@ class ServedRun:
         if self._metrics is not None:
             self._metrics.close()
         return saved
+
+
+def _strings(given: dict[str, Any], name: str) -> tuple[str, ...]:
+    """``load``'s field ``name``: a JSON array of strings (None: empty)."""
+    value = given[name] or []
+    if not all(isinstance(item, str) for item in value):
+        raise ProtocolError(f"args.{name}: a JSON array of strings")
+    return tuple(value)
+
+
+def _what_trains(given: dict[str, Any]) -> dict[str, Any]:
+    """``TrainOptions``' fields of what trains: ``freeze`` and the ``lora`` fields, checked
+    as ``dataflow train`` checks its ``--freeze`` and ``--lora*`` (``step.lora``)."""
+    fields = {"freeze": _strings(given, "freeze")}
+    lora = {
+        "lora": given["lora"],
+        "lora_alpha": given["lora_alpha"],
+        "lora_dropout": given["lora_dropout"],
+        "lora_targets": _strings(given, "lora_targets"),
+        "lora_base": given["lora_base"],
+    }
+    if lora["lora"] is None:
+        named = [name for name, value in lora.items() if value]
+        if named:
+            raise ProtocolError(f"args.{named[0]}: needs args.lora (the adapters' rank)")
+        return fields
+    try:
+        LoraConfig(*lora.values())
+    except ValueError as exc:
+        raise ProtocolError(f"args.lora: {exc}") from None
+    return fields | lora
+
+
+def _optimizer_args(given: dict[str, Any]) -> dict[str, Any]:
+    """``load``'s ``optimizer_args`` (a JSON object) typed by the optimizer's spec, as
+    ``--optimizer-arg NAME=VALUE`` is."""
+    try:
+        spec = optimizer_spec(given["optimizer"])
+    except ValueError as exc:
+        raise ProtocolError(f"args.optimizer: {exc}") from None
+    typed = {}
+    for name, value in (given["optimizer_args"] or {}).items():
+        try:
+            typed[name] = spec.argument(name).parse(str(value))
+        except ValueError as exc:
+            raise ProtocolError(f"args.optimizer_args.{name}: {exc}") from None
+    return typed
+
+
+def _check_optimizer(o: TrainOptions) -> None:
+    """The optimizer under the run's precision (``Precision.optimizer_policy``), or one
+    line naming ``args.optimizer``."""
+    try:
+        o.policy.optimizer_policy(o.optimizer, o.optimizer_args)
+    except ValueError as exc:
+        raise ProtocolError(f"args.optimizer: {exc}") from None
 
 
 def _size(args: dict[str, Any], name: str) -> int | None:
