@@ -3,7 +3,12 @@
 ``glm5`` is transformers 5.25's ``GlmMoeDsaConfig()`` field for field (GLM 5: 78 layers, 3
 dense then MoE, width 6,144, 64 heads, 256 experts choosing 8, an indexer of 32 heads of
 128 selecting 2,048 tokens, 202,752 positions, every layer's indexer ``"full"``, its
-default ``indexer_types``). For ``predict`` only.
+default ``indexer_types``). For ``predict`` only. Its rope base is that class's default,
+10,000; the Megatron arguments for the published checkpoints in radixark's miles
+(``scripts/models/glm5.1-744B-A40B*.sh``: widths, layers, heads, latents, experts,
+scaling and vocabulary as here) pass ``--rotary-base`` 1,000,000 (8,000,000 for GLM 5.2).
+A step's cost does not depend on it, and ``--init`` of a checkpoint reads its own
+``config.json``.
 
 ``glm5_cut`` is it cut to 2 layers (1 dense, 1 MoE) and 4,096 positions, the MoE layer
 ``"shared"`` (it attends to the dense layer's selection and has no indexer), for one
