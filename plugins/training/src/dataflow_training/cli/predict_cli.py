@@ -31,10 +31,10 @@ from dataflow_training.cli.train_defaults import default_device, default_family
 from dataflow_training.cli.verify_cli import _family, optimizer_states_option, precision_option
 from dataflow_training.drive.measure import measure
 from dataflow_training.plan.hardware import HardwareError, hardware
-from dataflow_training.plan.predict import default_jobs, grid, predict, predict_fleet
+from dataflow_training.plan.predict import Tuning, default_jobs, grid, predict, predict_fleet
 from dataflow_training.step.config import ORDER_FORMS, parse_order
 from dataflow_training.step.freezing import FreezeError
-from dataflow_training.step.lora import LoraError
+from dataflow_training.step.lora import LoraConfig, LoraError
 from dataflow_training.step.precision import precision
 
 
@@ -319,14 +319,10 @@ def _policy_fields(name: str | None, dtype: str, states: str) -> dict[str, Any]:
     return {"precision": name, **given}
 
 
-def _tuning(trains: dict[str, Any], policy: dict[str, Any], device: str) -> Any:
+def _tuning(trains: dict[str, Any], policy: dict[str, Any], device: str) -> Tuning:
     """What trains and by which optimizer (``plan.predict.Tuning``), from ``--freeze``,
     the ``--lora*`` options and ``--optimizer``/``--optimizer-arg``, checked as ``dataflow
     train`` checks them (one line naming the option at fault)."""
-    # torch loads when the command runs, not when `dataflow` lists its commands
-    from dataflow_training.plan.predict import Tuning
-    from dataflow_training.step.lora import LoraConfig
-
     check_lora(trains)
     rest = {"precision": "auto", "dtype": None, "optimizer_states": None} | policy
     rest |= {"optimizer": trains["optimizer"], "optimizer_args": trains["optimizer_args"]}
