@@ -173,8 +173,10 @@ class ServedRun:
             compiled = o.compile(family, recompute=o.recompute)
         except FreezeError as exc:
             raise ProtocolError(f"args.freeze: {exc}") from None
-        except LoraError as exc:
-            raise ProtocolError(f"args.lora_targets: {exc}") from None
+        except LoraError as exc:  # it names the --lora option at fault: its field here
+            option = str(exc).split(" ", 1)[0]
+            name = option[2:].replace("-", "_") if option.startswith("--lora") else "lora"
+            raise ProtocolError(f"args.{name}: {exc}") from None
         except InfeasibleBudget as exc:
             raise ProtocolError(
                 f"args.budget: {format_size(o.budget_bytes)} is too small for this step: the "
