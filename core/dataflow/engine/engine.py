@@ -272,6 +272,7 @@ class Engine:
         from dataflow.engine.backends.torch_graph import GraphCapture
 
         backend = self._backend
+        backend.settle()
         runner = backend.runner
         capture = GraphCapture(self.program, runner.streams)
         graph = torch.cuda.CUDAGraph(keep_graph=True)  # edited before it is instantiated
@@ -337,6 +338,7 @@ class Engine:
         import torch
 
         runner = self._backend.runner
+        self._backend.settle()  # the graph's copies read the slow pool without asking
         self._device_values(values)
         stream = runner.compute_stream
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -363,7 +365,11 @@ class Engine:
             run_ahead=self.run_ahead,
         )
         self._ledger = dispatcher.ledger
-        return dispatcher.run()
+        try:
+            return dispatcher.run()
+        finally:  # fed values still arriving in the slow pool (none the step read)
+            if hasattr(backend, "settle"):
+                backend.settle()
 
     def _carry_over(self, step: int, fed: Mapping[str, Any]) -> None:
         """Put every object that exists at start where it starts, for step ``step``.

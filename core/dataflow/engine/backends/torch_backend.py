@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from dataflow.engine.backends.feed_copies import FeedCopies, first_fetch
 from dataflow.engine.backends.torch_storage import (
     FastStore,
     SlowPool,
@@ -29,7 +30,10 @@ from dataflow.schema import Location, Program
 
 
 class TorchBackend:
-    """One loaded program's storage plus a runner; reused across steps."""
+    """One loaded program's storage plus a runner; reused across steps.
+
+    ``defer_feeds`` (on CUDA): a per-step value fed into a slow slice is copied there while
+    the step runs (``feed_copies``), waited for where the slice is read; off, before it."""
 
     def __init__(
         self,
@@ -58,6 +62,8 @@ class TorchBackend:
         self.ended: set[tuple[str, int]] = set()
         self.values: Mapping[str, Any] = {}
         self.origin = time.perf_counter()
+        self.feeds = FeedCopies(first_fetch(program))
+        self.defer_feeds = device.type == "cuda"
         self.staging = Staging()  # page-locked host copies of the values fed per step
 
     # -- data in and out ---------------------------------------------------------------
@@ -84,7 +90,10 @@ class TorchBackend:
             )
         backed = obj in self.backed
         if self.objs[obj].location is not Location.FAST or (backed and not fast_only):
-            if per_step:
+            if per_step and self.defer_feeds and data.device.type == "cpu":
+                self.feeds.add(obj, self.slow.view(obj), data)  # started with the step
+            elif per_step:
+                self.feeds.wait(obj)
                 host_copy_split(self.slow.view(obj), data)
             else:
                 self.slow.view(obj).copy_(data)
@@ -147,13 +156,22 @@ class TorchBackend:
         return None if buffer is None else typed_view(buffer, self.objs[obj])
 
     def slow_value(self, obj: str) -> torch.Tensor | None:
-        return typed_view(self.slow.view(obj), self.objs[obj]) if obj in self.slow else None
+        if obj not in self.slow:
+            return None
+        self.feeds.wait(obj)
+        return typed_view(self.slow.view(obj), self.objs[obj])
+
+    def settle(self) -> None:
+        """Wait for every fed value still being copied into the slow pool (a step's end;
+        before a CUDA graph, whose copies read the pool without asking)."""
+        self.feeds.wait_all()
 
     # -- the dispatcher's interface ----------------------------------------------------
     def start_run(self, values: Mapping[str, Any]) -> None:
         self.values = values
         self.origin = time.perf_counter()
         self.runner.start_run()
+        self.feeds.start()
 
     @property
     def runs_in_order(self) -> bool:
@@ -200,6 +218,7 @@ class TorchBackend:
         self.runner.submit_task(index, task.id, self.executables[index], ctx)
 
     def launch_transfer(self, serial: int, obj: str, direction: str) -> None:
+        self.feeds.wait(obj)  # a fed value still on its way into the slice
         fast, slow = self.fast.buffers[obj], self.slow.view(obj)
         dst, src = (fast, slow) if direction == "h2d" else (slow, fast)
         self.runner.submit_copy(serial, obj, direction, dst, src)
