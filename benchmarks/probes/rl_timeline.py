@@ -28,8 +28,8 @@ it (the copies onto the device included), and the engine's step; the step's task
 (measured device time beside the plan's ``cost_us`` and the host's time launching them),
 the idle time between them, and its
 transfers by direction (bytes, busy time, rate). Then one update for each of
-``COPY_THREADS`` (the threads of the engine's split host copy: its carry-over), one with the
-engine's ``run_ahead`` off (each task launched after the host saw the one before end), and
+``COPY_THREADS`` (the threads copying the fed hidden states), with the copies made before
+the update and while it runs (``feed_copies``), one with the engine's ``run_ahead`` off (each task launched after the host saw the one before end), and
 one more under ``torch.profiler``: the kernels that took the most device time (``--trace`` also writes its
 chrome trace).
 
@@ -161,14 +161,28 @@ def main() -> None:
             }
         print(json.dumps(found | step_breakdown(trainer)))
 
-    # the carry-over by the threads of a split host copy (the fed hidden states)
-    for threads in COPY_THREADS:
-        torch_storage.HOST_COPY_THREADS = threads
-        carry.take()
-        trainer.update(rollouts, lr=1e-6)
-        synchronize(args.device)
-        print(json.dumps({"copy_threads": threads, "carry_over_ms": round(carry.take() * 1e3, 1)}))
+    # the fed hidden states' copies by the copy threads, made before the update (the
+    # carry-over) and while it runs (the engine's default on CUDA: in the update's wall)
+    backend = trainer._engine._backend
+    default_deferred = backend.defer_feeds
+    for deferred in (False, True):
+        backend.defer_feeds = deferred
+        for threads in COPY_THREADS:
+            torch_storage.HOST_COPY_THREADS = threads
+            carry.take()
+            began = time.perf_counter()
+            trainer.update(rollouts, lr=1e-6)
+            synchronize(args.device)
+            wall_ms = round((time.perf_counter() - began) * 1e3, 1)
+            carry_ms = round(carry.take() * 1e3, 1)
+            print(
+                json.dumps(
+                    {"copies_in_step": deferred, "copy_threads": threads, "wall_ms": wall_ms}
+                    | {"carry_over_ms": carry_ms}
+                )
+            )
     torch_storage.HOST_COPY_THREADS = default_threads
+    backend.defer_feeds = default_deferred
 
     # one update launching each task only after the host saw the one before end
     trainer._engine.run_ahead = False
