@@ -10,7 +10,8 @@ Three measurements, all in one run on one GPU:
    Reported as p50/p99 over all gaps, and the host time spent inside each launch; once as
    the engine runs by default (``dispatch``: a task launched behind the running one, the
    engine's ``run_ahead``) and once launching each task after the host saw the one before
-   end (``dispatch_after_end``).
+   end (``dispatch_after_end``); and again with tasks of 400 us whose launch costs the
+   host 200 us, as a compiled block's does (``slow_launch``, ``slow_launch_after_end``).
 2. **Bandwidth**: raw pinned-host <-> device copies on side streams (the ceiling), then
    the engine moving the same objects by prefetch only, offload only, and both at once.
 3. **Fidelity**: a weight-streaming chain (weights prefetched layer by layer, outputs
@@ -28,6 +29,7 @@ import json
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -64,16 +66,25 @@ def calibrate_sleep_cycles_per_us() -> float:
 
 
 class Sleep:
-    def __init__(self, cycles: int) -> None:
-        self.cycles = cycles
+    """A sleep kernel of ``cycles``, launched after ``host_us`` of host work (a busy wait:
+    what a compiled block's guards and launches cost the host, 0.1-1 ms)."""
+
+    def __init__(self, cycles: int, host_us: float = 0.0) -> None:
+        self.cycles, self.host_us = cycles, host_us
 
     def launch(self, ctx) -> None:
+        if self.host_us:
+            until = time.perf_counter() + self.host_us / 1e6
+            while time.perf_counter() < until:
+                pass
         if self.cycles:
             torch.cuda._sleep(self.cycles)
 
 
-def sleep_resolver(cycles_per_us: float) -> DictResolver:
-    return DictResolver("sleep", {"sleep": lambda task: Sleep(int(task.cost_us * cycles_per_us))})
+def sleep_resolver(cycles_per_us: float, host_us: float = 0.0) -> DictResolver:
+    return DictResolver(
+        "sleep", {"sleep": lambda task: Sleep(int(task.cost_us * cycles_per_us), host_us)}
+    )
 
 
 def zeros_for(program: Program) -> dict[str, torch.Tensor]:
@@ -86,7 +97,13 @@ def zeros_for(program: Program) -> dict[str, torch.Tensor]:
 
 # -- 1. dispatch -----------------------------------------------------------------------
 def measure_dispatch(
-    cycles_per_us: float, tasks: int, task_us: float, steps: int, *, run_ahead: bool = True
+    cycles_per_us: float,
+    tasks: int,
+    task_us: float,
+    steps: int,
+    *,
+    run_ahead: bool = True,
+    host_us: float = 0.0,
 ) -> dict:
     program = Program(
         name="dispatch",
@@ -96,13 +113,14 @@ def measure_dispatch(
         ),
     )
     with Engine("torch", device="cuda", run_ahead=run_ahead) as engine:
-        engine.load(program, sleep_resolver(cycles_per_us), initial=zeros_for(program))
+        engine.load(program, sleep_resolver(cycles_per_us, host_us), initial=zeros_for(program))
         result = engine.run(steps=steps)
     launch_us = [us for step in result.launch_host_us[1:] for us in step]
     gaps = [gap for step in range(1, steps) for gap in result.task_gaps_us(step)]
     return {
         "tasks": tasks,
         "task_us": task_us,
+        "host_us": host_us,
         "launched_ahead": result.steps[-1].launched_ahead,
         "steps_measured": steps - 1,
         "gap_us_p50": percentile(gaps, 0.5),
@@ -303,6 +321,11 @@ def main() -> int:
         "dispatch_after_end": measure_dispatch(
             cycles, tasks=200 if quick else 2000, task_us=20.0, steps=3, run_ahead=False
         ),
+        # tasks whose launch costs the host 200 us (a compiled block's), each 400 us long
+        "slow_launch": measure_dispatch(cycles, tasks=200, task_us=400.0, steps=3, host_us=200.0),
+        "slow_launch_after_end": measure_dispatch(
+            cycles, tasks=200, task_us=400.0, steps=3, run_ahead=False, host_us=200.0
+        ),
         "raw_copy": raw,
         "latency_us": latency,
         "engine_copy": engine_bw,
@@ -321,7 +344,7 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     f = results["fidelity"]
-    for key in ("dispatch", "dispatch_after_end"):
+    for key in ("dispatch", "dispatch_after_end", "slow_launch", "slow_launch_after_end"):
         d = results[key]
         print(
             f"{key}: gap p50 {d['gap_us_p50']:.1f} us, p99 {d['gap_us_p99']:.1f} us; "
