@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from dataflow_training.drive.trainer import TrainOptions
+from dataflow_training.drive.options import TrainOptions
 from dataflow_training.plan.pricing import price_step
 from dataflow_training.plan.profile import profile_program
 from dataflow_training.step.family import load_family

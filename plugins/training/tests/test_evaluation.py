@@ -19,8 +19,9 @@ pytest.importorskip("dataflow_feed_shards")
 
 from dataflow_training.drive.eval_checkpoint import evaluate_checkpoint  # noqa: E402
 from dataflow_training.drive.evaluation import EvalOptions, Evaluator  # noqa: E402
+from dataflow_training.drive.options import TrainOptions  # noqa: E402
 from dataflow_training.drive.run import TrainingRun  # noqa: E402
-from dataflow_training.drive.trainer import TrainOptions, train  # noqa: E402
+from dataflow_training.drive.trainer import train  # noqa: E402
 from dataflow_training.plan.compiled_step import compile_step  # noqa: E402
 from dataflow_training.step.config import TrainConfig  # noqa: E402
 from dataflow_training.step.family import load_family  # noqa: E402

@@ -60,7 +60,7 @@ def _hf_model(layers: int = 2):
 
 
 def _options(folder: Path, out: Path, steps: int, **more):
-    from dataflow_training.drive.trainer import TrainOptions
+    from dataflow_training.drive.options import TrainOptions
 
     return TrainOptions(
         family="llama3",
@@ -76,7 +76,7 @@ def _options(folder: Path, out: Path, steps: int, **more):
 
 def _hf_loss(model, options) -> float:
     """The HF model's loss on the run's first batch (the same feed, opened again)."""
-    from dataflow_training.drive.trainer import open_feed
+    from dataflow_training.drive.options import open_feed
 
     tokens, targets = open_feed(options).next()
     with torch.no_grad():

@@ -127,7 +127,8 @@ def test_a_packed_run_replayed_on_cuda_is_told_its_attention_runs_the_masked_ker
 ) -> None:
     """Only a packed run on CUDA replayed from a graph gets the line (its attention cannot
     read the documents' layout on the host there); it names the way out, --no-graph."""
-    from dataflow_training.drive.trainer import TrainOptions, packed_attention_warning
+    from dataflow_training.drive.options import TrainOptions
+    from dataflow_training.drive.trainer import packed_attention_warning
 
     def options(**fields):
         base = {"device": "cuda", "graph": True, "pack_documents": True}

@@ -16,13 +16,13 @@ from dataflow.testing import invoke
 
 pytest.importorskip("dataflow_family_gpt2")
 
+from dataflow_training.drive.options import TrainOptions  # noqa: E402
 from dataflow_training.drive.step_search import (  # noqa: E402
     SEARCH_CACHE_ENV,
     SEARCHED,
     NothingFits,
     search_for,
 )
-from dataflow_training.drive.trainer import TrainOptions  # noqa: E402
 from dataflow_training.plan.hardware import hardware  # noqa: E402
 from dataflow_training.plan.profile import CACHE_ENV  # noqa: E402
 from dataflow_training.plan.search import Pricing  # noqa: E402

@@ -19,12 +19,8 @@ pytest.importorskip("dataflow_family_gpt2")
 pytest.importorskip("dataflow_feed_shards")
 
 from dataflow_training.drive.components import TENSORBOARD_SCALARS  # noqa: E402
-from dataflow_training.drive.trainer import (  # noqa: E402
-    TrainOptions,
-    plan_line,
-    recomputed_layers,
-    train,
-)
+from dataflow_training.drive.options import TrainOptions  # noqa: E402
+from dataflow_training.drive.trainer import plan_line, recomputed_layers, train  # noqa: E402
 from dataflow_training.plan.compiled_step import UNBOUNDED_BYTES, compile_step  # noqa: E402
 from dataflow_training.step.config import TrainConfig  # noqa: E402
 from dataflow_training.step.costs import RooflineCost  # noqa: E402

@@ -16,7 +16,8 @@ from dataflow import exported, lazy_exports
 _HOMES = {
     "dataflow_training.plan.compiled_step": ("compile_step", "CompiledStep"),
     "dataflow_training.drive.run": ("TrainingRun", "StepStats"),
-    "dataflow_training.drive.trainer": ("train", "TrainOptions"),
+    "dataflow_training.drive.trainer": ("train",),
+    "dataflow_training.drive.options": ("TrainOptions",),
     "dataflow_training.drive.phases": ("Phase", "PhaseRecipe"),
     "dataflow_training.step.freezing": ("FreezeError",),
     "dataflow_training.step.lora": ("LoraConfig", "LoraError"),

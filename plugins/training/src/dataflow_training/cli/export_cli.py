@@ -174,7 +174,7 @@ def export_bundle(
 ) -> str:
     """Write the bundle; return the line that says what was written."""
     # torch loads when the command runs, not when `dataflow` lists its commands
-    from dataflow_training.drive.trainer import TrainOptions
+    from dataflow_training.drive.options import TrainOptions
 
     if budget_bytes is None:
         raise click.UsageError("--budget SIZE is needed with --preset (the fast-memory budget)")

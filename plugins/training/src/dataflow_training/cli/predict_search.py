@@ -68,8 +68,8 @@ def search_command(
     ``optimizer_states``); ``tuning`` (``plan.predict.Tuning``): what trains, by which
     optimizer, as ``dataflow train`` takes them."""
     # torch loads when the command runs, not when `dataflow` lists its commands
+    from dataflow_training.drive.options import TrainOptions
     from dataflow_training.drive.step_search import SEARCHED, search_for
-    from dataflow_training.drive.trainer import TrainOptions
     from dataflow_training.plan.search import Pricing
 
     for option, values in (("--budget", budgets), ("--seq-len", seq_lens), ("--order", orders)):

@@ -330,8 +330,9 @@ def train_command(
     started as a member (torchrun, or by a conductor): train as one."""
     # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.drive.checkpoint import CheckpointError, CheckpointWriteError, os_cause
+    from dataflow_training.drive.options import TrainOptions
     from dataflow_training.drive.run_folder import RunFolderError
-    from dataflow_training.drive.trainer import Interrupted, TrainingStopped, TrainOptions, train
+    from dataflow_training.drive.trainer import Interrupted, TrainingStopped, train
 
     if topology is not None or group is not None:
         _conduct(

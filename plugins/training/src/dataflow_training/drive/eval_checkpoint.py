@@ -17,7 +17,7 @@ from dataflow_training.drive.checkpoint import (
     read_manifest,
 )
 from dataflow_training.drive.evaluation import EvalOptions, Evaluator, val_feed_spec
-from dataflow_training.drive.trainer import TrainOptions
+from dataflow_training.drive.options import TrainOptions
 from dataflow_training.step.family import load_family
 
 

@@ -24,16 +24,11 @@ import attrs
 from dataflow import InfeasibleBudget, families, format_size, parse_size
 from dataflow_training.drive.checkpoint import checkpoints, intact_checkpoint, step_name
 from dataflow_training.drive.components import METRICS_FILE, Checkpointer, JsonlMetrics
+from dataflow_training.drive.options import TrainOptions
 from dataflow_training.drive.peft_export import merged
 from dataflow_training.drive.profiling import ProfileWindow, StepProfiler
 from dataflow_training.drive.run import TrainingRun, resolver_for
-from dataflow_training.drive.trainer import (
-    HISTORY_TAIL,
-    TrainOptions,
-    _init_weights,
-    _with_init,
-    plan_line,
-)
+from dataflow_training.drive.trainer import HISTORY_TAIL, _init_weights, _with_init, plan_line
 from dataflow_training.service.batches import read_batch
 from dataflow_training.service.kinds import TOKENS, KindRun
 from dataflow_training.service.protocol import ProtocolError, field, no_other_fields
