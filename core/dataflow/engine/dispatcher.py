@@ -64,7 +64,12 @@ class TaskRecord:
 
 
 class Backend(Protocol):
-    """What the dispatcher needs from a backend (see engine/backends/)."""
+    """What the dispatcher needs from a backend (see engine/backends/). ``runs_in_order``:
+    each of its lanes runs operations in launch order (a CUDA stream, the CPU backend's
+    worker queues), so a task launched behind the running one starts when that one ends
+    (``Dispatcher``'s ``run_ahead``)."""
+
+    runs_in_order: bool
 
     def now_us(self) -> float: ...
     def can_alloc_fast(self, obj: str) -> bool: ...
@@ -74,10 +79,6 @@ class Backend(Protocol):
     def launch_task(self, index: int) -> None: ...
     def launch_transfer(self, serial: int, obj: str, direction: str) -> None: ...
     def wait(self) -> list[Completion]: ...
-
-    # A backend may also say ``runs_in_order = True``: each of its lanes runs operations in
-    # launch order (a CUDA stream, the CPU backend's worker queues), so a task launched
-    # behind the running one starts when that one ends (``Dispatcher``'s ``run_ahead``).
 
 
 class OpFailed(Exception):
@@ -168,7 +169,7 @@ class Dispatcher:
         self.ledger = Ledger(program, fast_budget_bytes, slow_budget_bytes)
         self.next_task = 0
         self.running_task: int | None = None  # the compute task running
-        self.run_ahead = run_ahead and bool(getattr(backend, "runs_in_order", False))
+        self.run_ahead = run_ahead and backend.runs_in_order
         self.queued_task: int | None = None  # launched behind the running task
         self.early: Completion | None = None  # the queued task's end, seen before the running's
         self.launched_ahead = 0

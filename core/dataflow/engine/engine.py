@@ -368,8 +368,7 @@ class Engine:
         try:
             return dispatcher.run()
         finally:  # fed values still arriving in the slow pool (none the step read)
-            if hasattr(backend, "settle"):
-                backend.settle()
+            backend.settle()
 
     def _carry_over(self, step: int, fed: Mapping[str, Any]) -> None:
         """Put every object that exists at start where it starts, for step ``step``.

@@ -176,9 +176,9 @@ class TorchBackend:
     @property
     def runs_in_order(self) -> bool:
         """Whether the runner's lanes run operations in launch order (the dispatcher may
-        then launch a task behind the running one); a graph capture's runner does not say
-        so: it decides on the virtual clock, as the simulator does."""
-        return bool(getattr(self.runner, "runs_in_order", False))
+        then launch a task behind the running one); a graph capture's do not: it decides
+        on the virtual clock, as the simulator does."""
+        return self.runner.runs_in_order
 
     def now_us(self) -> float:
         clock = getattr(self.runner, "now_us", None)  # a capture runs on a virtual clock

@@ -87,6 +87,9 @@ class DeviceValues:
 class GraphCapture:
     """The runner of a torch backend while one step is captured (module doc)."""
 
+    #: its clock is the virtual backend's: it launches at each end, as the simulator does
+    runs_in_order = False
+
     def __init__(self, program: Program, streams: Mapping[OpKind, torch.cuda.Stream]) -> None:
         self.streams = dict(streams)
         self.compute_stream = self.streams[OpKind.TASK]

@@ -20,6 +20,8 @@ _OTHER = {OpKind.D2H: OpKind.H2D, OpKind.H2D: OpKind.D2H}
 
 class VirtualBackend:
     name = "virtual"
+    #: it dispatches at each end, as the simulator does (``Dispatcher``'s ``run_ahead``)
+    runs_in_order = False
 
     def __init__(self, program: Program) -> None:
         self.program = program
@@ -34,6 +36,9 @@ class VirtualBackend:
             OpKind.D2H: (links.d2h.bw_bytes_per_us, shared[1], links.d2h.latency_us),
         }
         self._drain_us: dict[OpKind, float] = {}  # per running transfer: when bytes move
+
+    def settle(self) -> None:
+        """Nothing is copied in behind a virtual step: it holds no bytes."""
 
     def now_us(self) -> float:
         return self.clock_us
