@@ -29,9 +29,10 @@ it (the copies onto the device included), and the engine's step; the step's task
 the idle time between them, and its
 transfers by direction (bytes, busy time, rate). Then one update for each of
 ``COPY_THREADS`` (the threads copying the fed hidden states), with the copies made before
-the update and while it runs (``feed_copies``), one with the engine's ``run_ahead`` off (each task launched after the host saw the one before end), and
-one more under ``torch.profiler``: the kernels that took the most device time (``--trace`` also writes its
-chrome trace).
+the update and while it runs (``torch_feed_copies``), one with the engine's ``run_ahead``
+off (each task launched after the host saw the one before end), and one more under
+``torch.profiler``: the kernels that took the most device time (``--trace`` also writes
+its chrome trace).
 
     python -m benchmarks.probes.rl_timeline --preset l3_1b --rows 128 --rounds 16 \
         --hidden-every 2 --budget 4GiB --trace $OUT/rl_trace.json

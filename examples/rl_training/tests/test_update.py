@@ -536,8 +536,8 @@ def test_a_captured_update_replays_the_dispatched_one(tmp_path):
 
 def test_hidden_states_copied_while_the_update_runs_give_the_same_update(tmp_path):
     """On CUDA the engine copies the fed hidden states into its slow pool while the
-    update runs (``feed_copies``); forced here on the CPU: the same weights after three
-    updates, bit for bit, as with the copies made before each update."""
+    update runs (``torch_feed_copies``); forced here on the CPU: the same weights after
+    three updates, bit for bit, as with the copies made before each update."""
     family, config, state = start("llama3", "llama3_tiny")
     rollouts = sample(PolicyTrainer(family, config, state), tmp_path / "policy", seed=0)
     states = []

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dataflow.engine.backends.feed_copies import FeedCopies, first_fetch
+from dataflow.engine.backends.torch_feed_copies import FeedCopies, first_fetch
 from dataflow.engine.backends.torch_storage import (
     FastStore,
     SlowPool,
@@ -33,7 +33,7 @@ class TorchBackend:
     """One loaded program's storage plus a runner; reused across steps.
 
     ``defer_feeds`` (on CUDA): a per-step value fed into a slow slice is copied there while
-    the step runs (``feed_copies``), waited for where the slice is read; off, before it."""
+    the step runs (``torch_feed_copies``), waited for where the slice is read; off, before it."""
 
     def __init__(
         self,

@@ -1,7 +1,8 @@
-"""Fed values copied into the slow pool while the step runs (``backends.feed_copies``, on
-by default on CUDA; forced here on the CPU backend): each step computes what it computes
-with the values copied before it, byte for byte, with copies slowed to milliseconds so a
-transfer that did not wait for its object's copy would read stale bytes; the copies start
+"""Fed values copied into the slow pool while the step runs
+(``backends.torch_feed_copies``, on by default on CUDA; forced here on the CPU backend):
+each step computes what it computes with the values copied before it, byte for byte, with
+copies slowed to milliseconds so a transfer that did not wait for its object's copy would
+read stale bytes; the copies start
 in the order the step first fetches their objects."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dataflow.engine import DictResolver, Engine  # noqa: E402
-from dataflow.engine.backends import feed_copies  # noqa: E402
+from dataflow.engine.backends import torch_feed_copies  # noqa: E402
 from dataflow.planning import plan  # noqa: E402
 from dataflow.schema import Link, Links, Location, Obj, Program, Role, Task  # noqa: E402
 
@@ -69,7 +70,7 @@ def slow_feed_copies(monkeypatch):
             time.sleep(COPY_SLEEP_S)
             dst[...] = src
 
-    monkeypatch.setattr(feed_copies, "numpy", SlowNumpy)
+    monkeypatch.setattr(torch_feed_copies, "numpy", SlowNumpy)
 
 
 def run(deferred: bool, steps: int = 3, device: str = "cpu") -> list[dict[str, torch.Tensor]]:
@@ -107,14 +108,14 @@ def test_on_cuda_a_step_with_copies_arriving_computes_the_same(slow_feed_copies)
 def test_copies_start_in_the_order_the_step_first_fetches_their_objects() -> None:
     started: list[str] = []
 
-    class Recording(feed_copies.FeedCopies):
+    class Recording(torch_feed_copies.FeedCopies):
         def start(self) -> None:
             order = sorted(self.queued, key=lambda o: self.first.get(o, len(self.first) + 1))
             started.extend(order)
             super().start()
 
     chain = program()
-    first = feed_copies.first_fetch(plan(chain, 4 * SIZE + FED * SIZE).program)
+    first = torch_feed_copies.first_fetch(plan(chain, 4 * SIZE + FED * SIZE).program)
     copies = Recording(first)
     for i in reversed(range(FED)):  # added last-first
         copies.add(f"x{i}", torch.empty(SIZE, dtype=torch.uint8), fed(0)[f"x{i}"])
