@@ -8,6 +8,7 @@ in the order the step first fetches their objects."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -59,18 +60,23 @@ def fed(step: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def slow_feed_copies(monkeypatch):
-    """Copies into the slow pool split into 16 KiB parts, each taking milliseconds."""
+    """Copies into the slow pool (``torch_storage.copy_parts``, the copy threads') split
+    into 16 KiB parts, each taking milliseconds; the transfers' copies as they are."""
     from dataflow.engine.backends import torch_storage
 
     monkeypatch.setattr(torch_storage, "SPLIT_COPY_BYTES", 16 * KiB)
+    pool = ThreadPoolExecutor(4, thread_name_prefix="slow-copy")
 
-    class SlowNumpy:
-        @staticmethod
-        def copyto(dst, src) -> None:
+    def slow_parts(dst, src, part_bytes):
+        def part(at: int) -> None:
             time.sleep(COPY_SLEEP_S)
-            dst[...] = src
+            dst[at : at + part_bytes].copy_(src[at : at + part_bytes])
 
-    monkeypatch.setattr(torch_feed_copies, "numpy", SlowNumpy)
+        return [pool.submit(part, at) for at in range(0, src.numel(), part_bytes)]
+
+    monkeypatch.setattr(torch_storage, "copy_parts", slow_parts)
+    yield
+    pool.shutdown()
 
 
 def run(deferred: bool, steps: int = 3, device: str = "cpu") -> list[dict[str, torch.Tensor]]:

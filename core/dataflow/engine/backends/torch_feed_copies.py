@@ -5,24 +5,20 @@ host bytes bound for its page-locked slow slice. Copied there before the step, t
 waits for all of them: l3_1b's RL update feeds 4.3 GB of hidden states, 187-766 ms of a
 2.9 s update on the H100 machine (session 33). The step reads a slice only when it
 prefetches the object, so ``FeedCopies`` starts the copies as the step starts, in the
-order the step first prefetches their objects, on threads of the engine's own (numpy lets
-go of the GIL while it copies), and the backend waits for an object's copy only where its
+order the step first prefetches their objects, on the engine's copy threads
+(``torch_storage.copy_parts``), and the backend waits for an object's copy only where its
 slice is read: its transfer, a ``fetch``, or the step's end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
-import numpy
 import torch
 
 from dataflow.engine.backends import torch_storage
 from dataflow.schema import Program
-
-#: the threads copying fed values, and how many it has (remade when the count changes)
-_pool: tuple[ThreadPoolExecutor, int] | None = None
 
 
 def first_fetch(program: Program) -> dict[str, int]:
@@ -33,16 +29,6 @@ def first_fetch(program: Program) -> dict[str, int]:
         for obj in task.prefetches:
             first.setdefault(obj, index)
     return first
-
-
-def _copy_pool() -> ThreadPoolExecutor:
-    global _pool
-    threads = torch_storage.HOST_COPY_THREADS
-    if _pool is None or _pool[1] != threads:
-        if _pool is not None:
-            _pool[0].shutdown(wait=False)  # its threads end once idle
-        _pool = (ThreadPoolExecutor(threads, thread_name_prefix="dataflow-feed"), threads)
-    return _pool[0]
 
 
 class FeedCopies:
@@ -58,7 +44,7 @@ class FeedCopies:
         self.arriving: dict[str, list[Future]] = {}
 
     def add(self, obj: str, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if dst.numel() != src.numel():
+        if dst.numel() != src.numel():  # said now, not when the step starts the copy
             raise ValueError(f"host copy of {src.numel()} bytes into {dst.numel()}")
         self.wait(obj)  # an earlier value still arriving there (never, between steps)
         self.queued[obj] = (dst, src)
@@ -66,17 +52,12 @@ class FeedCopies:
     def start(self) -> None:
         if not self.queued:
             return
-        pool = _copy_pool()
         threads = torch_storage.HOST_COPY_THREADS
         never = len(self.first) + 1
         for obj in sorted(self.queued, key=lambda o: self.first.get(o, never)):
             dst, src = self.queued[obj]
-            target, source = dst.numpy(), src.numpy()
-            part = max(torch_storage.SPLIT_COPY_BYTES, -(-source.size // threads))
-            self.arriving[obj] = [
-                pool.submit(numpy.copyto, target[at : at + part], source[at : at + part])
-                for at in range(0, source.size, part)
-            ]
+            part = max(torch_storage.SPLIT_COPY_BYTES, -(-src.numel() // threads))
+            self.arriving[obj] = torch_storage.copy_parts(dst, src, part)
         self.queued.clear()
 
     def wait(self, obj: str) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy
 import torch
@@ -88,35 +88,43 @@ SPLIT_COPY_BYTES = 8 << 20
 #: 766 / 377 / 235 / 187 ms with 1 / 2 / 4 / 8 threads on the H100 machine (16 cores;
 #: session 33, ``benchmarks/probes/rl_timeline.py``), of a 2.9 s update.
 HOST_COPY_THREADS = min(8, os.cpu_count() or 1)
-#: the helper threads of split copies, and how many it has (remade when the count changes)
+#: the engine's copy threads, and how many it has (remade when the count changes)
 _copy_pool: tuple[ThreadPoolExecutor, int] | None = None
+
+
+def copy_parts(dst: torch.Tensor, src: torch.Tensor, part_bytes: int) -> list[Future]:
+    """numpy copies of ``src`` into ``dst`` (flat uint8 host tensors of one size) in parts
+    of ``part_bytes``, each submitted to the engine's ``HOST_COPY_THREADS`` copy threads
+    (numpy lets go of the GIL while it copies). Those threads wait on a queue between
+    steps, not in torch's intra-op pool, whose wake-up ``host_copy`` avoids."""
+    global _copy_pool
+    if dst.numel() != src.numel():
+        raise ValueError(f"host copy of {src.numel()} bytes into {dst.numel()}")
+    threads = HOST_COPY_THREADS
+    if _copy_pool is None or _copy_pool[1] != threads:
+        if _copy_pool is not None:
+            _copy_pool[0].shutdown(wait=False)  # its threads end once idle
+        _copy_pool = (ThreadPoolExecutor(threads, thread_name_prefix="dataflow-copy"), threads)
+    pool = _copy_pool[0]
+    target, source = dst.numpy(), src.numpy()
+    return [
+        pool.submit(numpy.copyto, target[at : at + part_bytes], source[at : at + part_bytes])
+        for at in range(0, source.size, part_bytes)
+    ]
 
 
 def host_copy_split(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``host_copy`` of a large host source split into ``HOST_COPY_THREADS`` parts, one on
-    this thread and the others on a pool of the engine's own (numpy lets go of the GIL
-    while it copies). Those threads wait on a queue between steps, not in torch's
-    intra-op pool, whose wake-up ``host_copy`` avoids."""
-    global _copy_pool
+    this thread and the others on the engine's copy threads (``copy_parts``)."""
     threads = HOST_COPY_THREADS
     if src.device.type != "cpu" or threads < 2 or src.numel() < SPLIT_COPY_BYTES:
         host_copy(dst, src)
         return
     if dst.numel() != src.numel():
         raise ValueError(f"host copy of {src.numel()} bytes into {dst.numel()}")
-    if _copy_pool is None or _copy_pool[1] != threads - 1:
-        if _copy_pool is not None:
-            _copy_pool[0].shutdown(wait=False)  # its threads end once idle
-        pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="dataflow-copy")
-        _copy_pool = (pool, threads - 1)
-    pool = _copy_pool[0]
-    target, source = dst.numpy(), src.numpy()
-    part = -(-source.size // threads)
-    helped = [
-        pool.submit(numpy.copyto, target[at : at + part], source[at : at + part])
-        for at in range(part, source.size, part)
-    ]
-    numpy.copyto(target[:part], source[:part])
+    part = -(-src.numel() // threads)
+    helped = copy_parts(dst[part:], src[part:], part)
+    host_copy(dst[:part], src[:part])
     for job in helped:
         job.result()
 
