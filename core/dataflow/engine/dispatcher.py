@@ -259,7 +259,6 @@ class Dispatcher:
         if self.running_task is not None:
             return self._launch_ahead()
         task = self.tasks[self.next_task]
-        ledger = self.ledger
         busy_link = self.running_collective is not None
         if self.checked_task != self.next_task and not busy_link:
             # it is next and nothing before it runs: what can never improve
@@ -267,9 +266,8 @@ class Dispatcher:
             self._check_next(task)
         if busy_link and (task.collective or self.held.intersection(task.inputs + task.mutates)):
             return False  # the link is taken, or the task uses what is being reduced
-        for obj in task.inputs + task.mutates:
-            if ledger.fast[obj] is not Fast.RESIDENT or obj in ledger.offload_pending:
-                return False
+        if not self._uses_ready(task):
+            return False
         if not self._take_room(self.next_task, 0):
             return False
         index = self.next_task
@@ -297,13 +295,10 @@ class Dispatcher:
         if task.collective:
             return False
         leaving = set(running.releases) | set(running.offloads)
-        for obj in task.inputs + task.mutates:
-            if obj in leaving:
-                return False
-            if obj in running.outputs:
-                continue
-            if ledger.fast[obj] is not Fast.RESIDENT or obj in ledger.offload_pending:
-                return False
+        if leaving.intersection(task.inputs + task.mutates):
+            return False
+        if not self._uses_ready(task, coming=frozenset(running.outputs)):
+            return False
         head = self.queues["h2d"]
         waiting = ledger.size[head[0].obj] if head and self.running["h2d"] is None else 0
         if not self._take_room(index, waiting):
@@ -313,6 +308,16 @@ class Dispatcher:
         self.launched_ahead += 1
         self.backend.launch_task(index)
         return True
+
+    def _uses_ready(self, task, coming: frozenset[str] = frozenset()) -> bool:
+        """Whether every object ``task`` reads or mutates is resident with no offload
+        pending, or among ``coming`` (outputs of the task running before it)."""
+        ledger = self.ledger
+        return all(
+            obj in coming
+            or (ledger.fast[obj] is Fast.RESIDENT and obj not in ledger.offload_pending)
+            for obj in task.inputs + task.mutates
+        )
 
     def _take_room(self, index: int, beside: int) -> bool:
         """Reserve task ``index``'s outputs and workspace and allocate its outputs, when
