@@ -66,9 +66,9 @@ def finetune_options(command: Callable) -> Callable:
     return command
 
 
-def check_lora(rest: dict[str, Any]) -> None:
-    """The ``--lora*`` options of ``rest`` make one ``LoraConfig`` (``step.lora``), or a
-    one-line usage error naming the option at fault."""
+def check_lora(rest: dict[str, Any]) -> Any:
+    """The ``LoraConfig`` (``step.lora``) the ``--lora*`` options of ``rest`` make (None
+    without ``--lora``), or a one-line usage error naming the option at fault."""
     # the step modules load when the command runs, not when `dataflow` lists its commands
     from dataflow_training.step.lora import LoraConfig
 
@@ -76,8 +76,8 @@ def check_lora(rest: dict[str, Any]) -> None:
         given = [f"--{n.replace('_', '-')}" for n in LORA_FIELDS if rest[n]]
         if given:
             raise click.UsageError(f"{', '.join(given)} needs --lora RANK")
-        return
+        return None
     try:
-        LoraConfig(rest["lora"], *(rest[n] for n in LORA_FIELDS))
+        return LoraConfig(rest["lora"], *(rest[n] for n in LORA_FIELDS))
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--lora") from None

@@ -24,7 +24,7 @@ from rich.table import Table
 
 from dataflow import format_size, parse_size, resolvers
 from dataflow.cli import COUNT, Device, Failure, OutputFile, one_line
-from dataflow_training.cli.finetune_options import LORA_FIELDS, check_lora, finetune_options
+from dataflow_training.cli.finetune_options import check_lora, finetune_options
 from dataflow_training.cli.optimizer_options import check_optimizer, optimizer_options
 from dataflow_training.cli.predict_search import search_command
 from dataflow_training.cli.train_defaults import default_device, default_family
@@ -34,7 +34,7 @@ from dataflow_training.plan.hardware import HardwareError, hardware
 from dataflow_training.plan.predict import Tuning, default_jobs, grid, predict, predict_fleet
 from dataflow_training.step.config import ORDER_FORMS, parse_order
 from dataflow_training.step.freezing import FreezeError
-from dataflow_training.step.lora import LoraConfig, LoraError
+from dataflow_training.step.lora import LoraError
 from dataflow_training.step.precision import precision
 
 
@@ -323,14 +323,13 @@ def _tuning(trains: dict[str, Any], policy: dict[str, Any], device: str) -> Tuni
     """What trains and by which optimizer (``plan.predict.Tuning``), from ``--freeze``,
     the ``--lora*`` options and ``--optimizer``/``--optimizer-arg``, checked as ``dataflow
     train`` checks them (one line naming the option at fault)."""
-    check_lora(trains)
+    lora = check_lora(trains)
     rest = {"precision": "auto", "dtype": None, "optimizer_states": None} | policy
     rest |= {"optimizer": trains["optimizer"], "optimizer_args": trains["optimizer_args"]}
     check_optimizer(rest, device)
-    lora = trains["lora"]
     return Tuning(
         freeze=trains["freeze"],
-        lora=None if lora is None else LoraConfig(lora, *(trains[n] for n in LORA_FIELDS)),
+        lora=lora,
         optimizer=rest["optimizer"],
         optimizer_args=rest["optimizer_args"],
     )

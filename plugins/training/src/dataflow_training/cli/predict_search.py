@@ -21,27 +21,6 @@ from dataflow_training.plan.hardware import HardwareError, hardware
 UNCHECKED_HOST_BYTES = 2**62
 
 
-def _tuning_fields(tuning: Any) -> dict[str, Any]:
-    """``TrainOptions``' fields of what trains (``plan.predict.Tuning``; None: all)."""
-    if tuning is None:
-        return {}
-    fields = {
-        "freeze": tuning.freeze,
-        "optimizer": tuning.optimizer,
-        "optimizer_args": tuning.optimizer_args,
-    }
-    lora = tuning.lora
-    if lora is not None:
-        fields |= {
-            "lora": lora.rank,
-            "lora_alpha": lora.alpha,
-            "lora_dropout": lora.dropout,
-            "lora_targets": lora.targets,
-            "lora_base": lora.base,
-        }
-    return fields
-
-
 def search_command(
     preset: str,
     family_name: str | None,
@@ -99,7 +78,7 @@ def search_command(
         budget_bytes=budgets[0],
         backing_bytes=backing[0] if backing else None,
         **policy,
-        **_tuning_fields(tuning),
+        **(tuning.options_fields() if tuning is not None else {}),
         recompute=recompute,
         overrides=overrides,
         **{name: value for name, value in given.items() if value is not None},

@@ -125,6 +125,20 @@ class Tuning:
     optimizer: str = "adamw"
     optimizer_args: dict[str, Any] = attrs.field(factory=dict)
 
+    def options_fields(self) -> dict[str, Any]:
+        """``TrainOptions``' fields of the same (its ``lora_config`` makes ``lora`` again)."""
+        lora = self.lora
+        return {
+            "freeze": self.freeze,
+            "optimizer": self.optimizer,
+            "optimizer_args": self.optimizer_args,
+            "lora": lora and lora.rank,
+            "lora_alpha": lora and lora.alpha,
+            "lora_dropout": lora.dropout if lora else 0.0,
+            "lora_targets": lora.targets if lora else (),
+            "lora_base": lora and lora.base,
+        }
+
     def fields(self) -> dict[str, Any]:
         """What a row says of it: only what differs from full training by AdamW."""
         found: dict[str, Any] = {}

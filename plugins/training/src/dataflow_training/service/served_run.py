@@ -35,7 +35,7 @@ from dataflow_training.service.protocol import ProtocolError, field, no_other_fi
 from dataflow_training.service.weights_export import export_weights
 from dataflow_training.step.family import load_family
 from dataflow_training.step.freezing import FreezeError
-from dataflow_training.step.lora import LoraConfig, LoraError
+from dataflow_training.step.lora import LoraError
 from dataflow_training.step.optimizers import optimizer_spec
 
 #: ``load``'s fields: each with its type and default (None: ``TrainOptions``' own)
@@ -437,8 +437,9 @@ def _strings(given: dict[str, Any], name: str) -> tuple[str, ...]:
 
 
 def _what_trains(given: dict[str, Any]) -> dict[str, Any]:
-    """``TrainOptions``' fields of what trains: ``freeze`` and the ``lora`` fields, checked
-    as ``dataflow train`` checks its ``--freeze`` and ``--lora*`` (``step.lora``)."""
+    """``TrainOptions``' fields of what trains: ``freeze`` and the ``lora`` fields (a
+    ``lora_*`` field needs ``lora``; their values are ``LoraConfig``'s to check, at the
+    compile)."""
     fields = {"freeze": _strings(given, "freeze")}
     lora = {
         "lora": given["lora"],
@@ -452,10 +453,6 @@ def _what_trains(given: dict[str, Any]) -> dict[str, Any]:
         if named:
             raise ProtocolError(f"args.{named[0]}: needs args.lora (the adapters' rank)")
         return fields
-    try:
-        LoraConfig(*lora.values())
-    except ValueError as exc:
-        raise ProtocolError(f"args.lora: {exc}") from None
     return fields | lora
 
 
