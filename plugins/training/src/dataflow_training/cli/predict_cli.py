@@ -310,13 +310,7 @@ def _policy_fields(name: str | None, dtype: str, states: str) -> dict[str, Any]:
     of ``--dtype`` and ``--optimizer-states``."""
     if _checked_precision(name) is None:
         return {"dtype": dtype, "optimizer_states": states}
-    ctx = click.get_current_context()
-    given = {
-        key: ctx.params[key]
-        for key in ("dtype", "optimizer_states")
-        if ctx.get_parameter_source(key) is not ParameterSource.DEFAULT
-    }
-    return {"precision": name, **given}
+    return {"precision": name, **_given_pins()}
 
 
 def _tuning(trains: dict[str, Any], policy: dict[str, Any], device: str) -> Tuning:
@@ -340,17 +334,23 @@ def _checked_precision(name: str | None) -> str | None:
     ``--optimizer-states`` given beside it differs from its own."""
     if name is None:
         return None
-    ctx = click.get_current_context()
-    pins = {
-        key: ctx.params[param]
-        for key, param in (("dtype", "dtype"), ("states", "optimizer_states"))
-        if ctx.get_parameter_source(param) is not ParameterSource.DEFAULT
-    }
+    pins = _given_pins()
     try:
-        precision(name, **pins)
+        precision(name, dtype=pins.get("dtype"), states=pins.get("optimizer_states"))
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--precision") from None
     return name
+
+
+def _given_pins() -> dict[str, str]:
+    """``--dtype`` and ``--optimizer-states`` where the command line gives them (their
+    defaults are the plain update's, not pins beside ``--precision``)."""
+    ctx = click.get_current_context()
+    return {
+        key: ctx.params[key]
+        for key in ("dtype", "optimizer_states")
+        if ctx.get_parameter_source(key) is not ParameterSource.DEFAULT
+    }
 
 
 def _check_scope(entry: Any, scope: str) -> None:
