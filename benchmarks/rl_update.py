@@ -167,7 +167,7 @@ def clear_device(args: argparse.Namespace) -> None:
     engine's check (session 33's H100 row read a peak 53 MiB past its 4 GiB budget, the
     engine's check passing). No CUDA graph exists yet whose workspace this could pull away."""
     if args.device.startswith("cuda"):
-        getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
+        torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
 
 
