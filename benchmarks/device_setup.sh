@@ -6,12 +6,20 @@
 # flash-linear-attention==0.6.0 fla-core==0.6.0 einops --no-deps -d .whl`); --no-deps keeps a
 # wheel whose other dependencies the image lacks from failing the install. torchao is not
 # carried: --lora-base needs none of it (docs/finetuning.md says why its kernels do not fit).
+# .tilelang/site.tar.xz (optional, carried only for the Gated DeltaNet rows): tilelang 0.1.15
+# and what it imports that the image lacks (apache-tvm-ffi 0.1.12, torch-c-dlpack-ext,
+# z3-solver 4.15.4, cloudpickle, tqdm; cp312 wheels), each wheel unzipped into one folder
+# (z3-solver's .data, its command-line z3, left out) and that folder packed with `tar cJf`.
 # Sourced (`source benchmarks/device_setup.sh && ...`) for its PYTHONPATH; the install
 # runs in a subshell with `set -euo pipefail`, so those options do not leak into the
 # caller's command (where a failing test piped into `tail` would end all that follows).
 _dataflow_device_setup() (
     set -euo pipefail
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    # tilelang (carried as .tilelang/site.tar.xz, unpacked wheels: the wheels themselves
+    # outgrow the carry's 64 MiB) is what fla 0.6 runs its gated backward with on Hopper
+    # under the image's Triton (fla's issue #640; kernels/torch's _fla_runs)
+    if [ -f .tilelang/site.tar.xz ]; then tar xJf .tilelang/site.tar.xz -C /tmp/site; fi
     export PYTHONPATH=/tmp/site
     args=(-e .)
     for p in families/* resolvers/* kernels/* plugins/* examples/third_party_plugin examples/custom_program examples/rl_training; do [ -f "$p/pyproject.toml" ] && args+=(-e "$p"); done

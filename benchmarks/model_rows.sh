@@ -12,6 +12,8 @@
 #   bash benchmarks/model_rows.sh olmoe16       # issue 16's row: stock + 16 GiB by layer, 262,144 tokens
 #   bash benchmarks/model_rows.sh gpt2          # issue 13/14: stock compile + dataflow 16..1 GiB
 #                                               # (GPT2_PART=big: stock, 16..2 GiB; small: 1 GiB)
+#   bash benchmarks/model_rows.sh qwen3_5       # issue 46: qwen3_5_cut, stock compile + dataflow 16, 8 GiB
+#   bash benchmarks/model_rows.sh qwen3_5_moe   # issue 46: qwen3_5_moe_cut, the same
 #
 # Rows are appended to benchmarks/results/compare.json and the tables of
 # docs/throughput.md rewritten; with $OUT set, the log, both files and the profile cache
@@ -19,7 +21,7 @@
 # run) are copied there. SMOKE=1 runs the same commands on the CPU at tiny presets
 # (llama3_tiny, olmoe_tiny) into /tmp, so nothing fails on the device for a typo.
 set -u
-group=${1:?usage: model_rows.sh llama3_8b|llama3_8b_lora|l3_1b|olmoe|olmoe16|olmoe8|small|gpt2}
+group=${1:?usage: model_rows.sh llama3_8b|llama3_8b_lora|l3_1b|olmoe|olmoe16|olmoe8|small|gpt2|qwen3_5|qwen3_5_moe}
 out_json=benchmarks/results/compare.json
 page=docs/throughput.md
 cache=/tmp/dataflow_profiles_$group
@@ -39,6 +41,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
     lora_batches=2 lora_backing=()
     gpt2=(--preset gpt2_tiny --seq-len 32) gpt2_tokens=512 gpt2_big=4MiB,2MiB gpt2_two=1MiB
     gpt2_small=512KiB
+    q35=(--preset qwen3_5_tiny --seq-len 32) q35moe=(--preset qwen3_5_moe_tiny --seq-len 32)
 else
     common+=(--resolver torch-compiled)
     moe_resolver=${MOE_RESOLVER:-torch-compiled}
@@ -49,6 +52,7 @@ else
     lora_batches=${LORA_BATCHES:-4,2} lora_backing=(--backing "${LORA_BACKING:-90GiB}")
     gpt2=(--preset gpt2_124m --seq-len 1024) gpt2_tokens=524288
     gpt2_big=16GiB,8GiB,4GiB gpt2_two=2GiB gpt2_small=1GiB
+    q35=(--preset qwen3_5_cut --seq-len 4096) q35moe=(--preset qwen3_5_moe_cut --seq-len 4096)
 fi
 # REDO=1 measures again the rows the results already have (--redo), e.g. the first call
 # after a change to what the rows run; later calls without it measure only what is missing
@@ -258,8 +262,39 @@ gpt2)
             --total-seconds 560
     } 2>&1 | tee "$log"
     ;;
+qwen3_5 | qwen3_5_moe)
+    # issue 46's rows: the 4-layer cuts of Qwen 3.5 9B (qwen3_5_cut, 2.9B parameters, a
+    # quarter of them each of the untied token table and head) and of Qwen 3.5 35B-A3B
+    # (qwen3_5_moe_cut, 4.4B, 1.3B active), seq 4096, 131,072 tokens a step, stock
+    # torch.compile (harness/stock_decoder.py: fla's chunked gated delta rule in the
+    # Gated DeltaNet layers) beside dataflow at 16 and 8 GiB, bf16 weights and moments.
+    # fla 0.6 refuses its gated backward on Hopper under the image's Triton (its issue
+    # #640) unless tilelang is there: carry .tilelang/site.tar.xz (device_setup.sh).
+    # Orders and batches by `dataflow predict --preset P --budget B --seq-len 4096
+    # --tokens-step 131072 --hw h200 --precision bf16-plain` (session 35, CPU): dense 16 GiB
+    # 4 x 8 layer:2 (60,499 tok/s; round order 8 x 4 58,469), 8 GiB 4 x 8 layer:4
+    # (51,362); MoE 8 x 4 by layer, 16 GiB 100,317 and 8 GiB 79,739. One call each
+    {
+        if [ "$group" = qwen3_5 ]; then
+            compare --family qwen3_5 "${q35[@]}" --rows stock,dataflow --stock-engines compile \
+                --batches 4,2,1 --dataflow-batches 4 --dataflow-orders "${ORDER16:-layer:2}" \
+                --min-tokens "$tokens" --budgets "${big_budgets%,*}" --steps 4 --warmup 2 \
+                --compile-row-seconds 150 --row-seconds 150 --total-seconds 330
+            compare --family qwen3_5 "${q35[@]}" --rows dataflow --dataflow-batches 4 \
+                --dataflow-orders "${ORDER8:-layer:4}" --min-tokens "$tokens" \
+                --budgets "${big_budgets#*,}" --steps 4 --warmup 2 --row-seconds 170 \
+                --total-seconds 170
+        else
+            compare --family qwen3_5_moe "${q35moe[@]}" --rows stock,dataflow \
+                --stock-engines compile --resolver "$moe_resolver" --batches 8,4,2 \
+                --dataflow-batches 8,4 --dataflow-orders layer --min-tokens "$tokens" \
+                --budgets "$big_budgets" --steps 4 --warmup 2 --compile-row-seconds 150 \
+                --row-seconds 170 --total-seconds 500
+        fi
+    } 2>&1 | tee "$log"
+    ;;
 *)
-    echo "model_rows.sh: unknown group '$group' (llama3_8b, llama3_8b_lora, l3_1b, olmoe, olmoe16, olmoe8, small or gpt2)" >&2
+    echo "model_rows.sh: unknown group '$group' (llama3_8b, llama3_8b_lora, l3_1b, olmoe, olmoe16, olmoe8, small, gpt2, qwen3_5 or qwen3_5_moe)" >&2
     exit 2
     ;;
 esac
