@@ -396,6 +396,33 @@ def test_the_socket_file_appears_only_once_it_accepts(home):
     assert refused == []
 
 
+def test_a_staging_socket_of_a_killed_server_is_removed_and_a_live_ones_kept(home):
+    # a server killed between its bind (at ``.NAME.PID``) and its rename left that file; the
+    # next server at the path removes it, and leaves one whose process still runs
+    from dataflow_training.service.server import unix_listener
+
+    bind = (
+        "import os, socket, sys, time; s = socket.socket(socket.AF_UNIX); "
+        "s.bind(os.path.join(sys.argv[1], f'.t.sock.{os.getpid()}')); print('bound', flush=True); "
+        "time.sleep(60)"
+    )
+    staged = []
+    for _ in range(2):
+        proc = subprocess.Popen([sys.executable, "-c", bind, str(home)], stdout=subprocess.PIPE)
+        assert proc.stdout.readline() == b"bound\n"
+        staged.append(proc)
+    killed, live = staged
+    killed.kill()
+    killed.wait()
+    try:
+        listener = unix_listener(home / "t.sock")
+        listener.close()
+        assert sorted(p.name for p in home.iterdir()) == [f".t.sock.{live.pid}", "t.sock"]
+    finally:
+        live.kill()
+        live.wait()
+
+
 def _served(out: Path):
     """A ``ServedRun`` in this process (the verbs without the socket)."""
     import io

@@ -72,6 +72,7 @@ def unix_listener(path: Path) -> socket.socket:
     # the file to appear never finds it before it accepts (a connect between bind and listen
     # is refused); a sibling name past the length limit binds in place
     staging = path.with_name(f".{path.name[:8]}.{os.getpid()}")
+    _remove_dead_staging(staging)
     if len(os.fsencode(str(staging))) > MAX_SOCKET_PATH:
         staging = path
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -90,6 +91,23 @@ def unix_listener(path: Path) -> socket.socket:
     finally:
         os.umask(previous)
     return listener
+
+
+def _remove_dead_staging(staging: Path) -> None:
+    """The staging sockets (``.NAME.PID`` beside the socket) of servers that died between
+    their bind and their rename: a PID no process has any more. A live process's is left
+    (another server starting at this path)."""
+    stem = staging.name.rsplit(".", 1)[0]
+    for left in staging.parent.glob(f"{stem}.*"):
+        pid = left.name.rsplit(".", 1)[1]
+        if not pid.isdigit() or not stat.S_ISSOCK(left.lstat().st_mode):
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            left.unlink(missing_ok=True)
+        except PermissionError:  # a live process of another user
+            pass
 
 
 def tcp_listener(address: str) -> tuple[socket.socket, str]:
