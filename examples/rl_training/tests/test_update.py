@@ -513,6 +513,34 @@ def test_no_task_takes_more_device_memory_than_the_estimate_beside_the_arena():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_update_launched_ahead_with_copies_in_step_is_the_in_order_one(tmp_path):
+    """On CUDA the engine launches tasks behind the running one (``run_ahead``) and copies
+    the fed hidden states while the update runs (``defer_feeds``); with both off it
+    launches each task once the one before has ended and copies before the update (what
+    sessions up to 33 ran). The first update loads the engine; the two after it, run each
+    way (float32, two rounds, KL), end at the same weights (1e-6: the same kernels in the
+    same order on one stream)."""
+    family, config, state = start("llama3", "llama3_tiny")
+    options = UpdateOptions(rounds=2, kl=True)
+    rollouts = sample(PolicyTrainer(family, config, state), tmp_path / "policy", seed=0)
+    rollouts = attrs.evolve(rollouts, ref_logprobs=rollouts.behaviour_logprobs.clone())
+    states = {}
+    for ahead in (False, True):
+        trainer = PolicyTrainer(family, config, state, options, device="cuda")
+        trainer.update(rollouts, lr=LR, kl_coef=0.05)  # loads the engine
+        trainer._engine.run_ahead = ahead
+        trainer._engine._backend.defer_feeds = ahead
+        for _ in range(2):
+            trainer.update(rollouts, lr=LR, kl_coef=0.05)
+        if ahead:
+            assert trainer.last_run.steps[-1].launched_ahead > 0
+        states[ahead] = {k: v.cpu() for k, v in trainer.state().items()}
+        trainer.close()
+    assert_states_close(states[True], states[False], atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_captured_update_replays_the_dispatched_one(tmp_path):
     """On CUDA ``graph=True`` captures the second update and replays it from the third
     (``engine.graph_note`` stays None), and four updates in two rounds, the blocks

@@ -239,7 +239,15 @@ class TorchBackend:
             return self.fast.arena[start : start + size]
         if self.fast.arena is not None:  # placed beside the arena: kernels allocate it
             return None
-        return torch.empty(size, dtype=torch.uint8, device=self.device)  # the simple path
+        if self.device.type != "cuda":  # the simple path
+            return torch.empty(size, dtype=torch.uint8, device=self.device)
+        # taken on the task's own stream, whose order alone keeps the block from being
+        # handed out again before the task has run (it is freed once the launch returns)
+        runner = self.runner
+        with torch.cuda.stream(
+            runner.collective_stream if task.collective else runner.compute_stream
+        ):
+            return torch.empty(size, dtype=torch.uint8, device=self.device)
 
     def _view(self, obj: str) -> torch.Tensor:
         return self.views[obj]

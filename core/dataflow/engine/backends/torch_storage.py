@@ -217,7 +217,16 @@ def _unlock_each(buffers: dict[str, torch.Tensor]) -> None:
 
 
 class FastStore:
-    """Fast-memory buffers by object; ``offset_of(obj, occurrence)`` comes from a placement."""
+    """Fast-memory buffers by object; ``offset_of(obj, occurrence)`` comes from a placement.
+
+    Unplaced on CUDA, each buffer is the caching allocator's, taken on a stream of its own
+    that runs nothing (``alloc_stream``). The allocator hands a freed block again to
+    allocations on the stream it was taken on, trusting that stream's order alone: a
+    task's temporaries go back to the compute stream's pool as soon as its launch returns,
+    still in use until its kernels run, and a buffer taken from that pool for a copy on a
+    transfer stream could be written while they run (seen on the H100: an in-order run's
+    bytes clobbered). The engine frees a buffer only after every operation on it has
+    ended, so a block of this stream's pool is free whenever it is handed out again."""
 
     def __init__(
         self,
@@ -235,12 +244,17 @@ class FastStore:
         )
         self.buffers: dict[str, torch.Tensor] = {}
         self.occurrences: dict[str, int] = {}
+        unplaced_cuda = offset_of is None and device.type == "cuda"
+        self.alloc_stream = torch.cuda.Stream(device=device) if unplaced_cuda else None
 
     def alloc(self, obj: str) -> torch.Tensor:
         occurrence = self.occurrences.get(obj, 0)
         self.occurrences[obj] = occurrence + 1
         size = self.sizes[obj]
-        if self.offset_of is None:
+        if self.alloc_stream is not None:
+            with torch.cuda.stream(self.alloc_stream):
+                buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        elif self.offset_of is None:
             buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
         else:
             start = self.offset_of(obj, occurrence)
