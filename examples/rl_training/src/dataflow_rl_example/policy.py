@@ -65,8 +65,19 @@ def workspace_estimate(step: UpdateStep, device: str = "cpu") -> int:
     return max(head, block)
 
 
+def _device_bytes(device: str) -> int | None:
+    """A CUDA device's whole memory (None elsewhere: the engine checks no allocator)."""
+    dev = torch.device(device)
+    return torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
+
+
 class PolicyTrainer:
     """Policy updates of one model, from rollouts an inference engine wrote.
+
+    ``budget_bytes``: the fast-memory budget the update is planned into, task workspace
+    beside the arena included; on CUDA the engine holds the device allocator's peak to
+    it. None: every object kept (a budget of their sum and the workspace), the allocator
+    held to the device's memory.
 
     ``compiled``: how the blocks' recompute and backward run (``tasks.strategy``): by
     default compiled with inductor on CUDA (the first update compiles each block kind's
@@ -168,7 +179,11 @@ class PolicyTrainer:
                 "workspace beside it)"
             ) from None
         placement = place(self.last_plan, workspace_in_arena=False, workspace_beside_bytes=beside)
-        engine = Engine("torch", budget_bytes=budget, device=self.device, graph=self.graph)
+        # no budget given, none is claimed: every object is kept and the engine holds the
+        # allocator to the device's whole memory (a budget's check would count what runs
+        # once at the first update beside it, e.g. inductor compiling the blocks)
+        held = budget if self.budget_bytes else _device_bytes(self.device)
+        engine = Engine("torch", budget_bytes=held, device=self.device, graph=self.graph)
         initial = self._weights(step) | self._batch(rollouts, step)
         resolver = tasks.build(step, self.device, self.compiled, graph=self.graph)
         engine.load(placement, resolver, initial=initial)
