@@ -9,7 +9,10 @@
 # .tilelang/site.tar.xz (optional, carried only for the Gated DeltaNet rows): tilelang 0.1.15
 # and what it imports that the image lacks (apache-tvm-ffi 0.1.12, torch-c-dlpack-ext,
 # z3-solver 4.15.4, cloudpickle, tqdm; cp312 wheels), each wheel unzipped into one folder
-# (z3-solver's .data, its command-line z3, left out) and that folder packed with `tar cJf`.
+# (z3-solver's .data, its command-line z3, left out, and the sources tilelang's JIT does
+# not read: tilelang/3rdparty/tvm/src, 3rdparty/cutlass/tools, tilelang/src/{ascend,rocm,
+# metal}), that folder packed with `tar cf - . | xz -9` (35.7 MB; the working tree, 18.8
+# MB, and what it carries must stay under 64 MiB a call).
 # Sourced (`source benchmarks/device_setup.sh && ...`) for its PYTHONPATH; the install
 # runs in a subshell with `set -euo pipefail`, so those options do not leak into the
 # caller's command (where a failing test piped into `tail` would end all that follows).
