@@ -6,13 +6,9 @@
 # flash-linear-attention==0.6.0 fla-core==0.6.0 einops --no-deps -d .whl`); --no-deps keeps a
 # wheel whose other dependencies the image lacks from failing the install. torchao is not
 # carried: --lora-base needs none of it (docs/finetuning.md says why its kernels do not fit).
-# .tilelang/site.tar.xz (optional, carried only for the Gated DeltaNet rows): tilelang 0.1.15
-# and what it imports that the image lacks (apache-tvm-ffi 0.1.12, torch-c-dlpack-ext,
-# z3-solver 4.15.4, cloudpickle, tqdm; cp312 wheels), each wheel unzipped into one folder
-# (z3-solver's .data, its command-line z3, left out, and the sources tilelang's JIT does
-# not read: tilelang/3rdparty/tvm/src, 3rdparty/cutlass/tools, tilelang/src/{ascend,rocm,
-# metal}), that folder packed with `tar cf - . | xz -9` (35.7 MB; the working tree, 18.8
-# MB, and what it carries must stay under 64 MiB a call).
+# .tilelang/site.tar.xz (optional, carried only for the Gated DeltaNet rows: fla 0.6 runs its
+# gated backward on Hopper with tilelang, under the image's Triton) is built here by
+# `bash benchmarks/tilelang_bundle.sh` (tilelang and what it imports, unzipped and packed).
 # Sourced (`source benchmarks/device_setup.sh && ...`) for its PYTHONPATH; the install
 # runs in a subshell with `set -euo pipefail`, so those options do not leak into the
 # caller's command (where a failing test piped into `tail` would end all that follows).
