@@ -345,6 +345,26 @@ def policy_rollouts(
     return state, model, synthetic_rollouts(model, args, args.device)
 
 
+def probe_trainer(
+    parser: argparse.ArgumentParser, *, workspaces: bool = False
+) -> tuple[argparse.Namespace, int | None, PolicyTrainer, Rollouts]:
+    """A probe's start (``benchmarks/probes/rl_*.py``): its parsed options, its one
+    ``--budget``, the trainer inside it and the rollouts to update from, the policy model
+    that sampled them dropped and the device's cache emptied; ``workspaces``: the cuBLAS
+    workspaces freed too (``clear_device``), else left to count as they were."""
+    args = parser.parse_args()
+    budget = one_budget(parser, args)
+    family = load_family(args.family)
+    config = family.config(args.preset)
+    state, model, rollouts = policy_rollouts(args, family, config)
+    del model
+    if workspaces:
+        clear_device(args)
+    else:
+        torch.cuda.empty_cache()
+    return args, budget, policy_trainer(args, family, config, state, budget), rollouts
+
+
 def main() -> None:
     parser = arguments(__doc__.split("\n\n")[0])
     args = parser.parse_args()

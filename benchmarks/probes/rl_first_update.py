@@ -26,9 +26,8 @@ import json
 from typing import Any
 
 import torch
-from dataflow_training import load_family
 
-from benchmarks.rl_update import arguments, one_budget, policy_rollouts, policy_trainer
+from benchmarks.rl_update import arguments, probe_trainer
 
 #: allocations listed at each peak
 LISTED = 8
@@ -69,14 +68,7 @@ def main() -> None:
     parser = arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--frames", type=int, default=3)
     parser.set_defaults(preset="llama3_tiny", rows=8, rounds=1)
-    args = parser.parse_args()
-    budget = one_budget(parser, args)
-    family = load_family(args.family)
-    config = family.config(args.preset)
-    state, model, rollouts = policy_rollouts(args, family, config)
-    del model
-    torch.cuda.empty_cache()
-    trainer = policy_trainer(args, family, config, state, budget)
+    args, budget, trainer, rollouts = probe_trainer(parser, workspaces=True)
     for update in range(2):
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()

@@ -49,17 +49,10 @@ from pathlib import Path
 
 import torch
 from dataflow_rl_example import PolicyTrainer
-from dataflow_training import load_family
 
 from benchmarks.harness.measure import synchronize
 from benchmarks.probes.step_gaps import Timed
-from benchmarks.rl_update import (
-    arguments,
-    clear_device,
-    one_budget,
-    policy_rollouts,
-    policy_trainer,
-)
+from benchmarks.rl_update import arguments, probe_trainer
 from dataflow.engine.backends import torch_storage
 
 #: the kernels listed from the profiled update
@@ -118,14 +111,7 @@ def main() -> None:
     parser = arguments(__doc__.split("\n\n")[0])
     parser.set_defaults(rows=128, rounds=16, hidden_every=2)
     parser.add_argument("--trace", type=Path, default=None, help="write the chrome trace here")
-    args = parser.parse_args()
-    budget = one_budget(parser, args)
-    family = load_family(args.family)
-    config = family.config(args.preset)
-    state, model, rollouts = policy_rollouts(args, family, config)
-    del model
-    clear_device(args)
-    trainer = policy_trainer(args, family, config, state, budget)
+    args, budget, trainer, rollouts = probe_trainer(parser, workspaces=True)
     cuda = args.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()

@@ -30,23 +30,14 @@ from collections import defaultdict
 import torch
 from dataflow_rl_example import tasks
 from dataflow_rl_example.policy import workspace_estimate
-from dataflow_training import load_family
 
-from benchmarks.rl_update import arguments, one_budget, policy_rollouts, policy_trainer
+from benchmarks.rl_update import arguments, probe_trainer
 
 
 def main() -> None:
     parser = arguments(__doc__.split("\n\n")[0])
     parser.set_defaults(rows=128, rounds=16, hidden_every=2)
-    args = parser.parse_args()
-    budget = one_budget(parser, args)
-    family = load_family(args.family)
-    config = family.config(args.preset)
-    state, model, rollouts = policy_rollouts(args, family, config)
-    del model
-    torch.cuda.empty_cache()
-
-    trainer = policy_trainer(args, family, config, state, budget)
+    args, _, trainer, rollouts = probe_trainer(parser)
     with tasks.task_temporaries() as found:
         trainer.update(rollouts, lr=1e-6)
         torch.cuda.synchronize()
