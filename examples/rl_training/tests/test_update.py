@@ -511,6 +511,15 @@ def test_no_task_takes_more_device_memory_than_the_estimate_beside_the_arena():
     assert found[worst] <= workspace_estimate(step, "cuda"), (worst, found[worst])
 
 
+def kl_update_on_cuda(tmp_path):
+    """The CUDA tests' update: llama3_tiny, two rounds with the KL term (to the sampling
+    policy's own log-probs), and the rollouts sampled from it."""
+    family, config, state = start("llama3", "llama3_tiny")
+    rollouts = sample(PolicyTrainer(family, config, state), tmp_path / "policy", seed=0)
+    rollouts = attrs.evolve(rollouts, ref_logprobs=rollouts.behaviour_logprobs.clone())
+    return family, config, state, UpdateOptions(rounds=2, kl=True), rollouts
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_cuda_update_launched_ahead_with_copies_in_step_is_the_in_order_one(tmp_path):
@@ -520,10 +529,7 @@ def test_a_cuda_update_launched_ahead_with_copies_in_step_is_the_in_order_one(tm
     sessions up to 33 ran). The first update loads the engine; the two after it, run each
     way (float32, two rounds, KL), end at the same weights (1e-6: the same kernels in the
     same order on one stream)."""
-    family, config, state = start("llama3", "llama3_tiny")
-    options = UpdateOptions(rounds=2, kl=True)
-    rollouts = sample(PolicyTrainer(family, config, state), tmp_path / "policy", seed=0)
-    rollouts = attrs.evolve(rollouts, ref_logprobs=rollouts.behaviour_logprobs.clone())
+    family, config, state, options, rollouts = kl_update_on_cuda(tmp_path)
     states = {}
     for ahead in (False, True):
         trainer = PolicyTrainer(family, config, state, options, device="cuda")
@@ -546,10 +552,7 @@ def test_a_captured_update_replays_the_dispatched_one(tmp_path):
     (``engine.graph_note`` stays None), and four updates in two rounds, the blocks
     compiled, end where the dispatched trainer's do (float32, to 1e-4: the compiled
     kernels' rounding, which AdamW's near-sign early steps carry into the weights)."""
-    family, config, state = start("llama3", "llama3_tiny")
-    options = UpdateOptions(rounds=2, kl=True)
-    rollouts = sample(PolicyTrainer(family, config, state), tmp_path / "policy", seed=0)
-    rollouts = attrs.evolve(rollouts, ref_logprobs=rollouts.behaviour_logprobs.clone())
+    family, config, state, options, rollouts = kl_update_on_cuda(tmp_path)
     states = {}
     for graph in (False, True):
         trainer = PolicyTrainer(family, config, state, options, device="cuda", graph=graph)
