@@ -15,7 +15,11 @@ import pytest
 from dataflow_family_deepseek.family import DeepseekV3Family
 from dataflow_family_deepseek.testing import hf_parameter_count
 from dataflow_training.kit import parameter_count
-from dataflow_training.testing import DecoderFamilyChecks, TrainingFamilyConformance
+from dataflow_training.testing import (
+    DecoderFamilyChecks,
+    TrainingFamilyConformance,
+    assert_predicts_at_16_gib,
+)
 
 from dataflow.testing import invoke
 
@@ -136,9 +140,4 @@ def test_twenty_steps_lower_the_loss_and_transformers_loads_the_export(tmp_path)
 def test_predict_the_671b_at_16_gib_has_no_infeasible_cell() -> None:
     """Each MoE layer's 256 experts run in 16 shards of 1.4 GB (``kit.moe.expert_shards``),
     so no task holds more than one shard's weights, gradient and moments."""
-    result = invoke(
-        "predict", "--preset", "deepseek_v3", "--budget", "16", "--hw", "h200",
-        "--seq-len", "4096", "--t-round", "4096", "--tokens-step", "4096",
-    )  # fmt: skip
-    assert result.exit_code == 0, result.output
-    assert "infeasible" not in result.output
+    assert_predicts_at_16_gib("deepseek_v3")

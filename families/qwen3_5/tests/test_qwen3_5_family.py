@@ -19,7 +19,11 @@ from dataflow_training.kit import (
     hybrid_layer_types,
     parameter_count,
 )
-from dataflow_training.testing import DecoderFamilyChecks, TrainingFamilyConformance
+from dataflow_training.testing import (
+    DecoderFamilyChecks,
+    TrainingFamilyConformance,
+    assert_predicts_at_16_gib,
+)
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 
@@ -146,11 +150,4 @@ def test_verify_passes_in_bf16_on_cuda(preset: str) -> None:
 
 def test_predict_the_9b_at_16_gib_has_no_infeasible_cell() -> None:
     """The whole 9B plans into 16 GiB at seq 4096 (simulated)."""
-    from dataflow.testing import invoke
-
-    result = invoke(
-        "predict", "--preset", "qwen3_5_9b", "--budget", "16", "--hw", "h200",
-        "--seq-len", "4096", "--t-round", "4096", "--tokens-step", "4096",
-    )  # fmt: skip
-    assert result.exit_code == 0, result.output
-    assert "infeasible" not in result.output
+    assert_predicts_at_16_gib("qwen3_5_9b")

@@ -20,7 +20,11 @@ from dataflow_training.kit import (
     moe_active_parameter_count,
     moe_parameter_count,
 )
-from dataflow_training.testing import MoEFamilyChecks, TrainingFamilyConformance
+from dataflow_training.testing import (
+    MoEFamilyChecks,
+    TrainingFamilyConformance,
+    assert_predicts_at_16_gib,
+)
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 HOST_BYTES_PER_PARAMETER = 2 + 2 + 8  # bf16 weight and gradient, two float32 moments
@@ -206,11 +210,4 @@ def test_verify_passes_in_bf16_on_cuda(preset: str) -> None:
 def test_predict_the_35b_a3b_at_16_gib_has_no_infeasible_cell() -> None:
     """The whole 35B-A3B plans into 16 GiB at seq 4096 (simulated: its pool of
     host memory, some 248 GiB with bf16 moments, is more than this host's 128 GiB)."""
-    from dataflow.testing import invoke
-
-    result = invoke(
-        "predict", "--preset", "qwen3_5_35b_a3b", "--budget", "16", "--hw", "h200",
-        "--seq-len", "4096", "--t-round", "4096", "--tokens-step", "4096",
-    )  # fmt: skip
-    assert result.exit_code == 0, result.output
-    assert "infeasible" not in result.output
+    assert_predicts_at_16_gib("qwen3_5_35b_a3b")

@@ -7,7 +7,10 @@ from dataflow import exported, lazy_exports
 
 #: Each public name by its home module, imported when the name is first used.
 _HOMES = {
-    "dataflow_training.testing.conformance": ("TrainingFamilyConformance",),
+    "dataflow_training.testing.conformance": (
+        "TrainingFamilyConformance",
+        "assert_predicts_at_16_gib",
+    ),
     "dataflow_training.testing.decoder": ("DecoderFamilyChecks", "DecoderHFParity"),
     "dataflow_training.testing.hybrid": ("HybridHFChecks",),
     "dataflow_training.testing.moe": ("MoEFamilyChecks", "MoEHFParity"),

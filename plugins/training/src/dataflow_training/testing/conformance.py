@@ -20,11 +20,23 @@ import pytest
 import torch
 
 from dataflow import minimal_budget, plan, validate
-from dataflow.testing import FamilyConformance
+from dataflow.testing import FamilyConformance, invoke
 from dataflow_training.check.verify import verify
 from dataflow_training.step.config import TrainConfig
 from dataflow_training.step.family import BlockMath, EmbedMath, Family, HeadMath, load_family
 from dataflow_training.step.lowering import lower
+
+
+def assert_predicts_at_16_gib(preset: str) -> None:
+    """``dataflow predict`` plans ``preset`` (a full-size one) into 16 GiB at seq 4096, one
+    4,096-token round on the h200 entry, with no infeasible cell (simulated: the host's
+    memory is not asked)."""
+    result = invoke(
+        "predict", "--preset", preset, "--budget", "16", "--hw", "h200",
+        "--seq-len", "4096", "--t-round", "4096", "--tokens-step", "4096",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "infeasible" not in result.output, result.output
 
 
 class TrainingFamilyConformance(FamilyConformance):
