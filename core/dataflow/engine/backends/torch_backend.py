@@ -205,15 +205,16 @@ class TorchBackend:
     def launch_task(self, index: int) -> None:
         task = self.program.tasks[index]
         view = self._view
+        stream = self.runner.collective_stream if task.collective else self.runner.compute_stream
         ctx = LaunchContext(
             task=task,
             device=self.device.type,
-            stream=self.runner.collective_stream if task.collective else self.runner.compute_stream,
+            stream=stream,
             inputs=tuple(view(obj) for obj in task.inputs),
             mutates=tuple(view(obj) for obj in task.mutates),
             outputs=tuple(view(obj) for obj in task.outputs),
             values=RunValues(self.values, task.id),
-            workspace=self._workspace(task),
+            workspace=self._workspace(task, stream),
         )
         self.runner.submit_task(index, task.id, self.executables[index], ctx)
 
@@ -230,7 +231,7 @@ class TorchBackend:
                 self.ended.add((f"workspace:{self.program.tasks[completion.ref].id}", 0))
         return completions
 
-    def _workspace(self, task) -> torch.Tensor | None:
+    def _workspace(self, task, stream: Any) -> torch.Tensor | None:
         size = task.workspace_bytes
         if not size:
             return None
@@ -241,12 +242,9 @@ class TorchBackend:
             return None
         if self.device.type != "cuda":  # the simple path
             return torch.empty(size, dtype=torch.uint8, device=self.device)
-        # taken on the task's own stream, whose order alone keeps the block from being
+        # taken on the task's own ``stream``, whose order alone keeps the block from being
         # handed out again before the task has run (it is freed once the launch returns)
-        runner = self.runner
-        with torch.cuda.stream(
-            runner.collective_stream if task.collective else runner.compute_stream
-        ):
+        with torch.cuda.stream(stream):
             return torch.empty(size, dtype=torch.uint8, device=self.device)
 
     def _view(self, obj: str) -> torch.Tensor:
