@@ -72,9 +72,10 @@ def unix_listener(path: Path) -> socket.socket:
     # the file to appear never finds it before it accepts (a connect between bind and listen
     # is refused); a sibling name past the length limit binds in place
     staging = path.with_name(f".{path.name[:8]}.{os.getpid()}")
-    _remove_dead_staging(staging)
     if len(os.fsencode(str(staging))) > MAX_SOCKET_PATH:
         staging = path
+    else:
+        _remove_dead_staging(staging)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     previous = os.umask(0o177)
     try:
