@@ -16,7 +16,11 @@ import torch
 from dataflow_family_deepseek.testing import hf_parameter_count
 from dataflow_family_glm.family import Glm5Family
 from dataflow_training.kit import CheckpointError, parameter_count
-from dataflow_training.testing import DecoderFamilyChecks, TrainingFamilyConformance
+from dataflow_training.testing import (
+    DecoderFamilyChecks,
+    TrainingFamilyConformance,
+    assert_predicts_at_16_gib,
+)
 
 from dataflow.testing import invoke
 
@@ -202,3 +206,12 @@ def test_the_cut_routes_its_experts_apart_and_its_group_still_passes_down() -> N
     config = family.config("glm5_cut")
     with pytest.raises(FamilyContractError, match=r"experts routed apart .* not built"):
         family.math("moe_shared").route_forward(config, {}, torch.zeros(1, 4, 8), None)
+
+
+@pytest.mark.slow
+def test_predict_the_full_glm5_at_16_gib_has_no_infeasible_cell() -> None:
+    """The whole GLM 5 (78 layers) plans into 16 GiB at seq 4096: each MoE layer's 256
+    experts run in 16 shards of 1.2 GB (``kit.moe.expert_shards``), so no task holds more
+    than one shard's weights, gradient and moments. Its 8.16 TiB host pool is the host's
+    to find (simulated: predict does not ask the host)."""
+    assert_predicts_at_16_gib("glm5")
