@@ -273,22 +273,28 @@ qwen3_5 | qwen3_5_moe)
     # Orders and batches by `dataflow predict --preset P --budget B --seq-len 4096
     # --tokens-step 131072 --hw h200 --precision bf16-plain` (session 35, CPU): dense 16 GiB
     # 4 x 8 layer:2 (60,499 tok/s; round order 8 x 4 58,469), 8 GiB 4 x 8 layer:4
-    # (51,362); MoE 8 x 4 by layer, 16 GiB 100,317 and 8 GiB 79,739. One call each
+    # (51,362); MoE 8 x 4 by layer, 16 GiB 100,317 and 8 GiB 79,739. One call each.
+    # Overrides: STOCK_BATCHES (the stock batch search), Q35_TOKENS (dataflow tokens a
+    # step), MOE_BATCHES (the MoE rows' batches), ONLY16=1 (the 16 GiB rows alone)
     {
         if [ "$group" = qwen3_5 ]; then
             compare --family qwen3_5 "${q35[@]}" --rows stock,dataflow --stock-engines compile \
-                --batches 4,2,1 --dataflow-batches 4 --dataflow-orders "${ORDER16:-layer:2}" \
-                --min-tokens "$tokens" --budgets "${big_budgets%,*}" --steps 4 --warmup 2 \
+                --batches "${STOCK_BATCHES:-4,2,1}" --dataflow-batches 4 \
+                --dataflow-orders "${ORDER16:-layer:2}" --min-tokens "${Q35_TOKENS:-$tokens}" \
+                --budgets "${big_budgets%,*}" --steps 4 --warmup 2 \
                 --compile-row-seconds 150 --row-seconds 150 --total-seconds 330
-            compare --family qwen3_5 "${q35[@]}" --rows dataflow --dataflow-batches 4 \
-                --dataflow-orders "${ORDER8:-layer:4}" --min-tokens "$tokens" \
-                --budgets "${big_budgets#*,}" --steps 4 --warmup 2 --row-seconds 170 \
-                --total-seconds 170
+            [ "${ONLY16:-0}" = 1 ] || compare --family qwen3_5 "${q35[@]}" --rows dataflow \
+                --dataflow-batches 4 --dataflow-orders "${ORDER8:-layer:4}" \
+                --min-tokens "${Q35_TOKENS:-$tokens}" --budgets "${big_budgets#*,}" --steps 4 \
+                --warmup 2 --row-seconds 170 --total-seconds 170
         else
+            budgets=$big_budgets
+            [ "${ONLY16:-0}" = 1 ] && budgets=${big_budgets%,*}
             compare --family qwen3_5_moe "${q35moe[@]}" --rows stock,dataflow \
-                --stock-engines compile --resolver "$moe_resolver" --batches 8,4,2 \
-                --dataflow-batches 8,4 --dataflow-orders layer --min-tokens "$tokens" \
-                --budgets "$big_budgets" --steps 4 --warmup 2 --compile-row-seconds 150 \
+                --stock-engines compile --resolver "$moe_resolver" \
+                --batches "${STOCK_BATCHES:-8,4,2}" --dataflow-batches "${MOE_BATCHES:-8,4}" \
+                --dataflow-orders layer --min-tokens "${Q35_TOKENS:-$tokens}" \
+                --budgets "$budgets" --steps 4 --warmup 2 --compile-row-seconds 150 \
                 --row-seconds 170 --total-seconds 500
         fi
     } 2>&1 | tee "$log"

@@ -15,7 +15,10 @@ each, the allocator's peak above what was allocated before it, and the allocatio
 at that peak, largest first, each with the innermost frames of its stack that are not
 torch's own (``--frames`` of them)::
 
-    python -m benchmarks.probes.rl_first_update --preset llama3_tiny --rows 8 --budget 64MiB
+    python -m benchmarks.probes.rl_first_update --preset llama3_tiny --rows 8 --budget 256MiB
+
+(64 MiB, the first example here, is below what the update needs: the H100 refused it,
+session 36, at least 103 MiB: a plan of 24.4 MiB and 78.5 MiB of task workspace.)
 
 It takes ``benchmarks/rl_update.py``'s options (one ``--budget``, or none).
 """

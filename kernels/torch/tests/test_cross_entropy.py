@@ -18,6 +18,7 @@ import torch
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 VARIANTS = ["torch", "reference"]
 IGNORE = -100
+HALF = (torch.float16, torch.bfloat16)
 LOSS_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-4}
 GRAD_TOLERANCE = {
     torch.float32: {"rtol": 1e-5, "atol": 1e-5},
@@ -55,6 +56,14 @@ def make_targets(randn, tokens: int, vocab: int, ignored: float, device: str) ->
     return targets.to(device)
 
 
+def d_weight_dtype(name, weight, tokens, chunk_tokens, tiles=False) -> torch.dtype:
+    """The fast variants return a 16-bit d_weight summed over chunks as its float32
+    accumulator (the caller rounds it once); one chunk, the tiles and the reference give
+    weight's dtype."""
+    summed = name != "reference" and not tiles and tokens > chunk_tokens
+    return torch.float32 if summed and weight.dtype in HALF else weight.dtype
+
+
 def check(kernel, hidden, weight, targets, chunk_tokens, name="torch") -> None:
     loss, d_hidden, d_weight = kernel("chunked_cross_entropy", name)(
         hidden, weight, targets, chunk_tokens
@@ -62,7 +71,8 @@ def check(kernel, hidden, weight, targets, chunk_tokens, name="torch") -> None:
     want_loss, want_d_hidden, want_d_weight = reference(hidden, weight, targets)
     assert loss.shape == () and loss.dtype == torch.float32
     assert d_hidden.shape == hidden.shape and d_hidden.dtype == hidden.dtype
-    assert d_weight.shape == weight.shape and d_weight.dtype == weight.dtype
+    assert d_weight.shape == weight.shape
+    assert d_weight.dtype == d_weight_dtype(name, weight, hidden.shape[0], chunk_tokens)
     assert d_hidden.device == hidden.device and d_weight.device == weight.device
     torch.testing.assert_close(
         loss.double(), want_loss, rtol=LOSS_RTOL[hidden.dtype], atol=LOSS_RTOL[hidden.dtype]
@@ -255,7 +265,8 @@ def test_bfloat16_on_cuda_matches_float64_and_the_reference(
     fast = kernel("chunked_cross_entropy", "torch")(hidden, weight, targets, chunk_tokens)
     plain = kernel("chunked_cross_entropy", "reference")(hidden, weight, targets, chunk_tokens)
     truth = reference(hidden, weight, targets)
-    assert fast[1].dtype == fast[2].dtype == torch.bfloat16
+    assert fast[1].dtype == torch.bfloat16
+    assert fast[2].dtype == d_weight_dtype("torch", weight, 1000, chunk_tokens)
     for want, tol in ((truth, 1e-2), (plain, 1e-2)):
         assert_rel_close(fast[0], want[0], 1e-4, "loss")
         assert_rel_close(fast[1], want[1], tol, "d_hidden")
@@ -264,9 +275,10 @@ def test_bfloat16_on_cuda_matches_float64_and_the_reference(
 
 @pytest.mark.gpu
 def test_bfloat16_holds_one_chunk_of_logits_at_a_time(kernel, randn) -> None:
-    """Peak CUDA memory of the 16-bit path: outputs, one chunk's float32 logits and its
-    bfloat16 d_logits, the two (vocab, dim) float32 buffers of the d_weight accumulation,
-    and (chunk, 1) row temporaries; a second chunk of float32 logits would not fit."""
+    """Peak CUDA memory of the 16-bit path: outputs (d_weight the float32 accumulator),
+    one chunk's float32 logits and its bfloat16 d_logits, one chunk's (vocab, dim) float32
+    product, and (chunk, 1) row temporaries; a second chunk of float32 logits would not
+    fit, nor a 16-bit copy of d_weight."""
     tokens, dim, vocab, chunk_tokens = 1000, 64, 8192, 100
     hidden = randn(tokens, dim, dtype=torch.bfloat16, device="cuda")
     weight = randn(vocab, dim, dtype=torch.bfloat16, device="cuda")
@@ -280,11 +292,12 @@ def test_bfloat16_holds_one_chunk_of_logits_at_a_time(kernel, randn) -> None:
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     logits_chunk = chunk_tokens * vocab * 4
-    outputs_bytes = tokens * dim * 2 + vocab * dim * 2
-    accumulation = 2 * vocab * dim * 4
+    outputs_bytes = tokens * dim * 2 + vocab * dim * 4  # d_hidden; d_weight in float32
+    accumulation = vocab * dim * 4  # one chunk's product
     temporaries = 64 * 1024
     bound = outputs_bytes + logits_chunk * 3 // 2 + accumulation + temporaries
     assert extra <= bound, (extra, bound)
+    assert bound - extra < vocab * dim * 2  # no room left for a 16-bit d_weight beside
     assert extra < outputs_bytes + 2 * logits_chunk + accumulation
     del outputs
 
@@ -309,7 +322,8 @@ def test_triton_variant_matches_float64_and_the_reference(
         hidden, weight, targets, chunk_tokens, grad_scale=0.25
     )
     truth = reference(hidden, weight, targets)
-    assert fast[1].dtype == fast[2].dtype == torch.bfloat16
+    assert fast[1].dtype == torch.bfloat16
+    assert fast[2].dtype == d_weight_dtype("triton", weight, 1000, chunk_tokens)
     assert fast[2].shape == weight.shape
     assert_rel_close(fast[0], truth[0], 1e-3, "loss vs float64")
     assert_rel_close(fast[1], 0.25 * truth[1], 1e-2, "d_hidden vs float64")
@@ -442,12 +456,14 @@ def padded_weight(randn, real: int, stored: int, dim: int, **kw) -> torch.Tensor
     return weight
 
 
-def check_padded(got, hidden, weight, targets, real, scale=1.0, tolerance=None) -> None:
+def check_padded(
+    got, hidden, weight, targets, real, scale=1.0, tolerance=None, dtype=None
+) -> None:
     """``got`` equals the float64 reference of the first ``real`` rows alone; d_weight's
-    padded rows are exactly zero."""
+    padded rows are exactly zero; its dtype ``dtype`` (default weight's)."""
     want_loss, want_d_hidden, want_d_real = reference(hidden, weight[:real], targets)
     loss, d_hidden, d_weight = got
-    assert d_weight.shape == weight.shape and d_weight.dtype == weight.dtype
+    assert d_weight.shape == weight.shape and d_weight.dtype == (dtype or weight.dtype)
     assert d_weight[real:].count_nonzero() == 0
     tolerance = tolerance or GRAD_TOLERANCE[hidden.dtype]
     torch.testing.assert_close(loss.double(), want_loss, rtol=LOSS_RTOL[hidden.dtype], atol=1e-4)
@@ -475,7 +491,8 @@ def test_padded_rows_are_left_out_of_the_softmax(
     got = kernel("chunked_cross_entropy", name)(
         hidden, weight, targets, chunk_tokens, grad_scale=0.5, vocab_tiles=tiles, vocab=real
     )
-    check_padded(got, hidden, weight, targets, real, scale=0.5)
+    dtype = d_weight_dtype(name, weight, 37, chunk_tokens, tiles)
+    check_padded(got, hidden, weight, targets, real, scale=0.5, dtype=dtype)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -485,7 +502,7 @@ def test_padded_rows_of_any_value_change_nothing(kernel, randn, name) -> None:
     hidden, weight = randn(20, 8, dtype=torch.bfloat16), randn(64, 8, dtype=torch.bfloat16)
     targets = make_targets(randn, 20, 50, 0.0, "cpu")
     got = kernel("chunked_cross_entropy", name)(hidden, weight, targets, 6, vocab=50)
-    check_padded(got, hidden, weight, targets, 50)
+    check_padded(got, hidden, weight, targets, 50, dtype=d_weight_dtype(name, weight, 20, 6))
 
 
 @pytest.mark.parametrize("vocab", [0, 65, 2.0, True])

@@ -39,16 +39,22 @@ Two variants, one formula:
   in float32 in place on that one chunk buffer; one pass scales it and casts it to the
   input dtype, and the two backward matmuls read that 16-bit d_logits. d_weight
   accumulates across chunks in float32 (each chunk's product comes out of the matmul in
-  float32) and is returned in weight's dtype; a single chunk writes it directly. Memory
-  beyond the outputs: per chunk the (chunk, vocab) float32 logits and a (chunk, vocab)
-  16-bit d_logits; with more than one chunk, two (vocab, dim) float32 buffers (the
-  accumulator and one chunk's product). Any other dtypes: the reference.
+  float32) and is returned as that float32 accumulator; a single chunk writes it directly
+  in weight's dtype. Memory beyond the outputs: per chunk the (chunk, vocab) float32
+  logits and a (chunk, vocab) 16-bit d_logits; with more than one chunk, one (vocab, dim)
+  float32 buffer beside the accumulator (one chunk's product). Any other dtypes: the
+  reference.
 - ``chunked_cross_entropy_reference``: every matmul and the softmax in float32 (float64
   when hidden or weight is float64), from a float32 copy of weight; the truth the fast
   variant is tested against, and the fast variant's path for float32/float64 inputs.
 
-The loss is a 0-d float32 tensor (float64 for float64 inputs); d_hidden is like hidden,
-d_weight like weight.
+The loss is a 0-d float32 tensor (float64 for float64 inputs); d_hidden is like hidden;
+d_weight has weight's shape and dtype, except that a 16-bit d_weight summed over several
+chunks comes back as its float32 accumulator: the caller rounds it once, into its own
+gradient (the head's task adds it into its 16-bit gradient object). Cast here, it would
+be one more (vocab, dim) 16-bit tensor beside the accumulator at the end of the call, the
+call's largest moment (2 GB for Qwen 3.5's 248,320 x 4,096 head), and a second rounding
+where the gradient accumulates over rounds.
 """
 
 from __future__ import annotations
@@ -71,8 +77,9 @@ def chunked_cross_entropy(
     vocab_tiles: bool = False,
     vocab: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (loss_sum, d_hidden like hidden, d_weight like weight); 16-bit matmuls with
-    float32 softmax when hidden and weight share a 16-bit dtype (module doc)."""
+    """-> (loss_sum, d_hidden like hidden, d_weight: weight's shape, float32 when summed
+    over several chunks); 16-bit matmuls with float32 softmax when hidden and weight share
+    a 16-bit dtype (module doc)."""
     if not (hidden.dtype == weight.dtype and hidden.dtype in HALF_DTYPES):
         return chunked_cross_entropy_reference(
             hidden, weight, targets, chunk_tokens, grad_scale=grad_scale, vocab=vocab
@@ -84,7 +91,7 @@ def chunked_cross_entropy(
     with torch.no_grad():
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         d_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format)
-        d_weight = None if len(starts) == 1 or tiled else torch.empty_like(weight)
+        d_weight = None  # one chunk's 16-bit product, the float32 accumulator, or the tiles'
         accumulator = product = None  # float32 (vocab, dim), only with several chunks
         lse = torch.empty(tokens, 1, dtype=torch.float32, device=hidden.device) if tiled else None
         for index, start in enumerate(starts):
@@ -102,16 +109,17 @@ def chunked_cross_entropy(
             torch.mm(d_logits, weight, out=d_hidden[start : start + chunk_tokens])
             if tiled:  # d_weight after the last chunk, tile by tile
                 lse[start : start + chunk_tokens] = row_lse
-            elif d_weight is None:  # one chunk: the 16-bit matmul writes d_weight directly
+            elif len(starts) == 1:  # one chunk: the 16-bit matmul writes d_weight directly
                 d_weight = d_logits.T @ chunk
             elif index == 0:
                 accumulator = _mm_float32(d_logits.T, chunk)
             else:
                 product = _mm_float32(d_logits.T, chunk, out=product)
-                last = index == len(starts) - 1
-                # the last addition writes the cast result (one pass instead of two)
-                torch.add(accumulator, product, out=d_weight if last else accumulator)
+                accumulator.add_(product)
             del d_logits
+        del product
+        if accumulator is not None:  # several chunks: returned in float32 (module doc)
+            d_weight = accumulator
         if tiled:
             tile = vocab_tile_rows(tokens, weight.shape[0], chunk_tokens)
             d_weight = _d_weight_by_tiles(hidden, weight, targets, lse, grad_scale, vocab, tile)

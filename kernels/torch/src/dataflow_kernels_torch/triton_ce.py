@@ -18,12 +18,15 @@ documents, for 16-bit hidden and weight on CUDA (anything else goes to that func
   in place, zero in the padding columns (from ``vocab`` on: stored or copied padding
   alike, so those rows of d_weight are exactly zero) and on ignored rows, with the row's
   loss; the two backward matmuls read that d_logits. d_weight accumulates across chunks
-  in float32.
+  in float32 and is returned so (a view of the accumulator's real rows: the caller rounds
+  it into its gradient, as ``cross_entropy``'s module doc says).
 
 Memory beyond the outputs: the padded weight copy (none for a weight stored padded),
 one chunk's (chunk, vocab) 16-bit logits, and with several chunks one float32 (vocab,
 dim) accumulator, which each chunk's product adds into in place (a product beside it
-measured 2 GiB more workspace for Llama 3's 128K x 4096 head).
+measured 2 GiB more workspace for Llama 3's 128K x 4096 head), and returned as it is (a
+16-bit copy at the end took the head's workspace from 4.3 to 6.4 GB for Qwen 3.5's
+248,320 x 4,096 head on the H100).
 
 With ``vocab_tiles`` (``cross_entropy``'s module doc) there is no accumulator: the first
 kernel also keeps each row's log-sum-exp, and per vocabulary tile (a multiple of 128
@@ -114,7 +117,8 @@ def chunked_cross_entropy_triton(
     vocab_tiles: bool = False,
     vocab: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (loss_sum, d_hidden like hidden, d_weight like weight); see the module doc."""
+    """-> (loss_sum, d_hidden like hidden, d_weight: weight's shape, float32 when summed
+    over several chunks); see the module doc."""
     if not (
         hidden.device.type == "cuda"
         and hidden.dtype == weight.dtype
@@ -170,10 +174,9 @@ def chunked_cross_entropy_triton(
             d_weight_p = _d_weight_by_tiles(
                 hidden, weight_p, targets, lse, vocab, chunk_tokens, grad_scale
             )
-        if d_weight_p is None:
+        if d_weight_p is None:  # several chunks: the float32 accumulator as it is
             d_weight_p = accumulator
-        d_weight = d_weight_p[:stored].to(weight.dtype)
-        return losses.sum(), d_hidden, d_weight
+        return losses.sum(), d_hidden, d_weight_p[:stored]
 
 
 def _d_weight_by_tiles(

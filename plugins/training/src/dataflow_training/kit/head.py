@@ -53,6 +53,8 @@ def lm_head_loss(
     d_hidden = (d_hidden / scored).to(hidden.dtype).view_as(hidden)
     dx, grads = norm.backward(ops, params, x, stats, d_hidden)
     # in place: the kernel's d_weight is ours, and a divided copy would be one more
-    # (vocab, dim) tensor of the task's workspace
-    grads[projection] = d_weight.div_(scored).to(weight.dtype)
+    # (vocab, dim) tensor of the task's workspace; float32 where the kernel summed it over
+    # chunks, rounded once by the task into its gradient object (``store_grads``), as the
+    # embedding's row sums are
+    grads[projection] = d_weight.div_(scored)
     return (loss_sum / scored).to(torch.float32), dx, grads

@@ -428,7 +428,9 @@ class HeadMath(Protocol):
         """-> (mean loss over the round's scored tokens (0-d float32), dx, gradients by
         name). ``params`` holds the head's own parameters and, under their local names,
         the ones it is tied to (``LayerSpec.tied``); gradients are returned for all of
-        them, multiplied by ``env.grad_scale``. Works ``env.chunk_tokens`` tokens at a
+        them, multiplied by ``env.grad_scale``, each of its parameter's shape in its dtype
+        or in float32 (a sum the task rounds once into its gradient object: the output
+        projection's over chunks, ``kit.head``). Works ``env.chunk_tokens`` tokens at a
         time: no (tokens, vocab) tensor is made for more than one chunk."""
 
     def cost(self, config: Any, batch: int, seq_len: int, act_bytes: int) -> LayerCost:
