@@ -456,9 +456,7 @@ def padded_weight(randn, real: int, stored: int, dim: int, **kw) -> torch.Tensor
     return weight
 
 
-def check_padded(
-    got, hidden, weight, targets, real, scale=1.0, tolerance=None, dtype=None
-) -> None:
+def check_padded(got, hidden, weight, targets, real, scale=1.0, tolerance=None, dtype=None) -> None:
     """``got`` equals the float64 reference of the first ``real`` rows alone; d_weight's
     padded rows are exactly zero; its dtype ``dtype`` (default weight's)."""
     want_loss, want_d_hidden, want_d_real = reference(hidden, weight[:real], targets)
