@@ -165,6 +165,30 @@ def test_lm_head_loss_matches_autograd_with_ignored_targets_and_grad_scale(ops) 
         assert rel(grads[name], 0.5 * expected) < 1e-6, name
 
 
+
+@pytest.mark.parametrize(("chunk_tokens", "dtype"), [(5, torch.float32), (12, torch.bfloat16)])
+def test_a_16_bit_projection_summed_over_chunks_comes_back_in_float32(
+    ops, chunk_tokens, dtype
+) -> None:
+    """bfloat16 weights: over several chunks the projection's gradient is the kernel's
+    float32 sum (the head task rounds it once, into its 16-bit gradient object), from one
+    chunk it is the 16-bit matmul's; either within bfloat16's error of float64 autograd."""
+    norm = RMSNorm("norm.weight", 1e-6)
+    params = {"norm.weight": leaf(8, scale=0.5), "proj": leaf(23, 8)}
+    x = leaf(2, 6, 8)
+    targets = torch.randint(0, 23, (2, 6))
+    plain = {k: v.detach().to(torch.bfloat16) for k, v in params.items()}
+    env = Env(ops, chunk_tokens=chunk_tokens)
+    x16 = x.detach().to(torch.bfloat16)
+    _, _, grads = lm_head_loss(env, plain, x16, targets, norm=norm, projection="proj")
+    assert grads["proj"].dtype == dtype
+    wide = {k: v.detach().double().requires_grad_() for k, v in plain.items()}
+    hidden = F.rms_norm(x16.double(), (8,), wide["norm.weight"], 1e-6)
+    loss = F.cross_entropy((hidden @ wide["proj"].T).reshape(-1, 23), targets.reshape(-1))
+    want = torch.autograd.grad(loss, wide["proj"])[0]
+    assert rel(grads["proj"].double(), want) < 2e-2
+
+
 # -- GPT-2's parts, composed without the gpt2 family -------------------------------------
 
 
