@@ -165,7 +165,6 @@ def test_lm_head_loss_matches_autograd_with_ignored_targets_and_grad_scale(ops) 
         assert rel(grads[name], 0.5 * expected) < 1e-6, name
 
 
-
 @pytest.mark.parametrize(("chunk_tokens", "dtype"), [(5, torch.float32), (12, torch.bfloat16)])
 def test_a_16_bit_projection_summed_over_chunks_comes_back_in_float32(
     ops, chunk_tokens, dtype
