@@ -82,7 +82,8 @@ class SweepSetup:
     head_use: tuple[int, ...]
     head_p: tuple[int, ...]
     head_size: tuple[int, ...]
-    head_lead: tuple[float, ...]
+    #: the latest task whose end still hides the window's transfer (``issue_task``)
+    head_latest: tuple[int, ...]
     head_diff: tuple[int, ...]
     head_from: tuple[tuple[int, ...], ...]
 
@@ -117,21 +118,21 @@ def _sweep_setup(chain: Chain, gaps: Gaps) -> SweepSetup:
     for life in chain.objects:
         if life.uses and life.final is Location.SLOW:
             tails_at[life.uses[-1] + 1].append(life.index)
-    head_use, head_p, head_size, head_lead = [], [], [], []
+    head_use, head_p, head_size, head_latest = [], [], [], []
     head_diff = [0] * (n + 2)
     head_from: list[list[int]] = [[] for _ in range(n + 2)]
     for life in chain.objects:
         if life.origin is Origin.SLOW and life.uses:
             use = life.uses[0]
-            lead = chain.load_us[life.index]
-            p = max(-1, min(use - 1, issue_task(chain, use, lead)))
+            latest = issue_task(chain, use, chain.load_us[life.index])
+            p = max(-1, min(use - 1, latest))
             if p + 1 > use - 1:
                 continue
             head_from[p + 1].append(len(head_use))
             head_use.append(use)
             head_p.append(p)
             head_size.append(life.size_bytes)
-            head_lead.append(lead)
+            head_latest.append(latest)
             head_diff[p + 1] += life.size_bytes
             head_diff[use] -= life.size_bytes
     setup = SweepSetup(
@@ -142,7 +143,7 @@ def _sweep_setup(chain: Chain, gaps: Gaps) -> SweepSetup:
         head_use=tuple(head_use),
         head_p=tuple(head_p),
         head_size=tuple(head_size),
-        head_lead=tuple(head_lead),
+        head_latest=tuple(head_latest),
         head_diff=tuple(head_diff),
         head_from=tuple(map(tuple, head_from)),
     )
@@ -190,7 +191,7 @@ def select_cuts(
     win_use: list[int] = list(setup.head_use)
     win_p: list[int] = list(setup.head_p)
     win_size: list[int] = list(setup.head_size)
-    win_lead: list[float] = list(setup.head_lead)  # its transfer time over h2d
+    win_latest: list[int] = list(setup.head_latest)  # its latest hiding issue
     window_diff = list(setup.head_diff)
     windows_from: list[list[int]] = [list(ws) for ws in setup.head_from]
     load_us, write_us = chain.load_us, chain.write_us
@@ -231,14 +232,14 @@ def select_cuts(
         dirty[o] = False  # offloaded if it was dirty; the copy that comes back is clean
         # its prefetch window: issued at the latest task that hides its transfer
         # (``issue_task``, inlined), not before ``t``; it covers p+1 .. b-1
-        lead = load_us[o]
-        p = min(b - 1, max(t, a + 1, bisect_right(start, start[b] - lead) - 2))
+        latest = bisect_right(start, start[b] - load_us[o]) - 2
+        p = min(b - 1, max(t, a + 1, latest))
         if p + 1 <= b - 1:
             windows_from[p + 1].append(len(win_use))
             win_use.append(b)
             win_p.append(p)
             win_size.append(size)
-            win_lead.append(lead)
+            win_latest.append(latest)
             window_diff[p + 1] += size
             window_diff[b] -= size
 
@@ -247,8 +248,7 @@ def select_cuts(
         ``t`` ends, or at the latest issue that still hides its own transfer if that is
         later (one jump, not one task at a time)."""
         use = win_use[w]
-        latest = bisect_right(start, start[use] - win_lead[w]) - 2  # issue_task, inlined
-        p = min(use - 1, max(t, latest))
+        p = min(use - 1, max(t, win_latest[w]))
         win_p[w] = p
         window_diff[p + 1] += win_size[w]
         if p + 1 <= use - 1:
