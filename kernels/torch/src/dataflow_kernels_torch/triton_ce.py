@@ -25,8 +25,8 @@ Memory beyond the outputs: the padded weight copy (none for a weight stored padd
 one chunk's (chunk, vocab) 16-bit logits, and with several chunks one float32 (vocab,
 dim) accumulator, which each chunk's product adds into in place (a product beside it
 measured 2 GiB more workspace for Llama 3's 128K x 4096 head), and returned as it is (a
-16-bit copy at the end took the head's workspace from 4.3 to 6.4 GB for Qwen 3.5's
-248,320 x 4,096 head on the H100).
+16-bit copy made of it at the end was the call's peak: 6.4 GB of workspace measured for
+Qwen 3.5's 248,320 x 4,096 head on the H100, 4.1 GB of it the accumulator).
 
 With ``vocab_tiles`` (``cross_entropy``'s module doc) there is no accumulator: the first
 kernel also keeps each row's log-sum-exp, and per vocabulary tile (a multiple of 128
