@@ -357,7 +357,7 @@ def test_vocab_tiles_match_the_float64_reference(
     monkeypatch.setattr(
         cross_entropy,
         "_d_weight_by_tiles",
-        lambda *args: tiled.append(args[-1]) or by_tiles(*args),
+        lambda *args, **kw: tiled.append(args[6]) or by_tiles(*args, **kw),
     )
     hidden = randn(tokens, dim, dtype=dtype, device=device)
     weight = randn(vocab, dim, dtype=dtype, device=device)
@@ -544,3 +544,63 @@ def test_triton_variant_takes_a_weight_stored_padded(
     assert rel(loss, truth[0]) < 1e-3
     assert rel(d_hidden, 0.25 * truth[1]) < 1e-2
     assert rel(d_weight[:real], 0.25 * truth[2]) < 1e-2
+
+
+PIECE_VARIANTS = [*VARIANTS, pytest.param("triton", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("rows", "chunk_tokens"),
+    [((64, 64, 64), 10), ((128, 64), 37), ((128, 128), 1000), ((64, 64, 64, 64), 1)],
+)
+@pytest.mark.parametrize("tiles", [False, True])
+@pytest.mark.parametrize("real", [None, 250])
+@pytest.mark.parametrize("name", PIECE_VARIANTS)
+def test_a_weight_in_row_pieces_is_the_weight_they_make(
+    kernel, randn, dtype, rows, chunk_tokens, tiles, real, name
+) -> None:
+    """The table in row pieces (``TrainConfig.vocab_pieces``): the loss and d_hidden of
+    the joined table, and one d_weight per piece, each its rows of the joined table's
+    (float64 autograd's tolerances; the float32 path within 1e-5 of the joined call);
+    ``vocab=`` masks the last piece's padding as it masks the table's."""
+    if name == "triton":
+        pytest.importorskip("triton")
+    device = "cuda" if name == "triton" else "cpu"
+    if name == "triton" and dtype == torch.float32:
+        pytest.skip("the Triton variant hands float32 to the torch one")
+    stored, tokens, dim = sum(rows), 37, 16
+    weight = randn(stored, dim, dtype=dtype, device=device, scale=0.5)
+    vocab = stored if real is None else min(real, stored)
+    if vocab < stored:
+        weight[vocab:] = 0
+    pieces = list(weight.split(list(rows)))
+    hidden = randn(tokens, dim, dtype=dtype, device=device)
+    targets = make_targets(randn, tokens, vocab, 0.2, device)
+    keywords = {"grad_scale": 0.5, "vocab_tiles": tiles}
+    if vocab < stored:
+        keywords["vocab"] = vocab
+    ce = kernel("chunked_cross_entropy", name)
+    loss, d_hidden, d_pieces = ce(hidden, pieces, targets, chunk_tokens, **keywords)
+    joined = ce(hidden, weight, targets, chunk_tokens, **keywords)
+    assert isinstance(d_pieces, tuple) and len(d_pieces) == len(rows)
+    for piece, d_piece in zip(pieces, d_pieces, strict=True):
+        assert d_piece.shape == piece.shape and d_piece.dtype == joined[2].dtype
+    d_weight = torch.cat(d_pieces)
+    want_loss, want_d_hidden, want_d_weight = reference(hidden[:, :], weight[:vocab], targets)
+    rtol = LOSS_RTOL[dtype] if name != "triton" else 1e-3
+    torch.testing.assert_close(loss.double(), want_loss, rtol=rtol, atol=rtol)
+    tolerance = GRAD_TOLERANCE[dtype]
+    torch.testing.assert_close(d_hidden.double(), 0.5 * want_d_hidden, **tolerance)
+    torch.testing.assert_close(d_weight[:vocab].double(), 0.5 * want_d_weight, **tolerance)
+    assert d_weight[vocab:].count_nonzero() == 0
+    if dtype == torch.float32:  # the same float32 math as the joined call
+        for got, want in zip((loss, d_hidden, d_weight), joined, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_row_pieces_that_disagree_are_named(kernel, randn) -> None:
+    with pytest.raises(ValueError, match="row pieces must agree"):
+        kernel("chunked_cross_entropy", "torch")(
+            randn(4, 8), [randn(6, 8), randn(6, 4)], torch.zeros(4, dtype=torch.int64), 2
+        )

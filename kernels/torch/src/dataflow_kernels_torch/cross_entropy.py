@@ -55,9 +55,18 @@ gradient (the head's task adds it into its 16-bit gradient object). Cast here, i
 be one more (vocab, dim) 16-bit tensor beside the accumulator at the end of the call, the
 call's largest moment (2 GB for Qwen 3.5's 248,320 x 4,096 head), and a second rounding
 where the gradient accumulates over rounds.
+
+``weight`` may also be a sequence of row pieces (equal dim, dtype and device), the
+vocabulary table stored in pieces (``TrainConfig.vocab_pieces``): the same math over
+their rows in order, with nothing joined. Each chunk's logits are one (chunk, vocab)
+buffer whose columns the pieces' matmuls write; d_hidden sums the pieces' products in
+float32 and is rounded once; d_weight comes back as a tuple, one gradient per piece
+(each as above: float32 where summed over several chunks).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -69,36 +78,40 @@ IGNORE_INDEX = -100
 
 def chunked_cross_entropy(
     hidden: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Sequence[torch.Tensor],
     targets: torch.Tensor,
     chunk_tokens: int,
     *,
     grad_scale: float = 1.0,
     vocab_tiles: bool = False,
     vocab: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | tuple[torch.Tensor, ...]]:
     """-> (loss_sum, d_hidden like hidden, d_weight: weight's shape, float32 when summed
-    over several chunks); 16-bit matmuls with float32 softmax when hidden and weight share
-    a 16-bit dtype (module doc)."""
-    if not (hidden.dtype == weight.dtype and hidden.dtype in HALF_DTYPES):
+    over several chunks; a tuple, one per piece, for a weight in row pieces); 16-bit
+    matmuls with float32 softmax when hidden and weight share a 16-bit dtype (module
+    doc)."""
+    pieces = weight_pieces(weight)
+    if not (hidden.dtype == pieces[0].dtype and hidden.dtype in HALF_DTYPES):
         return chunked_cross_entropy_reference(
             hidden, weight, targets, chunk_tokens, grad_scale=grad_scale, vocab=vocab
         )
-    vocab = _check(hidden, weight, targets, chunk_tokens, grad_scale, vocab)
+    vocab = _check(hidden, pieces, targets, chunk_tokens, grad_scale, vocab)
     tokens = hidden.shape[0]
     starts = range(0, tokens, chunk_tokens)
     tiled = vocab_tiles and len(starts) > 1
+    columns = piece_columns(pieces)
     with torch.no_grad():
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         d_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format)
-        d_weight = None  # one chunk's 16-bit product, the float32 accumulator, or the tiles'
-        accumulator = product = None  # float32 (vocab, dim), only with several chunks
+        # each piece's: one chunk's 16-bit product, the float32 accumulator, or the tiles'
+        d_weight: list[torch.Tensor | None] = [None] * len(pieces)
+        product = None  # float32 (piece rows, dim), only with several chunks
         lse = torch.empty(tokens, 1, dtype=torch.float32, device=hidden.device) if tiled else None
         for index, start in enumerate(starts):
             chunk = hidden[start : start + chunk_tokens]
             valid, target = _valid_targets(targets[start : start + chunk_tokens])
-            logits = _mm_float32(chunk, weight.T)  # (rows, vocab) float32: the one chunk
-            if vocab < weight.shape[0]:  # the padded rows: out of the softmax
+            logits = _logits_float32(chunk, pieces, columns)  # (rows, vocab): the one chunk
+            if vocab < columns[-1].stop:  # the padded rows: out of the softmax
                 logits[:, vocab:] = -torch.inf
             chunk_loss, row_sum, row_lse = _softmax_minus_onehot_(logits, valid, target)
             loss_sum += chunk_loss
@@ -106,24 +119,102 @@ def chunked_cross_entropy(
             d_logits = torch.empty(logits.shape, dtype=hidden.dtype, device=hidden.device)
             torch.mul(logits, _row_scale(valid, row_sum, grad_scale), out=d_logits)
             del logits
-            torch.mm(d_logits, weight, out=d_hidden[start : start + chunk_tokens])
+            _d_hidden_into(d_logits, pieces, columns, d_hidden[start : start + chunk_tokens])
             if tiled:  # d_weight after the last chunk, tile by tile
                 lse[start : start + chunk_tokens] = row_lse
-            elif len(starts) == 1:  # one chunk: the 16-bit matmul writes d_weight directly
-                d_weight = d_logits.T @ chunk
-            elif index == 0:
-                accumulator = _mm_float32(d_logits.T, chunk)
-            else:
-                product = _mm_float32(d_logits.T, chunk, out=product)
-                accumulator.add_(product)
+                del d_logits
+                continue
+            for j, cols in enumerate(columns):
+                part = d_logits[:, cols]
+                if len(starts) == 1:  # one chunk: the 16-bit matmul writes d_weight directly
+                    d_weight[j] = part.T @ chunk
+                elif index == 0:
+                    d_weight[j] = _mm_float32(part.T, chunk)
+                else:
+                    product = _mm_float32(part.T, chunk, out=_reuse(product, part.shape[1]))
+                    d_weight[j].add_(product)
             del d_logits
         del product
-        if accumulator is not None:  # several chunks: returned in float32 (module doc)
-            d_weight = accumulator
         if tiled:
-            tile = vocab_tile_rows(tokens, weight.shape[0], chunk_tokens)
-            d_weight = _d_weight_by_tiles(hidden, weight, targets, lse, grad_scale, vocab, tile)
-        return loss_sum, d_hidden, d_weight
+            tile = vocab_tile_rows(tokens, columns[-1].stop, chunk_tokens)
+            d_weight = [
+                _d_weight_by_tiles(
+                    hidden, piece, targets, lse, grad_scale, vocab, tile, first=cols.start
+                )
+                for piece, cols in zip(pieces, columns, strict=True)
+            ]
+        return loss_sum, d_hidden, as_given(weight, d_weight)
+
+
+def weight_pieces(weight: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``weight`` as its row pieces (a tensor is one), checked to agree in their other
+    dimensions, dtype and device."""
+    if isinstance(weight, torch.Tensor):
+        return (weight,)
+    pieces = tuple(weight)
+    if not pieces or not all(isinstance(p, torch.Tensor) for p in pieces):
+        raise ValueError("weight must be a tensor or a non-empty sequence of row pieces")
+    first = pieces[0]
+    for piece in pieces[1:]:
+        if (piece.shape[1:], piece.dtype, piece.device) != (
+            first.shape[1:],
+            first.dtype,
+            first.device,
+        ):
+            raise ValueError(
+                "weight's row pieces must agree in their other dimensions, dtype and device, "
+                f"got {tuple(first.shape)} {first.dtype} {first.device} and "
+                f"{tuple(piece.shape)} {piece.dtype} {piece.device}"
+            )
+    return pieces
+
+
+def piece_columns(pieces: Sequence[torch.Tensor]) -> list[slice]:
+    """Each piece's rows of the whole table (its columns of the logits)."""
+    out, start = [], 0
+    for piece in pieces:
+        out.append(slice(start, start + piece.shape[0]))
+        start += piece.shape[0]
+    return out
+
+
+def as_given(weight: object, d_pieces: Sequence[torch.Tensor]) -> object:
+    """The pieces' gradients as ``weight`` came: one tensor, or a tuple of them."""
+    return d_pieces[0] if isinstance(weight, torch.Tensor) else tuple(d_pieces)
+
+
+def _reuse(buffer: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """``buffer``'s first ``rows`` rows (a product buffer kept across pieces), or None."""
+    return None if buffer is None or buffer.shape[0] < rows else buffer[:rows]
+
+
+def _logits_float32(
+    chunk: torch.Tensor, pieces: Sequence[torch.Tensor], columns: list[slice]
+) -> torch.Tensor:
+    """``chunk @ weight.T`` in float32, each piece's matmul writing its columns."""
+    if len(pieces) == 1:
+        return _mm_float32(chunk, pieces[0].T)
+    logits = torch.empty(chunk.shape[0], columns[-1].stop, dtype=torch.float32, device=chunk.device)
+    for piece, cols in zip(pieces, columns, strict=True):
+        _mm_float32(chunk, piece.T, out=logits[:, cols])
+    return logits
+
+
+def _d_hidden_into(
+    d_logits: torch.Tensor, pieces: Sequence[torch.Tensor], columns: list[slice], out: torch.Tensor
+) -> None:
+    """``out = d_logits @ weight``: one matmul for one piece; for several, the pieces'
+    products summed in float32 and rounded once into ``out``."""
+    if len(pieces) == 1:
+        torch.mm(d_logits, pieces[0], out=out)
+        return
+    total = None
+    for piece, cols in zip(pieces, columns, strict=True):
+        if total is None:
+            total = _mm_float32(d_logits[:, cols], piece)
+        else:
+            total.add_(_mm_float32(d_logits[:, cols], piece))
+    out.copy_(total)
 
 
 def vocab_tile_rows(tokens: int, vocab: int, chunk_tokens: int, multiple: int = 1) -> int:
@@ -141,10 +232,12 @@ def _d_weight_by_tiles(
     grad_scale: float,
     vocab: int,
     tile: int,
+    first: int = 0,
 ) -> torch.Tensor:
     """d_weight one vocabulary tile of ``tile`` rows at a time, over every token, from
     each token's log-sum-exp ``lse`` (tokens, 1) (the module doc's ``vocab_tiles``); the
-    rows from ``vocab`` on (padding) zero."""
+    rows from ``vocab`` on (padding) zero. ``weight`` is the table's rows from ``first``
+    on (a piece of it)."""
     valid, target = _valid_targets(targets)
     scale = torch.where(valid, grad_scale, 0.0)  # (tokens, 1): 0 on ignored rows
     d_weight = torch.empty_like(weight)
@@ -152,9 +245,10 @@ def _d_weight_by_tiles(
         rows = weight[start : start + tile]
         logits = _mm_float32(hidden, rows.T)  # (tokens, tile) float32, again
         logits.sub_(lse).exp_()  # softmax over the whole vocabulary, this tile's columns
-        if start + rows.shape[0] > vocab:  # padded rows: no probability, no gradient
-            logits[:, max(0, vocab - start) :] = 0.0
-        local = target - start
+        row = first + start  # the tile's first row of the whole table
+        if row + rows.shape[0] > vocab:  # padded rows: no probability, no gradient
+            logits[:, max(0, vocab - row) :] = 0.0
+        local = target - row
         inside = (local >= 0) & (local < rows.shape[0])
         logits.scatter_add_(1, local.clamp(0, rows.shape[0] - 1), -inside.to(logits.dtype))
         d_logits = torch.empty(logits.shape, dtype=hidden.dtype, device=hidden.device)
@@ -167,19 +261,27 @@ def _d_weight_by_tiles(
 
 def chunked_cross_entropy_reference(
     hidden: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Sequence[torch.Tensor],
     targets: torch.Tensor,
     chunk_tokens: int,
     *,
     grad_scale: float = 1.0,
     vocab_tiles: bool = False,
     vocab: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | tuple[torch.Tensor, ...]]:
     """-> (loss_sum, d_hidden like hidden, d_weight like weight), all math in float32
     (float64 when hidden or weight is float64); see the module doc. ``vocab_tiles`` is
     taken and changes nothing: the truth sums d_weight in a whole compute-dtype table.
     With ``vocab`` the truth is that of the first ``vocab`` rows alone (the rest of
-    d_weight zero)."""
+    d_weight zero). A weight in row pieces is joined first (the truth), its d_weight
+    split into the pieces' again."""
+    pieces = weight_pieces(weight)
+    if len(pieces) > 1:
+        loss, d_hidden, d_whole = chunked_cross_entropy_reference(
+            hidden, torch.cat(pieces), targets, chunk_tokens, grad_scale=grad_scale, vocab=vocab
+        )
+        return loss, d_hidden, tuple(d_whole[cols] for cols in piece_columns(pieces))
+    weight = pieces[0]
     vocab = _check(hidden, weight, targets, chunk_tokens, grad_scale, vocab)
     compute = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
     tokens = hidden.shape[0]
@@ -247,14 +349,17 @@ def _mm_float32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = Non
 
 def _check(
     hidden: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Sequence[torch.Tensor],
     targets: torch.Tensor,
     chunk_tokens: int,
     grad_scale: float,
     vocab: int | None = None,
 ) -> int:
     """Shape, dtype and chunk checks on the host (no device synchronization); returns the
-    vocabulary, ``vocab`` or every row of weight."""
+    vocabulary, ``vocab`` or every row of weight (of its pieces together)."""
+    pieces = weight_pieces(weight)
+    rows = sum(p.shape[0] for p in pieces)
+    weight = pieces[0]
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
     if isinstance(grad_scale, bool) or not isinstance(grad_scale, int | float):
@@ -276,9 +381,7 @@ def _check(
             f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}"
         )
     if vocab is None:
-        return weight.shape[0]
-    if isinstance(vocab, bool) or not isinstance(vocab, int) or not 0 < vocab <= weight.shape[0]:
-        raise ValueError(
-            f"vocab must be an int from 1 to weight's {weight.shape[0]} rows, got {vocab!r}"
-        )
+        return rows
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or not 0 < vocab <= rows:
+        raise ValueError(f"vocab must be an int from 1 to weight's {rows} rows, got {vocab!r}")
     return vocab

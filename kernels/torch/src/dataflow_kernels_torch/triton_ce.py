@@ -37,6 +37,8 @@ matmul over every token writes the tile's rows of d_weight.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -109,16 +111,24 @@ def _tile_grad_kernel(
 
 def chunked_cross_entropy_triton(
     hidden: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Sequence[torch.Tensor],
     targets: torch.Tensor,
     chunk_tokens: int,
     *,
     grad_scale: float = 1.0,
     vocab_tiles: bool = False,
     vocab: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | tuple[torch.Tensor, ...]]:
     """-> (loss_sum, d_hidden like hidden, d_weight: weight's shape, float32 when summed
-    over several chunks); see the module doc."""
+    over several chunks; a tuple, one per piece, for a weight in row pieces); see the
+    module doc."""
+    pieces = cross_entropy.weight_pieces(weight)
+    if len(pieces) > 1:
+        return _by_pieces(
+            hidden, pieces, targets, chunk_tokens, grad_scale=grad_scale,
+            vocab_tiles=vocab_tiles, vocab=vocab,
+        )  # fmt: skip
+    weight = pieces[0]
     if not (
         hidden.device.type == "cuda"
         and hidden.dtype == weight.dtype
@@ -187,19 +197,107 @@ def _d_weight_by_tiles(
     vocab: int,
     chunk_tokens: int,
     grad_scale: float,
+    offset: int = 0,
+    table_rows: int | None = None,
 ) -> torch.Tensor:
     """The padded weight's gradient one vocabulary tile at a time over every token, from
-    each token's log-sum-exp ``lse`` (module doc)."""
+    each token's log-sum-exp ``lse`` (module doc). ``weight_p`` is the table's rows from
+    ``offset`` on (a piece of a table of ``table_rows``), or all of it."""
     tokens, padded = hidden.shape[0], weight_p.shape[0]
     d_weight_p = torch.empty_like(weight_p)
-    tile = cross_entropy.vocab_tile_rows(tokens, padded, chunk_tokens, _PAD_ROWS)
+    whole = padded if table_rows is None else table_rows
+    tile = cross_entropy.vocab_tile_rows(tokens, whole, chunk_tokens, _PAD_ROWS)
     for first in range(0, padded, tile):
         rows = weight_p[first : first + tile]
         logits = torch.mm(hidden, rows.T)  # (tokens, tile), 16-bit, again
         _tile_grad_kernel[(tokens,)](
-            logits, logits.stride(0), targets, lse, first, vocab, rows.shape[0],
+            logits, logits.stride(0), targets, lse, offset + first, vocab, rows.shape[0],
             float(grad_scale), cross_entropy.IGNORE_INDEX, BLOCK=_BLOCK, num_warps=8,
         )  # fmt: skip
         torch.mm(logits.T, hidden, out=d_weight_p[first : first + tile])
         del logits
     return d_weight_p
+
+
+def _by_pieces(
+    hidden: torch.Tensor,
+    pieces: tuple[torch.Tensor, ...],
+    targets: torch.Tensor,
+    chunk_tokens: int,
+    *,
+    grad_scale: float,
+    vocab_tiles: bool,
+    vocab: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The variant over a table in row pieces (``cross_entropy``'s module doc): each
+    piece's logits matmul writes its columns of the chunk's one 16-bit buffer, the row
+    kernel runs over the whole row, d_hidden sums the pieces' products in float32, and
+    each piece keeps its own float32 accumulator (or its tiles). Pieces whose rows are
+    not all multiples of 64 (nor CUDA 16-bit inputs) go to the torch variant."""
+    if not (
+        hidden.device.type == "cuda"
+        and hidden.dtype == pieces[0].dtype
+        and hidden.dtype in HALF_DTYPES
+        and hidden.is_contiguous()
+        and all(p.shape[0] % _ALIGNED_ROWS == 0 for p in pieces)
+    ):
+        return cross_entropy.chunked_cross_entropy(
+            hidden, pieces, targets, chunk_tokens, grad_scale=grad_scale,
+            vocab_tiles=vocab_tiles, vocab=vocab,
+        )  # fmt: skip
+    vocab = cross_entropy._check(hidden, pieces, targets, chunk_tokens, grad_scale, vocab)
+    columns = cross_entropy.piece_columns(pieces)
+    stored = columns[-1].stop
+    tokens = hidden.shape[0]
+    starts = range(0, tokens, chunk_tokens)
+    tiled = vocab_tiles and len(starts) > 1
+    with torch.no_grad():
+        targets = targets.reshape(-1).contiguous()
+        losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        d_hidden = torch.empty_like(hidden)
+        d_weight: list[torch.Tensor | None] = [None] * len(pieces)
+        for index, start in enumerate(starts):
+            chunk = hidden[start : start + chunk_tokens]
+            rows = chunk.shape[0]
+            logits = torch.empty(rows, stored, dtype=hidden.dtype, device=hidden.device)
+            for piece, cols in zip(pieces, columns, strict=True):
+                torch.mm(chunk, piece.T, out=logits[:, cols])
+            _softmax_ce_kernel[(rows,)](
+                logits, logits.stride(0), targets[start : start + rows],
+                losses[start : start + rows], lse[start : start + rows], vocab, stored,
+                float(grad_scale), cross_entropy.IGNORE_INDEX, BLOCK=_BLOCK, num_warps=8,
+            )  # fmt: skip
+            total = torch.mm(logits[:, columns[0]], pieces[0], out_dtype=torch.float32)
+            for piece, cols in zip(pieces[1:], columns[1:], strict=True):
+                torch.addmm(total, logits[:, cols], piece, torch.float32, out=total)
+            d_hidden[start : start + rows].copy_(total)
+            del total
+            if tiled:  # d_weight after the last chunk, tile by tile
+                del logits
+                continue
+            for j, cols in enumerate(columns):
+                part = logits[:, cols]
+                if len(starts) == 1:
+                    d_weight[j] = part.T @ chunk
+                elif index == 0:
+                    d_weight[j] = torch.mm(part.T, chunk, out_dtype=torch.float32)
+                else:
+                    torch.addmm(d_weight[j], part.T, chunk, torch.float32, out=d_weight[j])
+            del logits
+        if tiled:
+            d_weight = [
+                _d_weight_by_tiles(
+                    hidden,
+                    piece,
+                    targets,
+                    lse,
+                    vocab,
+                    chunk_tokens,
+                    grad_scale,
+                    cols.start,
+                    stored,
+                )  # fmt: skip
+                for piece, cols in zip(pieces, columns, strict=True)
+            ]
+        return losses.sum(), d_hidden, tuple(d_weight)
