@@ -24,7 +24,7 @@ from dataflow import LaunchContext, Program, Task
 from dataflow_training.kit.lora import task_seed, with_lora, with_seed
 from dataflow_training.kit.lora_base import OPS as BASE_OPS
 from dataflow_training.kit.segments import Segments
-from dataflow_training.step.family import Env, FamilyContractError, RowGradient
+from dataflow_training.step.family import Env, FamilyContractError, RowGradient, RowPieces
 from dataflow_training.step.keys import ComputeKeyError, parse
 from dataflow_training.step.layout import TaskSlot
 from dataflow_training.step.lowering import Lowered, layer_role
@@ -98,6 +98,15 @@ class TrainingTasks:
         self.optimizer = optimizer_spec(self.train.optimizer.name)
         #: each layer's role (``lowering.layer_role``), what the optimizer's update gets
         self.roles = {layer.name: layer_role(layer, step.layers) for layer in step.layers}
+        #: each stored piece's ``(index, count)`` by ``(layer, group, param)``: the
+        #: vocabulary tables' row pieces (``step.pieces``) and the expert shards'
+        self.pieces = {
+            (layer.name, group.name, p.name): p.piece
+            for layer in step.layers
+            for group in layer.groups
+            for p in group.params
+            if p.piece is not None
+        }
         #: each layer's parameters updated by a rule (``TensorSpec.rule``), by group
         self.ruled = {
             (layer.name, group.name): tuple(p.name for p in group.params if p.rule is not None)
@@ -218,11 +227,36 @@ class _Exec:
         return dict(cached[1])
 
     def named(self, ctx: LaunchContext, role: str) -> Tensors:
-        """Every packed object of ``role`` viewed as named tensors, merged."""
+        """Every packed object of ``role`` viewed as named tensors, merged; a tensor whose
+        every row piece the role holds (a vocabulary table, ``step.pieces``) as one
+        ``RowPieces`` of them in row order (a piece alone, an expert shard's, as it is)."""
         out: Tensors = {}
+        pieces: dict[str, dict[int, torch.Tensor]] = {}
+        counts: dict[str, int] = {}
         for obj in self.slot.objects(role):
-            out.update(self.views(ctx, obj))
+            for name, view in self.views(ctx, obj).items():
+                piece = self.piece(obj, name)
+                if piece is not None:
+                    pieces.setdefault(name, {})[piece[0]] = view
+                    counts[name] = piece[1]
+                    continue
+                out[name] = view
+        for name, found in pieces.items():
+            count = counts[name]
+            if len(found) == count:
+                out[name] = RowPieces(found[j] for j in range(count))
+            elif len(found) == 1:
+                out[name] = next(iter(found.values()))
+            else:
+                raise FamilyContractError(
+                    f"task {self.task.id}: holds {len(found)} of the {count} pieces of {name!r}"
+                )
         return out
+
+    def piece(self, obj: str, name: str) -> tuple[int, int] | None:
+        """``(index, count)`` where ``obj`` stores a row piece of ``name``, else None."""
+        packed = self.layout.packed[obj]
+        return self.tasks.pieces.get((packed.layer, packed.group, name))
 
     def one(self, ctx: LaunchContext, role: str) -> torch.Tensor:
         return self.buffer(ctx, self.slot.one(role))
@@ -256,13 +290,42 @@ class _Exec:
                         f"task {self.task.id}: {self.task.compute_key} returned no gradient "
                         f"for {obj}:{name}"
                     )
-                _check_shape(self.task, f"gradient {name}", value, target)
+                first, piece = 0, self.piece(obj, name)
+                if piece is not None:  # a row piece of a table: its share of the gradient
+                    value, first = self._piece_of(value, piece, target, name)
+                if not isinstance(value, RowGradient) or piece is None:
+                    _check_shape(self.task, f"gradient {name}", value, target)
                 if isinstance(value, RowGradient):
-                    (value.add_into if add else value.copy_into)(target)
+                    (value.add_into if add else value.copy_into)(target, first)
                 elif add:
                     target.add_(value)
                 else:
                     target.copy_(value)
+
+    def _piece_of(
+        self, value: Any, piece: tuple[int, int], target: torch.Tensor, name: str
+    ) -> tuple[Any, int]:
+        """(piece ``index`` of ``count`` of the gradient ``value``, the first row of the
+        whole table that ``target`` holds): a tuple with one gradient per piece gives its
+        own; a ``RowGradient`` of the whole table stays whole (it writes the piece's rows,
+        from that first row); a whole table gives its rows; the piece's own tensor is
+        taken as it is."""
+        index, count = piece
+        rows = target.shape[0]
+        if isinstance(value, tuple | list):
+            if len(value) != count:
+                raise FamilyContractError(
+                    f"task {self.task.id}: {self.task.compute_key} gave {len(value)} gradient "
+                    f"pieces of {name!r}, which is stored in {count}"
+                )
+            return value[index], 0
+        whole = (rows * count, *target.shape[1:])
+        if isinstance(value, RowGradient):
+            _check_shape(self.task, f"gradient {name}", value, torch.empty(whole, device="meta"))
+            return value, index * rows
+        if tuple(value.shape) == whole:
+            return value[index * rows : (index + 1) * rows], 0
+        return value, 0
 
     def puts(
         self,

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from dataflow_training.step.family import RowPieces
+
 IGNORE_INDEX = -100
 
 Tensors = Mapping[str, torch.Tensor]
@@ -43,7 +45,7 @@ def lm_head_loss(
         keywords["vocab"] = vocab
     loss_sum, d_hidden, d_weight = ops["chunked_cross_entropy"](
         hidden.reshape(-1, hidden.shape[-1]),
-        weight,
+        weight.pieces if isinstance(weight, RowPieces) else weight,
         flat_targets,
         env.chunk_tokens,
         grad_scale=env.grad_scale,
@@ -56,5 +58,9 @@ def lm_head_loss(
     # (vocab, dim) tensor of the task's workspace; float32 where the kernel summed it over
     # chunks, rounded once by the task into its gradient object (``store_grads``), as the
     # embedding's row sums are
-    grads[projection] = d_weight.div_(scored)
+    # (a table in row pieces, ``RowPieces``: one gradient per piece, each divided)
+    if isinstance(d_weight, tuple):
+        grads[projection] = tuple(d.div_(scored) for d in d_weight)
+    else:
+        grads[projection] = d_weight.div_(scored)
     return (loss_sum / scored).to(torch.float32), dx, grads

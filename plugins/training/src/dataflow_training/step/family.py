@@ -313,21 +313,90 @@ class RowGradient:
         sums.index_add_(0, segment, values[order].to(dtype))
         return cls(rows, sums[segment], shape)
 
-    def add_into(self, target: Any) -> None:
+    def add_into(self, target: Any, first: int = 0) -> None:
         """``target`` += this gradient, each row summed in ``values``' dtype and rounded
-        once to ``target``'s (as ``target.add_`` of a dense table would)."""
-        summed = target[self.rows].to(self.values.dtype).add_(self.values)
-        target.index_put_((self.rows,), summed.to(target.dtype))
+        once to ``target``'s (as ``target.add_`` of a dense table would). ``target`` may
+        be the rows from ``first`` on of the whole gradient (a table stored in row pieces,
+        ``RowPieces``): the rows outside it are left alone."""
+        if first == 0 and target.shape[0] == self.shape[0]:
+            summed = target[self.rows].to(self.values.dtype).add_(self.values)
+            target.index_put_((self.rows,), summed.to(target.dtype))
+            return
+        local, inside = self._local(target, first)
+        old = target[local].to(self.values.dtype)
+        self._write(target, local, inside, old.add(self.values).where(inside, old))
 
-    def copy_into(self, target: Any) -> None:
-        """``target`` = this gradient."""
+    def copy_into(self, target: Any, first: int = 0) -> None:
+        """``target`` = this gradient (its rows from ``first`` on, as ``add_into``)."""
         target.zero_()
-        target.index_put_((self.rows,), self.values.to(target.dtype))
+        if first == 0 and target.shape[0] == self.shape[0]:
+            target.index_put_((self.rows,), self.values.to(target.dtype))
+            return
+        local, inside = self._local(target, first)
+        self._write(target, local, inside, self.values.where(inside, 0))
+
+    def _local(self, target: Any, first: int) -> tuple[Any, Any]:
+        """Each row's index in ``target`` (the rows from ``first`` on), clamped into it,
+        and (n, 1) whether it is inside."""
+        local = self.rows - first
+        inside = (local >= 0) & (local < target.shape[0])
+        return local.clamp(0, target.shape[0] - 1), inside.unsqueeze(1)
+
+    @staticmethod
+    def _write(target: Any, local: Any, inside: Any, new: Any) -> None:
+        """``target[local] = new`` for the rows inside; every row outside writes what the
+        first row inside writes (or, with none inside, its own unchanged value), so that
+        the writes to one index all carry the same bytes, as ``rows``' repeats do, and no
+        index outside the rows given changes. No host synchronization: the shapes are the
+        round's token count whatever the tokens."""
+        pick = inside.squeeze(1).to(local.dtype).argmax()  # the first inside, or 0
+        index = local.where(inside.squeeze(1), local[pick])
+        target.index_put_((index,), new.where(inside, new[pick]).to(target.dtype))
 
     def dense(self) -> Any:
         """The whole gradient as one tensor of ``values``' dtype."""
         out = self.values.new_zeros(self.shape)
         out.index_put_((self.rows,), self.values)
+        return out
+
+
+@attrs.frozen
+class RowPieces:
+    """A table that the step stores in row pieces (``TrainConfig.vocab_pieces``,
+    ``step.pieces``), as the embedding's and the head's math get it: ``pieces`` in row
+    order, never joined (a joined copy would be one more table of workspace).
+    ``table[index]`` gathers rows by an integer tensor (an embedding's lookup); an op that
+    takes row pieces gets ``pieces`` (``chunked_cross_entropy``); the gradient comes back
+    as a tuple with one tensor per piece, a ``RowGradient`` or a whole table."""
+
+    pieces: tuple[Any, ...] = attrs.field(converter=tuple)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (sum(p.shape[0] for p in self.pieces), *self.pieces[0].shape[1:])
+
+    @property
+    def dtype(self) -> Any:
+        return self.pieces[0].dtype
+
+    @property
+    def device(self) -> Any:
+        return self.pieces[0].device
+
+    def __getitem__(self, index: Any) -> Any:
+        """The rows of ``index`` (an integer tensor of any shape), as ``table[index]``:
+        each piece gathers every index (clamped into its rows) and keeps the ones inside
+        it, so the shapes never depend on the values (nothing waits for the device)."""
+        out, start = None, 0
+        for piece in self.pieces:
+            rows = piece.shape[0]
+            local = index - start
+            inside = ((local >= 0) & (local < rows)).reshape(
+                *index.shape, *([1] * (piece.dim() - 1))
+            )
+            gathered = piece[local.clamp(0, rows - 1)]
+            out = gathered if out is None else gathered.where(inside, out)
+            start += rows
         return out
 
 

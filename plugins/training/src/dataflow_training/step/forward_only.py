@@ -31,6 +31,7 @@ from dataflow_training.step.layout import LayerInfo, PackedObject, StepLayout
 from dataflow_training.step.lora import lora_layers
 from dataflow_training.step.lowering import Lowered, _add_aux, _dtype, _ordered, _step_links
 from dataflow_training.step.packing import Layout
+from dataflow_training.step.pieces import pieced_layers
 from dataflow_training.step.step_chain import StepChain, group_object
 
 
@@ -49,6 +50,7 @@ def lower_forward(
     train = attrs.evolve(train, rounds=1)
     config = family.config(preset, **overrides)
     layers = lora_layers(family.layers(config), train.lora)  # LoRA's adapters and base
+    layers = pieced_layers(layers, train.vocab_pieces, config)  # (step.pieces)
     embed, head = embed_layer(layers), head_layer(layers)
     blocks = layers[1:-1]
     sharded = next((b.name for b in blocks if any(g.shard is not None for g in b.groups)), None)

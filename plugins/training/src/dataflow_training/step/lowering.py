@@ -84,6 +84,7 @@ from dataflow_training.step.layout import LayerInfo, PackedObject, StepLayout
 from dataflow_training.step.lora import lora_cost, lora_layers
 from dataflow_training.step.optimizers import optimizer_spec
 from dataflow_training.step.packing import Layout
+from dataflow_training.step.pieces import pieced_layers
 from dataflow_training.step.round_tasks import Apart, Kinds, Parameters, Rounds, lower_round
 from dataflow_training.step.step_chain import (
     StepChain,
@@ -126,7 +127,7 @@ class Lowered:
                 f"{layout.family!r}"
             )
         config = family.config(layout.preset, **layout.overrides)
-        layers = trained_layers(family.layers(config), layout.train)
+        layers = trained_layers(family.layers(config), layout.train, config)
         return cls(program, layout, layers, family, config)
 
     def with_program(self, program: Program, layout: StepLayout | None = None) -> Lowered:
@@ -156,10 +157,14 @@ def _ordered(params: Iterable[TensorSpec]) -> list[TensorSpec]:
 ASSUMED_COLLECTIVE = Link(bw_bytes_per_us=1000.0, latency_us=100.0)
 
 
-def trained_layers(layers: Any, train: TrainConfig) -> tuple[LayerSpec, ...]:
-    """A family's ``layers`` as ``train`` trains them: LoRA's adapters added and the base
-    frozen (``step.lora``), then the ``freeze`` patterns applied (``step.freezing``)."""
-    return freeze_layers(lora_layers(tuple(layers), train.lora), train.freeze)
+def trained_layers(layers: Any, train: TrainConfig, config: Any) -> tuple[LayerSpec, ...]:
+    """A family's ``layers`` (of ``config``) as ``train`` trains them: LoRA's adapters
+    added and the base frozen (``step.lora``), the ``freeze`` patterns applied
+    (``step.freezing``), then the vocabulary tables in ``vocab_pieces`` row pieces
+    (``step.pieces``)."""
+    frozen = freeze_layers(lora_layers(tuple(layers), train.lora), train.freeze)
+    elementwise = optimizer_spec(train.optimizer.name).elementwise
+    return pieced_layers(frozen, train.vocab_pieces, config, elementwise=elementwise)
 
 
 def lower(
@@ -200,7 +205,7 @@ def lower(
     """
     overrides = dict(overrides or {})
     config = family.config(preset, **overrides)
-    layers = trained_layers(family.layers(config), train)
+    layers = trained_layers(family.layers(config), train, config)
     embed, head = embed_layer(layers), head_layer(layers)
     if layers[0] is not embed or layers[-1] is not head:
         raise FamilyContractError(
