@@ -566,6 +566,12 @@ def parser() -> argparse.ArgumentParser:
         "(TrainConfig.head_vocab_tiles)",
     )
     p.add_argument(
+        "--vocab-pieces",
+        type=int,
+        default=1,
+        help="dataflow rows: the vocabulary tables in row pieces (TrainConfig.vocab_pieces)",
+    )
+    p.add_argument(
         "--updates",
         default="auto",
         choices=UPDATES,

@@ -68,9 +68,11 @@ def train_config(
     tiles: bool = False,
     updates: str = "auto",
     lora: LoraConfig | None = None,
+    pieces: int = 1,
 ) -> TrainConfig:
     """A row's step: ``dtype`` (``POLICIES``), the shape, the head's chunk, the order and
-    the updates; ``lora``: adapters on a frozen base (None: full training)."""
+    the updates; ``lora``: adapters on a frozen base (None: full training); ``pieces``:
+    the vocabulary tables' row pieces (``TrainConfig.vocab_pieces``)."""
     policy, state = POLICIES[dtype]
     return TrainConfig(
         seq_len=seq_len,
@@ -83,6 +85,7 @@ def train_config(
         updates=updates,
         head_vocab_tiles=tiles,
         lora=lora,
+        vocab_pieces=pieces,
     )
 
 
@@ -111,6 +114,7 @@ def ranked_shapes(
     tiles: bool = False,
     updates: str = "auto",
     lora: LoraConfig | None = None,
+    pieces: int = 1,
 ) -> tuple[list[tuple[int, int]], dict[str, Any]]:
     """``(batch, rounds)`` in the order to try, and what the roofline plan said of each.
 
@@ -131,7 +135,9 @@ def ranked_shapes(
         if any(v.get("at_bound") for v in said.values() if isinstance(v, dict)):
             unplanned.append((batch, rounds))
             continue
-        train = train_config(dtype, batch, rounds, seq_len, chunk, order, tiles, updates, lora)
+        train = train_config(
+            dtype, batch, rounds, seq_len, chunk, order, tiles, updates, lora, pieces
+        )
         program = lower(family, preset, train).program
         try:
             planned = plan(program, budget_bytes)
@@ -272,6 +278,7 @@ def trial(
         args.head_vocab_tiles,
         args.updates,
         bench.lora,
+        args.vocab_pieces,
     )
     run = row_run(
         bench.family,
@@ -329,6 +336,7 @@ def trial(
         "order": order,
         "chunk_tokens": chunk,
         "head_vocab_tiles": args.head_vocab_tiles,
+        "vocab_pieces": args.vocab_pieces,
         "updates": args.updates,
         "replayed": replayed,
         "graph_note": graph_note,
@@ -420,6 +428,7 @@ def dataflow_row(bench: Any, dtype: str, budget: int, order: str = "round") -> N
                     args.head_vocab_tiles,
                     args.updates,
                     bench.lora,
+                    args.vocab_pieces,
                 )
             for batch, rounds in shapes:
                 current = f"while trying batch {batch} x {rounds}"

@@ -243,6 +243,16 @@ def fleet_options(command: Any) -> Any:
     "head compute; for a large vocabulary in a small budget",
 )
 @click.option(
+    "--vocab-pieces",
+    default=1,
+    show_default=True,
+    type=COUNT,
+    help="store and update the vocabulary tables (the embedding, an untied head) in N row "
+    "pieces, each with its own optimizer update: an update holds one piece's weights, "
+    "gradient and optimizer state instead of the table's (8.1 GB for Qwen 3.5's head); for "
+    "a large vocabulary in a small budget. N divides the vocabulary",
+)
+@click.option(
     "--eval-every",
     default=None,
     type=COUNT,

@@ -71,6 +71,7 @@ class TrainOptions:
     order: str = "round"  # TrainConfig.order
     updates: str = "auto"  # TrainConfig.updates
     head_vocab_tiles: bool = False  # TrainConfig.head_vocab_tiles
+    vocab_pieces: int = 1  # TrainConfig.vocab_pieces
     #: the registered resolver that runs the tasks, or "auto" (``run.resolver_for``)
     resolver: str = "auto"
     #: a Hugging Face model folder whose weights start the run (``hf_init``); its config's
@@ -146,6 +147,7 @@ class TrainOptions:
             order=self.order,
             updates=self.updates,
             head_vocab_tiles=self.head_vocab_tiles,
+            vocab_pieces=self.vocab_pieces,
             freeze=self.freeze,
             lora=self.lora_config,
             segments=self.pack_documents,

@@ -57,6 +57,7 @@ from dataflow_training.plan.compiled_step import (
     available_host_bytes,
     compile_step,
 )
+from dataflow_training.step.config import OMITTED_DEFAULTS
 from dataflow_training.step.family import Family
 
 #: one round's data: ``(tokens, targets)``, or ``(tokens, targets, segments)`` (a
@@ -497,6 +498,8 @@ class TrainingRun:
         mine = self.manifest()
         for field in ("family", "preset", "overrides", "train"):
             theirs, ours = manifest.get(field), mine[field]
+            if field == "train" and isinstance(theirs, dict):  # fields written only when set
+                theirs, ours = OMITTED_DEFAULTS | theirs, OMITTED_DEFAULTS | ours
             if field == "train" and loose and isinstance(theirs, dict):
                 theirs = {k: v for k, v in theirs.items() if k not in loose}
                 ours = {k: v for k, v in ours.items() if k not in loose}

@@ -266,6 +266,11 @@ class TrainConfig:
         return self.batch * self.seq_len
 
 
+#: the fields ``omit_empty_freeze`` leaves out of a written TrainConfig at these values
+#: (what a comparison of two written configs fills in: ``drive.run``'s restore)
+OMITTED_DEFAULTS = {"freeze": [], "lora": None, "segments": False, "vocab_pieces": 1}
+
+
 def omit_empty_freeze(converter: Any) -> None:
     """Have ``converter`` (a ``cattrs.Converter``) write a TrainConfig that freezes nothing
     (and has no ``lora``, no ``segments``, whole vocabulary tables) as before ``freeze`` existed: its programs hash the same and its checkpoints match
