@@ -275,7 +275,8 @@ qwen3_5 | qwen3_5_moe)
     # 4 x 8 layer:2 (60,499 tok/s; round order 8 x 4 58,469), 8 GiB 4 x 8 layer:4
     # (51,362); MoE 8 x 4 by layer, 16 GiB 100,317 and 8 GiB 79,739. One call each.
     # Overrides: STOCK_BATCHES (the stock batch search), Q35_TOKENS (dataflow tokens a
-    # step), MOE_BATCHES (the MoE rows' batches), ONLY16=1 (the 16 GiB rows alone)
+    # step), MOE_BATCHES (the MoE rows' batches), ONLY16=1 (the 16 GiB rows alone); the
+    # dense 8 GiB row: BATCH8, ORDER8, VOCAB_PIECES (TrainConfig.vocab_pieces)
     {
         if [ "$group" = qwen3_5 ]; then
             compare --family qwen3_5 "${q35[@]}" --rows stock,dataflow --stock-engines compile \
@@ -284,7 +285,8 @@ qwen3_5 | qwen3_5_moe)
                 --budgets "${big_budgets%,*}" --steps 4 --warmup 2 \
                 --compile-row-seconds 150 --row-seconds 150 --total-seconds 330
             [ "${ONLY16:-0}" = 1 ] || compare --family qwen3_5 "${q35[@]}" --rows dataflow \
-                --dataflow-batches 4 --dataflow-orders "${ORDER8:-layer:4}" \
+                --dataflow-batches "${BATCH8:-4}" --dataflow-orders "${ORDER8:-layer:4}" \
+                --vocab-pieces "${VOCAB_PIECES:-1}" \
                 --min-tokens "${Q35_TOKENS:-$tokens}" --budgets "${big_budgets#*,}" --steps 4 \
                 --warmup 2 --row-seconds 170 --total-seconds 170
         else
