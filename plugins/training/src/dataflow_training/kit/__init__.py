@@ -23,6 +23,7 @@ _HOMES = {
         "TensorSpec",
         "Env",
         "RowGradient",
+        "RowPieces",
         "LayerCost",
         "Work",
         "PartialSave",
