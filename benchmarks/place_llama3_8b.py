@@ -171,9 +171,15 @@ class Lookup:
         self.by_key: dict[str, TaskProfile] = {}
         self.shapes: dict[str, list[int]] = {}
         self.same_sizes: dict[str, TaskProfile] = {}
+        #: each optimizer key's largest profiled update: (bytes read and written, profile)
+        self.largest_update: dict[str, tuple[int, TaskProfile]] = {}
         for text, profile in known.items():
             signature = json.loads(text)
             self.same_sizes[_without_shape(signature)] = profile
+            if signature[0].startswith("optim."):
+                size = sum(map(sum, signature[3:5]))
+                if size > self.largest_update.get(signature[0], (0, None))[0]:
+                    self.largest_update[signature[0]] = (size, profile)
             key = json.dumps([signature[0], signature[2]])
             if key not in self.by_key or profile.cost_us > self.by_key[key].cost_us:
                 self.by_key[key] = profile
@@ -198,14 +204,9 @@ class Lookup:
         ``--vocab-pieces``): the largest profiled update of its compute key, its time
         scaled by the bytes (an update reads and writes each byte once: the archive's
         updates of 0.42 and 2.03 GB gradients took 4.07 and 4.08 us a MB), no workspace."""
-        same = [
-            (sum(map(sum, json.loads(text)[3:5])), profile)
-            for text, profile in self.known.items()
-            if json.loads(text)[0] == signature[0]
-        ]
-        if not same:
+        if signature[0] not in self.largest_update:
             return None
-        size, profile = max(same, key=lambda item: item[0])
+        size, profile = self.largest_update[signature[0]]
         self.scaled.add(signature[0])
         return TaskProfile(profile.cost_us * sum(map(sum, signature[3:5])) / size, 0)
 
@@ -218,7 +219,7 @@ class Lookup:
             self.stand_ins.add(text)
             # every object the same size (an update): tokens do not count
             profile = self.same_sizes.get(_without_shape(signature))
-        if profile is None and signature[0].startswith("optim."):
+        if profile is None:
             profile = self._update_by_bytes(signature)
         if profile is None:
             profile = self._stand_in(signature[0], signature[2])

@@ -24,7 +24,13 @@ from dataflow import LaunchContext, Program, Task
 from dataflow_training.kit.lora import task_seed, with_lora, with_seed
 from dataflow_training.kit.lora_base import OPS as BASE_OPS
 from dataflow_training.kit.segments import Segments
-from dataflow_training.step.family import Env, FamilyContractError, RowGradient, RowPieces
+from dataflow_training.step.family import (
+    Env,
+    FamilyContractError,
+    RowGradient,
+    RowPieces,
+    stored_pieces,
+)
 from dataflow_training.step.keys import ComputeKeyError, parse
 from dataflow_training.step.layout import TaskSlot
 from dataflow_training.step.lowering import Lowered, layer_role
@@ -51,7 +57,7 @@ def put_all(result: Any, puts: list[Put]) -> None:
             value = value.get(step) if isinstance(value, Mapping) else value[step]
             if value is None:
                 raise FamilyContractError(f"returned no {what}")
-        _check_shape(None, what, value, target)
+        _check_shape(None, what, value, target.shape)
         if add:
             target.add_(value)
         else:
@@ -100,13 +106,7 @@ class TrainingTasks:
         self.roles = {layer.name: layer_role(layer, step.layers) for layer in step.layers}
         #: each stored piece's ``(index, count)`` by ``(layer, group, param)``: the
         #: vocabulary tables' row pieces (``step.pieces``) and the expert shards'
-        self.pieces = {
-            (layer.name, group.name, p.name): p.piece
-            for layer in step.layers
-            for group in layer.groups
-            for p in group.params
-            if p.piece is not None
-        }
+        self.pieces = {key: p.piece for key, p in stored_pieces(step.layers).items()}
         #: each layer's parameters updated by a rule (``TensorSpec.rule``), by group
         self.ruled = {
             (layer.name, group.name): tuple(p.name for p in group.params if p.rule is not None)
@@ -291,10 +291,11 @@ class _Exec:
                         f"for {obj}:{name}"
                     )
                 first, piece = 0, self.piece(obj, name)
-                if piece is not None:  # a row piece of a table: its share of the gradient
-                    value, first = self._piece_of(value, piece, target, name)
-                if not isinstance(value, RowGradient) or piece is None:
-                    _check_shape(self.task, f"gradient {name}", value, target)
+                what = f"gradient {name}"
+                if piece is None:
+                    _check_shape(self.task, what, value, target.shape)
+                else:  # a row piece of a table: its share of the gradient, checked
+                    value, first = self._piece_of(value, piece, target, what)
                 if isinstance(value, RowGradient):
                     (value.add_into if add else value.copy_into)(target, first)
                 elif add:
@@ -303,28 +304,29 @@ class _Exec:
                     target.copy_(value)
 
     def _piece_of(
-        self, value: Any, piece: tuple[int, int], target: torch.Tensor, name: str
+        self, value: Any, piece: tuple[int, int], target: torch.Tensor, what: str
     ) -> tuple[Any, int]:
         """(piece ``index`` of ``count`` of the gradient ``value``, the first row of the
-        whole table that ``target`` holds): a tuple with one gradient per piece gives its
-        own; a ``RowGradient`` of the whole table stays whole (it writes the piece's rows,
-        from that first row); a whole table gives its rows; the piece's own tensor is
-        taken as it is."""
+        whole table that ``target`` holds), its shape checked: a tuple with one gradient
+        per piece gives its own; a ``RowGradient`` of the whole table stays whole (it
+        writes the piece's rows, from that first row); a whole table gives its rows; the
+        piece's own tensor is taken as it is."""
         index, count = piece
         rows = target.shape[0]
+        whole = (rows * count, *target.shape[1:])
         if isinstance(value, tuple | list):
             if len(value) != count:
                 raise FamilyContractError(
-                    f"task {self.task.id}: {self.task.compute_key} gave {len(value)} gradient "
-                    f"pieces of {name!r}, which is stored in {count}"
+                    f"task {self.task.id}: {self.task.compute_key} gave {len(value)} "
+                    f"pieces of its {what}, which is stored in {count}"
                 )
-            return value[index], 0
-        whole = (rows * count, *target.shape[1:])
-        if isinstance(value, RowGradient):
-            _check_shape(self.task, f"gradient {name}", value, torch.empty(whole, device="meta"))
+            value = value[index]
+        elif isinstance(value, RowGradient):
+            _check_shape(self.task, what, value, whole)
             return value, index * rows
-        if tuple(value.shape) == whole:
-            return value[index * rows : (index + 1) * rows], 0
+        elif tuple(value.shape) == whole:
+            value = value[index * rows : (index + 1) * rows]
+        _check_shape(self.task, what, value, target.shape)
         return value, 0
 
     def puts(
@@ -368,13 +370,13 @@ class _Exec:
             buffer[start:end].zero_()
 
 
-def _check_shape(task: Task | None, what: str, value: Any, target: torch.Tensor) -> None:
-    """``value`` has ``target``'s shape, or a ``FamilyContractError`` naming ``what`` (and
-    the task, where given; ``put_all``'s caller adds it)."""
-    if tuple(value.shape) != tuple(target.shape):
+def _check_shape(task: Task | None, what: str, value: Any, shape: Any) -> None:
+    """``value`` has the declared ``shape``, or a ``FamilyContractError`` naming ``what``
+    (and the task, where given; ``put_all``'s caller adds it)."""
+    if tuple(value.shape) != tuple(shape):
         prefix = f"task {task.id}: {task.compute_key} " if task is not None else ""
         raise FamilyContractError(
-            f"{prefix}gave {what} of shape {tuple(value.shape)}; declared {tuple(target.shape)}"
+            f"{prefix}gave {what} of shape {tuple(value.shape)}; declared {tuple(shape)}"
         )
 
 
@@ -383,7 +385,7 @@ class EmbedForward(_Exec):
         y = self.tasks.math("embed").forward(
             self.tasks.config, self.named(ctx, "w"), self.one(ctx, "tokens"), self.env(ctx)
         )
-        _check_shape(self.task, "output", y, self.one(ctx, "y"))
+        _check_shape(self.task, "output", y, self.one(ctx, "y").shape)
         self.one(ctx, "y").copy_(y)
 
 
@@ -493,7 +495,7 @@ class _Apart(_Exec):
             raise FamilyContractError(
                 f"task {self.task.id}: {self.task.compute_key} gave no {what}"
             )
-        _check_shape(self.task, what, value, target)
+        _check_shape(self.task, what, value, target.shape)
         (target.add_ if add else target.copy_)(value)
 
 
@@ -606,7 +608,7 @@ class HeadLoss(_Exec):
         self.one(ctx, "loss").copy_(loss)
         if self.slot.objects("dx"):  # none where nothing below the head trains, nor in a
             # forward-only step (its head makes the loss alone)
-            _check_shape(self.task, "dx", dx, self.one(ctx, "dx"))
+            _check_shape(self.task, "dx", dx, self.one(ctx, "dx").shape)
             self.one(ctx, "dx").copy_(dx)
         self.store_grads(ctx, "grad", {k: v for k, v in grads.items() if k not in self.tied})
         if self.slot.objects("tied_grad"):

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dataflow_training.step.family import state_rows
+from dataflow_training.step.family import state_rows, stored_pieces
 from dataflow_training.step.layout import StepLayout
 from dataflow_training.step.lowering import Lowered
 from dataflow_training.step.packing import Layout
@@ -73,14 +73,8 @@ def packed_buffer(
 
 def state_pieces(layers: Any) -> dict[tuple[str, str, str], slice]:
     """``{(layer, group, param): rows}`` of every parameter the step stores a piece of
-    (``TensorSpec.piece``: an expert shard's share of the state's stacked experts)."""
-    return {
-        (layer.name, group.name, p.name): p.state_slice
-        for layer in layers
-        for group in layer.groups
-        for p in group.params
-        if p.piece is not None
-    }
+    (``step.family.stored_pieces``)."""
+    return {key: p.state_slice for key, p in stored_pieces(layers).items()}
 
 
 def piece_rows(pieces: Mapping[tuple[str, str, str], slice], packed: Any, name: str) -> slice:

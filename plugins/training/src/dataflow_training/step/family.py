@@ -578,6 +578,19 @@ def state_rows(layers: Any) -> dict[str, int]:
     }
 
 
+def stored_pieces(layers: Any) -> dict[tuple[str, str, str], TensorSpec]:
+    """``{(layer, group, param): spec}`` of every parameter the step stores a piece of
+    (``TensorSpec.piece``: an expert shard's share of the state's stacked experts, a
+    vocabulary table's row piece)."""
+    return {
+        (layer.name, group.name, p.name): p
+        for layer in layers
+        for group in layer.groups
+        for p in group.params
+        if p.piece is not None
+    }
+
+
 def embed_layer(layers: list[LayerSpec] | tuple[LayerSpec, ...]) -> LayerSpec:
     return _only(layers, "embed")
 

@@ -50,7 +50,7 @@ def lower_forward(
     train = attrs.evolve(train, rounds=1)
     config = family.config(preset, **overrides)
     layers = lora_layers(family.layers(config), train.lora)  # LoRA's adapters and base
-    layers = pieced_layers(layers, train.vocab_pieces, config)  # (step.pieces)
+    layers = pieced_layers(layers, train, config)  # (step.pieces)
     embed, head = embed_layer(layers), head_layer(layers)
     blocks = layers[1:-1]
     sharded = next((b.name for b in blocks if any(g.shard is not None for g in b.groups)), None)

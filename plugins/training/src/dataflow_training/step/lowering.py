@@ -163,8 +163,7 @@ def trained_layers(layers: Any, train: TrainConfig, config: Any) -> tuple[LayerS
     (``step.freezing``), then the vocabulary tables in ``vocab_pieces`` row pieces
     (``step.pieces``)."""
     frozen = freeze_layers(lora_layers(tuple(layers), train.lora), train.freeze)
-    elementwise = optimizer_spec(train.optimizer.name).elementwise
-    return pieced_layers(frozen, train.vocab_pieces, config, elementwise=elementwise)
+    return pieced_layers(frozen, train, config)
 
 
 def lower(

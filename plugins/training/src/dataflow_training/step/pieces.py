@@ -31,21 +31,24 @@ from typing import Any
 
 import attrs
 
+from dataflow_training.step.config import TrainConfig
 from dataflow_training.step.family import FamilyContractError, LayerSpec, ParamGroup
+from dataflow_training.step.optimizers import optimizer_spec
 
 #: the group name of a table's piece ``j``: ``vocab.<j>`` (objects ``W_emb.vocab.0``, ...)
 PIECE_GROUP = "vocab"
 
 
 def pieced_layers(
-    layers: tuple[LayerSpec, ...], pieces: int, config: Any, *, elementwise: bool = True
+    layers: tuple[LayerSpec, ...], train: TrainConfig, config: Any
 ) -> tuple[LayerSpec, ...]:
-    """``layers`` (embedding first, head last) with their vocabulary tables in ``pieces``
-    row pieces (module doc); as they are with one piece. ``elementwise``: whether the
-    optimizer's update is element by element (else pieces are refused)."""
+    """``layers`` (embedding first, head last) of ``config`` with their vocabulary tables
+    in ``train.vocab_pieces`` row pieces (module doc); as they are with one piece. Pieces
+    are refused for an optimizer whose update is not element by element."""
+    pieces = train.vocab_pieces
     if pieces == 1:
         return layers
-    if not elementwise:
+    if not optimizer_spec(train.optimizer.name).elementwise:
         raise ValueError(
             f"vocab_pieces={pieces} needs an optimizer whose update is element by element "
             "(its state shaped like the parameter, e.g. AdamW or Lion); this one's is not: "
