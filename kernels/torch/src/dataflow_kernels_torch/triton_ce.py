@@ -33,6 +33,12 @@ kernel also keeps each row's log-sum-exp, and per vocabulary tile (a multiple of
 rows of the padded weight, about one chunk's logits over every token) a 16-bit matmul
 makes the tile's logits again, a second kernel turns them into d_logits in place, and a
 matmul over every token writes the tile's rows of d_weight.
+
+A weight in row pieces (``cross_entropy``'s module doc) runs the same loop: each piece's
+logits matmul writes its columns of the chunk's one 16-bit buffer, the row kernel runs
+over the whole row, d_hidden sums the pieces' products in float32, each piece keeps its
+own accumulator (or its tiles). Pieces whose rows are not all multiples of 64 go to the
+torch variant.
 """
 
 from __future__ import annotations
@@ -123,17 +129,13 @@ def chunked_cross_entropy_triton(
     over several chunks; a tuple, one per piece, for a weight in row pieces); see the
     module doc."""
     pieces = cross_entropy.weight_pieces(weight)
-    if len(pieces) > 1:
-        return _by_pieces(
-            hidden, pieces, targets, chunk_tokens, grad_scale=grad_scale,
-            vocab_tiles=vocab_tiles, vocab=vocab,
-        )  # fmt: skip
-    weight = pieces[0]
+    one = len(pieces) == 1
     if not (
         hidden.device.type == "cuda"
-        and hidden.dtype == weight.dtype
+        and hidden.dtype == pieces[0].dtype
         and hidden.dtype in HALF_DTYPES
         and hidden.is_contiguous()
+        and (one or all(p.shape[0] % _ALIGNED_ROWS == 0 for p in pieces))
     ):
         return cross_entropy.chunked_cross_entropy(
             hidden,
@@ -144,49 +146,91 @@ def chunked_cross_entropy_triton(
             vocab_tiles=vocab_tiles,
             vocab=vocab,
         )
-    vocab = cross_entropy._check(hidden, weight, targets, chunk_tokens, grad_scale, vocab)
-    stored, dim = weight.shape
-    padded = stored if stored % _ALIGNED_ROWS == 0 else -(-stored // _PAD_ROWS) * _PAD_ROWS
+    vocab = cross_entropy._check(hidden, pieces, targets, chunk_tokens, grad_scale, vocab)
+    stored, dim = sum(p.shape[0] for p in pieces), pieces[0].shape[1]
     tokens = hidden.shape[0]
     starts = range(0, tokens, chunk_tokens)
     with torch.no_grad():
-        weight_p = weight
-        if padded != stored:  # one copy kernel: zeroing the whole buffer first wrote it twice
-            weight_p = torch.cat((weight, weight.new_zeros(padded - stored, dim)))
+        if one and stored % _ALIGNED_ROWS:
+            # one copy kernel: zeroing the whole buffer first wrote it twice
+            padded = -(-stored // _PAD_ROWS) * _PAD_ROWS
+            pieces = (torch.cat((pieces[0], pieces[0].new_zeros(padded - stored, dim))),)
+        columns = cross_entropy.piece_columns(pieces)
+        padded = columns[-1].stop
         targets = targets.reshape(-1).contiguous()
         losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
         d_hidden = torch.empty_like(hidden)
         tiled = vocab_tiles and len(starts) > 1
-        accumulator = None
-        d_weight_p = None
+        # each piece's: one chunk's 16-bit product, or its float32 accumulator
+        d_weight: list[torch.Tensor | None] = [None] * len(pieces)
         for index, start in enumerate(starts):
             chunk = hidden[start : start + chunk_tokens]
             rows = chunk.shape[0]
-            logits = torch.mm(chunk, weight_p.T)  # (rows, padded), 16-bit
+            logits = _logits(chunk, pieces, columns)  # (rows, padded), 16-bit
             _softmax_ce_kernel[(rows,)](
                 logits, logits.stride(0), targets[start : start + rows],
                 losses[start : start + rows], lse[start : start + rows], vocab, padded,
                 float(grad_scale), cross_entropy.IGNORE_INDEX, BLOCK=_BLOCK, num_warps=8,
             )  # fmt: skip
-            torch.mm(logits, weight_p, out=d_hidden[start : start + rows])
+            _d_hidden_into(logits, pieces, columns, d_hidden[start : start + rows])
             if tiled:  # d_weight after the last chunk, tile by tile
                 del logits
                 continue
-            if len(starts) == 1:
-                d_weight_p = logits.T @ chunk
-            elif index == 0:
-                accumulator = torch.mm(logits.T, chunk, out_dtype=torch.float32)
-            else:  # accumulate in place: no second (vocab, dim) float32 product
-                torch.addmm(accumulator, logits.T, chunk, torch.float32, out=accumulator)
+            for j, cols in enumerate(columns):
+                part = logits[:, cols]
+                if len(starts) == 1:
+                    d_weight[j] = part.T @ chunk
+                elif index == 0:
+                    d_weight[j] = torch.mm(part.T, chunk, out_dtype=torch.float32)
+                else:  # accumulate in place: no second (vocab, dim) float32 product
+                    torch.addmm(d_weight[j], part.T, chunk, torch.float32, out=d_weight[j])
             del logits
         if tiled:
-            d_weight_p = _d_weight_by_tiles(
-                hidden, weight_p, targets, lse, vocab, chunk_tokens, grad_scale
-            )
-        if d_weight_p is None:  # several chunks: the float32 accumulator as it is
-            d_weight_p = accumulator
-        return losses.sum(), d_hidden, d_weight_p[:stored]
+            d_weight = [
+                _d_weight_by_tiles(
+                    hidden,
+                    piece,
+                    targets,
+                    lse,
+                    vocab,
+                    chunk_tokens,
+                    grad_scale,
+                    cols.start,
+                    padded,
+                )  # fmt: skip
+                for piece, cols in zip(pieces, columns, strict=True)
+            ]
+        # several chunks: each float32 accumulator as it is; one piece: its stored rows
+        if one:
+            return losses.sum(), d_hidden, d_weight[0][:stored]
+        return losses.sum(), d_hidden, tuple(d_weight)
+
+
+def _logits(
+    chunk: torch.Tensor, pieces: tuple[torch.Tensor, ...], columns: list[slice]
+) -> torch.Tensor:
+    """``chunk @ weight.T`` in 16 bits, each piece's matmul writing its columns."""
+    if len(pieces) == 1:
+        return torch.mm(chunk, pieces[0].T)
+    logits = torch.empty(chunk.shape[0], columns[-1].stop, dtype=chunk.dtype, device=chunk.device)
+    for piece, cols in zip(pieces, columns, strict=True):
+        torch.mm(chunk, piece.T, out=logits[:, cols])
+    return logits
+
+
+def _d_hidden_into(
+    logits: torch.Tensor, pieces: tuple[torch.Tensor, ...], columns: list[slice], out: torch.Tensor
+) -> None:
+    """``out = d_logits @ weight``: one matmul for one piece; for several, the pieces'
+    products summed in float32 and rounded once into ``out``."""
+    if len(pieces) == 1:
+        torch.mm(logits, pieces[0], out=out)
+        return
+    total = torch.mm(logits[:, columns[0]], pieces[0], out_dtype=torch.float32)
+    for piece, cols in zip(pieces[1:], columns[1:], strict=True):
+        torch.addmm(total, logits[:, cols], piece, torch.float32, out=total)
+    out.copy_(total)
 
 
 def _d_weight_by_tiles(
@@ -217,87 +261,3 @@ def _d_weight_by_tiles(
         torch.mm(logits.T, hidden, out=d_weight_p[first : first + tile])
         del logits
     return d_weight_p
-
-
-def _by_pieces(
-    hidden: torch.Tensor,
-    pieces: tuple[torch.Tensor, ...],
-    targets: torch.Tensor,
-    chunk_tokens: int,
-    *,
-    grad_scale: float,
-    vocab_tiles: bool,
-    vocab: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
-    """The variant over a table in row pieces (``cross_entropy``'s module doc): each
-    piece's logits matmul writes its columns of the chunk's one 16-bit buffer, the row
-    kernel runs over the whole row, d_hidden sums the pieces' products in float32, and
-    each piece keeps its own float32 accumulator (or its tiles). Pieces whose rows are
-    not all multiples of 64 (nor CUDA 16-bit inputs) go to the torch variant."""
-    if not (
-        hidden.device.type == "cuda"
-        and hidden.dtype == pieces[0].dtype
-        and hidden.dtype in HALF_DTYPES
-        and hidden.is_contiguous()
-        and all(p.shape[0] % _ALIGNED_ROWS == 0 for p in pieces)
-    ):
-        return cross_entropy.chunked_cross_entropy(
-            hidden, pieces, targets, chunk_tokens, grad_scale=grad_scale,
-            vocab_tiles=vocab_tiles, vocab=vocab,
-        )  # fmt: skip
-    vocab = cross_entropy._check(hidden, pieces, targets, chunk_tokens, grad_scale, vocab)
-    columns = cross_entropy.piece_columns(pieces)
-    stored = columns[-1].stop
-    tokens = hidden.shape[0]
-    starts = range(0, tokens, chunk_tokens)
-    tiled = vocab_tiles and len(starts) > 1
-    with torch.no_grad():
-        targets = targets.reshape(-1).contiguous()
-        losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
-        d_hidden = torch.empty_like(hidden)
-        d_weight: list[torch.Tensor | None] = [None] * len(pieces)
-        for index, start in enumerate(starts):
-            chunk = hidden[start : start + chunk_tokens]
-            rows = chunk.shape[0]
-            logits = torch.empty(rows, stored, dtype=hidden.dtype, device=hidden.device)
-            for piece, cols in zip(pieces, columns, strict=True):
-                torch.mm(chunk, piece.T, out=logits[:, cols])
-            _softmax_ce_kernel[(rows,)](
-                logits, logits.stride(0), targets[start : start + rows],
-                losses[start : start + rows], lse[start : start + rows], vocab, stored,
-                float(grad_scale), cross_entropy.IGNORE_INDEX, BLOCK=_BLOCK, num_warps=8,
-            )  # fmt: skip
-            total = torch.mm(logits[:, columns[0]], pieces[0], out_dtype=torch.float32)
-            for piece, cols in zip(pieces[1:], columns[1:], strict=True):
-                torch.addmm(total, logits[:, cols], piece, torch.float32, out=total)
-            d_hidden[start : start + rows].copy_(total)
-            del total
-            if tiled:  # d_weight after the last chunk, tile by tile
-                del logits
-                continue
-            for j, cols in enumerate(columns):
-                part = logits[:, cols]
-                if len(starts) == 1:
-                    d_weight[j] = part.T @ chunk
-                elif index == 0:
-                    d_weight[j] = torch.mm(part.T, chunk, out_dtype=torch.float32)
-                else:
-                    torch.addmm(d_weight[j], part.T, chunk, torch.float32, out=d_weight[j])
-            del logits
-        if tiled:
-            d_weight = [
-                _d_weight_by_tiles(
-                    hidden,
-                    piece,
-                    targets,
-                    lse,
-                    vocab,
-                    chunk_tokens,
-                    grad_scale,
-                    cols.start,
-                    stored,
-                )  # fmt: skip
-                for piece, cols in zip(pieces, columns, strict=True)
-            ]
-        return losses.sum(), d_hidden, tuple(d_weight)
