@@ -144,7 +144,8 @@ def test_the_run_takes_the_search_s_plan_rather_than_plan_it_again(tmp_path, mon
     # a pinned shape is not searched: compile_step plans it
     result = invoke("train", *args, "--batch", "2", "--ga-rounds", "1", "--seq-len", "64",
                     "--order", "round", "--updates", "end", "--tokens-per-step", "128",
-                    "--no-head-vocab-tiles", "--resolver", "torch", "--out", tmp_path / "pinned")  # fmt: skip
+                    "--no-head-vocab-tiles", "--vocab-pieces", "1", "--resolver", "torch",
+                    "--out", tmp_path / "pinned")  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "search:" not in result.output
     assert len(made) == 1

@@ -245,9 +245,8 @@ def fleet_options(command: Any) -> Any:
 @click.option(
     "--vocab-pieces",
     default=1,
-    show_default=True,
     type=COUNT,
-    help="store and update the vocabulary tables (the embedding, an untied head) in N row "
+    help="(default: searched, else 1) store and update the vocabulary tables (the embedding, an untied head) in N row "
     "pieces, each with its own optimizer update: an update holds one piece's weights, "
     "gradient and optimizer state instead of the table's (8.1 GB for Qwen 3.5's head); for "
     "a large vocabulary in a small budget. N divides the vocabulary",
@@ -530,7 +529,7 @@ def searched_fields(rest: dict[str, Any]) -> tuple[str, ...]:
     ctx = click.get_current_context()
     free = []
     for name in SEARCHED:
-        if name in ("head_vocab_tiles", "resolver"):
+        if name in ("head_vocab_tiles", "resolver", "vocab_pieces"):
             if ctx.get_parameter_source(name) is ParameterSource.DEFAULT:
                 free.append(name)
         elif rest[name] is None:

@@ -33,6 +33,7 @@ SEARCHED = (
     "tokens_per_step",
     "head_vocab_tiles",
     "resolver",
+    "vocab_pieces",
 )
 
 #: The shortest sequence the search halves the context down to when it does not fit
@@ -71,6 +72,7 @@ def search_for(
         head_vocab_tiles=None if "head_vocab_tiles" in free else o.head_vocab_tiles,
         # a pinned name checked (and "auto" read) as the run reads it
         resolver=None if "resolver" in free else resolver_for(o.resolver, o.device),
+        vocab_pieces=None if "vocab_pieces" in free else o.vocab_pieces,
     )
     config = family.config(o.preset, **o.overrides)
     if "seq_len" in free:
@@ -154,6 +156,7 @@ def _chosen(o: Any, found: Searched) -> Any:
         order=shape.order,
         updates=shape.updates,
         head_vocab_tiles=shape.head_vocab_tiles,
+        vocab_pieces=shape.vocab_pieces,
         resolver=shape.resolver,
         tokens_per_step=shape.tokens_step,
         seq_len=found.seq_len,

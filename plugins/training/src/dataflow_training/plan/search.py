@@ -4,8 +4,8 @@ a fast budget, a device and the host's memory.
 A **shape** is what ``dataflow train`` can choose without changing what is learnt per
 token: the tokens per optimizer step split into ``batch`` x ``rounds`` micro-batches,
 the task order (``round``, ``layer``, ``layer:K``), where the updates run (``early``,
-``end``), whether the head's weight gradient is made by vocabulary tiles, and the
-resolver that runs the tasks. The recompute assignment is searched inside each plan by
+``end``), whether the head's weight gradient is made by vocabulary tiles, the vocabulary
+tables' row pieces (``TrainConfig.vocab_pieces``) and the resolver that runs the tasks. The recompute assignment is searched inside each plan by
 the recompute planner, as ``compile_step`` plans any step.
 
 Each candidate is lowered and priced as ``compile_step`` prices a step
@@ -27,6 +27,17 @@ later candidates are planned straight inside the one the host leaves
 the host would not hold either, is not made first. The chosen candidate carries the
 slow budget of its plan (``Tried.slow_budget_bytes``), so that ``compile_step`` plans
 there first and finds every plan the search made of it (``keep_plan``, ``plan_memo``).
+
+The vocabulary tables' pieces are chosen apart from the rest, since more of them only
+pays where a table's update is what the budget cannot hold (Qwen 3.5's 248,320-row head:
+its update holds 8.1 GB; docs/throughput.md: at 16 GiB four pieces priced 1.7 % slower
+than one, at 8 GiB only pieces plan). Every candidate has the fewest pieces (doubling
+from one) whose one-round step's largest task fits the arena, doubled only while that
+lowers the largest task (the table's update was it) and ``step.pieces`` allows them. The
+chosen shape then tries twice its pieces, again while that lowers its largest task, and
+takes them while they plan faster by more than ``TIE`` (room to stream beside the update:
+a tie keeps the fewer, whose checkpoints' optimizer state is whole); where no shape
+plans, the search runs again with twice the pieces, on the same terms.
 
 Without a given number of tokens per step the search takes the smallest whose best
 shape reaches ``GOOD_ENOUGH`` of the best throughput found, up to the preset's
@@ -266,6 +277,41 @@ class Searcher:
         priced = self.lowered(same_tasks(shape, 1), rewrite=False)
         return self._excess(priced) > 0
 
+    def arena(self, shape: Shape) -> int:
+        """The fast bytes a plan of ``shape`` has: the budget less the libraries' reserve
+        and the workspace beside the arena."""
+        priced = self.lowered(same_tasks(shape, 1), rewrite=False)
+        return self.budget - priced.reserve_bytes - priced.workspace_beside_bytes
+
+    def largest_task(self, shape: Shape) -> int | None:
+        """The bytes of the largest task of ``shape``'s one-round step (``task_floor_bytes``);
+        None where its vocabulary pieces are refused (``step.pieces``: an optimizer not
+        element by element, a padded table, a count that does not divide the rows)."""
+        try:
+            one = self.lowered(same_tasks(shape, 1), rewrite=False)
+        except ValueError:
+            if shape.vocab_pieces == 1:
+                raise
+            return None
+        return task_floor_bytes(one.step.program)
+
+    def more_pieces(self, shape: Shape) -> Shape | None:
+        """``shape`` with twice its vocabulary pieces where those are allowed and lower its
+        largest task (the vocabulary table's update was it); else None."""
+        more = attrs.evolve(shape, vocab_pieces=shape.vocab_pieces * 2)
+        largest = self.largest_task(more)
+        return more if largest is not None and largest < self.largest_task(shape) else None
+
+    def fewest_pieces(self, shape: Shape) -> Shape:
+        """``shape`` with the fewest vocabulary pieces (doubling) whose largest task fits
+        the arena, or as few as lower it no further."""
+        while self.largest_task(shape) > self.arena(shape):
+            more = self.more_pieces(shape)
+            if more is None:
+                break
+            shape = more
+        return shape
+
     def _excess(self, priced: PricedStep) -> int:
         program = priced.step.program
         sizes = program.objects_by_id
@@ -487,7 +533,7 @@ def search(
     try:
         return _search(
             searcher, seq_len, seq_note, pins, cap=cap, clip=clip, max_plans=max_plans,
-            ahead=ahead,
+            ahead=ahead, free_pieces=pins.vocab_pieces is None,
         )  # fmt: skip
     finally:
         ahead.close()
@@ -503,7 +549,10 @@ def _search(
     clip: float | None,
     max_plans: int,
     ahead: Ahead,
+    free_pieces: bool,
 ) -> Searched:
+    """The search of ``search``; ``free_pieces``: the vocabulary pieces are the search's
+    (``pins.vocab_pieces``, where given, the fewest it tries)."""
     started = time.perf_counter()
     device = searcher.pricing.device
     names = [pins.resolver] if pins.resolver else resolver_options(device)
@@ -514,10 +563,15 @@ def _search(
     # (Llama 3 8B's 2.1 GB at 8 GiB, not at 16; docs/usage.md --head-vocab-tiles)
     tiles = vocab * dim * 4 * 4 >= searcher.budget
     options = token_options(seq_len, pins, cap[0])
-    streams = searcher.streams(Shape(seq_len, 1, 1, "round", "end", False, names[0]))
+    start = Shape(seq_len, 1, 1, "round", "end", False, names[0], pins.vocab_pieces or 1)
+    if free_pieces:
+        start = searcher.fewest_pieces(start)
+    pieces = start.vocab_pieces
+    streams = searcher.streams(start)
     candidates = shapes(
-        seq_len, options, pins, clip=clip, tiles=tiles, resolver_names=names, streams=streams
-    )
+        seq_len, options, pins, clip=clip, tiles=tiles, resolver_names=names, streams=streams,
+        vocab_pieces=pieces,
+    )  # fmt: skip
     if not candidates:
         raise ValueError(_no_shape(pins, seq_len))
     bounds = {shape: searcher.bound(shape) for shape in candidates}
@@ -566,6 +620,12 @@ def _search(
         return found
 
     best = best_of(candidates, 0.0, max_plans)
+    more = searcher.more_pieces(start) if best is None and free_pieces else None
+    if more is not None:  # nothing plans: the same search with twice the pieces
+        return _search(
+            searcher, seq_len, seq_note, attrs.evolve(pins, vocab_pieces=more.vocab_pieces),
+            cap=cap, clip=clip, max_plans=max_plans, ahead=ahead, free_pieces=True,
+        )  # fmt: skip
     if best is None:
         refused = [t for t in tried.values() if t.reason is not None]
         if refused and not any(t.host_bound or t.least_budget_bytes for t in refused):
@@ -597,6 +657,15 @@ def _search(
             f"{GOOD_ENOUGH:.0%} of the best found ({best.tok_s:,.0f} tok/s), up to "
             f"{cap[0]:,} ({cap[1]})"
         )
+    while free_pieces:  # the chosen shape with more pieces, while they plan faster by TIE
+        finer = searcher.more_pieces(chosen.shape)
+        if finer is None:
+            break
+        if finer not in tried:
+            tried[finer] = ahead.tried(finer, searcher.bound(finer), _host_binds(tried))
+        if tried[finer].reason is not None or tried[finer].tok_s <= chosen.tok_s * (1 + TIE):
+            break
+        chosen = tried[finer]
     runnable = [t for t in tried.values() if t.reason is None and t.shape != chosen.shape]
     if not runnable:  # every other bound pruned: the best-bounded of them planned to show
         for shape in sorted(candidates, key=lambda s: (-bounds[s], s))[: RUNNER_UP_PLANS + 1]:
@@ -638,8 +707,8 @@ def _no_shape(pins: Pins, seq_len: int) -> str:
 
 def nothing_fits(searcher: Searcher, tried: list[Tried], seq_len: int, pins: Pins) -> str:
     """The one line where no candidate runs: why (the host's memory, or the budget) and
-    what would: a larger budget, a shorter sequence, layer order, 8-bit optimizer states
-    (bf16 ones, until 8-bit exist)."""
+    what would: a larger budget, a shorter sequence, layer order, more vocabulary pieces
+    (where pinned), smaller optimizer states."""
     host = [t for t in tried if t.host_bound]
     budget = format_size(searcher.budget) if searcher.budget < UNBOUNDED_BYTES else "unbounded"
     would = []
@@ -663,6 +732,10 @@ def nothing_fits(searcher: Searcher, tried: list[Tried], seq_len: int, pins: Pin
         would.append(f"a shorter --seq-len (e.g. {max(1, seq_len // 2)})")
     if pins.order == "round":  # else the search tried layer orders where weights stream
         would.append("--order layer")
+    if pins.vocab_pieces is not None and tried:  # else the search tried more where they help
+        more = searcher.more_pieces(tried[0].shape)
+        if more is not None:
+            would.append(f"--vocab-pieces {more.vocab_pieces} (a smaller vocabulary update)")
     optimizer = searcher.base.optimizer
     wider = any(dtype == "float32" for dtype in optimizer.state_dtypes.values())
     if optimizer.name == "adamw":  # its moments may be bf16 (if float32) or int8

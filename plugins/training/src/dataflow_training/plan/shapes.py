@@ -1,7 +1,7 @@
 """The candidates of the step search (``plan.search``): a **shape** is what ``dataflow
 train`` can choose without changing what is learnt per token (the tokens per optimizer
 step split into ``batch`` x ``rounds``, the task order, where the updates run, the head
-by vocabulary tiles, the resolver), ``Pins`` what the user fixed, ``shapes`` every
+by vocabulary tiles, the vocabulary tables' row pieces, the resolver), ``Pins`` what the user fixed, ``shapes`` every
 candidate they leave, and the defaults a search starts from: the preset's context
 (``context_length``) and its published tokens per step (``published_tokens``).
 """
@@ -70,7 +70,7 @@ def context_length(config: Any) -> int | None:
 @attrs.frozen
 class Pins:
     """The choices the user made (None: the search's): ``batch``, ``rounds``, ``order``,
-    ``updates``, ``tokens_step``, ``head_vocab_tiles``, ``resolver``."""
+    ``updates``, ``tokens_step``, ``head_vocab_tiles``, ``resolver``, ``vocab_pieces``."""
 
     batch: int | None = None
     rounds: int | None = None
@@ -79,6 +79,7 @@ class Pins:
     tokens_step: int | None = None
     head_vocab_tiles: bool | None = None
     resolver: str | None = None
+    vocab_pieces: int | None = None
 
 
 @attrs.frozen(order=True)
@@ -93,6 +94,8 @@ class Shape:
     updates: str
     head_vocab_tiles: bool
     resolver: str
+    #: ``TrainConfig.vocab_pieces``: chosen for every candidate alike (``plan.search``)
+    vocab_pieces: int = 1
 
     def train(self, base: TrainConfig) -> TrainConfig:
         return attrs.evolve(
@@ -102,10 +105,13 @@ class Shape:
             order=self.order,
             updates=self.updates,
             head_vocab_tiles=self.head_vocab_tiles,
+            vocab_pieces=self.vocab_pieces,
         )
 
     def text(self) -> str:
         tiles = ", head by vocab tiles" if self.head_vocab_tiles else ""
+        if self.vocab_pieces > 1:
+            tiles += f", vocab in {self.vocab_pieces} pieces"
         return (
             f"batch {self.batch} x {self.rounds} rounds ({self.tokens_step:,} tokens/step), "
             f"order {self.order}, updates {self.updates}{tiles}, resolver {self.resolver}"
@@ -145,13 +151,15 @@ def shapes(
     tiles: bool,
     resolver_names: list[str],
     streams: bool = True,
+    vocab_pieces: int = 1,
 ) -> list[Shape]:
     """Every candidate for the tokens-per-step options, honouring ``pins``: batches of
     powers of two (or the pinned batch or rounds), the orders ``round``, ``layer`` and
     ``layer:K`` (K in ``GROUPS`` below the rounds) where the persistent objects do not fit
     the budget (``streams``: else nothing streams, and layer order only holds more
     activations), early and end updates (end alone with ``clip``), the head by vocabulary
-    tiles where ``tiles``; at most ``MAX_ROUNDS`` rounds unless pinned."""
+    tiles where ``tiles``; at most ``MAX_ROUNDS`` rounds unless pinned; every one with the
+    vocabulary tables in ``vocab_pieces`` row pieces."""
     found = []
     for tokens in token_options:
         sequences = tokens // seq_len
@@ -178,7 +186,9 @@ def shapes(
                         update = "early" if grouped and not clip else "end"
                     for tiled in tile:
                         for name in resolver_names:
-                            shape = Shape(tokens, batch, rounds, order, update, tiled, name)
+                            shape = Shape(
+                                tokens, batch, rounds, order, update, tiled, name, vocab_pieces
+                            )
                             found.append(shape)
     return sorted(set(found))
 
