@@ -572,6 +572,13 @@ def parser() -> argparse.ArgumentParser:
         help="dataflow rows: the vocabulary tables in row pieces (TrainConfig.vocab_pieces)",
     )
     p.add_argument(
+        "--expert-shards",
+        type=int,
+        default=0,
+        help="dataflow rows: each layer's routed experts in N shards (the model override "
+        "expert_shards, kit.moe.expert_shards; 0: the preset's)",
+    )
+    p.add_argument(
         "--updates",
         default="auto",
         choices=UPDATES,

@@ -276,7 +276,8 @@ qwen3_5 | qwen3_5_moe)
     # (51,362); MoE 8 x 4 by layer, 16 GiB 100,317 and 8 GiB 79,739. One call each.
     # Overrides: STOCK_BATCHES (the stock batch search), Q35_TOKENS (dataflow tokens a
     # step), MOE_BATCHES (the MoE rows' batches), ONLY16=1 (the 16 GiB rows alone); the
-    # dense 8 GiB row: BATCH8, ORDER8, VOCAB_PIECES (TrainConfig.vocab_pieces)
+    # dense 8 GiB row: BATCH8, ORDER8, VOCAB_PIECES (TrainConfig.vocab_pieces); the MoE
+    # 8 GiB row apart: EXPERT_SHARDS8 (below)
     {
         if [ "$group" = qwen3_5 ]; then
             compare --family qwen3_5 "${q35[@]}" --rows stock,dataflow --stock-engines compile \
@@ -291,13 +292,21 @@ qwen3_5 | qwen3_5_moe)
                 --warmup 2 --row-seconds 170 --total-seconds 170
         else
             budgets=$big_budgets
-            [ "${ONLY16:-0}" = 1 ] && budgets=${big_budgets%,*}
+            [ "${ONLY16:-0}" = 1 ] || [ -n "${EXPERT_SHARDS8:-}" ] && budgets=${big_budgets%,*}
             compare --family qwen3_5_moe "${q35moe[@]}" --rows stock,dataflow \
                 --stock-engines compile --resolver "$moe_resolver" \
                 --batches "${STOCK_BATCHES:-8,4,2}" --dataflow-batches "${MOE_BATCHES:-8,4}" \
                 --dataflow-orders layer --min-tokens "${Q35_TOKENS:-$tokens}" \
                 --budgets "$budgets" --steps 4 --warmup 2 --compile-row-seconds 150 \
                 --row-seconds 170 --total-seconds 500
+            # EXPERT_SHARDS8=N: the 8 GiB row apart, its experts in N shards (--expert-shards)
+            # at MOE_BATCH8 (default 2) by ORDER8 (default layer), VOCAB_PIECES vocabulary pieces
+            [ -n "${EXPERT_SHARDS8:-}" ] && [ "${ONLY16:-0}" != 1 ] && compare --family qwen3_5_moe \
+                "${q35moe[@]}" --rows dataflow --resolver "$moe_resolver" \
+                --dataflow-batches "${MOE_BATCH8:-2}" --dataflow-orders "${ORDER8:-layer}" \
+                --expert-shards "$EXPERT_SHARDS8" --vocab-pieces "${VOCAB_PIECES:-1}" \
+                --min-tokens "${Q35_TOKENS:-$tokens}" --budgets "${big_budgets#*,}" --steps 4 \
+                --warmup 2 --row-seconds 170 --total-seconds 170
         fi
     } 2>&1 | tee "$log"
     ;;

@@ -89,6 +89,11 @@ def train_config(
     )
 
 
+def model_overrides(args: Any) -> dict[str, Any]:
+    """The model overrides of the dataflow rows: ``--expert-shards`` where given."""
+    return {"expert_shards": args.expert_shards} if args.expert_shards else {}
+
+
 def engine_name(order: str) -> str:
     """A dataflow row's engine: ``dataflow`` in round order, ``dataflow by layer`` in
     layer order (``TrainConfig.order``)."""
@@ -115,8 +120,10 @@ def ranked_shapes(
     updates: str = "auto",
     lora: LoraConfig | None = None,
     pieces: int = 1,
+    overrides: dict[str, Any] | None = None,
 ) -> tuple[list[tuple[int, int]], dict[str, Any]]:
-    """``(batch, rounds)`` in the order to try, and what the roofline plan said of each.
+    """``(batch, rounds)`` in the order to try, and what the roofline plan said of each
+    (``overrides``: the model's, e.g. ``expert_shards``).
 
     The ranking plans with PressureFit alone on the lowering's default (H200) roofline
     costs: one run of the step, no recompute, so it is quick. Where recompute decides the
@@ -138,7 +145,7 @@ def ranked_shapes(
         train = train_config(
             dtype, batch, rounds, seq_len, chunk, order, tiles, updates, lora, pieces
         )
-        program = lower(family, preset, train).program
+        program = lower(family, preset, train, overrides=overrides).program
         try:
             planned = plan(program, budget_bytes)
         except PlanningError as exc:
@@ -289,6 +296,7 @@ def trial(
         resolver=args.resolver,
         backing_bytes=args.backing,
         pinned_limit_bytes=pinned_limit(args.device, args.host_reserve) or args.backing,
+        overrides=model_overrides(args),
     )
     shape = f"{format_size(budget)} batch {batch} x {rounds}"
     print(
@@ -337,6 +345,7 @@ def trial(
         "chunk_tokens": chunk,
         "head_vocab_tiles": args.head_vocab_tiles,
         "vocab_pieces": args.vocab_pieces,
+        **({"expert_shards": args.expert_shards} if args.expert_shards else {}),
         "updates": args.updates,
         "replayed": replayed,
         "graph_note": graph_note,
@@ -429,6 +438,7 @@ def dataflow_row(bench: Any, dtype: str, budget: int, order: str = "round") -> N
                     args.updates,
                     bench.lora,
                     args.vocab_pieces,
+                    model_overrides(args),
                 )
             for batch, rounds in shapes:
                 current = f"while trying batch {batch} x {rounds}"

@@ -1,9 +1,9 @@
 """The step search chooses the vocabulary tables' row pieces (``plan.search``,
-``TrainConfig.vocab_pieces``): on llama3_tiny with an 8,192-token vocabulary, whose
+``TrainConfig.vocab_pieces``) and the experts' shards (``--expert-shards``): on llama3_tiny with an 8,192-token vocabulary, whose
 table's AdamW update (weights, gradient and two moments in float32: 8 MiB) is the step's
 largest task, a budget below it gets the fewest pieces whose update fits, one above it
 keeps the table whole, a pinned count is the run's, and counts the step refuses are not
-tried. Priced by a hardware entry's declared costs (measured CPU timings move from run to
+tried; olmoe_tiny's experts are sharded where their update does not fit. Priced by a hardware entry's declared costs (measured CPU timings move from run to
 run), except the command line's run."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 
 from dataflow.testing import invoke
@@ -139,3 +140,44 @@ def test_dataflow_train_chooses_pieces_and_resumes_with_them(tmp_path) -> None:
     assert resumed.exit_code == 0, resumed.output
     assert "search:" not in resumed.output  # the run's shape, pieces included
     assert "step 3/3" in resumed.output
+
+
+def test_experts_whose_update_the_budget_cannot_hold_are_sharded(declared, tmp_path) -> None:
+    """olmoe_tiny's experts (0.75 MiB of float32 update a layer) at 512 KiB: two shards,
+    a model override the run's options carry; the search's line says so."""
+    olmoe = load_family("olmoe")
+    o = TrainOptions(family="olmoe", preset="olmoe_tiny", steps=1, out=tmp_path,
+                     budget_bytes=512 * 1024, search=SEARCHED)  # fmt: skip
+    chosen, found = search_for(o, olmoe, host_bytes=2**40, pricing=declared)
+    assert chosen.overrides == {"expert_shards": 2}
+    assert "experts in 2 shards" in found.line()
+    whole, arena = largest_task(olmoe, attrs.evolve(o, overrides={"expert_shards": 1}), 1, declared)
+    assert whole > arena
+    # a model without experts: none tried
+    llama = load_family("llama3")
+    _, plain = search_for(options(tmp_path, 16 * MiB), llama, host_bytes=2**40, pricing=declared)
+    assert {t.shape.expert_shards for t in plain.tried} == {0}
+
+
+def test_expert_shards_on_the_command_line(tmp_path) -> None:
+    """``--expert-shards`` is checked against the model, the run keeps it, and a resume
+    with another count is refused naming the run's."""
+    out = tmp_path / "run"
+    common = ["--preset", "olmoe_tiny", "--device", "cpu", "--budget", "1MiB", "--out", out]
+    first = invoke("train", *common, "--expert-shards", "4", "--steps", "1")
+    assert first.exit_code == 0, first.output
+    assert "experts in 4 shards" in first.output
+    manifest = json.loads(next(out.glob("**/manifest.json")).read_text())
+    assert manifest["overrides"] == {"expert_shards": 4}
+    again = invoke(
+        "train", "--resume", "auto", "--expert-shards", "2", "--steps", "2", "--out", out
+    )
+    assert again.exit_code == 1
+    assert "the resumed run stores its experts' optimizer state per shard and had " \
+        "--expert-shards 4" in again.output  # fmt: skip
+    for preset, shards, said in [("llama3_tiny", "2", "has no routed experts"),
+                                 ("olmoe_tiny", "3", "3 does not divide the 8 experts")]:  # fmt: skip
+        refused = invoke("train", "--preset", preset, "--expert-shards", shards, "--steps", "1",
+                         "--device", "cpu", "--out", tmp_path / preset)  # fmt: skip
+        assert refused.exit_code == 2 and said in refused.output, refused.output
+        assert "Traceback" not in refused.output

@@ -252,6 +252,15 @@ def fleet_options(command: Any) -> Any:
     "a large vocabulary in a small budget. N divides the vocabulary",
 )
 @click.option(
+    "--expert-shards",
+    default=None,
+    type=COUNT,
+    help="(default: searched, else the preset's) store, run and update each layer's routed "
+    "experts in N shards, each its own tasks and optimizer update: no task holds more than "
+    "one shard's weights, gradient and optimizer state (a mixture-of-experts model in a "
+    "small budget). N divides the experts; a resumed run keeps its checkpoint's",
+)
+@click.option(
     "--eval-every",
     default=None,
     type=COUNT,
@@ -424,6 +433,10 @@ def train_command(
             raise Failure(one_line(str(exc))) from None
     if rest["seq_len"] is not None:
         _check_seq_len(config, preset, rest["seq_len"])
+    if rest["expert_shards"] is not None:
+        _check_expert_shards(config, family_name, rest["expert_shards"])
+    if not hasattr(config, "expert_shards"):  # no experts: nothing of theirs to search
+        rest["search"] = tuple(name for name in rest["search"] if name != "expert_shards")
     device = device or default_device()
     _check_precision(rest, device)
     check_optimizer(rest, device)
@@ -433,7 +446,10 @@ def train_command(
     if rest["val_data"] is not None:
         rest["val_data"] = data_spec(rest["val_data"], "--val-data")
     rest["checkpoint_minutes"] = rest["checkpoint_minutes"] or None  # 0: off
+    shards = rest.pop("expert_shards")  # a model override (kit.moe.expert_shards)
+    overrides = rest.pop("overrides", {})  # a resumed run's
     options = TrainOptions(
+        overrides=overrides if shards is None else {**overrides, "expert_shards": shards},
         family=family_name,
         preset=preset,
         device=device,
@@ -498,6 +514,21 @@ def _phases(values: tuple[str, ...]) -> tuple[str, ...]:
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--phase") from None
     return values
+
+
+def _check_expert_shards(config: Any, family_name: str, shards: int) -> None:
+    """``--expert-shards`` for a model of routed experts, dividing their count."""
+    experts = getattr(config, "num_experts", None)
+    if not hasattr(config, "expert_shards") or not experts:
+        raise click.BadParameter(
+            f"family {family_name!r} has no routed experts to shard", param_hint="--expert-shards"
+        )
+    if experts % shards:
+        divisors = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise click.BadParameter(
+            f"{shards} does not divide the {experts} experts (e.g. {', '.join(map(str, divisors[:8]))})",
+            param_hint="--expert-shards",
+        )
 
 
 def _check_precision(rest: dict[str, Any], device: str) -> None:

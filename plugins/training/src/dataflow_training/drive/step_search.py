@@ -34,6 +34,7 @@ SEARCHED = (
     "head_vocab_tiles",
     "resolver",
     "vocab_pieces",
+    "expert_shards",  # not a field: the model override (``TrainOptions.overrides``)
 )
 
 #: The shortest sequence the search halves the context down to when it does not fit
@@ -73,6 +74,10 @@ def search_for(
         # a pinned name checked (and "auto" read) as the run reads it
         resolver=None if "resolver" in free else resolver_for(o.resolver, o.device),
         vocab_pieces=None if "vocab_pieces" in free else o.vocab_pieces,
+        # the forward-only step of --eval-every runs its experts whole: not sharded here
+        expert_shards=None
+        if "expert_shards" in free and o.eval_every is None
+        else o.overrides.get("expert_shards", 0),
     )
     config = family.config(o.preset, **o.overrides)
     if "seq_len" in free:
@@ -157,6 +162,7 @@ def _chosen(o: Any, found: Searched) -> Any:
         updates=shape.updates,
         head_vocab_tiles=shape.head_vocab_tiles,
         vocab_pieces=shape.vocab_pieces,
+        overrides=shape.overrides(o.overrides),
         resolver=shape.resolver,
         tokens_per_step=shape.tokens_step,
         seq_len=found.seq_len,

@@ -358,6 +358,8 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
             "<|endoftext|>); see docs/feeds.md"
         )
     o, vocab_note = _with_vocab(o, family, feed, init, manifest)
+    if manifest is not None:
+        o = _with_kept_shards(o, manifest)
     if o.device.startswith("cuda"):  # tens of seconds for a large model: said before the
         # search, which profiles first
         say(
@@ -372,7 +374,9 @@ def _start(o: TrainOptions, fleet: Fleet | None, family: Any, say: Say) -> Start
         chosen, searched = search_for(
             attrs.evolve(o, freeze=first.freeze, overrides=first.overrides(o.overrides)), family
         )
-        o = attrs.evolve(chosen, freeze=o.freeze, overrides=o.overrides)
+        shards = chosen.overrides.get("expert_shards")  # the search's choice, a model override
+        kept = o.overrides if shards is None else {**o.overrides, "expert_shards": shards}
+        o = attrs.evolve(chosen, freeze=o.freeze, overrides=kept)
         say(searched.line())
         if feed_shape(o) != opened:
             feed = open_feed(o)
@@ -583,13 +587,37 @@ def _with_init(o: TrainOptions, family: Any) -> tuple[TrainOptions, Any]:
     """``o`` with the overrides that make its preset the ``init`` folder's config, and the
     folder's ``HFStart`` (``hf_init``)."""
 
-    if o.overrides:
+    given = {k: v for k, v in o.overrides.items() if k not in TRAINING_OVERRIDES}
+    if given:
         raise InitError(
             f"--init {o.init}: the folder's config.json sets the run's overrides; "
-            f"{sorted(o.overrides)} were given too"
+            f"{sorted(given)} were given too"
         )
     init = hf_overrides(family, o.family, o.preset, o.init)
-    return attrs.evolve(o, overrides=init.overrides), init
+    training = {k: v for k, v in o.overrides.items() if k in TRAINING_OVERRIDES}
+    return attrs.evolve(o, overrides={**init.overrides, **training}), init
+
+
+#: Model overrides that are training settings, not the model's (no HF config carries
+#: them): they go with ``--init``, and a resumed run keeps its checkpoint's
+#: (``_with_kept_shards``: the optimizer state is stored per expert shard)
+TRAINING_OVERRIDES = ("expert_shards",)
+
+
+def _with_kept_shards(o: TrainOptions, manifest: dict[str, Any]) -> TrainOptions:
+    """``o`` with the resumed run's expert shards (``--expert-shards``); another count
+    given is refused, naming the run's."""
+    theirs = (manifest.get("overrides") or {}).get("expert_shards")
+    mine = o.overrides.get("expert_shards")
+    if mine is not None and mine != (theirs or 0):
+        its = f"--expert-shards {theirs}" if theirs else "no --expert-shards (the config's)"
+        raise CheckpointError(
+            f"--expert-shards {mine}: the resumed run stores its experts' optimizer state "
+            f"per shard and had {its}: resume with that"
+        )
+    if theirs is None:
+        return o
+    return attrs.evolve(o, overrides={**o.overrides, "expert_shards": theirs})
 
 
 def _with_vocab(

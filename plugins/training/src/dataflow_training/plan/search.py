@@ -94,6 +94,10 @@ GOOD_ENOUGH = 0.97
 #: ends in seconds for a small model and stays bounded for a large one)
 MAX_PLANS = 8
 
+#: The pieces a step's largest tasks can be cut in (``Shape`` fields): the vocabulary
+#: tables' rows and each layer's routed experts
+PIECES = ("vocab_pieces", "expert_shards")
+
 #: Plans made for each smaller number of tokens per step (``GOOD_ENOUGH``)
 SMALLER_PLANS = 2
 
@@ -264,7 +268,7 @@ class Searcher:
                 self.family,
                 self.preset,
                 shape.train(self.base),
-                overrides=self.overrides,
+                overrides=shape.overrides(self.overrides),
                 cost=self.pricing.cost,
                 links=self.pricing.links,
             )
@@ -285,28 +289,46 @@ class Searcher:
 
     def largest_task(self, shape: Shape) -> int | None:
         """The bytes of the largest task of ``shape``'s one-round step (``task_floor_bytes``);
-        None where its vocabulary pieces are refused (``step.pieces``: an optimizer not
-        element by element, a padded table, a count that does not divide the rows)."""
+        None where its pieces are refused (``step.pieces``: an optimizer not element by
+        element, a padded table, a count that does not divide the rows; an expert shard
+        count that does not divide the experts)."""
         try:
             one = self.lowered(same_tasks(shape, 1), rewrite=False)
         except ValueError:
-            if shape.vocab_pieces == 1:
+            if shape.vocab_pieces == 1 and shape.expert_shards == 0:
                 raise
             return None
         return task_floor_bytes(one.step.program)
 
-    def more_pieces(self, shape: Shape) -> Shape | None:
-        """``shape`` with twice its vocabulary pieces where those are allowed and lower its
-        largest task (the vocabulary table's update was it); else None."""
-        more = attrs.evolve(shape, vocab_pieces=shape.vocab_pieces * 2)
-        largest = self.largest_task(more)
-        return more if largest is not None and largest < self.largest_task(shape) else None
+    def expert_shards(self, shape: Shape) -> int | None:
+        """The shards ``shape``'s step runs each layer's experts in, None for a model
+        without routed experts (no ``expert_shards`` in its config)."""
+        one = self.lowered(same_tasks(shape, 1), rewrite=False).step
+        if not hasattr(one.config, "expert_shards"):
+            return None
+        shards = [g.shard[1] for layer in one.layers for g in layer.groups if g.shard]
+        return max(shards, default=1)
 
-    def fewest_pieces(self, shape: Shape) -> Shape:
-        """``shape`` with the fewest vocabulary pieces (doubling) whose largest task fits
+    def finer(self, shape: Shape, free: frozenset[str] = frozenset(PIECES)) -> Shape | None:
+        """``shape`` with twice its vocabulary pieces or twice its experts' shards (of
+        ``free``), whichever lowers its largest task more (the vocabulary's on a tie),
+        where allowed; None where neither lowers it."""
+        options = []
+        if "vocab_pieces" in free:
+            options.append(attrs.evolve(shape, vocab_pieces=shape.vocab_pieces * 2))
+        shards = self.expert_shards(shape) if "expert_shards" in free else None
+        if shards is not None:
+            options.append(attrs.evolve(shape, expert_shards=shards * 2))
+        now = self.largest_task(shape)
+        lower = [(largest, i) for i, more in enumerate(options)
+                 if (largest := self.largest_task(more)) is not None and largest < now]  # fmt: skip
+        return options[min(lower)[1]] if lower else None
+
+    def fewest_pieces(self, shape: Shape, free: frozenset[str] = frozenset(PIECES)) -> Shape:
+        """``shape`` with the fewest pieces (``finer``, doubling) whose largest task fits
         the arena, or as few as lower it no further."""
         while self.largest_task(shape) > self.arena(shape):
-            more = self.more_pieces(shape)
+            more = self.finer(shape, free)
             if more is None:
                 break
             shape = more
@@ -533,7 +555,7 @@ def search(
     try:
         return _search(
             searcher, seq_len, seq_note, pins, cap=cap, clip=clip, max_plans=max_plans,
-            ahead=ahead, free_pieces=pins.vocab_pieces is None,
+            ahead=ahead, free=frozenset(n for n in PIECES if getattr(pins, n) is None),
         )  # fmt: skip
     finally:
         ahead.close()
@@ -549,10 +571,10 @@ def _search(
     clip: float | None,
     max_plans: int,
     ahead: Ahead,
-    free_pieces: bool,
+    free: frozenset[str],
 ) -> Searched:
-    """The search of ``search``; ``free_pieces``: the vocabulary pieces are the search's
-    (``pins.vocab_pieces``, where given, the fewest it tries)."""
+    """The search of ``search``; ``free``: the pieces (of ``PIECES``) that are the
+    search's (``pins``' figures for them, where given, the fewest it tries)."""
     started = time.perf_counter()
     device = searcher.pricing.device
     names = [pins.resolver] if pins.resolver else resolver_options(device)
@@ -563,14 +585,15 @@ def _search(
     # (Llama 3 8B's 2.1 GB at 8 GiB, not at 16; docs/usage.md --head-vocab-tiles)
     tiles = vocab * dim * 4 * 4 >= searcher.budget
     options = token_options(seq_len, pins, cap[0])
-    start = Shape(seq_len, 1, 1, "round", "end", False, names[0], pins.vocab_pieces or 1)
-    if free_pieces:
-        start = searcher.fewest_pieces(start)
-    pieces = start.vocab_pieces
+    start = Shape(
+        seq_len, 1, 1, "round", "end", False, names[0], pins.vocab_pieces or 1,
+        pins.expert_shards or 0,
+    )  # fmt: skip
+    start = searcher.fewest_pieces(start, free)
     streams = searcher.streams(start)
     candidates = shapes(
         seq_len, options, pins, clip=clip, tiles=tiles, resolver_names=names, streams=streams,
-        vocab_pieces=pieces,
+        pieces=(start.vocab_pieces, start.expert_shards),
     )  # fmt: skip
     if not candidates:
         raise ValueError(_no_shape(pins, seq_len))
@@ -620,11 +643,12 @@ def _search(
         return found
 
     best = best_of(candidates, 0.0, max_plans)
-    more = searcher.more_pieces(start) if best is None and free_pieces else None
+    more = searcher.finer(start, free) if best is None else None
     if more is not None:  # nothing plans: the same search with twice the pieces
+        finer = attrs.evolve(pins, vocab_pieces=more.vocab_pieces, expert_shards=more.expert_shards)
         return _search(
-            searcher, seq_len, seq_note, attrs.evolve(pins, vocab_pieces=more.vocab_pieces),
-            cap=cap, clip=clip, max_plans=max_plans, ahead=ahead, free_pieces=True,
+            searcher, seq_len, seq_note, finer, cap=cap, clip=clip, max_plans=max_plans,
+            ahead=ahead, free=free,
         )  # fmt: skip
     if best is None:
         refused = [t for t in tried.values() if t.reason is not None]
@@ -633,7 +657,7 @@ def _search(
             least = searcher.least_budget(first.shape)
             tried[first.shape] = attrs.evolve(first, least_budget_bytes=least)
         elapsed = time.perf_counter() - started
-        line = nothing_fits(searcher, list(tried.values()), seq_len, pins)
+        line = nothing_fits(searcher, list(tried.values()), seq_len, pins, free)
         return Searched(
             seq_len, seq_note, None, None, tuple(tried.values()), elapsed, len(candidates),
             "", line,
@@ -657,8 +681,8 @@ def _search(
             f"{GOOD_ENOUGH:.0%} of the best found ({best.tok_s:,.0f} tok/s), up to "
             f"{cap[0]:,} ({cap[1]})"
         )
-    while free_pieces:  # the chosen shape with more pieces, while they plan faster by TIE
-        finer = searcher.more_pieces(chosen.shape)
+    while free:  # the chosen shape with more pieces, while they plan faster by TIE
+        finer = searcher.finer(chosen.shape, free)
         if finer is None:
             break
         if finer not in tried:
@@ -705,7 +729,13 @@ def _no_shape(pins: Pins, seq_len: int) -> str:
     )
 
 
-def nothing_fits(searcher: Searcher, tried: list[Tried], seq_len: int, pins: Pins) -> str:
+def nothing_fits(
+    searcher: Searcher,
+    tried: list[Tried],
+    seq_len: int,
+    pins: Pins,
+    free: frozenset[str] = frozenset(PIECES),
+) -> str:
     """The one line where no candidate runs: why (the host's memory, or the budget) and
     what would: a larger budget, a shorter sequence, layer order, more vocabulary pieces
     (where pinned), smaller optimizer states."""
@@ -732,10 +762,13 @@ def nothing_fits(searcher: Searcher, tried: list[Tried], seq_len: int, pins: Pin
         would.append(f"a shorter --seq-len (e.g. {max(1, seq_len // 2)})")
     if pins.order == "round":  # else the search tried layer orders where weights stream
         would.append("--order layer")
-    if pins.vocab_pieces is not None and tried:  # else the search tried more where they help
-        more = searcher.more_pieces(tried[0].shape)
-        if more is not None:
+    pinned = frozenset(PIECES) - free
+    more = searcher.finer(tried[0].shape, pinned) if pinned and tried else None
+    if more is not None:  # pinned pieces the search would have made finer
+        if more.vocab_pieces != tried[0].shape.vocab_pieces:
             would.append(f"--vocab-pieces {more.vocab_pieces} (a smaller vocabulary update)")
+        else:
+            would.append(f"--expert-shards {more.expert_shards} (smaller expert tasks)")
     optimizer = searcher.base.optimizer
     wider = any(dtype == "float32" for dtype in optimizer.state_dtypes.values())
     if optimizer.name == "adamw":  # its moments may be bf16 (if float32) or int8

@@ -70,7 +70,8 @@ def context_length(config: Any) -> int | None:
 @attrs.frozen
 class Pins:
     """The choices the user made (None: the search's): ``batch``, ``rounds``, ``order``,
-    ``updates``, ``tokens_step``, ``head_vocab_tiles``, ``resolver``, ``vocab_pieces``."""
+    ``updates``, ``tokens_step``, ``head_vocab_tiles``, ``resolver``, ``vocab_pieces``,
+    ``expert_shards``."""
 
     batch: int | None = None
     rounds: int | None = None
@@ -80,6 +81,7 @@ class Pins:
     head_vocab_tiles: bool | None = None
     resolver: str | None = None
     vocab_pieces: int | None = None
+    expert_shards: int | None = None
 
 
 @attrs.frozen(order=True)
@@ -96,6 +98,9 @@ class Shape:
     resolver: str
     #: ``TrainConfig.vocab_pieces``: chosen for every candidate alike (``plan.search``)
     vocab_pieces: int = 1
+    #: the model config's ``expert_shards`` (``kit.moe.expert_shards``), a model override;
+    #: 0: the config's own (chosen as ``vocab_pieces`` is)
+    expert_shards: int = 0
 
     def train(self, base: TrainConfig) -> TrainConfig:
         return attrs.evolve(
@@ -108,10 +113,16 @@ class Shape:
             vocab_pieces=self.vocab_pieces,
         )
 
+    def overrides(self, base: dict[str, Any]) -> dict[str, Any]:
+        """The model overrides of ``shape``'s step: ``base``, with ``expert_shards``."""
+        return base | {"expert_shards": self.expert_shards} if self.expert_shards else base
+
     def text(self) -> str:
         tiles = ", head by vocab tiles" if self.head_vocab_tiles else ""
         if self.vocab_pieces > 1:
             tiles += f", vocab in {self.vocab_pieces} pieces"
+        if self.expert_shards:
+            tiles += f", experts in {self.expert_shards} shards"
         return (
             f"batch {self.batch} x {self.rounds} rounds ({self.tokens_step:,} tokens/step), "
             f"order {self.order}, updates {self.updates}{tiles}, resolver {self.resolver}"
@@ -151,15 +162,15 @@ def shapes(
     tiles: bool,
     resolver_names: list[str],
     streams: bool = True,
-    vocab_pieces: int = 1,
+    pieces: tuple[int, int] = (1, 0),
 ) -> list[Shape]:
     """Every candidate for the tokens-per-step options, honouring ``pins``: batches of
     powers of two (or the pinned batch or rounds), the orders ``round``, ``layer`` and
     ``layer:K`` (K in ``GROUPS`` below the rounds) where the persistent objects do not fit
     the budget (``streams``: else nothing streams, and layer order only holds more
     activations), early and end updates (end alone with ``clip``), the head by vocabulary
-    tiles where ``tiles``; at most ``MAX_ROUNDS`` rounds unless pinned; every one with the
-    vocabulary tables in ``vocab_pieces`` row pieces."""
+    tiles where ``tiles``; at most ``MAX_ROUNDS`` rounds unless pinned; every one with
+    ``pieces``: (``vocab_pieces``, ``expert_shards``)."""
     found = []
     for tokens in token_options:
         sequences = tokens // seq_len
@@ -187,7 +198,7 @@ def shapes(
                     for tiled in tile:
                         for name in resolver_names:
                             shape = Shape(
-                                tokens, batch, rounds, order, update, tiled, name, vocab_pieces
+                                tokens, batch, rounds, order, update, tiled, name, *pieces
                             )
                             found.append(shape)
     return sorted(set(found))
