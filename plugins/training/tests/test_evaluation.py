@@ -58,23 +58,46 @@ def test_the_forward_only_program_has_no_backward_saves_or_optimizer():
     assert set(head.outputs) == {"loss"} and not head.mutates
 
 
-@pytest.mark.parametrize(("family", "preset"), [("gpt2", "gpt2_tiny"), ("olmoe", "olmoe_tiny")])
-def test_the_eval_loss_is_the_training_steps_loss_of_the_same_batch(family, preset):
+@pytest.mark.parametrize(
+    ("family", "preset", "overrides"),
+    [
+        ("gpt2", "gpt2_tiny", {}),
+        ("olmoe", "olmoe_tiny", {}),
+        ("olmoe", "olmoe_tiny", {"expert_shards": 4}),
+    ],  # fmt: skip
+    ids=["gpt2", "olmoe", "olmoe-4-shards"],
+)
+def test_the_eval_loss_is_the_training_steps_loss_of_the_same_batch(family, preset, overrides):
     """Before any update the training step's loss of a batch is the model's loss on it:
     the forward-only program must give the same number (olmoe: blocks with Aux, which
-    the evaluation's forwards update in its own engine, and AuxTemp)."""
+    the evaluation's forwards update in its own engine, and AuxTemp; with its experts in
+    shards, a routing task and one a shard, whose loss is also the whole experts' within
+    float32 rounding of the shards' sums)."""
     pytest.importorskip(f"dataflow_family_{family}")
     spec = "embedded:python-stdlib"
     evaluator = Evaluator(
-        compile_step(family, preset, SHAPE, forward_only=True),
+        compile_step(family, preset, SHAPE, forward_only=True, overrides=overrides),
         EvalOptions(spec, SHAPE.batch * SHAPE.seq_len),
     )
-    run = TrainingRun.of(family, preset, SHAPE, seed=3)
+    if overrides:
+        kinds = [task.kind for task in evaluator.compiled.program.tasks]
+        assert kinds.count("efwd") == 4 * (len(kinds) - 2 - kinds.count("efwd"))
+    run = TrainingRun.of(family, preset, SHAPE, seed=3, overrides=overrides)
     val = evaluator.evaluate(run.host_weights())
     stats = run.step([evaluator.data[0]])
     run.close()
     assert val["val_tokens"] == 32 and val["val_loss"] == pytest.approx(stats.loss, rel=1e-6)
     assert val["val_ppl"] == pytest.approx(math.exp(val["val_loss"]))
+    if overrides:  # the same weights, evaluated with the experts whole
+        whole = Evaluator(
+            compile_step(family, preset, SHAPE, forward_only=True),
+            EvalOptions(spec, SHAPE.batch * SHAPE.seq_len),
+        )
+        run = TrainingRun.of(family, preset, SHAPE, seed=3, overrides=overrides)
+        assert whole.evaluate(run.host_weights())["val_loss"] == pytest.approx(
+            val["val_loss"], rel=1e-5
+        )
+        run.close()
 
 
 def test_the_forward_only_plan_and_engine_peak_stay_in_the_budget():

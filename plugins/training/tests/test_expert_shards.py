@@ -200,11 +200,20 @@ def test_a_sharded_run_exports_and_imports_hf_bit_for_bit(family, preset, tmp_pa
         assert torch.equal(back[key], value), key
 
 
-def test_the_forward_only_step_refuses_sharded_experts_in_one_line() -> None:
+def test_the_forward_only_step_runs_sharded_experts_shard_by_shard() -> None:
+    """The evaluation's step of a sharded model: a routing ``fwd`` and one ``efwd`` a
+    shard per block, each ``efwd`` reading its shard's weights alone (its loss against the
+    training step's: test_evaluation.py)."""
     from dataflow_training.step.forward_only import lower_forward
 
     family = load_family("olmoe")
     train = TrainConfig(seq_len=8, batch=2, rounds=1)
-    assert lower_forward(family, "olmoe_tiny", train).program.tasks  # one shard: lowers
-    with pytest.raises(ValueError, match=r"layer '0' runs its experts in several shards"):
-        lower_forward(family, "olmoe_tiny", train, overrides={"expert_shards": 2})
+    whole = lower_forward(family, "olmoe_tiny", train).program
+    assert "efwd" not in {task.kind for task in whole.tasks}
+    sharded = lower_forward(family, "olmoe_tiny", train, overrides={"expert_shards": 2}).program
+    efwd = [task for task in sharded.tasks if task.kind == "efwd"]
+    blocks = sum(1 for task in sharded.tasks if task.kind == "fwd")
+    assert len(efwd) == 2 * blocks
+    for task in efwd:
+        weights = [name for name in task.inputs if name.startswith("W_")]
+        assert len(weights) == 1 and ".experts." in weights[0], task.inputs

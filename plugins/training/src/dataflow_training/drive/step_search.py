@@ -74,10 +74,7 @@ def search_for(
         # a pinned name checked (and "auto" read) as the run reads it
         resolver=None if "resolver" in free else resolver_for(o.resolver, o.device),
         vocab_pieces=None if "vocab_pieces" in free else o.vocab_pieces,
-        # the forward-only step of --eval-every runs its experts whole: not sharded here
-        expert_shards=None
-        if "expert_shards" in free and o.eval_every is None
-        else o.overrides.get("expert_shards", 0),
+        expert_shards=None if "expert_shards" in free else o.overrides.get("expert_shards", 0),
     )
     config = family.config(o.preset, **o.overrides)
     if "seq_len" in free:

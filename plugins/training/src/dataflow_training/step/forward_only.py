@@ -4,6 +4,11 @@
 
     embed_s_0_emb, fwd_s_0_0 .. fwd_s_0_{L-1} (each with ``save`` False), head_s_0_head
 
+A block whose experts run in several shards (``kit.moe.expert_shards``) is its routing
+``fwd`` and one ``efwd`` a shard, as in training (``round_tasks.apart_forward``), with the
+experts' object (their input and ``gate_up``) made and read within the block: no task
+holds more than one shard's weights here either.
+
 No task saves activations, none makes a gradient, and there are no ``rec``, ``bwd``,
 ``gnorm`` or optimizer tasks, so no ``A``, ``dW`` or ``O`` objects. The objects are the
 training step's ``W`` (packed alike, so a model state fills them the same way), the
@@ -29,9 +34,17 @@ from dataflow_training.step.family import Family, FamilyContractError, embed_lay
 from dataflow_training.step.keys import family_key
 from dataflow_training.step.layout import LayerInfo, PackedObject, StepLayout
 from dataflow_training.step.lora import lora_layers
-from dataflow_training.step.lowering import Lowered, _add_aux, _dtype, _ordered, _step_links
+from dataflow_training.step.lowering import (
+    Lowered,
+    _add_aux,
+    _apart,
+    _dtype,
+    _ordered,
+    _step_links,
+)
 from dataflow_training.step.packing import Layout
 from dataflow_training.step.pieces import pieced_layers
+from dataflow_training.step.round_tasks import apart_forward
 from dataflow_training.step.step_chain import StepChain, group_object
 
 
@@ -53,13 +66,6 @@ def lower_forward(
     layers = pieced_layers(layers, train, config)  # (step.pieces)
     embed, head = embed_layer(layers), head_layer(layers)
     blocks = layers[1:-1]
-    sharded = next((b.name for b in blocks if any(g.shard is not None for g in b.groups)), None)
-    if sharded is not None:
-        raise ValueError(
-            f"evaluation of {preset!r}: layer {sharded!r} runs its experts in several shards "
-            "(expert_shards > 1), which the forward-only step does not lower yet; evaluate "
-            "with expert_shards=1 (a model override), or train without --eval-every"
-        )
     chain = StepChain(
         family.name, 0, train, {layer.name: layer.kind for layer in layers}, cost or RooflineCost()
     )
@@ -109,8 +115,13 @@ def lower_forward(
     def shared(block: Any) -> tuple[str, ...]:
         return (f"AuxTemp_0_0_{index[block.leader]}",) if block.leader else ()
 
+    aparts: dict[str, Any] = {}  # block kind -> how its experts run apart (None: whole)
     for i, block in enumerate(blocks):
         kind_math = family.math(block.kind)
+        if block.kind not in aparts:
+            aparts[block.kind] = _apart(
+                family, config, layers, block.kind, kind_math, train, act_bytes
+            )
         temp: tuple[str, ...] = ()
         temp_specs = kind_math.aux_temp(config, train.batch, train.seq_len)
         if temp_specs:
@@ -123,6 +134,16 @@ def lower_forward(
         aux = (block.aux_object,) if block.aux else ()
         zero_aux = bool(aux) and aux[0] not in zeroed
         zeroed.update(aux)
+        apart = aparts[block.kind]
+        if apart is not None:  # the routing task, then one task a shard, as in training
+            experts = f"A_0_0_{i}.experts"
+            chain.packed[experts] = PackedObject(experts, "A", block.name, apart.experts)
+            chain.objects.append(Obj(experts, apart.experts.size_bytes, Role.ACTIVATION))
+            apart_forward(
+                chain, apart, 0, i, block, (y[i], y[i + 1]), {}, {i: temp[0]}, {i: experts},
+                zero_aux, shared(block),
+            )  # fmt: skip
+            continue
         work = kind_math.cost(config, train.batch, train.seq_len, act_bytes).forward
         chain.task(
             "fwd",

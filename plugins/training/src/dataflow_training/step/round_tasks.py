@@ -223,9 +223,9 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         if zero_aux:
             zeroed.add(aux[0])
         if i in experts:
-            _apart_forward(
-                chain, s, r, i, block, (y[i], y[i + 1]), saved, temps, experts, zero_aux,
-                shared(i), seg,
+            apart_forward(
+                chain, s.kinds.apart[block.kind], r, i, block, (y[i], y[i + 1]), saved, temps,
+                experts, zero_aux, shared(i), seg,
             )  # fmt: skip
             continue
         chain.task(
@@ -391,9 +391,9 @@ def _apart_objects(
         chain.objects.append(Obj(obj_id, layout.size_bytes, role))
 
 
-def _apart_forward(
+def apart_forward(
     chain: StepChain,
-    s: Rounds,
+    apart: Apart,
     r: int,
     i: int,
     block: LayerSpec,
@@ -408,8 +408,9 @@ def _apart_forward(
     """The routing task ``fwd`` (the attention half, the router, the shared expert: it
     makes the block's output, ``A``, AuxTemp and the experts' input; it reads the
     round's segments ``seg`` where the step has them), then one ``efwd`` per shard adding
-    its experts' rows into the output and writing their ``gate_up``."""
-    family, apart = chain.family, s.kinds.apart[block.kind]
+    its experts' rows into the output and writing their ``gate_up``. Also the forward-only
+    step's (``step.forward_only``: no ``saved`` entry, so no ``A``)."""
+    family = chain.family
     (x, y), main = x_y, _groups_apart(chain, block)[0]
     aux = (block.aux_object,) if block.aux else ()
     chain.task(
