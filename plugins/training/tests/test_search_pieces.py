@@ -181,3 +181,21 @@ def test_expert_shards_on_the_command_line(tmp_path) -> None:
                          "--device", "cpu", "--out", tmp_path / preset)  # fmt: skip
         assert refused.exit_code == 2 and said in refused.output, refused.output
         assert "Traceback" not in refused.output
+
+
+def test_predict_pins_the_pieces_as_train_does(tmp_path) -> None:
+    """``dataflow predict --vocab-pieces`` / ``--expert-shards``: pinned in its search,
+    and the step of each cell of a grid (``--t-round``)."""
+    searched = invoke("predict", "--preset", "olmoe_tiny", "--budget", "0.0005", "--hw", "h200",
+                      "--dtype", "fp32", "--vocab-pieces", "2", "--expert-shards", "4")  # fmt: skip
+    assert searched.exit_code == 0, searched.output
+    line = next(x for x in searched.output.splitlines() if x.startswith("search:"))
+    assert line.count("vocab in 2 pieces, experts in 4 shards") == 2, line  # chosen, runner-up
+    grid = invoke("predict", "--preset", "olmoe_tiny", "--budget", "0.0005", "--hw", "h200",
+                  "--dtype", "fp32", "--t-round", "128", "--seq-len", "128", "--tokens-step",
+                  "512", "--vocab-pieces", "2", "--expert-shards", "4", "--json",
+                  tmp_path / "grid.json")  # fmt: skip
+    assert grid.exit_code == 0, grid.output
+    (row,) = json.loads((tmp_path / "grid.json").read_text())["rows"]
+    assert row["vocab_pieces"] == 2 and row["overrides"] == {"expert_shards": 4}
+    assert row["tok_s"] > 0

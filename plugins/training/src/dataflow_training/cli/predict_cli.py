@@ -219,6 +219,20 @@ def _cells(preset, t_rounds, seq_lens, budgets, tokens_step, backing, orders, vo
     type=click.IntRange(min=1),
     help="cells planned at once, each in its own process [default: the CPUs this may use]",
 )
+@click.option(
+    "--vocab-pieces",
+    default=None,
+    type=click.IntRange(min=1),
+    help="the vocabulary tables in N row pieces, as dataflow train --vocab-pieces  [default: "
+    "searched without --t-round, else 1]",
+)
+@click.option(
+    "--expert-shards",
+    default=None,
+    type=click.IntRange(min=1),
+    help="each layer's routed experts in N shards, as dataflow train --expert-shards  "
+    "[default: searched without --t-round, else the preset's]",
+)
 @finetune_options
 @optimizer_options
 def predict_command(
@@ -326,6 +340,8 @@ def _tuning(trains: dict[str, Any], policy: dict[str, Any], device: str) -> Tuni
         lora=lora,
         optimizer=rest["optimizer"],
         optimizer_args=rest["optimizer_args"],
+        vocab_pieces=trains["vocab_pieces"],
+        expert_shards=trains["expert_shards"],
     )
 
 

@@ -49,7 +49,7 @@ def search_command(
     # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.drive.options import TrainOptions
     from dataflow_training.drive.step_search import SEARCHED, search_for
-    from dataflow_training.plan.search import Pricing
+    from dataflow_training.plan.search import PIECES, Pricing
 
     for option, values in (("--budget", budgets), ("--seq-len", seq_lens), ("--order", orders)):
         if values is not None and len(values) != 1:
@@ -66,7 +66,9 @@ def search_command(
         _check_seq_len(config, preset, seq_len)
     device = device or default_device()
     given = {"seq_len": seq_len, "tokens_per_step": tokens_step, "order": orders and orders[0]}
-    overrides = {}
+    if tuning is not None:  # pinned pieces (--vocab-pieces, --expert-shards): not searched
+        given |= {"vocab_pieces": tuning.vocab_pieces, "expert_shards": tuning.expert_shards}
+    overrides = {} if tuning is None else tuning.overrides()
     if vocab_size is not None and vocab_size != getattr(config, "vocab_size", None):
         overrides["vocab_size"] = vocab_size
     o = TrainOptions(
@@ -81,7 +83,7 @@ def search_command(
         **(tuning.options_fields() if tuning is not None else {}),
         recompute=recompute,
         overrides=overrides,
-        **{name: value for name, value in given.items() if value is not None},
+        **{k: v for k, v in given.items() if v is not None and k not in PIECES},
         search=[name for name in SEARCHED if given.get(name) is None],
     )
     pricing, host_bytes = None, None

@@ -118,15 +118,24 @@ def grid(
 @attrs.frozen
 class Tuning:
     """What a predicted step trains and with what (``dataflow predict``'s ``--freeze``,
-    ``--lora``, ``--optimizer``; ``TrainConfig``'s fields of those names)."""
+    ``--lora``, ``--optimizer``; ``TrainConfig``'s fields of those names), and how its
+    tables and experts are cut (``--vocab-pieces``, ``--expert-shards``: None, the
+    search's where it searches, else one piece and the preset's shards)."""
 
     freeze: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     lora: LoraConfig | None = None
     optimizer: str = "adamw"
     optimizer_args: dict[str, Any] = attrs.field(factory=dict)
+    vocab_pieces: int | None = None
+    expert_shards: int | None = None
+
+    def overrides(self) -> dict[str, Any]:
+        """The model overrides it makes: ``expert_shards`` where given."""
+        return {} if self.expert_shards is None else {"expert_shards": self.expert_shards}
 
     def options_fields(self) -> dict[str, Any]:
-        """``TrainOptions``' fields of the same (its ``lora_config`` makes ``lora`` again)."""
+        """``TrainOptions``' fields of the same (its ``lora_config`` makes ``lora`` again;
+        ``expert_shards`` is an override: ``overrides``)."""
         lora = self.lora
         return {
             "freeze": self.freeze,
@@ -137,6 +146,7 @@ class Tuning:
             "lora_dropout": lora.dropout if lora else 0.0,
             "lora_targets": lora.targets if lora else (),
             "lora_base": lora and lora.base,
+            "vocab_pieces": self.vocab_pieces or 1,
         }
 
     def fields(self) -> dict[str, Any]:
@@ -148,6 +158,8 @@ class Tuning:
             found["lora"] = self.lora.rank
         if self.optimizer != "adamw" or self.optimizer_args:
             found["optimizer"] = self.optimizer
+        if self.vocab_pieces is not None:
+            found["vocab_pieces"] = self.vocab_pieces
         return found
 
 
@@ -184,6 +196,7 @@ def train_config(
         segments=segments,
         freeze=tuning.freeze,
         lora=tuning.lora,
+        vocab_pieces=tuning.vocab_pieces or 1,
     )
 
 
@@ -353,7 +366,7 @@ def plan_cell(
     reason = cell.why_not()
     if reason is not None:
         return PlannedCell(cell, extra, reason=reason)
-    overrides = cell_overrides(family, cell)
+    overrides = cell_overrides(family, cell) | (tuning.overrides() if tuning else {})
     extra["overrides"] = overrides
     started = time.perf_counter()
     vocab = cell.vocab_size or vocab_size(family, cell.preset)
