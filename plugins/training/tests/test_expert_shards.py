@@ -77,8 +77,19 @@ def test_each_task_holds_one_shard_of_the_experts() -> None:
     assert kinds == ["fwd", *["efwd"] * 4, *["ebwd"] * 4, "bwd"]
     opt = [t.id for t in program.tasks if t.kind == "opt" and t.params["layer"] == "0"]
     assert sorted(opt) == ["opt_0_1_0", *(f"opt_0_1_0.experts.{j}" for j in range(4))]
-    with pytest.raises(ValueError, match="not re-derived"):
-        lower(family, "olmoe_tiny", train, overrides={"expert_shards": 4}, recompute=[0])
+    # re-derived: the routing forward again before the routing backward, its A not saved
+    rederived = lower(family, "olmoe_tiny", train, overrides={"expert_shards": 4}, recompute=[0])
+    kinds = [
+        t.kind
+        for t in rederived.program.tasks
+        if t.params.get("layer") == "0" and t.params["round"] == 0
+    ]
+    assert kinds == ["fwd", *["efwd"] * 4, *["ebwd"] * 4, "rec", "bwd"]
+    tasks = rederived.program.tasks_by_id
+    assert tasks["rec_0_0_0"].compute_key == "olmoe.moe.route_recompute"
+    assert tasks["fwd_0_0_0"].outputs == ("y_0_0_1", "A_0_0_0.experts", "AuxTemp_0_0_0")
+    with pytest.raises(ValueError, match="re-derived whole or not at all"):
+        lower(family, "olmoe_tiny", train, overrides={"expert_shards": 4}, partial={0: "mlp"})
 
 
 def test_one_shard_lowers_the_program_as_before() -> None:
@@ -149,6 +160,38 @@ def test_shards_train_as_one_object_does(family, preset) -> None:
         for key, value in grads[1].items():
             scale = value.abs().max().item()
             torch.testing.assert_close(grads[s][key], value, rtol=1e-4, atol=1e-5 * scale, msg=key)
+
+
+def _forced(units):
+    """A planner that plans the step with ``units`` (round, block) re-derived, whatever
+    the budget (the recompute rewriter's candidate)."""
+    from dataflow_training.plan.recompute import Rewriter
+    from dataflow_training.step.lowering import Lowered
+
+    from dataflow import PRESSUREFIT, PlannerSpec
+
+    def forced(program, budget_bytes, **options):
+        candidate = Rewriter(Lowered.read(program)).candidate(units, {})
+        return PRESSUREFIT.plan(candidate.program, budget_bytes, **options)
+
+    return PlannerSpec("forced", forced)
+
+
+@pytest.mark.parametrize(("family", "preset"), [TINY[0], TINY[2], TINY[3]])
+def test_a_sharded_block_re_derived_trains_bitwise_as_the_saving_one(family, preset) -> None:
+    """A block whose experts run apart, re-derived (its routing task's saves made again
+    before its backward; the shards' object stays saved): the same bits as saving it."""
+    units = frozenset({(0, 0), (1, 1), (1, 0)})
+    saving = _run(family, preset, 2, recompute=False)
+    forced = _run(family, preset, 2, planner=_forced(units))
+    rec = [t for t in forced.compiled.program.tasks if t.kind == "rec"]
+    routed = [t for t in rec if t.compute_key.endswith(".route_recompute")]
+    assert len(rec) == 3 and routed  # (DeepSeek's first block is dense: a plain rec)
+    for batches in _batches(saving.vocab_size, 2, 2):
+        assert saving.step(batches).losses == forced.step(batches).losses
+    theirs = forced.state()[0]
+    for name, tensor in saving.state()[0].items():
+        assert torch.equal(tensor, theirs[name]), name
 
 
 def test_the_state_goes_in_and_comes_out_whole() -> None:

@@ -164,6 +164,7 @@ class TrainingTasks:
                 "recompute": BlockRecompute,
                 "backward": BlockBackward,
                 "route_forward": RouteForward,
+                "route_recompute": RouteRecompute,
                 "experts_forward": ExpertsForward,
                 "experts_backward": ExpertsBackward,
                 "route_backward": RouteBackward,
@@ -522,6 +523,22 @@ class RouteForward(_Apart):
         self.put("experts' input", experts.get("moe_in"), self.views(ctx, experts_obj)["moe_in"])
         for name, target in self.views(ctx, self.slot.one("aux_temp")).items():
             self.put(f"aux_temp tensor {name!r}", aux_temp.get(name), target)
+
+
+class RouteRecompute(_Apart):
+    """What the routing task saves (``A``: the attention half's, the shared expert's),
+    made again before the block's backward by forward's routing (AuxTemp)."""
+
+    def launch(self, ctx: LaunchContext) -> None:
+        saved = self.call(
+            "route_recompute",
+            self.named(ctx, "w"),
+            self.one(ctx, "x"),
+            self.named(ctx, "aux_temp"),
+            self.env(ctx, shared=self.shared(ctx)),
+        )
+        for name, target in self.views(ctx, self.slot.one("saved")).items():
+            self.put(f"saved tensor {name!r}", saved.get(name), target)
 
 
 class ExpertsForward(_Apart):

@@ -286,6 +286,15 @@ class Block:
         moe_in = h2.reshape(-1, config.hidden_size)
         return y, saved | shared_saved, aux_temp, {"moe_in": moe_in}
 
+    def route_recompute(
+        self, config: Any, params: Tensors, x: torch.Tensor, aux_temp: Tensors, env: Env
+    ) -> Tensors:
+        """What ``route_forward`` saves (the attention half's, the shared expert's), made
+        again by forward's routing (``aux_temp``) for backward: a block whose experts run
+        apart, re-derived (the experts' object, written by the shards, stays saved)."""
+        saved, h2 = self._attention_half(config, params, x, env)
+        return saved | self.ffn.route_recompute(config, params, h2, aux_temp, env.ops)
+
     def experts_forward(
         self,
         config: Any,

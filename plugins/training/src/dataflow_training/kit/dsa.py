@@ -447,6 +447,9 @@ class IndexedBlock(Block):
     def route_forward(self, config, params, x, env):
         raise FamilyContractError(_NOT_APART)
 
+    def route_recompute(self, config, params, x, aux_temp, env):
+        raise FamilyContractError(_NOT_APART)
+
     def route_backward(self, config, params, x, saved, aux_temp, dy, d_experts, env):
         raise FamilyContractError(_NOT_APART)
 

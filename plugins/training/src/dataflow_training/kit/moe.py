@@ -551,6 +551,15 @@ class RoutedExperts:
         shared, saved = self.shared.forward(config, params, flat, env.ops)
         return shared, saved, aux_temp
 
+    def route_recompute(
+        self, config: MoEConfig, params: Tensors, h: torch.Tensor, aux_temp: Tensors, ops: Any
+    ) -> Tensors:
+        """What ``route_forward`` saves, again (the shared expert's projections; the
+        routing is ``aux_temp``'s, made by forward)."""
+        if self.shared is None:
+            return {}
+        return self.shared.recompute(config, params, h.reshape(-1, config.hidden_size), ops)
+
     def _shard_rows(
         self, config: MoEConfig, aux_temp: Tensors, shard: tuple[int, int]
     ) -> tuple[int, int, torch.Tensor]:

@@ -160,14 +160,11 @@ class Rewriter:
         names = [layer.name for layer in self.layout.layers]
         self.blocks = {name: i for i, name in enumerate(names[1:-1])}
         rounds = self.layout.train.rounds
-        # a block with no backward (a frozen bottom: ``step.freezing``) saves nothing, and
-        # one whose experts run apart (``efwd`` tasks) is not re-derived
+        # a block with no backward (a frozen bottom: ``step.freezing``) saves nothing; one
+        # whose experts run apart (``efwd`` tasks) is re-derived whole or not at all (its
+        # routing task's saves: the shards' object stays saved)
         apart = {slot.layer for slot in self.layout.tasks.values() if slot.kind == "efwd"}
-        backward = {
-            slot.layer
-            for slot in self.layout.tasks.values()
-            if slot.kind == "bwd" and slot.layer not in apart
-        }
+        backward = {slot.layer for slot in self.layout.tasks.values() if slot.kind == "bwd"}
         self.all = frozenset(
             (r, i) for r in range(rounds) for name, i in self.blocks.items() if name in backward
         )
@@ -185,7 +182,9 @@ class Rewriter:
             (r, i): offered[self.layout.layer(name).kind]
             for name, i in self.blocks.items()
             for r in range(rounds)
-            if offered[self.layout.layer(name).kind] is not None and name in backward
+            if offered[self.layout.layer(name).kind] is not None
+            and name in backward
+            and name not in apart
         }
         self.partial_units = frozenset(self.partial_of)
         modes = {FULL, *self.partial_of.values(), *((KEEP,) if self.given_mode else ())}
@@ -319,6 +318,7 @@ class Rewriter:
         """The program's objects and packed objects with every changed unit's ``A`` (and
         a partial save's rest) as its new mode's lowering has them, in place."""
         packed, objects, done = dict(self.layout.packed), [], set()
+        made = {}  # added after every old one is gone: a unit may save several (apart)
         units_of = self._saved_units(self.layout)
         for obj in self.program.objects:
             unit = units_of.get(obj.id)
@@ -332,8 +332,8 @@ class Rewriter:
             _, layout, saved = self.sources[changed[unit]]
             for fresh in saved[unit]:
                 objects.append(fresh)
-                packed[fresh.id] = layout.packed[fresh.id]
-        return tuple(objects), packed
+                made[fresh.id] = layout.packed[fresh.id]
+        return tuple(objects), packed | made
 
     def compute_us(self, units: Iterable[Unit] = (), partial: Iterable[Unit] = ()) -> float:
         """The candidate's compute: the given tasks but the rec ones, plus its rec tasks."""

@@ -14,8 +14,15 @@ import attrs
 EMBED_PHASES = ("forward", "backward")
 BLOCK_PHASES = ("forward", "recompute", "backward")
 #: a block kind that routes its experts apart (``BlockMath.experts_apart``): the routing
-#: forward and backward of the block (all but the routed experts) and one expert shard's
-ROUTED_PHASES = ("route_forward", "route_backward", "experts_forward", "experts_backward")
+#: forward, recompute and backward of the block (all but the routed experts) and one
+#: expert shard's forward and backward
+ROUTED_PHASES = (
+    "route_forward",
+    "route_recompute",
+    "route_backward",
+    "experts_forward",
+    "experts_backward",
+)
 HEAD_PHASES = ("loss",)
 OPTIMIZER_PREFIX = "optim"
 #: the key of a ``gnorm`` task (a parameter group's squared gradient norm, for clipping)
@@ -90,6 +97,7 @@ def parse(key: str) -> ComputeKey:
     raise ComputeKeyError(
         f"compute key {key!r} is not a training key; expected <family>.embed.forward|backward, "
         "<family>.head.loss, <family>.<block kind>.forward|recompute|backward (or, routed "
-        "apart, route_forward|route_backward|experts_forward|experts_backward), "
+        "apart, route_forward|route_recompute|route_backward|experts_forward|"
+        "experts_backward), "
         f"optim.<optimizer>, {GRAD_NORM_KEY} or {GRAD_ALLREDUCE_KEY}"
     )

@@ -234,12 +234,12 @@ def lower(
     kinds = _kinds(family, config, layers, train, act_bytes)
     if train.segments:
         _check_segments(family, config, layers)
-    for r, i in sorted(recompute | set(partial_of)):
+    for r, i in sorted(partial_of):
         if blocks[i].kind in kinds.apart:
             raise ValueError(
-                f"recompute names block {i} of round {r}, whose experts run in "
-                f"{kinds.apart[blocks[i].kind].shards} shards: it is not re-derived (its "
-                "shards' saves are written by their own tasks)"
+                f"partial names block {i} of round {r}, whose experts run in "
+                f"{kinds.apart[blocks[i].kind].shards} shards: it is re-derived whole or not "
+                "at all (the routing task's saves; the shards' object stays saved)"
             )
     for (r, i), name in sorted(partial_of.items()):
         offered = kinds.partial[blocks[i].kind]

@@ -223,8 +223,9 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         if zero_aux:
             zeroed.add(aux[0])
         if i in experts:
+            kept = {} if (r, i) in s.recompute else saved  # re-derived: its A not saved
             apart_forward(
-                chain, s.kinds.apart[block.kind], r, i, block, (y[i], y[i + 1]), saved, temps,
+                chain, s.kinds.apart[block.kind], r, i, block, (y[i], y[i + 1]), kept, temps,
                 experts, zero_aux, shared(i), seg,
             )  # fmt: skip
             continue
@@ -271,7 +272,7 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
             dys = (dy[i + 1], dy[i] if wanted_dy[i] else None)
             _apart_backward(
                 chain, s, r, i, block, (y[i], dys), saved, temps, experts, d_experts,
-                bwd_shared(i), seg,
+                bwd_shared(i), seg, shared(i),
             )  # fmt: skip
             continue
         if (r, i) in s.recompute:
@@ -456,10 +457,14 @@ def _apart_backward(
     d_experts: dict[int, str],
     shared: dict[str, tuple[str, ...]],
     seg: tuple[str, ...] = (),
+    fwd_shared: tuple[str, ...] = (),
 ) -> None:
     """One ``ebwd`` per shard (its experts' gradient; the first creates ``dE``, the others
     add to it), then the routing task ``bwd`` (the router, the shared expert, the
-    attention half: ``dx`` and the main group's gradient)."""
+    attention half: ``dx`` and the main group's gradient); where the unit is re-derived
+    (``s.recompute``), a ``rec`` task makes its ``A`` again before that ``bwd`` (the
+    routing forward's saves, by forward's routing; ``fwd_shared``: the objects of other
+    layers forward read)."""
     family, apart = chain.family, s.kinds.apart[block.kind]
     x, (dy, dx) = x_dys
     main, shards = _groups_apart(chain, block)
@@ -490,6 +495,22 @@ def _apart_backward(
     )
     roles = grad_roles(grads, r)
     aux = (block.aux_object,) if block.aux and r == chain.train.rounds - 1 else ()
+    if (r, i) in s.recompute:
+        chain.task(
+            "rec",
+            r,
+            block.name,
+            family_key(family, block.kind, "route_recompute"),
+            chain.priced(apart.route.recompute or apart.route.forward, _bytes(chain, main)),
+            inputs={
+                "x": (x,),
+                "w": main,
+                "aux_temp": (temps[i],),
+                "shared": fwd_shared,
+                "segments": seg,
+            },
+            outputs={"saved": (saved[i],)},
+        )
     chain.task(
         "bwd",
         r,
