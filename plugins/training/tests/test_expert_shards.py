@@ -228,6 +228,28 @@ def test_a_sharded_run_resumes_from_its_checkpoint(tmp_path) -> None:
         assert torch.equal(opt[key], value), key
 
 
+@pytest.mark.parametrize("after", [4, 1])
+def test_a_resume_in_other_shards_cuts_the_optimizer_state_again(after, tmp_path) -> None:
+    """A checkpoint of two shards resumed in ``after``: the optimizer state joined along
+    the experts and cut again (``values.recut_opt``), so the next step is the straight
+    run's to float32 rounding (shards sum the routed rows in another order), and the
+    state comes back in ``after``'s objects."""
+    straight = _run("olmoe", "olmoe_tiny", 2)
+    batches = _batches(straight.vocab_size, 2, 2)
+    expected = [straight.step(b).losses for b in batches]
+    first = _run("olmoe", "olmoe_tiny", 2)
+    first.step(batches[0])
+    first.save(tmp_path / "ckpt")
+    first.close()
+    resumed = _run("olmoe", "olmoe_tiny", after)
+    resumed.restore(tmp_path / "ckpt")
+    got = resumed.step(batches[1]).losses
+    assert torch.tensor(got) == pytest.approx(torch.tensor(expected[1]), rel=1e-5)
+    opt = resumed.state()[1]
+    shards = {k for k in opt if k.startswith("O_0.experts")}
+    assert shards == ({"O_0.experts"} if after == 1 else {f"O_0.experts.{j}" for j in range(after)})
+
+
 @pytest.mark.parametrize(("family", "preset"), TINY[:3])
 def test_a_sharded_run_exports_and_imports_hf_bit_for_bit(family, preset, tmp_path) -> None:
     """The weights a run with its experts in two shards ends with, written as an HF

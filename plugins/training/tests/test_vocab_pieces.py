@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dataflow_training import TrainingRun
 from dataflow_training.step.config import DtypePolicy, TrainConfig
 from dataflow_training.step.family import RowGradient, RowPieces, load_family
 from dataflow_training.step.lowering import lower
@@ -119,3 +120,30 @@ def test_pieces_that_do_not_fit_the_table_are_refused() -> None:
         lower(family, "llama3_tiny", _train(2, optimizer=adafactor))
     with pytest.raises(ValueError, match="without padding rows"):
         lower(family, "llama3_tiny", _train(2), overrides={"vocab_size": 250})
+
+
+def _run(pieces: int) -> TrainingRun:
+    config = TrainConfig(seq_len=16, batch=2, rounds=1, dtype=DtypePolicy(), vocab_pieces=pieces)
+    return TrainingRun.of("llama3", "llama3_tiny", config, budget_bytes=None, device="cpu", seed=1)
+
+
+@pytest.mark.parametrize("after", [4, 1])
+def test_a_resume_in_other_pieces_cuts_the_optimizer_state_again(after, tmp_path) -> None:
+    """Two steps in two pieces, checkpointed, then a third in ``after`` pieces: the same
+    bits as three steps in two (the optimizer state joined by rows and cut again,
+    ``values.recut_opt``; float32 on the CPU, where pieces train bitwise as whole tables)."""
+    generator = torch.Generator().manual_seed(0)
+    data = [[(torch.randint(0, 256, (2, 16), generator=generator),) * 2] for _ in range(3)]
+    straight = _run(2)
+    losses = [straight.step(batch).loss for batch in data]
+    first = _run(2)
+    for batch in data[:2]:
+        first.step(batch)
+    first.save(tmp_path / "ck")
+    first.close()
+    resumed = _run(after)
+    resumed.restore(tmp_path / "ck")
+    assert resumed.step(data[2]).loss == losses[2]
+    ours, theirs = resumed.state()[0], straight.state()[0]
+    for key, value in theirs.items():
+        assert torch.equal(ours[key], value), key

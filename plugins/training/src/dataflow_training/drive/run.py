@@ -38,6 +38,7 @@ from dataflow_training.drive.checkpoint import (
     read_checkpoint,
     set_rng_state,
     train_dict,
+    train_from_dict,
     write_checkpoint,
 )
 from dataflow_training.drive.values import (
@@ -46,6 +47,7 @@ from dataflow_training.drive.values import (
     opt_for_state,
     opt_for_step,
     read_state,
+    recut_opt,
     state_layouts,
 )
 from dataflow_training.kit.lora import init_adapters
@@ -59,6 +61,7 @@ from dataflow_training.plan.compiled_step import (
 )
 from dataflow_training.step.config import OMITTED_DEFAULTS
 from dataflow_training.step.family import Family
+from dataflow_training.step.lowering import lower
 
 #: one round's data: ``(tokens, targets)``, or ``(tokens, targets, segments)`` (a
 #: ``kit.Segments``, or None for one sequence per row) for a step with segments
@@ -89,6 +92,9 @@ def resolver_for(name: str, device: str) -> str:
 #: TrainConfig fields a step takes as a value (``step(lr=...)``: the run's lr schedule), not
 #: part of the step a checkpoint must match: a resume may start a new schedule
 PER_STEP = ("train.optimizer.lr",)
+#: Fields a resume may change: how the same parameters are cut in pieces, the optimizer
+#: state cut again to match (``RowPieces``' tables, ``kit.moe.expert_shards``)
+RECUT = ("train.vocab_pieces", "overrides.expert_shards")
 #: A checkpoint's optimizer state is kept as its run kept it (fp32, bf16 or int8 moments;
 #: ``--optimizer-states``, ``--precision``): a resume in another form is refused, not
 #: converted, with this said after the differing field
@@ -492,10 +498,13 @@ class TrainingRun:
         """Continue from the checkpoint at ``path``; returns its manifest. A checkpoint of
         another family, preset, overrides or training step (its lr aside: ``PER_STEP``) is
         an error naming the field; ``loose`` names training-step fields not compared (a
-        fleet member restores a checkpoint rank 0 wrote with its own ``rounds``)."""
+        fleet member restores a checkpoint rank 0 wrote with its own ``rounds``). Other
+        pieces of the same parameters (``RECUT``) are taken: the optimizer state is cut
+        again (``values.recut_opt``)."""
 
         weights, opt, manifest, rng = read_checkpoint(path)
         mine = self.manifest()
+        recut = []
         for field in ("family", "preset", "overrides", "train"):
             theirs, ours = manifest.get(field), mine[field]
             if field == "train" and isinstance(theirs, dict):  # fields written only when set
@@ -504,6 +513,8 @@ class TrainingRun:
                 theirs = {k: v for k, v in theirs.items() if k not in loose}
                 ours = {k: v for k, v in ours.items() if k not in loose}
             differences = [d for d in _differences(theirs, ours, field) if d[0] not in PER_STEP]
+            recut += [d for d in differences if d[0] in RECUT]
+            differences = [d for d in differences if d[0] not in RECUT]
             if differences:
                 where, was, now = differences[0]
                 more = [d[0] for d in differences[1:]]
@@ -512,6 +523,20 @@ class TrainingRun:
                     f"checkpoint {path}: {where} is {was!r}; this run's is {now!r}{also}"
                     f"{_STATE_HINT if where.startswith(_STATE_FIELDS) else ''}"
                 )
+        if recut:  # the checkpoint's step, lowered for its optimizer state's layout
+            theirs = lower(
+                self.compiled.family,
+                self.compiled.preset,
+                train_from_dict(manifest["train"]),
+                overrides=manifest.get("overrides") or {},
+            )
+            try:
+                opt = recut_opt(theirs, self.compiled.running, opt)
+            except ValueError as exc:
+                where, was, now = recut[0]
+                raise ValueError(
+                    f"checkpoint {path}: {where} is {was!r}; this run's is {now!r}, and {exc}"
+                ) from None
         self.set_state(weights, opt, int(manifest["step"]))
         set_rng_state(rng)
         return manifest

@@ -599,23 +599,17 @@ def _with_init(o: TrainOptions, family: Any) -> tuple[TrainOptions, Any]:
 
 
 #: Model overrides that are training settings, not the model's (no HF config carries
-#: them): they go with ``--init``, and a resumed run keeps its checkpoint's
-#: (``_with_kept_shards``: the optimizer state is stored per expert shard)
+#: them): they go with ``--init``, and a resumed run keeps its checkpoint's unless given
+#: (``_with_kept_shards``)
 TRAINING_OVERRIDES = ("expert_shards",)
 
 
 def _with_kept_shards(o: TrainOptions, manifest: dict[str, Any]) -> TrainOptions:
-    """``o`` with the resumed run's expert shards (``--expert-shards``); another count
-    given is refused, naming the run's."""
+    """``o`` with the resumed run's expert shards where ``--expert-shards`` is not given
+    (another count given is the run's from here: the restore cuts the optimizer state
+    again, ``TrainingRun.restore``)."""
     theirs = (manifest.get("overrides") or {}).get("expert_shards")
-    mine = o.overrides.get("expert_shards")
-    if mine is not None and mine != (theirs or 0):
-        its = f"--expert-shards {theirs}" if theirs else "no --expert-shards (the config's)"
-        raise CheckpointError(
-            f"--expert-shards {mine}: the resumed run stores its experts' optimizer state "
-            f"per shard and had {its}: resume with that"
-        )
-    if theirs is None:
+    if theirs is None or "expert_shards" in o.overrides:
         return o
     return attrs.evolve(o, overrides={**o.overrides, "expert_shards": theirs})
 

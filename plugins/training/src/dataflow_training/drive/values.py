@@ -243,6 +243,65 @@ def opt_for_step(lowered: Lowered, opt: Mapping[str, torch.Tensor]) -> dict[str,
     }
 
 
+def recut_opt(
+    old: Lowered, new: Lowered, opt: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``opt`` (the ``O`` objects of ``old``'s step, laid out for the state:
+    ``opt_for_state``) for ``new``'s step, which cuts the same parameters in other pieces
+    (``TrainConfig.vocab_pieces``, ``expert_shards``): an object laid out alike in both is
+    kept; every entry of the others (``<param>/<field>``) is joined from ``old``'s pieces
+    along its rows, in piece order, and cut again into ``new``'s. An entry whose rows are
+    not its parameter's piece rows (a state not shaped like its parameter: 8-bit AdamW's
+    block scales, Adafactor's factors) is a ValueError naming it."""
+    old_layouts, new_layouts = state_layouts(old), state_layouts(new)
+    out = {k: v for k, v in opt.items() if new_layouts.get(k) == old_layouts.get(k)}
+    old_pieces, new_pieces = stored_pieces(old.layers), stored_pieces(new.layers)
+    parts: dict[tuple[str, str], list[tuple[int, torch.Tensor]]] = {}
+    for obj_id, raw in opt.items():
+        if obj_id in out:
+            continue
+        packed = old.layout.packed[obj_id]
+        for name, view in old_layouts[obj_id].views(raw).items():
+            param = name.rsplit("/", 1)[0]
+            spec = old_pieces.get((packed.layer, packed.group, param))
+            index, count = spec.piece if spec is not None else (0, 1)
+            _check_rows(name, view, spec, count)
+            parts.setdefault((packed.layer, name), []).append((index, view))
+    for obj_id, layout in new_layouts.items():
+        if obj_id in out:
+            continue
+        packed = new.layout.packed[obj_id]
+        buffer = torch.zeros(layout.size_bytes, dtype=torch.uint8)
+        for name, view in layout.views(buffer).items():
+            found = sorted(parts.get((packed.layer, name), []), key=lambda p: p[0])
+            if not found:
+                raise ValueError(f"the optimizer state has no {packed.layer}.{name} for {obj_id}")
+            whole = torch.cat([part for _, part in found])
+            spec = new_pieces.get((packed.layer, packed.group, name.rsplit("/", 1)[0]))
+            index, count = spec.piece if spec is not None else (0, 1)
+            _check_rows(name, view, spec, count)
+            rows = view.shape[0]
+            if whole.shape[0] != rows * count or whole.shape[1:] != view.shape[1:]:
+                raise ValueError(
+                    f"the optimizer state's {packed.layer}.{name} joins to "
+                    f"{tuple(whole.shape)}, which {count} pieces of {tuple(view.shape)} do "
+                    "not make: it cannot be cut into other pieces"
+                )
+            view.copy_(whole[index * rows : (index + 1) * rows])
+        out[obj_id] = buffer
+    return out
+
+
+def _check_rows(name: str, view: torch.Tensor, spec: Any, count: int) -> None:
+    """``view`` (an optimizer state entry) holds its parameter's rows of one piece of
+    ``count``: the piece's shape (``spec``), or the whole parameter's rows where unpieced."""
+    if spec is not None and tuple(view.shape) != tuple(spec.shape):
+        raise ValueError(
+            f"the optimizer state's {name} is shaped {tuple(view.shape)}, not like its "
+            f"parameter's piece {tuple(spec.shape)}: it cannot be cut into other pieces"
+        )
+
+
 def _repack(raw: torch.Tensor, source: Layout, target: Layout) -> torch.Tensor:
     """``raw`` (laid out by ``source``) laid out by ``target``: each entry's leading rows
     that both have, zeros elsewhere; ``raw`` itself when the layouts are one."""

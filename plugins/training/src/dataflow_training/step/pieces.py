@@ -14,8 +14,8 @@ math gets them as one ``RowPieces`` value, which gathers rows from the pieces, a
 ``chunked_cross_entropy`` takes row pieces, each piece's matmul writing its columns of a
 chunk's logits. The gradients go back piece by piece (``drive.tasks``). The model state,
 checkpoints' weights and HF files hold whole tables: ``drive.values`` cuts and joins, as
-it does for expert shards. The optimizer state is stored per piece, so a run resumes with
-the pieces it was checkpointed with.
+it does for expert shards. The optimizer state is stored per piece; a resume in other
+pieces joins it by rows and cuts it again (``drive.values.recut_opt``).
 
 The tables are the embedding layer's first parameter (its token table: the kit's and
 GPT-2's order) and every parameter of the embedding and head layers with as many rows.
