@@ -4,9 +4,10 @@ a fast budget, a device and the host's memory.
 A **shape** is what ``dataflow train`` can choose without changing what is learnt per
 token: the tokens per optimizer step split into ``batch`` x ``rounds`` micro-batches,
 the task order (``round``, ``layer``, ``layer:K``), where the updates run (``early``,
-``end``), whether the head's weight gradient is made by vocabulary tiles, the vocabulary
-tables' row pieces (``TrainConfig.vocab_pieces``) and the resolver that runs the tasks. The recompute assignment is searched inside each plan by
-the recompute planner, as ``compile_step`` plans any step.
+``end``), whether the head's weight gradient is made by vocabulary tiles, the pieces the
+largest tables are cut in (``PIECES``) and the resolver that runs the tasks. The
+recompute assignment is searched inside each plan by the recompute planner, as
+``compile_step`` plans any step.
 
 Each candidate is lowered and priced as ``compile_step`` prices a step
 (``pricing.price_as_compiled``: the profiling pass through its cache, or a cost model
@@ -28,16 +29,18 @@ the host would not hold either, is not made first. The chosen candidate carries 
 slow budget of its plan (``Tried.slow_budget_bytes``), so that ``compile_step`` plans
 there first and finds every plan the search made of it (``keep_plan``, ``plan_memo``).
 
-The vocabulary tables' pieces are chosen apart from the rest, since more of them only
-pays where a table's update is what the budget cannot hold (Qwen 3.5's 248,320-row head:
-its update holds 8.1 GB; docs/throughput.md: at 16 GiB four pieces priced 1.7 % slower
-than one, at 8 GiB only pieces plan). Every candidate has the fewest pieces (doubling
-from one) whose one-round step's largest task fits the arena, doubled only while that
-lowers the largest task (the table's update was it) and ``step.pieces`` allows them. The
-chosen shape then tries twice its pieces, again while that lowers its largest task, and
-takes them while they plan faster by more than ``TIE`` (room to stream beside the update:
-a tie keeps the fewer, whose checkpoints' optimizer state is whole); where no shape
-plans, the search runs again with twice the pieces, on the same terms.
+The pieces (``PIECES``: the vocabulary tables' rows, ``TrainConfig.vocab_pieces``, and
+each layer's routed experts, the model override ``expert_shards``) are chosen apart from
+the rest, since more of them only pays where a table's update is what the budget cannot
+hold (Qwen 3.5's 248,320-row head: its update holds 8.1 GB; docs/throughput.md: at
+16 GiB four pieces priced 1.7 % slower than one, at 8 GiB only pieces plan). Every
+candidate has the fewest pieces (doubling whichever of the two lowers the one-round
+step's largest task more: ``Searcher.finer``) whose largest task fits the arena, doubled
+only while that lowers the largest task and the step allows them. The chosen shape then
+tries finer pieces, again while that lowers its largest task, and takes them while they
+plan faster by more than ``TIE`` (room to stream beside the update: a tie keeps the
+fewer); where no shape plans, the search runs again with finer pieces, on the same
+terms.
 
 Without a given number of tokens per step the search takes the smallest whose best
 shape reaches ``GOOD_ENOUGH`` of the best throughput found, up to the preset's
