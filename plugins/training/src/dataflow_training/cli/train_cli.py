@@ -518,15 +518,18 @@ def _phases(values: tuple[str, ...]) -> tuple[str, ...]:
 
 def _check_expert_shards(config: Any, family_name: str, shards: int) -> None:
     """``--expert-shards`` for a model of routed experts, dividing their count."""
+    # torch loads when the command runs, not when `dataflow` lists its commands
+    from dataflow_training.step.pieces import divisors
+
     experts = getattr(config, "num_experts", None)
     if not hasattr(config, "expert_shards") or not experts:
         raise click.BadParameter(
             f"family {family_name!r} has no routed experts to shard", param_hint="--expert-shards"
         )
     if experts % shards:
-        divisors = [d for d in range(1, experts + 1) if experts % d == 0]
+        offered = ", ".join(map(str, divisors(experts)[:6]))
         raise click.BadParameter(
-            f"{shards} does not divide the {experts} experts (e.g. {', '.join(map(str, divisors[:8]))})",
+            f"{shards} does not divide the {experts} experts (e.g. {offered})",
             param_hint="--expert-shards",
         )
 

@@ -262,10 +262,7 @@ def recut_opt(
             continue
         packed = old.layout.packed[obj_id]
         for name, view in old_layouts[obj_id].views(raw).items():
-            param = name.rsplit("/", 1)[0]
-            spec = old_pieces.get((packed.layer, packed.group, param))
-            index, count = spec.piece if spec is not None else (0, 1)
-            _check_rows(name, view, spec, count)
+            index, _count = _entry_piece(old_pieces, packed, name, view)
             parts.setdefault((packed.layer, name), []).append((index, view))
     for obj_id, layout in new_layouts.items():
         if obj_id in out:
@@ -277,9 +274,7 @@ def recut_opt(
             if not found:
                 raise ValueError(f"the optimizer state has no {packed.layer}.{name} for {obj_id}")
             whole = torch.cat([part for _, part in found])
-            spec = new_pieces.get((packed.layer, packed.group, name.rsplit("/", 1)[0]))
-            index, count = spec.piece if spec is not None else (0, 1)
-            _check_rows(name, view, spec, count)
+            index, count = _entry_piece(new_pieces, packed, name, view)
             rows = view.shape[0]
             if whole.shape[0] != rows * count or whole.shape[1:] != view.shape[1:]:
                 raise ValueError(
@@ -292,14 +287,23 @@ def recut_opt(
     return out
 
 
-def _check_rows(name: str, view: torch.Tensor, spec: Any, count: int) -> None:
-    """``view`` (an optimizer state entry) holds its parameter's rows of one piece of
-    ``count``: the piece's shape (``spec``), or the whole parameter's rows where unpieced."""
-    if spec is not None and tuple(view.shape) != tuple(spec.shape):
+def _entry_piece(
+    pieces: Mapping[tuple[str, str, str], Any], packed: Any, name: str, view: torch.Tensor
+) -> tuple[int, int]:
+    """``(index, count)`` of the piece of its parameter the optimizer state entry ``name``
+    (``<param>/<field>``, ``view``) of ``packed`` holds (``pieces``: the step's
+    ``stored_pieces``; ``(0, 1)``: whole); a piece's entry not shaped like the piece is a
+    ValueError (it cannot be cut by rows)."""
+    param = name.rsplit("/", 1)[0]
+    spec = pieces.get((packed.layer, packed.group, param))
+    if spec is None:
+        return 0, 1
+    if tuple(view.shape) != tuple(spec.shape):
         raise ValueError(
             f"the optimizer state's {name} is shaped {tuple(view.shape)}, not like its "
             f"parameter's piece {tuple(spec.shape)}: it cannot be cut into other pieces"
         )
+    return spec.piece
 
 
 def _repack(raw: torch.Tensor, source: Layout, target: Layout) -> torch.Tensor:

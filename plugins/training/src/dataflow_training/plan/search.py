@@ -351,8 +351,7 @@ class Searcher:
         the same batch (in round order: the order moves tasks, it adds none), so a
         bound costs two small lowerings per batch, not one per candidate."""
         one, two = (self.lowered(same_tasks(shape, rounds), rewrite=False) for rounds in (1, 2))
-        arena = self.budget - one.reserve_bytes - one.workspace_beside_bytes
-        if task_floor_bytes(one.step.program) > arena:
+        if task_floor_bytes(one.step.program) > self.arena(shape):
             return 0.0  # one of its tasks alone does not fit: never planned
         compute = [sum(task.cost_us for task in s.step.program.tasks) for s in (one, two)]
         per_round = compute[1] - compute[0]
@@ -364,9 +363,8 @@ class Searcher:
     def too_small(self, shape: Shape) -> Tried:
         """``shape`` refused for a task that alone exceeds the budget (its 1-round step's:
         every round's tasks are the same)."""
-        one = self.lowered(same_tasks(shape, 1), rewrite=False)
-        floor = task_floor_bytes(one.step.program)
-        arena = self.budget - one.reserve_bytes - one.workspace_beside_bytes
+        floor = task_floor_bytes(self.lowered(same_tasks(shape, 1), rewrite=False).step.program)
+        arena = self.arena(shape)
         return Tried(
             shape,
             0.0,

@@ -1,9 +1,10 @@
 """The candidates of the step search (``plan.search``): a **shape** is what ``dataflow
 train`` can choose without changing what is learnt per token (the tokens per optimizer
 step split into ``batch`` x ``rounds``, the task order, where the updates run, the head
-by vocabulary tiles, the vocabulary tables' row pieces, the resolver), ``Pins`` what the user fixed, ``shapes`` every
-candidate they leave, and the defaults a search starts from: the preset's context
-(``context_length``) and its published tokens per step (``published_tokens``).
+by vocabulary tiles, the pieces of the vocabulary tables and of the experts, the
+resolver), ``Pins`` what the user fixed, ``shapes`` every candidate they leave, and the
+defaults a search starts from: the preset's context (``context_length``) and its
+published tokens per step (``published_tokens``).
 """
 
 from __future__ import annotations

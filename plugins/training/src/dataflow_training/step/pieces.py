@@ -68,7 +68,7 @@ def pieced_layers(
     if rows % pieces:
         raise ValueError(
             f"vocab_pieces={pieces} must divide the vocabulary's {rows:,} rows (e.g. "
-            f"{', '.join(str(d) for d in _divisors(rows)[:6])})"
+            f"{', '.join(str(d) for d in divisors(rows)[:6])})"
         )
     return (_pieced(embed, rows, pieces), *layers[1:-1], _pieced(head, rows, pieces))
 
@@ -102,5 +102,7 @@ def _is_table(param: Any, rows: int) -> bool:
     return len(param.shape) >= 2 and param.shape[0] == rows and param.piece is None
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The piece counts that divide ``n`` rows (or experts) other than 1, up to 4,096:
+    what an error offers instead of a count that does not divide them."""
     return [d for d in range(2, min(n, 4096) + 1) if n % d == 0]
