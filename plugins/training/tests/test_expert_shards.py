@@ -77,17 +77,27 @@ def test_each_task_holds_one_shard_of_the_experts() -> None:
     assert kinds == ["fwd", *["efwd"] * 4, *["ebwd"] * 4, "bwd"]
     opt = [t.id for t in program.tasks if t.kind == "opt" and t.params["layer"] == "0"]
     assert sorted(opt) == ["opt_0_1_0", *(f"opt_0_1_0.experts.{j}" for j in range(4))]
-    # re-derived: the routing forward again before the routing backward, its A not saved
+    # re-derived: the routing forward again before the shards' backward, nothing saved:
+    # forward's experts' object is their input alone, which the shards read and drop; the
+    # rec task makes A and the input again, each shard's backward its gate_up rows
     rederived = lower(family, "olmoe_tiny", train, overrides={"expert_shards": 4}, recompute=[0])
     kinds = [
         t.kind
         for t in rederived.program.tasks
         if t.params.get("layer") == "0" and t.params["round"] == 0
     ]
-    assert kinds == ["fwd", *["efwd"] * 4, *["ebwd"] * 4, "rec", "bwd"]
-    tasks = rederived.program.tasks_by_id
+    assert kinds == ["fwd", *["efwd"] * 4, "rec", *["ebwd"] * 4, "bwd"]
+    tasks, packed = rederived.program.tasks_by_id, rederived.layout.packed
     assert tasks["rec_0_0_0"].compute_key == "olmoe.moe.route_recompute"
-    assert tasks["fwd_0_0_0"].outputs == ("y_0_0_1", "A_0_0_0.experts", "AuxTemp_0_0_0")
+    assert tasks["fwd_0_0_0"].outputs == ("y_0_0_1", "A_0_0_0.moe_in", "AuxTemp_0_0_0")
+    assert "A_0_0_0.moe_in" in tasks["efwd_0_0_0.experts.0"].inputs
+    assert tasks["rec_0_0_0"].outputs == ("A_0_0_0", "A_0_0_0.experts")
+    assert "A_0_0_0.experts" in tasks["ebwd_0_0_0.experts.3"].inputs
+    for obj in ("A_0_0_0.moe_in", "A_0_0_0.experts"):
+        assert [e.name for e in packed[obj].layout.entries] == ["moe_in"]
+    assert [e.name for e in packed["A_0_0_1.experts"].layout.entries] == ["moe_in", "gate_up"]
+    saving = step.program.tasks_by_id
+    assert tasks["ebwd_0_0_0.experts.0"].cost_us > saving["ebwd_0_0_0.experts.0"].cost_us
     with pytest.raises(ValueError, match="re-derived whole or not at all"):
         lower(family, "olmoe_tiny", train, overrides={"expert_shards": 4}, partial={0: "mlp"})
 
@@ -179,8 +189,9 @@ def _forced(units):
 
 @pytest.mark.parametrize(("family", "preset"), [TINY[0], TINY[2], TINY[3]])
 def test_a_sharded_block_re_derived_trains_bitwise_as_the_saving_one(family, preset) -> None:
-    """A block whose experts run apart, re-derived (its routing task's saves made again
-    before its backward; the shards' object stays saved): the same bits as saving it."""
+    """A block whose experts run apart, re-derived (its routing task's saves and the
+    experts' input made again before the shards' backward, each shard's ``gate_up`` rows
+    made again there): the same bits as saving it."""
     units = frozenset({(0, 0), (1, 1), (1, 0)})
     saving = _run(family, preset, 2, recompute=False)
     forced = _run(family, preset, 2, planner=_forced(units))

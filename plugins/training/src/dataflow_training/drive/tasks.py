@@ -526,28 +526,31 @@ class RouteForward(_Apart):
 
 
 class RouteRecompute(_Apart):
-    """What the routing task saves (``A``: the attention half's, the shared expert's),
-    made again before the block's backward by forward's routing (AuxTemp)."""
+    """What the routing task saves (``A``: the attention half's, the shared expert's) and
+    the experts' input, made again before the block's shards' backward by forward's
+    routing (AuxTemp)."""
 
     def launch(self, ctx: LaunchContext) -> None:
-        saved = self.call(
+        saved, experts = self.call(
             "route_recompute",
             self.named(ctx, "w"),
             self.one(ctx, "x"),
             self.named(ctx, "aux_temp"),
             self.env(ctx, shared=self.shared(ctx)),
         )
-        for name, target in self.views(ctx, self.slot.one("saved")).items():
+        main, experts_obj = self.slot.outputs["saved"]
+        for name, target in self.views(ctx, main).items():
             self.put(f"saved tensor {name!r}", saved.get(name), target)
+        self.put("experts' input", experts.get("moe_in"), self.views(ctx, experts_obj)["moe_in"])
 
 
 class ExpertsForward(_Apart):
     """One shard's experts over the rows routed to them: their weighted outputs added
-    into the block's output, their ``gate_up`` rows written."""
+    into the block's output, their ``gate_up`` rows written where the experts' object
+    has room for them (not where it is their input alone: re-derived, or no backward)."""
 
     def launch(self, ctx: LaunchContext) -> None:
-        (experts_obj,) = self.slot.mutates["saved"]
-        experts = self.views(ctx, experts_obj)
+        experts = self.views(ctx, self.slot.one("saved"))
         out, gate_up, (start, end) = self.call(
             "experts_forward",
             self.named(ctx, "w"),
@@ -558,7 +561,8 @@ class ExpertsForward(_Apart):
         )
         y = self.buffer(ctx, self.slot.one("y"))
         self.put("output", out.to(y.dtype).view_as(y), y, add=True)
-        self.put("gate_up rows", gate_up, experts["gate_up"][start:end])
+        if "gate_up" in experts:
+            self.put("gate_up rows", gate_up, experts["gate_up"][start:end])
 
 
 class ExpertsBackward(_Apart):

@@ -265,7 +265,8 @@ class Block:
         self, config: Any, batch: int, seq_len: int
     ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
         """(what the routing task saves (``A``), the experts' object (``A_<...>.experts``:
-        their input and ``gate_up``), the experts' gradient to the block (``dE``))."""
+        their input ``moe_in`` and ``gate_up``; a re-derived block's holds ``moe_in``
+        alone), the experts' gradient to the block (``dE``))."""
         shared, experts, grad = self.ffn.apart_saved(config, batch, seq_len)
         main = (
             *self.attention.saved(config, batch, seq_len),
@@ -288,12 +289,14 @@ class Block:
 
     def route_recompute(
         self, config: Any, params: Tensors, x: torch.Tensor, aux_temp: Tensors, env: Env
-    ) -> Tensors:
-        """What ``route_forward`` saves (the attention half's, the shared expert's), made
-        again by forward's routing (``aux_temp``) for backward: a block whose experts run
-        apart, re-derived (the experts' object, written by the shards, stays saved)."""
+    ) -> tuple[Tensors, Tensors]:
+        """What ``route_forward`` saves (the attention half's, the shared expert's) and the
+        experts' input ``moe_in``, made again by forward's routing (``aux_temp``) for a
+        re-derived block whose experts run apart: -> (saved, {"moe_in": ...}). Each
+        shard's backward then makes its rows' ``gate_up`` again from ``moe_in``."""
         saved, h2 = self._attention_half(config, params, x, env)
-        return saved | self.ffn.route_recompute(config, params, h2, aux_temp, env.ops)
+        saved |= self.ffn.route_recompute(config, params, h2, aux_temp, env.ops)
+        return saved, {"moe_in": h2.reshape(-1, config.hidden_size)}
 
     def experts_forward(
         self,
@@ -319,11 +322,13 @@ class Block:
         shard: tuple[int, int],
         env: Env,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], Tensors]:
-        """Shard ``shard``'s part of backward (``RoutedExperts.experts_backward``)."""
+        """Shard ``shard``'s part of backward (``RoutedExperts.experts_backward``); an
+        experts' object without ``gate_up`` (the block re-derived) has its rows made
+        again."""
         flat_dy = dy.reshape(-1, config.hidden_size)
         return self.ffn.experts_backward(
-            config, params, experts["moe_in"], experts["gate_up"], aux_temp, flat_dy, shard,
-            env.ops,
+            config, params, experts["moe_in"], experts.get("gate_up"), aux_temp, flat_dy,
+            shard, env.ops,
         )  # fmt: skip
 
     def route_backward(

@@ -555,7 +555,7 @@ class RoutedExperts:
         self, config: MoEConfig, params: Tensors, h: torch.Tensor, aux_temp: Tensors, ops: Any
     ) -> Tensors:
         """What ``route_forward`` saves, again (the shared expert's projections; the
-        routing is ``aux_temp``'s, made by forward)."""
+        routing is ``aux_temp``'s, made by forward; the block makes ``moe_in``)."""
         if self.shared is None:
             return {}
         return self.shared.recompute(config, params, h.reshape(-1, config.hidden_size), ops)
@@ -600,20 +600,25 @@ class RoutedExperts:
         config: MoEConfig,
         params: Tensors,
         moe_in: torch.Tensor,
-        gate_up: torch.Tensor,
+        gate_up: torch.Tensor | None,
         aux_temp: Tensors,
         dy: torch.Tensor,
         shard: tuple[int, int],
         ops: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], Tensors]:
         """``backward``'s expert part for the rows routed to ``shard`` (``gate_up``: every
-        row's, ``dy`` (tokens, hidden)) -> (their gradient to ``moe_in`` (tokens, hidden)
-        float32, their routing weights' gradients, the span of expert rows they are, the
-        shard's experts' gradients)."""
+        row's as forward wrote them, or None where the block is re-derived: the shard's
+        rows are made again here from ``moe_in``; ``dy`` (tokens, hidden)) -> (their
+        gradient to ``moe_in`` (tokens, hidden) float32, their routing weights'
+        gradients, the span of expert rows they are, the shard's experts' gradients)."""
         start, end, offsets = self._shard_rows(config, aux_temp, shard)
         tokens, weights = _rows(config, aux_temp)
         tokens, weights = tokens[start:end], weights[start:end]
-        gate, up = _split(gate_up[start:end])
+        rows_in = moe_in[tokens]
+        if gate_up is None:
+            gate, up = _split(ops["grouped_mm"](rows_in, params[GATE_UP], offsets))
+        else:
+            gate, up = _split(gate_up[start:end])
         act = ops["swiglu_fwd"](gate, up)
         rows_dy = dy[tokens]
         d_act = ops["grouped_mm"](rows_dy, params[DOWN].transpose(1, 2), offsets)
@@ -625,7 +630,8 @@ class RoutedExperts:
         del rows_dy, act
         d_gate_up = torch.cat(ops["swiglu_bwd"](d_act, gate, up), dim=-1)
         del d_act
-        grads[GATE_UP] = ops["grouped_mm_wgrad"](d_gate_up, moe_in[tokens], offsets)
+        grads[GATE_UP] = ops["grouped_mm_wgrad"](d_gate_up, rows_in, offsets)
+        del rows_in
         d_in = ops["grouped_mm"](d_gate_up, params[GATE_UP].transpose(1, 2), offsets)
         del d_gate_up
         d_moe_in = moe_in.new_zeros(moe_in.shape, dtype=torch.float32)
@@ -666,12 +672,15 @@ class RoutedExperts:
         self, config: MoEConfig, batch: int, seq_len: int, act_bytes: int, shards: int
     ) -> LayerCost:
         """One shard's forward and backward work: its share of the routed rows' three
-        projections (backward twice them), the rows gathered and their outputs added."""
+        projections (backward twice them), the rows gathered and their outputs added;
+        ``recompute``: what its backward adds where the block is re-derived (its rows'
+        ``gate_up`` made again: the gate and up projections)."""
         tokens, n, inner = batch * seq_len, config.hidden_size, self.inner(config)
         k = config.num_experts_per_tok
         flops = 2 * tokens * k * 3 * n * inner / shards
         moved = tokens * k * act_bytes * (2 * n + 2 * inner) / shards + tokens * n * 4
-        return LayerCost(Work(flops, moved), Work(2 * flops, 2 * moved))
+        again = Work(2 * flops / 3, tokens * k * act_bytes * (n + 2 * inner) / shards)
+        return LayerCost(Work(flops, moved), Work(2 * flops, 2 * moved), recompute=again)
 
     def cost(self, config: MoEConfig, batch: int, seq_len: int, act_bytes: int) -> FfnCost:
         tokens, n, inner = batch * seq_len, config.hidden_size, self.inner(config)

@@ -119,6 +119,10 @@ KEEP, FULL = "keep", "full"
 
 Relower = Callable[[frozenset[Unit], Mapping[Unit, str]], Lowered]
 
+#: the kinds of a unit's tasks (``efwd`` and ``ebwd``: the shards of a block whose experts
+#: run apart)
+UNIT_TASKS = ("fwd", "efwd", "rec", "ebwd", "bwd")
+
 
 def relowering(step: Lowered) -> Relower:
     """``step``'s family object lowering the same step again with ``recompute`` units
@@ -162,7 +166,8 @@ class Rewriter:
         rounds = self.layout.train.rounds
         # a block with no backward (a frozen bottom: ``step.freezing``) saves nothing; one
         # whose experts run apart (``efwd`` tasks) is re-derived whole or not at all (its
-        # routing task's saves: the shards' object stays saved)
+        # routing task's saves and the experts' input; each shard's backward makes its
+        # rows' ``gate_up`` again)
         apart = {slot.layer for slot in self.layout.tasks.values() if slot.kind == "efwd"}
         backward = {slot.layer for slot in self.layout.tasks.values() if slot.kind == "bwd"}
         self.all = frozenset(
@@ -187,7 +192,10 @@ class Rewriter:
             and name not in apart
         }
         self.partial_units = frozenset(self.partial_of)
-        modes = {FULL, *self.partial_of.values(), *((KEEP,) if self.given_mode else ())}
+        # the kept lowering where the given one is not it, or where an apart block's
+        # shard backward is priced by its ratio between two modes
+        kept = bool(self.given_mode or apart)
+        modes = {FULL, *self.partial_of.values(), *((KEEP,) if kept else ())}
         # mode -> (tasks by id, step layout, each unit's A objects) of its lowering
         self.sources: dict[str, tuple[dict[str, Task], StepLayout, dict[Unit, list]]] = {}
         for mode in modes:
@@ -261,7 +269,7 @@ class Rewriter:
 
     def unit_of(self, task_id: str) -> Unit | None:
         slot = self.layout.tasks.get(task_id)
-        if slot is None or slot.kind not in ("fwd", "rec", "bwd") or slot.layer not in self.blocks:
+        if slot is None or slot.kind not in UNIT_TASKS or slot.layer not in self.blocks:
             return None
         return slot.round_, self.blocks[slot.layer]
 
@@ -287,6 +295,7 @@ class Rewriter:
             return self.step
         tasks: list[Task] = []
         slots = dict(self.layout.tasks)
+        backward: set[Unit] = set()  # the units whose first backward task has come
         for task in self.program.tasks:
             unit = self.unit_of(task.id)
             mode = changed.get(unit)
@@ -297,15 +306,23 @@ class Rewriter:
             if task.kind == "rec":
                 del slots[task.id]
                 continue
+            fresh = source[task.id]
             if task.kind == "fwd":
-                fresh = source[task.id]
                 task = attrs.evolve(task, outputs=fresh.outputs, params=fresh.params)
-            if task.kind == "bwd":
+            if task.kind in ("ebwd", "bwd") and unit not in backward:
+                backward.add(unit)  # the rec task goes before the unit's first backward
                 if mode != KEEP:
                     rec = self.rec_cost[unit, mode]
                     tasks.append(rec)
                     slots[rec.id] = layout.tasks[rec.id]
-                task = attrs.evolve(task, inputs=source[task.id].inputs)
+            if task.kind == "efwd":  # reads or writes the experts' object by the mode
+                task = attrs.evolve(task, inputs=fresh.inputs, mutates=fresh.mutates)
+            if task.kind == "ebwd":  # its price scaled as its mode's lowering has it
+                was = self.sources[self.given_mode.get(unit, KEEP)][0][task.id]
+                ratio = fresh.cost_us / was.cost_us if was.cost_us > 0 else 1.0
+                task = attrs.evolve(task, cost_us=task.cost_us * ratio)
+            if task.kind in ("ebwd", "bwd"):
+                task = attrs.evolve(task, inputs=fresh.inputs)
             slots[task.id] = layout.tasks[task.id]
             tasks.append(task)
         objects, packed = self._saved_objects(changed)

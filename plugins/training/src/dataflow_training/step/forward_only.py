@@ -136,9 +136,9 @@ def lower_forward(
         zeroed.update(aux)
         apart = aparts[block.kind]
         if apart is not None:  # the routing task, then one task a shard, as in training
-            experts = f"A_0_0_{i}.experts"
-            chain.packed[experts] = PackedObject(experts, "A", block.name, apart.experts)
-            chain.objects.append(Obj(experts, apart.experts.size_bytes, Role.ACTIVATION))
+            experts = f"A_0_0_{i}.experts"  # their input alone: no backward reads gate_up
+            chain.packed[experts] = PackedObject(experts, "A", block.name, apart.inputs)
+            chain.objects.append(Obj(experts, apart.inputs.size_bytes, Role.ACTIVATION))
             apart_forward(
                 chain, apart, 0, i, block, (y[i], y[i + 1]), {}, {i: temp[0]}, {i: experts},
                 zero_aux, shared(block),

@@ -489,6 +489,12 @@ def _apart(
     batch, seq_len, policy = train.batch, train.seq_len, train.dtype
     main, experts, grad = kind_math.apart_saved(config, batch, seq_len)
     route, one = kind_math.apart_cost(config, batch, seq_len, act_bytes, shards)
+    inputs = tuple(spec for spec in experts if spec.name == "moe_in")  # re-derived: no rows
+    if not inputs:
+        raise FamilyContractError(
+            f"family {family.name!r}: block kind {kind!r} runs its experts apart but its "
+            "experts' object (apart_saved) has no 'moe_in', their input"
+        )
     return Apart(
         shards,
         _pack(main, policy.activation),
@@ -496,6 +502,7 @@ def _apart(
         _pack(grad, policy.activation),
         route,
         one,
+        _pack(inputs, policy.activation),
     )
 
 

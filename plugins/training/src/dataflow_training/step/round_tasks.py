@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 
 from dataflow import Obj, Role, TensorMeta
-from dataflow_training.step.family import LayerCost, LayerSpec
+from dataflow_training.step.family import LayerCost, LayerSpec, Work
 from dataflow_training.step.freezing import trains
 from dataflow_training.step.keys import family_key
 from dataflow_training.step.layout import PackedObject
@@ -46,7 +46,10 @@ class Apart:
     """A block kind whose routed experts run apart, in ``shards`` shards: the layouts of
     what its routing task saves (``A``), of the experts' object (``A_<...>.experts``: their
     input and ``gate_up``) and of their gradient to the block (``dE``); the work of the
-    routing tasks (``fwd`` and ``bwd``) and of one shard's (``efwd`` and ``ebwd``)."""
+    routing tasks (``fwd`` and ``bwd``) and of one shard's (``efwd`` and ``ebwd``; its
+    ``recompute``: what ``ebwd`` adds making its rows' ``gate_up`` again). ``inputs``:
+    the experts' object of a re-derived block (their input alone; the shards' backward
+    make ``gate_up`` again)."""
 
     shards: int
     saved: Layout
@@ -54,6 +57,7 @@ class Apart:
     grad: Layout
     route: LayerCost
     shard: LayerCost
+    inputs: Layout
 
 
 @attrs.frozen
@@ -180,7 +184,9 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
             roles["inputs"] = (f"Target_{step}_{r}_{i}",)
         return roles
 
-    experts, d_experts = {}, {}  # the objects of the blocks whose experts run apart
+    # the objects of the blocks whose experts run apart: the experts' object forward
+    # writes, the one backward reads (the same but where the block is re-derived), dE
+    experts, experts_back, d_experts = {}, {}, {}
     for i, block in enumerate(blocks):
         if i in groups and backward[i]:  # the group's KL target, its backwards' object
             target = f"Target_{step}_{r}_{i}"
@@ -189,8 +195,8 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
             chain.objects.append(Obj(target, layout.size_bytes, Role.AUX_TEMP))
         apart = s.kinds.apart.get(block.kind)
         if apart is not None:
-            _apart_objects(chain, s, r, i, block, apart, backward[i], saved, temps)
-            experts[i], d_experts[i] = f"A_{step}_{r}_{i}.experts", f"dE_{step}_{r}_{i}"
+            made = _apart_objects(chain, s, r, i, block, apart, backward[i], saved, temps)
+            (experts[i], experts_back[i]), d_experts[i] = made, f"dE_{step}_{r}_{i}"
             continue
         if i in groups or backward[i]:  # a leader's selection: its followers read it
             _aux_temp(chain, s, r, i, block, temps)
@@ -271,7 +277,7 @@ def lower_round(chain: StepChain, s: Rounds, r: int, zeroed: set[str]) -> None:
         if i in experts:
             dys = (dy[i + 1], dy[i] if wanted_dy[i] else None)
             _apart_backward(
-                chain, s, r, i, block, (y[i], dys), saved, temps, experts, d_experts,
+                chain, s, r, i, block, (y[i], dys), saved, temps, experts_back, d_experts,
                 bwd_shared(i), seg, shared(i),
             )  # fmt: skip
             continue
@@ -374,14 +380,24 @@ def _apart_objects(
     backward: bool,
     saved: dict[int, str],
     temps: dict[int, str],
-) -> None:
+) -> tuple[str, str]:
     """Round ``r``'s objects of block ``i``: its AuxTemp, the experts' object (their input
     and ``gate_up``), and where it has a backward its ``A`` and the experts' gradient to
-    it ``dE``."""
+    it ``dE``. A re-derived block (``s.recompute``) has two experts' objects of their
+    input alone: forward's, ``A_<...>.moe_in``, read by the shards' forward, and the one
+    its ``rec`` task makes for the shards' backward. -> (forward's experts' object,
+    backward's)."""
     step = chain.step
     base = f"A_{step}_{r}_{i}"
+    experts = f"{base}.experts"
     made = [(f"AuxTemp_{step}_{r}_{i}", "AuxTemp", s.kinds.temp[block.kind], Role.AUX_TEMP)]
-    made.append((f"{base}.experts", "A", apart.experts, Role.ACTIVATION))
+    if backward and (r, i) in s.recompute:
+        forward = f"{base}.moe_in"
+        made.append((forward, "A", apart.inputs, Role.ACTIVATION))
+        made.append((experts, "A", apart.inputs, Role.ACTIVATION))
+    else:
+        forward = experts
+        made.append((experts, "A", apart.experts, Role.ACTIVATION))
     if backward:
         made.append((base, "A", apart.saved, Role.ACTIVATION))
         made.append((f"dE_{step}_{r}_{i}", "dE", apart.grad, Role.GRAD))
@@ -390,6 +406,7 @@ def _apart_objects(
     for obj_id, kind, layout, role in made:
         chain.packed[obj_id] = PackedObject(obj_id, kind, block.name, layout)
         chain.objects.append(Obj(obj_id, layout.size_bytes, role))
+    return forward, experts
 
 
 def apart_forward(
@@ -409,7 +426,9 @@ def apart_forward(
     """The routing task ``fwd`` (the attention half, the router, the shared expert: it
     makes the block's output, ``A``, AuxTemp and the experts' input; it reads the
     round's segments ``seg`` where the step has them), then one ``efwd`` per shard adding
-    its experts' rows into the output and writing their ``gate_up``. Also the forward-only
+    its experts' rows into the output and writing their ``gate_up`` where the experts'
+    object ``experts[i]`` has room for it (where it holds their input alone, the block is
+    re-derived or has no backward, the shards only read it). Also the forward-only
     step's (``step.forward_only``: no ``saved`` entry, so no ``A``)."""
     family = chain.family
     (x, y), main = x_y, _groups_apart(chain, block)[0]
@@ -429,16 +448,18 @@ def apart_forward(
         },
         zero_aux=zero_aux,
     )
+    writes = chain.packed[experts[i]].layout != apart.inputs  # the shards' gate_up rows
     for group in _groups_apart(chain, block)[1]:
         w = group_object("W", block.name, group.name)
+        objects = {"saved": (experts[i],)}
         chain.task(
             "efwd",
             r,
             block.name,
             family_key(family, block.kind, "experts_forward"),
             chain.priced(apart.shard.forward, _bytes(chain, (w,))),
-            inputs={"w": (w,), "aux_temp": (temps[i],)},
-            mutates={"y": (y,), "saved": (experts[i],)},
+            inputs={"w": (w,), "aux_temp": (temps[i],), **({} if writes else objects)},
+            mutates={"y": (y,), **(objects if writes else {})},
             group=group.name,
             shard=group.shard,
         )
@@ -461,13 +482,38 @@ def _apart_backward(
 ) -> None:
     """One ``ebwd`` per shard (its experts' gradient; the first creates ``dE``, the others
     add to it), then the routing task ``bwd`` (the router, the shared expert, the
-    attention half: ``dx`` and the main group's gradient); where the unit is re-derived
-    (``s.recompute``), a ``rec`` task makes its ``A`` again before that ``bwd`` (the
-    routing forward's saves, by forward's routing; ``fwd_shared``: the objects of other
-    layers forward read)."""
+    attention half: ``dx`` and the main group's gradient). Where the unit is re-derived
+    (``s.recompute``) a ``rec`` task comes first: it makes ``A`` and the experts' input
+    ``experts[i]`` again by forward's routing (``fwd_shared``: the objects of other
+    layers forward read), and each ``ebwd`` makes its rows' ``gate_up`` again."""
     family, apart = chain.family, s.kinds.apart[block.kind]
     x, (dy, dx) = x_dys
     main, shards = _groups_apart(chain, block)
+    rederived = (r, i) in s.recompute
+    if rederived:
+        chain.task(
+            "rec",
+            r,
+            block.name,
+            family_key(family, block.kind, "route_recompute"),
+            chain.priced(apart.route.recompute or apart.route.forward, _bytes(chain, main)),
+            inputs={
+                "x": (x,),
+                "w": main,
+                "aux_temp": (temps[i],),
+                "shared": fwd_shared,
+                "segments": seg,
+            },
+            outputs={"saved": (saved[i], experts[i])},
+        )
+    shard_work = apart.shard.backward
+    if rederived and apart.shard.recompute is not None:
+        again = apart.shard.recompute
+        shard_work = Work(
+            shard_work.flops + again.flops,
+            shard_work.bytes + again.bytes,
+            shard_work.kernels and shard_work.kernels + again.kernels,
+        )
     for group in shards:
         w = group_object("W", block.name, group.name)
         dw = group_object("dW", block.name, group.name)
@@ -479,7 +525,7 @@ def _apart_backward(
             r,
             block.name,
             family_key(family, block.kind, "experts_backward"),
-            chain.priced(apart.shard.backward, 2 * _bytes(chain, (w,))),
+            chain.priced(shard_work, 2 * _bytes(chain, (w,))),
             inputs={"dy": (dy,), "saved": (experts[i],), "aux_temp": (temps[i],), "w": (w,)},
             outputs=roles.get("outputs", {}),
             mutates=roles.get("mutates", {}),
@@ -495,22 +541,6 @@ def _apart_backward(
     )
     roles = grad_roles(grads, r)
     aux = (block.aux_object,) if block.aux and r == chain.train.rounds - 1 else ()
-    if (r, i) in s.recompute:
-        chain.task(
-            "rec",
-            r,
-            block.name,
-            family_key(family, block.kind, "route_recompute"),
-            chain.priced(apart.route.recompute or apart.route.forward, _bytes(chain, main)),
-            inputs={
-                "x": (x,),
-                "w": main,
-                "aux_temp": (temps[i],),
-                "shared": fwd_shared,
-                "segments": seg,
-            },
-            outputs={"saved": (saved[i],)},
-        )
     chain.task(
         "bwd",
         r,
