@@ -102,6 +102,37 @@ def test_each_task_holds_one_shard_of_the_experts() -> None:
         lower(family, "olmoe_tiny", train, overrides={"expert_shards": 4}, partial={0: "mlp"})
 
 
+def _shape(program):
+    """Each task in order: (id, inputs, mutates, outputs)."""
+    return [(t.id, t.inputs, t.mutates, t.outputs) for t in program.tasks]
+
+
+def test_the_recompute_rewriter_splices_a_sharded_block_as_lowering_makes_it() -> None:
+    """The recompute planner's candidates of a step with its experts apart are exactly
+    what the lowering makes of their units, from the saving step and from one that
+    re-derives some already: the same tasks in the same order reading and writing the same
+    objects, of the same sizes; a shard's backward costs more re-derived."""
+    from dataflow_training.plan.recompute import Rewriter
+
+    family = load_family("qwen3_5_moe")
+    train = TrainConfig(seq_len=8, batch=2, rounds=2)
+    shards = {"expert_shards": 2}
+    saving = lower(family, "qwen3_5_moe_tiny", train, overrides=shards)
+    units = [(0, 1), (1, 0), (1, 1)]
+    wanted = lower(family, "qwen3_5_moe_tiny", train, overrides=shards, recompute=units)
+    made = Rewriter(saving).candidate(units)
+    assert _shape(made.program) == _shape(wanted.program)
+    sizes = {o.id: o.size_bytes for o in wanted.program.objects}
+    assert {o.id: o.size_bytes for o in made.program.objects} == sizes
+    assert made.layout.packed.keys() == wanted.layout.packed.keys()
+    # from a step that re-derives some already, one more unit
+    more = lower(family, "qwen3_5_moe_tiny", train, overrides=shards, recompute=[*units, (0, 0)])
+    assert _shape(Rewriter(wanted).candidate([(0, 0)]).program) == _shape(more.program)
+    ebwd = "ebwd_0_1_1.experts.0"
+    costs = {p.tasks_by_id[ebwd].cost_us for p in (made.program, saving.program)}
+    assert made.program.tasks_by_id[ebwd].cost_us == max(costs) > min(costs)
+
+
 def test_one_shard_lowers_the_program_as_before() -> None:
     family = load_family("olmoe")
     train = TrainConfig(seq_len=8, batch=2, rounds=2)
