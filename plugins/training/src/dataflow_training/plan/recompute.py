@@ -8,7 +8,9 @@ best; any other program goes to PressureFit unchanged.
 
 A **unit** is one block in one accumulation round. Its mode: ``keep``; ``full``
 (recomputed: ``A`` leaves the forward task's outputs and the lowering's ``rec`` task runs
-right before the backward, ``lower(recompute=[(round, block)])``); or the name of the
+right before the backward, ``lower(recompute=[(round, block)])``; a block whose experts
+run apart saves nothing then, its ``rec`` before the shards' ``ebwd`` tasks, which make
+their rows' ``gate_up`` again, so its ``efwd`` and ``ebwd`` change too); or the name of the
 partial save its kind offers first (``A`` holds only what that keeps, and a ``rec`` task
 re-derives the rest into ``A_...<name>``, ``lower(partial={(round, block): name})``).
 Candidates are spliced from one lowering per mode with every unit in it, so each is
