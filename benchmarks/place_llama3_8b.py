@@ -38,13 +38,16 @@ buy); ``--link-scale F`` multiplies both links' bandwidth by ``F`` (what a faste
 would buy: where the step's recompute goes away, the link is what forces it). A
 ``--batch`` the archive has no profiles of is priced from its largest by the tokens a
 task covers (time and workspace; an estimate), but for a task whose objects keep their
-sizes (an update), priced as profiled. ``place_row`` does the work and returns what came
+sizes (an update), priced as profiled. ``--expert-shards N`` runs the experts apart in N
+shards on an archive profiled with them whole: each routing and shard task is priced as
+its share of the whole block's measured phase by the kit's work (``routed_share``; an
+estimate). ``place_row`` does the work and returns what came
 of it (``plan_rows.py`` plans every throughput row with it).
 
 Run: ``python -m benchmarks.place_llama3_8b --budget 8GiB [--batch 2 --rounds 16] [--counted]
 [--order ORDER] [--backing SIZE] [--chunk TOKENS] [--profiles DIR] [--head-vocab-tiles]
 [--preset PRESET --seq-len N] [--workspace KEY=SIZE ...] [--cost KEY=FACTOR ...]
-[--link-scale F]``
+[--link-scale F] [--vocab-pieces N] [--expert-shards N]``
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from dataflow_training.plan.profile import TaskProfile, apply_profile, signature
 from dataflow_training.plan.recompute import measured_rewriter, step_planner
 from dataflow_training.step.config import UPDATES, head_chunk_tokens
 from dataflow_training.step.family import load_family
+from dataflow_training.step.keys import parse
 from dataflow_training.step.lowering import lower
 
 from benchmarks.harness.compare_dataflow import train_config
@@ -140,6 +144,51 @@ def estimated_tiles(known: dict[str, TaskProfile], tokens: int, vocab: int, dim:
     return found
 
 
+#: a routed phase (a block whose experts run apart) -> the whole block's phase it is a part of
+WHOLE_PHASE = {
+    "route_forward": "forward",
+    "experts_forward": "forward",
+    "route_recompute": "recompute",
+    "route_backward": "backward",
+    "experts_backward": "backward",
+}
+
+
+def routed_share(step, task) -> tuple[str, float] | None:
+    """For a task of a block whose experts run apart (``--expert-shards``; an archive
+    profiled with the experts whole has none): (the whole block's compute key of that
+    phase, the task's share of its floating-point work by the kit's cost model), which
+    prices it as that share of the whole block's measured time and workspace (an
+    estimate: the router, the dispatch and the shards' gathers are not matmul-bound).
+    A shard's backward re-deriving its rows' ``gate_up`` (its experts' object without
+    them) adds that work; the routing ``rec`` is the routing forward's share of the
+    whole block's ``rec``. None for any other task."""
+    key = parse(task.compute_key)
+    family, kind, phase = key.family, key.kind, key.phase
+    if family is None or phase not in WHOLE_PHASE:
+        return None
+    train, config = step.layout.train, step.config
+    math_ = step.family.math(kind)
+    act = 2 if train.dtype.activation != "float32" else 4
+    whole = math_.cost(config, train.batch, train.seq_len, act)
+    shards = math_.experts_apart(config)
+    route, one = math_.apart_cost(config, train.batch, train.seq_len, act, shards)
+    part = {
+        "route_forward": route.forward.flops,
+        "experts_forward": one.forward.flops,
+        "route_recompute": route.forward.flops,
+        "route_backward": route.backward.flops,
+        "experts_backward": one.backward.flops,
+    }[phase]
+    if phase == "experts_backward" and one.recompute is not None:
+        (experts,) = step.layout.tasks[task.id].inputs["saved"]
+        if [e.name for e in step.layout.packed[experts].layout.entries] == ["moe_in"]:
+            part += one.recompute.flops
+    base = (whole.recompute or whole.forward) if phase == "route_recompute" else None
+    total = {"forward": whole.forward, "backward": whole.backward}.get(WHOLE_PHASE[phase], base)
+    return f"{family}.{kind}.{WHOLE_PHASE[phase]}", part / total.flops
+
+
 def _without_shape(signature: list) -> str:
     """A signature (parsed) as JSON with its (batch, seq_len) shape left out."""
     return json.dumps([*signature[:2], *signature[3:]])
@@ -168,6 +217,9 @@ class Lookup:
         #: update) is taken as it is
         self.stand_ins: set[str] = set()
         self.scaled: set[str] = set()
+        #: the compute keys of tasks of a block whose experts run apart, priced as a share
+        #: of the whole block's (``routed_share``)
+        self.apart: set[str] = set()
         self.by_key: dict[str, TaskProfile] = {}
         self.shapes: dict[str, list[int]] = {}
         self.same_sizes: dict[str, TaskProfile] = {}
@@ -237,6 +289,15 @@ class Lookup:
         for task in step.program.tasks:
             key = signature(step, task)
             text = json.dumps(json.loads(json.dumps(key, default=repr)))
+            routed = routed_share(step, task)
+            if routed is not None and text not in self.known:
+                whole, share = routed
+                profile = self.profile_of(json.dumps([whole, *json.loads(text)[1:]]))
+                self.apart.add(task.compute_key)
+                found[key] = TaskProfile(
+                    profile.cost_us * share, int(profile.workspace_bytes * share)
+                )
+                continue
             found[key] = self.profile_of(text)
         if not self.strip:
             return found
@@ -281,6 +342,13 @@ def parser() -> argparse.ArgumentParser:
         "profiled before the vocabulary was stored padded",
     )
     parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument(
+        "--expert-shards",
+        type=int,
+        default=0,
+        help="the config's expert_shards (0: the preset's); tasks the archive lacks priced "
+        "as shares of the whole block's (routed_share)",
+    )
     parser.add_argument(
         "--cost", action="append", default=[], help="KEY=FACTOR, a what-if (module doc)"
     )
@@ -330,6 +398,8 @@ def place_row(args: argparse.Namespace, say=print) -> dict:
         args.vocab_pieces,
     )
     multiple = {} if args.vocab_multiple is None else {"vocab_multiple": args.vocab_multiple}
+    if args.expert_shards:
+        multiple["expert_shards"] = args.expert_shards
     step = lower(family, args.preset, train, overrides=multiple)
     profiles = measured(step)
     program = attrs.evolve(
@@ -363,6 +433,8 @@ def place_row(args: argparse.Namespace, say=print) -> dict:
         say(f"{missing} signatures not in the archive, priced as their key's costliest")
     if measured.scaled:
         say(f"scaled by tokens from another shape: {', '.join(sorted(measured.scaled))}")
+    if measured.apart:
+        say(f"shares of the whole block's: {', '.join(sorted(measured.apart))}")
     held = live_peak_bytes([b for b in residency_blocks(planned) if b.obj_id is not None])
     iteration = planned.cycle.iteration_us / 1e6
     say(f"planned at {planned.budget_bytes} bytes in {time.perf_counter() - started:.1f} s:")

@@ -58,3 +58,39 @@ def test_a_row_that_cannot_be_planned_says_why() -> None:
     assert "task 'bwd_0_0_11', 1.15 GiB" in rows[0]["error"]
     assert "leaves no room beside the largest task workspace" in rows[1]["error"]
     assert "| 2GiB |  |  |  |" in plan_rows.table(rows)
+
+
+def test_a_sharded_blocks_tasks_are_priced_as_shares_of_the_whole_blocks() -> None:
+    """``--expert-shards`` on an archive profiled whole: each routed task is a share of
+    its whole block's phase by the kit's work; the routing task and every shard make up
+    the whole forward and backward; a shard's backward that makes its ``gate_up`` rows
+    again is a larger share."""
+    pytest.importorskip("dataflow_family_qwen3_5_moe")
+    from dataflow_training.step.config import TrainConfig
+    from dataflow_training.step.family import load_family
+    from dataflow_training.step.lowering import lower
+
+    family = load_family("qwen3_5_moe")
+    train = TrainConfig(seq_len=8, batch=2)
+    step = lower(family, "qwen3_5_moe_tiny", train, overrides={"expert_shards": 2}, recompute=[0])
+    shares: dict[tuple[str, str], float] = {}
+    for task in step.program.tasks:
+        found = place_llama3_8b.routed_share(step, task)
+        if task.kind in ("fwd", "efwd", "rec", "ebwd", "bwd"):
+            assert found is not None and found[0].startswith("qwen3_5_moe."), task.id
+            whole, share = found
+            assert 0 < share < 1.5, task.id
+            shares[task.params["layer"], task.kind] = share
+            shares.setdefault((task.params["layer"], whole), 0.0)
+            shares[task.params["layer"], whole] += share
+        else:
+            assert found is None, task.id
+    for layer in ("0", "1"):
+        kind = step.layout.layer(layer).kind
+        assert shares[layer, f"qwen3_5_moe.{kind}.forward"] == pytest.approx(1.0)
+    kept, rederived = (
+        shares["1", f"qwen3_5_moe.{step.layout.layer('1').kind}.backward"],
+        shares["0", f"qwen3_5_moe.{step.layout.layer('0').kind}.backward"],
+    )
+    assert kept == pytest.approx(1.0)
+    assert rederived > kept
