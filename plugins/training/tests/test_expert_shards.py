@@ -177,8 +177,8 @@ def _batches(vocab: int, steps: int, rounds: int) -> list[list[tuple[torch.Tenso
     ]
 
 
-def _run(family: str, preset: str, shards: int, **options) -> TrainingRun:
-    train = TrainConfig(seq_len=8, batch=2, rounds=2, dtype=DtypePolicy())
+def _run(family: str, preset: str, shards: int, freeze=(), **options) -> TrainingRun:
+    train = TrainConfig(seq_len=8, batch=2, rounds=2, dtype=DtypePolicy(), freeze=freeze)
     return TrainingRun.of(
         family, preset, train, overrides={"expert_shards": shards}, budget_bytes=None,
         device="cpu", seed=1, **options,
@@ -201,6 +201,20 @@ def test_shards_train_as_one_object_does(family, preset) -> None:
         for key, value in grads[1].items():
             scale = value.abs().max().item()
             torch.testing.assert_close(grads[s][key], value, rtol=1e-4, atol=1e-5 * scale, msg=key)
+
+
+def test_a_frozen_sharded_bottom_block_keeps_only_the_experts_input() -> None:
+    """A frozen bottom block whose experts run apart has no backward: its experts' object
+    holds their input alone (the shards write no ``gate_up``), and the step trains as
+    the unsharded one does, to float32 rounding."""
+    freeze = ("embed", "layers.0")
+    runs = {s: _run("olmoe", "olmoe_tiny", s, freeze=freeze) for s in (1, 2)}
+    packed = runs[2].compiled.lowered.layout.packed
+    assert [e.name for e in packed["A_0_0_0.experts"].layout.entries] == ["moe_in"]
+    assert [e.name for e in packed["A_0_0_1.experts"].layout.entries] == ["moe_in", "gate_up"]
+    for batches in _batches(runs[1].vocab_size, 2, 2):
+        got, want = (runs[s].step(batches).losses for s in (2, 1))
+        assert torch.tensor(got) == pytest.approx(torch.tensor(want), rel=1e-5)
 
 
 def _forced(units):

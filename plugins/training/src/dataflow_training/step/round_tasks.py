@@ -385,19 +385,18 @@ def _apart_objects(
     and ``gate_up``), and where it has a backward its ``A`` and the experts' gradient to
     it ``dE``. A re-derived block (``s.recompute``) has two experts' objects of their
     input alone: forward's, ``A_<...>.moe_in``, read by the shards' forward, and the one
-    its ``rec`` task makes for the shards' backward. -> (forward's experts' object,
-    backward's)."""
+    its ``rec`` task makes for the shards' backward; a block with no backward has one, of
+    their input alone. -> (forward's experts' object, backward's)."""
     step = chain.step
     base = f"A_{step}_{r}_{i}"
     experts = f"{base}.experts"
     made = [(f"AuxTemp_{step}_{r}_{i}", "AuxTemp", s.kinds.temp[block.kind], Role.AUX_TEMP)]
-    if backward and (r, i) in s.recompute:
-        forward = f"{base}.moe_in"
-        made.append((forward, "A", apart.inputs, Role.ACTIVATION))
-        made.append((experts, "A", apart.inputs, Role.ACTIVATION))
-    else:
+    if backward and (r, i) not in s.recompute:
         forward = experts
         made.append((experts, "A", apart.experts, Role.ACTIVATION))
+    else:
+        forward = f"{base}.moe_in" if backward else experts
+        made += [(o, "A", apart.inputs, Role.ACTIVATION) for o in dict.fromkeys((forward, experts))]
     if backward:
         made.append((base, "A", apart.saved, Role.ACTIVATION))
         made.append((f"dE_{step}_{r}_{i}", "dE", apart.grad, Role.GRAD))
