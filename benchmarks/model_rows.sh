@@ -277,19 +277,24 @@ qwen3_5 | qwen3_5_moe)
     # Overrides: STOCK_BATCHES (the stock batch search), Q35_TOKENS (dataflow tokens a
     # step), MOE_BATCHES (the MoE rows' batches), ONLY16=1 (the 16 GiB rows alone); the
     # dense 8 GiB row: BATCH8, ORDER8, VOCAB_PIECES (TrainConfig.vocab_pieces); the MoE
-    # 8 GiB row apart: EXPERT_SHARDS8 (below)
+    # 8 GiB row apart: EXPERT_SHARDS8 (below). A dataflow row's time limit is 150 s
+    # (170 s at 8 GiB); at more than 131,072 tokens a step it is Q35_ROW_SECONDS (default
+    # 270): session 39's 16 GiB row of 262,144 tokens (H100) took 95 s to profile, plan
+    # and place and 124 s to its first step, so 150 s would have cut it after one step
+    rows=150
+    [ "${Q35_TOKENS:-$tokens}" -gt 131072 ] && rows=${Q35_ROW_SECONDS:-270}
     {
         if [ "$group" = qwen3_5 ]; then
             compare --family qwen3_5 "${q35[@]}" --rows stock,dataflow --stock-engines compile \
                 --batches "${STOCK_BATCHES:-4,2,1}" --dataflow-batches 4 \
                 --dataflow-orders "${ORDER16:-layer:2}" --min-tokens "${Q35_TOKENS:-$tokens}" \
                 --budgets "${big_budgets%,*}" --steps 4 --warmup 2 \
-                --compile-row-seconds 150 --row-seconds 150 --total-seconds 330
+                --compile-row-seconds 150 --row-seconds "$rows" --total-seconds $((rows + 180))
             [ "${ONLY16:-0}" = 1 ] || compare --family qwen3_5 "${q35[@]}" --rows dataflow \
                 --dataflow-batches "${BATCH8:-4}" --dataflow-orders "${ORDER8:-layer:4}" \
                 --vocab-pieces "${VOCAB_PIECES:-1}" \
                 --min-tokens "${Q35_TOKENS:-$tokens}" --budgets "${big_budgets#*,}" --steps 4 \
-                --warmup 2 --row-seconds 170 --total-seconds 170
+                --warmup 2 --row-seconds $((rows + 20)) --total-seconds $((rows + 20))
         else
             budgets=$big_budgets
             [ "${ONLY16:-0}" = 1 ] || [ -n "${EXPERT_SHARDS8:-}" ] && budgets=${big_budgets%,*}
@@ -298,7 +303,7 @@ qwen3_5 | qwen3_5_moe)
                 --batches "${STOCK_BATCHES:-8,4,2}" --dataflow-batches "${MOE_BATCHES:-8,4}" \
                 --dataflow-orders layer --min-tokens "${Q35_TOKENS:-$tokens}" \
                 --budgets "$budgets" --steps 4 --warmup 2 --compile-row-seconds 150 \
-                --row-seconds 170 --total-seconds 500
+                --row-seconds $((rows + 20)) --total-seconds $((3 * rows + 50))
             # EXPERT_SHARDS8=N: the 8 GiB row apart, its experts in N shards (--expert-shards)
             # at MOE_BATCH8 (default 2) by ORDER8 (default layer), VOCAB_PIECES vocabulary pieces
             [ -n "${EXPERT_SHARDS8:-}" ] && [ "${ONLY16:-0}" != 1 ] && compare --family qwen3_5_moe \
@@ -306,7 +311,7 @@ qwen3_5 | qwen3_5_moe)
                 --dataflow-batches "${MOE_BATCH8:-2}" --dataflow-orders "${ORDER8:-layer}" \
                 --expert-shards "$EXPERT_SHARDS8" --vocab-pieces "${VOCAB_PIECES:-1}" \
                 --min-tokens "${Q35_TOKENS:-$tokens}" --budgets "${big_budgets#*,}" --steps 4 \
-                --warmup 2 --row-seconds 170 --total-seconds 170
+                --warmup 2 --row-seconds $((rows + 20)) --total-seconds $((rows + 20))
         fi
     } 2>&1 | tee "$log"
     ;;
