@@ -70,6 +70,7 @@ from dataflow_training.step.keys import parse
 from dataflow_training.step.lowering import lower
 
 from benchmarks.harness.compare_dataflow import train_config
+from dataflow import DTYPE_BYTES
 from dataflow.engine.backends.torch_storage import slow_pool_bytes
 from dataflow.planning import PlanningError, place, plan
 from dataflow.planning.arena import live_peak_bytes, residency_blocks
@@ -169,7 +170,7 @@ def routed_share(step, task) -> tuple[str, float] | None:
         return None
     train, config = step.layout.train, step.config
     math_ = step.family.math(kind)
-    act = 2 if train.dtype.activation != "float32" else 4
+    act = DTYPE_BYTES[train.dtype.activation]
     whole = math_.cost(config, train.batch, train.seq_len, act)
     shards = math_.experts_apart(config)
     route, one = math_.apart_cost(config, train.batch, train.seq_len, act, shards)
