@@ -16,7 +16,7 @@
 # into verify_<preset>_bf16_<device>_attention-<P>.txt and its _checks.json: which pair
 # loses the gradients' precision, in the same call. VERIFY_RESOLVER=auto runs the step
 # level's engine as `dataflow train` does on the device (torch-compiled; default: torch,
-# eager), its reports named ..._auto.txt. SMOKE=1 runs the tiny presets on the CPU
+# eager), its reports named ..._auto.txt. VERIFY_STEPS=N compares N steps (default 3). SMOKE=1 runs the tiny presets on the CPU
 # instead, so a typo fails here first.
 set -u
 out=${OUT:-/tmp}
@@ -44,7 +44,8 @@ verify() {
     shift 2
     timeout "${VERIFY_SECONDS:-240}" dataflow verify --family "$family" --preset "$preset" \
         --device "$device" --dtype bf16 --resolver "$resolver" \
-        --json "${report%.txt}_checks.json" "$@" >"$report" 2>&1
+        --json "${report%.txt}_checks.json" ${VERIFY_STEPS:+--steps "$VERIFY_STEPS"} "$@" \
+        >"$report" 2>&1
     rc=$?
     echo "verify $preset bf16 on $device$what: exit $rc in $((SECONDS - started)) s ($report)"
     grep -E "checks, .* passed|FAIL|fail" "$report" | head -8
