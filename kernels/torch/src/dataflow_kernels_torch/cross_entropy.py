@@ -133,7 +133,7 @@ def chunked_cross_entropy(
                 else:
                     product = _mm_float32(part.T, chunk, out=_reuse(product, part.shape[1]))
                     d_weight[j].add_(product)
-            del d_logits
+            del d_logits, part  # the view too: else this chunk's d_logits outlives it
         del product
         if tiled:
             tile = vocab_tile_rows(tokens, columns[-1].stop, chunk_tokens)

@@ -185,7 +185,7 @@ def chunked_cross_entropy_triton(
                     d_weight[j] = torch.mm(part.T, chunk, out_dtype=torch.float32)
                 else:  # accumulate in place: no second (vocab, dim) float32 product
                     torch.addmm(d_weight[j], part.T, chunk, torch.float32, out=d_weight[j])
-            del logits
+            del logits, part  # the view too: else this chunk's logits outlive it
         if tiled:
             d_weight = [
                 _d_weight_by_tiles(
