@@ -283,9 +283,13 @@ qwen3_5 | qwen3_5_moe)
     # and place and 124 s to its first step, so 150 s would have cut it after one step
     rows=150
     [ "${Q35_TOKENS:-$tokens}" -gt 131072 ] && rows=${Q35_ROW_SECONDS:-270}
+    # ONLY8=1: stock and the 8 GiB row alone (the 16 GiB row left out), e.g. a later
+    # call's 8 GiB row beside stock of its own run
+    first=stock,dataflow
+    [ "${ONLY8:-0}" = 1 ] && first=stock
     {
         if [ "$group" = qwen3_5 ]; then
-            compare --family qwen3_5 "${q35[@]}" --rows stock,dataflow --stock-engines compile \
+            compare --family qwen3_5 "${q35[@]}" --rows "$first" --stock-engines compile \
                 --batches "${STOCK_BATCHES:-4,2,1}" --dataflow-batches 4 \
                 --dataflow-orders "${ORDER16:-layer:2}" --min-tokens "${Q35_TOKENS:-$tokens}" \
                 --budgets "${big_budgets%,*}" --steps 4 --warmup 2 \
@@ -298,7 +302,7 @@ qwen3_5 | qwen3_5_moe)
         else
             budgets=$big_budgets
             [ "${ONLY16:-0}" = 1 ] || [ -n "${EXPERT_SHARDS8:-}" ] && budgets=${big_budgets%,*}
-            compare --family qwen3_5_moe "${q35moe[@]}" --rows stock,dataflow \
+            compare --family qwen3_5_moe "${q35moe[@]}" --rows "$first" \
                 --stock-engines compile --resolver "$moe_resolver" \
                 --batches "${STOCK_BATCHES:-8,4,2}" --dataflow-batches "${MOE_BATCHES:-8,4}" \
                 --dataflow-orders layer --min-tokens "${Q35_TOKENS:-$tokens}" \
