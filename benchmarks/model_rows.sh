@@ -287,6 +287,12 @@ qwen3_5 | qwen3_5_moe)
     # call's 8 GiB row beside stock of its own run
     first=stock,dataflow
     [ "${ONLY8:-0}" = 1 ] && first=stock
+    # HEAD_TILES8=1: the 8 GiB rows make the head's weight gradient by vocabulary tiles
+    # (--head-vocab-tiles: no float32 (vocabulary, hidden) sum, 4.07 GB for the dense
+    # cut's head, which with a chunk's logits leaves no arena at 8 GiB; a third more head
+    # compute)
+    tiles8=()
+    [ "${HEAD_TILES8:-0}" = 1 ] && tiles8=(--head-vocab-tiles)
     {
         if [ "$group" = qwen3_5 ]; then
             compare --family qwen3_5 "${q35[@]}" --rows "$first" --stock-engines compile \
@@ -296,7 +302,7 @@ qwen3_5 | qwen3_5_moe)
                 --compile-row-seconds 150 --row-seconds "$rows" --total-seconds $((rows + 180))
             [ "${ONLY16:-0}" = 1 ] || compare --family qwen3_5 "${q35[@]}" --rows dataflow \
                 --dataflow-batches "${BATCH8:-4}" --dataflow-orders "${ORDER8:-layer:4}" \
-                --vocab-pieces "${VOCAB_PIECES:-1}" \
+                --vocab-pieces "${VOCAB_PIECES:-1}" "${tiles8[@]}" \
                 --min-tokens "${Q35_TOKENS:-$tokens}" --budgets "${big_budgets#*,}" --steps 4 \
                 --warmup 2 --row-seconds $((rows + 20)) --total-seconds $((rows + 20))
         else
@@ -313,7 +319,7 @@ qwen3_5 | qwen3_5_moe)
             [ -n "${EXPERT_SHARDS8:-}" ] && [ "${ONLY16:-0}" != 1 ] && compare --family qwen3_5_moe \
                 "${q35moe[@]}" --rows dataflow --resolver "$moe_resolver" \
                 --dataflow-batches "${MOE_BATCH8:-2}" --dataflow-orders "${ORDER8:-layer}" \
-                --expert-shards "$EXPERT_SHARDS8" --vocab-pieces "${VOCAB_PIECES:-1}" \
+                --expert-shards "$EXPERT_SHARDS8" --vocab-pieces "${VOCAB_PIECES:-1}" "${tiles8[@]}" \
                 --min-tokens "${Q35_TOKENS:-$tokens}" --budgets "${big_budgets#*,}" --steps 4 \
                 --warmup 2 --row-seconds $((rows + 20)) --total-seconds $((rows + 20))
         fi
