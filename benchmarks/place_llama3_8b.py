@@ -433,7 +433,11 @@ def place_row(args: argparse.Namespace, say=print) -> dict:
         missing = len(measured.stand_ins)
         say(f"{missing} signatures not in the archive, priced as their key's costliest")
     if measured.scaled:
-        say(f"scaled by tokens from another shape: {', '.join(sorted(measured.scaled))}")
+        say(
+            f"scaled by tokens from another shape: {', '.join(sorted(measured.scaled))} "
+            "(their workspace too, though a part of it may not follow the tokens, such as "
+            "the head's float32 weight-gradient sum: --workspace KEY=SIZE sets it)"
+        )
     if measured.apart:
         say(f"shares of the whole block's: {', '.join(sorted(measured.apart))}")
     held = live_peak_bytes([b for b in residency_blocks(planned) if b.obj_id is not None])
