@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -118,6 +119,31 @@ def started(out: Path, steps: int, *extra: str, env: dict[str, str] | None = Non
     proc = dataflow(*train_args(out, steps, *extra), env=env)
     wait_for(proc, lambda: (out / "metrics.jsonl").exists() and len(losses(out)) >= after)
     return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGSTOP ``proc`` and return once it is stopped (``/proc/<pid>/stat`` says ``T``):
+    the signal is delivered asynchronously, and a write of the process's in flight when
+    it was sent would otherwise land after the caller has read the folder (a digest of a
+    checkpoint's temporary file changed under one such read in CI, session 40)."""
+    proc.send_signal(signal.SIGSTOP)
+    tasks = Path(f"/proc/{proc.pid}/task")
+    if not tasks.exists():  # no procfs: give the signal time
+        time.sleep(0.5)
+        return
+
+    def state(stat: Path) -> str:  # the field after the parenthesised command name
+        try:
+            return stat.read_text().rpartition(")")[2].split()[0]
+        except OSError:  # a thread that ended meanwhile
+            return "T"
+
+    deadline = time.monotonic() + WAIT_S
+    # every thread: the checkpoint writer may be one beside the main thread
+    while any(state(task / "stat") not in ("T", "t") for task in tasks.iterdir()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {proc.pid} did not stop within {WAIT_S} s")
+        time.sleep(0.01)
 
 
 def dataflow(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:

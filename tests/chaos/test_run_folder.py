@@ -26,6 +26,7 @@ from ._runs import (
     intact,
     losses,
     started,
+    stop,
     straight_prefix,
     train_args,
 )
@@ -71,7 +72,7 @@ def test_a_second_run_on_a_running_runs_folder_is_refused_and_the_first_complete
     (SIGSTOP) while the second tries, so that it cannot finish first."""
     out = tmp_path / "run"
     proc = started(out, STRAIGHT_STEPS, *CONSTANT, "--checkpoint-every", "4")
-    proc.send_signal(signal.SIGSTOP)
+    stop(proc)
     try:
         before = digests(out)
         holder = f"--out {out} is in use by another run (pid {proc.pid} on {socket.gethostname()}"
