@@ -20,6 +20,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 
+try:  # every session installs hypothesis with pytest; a bare checkout may not have it
+    from hypothesis import HealthCheck, settings
+except ImportError:
+    pass
+else:
+    # Hypothesis's timing checks measure the machine, not the code: on CI's two shared
+    # cores a first draw once took 3.4 s (FailedHealthCheck "input generation is slow"
+    # of a list of small integers, session 40). Tests that set their own settings keep
+    # them; the rest run without a deadline or the too-slow check.
+    settings.register_profile(
+        "dataflow", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+    settings.load_profile("dataflow")
+
 
 def pytest_collection_finish(session) -> None:
     for folder in ROOT.iterdir():
