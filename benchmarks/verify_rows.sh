@@ -16,8 +16,8 @@
 # into verify_<preset>_bf16_<device>_attention-<P>.txt and its _checks.json: which pair
 # loses the gradients' precision, in the same call. VERIFY_RESOLVER=auto runs the step
 # level's engine as `dataflow train` does on the device (torch-compiled; default: torch,
-# eager), its reports named ..._auto.txt. VERIFY_STEPS=N compares N steps (default 3). SMOKE=1 runs the tiny presets on the CPU
-# instead, so a typo fails here first.
+# eager), its reports named ..._auto.txt. VERIFY_STEPS=N compares N steps (default 3).
+# SMOKE=1 runs the tiny presets on the CPU instead, so a typo fails here first.
 set -u
 out=${OUT:-/tmp}
 ATTENTION_PAIRS=${ATTENTION_PAIRS:-}

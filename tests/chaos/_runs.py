@@ -122,10 +122,11 @@ def started(out: Path, steps: int, *extra: str, env: dict[str, str] | None = Non
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """SIGSTOP ``proc`` and return once it is stopped (``/proc/<pid>/stat`` says ``T``):
-    the signal is delivered asynchronously, and a write of the process's in flight when
-    it was sent would otherwise land after the caller has read the folder (a digest of a
-    checkpoint's temporary file changed under one such read in CI, session 40)."""
+    """SIGSTOP ``proc`` and return once every thread of it is stopped (each
+    ``/proc/<pid>/task/<tid>/stat`` says ``T``): the signal is delivered asynchronously,
+    and a write of the process's in flight when it was sent would otherwise land after
+    the caller has read the folder (a digest of a checkpoint's temporary file changed
+    under one such read in CI, session 40)."""
     proc.send_signal(signal.SIGSTOP)
     tasks = Path(f"/proc/{proc.pid}/task")
     if not tasks.exists():  # no procfs: give the signal time
@@ -139,7 +140,7 @@ def stop(proc: subprocess.Popen) -> None:
             return "T"
 
     deadline = time.monotonic() + WAIT_S
-    # every thread: the checkpoint writer may be one beside the main thread
+    # every thread: a write may be in flight on any of them
     while any(state(task / "stat") not in ("T", "t") for task in tasks.iterdir()):
         if time.monotonic() > deadline:
             raise AssertionError(f"process {proc.pid} did not stop within {WAIT_S} s")
