@@ -448,7 +448,13 @@ def _layer_checks(
             )
     x_leaf = x.clone().requires_grad_()
     dy = torch.randn_like(y)
-    auto_env = Env(autograd_ops(ops), shared=shared)
+    # autograd routes with forward's choices: a near tie between two experts' router
+    # probabilities, ranked the other way by autograd's rounding, would otherwise send a
+    # token elsewhere and move the experts' gradients by far more than rounding does
+    # (bf16 with 256 experts: 5-8 % of theirs); the step level checks the choices
+    # themselves (``routing_checks``)
+    route_ids = aux_temp.get("ids") if isinstance(aux_temp, dict) else None
+    auto_env = Env(autograd_ops(ops), shared=shared, route_ids=route_ids)
     y_auto, _, _ = math_.forward(config, leaves, x_leaf, auto_env)
     target = (y_auto * dy).sum()
     term = getattr(math_, "objective", None)  # a loss term of the block's own (an indexer's)

@@ -164,6 +164,8 @@ class GroupLimitedRouter:
             .topk(config.num_experts_per_tok, dim=-1, sorted=False)
             .indices
         )
+        if env.route_ids is not None:  # the choices given (verify's autograd run)
+            ids = env.route_ids.long()
         weights = scores.gather(1, ids)
         if config.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

@@ -267,7 +267,11 @@ class Env:
     the task creates is zeroed before the math runs); empty for most layers.
     ``segments``: the round's ``kit.Segments`` (which sequence each token belongs to, and
     its position: padded or packed batches), or None (one sequence per row, positions
-    from 0); a block's attention takes it.
+    from 0); a block's attention takes it. ``route_ids``: expert choices (tokens, k) a
+    router takes instead of its own top-k, its weights still computed at them: what
+    ``dataflow verify`` gives autograd's run of a block (the engine's AuxTemp ``ids``),
+    so that a near tie ranked the other way by other rounding does not send a token to
+    another expert on each side; None (every step) lets the router choose.
     """
 
     ops: Ops
@@ -279,6 +283,7 @@ class Env:
     aux: Tensors = attrs.field(factory=dict, hash=False)
     shared: Tensors = attrs.field(factory=dict, hash=False)
     segments: Any = attrs.field(default=None, hash=False)
+    route_ids: Any = attrs.field(default=None, hash=False)
 
     @property
     def last_round(self) -> bool:
