@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from dataflow.cli import Failure
 from dataflow.testing import FAILURE_EXIT, USAGE_EXIT, assert_one_line_error, invoke
 
 pytest.importorskip("dataflow_family_gpt2")
@@ -123,6 +124,35 @@ def test_a_step_level_the_host_cannot_hold_is_refused_before_any_check(monkeypat
     assert invoke(*TINY, *small, "--levels", "step").exit_code == 0
     monkeypatch.setattr(run, "available_host_bytes", lambda: 1)
     assert invoke(*TINY, "--levels", "op").exit_code == 0  # no step level: no such need
+
+
+def test_on_cuda_a_host_that_cannot_hold_the_float64_reference_is_refused(monkeypatch) -> None:
+    """With the engine on CUDA the step level still keeps its float64 reference on the
+    host: at least ``CUDA_STEP_BYTES_PER_PARAM`` a parameter (Qwen 3.5's dense cut was
+    killed for memory after four minutes on a 128 GiB host, session 41). Refused up
+    front, saying what it needs and what to run instead."""
+    from dataflow_training.check.verify import (
+        CUDA_STEP_BYTES_PER_PARAM,
+        model_params,
+        step_host_bytes,
+    )
+    from dataflow_training.cli import verify_cli as run
+
+    from dataflow import families
+
+    family = families().get("qwen3_5").load()
+    config = family.config("qwen3_5_cut")
+    need = step_host_bytes(family, config, "cuda")
+    assert need == CUDA_STEP_BYTES_PER_PARAM * model_params(family, config) > 128 * 2**30
+    assert need < step_host_bytes(family, config, "cpu")
+    monkeypatch.setattr(run, "available_host_bytes", lambda: 128 * 2**30)
+    with pytest.raises(Failure) as refused:
+        run._check_host_memory(family, config, "qwen3_5_cut", "cuda")
+    message = refused.value.format_message()
+    assert "--preset qwen3_5_cut" in message and "float64 reference" in message
+    assert "--levels op,task" in message and f"{model_params(family, config):,}" in message
+    monkeypatch.setattr(run, "available_host_bytes", lambda: need)
+    run._check_host_memory(family, config, "qwen3_5_cut", "cuda")  # enough: no error
 
 
 def test_the_resolver_is_named_and_an_unknown_one_refused_before_any_check() -> None:

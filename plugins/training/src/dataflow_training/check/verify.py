@@ -74,6 +74,7 @@ __all__ = [
     "step_checks",
     "step_config",
     "step_host_bytes",
+    "CUDA_STEP_BYTES_PER_PARAM",
     "task_checks",
     "verify",
 ]
@@ -90,15 +91,26 @@ LEVELS = ("op", "task", "step")
 #: front, a step level the host cannot hold (``step_host_bytes``).
 CPU_STEP_BYTES_PER_PARAM = 100
 
+#: Host memory the step level takes at least with the engine on CUDA, per parameter: the
+#: float64 reference's weights, gradients and two AdamW moments (32 bytes) and the
+#: gradients and weights each of its steps returns in float64 (16); the engine's state is
+#: on the device. A floor, not an estimate: Qwen 3.5's dense cut (2.9B parameters, 139 GB
+#: by it) was killed for memory on the device machine's 128 GiB host after four minutes
+#: (session 41), where l3_1b (1.24B) had run.
+CUDA_STEP_BYTES_PER_PARAM = 48
+
 
 def model_params(family: Any, config: Any) -> int:
     """The model's parameters as its layers declare them (a tied weight once)."""
     return sum(math.prod(p.shape) for layer in family.layers(config) for p in layer.params)
 
 
-def step_host_bytes(family: Any, config: Any) -> int:
-    """About what the step level holds in host memory on the CPU (``CPU_STEP_BYTES_PER_PARAM``)."""
-    return CPU_STEP_BYTES_PER_PARAM * model_params(family, config)
+def step_host_bytes(family: Any, config: Any, device: str = "cpu") -> int:
+    """What the step level holds in host memory: about that on the CPU
+    (``CPU_STEP_BYTES_PER_PARAM``), at least that with the engine on CUDA
+    (``CUDA_STEP_BYTES_PER_PARAM``)."""
+    per = CPU_STEP_BYTES_PER_PARAM if device == "cpu" else CUDA_STEP_BYTES_PER_PARAM
+    return per * model_params(family, config)
 
 
 def check_levels(levels: Sequence[str]) -> None:

@@ -201,8 +201,8 @@ def verify_command(
     policy = _policy_of(precision, policy)
     if json_path is not None:
         _check_writable(json_path)
-    if device == "cpu" and "step" in levels:
-        _check_host_memory(family, config, preset)
+    if "step" in levels:
+        _check_host_memory(family, config, preset, device)
     if budget_bytes is not None:
         _check_budget(
             family,
@@ -388,28 +388,41 @@ def check_preset(preset: str, family_name: str | None, seq_len: int) -> tuple[st
     return family_name, family, config
 
 
-def _check_host_memory(family: Any, config: Any, preset: str) -> None:
-    """Fail before any check runs when the step level on the CPU would need more host
-    memory than is available (``verify.step_host_bytes``): it would be killed for memory
-    after minutes of work rather than fail."""
+def _check_host_memory(family: Any, config: Any, preset: str, device: str) -> None:
+    """Fail before any check runs when the step level would need more host memory than is
+    available (``verify.step_host_bytes``: about that on the CPU, at least that on CUDA):
+    it would be killed for memory after minutes of work rather than fail."""
     # torch loads when the command runs, not when `dataflow` lists its commands
     from dataflow_training.check.verify import (
         CPU_STEP_BYTES_PER_PARAM,
+        CUDA_STEP_BYTES_PER_PARAM,
         model_params,
         step_host_bytes,
     )
 
     available = available_host_bytes()
-    need = step_host_bytes(family, config)
+    need = step_host_bytes(family, config, device)
     if available is None or need <= available:
         return
+    params = model_params(family, config)
+    if device == "cpu":
+        what = (
+            f"the step level on the CPU needs about {format_size(need)} of host memory "
+            f"({params:,} parameters at about {CPU_STEP_BYTES_PER_PARAM} bytes each: a "
+            "float64 reference with its AdamW state beside the engine's run)"
+        )
+        hint = "Run it with --device cuda on a larger host, or"
+    else:
+        what = (
+            f"the step level's float64 reference alone needs at least {format_size(need)} "
+            f"of host memory ({params:,} parameters at {CUDA_STEP_BYTES_PER_PARAM} bytes "
+            "each: its weights, gradients and AdamW state, and each step's gradients and "
+            "weights)"
+        )
+        hint = "Run it on a host with more memory, or"
     raise Failure(
-        f"--preset {preset}: the step level on the CPU needs about {format_size(need)} of "
-        f"host memory ({model_params(family, config):,} parameters at about "
-        f"{CPU_STEP_BYTES_PER_PARAM} bytes each: a float64 reference with its AdamW state "
-        f"beside the engine's run); this host has {format_size(available)} available. "
-        "Run it with --device cuda on a larger host, or the op and task levels alone "
-        "(--levels op,task)"
+        f"--preset {preset}: {what}; this host has {format_size(available)} available. "
+        f"{hint} the op and task levels alone (--levels op,task)"
     )
 
 
