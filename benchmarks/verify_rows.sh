@@ -30,10 +30,13 @@ if [ "${SMOKE:-0}" = 1 ] && [ "${VERIFY_SET:-}" = qwen3_5 ]; then
 elif [ "${SMOKE:-0}" = 1 ]; then
     runs=("llama3 llama3_tiny cpu" "qwen3 qwen3_tiny cpu")
 elif [ "${VERIFY_SET:-}" = qwen3_5 ]; then
-    # the step level's float64 reference (weights, gradients, AdamW moments: 32 bytes a
-    # parameter, on the host) of the MoE cut's 4.38B parameters is 140 GB, more than the
-    # device machine's 128 GiB host: its ops and tasks alone (VERIFY_MOE_LEVELS)
-    runs=("qwen3_5 qwen3_5_cut cuda" "qwen3_5_moe qwen3_5_moe_cut cuda ${VERIFY_MOE_LEVELS:-op,task}")
+    # the step level's float64 reference (weights, gradients, AdamW moments and each
+    # step's returned gradients and weights: 48 bytes a parameter at least, on the host)
+    # of the dense cut's 2.9B parameters is 139 GB, of the MoE cut's 4.38B 210 GB, more
+    # than the device machine's 128 GiB host (verify refuses it; session 41's dense run
+    # was killed after 4 minutes): their ops and tasks alone (VERIFY_CUT_LEVELS)
+    levels=${VERIFY_CUT_LEVELS:-op,task}
+    runs=("qwen3_5 qwen3_5_cut cuda $levels" "qwen3_5_moe qwen3_5_moe_cut cuda $levels")
 else
     runs=("llama3 l3_1b cuda" "qwen3 qwen3_0_6b cuda")
 fi
