@@ -40,6 +40,7 @@ from dataflow_training.plan import profile as profiling
 from dataflow_training.step.config import DtypePolicy, TrainConfig
 from dataflow_training.step.lowering import lower
 
+from benchmarks.harness.measure import cuda_median_ms
 from dataflow.plugins import families, resolvers
 
 POLICY = DtypePolicy("bfloat16", "bfloat16", "bfloat16")
@@ -77,16 +78,9 @@ def family_of(preset: str, name: str | None):
     raise SystemExit(f"--preset {preset}: no family has it (families: {', '.join(names)})")
 
 
-def event_us(launch, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        launch()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return times
+def event_us(launch, repeats: int) -> float:
+    """The median CUDA-event time of one launch (us)."""
+    return 1e3 * cuda_median_ms(launch, warmup=1, repeats=repeats)
 
 
 def host_us(launch, repeats: int, cuda: bool = True) -> list[float]:
@@ -103,8 +97,8 @@ def host_us(launch, repeats: int, cuda: bool = True) -> list[float]:
     return times
 
 
-def captured_us(executable, ctx, repeats: int) -> tuple[list[float] | None, str | None]:
-    """Replays of the task captured alone, or (None, the capture's error)."""
+def captured_us(executable, ctx, repeats: int) -> tuple[float | None, str | None]:
+    """The median replay (us) of the task captured alone, or (None, the capture's error)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     on_stream = attrs.evolve(ctx, stream=stream)
@@ -178,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
         launch()  # warm-up: compilation, library handles
         host = statistics.median(host_us(launch, args.repeats, cuda))
-        device = statistics.median(event_us(launch, args.repeats)) if cuda else host
+        device = event_us(launch, args.repeats) if cuda else host
         replayed, error = captured_us(executable, ctx, args.repeats) if cuda else (None, "cpu")
         record = {
             "task": task.id,
@@ -186,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             "count": counts[key],
             "dispatched_us": round(device, 1),
             "host_issue_us": round(host, 1),
-            "replayed_us": None if replayed is None else round(statistics.median(replayed), 1),
+            "replayed_us": None if replayed is None else round(replayed, 1),
             "capture_error": error,
             "top_kernels": top_kernels(launch) if cuda else [],
         }
