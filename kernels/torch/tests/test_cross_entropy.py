@@ -353,14 +353,18 @@ def _bf16_call_peak(kernel, randn, name: str) -> int:
 def test_bfloat16_holds_one_chunk_of_logits_at_a_time(kernel, randn) -> None:
     """Peak CUDA memory of the 16-bit path: outputs (d_weight the float32 accumulator),
     one chunk's float32 logits and its bfloat16 d_logits, one chunk's (vocab, dim) float32
-    product, and (chunk, 1) row temporaries; a second chunk's d_logits would not fit (a
-    view of the last chunk's kept it alive into the next until session 40: the device's
-    memory snapshot showed two), nor a 16-bit copy of d_weight."""
+    product unless ``addmm`` adds it into the accumulator in place, and (chunk, 1) row
+    temporaries; a second chunk's d_logits would not fit (a view of the last chunk's kept
+    it alive into the next until session 40: the device's memory snapshot showed two),
+    nor a 16-bit copy of d_weight."""
+    from dataflow_kernels_torch._support import has_kernel
+
     tokens, dim, vocab, chunk_tokens = PEAK_SHAPE
     extra = _bf16_call_peak(kernel, randn, "torch")
     logits_chunk = chunk_tokens * vocab * 4
     outputs_bytes = tokens * dim * 2 + vocab * dim * 4  # d_hidden; d_weight in float32
-    accumulation = vocab * dim * 4  # one chunk's product
+    in_place = has_kernel("aten::addmm.dtype", "cuda")
+    accumulation = 0 if in_place else vocab * dim * 4  # one chunk's product
     temporaries = 64 * 1024
     bound = outputs_bytes + logits_chunk * 3 // 2 + accumulation + temporaries
     assert extra <= bound, (extra, bound)

@@ -38,12 +38,14 @@ Two variants, one formula:
   kernel, CPU, the operands are upcast); max, exp, sum, loss and ``softmax - onehot`` run
   in float32 in place on that one chunk buffer; one pass scales it and casts it to the
   input dtype, and the two backward matmuls read that 16-bit d_logits. d_weight
-  accumulates across chunks in float32 (each chunk's product comes out of the matmul in
-  float32) and is returned as that float32 accumulator; a single chunk writes it directly
-  in weight's dtype. Memory beyond the outputs: per chunk the (chunk, vocab) float32
-  logits and a (chunk, vocab) 16-bit d_logits; with more than one chunk, one (vocab, dim)
-  float32 buffer beside the accumulator (one chunk's product). Any other dtypes: the
-  reference.
+  accumulates across chunks in float32 and is returned as that float32 accumulator; a
+  single chunk writes it directly in weight's dtype. Where the device has
+  ``addmm(..., out_dtype=torch.float32)`` (CUDA) each chunk's product is added into the
+  accumulator inside the matmul, as the Triton variant does; elsewhere it comes out of
+  its own float32 matmul into a (vocab, dim) buffer beside the accumulator and is added.
+  Memory beyond the outputs: per chunk the (chunk, vocab) float32 logits and a (chunk,
+  vocab) 16-bit d_logits; without that kernel and with more than one chunk, that product
+  buffer. Any other dtypes: the reference.
 - ``chunked_cross_entropy_reference``: every matmul and the softmax in float32 (float64
   when hidden or weight is float64), from a float32 copy of weight; the truth the fast
   variant is tested against, and the fast variant's path for float32/float64 inputs.
@@ -130,6 +132,9 @@ def chunked_cross_entropy(
                     d_weight[j] = part.T @ chunk
                 elif index == 0:
                     d_weight[j] = _mm_float32(part.T, chunk)
+                elif has_kernel("aten::addmm.dtype", chunk.device.type):
+                    # in place, inside the matmul: no (vocab, dim) product beside
+                    torch.addmm(d_weight[j], part.T, chunk, torch.float32, out=d_weight[j])
                 else:
                     product = _mm_float32(part.T, chunk, out=_reuse(product, part.shape[1]))
                     d_weight[j].add_(product)
