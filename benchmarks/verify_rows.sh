@@ -35,8 +35,11 @@ elif [ "${VERIFY_SET:-}" = qwen3_5 ]; then
     # of the dense cut's 2.9B parameters is 139 GB, of the MoE cut's 4.38B 210 GB, more
     # than the device machine's 128 GiB host (verify refuses it; session 41's dense run
     # was killed after 4 minutes): their ops and tasks alone (VERIFY_CUT_LEVELS)
+    # their tiny presets run the whole ladder on CUDA beside them: whole steps through
+    # the device's kernels (fla's gated delta rule, grouped GEMMs) against float64
     levels=${VERIFY_CUT_LEVELS:-op,task}
-    runs=("qwen3_5 qwen3_5_cut cuda $levels" "qwen3_5_moe qwen3_5_moe_cut cuda $levels")
+    runs=("qwen3_5 qwen3_5_cut cuda $levels" "qwen3_5_moe qwen3_5_moe_cut cuda $levels"
+        "qwen3_5 qwen3_5_tiny cuda" "qwen3_5_moe qwen3_5_moe_tiny cuda")
 else
     runs=("llama3 l3_1b cuda" "qwen3 qwen3_0_6b cuda")
 fi
