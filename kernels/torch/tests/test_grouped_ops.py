@@ -58,10 +58,33 @@ def test_bad_offsets_are_refused_by_name():
     _, offsets, x, w, _ = _case()
     with pytest.raises(ValueError, match=r"grouped_mm: offsets must have E \+ 1 = 6 entries"):
         grouped.grouped_mm_reference(x, w, offsets[:-1])
-    with pytest.raises(ValueError, match=r"grouped_mm: offsets end at 36, x has 37 rows"):
-        grouped.grouped_mm_reference(x, w, torch.cat([offsets[:-1], offsets[-1:] - 1]))
+    with pytest.raises(ValueError, match=r"grouped_mm: offsets end at 38, x has 37 rows"):
+        grouped.grouped_mm_reference(x, w, torch.cat([offsets[:-1], offsets[-1:] + 1]))
     with pytest.raises(ValueError, match=r"grouped_mm: offsets must have E \+ 1 = 6 entries"):
         grouped.forward_operands(x, w, offsets[:-1])
+
+
+def _window_case(dtype=torch.float64, device="cpu", used=29):
+    """A case whose offsets end at row ``used`` of ``ROWS``: the rows past it hold NaN (a
+    shard's window, ``kit.moe.ShardWindow``: rows of other shards, never computed)."""
+    ids, offsets, x, w, dy = _case(dtype, device)
+    offsets = torch.minimum(offsets, torch.tensor(used, dtype=offsets.dtype, device=device))
+    x, dy = x.clone(), dy.clone()
+    x[used:], dy[used:] = float("nan"), float("nan")
+    return ids[:used], offsets, x, w, dy
+
+
+def test_rows_past_the_last_offset_are_neither_computed_nor_summed():
+    """Offsets ending before the rows (a shard's window): the rows before the end are
+    each expert's, as with every row; the rows past it (NaN here) change nothing: no
+    output row of theirs is computed and no weight gradient takes them."""
+    used = 29
+    ids, offsets, x, w, dy = _window_case(used=used)
+    truth, truth_w = _truths(ids, x[:used], w, dy[:used])
+    y = grouped.grouped_mm_reference(x, w, offsets)
+    torch.testing.assert_close(y[:used], truth, rtol=1e-12, atol=1e-12)
+    d_w = grouped.grouped_mm_wgrad_reference(dy, x, offsets)
+    torch.testing.assert_close(d_w, truth_w, rtol=1e-12, atol=1e-12)
 
 
 def _cpu_grouped_mm(*operands):
@@ -134,6 +157,24 @@ def test_torch_grouped_mm_variant_matches_the_loop_on_cuda(empty):
     _bf16_close(d_w, truth_w, 300)
     for expert in empty:
         assert torch.equal(d_w[expert], torch.zeros_like(d_w[expert])), expert
+
+
+@pytest.mark.gpu
+def test_rows_past_the_last_offset_are_left_out_by_the_kernel_on_cuda():
+    """``torch._grouped_mm`` with offsets ending before the rows (a shard's window, rows
+    past it NaN): the rows before the end agree with the loop and are finite, and the
+    weight gradient takes no row past it (finite, and equal to the loop's)."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
+    used = 200
+    ids, offsets, x, w, dy = _case(torch.bfloat16, "cuda", experts=8, rows=304)
+    offsets = torch.minimum(offsets, torch.tensor(used, dtype=offsets.dtype, device="cuda"))
+    x[used:], dy[used:] = float("nan"), float("nan")
+    assert grouped._fast(*grouped.forward_operands(x, w, offsets)[:2], OUT, 8)
+    truth = grouped.grouped_mm_reference(x[:used].float(), w.float(), offsets)
+    _bf16_close(grouped.grouped_mm_cuda(x, w, offsets)[:used], truth, IN)
+    truth_w = grouped.grouped_mm_wgrad_reference(dy[:used].float(), x[:used].float(), offsets)
+    _bf16_close(grouped.grouped_mm_wgrad_cuda(dy, x, offsets), truth_w, used)
 
 
 @pytest.mark.gpu

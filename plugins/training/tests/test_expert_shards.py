@@ -177,8 +177,10 @@ def _batches(vocab: int, steps: int, rounds: int) -> list[list[tuple[torch.Tenso
     ]
 
 
-def _run(family: str, preset: str, shards: int, freeze=(), device="cpu", **options) -> TrainingRun:
-    train = TrainConfig(seq_len=8, batch=2, rounds=2, dtype=DtypePolicy(), freeze=freeze)
+def _run(
+    family: str, preset: str, shards: int, freeze=(), device="cpu", dtype=None, **options
+) -> TrainingRun:
+    train = TrainConfig(seq_len=8, batch=2, rounds=2, dtype=dtype or DtypePolicy(), freeze=freeze)
     return TrainingRun.of(
         family, preset, train, overrides={"expert_shards": shards}, budget_bytes=None,
         device=device, seed=1, **options,
@@ -270,6 +272,28 @@ def test_a_sharded_block_re_derived_on_cuda_trains_as_the_saving_one(family, pre
         torch.testing.assert_close(theirs[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(("family", "preset"), [TINY[0], TINY[2], TINY[3]])
+def test_a_sharded_step_on_cuda_replays_from_a_graph_as_the_whole_one_trains(
+    family, preset
+) -> None:
+    """On CUDA in bf16 (the grouped GEMMs' kernel: the float32 loop reads the offsets on
+    the host) a step whose experts run in shards is replayed from a CUDA graph (each
+    shard's rows a window of every row, nothing read on the host: ``ShardWindow``), and
+    trains as the unsharded step does over three steps, the routing new each step: the
+    same losses to bf16 rounding (rel 2e-2: the shards add their rows in float32 with
+    atomics, the whole block gathers them, each rounded to bf16 once)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    bf16 = DtypePolicy("bfloat16", "bfloat16", "bfloat16")
+    runs = {s: _run(family, preset, s, device="cuda", dtype=bf16) for s in (1, 2)}
+    for batches in _batches(runs[1].vocab_size, 3, 2):
+        got, want = (runs[s].step(batches).losses for s in (2, 1))
+        assert torch.tensor(got) == pytest.approx(torch.tensor(want), rel=2e-2)
+    assert runs[1].graph_note is None, runs[1].graph_note
+    assert runs[2].graph_note is None, runs[2].graph_note
+
+
 def test_the_state_goes_in_and_comes_out_whole() -> None:
     """The model state's stacked experts cut into the shards' objects and joined again,
     bit for bit."""
@@ -358,3 +382,83 @@ def test_the_forward_only_step_runs_sharded_experts_shard_by_shard() -> None:
     for task in efwd:
         weights = [name for name in task.inputs if name.startswith("W_")]
         assert len(weights) == 1 and ".experts." in weights[0], task.inputs
+
+
+@pytest.mark.parametrize(("family", "preset"), [TINY[0], TINY[2]])
+def test_a_shards_math_reads_nothing_on_the_host(family, preset) -> None:
+    """A shard's forward and backward run on tensors without values (the meta device),
+    the grouped GEMMs stood in by their shapes: nothing the math does reads a routing
+    decision on the host, so a CUDA graph can capture it and replay it with any routing
+    (until session 41 each shard read its row span, ``.tolist()``, and a step with its
+    experts apart ran dispatched: 22 % over its plan on the H100)."""
+    from dataflow_training.kit.moe import DOWN, GATE_UP
+    from dataflow_training.step.family import Env
+    from dataflow_training.step.ops import load_ops
+
+    plugin = load_family(family)
+    config = plugin.config(preset)
+    block = next(layer for layer in plugin.layers(config) if layer.params and "moe" in layer.kind)
+    math = plugin.math(block.kind)
+    shards, k, tokens = 2, config.num_experts_per_tok, 24
+    per, n = config.num_experts // shards, config.hidden_size
+    inner = math.ffn.inner(config)
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    ops = dict(load_ops("cpu", plugin.ops))
+    ops["grouped_mm"] = lambda x, w, offsets: x.new_empty(x.shape[0], w.shape[1])
+    ops["grouped_mm_wgrad"] = lambda dy, x, offsets: dy.new_empty(
+        offsets.numel() - 1, dy.shape[1], x.shape[1]
+    )
+    params = {
+        GATE_UP: torch.empty(per, 2 * inner, n, **meta),
+        DOWN: torch.empty(per, n, inner, **meta),
+    }
+    aux_temp = {
+        "ids": torch.empty(tokens, k, device="meta", dtype=torch.int32),
+        "weights": torch.empty(tokens, k, **meta),
+        "order": torch.empty(tokens * k, device="meta", dtype=torch.int32),
+        "offsets": torch.empty(config.num_experts + 1, device="meta", dtype=torch.int32),
+    }
+    experts = {
+        "moe_in": torch.empty(tokens, n, **meta),
+        "gate_up": torch.empty(tokens * k, 2 * inner, **meta),
+    }
+    env = Env(ops)
+    out, gate_up, window = math.experts_forward(config, params, experts, aux_temp, (1, shards), env)
+    assert out.shape == (tokens, n) and out.dtype == torch.float32
+    assert gate_up.shape == (tokens * k, 2 * inner) and window.rows.shape == (tokens * k,)
+    for saved in (experts, {"moe_in": experts["moe_in"]}):  # saved gate_up, or re-derived
+        dy = torch.empty(tokens, n, **meta)
+        d_in, d_weights, window, grads = math.experts_backward(
+            config, params, saved, aux_temp, dy, (0, shards), env
+        )
+        assert d_in.shape == (tokens, n) and d_weights.shape == (tokens * k,)
+        assert {name: g.shape for name, g in grads.items()} == {
+            GATE_UP: (per, 2 * inner, n),
+            DOWN: (per, n, inner),
+        }
+        window.put(d_weights, torch.empty(tokens * k, device="meta", dtype=torch.float32))
+
+
+def test_the_shard_window_puts_its_rows_and_keeps_the_others() -> None:
+    """``ShardWindow``: every row once, the shard's first (wrapping round); its rows added
+    into their tokens and the rest into a row nothing reads; written back only where the
+    shard's, whatever the window's other rows hold (NaN here)."""
+    from types import SimpleNamespace
+
+    from dataflow_training.kit.moe import RoutedExperts
+
+    offsets = torch.tensor([0, 3, 3, 7, 10], dtype=torch.int32)  # 4 experts, 10 rows
+    aux_temp = {"offsets": offsets, "order": torch.zeros(10, dtype=torch.int32)}
+    config = SimpleNamespace(num_experts=4)
+    window, local = RoutedExperts()._shard_window(config, aux_temp, (1, 2))  # experts 2, 3
+    assert window.rows.tolist() == [3, 4, 5, 6, 7, 8, 9, 0, 1, 2]
+    assert window.valid.tolist() == [True] * 7 + [False] * 3
+    assert local.tolist() == [0, 4, 7]  # expert 1 has none of the rows
+    window, local = RoutedExperts()._shard_window(config, aux_temp, (0, 2))  # experts 0, 1
+    assert window.rows.tolist()[:3] == [0, 1, 2] and window.valid.sum() == 3
+    assert local.tolist() == [0, 3, 3]
+    target = torch.arange(10.0)
+    values = torch.full((10,), float("nan"))
+    values[:3] = torch.tensor([-1.0, -2.0, -3.0])
+    window.put(values, target)
+    assert target.tolist() == [-1.0, -2.0, -3.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]

@@ -1,7 +1,11 @@
 """Grouped GEMMs for mixture-of-experts FFNs: one matmul per expert over its rows.
 
 Rows (routed token slots) arrive sorted by expert; ``offsets`` (``E + 1`` int32, from 0
-to ``N``) marks where each expert's rows start and end.
+to at most ``N``) marks where each expert's rows start and end. Rows past the last offset
+belong to no expert: they are not computed (their output rows are left as the output's
+buffer held them) and add nothing to a weight gradient. A shard of the experts runs so
+over a window of every row of its layer, its own first, in shapes that do not depend on
+the routing (``kit.moe.ShardWindow``: a CUDA graph can replay it).
 
 - ``grouped_mm(x, weight, offsets) -> y``: x (N, in), weight (E, out, in), y (N, out) with
   ``y[o_e:o_{e+1}] = x[o_e:o_{e+1}] @ weight[e].T`` (``linear`` per expert).
@@ -46,9 +50,9 @@ def _check_count(op: str, offsets: torch.Tensor, experts: int) -> None:
 
 
 def _check(op: str, offsets: torch.Tensor, rows: int, experts: int) -> None:
-    """The offsets' count, and their end against the rows (read on the host)."""
+    """The offsets' count, and their end within the rows (read on the host)."""
     _check_count(op, offsets, experts)
-    if rows and offsets.numel() and int(offsets[-1]) != rows:
+    if offsets.numel() and int(offsets[-1]) > rows:
         raise ValueError(f"{op}: offsets end at {int(offsets[-1])}, x has {rows} rows")
 
 

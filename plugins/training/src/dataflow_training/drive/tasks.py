@@ -499,6 +499,16 @@ class _Apart(_Exec):
         _check_shape(self.task, what, value, target.shape)
         (target.add_ if add else target.copy_)(value)
 
+    def put_rows(self, what: str, value: Any, target: torch.Tensor, window: Any) -> None:
+        """A shard's rows of ``value`` (in ``window``'s order: a ``kit.moe.ShardWindow``)
+        into ``target`` (every row of the layer); the others keep theirs."""
+        if value is None:
+            raise FamilyContractError(
+                f"task {self.task.id}: {self.task.compute_key} gave no {what}"
+            )
+        _check_shape(self.task, what, value, target.shape)
+        window.put(value, target)
+
 
 class RouteForward(_Apart):
     """The attention half, the router and the shared expert: the block's output without
@@ -551,7 +561,7 @@ class ExpertsForward(_Apart):
 
     def launch(self, ctx: LaunchContext) -> None:
         experts = self.views(ctx, self.slot.one("saved"))
-        out, gate_up, (start, end) = self.call(
+        out, gate_up, window = self.call(
             "experts_forward",
             self.named(ctx, "w"),
             experts,
@@ -562,7 +572,7 @@ class ExpertsForward(_Apart):
         y = self.buffer(ctx, self.slot.one("y"))
         self.put("output", out.to(y.dtype).view_as(y), y, add=True)
         if "gate_up" in experts:
-            self.put("gate_up rows", gate_up, experts["gate_up"][start:end])
+            self.put_rows("gate_up rows", gate_up, experts["gate_up"], window)
 
 
 class ExpertsBackward(_Apart):
@@ -571,7 +581,7 @@ class ExpertsBackward(_Apart):
 
     def launch(self, ctx: LaunchContext) -> None:
         (experts_obj,) = self.slot.inputs["saved"]
-        d_moe_in, d_weights, (start, end), grads = self.call(
+        d_moe_in, d_weights, window, grads = self.call(
             "experts_backward",
             self.named(ctx, "w"),
             self.views(ctx, experts_obj),
@@ -586,7 +596,7 @@ class ExpertsBackward(_Apart):
         if made:
             self.buffer(ctx, d_obj).zero_()
         self.put("gradient of the experts' input", d_moe_in, d["d_moe_in"], add=True)
-        self.put("routing weights' gradient", d_weights, d["d_weights"][start:end])
+        self.put_rows("routing weights' gradient", d_weights, d["d_weights"], window)
         if self.slot.objects("grad"):
             self.store_grads(ctx, "grad", grads)
 

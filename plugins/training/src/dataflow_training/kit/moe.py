@@ -188,6 +188,54 @@ def _combine(
     return total.to(rows.dtype)
 
 
+@attrs.frozen(eq=False)
+class ShardWindow:
+    """Which expert rows a shard's task works on, in shapes the routing does not change
+    (a CUDA graph replays them): ``rows`` (R,) int64, every expert row of the layer once,
+    from the shard's first row on and wrapping round, so the shard's rows come first;
+    ``valid`` (R,) bool, True for the shard's. The grouped GEMMs, given the shard's
+    offsets, compute the shard's rows alone (those past them are left as their buffer
+    held them); the rows are then added into their tokens, the others into a row past
+    the tokens that nothing reads, and written back (``put``) where they are the
+    shard's."""
+
+    rows: torch.Tensor
+    valid: torch.Tensor
+
+    def into(self, tokens: torch.Tensor, count: int) -> torch.Tensor:
+        """The token each window row adds into: its own for the shard's rows, ``count``
+        (one past the last token) for the others."""
+        return torch.where(self.valid, tokens, count)
+
+    def put(self, values: torch.Tensor, target: torch.Tensor) -> None:
+        """``values`` (the window's order) into ``target`` (every row, expert order) at the
+        shard's rows; the other rows keep what they hold."""
+        mask = self.valid.view(-1, *([1] * (values.dim() - 1)))
+        kept = target[self.rows]
+        target.index_copy_(0, self.rows, torch.where(mask, values.to(target.dtype), kept))
+
+
+def _add_rows(
+    shape: torch.Size,
+    into: torch.Tensor,
+    rows: torch.Tensor,
+    weights: torch.Tensor | None,
+    shard: tuple[int, int],
+) -> torch.Tensor:
+    """(tokens, hidden) float32: each window row (times its ``weights``) added into its
+    token (``into``; a row past the tokens catches the rows not the shard's, whatever
+    they hold). In as many slices as the layer has shards, so that the float32 copy of the
+    rows is one shard's share at a time, not the whole window's."""
+    out = torch.zeros(shape[0] + 1, shape[-1], dtype=torch.float32, device=rows.device)
+    step = -(-rows.shape[0] // shard[1]) if rows.shape[0] else 1
+    for first in range(0, rows.shape[0], step):
+        part = rows[first : first + step].float()
+        if weights is not None:
+            part.mul_(weights[first : first + step, None])
+        out.index_add_(0, into[first : first + step], part)
+    return out[: shape[0]]
+
+
 def _gate_up(config: MoEConfig, params: Tensors, h2: torch.Tensor, aux_temp: Tensors, ops: Any):
     tokens, _ = _rows(config, aux_temp)
     rows = h2.reshape(-1, config.hidden_size)[tokens]
@@ -563,17 +611,20 @@ class RoutedExperts:
             return {}
         return self.shared.recompute(config, params, h.reshape(-1, config.hidden_size), ops)
 
-    def _shard_rows(
+    def _shard_window(
         self, config: MoEConfig, aux_temp: Tensors, shard: tuple[int, int]
-    ) -> tuple[int, int, torch.Tensor]:
-        """(first expert row of ``shard``, one past its last, its experts' offsets from
-        its first row). The two bounds are read on the host: a shard's row count is the
-        tokens' choice."""
+    ) -> tuple[ShardWindow, torch.Tensor]:
+        """(``shard``'s ``ShardWindow`` over every expert row, its experts' offsets from its
+        first row (per + 1,) int32). Made on the device alone: how many rows a shard gets is
+        the tokens' choice, and reading it on the host would keep the step out of a CUDA
+        graph (its tasks would run dispatched, a device-to-host wait each)."""
         index, count = shard
         per = config.num_experts // count
         bounds = aux_temp["offsets"][index * per : (index + 1) * per + 1]
-        start, end = (int(b) for b in bounds[[0, -1]].tolist())
-        return start, end, bounds - bounds[0]
+        span = torch.arange(aux_temp["order"].numel(), device=bounds.device)
+        first, rows = bounds[0].long(), span.numel()
+        window = ShardWindow((span + first).remainder_(max(rows, 1)), span < bounds[-1] - first)
+        return window, (bounds - bounds[0]).to(torch.int32)
 
     def experts_forward(
         self,
@@ -583,20 +634,20 @@ class RoutedExperts:
         aux_temp: Tensors,
         shard: tuple[int, int],
         ops: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, ShardWindow]:
         """The rows routed to ``shard``'s experts (``params`` holds only theirs) ->
-        (their weighted outputs summed per token (tokens, hidden) float32, their
-        ``gate_up`` rows, the span of expert rows they are)."""
-        start, end, offsets = self._shard_rows(config, aux_temp, shard)
-        tokens, weights = _rows(config, aux_temp)
-        tokens, weights = tokens[start:end], weights[start:end]
+        (their weighted outputs summed per token (tokens, hidden) float32, ``gate_up`` of
+        the window's rows (the shard's first; past them not computed), the window). The
+        shapes are the same whatever the routing: a window of every row, the grouped GEMMs
+        computing the shard's alone (``ShardWindow``)."""
+        window, offsets = self._shard_window(config, aux_temp, shard)
+        tokens, weights = (t[window.rows] for t in _rows(config, aux_temp))
         gate_up = ops["grouped_mm"](moe_in[tokens], params[GATE_UP], offsets)
         act = ops["swiglu_fwd"](*_split(gate_up))
         rows = ops["grouped_mm"](act, params[DOWN], offsets)
         del act
-        out = moe_in.new_zeros(moe_in.shape, dtype=torch.float32)
-        out.index_add_(0, tokens, rows.float() * weights[:, None])
-        return out, gate_up, (start, end)
+        out = _add_rows(moe_in.shape, window.into(tokens, moe_in.shape[0]), rows, weights, shard)
+        return out, gate_up, window
 
     def experts_backward(
         self,
@@ -608,20 +659,20 @@ class RoutedExperts:
         dy: torch.Tensor,
         shard: tuple[int, int],
         ops: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], Tensors]:
+    ) -> tuple[torch.Tensor, torch.Tensor, ShardWindow, Tensors]:
         """``backward``'s expert part for the rows routed to ``shard`` (``gate_up``: every
         row's as forward wrote them, or None where the block is re-derived: the shard's
         rows are made again here from ``moe_in``; ``dy`` (tokens, hidden)) -> (their
-        gradient to ``moe_in`` (tokens, hidden) float32, their routing weights'
-        gradients, the span of expert rows they are, the shard's experts' gradients)."""
-        start, end, offsets = self._shard_rows(config, aux_temp, shard)
-        tokens, weights = _rows(config, aux_temp)
-        tokens, weights = tokens[start:end], weights[start:end]
+        gradient to ``moe_in`` (tokens, hidden) float32, their routing weights' gradients
+        in the window's order (float32; past the shard's rows meaningless), the window,
+        the shard's experts' gradients)."""
+        window, offsets = self._shard_window(config, aux_temp, shard)
+        tokens, weights = (t[window.rows] for t in _rows(config, aux_temp))
         rows_in = moe_in[tokens]
         if gate_up is None:
             gate, up = _split(ops["grouped_mm"](rows_in, params[GATE_UP], offsets))
         else:
-            gate, up = _split(gate_up[start:end])
+            gate, up = _split(gate_up[window.rows])
         act = ops["swiglu_fwd"](gate, up)
         rows_dy = dy[tokens]
         d_act = ops["grouped_mm"](rows_dy, params[DOWN].transpose(1, 2), offsets)
@@ -637,9 +688,9 @@ class RoutedExperts:
         del rows_in
         d_in = ops["grouped_mm"](d_gate_up, params[GATE_UP].transpose(1, 2), offsets)
         del d_gate_up
-        d_moe_in = moe_in.new_zeros(moe_in.shape, dtype=torch.float32)
-        d_moe_in.index_add_(0, tokens, d_in.float())
-        return d_moe_in, d_row_weights.float(), (start, end), grads
+        into = window.into(tokens, moe_in.shape[0])
+        d_moe_in = _add_rows(moe_in.shape, into, d_in, None, shard)
+        return d_moe_in, d_row_weights.float(), window, grads
 
     def route_backward(
         self,
@@ -675,14 +726,17 @@ class RoutedExperts:
         self, config: MoEConfig, batch: int, seq_len: int, act_bytes: int, shards: int
     ) -> LayerCost:
         """One shard's forward and backward work: its share of the routed rows' three
-        projections (backward twice them), the rows gathered and their outputs added;
-        ``recompute``: what its backward adds where the block is re-derived (its rows'
-        ``gate_up`` made again: the gate and up projections)."""
+        projections (backward twice them), and what its window (``ShardWindow``: every
+        row of the layer, whatever its share) moves: the rows gathered, the activation
+        over them, their outputs in float32 added into their tokens; ``recompute``: what
+        its backward adds where the block is re-derived (its rows' ``gate_up`` made again:
+        the gate and up projections)."""
         tokens, n, inner = batch * seq_len, config.hidden_size, self.inner(config)
         k = config.num_experts_per_tok
         flops = 2 * tokens * k * 3 * n * inner / shards
-        moved = tokens * k * act_bytes * (2 * n + 2 * inner) / shards + tokens * n * 4
-        again = Work(2 * flops / 3, tokens * k * act_bytes * (n + 2 * inner) / shards)
+        rows = tokens * k
+        moved = rows * (act_bytes * (3 * n + 3 * inner) + 16 * n) + tokens * n * 4
+        again = Work(2 * flops / 3, rows * act_bytes * (n + 2 * inner))
         return LayerCost(Work(flops, moved), Work(2 * flops, 2 * moved), recompute=again)
 
     def cost(self, config: MoEConfig, batch: int, seq_len: int, act_bytes: int) -> FfnCost:
