@@ -13,7 +13,11 @@ _HOMES = {
     ),
     "dataflow_training.testing.decoder": ("DecoderFamilyChecks", "DecoderHFParity"),
     "dataflow_training.testing.hybrid": ("HybridHFChecks",),
-    "dataflow_training.testing.moe": ("MoEFamilyChecks", "MoEHFParity"),
+    "dataflow_training.testing.moe": (
+        "MoEFamilyChecks",
+        "MoEHFParity",
+        "assert_tasks_route_as_forward",
+    ),
     "dataflow_training.testing.served": ("ServerProcess", "short_folder"),
     "dataflow_training.testing.reference": ("float64_reference",),
     "dataflow_training.testing.toy": ("ToyFamily", "plain_ops", "toy_weights"),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import attrs
 import torch
 
 from dataflow import resolvers
@@ -142,19 +143,8 @@ class MoEFamilyChecks(DecoderFamilyChecks):
 
     def test_verify_tasks_in_bf16_give_autograd_forward_routing(self, family):
         """The task level in bf16 with 256 experts, 8 a token (Qwen 3.5 MoE's router),
-        where near ties are common: autograd's run of the block routes with forward's
-        choices (``Env.route_ids``), so the experts', router's and norm's gradients agree
-        within the task tolerance for every seed. Routing afresh, autograd's rounding
-        ranked some ties the other way, and those gradients missed by 5 to 18 % in each
-        of these seeds (the Qwen 3.5 MoE cut on the H100 failed so, session 41)."""
-
-        config = family.config(self.preset, num_experts=256, num_experts_per_tok=8)
-        tolerance = TOLERANCES["bf16"]["task"]
-        for seed in range(4):
-            checks = task_checks(family, config, "cpu", torch.bfloat16, tolerance, seed)
-            routed = [c for c in checks if "mlp." in c.name or "post_attention" in c.name]
-            assert len(routed) >= 3, [c.name for c in checks]
-            assert all(c.ok for c in routed), (seed, [c for c in routed if not c.ok])
+        where near ties are common (``assert_tasks_route_as_forward``)."""
+        assert_tasks_route_as_forward(family, family.config(self.preset), "mlp.")
 
     def test_recompute_reads_the_routing_verbatim(self, family):
         """With the router changed after forward, recompute still uses forward's routing
@@ -185,6 +175,23 @@ class MoEFamilyChecks(DecoderFamilyChecks):
         build = resolvers().get("torch").build(step)
         profiles = profile_program(step, build, device="cpu", repeats=1)  # tokens over the vocab
         assert set(profiles) == {signature(step, t) for t in step.program.tasks}
+
+
+def assert_tasks_route_as_forward(family: Any, config: Any, names: str, seeds: int = 4) -> None:
+    """``dataflow verify``'s task level in bf16 with ``config``'s experts made 256, 8 a
+    token, where near ties are common: autograd's run of each MoE block routes with
+    forward's choices (``Env.route_ids``), so every check whose name contains ``names``
+    (the experts', the router's, and the norm before them) passes for each of ``seeds``
+    seeds. Routing afresh, autograd's rounding ranked some ties the other way and those
+    gradients missed by 5 to 18 % in each of these seeds (the Qwen 3.5 MoE cut on the
+    H100 failed so, session 41)."""
+    config = attrs.evolve(config, num_experts=256, num_experts_per_tok=8)
+    tolerance = TOLERANCES["bf16"]["task"]
+    for seed in range(seeds):
+        checks = task_checks(family, config, "cpu", torch.bfloat16, tolerance, seed)
+        routed = [c for c in checks if names in c.name or "post_attention" in c.name]
+        assert len(routed) >= 3, [c.name for c in checks]
+        assert all(c.ok for c in routed), (seed, [c for c in routed if not c.ok])
 
 
 def load_balancing_loss(logits: torch.Tensor, experts: int, k: int) -> torch.Tensor:
