@@ -24,6 +24,8 @@ import argparse
 
 import torch
 
+from benchmarks.harness.memory_trace import call_peak
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,37 +47,11 @@ def main(argv: list[str] | None = None) -> None:
     weight = torch.randn(args.vocab, args.dim, device="cuda", generator=generator).bfloat16()
     targets = torch.randint(0, args.vocab, (args.tokens,), device="cuda", generator=generator)
     ce(hidden, weight, targets, args.chunk)  # warm: cuBLAS keeps its workspace
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=100_000)
-    outputs = ce(hidden, weight, targets, args.chunk)
-    torch.cuda.synchronize()
-    snapshot = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    del outputs
-    print(
-        f"allocator peak above the bytes in use before: {torch.cuda.max_memory_allocated() - before}"
+    peak = call_peak(
+        lambda: ce(hidden, weight, targets, args.chunk),
+        keep=lambda filename: "dataflow_kernels_torch" in filename,
     )
-    alive: dict[int, dict] = {}
-    now = most = 0
-    at_most: list[dict] = []
-    for event in snapshot["device_traces"][0]:
-        if event["action"] == "alloc":
-            alive[event["addr"]] = event
-            now += event["size"]
-            if now > most:
-                most, at_most = now, list(alive.values())
-        elif event["action"] == "free_requested" and event["addr"] in alive:
-            now -= alive.pop(event["addr"])["size"]
-    print(f"most bytes alive in the trace: {most}")
-    for event in sorted(at_most, key=lambda e: -e["size"]):
-        lines = [
-            f"{frame['filename'].rsplit('/', 1)[-1]}:{frame['line']} {frame['name']}"
-            for frame in event.get("frames", [])
-            if "dataflow_kernels_torch" in frame["filename"]
-        ]
-        print(f"{event['size']:>14,}  {' <- '.join(lines[:3])}")
+    print("\n".join(peak.lines(top=len(peak.blocks))))
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ dispatched by CUDA events and by the host clock (a host time near the device tim
 task bound by its launches), then captured alone into a CUDA graph and replayed, or the
 capture's error kept; and one dispatched launch under torch.profiler gives its largest
 kernels. Written: one JSON record a signature (task, kind, times, capture error, top
-kernels), and a table sorted by the time a round spends in each signature (microseconds;
-the step's rounds repeat it). ``--cpu`` runs the same on the CPU, host times alone, as a
-smoke test of the arguments.
+kernels; with ``--memory`` the named tasks' allocation peaks and the blocks alive there,
+``harness.memory_trace``), and a table sorted by the time a round spends in each
+signature (microseconds; the step's rounds repeat it). ``--cpu`` runs the same on the
+CPU, host times alone, as a smoke test of the arguments.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from dataflow_training.step.config import DtypePolicy, TrainConfig
 from dataflow_training.step.lowering import lower
 
 from benchmarks.harness.measure import cuda_median_ms
+from benchmarks.harness.memory_trace import call_peak
 from dataflow.plugins import families, resolvers
 
 POLICY = DtypePolicy("bfloat16", "bfloat16", "bfloat16")
@@ -63,6 +65,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument(
         "--cpu", action="store_true", help="a smoke run on the CPU: host times alone, no capture"
+    )
+    p.add_argument(
+        "--memory",
+        default="",
+        metavar="KEYS",
+        help="comma-separated compute-key parts (e.g. linear_block.backward,head): those "
+        "tasks' allocation peaks, with what is alive there (CUDA)",
     )
     return p
 
@@ -184,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
             "capture_error": error,
             "top_kernels": top_kernels(launch) if cuda else [],
         }
+        wanted = [part for part in args.memory.split(",") if part]
+        if cuda and any(part in task.compute_key for part in wanted):
+            peak = call_peak(launch, keep=lambda name: "dataflow" in name or "fla" in name)
+            record["peak"] = peak.lines(top=16)
+            print("\n".join(peak.lines(top=16)), flush=True)
         records.append(record)
         print(json.dumps({k: v for k, v in record.items() if k != "top_kernels"}), flush=True)
         del executable, ctx
