@@ -687,3 +687,73 @@ def test_row_pieces_that_disagree_are_named(kernel, randn) -> None:
         kernel("chunked_cross_entropy", "torch")(
             randn(4, 8), [randn(6, 8), randn(6, 4)], torch.zeros(4, dtype=torch.int64), 2
         )
+
+
+INTO_NAMES = ["torch", "reference", pytest.param("triton", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("pieces", [1, 2])
+@pytest.mark.parametrize("name", INTO_NAMES)
+def test_d_weight_added_into_the_callers_16bit_gradient(
+    kernel, randn, assert_rel_close, pieces, name
+) -> None:
+    """``d_weight_into`` (a head adding into its own bf16 gradient, no float32 table) and
+    ``scale_by`` (a device scale, 1 / scored tokens): the targets end as what they held
+    plus ``scale * d_weight`` of float64 autograd, d_hidden scaled alike within 1e-2, the
+    loss unscaled; the call returns the targets themselves. In pieces too (one target a
+    piece). The added gradient's error is held to what rounding the running sum to bf16
+    once a chunk loses by itself (each chunk's exact float64 share added, rounded, in
+    turn: its ``yardstick``): at most twice that, plus 1e-2 for the bf16 matmuls."""
+    device = "cuda" if name == "triton" else "cpu"
+    if name == "triton":
+        pytest.importorskip("triton")
+    tokens, dim, vocab, chunk = 300, 64, 512, 64
+    hidden = randn(tokens, dim, dtype=torch.bfloat16, device=device)
+    weight = randn(vocab, dim, dtype=torch.bfloat16, device=device, scale=0.3)
+    targets = make_targets(randn, tokens, vocab, 0.1, device)
+    given = weight.chunk(pieces) if pieces > 1 else weight
+    # what earlier rounds left there: of the size of one round's gradient (adding a small
+    # increment into a large bf16 value would lose it to the large value's rounding)
+    before = randn(vocab, dim, dtype=torch.bfloat16, device=device, scale=0.01)
+    into = [part.clone() for part in before.chunk(pieces)]
+    scale = torch.tensor(1.0 / 270, device=device)
+    loss, d_hidden, d_weight = kernel("chunked_cross_entropy", name)(
+        hidden, given, targets, chunk, grad_scale=0.5,
+        d_weight_into=into if pieces > 1 else into[0], scale_by=scale,
+    )  # fmt: skip
+    truth = reference(hidden, weight, targets)
+    got = torch.cat(list(d_weight)) if pieces > 1 else d_weight
+    assert all(a is b for a, b in zip(d_weight if pieces > 1 else [d_weight], into, strict=True))
+    assert_rel_close(loss, truth[0], 1e-3, "loss")
+    assert_rel_close(d_hidden, truth[1] * (0.5 / 270), 1e-2, "d_hidden")
+    added, want = got.double() - before.double(), truth[2] * (0.5 / 270)
+    running = before.double().cpu()
+    for start in range(0, tokens, chunk):  # the per-chunk roundings alone
+        share = reference(hidden[start : start + chunk], weight, targets[start : start + chunk])
+        running = (running + share[2].cpu() * (0.5 / 270)).bfloat16().double()
+    yardstick = ((running - before.double().cpu()) - want.cpu()).norm() / want.norm()
+    error = (added - want).norm() / want.norm()
+    assert error <= 2 * yardstick + 1e-2, (float(error), float(yardstick))
+
+
+@pytest.mark.parametrize("name", ["torch", "reference"])
+def test_d_weight_into_that_does_not_match_the_weight_is_named(kernel, randn, name) -> None:
+    hidden = randn(8, 16, dtype=torch.bfloat16)
+    weight = randn(32, 16, dtype=torch.bfloat16)
+    targets = make_targets(randn, 8, 32, 0.0, "cpu")
+    ce = kernel("chunked_cross_entropy", name)
+    with pytest.raises(ValueError, match="d_weight_into must be shaped"):
+        ce(hidden, weight, targets, 4, d_weight_into=torch.zeros(32, 16))
+    with pytest.raises(ValueError, match="scale_by must be a 0-d float32"):
+        ce(
+            hidden,
+            weight,
+            targets,
+            4,
+            d_weight_into=torch.zeros_like(weight),
+            scale_by=torch.ones(1),
+        )
+    with pytest.raises(ValueError, match="not with vocab_tiles"):
+        kernel("chunked_cross_entropy", "torch")(
+            hidden, weight, targets, 4, vocab_tiles=True, d_weight_into=torch.zeros_like(weight)
+        )

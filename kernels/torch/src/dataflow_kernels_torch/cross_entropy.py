@@ -87,16 +87,20 @@ def chunked_cross_entropy(
     grad_scale: float = 1.0,
     vocab_tiles: bool = False,
     vocab: int | None = None,
+    d_weight_into: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    scale_by: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | tuple[torch.Tensor, ...]]:
     """-> (loss_sum, d_hidden like hidden, d_weight: weight's shape, float32 when summed
     over several chunks; a tuple, one per piece, for a weight in row pieces); 16-bit
     matmuls with float32 softmax when hidden and weight share a 16-bit dtype (module
-    doc)."""
+    doc). ``d_weight_into`` / ``scale_by``: see ``into_and_scale``."""
     pieces = weight_pieces(weight)
+    into = into_and_scale(pieces, d_weight_into, scale_by, vocab_tiles)
     if not (hidden.dtype == pieces[0].dtype and hidden.dtype in HALF_DTYPES):
         return chunked_cross_entropy_reference(
-            hidden, weight, targets, chunk_tokens, grad_scale=grad_scale, vocab=vocab
-        )
+            hidden, weight, targets, chunk_tokens, grad_scale=grad_scale, vocab=vocab,
+            d_weight_into=d_weight_into, scale_by=scale_by,
+        )  # fmt: skip
     vocab = _check(hidden, pieces, targets, chunk_tokens, grad_scale, vocab)
     tokens = hidden.shape[0]
     starts = range(0, tokens, chunk_tokens)
@@ -119,7 +123,7 @@ def chunked_cross_entropy(
             loss_sum += chunk_loss
             # d_logits = grad_scale * (softmax - onehot), scaled and cast in one pass.
             d_logits = torch.empty(logits.shape, dtype=hidden.dtype, device=hidden.device)
-            torch.mul(logits, _row_scale(valid, row_sum, grad_scale), out=d_logits)
+            torch.mul(logits, _row_scale(valid, row_sum, grad_scale, scale_by), out=d_logits)
             del logits
             _d_hidden_into(d_logits, pieces, columns, d_hidden[start : start + chunk_tokens])
             if tiled:  # d_weight after the last chunk, tile by tile
@@ -128,7 +132,9 @@ def chunked_cross_entropy(
                 continue
             for j, cols in enumerate(columns):
                 part = d_logits[:, cols]
-                if len(starts) == 1:  # one chunk: the 16-bit matmul writes d_weight directly
+                if into is not None:  # added into the caller's 16-bit gradient, in the matmul
+                    torch.addmm(into[j], part.T, chunk, out=into[j])
+                elif len(starts) == 1:  # one chunk: the 16-bit matmul writes d_weight directly
                     d_weight[j] = part.T @ chunk
                 elif index == 0:
                     d_weight[j] = _mm_float32(part.T, chunk)
@@ -148,7 +154,45 @@ def chunked_cross_entropy(
                 )
                 for piece, cols in zip(pieces, columns, strict=True)
             ]
+        if into is not None:
+            return loss_sum, d_hidden, as_given(weight, into)
         return loss_sum, d_hidden, as_given(weight, d_weight)
+
+
+def into_and_scale(
+    pieces: Sequence[torch.Tensor],
+    d_weight_into: torch.Tensor | Sequence[torch.Tensor] | None,
+    scale_by: torch.Tensor | None,
+    vocab_tiles: bool,
+) -> tuple[torch.Tensor, ...] | None:
+    """Checks the two keywords of a head that adds its weight's gradient into its own
+    16-bit gradient object chunk by chunk (``TrainConfig.head_accumulate="gradient"``):
+    no (vocab, dim) float32 sum exists, each chunk's product rounded once into the target.
+
+    ``d_weight_into``: tensors shaped and typed like weight's pieces (a tensor for one),
+    each chunk's product added into them (the call returns them as d_weight).
+    ``scale_by``: a 0-d float32 tensor on hidden's device that every gradient (d_logits,
+    hence d_hidden and d_weight) is also multiplied by: a scale the host does not know,
+    such as the round's 1 / scored tokens, which a CUDA graph cannot take as a number.
+    Not with ``vocab_tiles`` (which makes d_weight tile by tile). -> the targets as a
+    tuple, or None."""
+    if scale_by is not None and (scale_by.dim() != 0 or scale_by.dtype != torch.float32):
+        raise ValueError(f"scale_by must be a 0-d float32 tensor, got {scale_by!r}")
+    if d_weight_into is None:
+        return None
+    into = weight_pieces(d_weight_into)
+    if vocab_tiles:
+        raise ValueError("d_weight_into: not with vocab_tiles (the tiles make d_weight whole)")
+    if len(into) != len(pieces) or any(
+        t.shape != p.shape or t.dtype != p.dtype or t.device != p.device
+        for t, p in zip(into, pieces, strict=True)
+    ):
+        raise ValueError(
+            "d_weight_into must be shaped, typed and placed as weight's pieces: got "
+            f"{[(tuple(t.shape), t.dtype) for t in into]} for "
+            f"{[(tuple(p.shape), p.dtype) for p in pieces]}"
+        )
+    return into
 
 
 def weight_pieces(weight: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -273,18 +317,32 @@ def chunked_cross_entropy_reference(
     grad_scale: float = 1.0,
     vocab_tiles: bool = False,
     vocab: int | None = None,
+    d_weight_into: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    scale_by: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | tuple[torch.Tensor, ...]]:
     """-> (loss_sum, d_hidden like hidden, d_weight like weight), all math in float32
     (float64 when hidden or weight is float64); see the module doc. ``vocab_tiles`` is
     taken and changes nothing: the truth sums d_weight in a whole compute-dtype table.
     With ``vocab`` the truth is that of the first ``vocab`` rows alone (the rest of
     d_weight zero). A weight in row pieces is joined first (the truth), its d_weight
-    split into the pieces' again."""
+    split into the pieces' again. ``scale_by`` multiplies every gradient; with
+    ``d_weight_into`` (``into_and_scale``) the truth's d_weight, in weight's dtype, is
+    added into those tensors (the fast variants add a chunk at a time)."""
     pieces = weight_pieces(weight)
+    into = into_and_scale(pieces, d_weight_into, scale_by, False)
+    if into is not None:
+        loss, d_hidden, d_weight = chunked_cross_entropy_reference(
+            hidden, weight, targets, chunk_tokens, grad_scale=grad_scale, vocab=vocab,
+            scale_by=scale_by,
+        )  # fmt: skip
+        for target, part in zip(into, weight_pieces(d_weight), strict=True):
+            target.add_(part)
+        return loss, d_hidden, as_given(weight, into)
     if len(pieces) > 1:
         loss, d_hidden, d_whole = chunked_cross_entropy_reference(
-            hidden, torch.cat(pieces), targets, chunk_tokens, grad_scale=grad_scale, vocab=vocab
-        )
+            hidden, torch.cat(pieces), targets, chunk_tokens, grad_scale=grad_scale, vocab=vocab,
+            scale_by=scale_by,
+        )  # fmt: skip
         return loss, d_hidden, tuple(d_whole[cols] for cols in piece_columns(pieces))
     weight = pieces[0]
     vocab = _check(hidden, weight, targets, chunk_tokens, grad_scale, vocab)
@@ -304,7 +362,7 @@ def chunked_cross_entropy_reference(
             logits = chunk @ weight_c.T  # (rows, vocab): the only chunk-sized buffer
             chunk_loss, row_sum, _ = _softmax_minus_onehot_(logits, valid, target)
             loss_sum += chunk_loss
-            logits.mul_(_row_scale(valid, row_sum, grad_scale))
+            logits.mul_(_row_scale(valid, row_sum, grad_scale, scale_by))
             if d_hidden.dtype == compute:
                 torch.mm(logits, weight_c, out=d_hidden[start:stop])
             else:
@@ -337,9 +395,12 @@ def _softmax_minus_onehot_(
     return torch.where(valid, row_loss, 0.0).sum(), row_sum, lse
 
 
-def _row_scale(valid: torch.Tensor, row_sum: torch.Tensor, grad_scale: float) -> torch.Tensor:
-    """(rows, 1): grad_scale / row_sum on valid rows, 0 on ignored ones."""
-    return torch.where(valid, grad_scale / row_sum, 0.0)
+def _row_scale(
+    valid: torch.Tensor, row_sum: torch.Tensor, grad_scale: float, scale_by=None
+) -> torch.Tensor:
+    """(rows, 1): grad_scale / row_sum (times ``scale_by``) on valid rows, 0 on ignored ones."""
+    scale = torch.where(valid, grad_scale / row_sum, 0.0)
+    return scale if scale_by is None else scale.mul_(scale_by.to(scale.dtype))
 
 
 def _mm_float32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -61,8 +61,8 @@ _BLOCK = 4096
 
 @triton.jit
 def _softmax_ce_kernel(
-    logits_ptr, stride, targets_ptr, loss_ptr, lse_ptr, vocab, padded, scale, ignore,
-    BLOCK: tl.constexpr,
+    logits_ptr, stride, targets_ptr, loss_ptr, lse_ptr, vocab, padded, scale, scale_ptr,
+    ignore, SCALE_BY: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
@@ -83,7 +83,10 @@ def _softmax_ce_kernel(
     safe_target = tl.where(valid, target, 0)
     picked = tl.load(base + safe_target).to(tl.float32)
     tl.store(loss_ptr + row, tl.where(valid, lse - picked, 0.0))
-    row_scale = tl.where(valid, scale, 0.0)
+    factor = scale
+    if SCALE_BY:  # a device scale too (``scale_by``: a graph replays it with new values)
+        factor = scale * tl.load(scale_ptr).to(tl.float32)
+    row_scale = tl.where(valid, factor, 0.0)
     for start in range(0, padded, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         in_row = cols < padded
@@ -124,11 +127,14 @@ def chunked_cross_entropy_triton(
     grad_scale: float = 1.0,
     vocab_tiles: bool = False,
     vocab: int | None = None,
+    d_weight_into: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    scale_by: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | tuple[torch.Tensor, ...]]:
     """-> (loss_sum, d_hidden like hidden, d_weight: weight's shape, float32 when summed
     over several chunks; a tuple, one per piece, for a weight in row pieces); see the
-    module doc."""
+    module doc. ``d_weight_into`` / ``scale_by``: ``cross_entropy.into_and_scale``."""
     pieces = cross_entropy.weight_pieces(weight)
+    into = cross_entropy.into_and_scale(pieces, d_weight_into, scale_by, vocab_tiles)
     one = len(pieces) == 1
     if not (
         hidden.device.type == "cuda"
@@ -145,6 +151,8 @@ def chunked_cross_entropy_triton(
             grad_scale=grad_scale,
             vocab_tiles=vocab_tiles,
             vocab=vocab,
+            d_weight_into=d_weight_into,
+            scale_by=scale_by,
         )
     vocab = cross_entropy._check(hidden, pieces, targets, chunk_tokens, grad_scale, vocab)
     stored, dim = sum(p.shape[0] for p in pieces), pieces[0].shape[1]
@@ -171,7 +179,9 @@ def chunked_cross_entropy_triton(
             _softmax_ce_kernel[(rows,)](
                 logits, logits.stride(0), targets[start : start + rows],
                 losses[start : start + rows], lse[start : start + rows], vocab, padded,
-                float(grad_scale), cross_entropy.IGNORE_INDEX, BLOCK=_BLOCK, num_warps=8,
+                float(grad_scale), losses if scale_by is None else scale_by,
+                cross_entropy.IGNORE_INDEX, SCALE_BY=scale_by is not None, BLOCK=_BLOCK,
+                num_warps=8,
             )  # fmt: skip
             _d_hidden_into(logits, pieces, columns, d_hidden[start : start + rows])
             if tiled:  # d_weight after the last chunk, tile by tile
@@ -179,7 +189,10 @@ def chunked_cross_entropy_triton(
                 continue
             for j, cols in enumerate(columns):
                 part = logits[:, cols]
-                if len(starts) == 1:
+                if into is not None:  # added into the caller's 16-bit gradient, in the matmul
+                    target = into[j]
+                    torch.addmm(target, part[:, : target.shape[0]].T, chunk, out=target)
+                elif len(starts) == 1:
                     d_weight[j] = part.T @ chunk
                 elif index == 0:
                     d_weight[j] = torch.mm(part.T, chunk, out_dtype=torch.float32)
@@ -201,6 +214,8 @@ def chunked_cross_entropy_triton(
                 )  # fmt: skip
                 for piece, cols in zip(pieces, columns, strict=True)
             ]
+        if into is not None:
+            return losses.sum(), d_hidden, cross_entropy.as_given(weight, into)
         # several chunks: each float32 accumulator as it is; one piece: its stored rows
         if one:
             return losses.sum(), d_hidden, d_weight[0][:stored]
