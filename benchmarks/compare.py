@@ -566,6 +566,13 @@ def parser() -> argparse.ArgumentParser:
         "(TrainConfig.head_vocab_tiles)",
     )
     p.add_argument(
+        "--head-accumulate",
+        choices=["float32", "gradient"],
+        default="float32",
+        help="dataflow rows: how the head sums its weight gradient over chunks "
+        "(TrainConfig.head_accumulate)",
+    )
+    p.add_argument(
         "--vocab-pieces",
         type=int,
         default=1,

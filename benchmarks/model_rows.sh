@@ -293,6 +293,9 @@ qwen3_5 | qwen3_5_moe)
     # compute)
     tiles8=()
     [ "${HEAD_TILES8:-0}" = 1 ] && tiles8=(--head-vocab-tiles)
+    # HEAD_ACC8=gradient: the 8 GiB rows' head adds each chunk's weight gradient into its
+    # bf16 gradient (--head-accumulate gradient: no float32 sum, no second logits pass)
+    [ -n "${HEAD_ACC8:-}" ] && tiles8+=(--head-accumulate "$HEAD_ACC8")
     {
         if [ "$group" = qwen3_5 ]; then
             compare --family qwen3_5 "${q35[@]}" --rows "$first" --stock-engines compile \

@@ -69,10 +69,12 @@ def train_config(
     updates: str = "auto",
     lora: LoraConfig | None = None,
     pieces: int = 1,
+    accumulate: str = "float32",
 ) -> TrainConfig:
     """A row's step: ``dtype`` (``POLICIES``), the shape, the head's chunk, the order and
     the updates; ``lora``: adapters on a frozen base (None: full training); ``pieces``:
-    the vocabulary tables' row pieces (``TrainConfig.vocab_pieces``)."""
+    the vocabulary tables' row pieces (``TrainConfig.vocab_pieces``); ``accumulate``:
+    ``TrainConfig.head_accumulate``."""
     policy, state = POLICIES[dtype]
     return TrainConfig(
         seq_len=seq_len,
@@ -86,6 +88,7 @@ def train_config(
         head_vocab_tiles=tiles,
         lora=lora,
         vocab_pieces=pieces,
+        head_accumulate=accumulate,
     )
 
 
@@ -121,6 +124,7 @@ def ranked_shapes(
     lora: LoraConfig | None = None,
     pieces: int = 1,
     overrides: dict[str, Any] | None = None,
+    accumulate: str = "float32",
 ) -> tuple[list[tuple[int, int]], dict[str, Any]]:
     """``(batch, rounds)`` in the order to try, and what the roofline plan said of each
     (``overrides``: the model's, e.g. ``expert_shards``).
@@ -143,7 +147,7 @@ def ranked_shapes(
             unplanned.append((batch, rounds))
             continue
         train = train_config(
-            dtype, batch, rounds, seq_len, chunk, order, tiles, updates, lora, pieces
+            dtype, batch, rounds, seq_len, chunk, order, tiles, updates, lora, pieces, accumulate
         )
         program = lower(family, preset, train, overrides=overrides).program
         try:
@@ -286,6 +290,7 @@ def trial(
         args.updates,
         bench.lora,
         args.vocab_pieces,
+        args.head_accumulate,
     )
     run = row_run(
         bench.family,
@@ -344,6 +349,7 @@ def trial(
         "order": order,
         "chunk_tokens": chunk,
         "head_vocab_tiles": args.head_vocab_tiles,
+        "head_accumulate": args.head_accumulate,
         "vocab_pieces": args.vocab_pieces,
         **({"expert_shards": args.expert_shards} if args.expert_shards else {}),
         "updates": args.updates,
@@ -439,6 +445,7 @@ def dataflow_row(bench: Any, dtype: str, budget: int, order: str = "round") -> N
                     bench.lora,
                     args.vocab_pieces,
                     model_overrides(args),
+                    args.head_accumulate,
                 )
             for batch, rounds in shapes:
                 current = f"while trying batch {batch} x {rounds}"

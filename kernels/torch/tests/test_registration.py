@@ -139,7 +139,7 @@ def test_signatures_match_the_documented_ops(manager) -> None:
         "linear": "(x, weight, bias=None)",
         "chunked_cross_entropy": (
             "(hidden, weight, targets, chunk_tokens, *, grad_scale=1.0, vocab_tiles=False, "
-            "vocab=None)"
+            "vocab=None, d_weight_into=None, scale_by=None)"
         ),
         "adamw": "(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay)",
         "attention_fwd": "(q, k, v, *, causal, scale=None, window=None, mask=None, segments=None)",

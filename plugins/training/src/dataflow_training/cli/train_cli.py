@@ -243,6 +243,16 @@ def fleet_options(command: Any) -> Any:
     "head compute; for a large vocabulary in a small budget",
 )
 @click.option(
+    "--head-accumulate",
+    type=click.Choice(["float32", "gradient"]),
+    default="float32",
+    show_default=True,
+    help="how the head sums its output projection's gradient over a round's chunks: in a "
+    "float32 (vocab, dim) table rounded once a round, or added chunk by chunk into its "
+    "16-bit gradient (no such table in the head's workspace: 4.1 GB for Qwen 3.5's "
+    "head; a rounding a chunk; bf16 weights and an untied head only)",
+)
+@click.option(
     "--vocab-pieces",
     default=1,
     type=COUNT,

@@ -71,6 +71,7 @@ class TrainOptions:
     order: str = "round"  # TrainConfig.order
     updates: str = "auto"  # TrainConfig.updates
     head_vocab_tiles: bool = False  # TrainConfig.head_vocab_tiles
+    head_accumulate: str = "float32"  # TrainConfig.head_accumulate
     vocab_pieces: int = 1  # TrainConfig.vocab_pieces
     #: the registered resolver that runs the tasks, or "auto" (``run.resolver_for``)
     resolver: str = "auto"
@@ -147,6 +148,7 @@ class TrainOptions:
             order=self.order,
             updates=self.updates,
             head_vocab_tiles=self.head_vocab_tiles,
+            head_accumulate=self.head_accumulate,
             vocab_pieces=self.vocab_pieces,
             freeze=self.freeze,
             lora=self.lora_config,

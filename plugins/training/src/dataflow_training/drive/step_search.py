@@ -70,7 +70,12 @@ def search_for(
         order=None if "order" in free else o.order,
         updates=None if "updates" in free else o.updates,
         tokens_step=None if "tokens_per_step" in free else o.tokens_per_step,
-        head_vocab_tiles=None if "head_vocab_tiles" in free else o.head_vocab_tiles,
+        # a head that adds into its gradient has no float32 table for tiles to spare
+        head_vocab_tiles=(
+            None
+            if "head_vocab_tiles" in free and o.head_accumulate != "gradient"
+            else o.head_vocab_tiles
+        ),
         # a pinned name checked (and "auto" read) as the run reads it
         resolver=None if "resolver" in free else resolver_for(o.resolver, o.device),
         vocab_pieces=None if "vocab_pieces" in free else o.vocab_pieces,

@@ -113,6 +113,12 @@ class TrainingTasks:
             for layer in step.layers
             for group in layer.groups
         }
+        #: the head's output projection: its largest parameter (a row per vocabulary
+        #: entry), what ``head_accumulate="gradient"`` adds into (``HeadLoss``)
+        heads = [layer for layer in step.layers if layer.kind == "head"]
+        self.projection = (
+            max(heads[0].params, key=lambda p: math.prod(p.shape)).name if heads else None
+        )
         self._given_ops = ops
         self._ops: dict[str, dict[str, Any]] = {}
         self._math: dict[str, Any] = {}
@@ -270,17 +276,26 @@ class _Exec:
         return self.named(ctx, "shared")
 
     def store_grads(
-        self, ctx: LaunchContext, role: str, grads: Mapping[str, Any], *, partial: bool = False
+        self,
+        ctx: LaunchContext,
+        role: str,
+        grads: Mapping[str, Any],
+        *,
+        partial: bool = False,
+        written: frozenset[str] = frozenset(),
     ) -> None:
         """Write (round 0) or accumulate the gradients into the ``role`` objects; each
         trainable tensor must have its gradient, of its shape. With ``partial`` (a tied
         head's share of another layer's gradients) tensors without one are left alone,
-        or zeroed where the task creates the object (an output is fully written)."""
+        or zeroed where the task creates the object (an output is fully written).
+        ``written``: tensors the math added into their views itself (``grad_targets``)."""
         for obj in self.slot.objects(role):
             add = obj in self.slot.mutates.get(role, ())
             if not add:
                 self.zero_gaps(ctx, obj)
             for name, target in self.views(ctx, obj).items():
+                if name in written:
+                    continue
                 value = grads.get(name)
                 if value is None and partial:
                     if not add:
@@ -632,7 +647,8 @@ class HeadLoss(_Exec):
         tied_views = self.named(ctx, "tied")
         for local, target in self.tied.items():
             params[local] = tied_views[target.partition(".")[2]]
-        env = self.env(ctx, grad_scale=1.0 / self.tasks.train.rounds)
+        into, written = self.grad_targets(ctx)
+        env = self.env(ctx, grad_scale=1.0 / self.tasks.train.rounds, head_grad_into=into)
         loss, dx, grads = self.tasks.math("head").forward_backward(
             self.tasks.config, params, self.one(ctx, "x"), self.one(ctx, "targets"), env
         )
@@ -641,10 +657,32 @@ class HeadLoss(_Exec):
             # forward-only step (its head makes the loss alone)
             _check_shape(self.task, "dx", dx, self.one(ctx, "dx").shape)
             self.one(ctx, "dx").copy_(dx)
-        self.store_grads(ctx, "grad", {k: v for k, v in grads.items() if k not in self.tied})
+        self.store_grads(
+            ctx, "grad", {k: v for k, v in grads.items() if k not in self.tied}, written=written
+        )
         if self.slot.objects("tied_grad"):
             tied = {self.tied[k].partition(".")[2]: v for k, v in grads.items() if k in self.tied}
             self.store_grads(ctx, "tied_grad", tied, partial=True)
+
+    def grad_targets(self, ctx: LaunchContext) -> tuple[tuple[torch.Tensor, ...] | None, frozenset]:
+        """With ``TrainConfig.head_accumulate="gradient"``: the projection's gradient views
+        (one a row piece, in row order; zeroed in the round that creates them) for the
+        head to add into (``Env.head_grad_into``), and its name; else (None, none). The
+        projection is the head's one parameter with a row per vocabulary entry."""
+        name = self.tasks.projection
+        if self.tasks.train.head_accumulate != "gradient" or name in self.tied:
+            return None, frozenset()
+        views: list[tuple[int, torch.Tensor]] = []
+        for obj in self.slot.objects("grad"):
+            view = self.views(ctx, obj).get(name)
+            if view is None:
+                continue
+            if obj not in self.slot.mutates.get("grad", ()):  # this round creates it
+                view.zero_()
+            views.append(((self.piece(obj, name) or (0, 1))[0], view))
+        if not views:  # a frozen head: no gradient of it
+            return None, frozenset()
+        return tuple(view for _, view in sorted(views, key=lambda item: item[0])), frozenset({name})
 
 
 class OptimizerStep(_Exec):

@@ -43,6 +43,10 @@ def lm_head_loss(
     keywords = {"vocab_tiles": True} if env.head_vocab_tiles else {}
     if vocab is not None and vocab != weight.shape[0]:
         keywords["vocab"] = vocab
+    scored = (flat_targets != IGNORE_INDEX).sum().clamp(min=1)
+    into = env.head_grad_into
+    if into is not None:  # added into the gradient object, divided by the count first
+        keywords |= {"d_weight_into": into, "scale_by": 1.0 / scored.float()}
     loss_sum, d_hidden, d_weight = ops["chunked_cross_entropy"](
         hidden.reshape(-1, hidden.shape[-1]),
         weight.pieces if isinstance(weight, RowPieces) else weight,
@@ -51,9 +55,12 @@ def lm_head_loss(
         grad_scale=env.grad_scale,
         **keywords,
     )
-    scored = (flat_targets != IGNORE_INDEX).sum().clamp(min=1)
-    d_hidden = (d_hidden / scored).to(hidden.dtype).view_as(hidden)
+    if into is None:
+        d_hidden = d_hidden / scored
+    d_hidden = d_hidden.to(hidden.dtype).view_as(hidden)
     dx, grads = norm.backward(ops, params, x, stats, d_hidden)
+    if into is not None:  # the projection's gradient is in place already
+        return (loss_sum / scored).to(torch.float32), dx, grads
     # in place: the kernel's d_weight is ours, and a divided copy would be one more
     # (vocab, dim) tensor of the task's workspace; float32 where the kernel summed it over
     # chunks, rounded once by the task into its gradient object (``store_grads``), as the

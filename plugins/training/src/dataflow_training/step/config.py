@@ -152,6 +152,11 @@ def _updates(instance: Any, attribute: attrs.Attribute, value: str) -> None:
         )
 
 
+def _head_accumulate(instance: Any, attribute: attrs.Attribute, value: object) -> None:
+    if value not in ("float32", "gradient"):
+        raise ValueError(f"head_accumulate must be 'float32' or 'gradient', got {value!r}")
+
+
 @attrs.frozen
 class TrainConfig:
     """One training step: ``rounds`` micro-batches of ``batch`` x ``seq_len`` tokens whose
@@ -222,7 +227,15 @@ class TrainConfig:
     group of its own (``step.pieces``): an update holds one piece's weights, gradient and
     optimizer state instead of the whole table's (Qwen 3.5's 248,320 x 4,096 head: 8.1 GB
     at once in bf16), so a small budget can hold it and the planner can stream around it.
-    1 (the default) stores them whole, as before the field existed."""
+    1 (the default) stores them whole, as before the field existed.
+
+    ``head_accumulate``: how the head sums its projection's gradient over a round's
+    chunks. ``"float32"`` (the default): in a float32 (vocab, dim) table, rounded once a
+    round into the 16-bit gradient (4.1 GB of workspace for Qwen 3.5's head).
+    ``"gradient"``: each chunk's product added straight into the 16-bit gradient object
+    (in the matmul, scaled first), so no such table exists: a rounding a chunk instead of
+    one a round, for a head whose workspace bounds a small budget. Only with 16-bit
+    weights, an untied head and no ``head_vocab_tiles``."""
 
     seq_len: int = attrs.field(validator=_positive)
     batch: int = attrs.field(default=1, validator=_positive)
@@ -239,6 +252,14 @@ class TrainConfig:
     lora: LoraConfig | None = None
     segments: bool = False
     vocab_pieces: int = attrs.field(default=1, validator=_positive)
+    head_accumulate: str = attrs.field(default="float32", validator=_head_accumulate)
+
+    def __attrs_post_init__(self) -> None:
+        if self.head_accumulate == "gradient" and self.head_vocab_tiles:
+            raise ValueError(
+                "head_accumulate='gradient' cannot go with head_vocab_tiles: the tiles make "
+                "the head's gradient tile by tile, with no float32 table to spare"
+            )
 
     @property
     def order_group(self) -> int:
@@ -268,7 +289,13 @@ class TrainConfig:
 
 #: the fields ``omit_empty_freeze`` leaves out of a written TrainConfig at these values
 #: (what a comparison of two written configs fills in: ``drive.run``'s restore)
-OMITTED_DEFAULTS = {"freeze": [], "lora": None, "segments": False, "vocab_pieces": 1}
+OMITTED_DEFAULTS = {
+    "freeze": [],
+    "lora": None,
+    "segments": False,
+    "vocab_pieces": 1,
+    "head_accumulate": "float32",
+}
 
 
 def omit_empty_freeze(converter: Any) -> None:
@@ -284,6 +311,7 @@ def omit_empty_freeze(converter: Any) -> None:
             lora=override(omit_if_default=True),
             segments=override(omit_if_default=True),
             vocab_pieces=override(omit_if_default=True),
+            head_accumulate=override(omit_if_default=True),
         ),
     )
     # a LoRA run with its base in the run's dtype is written as before --lora-base

@@ -272,6 +272,9 @@ class Env:
     ``dataflow verify`` gives autograd's run of a block (the engine's AuxTemp ``ids``),
     so that a near tie ranked the other way by other rounding does not send a token to
     another expert on each side; None (every step) lets the router choose.
+    ``head_grad_into``: the head's projection's 16-bit gradient views (a tuple, one a row
+    piece) its chunks' products are added into (``TrainConfig.head_accumulate=
+    "gradient"``): the head returns no gradient of its own for the projection then.
     """
 
     ops: Ops
@@ -284,6 +287,7 @@ class Env:
     shared: Tensors = attrs.field(factory=dict, hash=False)
     segments: Any = attrs.field(default=None, hash=False)
     route_ids: Any = attrs.field(default=None, hash=False)
+    head_grad_into: Any = attrs.field(default=None, hash=False)
 
     @property
     def last_round(self) -> bool:

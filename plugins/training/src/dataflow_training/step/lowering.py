@@ -234,6 +234,8 @@ def lower(
     kinds = _kinds(family, config, layers, train, act_bytes)
     if train.segments:
         _check_segments(family, config, layers)
+    if train.head_accumulate == "gradient":
+        _check_head_accumulate(family, layers, train)
     for r, i in sorted(partial_of):
         if blocks[i].kind in kinds.apart:
             raise ValueError(
@@ -354,6 +356,26 @@ def _add_parameters(
             )
     tied = tuple(sorted({target.partition(".")[0] for target in head.tied.values()}))
     return Parameters(weights, grads, param_bytes, tied)
+
+
+def _check_head_accumulate(family: Any, layers: Any, train: TrainConfig) -> None:
+    """``head_accumulate="gradient"`` adds into the head's own 16-bit gradient object: a
+    ValueError naming what stands in the way (a tied head's gradient is the embedding's,
+    shared with another task; float32 weights have no 16-bit gradient to add into)."""
+    head = head_layer(layers)
+    if head.tied:
+        raise ValueError(
+            f"head_accumulate='gradient' (--head-accumulate): the head of family "
+            f"{family.name!r} is tied to its embedding (its gradient goes to the "
+            "embedding's object); use 'float32'"
+        )
+    policy = train.dtype
+    if policy.param not in ("bfloat16", "float16") or policy.grad != policy.param:
+        raise ValueError(
+            "head_accumulate='gradient' (--head-accumulate) adds into a 16-bit gradient of "
+            "the weights' dtype; "
+            f"the weights are {policy.param}, their gradients {policy.grad}: use 'float32'"
+        )
 
 
 def _check_segments(family: Family, config: Any, layers: tuple[LayerSpec, ...]) -> None:

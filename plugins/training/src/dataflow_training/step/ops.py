@@ -29,7 +29,8 @@ float64 inputs). Backward ops never rebuild autograd graphs and never re-run a f
 - ``gelu(x) -> y`` (tanh approximation, GPT-2's ``gelu_new``); ``gelu_bwd(dy, x) -> dx``.
 - ``swiglu_fwd(gate, up) -> silu(gate) * up``; ``swiglu_bwd(dy, gate, up) -> (dgate, dup)``.
 - ``chunked_cross_entropy(hidden, weight, targets, chunk_tokens, *, grad_scale=1.0,
-  vocab_tiles=False) -> (loss_sum, d_hidden, d_weight)``: logits = hidden @ weight.T chunk
+  vocab_tiles=False, vocab=None, d_weight_into=None, scale_by=None) -> (loss_sum,
+  d_hidden, d_weight)``: logits = hidden @ weight.T chunk
   by chunk of ``chunk_tokens`` rows (matmuls in the input dtype, the loss in float32);
   returns the summed loss (0-d float32) and ``grad_scale`` times its gradients, never
   holding more than one chunk's logits. hidden (tokens, dim), weight (vocab, dim), targets
@@ -40,7 +41,11 @@ float64 inputs). Backward ops never rebuild autograd graphs and never re-run a f
   (V below weight's rows) says the vocabulary is weight's first V rows, the rest padding
   (a config's ``vocab_multiple``): the logits past V take no part in the softmax or the
   loss and d_weight is zero in those rows. The kit's heads pass it whenever the stored
-  weight is padded, so a variant must take it.
+  weight is padded, so a variant must take it. ``d_weight_into`` (16-bit tensors shaped
+  as weight or its pieces) and ``scale_by`` (a 0-d float32 device tensor every gradient
+  is also multiplied by): each chunk's d_weight product added into those tensors, which
+  come back as d_weight, no float32 (vocab, dim) sum made; passed only with
+  ``TrainConfig.head_accumulate="gradient"``.
 - ``grouped_mm(x, weight, offsets) -> y`` and ``grouped_mm_wgrad(dy, x, offsets) ->
   d_weight``: a matmul per expert over rows sorted by expert (MoE FFNs; ``offsets`` int32
   ``(E + 1,)``): x (N, in), weight (E, out, in), y (N, out); d_weight (E, out, in). Not in
