@@ -23,7 +23,9 @@ signatures and re-priced from the archive's figures by what changed: the head's 
 times 4/3 (a fourth matmul beside its three) and its workspace less the float32 (vocab,
 dim) accumulator; the embedding backward's workspace less its float32 table plus
 ``ROWS_TEMPORARIES`` float32 (tokens, dim) buffers. An estimate, until the device
-profiles them.
+profiles them. ``--head-accumulate gradient`` (``TrainConfig.head_accumulate``) likewise
+prices the head that adds into its bf16 gradient from the float32 head's profiles: the
+same time, its workspace less the float32 (vocab, dim) accumulator.
 
 ``--resolver`` (default ``torch-compiled``, what compare.py's rows run) keeps only that
 resolver's profiles, the newest of each signature. ``--preset`` (with ``--seq-len``)
@@ -122,6 +124,21 @@ def _read(directory: Path, resolver: str | None) -> dict[str, TaskProfile]:
 #: float32 (tokens, dim) buffers ``RowGradient.summed`` and ``add_into`` hold at once at
 #: most (the values, the row sums, their gather per token), for ``--head-vocab-tiles``
 ROWS_TEMPORARIES = 3
+
+
+def estimated_accumulate(known: dict[str, TaskProfile], vocab: int, dim: int) -> dict:
+    """``known`` with the head's signatures as they lower with ``head_accumulate=
+    "gradient"`` (module doc): the same time, no float32 (vocab, dim) accumulator."""
+    table = vocab * dim * 4
+    found = dict(known)
+    for key, profile in known.items():
+        signature = json.loads(key)
+        if signature[0].endswith(".head.loss") and ["vocab_tiles", "True"] not in signature[1]:
+            signature[1] = sorted([*signature[1], ["accumulate", "'gradient'"]])
+            found[json.dumps(signature)] = TaskProfile(
+                profile.cost_us, max(0, profile.workspace_bytes - table)
+            )
+    return found
 
 
 def estimated_tiles(known: dict[str, TaskProfile], tokens: int, vocab: int, dim: int) -> dict:
@@ -328,6 +345,12 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk", type=int, default=None, help="head tokens a chunk")
     parser.add_argument("--head-vocab-tiles", action="store_true", help="estimated (module doc)")
     parser.add_argument(
+        "--head-accumulate",
+        default="float32",
+        choices=["float32", "gradient"],
+        help="TrainConfig.head_accumulate (gradient: estimated, module doc)",
+    )
+    parser.add_argument(
         "--vocab-pieces", type=int, default=1, help="TrainConfig.vocab_pieces (updates by bytes)"
     )
     parser.add_argument(
@@ -380,6 +403,8 @@ def place_row(args: argparse.Namespace, say=print) -> dict:
     known = measured_profiles(args.profiles, args.resolver)
     if args.head_vocab_tiles:
         known = estimated_tiles(known, args.batch * args.seq_len, vocab, dim)
+    if args.head_accumulate == "gradient":
+        known = estimated_accumulate(known, vocab, dim)
     caps = dict(item.split("=", 1) for item in args.workspace)
     caps = {key: parse_size(size) for key, size in caps.items()}
     scales = {key: float(f) for key, f in (item.split("=", 1) for item in args.cost)}
@@ -397,6 +422,7 @@ def place_row(args: argparse.Namespace, say=print) -> dict:
         args.updates,
         None,
         args.vocab_pieces,
+        args.head_accumulate,
     )
     multiple = {} if args.vocab_multiple is None else {"vocab_multiple": args.vocab_multiple}
     if args.expert_shards:

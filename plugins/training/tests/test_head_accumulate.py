@@ -93,6 +93,25 @@ def test_the_head_added_into_its_gradient_trains_as_the_float32_summed_one(
         torch.testing.assert_close(into_w[name].float(), value.float(), rtol=2e-2, atol=2e-2)
 
 
+def test_the_head_task_says_so_and_is_profiled_apart() -> None:
+    """The head task carries ``accumulate`` (its signature, the profile cache's key, then
+    differs from the float32 head's, whose workspace holds the float32 table); the
+    default lowers as before the field existed."""
+    from dataflow_training.plan.profile import signature
+
+    family = load_family("llama3")
+    steps = {
+        mode: lower(family, PRESET, _train(mode), overrides=UNTIED)
+        for mode in ("float32", "gradient")
+    }
+    heads = {mode: [t for t in s.program.tasks if t.kind == "head"] for mode, s in steps.items()}
+    assert all("accumulate" not in t.params for t in heads["float32"])
+    assert all(t.params["accumulate"] == "gradient" for t in heads["gradient"])
+    assert signature(steps["float32"], heads["float32"][0]) != signature(
+        steps["gradient"], heads["gradient"][0]
+    )
+
+
 def test_what_stands_in_its_way_is_refused_by_name() -> None:
     family = load_family("llama3")
     with pytest.raises(ValueError, match="is tied to its embedding"):

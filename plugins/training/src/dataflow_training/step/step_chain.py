@@ -110,6 +110,8 @@ class StepChain:
             params["chunk_tokens"] = self.train.chunk_tokens
             if self.train.head_vocab_tiles:
                 params["vocab_tiles"] = True
+            if self.train.head_accumulate != "float32":  # another workspace: another profile
+                params["accumulate"] = self.train.head_accumulate
         self.slots[slot.id] = slot
         self.tasks.append(
             Task(
