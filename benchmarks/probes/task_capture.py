@@ -1,8 +1,8 @@
 """Probe, 2026-12-07 (session 41): which tasks cost more than planned, or refuse a graph?
 
 Which of a step's tasks cost more than the planner's estimate said, which a CUDA graph
-refuses, and where their time goes. Asked because two 8 GiB rows of issue 46 ran dispatched, not replayed from a CUDA graph,
-and one of them far slower than planned (docs/throughput.md, session 41): the MoE cut's
+refuses, and where their time goes. Asked because two 8 GiB rows of issue 46 ran
+dispatched, not replayed from a CUDA graph, and one of them far slower than planned (docs/throughput.md, session 41): the MoE cut's
 tasks with its experts in shards measured 2-3x the share of the whole block's time the
 place tool had priced them at (its route backward, with no experts at all, 16 ms a
 call at batch 2 against the whole block's 20 ms at batch 4), and the dense cut's
@@ -35,15 +35,16 @@ import sys
 import time
 from pathlib import Path
 
-import attrs
 import torch
+from dataflow_training.cli.train_defaults import default_family
 from dataflow_training.plan import profile as profiling
 from dataflow_training.step.config import DtypePolicy, TrainConfig
+from dataflow_training.step.family import load_family
 from dataflow_training.step.lowering import lower
 
 from benchmarks.harness.measure import cuda_median_ms
 from benchmarks.harness.memory_trace import call_peak
-from dataflow.plugins import families, resolvers
+from dataflow.plugins import resolvers
 
 POLICY = DtypePolicy("bfloat16", "bfloat16", "bfloat16")
 #: kernels listed per signature
@@ -76,17 +77,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def family_of(preset: str, name: str | None):
-    """The family plugin named, or the one whose presets hold ``preset``."""
-    registry = families()
-    names = [name] if name else registry.names()
-    for candidate in names:
-        family = registry.get(candidate).load()
-        if preset in family.presets:
-            return family
-    raise SystemExit(f"--preset {preset}: no family has it (families: {', '.join(names)})")
-
-
 def event_us(launch, repeats: int) -> float:
     """The median CUDA-event time of one launch (us)."""
     return 1e3 * cuda_median_ms(launch, warmup=1, repeats=repeats)
@@ -107,21 +97,14 @@ def host_us(launch, repeats: int, cuda: bool = True) -> list[float]:
 
 
 def captured_us(executable, ctx, repeats: int) -> tuple[float | None, str | None]:
-    """The median replay (us) of the task captured alone, or (None, the capture's error)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    on_stream = attrs.evolve(ctx, stream=stream)
+    """The median replay (us) of the task captured alone, as the profiling pass captures
+    it (``profile._replayed_us``), or (None, the capture's error)."""
+    dev = torch.device("cuda")
     try:
-        with torch.cuda.stream(stream):
-            executable.launch(on_stream)
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph, stream=stream):
-            executable.launch(on_stream)
-        graph.replay()
-        return event_us(graph.replay, repeats), None
+        times, _ = profiling._replayed_us(executable, ctx, dev, repeats, profiling._Timing())
+        return statistics.median(times), None
     except Exception as error:  # noqa: BLE001 - what the capture refuses is the answer
-        profiling._after_failed_capture(torch.device("cuda"))
+        profiling._after_failed_capture(dev)
         return None, f"{type(error).__name__}: {error}"[:600]
 
 
@@ -145,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         print("task_capture: needs a CUDA device (--cpu: a smoke run)", file=sys.stderr)
         return 2
     cuda = not args.cpu
-    family = family_of(args.preset, args.family)
+    family = load_family(args.family or default_family(args.preset))
+    wanted = [part for part in args.memory.split(",") if part]
     train = TrainConfig(
         seq_len=args.seq_len,
         batch=args.batch,
@@ -193,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
             "capture_error": error,
             "top_kernels": top_kernels(launch) if cuda else [],
         }
-        wanted = [part for part in args.memory.split(",") if part]
         if cuda and any(part in task.compute_key for part in wanted):
             peak = call_peak(launch, keep=lambda name: "dataflow" in name or "fla" in name)
             record["peak"] = peak.lines(top=16)

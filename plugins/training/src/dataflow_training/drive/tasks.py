@@ -29,6 +29,7 @@ from dataflow_training.step.family import (
     FamilyContractError,
     RowGradient,
     RowPieces,
+    head_layer,
     stored_pieces,
 )
 from dataflow_training.step.keys import ComputeKeyError, parse
@@ -115,10 +116,8 @@ class TrainingTasks:
         }
         #: the head's output projection: its largest parameter (a row per vocabulary
         #: entry), what ``head_accumulate="gradient"`` adds into (``HeadLoss``)
-        heads = [layer for layer in step.layers if layer.kind == "head"]
-        self.projection = (
-            max(heads[0].params, key=lambda p: math.prod(p.shape)).name if heads else None
-        )
+        head = head_layer(step.layers)
+        self.projection = max(head.params, key=lambda p: math.prod(p.shape)).name
         self._given_ops = ops
         self._ops: dict[str, dict[str, Any]] = {}
         self._math: dict[str, Any] = {}
@@ -507,22 +506,21 @@ class _Apart(_Exec):
         return self.task.params["shard"], self.task.params["shards"]
 
     def put(self, what: str, value: Any, target: torch.Tensor, *, add: bool = False) -> None:
-        if value is None:
-            raise FamilyContractError(
-                f"task {self.task.id}: {self.task.compute_key} gave no {what}"
-            )
-        _check_shape(self.task, what, value, target.shape)
+        self._check_given(what, value, target)
         (target.add_ if add else target.copy_)(value)
 
     def put_rows(self, what: str, value: Any, target: torch.Tensor, window: Any) -> None:
         """A shard's rows of ``value`` (in ``window``'s order: a ``kit.moe.ShardWindow``)
         into ``target`` (every row of the layer); the others keep theirs."""
+        self._check_given(what, value, target)
+        window.put(value, target)
+
+    def _check_given(self, what: str, value: Any, target: torch.Tensor) -> None:
         if value is None:
             raise FamilyContractError(
                 f"task {self.task.id}: {self.task.compute_key} gave no {what}"
             )
         _check_shape(self.task, what, value, target.shape)
-        window.put(value, target)
 
 
 class RouteForward(_Apart):
