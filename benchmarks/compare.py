@@ -573,6 +573,13 @@ def parser() -> argparse.ArgumentParser:
         "(TrainConfig.head_accumulate)",
     )
     p.add_argument(
+        "--block-row-groups",
+        type=int,
+        default=1,
+        help="dataflow rows: each block task over the batch in N groups of sequences "
+        "(TrainConfig.block_row_groups)",
+    )
+    p.add_argument(
         "--vocab-pieces",
         type=int,
         default=1,

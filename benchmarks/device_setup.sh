@@ -3,7 +3,9 @@
 # lacks come as wheels in .whl/ (carried), the project editable without dependencies.
 # .whl/ holds flash-linear-attention and fla-core 0.6.0 and einops (the gated delta rule's
 # fla variant, registered only where all three and triton import: `pip download
-# flash-linear-attention==0.6.0 fla-core==0.6.0 einops --no-deps -d .whl`); --no-deps keeps a
+# flash-linear-attention==0.6.0 fla-core==0.6.0 einops --no-deps -d .whl`) and cattrs, which
+# the image lacks (KINDS.md's package list; without it nothing of dataflow imports: `pip
+# download cattrs --no-deps -d .whl`, session 42; attrs the image has); --no-deps keeps a
 # wheel whose other dependencies the image lacks from failing the install. torchao is not
 # carried: --lora-base needs none of it (docs/finetuning.md says why its kernels do not fit).
 # .tilelang/site.tar.xz (optional, carried only for the Gated DeltaNet rows: fla 0.6 runs its

@@ -296,6 +296,10 @@ qwen3_5 | qwen3_5_moe)
     # HEAD_ACC8=gradient: the 8 GiB rows' head adds each chunk's weight gradient into its
     # bf16 gradient (--head-accumulate gradient: no float32 sum, no second logits pass)
     [ -n "${HEAD_ACC8:-}" ] && tiles8+=(--head-accumulate "$HEAD_ACC8")
+    # ROWS8=N: the 8 GiB rows' block tasks each over the batch in N groups of sequences
+    # (--block-row-groups: about 1/N of the linear block's 3.8 GB backward workspace at
+    # batch 4; dense only)
+    [ -n "${ROWS8:-}" ] && tiles8+=(--block-row-groups "$ROWS8")
     {
         if [ "$group" = qwen3_5 ]; then
             compare --family qwen3_5 "${q35[@]}" --rows "$first" --stock-engines compile \

@@ -25,7 +25,9 @@ dim) accumulator; the embedding backward's workspace less its float32 table plus
 ``ROWS_TEMPORARIES`` float32 (tokens, dim) buffers. An estimate, until the device
 profiles them. ``--head-accumulate gradient`` (``TrainConfig.head_accumulate``) likewise
 prices the head that adds into its bf16 gradient from the float32 head's profiles: the
-same time, its workspace less the float32 (vocab, dim) accumulator.
+same time, its workspace less the float32 (vocab, dim) accumulator. ``--block-row-groups
+N`` (``TrainConfig.block_row_groups``) prices each block task from its whole-batch
+profile: the same time, 1/N of its workspace.
 
 ``--resolver`` (default ``torch-compiled``, what compare.py's rows run) keeps only that
 resolver's profiles, the newest of each signature. ``--preset`` (with ``--seq-len``)
@@ -137,6 +139,28 @@ def estimated_accumulate(known: dict[str, TaskProfile], vocab: int, dim: int) ->
             signature[1] = sorted([*signature[1], ["accumulate", "'gradient'"]])
             found[json.dumps(signature)] = TaskProfile(
                 profile.cost_us, max(0, profile.workspace_bytes - table)
+            )
+    return found
+
+
+#: the block phases ``block_row_groups`` cuts into groups of sequences
+ROW_GROUP_PHASES = (".forward", ".recompute", ".backward")
+
+
+def estimated_row_groups(known: dict[str, TaskProfile], groups: int) -> dict:
+    """``known`` with the block tasks' signatures as they lower with ``block_row_groups=
+    groups`` (module doc): the same time (each group's tasks cost the same per token:
+    qwen3_5_cut's batch-2 tasks summed to 1.536 s a step, batch 4's 1.542 s, session 41),
+    the workspace a group's, ``1/groups`` of the whole batch's (an estimate: what scales
+    with the tokens; the device's profile says what the split holds)."""
+    found = dict(known)
+    for key, profile in known.items():
+        signature = json.loads(key)
+        name = signature[0]
+        if name.endswith(ROW_GROUP_PHASES) and ".head." not in name and ".embed." not in name:
+            signature[1] = sorted([*signature[1], ["row_groups", repr(groups)]])
+            found[json.dumps(signature)] = TaskProfile(
+                profile.cost_us, profile.workspace_bytes // groups
             )
     return found
 
@@ -345,6 +369,13 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk", type=int, default=None, help="head tokens a chunk")
     parser.add_argument("--head-vocab-tiles", action="store_true", help="estimated (module doc)")
     parser.add_argument(
+        "--block-row-groups",
+        type=int,
+        default=1,
+        help="TrainConfig.block_row_groups (the block tasks' profiles with 1/N of their "
+        "workspace: estimated, module doc)",
+    )
+    parser.add_argument(
         "--head-accumulate",
         default="float32",
         choices=["float32", "gradient"],
@@ -405,6 +436,8 @@ def place_row(args: argparse.Namespace, say=print) -> dict:
         known = estimated_tiles(known, args.batch * args.seq_len, vocab, dim)
     if args.head_accumulate == "gradient":
         known = estimated_accumulate(known, vocab, dim)
+    if args.block_row_groups > 1:
+        known = estimated_row_groups(known, args.block_row_groups)
     caps = dict(item.split("=", 1) for item in args.workspace)
     caps = {key: parse_size(size) for key, size in caps.items()}
     scales = {key: float(f) for key, f in (item.split("=", 1) for item in args.cost)}
@@ -423,6 +456,7 @@ def place_row(args: argparse.Namespace, say=print) -> dict:
         None,
         args.vocab_pieces,
         args.head_accumulate,
+        args.block_row_groups,
     )
     multiple = {} if args.vocab_multiple is None else {"vocab_multiple": args.vocab_multiple}
     if args.expert_shards:

@@ -70,11 +70,12 @@ def train_config(
     lora: LoraConfig | None = None,
     pieces: int = 1,
     accumulate: str = "float32",
+    row_groups: int = 1,
 ) -> TrainConfig:
     """A row's step: ``dtype`` (``POLICIES``), the shape, the head's chunk, the order and
     the updates; ``lora``: adapters on a frozen base (None: full training); ``pieces``:
     the vocabulary tables' row pieces (``TrainConfig.vocab_pieces``); ``accumulate``:
-    ``TrainConfig.head_accumulate``."""
+    ``TrainConfig.head_accumulate``; ``row_groups``: ``TrainConfig.block_row_groups``."""
     policy, state = POLICIES[dtype]
     return TrainConfig(
         seq_len=seq_len,
@@ -89,6 +90,7 @@ def train_config(
         lora=lora,
         vocab_pieces=pieces,
         head_accumulate=accumulate,
+        block_row_groups=row_groups,
     )
 
 
@@ -291,6 +293,7 @@ def trial(
         bench.lora,
         args.vocab_pieces,
         args.head_accumulate,
+        args.block_row_groups,
     )
     run = row_run(
         bench.family,
@@ -351,6 +354,7 @@ def trial(
         "head_vocab_tiles": args.head_vocab_tiles,
         "head_accumulate": args.head_accumulate,
         "vocab_pieces": args.vocab_pieces,
+        **({"block_row_groups": args.block_row_groups} if args.block_row_groups > 1 else {}),
         **({"expert_shards": args.expert_shards} if args.expert_shards else {}),
         "updates": args.updates,
         "replayed": replayed,

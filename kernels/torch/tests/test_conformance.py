@@ -42,6 +42,12 @@ EXPECTED_VARIANTS = (
         for op in ("grouped_mm", "grouped_mm_wgrad")
         for name in ("reference", "torch")
     ),
+    # test_rows_ops.py
+    *(
+        f"{op}/{name}"
+        for op in ("rows_add_masked", "rows_put_masked")
+        for name in ("reference", "torch")
+    ),
     # test_delta_rule_ops.py
     *(
         f"{op}/{name}"
@@ -70,6 +76,8 @@ EXPECTED_VARIANTS = (
             "swiglu_bwd/triton",
             "swiglu_fwd/triton",
             "chunked_cross_entropy/triton",
+            "rows_add_masked/triton",
+            "rows_put_masked/triton",
         )
         if importlib.util.find_spec("triton") is not None
         else ()

@@ -201,6 +201,33 @@ def grouped_args(wgrad):
     return args
 
 
+def rows_put_case(name):
+    """``rows_put_masked`` into a fresh copy of one target each run: half the window valid."""
+
+    def case(kernel, randn):
+        values = bf16(randn, 8192, 512)
+        index = torch.randperm(8192, device="cuda")
+        valid = torch.arange(8192, device="cuda") < 4096
+        target = bf16(randn, 8192, 512)
+        op = kernel("rows_put_masked", name)
+
+        def run() -> tuple[torch.Tensor, ...]:
+            out = target.clone()
+            op(values, index, valid, out)
+            return (out,)
+
+        return run
+
+    return case
+
+
+def rows_add_args(kernel, randn):
+    """The reference's adds (float64 on the CPU): 8,192 rows into 1,024 tokens, half valid."""
+    into = torch.randint(0, 1024, (8192,), device="cuda")
+    valid = torch.arange(8192, device="cuda") < 4096
+    return (bf16(randn, 8192, 512), into, valid, randn(8192, device="cuda"), 1024), {}
+
+
 def delta_rule_args(kernel, randn):
     """Two sequences of 256 tokens, 2 key heads for 4 value heads of 64."""
     q, k = (
@@ -274,6 +301,9 @@ CASES = {
     "chunked_cross_entropy/triton": cross_entropy("triton"),
     "attention_fwd/cudnn": explicit("attention_fwd", attention_args)("cudnn"),
     "adamw/torch": adamw("torch"),
+    # rows_add_masked's torch and triton variants are flagged False (atomics)
+    "rows_add_masked/reference": explicit("rows_add_masked", rows_add_args)("reference"),
+    **{f"rows_put_masked/{name}": rows_put_case(name) for name in ("torch", "reference", "triton")},
     "adamw/torch-reference": adamw("torch-reference"),
     # attention_bwd/torch and sparse_attention_bwd/torch are flagged False (atomics), like
     # attention/torch

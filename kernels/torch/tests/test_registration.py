@@ -53,8 +53,12 @@ EXPLICIT_OPS = (
     "sparse_attention_fwd",
     "sparse_attention_bwd",
     "sparse_attention_probs",
+    "rows_add_masked",
+    "rows_put_masked",
 )
 DETERMINISTIC |= {f"{op}/reference": True for op in EXPLICIT_OPS}
+#: the masked row ops (an MoE shard's window): the adds are atomics on CUDA
+DETERMINISTIC |= {"rows_add_masked/torch": False, "rows_put_masked/torch": True}
 DETERMINISTIC |= {"grouped_mm/torch": True, "grouped_mm_wgrad/torch": True}
 DETERMINISTIC |= {"gated_delta_rule_fwd/torch": True, "gated_delta_rule_bwd/torch": True}
 DETERMINISTIC |= {
@@ -76,10 +80,12 @@ TRITON = (
     "swiglu_fwd/triton",
     "swiglu_bwd/triton",
     "chunked_cross_entropy/triton",
+    "rows_add_masked/triton",
+    "rows_put_masked/triton",
 )
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
-    DETERMINISTIC |= dict.fromkeys(TRITON, True)
+    DETERMINISTIC |= dict.fromkeys(TRITON, True) | {"rows_add_masked/triton": False}
 #: The older differentiable forwards, still registered for code that uses autograd.
 AUTOGRAD_OPS = ("attention", "layer_norm", "rms_norm", "gelu", "silu", "linear")
 
@@ -161,6 +167,8 @@ def test_signatures_match_the_documented_ops(manager) -> None:
         "sparse_attention_fwd": "(q, k, v, indices, *, scale=None)",
         "sparse_attention_bwd": "(dout, q, k, v, out, lse, indices, *, scale=None)",
         "sparse_attention_probs": "(q, k, lse, indices, *, scale=None)",
+        "rows_add_masked": "(rows, into, valid, weights, count, *, slices=1)",
+        "rows_put_masked": "(values, index, valid, target)",
         "adamw_multi": "(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, "
         "weight_decay)",
         "adamw_compensated_multi": "(params, grads, exp_avgs, exp_avg_sqs, compensations, *, "

@@ -219,29 +219,16 @@ def test_a_frozen_sharded_bottom_block_keeps_only_the_experts_input() -> None:
         assert torch.tensor(got) == pytest.approx(torch.tensor(want), rel=1e-5)
 
 
-def _forced(units):
-    """A planner that plans the step with ``units`` (round, block) re-derived, whatever
-    the budget (the recompute rewriter's candidate)."""
-    from dataflow_training.plan.recompute import Rewriter
-    from dataflow_training.step.lowering import Lowered
-
-    from dataflow import PRESSUREFIT, PlannerSpec
-
-    def forced(program, budget_bytes, **options):
-        candidate = Rewriter(Lowered.read(program)).candidate(units, {})
-        return PRESSUREFIT.plan(candidate.program, budget_bytes, **options)
-
-    return PlannerSpec("forced", forced)
-
-
 @pytest.mark.parametrize(("family", "preset"), [TINY[0], TINY[2], TINY[3]])
-def test_a_sharded_block_re_derived_trains_bitwise_as_the_saving_one(family, preset) -> None:
+def test_a_sharded_block_re_derived_trains_bitwise_as_the_saving_one(
+    family, preset, forced_planner
+) -> None:
     """A block whose experts run apart, re-derived (its routing task's saves and the
     experts' input made again before the shards' backward, each shard's ``gate_up`` rows
     made again there): the same bits as saving it."""
     units = frozenset({(0, 0), (1, 1), (1, 0)})
     saving = _run(family, preset, 2, recompute=False)
-    forced = _run(family, preset, 2, planner=_forced(units))
+    forced = _run(family, preset, 2, planner=forced_planner(units))
     rec = [t for t in forced.compiled.program.tasks if t.kind == "rec"]
     routed = [t for t in rec if t.compute_key.endswith(".route_recompute")]
     assert len(rec) == 3 and routed  # (DeepSeek's first block is dense: a plain rec)
@@ -254,7 +241,9 @@ def test_a_sharded_block_re_derived_trains_bitwise_as_the_saving_one(family, pre
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("family", "preset"), [TINY[0], TINY[3]])
-def test_a_sharded_block_re_derived_on_cuda_trains_as_the_saving_one(family, preset) -> None:
+def test_a_sharded_block_re_derived_on_cuda_trains_as_the_saving_one(
+    family, preset, forced_planner
+) -> None:
     """On CUDA (the shards add their rows with atomics: not bit-reproducible), a sharded
     block re-derived against saving it: the same losses and weights to float32
     rounding over two steps."""
@@ -262,7 +251,7 @@ def test_a_sharded_block_re_derived_on_cuda_trains_as_the_saving_one(family, pre
         pytest.skip("needs a CUDA device")
     units = frozenset({(0, 0), (1, 1), (1, 0)})
     saving = _run(family, preset, 2, device="cuda", recompute=False)
-    forced = _run(family, preset, 2, device="cuda", planner=_forced(units))
+    forced = _run(family, preset, 2, device="cuda", planner=forced_planner(units))
     assert sum(t.kind == "rec" for t in forced.compiled.program.tasks) == 3
     for batches in _batches(saving.vocab_size, 2, 2):
         got, want = forced.step(batches).losses, saving.step(batches).losses
@@ -436,16 +425,19 @@ def test_a_shards_math_reads_nothing_on_the_host(family, preset) -> None:
             GATE_UP: (per, 2 * inner, n),
             DOWN: (per, n, inner),
         }
-        window.put(d_weights, torch.empty(tokens * k, device="meta", dtype=torch.float32))
+        window.put(ops, d_weights, torch.empty(tokens * k, device="meta", dtype=torch.float32))
 
 
 def test_the_shard_window_puts_its_rows_and_keeps_the_others() -> None:
     """``ShardWindow``: every row once, the shard's first (wrapping round); its rows added
-    into their tokens and the rest into a row nothing reads; written back only where the
-    shard's, whatever the window's other rows hold (NaN here)."""
+    into their tokens, the rest ignored; written back only where the shard's, whatever
+    the window's other rows hold (NaN here)."""
     from types import SimpleNamespace
 
     from dataflow_training.kit.moe import RoutedExperts
+    from dataflow_training.step.ops import load_ops
+
+    ops = load_ops("cpu", ("rows_add_masked", "rows_put_masked"))
 
     offsets = torch.tensor([0, 3, 3, 7, 10], dtype=torch.int32)  # 4 experts, 10 rows
     aux_temp = {"offsets": offsets, "order": torch.zeros(10, dtype=torch.int32)}
@@ -460,5 +452,9 @@ def test_the_shard_window_puts_its_rows_and_keeps_the_others() -> None:
     target = torch.arange(10.0)
     values = torch.full((10,), float("nan"))
     values[:3] = torch.tensor([-1.0, -2.0, -3.0])
-    window.put(values, target)
+    window.put(ops, values, target)
     assert target.tolist() == [-1.0, -2.0, -3.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
+    tokens = torch.tensor([1, 0, 1, 2, 2, 2, 2, 2, 2, 2])  # the window's rows' tokens
+    out = window.add(ops, values[:, None], tokens, torch.tensor([2.0] * 10), 3, 2)
+    assert out.dtype == torch.float32
+    assert out.squeeze(1).tolist() == [-4.0, -8.0, 0.0]  # the NaN rows add nothing

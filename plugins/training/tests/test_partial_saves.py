@@ -19,10 +19,10 @@ from dataflow_training.step.config import TrainConfig
 from dataflow_training.step.costs import RooflineCost
 from dataflow_training.step.family import FamilyContractError, PartialSave, partial_saves
 from dataflow_training.step.layout import StepLayout
-from dataflow_training.step.lowering import Lowered, lower
+from dataflow_training.step.lowering import lower
 from dataflow_training.testing.toy import ToyFamily
 
-from dataflow import PRESSUREFIT, InfeasibleBudget, Link, Links, PlannerSpec, plan
+from dataflow import InfeasibleBudget, Link, Links, plan
 
 pytest.importorskip("dataflow_family_gpt2")
 
@@ -171,17 +171,6 @@ def test_a_candidate_is_what_the_lowering_makes_of_its_modes(gpt2):
     assert rewriter.step_of(spliced).layout == candidate.layout
 
 
-def _forced(units, partial):
-    """A planner that plans the step with ``units`` recomputed and ``partial`` saved
-    partially (the rewriter's candidate), whatever the budget."""
-
-    def forced(program, budget_bytes, **options):
-        candidate = Rewriter(Lowered.read(program)).candidate(units, partial)
-        return PRESSUREFIT.plan(candidate.program, budget_bytes, **options)
-
-    return PlannerSpec("forced", forced)
-
-
 @pytest.mark.parametrize(
     ("family_name", "order"),
     [
@@ -193,21 +182,23 @@ def _forced(units, partial):
         ("qwen3_moe", "layer"),
     ],
 )
-def test_a_step_with_partial_saves_matches_the_reference(family_name, order):
+def test_a_step_with_partial_saves_matches_the_reference(family_name, order, forced_planner):
     """verify's step level (the engine on CPU, three steps of three rounds, against
     the reference model trained by autograd) with four of six units saved partially:
     gpt2's block, the kit's decoder block (llama3, qwen3) and its MoE block (olmoe,
     qwen3_moe: the rest re-derived with forward's routing)."""
     pytest.importorskip(f"dataflow_family_{family_name}")
-    checks, lines = _partial_step_checks(family_name, "cpu", "torch", order, steps=3)
+    checks, lines = _partial_step_checks(
+        family_name, "cpu", "torch", order, forced_planner(FULL, PARTIAL), steps=3
+    )
     assert [c for c in checks if not c.ok] == []
     assert len(checks) > 20
     assert lines and "recomputed layers: 0, 1 (saved partially: 0, 1);" in lines[0]
 
 
-def _partial_step_checks(family_name, device, resolver, order, *, steps):
+def _partial_step_checks(family_name, device, resolver, order, planner, *, steps):
     """verify's step checks of the family's tiny preset (three rounds) with
-    ``_forced(FULL, PARTIAL)``, and the plan lines the run noted."""
+    ``planner`` (``forced_planner(FULL, PARTIAL)``), and the plan lines the run noted."""
     from dataflow_training.check.verify import TOLERANCES, step_checks
     from dataflow_training.step.family import load_family
 
@@ -226,21 +217,21 @@ def _partial_step_checks(family_name, device, resolver, order, *, steps):
         tolerance=TOLERANCES["fp32"]["step"],
         resolver=resolver,
         order=order,
-        planner=_forced(FULL, PARTIAL),
+        planner=planner,
         note=lines.append,
     )
     return checks, lines
 
 
 @pytest.mark.parametrize("family_name", ["gpt2", "llama3", "olmoe"])
-def test_a_partially_saved_step_trains_bitwise_as_the_saving_one(family_name):
+def test_a_partially_saved_step_trains_bitwise_as_the_saving_one(family_name, forced_planner):
     """rederive is the tail of recompute, which forward is built on: the same bits."""
     from dataflow_training.drive.run import TrainingRun
 
     pytest.importorskip(f"dataflow_family_{family_name}")
     preset = f"{family_name}_tiny"
     saving = TrainingRun.of(family_name, preset, TRAIN, recompute=False)
-    partial = TrainingRun.of(family_name, preset, TRAIN, planner=_forced(FULL, PARTIAL))
+    partial = TrainingRun.of(family_name, preset, TRAIN, planner=forced_planner(FULL, PARTIAL))
     rec = [t for t in partial.compiled.program.tasks if t.kind == "rec"]
     assert sum("partial" in t.params for t in rec) == len(PARTIAL)
     generator = torch.Generator().manual_seed(0)
@@ -327,14 +318,16 @@ def test_partial_saves_never_make_a_step_that_fits_slower(gpt2, fraction, order)
 @pytest.mark.gpu
 @pytest.mark.parametrize("resolver", ["torch", "torch-compiled"])
 @pytest.mark.parametrize("order", ["round", "layer"])
-def test_a_step_with_partial_saves_matches_the_reference_on_cuda(resolver, order):
+def test_a_step_with_partial_saves_matches_the_reference_on_cuda(resolver, order, forced_planner):
     """The same step checks on CUDA, eager and compiled (``rederive`` compiled too), the
     steps after the first replayed from a CUDA graph."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     pytest.importorskip("dataflow_resolver_torch")
     torch.backends.cuda.matmul.allow_tf32 = False
-    checks, lines = _partial_step_checks("gpt2", "cuda", resolver, order, steps=2)
+    checks, lines = _partial_step_checks(
+        "gpt2", "cuda", resolver, order, forced_planner(FULL, PARTIAL), steps=2
+    )
     assert [c for c in checks if not c.ok] == []
     assert "recomputed layers: 0, 1 (saved partially: 0, 1);" in lines[0], lines
 

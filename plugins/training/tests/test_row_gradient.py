@@ -87,3 +87,43 @@ def test_the_decoder_embedding_returns_its_tokens_rows() -> None:
     dense = grad.dense()
     assert dense[VOCAB:].count_nonzero() == 0
     torch.testing.assert_close(dense[:VOCAB], _table(tokens, d, torch.float32), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_row_pieces_are_written_inside_a_cuda_graph() -> None:
+    """The embedding's backward into a table stored in row pieces (``vocab_pieces``) is
+    captured in a CUDA graph: no write reads an index back to the host (session 42: a
+    0-dim index tensor did, and every piece-stored embbwd ran dispatched). Replayed with
+    new tokens, each piece holds what the whole table's rows from ``first`` on hold."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    vocab, dim, pieces = 256, 32, 4
+    rows = vocab // pieces
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tokens = torch.randint(0, vocab, (2, 64), device="cuda", generator=g)
+    d = torch.randn(2 * 64, dim, device="cuda", generator=g).to(torch.bfloat16)
+    targets = [torch.zeros(rows, dim, device="cuda", dtype=torch.bfloat16) for _ in range(pieces)]
+
+    def backward() -> None:
+        grad = RowGradient.summed(tokens, d, (vocab, dim), torch.float32)
+        for index, target in enumerate(targets):
+            grad.copy_into(target, index * rows)
+            grad.add_into(target, index * rows)  # the round after: twice the gradient
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up off the default stream, as graphs ask
+        backward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backward()
+    tokens.copy_(torch.randint(0, vocab, tokens.shape, device="cuda", generator=g))
+    d.copy_(torch.randn(d.shape, device="cuda", generator=g))
+    graph.replay()
+    torch.cuda.synchronize()
+    whole = torch.zeros(vocab, dim, device="cuda")
+    whole.index_add_(0, tokens.reshape(-1), d.float())
+    twice = (whole.to(torch.bfloat16).float() + whole).to(torch.bfloat16)
+    # atomics sum the repeats in any order: a row may round one bf16 step apart, twice
+    torch.testing.assert_close(torch.cat(targets), twice, rtol=8e-3, atol=1e-3)

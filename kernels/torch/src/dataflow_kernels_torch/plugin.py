@@ -45,6 +45,10 @@ compensated AdamW.
   existing ``layer_norm``/``rms_norm`` flags say; the elementwise, cross-entropy and
   AdamW ops are True for the reasons above. The Triton kernels write each element from
   one program and reduce nothing.
+- ``rows_add_masked`` (an MoE shard's window rows summed into their tokens, ``rows.py``)
+  is False for its ``torch`` and ``triton`` variants: both add with atomics on CUDA.
+  Its ``reference`` sums on the CPU in float64 (True); ``rows_put_masked`` writes each
+  row once (True).
 
 Each claim of True is checked on CUDA by ``tests/test_determinism.py`` (bitwise-equal
 repeated runs).
@@ -155,6 +159,7 @@ def dataflow_kernels() -> list[KernelVariant]:
         *(_triton_variants() if importlib.util.find_spec("triton") is not None else []),
         *_cudnn_variants(),
         *_grouped_variants(),
+        *_rows_variants(),
         *_delta_rule_variants(),
         *_sparse_attention_variants(),
     ]
@@ -228,6 +233,11 @@ _TRITON = (
      "per bf16 parameter of --precision bf16); other tensors as adamw_compensated_multi/torch"),
     ("swiglu_fwd", "swiglu_fwd_triton", "silu(gate) * up in one Triton pass, float32 math"),
     ("swiglu_bwd", "swiglu_bwd_triton", "(dgate, dup) in one Triton pass, float32 math"),
+    ("rows_add_masked", "rows_add_masked_triton",
+     "an MoE shard's valid window rows alone loaded, scaled and added into their tokens "
+     "(float32 atomics: not deterministic); float64 or CPU as the torch variant"),
+    ("rows_put_masked", "rows_put_masked_triton",
+     "the valid window rows alone read and written; else as the torch variant"),
     ("chunked_cross_entropy", "triton_ce.chunked_cross_entropy_triton",
      "16-bit: the vocabulary padded to a multiple of 128 for the tensor cores, bf16 logits, "
      "softmax, loss and d_logits in one Triton pass per row; else as the torch variant"),
@@ -283,6 +293,38 @@ def _grouped_variants() -> list[KernelVariant]:
                 _loader("grouped", f"{op}_reference"),
                 priority=-10,
                 description="one matmul per expert over its rows (offsets read on the host)",
+            ),
+        )
+    ]
+
+
+#: the masked row ops whose torch variant adds with atomics on CUDA (``rows.py``)
+_ATOMIC_ROWS = ("rows_add_masked",)
+
+
+def _rows_variants() -> list[KernelVariant]:
+    """The masked row writes of an MoE shard's window (``rows.py``): ``torch`` over every
+    row of the window with no host read (capturable); ``reference`` the valid rows picked
+    out on the host and summed in float64."""
+    return [
+        variant
+        for op in ("rows_add_masked", "rows_put_masked")
+        for variant in (
+            KernelVariant(
+                op,
+                "torch",
+                _loader("rows", op),
+                deterministic=op not in _ATOMIC_ROWS,
+                priority=0,
+                description="every window row: cast, scaled and index_add_-ed (the invalid "
+                "into a dropped row), or rewritten with what it held where not valid",
+            ),
+            KernelVariant(
+                op,
+                "reference",
+                _loader("rows", f"{op}_reference"),
+                priority=-10,
+                description="the valid rows picked out on the host, summed in float64",
             ),
         )
     ]
@@ -403,6 +445,7 @@ def _triton_variants() -> list[KernelVariant]:
             if "." in function
             else _loader("triton_kernels", function),
             devices=("cuda",),
+            deterministic=op not in _ATOMIC_ROWS,
             priority=10,
             description=description,
         )

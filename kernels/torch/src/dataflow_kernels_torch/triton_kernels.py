@@ -21,9 +21,14 @@ imports triton, so only a variant's ``load()`` imports it.
 - ``swiglu_fwd_triton`` / ``swiglu_bwd_triton``: ``silu(gate) * up`` and its two
   gradients, one pass each (the torch variant's backward takes four kernels), float32
   math, contiguous inputs; anything else goes to the torch variant.
+- ``rows_add_masked_triton`` / ``rows_put_masked_triton`` (``rows.py``): an MoE shard's
+  window rows added into their tokens (float32 atomics) or written into their places,
+  the rows not the shard's never read; (16, 256) tiles, the size of the elementwise
+  kernels' blocks, not tuned.
 
-Every kernel is elementwise over a flat index (int64 offsets), so each output element is
-written by exactly one program: deterministic. The step's bias corrections are Python
+Every kernel but ``rows_add_masked``'s (atomics: a token's rows are summed in any order)
+is elementwise over a flat index (int64 offsets), so each output element is written by
+exactly one program: deterministic. The step's bias corrections are Python
 floats computed on the host, so nothing synchronizes with the device; when ``lr`` or
 ``step`` come as device tensors (a step replayed from a CUDA graph) the kernel reads them
 and works the corrections out itself.
@@ -40,6 +45,7 @@ import triton
 import triton.language as tl
 
 from dataflow_kernels_torch import elementwise
+from dataflow_kernels_torch import rows as rows_module
 from dataflow_kernels_torch.adamw_multi import (
     Scalar,
     adamw_compensated_multi,
@@ -185,6 +191,62 @@ def _swiglu_bwd_kernel(dy_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, BLOCK: t
     tl.store(dup_ptr + offsets, dup.to(dup_ptr.dtype.element_ty), mask=mask)
 
 
+#: a program of the masked row kernels takes a (rows, columns) tile of this size
+_ROWS_TILE = (16, 256)
+
+
+@triton.jit
+def _rows_tile(valid_ptr, n_rows, width, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # the program's (rows, columns) tile: its row indices, which are valid, its columns
+    # and the elements that move (a valid row's, inside the width)
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    valid = tl.load(valid_ptr + r, mask=r < n_rows, other=0) != 0
+    c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return r, valid, c, valid[:, None] & (c < width)[None, :]
+
+
+@triton.jit
+def _rows_add_kernel(
+    rows_ptr,
+    into_ptr,
+    valid_ptr,
+    weights_ptr,
+    out_ptr,
+    n_rows,
+    width,
+    row_stride,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # the valid rows of the tile alone load, scale and add (a row not valid moves nothing)
+    r, valid, c, mask = _rows_tile(valid_ptr, n_rows, width, BLOCK_R, BLOCK_C)
+    x = tl.load(rows_ptr + r[:, None] * row_stride + c[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if HAS_WEIGHTS:
+        x = x * tl.load(weights_ptr + r, mask=valid, other=0.0).to(tl.float32)[:, None]
+    dest = tl.load(into_ptr + r, mask=valid, other=0)
+    tl.atomic_add(out_ptr + dest[:, None] * width + c[None, :], x, mask=mask)
+
+
+@triton.jit
+def _rows_put_kernel(
+    values_ptr,
+    index_ptr,
+    valid_ptr,
+    target_ptr,
+    n_rows,
+    width,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    r, valid, c, mask = _rows_tile(valid_ptr, n_rows, width, BLOCK_R, BLOCK_C)
+    x = tl.load(values_ptr + r[:, None] * width + c[None, :], mask=mask)
+    dest = tl.load(index_ptr + r, mask=valid, other=0)
+    target = target_ptr + dest[:, None] * width + c[None, :]
+    tl.store(target, x.to(target_ptr.dtype.element_ty), mask=mask)
+
+
 def adamw_multi_triton(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -299,6 +361,69 @@ def swiglu_bwd_triton(
     n = gate.numel()
     _swiglu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](dy, gate, up, dgate, dup, n, BLOCK=_BLOCK)
     return dgate, dup
+
+
+def rows_add_masked_triton(
+    rows: torch.Tensor,
+    into: torch.Tensor,
+    valid: torch.Tensor,
+    weights: torch.Tensor | None,
+    count: int,
+    *,
+    slices: int = 1,
+) -> torch.Tensor:
+    """``rows_add_masked`` (``rows.py``) in one pass where only the valid rows move (float32
+    atomics; ``slices`` is not needed: no float32 copy of the rows is made); float64 rows,
+    rows whose columns are not contiguous and CPU tensors go to the torch variant."""
+    if not _rows_add_applies(rows, into, valid, weights):
+        return rows_module.rows_add_masked(rows, into, valid, weights, count, slices=slices)
+    width = rows.shape[1]
+    out = torch.zeros(count, width, dtype=torch.float32, device=rows.device)
+    if rows.shape[0] and width:
+        block_r, block_c = _ROWS_TILE
+        grid = (triton.cdiv(rows.shape[0], block_r), triton.cdiv(width, block_c))
+        _rows_add_kernel[grid](
+            rows, into, valid.view(torch.uint8), rows if weights is None else weights, out,
+            rows.shape[0], width, rows.stride(0),
+            HAS_WEIGHTS=weights is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+        )  # fmt: skip
+    return out
+
+
+def rows_put_masked_triton(
+    values: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, target: torch.Tensor
+) -> None:
+    """``rows_put_masked`` (``rows.py``) in one pass: only the valid rows are read and
+    written; anything but contiguous CUDA tensors goes to the torch variant."""
+    rows_module.check_put(values, index, valid, target)
+    if not (
+        _on_kernel_device(values)
+        and values.device == target.device == index.device == valid.device
+        and all(t.is_contiguous() for t in (values, index, valid, target))
+        and index.dtype == torch.int64
+    ):
+        return rows_module.rows_put_masked(values, index, valid, target)
+    width = values[0].numel() if values.shape[0] else 0
+    if values.shape[0] and width:
+        block_r, block_c = _ROWS_TILE
+        grid = (triton.cdiv(values.shape[0], block_r), triton.cdiv(width, block_c))
+        _rows_put_kernel[grid](
+            values, index, valid.view(torch.uint8), target, values.shape[0], width,
+            BLOCK_R=block_r, BLOCK_C=block_c,
+        )  # fmt: skip
+    return None
+
+
+def _rows_add_applies(rows, into, valid, weights) -> bool:
+    rows_module.check_add(rows, into, valid, weights)
+    others = (into, valid) if weights is None else (into, valid, weights)
+    return (
+        rows.dtype in _PARAM_DTYPES
+        and _on_kernel_device(rows)
+        and (rows.shape[1] <= 1 or rows.stride(1) == 1)
+        and into.dtype == torch.int64
+        and all(t.device == rows.device and t.is_contiguous() for t in others)
+    )
 
 
 def _on_kernel_device(t: torch.Tensor) -> bool:

@@ -57,7 +57,7 @@ RESUMED = {
             "steps data batch rounds seq_len checkpoint_every checkpoint_minutes keep lr "
             "warmup schedule "
             "min_lr_ratio seed precision dtype optimizer_states graph recompute order updates resolver "
-            "head_vocab_tiles head_accumulate vocab_pieces vocab_size eval_every eval_tokens val_data optimizer optimizer_args "
+            "head_vocab_tiles head_accumulate vocab_pieces block_row_groups vocab_size eval_every eval_tokens val_data optimizer optimizer_args "
             "freeze phases lora lora_alpha lora_dropout lora_targets lora_base pack_documents"
         ).split()
     },

@@ -73,6 +73,7 @@ class TrainOptions:
     head_vocab_tiles: bool = False  # TrainConfig.head_vocab_tiles
     head_accumulate: str = "float32"  # TrainConfig.head_accumulate
     vocab_pieces: int = 1  # TrainConfig.vocab_pieces
+    block_row_groups: int = 1  # TrainConfig.block_row_groups
     #: the registered resolver that runs the tasks, or "auto" (``run.resolver_for``)
     resolver: str = "auto"
     #: a Hugging Face model folder whose weights start the run (``hf_init``); its config's
@@ -150,6 +151,7 @@ class TrainOptions:
             head_vocab_tiles=self.head_vocab_tiles,
             head_accumulate=self.head_accumulate,
             vocab_pieces=self.vocab_pieces,
+            block_row_groups=self.block_row_groups,
             freeze=self.freeze,
             lora=self.lora_config,
             segments=self.pack_documents,

@@ -93,7 +93,10 @@ def search_for(
     cache = None if os.environ.get(SEARCH_CACHE_ENV) else SearchCache.default()
     key = None
     if cache is not None:
-        start = attrs.evolve(o, seq_len=seq_len, batch=1, rounds=1, order="round", updates="end")
+        start = attrs.evolve(
+            o, seq_len=seq_len, batch=1, rounds=1, order="round", updates="end",
+            block_row_groups=1,
+        )  # fmt: skip
         names = [pins.resolver] if pins.resolver else resolver_options(o.device)
         identity = pricing.identity(family, names)
         if identity is not None:  # else priced by what the cache cannot name: not kept
@@ -114,7 +117,12 @@ def search_for(
     if kept is not None:
         return _chosen(o, kept), kept
     while True:
-        shaped = attrs.evolve(o, seq_len=seq_len, batch=1, rounds=1, order="round", updates="end")
+        # priced without row groups (a pin the batch must honour: train_cli asks for
+        # --batch with --block-row-groups); the run takes the options' own
+        shaped = attrs.evolve(
+            o, seq_len=seq_len, batch=1, rounds=1, order="round", updates="end",
+            block_row_groups=1,
+        )  # fmt: skip
         searcher = Searcher(
             family,
             o.preset,

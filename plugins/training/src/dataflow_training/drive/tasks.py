@@ -378,6 +378,35 @@ class _Exec:
                 f"task {self.task.id}: {self.task.compute_key} {exc}"
             ) from None
 
+    def run_rows(
+        self, function: str, rows: list[Put], whole: list[Put], cut: tuple[int, ...], *args: Any
+    ) -> None:
+        """``run_into`` over the task's ``row_groups`` (``TrainConfig.block_row_groups``;
+        1: the batch at once) groups of the round's sequences, one after the other: the
+        ``rows`` puts' targets and the args at positions ``cut`` (tensors, or dicts of
+        them) cut to the group's rows (every one batch-major, as the lowering checked),
+        the ``whole`` puts (gradients) written by the first group as given and added by
+        the others."""
+        groups = self.task.params.get("row_groups", 1)
+        if groups == 1:
+            self.run_into(function, [*rows, *whole], *args)
+            return
+        for group in range(groups):
+
+            def part(t: torch.Tensor, group: int = group) -> torch.Tensor:
+                size = t.shape[0] // groups  # the batch times one sequence's rows
+                return t[group * size : (group + 1) * size]
+
+            given = [
+                ({k: part(v) for k, v in a.items()} if isinstance(a, dict) else part(a))
+                if i in cut
+                else a
+                for i, a in enumerate(args)
+            ]
+            puts = [(path, part(target), add, what) for path, target, add, what in rows]
+            puts += [(path, target, add or group > 0, what) for path, target, add, what in whole]
+            self.run_into(function, puts, *given)
+
     def zero_gaps(self, ctx: LaunchContext, obj: str) -> None:
         """Zeros in a created object's padding, so flat spans over it are clean."""
         buffer = self.buffer(ctx, obj)
@@ -425,9 +454,11 @@ class BlockForward(_Exec):
             puts += self.puts(
                 ctx, "aux_temp", (2,), "aux_temp tensor", obj=self.slot.one("aux_temp")
             )
-        self.run_into(
+        self.run_rows(
             "forward",
             puts,
+            [],
+            (2,),
             self.tasks.config,
             self.named(ctx, "w"),
             self.one(ctx, "x"),
@@ -443,9 +474,11 @@ class BlockRecompute(_Exec):
         partial = self.task.params.get("partial")
         if partial is not None:
             (kept,), (rest,) = self.slot.inputs["saved"], self.slot.outputs["saved"]
-            self.run_into(
+            self.run_rows(
                 "rederive",
                 self.puts(ctx, "saved", (), f"{partial!r} tensor", obj=rest),
+                [],
+                (2, 3),
                 self.tasks.config,
                 self.named(ctx, "w"),
                 self.one(ctx, "x"),
@@ -455,9 +488,11 @@ class BlockRecompute(_Exec):
                 partial,
             )
             return
-        self.run_into(
+        self.run_rows(
             "recompute",
             self.puts(ctx, "saved", (), "saved tensor", obj=self.slot.one("saved")),
+            [],
+            (2,),
             self.tasks.config,
             self.named(ctx, "w"),
             self.one(ctx, "x"),
@@ -472,10 +507,11 @@ class BlockBackward(_Exec):
         puts: list[Put] = [
             ((0,), self.buffer(ctx, dx), False, "dx") for dx in self.slot.objects("dx")
         ]
-        puts += self.puts(ctx, "grad", (1,), "gradient", grads=True)
-        self.run_into(
+        self.run_rows(
             "backward",
             puts,
+            self.puts(ctx, "grad", (1,), "gradient", grads=True),
+            (2, 3, 5),
             self.tasks.config,
             self.named(ctx, "w"),
             self.one(ctx, "x"),
@@ -509,11 +545,13 @@ class _Apart(_Exec):
         self._check_given(what, value, target)
         (target.add_ if add else target.copy_)(value)
 
-    def put_rows(self, what: str, value: Any, target: torch.Tensor, window: Any) -> None:
+    def put_rows(
+        self, ctx: LaunchContext, what: str, value: Any, target: torch.Tensor, window: Any
+    ) -> None:
         """A shard's rows of ``value`` (in ``window``'s order: a ``kit.moe.ShardWindow``)
         into ``target`` (every row of the layer); the others keep theirs."""
         self._check_given(what, value, target)
-        window.put(value, target)
+        window.put(self.tasks.ops(ctx.device), value, target)
 
     def _check_given(self, what: str, value: Any, target: torch.Tensor) -> None:
         if value is None:
@@ -585,7 +623,7 @@ class ExpertsForward(_Apart):
         y = self.buffer(ctx, self.slot.one("y"))
         self.put("output", out.to(y.dtype).view_as(y), y, add=True)
         if "gate_up" in experts:
-            self.put_rows("gate_up rows", gate_up, experts["gate_up"], window)
+            self.put_rows(ctx, "gate_up rows", gate_up, experts["gate_up"], window)
 
 
 class ExpertsBackward(_Apart):
@@ -609,7 +647,7 @@ class ExpertsBackward(_Apart):
         if made:
             self.buffer(ctx, d_obj).zero_()
         self.put("gradient of the experts' input", d_moe_in, d["d_moe_in"], add=True)
-        self.put_rows("routing weights' gradient", d_weights, d["d_weights"], window)
+        self.put_rows(ctx, "routing weights' gradient", d_weights, d["d_weights"], window)
         if self.slot.objects("grad"):
             self.store_grads(ctx, "grad", grads)
 

@@ -195,45 +195,32 @@ class ShardWindow:
     from the shard's first row on and wrapping round, so the shard's rows come first;
     ``valid`` (R,) bool, True for the shard's. The grouped GEMMs, given the shard's
     offsets, compute the shard's rows alone (those past them are left as their buffer
-    held them); the rows are then added into their tokens, the others into a row past
-    the tokens that nothing reads, and written back (``put``) where they are the
-    shard's."""
+    held them); the valid rows are then added into their tokens (``rows_add_masked``) and
+    written back (``put``, ``rows_put_masked``): the masked row ops, whose Triton variant
+    reads the valid rows alone."""
 
     rows: torch.Tensor
     valid: torch.Tensor
 
-    def into(self, tokens: torch.Tensor, count: int) -> torch.Tensor:
-        """The token each window row adds into: its own for the shard's rows, ``count``
-        (one past the last token) for the others."""
-        return torch.where(self.valid, tokens, count)
+    def add(
+        self,
+        ops: Any,
+        values: torch.Tensor,
+        tokens: torch.Tensor,
+        weights: torch.Tensor | None,
+        count: int,
+        shards: int,
+    ) -> torch.Tensor:
+        """(count, hidden) float32: each of the shard's rows of ``values`` (the window's
+        order; times its ``weights``) added into its token (``tokens``, the window's
+        order), the other rows ignored, whatever they hold. The torch variant's float32
+        copy of the rows is made a shard's share at a time (``slices``)."""
+        return ops["rows_add_masked"](values, tokens, self.valid, weights, count, slices=shards)
 
-    def put(self, values: torch.Tensor, target: torch.Tensor) -> None:
+    def put(self, ops: Any, values: torch.Tensor, target: torch.Tensor) -> None:
         """``values`` (the window's order) into ``target`` (every row, expert order) at the
         shard's rows; the other rows keep what they hold."""
-        mask = self.valid.view(-1, *([1] * (values.dim() - 1)))
-        kept = target[self.rows]
-        target.index_copy_(0, self.rows, torch.where(mask, values.to(target.dtype), kept))
-
-
-def _add_rows(
-    shape: torch.Size,
-    into: torch.Tensor,
-    rows: torch.Tensor,
-    weights: torch.Tensor | None,
-    shard: tuple[int, int],
-) -> torch.Tensor:
-    """(tokens, hidden) float32: each window row (times its ``weights``) added into its
-    token (``into``; a row past the tokens catches the rows not the shard's, whatever
-    they hold). In as many slices as the layer has shards, so that the float32 copy of the
-    rows is one shard's share at a time, not the whole window's."""
-    out = torch.zeros(shape[0] + 1, shape[-1], dtype=torch.float32, device=rows.device)
-    step = -(-rows.shape[0] // shard[1]) if rows.shape[0] else 1
-    for first in range(0, rows.shape[0], step):
-        part = rows[first : first + step].float()
-        if weights is not None:
-            part.mul_(weights[first : first + step, None])
-        out.index_add_(0, into[first : first + step], part)
-    return out[: shape[0]]
+        ops["rows_put_masked"](values, self.rows, self.valid, target)
 
 
 def _gate_up(config: MoEConfig, params: Tensors, h2: torch.Tensor, aux_temp: Tensors, ops: Any):
@@ -345,7 +332,14 @@ class RoutedExperts:
     #: the config field of the experts' width (DeepSeek's ``moe_intermediate_size``)
     width: str = "intermediate_size"
 
-    ops = ("swiglu_fwd", "swiglu_bwd", "grouped_mm", "grouped_mm_wgrad")
+    ops = (
+        "swiglu_fwd",
+        "swiglu_bwd",
+        "grouped_mm",
+        "grouped_mm_wgrad",
+        "rows_add_masked",
+        "rows_put_masked",
+    )
     aux_scope = "model"
     #: every block of these experts, whatever its kind, adds its loads to ``Aux_moe``
     aux_key = "moe"
@@ -646,7 +640,7 @@ class RoutedExperts:
         act = ops["swiglu_fwd"](*_split(gate_up))
         rows = ops["grouped_mm"](act, params[DOWN], offsets)
         del act
-        out = _add_rows(moe_in.shape, window.into(tokens, moe_in.shape[0]), rows, weights, shard)
+        out = window.add(ops, rows, tokens, weights, moe_in.shape[0], shard[1])
         return out, gate_up, window
 
     def experts_backward(
@@ -688,8 +682,7 @@ class RoutedExperts:
         del rows_in
         d_in = ops["grouped_mm"](d_gate_up, params[GATE_UP].transpose(1, 2), offsets)
         del d_gate_up
-        into = window.into(tokens, moe_in.shape[0])
-        d_moe_in = _add_rows(moe_in.shape, into, d_in, None, shard)
+        d_moe_in = window.add(ops, d_in, tokens, None, moe_in.shape[0], shard[1])
         return d_moe_in, d_row_weights.float(), window, grads
 
     def route_backward(

@@ -235,7 +235,15 @@ class TrainConfig:
     ``"gradient"``: each chunk's product added straight into the 16-bit gradient object
     (in the matmul, scaled first), so no such table exists: a rounding a chunk instead of
     one a round, for a head whose workspace bounds a small budget. Only with 16-bit
-    weights, an untied head and no ``head_vocab_tiles``."""
+    weights, an untied head and no ``head_vocab_tiles``.
+
+    ``block_row_groups``: each block task (forward, recompute, backward) runs its math
+    over the round's sequences in that many groups, one after the other, each group's
+    gradients added into the block's as a round's are: the same work, about 1/N of the
+    task's workspace (Qwen 3.5's linear block's backward holds 3.8 GB at batch 4), the
+    gradients rounded once more a group. It must divide ``batch``. 1 (the default) runs
+    the whole batch at once. Refused for blocks with routing, Aux or another layer's
+    objects, with segments and with LoRA (the lowering says which)."""
 
     seq_len: int = attrs.field(validator=_positive)
     batch: int = attrs.field(default=1, validator=_positive)
@@ -253,8 +261,14 @@ class TrainConfig:
     segments: bool = False
     vocab_pieces: int = attrs.field(default=1, validator=_positive)
     head_accumulate: str = attrs.field(default="float32", validator=_head_accumulate)
+    block_row_groups: int = attrs.field(default=1, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
+        if self.batch % self.block_row_groups:
+            raise ValueError(
+                f"block_row_groups={self.block_row_groups} (--block-row-groups) must divide "
+                f"batch={self.batch}"
+            )
         if self.head_accumulate == "gradient" and self.head_vocab_tiles:
             raise ValueError(
                 "head_accumulate='gradient' cannot go with head_vocab_tiles: the tiles make "
@@ -295,6 +309,7 @@ OMITTED_DEFAULTS = {
     "segments": False,
     "vocab_pieces": 1,
     "head_accumulate": "float32",
+    "block_row_groups": 1,
 }
 
 
@@ -312,6 +327,7 @@ def omit_empty_freeze(converter: Any) -> None:
             segments=override(omit_if_default=True),
             vocab_pieces=override(omit_if_default=True),
             head_accumulate=override(omit_if_default=True),
+            block_row_groups=override(omit_if_default=True),
         ),
     )
     # a LoRA run with its base in the run's dtype is written as before --lora-base

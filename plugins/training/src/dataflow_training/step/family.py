@@ -358,9 +358,11 @@ class RowGradient:
         the writes to one index all carry the same bytes, as ``rows``' repeats do, and no
         index outside the rows given changes. No host synchronization: the shapes are the
         round's token count whatever the tokens."""
-        pick = inside.squeeze(1).to(local.dtype).argmax()  # the first inside, or 0
-        index = local.where(inside.squeeze(1), local[pick])
-        target.index_put_((index,), new.where(inside, new[pick]).to(target.dtype))
+        # the first inside, or 0: a (1,) index, never a 0-dim one (indexing with a 0-dim
+        # tensor reads it to the host, which a CUDA graph's capture refuses)
+        pick = inside.squeeze(1).to(local.dtype).argmax().reshape(1)
+        index = local.where(inside.squeeze(1), local.index_select(0, pick))
+        target.index_put_((index,), new.where(inside, new.index_select(0, pick)).to(target.dtype))
 
     def dense(self) -> Any:
         """The whole gradient as one tensor of ``values``' dtype."""

@@ -236,6 +236,8 @@ def lower(
         _check_segments(family, config, layers)
     if train.head_accumulate == "gradient":
         _check_head_accumulate(family, layers, train)
+    if train.block_row_groups > 1:
+        _check_row_groups(family, config, layers, train)
     for r, i in sorted(partial_of):
         if blocks[i].kind in kinds.apart:
             raise ValueError(
@@ -376,6 +378,40 @@ def _check_head_accumulate(family: Any, layers: Any, train: TrainConfig) -> None
             "the weights' dtype; "
             f"the weights are {policy.param}, their gradients {policy.grad}: use 'float32'"
         )
+
+
+def _check_row_groups(
+    family: Family, config: Any, layers: tuple[LayerSpec, ...], train: TrainConfig
+) -> None:
+    """``block_row_groups`` > 1 runs each block task's math over groups of the round's
+    sequences (``drive.tasks``): a ValueError naming what stands in the way. The groups
+    must be independent and their results rows of the task's objects: no routing
+    (AuxTemp), Aux, leader or loss term of a block's own (each sums or decides over the
+    whole batch), every saved tensor batch-major (its first dimension ``batch`` times
+    that of one sequence), no segments and no LoRA (their per-round inputs are not cut)."""
+    option = f"block_row_groups={train.block_row_groups} (--block-row-groups)"
+    if train.segments:
+        raise ValueError(f"{option} cannot go with segments (--pack-documents)")
+    if train.lora is not None:
+        raise ValueError(f"{option} cannot go with LoRA (--lora)")
+    batch, seq = train.batch, train.seq_len
+    for block in layers[1:-1]:
+        math_ = family.math(block.kind)
+        where = f"{option}: family {family.name!r}, layer {block.name!r} ({block.kind!r})"
+        if block.aux or block.leader or hasattr(math_, "objective"):
+            raise ValueError(
+                f"{where} has Aux, a leader or a loss term of its own, summed over the "
+                "whole batch; use 1"
+            )
+        if math_.aux_temp(config, batch, seq):
+            raise ValueError(f"{where} routes (AuxTemp), decided over the whole batch; use 1")
+        one = {spec.name: tuple(spec.shape) for spec in math_.saved(config, 1, seq)}
+        for spec in math_.saved(config, batch, seq):
+            shape, single = tuple(spec.shape), one.get(spec.name)
+            if single is None or shape != (single[0] * batch, *single[1:]):
+                raise ValueError(
+                    f"{where} saves {spec.name!r} of shape {shape}, not batch-major; use 1"
+                )
 
 
 def _check_segments(family: Family, config: Any, layers: tuple[LayerSpec, ...]) -> None:

@@ -98,6 +98,8 @@ class StepChain:
             params["kind"] = self.kinds[layer]
         if shard is not None:  # an expert shard's task: its index and the shard count
             params["shard"], params["shards"] = shard
+        if kind in ("fwd", "rec", "bwd") and self.train.block_row_groups > 1:
+            params["row_groups"] = self.train.block_row_groups  # another workspace
         if kind == "fwd":
             params["save"] = save
             if zero_aux:

@@ -1,0 +1,134 @@
+"""Row writes over a window of which only some rows count (MoE expert shards).
+
+A shard of a layer's experts works over a window of every expert row of the layer, its
+own first (``kit.moe.ShardWindow``), so that its shapes do not depend on the routing and a
+CUDA graph can replay it. Only the rows ``valid`` marks are the shard's; the others hold
+whatever their buffers held (anything, NaN included) and must cost as little as can be:
+
+- ``rows_add_masked(rows, into, valid, weights, count, *, slices=1) -> out``: ``out``
+  (count, hidden) float32 (float64 for float64 rows), zero but for ``out[into[i]] +=
+  rows[i] * weights[i]`` over every ``i`` with ``valid[i]`` (``weights`` (R,) or None:
+  no factor). rows (R, hidden); into (R,) int64, read only where valid; valid (R,) bool.
+  ``slices`` cuts the float32 copy of the rows a variant makes into that many pieces (the
+  torch variant's workspace; others may ignore it).
+- ``rows_put_masked(values, index, valid, target) -> None``: ``target[index[i]] =
+  values[i]`` (in target's dtype) for every ``i`` with ``valid[i]``; the other rows of
+  ``target`` keep theirs. values (R, ...) and target (N, ...) with the same trailing
+  shape; index (R,) int64 in range and without repeats, the invalid rows' entries too
+  (the torch variant rewrites those rows with what they held; a window's rows are a
+  permutation of the layer's).
+
+Variants:
+
+- ``reference``: the valid rows picked out on the host (a device-to-host read), summed by
+  ``index_add_`` in float64 on the CPU and returned on the rows' device: deterministic, any
+  device; the truth the others are tested against.
+- ``torch``: every row, in ``slices`` pieces: the rows cast to float32, scaled, and
+  ``index_add_``-ed into their tokens, the rows not valid into one row past the tokens
+  that is dropped (no host read: capturable); ``rows_put_masked`` rewrites every window
+  row, the invalid ones with what ``target`` held. On CUDA the adds are atomics (the
+  order of a token's sum varies: not deterministic there).
+- ``triton`` (``triton_kernels.py``, CUDA): one pass over the rows where only valid rows
+  load, multiply and add (atomics into float32) or store; a block of rows with none valid
+  ends at once. At qwen3_5_moe_cut's batch 2 the torch variant's cast, scale and
+  ``index_add_`` over the whole window (every invalid row adding into the one dropped row,
+  a hot spot for the atomics) took about 1.8 ms of a shard's 3.1 ms forward task on the
+  H200 (session 42, ``results/tasks_qwen3_5_moe_cut_b2_h200_session42.json``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_add(rows: torch.Tensor, into: torch.Tensor, valid: torch.Tensor, weights) -> None:
+    """``rows_add_masked``'s shapes and ``valid``'s dtype, or ValueError naming the operand."""
+    if rows.dim() != 2:
+        raise ValueError(f"rows_add_masked: rows must be (R, hidden), got {tuple(rows.shape)}")
+    for name, t in (("into", into), ("valid", valid), ("weights", weights)):
+        if t is not None and tuple(t.shape) != (rows.shape[0],):
+            raise ValueError(
+                f"rows_add_masked: {name} must be ({rows.shape[0]},), got {tuple(t.shape)}"
+            )
+    if valid.dtype != torch.bool:
+        raise ValueError(f"rows_add_masked: valid must be bool, got {valid.dtype}")
+
+
+def _accumulator(rows: torch.Tensor) -> torch.dtype:
+    return torch.float64 if rows.dtype == torch.float64 else torch.float32
+
+
+def rows_add_masked_reference(
+    rows: torch.Tensor,
+    into: torch.Tensor,
+    valid: torch.Tensor,
+    weights: torch.Tensor | None,
+    count: int,
+    *,
+    slices: int = 1,
+) -> torch.Tensor:
+    """The valid rows alone, summed in float64 on the CPU (see the module docstring)."""
+    check_add(rows, into, valid, weights)
+    keep = valid.cpu()
+    picked = rows.detach().cpu()[keep].double()
+    if weights is not None:
+        picked = picked * weights.detach().cpu()[keep].double()[:, None]
+    out = torch.zeros(count, rows.shape[1], dtype=torch.float64)
+    out.index_add_(0, into.cpu()[keep], picked)
+    return out.to(device=rows.device, dtype=_accumulator(rows))
+
+
+def rows_add_masked(
+    rows: torch.Tensor,
+    into: torch.Tensor,
+    valid: torch.Tensor,
+    weights: torch.Tensor | None,
+    count: int,
+    *,
+    slices: int = 1,
+) -> torch.Tensor:
+    """Every row, in ``slices`` pieces, the invalid ones into a dropped row past ``count``
+    (see the module docstring)."""
+    check_add(rows, into, valid, weights)
+    acc = _accumulator(rows)
+    target = torch.where(valid, into, count)
+    out = torch.zeros(count + 1, rows.shape[1], dtype=acc, device=rows.device)
+    step = -(-rows.shape[0] // max(slices, 1)) if rows.shape[0] else 1
+    for first in range(0, rows.shape[0], step):
+        part = rows[first : first + step].to(acc, copy=True)  # never scale the caller's rows
+        if weights is not None:
+            part.mul_(weights[first : first + step, None])
+        out.index_add_(0, target[first : first + step], part)
+    return out[:count]
+
+
+def check_put(values, index, valid, target) -> None:
+    """``rows_put_masked``'s shapes and ``valid``'s dtype, or ValueError naming them."""
+    if values.shape[1:] != target.shape[1:] or tuple(index.shape) != (values.shape[0],):
+        raise ValueError(
+            f"rows_put_masked: values {tuple(values.shape)}, index {tuple(index.shape)} and "
+            f"target {tuple(target.shape)} do not agree (values (R, ...), index (R,), "
+            "target (N, ...))"
+        )
+    if tuple(valid.shape) != (values.shape[0],) or valid.dtype != torch.bool:
+        raise ValueError(f"rows_put_masked: valid must be ({values.shape[0]},) bool")
+
+
+def rows_put_masked_reference(
+    values: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, target: torch.Tensor
+) -> None:
+    """The valid rows picked out (a host read) and written."""
+    check_put(values, index, valid, target)
+    keep = valid.nonzero().squeeze(1)
+    target[index[keep]] = values[keep].to(target.dtype)
+
+
+def rows_put_masked(
+    values: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, target: torch.Tensor
+) -> None:
+    """Every window row rewritten, the invalid ones with what ``target`` held (no host
+    read)."""
+    check_put(values, index, valid, target)
+    mask = valid.view(-1, *([1] * (values.dim() - 1)))
+    kept = target[index]
+    target.index_copy_(0, index, torch.where(mask, values.to(target.dtype), kept))
