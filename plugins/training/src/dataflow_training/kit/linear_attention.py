@@ -114,24 +114,38 @@ def delta_rule_flops(batch: int, seq_len: int, heads: int, k_dim: int, v_dim: in
 # -- elementwise pieces, each with its backward -------------------------------------------
 
 
+def _shifted_sum(x: torch.Tensor, taps: torch.Tensor, before: int, after: int) -> torch.Tensor:
+    """sum_j taps[:, j] * x[t - before + j] over the kernel's taps (x (batch, seq,
+    channels) padded with ``before`` zero tokens in front and ``after`` behind), in float32
+    at least and returned in x's dtype. Shifted products, not ``F.conv1d``: compiled, the
+    sum is one fused elementwise kernel; aten's depthwise convolution kernel took 0.72 ms
+    of a 7.05 ms qwen3_5_cut linear block forward at batch 2 on the H200, and its two
+    calls in the backward 1.48 ms of 15.03 (session 42, results/tasks_qwen3_5_cut_b2_h200_session42.json)."""
+    seq, total = x.shape[1], accumulation_dtype(x.dtype)
+    padded = F.pad(x, (0, 0, before, after)).to(total)
+    taps = taps.to(total)
+    out = padded[:, 0:seq] * taps[:, 0]
+    for j in range(1, taps.shape[1]):
+        out = out + padded[:, j : j + seq] * taps[:, j]
+    return out.to(x.dtype)
+
+
 def _conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Causal depthwise convolution of x (batch, seq, channels) by weight (channels, 1,
     kernel): out[t] = sum_j weight[:, 0, j] * x[t - kernel + 1 + j] (zeros before 0)."""
-    kernel, seq = weight.shape[-1], x.shape[1]
-    out = F.conv1d(x.transpose(1, 2), weight.to(x.dtype), padding=kernel - 1, groups=x.shape[2])
-    return out[..., :seq].transpose(1, 2)
+    kernel = weight.shape[-1]
+    return _shifted_sum(x, weight[:, 0], kernel - 1, 0)
 
 
 def _conv_backward(
     x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, d_weight) of ``_conv``: dx the flipped kernel run over dy padded on the right;
-    d_weight[:, 0, j] the sum over tokens of dy[t] * x[t - kernel + 1 + j]."""
-    kernel, seq, channels = weight.shape[-1], x.shape[1], x.shape[2]
+    """(dx, d_weight) of ``_conv``: dx[t] = sum_j weight[:, 0, j] * dy[t + kernel - 1 - j]
+    (the flipped kernel over dy padded on the right); d_weight[:, 0, j] the sum over
+    tokens of dy[t] * x[t - kernel + 1 + j]."""
+    kernel, seq = weight.shape[-1], x.shape[1]
+    dx = _shifted_sum(dy, weight[:, 0].flip(-1), 0, kernel - 1)
     dy_t = dy.transpose(1, 2)
-    dx = F.conv1d(
-        F.pad(dy_t, (0, kernel - 1)), weight.flip(-1).to(dy.dtype), groups=channels
-    ).transpose(1, 2)
     x_padded = F.pad(x.transpose(1, 2), (kernel - 1, 0))
     total = accumulation_dtype(dy.dtype)
     d_weight = torch.stack(
