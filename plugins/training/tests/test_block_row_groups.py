@@ -86,6 +86,7 @@ def test_the_block_tasks_say_so_and_are_profiled_apart() -> None:
     """The block tasks carry ``row_groups`` (their signature, the profile cache's key,
     then differs: their workspace is about a group's); the embedding and head tasks do
     not; the default lowers and writes as before the field existed."""
+    pytest.importorskip("dataflow_family_llama3")
     from dataflow_training.plan.profile import signature
     from dataflow_training.step.config import OMITTED_DEFAULTS
 
@@ -111,6 +112,7 @@ def test_what_stands_in_its_way_is_refused_by_name() -> None:
         _train(3)
     with pytest.raises(ValueError, match="block_row_groups must be >= 1"):
         _train(0)
+    pytest.importorskip("dataflow_family_llama3")
     with pytest.raises(ValueError, match="cannot go with segments"):
         lower(load_family("llama3"), "llama3_tiny", _train(2, segments=True))
     pytest.importorskip("dataflow_family_qwen3_5_moe")
@@ -119,6 +121,7 @@ def test_what_stands_in_its_way_is_refused_by_name() -> None:
 
 
 def test_the_command_takes_the_option_and_refuses_a_bad_one_in_one_line(tmp_path) -> None:
+    pytest.importorskip("dataflow_family_llama3")
     from dataflow.testing import FAILURE_EXIT, assert_one_line_error, invoke
 
     result = invoke(
