@@ -93,10 +93,7 @@ def search_for(
     cache = None if os.environ.get(SEARCH_CACHE_ENV) else SearchCache.default()
     key = None
     if cache is not None:
-        start = attrs.evolve(
-            o, seq_len=seq_len, batch=1, rounds=1, order="round", updates="end",
-            block_row_groups=1,
-        )  # fmt: skip
+        start = _unshaped(o, seq_len)
         names = [pins.resolver] if pins.resolver else resolver_options(o.device)
         identity = pricing.identity(family, names)
         if identity is not None:  # else priced by what the cache cannot name: not kept
@@ -117,12 +114,7 @@ def search_for(
     if kept is not None:
         return _chosen(o, kept), kept
     while True:
-        # priced without row groups (a pin the batch must honour: train_cli asks for
-        # --batch with --block-row-groups); the run takes the options' own
-        shaped = attrs.evolve(
-            o, seq_len=seq_len, batch=1, rounds=1, order="round", updates="end",
-            block_row_groups=1,
-        )  # fmt: skip
+        shaped = _unshaped(o, seq_len)
         searcher = Searcher(
             family,
             o.preset,
@@ -147,6 +139,16 @@ def search_for(
     if found.chosen is not None:
         searcher.keep_plan(found.chosen.shape)  # compile_step takes it, not plans it again
     return _chosen(o, found), found
+
+
+def _unshaped(o: Any, seq_len: int) -> Any:
+    """``o`` at ``seq_len`` with the shape the search starts from (batch 1, one round,
+    round order, updates at the end): what the search cache's key and the searcher take.
+    Priced without row groups (a pin the batch must honour: train_cli asks for --batch
+    with --block-row-groups); the run takes the options' own."""
+    return attrs.evolve(
+        o, seq_len=seq_len, batch=1, rounds=1, order="round", updates="end", block_row_groups=1
+    )
 
 
 def machine_host_bytes() -> int | None:

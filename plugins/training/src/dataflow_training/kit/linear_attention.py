@@ -119,9 +119,9 @@ def _shifted_sum(x: torch.Tensor, taps: torch.Tensor, before: int, after: int) -
     channels) padded with ``before`` zero tokens in front and ``after`` behind), in float32
     at least and returned in x's dtype. Shifted products, not ``F.conv1d``: compiled, the
     sum can fuse into one elementwise kernel (not yet measured on the device); aten's
-    depthwise convolution kernel took 0.72 ms
-    of a 7.05 ms qwen3_5_cut linear block forward at batch 2 on the H200, and its two
-    calls in the backward 1.48 ms of 15.03 (session 42, results/tasks_qwen3_5_cut_b2_h200_session42.json)."""
+    depthwise convolution kernel took 0.72 ms of a 7.05 ms qwen3_5_cut linear block
+    forward at batch 2 on the H200, and its two calls in the backward 1.48 ms of 15.03
+    (session 42, results/tasks_qwen3_5_cut_b2_h200_session42.json)."""
     seq, total = x.shape[1], accumulation_dtype(x.dtype)
     padded = F.pad(x, (0, 0, before, after)).to(total)
     taps = taps.to(total)
