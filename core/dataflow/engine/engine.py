@@ -285,13 +285,19 @@ class Engine:
                 self.program, backend, self.budget_bytes, self.slow_budget_bytes
             )
             failure: Exception | None = None
-            with torch.cuda.graph(graph, stream=capture.compute_stream):
-                capture.fork()
-                try:
-                    trace = dispatcher.run()
-                except Exception as exc:  # end the capture cleanly, then report it
-                    failure = exc
-                capture.join()  # the copy streams rejoin; the capture ends where it began
+            try:
+                with torch.cuda.graph(graph, stream=capture.compute_stream):
+                    capture.fork()
+                    try:
+                        trace = dispatcher.run()
+                    except Exception as exc:  # end the capture cleanly, then report it
+                        failure = exc
+                    capture.join()  # the copy streams rejoin; the capture ends where it began
+            except Exception:
+                # ending a capture that a task broke fails too ("operation failed due to a
+                # previous error during capture"): the task's error is the one to report
+                if failure is None:
+                    raise
             if failure is not None:
                 raise failure
             self.memsets_replaced = memsets_to_kernels(graph.raw_cuda_graph())

@@ -200,3 +200,59 @@ def test_each_compiled_block_function_has_a_code_object_of_its_own() -> None:
     codes = {id(w._torchdynamo_orig_callable.__code__) for w in wrappers}
     assert len(codes) == 4
     assert wrappers[0]._torchdynamo_orig_callable.__name__ == "dense_forward_and_writes"
+
+
+@pytest.mark.parametrize(
+    ("family_name", "preset"), [("olmoe", "olmoe_tiny"), ("qwen3_5_moe", "qwen3_5_moe_tiny")]
+)
+def test_routing_tasks_of_experts_run_apart_are_compiled_and_train_as_eager(
+    monkeypatch, family_name: str, preset: str
+) -> None:
+    """A block whose experts run in shards: its routing tasks (``route_forward``,
+    ``route_recompute``, ``route_backward``) run compiled, each kind's function under a
+    code object of its own, and the steps train as the eager resolver's do to float32
+    rounding (``aot_eager`` traces what inductor would compile)."""
+    pytest.importorskip(f"dataflow_family_{family_name}")
+    from dataflow_resolver_torch import compiled
+    from dataflow_training import TrainConfig, TrainingRun
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    called: list[str] = []
+    on_own_storages = compiled._on_own_storages
+
+    def recording(function):
+        run = on_own_storages(function)
+        name = function._torchdynamo_orig_callable.__name__
+
+        def spy(*args):
+            called.append(name)
+            return run(*args)
+
+        return spy
+
+    monkeypatch.setattr(compiled, "_on_own_storages", recording)
+    torch._dynamo.reset()
+    train = TrainConfig(seq_len=8, batch=2, rounds=2)
+    runs = {
+        name: TrainingRun.of(
+            family_name,
+            preset,
+            train,
+            overrides={"expert_shards": 2},
+            budget_bytes=None,
+            device="cpu",
+            seed=1,
+            resolver=name,
+        )  # fmt: skip
+        for name in ("torch", "torch-compiled")
+    }
+    g = torch.Generator().manual_seed(0)
+    vocab = runs["torch"].vocab_size
+    for _ in range(2):
+        batches = [
+            tuple(torch.randint(0, vocab, (2, 8), generator=g) for _ in range(2)) for _ in range(2)
+        ]
+        want, got = (runs[name].step(batches).losses for name in ("torch", "torch-compiled"))
+        assert torch.tensor(got) == pytest.approx(torch.tensor(want), rel=1e-5)
+    assert {name.rpartition("_route_")[2] for name in called} >= {"forward", "backward"}
+    torch._dynamo.reset()

@@ -524,15 +524,12 @@ class BlockBackward(_Exec):
 
 class _Apart(_Exec):
     """A task of a block whose experts run apart (``kit.block.Block``'s ``route_*`` and
-    ``experts_*``): the block math called as it is (not through the strategy), its
-    results written here."""
-
-    def math_apart(self) -> Any:
-        return self.tasks.family.math(self.kind)
+    ``experts_*``): the strategy's block math called (a compiling strategy compiles the
+    routing tasks' functions), its results written here."""
 
     def call(self, function: str, *args: Any) -> Any:
         try:
-            return getattr(self.math_apart(), function)(self.tasks.config, *args)
+            return getattr(self.tasks.math(self.kind), function)(self.tasks.config, *args)
         except FamilyContractError as exc:
             raise FamilyContractError(
                 f"task {self.task.id}: {self.task.compute_key} {exc}"
