@@ -29,11 +29,16 @@ Variants:
   row, the invalid ones with what ``target`` held. On CUDA the adds are atomics (the
   order of a token's sum varies: not deterministic there).
 - ``triton`` (``triton_kernels.py``, CUDA): one pass over the rows where only valid rows
-  load, multiply and add (atomics into float32) or store; a block of rows with none valid
-  ends at once. At qwen3_5_moe_cut's batch 2 the torch variant's cast, scale and
-  ``index_add_`` over the whole window (every invalid row adding into the one dropped row,
-  a hot spot for the atomics) took about 1.8 ms of a shard's 3.1 ms forward task on the
-  H200 (session 42, ``results/tasks_qwen3_5_moe_cut_b2_h200_session42.json``).
+  load, multiply and add (atomics into float32) or store: the loads and atomics of a row
+  not valid are masked off (no memory traffic), though its tile's program still runs. At
+  qwen3_5_moe_cut's batch 2 the torch variant's cast, scale and ``index_add_`` over the
+  whole window (every invalid row adding into the one dropped row, a hot spot for the
+  atomics) took about 1.8 ms of a shard's 3.1 ms forward task on the H200 (session 42,
+  ``results/tasks_qwen3_5_moe_cut_b2_h200_session42.json``); with this variant a forward
+  shard took 0.95 ms on the H100 and a backward shard 2.58 ms (session 43's profile
+  archive), where session 41's, before the window (each shard's exact rows, their count
+  read on the host, no graph), took 1.17 and 2.00 ms: the backward's gathers and
+  elementwise ops over every window row cost more than the window ops save.
 """
 
 from __future__ import annotations
