@@ -45,7 +45,7 @@ EXPECTED_VARIANTS = (
     # test_rows_ops.py
     *(
         f"{op}/{name}"
-        for op in ("rows_add_masked", "rows_put_masked")
+        for op in ("rows_add_masked", "rows_put_masked", "rows_gather_masked")
         for name in ("reference", "torch")
     ),
     # test_delta_rule_ops.py
@@ -78,6 +78,7 @@ EXPECTED_VARIANTS = (
             "chunked_cross_entropy/triton",
             "rows_add_masked/triton",
             "rows_put_masked/triton",
+            "rows_gather_masked/triton",
         )
         if importlib.util.find_spec("triton") is not None
         else ()

@@ -221,6 +221,24 @@ def rows_put_case(name):
     return case
 
 
+def rows_gather_case(name):
+    """``rows_gather_masked`` of 8,192 rows of 512 from 1,024, half valid: the valid rows
+    compared (the others hold whatever the new buffer held)."""
+
+    def case(kernel, randn):
+        source = bf16(randn, 1024, 512)
+        index = torch.randint(0, 1024, (8192,), device="cuda")
+        valid = torch.arange(8192, device="cuda") < 4096
+        op = kernel("rows_gather_masked", name)
+
+        def run() -> tuple[torch.Tensor, ...]:
+            return (op(source, index, valid)[valid],)
+
+        return run
+
+    return case
+
+
 def rows_add_args(kernel, randn):
     """The reference's adds (float64 on the CPU): 8,192 rows into 1,024 tokens, half valid."""
     into = torch.randint(0, 1024, (8192,), device="cuda")
@@ -304,6 +322,10 @@ CASES = {
     # rows_add_masked's torch and triton variants are flagged False (atomics)
     "rows_add_masked/reference": explicit("rows_add_masked", rows_add_args)("reference"),
     **{f"rows_put_masked/{name}": rows_put_case(name) for name in ("torch", "reference", "triton")},
+    **{
+        f"rows_gather_masked/{name}": rows_gather_case(name)
+        for name in ("torch", "reference", "triton")
+    },
     "adamw/torch-reference": adamw("torch-reference"),
     # attention_bwd/torch and sparse_attention_bwd/torch are flagged False (atomics), like
     # attention/torch

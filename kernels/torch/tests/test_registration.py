@@ -55,10 +55,15 @@ EXPLICIT_OPS = (
     "sparse_attention_probs",
     "rows_add_masked",
     "rows_put_masked",
+    "rows_gather_masked",
 )
 DETERMINISTIC |= {f"{op}/reference": True for op in EXPLICIT_OPS}
 #: the masked row ops (an MoE shard's window): the adds are atomics on CUDA
-DETERMINISTIC |= {"rows_add_masked/torch": False, "rows_put_masked/torch": True}
+DETERMINISTIC |= {
+    "rows_add_masked/torch": False,
+    "rows_put_masked/torch": True,
+    "rows_gather_masked/torch": True,
+}
 DETERMINISTIC |= {"grouped_mm/torch": True, "grouped_mm_wgrad/torch": True}
 DETERMINISTIC |= {"gated_delta_rule_fwd/torch": True, "gated_delta_rule_bwd/torch": True}
 DETERMINISTIC |= {
@@ -82,6 +87,7 @@ TRITON = (
     "chunked_cross_entropy/triton",
     "rows_add_masked/triton",
     "rows_put_masked/triton",
+    "rows_gather_masked/triton",
 )
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
@@ -169,6 +175,7 @@ def test_signatures_match_the_documented_ops(manager) -> None:
         "sparse_attention_probs": "(q, k, lse, indices, *, scale=None)",
         "rows_add_masked": "(rows, into, valid, weights, count, *, slices=1)",
         "rows_put_masked": "(values, index, valid, target)",
+        "rows_gather_masked": "(source, index, valid)",
         "adamw_multi": "(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, "
         "weight_decay)",
         "adamw_compensated_multi": "(params, grads, exp_avgs, exp_avg_sqs, compensations, *, "

@@ -89,6 +89,28 @@ def test_the_puts_write_the_valid_rows_and_keep_the_others(put) -> None:
     assert torch.equal(target, want)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    n_source=st.integers(1, 9),
+    n_rows=st.integers(0, 40),
+    share=st.floats(0, 1),
+    width=st.integers(1, 7),
+    seed=st.integers(0, 2**16),
+)
+def test_the_torch_and_reference_gathers_give_the_valid_rows(
+    n_source, n_rows, share, width, seed
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    source = torch.randn(n_source, width, generator=g).to(torch.bfloat16)
+    index = torch.randint(0, n_source, (n_rows,), generator=g)
+    valid = torch.arange(n_rows) < round(share * n_rows)
+    for gather in (rows_ops.rows_gather_masked, rows_ops.rows_gather_masked_reference):
+        got = gather(source, index, valid)
+        assert got.dtype == source.dtype and got.shape == (n_rows, width)
+        assert torch.equal(got[valid], source[index[valid]])
+    assert not rows_ops.rows_gather_masked_reference(source, index, valid)[~valid].any()
+
+
 def test_operands_that_disagree_are_refused_by_name() -> None:
     rows, into, valid, weights = _window(3, 10, 4, 5, torch.float32)
     with pytest.raises(ValueError, match="into must be"):
@@ -97,6 +119,12 @@ def test_operands_that_disagree_are_refused_by_name() -> None:
         rows_ops.rows_add_masked(rows, into, valid.int(), weights, 3)
     with pytest.raises(ValueError, match="rows_put_masked"):
         rows_ops.rows_put_masked(rows, into, valid, torch.zeros(10, 5))
+    with pytest.raises(ValueError, match="source must be"):
+        rows_ops.rows_gather_masked(rows[0], into, valid)
+    with pytest.raises(ValueError, match="index must be"):
+        rows_ops.rows_gather_masked(rows, into.int(), valid)
+    with pytest.raises(ValueError, match="valid must be"):
+        rows_ops.rows_gather_masked(rows, into, valid[:3])
 
 
 def _cuda_variants(manager, op):
@@ -142,6 +170,24 @@ def test_every_cuda_variant_puts_the_valid_rows(manager, kernel) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("columns", [2048, 1024])
+def test_every_cuda_variant_gathers_the_valid_rows(manager, kernel, columns) -> None:
+    """The window's gathers at qwen3_5_moe_cut's batch 2: 65,536 rows of 8,192 tokens'
+    2,048 (``moe_in[tokens]``), and of the experts' ``gate_up`` rows, the first 1,024
+    columns of 2,048 taken as a strided view (a row stride past its width)."""
+    g = torch.Generator().manual_seed(6)
+    n_rows, n_source = 65536, 8192 if columns == 2048 else 65536
+    whole = torch.randn(n_source, 2048, generator=g).cuda().to(torch.bfloat16)
+    source = whole[:, :columns]
+    index = torch.randint(0, n_source, (n_rows,), generator=g).cuda()
+    valid = (torch.arange(n_rows) < n_rows // 4).cuda()
+    want = source[index[valid]]
+    for name in _cuda_variants(manager, "rows_gather_masked"):
+        got = kernel("rows_gather_masked", name)(source, index, valid)
+        assert got.shape == (n_rows, columns) and torch.equal(got[valid], want), name
+
+
+@pytest.mark.gpu
 def test_the_fast_variants_replay_in_a_cuda_graph_with_a_new_window(manager, kernel) -> None:
     """Captured once, replayed after the window's rows, tokens and share changed: the
     result is the new window's (nothing of the first was read on the host)."""
@@ -154,10 +200,11 @@ def test_the_fast_variants_replay_in_a_cuda_graph_with_a_new_window(manager, ker
         if name not in _cuda_variants(manager, "rows_add_masked"):
             continue
         add, put = kernel("rows_add_masked", name), kernel("rows_put_masked", name)
+        gather = kernel("rows_gather_masked", name)
 
-        def step(add=add, put=put):
+        def step(add=add, put=put, gather=gather):
             put(rows, index, valid, target)
-            return add(rows, into, valid, weights, count, slices=2)
+            return add(rows, into, valid, weights, count, slices=2), gather(rows, index, valid)
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -166,7 +213,7 @@ def test_the_fast_variants_replay_in_a_cuda_graph_with_a_new_window(manager, ker
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = step()
+            out, gathered = step()
         new = _window(count, n_rows, width, 3000, torch.bfloat16, "cuda", seed=9)
         for held, fresh in zip((rows, into, valid), new[:3], strict=True):
             held.copy_(fresh)
@@ -178,3 +225,6 @@ def test_the_fast_variants_replay_in_a_cuda_graph_with_a_new_window(manager, ker
         written = torch.zeros_like(target)
         written[index[valid]] = rows[valid]
         assert torch.equal(target, written), name
+        torch.testing.assert_close(
+            gathered[valid], rows[index[valid]], rtol=0, atol=0, equal_nan=True, msg=name
+        )

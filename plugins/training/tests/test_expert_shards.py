@@ -437,7 +437,7 @@ def test_the_shard_window_puts_its_rows_and_keeps_the_others() -> None:
     from dataflow_training.kit.moe import RoutedExperts
     from dataflow_training.step.ops import load_ops
 
-    ops = load_ops("cpu", ("rows_add_masked", "rows_put_masked"))
+    ops = load_ops("cpu", ("rows_add_masked", "rows_put_masked", "rows_gather_masked"))
 
     offsets = torch.tensor([0, 3, 3, 7, 10], dtype=torch.int32)  # 4 experts, 10 rows
     aux_temp = {"offsets": offsets, "order": torch.zeros(10, dtype=torch.int32)}
@@ -458,3 +458,6 @@ def test_the_shard_window_puts_its_rows_and_keeps_the_others() -> None:
     out = window.add(ops, values[:, None], tokens, torch.tensor([2.0] * 10), 3, 2)
     assert out.dtype == torch.float32
     assert out.squeeze(1).tolist() == [-4.0, -8.0, 0.0]  # the NaN rows add nothing
+    source = torch.arange(30.0).view(10, 3)
+    gathered = window.gather(ops, source, window.rows)
+    assert torch.equal(gathered[:3], source[:3])  # the shard's rows; the others anything

@@ -48,7 +48,7 @@ compensated AdamW.
 - ``rows_add_masked`` (an MoE shard's window rows summed into their tokens, ``rows.py``)
   is False for its ``torch`` and ``triton`` variants: both add with atomics on CUDA.
   Its ``reference`` sums on the CPU in float64 (True); ``rows_put_masked`` writes each
-  row once (True).
+  row once and ``rows_gather_masked`` copies (True).
 
 Each claim of True is checked on CUDA by ``tests/test_determinism.py`` (bitwise-equal
 repeated runs).
@@ -238,6 +238,9 @@ _TRITON = (
      "(float32 atomics: not deterministic); float64 or CPU as the torch variant"),
     ("rows_put_masked", "rows_put_masked_triton",
      "the valid window rows alone read and written; else as the torch variant"),
+    ("rows_gather_masked", "rows_gather_masked_triton",
+     "the valid window rows alone gathered (the others left unwritten); else as the "
+     "torch variant"),
     ("chunked_cross_entropy", "triton_ce.chunked_cross_entropy_triton",
      "16-bit: the vocabulary padded to a multiple of 128 for the tensor cores, bf16 logits, "
      "softmax, loss and d_logits in one Triton pass per row; else as the torch variant"),
@@ -308,7 +311,7 @@ def _rows_variants() -> list[KernelVariant]:
     out on the host and summed in float64."""
     return [
         variant
-        for op in ("rows_add_masked", "rows_put_masked")
+        for op in ("rows_add_masked", "rows_put_masked", "rows_gather_masked")
         for variant in (
             KernelVariant(
                 op,
@@ -317,7 +320,8 @@ def _rows_variants() -> list[KernelVariant]:
                 deterministic=op not in _ATOMIC_ROWS,
                 priority=0,
                 description="every window row: cast, scaled and index_add_-ed (the invalid "
-                "into a dropped row), or rewritten with what it held where not valid",
+                "into a dropped row), rewritten with what it held where not valid, or "
+                "gathered",
             ),
             KernelVariant(
                 op,

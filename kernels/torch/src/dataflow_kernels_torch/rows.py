@@ -18,16 +18,26 @@ whatever their buffers held (anything, NaN included) and must cost as little as 
   (the torch variant rewrites those rows with what they held; a window's rows are a
   permutation of the layer's).
 
+- ``rows_gather_masked(source, index, valid) -> out``: ``out`` (R, width) in source's
+  dtype, ``out[i] = source[index[i]]`` for every ``i`` with ``valid[i]``; the other rows
+  of ``out`` hold anything (the torch variant gathers them too, the Triton variant leaves
+  them as the new buffer held them). source (N, width); index (R,) int64 in range, the
+  invalid rows' entries too. An MoE shard's window gathers its rows' inputs this way
+  (``moe_in[tokens]``, ``dy[tokens]``, ``gate_up[rows]``: every window row, four times
+  the shard's at four shards), and every consumer of the gathered rows reads the valid
+  ones alone (the grouped GEMMs stop at the shard's offsets, the masked adds and puts).
+
 Variants:
 
 - ``reference``: the valid rows picked out on the host (a device-to-host read), summed by
   ``index_add_`` in float64 on the CPU and returned on the rows' device: deterministic, any
-  device; the truth the others are tested against.
+  device; the truth the others are tested against (its gather: zeros where not valid).
 - ``torch``: every row, in ``slices`` pieces: the rows cast to float32, scaled, and
   ``index_add_``-ed into their tokens, the rows not valid into one row past the tokens
   that is dropped (no host read: capturable); ``rows_put_masked`` rewrites every window
-  row, the invalid ones with what ``target`` held. On CUDA the adds are atomics (the
-  order of a token's sum varies: not deterministic there).
+  row, the invalid ones with what ``target`` held; ``rows_gather_masked`` gathers every
+  row (``index_select``). On CUDA the adds are atomics (the order of a token's sum varies:
+  not deterministic there).
 - ``triton`` (``triton_kernels.py``, CUDA): one pass over the rows where only valid rows
   load, multiply and add (atomics into float32) or store: the loads and atomics of a row
   not valid are masked off (no memory traffic), though its tile's program still runs. At
@@ -137,3 +147,36 @@ def rows_put_masked(
     mask = valid.view(-1, *([1] * (values.dim() - 1)))
     kept = target[index]
     target.index_copy_(0, index, torch.where(mask, values.to(target.dtype), kept))
+
+
+def check_gather(source: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> None:
+    """``rows_gather_masked``'s shapes and dtypes, or ValueError naming the operand."""
+    if source.dim() != 2:
+        raise ValueError(
+            f"rows_gather_masked: source must be (N, width), got {tuple(source.shape)}"
+        )
+    if index.dim() != 1 or index.dtype != torch.int64:
+        raise ValueError(
+            f"rows_gather_masked: index must be (R,) int64, got {tuple(index.shape)} {index.dtype}"
+        )
+    if tuple(valid.shape) != tuple(index.shape) or valid.dtype != torch.bool:
+        raise ValueError(f"rows_gather_masked: valid must be ({index.shape[0]},) bool")
+
+
+def rows_gather_masked_reference(
+    source: torch.Tensor, index: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    """The valid rows picked out on the host and gathered; zeros where not valid."""
+    check_gather(source, index, valid)
+    keep = valid.cpu()
+    out = torch.zeros(index.shape[0], source.shape[1], dtype=source.dtype)
+    out[keep] = source.detach().cpu()[index.cpu()[keep]]
+    return out.to(source.device)
+
+
+def rows_gather_masked(
+    source: torch.Tensor, index: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    """Every row gathered (``index_select``; no host read)."""
+    check_gather(source, index, valid)
+    return source.index_select(0, index)

@@ -247,6 +247,26 @@ def _rows_put_kernel(
     tl.store(target, x.to(target_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rows_gather_kernel(
+    source_ptr,
+    index_ptr,
+    valid_ptr,
+    out_ptr,
+    n_rows,
+    width,
+    source_stride,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # a valid row of the tile alone loads its source row and stores it; the others move
+    # nothing (their rows of out keep what the new buffer held)
+    r, valid, c, mask = _rows_tile(valid_ptr, n_rows, width, BLOCK_R, BLOCK_C)
+    src = tl.load(index_ptr + r, mask=valid, other=0)
+    x = tl.load(source_ptr + src[:, None] * source_stride + c[None, :], mask=mask)
+    tl.store(out_ptr + r[:, None] * width + c[None, :], x, mask=mask)
+
+
 def adamw_multi_triton(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -412,6 +432,33 @@ def rows_put_masked_triton(
             BLOCK_R=block_r, BLOCK_C=block_c,
         )  # fmt: skip
     return None
+
+
+def rows_gather_masked_triton(
+    source: torch.Tensor, index: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    """``rows_gather_masked`` (``rows.py``) in one pass: only the valid rows are read and
+    written (the others of the result are left as the new buffer held them); source rows
+    whose columns are strided and CPU tensors go to the torch variant."""
+    rows_module.check_gather(source, index, valid)
+    if not (
+        _on_kernel_device(source)
+        and source.device == index.device == valid.device
+        and source.stride(1) == 1
+        and index.is_contiguous()
+        and valid.is_contiguous()
+    ):
+        return rows_module.rows_gather_masked(source, index, valid)
+    width = source.shape[1]
+    out = torch.empty(index.shape[0], width, dtype=source.dtype, device=source.device)
+    if index.shape[0] and width:
+        block_r, block_c = _ROWS_TILE
+        grid = (triton.cdiv(index.shape[0], block_r), triton.cdiv(width, block_c))
+        _rows_gather_kernel[grid](
+            source, index, valid.view(torch.uint8), out, index.shape[0], width,
+            source.stride(0), BLOCK_R=block_r, BLOCK_C=block_c,
+        )  # fmt: skip
+    return out
 
 
 def _rows_add_applies(rows, into, valid, weights) -> bool:

@@ -196,11 +196,18 @@ class ShardWindow:
     ``valid`` (R,) bool, True for the shard's. The grouped GEMMs, given the shard's
     offsets, compute the shard's rows alone (those past them are left as their buffer
     held them); the valid rows are then added into their tokens (``rows_add_masked``) and
-    written back (``put``, ``rows_put_masked``): the masked row ops, whose Triton variant
-    reads the valid rows alone."""
+    written back (``put``, ``rows_put_masked``). The window's inputs are gathered the same
+    way (``gather``, ``rows_gather_masked``): the masked row ops, whose Triton variants
+    read and write the valid rows alone, so that every row past the shard's may hold
+    anything and nothing downstream reads it."""
 
     rows: torch.Tensor
     valid: torch.Tensor
+
+    def gather(self, ops: Any, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``source[index]`` (``index`` in the window's order) at the shard's rows; the
+        other rows hold anything."""
+        return ops["rows_gather_masked"](source, index, self.valid)
 
     def add(
         self,
@@ -339,6 +346,7 @@ class RoutedExperts:
         "grouped_mm_wgrad",
         "rows_add_masked",
         "rows_put_masked",
+        "rows_gather_masked",
     )
     aux_scope = "model"
     #: every block of these experts, whatever its kind, adds its loads to ``Aux_moe``
@@ -636,7 +644,7 @@ class RoutedExperts:
         computing the shard's alone (``ShardWindow``)."""
         window, offsets = self._shard_window(config, aux_temp, shard)
         tokens, weights = (t[window.rows] for t in _rows(config, aux_temp))
-        gate_up = ops["grouped_mm"](moe_in[tokens], params[GATE_UP], offsets)
+        gate_up = ops["grouped_mm"](window.gather(ops, moe_in, tokens), params[GATE_UP], offsets)
         act = ops["swiglu_fwd"](*_split(gate_up))
         rows = ops["grouped_mm"](act, params[DOWN], offsets)
         del act
@@ -662,13 +670,13 @@ class RoutedExperts:
         the shard's experts' gradients)."""
         window, offsets = self._shard_window(config, aux_temp, shard)
         tokens, weights = (t[window.rows] for t in _rows(config, aux_temp))
-        rows_in = moe_in[tokens]
+        rows_in = window.gather(ops, moe_in, tokens)
         if gate_up is None:
             gate, up = _split(ops["grouped_mm"](rows_in, params[GATE_UP], offsets))
         else:
-            gate, up = _split(gate_up[window.rows])
+            gate, up = _split(window.gather(ops, gate_up, window.rows))
         act = ops["swiglu_fwd"](gate, up)
-        rows_dy = dy[tokens]
+        rows_dy = window.gather(ops, dy, tokens)
         d_act = ops["grouped_mm"](rows_dy, params[DOWN].transpose(1, 2), offsets)
         d_row_weights = (act * d_act).sum(-1)
         row_weights = weights.unsqueeze(-1)

@@ -50,11 +50,13 @@ float64 inputs). Backward ops never rebuild autograd graphs and never re-run a f
   d_weight``: a matmul per expert over rows sorted by expert (MoE FFNs; ``offsets`` int32
   ``(E + 1,)``): x (N, in), weight (E, out, in), y (N, out); d_weight (E, out, in). Not in
   ``STANDARD_OPS``: the MoE families list them in their ``ops``.
-- ``rows_add_masked(rows, into, valid, weights, count, *, slices=1) -> out`` and
-  ``rows_put_masked(values, index, valid, target) -> None``: an expert shard's window
-  rows (``kit.moe.ShardWindow``) summed into their tokens ((count, hidden) float32, each
-  valid row times its weight) or written into their places; the rows ``valid`` does not
-  mark are never read. Not in ``STANDARD_OPS``: the MoE families list them.
+- ``rows_add_masked(rows, into, valid, weights, count, *, slices=1) -> out``,
+  ``rows_put_masked(values, index, valid, target) -> None`` and
+  ``rows_gather_masked(source, index, valid) -> rows``: an expert shard's window rows
+  (``kit.moe.ShardWindow``) summed into their tokens ((count, hidden) float32, each valid
+  row times its weight), written into their places, or gathered from their sources; the
+  rows ``valid`` does not mark are never read (and, gathered, hold anything). Not in
+  ``STANDARD_OPS``: the MoE families list them.
 - ``gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None) -> out`` and
   ``gated_delta_rule_bwd(d_out, q, k, v, g, beta, *, scale=None) -> (dq, dk, dv, dg,
   dbeta)``: Gated DeltaNet's recurrence (linear attention; ``dataflow_kernels_torch.
