@@ -45,7 +45,7 @@ EXPECTED_VARIANTS = (
     # test_rows_ops.py
     *(
         f"{op}/{name}"
-        for op in ("rows_add_masked", "rows_put_masked", "rows_gather_masked")
+        for op in ("rows_add_masked", "rows_put_masked", "rows_gather_masked", "swiglu_rows_bwd")
         for name in ("reference", "torch")
     ),
     # test_delta_rule_ops.py
@@ -79,6 +79,7 @@ EXPECTED_VARIANTS = (
             "rows_add_masked/triton",
             "rows_put_masked/triton",
             "rows_gather_masked/triton",
+            "swiglu_rows_bwd/triton",
         )
         if importlib.util.find_spec("triton") is not None
         else ()

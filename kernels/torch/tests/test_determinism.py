@@ -239,6 +239,24 @@ def rows_gather_case(name):
     return case
 
 
+def swiglu_rows_case(name):
+    """``swiglu_rows_bwd`` over 8,192 rows of an inner width of 512, half valid: the
+    valid rows compared."""
+
+    def case(kernel, randn):
+        gate_up, d_act = bf16(randn, 8192, 1024), bf16(randn, 8192, 512)
+        weights = bf16(randn, 8192, 1).squeeze(1)
+        valid = torch.arange(8192, device="cuda") < 4096
+        op = kernel("swiglu_rows_bwd", name)
+
+        def run() -> tuple[torch.Tensor, ...]:
+            return tuple(t[valid] for t in op(gate_up, d_act, weights, valid))
+
+        return run
+
+    return case
+
+
 def rows_add_args(kernel, randn):
     """The reference's adds (float64 on the CPU): 8,192 rows into 1,024 tokens, half valid."""
     into = torch.randint(0, 1024, (8192,), device="cuda")
@@ -324,6 +342,10 @@ CASES = {
     **{f"rows_put_masked/{name}": rows_put_case(name) for name in ("torch", "reference", "triton")},
     **{
         f"rows_gather_masked/{name}": rows_gather_case(name)
+        for name in ("torch", "reference", "triton")
+    },
+    **{
+        f"swiglu_rows_bwd/{name}": swiglu_rows_case(name)
         for name in ("torch", "reference", "triton")
     },
     "adamw/torch-reference": adamw("torch-reference"),

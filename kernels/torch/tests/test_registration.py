@@ -56,6 +56,7 @@ EXPLICIT_OPS = (
     "rows_add_masked",
     "rows_put_masked",
     "rows_gather_masked",
+    "swiglu_rows_bwd",
 )
 DETERMINISTIC |= {f"{op}/reference": True for op in EXPLICIT_OPS}
 #: the masked row ops (an MoE shard's window): the adds are atomics on CUDA
@@ -63,6 +64,7 @@ DETERMINISTIC |= {
     "rows_add_masked/torch": False,
     "rows_put_masked/torch": True,
     "rows_gather_masked/torch": True,
+    "swiglu_rows_bwd/torch": True,
 }
 DETERMINISTIC |= {"grouped_mm/torch": True, "grouped_mm_wgrad/torch": True}
 DETERMINISTIC |= {"gated_delta_rule_fwd/torch": True, "gated_delta_rule_bwd/torch": True}
@@ -88,6 +90,7 @@ TRITON = (
     "rows_add_masked/triton",
     "rows_put_masked/triton",
     "rows_gather_masked/triton",
+    "swiglu_rows_bwd/triton",
 )
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
@@ -176,6 +179,7 @@ def test_signatures_match_the_documented_ops(manager) -> None:
         "rows_add_masked": "(rows, into, valid, weights, count, *, slices=1)",
         "rows_put_masked": "(values, index, valid, target)",
         "rows_gather_masked": "(source, index, valid)",
+        "swiglu_rows_bwd": "(gate_up, d_act, weights, valid)",
         "adamw_multi": "(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, "
         "weight_decay)",
         "adamw_compensated_multi": "(params, grads, exp_avgs, exp_avg_sqs, compensations, *, "

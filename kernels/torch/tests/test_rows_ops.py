@@ -111,6 +111,42 @@ def test_the_torch_and_reference_gathers_give_the_valid_rows(
     assert not rows_ops.rows_gather_masked_reference(source, index, valid)[~valid].any()
 
 
+def _swiglu_rows(n_rows, inner, valid_rows, dtype, device="cpu", seed=0):
+    """(gate_up, d_act, weights, valid: the first ``valid_rows``), the rows not valid NaN."""
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(n_rows, 2 * inner, generator=g, dtype=torch.float64)
+    d_act = torch.randn(n_rows, inner, generator=g, dtype=torch.float64)
+    weights = torch.rand(n_rows, generator=g, dtype=torch.float64)
+    valid = torch.arange(n_rows) < valid_rows
+    gate_up[~valid], d_act[~valid] = float("nan"), float("nan")
+    return (*(t.to(device, dtype) for t in (gate_up, d_act, weights)), valid.to(device))
+
+
+#: ``swiglu_rows_bwd`` against the float64 formulas, norm-wise: float32 rows to float32
+#: rounding; bfloat16 rows to a few roundings (the torch variant rounds the activation,
+#: then its product with the weight: each 2**-9 relative at most)
+SWIGLU_ROWS_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_rows,valid_rows", [(40, 13), (7, 0), (16, 16)])
+def test_the_torch_swiglu_rows_backward_matches_the_formulas(
+    dtype, n_rows, valid_rows, assert_rel_close
+) -> None:
+    """The valid rows' activation times weight, gate and up gradients and the weights'
+    gradients (float32) as the float64 formulas; the rows not valid (NaN) change none."""
+    args = _swiglu_rows(n_rows, 24, valid_rows, dtype)
+    valid = args[-1]
+    want = rows_ops.swiglu_rows_bwd_reference(*args)
+    got = rows_ops.swiglu_rows_bwd(*args)
+    assert [t.dtype for t in got] == [dtype, dtype, torch.float32]
+    assert [t.shape for t in got] == [t.shape for t in want]
+    for name, a, b in zip(("act", "d_gate_up", "d_weights"), got, want, strict=True):
+        if valid_rows:
+            assert_rel_close(a[valid].double(), b[valid].double(), SWIGLU_ROWS_TOL[dtype], name)
+    assert not any(t[~valid].any() for t in want)  # the reference's zeros
+
+
 def test_operands_that_disagree_are_refused_by_name() -> None:
     rows, into, valid, weights = _window(3, 10, 4, 5, torch.float32)
     with pytest.raises(ValueError, match="into must be"):
@@ -125,6 +161,15 @@ def test_operands_that_disagree_are_refused_by_name() -> None:
         rows_ops.rows_gather_masked(rows, into.int(), valid)
     with pytest.raises(ValueError, match="valid must be"):
         rows_ops.rows_gather_masked(rows, into, valid[:3])
+    gate_up, d_act, weights, valid = _swiglu_rows(10, 4, 5, torch.float32)
+    with pytest.raises(ValueError, match="gate_up must be"):
+        rows_ops.swiglu_rows_bwd(gate_up[:, :7], d_act, weights, valid)
+    with pytest.raises(ValueError, match="d_act must be"):
+        rows_ops.swiglu_rows_bwd(gate_up, d_act[:, :3], weights, valid)
+    with pytest.raises(ValueError, match="weights must be"):
+        rows_ops.swiglu_rows_bwd(gate_up, d_act, weights[:3], valid)
+    with pytest.raises(ValueError, match="valid must be"):
+        rows_ops.swiglu_rows_bwd(gate_up, d_act, weights, valid.int())
 
 
 def _cuda_variants(manager, op):
@@ -185,6 +230,24 @@ def test_every_cuda_variant_gathers_the_valid_rows(manager, kernel, columns) -> 
     for name in _cuda_variants(manager, "rows_gather_masked"):
         got = kernel("rows_gather_masked", name)(source, index, valid)
         assert got.shape == (n_rows, columns) and torch.equal(got[valid], want), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_cuda_variant_runs_the_swiglu_rows_backward_as_the_formulas(
+    manager, kernel, dtype, assert_rel_close
+) -> None:
+    """A backward shard's window at qwen3_5_moe_cut's batch 2: 65,536 rows of an inner
+    width of 512, a quarter of them the shard's (the rest NaN)."""
+    args = _swiglu_rows(65536, 512, 65536 // 4, dtype, "cuda")
+    valid = args[-1]
+    want = rows_ops.swiglu_rows_bwd_reference(*args)
+    for name in _cuda_variants(manager, "swiglu_rows_bwd"):
+        got = kernel("swiglu_rows_bwd", name)(*args)
+        assert got[2].dtype == torch.float32
+        for part, a, b in zip(("act", "d_gate_up", "d_weights"), got, want, strict=True):
+            tol = SWIGLU_ROWS_TOL[dtype]
+            assert_rel_close(a[valid].double(), b[valid].double(), tol, f"{name} {part}")
 
 
 @pytest.mark.gpu

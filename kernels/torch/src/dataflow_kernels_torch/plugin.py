@@ -48,7 +48,8 @@ compensated AdamW.
 - ``rows_add_masked`` (an MoE shard's window rows summed into their tokens, ``rows.py``)
   is False for its ``torch`` and ``triton`` variants: both add with atomics on CUDA.
   Its ``reference`` sums on the CPU in float64 (True); ``rows_put_masked`` writes each
-  row once and ``rows_gather_masked`` copies (True).
+  row once, ``rows_gather_masked`` copies and ``swiglu_rows_bwd`` reduces each row in
+  one program, in order (True).
 
 Each claim of True is checked on CUDA by ``tests/test_determinism.py`` (bitwise-equal
 repeated runs).
@@ -241,6 +242,9 @@ _TRITON = (
     ("rows_gather_masked", "rows_gather_masked_triton",
      "the valid window rows alone gathered (the others left unwritten); else as the "
      "torch variant"),
+    ("swiglu_rows_bwd", "swiglu_rows_bwd_triton",
+     "the valid window rows alone, in one pass (float32 math, each output rounded once); "
+     "else as the torch variant"),
     ("chunked_cross_entropy", "triton_ce.chunked_cross_entropy_triton",
      "16-bit: the vocabulary padded to a multiple of 128 for the tensor cores, bf16 logits, "
      "softmax, loss and d_logits in one Triton pass per row; else as the torch variant"),
@@ -311,7 +315,7 @@ def _rows_variants() -> list[KernelVariant]:
     out on the host and summed in float64."""
     return [
         variant
-        for op in ("rows_add_masked", "rows_put_masked", "rows_gather_masked")
+        for op in ("rows_add_masked", "rows_put_masked", "rows_gather_masked", "swiglu_rows_bwd")
         for variant in (
             KernelVariant(
                 op,
@@ -320,15 +324,15 @@ def _rows_variants() -> list[KernelVariant]:
                 deterministic=op not in _ATOMIC_ROWS,
                 priority=0,
                 description="every window row: cast, scaled and index_add_-ed (the invalid "
-                "into a dropped row), rewritten with what it held where not valid, or "
-                "gathered",
+                "into a dropped row), rewritten with what it held where not valid, "
+                "gathered, or their SwiGLU backward by the torch elementwise ops",
             ),
             KernelVariant(
                 op,
                 "reference",
                 _loader("rows", f"{op}_reference"),
                 priority=-10,
-                description="the valid rows picked out on the host, summed in float64",
+                description="the valid rows picked out on the host, in float64",
             ),
         )
     ]

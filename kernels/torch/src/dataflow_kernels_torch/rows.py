@@ -27,6 +27,16 @@ whatever their buffers held (anything, NaN included) and must cost as little as 
   the shard's at four shards), and every consumer of the gathered rows reads the valid
   ones alone (the grouped GEMMs stop at the shard's offsets, the masked adds and puts).
 
+- ``swiglu_rows_bwd(gate_up, d_act, weights, valid) -> (act, d_gate_up, d_weights)``:
+  the SwiGLU part of an expert shard's backward over its window rows. gate_up (R, 2i)
+  (each row's gate then up projections), d_act (R, i) (the gradient of the experts'
+  down projection's input, before the rows' routing weights), weights (R,), valid (R,)
+  bool. -> ``act`` (R, i) ``silu(gate) * up * weight`` (what the down projection's
+  weight gradient takes), ``d_gate_up`` (R, 2i) the gradients of gate and up given
+  ``d_act * weight``, both in gate_up's dtype; ``d_weights`` (R,) float32 (float64 for
+  float64 rows) the routing weights' gradients ``sum(silu(gate) * up * d_act)``. Rows not
+  valid hold anything.
+
 Variants:
 
 - ``reference``: the valid rows picked out on the host (a device-to-host read), summed by
@@ -36,8 +46,10 @@ Variants:
   ``index_add_``-ed into their tokens, the rows not valid into one row past the tokens
   that is dropped (no host read: capturable); ``rows_put_masked`` rewrites every window
   row, the invalid ones with what ``target`` held; ``rows_gather_masked`` gathers every
-  row (``index_select``). On CUDA the adds are atomics (the order of a token's sum varies:
-  not deterministic there).
+  row (``index_select``); ``swiglu_rows_bwd`` runs the elementwise ops the shard's
+  backward ran before it (every row: the SwiGLU, the weights' products, a concatenation).
+  On CUDA the adds are atomics (the order of a token's sum varies: not deterministic
+  there).
 - ``triton`` (``triton_kernels.py``, CUDA): one pass over the rows where only valid rows
   load, multiply and add (atomics into float32) or store: the loads and atomics of a row
   not valid are masked off (no memory traffic), though its tile's program still runs. At
@@ -54,6 +66,8 @@ Variants:
 from __future__ import annotations
 
 import torch
+
+from dataflow_kernels_torch import elementwise
 
 
 def check_add(rows: torch.Tensor, into: torch.Tensor, valid: torch.Tensor, weights) -> None:
@@ -180,3 +194,64 @@ def rows_gather_masked(
     """Every row gathered (``index_select``; no host read)."""
     check_gather(source, index, valid)
     return source.index_select(0, index)
+
+
+def check_swiglu_rows(
+    gate_up: torch.Tensor, d_act: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor
+) -> None:
+    """``swiglu_rows_bwd``'s shapes and ``valid``'s dtype, or ValueError naming them."""
+    rows = gate_up.shape[0] if gate_up.dim() == 2 else -1
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(
+            f"swiglu_rows_bwd: gate_up must be (R, 2 * inner), got {tuple(gate_up.shape)}"
+        )
+    if tuple(d_act.shape) != (rows, gate_up.shape[1] // 2):
+        raise ValueError(
+            f"swiglu_rows_bwd: d_act must be ({rows}, {gate_up.shape[1] // 2}), got "
+            f"{tuple(d_act.shape)}"
+        )
+    if tuple(weights.shape) != (rows,):
+        raise ValueError(f"swiglu_rows_bwd: weights must be ({rows},), got {tuple(weights.shape)}")
+    if tuple(valid.shape) != (rows,) or valid.dtype != torch.bool:
+        raise ValueError(f"swiglu_rows_bwd: valid must be ({rows},) bool")
+
+
+def swiglu_rows_bwd_reference(
+    gate_up: torch.Tensor, d_act: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The formulas in float64 on the CPU over the valid rows, rounded once; zeros where
+    not valid."""
+    check_swiglu_rows(gate_up, d_act, weights, valid)
+    keep = valid.cpu()
+    gate, up = gate_up.detach().cpu()[keep].double().chunk(2, dim=-1)
+    d = d_act.detach().cpu()[keep].double()
+    w = weights.detach().cpu()[keep].double()[:, None]
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    act = torch.zeros(gate_up.shape[0], d_act.shape[1], dtype=torch.float64)
+    d_gate_up = torch.zeros(gate_up.shape, dtype=torch.float64)
+    d_weights = torch.zeros(gate_up.shape[0], dtype=torch.float64)
+    act[keep] = silu * up * w
+    d_weights[keep] = (silu * up * d).sum(-1)
+    d_gate_up[keep] = torch.cat((d * w * up * sig * (1 + gate * (1 - sig)), d * w * silu), -1)
+    device, dtype = gate_up.device, gate_up.dtype
+    return (
+        act.to(device, dtype),
+        d_gate_up.to(device, dtype),
+        d_weights.to(device, _accumulator(gate_up)),
+    )
+
+
+def swiglu_rows_bwd(
+    gate_up: torch.Tensor, d_act: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every row: the SwiGLU and its derivatives by the torch elementwise ops, each
+    product rounded to the rows' dtype as the shard's backward did before this op."""
+    check_swiglu_rows(gate_up, d_act, weights, valid)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = elementwise.swiglu_fwd(gate, up)
+    d_weights = (act * d_act).sum(-1).to(_accumulator(gate_up))
+    weight = weights.to(act.dtype).unsqueeze(-1)
+    act.mul_(weight)
+    d_gate, d_up = elementwise.swiglu_bwd(d_act * weight, gate, up)
+    return act, torch.cat((d_gate, d_up), dim=-1), d_weights

@@ -267,6 +267,52 @@ def _rows_gather_kernel(
     tl.store(out_ptr + r[:, None] * width + c[None, :], x, mask=mask)
 
 
+@triton.jit
+def _swiglu_rows_bwd_kernel(
+    gate_up_ptr,
+    d_act_ptr,
+    weights_ptr,
+    valid_ptr,
+    act_ptr,
+    d_gate_up_ptr,
+    d_weights_ptr,
+    n_rows,
+    inner,
+    gate_up_stride,
+    d_act_stride,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # a valid row's SwiGLU, its routing weight's gradient (summed over the row in float32)
+    # and its gate and up gradients, in one pass over the row; a row not valid moves nothing
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    valid = tl.load(valid_ptr + r, mask=r < n_rows, other=0) != 0
+    w = tl.load(weights_ptr + r, mask=valid, other=0.0).to(tl.float32)[:, None]
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for start in range(0, inner, BLOCK_C):
+        c = start + tl.arange(0, BLOCK_C)
+        mask = valid[:, None] & (c < inner)[None, :]
+        row = gate_up_ptr + r[:, None] * gate_up_stride + c[None, :]
+        g = tl.load(row, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(row + inner, mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(d_act_ptr + r[:, None] * d_act_stride + c[None, :], mask=mask, other=0.0)
+        d = d.to(tl.float32)
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        acc += tl.sum(silu * u * d, axis=1)
+        tl.store(
+            act_ptr + r[:, None] * inner + c[None, :],
+            (silu * u * w).to(act_ptr.dtype.element_ty),
+            mask=mask,
+        )
+        dw = d * w
+        out = d_gate_up_ptr + r[:, None] * (2 * inner) + c[None, :]
+        dgate = dw * u * sig * (1.0 + g * (1.0 - sig))
+        tl.store(out, dgate.to(d_gate_up_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + inner, (dw * silu).to(d_gate_up_ptr.dtype.element_ty), mask=mask)
+    tl.store(d_weights_ptr + r, acc, mask=valid)
+
+
 def adamw_multi_triton(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -459,6 +505,36 @@ def rows_gather_masked_triton(
             source.stride(0), BLOCK_R=block_r, BLOCK_C=block_c,
         )  # fmt: skip
     return out
+
+
+def swiglu_rows_bwd_triton(
+    gate_up: torch.Tensor, d_act: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``swiglu_rows_bwd`` (``rows.py``) in one pass over the valid rows (float32 math,
+    each output rounded once; the rows not valid are left as the new buffers held them);
+    float64 rows, columns that are strided and CPU tensors go to the torch variant."""
+    rows_module.check_swiglu_rows(gate_up, d_act, weights, valid)
+    if not (
+        _on_kernel_device(gate_up)
+        and gate_up.dtype != torch.float64
+        and gate_up.device == d_act.device == weights.device == valid.device
+        and gate_up.stride(1) == 1
+        and d_act.stride(1) == 1
+        and weights.is_contiguous()
+        and valid.is_contiguous()
+    ):
+        return rows_module.swiglu_rows_bwd(gate_up, d_act, weights, valid)
+    n_rows, inner = d_act.shape
+    act = torch.empty(n_rows, inner, dtype=gate_up.dtype, device=gate_up.device)
+    d_gate_up = torch.empty(n_rows, 2 * inner, dtype=gate_up.dtype, device=gate_up.device)
+    d_weights = torch.empty(n_rows, dtype=torch.float32, device=gate_up.device)
+    if n_rows and inner:
+        block_r, block_c = _ROWS_TILE
+        _swiglu_rows_bwd_kernel[(triton.cdiv(n_rows, block_r),)](
+            gate_up, d_act, weights, valid.view(torch.uint8), act, d_gate_up, d_weights,
+            n_rows, inner, gate_up.stride(0), d_act.stride(0), BLOCK_R=block_r, BLOCK_C=block_c,
+        )  # fmt: skip
+    return act, d_gate_up, d_weights
 
 
 def _rows_add_applies(rows, into, valid, weights) -> bool:

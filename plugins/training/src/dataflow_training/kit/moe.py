@@ -347,6 +347,7 @@ class RoutedExperts:
         "rows_add_masked",
         "rows_put_masked",
         "rows_gather_masked",
+        "swiglu_rows_bwd",
     )
     aux_scope = "model"
     #: every block of these experts, whatever its kind, adds its loads to ``Aux_moe``
@@ -672,20 +673,18 @@ class RoutedExperts:
         tokens, weights = (t[window.rows] for t in _rows(config, aux_temp))
         rows_in = window.gather(ops, moe_in, tokens)
         if gate_up is None:
-            gate, up = _split(ops["grouped_mm"](rows_in, params[GATE_UP], offsets))
+            gate_up = ops["grouped_mm"](rows_in, params[GATE_UP], offsets)
         else:
-            gate, up = _split(window.gather(ops, gate_up, window.rows))
-        act = ops["swiglu_fwd"](gate, up)
+            gate_up = window.gather(ops, gate_up, window.rows)
         rows_dy = window.gather(ops, dy, tokens)
         d_act = ops["grouped_mm"](rows_dy, params[DOWN].transpose(1, 2), offsets)
-        d_row_weights = (act * d_act).sum(-1)
-        row_weights = weights.unsqueeze(-1)
-        d_act.mul_(row_weights)
-        act.mul_(row_weights)
+        # the SwiGLU again, the routing weights' gradients, the gate and up gradients
+        act, d_gate_up, d_row_weights = ops["swiglu_rows_bwd"](
+            gate_up, d_act, weights, window.valid
+        )
+        del d_act, gate_up
         grads = {DOWN: ops["grouped_mm_wgrad"](rows_dy, act, offsets)}
         del rows_dy, act
-        d_gate_up = torch.cat(ops["swiglu_bwd"](d_act, gate, up), dim=-1)
-        del d_act
         grads[GATE_UP] = ops["grouped_mm_wgrad"](d_gate_up, rows_in, offsets)
         del rows_in
         d_in = ops["grouped_mm"](d_gate_up, params[GATE_UP].transpose(1, 2), offsets)

@@ -55,8 +55,11 @@ float64 inputs). Backward ops never rebuild autograd graphs and never re-run a f
   ``rows_gather_masked(source, index, valid) -> rows``: an expert shard's window rows
   (``kit.moe.ShardWindow``) summed into their tokens ((count, hidden) float32, each valid
   row times its weight), written into their places, or gathered from their sources; the
-  rows ``valid`` does not mark are never read (and, gathered, hold anything). Not in
-  ``STANDARD_OPS``: the MoE families list them.
+  rows ``valid`` does not mark are never read (and, gathered, hold anything); and
+  ``swiglu_rows_bwd(gate_up, d_act, weights, valid) -> (act, d_gate_up, d_weights)``,
+  the SwiGLU part of a shard's backward over its window rows (the activation times each
+  row's routing weight, the gate and up gradients, the weights' gradients in float32).
+  Not in ``STANDARD_OPS``: the MoE families list them.
 - ``gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None) -> out`` and
   ``gated_delta_rule_bwd(d_out, q, k, v, g, beta, *, scale=None) -> (dq, dk, dv, dg,
   dbeta)``: Gated DeltaNet's recurrence (linear attention; ``dataflow_kernels_torch.
