@@ -461,3 +461,85 @@ def test_the_shard_window_puts_its_rows_and_keeps_the_others() -> None:
     source = torch.arange(30.0).view(10, 3)
     gathered = window.gather(ops, source, window.rows)
     assert torch.equal(gathered[:3], source[:3])  # the shard's rows; the others anything
+
+
+#: the window ops of a shard (``ShardWindow``) whose fast variants read the shard's rows
+#: alone
+WINDOW_OPS = ("rows_add_masked", "rows_put_masked", "rows_gather_masked", "swiglu_rows_bwd")
+
+
+def _shard_math(ops, family, preset, shards, device, dtype, seed=0):
+    """Each shard's forward and backward (its ``gate_up`` saved, and re-derived) over one
+    random routing of 24 tokens, its results where they land (every expert row)."""
+    from dataflow_training.kit.moe import DOWN, GATE_UP, dispatch
+    from dataflow_training.step.family import Env
+
+    plugin = load_family(family)
+    config = plugin.config(preset)
+    block = next(layer for layer in plugin.layers(config) if layer.params and "moe" in layer.kind)
+    math = plugin.math(block.kind)
+    g = torch.Generator().manual_seed(seed)
+    k, tokens, experts = config.num_experts_per_tok, 24, config.num_experts
+    n, inner, per = config.hidden_size, math.ffn.inner(config), experts // shards
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]).int()
+    order, offsets, _ = dispatch(config, ids)
+    aux_temp = {
+        "ids": ids,
+        "weights": torch.rand(tokens, k, generator=g),
+        "order": order,
+        "offsets": offsets,
+    }
+    moe_in, dy = torch.randn(tokens, n, generator=g), torch.randn(tokens, n, generator=g)
+    params = [
+        {
+            GATE_UP: torch.randn(per, 2 * inner, n, generator=g) * 0.1,
+            DOWN: torch.randn(per, n, inner, generator=g) * 0.1,
+        }
+        for _ in range(shards)
+    ]
+    move = lambda t: t.to(device, dtype) if t.is_floating_point() else t.to(device)  # noqa: E731
+    aux_temp = {name: move(t) for name, t in aux_temp.items()}
+    moe_in, dy = move(moe_in), move(dy)
+    env, results = Env(ops), []
+    for shard in range(shards):
+        w = {name: move(t) for name, t in params[shard].items()}
+        out, gate_up, window = math.experts_forward(
+            config, w, {"moe_in": moe_in}, aux_temp, (shard, shards), env
+        )
+        every = torch.zeros(tokens * k, 2 * inner, device=device, dtype=dtype)
+        window.put(ops, gate_up, every)
+        results += [out, every]
+        for saved in ({"moe_in": moe_in, "gate_up": every}, {"moe_in": moe_in}):
+            d_in, d_weights, window, grads = math.experts_backward(
+                config, w, saved, aux_temp, dy, (shard, shards), env
+            )
+            placed = torch.zeros(tokens * k, device=device)
+            window.put(ops, d_weights, placed)
+            results += [d_in, placed, grads[GATE_UP], grads[DOWN]]
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("family", "preset"), [TINY[0], TINY[3]])
+def test_the_window_ops_fast_variants_run_the_shards_as_the_torch_ones(family, preset) -> None:
+    """On CUDA in float32, each shard's math with the window ops' fast (Triton) variants,
+    which read and write the shard's rows alone and leave the window's other rows as
+    their buffers held them, against the torch variants (every row): the same outputs,
+    gradients and written rows to float32 rounding, all finite."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from dataflow_training.step.ops import load_ops
+
+    from dataflow import kernels
+
+    plugin = load_family(family)
+    fast = dict(load_ops("cuda", plugin.ops))
+    names = {op: v.name for op in WINDOW_OPS for v in kernels().for_op(op, device="cuda")[:1]}
+    if set(names.values()) == {"torch"}:
+        pytest.skip("no fast variant of the window ops is registered here")
+    torch_ops = dict(fast) | {op: kernels().get(f"{op}/torch").load() for op in WINDOW_OPS}
+    got = _shard_math(fast, family, preset, 2, "cuda", torch.float32)
+    want = _shard_math(torch_ops, family, preset, 2, "cuda", torch.float32)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.isfinite(a).all(), i
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"result {i} ({names})")
