@@ -1,6 +1,7 @@
 """The ``torch-compiled`` resolver: the training executables with each block kind's math
-(forward, recompute, backward, and a partial save's rederive) compiled by ``torch.compile``,
-together with the writes of what it returns into the task's arena views
+(forward, recompute, backward, a partial save's rederive, and the routing tasks' functions
+of a block whose experts run apart: ``APART``) compiled by ``torch.compile``, the first
+four together with the writes of what they return into the task's arena views
 (``Strategy.run_into``): a value a fused kernel computes (a residual sum, the attention
 output's head merge, a layer norm's input gradient) is stored by that kernel, where a
 copy after the compiled call would read and write it again. A matrix product's result
