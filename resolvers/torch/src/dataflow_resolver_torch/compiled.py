@@ -39,31 +39,33 @@ FUNCTIONS = ("forward", "recompute", "backward", "rederive")
 APART = ("route_forward", "route_recompute", "route_backward")
 
 
-def _writing(function: Any, name: str) -> Any:
-    """``function`` followed by the writes of its values, as one function to compile.
+def _own_code(run: Any, name: str) -> Any:
+    """``run`` (a closure) given a code object of its own, named ``name``: dynamo keeps
+    its compiled entries, and counts recompilations against its limit (8), per code
+    object, and closures of one ``def`` share theirs, so every block function of every
+    kind would otherwise pile onto one count and past it run uncompiled."""
+    run.__code__ = run.__code__.replace(co_name=name)
+    run.__name__ = run.__qualname__ = name
+    return run
 
-    Each gets a code object of its own (named ``name``): dynamo keeps its compiled
-    entries, and counts recompilations against its limit (8), per code object, and
-    closures of one ``def`` share theirs, so every block function of every kind would
-    otherwise pile onto one count and past it run uncompiled."""
+
+def _writing(function: Any, name: str) -> Any:
+    """``function`` followed by the writes of its values, as one function to compile,
+    under a code object of its own (``_own_code``)."""
 
     def run(puts: list[Put], *args: Any) -> None:
         put_all(function(*args), puts)
 
-    run.__code__ = run.__code__.replace(co_name=name)
-    run.__name__ = run.__qualname__ = name
-    return run
+    return _own_code(run, name)
 
 
 def _renamed(function: Any, name: str) -> Any:
-    """``function`` under a code object of its own named ``name`` (see ``_writing``)."""
+    """``function`` under a code object of its own named ``name`` (``_own_code``)."""
 
     def run(*args: Any) -> Any:
         return function(*args)
 
-    run.__code__ = run.__code__.replace(co_name=name)
-    run.__name__ = run.__qualname__ = name
-    return run
+    return _own_code(run, name)
 
 
 def own_storage(value: Any) -> Any:
@@ -104,7 +106,6 @@ def _on_own_storages(compiled: Any) -> Any:
     def run(*args: Any) -> Any:
         return compiled(*_own_storages(args))
 
-    run.compiled = compiled
     return run
 
 
