@@ -256,3 +256,49 @@ def test_routing_tasks_of_experts_run_apart_are_compiled_and_train_as_eager(
         assert torch.tensor(got) == pytest.approx(torch.tensor(want), rel=1e-5)
     assert {name.rpartition("_route_")[2] for name in called} >= {"forward", "backward"}
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("family_name", "preset"), [("olmoe", "olmoe_tiny"), ("qwen3_5_moe", "qwen3_5_moe_tiny")]
+)
+def test_routing_tasks_compiled_by_inductor_on_cuda_are_captured_and_train_as_eager(
+    family_name: str, preset: str
+) -> None:
+    """On CUDA in bfloat16, inductor's code for the routing tasks of experts in two shards:
+    the steps after the first replay one captured CUDA graph and train as the eager
+    resolver's steps do to bf16 rounding (rel 2e-2, as the sharded step against the whole
+    one) over three steps, the routing new each step."""
+    pytest.importorskip(f"dataflow_family_{family_name}")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from dataflow_training import DtypePolicy, TrainConfig, TrainingRun
+
+    torch._dynamo.reset()
+    train = TrainConfig(seq_len=16, batch=2, rounds=2, dtype=DtypePolicy.named("bf16"))
+    runs = {
+        name: TrainingRun.of(
+            family_name,
+            preset,
+            train,
+            overrides={"expert_shards": 2},
+            budget_bytes=None,
+            device="cuda",
+            seed=1,
+            resolver=name,
+        )  # fmt: skip
+        for name in ("torch", "torch-compiled")
+    }
+    g = torch.Generator().manual_seed(0)
+    vocab = runs["torch"].vocab_size
+    for _ in range(3):
+        batches = [
+            tuple(torch.randint(0, vocab, (2, 16), generator=g) for _ in range(2)) for _ in range(2)
+        ]
+        want, got = (runs[name].step(batches).losses for name in ("torch", "torch-compiled"))
+        assert torch.isfinite(torch.tensor(got)).all(), got
+        assert torch.tensor(got) == pytest.approx(torch.tensor(want), rel=2e-2)
+    assert runs["torch-compiled"].graph_note is None, runs["torch-compiled"].graph_note
+    for run in runs.values():
+        run.close(keep_state=False)
+    torch._dynamo.reset()
