@@ -55,6 +55,7 @@ ENGINE = "dataflow"
 POLICIES = {
     "bf16": (DtypePolicy.named("bf16"), "bf16"),
     "mixed": (DtypePolicy("bfloat16", "float32", "bfloat16"), "fp32"),
+    "bf16-int8": (DtypePolicy.named("bf16"), "int8"),
 }
 
 

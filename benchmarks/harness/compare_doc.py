@@ -316,6 +316,14 @@ def _number(value: float | None, digits: int, scale: float = 1.0) -> str:
     return "" if value is None else f"{value * scale:,.{digits}f}"
 
 
+def _mfu(mfu: float | None, causal: float | None) -> str:
+    """The MFU cell: the PaLM convention's, then with attention counted causally where the
+    row's details have it (``compare.Bench.causal_mfu``)."""
+    if mfu is None:
+        return ""
+    return f"{100 * mfu:.1f} %" + ("" if causal is None else f" ({100 * causal:.1f} % causal)")
+
+
 def render_tables(doc: dict[str, Any]) -> str:
     """One table per model, each under a heading naming it (the order of ``finish``)."""
     models = list(dict.fromkeys(row["model"] for row in doc["rows"]))
@@ -352,7 +360,7 @@ def render_table(doc: dict[str, Any], model: str) -> str:
             batch,
             _number(row["tokens_per_step"], 0),
             _number(row["tok_s"], 0),
-            "" if row["mfu"] is None else f"{100 * row['mfu']:.1f} %",
+            _mfu(row["mfu"], extra.get("mfu_causal")),
             _number(row["ratio_to_fastest_stock"], 2),
             _size(row["allocator_peak_bytes"]),
             _size(row["moved_bytes_per_step"]),

@@ -30,11 +30,12 @@ import torch
 
 from dataflow.engine.backends.torch_graph import stream_activity, trace_activity
 
-#: Dense BF16 tensor-core peak of an H200 SXM, NVIDIA's datasheet figure (the H100's rate,
-#: "about 990 TFLOP/s"), as /work/.library/device/H200.md records it.
-PEAK_FLOPS = {"H200": 990e12}
+#: Dense BF16 tensor-core peak of an H200 SXM, NVIDIA's datasheet figure, "about 990
+#: TFLOP/s", as the device notes (H200.md) record it; they say the H200's arithmetic and
+#: matrix rates are the H100's, so the H100 80GB HBM3 (SXM) of the device machine has it too
+PEAK_FLOPS = {"H200": 990e12, "H100": 990e12}
 PEAK_SOURCE = (
-    "NVIDIA H200 SXM datasheet, dense BF16 tensor core ~990 TFLOP/s "
+    "NVIDIA H100/H200 SXM datasheet, dense BF16 tensor core ~990 TFLOP/s "
     "(as recorded in the project's device notes, H200.md)"
 )
 
@@ -206,16 +207,23 @@ def matmul_params(config: Any) -> float:
     return sum(p.numel() for name, p in model.named_parameters() if not name.startswith("wpe"))
 
 
-def flops_per_token(config: Any, seq_len: int) -> float:
+def flops_per_token(config: Any, seq_len: int, *, causal: bool = False) -> float:
     """Model FLOPs of one trained token (forward and backward): ``6 N + 12 L a T`` (``a``
-    the attention width: GPT-2's ``n_embd``, a decoder's query heads x ``head_dim``)."""
+    the attention width: GPT-2's ``n_embd``, a decoder's query heads x ``head_dim``);
+    ``causal``: the attention term halved, ``6 N + 6 L a T`` (a causal query scores half
+    the keys on average: what long-context MFU counts)."""
+    return 6.0 * matmul_params(config) + attention_flops_per_token(config, seq_len, causal)
+
+
+def attention_flops_per_token(config: Any, seq_len: int, causal: bool = False) -> float:
+    """The attention term of ``flops_per_token``: ``12 L a T``, halved when ``causal``."""
     from benchmarks.harness.stock import is_gpt2
 
     if is_gpt2(config):
         layers, width = config.n_layer, config.n_embd
     else:
         layers, width = config.num_hidden_layers, config.q_width
-    return 6.0 * matmul_params(config) + 12.0 * layers * width * seq_len
+    return (6.0 if causal else 12.0) * layers * width * seq_len
 
 
 def peak_flops(device_name: str) -> float | None:

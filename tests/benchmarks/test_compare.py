@@ -229,7 +229,9 @@ def test_flops_per_token_counts_matrix_parameters_and_attention() -> None:
     params = vocab * d + layers * block + 2 * d
     assert measure.matmul_params(config) == params
     assert measure.flops_per_token(config, 1024) == 6 * params + 12 * layers * d * 1024
+    assert measure.flops_per_token(config, 1024, causal=True) == 6 * params + 6 * layers * d * 1024
     assert measure.peak_flops("NVIDIA H200") == 990e12
+    assert measure.peak_flops("NVIDIA H100 80GB HBM3") == 990e12
     assert measure.peak_flops("cpu") is None
 
 
@@ -292,6 +294,40 @@ def test_given_batch_order_runs_the_first_batch_given_without_ranking(tmp_path) 
     assert (row["batch"], row["tokens_per_step"]) == (1, 128), row
     details = doc["meta"]["row_details"][compare_doc.row_key(row)]
     assert details["tried"] == {"given": ["1 x 4", "2 x 2"]} and details["rounds"] == 4
+
+
+def test_an_int8_states_row_trains_its_moments_in_8_bits_and_says_its_causal_mfu(
+    tmp_path,
+) -> None:
+    """``--dataflow-dtypes bf16-int8``: a row of its own dtype whose step keeps AdamW's
+    moments block-wise in 8 bits (issue 50's 14B rows); with a peak known every row's
+    details carry ``mfu_causal``, the attention FLOPs counted causally, which the table
+    shows beside the PaLM convention's MFU."""
+    from benchmarks.harness.compare_dataflow import train_config
+
+    train = train_config("bf16-int8", 2, 2, 32, 32)
+    assert train.optimizer.name == "adamw_int8"
+    assert train.optimizer.state_dtypes["exp_avg"] == "int8"
+    page = tmp_path / "page.md"
+    shutil.copy(ROOT / "docs" / "throughput.md", page)
+    out = tmp_path / "compare.json"
+    args = [*TINY, "--rows", "dataflow", "--budgets", "4MiB", "--dataflow-dtypes", "bf16-int8"]
+    args += ["--dataflow-batches", "2", "--dataflow-batch-order", "given", "--peak-tflops", "1"]
+    assert compare.main([*args, "--out", str(out), "--doc", str(page)]) == 0
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    assert row["dtype"] == "bf16-int8" and row["tok_s"], row
+    details = doc["meta"]["row_details"][compare_doc.row_key(row)]
+    flops = doc["meta"]["models"]["gpt2_tiny"]["flops_per_token"]
+    assert row["mfu"] == pytest.approx(row["tok_s"] * flops / 1e12)
+    # the causal saving, half the attention term: 6 L a T (gpt2_tiny's L, a from its config)
+    from dataflow_training.step.family import load_family
+
+    tiny = load_family("gpt2").config("gpt2_tiny")
+    layers, width, seq = tiny.n_layer, tiny.n_embd, 32
+    causal = row["tok_s"] * (flops - 6 * layers * width * seq) / 1e12
+    assert details["mfu_causal"] == pytest.approx(causal)
+    assert f"({100 * details['mfu_causal']:.1f} % causal)" in page.read_text()
 
 
 def test_checkpointing_leaves_the_stock_step_unchanged() -> None:
