@@ -286,20 +286,25 @@ class Bench:
     # -- stock ---------------------------------------------------------------------------
     def stock_rows(self) -> None:
         """Eager and compile x autocast and bf16, then the fastest with checkpointing (not
-        under ``--mode lora``)."""
+        under ``--mode lora``). Where no batch of those fit (a 14B model, a long sequence),
+        checkpointing is what a user turns to: the last engine given (compile) in the first
+        dtype, over every batch."""
         args = self.args
         for engine in args.stock_engines:
             for dtype in args.stock_dtypes:
                 self.stock_row(engine, dtype, checkpoint=False)
-        if self.lora is not None:
+        if self.lora is not None or args.no_checkpoint_row:
             return
         plain = [f"pytorch {engine}" for engine in STOCK_ENGINES]
         fastest = self.fastest_stock(plain)
-        if fastest is not None and not args.no_checkpoint_row:
-            engine = fastest["engine"].removeprefix("pytorch ")
-            # checkpointing only frees memory: batches below the fastest one's are slower
-            batches = [b for b in args.batches if b >= fastest["batch"]]
-            self.stock_row(engine, fastest["dtype"], checkpoint=True, batches=batches)
+        if fastest is None:
+            engine, dtype = args.stock_engines[-1], args.stock_dtypes[0]
+            self.stock_row(engine, dtype, checkpoint=True)
+            return
+        engine = fastest["engine"].removeprefix("pytorch ")
+        # checkpointing only frees memory: batches below the fastest one's are slower
+        batches = [b for b in args.batches if b >= fastest["batch"]]
+        self.stock_row(engine, fastest["dtype"], checkpoint=True, batches=batches)
 
     def stock_row(
         self, engine: str, dtype: str, *, checkpoint: bool, batches: list[int] | None = None

@@ -330,6 +330,30 @@ def test_an_int8_states_row_trains_its_moments_in_8_bits_and_says_its_causal_mfu
     assert f"({100 * details['mfu_causal']:.1f} % causal)" in page.read_text()
 
 
+def test_where_no_plain_stock_batch_fits_checkpointing_is_measured(monkeypatch, tmp_path) -> None:
+    """Issue 50's stock rows (a 14B model, a long sequence): when every batch of the plain
+    stock rows runs out of memory, the checkpointing row still runs, with the last engine
+    given over every batch, and the plain row says why it has no figure."""
+    trial = compare.Bench.stock_trial
+
+    def plain_out_of_memory(self, engine, dtype, checkpoint, batch):
+        if not checkpoint:
+            raise torch.cuda.OutOfMemoryError("no room")
+        return trial(self, engine, dtype, checkpoint, batch)
+
+    monkeypatch.setattr(compare.Bench, "stock_trial", plain_out_of_memory)
+    page = tmp_path / "page.md"
+    shutil.copy(ROOT / "docs" / "throughput.md", page)
+    out = tmp_path / "compare.json"
+    args = [*TINY, "--rows", "stock", "--stock-engines", "eager", "--stock-dtypes", "bf16"]
+    assert compare.main([*args, "--batches", "2,1", "--out", str(out), "--doc", str(page)]) == 0
+    rows = by_key(json.loads(out.read_text()))
+    plain = rows["gpt2_tiny|pytorch eager|bf16|None|32|full"]
+    assert plain["tok_s"] is None and "out of memory" in plain["note"], plain
+    checkpointed = rows["gpt2_tiny|pytorch eager + checkpointing|bf16|None|32|full"]
+    assert checkpointed["tok_s"] and checkpointed["batch"] in (1, 2), checkpointed
+
+
 def test_checkpointing_leaves_the_stock_step_unchanged() -> None:
     """Checkpointed blocks recompute in backward: the loss and every gradient are the
     plain model's (float32 on the CPU)."""
