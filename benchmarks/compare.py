@@ -292,7 +292,8 @@ class Bench:
         args = self.args
         for engine in args.stock_engines:
             for dtype in args.stock_dtypes:
-                self.stock_row(engine, dtype, checkpoint=False)
+                if not args.only_checkpoint_row:
+                    self.stock_row(engine, dtype, checkpoint=False)
         if self.lora is not None or args.no_checkpoint_row:
             return
         plain = [f"pytorch {engine}" for engine in STOCK_ENGINES]
@@ -522,10 +523,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batches", type=_ints, default=[8, 16, 32, 64], help="stock batch search")
     p.add_argument("--full-search", action="store_true", help="try every stock batch")
-    p.add_argument(
+    checkpoint = p.add_mutually_exclusive_group()
+    checkpoint.add_argument(
         "--no-checkpoint-row",
         action="store_true",
         help="skip the stock row with activation checkpointing",
+    )
+    checkpoint.add_argument(
+        "--only-checkpoint-row",
+        action="store_true",
+        help="the stock row with activation checkpointing alone (the last engine and first "
+        "dtype given), e.g. at a sequence no plain stock batch fits",
     )
     p.add_argument("--stock-engines", type=_words(STOCK_ENGINES), default=list(STOCK_ENGINES))
     p.add_argument(

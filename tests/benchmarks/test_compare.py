@@ -352,6 +352,17 @@ def test_where_no_plain_stock_batch_fits_checkpointing_is_measured(monkeypatch, 
     assert plain["tok_s"] is None and "out of memory" in plain["note"], plain
     checkpointed = rows["gpt2_tiny|pytorch eager + checkpointing|bf16|None|32|full"]
     assert checkpointed["tok_s"] and checkpointed["batch"] in (1, 2), checkpointed
+    # --only-checkpoint-row: that row alone (a long sequence's stock row)
+    alone = tmp_path / "alone.json"
+    assert (
+        compare.main(
+            [*args, "--only-checkpoint-row", "--batches", "1"]
+            + ["--out", str(alone), "--doc", str(page)]
+        )
+        == 0
+    )
+    (row,) = json.loads(alone.read_text())["rows"]
+    assert row["engine"] == "pytorch eager + checkpointing" and row["tok_s"], row
 
 
 def test_checkpointing_leaves_the_stock_step_unchanged() -> None:
