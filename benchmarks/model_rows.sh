@@ -14,14 +14,19 @@
 #                                               # (GPT2_PART=big: stock, 16..2 GiB; small: 1 GiB)
 #   bash benchmarks/model_rows.sh qwen3_5       # issue 46: qwen3_5_cut, stock compile + dataflow 16, 8 GiB
 #   bash benchmarks/model_rows.sh qwen3_5_moe   # issue 46: qwen3_5_moe_cut, the same
+#   DS_PRESETS=deepseek_v3_cut bash benchmarks/model_rows.sh deepseek
+#                                               # issue 47: stock compile + dataflow 16, 8 GiB of
+#                                               # deepseek_v3_cut, deepseek_v32_cut, glm5_cut (one
+#                                               # call each; an H200 on a host of over 128 GiB)
 #
 # Rows are appended to benchmarks/results/compare.json and the tables of
 # docs/throughput.md rewritten; with $OUT set, the log, both files and the profile cache
 # (one tarball: put it at benchmarks/results/profiles_<group>.tgz to reuse it in a later
 # run) are copied there. SMOKE=1 runs the same commands on the CPU at tiny presets
-# (llama3_tiny, olmoe_tiny) into /tmp, so nothing fails on the device for a typo.
+# (llama3_tiny, olmoe_tiny; the deepseek group's *_tiny) into /tmp, so nothing fails on the
+# device for a typo.
 set -u
-group=${1:?usage: model_rows.sh llama3_8b|llama3_8b_lora|l3_1b|olmoe|olmoe16|olmoe8|small|gpt2|qwen3_5|qwen3_5_moe}
+group=${1:?usage: model_rows.sh llama3_8b|llama3_8b_lora|l3_1b|olmoe|olmoe16|olmoe8|small|gpt2|qwen3_5|qwen3_5_moe|deepseek}
 out_json=benchmarks/results/compare.json
 page=docs/throughput.md
 cache=/tmp/dataflow_profiles_$group
@@ -42,6 +47,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
     gpt2=(--preset gpt2_tiny --seq-len 32) gpt2_tokens=512 gpt2_big=4MiB,2MiB gpt2_two=1MiB
     gpt2_small=512KiB
     q35=(--preset qwen3_5_tiny --seq-len 32) q35moe=(--preset qwen3_5_moe_tiny --seq-len 32)
+    ds_seq=32 ds_batches16=2 ds_batches8=2
 else
     common+=(--resolver torch-compiled)
     moe_resolver=${MOE_RESOLVER:-torch-compiled}
@@ -53,6 +59,7 @@ else
     gpt2=(--preset gpt2_124m --seq-len 1024) gpt2_tokens=524288
     gpt2_big=16GiB,8GiB,4GiB gpt2_two=2GiB gpt2_small=1GiB
     q35=(--preset qwen3_5_cut --seq-len 4096) q35moe=(--preset qwen3_5_moe_cut --seq-len 4096)
+    ds_seq=4096 ds_batches16=16,8 ds_batches8=8,4
 fi
 # REDO=1 measures again the rows the results already have (--redo), e.g. the first call
 # after a change to what the rows run; later calls without it measure only what is missing
@@ -332,8 +339,67 @@ qwen3_5 | qwen3_5_moe)
         fi
     } 2>&1 | tee "$log"
     ;;
+deepseek)
+    # issue 47's rows: the 2-layer cuts (1 dense, 1 MoE layer) of DeepSeek V3
+    # (deepseek_v3_cut, 13.9B parameters), DeepSeek V3.2 (deepseek_v32_cut: V3's with a
+    # lightning indexer a layer) and GLM 5 (glm5_cut, 12.2B: the MoE layer reuses the dense
+    # layer's selection), seq 4096, stock torch.compile (harness/stock_deepseek.py: MLA
+    # through SDPA, the sparse layers' selection an SDPA mask, the routed experts as
+    # grouped GEMMs; the faster of batch 2 and 1, STOCK_BATCHES) beside dataflow at 16 and
+    # 8 GiB, bf16 weights and moments, 131,072 tokens a step (DS_TOKENS).
+    # The machine: stock holds 104 GiB of bf16 weights, gradients and AdamW moments (91 GiB
+    # for glm5_cut), so an H200, not an H100; and dataflow's pinned pool of that state does
+    # not fit one H200's 128 GiB host: `dataflow predict --preset P --seq-len 4096 --budget
+    # B --precision bf16-plain --hw h200`, run on the CPU for these rows, finds no step of
+    # deepseek_v3_cut or deepseek_v32_cut at 16 or 8 GiB (the least needs 163-193 GiB of
+    # host memory). So these rows run on an H200 of a 256 GiB host (the nvidia-h200-x2
+    # kind; one GPU used). With the h200 entry's host memory set to 256 GiB (--hw-file) the
+    # search picks 524,288 tokens a step (its cap: 16 GiB 16 x 8 rounds, 26,200 tok/s for
+    # deepseek_v3_cut, 25,676 deepseek_v32_cut, 30,550 glm5_cut; 8 GiB 8 x 16, 16,824,
+    # 16,422 and 19,864), whose 20-32 s steps do not fit a call's rows; at --tokens-step
+    # 131072 it picks 16 x 2 rounds at 16 GiB (19,712, 19,545 and 23,105 tok/s, a host
+    # of 154, 161 and 143 GiB) and 8 x 4 rounds at 8 GiB (13,948, 13,741 and 16,568; 155,
+    # 143 and 138 GiB), layer and round order within 1.5 % of each other: so 16 GiB runs
+    # batch 16 (then 8) and 8 GiB batch 8 (then 4), both by layer (DS_BATCHES16,
+    # DS_ORDER16, DS_BATCHES8, DS_ORDER8 override them). Tasks compiled as the MoE
+    # groups' (MOE_RESOLVER=torch: eager).
+    # Each preset is its own call of under nine minutes (DS_PRESETS, default all three,
+    # comma-separated: `DS_PRESETS=deepseek_v3_cut bash benchmarks/model_rows.sh
+    # deepseek`): stock and the 16 GiB row (150 s for the compiled row, 160 s for the
+    # dataflow one), then the 8 GiB row (170 s); a row its limit cut before it measured a
+    # step runs again in the next call (--append keeps the rest). DS_PART=16 runs stock and
+    # 16 GiB alone,
+    # DS_PART=8 the 8 GiB row alone (its ratio is to the stock row already in the
+    # results), each with the call's time to itself, should a first call run out of time
+    presets=${DS_PRESETS:-deepseek_v3_cut,deepseek_v32_cut,glm5_cut}
+    for preset in ${presets//,/ }; do
+        case $preset in deepseek_v3_cut | deepseek_v32_cut | glm5_cut) ;;
+        *) echo "model_rows.sh deepseek: unknown preset '$preset' (deepseek_v3_cut, deepseek_v32_cut or glm5_cut)" >&2
+            exit 2 ;;
+        esac
+    done
+    part=${DS_PART:-both}
+    if [ "$part" = 16 ]; then row16=(--compile-row-seconds 180 --row-seconds 300 --total-seconds 500)
+    else row16=(--compile-row-seconds 150 --row-seconds 160 --total-seconds 310); fi
+    if [ "$part" = 8 ]; then row8=(--row-seconds 500 --total-seconds 500)
+    else row8=(--row-seconds 170 --total-seconds 170); fi
+    {
+        for preset in ${presets//,/ }; do
+            family=${preset%_cut}  # deepseek_v3, deepseek_v32, glm5
+            [ "${SMOKE:-0}" = 1 ] && preset=${family}_tiny
+            ds=(--family "$family" --preset "$preset" --seq-len "$ds_seq" --resolver "$moe_resolver"
+                --min-tokens "${DS_TOKENS:-$tokens}" --steps 3 --warmup 1)
+            [ "$part" = 8 ] || compare "${ds[@]}" --rows stock,dataflow --stock-engines compile \
+                --batches "${STOCK_BATCHES:-2,1}" --dataflow-batches "${DS_BATCHES16:-$ds_batches16}" \
+                --dataflow-orders "${DS_ORDER16:-layer}" --budgets "${moe_budgets%,*}" "${row16[@]}"
+            [ "$part" = 16 ] || compare "${ds[@]}" --rows dataflow \
+                --dataflow-batches "${DS_BATCHES8:-$ds_batches8}" --dataflow-orders "${DS_ORDER8:-layer}" \
+                --budgets "${moe_budgets#*,}" "${row8[@]}"
+        done
+    } 2>&1 | tee "$log"
+    ;;
 *)
-    echo "model_rows.sh: unknown group '$group' (llama3_8b, llama3_8b_lora, l3_1b, olmoe, olmoe16, olmoe8, small, gpt2, qwen3_5 or qwen3_5_moe)" >&2
+    echo "model_rows.sh: unknown group '$group' (llama3_8b, llama3_8b_lora, l3_1b, olmoe, olmoe16, olmoe8, small, gpt2, qwen3_5, qwen3_5_moe or deepseek)" >&2
     exit 2
     ;;
 esac

@@ -2,8 +2,9 @@
 
 - ``measure``: wall-clock steps, the device's activity in one profiled step, link
   bandwidth, model FLOPs and MFU, a time limit per row;
-- ``stock``, ``stock_decoder``: stock PyTorch training steps (GPT-2; Llama-style decoders
-  and their mixture-of-experts kin), the baseline of every speed figure;
+- ``stock``, ``stock_decoder``, ``stock_deepseek``: stock PyTorch training steps (GPT-2;
+  Llama-style decoders and their mixture-of-experts kin; DeepSeek V3, V3.2 and GLM 5), the
+  baseline of every speed figure;
 - ``compare_dataflow``: the dataflow rows (``TrainingRun`` inside a budget) and the
   ``TrainConfig`` / ``TrainingRun`` of a row that other scripts reuse;
 - ``compare_doc``: the results document (``results/compare.json``), its merging and the

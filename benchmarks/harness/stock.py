@@ -8,7 +8,8 @@ optionally ``torch.compile``, optionally every block under ``torch.utils.checkpo
 with the speed tricks a user applies (``StockTricks``: the vocabulary padded to a
 multiple of 64, TF32 float32 matmuls, optionally a compile mode and a fused linear
 cross-entropy). ``build_stock`` makes the step (GPT-2 here; any other family's config, a
-Llama-style decoder or its mixture-of-experts kin, is ``stock_decoder.StockDecoder``);
+Llama-style decoder or its mixture-of-experts kin, is ``stock_decoder.StockDecoder``, a
+DeepSeek V3, V3.2 or GLM 5 one ``stock_deepseek.StockDeepseek``);
 ``time_stock`` times it with CUDA events around forward, backward, optimizer step and
 zero_grad.
 """
@@ -192,7 +193,7 @@ def stock_model(
     """The stock model of ``config`` on ``device``, initialised there (an 8B model's
     weights are drawn on the GPU, not the host), all bfloat16 for ``dtype='bf16'``, with
     the vocabulary padding and loss of ``tricks``."""
-    from benchmarks.harness.stock_decoder import StockDecoder
+    from benchmarks.harness.stock_decoder import decoder_type
 
     floating = torch.bfloat16 if dtype == "bf16" else torch.float32
     with torch.device(device):
@@ -208,7 +209,7 @@ def stock_model(
                 cce=tricks.cce,
             )
         else:
-            model = StockDecoder(
+            model = decoder_type(config)(
                 config,
                 seq_len,
                 checkpoint=checkpoint,

@@ -22,7 +22,8 @@ probabilities ``P`` pooled over the layers, and the router z-loss
 
 Parameter names are the reference's ``state_dict`` keys (``emb.embed_tokens.weight``,
 ``0.self_attn.q_proj.weight``, ``0.mlp.experts.gate_up_proj``, ``head.lm_head.weight``), so
-a reference state loads as is.
+a reference state loads as is. DeepSeek V3, V3.2 and GLM 5 (multi-head latent attention)
+are ``stock_deepseek.StockDeepseek``, this decoder with their blocks (``decoder_type``).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from dataflow_training.kit import GatedDeltaNet as LinearAttentionPart
+from dataflow_training.kit import MLAFields, linear_attention_reference, moe_reference
 from dataflow_training.kit import decoder_reference as reference
-from dataflow_training.kit import linear_attention_reference, moe_reference
 from dataflow_training.kit.decoder_reference import inverse_frequencies
 from torch import nn
 
@@ -51,15 +52,22 @@ class RMSNorm(reference.RMSNorm):
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
 
+def tables_of(
+    frequencies: torch.Tensor, seq_len: int, factor: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``cos`` and ``sin`` of (seq_len, frequencies): position x frequency (the
+    float64 ``frequencies``), times ``factor``."""
+    angles = torch.arange(seq_len, dtype=torch.float64)[:, None] * frequencies
+    return (angles.cos() * factor).float(), (angles.sin() * factor).float()
+
+
 def rotary_tables(
     config: Any, seq_len: int, rotary_dim: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``cos`` and ``sin`` of (seq_len, rotary_dim / 2): position x frequency
     (``rotary_dim`` default all of ``head_dim``)."""
     with torch.device("cpu"):  # the tables are made on the host, whatever device builds
-        positions = torch.arange(seq_len, dtype=torch.float64)
-        angles = positions[:, None] * inverse_frequencies(config, rotary_dim)
-        return angles.cos().float(), angles.sin().float()
+        return tables_of(inverse_frequencies(config, rotary_dim), seq_len)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -139,6 +147,22 @@ def expert_counts(ids: torch.Tensor, experts: int) -> torch.Tensor:
     )
 
 
+def routed(
+    flat: torch.Tensor, experts: nn.Module, ids: torch.Tensor, weights: torch.Tensor, count: int
+) -> torch.Tensor:
+    """The routed SwiGLU experts (``experts.gate_up_proj`` (E, 2 inner, n) and
+    ``experts.down_proj`` (E, n, inner)) of every token slot of ``flat`` (tokens, n):
+    the slots ``ids`` (tokens, k) sorted by expert, each projection one grouped GEMM,
+    the rows times their ``weights`` (tokens, k) added back per token."""
+    order = ids.flatten().argsort(stable=True)
+    token = order // ids.shape[-1]
+    ends = expert_counts(ids, count).cumsum(0).to(torch.int32)
+    gate, up = grouped_mm(flat[token], experts.gate_up_proj, ends).chunk(2, dim=-1)
+    rows = grouped_mm(F.silu(gate) * up, experts.down_proj, ends)
+    rows = rows * weights.flatten()[order, None].to(rows.dtype)
+    return torch.zeros_like(flat).index_add(0, token, rows)
+
+
 class Experts(moe_reference.Experts):
     """The reference's routed SwiGLU FFN and router parameters (and its shared expert,
     Qwen 3.5 MoE's), the experts run as grouped GEMMs; ``last`` keeps (router logits,
@@ -153,13 +177,7 @@ class Experts(moe_reference.Experts):
         if c.norm_topk_prob:
             top = top / top.sum(-1, keepdim=True)
         self.last = (logits, ids)
-        order = ids.flatten().argsort(stable=True)
-        token = order // c.num_experts_per_tok
-        ends = expert_counts(ids, c.num_experts).cumsum(0).to(torch.int32)
-        gate, up = grouped_mm(flat[token], self.experts.gate_up_proj, ends).chunk(2, dim=-1)
-        rows = grouped_mm(F.silu(gate) * up, self.experts.down_proj, ends)
-        rows = rows * top.flatten()[order, None].to(rows.dtype)
-        out = torch.zeros_like(flat).index_add(0, token, rows)
+        out = routed(flat, self.experts, ids, top, c.num_experts)
         if self.shared:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view_as(x)
@@ -174,18 +192,23 @@ class Block(nn.Module):
         block = config.architecture.block_of(config, layer)  # the family's settings
         part, offset = block.attention, block.norm.offset
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset)
-        linear = isinstance(part, LinearAttentionPart)
-        mixer = (
-            GatedDeltaNet(config) if linear else Attention(config, **part.reference_args(config))
-        )
         self.mixer = part.module  # ``self_attn`` or ``linear_attn``, the reference's names
-        self.add_module(part.module, mixer)
+        self.add_module(part.module, self.make_attention(config, part))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset)
+        self.mlp = self.make_ffn(config, block.ffn)
+
+    def make_attention(self, config: Any, part: Any) -> nn.Module:
+        """The stock module of the attention part ``part``."""
+        if isinstance(part, LinearAttentionPart):
+            return GatedDeltaNet(config)
+        return Attention(config, **part.reference_args(config))
+
+    def make_ffn(self, config: Any, part: Any) -> nn.Module:
+        """The stock module of the FFN part ``part``."""
         if is_moe(config):
-            shared = block.ffn.shared
-            self.mlp = Experts(config, **(shared.reference_args(config) if shared else {}))
-        else:
-            self.mlp = MLP(config)
+            shared = part.shared
+            return Experts(config, **(shared.reference_args(config) if shared else {}))
+        return MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.get_submodule(self.mixer)(self.input_layernorm(x), cos, sin)
@@ -208,7 +231,12 @@ def is_moe(config: Any) -> bool:
 class StockDecoder(nn.Module):
     """``model(tokens, targets)`` -> the step's objective: the mean cross-entropy, plus the
     router terms for a mixture-of-experts config. ``checkpoint`` puts every block under
-    ``torch.utils.checkpoint``."""
+    ``torch.utils.checkpoint``. A sibling family's model (``decoder_type``) overrides the
+    parts that differ: its ``block_type``, its rotary ``tables`` and its objective's
+    ``terms``."""
+
+    #: the module of each layer
+    block_type: type[nn.Module] = Block
 
     def __init__(
         self,
@@ -225,16 +253,21 @@ class StockDecoder(nn.Module):
         stored = config.with_overrides(vocab_size=padded(config.vocab_size, vocab_multiple))
         self.emb = Embed(stored)
         for layer in range(config.num_hidden_layers):
-            self.add_module(str(layer), Block(config, layer))
+            self.add_module(str(layer), self.block_type(config, layer))
         self.head = Head(stored, config.architecture.norm.offset)
-        rotated = {b.self_attn.rotary_dim for b in self.blocks() if b.mixer == "self_attn"}
-        cos, sin = rotary_tables(config, seq_len, *rotated)
+        cos, sin = self.tables(seq_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.init_weights()
 
     def blocks(self) -> list[Block]:
         return [self.get_submodule(str(layer)) for layer in range(self.config.num_hidden_layers)]
+
+    def tables(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary ``cos`` and ``sin`` of every position (``rotary_tables``, over the
+        attention layers' rotated dims)."""
+        rotated = {b.self_attn.rotary_dim for b in self.blocks() if b.mixer == "self_attn"}
+        return rotary_tables(self.config, seq_len, *rotated)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
@@ -275,10 +308,12 @@ class StockDecoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         weight, vocab = self.output_weight(), self.config.vocab_size
-        loss = vocab_loss(self.hidden(tokens), weight, vocab, targets, self.cce)
-        if is_moe(self.config):
-            loss = loss + self.router_terms()
-        return loss
+        return vocab_loss(self.hidden(tokens), weight, vocab, targets, self.cce) + self.terms()
+
+    def terms(self) -> torch.Tensor | float:
+        """The objective's terms beside the cross-entropy, of the latest forward: a
+        mixture-of-experts config's router terms, else none (0)."""
+        return self.router_terms() if is_moe(self.config) else 0.0
 
     def router_terms(self) -> torch.Tensor:
         """Load balance and z-loss of the latest forward (the step's one round): the
@@ -302,11 +337,21 @@ def active_fraction(config: Any, name: str) -> float:
     return 1.0
 
 
+def decoder_type(config: Any) -> type[StockDecoder]:
+    """The stock model of a decoder family's ``config``: ``StockDecoder``, or for multi-head
+    latent attention (DeepSeek V3, V3.2, GLM 5) ``stock_deepseek.StockDeepseek``."""
+    if isinstance(config, MLAFields):
+        from benchmarks.harness.stock_deepseek import StockDeepseek
+
+        return StockDeepseek
+    return StockDecoder
+
+
 def matmul_params(config: Any) -> float:
     """Parameters one token multiplies by (the token embedding is a lookup unless it is
     also the output projection), routed experts at their active share."""
     with torch.device("meta"):
-        model = StockDecoder(config, 1)
+        model = decoder_type(config)(config, 1)
     total = 0.0
     lookup = "" if config.tie_word_embeddings else "emb.embed_tokens.weight"
     for name, param in model.named_parameters():

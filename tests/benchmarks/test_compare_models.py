@@ -1,8 +1,8 @@
 """benchmarks/compare.py across models (issues 15 and 16): rows keyed by model, ratios
 against the same model's fastest stock row, one table per model, a file of the GPT-2-only
 format read as the GPT-2 run it was; the stock decoders (Llama 3, Qwen 3, OLMoE, Qwen 3
-MoE, Qwen 3.5 and its MoE) against each family's plain-autograd reference; and a llama3_tiny run on the CPU
-appended beside GPT-2 rows."""
+MoE, Qwen 3.5 and its MoE, DeepSeek V3, V3.2 and GLM 5) against each family's
+plain-autograd reference; and a llama3_tiny run on the CPU appended beside GPT-2 rows."""
 
 from __future__ import annotations
 
@@ -27,7 +27,16 @@ DECODERS = [
     ("qwen3_moe", "qwen3_moe_tiny"),
     ("qwen3_5", "qwen3_5_tiny"),
     ("qwen3_5_moe", "qwen3_5_moe_tiny"),
+    ("deepseek_v3", "deepseek_v3_tiny"),
+    ("deepseek_v32", "deepseek_v32_tiny"),
+    ("glm5", "glm5_tiny"),
 ]
+#: the family packages a checkout may lack: their cases skip without them
+PACKAGES = {
+    "deepseek_v3": "dataflow_family_deepseek",
+    "deepseek_v32": "dataflow_family_deepseek",
+    "glm5": "dataflow_family_glm",
+}
 
 
 def family(name):
@@ -158,19 +167,20 @@ def test_the_committed_results_read_as_gpt2_rows_and_keep_their_table() -> None:
 
 
 # -- the stock decoders ---------------------------------------------------------------------
-@pytest.mark.parametrize(("name", "preset"), DECODERS)
-def test_stock_decoder_is_the_family_reference(name, preset) -> None:
+def assert_stock_is_reference(fam, config) -> None:
     """The reference's state loads as is; logits, the step's objective (router terms
-    included for MoE) and every gradient agree in float32 on the CPU."""
-    fam = family(name)
-    config = fam.config(preset)
+    included for MoE, and the indexer losses for sparse attention) and every gradient
+    agree in float32 on the CPU. 32 tokens: the sparse presets' queries past the 16th
+    attend to 16 keys of their own choice."""
+    from dataflow_training.kit import DSAReference
+
     torch.manual_seed(0)
     reference = fam.reference_model(config)
-    model = stock_decoder.StockDecoder(config, 16)
+    model = stock_decoder.decoder_type(config)(config, 32)
     model.load_state_dict(reference.state_dict(), strict=True)
     generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, config.vocab_size, (2, 16), generator=generator)
-    targets = torch.randint(0, config.vocab_size, (2, 16), generator=generator)
+    tokens = torch.randint(0, config.vocab_size, (2, 32), generator=generator)
+    targets = torch.randint(0, config.vocab_size, (2, 32), generator=generator)
     torch.testing.assert_close(model.logits(tokens), reference.logits(tokens), rtol=1e-5, atol=1e-5)
     if stock_decoder.is_moe(config):
         losses, terms = reference([(tokens, targets)])
@@ -179,12 +189,42 @@ def test_stock_decoder_is_the_family_reference(name, preset) -> None:
     else:
         expected = reference(tokens, targets)
     loss = model(tokens, targets)
+    if isinstance(reference, DSAReference):  # the indexers' KL losses, over sparse choices
+        assert float(reference.indexer_losses().detach()) > 0
+        first = model.blocks()[0].self_attn.last["keep"]
+        assert not first.equal(first.new_ones(32, 32).tril().expand_as(first))
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     loss.backward()
     expected.backward()
     grads = dict(reference.named_parameters())
     for key, param in model.named_parameters():
         torch.testing.assert_close(param.grad, grads[key].grad, rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize(("name", "preset"), DECODERS)
+def test_stock_decoder_is_the_family_reference(name, preset) -> None:
+    if name in PACKAGES:
+        pytest.importorskip(PACKAGES[name])
+    fam = family(name)
+    assert_stock_is_reference(fam, fam.config(preset))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # YaRN with a cos/sin factor (mscale_all_dim 0) and a softmax scale (1)
+        {"rope_yarn": {"factor": 4.0, "original_max_position": 16, "mscale_all_dim": 0.0}},
+        {"rope_yarn": {"factor": 4.0, "original_max_position": 16, "mscale_all_dim": 1.0}},
+        {"q_lora_rank": None},  # a plain q_proj (Moonlight)
+    ],
+    ids=["yarn factor", "yarn scale", "no q latent"],
+)
+def test_stock_deepseek_is_the_reference_with_yarn_or_without_a_query_latent(overrides) -> None:
+    """The MLA settings the tiny preset lacks: YaRN's frequencies, cos/sin factor and
+    softmax scale in the step's tables, and the query without its latent."""
+    pytest.importorskip(PACKAGES["deepseek_v3"])
+    fam = family("deepseek_v3")
+    assert_stock_is_reference(fam, fam.config("deepseek_v3_tiny", **overrides))
 
 
 def test_checkpointed_stock_decoder_has_the_same_gradients() -> None:
@@ -266,20 +306,27 @@ def test_a_backing_the_slow_pool_does_not_fit_is_a_row_that_says_so(tmp_path) ->
 
 
 @pytest.mark.gpu
-def test_stock_moe_on_cuda_uses_grouped_mm_and_matches_the_loop() -> None:
+@pytest.mark.parametrize(
+    ("name", "preset"),
+    [("olmoe", "olmoe_tiny"), ("deepseek_v3", "deepseek_v3_tiny"), ("glm5", "glm5_tiny")],
+)
+def test_stock_moe_on_cuda_uses_grouped_mm_and_matches_the_loop(name, preset) -> None:
     """On a GPU in bfloat16 the experts run through ``torch._grouped_mm`` (eager and under
-    torch.compile): the objective agrees with the expert loop on the same weights."""
+    torch.compile): the objective agrees with the expert loop on the same weights (GLM 5:
+    with sparse attention through SDPA's mask)."""
     if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
         pytest.skip("needs a CUDA device and torch._grouped_mm")
+    if name in PACKAGES:
+        pytest.importorskip(PACKAGES[name])
     from benchmarks.harness import stock
 
-    config = family("olmoe").config("olmoe_tiny")
+    config = family(name).config(preset)
     model = stock.stock_model(config, 32, device="cuda", dtype="bf16")
     tokens = torch.randint(0, config.vocab_size, (2, 32), device="cuda")
     targets = tokens.roll(1, dims=1)
     grouped = model(tokens, targets)
     compiled = torch.compile(model)(tokens, targets)
-    loop = stock_decoder.StockDecoder(config, 32).to(torch.float32)
+    loop = stock_decoder.decoder_type(config)(config, 32).to(torch.float32)
     loop.load_state_dict({k: v.float().cpu() for k, v in model.state_dict().items()})
     expected = loop(tokens.cpu(), targets.cpu())
     torch.testing.assert_close(grouped.float().cpu(), expected, rtol=2e-2, atol=2e-2)
