@@ -216,14 +216,24 @@ def flops_per_token(config: Any, seq_len: int, *, causal: bool = False) -> float
 
 
 def attention_flops_per_token(config: Any, seq_len: int, causal: bool = False) -> float:
-    """The attention term of ``flops_per_token``: ``12 L a T``, halved when ``causal``."""
+    """The attention term of ``flops_per_token``: ``12 L a T``, halved when ``causal``.
+    Scores and the weighted values are ``6 T h (d_qk + d_v)`` a layer over forward and
+    backward, ``12 T a`` where the query/key and value widths are the head's ``d``; MLA's
+    heads score over ``qk_nope_head_dim + qk_rope_head_dim`` and weigh ``v_head_dim``
+    (DeepSeek V3: 192 and 128), counted so. A lightning indexer's scores are left out."""
     from benchmarks.harness.stock import is_gpt2
 
     if is_gpt2(config):
-        layers, width = config.n_layer, config.n_embd
+        layers, width = config.n_layer, 2 * config.n_embd
+    elif hasattr(config, "v_head_dim"):  # MLA (kit.mla.MLAFields)
+        qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+        layers, width = (
+            config.num_hidden_layers,
+            config.num_attention_heads * (qk + config.v_head_dim),
+        )
     else:
-        layers, width = config.num_hidden_layers, config.q_width
-    return (6.0 if causal else 12.0) * layers * width * seq_len
+        layers, width = config.num_hidden_layers, 2 * config.q_width
+    return (3.0 if causal else 6.0) * layers * width * seq_len
 
 
 def peak_flops(device_name: str) -> float | None:

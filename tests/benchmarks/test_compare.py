@@ -230,9 +230,22 @@ def test_flops_per_token_counts_matrix_parameters_and_attention() -> None:
     assert measure.matmul_params(config) == params
     assert measure.flops_per_token(config, 1024) == 6 * params + 12 * layers * d * 1024
     assert measure.flops_per_token(config, 1024, causal=True) == 6 * params + 6 * layers * d * 1024
+    # MLA: scores over 192 (128 + 64 rotated) and values of 128 a head, DeepSeek V3's widths
+    from dataflow_training.step.family import load_family
+
+    v3 = load_family("deepseek_v3").config("deepseek_v3_cut") if has_deepseek() else None
+    if v3 is not None:
+        attention = 6 * 2 * v3.num_attention_heads * (192 + 128) * 4096
+        assert measure.attention_flops_per_token(v3, 4096) == attention
     assert measure.peak_flops("NVIDIA H200") == 990e12
     assert measure.peak_flops("NVIDIA H100 80GB HBM3") == 990e12
     assert measure.peak_flops("cpu") is None
+
+
+def has_deepseek() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("dataflow_family_deepseek") is not None
 
 
 def test_time_limit_interrupts_and_is_not_an_exception() -> None:
