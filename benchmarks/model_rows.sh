@@ -18,6 +18,10 @@
 #                                               # issue 47: stock compile + dataflow 16, 8 GiB of
 #                                               # deepseek_v3_cut, deepseek_v32_cut, glm5_cut (one
 #                                               # call each; an H200 on a host of over 128 GiB)
+#   LARGE_PART=14b bash benchmarks/model_rows.sh large  # issue 50: qwen3_14b 16 GiB (int8 moments)
+#                                               # beside stock compile + checkpointing; LARGE_PART=
+#                                               # long-stock: stock's longest llama3_8b sequence;
+#                                               # long: dataflow llama3_8b at 131,072 in 16 GiB
 #
 # Rows are appended to benchmarks/results/compare.json and the tables of
 # docs/throughput.md rewritten; with $OUT set, the log, both files and the profile cache
@@ -26,7 +30,7 @@
 # (llama3_tiny, olmoe_tiny; the deepseek group's *_tiny) into /tmp, so nothing fails on the
 # device for a typo.
 set -u
-group=${1:?usage: model_rows.sh llama3_8b|llama3_8b_lora|l3_1b|olmoe|olmoe16|olmoe8|small|gpt2|qwen3_5|qwen3_5_moe|deepseek}
+group=${1:?usage: model_rows.sh llama3_8b|llama3_8b_lora|l3_1b|olmoe|olmoe16|olmoe8|small|gpt2|qwen3_5|qwen3_5_moe|deepseek|large}
 out_json=benchmarks/results/compare.json
 page=docs/throughput.md
 cache=/tmp/dataflow_profiles_$group
@@ -398,8 +402,86 @@ deepseek)
         done
     } 2>&1 | tee "$log"
     ;;
+large)
+    # issue 50's rows on the H200 (stock 8B needs 87 GiB, stock 14B with checkpointing
+    # most of the card), one call of under nine minutes each, by LARGE_PART:
+    # - 14b: qwen3_14b (Qwen3-14B's published shape, 14.8B) at 16 GiB, seq 4096, 131,072
+    #   tokens a step, bf16 weights and gradients with AdamW's moments in 8 bits
+    #   (`--dataflow-dtypes bf16-int8`: with bf16 moments the plan's slow pool outgrows the
+    #   128 GiB host), beside stock torch.compile with full activation checkpointing, the
+    #   issue's baseline (without checkpointing stock 14B does not fit the H200, so the
+    #   plain row is not tried: --only-checkpoint-row). `dataflow predict --preset
+    #   qwen3_14b --budget 16 --seq-len 4096 --tokens-step 131072 --optimizer-states int8
+    #   --hw h200` (session 44, CPU): batch 4 x 8 by round order, 6,568 tok/s, 128 GiB of
+    #   host; runner-up 2 x 16 by layer:2, 6,563; batch 4 is tried first, then 2.
+    # - long-stock: stock compile + full checkpointing of llama3_8b at batch 1 for each of
+    #   LONG_SEQS (default 131072,65536,32768), longest first, stopping at the first that
+    #   trains: the longest sequence stock trains on the H200, and its MFU (each row's
+    #   details keep `mfu_causal`, attention counted causally). LONG_CCE=1 gives stock
+    #   cut_cross_entropy's fused linear cross-entropy (its wheel in .whl/optional/, not
+    #   yet run on the device; without it the logits of 131,072 tokens alone are 34 GB in
+    #   bf16 and twice that in the float32 loss).
+    # - long: dataflow's llama3_8b at seq LONG_SEQ (default 131072) inside 16 GiB, 131,072
+    #   tokens a step (LONG_TOKENS), one sequence a round, by round order (`dataflow
+    #   predict --preset llama3_8b --budget 16 --seq-len N --tokens-step 131072 --precision
+    #   bf16-plain --hw h200`, session 44: at 131,072 one round, 3,648 tok/s, 122 GiB of
+    #   host; at 32,768 batch 1 x 4 rounds, 8,057 tok/s, 127 GiB).
+    # Each row is rated against the stock rows of its own sequence length; the issue's
+    # long-context target compares MFU across lengths (docs/throughput.md, issue 50).
+    case ${LARGE_PART:-14b} in 14b | long-stock | long) ;;
+    *) echo "model_rows.sh large: LARGE_PART is 14b, long-stock or long, not '$LARGE_PART'" >&2
+        exit 2 ;;
+    esac
+    large=()  # compare's options less --no-checkpoint-row (these rows set their own)
+    for option in "${common[@]}"; do [ "$option" = --no-checkpoint-row ] || large+=("$option"); done
+    largecmp() { python -m benchmarks.compare "${large[@]}" --out "$out_json" --doc "$page" "$@"; }
+    if [ "${SMOKE:-0}" = 1 ]; then
+        p14=qwen3_tiny p8=llama3_tiny seq14=32 seqs=${LONG_SEQS:-64,32} lseq=${LONG_SEQ:-64}
+        ltokens=${LONG_TOKENS:-128}
+    else
+        p14=${LARGE_PRESET:-qwen3_14b} p8=llama3_8b seq14=4096
+        seqs=${LONG_SEQS:-131072,65536,32768} lseq=${LONG_SEQ:-131072}
+        ltokens=${LONG_TOKENS:-131072}
+    fi
+    {
+        case ${LARGE_PART:-14b} in
+        14b)
+            largecmp --family qwen3 --preset "$p14" --seq-len "$seq14" --rows stock,dataflow \
+                --stock-engines compile --only-checkpoint-row --batches "${STOCK_BATCHES:-4,2,1}" \
+                --dataflow-dtypes bf16-int8 --dataflow-batches 4,2 --dataflow-batch-order given \
+                --dataflow-orders "${ORDER16:-round}" --min-tokens "$big_tokens" \
+                --budgets "${big_budgets%,*}" --steps 3 --warmup 1 \
+                --compile-row-seconds 200 --row-seconds 330 --total-seconds 540
+            ;;
+        long-stock)
+            ce=()
+            if [ "${LONG_CCE:-0}" = 1 ]; then
+                python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site \
+                    .whl/optional/cut_cross_entropy-*.whl
+                ce=(--stock-ce cce)
+            fi
+            for seq in ${seqs//,/ }; do
+                largecmp --family llama3 --preset "$p8" --seq-len "$seq" --rows stock \
+                    --stock-engines compile --only-checkpoint-row --batches 1 "${ce[@]}" \
+                    --steps 2 --warmup 1 --compile-row-seconds 250 --total-seconds 260
+                # the longest that trains is the one the issue asks for: stop there
+                python -c 'import json, sys; f, m, n = sys.argv[1:]; sys.exit(not any(
+                    r["model"] == m and r["seq_len"] == int(n) and r["tok_s"]
+                    and r["engine"].endswith("checkpointing") for r in json.load(open(f))["rows"]))' \
+                    "$out_json" "$p8" "$seq" && break
+            done
+            ;;
+        long)
+            largecmp --family llama3 --preset "$p8" --seq-len "$lseq" --rows dataflow \
+                --dataflow-batches 1 --dataflow-batch-order given --min-tokens "$ltokens" \
+                --dataflow-orders "${LONG_ORDER:-round}" --budgets "${big_budgets%,*}" \
+                --steps 3 --warmup 1 --row-seconds 540 --total-seconds 540
+            ;;
+        esac
+    } 2>&1 | tee "$log"
+    ;;
 *)
-    echo "model_rows.sh: unknown group '$group' (llama3_8b, llama3_8b_lora, l3_1b, olmoe, olmoe16, olmoe8, small, gpt2, qwen3_5, qwen3_5_moe or deepseek)" >&2
+    echo "model_rows.sh: unknown group '$group' (llama3_8b, llama3_8b_lora, l3_1b, olmoe, olmoe16, olmoe8, small, gpt2, qwen3_5, qwen3_5_moe, deepseek or large)" >&2
     exit 2
     ;;
 esac
