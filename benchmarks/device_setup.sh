@@ -8,6 +8,10 @@
 # download cattrs --no-deps -d .whl`, session 42; attrs the image has); --no-deps keeps a
 # wheel whose other dependencies the image lacks from failing the install. torchao is not
 # carried: --lora-base needs none of it (docs/finetuning.md says why its kernels do not fit).
+# .whl/optional/ is not installed here: cut_cross_entropy (`pip download cut-cross-entropy
+# --no-deps -d .whl/optional`), which model_rows.sh's `large` group installs for its stock
+# long-context rows under LONG_CCE=1 alone (not yet run on the device; with it installed
+# every stock row's `--stock-ce auto` would take it).
 # .tilelang/site.tar.xz (optional, carried only for the Gated DeltaNet rows: fla 0.6 runs its
 # gated backward on Hopper with tilelang, under the image's Triton) is built here by
 # `bash benchmarks/tilelang_bundle.sh` (tilelang and what it imports, unzipped and packed).
