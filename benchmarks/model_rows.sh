@@ -367,6 +367,11 @@ deepseek)
     # batch 16 (then 8) and 8 GiB batch 8 (then 4), both by layer (DS_BATCHES16,
     # DS_ORDER16, DS_BATCHES8, DS_ORDER8 override them). Tasks compiled as the MoE
     # groups' (MOE_RESOLVER=torch: eager).
+    # DS_DTYPES=bf16-int8 runs the dataflow rows with AdamW's moments in 8 bits, which fits
+    # one H200's 128 GiB host (`dataflow predict --preset deepseek_v3_cut --budget 16
+    # --seq-len 4096 --tokens-step 131072 --dtype bf16 --optimizer-states int8 --hw h200`,
+    # session 44: 16 x 2 by layer, 21,665 tok/s, 128 GiB): rows of their own dtype, rated
+    # against the bf16 stock row (its moments in bf16), which the table says.
     # Each preset is its own call of under nine minutes (DS_PRESETS, default all three,
     # comma-separated: `DS_PRESETS=deepseek_v3_cut bash benchmarks/model_rows.sh
     # deepseek`): stock and the 16 GiB row (150 s for the compiled row, 160 s for the
@@ -392,7 +397,8 @@ deepseek)
             family=${preset%_cut}  # deepseek_v3, deepseek_v32, glm5
             [ "${SMOKE:-0}" = 1 ] && preset=${family}_tiny
             ds=(--family "$family" --preset "$preset" --seq-len "$ds_seq" --resolver "$moe_resolver"
-                --min-tokens "${DS_TOKENS:-$tokens}" --steps 3 --warmup 1)
+                --min-tokens "${DS_TOKENS:-$tokens}" --steps 3 --warmup 1
+                --dataflow-dtypes "${DS_DTYPES:-bf16}")
             [ "$part" = 8 ] || compare "${ds[@]}" --rows stock,dataflow --stock-engines compile \
                 --batches "${STOCK_BATCHES:-2,1}" --dataflow-batches "${DS_BATCHES16:-$ds_batches16}" \
                 --dataflow-orders "${DS_ORDER16:-layer}" --budgets "${moe_budgets%,*}" "${row16[@]}"
