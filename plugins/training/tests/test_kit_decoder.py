@@ -94,6 +94,28 @@ def test_compiled_callers_take_the_cached_tables_as_inputs() -> None:
     assert len(graphs) == 2 and trig(graphs[0]) and not trig(graphs[1])
 
 
+@pytest.mark.gpu
+def test_tables_made_while_a_cuda_graph_is_captured_are_not_kept() -> None:
+    """Tables first made inside a CUDA graph capture hold nothing until it replays (and
+    nothing at all if the capture fails and the step is dispatched instead): the cache
+    keeps none of them, and a later lookup outside the capture makes them afresh."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    device = torch.device("cuda")
+    args = (40, 8, 1234.5, None, device, torch.float32)  # a key no other test makes
+    key = (40, 8, 1234.5, None, "cuda", device.index, torch.float32)
+    rotary._TABLES.pop(key, None)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        rotary.cached_tables(*args)
+    assert key not in rotary._TABLES
+    cos, sin = rotary.cached_tables(*args)
+    assert key in rotary._TABLES
+    expected = rotary.tables(40, 8, 1234.5, device=device, dtype=torch.float32)
+    torch.testing.assert_close(cos, expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(sin, expected[1], rtol=0, atol=0)
+
+
 def test_the_table_cache_keeps_the_newest() -> None:
     for n in range(rotary._KEPT + 3):
         rotary.cached_tables(n + 1, 4, 10000.0, None, torch.device("cpu"), torch.float32)

@@ -129,10 +129,24 @@ def cached_tables(
     found = _TABLES.get(key)
     if found is None:
         found = tables(seq_len, rotary_dim, base, scaling=scaling, device=device, dtype=dtype)
+        if _capturing(device):  # filled only when the graph replays: not kept
+            return found
         while len(_TABLES) >= _KEPT:
             del _TABLES[next(iter(_TABLES))]
         _TABLES[key] = found
     return found
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether work on ``device`` is being captured into a CUDA graph just now: tables
+    made then hold nothing until the graph replays (and nothing ever, should the capture
+    fail and the engine dispatch the step instead), so the cache does not keep them.
+    Under torch.compile's tracing this is not asked (no graph break)."""
+    return (
+        device.type == "cuda"
+        and not torch.compiler.is_compiling()
+        and torch.cuda.is_current_stream_capturing()
+    )
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
