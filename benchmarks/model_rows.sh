@@ -17,7 +17,9 @@
 #   DS_PRESETS=deepseek_v3_cut bash benchmarks/model_rows.sh deepseek
 #                                               # issue 47: stock compile + dataflow 16, 8 GiB of
 #                                               # deepseek_v3_cut, deepseek_v32_cut, glm5_cut (one
-#                                               # call each; an H200 on a host of over 128 GiB)
+#                                               # call each; an H200 on a host of over 128 GiB,
+#                                               # or DS_DTYPES=bf16-int8; moonlight_16b_a3b: the
+#                                               # whole 16B at 16 GiB, dataflow with int8 moments)
 #   LARGE_PART=14b bash benchmarks/model_rows.sh large  # issue 50: qwen3_14b 16 GiB (int8 moments)
 #                                               # beside stock compile + checkpointing; LARGE_PART=
 #                                               # long-stock: stock's longest llama3_8b sequence;
@@ -382,8 +384,8 @@ deepseek)
     # results), each with the call's time to itself, should a first call run out of time
     presets=${DS_PRESETS:-deepseek_v3_cut,deepseek_v32_cut,glm5_cut}
     for preset in ${presets//,/ }; do
-        case $preset in deepseek_v3_cut | deepseek_v32_cut | glm5_cut) ;;
-        *) echo "model_rows.sh deepseek: unknown preset '$preset' (deepseek_v3_cut, deepseek_v32_cut or glm5_cut)" >&2
+        case $preset in deepseek_v3_cut | deepseek_v32_cut | glm5_cut | moonlight_16b_a3b) ;;
+        *) echo "model_rows.sh deepseek: unknown preset '$preset' (deepseek_v3_cut, deepseek_v32_cut, glm5_cut or moonlight_16b_a3b)" >&2
             exit 2 ;;
         esac
     done
@@ -394,6 +396,23 @@ deepseek)
     else row8=(--row-seconds 170 --total-seconds 170); fi
     {
         for preset in ${presets//,/ }; do
+            if [ "$preset" = moonlight_16b_a3b ]; then
+                # the whole 16B model (issue 47: "that 16B preset whole at 16 GiB"), dataflow
+                # alone (stock's bf16 weights, gradients and moments, 128 GB, leave the H200
+                # no room to train): with bf16 moments no plan fits the 128 GiB host (`dataflow
+                # predict --preset moonlight_16b_a3b --budget 16 --seq-len 4096 --tokens-step
+                # 131072 --dtype bf16 --optimizer-states bf16 --hw h200`, session 44: least
+                # 173 GiB), with 8-bit moments 4 x 8 by round order, experts in 2 shards,
+                # 10,258 tok/s predicted; so its row is bf16-int8 unless DS_DTYPES says
+                [ "${SMOKE:-0}" = 1 ] && moon=deepseek_v3_tiny || moon=$preset
+                compare --family deepseek_v3 --preset "$moon" --seq-len "$ds_seq" \
+                    --resolver "$moe_resolver" --min-tokens "${DS_TOKENS:-$tokens}" --steps 3 \
+                    --warmup 1 --rows dataflow --dataflow-dtypes "${DS_DTYPES:-bf16-int8}" \
+                    --dataflow-batches 4,2 --dataflow-batch-order given --dataflow-orders round \
+                    --expert-shards 2 --budgets "${moe_budgets%,*}" --row-seconds 500 \
+                    --total-seconds 520
+                continue
+            fi
             family=${preset%_cut}  # deepseek_v3, deepseek_v32, glm5
             [ "${SMOKE:-0}" = 1 ] && preset=${family}_tiny
             ds=(--family "$family" --preset "$preset" --seq-len "$ds_seq" --resolver "$moe_resolver"
