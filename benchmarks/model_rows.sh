@@ -441,7 +441,8 @@ large)
     #   host; runner-up 2 x 16 by layer:2, 6,563; batch 4 is tried first, then 2.
     # - long-stock: stock compile + full checkpointing of llama3_8b at batch 1 for each of
     #   LONG_SEQS (default 131072,65536,32768), longest first, stopping at the first that
-    #   trains: the longest sequence stock trains on the H200, and its MFU (each row's
+    #   trains (a row that ran out of memory is tried again by a later call: give that call
+    #   the lengths left in LONG_SEQS): the longest sequence stock trains on the H200, and its MFU (each row's
     #   details keep `mfu_causal`, attention counted causally). LONG_CCE=1 gives stock
     #   cut_cross_entropy's fused linear cross-entropy (its wheel in .whl/optional/, not
     #   yet run on the device; without it the logits of 131,072 tokens alone are 34 GB in
