@@ -290,9 +290,9 @@ class Bench:
         checkpointing is what a user turns to: the last engine given (compile) in the first
         dtype, over every batch."""
         args = self.args
-        for engine in args.stock_engines:
-            for dtype in args.stock_dtypes:
-                if not args.only_checkpoint_row:
+        if not args.only_checkpoint_row:
+            for engine in args.stock_engines:
+                for dtype in args.stock_dtypes:
                     self.stock_row(engine, dtype, checkpoint=False)
         if self.lora is not None or args.no_checkpoint_row:
             return

@@ -3,6 +3,9 @@ the CUDA graph the steps after the first replay."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
 
@@ -214,7 +217,7 @@ def test_routing_tasks_of_experts_run_apart_are_compiled_and_train_as_eager(
     rounding (``aot_eager`` traces what inductor would compile)."""
     pytest.importorskip(f"dataflow_family_{family_name}")
     from dataflow_resolver_torch import compiled
-    from dataflow_training import TrainConfig, TrainingRun
+    from dataflow_training import TrainConfig
 
     monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
     called: list[str] = []
@@ -233,26 +236,8 @@ def test_routing_tasks_of_experts_run_apart_are_compiled_and_train_as_eager(
     monkeypatch.setattr(compiled, "_on_own_storages", recording)
     torch._dynamo.reset()
     train = TrainConfig(seq_len=8, batch=2, rounds=2)
-    runs = {
-        name: TrainingRun.of(
-            family_name,
-            preset,
-            train,
-            overrides={"expert_shards": 2},
-            budget_bytes=None,
-            device="cpu",
-            seed=1,
-            resolver=name,
-        )  # fmt: skip
-        for name in ("torch", "torch-compiled")
-    }
-    g = torch.Generator().manual_seed(0)
-    vocab = runs["torch"].vocab_size
-    for _ in range(2):
-        batches = [
-            tuple(torch.randint(0, vocab, (2, 8), generator=g) for _ in range(2)) for _ in range(2)
-        ]
-        want, got = (runs[name].step(batches).losses for name in ("torch", "torch-compiled"))
+    runs = _eager_and_compiled(family_name, preset, train)
+    for want, got in _paired_losses(runs, steps=2):
         assert torch.tensor(got) == pytest.approx(torch.tensor(want), rel=1e-5)
     assert {name.rpartition("_route_")[2] for name in called} >= {"forward", "backward"}
     torch._dynamo.reset()
@@ -272,33 +257,50 @@ def test_routing_tasks_compiled_by_inductor_on_cuda_are_captured_and_train_as_ea
     pytest.importorskip(f"dataflow_family_{family_name}")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from dataflow_training import DtypePolicy, TrainConfig, TrainingRun
+    from dataflow_training import DtypePolicy, TrainConfig
 
     torch._dynamo.reset()
     train = TrainConfig(seq_len=16, batch=2, rounds=2, dtype=DtypePolicy.named("bf16"))
-    runs = {
-        name: TrainingRun.of(
-            family_name,
-            preset,
-            train,
-            overrides={"expert_shards": 2},
-            budget_bytes=None,
-            device="cuda",
-            seed=1,
-            resolver=name,
-        )  # fmt: skip
-        for name in ("torch", "torch-compiled")
-    }
-    g = torch.Generator().manual_seed(0)
-    vocab = runs["torch"].vocab_size
-    for _ in range(3):
-        batches = [
-            tuple(torch.randint(0, vocab, (2, 16), generator=g) for _ in range(2)) for _ in range(2)
-        ]
-        want, got = (runs[name].step(batches).losses for name in ("torch", "torch-compiled"))
+    runs = _eager_and_compiled(family_name, preset, train, device="cuda")
+    for want, got in _paired_losses(runs, steps=3):
         assert torch.isfinite(torch.tensor(got)).all(), got
         assert torch.tensor(got) == pytest.approx(torch.tensor(want), rel=2e-2)
     assert runs["torch-compiled"].graph_note is None, runs["torch-compiled"].graph_note
     for run in runs.values():
         run.close(keep_state=False)
     torch._dynamo.reset()
+
+
+def _eager_and_compiled(family_name: str, preset: str, train: Any, device: str = "cpu") -> dict:
+    """The eager (``torch``) and ``torch-compiled`` runs of ``preset`` with its experts in
+    two shards, from the same weights."""
+    from dataflow_training import TrainingRun
+
+    return {
+        name: TrainingRun.of(
+            family_name,
+            preset,
+            train,
+            overrides={"expert_shards": 2},
+            budget_bytes=None,
+            device=device,
+            seed=1,
+            resolver=name,
+        )  # fmt: skip
+        for name in ("torch", "torch-compiled")
+    }
+
+
+def _paired_losses(runs: dict, steps: int) -> Iterator[tuple[list, list]]:
+    """Each step's (eager, compiled) losses of ``runs`` (``_eager_and_compiled``) over the
+    same random batches of their step's shape."""
+    g = torch.Generator().manual_seed(0)
+    vocab, train = runs["torch"].vocab_size, runs["torch"].train
+    for _ in range(steps):
+        batches = [
+            tuple(  # tokens and targets
+                torch.randint(0, vocab, (train.batch, train.seq_len), generator=g) for _ in range(2)
+            )
+            for _ in range(train.rounds)
+        ]
+        yield tuple(runs[name].step(batches).losses for name in ("torch", "torch-compiled"))
