@@ -8,12 +8,17 @@ shapes and seeds) with and without CUDA graphs, and prints its losses, the weigh
 are not finite afterwards and the engine's graph note (with session 43's engine, a
 failed capture names the task's own error):
 
-    python -m benchmarks.probes.moe_nan [--families olmoe,deepseek_v3]
+    python -m benchmarks.probes.moe_nan [--families olmoe,deepseek_v3] [--pins "A;B"]
+
+``--pins`` repeats every case under each ``DATAFLOW_KERNELS`` setting it lists (``;``
+between settings, an empty one for the defaults), e.g. the rows ops' torch variants or
+the expert-loop grouped GEMMs beside the defaults: which kernel the NaN follows.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import traceback
 
 import torch
@@ -47,13 +52,13 @@ def batches(vocab: int, steps: int = 3, rounds: int = 2) -> list:
     ]
 
 
-def one(family: str, shards: int, options: dict, graph: bool) -> str:
+def one(family: str, shards: int, options: dict, graph: bool, device: str = "cuda") -> str:
     options = dict(options)
     dtype = options.pop("dtype", DtypePolicy())
     train = TrainConfig(seq_len=8, batch=2, rounds=2, dtype=dtype)
     run = TrainingRun.of(
         family, PRESETS[family], train, overrides={"expert_shards": shards}, budget_bytes=None,
-        device="cuda", seed=1, graph=graph, **options,
+        device=device, seed=1, graph=graph, **options,
     )  # fmt: skip
     losses = [run.step(b).losses for b in batches(run.vocab_size)]
     bad = [name for name, value in run.state()[0].items() if not torch.isfinite(value).all()]
@@ -64,15 +69,22 @@ def one(family: str, shards: int, options: dict, graph: bool) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--families", default="olmoe,deepseek_v3")
+    p.add_argument("--device", default="cuda", help="cpu: a check of the probe itself")
+    p.add_argument("--pins", default="", help="DATAFLOW_KERNELS settings, ';' between")
     args = p.parse_args()
-    for family in args.families.split(","):
-        for label, shards, options in CASES:
-            for graph in (True, False):
-                try:
-                    said = one(family, shards, options, graph)
-                except Exception:  # noqa: BLE001 - a probe reports every case
-                    said = "raised:\n" + traceback.format_exc()
-                print(f"{family} | {label} | graph {graph} | {said}", flush=True)
+    for pins in args.pins.split(";"):
+        os.environ["DATAFLOW_KERNELS"] = pins  # read when each run loads its ops
+        for family in args.families.split(","):
+            for label, shards, options in CASES:
+                for graph in (True, False):
+                    try:
+                        said = one(family, shards, options, graph, args.device)
+                    except Exception:  # noqa: BLE001 - a probe reports every case
+                        said = "raised:\n" + traceback.format_exc()
+                    print(
+                        f"{pins or 'defaults'} | {family} | {label} | graph {graph} | {said}",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":
