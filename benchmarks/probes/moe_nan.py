@@ -10,6 +10,12 @@ failed capture names the task's own error):
 
     python -m benchmarks.probes.moe_nan [--families olmoe,deepseek_v3] [--pins "A;B"]
 
+First, unless ``--no-kernels``, the MoE kernels alone on a caching allocator whose free
+blocks hold NaN (a block freed by an earlier op holds anything; a fresh one reads as
+zeros): the grouped GEMMs with an empty expert and rows past the last offset, and the
+Triton row ops with NaN in the rows not valid, each against its reference; a kernel that
+reads or leaves bytes it should not shows NaN here.
+
 ``--pins`` repeats every case under each ``DATAFLOW_KERNELS`` setting it lists (``;``
 between settings, an empty one for the defaults), e.g. the rows ops' torch variants or
 the expert-loop grouped GEMMs beside the defaults: which kernel the NaN follows.
@@ -66,12 +72,90 @@ def one(family: str, shards: int, options: dict, graph: bool, device: str = "cud
     return f"losses {shown}; not finite after: {bad[:5]}; graph note: {run.graph_note}"
 
 
+def poison_allocator(device: str) -> None:
+    """Leave NaN in the caching allocator's free blocks of the sizes the checks take."""
+    for n in (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20):
+        for _ in range(4):
+            junk = torch.full((n,), float("nan"), device=device)
+            del junk
+
+
+def kernel_checks(device: str) -> list[str]:
+    """Each MoE kernel against its reference with NaN where nothing may be read."""
+    from dataflow_kernels_torch import grouped, rows, triton_kernels
+
+    g = torch.Generator().manual_seed(3)
+    said = []
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    def report(name, got, want):
+        finite = bool(torch.isfinite(got).all())
+        diff = (got.float() - want.float()).abs().max().item() if finite else float("nan")
+        said.append(f"{name}: finite {finite}, max |diff| {diff:.3g}")
+
+    for tail in (True, False):  # rows past the last offset (a shard's window), or none
+        n, e = 64, 5
+        ends = [0, 16, 16, 48, 48, 56 if tail else 64]
+        offsets = torch.tensor(ends, device=device)
+        x, dy, w = rand(n, 128), rand(n, 256), rand(e, 256, 128)
+        x[ends[-1] :], dy[ends[-1] :] = float("nan"), float("nan")
+        poison_allocator(device)
+        y = grouped.grouped_mm_cuda(x, w, offsets)[: ends[-1]]
+        report(
+            f"grouped_mm (tail {tail})", y, grouped.grouped_mm_reference(x, w, offsets)[: ends[-1]]
+        )
+        poison_allocator(device)
+        dw = grouped.grouped_mm_wgrad_cuda(dy, x, offsets)
+        report(
+            f"grouped_mm_wgrad, empty experts 1 and 3 (tail {tail})",
+            dw,
+            grouped.grouped_mm_wgrad_reference(dy, x, offsets),
+        )
+    r, hidden, tokens = 64, 128, 16
+    valid = torch.arange(r, device=device) < 40
+    into = torch.randint(0, tokens, (r,), generator=g).to(device)
+    weights = rand(r, dtype=torch.float32)
+    values = rand(r, hidden)
+    values[~valid] = float("nan")
+    poison_allocator(device)
+    got = triton_kernels.rows_add_masked_triton(values, into, valid, weights, tokens)
+    report(
+        "rows_add_masked", got, rows.rows_add_masked_reference(values, into, valid, weights, tokens)
+    )
+    source = rand(tokens, hidden)
+    index = torch.randperm(r, generator=g).to(device) % tokens
+    poison_allocator(device)
+    got = triton_kernels.rows_gather_masked_triton(source, index, valid)[valid]
+    report("rows_gather_masked (valid rows)", got, source[index][valid])
+    gate_up, d_act = rand(r, 2 * hidden), rand(r, hidden)
+    gate_up[~valid], d_act[~valid] = float("nan"), float("nan")
+    poison_allocator(device)
+    act, d_gate_up, d_weights = triton_kernels.swiglu_rows_bwd_triton(
+        gate_up, d_act, weights, valid
+    )
+    want = rows.swiglu_rows_bwd_reference(gate_up, d_act, weights, valid)
+    for name, a, b in zip(
+        ("act", "d_gate_up", "d_weights"), (act, d_gate_up, d_weights), want, strict=True
+    ):
+        report(f"swiglu_rows_bwd {name} (valid rows)", a[valid], b[valid])
+    return said
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--families", default="olmoe,deepseek_v3")
     p.add_argument("--device", default="cuda", help="cpu: a check of the probe itself")
     p.add_argument("--pins", default="", help="DATAFLOW_KERNELS settings, ';' between")
+    p.add_argument("--no-kernels", action="store_true", help="skip the kernel checks")
     args = p.parse_args()
+    if not args.no_kernels:
+        try:
+            for line in kernel_checks(args.device):
+                print(f"kernels | {line}", flush=True)
+        except Exception:  # noqa: BLE001 - a probe reports and goes on
+            print("kernels | raised:\n" + traceback.format_exc(), flush=True)
     for pins in args.pins.split(";"):
         os.environ["DATAFLOW_KERNELS"] = pins  # read when each run loads its ops
         for family in args.families.split(","):
