@@ -1,4 +1,4 @@
-"""Probe, 2026-12-07 (session 43, not yet run): which tiny MoE runs of test_expert_shards turn NaN on CUDA?
+"""Probe, 2026-12-07 (session 43; run in session 45): which tiny MoE runs of test_expert_shards turn NaN on CUDA?
 
 Two gpu tests of ``plugins/training/tests/test_expert_shards.py`` failed on an H100 in
 session 43 with the reference run's second-step losses NaN (olmoe_tiny's float32 saving
