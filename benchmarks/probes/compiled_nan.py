@@ -10,16 +10,21 @@ process, each from a clean state (dynamo reset, RoPE table cache emptied, no pro
 cache unless the case says so), under variants that each take one suspect away:
 
 - ``as is``: the tests' own call;
+- ``after a failed capture``: the same, after a capture that a host read broke, in the
+  same process (torch's ``capture_end`` raises before it ends the allocators' routing to
+  the capture's pool, and the pool is never released: the state an MoE float32 run, whose
+  captures fail by design, leaves every later test of its pytest worker);
+- ``after olmoe fp32``: the same, after olmoe_tiny's float32 checks (whose captures fail)
+  in the same process without a reset between, as a pytest worker runs them;
 - ``rotary guard off``: ``rotary.cached_tables`` keeps every table, as before session 44;
 - ``engine capture off``: the engine dispatches every step (no step graph);
 - ``profiling capture off``: the profiling pass times dispatched launches (no task graphs);
 - ``profile cache warm``: a second run of ``as is`` over the profiles the first one kept
   (no task of the pass runs at all, as in most pytest-xdist workers);
-- ``eager resolver``: ``resolver="torch"`` (not compiled);
-- ``no reset``: ``as is`` without the clean state (dynamo's caches and the RoPE tables
-  of every case before it kept, as one pytest worker keeps them from test to test).
+- ``eager resolver``: ``resolver="torch"`` (not compiled).
 
-Each line: the case, the variant, how many checks failed, whether any was NaN, and the
+Each (case, variant) runs in a process of its own, so that no variant inherits another's
+state. Each line: the case, the variant, how many checks failed, whether any was NaN, and the
 first three failing checks::
 
     python -m benchmarks.probes.compiled_nan [--cases llama3:llama3_tiny:fp32,...]
@@ -30,21 +35,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
 
 import torch
 
-CASES = "llama3:llama3_tiny:fp32,olmoe:olmoe_tiny:fp32"
+CASES = "llama3:llama3_tiny:fp32"
 VARIANTS = (
     "as is",
+    "after a failed capture",
+    "after olmoe fp32",
     "rotary guard off",
     "engine capture off",
     "profiling capture off",
     "profile cache warm",
     "eager resolver",
-    "no reset",
 )
 
 
@@ -77,15 +85,24 @@ def patched(variant: str):
         setattr(owner, name, kept)
 
 
-def one(family_name: str, preset: str, policy: str, variant: str, cache: str, device: str) -> str:
+def one(
+    family_name: str,
+    preset: str,
+    policy: str,
+    variant: str,
+    cache: str,
+    device: str,
+    clean: bool = True,
+) -> str:
     """The step checks of one case under one variant; ``cache``: the profile cache folder
-    (used by ``profile cache warm`` and its filling run alone)."""
+    (used by ``profile cache warm`` and its filling run alone); ``clean``: dynamo's caches
+    and the RoPE tables emptied first."""
     from dataflow_training import TOLERANCES, step_checks
     from dataflow_training.kit import rotary
 
     from dataflow import families
 
-    if variant != "no reset":
+    if clean:
         torch._dynamo.reset()
         rotary._TABLES.clear()
     warm = variant in ("profile cache warm", "fill")
@@ -112,26 +129,73 @@ def one(family_name: str, preset: str, policy: str, variant: str, cache: str, de
     return f"{len(failed)} of {len(checks)} failed, NaN {nan}: {shown}"
 
 
+def fail_a_capture(device: str) -> str:
+    """A capture broken by a host read, ended as the engine ends one (its generators
+    taken out of capture mode); what it raised."""
+    from dataflow.engine.engine import _end_generator_capture
+
+    x = torch.ones(4, device=device)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    try:
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            x.sum().item()
+    except Exception as exc:  # noqa: BLE001 - the failure is the point
+        said = str(exc).splitlines()[0]
+    else:
+        said = "nothing (the capture did not fail)"
+    with contextlib.suppress(Exception):
+        torch.cuda.synchronize()
+    _end_generator_capture(torch.device(device))
+    return said
+
+
+def run_one(case: str, variant: str, cache: str, device: str) -> str:
+    """One (case, variant) in this process."""
+    family_name, preset, policy = case.split(":")
+    said = ""
+    if variant == "after a failed capture":
+        said = f"[capture raised: {fail_a_capture(device)}] "
+        variant = "as is"
+    elif variant == "after olmoe fp32":
+        said = f"[olmoe first: {one('olmoe', 'olmoe_tiny', 'fp32', 'as is', cache, device)}] "
+        return said + one(family_name, preset, policy, "as is", cache, device, clean=False)
+    elif variant == "profile cache warm":  # fill the cache first, then the case
+        with contextlib.suppress(Exception):
+            one(family_name, preset, policy, "fill", cache, device)
+    return said + one(family_name, preset, policy, variant, cache, device)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=CASES, help="family:preset:policy, comma-separated")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--device", default="cuda", help="cpu: a check of the probe itself")
+    p.add_argument("--one", nargs=2, metavar=("CASE", "VARIANT"), help=argparse.SUPPRESS)
+    p.add_argument("--cache", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    cache = tempfile.mkdtemp(prefix="compiled_nan_profiles_")
+    if args.one:  # a child: one (case, variant), its line printed
+        case, variant = args.one
+        started = time.monotonic()
+        try:
+            said = run_one(case, variant, args.cache, args.device)
+        except Exception:  # noqa: BLE001 - a probe reports every case
+            said = "raised:\n" + traceback.format_exc()
+        print(f"{case} | {variant} | {time.monotonic() - started:.0f} s | {said}", flush=True)
+        return
     for case in args.cases.split(","):
-        family_name, preset, policy = case.split(":")
         for variant in args.variants.split(","):
-            if variant == "profile cache warm":  # fill the cache first, then the case
-                with contextlib.suppress(Exception):
-                    one(family_name, preset, policy, "fill", cache, args.device)
-            started = time.monotonic()
-            try:
-                said = one(family_name, preset, policy, variant, cache, args.device)
-            except Exception:  # noqa: BLE001 - a probe reports every case
-                said = "raised:\n" + traceback.format_exc()
-            took = time.monotonic() - started
-            print(f"{case} | {variant} | {took:.0f} s | {said}", flush=True)
+            cache = tempfile.mkdtemp(prefix="compiled_nan_profiles_")
+            command = [sys.executable, "-m", "benchmarks.probes.compiled_nan", "--one", case]
+            command += [variant, "--device", args.device, "--cache", cache]
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            lines = [line for line in done.stdout.splitlines() if " | " in line]
+            print(
+                lines[-1]
+                if lines
+                else f"{case} | {variant} | exit {done.returncode}: "
+                + done.stderr.strip().splitlines()[-1:].__str__(),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
