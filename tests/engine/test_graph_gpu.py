@@ -207,3 +207,25 @@ def test_a_capture_a_task_breaks_leaves_random_draws_working() -> None:
     assert not any(t.replayed for t in result.steps)
     draw = torch.randint(0, 1000, (64,), device="cuda")  # raised before the mend
     assert draw.shape == (64,)
+
+
+def test_device_values_are_written_after_the_current_stream_s_work() -> None:
+    """The per-step values' device copy is ordered after what the current stream still
+    has queued: with the default stream held busy (a sleep kernel of tens of ms) when
+    the buffer is made and written, the buffer ends with the values written, not with
+    what the busy stream wrote into it. Before, a new buffer's zero fill on the default
+    stream could land after the copy (nothing ordered them), and the first update read
+    update 0 and lr 0."""
+    from dataflow.engine.backends.torch_graph import DeviceValues
+
+    device = torch.device("cuda")
+    compute = torch.cuda.Stream(device=device)
+    values = {"lr": 3e-4, "update": 1.0, "step": 0.0}
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(50_000_000)  # cycles: tens of ms on the current (default) stream
+    made = DeviceValues(sorted(values), device)
+    made.device_buffer.fill_(-1.0)  # queued behind the sleep, as a fill of a new buffer is
+    tensors = made.update(values, compute)
+    torch.cuda.synchronize(device)  # both streams done: the buffer holds what came last
+    seen = [float(tensors[name]) for name in sorted(values)]
+    assert seen == [pytest.approx(values[name]) for name in sorted(values)]

@@ -58,7 +58,9 @@ class DeviceValues:
     def __init__(self, names: Sequence[str], device: torch.device) -> None:
         self.names = tuple(names)
         self.host = torch.zeros(max(1, len(self.names)), dtype=torch.float32, pin_memory=True)
-        self.device_buffer = torch.zeros_like(self.host, device=device)
+        # no fill: each ``update`` writes every entry before anything reads one (a fill
+        # here would run on the current stream, unordered with ``update``'s copy)
+        self.device_buffer = torch.empty_like(self.host, device=device)
         self.tensors = {name: self.device_buffer[i] for i, name in enumerate(self.names)}
 
     @staticmethod
@@ -79,6 +81,14 @@ class DeviceValues:
             )
         for i, name in enumerate(self.names):
             self.host[i] = float(values[name])
+        # after whatever the current stream still has queued: the copy runs on
+        # ``stream``, which does not otherwise wait for it. Before, the new buffer's zero
+        # fill on the default stream could land after the copy when that stream was
+        # still busy (the load's copies): the first update then read update 0 and lr 0,
+        # AdamW's bias corrections 0 and every weight NaN after the first step; the
+        # likely cause of session 45's NaN in the compiled resolver's gpu tests under
+        # pytest-xdist (eight processes on one GPU), not yet confirmed on the device
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
             self.device_buffer.copy_(self.host, non_blocking=True)
         return dict(self.tensors)
