@@ -193,13 +193,10 @@ def main() -> None:
             command += [variant, "--device", args.device, "--cache", cache]
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             lines = [line for line in done.stdout.splitlines() if " | " in line]
-            print(
-                lines[-1]
-                if lines
-                else f"{case} | {variant} | exit {done.returncode}: "
-                + done.stderr.strip().splitlines()[-1:].__str__(),
-                flush=True,
-            )
+            if not lines:  # the child died before its line: its exit and last error line
+                last = done.stderr.strip().splitlines()[-1:]
+                lines = [f"{case} | {variant} | exit {done.returncode}: {last}"]
+            print(lines[-1], flush=True)
 
 
 if __name__ == "__main__":
